@@ -1,0 +1,5 @@
+//! The gpufrac broker: pure state machines (scheduler, queue) driven by a
+//! thin socket layer.
+
+pub mod queue;
+pub mod sched;

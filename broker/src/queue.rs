@@ -1,0 +1,1 @@
+//! GPU admission queue (in progress)

@@ -1,0 +1,1 @@
+//! Compute timeslice scheduler (in progress)

@@ -1,0 +1,297 @@
+//! CUDA driver and NVML ABI types, kept in one module so the shim and the
+//! simulated driver agree on every layout.
+//!
+//! Return codes are plain integers on purpose: a newer driver returns codes
+//! that no enum of ours knows, and they must pass through unchanged.
+#![allow(non_camel_case_types, non_snake_case)]
+
+use std::ffi::{c_int, c_uint, c_void};
+
+pub type CUresult = c_uint;
+pub type CUdevice = c_int;
+pub type CUdeviceptr = u64;
+pub type CUcontext = *mut c_void;
+pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
+pub type CUarray = *mut c_void;
+pub type CUmipmappedArray = *mut c_void;
+pub type CUmemoryPool = *mut c_void;
+pub type CUgraphExec = *mut c_void;
+pub type CUmemGenericAllocationHandle = u64;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
+pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
+pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+
+/// `CUdriverProcAddressQueryResult`
+pub const CU_GET_PROC_ADDRESS_SUCCESS: c_int = 0;
+pub const CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: c_int = 1;
+pub const CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT: c_int = 2;
+
+/// `cuGetProcAddress` flags.
+pub const CU_GET_PROC_ADDRESS_DEFAULT: u64 = 0;
+pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1 << 0;
+pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;
+
+/// `CUmemLocationType`
+pub const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
+
+/// `CUdevice_attribute` values the simulated driver answers.
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+pub const CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: c_int = 115;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CUuuid {
+    pub bytes: [u8; 16],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUmemLocation {
+    pub type_: c_uint,
+    pub id: c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUmemAllocationPropFlags {
+    pub compressionType: u8,
+    pub gpuDirectRDMACapable: u8,
+    pub usage: u16,
+    pub reserved: [u8; 4],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUmemAllocationProp {
+    pub type_: c_uint,
+    pub requestedHandleTypes: c_uint,
+    pub location: CUmemLocation,
+    pub win32HandleMetaData: *mut c_void,
+    pub allocFlags: CUmemAllocationPropFlags,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_ARRAY_DESCRIPTOR {
+    pub Width: usize,
+    pub Height: usize,
+    pub Format: c_uint,
+    pub NumChannels: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_ARRAY3D_DESCRIPTOR {
+    pub Width: usize,
+    pub Height: usize,
+    pub Depth: usize,
+    pub Format: c_uint,
+    pub NumChannels: c_uint,
+    pub Flags: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CUDA_ARRAY_MEMORY_REQUIREMENTS {
+    pub size: usize,
+    pub alignment: usize,
+    pub reserved: [c_uint; 4],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUlaunchConfig {
+    pub gridDimX: c_uint,
+    pub gridDimY: c_uint,
+    pub gridDimZ: c_uint,
+    pub blockDimX: c_uint,
+    pub blockDimY: c_uint,
+    pub blockDimZ: c_uint,
+    pub sharedMemBytes: c_uint,
+    pub hStream: CUstream,
+    pub attrs: *mut c_void,
+    pub numAttrs: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_LAUNCH_PARAMS {
+    pub function: CUfunction,
+    pub gridDimX: c_uint,
+    pub gridDimY: c_uint,
+    pub gridDimZ: c_uint,
+    pub blockDimX: c_uint,
+    pub blockDimY: c_uint,
+    pub blockDimZ: c_uint,
+    pub sharedMemBytes: c_uint,
+    pub hStream: CUstream,
+    pub kernelParams: *mut *mut c_void,
+}
+
+/// Bytes per channel of a `CUarray_format`, for the formats whose element
+/// size is fixed. Unknown and block-compressed formats return `None`; callers
+/// then rely on `cuArrayGetMemoryRequirements`.
+pub fn array_format_bytes(format: c_uint) -> Option<usize> {
+    Some(match format {
+        0x01 | 0x08 => 1,        // UNSIGNED_INT8, SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2, // UNSIGNED_INT16, SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4, // UNSIGNED_INT32, SIGNED_INT32, FLOAT
+        0xc0 | 0xc6 => 1,        // UNORM_INT8X1, SNORM_INT8X1
+        0xc1 | 0xc7 => 2,        // UNORM_INT8X2, SNORM_INT8X2
+        0xc2 | 0xc8 => 4,        // UNORM_INT8X4, SNORM_INT8X4
+        0xc3 | 0xc9 => 2,        // UNORM_INT16X1, SNORM_INT16X1
+        0xc4 | 0xca => 4,        // UNORM_INT16X2, SNORM_INT16X2
+        0xc5 | 0xcb => 8,        // UNORM_INT16X4, SNORM_INT16X4
+        _ => return None,
+    })
+}
+
+/// Host-side size of one mip level (or a plain array when `level == 0`).
+pub fn array3d_bytes(d: &CUDA_ARRAY3D_DESCRIPTOR, level: u32) -> usize {
+    let dim = |v: usize| if v == 0 { 1 } else { (v >> level).max(1) };
+    let elem = array_format_bytes(d.Format).unwrap_or(4) * (d.NumChannels.max(1) as usize);
+    dim(d.Width)
+        .saturating_mul(dim(d.Height))
+        .saturating_mul(dim(d.Depth))
+        .saturating_mul(elem)
+}
+
+pub fn array2d_bytes(d: &CUDA_ARRAY_DESCRIPTOR) -> usize {
+    array3d_bytes(
+        &CUDA_ARRAY3D_DESCRIPTOR {
+            Width: d.Width,
+            Height: d.Height,
+            Depth: 0,
+            Format: d.Format,
+            NumChannels: d.NumChannels,
+            Flags: 0,
+        },
+        0,
+    )
+}
+
+/// Formats a CUDA UUID the way NVML and `nvidia-smi -L` print it:
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`. Writes into a fixed buffer so
+/// the shim can call it without allocating.
+pub fn format_uuid(u: &CUuuid, out: &mut [u8; 40]) -> usize {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out[..4].copy_from_slice(b"GPU-");
+    let mut n = 4;
+    for (i, b) in u.bytes.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            out[n] = b'-';
+            n += 1;
+        }
+        out[n] = HEX[(b >> 4) as usize];
+        out[n + 1] = HEX[(b & 15) as usize];
+        n += 2;
+    }
+    n
+}
+
+// NVML
+pub type nvmlReturn_t = c_uint;
+pub type nvmlDevice_t = *mut c_void;
+pub const NVML_SUCCESS: nvmlReturn_t = 0;
+pub const NVML_ERROR_UNINITIALIZED: nvmlReturn_t = 1;
+pub const NVML_ERROR_INVALID_ARGUMENT: nvmlReturn_t = 2;
+pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
+pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
+pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
+pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct nvmlMemory_t {
+    pub total: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct nvmlMemory_v2_t {
+    pub version: c_uint,
+    pub total: u64,
+    pub reserved: u64,
+    pub free: u64,
+    pub used: u64,
+}
+
+/// `NVML_STRUCT_VERSION(Memory, 2)`
+pub const nvmlMemory_v2: c_uint = (std::mem::size_of::<nvmlMemory_v2_t>() as c_uint) | (2 << 24);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct nvmlUtilization_t {
+    pub gpu: c_uint,
+    pub memory: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct nvmlProcessInfo_t {
+    pub pid: c_uint,
+    pub usedGpuMemory: u64,
+    pub gpuInstanceId: c_uint,
+    pub computeInstanceId: c_uint,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_cuda_h() {
+        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
+        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, location), 8);
+        assert_eq!(std::mem::size_of::<CUDA_ARRAY_DESCRIPTOR>(), 24);
+        assert_eq!(std::mem::size_of::<CUDA_ARRAY3D_DESCRIPTOR>(), 40);
+        assert_eq!(std::mem::offset_of!(CUlaunchConfig, hStream), 32);
+        assert_eq!(std::mem::size_of::<CUlaunchConfig>(), 56);
+        assert_eq!(std::mem::offset_of!(CUDA_LAUNCH_PARAMS, hStream), 40);
+        assert_eq!(std::mem::size_of::<nvmlMemory_v2_t>(), 40);
+        assert_eq!(nvmlMemory_v2, 0x0200_0028);
+    }
+
+    #[test]
+    fn uuid_formats_like_nvml() {
+        let u = CUuuid { bytes: [0xab; 16] };
+        let mut buf = [0u8; 40];
+        let n = format_uuid(&u, &mut buf);
+        assert_eq!(
+            std::str::from_utf8(&buf[..n]).unwrap(),
+            "GPU-abababab-abab-abab-abab-abababababab"
+        );
+    }
+
+    #[test]
+    fn array_sizes() {
+        let d = CUDA_ARRAY3D_DESCRIPTOR {
+            Width: 100,
+            Height: 10,
+            Depth: 0,
+            Format: 0x20,
+            NumChannels: 4,
+            Flags: 0,
+        };
+        assert_eq!(array3d_bytes(&d, 0), 100 * 10 * 16);
+        assert_eq!(array3d_bytes(&d, 1), 50 * 5 * 16);
+        assert_eq!(array3d_bytes(&d, 10), 16);
+    }
+}
