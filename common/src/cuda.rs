@@ -233,7 +233,8 @@ pub struct nvmlMemory_v2_t {
     pub used: u64,
 }
 
-/// `NVML_STRUCT_VERSION(Memory, 2)`
+/// `NVML_STRUCT_VERSION(Memory, 2)`, named as in nvml.h.
+#[allow(non_upper_case_globals)]
 pub const nvmlMemory_v2: c_uint = (std::mem::size_of::<nvmlMemory_v2_t>() as c_uint) | (2 << 24);
 
 #[repr(C)]

@@ -4,4 +4,5 @@
 pub mod config;
 pub mod cuda;
 pub mod size;
+pub mod versions;
 pub mod wire;

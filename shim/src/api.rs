@@ -1,0 +1,61 @@
+//! The small C API of `include/gpufrac.h`, for applications that want to
+//! know their cap and usage. Reached with `dlsym(RTLD_DEFAULT, …)` or by
+//! linking; returns 0 when there is nothing to report.
+
+use crate::{devices, init, ledger};
+use std::ffi::{c_char, c_int};
+use std::panic::catch_unwind;
+
+/// Cap in bytes for CUDA device `device` (as this process numbers it), or 0
+/// when uncapped. Percentage caps are known once CUDA is initialised.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_limit(device: c_int) -> u64 {
+    catch_unwind(|| {
+        let Ok(cfg) = init::config() else { return 0 };
+        if device < 0 {
+            return 0;
+        }
+        let i = device as usize;
+        if devices::ensure().is_ok() {
+            let l = ledger::limit(i);
+            return if l == ledger::NO_LIMIT { 0 } else { l };
+        }
+        match cfg.limit_for(i) {
+            gpufrac_common::size::MemLimit::Bytes(b) => b,
+            _ => 0,
+        }
+    })
+    .unwrap_or(0)
+}
+
+/// Bytes currently charged to this process on `device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_used(device: c_int) -> u64 {
+    if device < 0 {
+        0
+    } else {
+        ledger::used(device as usize)
+    }
+}
+
+/// Highest usage seen on `device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_peak(device: c_int) -> u64 {
+    if device < 0 {
+        return 0;
+    }
+    ledger::LEDGERS
+        .get(device as usize)
+        .map_or(0, |l| l.peak.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Number of live allocations tracked (all devices).
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_live_allocations() -> u64 {
+    catch_unwind(ledger::live_count).unwrap_or(0) as u64
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}

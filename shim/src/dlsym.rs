@@ -1,0 +1,118 @@
+//! Our `dlsym`. Programs that find the driver with `dlopen` + `dlsym`
+//! (cudart, cudarc, ctypes, nvidia-smi) get our hooks for the names in the
+//! table; every other lookup must behave exactly as if we were not here.
+//!
+//! glibc resolves `RTLD_NEXT` relative to the *caller* of `dlsym`, read from
+//! the return address. A Rust function that forwards the call would make
+//! every library's `dlsym(RTLD_NEXT, …)` relative to us instead — another
+//! preloaded interposer would then find itself and recurse. So on x86-64 the
+//! export is a naked trampoline: it asks `decide` (which neither allocates
+//! nor locks) and, for names we do not hook, tail-jumps into the real
+//! `dlsym` with the caller's return address still on the stack.
+
+use crate::table;
+use std::ffi::{CStr, c_char, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// glibc's own dlsym, found with dlvsym so our export is never returned.
+/// Not exported: the trampoline addresses it PC-relative.
+static GPUFRAC_REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+fn resolve_real() -> usize {
+    let cur = GPUFRAC_REAL_DLSYM.load(Ordering::Acquire);
+    if cur != 0 {
+        return cur;
+    }
+    // dlsym moved into libc in glibc 2.34; older systems only have the
+    // 2.2.5 version. Either is the real one.
+    for ver in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+        // SAFETY: dlvsym with constant strings.
+        let p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), ver.as_ptr()) };
+        if !p.is_null() {
+            GPUFRAC_REAL_DLSYM.store(p as usize, Ordering::Release);
+            return p as usize;
+        }
+    }
+    0
+}
+
+/// Calls glibc's dlsym from our own code (so `RTLD_NEXT` here means "after
+/// libgpufrac", which is what the shim itself wants).
+pub unsafe fn real_dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    let p = resolve_real();
+    if p == 0 {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: p is glibc's dlsym.
+    let f: DlsymFn = unsafe { std::mem::transmute(p) };
+    unsafe { f(handle, name) }
+}
+
+/// Returns the hook to hand out, or 0 to let the real dlsym answer.
+extern "C" fn gpufrac_dlsym_decide(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    resolve_real();
+    if name.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: dlsym's contract: name is a NUL-terminated string.
+    let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
+    let Some(entry) = table::find(bytes) else {
+        return std::ptr::null_mut();
+    };
+    // A lookup in one specific library that does not define the name must
+    // still fail the way the real dlsym fails (NULL plus dlerror).
+    let special = handle.is_null() || handle == libc::RTLD_NEXT;
+    if !special && unsafe { real_dlsym(handle, name) }.is_null() {
+        return std::ptr::null_mut();
+    }
+    entry.hook as *mut c_void
+}
+
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(_handle: *mut c_void, _name: *const c_char) -> *mut c_void {
+    std::arch::naked_asm!(
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "call {decide}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jnz 2f",
+        "jmp qword ptr [rip + {real}]",
+        "2:",
+        "ret",
+        decide = sym gpufrac_dlsym_decide,
+        real = sym GPUFRAC_REAL_DLSYM,
+    )
+}
+
+#[cfg(target_arch = "aarch64")]
+#[unsafe(naked)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dlsym(_handle: *mut c_void, _name: *const c_char) -> *mut c_void {
+    // Same idea: keep x30 (the caller's return address) intact for the real
+    // dlsym by branching, not calling.
+    std::arch::naked_asm!(
+        "stp x29, x30, [sp, #-32]!",
+        "stp x0, x1, [sp, #16]",
+        "bl {decide}",
+        "mov x9, x0",
+        "ldp x0, x1, [sp, #16]",
+        "ldp x29, x30, [sp], #32",
+        "cbnz x9, 2f",
+        "adrp x16, {real}",
+        "ldr x16, [x16, :lo12:{real}]",
+        "br x16",
+        "2:",
+        "mov x0, x9",
+        "ret",
+        decide = sym gpufrac_dlsym_decide,
+        real = sym GPUFRAC_REAL_DLSYM,
+    )
+}

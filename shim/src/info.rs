@@ -1,0 +1,71 @@
+//! What the process sees of memory: a GPU the size of its cap.
+//! total = min(cap, physical); free = min(physical free, cap − used).
+
+use crate::ledger::{self, NO_LIMIT};
+use crate::mem::{Gate, gate};
+use crate::table::call;
+use crate::{devices, init};
+use gpufrac_common::cuda::*;
+
+/// The virtual (total, free) for a device with `cap` and `used` bytes
+/// charged, given the physical figures.
+pub fn virtual_view(phys_total: u64, phys_free: u64, cap: u64, used: u64) -> (u64, u64) {
+    if cap == NO_LIMIT {
+        return (phys_total, phys_free);
+    }
+    let total = cap.min(phys_total);
+    let free = phys_free.min(cap.saturating_sub(used)).min(total);
+    (total, free)
+}
+
+pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
+    let real = || unsafe { call::cuMemGetInfo_v2(free, total) };
+    match gate() {
+        Gate::Pass => real(),
+        Gate::Refuse(code) => code,
+        Gate::Account => {
+            let Some((dev, _)) = devices::current() else {
+                return real();
+            };
+            let cap = ledger::limit(dev);
+            if cap == NO_LIMIT {
+                return real();
+            }
+            if free.is_null() || total.is_null() {
+                // Let the driver decide what a NULL out-pointer means, then
+                // overwrite whatever it filled in.
+                let rc = real();
+                if rc != CUDA_SUCCESS {
+                    return rc;
+                }
+            }
+            let (mut f, mut t) = (0usize, 0usize);
+            let rc = unsafe { call::cuMemGetInfo_v2(&mut f, &mut t) };
+            if rc != CUDA_SUCCESS {
+                return rc;
+            }
+            let (vt, vf) = virtual_view(t as u64, f as u64, cap, ledger::used(dev));
+            unsafe {
+                if !free.is_null() {
+                    *free = vf as usize;
+                }
+                if !total.is_null() {
+                    *total = vt as usize;
+                }
+            }
+            rc
+        }
+    }
+}
+
+pub unsafe fn device_total_mem(bytes: *mut usize, dev: CUdevice) -> u32 {
+    if let Err(code) = init::config() {
+        return code;
+    }
+    let rc = unsafe { call::cuDeviceTotalMem_v2(bytes, dev) };
+    if rc == CUDA_SUCCESS && !bytes.is_null() && dev >= 0 && devices::ensure().is_ok() {
+        let cap = ledger::limit(dev as usize);
+        unsafe { *bytes = (*bytes as u64).min(cap) as usize };
+    }
+    rc
+}

@@ -1,0 +1,156 @@
+//! Kernel launch hooks: every way to put work on the GPU passes the compute
+//! gate first (see client.rs). When this process holds its timeslice, or no
+//! arbitration is active, the gate is one atomic load.
+
+use crate::client;
+use crate::table::call;
+use gpufrac_common::cuda::*;
+use std::ffi::{c_uint, c_void};
+
+macro_rules! gate {
+    ($stream:expr) => {
+        if let Err(code) = client::may_launch($stream) {
+            return code;
+        }
+    };
+}
+
+pub unsafe fn launch_kernel(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shmem: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> u32 {
+    gate!(stream);
+    let rc =
+        unsafe { call::cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn launch_kernel_ptsz(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shmem: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> u32 {
+    gate!(stream);
+    let rc = unsafe {
+        call::cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+    };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn launch_kernel_ex(
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> u32 {
+    let stream = if config.is_null() {
+        std::ptr::null_mut()
+    } else {
+        unsafe { (*config).hStream }
+    };
+    gate!(stream);
+    let rc = unsafe { call::cuLaunchKernelEx(config, f, params, extra) };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn launch_kernel_ex_ptsz(
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> u32 {
+    let stream = if config.is_null() {
+        std::ptr::null_mut()
+    } else {
+        unsafe { (*config).hStream }
+    };
+    gate!(stream);
+    let rc = unsafe { call::cuLaunchKernelEx_ptsz(config, f, params, extra) };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn launch_coop(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shmem: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+) -> u32 {
+    gate!(stream);
+    let rc = unsafe {
+        call::cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+    };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn launch_coop_ptsz(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shmem: c_uint,
+    stream: CUstream,
+    params: *mut *mut c_void,
+) -> u32 {
+    gate!(stream);
+    let rc = unsafe {
+        call::cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+    };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> u32 {
+    if !list.is_null() {
+        for i in 0..n as usize {
+            gate!(unsafe { (*list.add(i)).hStream });
+        }
+    }
+    let rc = unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
+    gate!(stream);
+    let rc = unsafe { call::cuGraphLaunch(exec, stream) };
+    client::launched(rc);
+    rc
+}
+
+pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
+    gate!(stream);
+    let rc = unsafe { call::cuGraphLaunch_ptsz(exec, stream) };
+    client::launched(rc);
+    rc
+}

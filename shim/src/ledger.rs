@@ -1,0 +1,207 @@
+//! Per-device memory books. `reserve` is a compare-and-swap loop, taken
+//! *before* the driver is called, so no interleaving of threads can take a
+//! process past its cap; a failed driver call gives the reservation back.
+//! Every live allocation is remembered with its size, device and context,
+//! so frees return exactly what was charged and a destroyed context returns
+//! everything it owned — the books never drift.
+
+use gpufrac_common::config::MAX_DEVICES;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+
+pub const NO_LIMIT: u64 = u64::MAX;
+
+pub struct Ledger {
+    pub used: AtomicU64,
+    pub limit: AtomicU64,
+    pub peak: AtomicU64,
+    pub ooms: AtomicU64,
+    /// Bumped on every change, so the broker reporter can tell cheaply
+    /// whether there is anything new to say.
+    pub epoch: AtomicU64,
+}
+
+impl Ledger {
+    const fn new() -> Self {
+        Ledger {
+            used: AtomicU64::new(0),
+            limit: AtomicU64::new(NO_LIMIT),
+            peak: AtomicU64::new(0),
+            ooms: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+        }
+    }
+}
+
+pub static LEDGERS: [Ledger; MAX_DEVICES] = [const { Ledger::new() }; MAX_DEVICES];
+
+/// Charges `size` bytes to `dev`. Returns false (and counts an OOM) when
+/// that would exceed the device's cap.
+pub fn reserve(dev: usize, size: u64) -> bool {
+    let Some(l) = LEDGERS.get(dev) else {
+        return true;
+    };
+    let limit = l.limit.load(Ordering::Relaxed);
+    let mut cur = l.used.load(Ordering::Relaxed);
+    loop {
+        let Some(new) = cur.checked_add(size).filter(|&n| n <= limit) else {
+            l.ooms.fetch_add(1, Ordering::Relaxed);
+            l.epoch.fetch_add(1, Ordering::Release);
+            return false;
+        };
+        match l
+            .used
+            .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => {
+                l.peak.fetch_max(new, Ordering::Relaxed);
+                l.epoch.fetch_add(1, Ordering::Release);
+                return true;
+            }
+            Err(actual) => cur = actual,
+        }
+    }
+}
+
+pub fn unreserve(dev: usize, size: u64) {
+    if let Some(l) = LEDGERS.get(dev) {
+        l.used.fetch_sub(size, Ordering::AcqRel);
+        l.epoch.fetch_add(1, Ordering::Release);
+    }
+}
+
+pub fn used(dev: usize) -> u64 {
+    LEDGERS
+        .get(dev)
+        .map_or(0, |l| l.used.load(Ordering::Acquire))
+}
+
+pub fn limit(dev: usize) -> u64 {
+    LEDGERS
+        .get(dev)
+        .map_or(NO_LIMIT, |l| l.limit.load(Ordering::Acquire))
+}
+
+/// One live allocation.
+#[derive(Clone, Copy, Debug)]
+pub struct Entry {
+    pub size: u64,
+    pub dev: u32,
+    /// Owning context (0 for allocations that outlive contexts, such as VMM
+    /// handles).
+    pub ctx: usize,
+}
+
+/// What a key names. Kept in separate maps because a VMM handle, an array
+/// handle and a device pointer may share a numeric value.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Kind {
+    Ptr = 0,
+    Vmm = 1,
+    Array = 2,
+}
+
+const SHARDS: usize = 64;
+
+struct Maps {
+    shards: [[Mutex<HashMap<u64, Entry>>; SHARDS]; 3],
+}
+
+impl Maps {
+    fn new() -> Box<Maps> {
+        Box::new(Maps {
+            shards: std::array::from_fn(|_| std::array::from_fn(|_| Mutex::new(HashMap::new()))),
+        })
+    }
+}
+
+static MAPS: AtomicPtr<Maps> = AtomicPtr::new(std::ptr::null_mut());
+
+fn maps() -> &'static Maps {
+    let p = MAPS.load(Ordering::Acquire);
+    if !p.is_null() {
+        // SAFETY: published once and never freed (a fork child replaces it
+        // and leaks the old one on purpose).
+        return unsafe { &*p };
+    }
+    let fresh = Box::into_raw(Maps::new());
+    match MAPS.compare_exchange(
+        std::ptr::null_mut(),
+        fresh,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => unsafe { &*fresh },
+        Err(winner) => {
+            // SAFETY: we created `fresh` and nobody else saw it.
+            drop(unsafe { Box::from_raw(fresh) });
+            unsafe { &*winner }
+        }
+    }
+}
+
+#[inline]
+fn shard(kind: Kind, key: u64) -> &'static Mutex<HashMap<u64, Entry>> {
+    // Device pointers are aligned; mix the bits so shards fill evenly.
+    let h = (key ^ (key >> 17) ^ (key >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    &maps().shards[kind as usize][(h >> 58) as usize % SHARDS]
+}
+
+fn lock(m: &Mutex<HashMap<u64, Entry>>) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+    // A poisoned shard only means a panic was contained elsewhere; the map
+    // itself is still consistent (every operation is a single insert/remove).
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Records a live allocation. If the key was already present (the driver
+/// reused an address we never saw freed), the stale charge is returned.
+pub fn insert(kind: Kind, key: u64, e: Entry) {
+    let old = lock(shard(kind, key)).insert(key, e);
+    if let Some(old) = old {
+        unreserve(old.dev as usize, old.size);
+    }
+}
+
+pub fn remove(kind: Kind, key: u64) -> Option<Entry> {
+    lock(shard(kind, key)).remove(&key)
+}
+
+/// Returns every charge owned by a context that the driver has destroyed
+/// (its memory went with it).
+pub fn release_context(ctx: usize) -> u64 {
+    let mut freed = 0;
+    for kind in [Kind::Ptr, Kind::Array] {
+        for s in &maps().shards[kind as usize] {
+            let mut g = lock(s);
+            g.retain(|_, e| {
+                if e.ctx == ctx {
+                    unreserve(e.dev as usize, e.size);
+                    freed += e.size;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+    }
+    freed
+}
+
+pub fn live_count() -> usize {
+    maps()
+        .shards
+        .iter()
+        .flat_map(|k| k.iter())
+        .map(|s| lock(s).len())
+        .sum()
+}
+
+pub fn reset_after_fork() {
+    MAPS.store(Box::into_raw(Maps::new()), Ordering::Release);
+    for l in &LEDGERS {
+        l.used.store(0, Ordering::Relaxed);
+        l.peak.store(0, Ordering::Relaxed);
+        l.ooms.store(0, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,583 @@
+//! Allocation hooks. Each one charges the ledger before the driver sees the
+//! request and never lets a thread past the cap; the driver's own result
+//! code always comes back unchanged.
+
+use crate::boundary::{HookGuard, reentered};
+use crate::ledger::{self, Entry, Kind};
+use crate::table::call;
+use crate::{client, devices, init};
+use gpufrac_common::cuda::*;
+use gpufrac_common::size::format_size;
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::Mutex;
+
+/// Why a hook should skip accounting and call the driver straight away.
+pub(crate) enum Gate {
+    /// Re-entered from the driver, or no context: pass through.
+    Pass,
+    /// Configuration broken or caps unknown: answer this code.
+    Refuse(u32),
+    Account,
+}
+
+#[inline]
+pub(crate) fn gate() -> Gate {
+    if reentered() {
+        return Gate::Pass;
+    }
+    if let Err(code) = init::config() {
+        return Gate::Refuse(code);
+    }
+    match devices::ensure() {
+        Ok(()) => Gate::Account,
+        // The driver is not initialised: let it say so itself.
+        Err(CUDA_ERROR_NOT_INITIALIZED) => Gate::Pass,
+        Err(code) => Gate::Refuse(code),
+    }
+}
+
+fn oom(dev: usize, size: u64) -> u32 {
+    info!(
+        "device {dev}: refused {} (used {} of cap {})",
+        format_size(size),
+        format_size(ledger::used(dev)),
+        format_size(ledger::limit(dev))
+    );
+    client::usage_changed();
+    CUDA_ERROR_OUT_OF_MEMORY
+}
+
+/// Reserve, call, record — or give the reservation back.
+#[inline]
+fn charge(
+    kind: Kind,
+    dev: usize,
+    ctx: usize,
+    size: u64,
+    real: impl FnOnce() -> u32,
+    key: impl FnOnce() -> u64,
+) -> u32 {
+    if size == 0 {
+        return real();
+    }
+    if !ledger::reserve(dev, size) {
+        return oom(dev, size);
+    }
+    let rc = real();
+    if rc != CUDA_SUCCESS {
+        ledger::unreserve(dev, size);
+        return rc;
+    }
+    ledger::insert(
+        kind,
+        key(),
+        Entry {
+            size,
+            dev: dev as u32,
+            ctx,
+        },
+    );
+    client::usage_changed();
+    rc
+}
+
+/// Forget, call, give back — or restore the record if the driver refused.
+/// The record is removed *before* the driver frees, so no other thread can
+/// be handed the same address and have its record clobbered.
+#[inline]
+fn uncharge(kind: Kind, key: u64, real: impl FnOnce() -> u32) -> u32 {
+    if reentered() {
+        return real();
+    }
+    let _g = HookGuard::enter();
+    let entry = ledger::remove(kind, key);
+    let rc = real();
+    match entry {
+        Some(e) if rc == CUDA_SUCCESS => {
+            ledger::unreserve(e.dev as usize, e.size);
+            client::usage_changed();
+        }
+        Some(e) => ledger::insert(kind, key, e),
+        None => {}
+    }
+    rc
+}
+
+macro_rules! gated {
+    ($pass:expr, |$dev:ident, $ctx:ident| $body:expr) => {
+        match gate() {
+            Gate::Pass => $pass,
+            Gate::Refuse(code) => code,
+            Gate::Account => {
+                let _g = HookGuard::enter();
+                match devices::current() {
+                    None => $pass,
+                    Some(($dev, $ctx)) => $body,
+                }
+            }
+        }
+    };
+}
+
+pub unsafe fn alloc(dptr: *mut CUdeviceptr, size: usize) -> u32 {
+    let real = || unsafe { call::cuMemAlloc_v2(dptr, size) };
+    gated!(real(), |dev, ctx| charge(
+        Kind::Ptr,
+        dev,
+        ctx,
+        size as u64,
+        real,
+        || unsafe { *dptr }
+    ))
+}
+
+pub unsafe fn alloc_managed(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) -> u32 {
+    let real = || unsafe { call::cuMemAllocManaged(dptr, size, flags) };
+    gated!(real(), |dev, ctx| charge(
+        Kind::Ptr,
+        dev,
+        ctx,
+        size as u64,
+        real,
+        || unsafe { *dptr }
+    ))
+}
+
+/// The driver picks the pitch, so we charge the lower bound first and the
+/// padding once we know it; if the padding does not fit, the allocation is
+/// undone and the caller gets an ordinary out-of-memory error.
+pub unsafe fn alloc_pitch(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem: c_uint,
+) -> u32 {
+    let real = || unsafe { call::cuMemAllocPitch_v2(dptr, pitch, width, height, elem) };
+    gated!(real(), |dev, ctx| {
+        let lower = (width as u64).saturating_mul(height as u64);
+        if lower == 0 {
+            return real();
+        }
+        if !ledger::reserve(dev, lower) {
+            return oom(dev, lower);
+        }
+        let rc = real();
+        if rc != CUDA_SUCCESS {
+            ledger::unreserve(dev, lower);
+            return rc;
+        }
+        let actual = unsafe { (*pitch as u64).saturating_mul(height as u64) }.max(lower);
+        if actual > lower && !ledger::reserve(dev, actual - lower) {
+            unsafe { call::cuMemFree_v2(*dptr) };
+            ledger::unreserve(dev, lower);
+            return oom(dev, actual);
+        }
+        ledger::insert(
+            Kind::Ptr,
+            unsafe { *dptr },
+            Entry {
+                size: actual,
+                dev: dev as u32,
+                ctx,
+            },
+        );
+        client::usage_changed();
+        rc
+    })
+}
+
+pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
+    let real = || unsafe { call::cuMemAllocAsync(dptr, size, stream) };
+    gated!(real(), |dev, ctx| charge(
+        Kind::Ptr,
+        dev,
+        ctx,
+        size as u64,
+        real,
+        || unsafe { *dptr }
+    ))
+}
+
+pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
+    let real = || unsafe { call::cuMemAllocAsync_ptsz(dptr, size, stream) };
+    gated!(real(), |dev, ctx| charge(
+        Kind::Ptr,
+        dev,
+        ctx,
+        size as u64,
+        real,
+        || unsafe { *dptr }
+    ))
+}
+
+/// Pools created on a device other than the current one charge that device.
+static POOLS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn pool_device(pool: CUmemoryPool) -> Option<usize> {
+    let g = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    g.iter().find(|(p, _)| *p == pool as usize).map(|&(_, d)| d)
+}
+
+fn remember_pool(pool: CUmemoryPool, dev: usize) {
+    let mut g = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    g.retain(|(p, _)| *p != pool as usize);
+    g.push((pool as usize, dev));
+}
+
+pub unsafe fn alloc_pool(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> u32 {
+    let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
+    gated!(real(), |dev, ctx| {
+        let dev = pool_device(pool).unwrap_or(dev);
+        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe { *dptr })
+    })
+}
+
+pub unsafe fn alloc_pool_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: CUmemoryPool,
+    stream: CUstream,
+) -> u32 {
+    let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
+    gated!(real(), |dev, ctx| {
+        let dev = pool_device(pool).unwrap_or(dev);
+        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe { *dptr })
+    })
+}
+
+pub unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const c_void) -> u32 {
+    let rc = unsafe { call::cuMemPoolCreate(pool, props) };
+    if rc == CUDA_SUCCESS && !props.is_null() && !pool.is_null() {
+        // CUmemPoolProps starts like CUmemAllocationProp: the location sits
+        // at offset 8 in both.
+        let loc = unsafe { *(props.cast::<u8>().add(8).cast::<CUmemLocation>()) };
+        if loc.type_ == CU_MEM_LOCATION_TYPE_DEVICE && loc.id >= 0 {
+            remember_pool(unsafe { *pool }, loc.id as usize);
+        }
+    }
+    rc
+}
+
+pub unsafe fn pool_destroy(pool: CUmemoryPool) -> u32 {
+    let rc = unsafe { call::cuMemPoolDestroy(pool) };
+    if rc == CUDA_SUCCESS {
+        POOLS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(p, _)| *p != pool as usize);
+    }
+    rc
+}
+
+pub unsafe fn default_pool(pool: *mut CUmemoryPool, dev: CUdevice) -> u32 {
+    let rc = unsafe { call::cuDeviceGetDefaultMemPool(pool, dev) };
+    if rc == CUDA_SUCCESS && !pool.is_null() && dev >= 0 {
+        remember_pool(unsafe { *pool }, dev as usize);
+    }
+    rc
+}
+
+pub unsafe fn free(dptr: CUdeviceptr) -> u32 {
+    uncharge(Kind::Ptr, dptr, || unsafe { call::cuMemFree_v2(dptr) })
+}
+
+pub unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream) -> u32 {
+    uncharge(Kind::Ptr, dptr, || unsafe {
+        call::cuMemFreeAsync(dptr, stream)
+    })
+}
+
+pub unsafe fn free_async_ptsz(dptr: CUdeviceptr, stream: CUstream) -> u32 {
+    uncharge(Kind::Ptr, dptr, || unsafe {
+        call::cuMemFreeAsync_ptsz(dptr, stream)
+    })
+}
+
+/// VMM: the device is the one the allocation is *placed* on
+/// (`prop->location.id`), whatever context is current. Host-located
+/// allocations are not device memory and pass through.
+pub unsafe fn create(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> u32 {
+    let real = || unsafe { call::cuMemCreate(handle, size, prop, flags) };
+    match gate() {
+        Gate::Pass => real(),
+        Gate::Refuse(code) => code,
+        Gate::Account => {
+            if prop.is_null() || handle.is_null() {
+                return real();
+            }
+            let loc = unsafe { (*prop).location };
+            if loc.type_ != CU_MEM_LOCATION_TYPE_DEVICE || loc.id < 0 {
+                return real();
+            }
+            let _g = HookGuard::enter();
+            charge(
+                Kind::Vmm,
+                loc.id as usize,
+                0,
+                size as u64,
+                real,
+                || unsafe { *handle },
+            )
+        }
+    }
+}
+
+pub unsafe fn release(handle: CUmemGenericAllocationHandle) -> u32 {
+    uncharge(Kind::Vmm, handle, || unsafe { call::cuMemRelease(handle) })
+}
+
+/// Arrays: charged from the descriptor first, then corrected to what the
+/// driver says the array really occupies (alignment and padding included).
+fn charge_array(
+    dev: usize,
+    ctx: usize,
+    estimate: u64,
+    real: impl FnOnce() -> u32,
+    handle: impl FnOnce() -> usize,
+    exact: impl FnOnce(usize) -> Option<u64>,
+    destroy: impl FnOnce(usize),
+) -> u32 {
+    if estimate == 0 {
+        return real();
+    }
+    if !ledger::reserve(dev, estimate) {
+        return oom(dev, estimate);
+    }
+    let rc = real();
+    if rc != CUDA_SUCCESS {
+        ledger::unreserve(dev, estimate);
+        return rc;
+    }
+    let h = handle();
+    let mut size = estimate;
+    if let Some(real_size) = exact(h).filter(|&s| s > 0) {
+        if real_size > estimate {
+            if !ledger::reserve(dev, real_size - estimate) {
+                destroy(h);
+                ledger::unreserve(dev, estimate);
+                return oom(dev, real_size);
+            }
+        } else {
+            ledger::unreserve(dev, estimate - real_size);
+        }
+        size = real_size;
+    }
+    ledger::insert(
+        Kind::Array,
+        h as u64,
+        Entry {
+            size,
+            dev: dev as u32,
+            ctx,
+        },
+    );
+    client::usage_changed();
+    rc
+}
+
+fn array_exact(arr: usize, dev: usize) -> Option<u64> {
+    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+    let rc =
+        unsafe { call::cuArrayGetMemoryRequirements(&mut req, arr as CUarray, dev as CUdevice) };
+    (rc == CUDA_SUCCESS).then_some(req.size as u64)
+}
+
+fn mipmap_exact(arr: usize, dev: usize) -> Option<u64> {
+    let mut req = CUDA_ARRAY_MEMORY_REQUIREMENTS::default();
+    let rc = unsafe {
+        call::cuMipmappedArrayGetMemoryRequirements(
+            &mut req,
+            arr as CUmipmappedArray,
+            dev as CUdevice,
+        )
+    };
+    (rc == CUDA_SUCCESS).then_some(req.size as u64)
+}
+
+pub unsafe fn array_create(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> u32 {
+    let real = || unsafe { call::cuArrayCreate_v2(arr, desc) };
+    if desc.is_null() || arr.is_null() {
+        return real();
+    }
+    let estimate = array2d_bytes(unsafe { &*desc }) as u64;
+    gated!(real(), |dev, ctx| charge_array(
+        dev,
+        ctx,
+        estimate,
+        real,
+        || unsafe { *arr as usize },
+        |h| array_exact(h, dev),
+        |h| unsafe {
+            call::cuArrayDestroy(h as CUarray);
+        }
+    ))
+}
+
+pub unsafe fn array3d_create(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> u32 {
+    let real = || unsafe { call::cuArray3DCreate_v2(arr, desc) };
+    if desc.is_null() || arr.is_null() {
+        return real();
+    }
+    let estimate = array3d_bytes(unsafe { &*desc }, 0) as u64;
+    gated!(real(), |dev, ctx| charge_array(
+        dev,
+        ctx,
+        estimate,
+        real,
+        || unsafe { *arr as usize },
+        |h| array_exact(h, dev),
+        |h| unsafe {
+            call::cuArrayDestroy(h as CUarray);
+        }
+    ))
+}
+
+pub unsafe fn mipmap_create(
+    arr: *mut CUmipmappedArray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    levels: c_uint,
+) -> u32 {
+    let real = || unsafe { call::cuMipmappedArrayCreate(arr, desc, levels) };
+    if desc.is_null() || arr.is_null() {
+        return real();
+    }
+    let d = unsafe { &*desc };
+    let estimate: u64 = (0..levels.min(32))
+        .map(|l| array3d_bytes(d, l) as u64)
+        .sum();
+    gated!(real(), |dev, ctx| charge_array(
+        dev,
+        ctx,
+        estimate,
+        real,
+        || unsafe { *arr as usize },
+        |h| mipmap_exact(h, dev),
+        |h| unsafe {
+            call::cuMipmappedArrayDestroy(h as CUmipmappedArray);
+        }
+    ))
+}
+
+pub unsafe fn array_destroy(arr: CUarray) -> u32 {
+    uncharge(Kind::Array, arr as u64, || unsafe {
+        call::cuArrayDestroy(arr)
+    })
+}
+
+pub unsafe fn mipmap_destroy(arr: CUmipmappedArray) -> u32 {
+    uncharge(Kind::Array, arr as u64, || unsafe {
+        call::cuMipmappedArrayDestroy(arr)
+    })
+}
+
+// Contexts: creating one is when a process becomes a GPU user (the broker
+// connection starts then, never earlier); destroying one frees everything
+// it owned, so its charges are returned.
+
+fn created(rc: u32) -> u32 {
+    if rc == CUDA_SUCCESS {
+        client::on_context_created();
+    }
+    rc
+}
+
+pub unsafe fn ctx_create_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> u32 {
+    if let Err(code) = init::config() {
+        return code;
+    }
+    created(unsafe { call::cuCtxCreate_v2(pctx, flags, dev) })
+}
+
+pub unsafe fn ctx_create_v3(
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    n: c_int,
+    flags: c_uint,
+    dev: CUdevice,
+) -> u32 {
+    if let Err(code) = init::config() {
+        return code;
+    }
+    created(unsafe { call::cuCtxCreate_v3(pctx, params, n, flags, dev) })
+}
+
+pub unsafe fn ctx_create_v4(
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    flags: c_uint,
+    dev: CUdevice,
+) -> u32 {
+    if let Err(code) = init::config() {
+        return code;
+    }
+    created(unsafe { call::cuCtxCreate_v4(pctx, params, flags, dev) })
+}
+
+/// Primary contexts by device, so a release that drops the last reference
+/// (and with it the context and its memory) returns the right charges.
+static PRIMARY: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn primary_of(dev: CUdevice) -> Option<usize> {
+    let g = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
+    g.iter().find(|(d, _)| *d == dev as usize).map(|&(_, c)| c)
+}
+
+pub unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> u32 {
+    if let Err(code) = init::config() {
+        return code;
+    }
+    let rc = unsafe { call::cuDevicePrimaryCtxRetain(pctx, dev) };
+    if rc == CUDA_SUCCESS && !pctx.is_null() && dev >= 0 {
+        let ctx = unsafe { *pctx } as usize;
+        let mut g = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
+        g.retain(|(d, _)| *d != dev as usize);
+        g.push((dev as usize, ctx));
+    }
+    created(rc)
+}
+
+pub unsafe fn ctx_destroy(ctx: CUcontext) -> u32 {
+    let rc = unsafe { call::cuCtxDestroy_v2(ctx) };
+    if rc == CUDA_SUCCESS {
+        ledger::release_context(ctx as usize);
+        client::usage_changed();
+    }
+    rc
+}
+
+pub unsafe fn primary_release(dev: CUdevice) -> u32 {
+    let rc = unsafe { call::cuDevicePrimaryCtxRelease_v2(dev) };
+    if rc == CUDA_SUCCESS {
+        let (mut flags, mut active) = (0u32, 1i32);
+        let st = unsafe { call::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
+        if st == CUDA_SUCCESS && active == 0 {
+            if let Some(ctx) = primary_of(dev) {
+                ledger::release_context(ctx);
+                client::usage_changed();
+            }
+        }
+    }
+    rc
+}
+
+pub unsafe fn primary_reset(dev: CUdevice) -> u32 {
+    let rc = unsafe { call::cuDevicePrimaryCtxReset_v2(dev) };
+    if rc == CUDA_SUCCESS {
+        if let Some(ctx) = primary_of(dev) {
+            ledger::release_context(ctx);
+            client::usage_changed();
+        }
+    }
+    rc
+}
