@@ -1,1 +1,1421 @@
-//! (in progress)
+//! The broker protocol: small binary frames on a Unix stream socket.
+//!
+//! Hand-written rather than serde so that the shim, which lives inside other
+//! people's processes, links no dependencies, and so that the decoder can be
+//! shown never to panic on what an arbitrary client sends.
+//!
+//! # Framing
+//!
+//! ```text
+//! u32 length   little-endian, counts the type byte and the payload
+//! u8  type     0x01.. from clients, 0x81.. from the broker
+//! ..  payload  exactly length - 1 bytes
+//! ```
+//!
+//! All integers are little-endian. `f64` travels as its IEEE-754 bits in a
+//! `u64`; `Option<f64>` as a `u8` tag (0 none, 1 some) followed by the bits
+//! when some; `bool` as a `u8` 0 or 1. A string is a `u16` byte length and
+//! UTF-8 (invalid UTF-8 is refused), except the status JSON, which has a
+//! `u32` length. A list is a `u16` count (at most [`MAX_LIST`], and never
+//! more than the bytes left could hold) followed by its items.
+//!
+//! A length above [`MAX_FRAME`] (1 MiB, sized for the status JSON of a busy
+//! node; every other message is far smaller) is [`DecodeError::TooLarge`] as
+//! soon as the four length bytes arrive, so a peer cannot make the other side
+//! buffer a huge frame; the broker closes that client. A frame whose payload
+//! is not exactly its message is [`DecodeError::Malformed`], likewise fatal.
+//!
+//! The encoders never write a frame the decoders would refuse: strings longer
+//! than their length field allows are cut at a character boundary, lists at
+//! [`MAX_LIST`] items and the status JSON at [`MAX_STATUS_JSON`] bytes.
+//!
+//! # Handshake
+//!
+//! The client's first message is `Hello` with [`MAGIC`] and the
+//! [`PROTOCOL_VERSION`] it speaks. The broker answers `HelloOk` with its own
+//! version, or, when the version differs, `Error` with code
+//! [`ERR_VERSION`] and "protocol version X not supported; this broker speaks
+//! 1", and closes the connection; a wrong magic or any other first message
+//! gets `Error` code [`ERR_BAD_FRAME`] and the same. [`hello_reply`] makes the
+//! broker's answer.
+//!
+//! So that brokers and clients of any two versions can still tell each other
+//! that they differ, `Hello`, `HelloOk` and `Error` are frozen: later versions
+//! may only append fields to them, and a reader ignores bytes past the fields
+//! it knows in these three (and only these).
+//!
+//! # Conversation
+//!
+//! A shim sends `Register` once, then `Usage` now and then, and `Acquire` /
+//! `Release` around compute timeslices; the broker sends it `Grant` and
+//! `Revoke`. The CLI sends `Status` (answered by `StatusReply`) or `Lease`
+//! (answered by `Queued` any number of times, then `Leased` or `Refused`).
+//! `Error` may answer anything. Values inside messages (percentages, sizes)
+//! are carried as sent; checking them is the receiver's business.
+
+use std::fmt;
+
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const MAGIC: [u8; 4] = *b"GPFR";
+/// Largest value of a frame's length field.
+pub const MAX_FRAME: u32 = 1 << 20;
+/// Most items in any list; far above any node's GPU count, and low enough
+/// that no message of lists and short strings can exceed [`MAX_FRAME`].
+pub const MAX_LIST: usize = 4096;
+/// Longest status JSON that fits a frame; longer JSON is cut (and so no
+/// longer valid JSON), so the broker should keep its status below this.
+pub const MAX_STATUS_JSON: usize = MAX_FRAME as usize - 1 - 4;
+
+/// `Error` codes.
+pub const ERR_VERSION: u16 = 1;
+pub const ERR_BAD_FRAME: u16 = 2;
+pub const ERR_REFUSED: u16 = 3;
+pub const ERR_INTERNAL: u16 = 4;
+
+const T_HELLO: u8 = 0x01;
+const T_REGISTER: u8 = 0x02;
+const T_USAGE: u8 = 0x03;
+const T_ACQUIRE: u8 = 0x04;
+const T_RELEASE: u8 = 0x05;
+const T_STATUS: u8 = 0x06;
+const T_LEASE: u8 = 0x07;
+
+const T_HELLO_OK: u8 = 0x81;
+const T_ERROR: u8 = 0x82;
+const T_GRANT: u8 = 0x83;
+const T_REVOKE: u8 = 0x84;
+const T_STATUS_REPLY: u8 = 0x85;
+const T_QUEUED: u8 = 0x86;
+const T_LEASED: u8 = 0x87;
+const T_REFUSED: u8 = 0x88;
+
+const UUID_LEN: usize = 16;
+const DEVICE_REG_LEN: usize = UUID_LEN + 4 + 8 + 8;
+
+/// Who is on the other end of a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// `libgpufrac.so` inside an application.
+    Shim,
+    /// `gpufrac run` / `gpufrac status`.
+    Cli,
+}
+
+impl Role {
+    fn to_wire(self) -> u8 {
+        match self {
+            Role::Shim => 1,
+            Role::Cli => 2,
+        }
+    }
+
+    fn from_wire(b: u8) -> Option<Self> {
+        match b {
+            1 => Some(Role::Shim),
+            2 => Some(Role::Cli),
+            _ => None,
+        }
+    }
+}
+
+/// One device a shim registers, named by UUID because ordinals differ
+/// between processes under `CUDA_VISIBLE_DEVICES`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceReg {
+    pub uuid: [u8; 16],
+    /// The CUDA ordinal as the registering process sees it.
+    pub ordinal: u32,
+    /// 0 = uncapped.
+    pub mem_cap: u64,
+    pub mem_total: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ClientMsg {
+    Hello {
+        magic: [u8; 4],
+        version: u16,
+        pid: u32,
+        role: Role,
+    },
+    Register {
+        command: String,
+        devices: Vec<DeviceReg>,
+        /// Percent.
+        share: Option<f64>,
+        /// Percent.
+        limit: Option<f64>,
+    },
+    Usage {
+        uuid: [u8; 16],
+        used: u64,
+        peak: u64,
+        ooms: u64,
+    },
+    Acquire {
+        uuid: [u8; 16],
+    },
+    Release {
+        uuid: [u8; 16],
+        held_ns: u64,
+    },
+    /// Asks for `StatusReply`.
+    Status,
+    Lease {
+        /// 0 when asking for memory.
+        want_gpus: u32,
+        /// 0 when asking for whole GPUs.
+        want_mem: u64,
+        /// Percent.
+        compute: Option<f64>,
+        /// Percent.
+        limit: Option<f64>,
+        no_wait: bool,
+        command: String,
+    },
+}
+
+impl ClientMsg {
+    /// The `Hello` this build sends.
+    pub fn hello(pid: u32, role: Role) -> Self {
+        ClientMsg::Hello {
+            magic: MAGIC,
+            version: PROTOCOL_VERSION,
+            pid,
+            role,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ServerMsg {
+    HelloOk {
+        version: u16,
+    },
+    /// `code` is one of the `ERR_*` constants.
+    Error {
+        code: u16,
+        message: String,
+    },
+    Grant {
+        uuid: [u8; 16],
+        /// 0 = open-ended (the GPU is uncontended).
+        slice_ns: u64,
+    },
+    Revoke {
+        uuid: [u8; 16],
+    },
+    StatusReply {
+        json: String,
+    },
+    Queued {
+        position: u32,
+        waiting_for: String,
+    },
+    Leased {
+        gpus: Vec<u32>,
+        uuids: Vec<[u8; 16]>,
+        /// 0 = uncapped.
+        mem_cap: u64,
+    },
+    Refused {
+        reason: String,
+    },
+}
+
+/// The broker's answer to a client's `Hello`: `HelloOk`, or the `Error` to
+/// send before closing the connection.
+pub fn hello_reply(magic: [u8; 4], version: u16) -> ServerMsg {
+    if magic != MAGIC {
+        ServerMsg::Error {
+            code: ERR_BAD_FRAME,
+            message: "not a gpufrac client (bad magic)".to_owned(),
+        }
+    } else if version != PROTOCOL_VERSION {
+        ServerMsg::Error {
+            code: ERR_VERSION,
+            message: format!(
+                "protocol version {version} not supported; this broker speaks {PROTOCOL_VERSION}"
+            ),
+        }
+    } else {
+        ServerMsg::HelloOk {
+            version: PROTOCOL_VERSION,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Not a whole frame yet: read more and try again. The only non-fatal
+    /// error.
+    Incomplete,
+    /// The length field, above [`MAX_FRAME`].
+    TooLarge(u32),
+    /// A message type this side does not know (or one meant for the other
+    /// side).
+    UnknownType(u8),
+    Malformed(&'static str),
+}
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DecodeError::Incomplete => f.write_str("incomplete frame"),
+            DecodeError::TooLarge(n) => {
+                write!(f, "frame of {n} bytes exceeds the limit of {MAX_FRAME}")
+            }
+            DecodeError::UnknownType(t) => write!(f, "unknown message type {t:#04x}"),
+            DecodeError::Malformed(why) => write!(f, "malformed frame: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+/// Appends one whole frame holding `msg` to `out`.
+pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
+    let start = begin_frame(out);
+    match msg {
+        ClientMsg::Hello {
+            magic,
+            version,
+            pid,
+            role,
+        } => {
+            out.push(T_HELLO);
+            out.extend_from_slice(magic);
+            put_u16(out, *version);
+            put_u32(out, *pid);
+            out.push(role.to_wire());
+        }
+        ClientMsg::Register {
+            command,
+            devices,
+            share,
+            limit,
+        } => {
+            out.push(T_REGISTER);
+            put_str16(out, command);
+            let devices = clamp_list(devices);
+            put_u16(out, devices.len() as u16);
+            for d in devices {
+                out.extend_from_slice(&d.uuid);
+                put_u32(out, d.ordinal);
+                put_u64(out, d.mem_cap);
+                put_u64(out, d.mem_total);
+            }
+            put_opt_f64(out, *share);
+            put_opt_f64(out, *limit);
+        }
+        ClientMsg::Usage {
+            uuid,
+            used,
+            peak,
+            ooms,
+        } => {
+            out.push(T_USAGE);
+            out.extend_from_slice(uuid);
+            put_u64(out, *used);
+            put_u64(out, *peak);
+            put_u64(out, *ooms);
+        }
+        ClientMsg::Acquire { uuid } => {
+            out.push(T_ACQUIRE);
+            out.extend_from_slice(uuid);
+        }
+        ClientMsg::Release { uuid, held_ns } => {
+            out.push(T_RELEASE);
+            out.extend_from_slice(uuid);
+            put_u64(out, *held_ns);
+        }
+        ClientMsg::Status => out.push(T_STATUS),
+        ClientMsg::Lease {
+            want_gpus,
+            want_mem,
+            compute,
+            limit,
+            no_wait,
+            command,
+        } => {
+            out.push(T_LEASE);
+            put_u32(out, *want_gpus);
+            put_u64(out, *want_mem);
+            put_opt_f64(out, *compute);
+            put_opt_f64(out, *limit);
+            out.push(u8::from(*no_wait));
+            put_str16(out, command);
+        }
+    }
+    end_frame(out, start);
+}
+
+/// Appends one whole frame holding `msg` to `out`.
+pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
+    let start = begin_frame(out);
+    match msg {
+        ServerMsg::HelloOk { version } => {
+            out.push(T_HELLO_OK);
+            put_u16(out, *version);
+        }
+        ServerMsg::Error { code, message } => {
+            out.push(T_ERROR);
+            put_u16(out, *code);
+            put_str16(out, message);
+        }
+        ServerMsg::Grant { uuid, slice_ns } => {
+            out.push(T_GRANT);
+            out.extend_from_slice(uuid);
+            put_u64(out, *slice_ns);
+        }
+        ServerMsg::Revoke { uuid } => {
+            out.push(T_REVOKE);
+            out.extend_from_slice(uuid);
+        }
+        ServerMsg::StatusReply { json } => {
+            out.push(T_STATUS_REPLY);
+            let json = truncate(json, MAX_STATUS_JSON);
+            put_u32(out, json.len() as u32);
+            out.extend_from_slice(json.as_bytes());
+        }
+        ServerMsg::Queued {
+            position,
+            waiting_for,
+        } => {
+            out.push(T_QUEUED);
+            put_u32(out, *position);
+            put_str16(out, waiting_for);
+        }
+        ServerMsg::Leased {
+            gpus,
+            uuids,
+            mem_cap,
+        } => {
+            out.push(T_LEASED);
+            let gpus = clamp_list(gpus);
+            put_u16(out, gpus.len() as u16);
+            for g in gpus {
+                put_u32(out, *g);
+            }
+            let uuids = clamp_list(uuids);
+            put_u16(out, uuids.len() as u16);
+            for u in uuids {
+                out.extend_from_slice(u);
+            }
+            put_u64(out, *mem_cap);
+        }
+        ServerMsg::Refused { reason } => {
+            out.push(T_REFUSED);
+            put_str16(out, reason);
+        }
+    }
+    end_frame(out, start);
+}
+
+/// Decodes the frame at the start of `buf`, returning the message and how
+/// many bytes it took. Never panics, whatever `buf` holds.
+pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
+    let (ty, payload, used) = split_frame(buf)?;
+    let mut r = Reader(payload);
+    let msg = match ty {
+        T_HELLO => {
+            let msg = ClientMsg::Hello {
+                magic: r.array()?,
+                version: r.u16()?,
+                pid: r.u32()?,
+                role: Role::from_wire(r.u8()?).ok_or(DecodeError::Malformed("unknown role"))?,
+            };
+            // Frozen and extensible: later versions may append fields.
+            return Ok((msg, used));
+        }
+        T_REGISTER => {
+            let command = r.str16()?;
+            let n = r.count(DEVICE_REG_LEN)?;
+            let mut devices = Vec::with_capacity(n);
+            for _ in 0..n {
+                devices.push(DeviceReg {
+                    uuid: r.array()?,
+                    ordinal: r.u32()?,
+                    mem_cap: r.u64()?,
+                    mem_total: r.u64()?,
+                });
+            }
+            ClientMsg::Register {
+                command,
+                devices,
+                share: r.opt_f64()?,
+                limit: r.opt_f64()?,
+            }
+        }
+        T_USAGE => ClientMsg::Usage {
+            uuid: r.array()?,
+            used: r.u64()?,
+            peak: r.u64()?,
+            ooms: r.u64()?,
+        },
+        T_ACQUIRE => ClientMsg::Acquire { uuid: r.array()? },
+        T_RELEASE => ClientMsg::Release {
+            uuid: r.array()?,
+            held_ns: r.u64()?,
+        },
+        T_STATUS => ClientMsg::Status,
+        T_LEASE => ClientMsg::Lease {
+            want_gpus: r.u32()?,
+            want_mem: r.u64()?,
+            compute: r.opt_f64()?,
+            limit: r.opt_f64()?,
+            no_wait: r.bool()?,
+            command: r.str16()?,
+        },
+        other => return Err(DecodeError::UnknownType(other)),
+    };
+    r.finish()?;
+    Ok((msg, used))
+}
+
+/// Decodes the frame at the start of `buf`, returning the message and how
+/// many bytes it took. Never panics, whatever `buf` holds.
+pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
+    let (ty, payload, used) = split_frame(buf)?;
+    let mut r = Reader(payload);
+    let msg = match ty {
+        // Frozen and extensible: later versions may append fields.
+        T_HELLO_OK => return Ok((ServerMsg::HelloOk { version: r.u16()? }, used)),
+        T_ERROR => {
+            let msg = ServerMsg::Error {
+                code: r.u16()?,
+                message: r.str16()?,
+            };
+            return Ok((msg, used));
+        }
+        T_GRANT => ServerMsg::Grant {
+            uuid: r.array()?,
+            slice_ns: r.u64()?,
+        },
+        T_REVOKE => ServerMsg::Revoke { uuid: r.array()? },
+        T_STATUS_REPLY => {
+            let len = r.u32()? as usize;
+            ServerMsg::StatusReply { json: r.utf8(len)? }
+        }
+        T_QUEUED => ServerMsg::Queued {
+            position: r.u32()?,
+            waiting_for: r.str16()?,
+        },
+        T_LEASED => {
+            let n = r.count(4)?;
+            let mut gpus = Vec::with_capacity(n);
+            for _ in 0..n {
+                gpus.push(r.u32()?);
+            }
+            let n = r.count(UUID_LEN)?;
+            let mut uuids = Vec::with_capacity(n);
+            for _ in 0..n {
+                uuids.push(r.array()?);
+            }
+            ServerMsg::Leased {
+                gpus,
+                uuids,
+                mem_cap: r.u64()?,
+            }
+        }
+        T_REFUSED => ServerMsg::Refused { reason: r.str16()? },
+        other => return Err(DecodeError::UnknownType(other)),
+    };
+    r.finish()?;
+    Ok((msg, used))
+}
+
+/// Returns the type byte, the payload and the whole frame's length.
+fn split_frame(buf: &[u8]) -> Result<(u8, &[u8], usize), DecodeError> {
+    let Some((len, rest)) = buf.split_first_chunk::<4>() else {
+        return Err(DecodeError::Incomplete);
+    };
+    let len = u32::from_le_bytes(*len);
+    // Checked before waiting for the body, so an absurd length is refused
+    // at once rather than buffered.
+    if len > MAX_FRAME {
+        return Err(DecodeError::TooLarge(len));
+    }
+    if len == 0 {
+        return Err(DecodeError::Malformed("empty frame"));
+    }
+    let body = rest.get(..len as usize).ok_or(DecodeError::Incomplete)?;
+    let (&ty, payload) = body
+        .split_first()
+        .ok_or(DecodeError::Malformed("empty frame"))?;
+    Ok((ty, payload, 4 + len as usize))
+}
+
+/// Checked reads from a payload; running short is `Malformed`, not
+/// `Incomplete`, because the frame is already whole.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let (head, tail) = self
+            .0
+            .split_at_checked(n)
+            .ok_or(DecodeError::Malformed("payload too short"))?;
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let (head, tail) = self
+            .0
+            .split_first_chunk::<N>()
+            .ok_or(DecodeError::Malformed("payload too short"))?;
+        self.0 = tail;
+        Ok(*head)
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        self.array::<1>().map(|[b]| b)
+    }
+
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        self.array().map(u64::from_le_bytes)
+    }
+
+    fn bool(&mut self) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError::Malformed("bool is neither 0 nor 1")),
+        }
+    }
+
+    fn opt_f64(&mut self) -> Result<Option<f64>, DecodeError> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => self.u64().map(|bits| Some(f64::from_bits(bits))),
+            _ => Err(DecodeError::Malformed("option tag is neither 0 nor 1")),
+        }
+    }
+
+    fn utf8(&mut self, len: usize) -> Result<String, DecodeError> {
+        let bytes = self.take(len)?;
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|_| DecodeError::Malformed("string is not UTF-8"))
+    }
+
+    fn str16(&mut self) -> Result<String, DecodeError> {
+        let len = self.u16()?;
+        self.utf8(usize::from(len))
+    }
+
+    /// A list count, refused before anything is allocated for it when the
+    /// bytes left cannot hold that many items of `item_len` bytes.
+    fn count(&mut self, item_len: usize) -> Result<usize, DecodeError> {
+        let n = usize::from(self.u16()?);
+        if n > MAX_LIST {
+            return Err(DecodeError::Malformed("list too long"));
+        }
+        if n.saturating_mul(item_len) > self.0.len() {
+            return Err(DecodeError::Malformed("list longer than the payload"));
+        }
+        Ok(n)
+    }
+
+    fn finish(&self) -> Result<(), DecodeError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(DecodeError::Malformed("trailing bytes after the message"))
+        }
+    }
+}
+
+fn begin_frame(out: &mut Vec<u8>) -> usize {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    start
+}
+
+fn end_frame(out: &mut [u8], start: usize) {
+    let len = out.len() - start - 4;
+    // The clamps in the encoders keep every frame within MAX_FRAME (see
+    // oversized_fields_are_cut_to_fit), so the cast cannot truncate.
+    if let Some(field) = out.get_mut(start..start + 4) {
+        field.copy_from_slice(&(len as u32).to_le_bytes());
+    }
+}
+
+fn put_u16(out: &mut Vec<u8>, v: u16) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_opt_f64(out: &mut Vec<u8>, v: Option<f64>) {
+    match v {
+        None => out.push(0),
+        Some(f) => {
+            out.push(1);
+            put_u64(out, f.to_bits());
+        }
+    }
+}
+
+fn put_str16(out: &mut Vec<u8>, s: &str) {
+    let s = truncate(s, usize::from(u16::MAX));
+    put_u16(out, s.len() as u16);
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character
+/// boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s.get(..end).unwrap_or("")
+}
+
+fn clamp_list<T>(items: &[T]) -> &[T] {
+    items.get(..MAX_LIST).unwrap_or(items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    fn enc_c(m: &ClientMsg) -> Vec<u8> {
+        let mut v = Vec::new();
+        encode_client(m, &mut v);
+        v
+    }
+
+    fn enc_s(m: &ServerMsg) -> Vec<u8> {
+        let mut v = Vec::new();
+        encode_server(m, &mut v);
+        v
+    }
+
+    /// Builds a frame by hand, to feed the decoders what no encoder writes.
+    fn frame(ty: u8, payload: &[u8]) -> Vec<u8> {
+        let mut v = ((payload.len() + 1) as u32).to_le_bytes().to_vec();
+        v.push(ty);
+        v.extend_from_slice(payload);
+        v
+    }
+
+    fn uuid(n: u8) -> [u8; 16] {
+        [n; 16]
+    }
+
+    fn samples_client() -> Vec<ClientMsg> {
+        vec![
+            ClientMsg::hello(1234, Role::Shim),
+            ClientMsg::hello(u32::MAX, Role::Cli),
+            ClientMsg::Register {
+                command: "python train.py — ünïcode".into(),
+                devices: vec![
+                    DeviceReg {
+                        uuid: uuid(1),
+                        ordinal: 0,
+                        mem_cap: 4 << 30,
+                        mem_total: 80 << 30,
+                    },
+                    DeviceReg {
+                        uuid: uuid(2),
+                        ordinal: 1,
+                        mem_cap: 0,
+                        mem_total: 80 << 30,
+                    },
+                ],
+                share: Some(30.0),
+                limit: None,
+            },
+            ClientMsg::Register {
+                command: String::new(),
+                devices: vec![],
+                share: None,
+                limit: Some(12.5),
+            },
+            ClientMsg::Usage {
+                uuid: uuid(3),
+                used: 1,
+                peak: u64::MAX,
+                ooms: 7,
+            },
+            ClientMsg::Acquire { uuid: uuid(4) },
+            ClientMsg::Release {
+                uuid: uuid(5),
+                held_ns: 50_000_000,
+            },
+            ClientMsg::Status,
+            ClientMsg::Lease {
+                want_gpus: 2,
+                want_mem: 0,
+                compute: None,
+                limit: None,
+                no_wait: false,
+                command: "torchrun --nproc_per_node=2 train.py".into(),
+            },
+            ClientMsg::Lease {
+                want_gpus: 0,
+                want_mem: 4 << 30,
+                compute: Some(30.0),
+                limit: Some(50.0),
+                no_wait: true,
+                command: String::new(),
+            },
+        ]
+    }
+
+    fn samples_server() -> Vec<ServerMsg> {
+        vec![
+            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::Error {
+                code: ERR_VERSION,
+                message: "protocol version 2 not supported; this broker speaks 1".into(),
+            },
+            ServerMsg::Grant {
+                uuid: uuid(1),
+                slice_ns: 0,
+            },
+            ServerMsg::Grant {
+                uuid: uuid(1),
+                slice_ns: 50_000_000,
+            },
+            ServerMsg::Revoke { uuid: uuid(2) },
+            ServerMsg::StatusReply {
+                json: r#"{"gpus":[]}"#.into(),
+            },
+            ServerMsg::StatusReply {
+                json: "x".repeat(100_000),
+            },
+            ServerMsg::Queued {
+                position: 3,
+                waiting_for: "2 GPUs".into(),
+            },
+            ServerMsg::Leased {
+                gpus: vec![0, 1],
+                uuids: vec![uuid(1), uuid(2)],
+                mem_cap: 0,
+            },
+            ServerMsg::Leased {
+                gpus: vec![],
+                uuids: vec![],
+                mem_cap: 4 << 30,
+            },
+            ServerMsg::Refused {
+                reason: "no GPU on this node has 200 GiB".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn samples_round_trip() {
+        for m in samples_client() {
+            let bytes = enc_c(&m);
+            assert_eq!(decode_client(&bytes), Ok((m.clone(), bytes.len())), "{m:?}");
+            assert!(
+                decode_server(&bytes).is_err(),
+                "{m:?} read as a server message"
+            );
+        }
+        for m in samples_server() {
+            let bytes = enc_s(&m);
+            assert_eq!(decode_server(&bytes), Ok((m.clone(), bytes.len())), "{m:?}");
+            assert!(
+                decode_client(&bytes).is_err(),
+                "{m:?} read as a client message"
+            );
+        }
+    }
+
+    #[test]
+    fn layout_is_frozen() {
+        // Catches accidental changes to what other versions rely on.
+        assert_eq!(
+            enc_c(&ClientMsg::hello(0x0102_0304, Role::Shim)),
+            [
+                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 1, 0, 4, 3, 2, 1, 1
+            ]
+        );
+        assert_eq!(
+            enc_s(&ServerMsg::HelloOk { version: 1 }),
+            [3, 0, 0, 0, 0x81, 1, 0]
+        );
+        assert_eq!(
+            enc_s(&ServerMsg::Error {
+                code: 1,
+                message: "no".into()
+            }),
+            [7, 0, 0, 0, 0x82, 1, 0, 2, 0, b'n', b'o']
+        );
+        assert_eq!(enc_c(&ClientMsg::Status), [1, 0, 0, 0, 0x06]);
+        let mut want = vec![26, 0, 0, 0, 0x07, 2, 0, 0, 0];
+        want.extend_from_slice(&0u64.to_le_bytes());
+        want.extend_from_slice(&[1]);
+        want.extend_from_slice(&30.0f64.to_bits().to_le_bytes());
+        want.extend_from_slice(&[0, 1, 0, 0]);
+        assert_eq!(
+            enc_c(&ClientMsg::Lease {
+                want_gpus: 2,
+                want_mem: 0,
+                compute: Some(30.0),
+                limit: None,
+                no_wait: true,
+                command: String::new(),
+            }),
+            want
+        );
+    }
+
+    #[test]
+    fn hello_from_a_newer_version_is_still_read() {
+        let mut payload = b"GPFR".to_vec();
+        payload.extend_from_slice(&7u16.to_le_bytes());
+        payload.extend_from_slice(&42u32.to_le_bytes());
+        payload.push(2);
+        payload.extend_from_slice(b"fields of version 7");
+        let bytes = frame(T_HELLO, &payload);
+        let (msg, used) = decode_client(&bytes).unwrap();
+        assert_eq!(used, bytes.len());
+        let ClientMsg::Hello {
+            magic,
+            version,
+            pid,
+            role,
+        } = msg
+        else {
+            panic!("{msg:?}");
+        };
+        assert_eq!((magic, version, pid, role), (MAGIC, 7, 42, Role::Cli));
+        assert_eq!(
+            hello_reply(magic, version),
+            ServerMsg::Error {
+                code: ERR_VERSION,
+                message: "protocol version 7 not supported; this broker speaks 1".into()
+            }
+        );
+
+        let bytes = frame(T_HELLO_OK, &[7, 0, 9, 9, 9]);
+        assert_eq!(
+            decode_server(&bytes),
+            Ok((ServerMsg::HelloOk { version: 7 }, bytes.len()))
+        );
+        let bytes = frame(T_ERROR, &[1, 0, 1, 0, b'x', 0xff, 0xff]);
+        assert_eq!(
+            decode_server(&bytes),
+            Ok((
+                ServerMsg::Error {
+                    code: 1,
+                    message: "x".into()
+                },
+                bytes.len()
+            ))
+        );
+    }
+
+    #[test]
+    fn hello_replies() {
+        assert_eq!(
+            hello_reply(MAGIC, PROTOCOL_VERSION),
+            ServerMsg::HelloOk {
+                version: PROTOCOL_VERSION
+            }
+        );
+        assert!(matches!(
+            hello_reply(*b"HTTP", PROTOCOL_VERSION),
+            ServerMsg::Error {
+                code: ERR_BAD_FRAME,
+                ..
+            }
+        ));
+        assert!(matches!(
+            hello_reply(MAGIC, 0),
+            ServerMsg::Error {
+                code: ERR_VERSION,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn partial_frames_are_incomplete() {
+        for m in samples_client() {
+            let bytes = enc_c(&m);
+            for cut in 0..bytes.len() {
+                assert_eq!(
+                    decode_client(&bytes[..cut]),
+                    Err(DecodeError::Incomplete),
+                    "{m:?} cut at {cut}"
+                );
+            }
+        }
+        for m in samples_server() {
+            let bytes = enc_s(&m);
+            for cut in (0..bytes.len()).step_by(97).chain([bytes.len() - 1]) {
+                assert_eq!(decode_server(&bytes[..cut]), Err(DecodeError::Incomplete));
+            }
+        }
+    }
+
+    #[test]
+    fn oversized_length_is_refused_before_the_body_arrives() {
+        let too_big = MAX_FRAME + 1;
+        let header = too_big.to_le_bytes();
+        assert_eq!(decode_client(&header), Err(DecodeError::TooLarge(too_big)));
+        assert_eq!(decode_server(&header), Err(DecodeError::TooLarge(too_big)));
+        let header = u32::MAX.to_le_bytes();
+        assert_eq!(decode_client(&header), Err(DecodeError::TooLarge(u32::MAX)));
+        // "GET " from a confused HTTP client reads as a huge length.
+        assert!(matches!(
+            decode_client(b"GET / HTTP/1.1\r\n"),
+            Err(DecodeError::TooLarge(_))
+        ));
+        // Exactly MAX_FRAME is allowed, so only waits for more.
+        assert_eq!(
+            decode_client(&MAX_FRAME.to_le_bytes()),
+            Err(DecodeError::Incomplete)
+        );
+    }
+
+    #[test]
+    fn back_to_back_frames_decode_in_sequence() {
+        let msgs = samples_client();
+        let mut stream = Vec::new();
+        for m in &msgs {
+            encode_client(m, &mut stream);
+        }
+        let mut at = 0;
+        for m in &msgs {
+            let (got, used) = decode_client(&stream[at..]).unwrap();
+            assert_eq!(&got, m);
+            at += used;
+        }
+        assert_eq!(at, stream.len());
+        assert_eq!(decode_client(&stream[at..]), Err(DecodeError::Incomplete));
+
+        let msgs = samples_server();
+        let mut stream = Vec::new();
+        for m in &msgs {
+            encode_server(m, &mut stream);
+        }
+        let mut rest = &stream[..];
+        for m in &msgs {
+            let (got, used) = decode_server(rest).unwrap();
+            assert_eq!(&got, m);
+            rest = &rest[used..];
+        }
+        assert!(rest.is_empty());
+    }
+
+    #[test]
+    fn encoders_append() {
+        let mut out = vec![0xAA];
+        encode_client(&ClientMsg::Status, &mut out);
+        assert_eq!(out, [0xAA, 1, 0, 0, 0, T_STATUS]);
+    }
+
+    #[test]
+    fn malformed_frames() {
+        let m = |ty: u8, payload: &[u8]| decode_client(&frame(ty, payload)).unwrap_err();
+        assert_eq!(
+            decode_client(&[0, 0, 0, 0]),
+            Err(DecodeError::Malformed("empty frame"))
+        );
+        assert_eq!(
+            decode_server(&[0, 0, 0, 0, 1]),
+            Err(DecodeError::Malformed("empty frame"))
+        );
+        assert_eq!(m(0x00, &[]), DecodeError::UnknownType(0));
+        assert_eq!(m(0x08, &[]), DecodeError::UnknownType(8));
+        assert_eq!(m(T_HELLO_OK, &[1, 0]), DecodeError::UnknownType(T_HELLO_OK));
+        assert_eq!(
+            decode_server(&frame(T_HELLO, &[])),
+            Err(DecodeError::UnknownType(T_HELLO))
+        );
+        assert_eq!(
+            m(T_STATUS, &[0]),
+            DecodeError::Malformed("trailing bytes after the message")
+        );
+        assert_eq!(
+            m(T_ACQUIRE, &[0; 15]),
+            DecodeError::Malformed("payload too short")
+        );
+        assert_eq!(
+            m(T_HELLO, b"GPFR\x01\x00\x01\x00\x00\x00\x03"),
+            DecodeError::Malformed("unknown role")
+        );
+        assert_eq!(
+            m(T_HELLO, b"GPFR\x01\x00\x01\x00\x00\x00"),
+            DecodeError::Malformed("payload too short")
+        );
+
+        // Register with invalid UTF-8 in the command.
+        assert_eq!(
+            m(T_REGISTER, &[2, 0, 0xC3, 0x28, 0, 0, 0, 0]),
+            DecodeError::Malformed("string is not UTF-8")
+        );
+        // String length past the payload.
+        assert_eq!(
+            m(T_REGISTER, &[9, 0, b'a']),
+            DecodeError::Malformed("payload too short")
+        );
+        // A device count the payload cannot hold is refused before
+        // allocating.
+        assert_eq!(
+            m(T_REGISTER, &[0, 0, 0xFF, 0x0F, 0, 0]),
+            DecodeError::Malformed("list longer than the payload")
+        );
+        assert_eq!(
+            m(T_REGISTER, &[0, 0, 0xFF, 0xFF, 0, 0]),
+            DecodeError::Malformed("list too long")
+        );
+        // Option tag 2.
+        assert_eq!(
+            m(T_REGISTER, &[0, 0, 0, 0, 2, 0]),
+            DecodeError::Malformed("option tag is neither 0 nor 1")
+        );
+        // Lease with no_wait = 2.
+        let mut lease = vec![0; 12];
+        lease.extend_from_slice(&[0, 0, 2, 0, 0]);
+        assert_eq!(
+            m(T_LEASE, &lease),
+            DecodeError::Malformed("bool is neither 0 nor 1")
+        );
+
+        let s = |ty: u8, payload: &[u8]| decode_server(&frame(ty, payload)).unwrap_err();
+        assert_eq!(
+            s(T_STATUS_REPLY, &[5, 0, 0, 0, b'{', b'}']),
+            DecodeError::Malformed("payload too short")
+        );
+        assert_eq!(
+            s(T_STATUS_REPLY, &[0xFF, 0xFF, 0xFF, 0xFF]),
+            DecodeError::Malformed("payload too short")
+        );
+        assert_eq!(
+            s(T_STATUS_REPLY, &[1, 0, 0, 0, 0xFF]),
+            DecodeError::Malformed("string is not UTF-8")
+        );
+        assert_eq!(
+            s(T_LEASED, &[2, 0, 1, 0, 0, 0]),
+            DecodeError::Malformed("list longer than the payload")
+        );
+        assert_eq!(
+            s(T_GRANT, &[0; 25]),
+            DecodeError::Malformed("trailing bytes after the message")
+        );
+        assert_eq!(s(0x89, &[]), DecodeError::UnknownType(0x89));
+    }
+
+    #[test]
+    fn oversized_fields_are_cut_to_fit() {
+        // 3-byte characters, so the cut must step back to a boundary.
+        let long = "€".repeat(30_000);
+        let m = ClientMsg::Lease {
+            want_gpus: 1,
+            want_mem: 0,
+            compute: None,
+            limit: None,
+            no_wait: false,
+            command: long.clone(),
+        };
+        let bytes = enc_c(&m);
+        let (ClientMsg::Lease { command, .. }, used) = decode_client(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(used, bytes.len());
+        assert_eq!(command.len(), 65_535);
+        assert!(long.starts_with(&command));
+
+        let json = "é".repeat(MAX_FRAME as usize);
+        let bytes = enc_s(&ServerMsg::StatusReply { json: json.clone() });
+        assert!(bytes.len() <= MAX_FRAME as usize + 4);
+        let (ServerMsg::StatusReply { json: got }, _) = decode_server(&bytes).unwrap() else {
+            panic!()
+        };
+        assert!(got.len() <= MAX_STATUS_JSON && got.len() > MAX_STATUS_JSON - 2);
+        assert!(json.starts_with(&got));
+
+        let fits = "j".repeat(MAX_STATUS_JSON);
+        let bytes = enc_s(&ServerMsg::StatusReply { json: fits.clone() });
+        assert_eq!(bytes.len(), MAX_FRAME as usize + 4);
+        assert_eq!(
+            decode_server(&bytes).unwrap().0,
+            ServerMsg::StatusReply { json: fits }
+        );
+
+        let dev = DeviceReg {
+            uuid: uuid(9),
+            ordinal: 1,
+            mem_cap: 2,
+            mem_total: 3,
+        };
+        let m = ClientMsg::Register {
+            command: long,
+            devices: vec![dev; 70_000],
+            share: Some(1.0),
+            limit: Some(2.0),
+        };
+        let bytes = enc_c(&m);
+        assert!(bytes.len() <= MAX_FRAME as usize + 4);
+        let (ClientMsg::Register { devices, .. }, _) = decode_client(&bytes).unwrap() else {
+            panic!()
+        };
+        assert_eq!(devices.len(), MAX_LIST);
+
+        let m = ServerMsg::Leased {
+            gpus: vec![7; 70_000],
+            uuids: vec![uuid(1); 70_000],
+            mem_cap: 5,
+        };
+        let (ServerMsg::Leased { gpus, uuids, .. }, _) = decode_server(&enc_s(&m)).unwrap() else {
+            panic!()
+        };
+        assert_eq!((gpus.len(), uuids.len()), (MAX_LIST, MAX_LIST));
+    }
+
+    #[test]
+    fn nan_travels_bit_for_bit() {
+        let odd_nan = f64::from_bits(0x7FF8_0000_DEAD_BEEF);
+        let m = ClientMsg::Register {
+            command: String::new(),
+            devices: vec![],
+            share: Some(odd_nan),
+            limit: Some(-0.0),
+        };
+        let (ClientMsg::Register { share, limit, .. }, _) = decode_client(&enc_c(&m)).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(share.map(f64::to_bits), Some(odd_nan.to_bits()));
+        assert_eq!(limit.map(f64::to_bits), Some((-0.0f64).to_bits()));
+    }
+
+    #[test]
+    fn errors_display() {
+        assert_eq!(DecodeError::Incomplete.to_string(), "incomplete frame");
+        assert_eq!(
+            DecodeError::TooLarge(2_000_000).to_string(),
+            "frame of 2000000 bytes exceeds the limit of 1048576"
+        );
+        assert_eq!(
+            DecodeError::UnknownType(0x42).to_string(),
+            "unknown message type 0x42"
+        );
+        assert_eq!(
+            DecodeError::Malformed("x").to_string(),
+            "malformed frame: x"
+        );
+    }
+
+    // NaN is left out so that == can compare; nan_travels_bit_for_bit covers
+    // it.
+    fn float() -> impl Strategy<Value = f64> {
+        use proptest::num::f64::{INFINITE, NEGATIVE, NORMAL, POSITIVE, SUBNORMAL, ZERO};
+        POSITIVE | NEGATIVE | NORMAL | SUBNORMAL | ZERO | INFINITE
+    }
+
+    fn role() -> impl Strategy<Value = Role> {
+        prop_oneof![Just(Role::Shim), Just(Role::Cli)]
+    }
+
+    fn device() -> impl Strategy<Value = DeviceReg> {
+        (any::<[u8; 16]>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
+            |(uuid, ordinal, mem_cap, mem_total)| DeviceReg {
+                uuid,
+                ordinal,
+                mem_cap,
+                mem_total,
+            },
+        )
+    }
+
+    fn client_msg() -> impl Strategy<Value = ClientMsg> {
+        prop_oneof![
+            (any::<[u8; 4]>(), any::<u16>(), any::<u32>(), role()).prop_map(
+                |(magic, version, pid, role)| ClientMsg::Hello {
+                    magic,
+                    version,
+                    pid,
+                    role
+                }
+            ),
+            (
+                any::<String>(),
+                vec(device(), 0..6),
+                proptest::option::of(float()),
+                proptest::option::of(float())
+            )
+                .prop_map(|(command, devices, share, limit)| ClientMsg::Register {
+                    command,
+                    devices,
+                    share,
+                    limit
+                }),
+            (any::<[u8; 16]>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(uuid, used, peak, ooms)| ClientMsg::Usage {
+                    uuid,
+                    used,
+                    peak,
+                    ooms
+                }
+            ),
+            any::<[u8; 16]>().prop_map(|uuid| ClientMsg::Acquire { uuid }),
+            (any::<[u8; 16]>(), any::<u64>())
+                .prop_map(|(uuid, held_ns)| ClientMsg::Release { uuid, held_ns }),
+            Just(ClientMsg::Status),
+            (
+                any::<u32>(),
+                any::<u64>(),
+                proptest::option::of(float()),
+                proptest::option::of(float()),
+                any::<bool>(),
+                any::<String>()
+            )
+                .prop_map(|(want_gpus, want_mem, compute, limit, no_wait, command)| {
+                    ClientMsg::Lease {
+                        want_gpus,
+                        want_mem,
+                        compute,
+                        limit,
+                        no_wait,
+                        command,
+                    }
+                }),
+        ]
+    }
+
+    fn server_msg() -> impl Strategy<Value = ServerMsg> {
+        prop_oneof![
+            any::<u16>().prop_map(|version| ServerMsg::HelloOk { version }),
+            (any::<u16>(), any::<String>())
+                .prop_map(|(code, message)| ServerMsg::Error { code, message }),
+            (any::<[u8; 16]>(), any::<u64>())
+                .prop_map(|(uuid, slice_ns)| ServerMsg::Grant { uuid, slice_ns }),
+            any::<[u8; 16]>().prop_map(|uuid| ServerMsg::Revoke { uuid }),
+            any::<String>().prop_map(|json| ServerMsg::StatusReply { json }),
+            (any::<u32>(), any::<String>()).prop_map(|(position, waiting_for)| {
+                ServerMsg::Queued {
+                    position,
+                    waiting_for,
+                }
+            }),
+            (
+                vec(any::<u32>(), 0..8),
+                vec(any::<[u8; 16]>(), 0..8),
+                any::<u64>()
+            )
+                .prop_map(|(gpus, uuids, mem_cap)| ServerMsg::Leased {
+                    gpus,
+                    uuids,
+                    mem_cap
+                }),
+            any::<String>().prop_map(|reason| ServerMsg::Refused { reason }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn client_round_trip(m in client_msg(), prefix in vec(any::<u8>(), 0..4)) {
+            let bytes = enc_c(&m);
+            prop_assert_eq!(decode_client(&bytes), Ok((m.clone(), bytes.len())));
+            // Followed by anything, the frame still decodes alone.
+            let mut longer = bytes.clone();
+            longer.extend_from_slice(&prefix);
+            prop_assert_eq!(decode_client(&longer), Ok((m, bytes.len())));
+        }
+
+        #[test]
+        fn server_round_trip(m in server_msg(), tail in vec(any::<u8>(), 0..4)) {
+            let bytes = enc_s(&m);
+            prop_assert_eq!(decode_server(&bytes), Ok((m.clone(), bytes.len())));
+            let mut longer = bytes.clone();
+            longer.extend_from_slice(&tail);
+            prop_assert_eq!(decode_server(&longer), Ok((m, bytes.len())));
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in vec(any::<u8>(), 0..300)) {
+            check_sane(&bytes);
+        }
+
+        #[test]
+        fn arbitrary_payloads_never_panic(ty in any::<u8>(), payload in vec(any::<u8>(), 0..300)) {
+            // A correct length field gets past framing into the message
+            // parsers, which random lengths rarely do.
+            check_sane(&frame(ty, &payload));
+            let t = if ty & 1 == 0 { T_REGISTER } else { T_LEASED };
+            check_sane(&frame(t, &payload));
+        }
+
+        #[test]
+        fn truncated_frames_are_incomplete(m in client_msg(), s in server_msg(), cut in any::<prop::sample::Index>()) {
+            let bytes = enc_c(&m);
+            let at = cut.index(bytes.len());
+            prop_assert_eq!(decode_client(&bytes[..at]), Err(DecodeError::Incomplete));
+            let bytes = enc_s(&s);
+            let at = cut.index(bytes.len());
+            prop_assert_eq!(decode_server(&bytes[..at]), Err(DecodeError::Incomplete));
+        }
+
+        #[test]
+        fn damaged_frames_never_panic(
+            m in client_msg(),
+            s in server_msg(),
+            flips in vec((any::<prop::sample::Index>(), 0u8..8), 1..4),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            for mut bytes in [enc_c(&m), enc_s(&s)] {
+                for (at, bit) in &flips {
+                    let i = at.index(bytes.len());
+                    bytes[i] ^= 1 << bit;
+                }
+                check_sane(&bytes);
+                let at = cut.index(bytes.len() + 1);
+                check_sane(&bytes[..at]);
+            }
+        }
+    }
+
+    /// Decoding anything either succeeds within the buffer or fails, and a
+    /// successful decode re-encodes to exactly the bytes it consumed (for
+    /// the strict messages) or a prefix of them (for the extensible ones).
+    fn check_sane(bytes: &[u8]) {
+        if let Ok((m, used)) = decode_client(bytes) {
+            assert!(used <= bytes.len());
+            let again = enc_c(&m);
+            assert!(again.len() <= used);
+            if !matches!(m, ClientMsg::Hello { .. }) {
+                assert_eq!(again, bytes[..used]);
+            }
+        }
+        if let Ok((m, used)) = decode_server(bytes) {
+            assert!(used <= bytes.len());
+            let again = enc_s(&m);
+            assert!(again.len() <= used);
+            if !matches!(m, ServerMsg::HelloOk { .. } | ServerMsg::Error { .. }) {
+                assert_eq!(again, bytes[..used]);
+            }
+        }
+    }
+}

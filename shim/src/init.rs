@@ -8,7 +8,7 @@
 
 use crate::table::{Family, INTERNAL, TABLE, call};
 use crate::{devices, dlsym, ledger, log};
-use gpufrac_common::config::{ShimConfig, from_vars};
+use gpufrac_common::config::{ShimConfig, from_raw_vars};
 use gpufrac_common::cuda::*;
 use std::cell::Cell;
 use std::ffi::{c_uint, c_void};
@@ -66,12 +66,16 @@ fn slow_init() -> Option<&'static Result<ShimConfig, String>> {
 
 fn do_init() {
     crate::boundary::install_panic_hook();
-    let vars: Vec<(String, String)> = std::env::vars_os()
-        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .filter(|(k, _)| k.starts_with("GPU_") || k.starts_with("GPUFRAC_"))
+    // Bytes, not strings: a value that is not UTF-8 must be reported as
+    // malformed, never skipped (skipping a cap would run uncapped).
+    use std::os::unix::ffi::OsStrExt;
+    let vars: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os()
+        .filter(|(k, _)| {
+            let k = k.as_bytes();
+            k.starts_with(b"GPU_") || k.starts_with(b"GPUFRAC_")
+        })
         .collect();
-    let cfg =
-        from_vars(vars.iter().map(|(k, v)| (k.as_str(), v.as_str()))).map_err(|e| e.to_string());
+    let cfg = from_raw_vars(vars.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes()))).map_err(|e| e.to_string());
     match &cfg {
         Ok(c) => log::set_level(c.log),
         Err(msg) => log::write_line(format_args!(
