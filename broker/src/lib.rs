@@ -1,5 +1,8 @@
 //! The gpufrac broker: pure state machines (scheduler, queue) driven by a
 //! thin socket layer.
 
+pub mod inventory;
 pub mod queue;
 pub mod sched;
+pub mod server;
+pub mod status;

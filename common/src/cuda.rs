@@ -32,6 +32,7 @@ pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+pub const CUDA_ERROR_SYSTEM_NOT_READY: CUresult = 802;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// `CUdriverProcAddressQueryResult`

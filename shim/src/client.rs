@@ -1,29 +1,520 @@
-//! The shim's side of the broker: registration, usage reports and the
-//! compute gate. (Arbitration is wired in by the broker work; until a broker
-//! grants or revokes anything, the gate is open.)
+//! The shim's side of the broker: registration, coalesced usage reports and
+//! the compute gate.
+//!
+//! The gate on every launch: with no arbitration (no broker, or
+//! `GPUFRAC_BROKER=off`) it is one atomic load. With a broker, a launch on a
+//! device this process holds is a handful of atomics and no syscall; only a
+//! launch on a device it does not hold asks the broker and waits.
+//!
+//! A background thread, started at the first context creation (never
+//! earlier), owns the connection: it registers, applies grants, and on a
+//! revoke (or ~2 ms without launches while others wait) stops new launches,
+//! waits for launches already past the gate, drains this process's work on
+//! that device and reports the release. If the broker goes away it keeps
+//! retrying and re-registers when it returns; meanwhile launches run
+//! unarbitrated (or block, with GPUFRAC_BROKER=required).
 
-use gpufrac_common::cuda::CUstream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::ledger::{LEDGERS, NO_LIMIT};
+use crate::table::call;
+use crate::{devices, init, mem};
+use gpufrac_common::config::{BrokerMode, MAX_DEVICES, ShimConfig};
+use gpufrac_common::cuda::*;
+use gpufrac_common::wire::{self, ClientMsg, DeviceReg, Role, ServerMsg};
+use std::cell::Cell;
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
 
-/// True while launches must ask for the GPU first. Read on every launch.
+/// Launches must consult the per-device bits.
 static GATED: AtomicBool = AtomicBool::new(false);
+/// Devices this process may launch on now.
+static OPEN: AtomicU64 = AtomicU64::new(0);
+/// Devices held under a contended (sliced) grant: idle hand-back applies.
+static CONTENDED: AtomicU64 = AtomicU64::new(0);
+/// Devices for which an Acquire is outstanding.
+static REQUESTED: AtomicU64 = AtomicU64::new(0);
+static IN_FLIGHT: [AtomicU32; MAX_DEVICES] = [const { AtomicU32::new(0) }; MAX_DEVICES];
+static LAST_LAUNCH: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 
+static STARTED: AtomicU8 = AtomicU8::new(0);
+/// Raw fd of the live connection (-1 none), for app threads sending
+/// Acquire and for a fork child to close.
+static CONN_FD: AtomicI32 = AtomicI32::new(-1);
+static SEND: Mutex<()> = Mutex::new(());
+static WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
+
+/// Without launches for this long while others wait, the GPU is handed back.
+const IDLE_HANDBACK_NS: u64 = 2_000_000;
+const REPORT_EVERY_NS: u64 = 100_000_000;
+/// Largest device count registered (bounded by MAX_DEVICES).
+static NDEV: AtomicU32 = AtomicU32::new(0);
+
+thread_local! {
+    // Device whose IN_FLIGHT this thread's current launch holds (-1: none).
+    static PENDING: Cell<i32> = const { Cell::new(-1) };
+}
+
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: vDSO clock read into a local.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn coarse_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: as above; the coarse clock is a plain memory read in the vDSO.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The compute gate. `Ok` means launch now; `launched` must follow.
 #[inline(always)]
 pub fn may_launch(_stream: CUstream) -> Result<(), u32> {
-    if !GATED.load(Ordering::Acquire) {
+    if !GATED.load(Acquire) {
         return Ok(());
     }
-    Ok(())
+    gate_slow()
+}
+
+#[cold]
+#[inline(never)]
+fn gate_slow() -> Result<(), u32> {
+    let mut dev: CUdevice = -1;
+    if unsafe { call::cuCtxGetDevice(&mut dev) } != CUDA_SUCCESS
+        || !(0..MAX_DEVICES as i32).contains(&dev)
+    {
+        // No context: the driver will refuse the launch itself.
+        return Ok(());
+    }
+    let d = dev as usize;
+    let bit = 1u64 << d;
+    loop {
+        IN_FLIGHT[d].fetch_add(1, SeqCst);
+        if OPEN.load(SeqCst) & bit != 0 {
+            if CONTENDED.load(Relaxed) & bit != 0 {
+                LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
+            }
+            PENDING.with(|p| p.set(dev));
+            return Ok(());
+        }
+        IN_FLIGHT[d].fetch_sub(1, SeqCst);
+        if !GATED.load(Acquire) {
+            return Ok(());
+        }
+        wait_for_grant(d);
+    }
 }
 
 #[inline(always)]
-pub fn launched(_rc: u32) {}
+pub fn launched(_rc: u32) {
+    let d = PENDING.with(|p| p.replace(-1));
+    if d >= 0 {
+        IN_FLIGHT[d as usize].fetch_sub(1, SeqCst);
+    }
+}
 
-pub fn on_context_created() {}
+fn wait_for_grant(d: usize) {
+    let bit = 1u64 << d;
+    let mut g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
+    while GATED.load(Acquire) && OPEN.load(SeqCst) & bit == 0 {
+        if REQUESTED.fetch_or(bit, AcqRel) & bit == 0 {
+            if let Some(dev) = devices::all().get(d) {
+                send(&ClientMsg::Acquire {
+                    uuid: dev.uuid.bytes,
+                });
+            }
+        }
+        g = WAIT
+            .1
+            .wait_timeout(g, Duration::from_millis(100))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
 
+fn wake_all() {
+    let _g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
+    WAIT.1.notify_all();
+}
+
+/// Sends one frame on the live connection (any thread).
+fn send(msg: &ClientMsg) -> bool {
+    let mut buf = Vec::with_capacity(64);
+    wire::encode_client(msg, &mut buf);
+    let _g = SEND.lock().unwrap_or_else(|e| e.into_inner());
+    let fd = CONN_FD.load(Acquire);
+    if fd < 0 {
+        return false;
+    }
+    let mut off = 0;
+    while off < buf.len() {
+        // SAFETY: writing our buffer to our socket; MSG_NOSIGNAL so a dead
+        // broker does not kill the application with SIGPIPE.
+        let n = unsafe {
+            libc::send(
+                fd,
+                buf[off..].as_ptr().cast(),
+                buf.len() - off,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n <= 0 {
+            if n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return false;
+        }
+        off += n as usize;
+    }
+    true
+}
+
+pub fn on_context_created() {
+    let Ok(cfg) = init::config() else { return };
+    if cfg.broker == BrokerMode::Off {
+        return;
+    }
+    if STARTED.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+        let spawned = std::thread::Builder::new()
+            .name("gpufrac-client".into())
+            .spawn(move || client_thread(cfg));
+        if spawned.is_err() {
+            warn!("could not start the broker client thread; compute is not arbitrated");
+        }
+    }
+}
+
+/// `GPUFRAC_BROKER=required`: called from cuInit; fails initialisation when
+/// no broker answers.
+pub fn check_required(cfg: &ShimConfig) -> Result<(), u32> {
+    // Frameworks call cuInit more than once; one successful check is enough.
+    static CHECKED: AtomicBool = AtomicBool::new(false);
+    if cfg.broker != BrokerMode::Required || CHECKED.load(Acquire) {
+        return Ok(());
+    }
+    match connect(cfg).map(|_| CHECKED.store(true, Release)) {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            crate::log::write_line(format_args!(
+                "GPUFRAC_BROKER=required but no broker answers at {} ({e}); start one with `gpufrac broker` or set GPUFRAC_BROKER=optional",
+                cfg.socket
+            ));
+            Err(CUDA_ERROR_SYSTEM_NOT_READY)
+        }
+    }
+}
+
+fn connect(cfg: &ShimConfig) -> Result<UnixStream, String> {
+    let mut s = UnixStream::connect(&cfg.socket).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    wire::encode_client(&ClientMsg::hello(std::process::id(), Role::Shim), &mut buf);
+    s.write_all(&buf).map_err(|e| e.to_string())?;
+    let mut inbuf = Vec::new();
+    match read_msg(&mut s, &mut inbuf)? {
+        ServerMsg::HelloOk { .. } => Ok(s),
+        ServerMsg::Error { message, .. } => Err(message),
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+/// Reads one whole message (blocking up to the socket's timeout).
+fn read_msg(s: &mut UnixStream, inbuf: &mut Vec<u8>) -> Result<ServerMsg, String> {
+    loop {
+        match wire::decode_server(inbuf) {
+            Ok((m, n)) => {
+                inbuf.drain(..n);
+                return Ok(m);
+            }
+            Err(wire::DecodeError::Incomplete) => {}
+            Err(e) => return Err(format!("bad frame from broker: {e}")),
+        }
+        let mut tmp = [0u8; 4096];
+        match s.read(&mut tmp) {
+            Ok(0) => return Err("broker closed the connection".into()),
+            Ok(n) => inbuf.extend_from_slice(&tmp[..n]),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+fn command_line() -> String {
+    std::fs::read("/proc/self/cmdline")
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
+    let devs: Vec<DeviceReg> = devices::all()
+        .iter()
+        .enumerate()
+        .take(MAX_DEVICES)
+        .map(|(i, d)| {
+            let cap = LEDGERS[i].limit.load(Relaxed);
+            DeviceReg {
+                uuid: d.uuid.bytes,
+                ordinal: i as u32,
+                mem_cap: if cap == NO_LIMIT { 0 } else { cap },
+                mem_total: d.total,
+            }
+        })
+        .collect();
+    NDEV.store(devs.len() as u32, Relaxed);
+    let mut buf = Vec::new();
+    wire::encode_client(
+        &ClientMsg::Register {
+            command: command_line(),
+            devices: devs,
+            share: cfg.compute_share,
+            limit: cfg.compute_limit,
+        },
+        &mut buf,
+    );
+    s.write_all(&buf)
+}
+
+fn client_thread(cfg: &'static ShimConfig) {
+    // Caps and UUIDs are needed to register; they exist once a context does.
+    while devices::ensure().is_err() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut warned = false;
+    loop {
+        match connect(cfg) {
+            Ok(s) => {
+                warned = false;
+                serve(s, cfg);
+            }
+            Err(e) => {
+                if !warned {
+                    warned = true;
+                    let asked = cfg.compute_share.is_some() || cfg.compute_limit.is_some();
+                    if asked || cfg.broker == BrokerMode::Required {
+                        crate::log::write_line(format_args!(
+                            "no broker at {} ({e}); memory caps are enforced, compute shares and limits are not until it returns",
+                            cfg.socket
+                        ));
+                    } else {
+                        warn!(
+                            "no broker at {} ({e}); memory caps are enforced, compute is not arbitrated",
+                            cfg.socket
+                        );
+                    }
+                }
+            }
+        }
+        // Lost or never had a broker: optional mode runs unarbitrated,
+        // required mode blocks launches until it is back.
+        OPEN.store(0, SeqCst);
+        CONTENDED.store(0, SeqCst);
+        REQUESTED.store(0, SeqCst);
+        GATED.store(cfg.broker == BrokerMode::Required, Release);
+        wake_all();
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// One connected session; returns when the connection is lost.
+fn serve(mut s: UnixStream, cfg: &ShimConfig) {
+    if register(&mut s, cfg).is_err() {
+        return;
+    }
+    let fd = {
+        use std::os::fd::AsRawFd;
+        s.as_raw_fd()
+    };
+    OPEN.store(0, SeqCst);
+    CONTENDED.store(0, SeqCst);
+    REQUESTED.store(0, SeqCst);
+    CONN_FD.store(fd, Release);
+    GATED.store(true, Release);
+    wake_all();
+    info!("registered with the broker at {}", cfg.socket);
+    let mut inbuf = Vec::new();
+    let mut reported = [u64::MAX; MAX_DEVICES];
+    let mut last_report = 0u64;
+    let result: Result<(), String> = (|| loop {
+        let tick = if CONTENDED.load(Relaxed) != 0 { 1 } else { 100 };
+        s.set_read_timeout(Some(Duration::from_millis(tick)))
+            .map_err(|e| e.to_string())?;
+        let mut tmp = [0u8; 4096];
+        match s.read(&mut tmp) {
+            Ok(0) => return Err("broker closed the connection".into()),
+            Ok(n) => inbuf.extend_from_slice(&tmp[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        loop {
+            match wire::decode_server(&inbuf) {
+                Ok((m, n)) => {
+                    inbuf.drain(..n);
+                    on_message(m);
+                }
+                Err(wire::DecodeError::Incomplete) => break,
+                Err(e) => return Err(format!("bad frame from broker: {e}")),
+            }
+        }
+        idle_handback();
+        let now = now_ns();
+        if now.saturating_sub(last_report) >= REPORT_EVERY_NS {
+            last_report = now;
+            report_usage(&mut reported);
+        }
+    })();
+    CONN_FD.store(-1, Release);
+    if let Err(e) = result {
+        warn!("lost the broker ({e}); retrying");
+    }
+}
+
+fn ordinal_of(uuid: &[u8; 16]) -> Option<usize> {
+    devices::all()
+        .iter()
+        .position(|d| &d.uuid.bytes == uuid)
+        .filter(|&i| i < MAX_DEVICES)
+}
+
+fn on_message(m: ServerMsg) {
+    match m {
+        ServerMsg::Grant { uuid, slice_ns } => {
+            let Some(d) = ordinal_of(&uuid) else { return };
+            let bit = 1u64 << d;
+            if slice_ns == 0 {
+                CONTENDED.fetch_and(!bit, SeqCst);
+            } else {
+                // Contention starts now: give the holder a fresh idle window.
+                LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
+                CONTENDED.fetch_or(bit, SeqCst);
+            }
+            if OPEN.fetch_or(bit, SeqCst) & bit == 0 {
+                GRANTED_AT[d].store(now_ns(), Relaxed);
+            }
+            REQUESTED.fetch_and(!bit, SeqCst);
+            debug!(
+                "device {d}: granted ({})",
+                if slice_ns == 0 {
+                    "open-ended"
+                } else {
+                    "timeslice"
+                }
+            );
+            wake_all();
+        }
+        ServerMsg::Revoke { uuid } => {
+            if let Some(d) = ordinal_of(&uuid) {
+                release(d);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Stops launching on `d`, waits for launches already past the gate, drains
+/// this process's work there and tells the broker.
+fn release(d: usize) {
+    let bit = 1u64 << d;
+    if OPEN.fetch_and(!bit, SeqCst) & bit == 0 {
+        return;
+    }
+    while IN_FLIGHT[d].load(SeqCst) > 0 {
+        std::thread::yield_now();
+    }
+    for ctx in mem::contexts_of(d) {
+        unsafe {
+            if call::cuCtxPushCurrent_v2(ctx as CUcontext) == CUDA_SUCCESS {
+                call::cuCtxSynchronize();
+                let mut old: CUcontext = std::ptr::null_mut();
+                call::cuCtxPopCurrent_v2(&mut old);
+            }
+        }
+    }
+    CONTENDED.fetch_and(!bit, SeqCst);
+    let held = now_ns().saturating_sub(GRANTED_AT[d].load(Relaxed));
+    if let Some(dev) = devices::all().get(d) {
+        send(&ClientMsg::Release {
+            uuid: dev.uuid.bytes,
+            held_ns: held,
+        });
+    }
+    debug!("device {d}: released after {} us", held / 1000);
+}
+
+fn idle_handback() {
+    let contended = CONTENDED.load(Relaxed) & OPEN.load(Relaxed);
+    if contended == 0 {
+        return;
+    }
+    let now = coarse_ns();
+    for d in 0..MAX_DEVICES {
+        if contended & (1 << d) != 0
+            && IN_FLIGHT[d].load(Relaxed) == 0
+            && now.saturating_sub(LAST_LAUNCH[d].load(Relaxed)) >= IDLE_HANDBACK_NS
+        {
+            release(d);
+        }
+    }
+}
+
+fn report_usage(reported: &mut [u64; MAX_DEVICES]) {
+    let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
+    for (d, dev) in devices::all().iter().enumerate().take(n) {
+        let l = &LEDGERS[d];
+        let epoch = l.epoch.load(Acquire);
+        if reported[d] == epoch {
+            continue;
+        }
+        if send(&ClientMsg::Usage {
+            uuid: dev.uuid.bytes,
+            used: l.used.load(Relaxed),
+            peak: l.peak.load(Relaxed),
+            ooms: l.ooms.load(Relaxed),
+        }) {
+            reported[d] = epoch;
+        }
+    }
+}
+
+/// Usage is picked up by the client thread's periodic report (every ~100
+/// ms, only when something changed); nothing to do on the hot path.
 #[inline(always)]
 pub fn usage_changed() {}
 
 pub fn reset_after_fork() {
-    GATED.store(false, Ordering::Release);
+    // The child has no client thread and must not share the parent's
+    // connection: close it and start afresh at its own first context.
+    let fd = CONN_FD.swap(-1, SeqCst);
+    if fd >= 0 {
+        // SAFETY: closing the child's copy of the inherited descriptor.
+        unsafe { libc::close(fd) };
+    }
+    STARTED.store(0, SeqCst);
+    GATED.store(false, SeqCst);
+    OPEN.store(0, SeqCst);
+    CONTENDED.store(0, SeqCst);
+    REQUESTED.store(0, SeqCst);
+    for c in &IN_FLIGHT {
+        c.store(0, SeqCst);
+    }
 }

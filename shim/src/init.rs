@@ -75,7 +75,8 @@ fn do_init() {
             k.starts_with(b"GPU_") || k.starts_with(b"GPUFRAC_")
         })
         .collect();
-    let cfg = from_raw_vars(vars.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes()))).map_err(|e| e.to_string());
+    let cfg = from_raw_vars(vars.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())))
+        .map_err(|e| e.to_string());
     match &cfg {
         Ok(c) => log::set_level(c.log),
         Err(msg) => log::write_line(format_args!(
@@ -192,7 +193,11 @@ pub fn hook_for_real(p: usize) -> Option<usize> {
 /// configuration (a user who asked for a cap must never run uncapped), and
 /// learns the devices' physical sizes once the driver is up.
 pub unsafe fn cu_init(flags: c_uint) -> u32 {
-    if let Err(code) = config() {
+    let cfg = match config() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if let Err(code) = crate::client::check_required(cfg) {
         return code;
     }
     let rc = unsafe { call::cuInit(flags) };

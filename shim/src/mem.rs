@@ -485,8 +485,33 @@ pub unsafe fn mipmap_destroy(arr: CUmipmappedArray) -> u32 {
 // connection starts then, never earlier); destroying one frees everything
 // it owned, so its charges are returned.
 
-fn created(rc: u32) -> u32 {
-    if rc == CUDA_SUCCESS {
+/// Contexts by device, so a revoked timeslice can drain exactly this
+/// process's work on that device.
+static CONTEXTS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+pub fn contexts_of(dev: usize) -> Vec<usize> {
+    let g = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    g.iter()
+        .filter(|(d, _)| *d == dev)
+        .map(|&(_, c)| c)
+        .collect()
+}
+
+fn forget_context(ctx: usize) {
+    CONTEXTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|&(_, c)| c != ctx);
+}
+
+fn created(rc: u32, pctx: *mut CUcontext, dev: CUdevice) -> u32 {
+    if rc == CUDA_SUCCESS && !pctx.is_null() && dev >= 0 {
+        let ctx = unsafe { *pctx } as usize;
+        let mut g = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+        if !g.contains(&(dev as usize, ctx)) {
+            g.push((dev as usize, ctx));
+        }
+        drop(g);
         client::on_context_created();
     }
     rc
@@ -496,7 +521,7 @@ pub unsafe fn ctx_create_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) 
     if let Err(code) = init::config() {
         return code;
     }
-    created(unsafe { call::cuCtxCreate_v2(pctx, flags, dev) })
+    created(unsafe { call::cuCtxCreate_v2(pctx, flags, dev) }, pctx, dev)
 }
 
 pub unsafe fn ctx_create_v3(
@@ -509,7 +534,11 @@ pub unsafe fn ctx_create_v3(
     if let Err(code) = init::config() {
         return code;
     }
-    created(unsafe { call::cuCtxCreate_v3(pctx, params, n, flags, dev) })
+    created(
+        unsafe { call::cuCtxCreate_v3(pctx, params, n, flags, dev) },
+        pctx,
+        dev,
+    )
 }
 
 pub unsafe fn ctx_create_v4(
@@ -521,7 +550,11 @@ pub unsafe fn ctx_create_v4(
     if let Err(code) = init::config() {
         return code;
     }
-    created(unsafe { call::cuCtxCreate_v4(pctx, params, flags, dev) })
+    created(
+        unsafe { call::cuCtxCreate_v4(pctx, params, flags, dev) },
+        pctx,
+        dev,
+    )
 }
 
 /// Primary contexts by device, so a release that drops the last reference
@@ -544,13 +577,14 @@ pub unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> u32 {
         g.retain(|(d, _)| *d != dev as usize);
         g.push((dev as usize, ctx));
     }
-    created(rc)
+    created(rc, pctx, dev)
 }
 
 pub unsafe fn ctx_destroy(ctx: CUcontext) -> u32 {
     let rc = unsafe { call::cuCtxDestroy_v2(ctx) };
     if rc == CUDA_SUCCESS {
         ledger::release_context(ctx as usize);
+        forget_context(ctx as usize);
         client::usage_changed();
     }
     rc
@@ -564,6 +598,7 @@ pub unsafe fn primary_release(dev: CUdevice) -> u32 {
         if st == CUDA_SUCCESS && active == 0 {
             if let Some(ctx) = primary_of(dev) {
                 ledger::release_context(ctx);
+                forget_context(ctx);
                 client::usage_changed();
             }
         }

@@ -194,6 +194,8 @@ hooks! {
         Cuda fn cuCtxGetCurrent(pctx: *mut CUcontext);
         Cuda fn cuCtxSetCurrent(ctx: CUcontext);
         Cuda fn cuCtxSynchronize();
+        Cuda fn cuCtxPushCurrent_v2(ctx: CUcontext);
+        Cuda fn cuCtxPopCurrent_v2(pctx: *mut CUcontext);
         Cuda fn cuDeviceGet(dev: *mut CUdevice, ordinal: c_int);
         Cuda fn cuDeviceGetCount(n: *mut c_int);
         Cuda fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice);

@@ -1,0 +1,62 @@
+//! GPU discovery through the CUDA driver API (libcuda as the dynamic loader
+//! finds it; no context is created) and, when present, NVML for
+//! utilisation. A node without a driver simply has no GPUs to offer.
+
+use std::ffi::c_int;
+
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub index: u32,
+    pub uuid: [u8; 16],
+    pub name: String,
+    pub total_mem: u64,
+}
+
+pub fn discover() -> Result<Vec<GpuInfo>, String> {
+    use cudarc::driver::result;
+    // cudarc panics when it cannot load the library; ask first.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda.so.1) found".into());
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    let n = result::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e:?}"))?;
+    let mut out = Vec::new();
+    for i in 0..n {
+        let dev =
+            result::device::get(i as c_int).map_err(|e| format!("cuDeviceGet({i}): {e:?}"))?;
+        let name = result::device::get_name(dev).unwrap_or_else(|_| "unknown".into());
+        let total = unsafe { result::device::total_mem(dev) }
+            .map_err(|e| format!("cuDeviceTotalMem({i}): {e:?}"))?;
+        let uuid =
+            result::device::get_uuid(dev).map_err(|e| format!("cuDeviceGetUuid({i}): {e:?}"))?;
+        out.push(GpuInfo {
+            index: i as u32,
+            uuid: uuid.bytes.map(|b| b as u8),
+            name,
+            total_mem: total as u64,
+        });
+    }
+    Ok(out)
+}
+
+/// NVML, when the node has it: utilisation per GPU by UUID.
+pub struct Nvml(Option<nvml_wrapper::Nvml>);
+
+impl Nvml {
+    pub fn open() -> Nvml {
+        Nvml(nvml_wrapper::Nvml::init().ok())
+    }
+
+    pub fn utilization(&self, uuid: &str) -> Option<u32> {
+        let nvml = self.0.as_ref()?;
+        let dev = nvml.device_by_uuid(uuid).ok()?;
+        dev.utilization_rates().ok().map(|u| u.gpu)
+    }
+}
+
+pub fn uuid_string(u: &[u8; 16]) -> String {
+    let mut buf = [0u8; 40];
+    let n =
+        gpufrac_common::cuda::format_uuid(&gpufrac_common::cuda::CUuuid { bytes: *u }, &mut buf);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}

@@ -1,0 +1,73 @@
+//! The status document the broker serves (`gpufrac status --json` prints it
+//! as is; the table view renders it). Field names are part of the contract.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Status {
+    pub version: String,
+    pub socket: String,
+    pub timeslice_ms: f64,
+    pub overprovision: u32,
+    pub gpus: Vec<GpuStatus>,
+    pub queue: Vec<QueueEntry>,
+    pub leases: Vec<LeaseEntry>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuStatus {
+    /// nvidia-smi index; None for a device only known from a client.
+    pub index: Option<u32>,
+    pub uuid: String,
+    pub name: String,
+    pub total_mem: u64,
+    pub slots_total: u32,
+    pub slots_used: u32,
+    /// Memory promised to leases of `gpufrac run`.
+    pub committed_mem: u64,
+    /// NVML utilisation in percent, when NVML is present.
+    pub utilization: Option<u32>,
+    /// pid of the process holding the compute timeslice.
+    pub holder: Option<u32>,
+    pub processes: Vec<ProcStatus>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ProcStatus {
+    pub pid: u32,
+    pub command: String,
+    /// CUDA ordinal of this GPU inside that process.
+    pub ordinal: u32,
+    pub mem_used: u64,
+    pub mem_peak: u64,
+    pub mem_cap: Option<u64>,
+    pub ooms: u64,
+    /// Share promised when contended, 0..1.
+    pub share_target: f64,
+    /// Share of GPU time held over the last window, 0..1.
+    pub share_achieved: f64,
+    /// GPU_COMPUTE_LIMIT, 0..1.
+    pub limit: Option<f64>,
+    /// holding | waiting | idle | revoking
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct QueueEntry {
+    pub position: u32,
+    pub pid: u32,
+    pub command: String,
+    /// Human description: "2 GPUs", "4.00 GiB".
+    pub wants: String,
+    pub waiting_s: f64,
+    pub escalated: bool,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct LeaseEntry {
+    pub pid: u32,
+    pub command: String,
+    pub gpus: Vec<u32>,
+    pub mem_cap: Option<u64>,
+    pub held_s: f64,
+}

@@ -1,0 +1,527 @@
+//! Test program that drives the CUDA driver API the way real applications
+//! find it, so tests can run it under LD_PRELOAD=libgpufrac.so.
+//!
+//! Lookup paths (`--lookup`):
+//! - `cudart`: dlopen("libcuda.so.1") + dlsym("cuGetProcAddress_v2"), then
+//!   every entry point by base name and `--cuda-version` (what cudart ≥ 12
+//!   does);
+//! - `dlsym`: dlopen + dlsym of each versioned symbol (what cudarc, ctypes
+//!   and older cudart do).
+//!
+//! Steps run in order and each prints one line `step key=value …`.
+//! Sizes accept K/M/G suffixes (binary).
+
+// The f! macro transmutes inside its own unsafe block and is also used inside
+// unsafe expressions.
+#![allow(unused_unsafe)]
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
+use std::sync::Mutex;
+
+type R = u32;
+
+struct Cuda {
+    lib: *mut c_void,
+    gpa: Option<unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> R>,
+    version: i32,
+    ptsz: bool,
+}
+
+unsafe impl Sync for Cuda {}
+unsafe impl Send for Cuda {}
+
+impl Cuda {
+    fn open(lookup: &str, version: i32, ptsz: bool) -> Cuda {
+        let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
+        assert!(!lib.is_null(), "dlopen libcuda.so.1 failed");
+        let gpa = if lookup == "cudart" {
+            let p = unsafe { libc::dlsym(lib, c"cuGetProcAddress_v2".as_ptr()) };
+            assert!(!p.is_null(), "no cuGetProcAddress_v2");
+            Some(unsafe { std::mem::transmute::<*mut c_void, _>(p) })
+        } else {
+            None
+        };
+        Cuda { lib, gpa, version, ptsz }
+    }
+
+    /// Looks up `base` (cudart path) or `versioned` (dlsym path).
+    fn sym(&self, base: &str, versioned: &str) -> *mut c_void {
+        match self.gpa {
+            Some(gpa) => {
+                let name = CString::new(base).unwrap();
+                let mut p = std::ptr::null_mut();
+                let mut status = 0;
+                let flags = if self.ptsz { 2 } else { 0 };
+                let rc = unsafe { gpa(name.as_ptr(), &mut p, self.version, flags, &mut status) };
+                assert!(rc == 0 && !p.is_null(), "cuGetProcAddress_v2({base}) = {rc}");
+                p
+            }
+            None => {
+                let name = CString::new(versioned).unwrap();
+                let p = unsafe { libc::dlsym(self.lib, name.as_ptr()) };
+                assert!(!p.is_null(), "dlsym({versioned}) failed");
+                p
+            }
+        }
+    }
+}
+
+macro_rules! f {
+    ($cuda:expr, $base:literal, $ver:literal, fn($($t:ty),*)) => {{
+        let p = $cuda.sym($base, $ver);
+        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($t),*) -> R>(p) }
+    }};
+}
+
+fn ptsz_name(c: &Cuda, plain: &'static str, ptsz: &'static str) -> &'static str {
+    if c.ptsz { ptsz } else { plain }
+}
+
+fn parse_size(s: &str) -> usize {
+    let (num, mul) = match s.chars().last().unwrap() {
+        'K' | 'k' => (&s[..s.len() - 1], 1usize << 10),
+        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
+        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().expect("size") * mul
+}
+
+#[derive(Clone, Copy)]
+enum Held {
+    Ptr(u64),
+    AsyncPtr(u64),
+    Vmm(u64),
+    Array(usize),
+    Mipmap(usize),
+}
+
+unsafe impl Send for Held {}
+
+struct Probe {
+    c: Cuda,
+    ctx: usize,
+    dev: c_int,
+    held: Mutex<Vec<Held>>,
+    pool: Mutex<HashMap<c_int, usize>>,
+}
+
+impl Probe {
+    fn set_current(&self) {
+        let set = f!(self.c, "cuCtxSetCurrent", "cuCtxSetCurrent", fn(*mut c_void));
+        unsafe { set(self.ctx as *mut c_void) };
+    }
+
+    /// One allocation of `kind`; Ok(held) or Err(rc).
+    fn alloc(&self, kind: &str, size: usize) -> Result<Held, R> {
+        let c = &self.c;
+        let mut p: u64 = 0;
+        let rc = match kind {
+            "alloc" => unsafe { f!(c, "cuMemAlloc", "cuMemAlloc_v2", fn(*mut u64, usize))(&mut p, size) },
+            "managed" => unsafe {
+                f!(c, "cuMemAllocManaged", "cuMemAllocManaged", fn(*mut u64, usize, c_uint))(&mut p, size, 1)
+            },
+            "pitch" => {
+                // size is the row width; 4 rows.
+                let mut pitch = 0usize;
+                let rc = unsafe {
+                    f!(c, "cuMemAllocPitch", "cuMemAllocPitch_v2", fn(*mut u64, *mut usize, usize, usize, c_uint))(
+                        &mut p, &mut pitch, size, 4, 4,
+                    )
+                };
+                if rc == 0 {
+                    println!("pitch pitch={pitch}");
+                }
+                rc
+            }
+            "async" => {
+                let name = ptsz_name(c, "cuMemAllocAsync", "cuMemAllocAsync_ptsz");
+                let fp = c.sym("cuMemAllocAsync", name);
+                let fp: unsafe extern "C" fn(*mut u64, usize, *mut c_void) -> R = unsafe { std::mem::transmute(fp) };
+                let rc = unsafe { fp(&mut p, size, std::ptr::null_mut()) };
+                if rc == 0 {
+                    return Ok(Held::AsyncPtr(p));
+                }
+                rc
+            }
+            "pool" => {
+                let pool = *self.pool.lock().unwrap().entry(self.dev).or_insert_with(|| {
+                    let mut pool: *mut c_void = std::ptr::null_mut();
+                    let get = f!(c, "cuDeviceGetDefaultMemPool", "cuDeviceGetDefaultMemPool", fn(*mut *mut c_void, c_int));
+                    assert_eq!(unsafe { get(&mut pool, self.dev) }, 0);
+                    pool as usize
+                });
+                let name = ptsz_name(c, "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz");
+                let fp = c.sym("cuMemAllocFromPoolAsync", name);
+                let fp: unsafe extern "C" fn(*mut u64, usize, *mut c_void, *mut c_void) -> R =
+                    unsafe { std::mem::transmute(fp) };
+                let rc = unsafe { fp(&mut p, size, pool as *mut c_void, std::ptr::null_mut()) };
+                if rc == 0 {
+                    return Ok(Held::AsyncPtr(p));
+                }
+                rc
+            }
+            k if k.starts_with("vmm") => {
+                // vmm or vmm@N: placed on device N whatever the current context.
+                let dev: c_int = k.strip_prefix("vmm@").map_or(self.dev, |d| d.parse().unwrap());
+                let mut prop = [0u8; 32];
+                prop[0] = 1; // CU_MEM_ALLOCATION_TYPE_PINNED
+                prop[8] = 1; // location.type = DEVICE
+                prop[12..16].copy_from_slice(&dev.to_le_bytes());
+                let mut h: u64 = 0;
+                let create = f!(c, "cuMemCreate", "cuMemCreate", fn(*mut u64, usize, *const u8, u64));
+                let rc = unsafe { create(&mut h, size, prop.as_ptr(), 0) };
+                if rc == 0 {
+                    return Ok(Held::Vmm(h));
+                }
+                rc
+            }
+            "array" => {
+                // FLOAT x1, size/4 wide, 1 row.
+                let desc: [usize; 3] = [size / 4, 1, 0x20 | (1 << 32)];
+                let mut a: *mut c_void = std::ptr::null_mut();
+                let create = f!(c, "cuArrayCreate", "cuArrayCreate_v2", fn(*mut *mut c_void, *const usize));
+                let rc = unsafe { create(&mut a, desc.as_ptr()) };
+                if rc == 0 {
+                    return Ok(Held::Array(a as usize));
+                }
+                rc
+            }
+            "array3d" => {
+                // UINT8 x1, (size/4) x 2 x 2.
+                let desc: [usize; 5] = [size / 4, 2, 2, 0x01 | (1 << 32), 0];
+                let mut a: *mut c_void = std::ptr::null_mut();
+                let create = f!(c, "cuArray3DCreate", "cuArray3DCreate_v2", fn(*mut *mut c_void, *const usize));
+                let rc = unsafe { create(&mut a, desc.as_ptr()) };
+                if rc == 0 {
+                    return Ok(Held::Array(a as usize));
+                }
+                rc
+            }
+            "mipmap" => {
+                // UINT8 x1 2D, size bytes at level 0, 3 levels.
+                let side = (size as f64).sqrt() as usize;
+                let desc: [usize; 5] = [side, side, 0, 0x01 | (1 << 32), 0];
+                let mut a: *mut c_void = std::ptr::null_mut();
+                let create = f!(
+                    c,
+                    "cuMipmappedArrayCreate",
+                    "cuMipmappedArrayCreate",
+                    fn(*mut *mut c_void, *const usize, c_uint)
+                );
+                let rc = unsafe { create(&mut a, desc.as_ptr(), 3) };
+                if rc == 0 {
+                    return Ok(Held::Mipmap(a as usize));
+                }
+                rc
+            }
+            other => panic!("unknown allocation kind {other}"),
+        };
+        if rc == 0 { Ok(Held::Ptr(p)) } else { Err(rc) }
+    }
+
+    fn free(&self, h: Held) -> R {
+        let c = &self.c;
+        unsafe {
+            match h {
+                Held::Ptr(p) => f!(c, "cuMemFree", "cuMemFree_v2", fn(u64))(p),
+                Held::AsyncPtr(p) => {
+                    let name = ptsz_name(c, "cuMemFreeAsync", "cuMemFreeAsync_ptsz");
+                    let fp: unsafe extern "C" fn(u64, *mut c_void) -> R =
+                        std::mem::transmute(c.sym("cuMemFreeAsync", name));
+                    fp(p, std::ptr::null_mut())
+                }
+                Held::Vmm(h) => f!(c, "cuMemRelease", "cuMemRelease", fn(u64))(h),
+                Held::Array(a) => f!(c, "cuArrayDestroy", "cuArrayDestroy", fn(*mut c_void))(a as *mut c_void),
+                Held::Mipmap(a) => {
+                    f!(c, "cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy", fn(*mut c_void))(a as *mut c_void)
+                }
+            }
+        }
+    }
+
+    fn fill(&self, kind: &str, size: usize, limit: usize) -> (usize, R) {
+        let mut n = 0;
+        loop {
+            if n >= limit {
+                return (n, 0);
+            }
+            match self.alloc(kind, size) {
+                Ok(h) => {
+                    self.held.lock().unwrap().push(h);
+                    n += 1;
+                }
+                Err(rc) => return (n, rc),
+            }
+        }
+    }
+}
+
+fn last_variant(c: &Cuda) -> String {
+    let p = unsafe { libc::dlsym(c.lib, c"gpufracSimLastVariant".as_ptr()) };
+    if p.is_null() {
+        return "?".into();
+    }
+    let f: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(p) };
+    unsafe { CStr::from_ptr(f()) }.to_string_lossy().into_owned()
+}
+
+fn main() {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut lookup = "cudart".to_string();
+    let mut version = 12080;
+    let mut ptsz = false;
+    let mut dev: c_int = 0;
+    while let Some(a) = args.first().cloned() {
+        match a.as_str() {
+            "--lookup" => lookup = args.remove(1),
+            "--cuda-version" => version = args.remove(1).parse().unwrap(),
+            "--ptsz" => ptsz = true,
+            "--device" => dev = args.remove(1).parse().unwrap(),
+            _ => break,
+        }
+        args.remove(0);
+    }
+    let c = Cuda::open(&lookup, version, ptsz);
+    let init = f!(c, "cuInit", "cuInit", fn(c_uint));
+    let rc = unsafe { init(0) };
+    println!("init rc={rc}");
+    if rc != 0 {
+        std::process::exit(3);
+    }
+    let mut probe = Probe { c, ctx: 0, dev, held: Mutex::new(Vec::new()), pool: Mutex::new(HashMap::new()) };
+    let mut i = 0;
+    let next = |i: &mut usize| {
+        *i += 1;
+        args[*i - 1].clone()
+    };
+    while i < args.len() {
+        let step = next(&mut i);
+        match step.as_str() {
+            // Primary context on --device, made current.
+            "ctx" => {
+                let retain = f!(probe.c, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", fn(*mut *mut c_void, c_int));
+                let mut ctx = std::ptr::null_mut();
+                let rc = unsafe { retain(&mut ctx, probe.dev) };
+                probe.ctx = ctx as usize;
+                probe.set_current();
+                println!("ctx rc={rc}");
+            }
+            // cuCtxCreate as this CUDA version defines it (v2 before 13.0, v4 after).
+            "ctx-create" => {
+                let d: c_int = next(&mut i).parse().unwrap();
+                let mut ctx: *mut c_void = std::ptr::null_mut();
+                let rc = if probe.c.version >= 13000 {
+                    let f = f!(probe.c, "cuCtxCreate", "cuCtxCreate_v4", fn(*mut *mut c_void, *mut c_void, c_uint, c_int));
+                    unsafe { f(&mut ctx, std::ptr::null_mut(), 0, d) }
+                } else {
+                    let f = f!(probe.c, "cuCtxCreate", "cuCtxCreate_v2", fn(*mut *mut c_void, c_uint, c_int));
+                    unsafe { f(&mut ctx, 0, d) }
+                };
+                let variant = last_variant(&probe.c);
+                probe.ctx = ctx as usize;
+                probe.dev = d;
+                let mut got: c_int = -1;
+                let getdev = f!(probe.c, "cuCtxGetDevice", "cuCtxGetDevice", fn(*mut c_int));
+                unsafe { getdev(&mut got) };
+                println!("ctx-create rc={rc} device={got} variant={variant}");
+            }
+            "ctx-destroy" => {
+                let f = f!(probe.c, "cuCtxDestroy", "cuCtxDestroy_v2", fn(*mut c_void));
+                let rc = unsafe { f(probe.ctx as *mut c_void) };
+                probe.held.lock().unwrap().clear();
+                println!("ctx-destroy rc={rc}");
+            }
+            "alloc" => {
+                let kind = next(&mut i);
+                let size = parse_size(&next(&mut i));
+                match probe.alloc(&kind, size) {
+                    Ok(h) => {
+                        probe.held.lock().unwrap().push(h);
+                        println!("alloc rc=0 variant={}", last_variant(&probe.c));
+                    }
+                    Err(rc) => println!("alloc rc={rc} variant={}", last_variant(&probe.c)),
+                }
+            }
+            "fill" => {
+                let kind = next(&mut i);
+                let size = parse_size(&next(&mut i));
+                let (n, rc) = probe.fill(&kind, size, usize::MAX);
+                println!("fill count={n} rc={rc}");
+            }
+            "free-one" => {
+                let h = probe.held.lock().unwrap().pop();
+                let rc = h.map_or(0, |h| probe.free(h));
+                println!("free-one rc={rc}");
+            }
+            "free-all" => {
+                let held: Vec<Held> = std::mem::take(&mut *probe.held.lock().unwrap());
+                let bad = held.into_iter().map(|h| probe.free(h)).filter(|&rc| rc != 0).count();
+                println!("free-all failures={bad}");
+            }
+            "free-unknown" => {
+                let rc = unsafe { f!(probe.c, "cuMemFree", "cuMemFree_v2", fn(u64))(0xdead_0000) };
+                println!("free-unknown rc={rc}");
+            }
+            "churn" => {
+                let kind = next(&mut i);
+                let size = parse_size(&next(&mut i));
+                let n: usize = next(&mut i).parse().unwrap();
+                let mut fails = 0;
+                for _ in 0..n {
+                    match probe.alloc(&kind, size) {
+                        Ok(h) => fails += (probe.free(h) != 0) as usize,
+                        Err(_) => fails += 1,
+                    }
+                }
+                println!("churn n={n} failures={fails}");
+            }
+            "race" => {
+                let threads: usize = next(&mut i).parse().unwrap();
+                let kind = next(&mut i);
+                let size = parse_size(&next(&mut i));
+                let barrier = std::sync::Barrier::new(threads);
+                let total: usize = std::thread::scope(|s| {
+                    let hs: Vec<_> = (0..threads)
+                        .map(|_| {
+                            s.spawn(|| {
+                                probe.set_current();
+                                barrier.wait();
+                                probe.fill(&kind, size, usize::MAX).0
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).sum()
+                });
+                println!("race count={total}");
+            }
+            "info" => {
+                let (mut free, mut total) = (0usize, 0usize);
+                let rc = unsafe { f!(probe.c, "cuMemGetInfo", "cuMemGetInfo_v2", fn(*mut usize, *mut usize))(&mut free, &mut total) };
+                let mut dt = 0usize;
+                let rc2 = unsafe { f!(probe.c, "cuDeviceTotalMem", "cuDeviceTotalMem_v2", fn(*mut usize, c_int))(&mut dt, probe.dev) };
+                println!("info rc={rc} free={free} total={total} devtotal_rc={rc2} devtotal={dt}");
+            }
+            "info-null" => {
+                let mut total = 0usize;
+                let rc = unsafe {
+                    f!(probe.c, "cuMemGetInfo", "cuMemGetInfo_v2", fn(*mut usize, *mut usize))(std::ptr::null_mut(), &mut total)
+                };
+                println!("info-null rc={rc} total={total}");
+            }
+            "nvml" => nvml_report(),
+            "limit-api" => {
+                let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_limit".as_ptr()) };
+                let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
+                if p.is_null() || q.is_null() {
+                    println!("limit-api present=0");
+                } else {
+                    let lim: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(p) };
+                    let used: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
+                    println!("limit-api present=1 limit={} used={}", lim(probe.dev), used(probe.dev));
+                }
+            }
+            "launch" => {
+                // launch N kernels of D ns on the (per-thread) default stream, then sync.
+                let n: usize = next(&mut i).parse().unwrap();
+                let ns: u64 = next(&mut i).parse().unwrap();
+                let (rc, variant) = launch(&probe.c, n, ns);
+                println!("launch rc={rc} variant={variant}");
+            }
+            "lookup" => {
+                // dlsym(RTLD_DEFAULT, NAME) from the application.
+                let name = CString::new(next(&mut i)).unwrap();
+                let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+                println!("lookup found={}", !p.is_null() as u8);
+            }
+            "origin" => {
+                // Which library the pointer for BASE/VERSIONED comes from,
+                // by the cuGetProcAddress path and by plain dlsym.
+                let base = next(&mut i);
+                let versioned = next(&mut i);
+                let via_gpa = origin(probe.c.sym(&base, &versioned));
+                let name = CString::new(versioned.as_str()).unwrap();
+                let via_dlsym = origin(unsafe { libc::dlsym(probe.c.lib, name.as_ptr()) });
+                println!("origin via_lookup={via_gpa} via_dlsym={via_dlsym}");
+            }
+            other => panic!("unknown step {other}"),
+        }
+    }
+}
+
+/// File name of the shared object containing `p`.
+fn origin(p: *mut c_void) -> String {
+    if p.is_null() {
+        return "null".into();
+    }
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    if unsafe { libc::dladdr(p, &mut info) } == 0 || info.dli_fname.is_null() {
+        return "unknown".into();
+    }
+    let f = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    f.rsplit('/').next().unwrap_or(&f).to_string()
+}
+
+fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
+    let mut module: *mut c_void = std::ptr::null_mut();
+    let load = f!(c, "cuModuleLoadData", "cuModuleLoadData", fn(*mut *mut c_void, *const c_void));
+    unsafe { load(&mut module, c"sim".as_ptr().cast()) };
+    let mut func: *mut c_void = std::ptr::null_mut();
+    let getf = f!(c, "cuModuleGetFunction", "cuModuleGetFunction", fn(*mut *mut c_void, *mut c_void, *const c_char));
+    unsafe { getf(&mut func, module, c"spin".as_ptr()) };
+    let name = ptsz_name(c, "cuLaunchKernel", "cuLaunchKernel_ptsz");
+    let lk: unsafe extern "C" fn(
+        *mut c_void, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void,
+    ) -> R = unsafe { std::mem::transmute(c.sym("cuLaunchKernel", name)) };
+    let mut d = ns;
+    let mut params = [(&mut d as *mut u64).cast::<c_void>()];
+    let mut rc = 0;
+    let mut variant = String::new();
+    for _ in 0..n {
+        rc = unsafe { lk(func, 1, 1, 1, 1, 1, 1, 0, std::ptr::null_mut(), params.as_mut_ptr(), std::ptr::null_mut()) };
+        variant = last_variant(c);
+        if rc != 0 {
+            break;
+        }
+    }
+    let sync = f!(c, "cuCtxSynchronize", "cuCtxSynchronize", fn());
+    unsafe { sync() };
+    (rc, variant)
+}
+
+fn nvml_report() {
+    let lib = unsafe { libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW) };
+    assert!(!lib.is_null(), "dlopen libnvidia-ml.so.1");
+    let sym = |n: &CStr| {
+        let p = unsafe { libc::dlsym(lib, n.as_ptr()) };
+        assert!(!p.is_null(), "{n:?}");
+        p
+    };
+    unsafe {
+        let init: unsafe extern "C" fn() -> R = std::mem::transmute(sym(c"nvmlInit_v2"));
+        assert_eq!(init(), 0);
+        let count: unsafe extern "C" fn(*mut c_uint) -> R = std::mem::transmute(sym(c"nvmlDeviceGetCount_v2"));
+        let handle: unsafe extern "C" fn(c_uint, *mut *mut c_void) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetHandleByIndex_v2"));
+        let info: unsafe extern "C" fn(*mut c_void, *mut [u64; 3]) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetMemoryInfo"));
+        let info2: unsafe extern "C" fn(*mut c_void, *mut [u64; 5]) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetMemoryInfo_v2"));
+        let mut n = 0;
+        count(&mut n);
+        for i in 0..n {
+            let mut h = std::ptr::null_mut();
+            handle(i, &mut h);
+            let mut m = [0u64; 3];
+            let rc = info(h, &mut m);
+            let mut m2 = [0u64; 5];
+            m2[0] = (40u64) | (2 << 24);
+            let rc2 = info2(h, &mut m2);
+            println!(
+                "nvml index={i} rc={rc} total={} free={} used={} rc2={rc2} total2={} free2={} used2={}",
+                m[0], m[1], m[2], m2[1], m2[3], m2[4]
+            );
+        }
+    }
+}
