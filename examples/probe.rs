@@ -435,6 +435,23 @@ fn main() {
                 let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
                 println!("lookup found={}", !p.is_null() as u8);
             }
+            "spin" => {
+                // Launch KERNEL_NS kernels from START to END (CLOCK_MONOTONIC
+                // ns, shared by every process on the machine), syncing every
+                // BATCH launches like a training loop does; count the
+                // kernels that completed inside the window.
+                let start: u64 = next(&mut i).parse().unwrap();
+                let end: u64 = next(&mut i).parse().unwrap();
+                let kernel_ns: u64 = next(&mut i).parse().unwrap();
+                let batch: usize = next(&mut i).parse().unwrap();
+                let (kernels, rc) = spin(&probe.c, start, end, kernel_ns, batch);
+                println!("spin kernels={kernels} rc={rc} gpu_ns={}", kernels * kernel_ns);
+            }
+            "sleep-ms" => {
+                let ms: u64 = next(&mut i).parse().unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                println!("sleep-ms done=1");
+            }
             "origin" => {
                 // Which library the pointer for BASE/VERSIONED comes from,
                 // by the cuGetProcAddress path and by plain dlsym.
@@ -488,6 +505,48 @@ fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
     let sync = f!(c, "cuCtxSynchronize", "cuCtxSynchronize", fn());
     unsafe { sync() };
     (rc, variant)
+}
+
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn spin(c: &Cuda, start: u64, end: u64, ns: u64, batch: usize) -> (u64, R) {
+    let mut module: *mut c_void = std::ptr::null_mut();
+    let load = f!(c, "cuModuleLoadData", "cuModuleLoadData", fn(*mut *mut c_void, *const c_void));
+    unsafe { load(&mut module, c"sim".as_ptr().cast()) };
+    let mut func: *mut c_void = std::ptr::null_mut();
+    let getf = f!(c, "cuModuleGetFunction", "cuModuleGetFunction", fn(*mut *mut c_void, *mut c_void, *const c_char));
+    unsafe { getf(&mut func, module, c"spin".as_ptr()) };
+    let lk: unsafe extern "C" fn(
+        *mut c_void, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void,
+    ) -> R = unsafe { std::mem::transmute(c.sym("cuLaunchKernel", "cuLaunchKernel")) };
+    let sync = f!(c, "cuCtxSynchronize", "cuCtxSynchronize", fn());
+    let mut d = ns;
+    let mut params = [(&mut d as *mut u64).cast::<c_void>()];
+    while mono_ns() < start {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    let mut done = 0u64;
+    loop {
+        let t = mono_ns();
+        if t >= end {
+            return (done, 0);
+        }
+        for _ in 0..batch {
+            let rc = unsafe { lk(func, 1, 1, 1, 1, 1, 1, 0, std::ptr::null_mut(), params.as_mut_ptr(), std::ptr::null_mut()) };
+            if rc != 0 {
+                return (done, rc);
+            }
+        }
+        unsafe { sync() };
+        // Count only work that finished inside the window.
+        if mono_ns() <= end {
+            done += batch as u64;
+        }
+    }
 }
 
 fn nvml_report() {

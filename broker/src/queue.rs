@@ -1,1 +1,1192 @@
-//! GPU admission queue (in progress)
+//! GPU admission queue for `gpufrac run` (SPEC §3).
+//!
+//! A pure state machine: no I/O, no clock. The socket layer submits requests,
+//! reports ends of leases, and calls [`Queue::poll`] after every change
+//! (submit, cancel, release) to learn which waiting requests were placed.
+//! Escalation needs no timer of its own: it only reorders the queue, and
+//! reordering never makes a request fit that did not fit before, so the next
+//! event's `poll` is always soon enough.
+//!
+//! Placement rules, per physical GPU with `F = overprovision` slots:
+//! - A whole-GPU (`--gpus N`) lease takes one slot on each of N distinct GPUs,
+//!   lowest indices first, and commits `total / F` of memory on each (its
+//!   default memory cap when F > 1). With F = 1 it needs the GPU to have no
+//!   lease at all, fractions included: a whole GPU means exclusive.
+//! - A memory fraction (`--gpu-memory B`) needs one GPU that still has a free
+//!   slot (so with F = 1, one not held whole) and `B` uncommitted memory,
+//!   chosen best-fit or spread. With F > 1 fractions and slot leases share a
+//!   GPU, both bounded by memory: a slot lease is just a tenant capped at
+//!   `total / F`.
+//! - Committed memory never exceeds a GPU's total unless `overcommit`; then
+//!   memory is not checked at all (slots still are), and fractions go to GPUs
+//!   where they still fit if any, otherwise to the least overcommitted one.
+
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Monotonic nanoseconds, chosen by the caller.
+pub type Nanos = u64;
+/// Chosen by the caller; unique among requests waiting or leased.
+pub type RequestId = u64;
+
+const HOUR: Nanos = 3600 * 1_000_000_000;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// nvidia-smi (PCI bus) order.
+    pub index: u32,
+    /// CUDA's default enumeration order differs from nvidia-smi's, so
+    /// children should be pointed at GPUs by UUID.
+    pub uuid: String,
+    pub total_mem: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// Least uncommitted memory that still fits: keeps big holes for big
+    /// requests.
+    #[default]
+    BestFit,
+    /// Most uncommitted memory: spreads load over GPUs.
+    Spread,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueConfig {
+    /// A request that has waited this long goes ahead of all younger ones.
+    pub escalate_after: Nanos,
+    /// Slots per physical GPU (F >= 1; 0 is read as 1).
+    pub overprovision: u32,
+    /// Let committed memory exceed a GPU's total.
+    pub overcommit: bool,
+    /// How memory fractions pick a GPU.
+    pub placement: Placement,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            escalate_after: HOUR,
+            overprovision: 1,
+            overcommit: false,
+            placement: Placement::BestFit,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Want {
+    /// `--gpus N`
+    Gpus(u32),
+    /// `--gpu-memory SIZE`, bytes.
+    Memory(u64),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub want: Want,
+    /// `--gpu-compute`, a weight; carried for status, not used for placement.
+    pub compute: Option<f64>,
+    /// `--gpu-limit`, a fraction in (0, 1].
+    pub limit: Option<f64>,
+    /// The command, for status.
+    pub label: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub id: RequestId,
+    /// nvidia-smi indices, ascending.
+    pub gpus: Vec<u32>,
+    /// UUIDs of `gpus`, same order: what `CUDA_VISIBLE_DEVICES` should list.
+    pub uuids: Vec<String>,
+    /// Bytes per GPU; None = uncapped. For a slot lease on GPUs of different
+    /// sizes, the smallest GPU's `total / F`.
+    pub mem_cap: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    /// Says why, and what would work.
+    pub reason: String,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WaitingStatus {
+    pub id: RequestId,
+    /// 1-based place in queue order.
+    pub position: usize,
+    pub want: Want,
+    pub label: String,
+    pub since: Nanos,
+    pub waited: Nanos,
+    pub escalated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseStatus {
+    pub index: u32,
+    pub uuid: String,
+    pub total_mem: u64,
+    pub slots_used: u32,
+    pub slots_total: u32,
+    pub committed_mem: u64,
+    /// Leases with a share of this GPU (slots and fractions), ascending.
+    pub leases: Vec<RequestId>,
+}
+
+#[derive(Debug, Clone)]
+struct Waiter {
+    id: RequestId,
+    req: Request,
+    since: Nanos,
+    seq: u64,
+}
+
+/// What a lease holds on one GPU, so releasing undoes exactly that.
+#[derive(Debug, Clone, Copy)]
+struct Share {
+    gpu: usize,
+    mem: u64,
+    slot: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Held {
+    lease: Lease,
+    req: Request,
+    shares: Vec<Share>,
+}
+
+#[derive(Debug, Clone)]
+struct GpuState {
+    info: GpuInfo,
+    slots_used: u32,
+    committed: u64,
+    leases: Vec<RequestId>,
+}
+
+impl GpuState {
+    fn uncommitted(&self) -> i128 {
+        self.info.total_mem as i128 - self.committed as i128
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Queue {
+    cfg: QueueConfig,
+    /// Sorted by index.
+    gpus: Vec<GpuState>,
+    waiting: Vec<Waiter>,
+    held: BTreeMap<RequestId, Held>,
+    next_seq: u64,
+}
+
+fn fmt_bytes(b: u64) -> String {
+    const K: f64 = 1024.0;
+    let f = b as f64;
+    if f >= K * K * K {
+        format!("{:.1} GiB", f / (K * K * K))
+    } else if f >= K * K {
+        format!("{:.1} MiB", f / (K * K))
+    } else if f >= K {
+        format!("{:.1} KiB", f / K)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn fmt_indices(idx: &[u32]) -> String {
+    match idx {
+        [] => "none".into(),
+        [one] => format!("index {one}"),
+        [first, .., last] if idx.windows(2).all(|w| w[1] == w[0] + 1) => {
+            format!("indices {first}-{last}")
+        }
+        _ => {
+            let list: Vec<String> = idx.iter().map(u32::to_string).collect();
+            format!("indices {}", list.join(", "))
+        }
+    }
+}
+
+fn plural(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+fn refuse(reason: impl Into<String>) -> Refusal {
+    Refusal {
+        reason: reason.into(),
+    }
+}
+
+fn want_text(want: Want) -> String {
+    match want {
+        Want::Gpus(n) => format!("--gpus {n}"),
+        Want::Memory(b) => format!("--gpu-memory {}", fmt_bytes(b)),
+    }
+}
+
+impl Queue {
+    pub fn new(mut gpus: Vec<GpuInfo>, cfg: QueueConfig) -> Self {
+        gpus.sort_by_key(|g| g.index);
+        gpus.dedup_by_key(|g| g.index);
+        let cfg = QueueConfig {
+            overprovision: cfg.overprovision.max(1),
+            ..cfg
+        };
+        Queue {
+            cfg,
+            gpus: gpus
+                .into_iter()
+                .map(|info| GpuState {
+                    info,
+                    slots_used: 0,
+                    committed: 0,
+                    leases: Vec::new(),
+                })
+                .collect(),
+            waiting: Vec::new(),
+            held: BTreeMap::new(),
+            next_seq: 0,
+        }
+    }
+
+    pub fn config(&self) -> &QueueConfig {
+        &self.cfg
+    }
+
+    pub fn gpus(&self) -> impl Iterator<Item = &GpuInfo> {
+        self.gpus.iter().map(|g| &g.info)
+    }
+
+    /// Queues a request. Refuses at once what no GPU of this node could ever
+    /// satisfy, and ids already in use. Call `poll` afterwards.
+    pub fn submit(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<(), Refusal> {
+        self.check(id, &req)?;
+        self.waiting.push(Waiter {
+            id,
+            req,
+            since: now,
+            seq: self.next_seq,
+        });
+        self.next_seq += 1;
+        Ok(())
+    }
+
+    /// `--no-wait`: a lease now, or a refusal saying what is busy. Never
+    /// jumps an escalated request, which by then has priority over everyone
+    /// younger, this one included.
+    pub fn try_now(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<Lease, Refusal> {
+        self.check(id, &req)?;
+        let escalated = self
+            .waiting
+            .iter()
+            .filter(|w| self.is_escalated(now, w))
+            .count();
+        if escalated > 0 {
+            return Err(refuse(format!(
+                "{} waited longer than the escalation limit and must be placed first; \
+                 retry later or drop --no-wait to queue",
+                plural(
+                    escalated as u64,
+                    "queued request has",
+                    "queued requests have"
+                )
+            )));
+        }
+        match self.plan(req.want) {
+            Some(plan) => Ok(self.commit(id, req, plan)),
+            None => Err(refuse(format!(
+                "no room now for {}: {}; drop --no-wait to queue",
+                want_text(req.want),
+                self.busy_summary()
+            ))),
+        }
+    }
+
+    /// The waiting `run` died or gave up. A lease under that id (granted
+    /// before the caller noticed) is released, so nothing leaks.
+    pub fn cancel(&mut self, now: Nanos, id: RequestId) {
+        if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
+            self.waiting.remove(pos);
+        } else {
+            self.release(now, id);
+        }
+    }
+
+    /// The lease ended. A waiting request under that id is dropped instead.
+    pub fn release(&mut self, _now: Nanos, id: RequestId) {
+        let Some(held) = self.held.remove(&id) else {
+            if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
+                self.waiting.remove(pos);
+            }
+            return;
+        };
+        for s in held.shares {
+            let g = &mut self.gpus[s.gpu];
+            g.committed = g.committed.saturating_sub(s.mem);
+            if s.slot {
+                g.slots_used -= 1;
+            }
+            g.leases.retain(|&l| l != id);
+        }
+    }
+
+    /// Places whatever can be placed now, in queue order, backfilling
+    /// smaller requests into holes; but once an escalated request does not
+    /// fit, nothing behind it is placed, so the resources it waits for drain
+    /// towards it instead of being taken by a stream of small jobs.
+    pub fn poll(&mut self, now: Nanos) -> Vec<Lease> {
+        let mut placed = Vec::new();
+        let mut taken = Vec::new();
+        for i in self.order(now) {
+            let w = &self.waiting[i];
+            let escalated = self.is_escalated(now, w);
+            match self.plan(w.req.want) {
+                Some(plan) => {
+                    let (id, req) = (w.id, w.req.clone());
+                    placed.push(self.commit(id, req, plan));
+                    taken.push(i);
+                }
+                None if escalated => break,
+                None => {}
+            }
+        }
+        taken.sort_unstable();
+        for i in taken.into_iter().rev() {
+            self.waiting.remove(i);
+        }
+        placed
+    }
+
+    pub fn waiting(&self, now: Nanos) -> Vec<WaitingStatus> {
+        self.order(now)
+            .into_iter()
+            .enumerate()
+            .map(|(pos, i)| {
+                let w = &self.waiting[i];
+                WaitingStatus {
+                    id: w.id,
+                    position: pos + 1,
+                    want: w.req.want,
+                    label: w.req.label.clone(),
+                    since: w.since,
+                    waited: now.saturating_sub(w.since),
+                    escalated: self.is_escalated(now, w),
+                }
+            })
+            .collect()
+    }
+
+    /// 1-based queue position of a waiting request.
+    pub fn position(&self, now: Nanos, id: RequestId) -> Option<usize> {
+        self.order(now)
+            .into_iter()
+            .position(|i| self.waiting[i].id == id)
+            .map(|p| p + 1)
+    }
+
+    pub fn leases(&self) -> Vec<LeaseStatus> {
+        self.gpus
+            .iter()
+            .map(|g| {
+                let mut leases = g.leases.clone();
+                leases.sort_unstable();
+                LeaseStatus {
+                    index: g.info.index,
+                    uuid: g.info.uuid.clone(),
+                    total_mem: g.info.total_mem,
+                    slots_used: g.slots_used,
+                    slots_total: self.cfg.overprovision,
+                    committed_mem: g.committed,
+                    leases,
+                }
+            })
+            .collect()
+    }
+
+    pub fn lease(&self, id: RequestId) -> Option<&Lease> {
+        self.held.get(&id).map(|h| &h.lease)
+    }
+
+    /// The request a lease was granted for (label, compute, limit).
+    pub fn lease_request(&self, id: RequestId) -> Option<&Request> {
+        self.held.get(&id).map(|h| &h.req)
+    }
+
+    fn is_escalated(&self, now: Nanos, w: &Waiter) -> bool {
+        now.saturating_sub(w.since) >= self.cfg.escalate_after
+    }
+
+    /// Indices into `waiting`, in queue order: escalated first (FIFO), then
+    /// by GPUs needed (a fraction counts as zero), FIFO among equals.
+    fn order(&self, now: Nanos) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..self.waiting.len()).collect();
+        idx.sort_by_key(|&i| {
+            let w = &self.waiting[i];
+            if self.is_escalated(now, w) {
+                (0, 0, w.seq)
+            } else {
+                let size = match w.req.want {
+                    Want::Memory(_) => 0,
+                    Want::Gpus(n) => n,
+                };
+                (1, size, w.seq)
+            }
+        });
+        idx
+    }
+
+    fn check(&self, id: RequestId, req: &Request) -> Result<(), Refusal> {
+        if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
+            return Err(refuse(format!("request {id} is already queued or running")));
+        }
+        if let Some(c) = req.compute
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(refuse(format!(
+                "invalid compute share {c}: it must be a positive weight, e.g. 30%"
+            )));
+        }
+        if let Some(l) = req.limit
+            && !(l.is_finite() && l > 0.0 && l <= 1.0)
+        {
+            return Err(refuse(format!(
+                "invalid compute limit {l}: it must be a fraction in (0, 1], e.g. 30%"
+            )));
+        }
+        if self.gpus.is_empty() {
+            return Err(refuse("this node has no GPUs"));
+        }
+        let indices: Vec<u32> = self.gpus.iter().map(|g| g.info.index).collect();
+        match req.want {
+            Want::Gpus(0) => Err(refuse("requested 0 GPUs; ask for at least 1")),
+            Want::Gpus(n) if n as usize > self.gpus.len() => {
+                let mut reason = format!(
+                    "requested {} but this node has {} ({})",
+                    plural(n.into(), "GPU", "GPUs"),
+                    self.gpus.len(),
+                    fmt_indices(&indices)
+                );
+                if self.cfg.overprovision > 1 {
+                    reason.push_str(&format!(
+                        "; with --overprovision {} a lease still takes at most one slot \
+                         per GPU, so ask for --gpus {} at most, or --gpu-memory",
+                        self.cfg.overprovision,
+                        self.gpus.len()
+                    ));
+                } else {
+                    reason.push_str(&format!("; ask for --gpus {} at most", self.gpus.len()));
+                }
+                Err(refuse(reason))
+            }
+            Want::Gpus(_) => Ok(()),
+            Want::Memory(0) => Err(refuse(
+                "requested 0 bytes of GPU memory; ask for a positive size, e.g. 4G",
+            )),
+            Want::Memory(b) => {
+                let largest = self
+                    .gpus
+                    .iter()
+                    .max_by_key(|g| (g.info.total_mem, Reverse(g.info.index)))
+                    .expect("non-empty");
+                if b > largest.info.total_mem {
+                    Err(refuse(format!(
+                        "requested {} but the largest GPU has {} (GPU {}); \
+                         ask for --gpu-memory {} at most",
+                        fmt_bytes(b),
+                        fmt_bytes(largest.info.total_mem),
+                        largest.info.index,
+                        fmt_bytes(largest.info.total_mem)
+                    )))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    fn slot_mem(&self, g: &GpuState) -> u64 {
+        g.info.total_mem / u64::from(self.cfg.overprovision)
+    }
+
+    fn fits_whole(&self, g: &GpuState) -> bool {
+        if g.slots_used >= self.cfg.overprovision {
+            return false;
+        }
+        if self.cfg.overprovision == 1 {
+            return g.leases.is_empty();
+        }
+        self.cfg.overcommit || g.uncommitted() >= i128::from(self.slot_mem(g))
+    }
+
+    /// Where `want` would go now, or None if it must wait.
+    fn plan(&self, want: Want) -> Option<Vec<Share>> {
+        match want {
+            Want::Gpus(n) => {
+                let free: Vec<Share> = self
+                    .gpus
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, g)| self.fits_whole(g))
+                    .take(n as usize)
+                    .map(|(i, g)| Share {
+                        gpu: i,
+                        mem: self.slot_mem(g),
+                        slot: true,
+                    })
+                    .collect();
+                (free.len() == n as usize && n > 0).then_some(free)
+            }
+            Want::Memory(b) => {
+                let open = || {
+                    self.gpus
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, g)| g.slots_used < self.cfg.overprovision)
+                };
+                let need = i128::from(b);
+                let fitting = open().filter(|(_, g)| g.uncommitted() >= need);
+                let chosen = match self.cfg.placement {
+                    Placement::BestFit => fitting.min_by_key(|(i, g)| (g.uncommitted(), *i)),
+                    Placement::Spread => {
+                        fitting.min_by_key(|(i, g)| (Reverse(g.uncommitted()), *i))
+                    }
+                };
+                let chosen = match chosen {
+                    Some(c) => Some(c),
+                    None if self.cfg.overcommit => {
+                        open().min_by_key(|(i, g)| (Reverse(g.uncommitted()), *i))
+                    }
+                    None => None,
+                };
+                chosen.map(|(i, _)| {
+                    vec![Share {
+                        gpu: i,
+                        mem: b,
+                        slot: false,
+                    }]
+                })
+            }
+        }
+    }
+
+    fn commit(&mut self, id: RequestId, req: Request, shares: Vec<Share>) -> Lease {
+        for s in &shares {
+            let g = &mut self.gpus[s.gpu];
+            g.committed = g.committed.saturating_add(s.mem);
+            if s.slot {
+                g.slots_used += 1;
+            }
+            g.leases.push(id);
+        }
+        let mem_cap = match req.want {
+            Want::Memory(b) => Some(b),
+            Want::Gpus(_) if self.cfg.overprovision > 1 => shares.iter().map(|s| s.mem).min(),
+            Want::Gpus(_) => None,
+        };
+        let lease = Lease {
+            id,
+            gpus: shares.iter().map(|s| self.gpus[s.gpu].info.index).collect(),
+            uuids: shares
+                .iter()
+                .map(|s| self.gpus[s.gpu].info.uuid.clone())
+                .collect(),
+            mem_cap,
+        };
+        self.held.insert(
+            id,
+            Held {
+                lease: lease.clone(),
+                req,
+                shares,
+            },
+        );
+        lease
+    }
+
+    fn busy_summary(&self) -> String {
+        let f = self.cfg.overprovision;
+        let parts: Vec<String> = self
+            .gpus
+            .iter()
+            .map(|g| {
+                if g.leases.is_empty() {
+                    return format!("GPU {}: free", g.info.index);
+                }
+                let mut leases = g.leases.clone();
+                leases.sort_unstable();
+                let ids: Vec<String> = leases.iter().map(|l| l.to_string()).collect();
+                let owners = format!(
+                    "{} {}",
+                    if ids.len() == 1 { "lease" } else { "leases" },
+                    ids.join(", ")
+                );
+                if f == 1 && g.slots_used == 1 {
+                    format!("GPU {}: held whole by {owners}", g.info.index)
+                } else {
+                    format!(
+                        "GPU {}: {}/{f} slots, {} of {} committed ({owners})",
+                        g.info.index,
+                        g.slots_used,
+                        fmt_bytes(g.committed),
+                        fmt_bytes(g.info.total_mem)
+                    )
+                }
+            })
+            .collect();
+        parts.join("; ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const SEC: Nanos = 1_000_000_000;
+
+    fn gpus(totals: &[u64]) -> Vec<GpuInfo> {
+        totals
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| GpuInfo {
+                index: i as u32,
+                uuid: format!("GPU-{i:04}"),
+                total_mem: t,
+            })
+            .collect()
+    }
+
+    fn req(want: Want) -> Request {
+        Request {
+            want,
+            compute: None,
+            limit: None,
+            label: format!("job {want:?}"),
+        }
+    }
+
+    fn whole(n: u32) -> Request {
+        req(Want::Gpus(n))
+    }
+
+    fn mem(gib: u64) -> Request {
+        req(Want::Memory(gib * GIB))
+    }
+
+    fn placed(leases: &[Lease]) -> Vec<(RequestId, Vec<u32>)> {
+        leases.iter().map(|l| (l.id, l.gpus.clone())).collect()
+    }
+
+    fn two_80g() -> Queue {
+        Queue::new(gpus(&[80 * GIB, 80 * GIB]), QueueConfig::default())
+    }
+
+    #[test]
+    fn whole_gpus_go_lowest_first_and_third_waits_for_first_freed() {
+        let mut q = two_80g();
+        for id in 1..=3 {
+            q.submit(0, id, whole(1)).unwrap();
+        }
+        let l = q.poll(0);
+        assert_eq!(placed(&l), vec![(1, vec![0]), (2, vec![1])]);
+        assert_eq!(l[0].uuids, vec!["GPU-0000".to_string()]);
+        assert_eq!(l[0].mem_cap, None);
+        assert_eq!(q.waiting(0).len(), 1);
+        q.release(SEC, 2);
+        assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![1])]);
+        assert!(q.waiting(SEC).is_empty());
+    }
+
+    #[test]
+    fn small_overtakes_big() {
+        let mut q = two_80g();
+        q.submit(0, 1, whole(1)).unwrap();
+        q.poll(0);
+        q.submit(1, 2, whole(2)).unwrap();
+        q.submit(2, 3, whole(1)).unwrap();
+        q.submit(3, 4, mem(10)).unwrap();
+        let w: Vec<_> = q.waiting(3).iter().map(|w| (w.id, w.position)).collect();
+        // Fractions first, then by GPUs needed; the big one is last.
+        assert_eq!(w, vec![(4, 1), (3, 2), (2, 3)]);
+        // Only GPU 1 is free: the fraction takes it first, so the 1-GPU job
+        // (which needs it whole) waits, and so does the big one.
+        assert_eq!(placed(&q.poll(3)), vec![(4, vec![1])]);
+        q.release(4, 1);
+        assert_eq!(placed(&q.poll(4)), vec![(3, vec![0])]);
+        assert_eq!(q.position(4, 2), Some(1));
+    }
+
+    #[test]
+    fn escalation_lets_big_through_and_blocks_younger_small_ones() {
+        let cfg = QueueConfig {
+            escalate_after: 10 * SEC,
+            ..QueueConfig::default()
+        };
+        let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB]), cfg);
+        q.submit(0, 1, whole(1)).unwrap();
+        q.submit(0, 2, whole(1)).unwrap();
+        assert_eq!(q.poll(0).len(), 2);
+        q.submit(SEC, 10, whole(2)).unwrap();
+        q.submit(2 * SEC, 3, whole(1)).unwrap();
+        // Before escalation a small one overtakes the big one.
+        q.release(3 * SEC, 1);
+        assert_eq!(placed(&q.poll(3 * SEC)), vec![(3, vec![0])]);
+        q.submit(15 * SEC, 4, whole(1)).unwrap();
+        q.submit(15 * SEC, 5, mem(1)).unwrap();
+        let w = q.waiting(15 * SEC);
+        assert_eq!(w[0].id, 10);
+        assert!(w[0].escalated);
+        assert!(!w[1].escalated);
+        // GPU 0 frees up, but the escalated big job still cannot fit; the
+        // younger small ones must not take what it is waiting for.
+        q.release(20 * SEC, 3);
+        assert!(q.poll(20 * SEC).is_empty());
+        let err = q.try_now(20 * SEC, 6, mem(1)).unwrap_err();
+        assert!(err.reason.contains("escalation"), "{err}");
+        q.release(21 * SEC, 2);
+        assert_eq!(placed(&q.poll(21 * SEC)), vec![(10, vec![0, 1])]);
+        let w: Vec<_> = q.waiting(21 * SEC).iter().map(|w| w.id).collect();
+        assert_eq!(w, vec![5, 4]);
+        q.release(30 * SEC, 10);
+        assert_eq!(
+            placed(&q.poll(30 * SEC)),
+            vec![(4, vec![0]), (5, vec![1])],
+            "escalated by now too, FIFO among themselves"
+        );
+    }
+
+    #[test]
+    fn escalated_requests_are_fifo_among_themselves() {
+        let cfg = QueueConfig {
+            escalate_after: 10 * SEC,
+            ..QueueConfig::default()
+        };
+        let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB]), cfg);
+        q.submit(0, 1, whole(2)).unwrap();
+        assert_eq!(q.poll(0).len(), 1);
+        q.submit(SEC, 2, whole(2)).unwrap();
+        q.submit(2 * SEC, 3, whole(1)).unwrap();
+        q.submit(20 * SEC, 4, mem(1)).unwrap();
+        let w: Vec<_> = q
+            .waiting(20 * SEC)
+            .iter()
+            .map(|w| (w.id, w.position, w.escalated, w.waited))
+            .collect();
+        assert_eq!(
+            w,
+            vec![
+                (2, 1, true, 19 * SEC),
+                (3, 2, true, 18 * SEC),
+                (4, 3, false, 0)
+            ]
+        );
+    }
+
+    #[test]
+    fn memory_best_fit_packs() {
+        let mut q = Queue::new(gpus(&[80 * GIB, 40 * GIB]), QueueConfig::default());
+        q.submit(0, 1, mem(10)).unwrap();
+        q.submit(0, 2, mem(35)).unwrap();
+        q.submit(0, 3, mem(30)).unwrap();
+        q.submit(0, 4, mem(50)).unwrap();
+        let l = q.poll(0);
+        // 10 → the smaller GPU; 35 no longer fits there; 30 fills it
+        // exactly; 50 fits neither (45 left on GPU 0) and waits.
+        assert_eq!(placed(&l), vec![(1, vec![1]), (2, vec![0]), (3, vec![1])]);
+        assert_eq!(l[0].mem_cap, Some(10 * GIB));
+        assert_eq!(q.waiting(0)[0].id, 4);
+        let st = q.leases();
+        assert_eq!(st[0].committed_mem, 35 * GIB);
+        assert_eq!(st[1].committed_mem, 40 * GIB);
+        assert_eq!(st[1].leases, vec![1, 3]);
+        assert_eq!(st[1].slots_used, 0);
+        q.release(SEC, 2);
+        assert_eq!(placed(&q.poll(SEC)), vec![(4, vec![0])]);
+    }
+
+    #[test]
+    fn memory_spread_spreads() {
+        let cfg = QueueConfig {
+            placement: Placement::Spread,
+            ..QueueConfig::default()
+        };
+        let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB, 40 * GIB]), cfg);
+        for id in 1..=4 {
+            q.submit(0, id, mem(10)).unwrap();
+        }
+        assert_eq!(
+            placed(&q.poll(0)),
+            vec![(1, vec![0]), (2, vec![1]), (3, vec![0]), (4, vec![1])]
+        );
+    }
+
+    #[test]
+    fn memory_waits_when_nothing_fits_and_is_placed_after_release() {
+        let mut q = two_80g();
+        q.submit(0, 1, mem(70)).unwrap();
+        q.submit(0, 2, mem(70)).unwrap();
+        q.submit(0, 3, mem(20)).unwrap();
+        assert_eq!(q.poll(0).len(), 2);
+        assert_eq!(q.position(0, 3), Some(1));
+        assert!(q.poll(SEC).is_empty());
+        q.release(2 * SEC, 2);
+        assert_eq!(placed(&q.poll(2 * SEC)), vec![(3, vec![1])]);
+    }
+
+    #[test]
+    fn whole_and_fractions_exclude_each_other_without_overprovision() {
+        let mut q = Queue::new(gpus(&[80 * GIB]), QueueConfig::default());
+        q.submit(0, 1, mem(1)).unwrap();
+        q.submit(0, 2, whole(1)).unwrap();
+        assert_eq!(placed(&q.poll(0)), vec![(1, vec![0])]);
+        q.release(SEC, 1);
+        assert_eq!(placed(&q.poll(SEC)), vec![(2, vec![0])]);
+        assert_eq!(q.leases()[0].committed_mem, 80 * GIB);
+        q.submit(SEC, 3, mem(1)).unwrap();
+        assert!(q.poll(SEC).is_empty());
+    }
+
+    #[test]
+    fn impossible_requests_are_refused_at_once() {
+        let mut q = two_80g();
+        let e = q.submit(0, 1, whole(3)).unwrap_err();
+        assert!(
+            e.reason
+                .starts_with("requested 3 GPUs but this node has 2 (indices 0-1)"),
+            "{e}"
+        );
+        let e = q.submit(0, 2, mem(100)).unwrap_err();
+        assert!(
+            e.reason
+                .starts_with("requested 100.0 GiB but the largest GPU has 80.0 GiB"),
+            "{e}"
+        );
+        assert!(q.submit(0, 3, whole(0)).is_err());
+        assert!(q.submit(0, 4, req(Want::Memory(0))).is_err());
+        let bad_limit = Request {
+            limit: Some(1.5),
+            ..whole(1)
+        };
+        assert!(q.submit(0, 5, bad_limit).is_err());
+        let bad_share = Request {
+            compute: Some(f64::NAN),
+            ..whole(1)
+        };
+        assert!(q.submit(0, 6, bad_share).is_err());
+        assert!(q.waiting(0).is_empty());
+        assert!(q.try_now(0, 7, whole(3)).is_err());
+
+        let mut empty = Queue::new(vec![], QueueConfig::default());
+        assert!(
+            empty
+                .submit(0, 1, whole(1))
+                .unwrap_err()
+                .reason
+                .contains("no GPUs")
+        );
+
+        let mut one = Queue::new(gpus(&[16 * GIB]), QueueConfig::default());
+        let e = one.submit(0, 1, whole(2)).unwrap_err();
+        assert!(
+            e.reason
+                .starts_with("requested 2 GPUs but this node has 1 (index 0)")
+        );
+        let e = one.submit(0, 2, req(Want::Memory(17 * GIB))).unwrap_err();
+        assert!(e.reason.contains("16.0 GiB"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_ids_are_refused() {
+        let mut q = two_80g();
+        q.submit(0, 1, whole(1)).unwrap();
+        assert!(q.submit(0, 1, whole(1)).is_err());
+        q.poll(0);
+        assert!(q.submit(0, 1, whole(1)).is_err());
+        assert!(q.try_now(0, 1, whole(1)).is_err());
+    }
+
+    #[test]
+    fn try_now_places_or_says_what_is_busy() {
+        let mut q = two_80g();
+        let l = q.try_now(0, 1, whole(1)).unwrap();
+        assert_eq!(l.gpus, vec![0]);
+        q.try_now(0, 2, mem(30)).unwrap();
+        let e = q.try_now(0, 3, whole(1)).unwrap_err();
+        assert!(e.reason.contains("GPU 0: held whole by lease 1"), "{e}");
+        assert!(e.reason.contains("GPU 1:"), "{e}");
+        assert!(e.reason.contains("lease 2"), "{e}");
+        assert!(e.reason.contains("--no-wait"), "{e}");
+        let e = q.try_now(0, 4, mem(60)).unwrap_err();
+        assert!(e.reason.contains("--gpu-memory 60.0 GiB"), "{e}");
+        // Refused requests leave no trace.
+        assert!(q.waiting(0).is_empty());
+        assert_eq!(q.leases()[1].leases, vec![2]);
+        q.try_now(0, 5, mem(50)).unwrap();
+    }
+
+    #[test]
+    fn cancel_removes_waiting_and_releases_a_granted_lease() {
+        let mut q = Queue::new(gpus(&[80 * GIB]), QueueConfig::default());
+        q.submit(0, 1, whole(1)).unwrap();
+        q.submit(0, 2, whole(1)).unwrap();
+        q.submit(0, 3, whole(1)).unwrap();
+        q.poll(0);
+        q.cancel(SEC, 2);
+        assert_eq!(
+            q.waiting(SEC).iter().map(|w| w.id).collect::<Vec<_>>(),
+            vec![3]
+        );
+        assert_eq!(q.position(SEC, 3), Some(1));
+        // The run died right after being placed.
+        q.cancel(SEC, 1);
+        assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![0])]);
+        // Unknown ids are ignored.
+        q.cancel(SEC, 42);
+        q.release(SEC, 42);
+    }
+
+    #[test]
+    fn overprovision_two_slots_per_gpu() {
+        let cfg = QueueConfig {
+            overprovision: 2,
+            ..QueueConfig::default()
+        };
+        let mut q = Queue::new(gpus(&[80 * GIB]), cfg);
+        for id in 1..=3 {
+            q.submit(0, id, whole(1)).unwrap();
+        }
+        let l = q.poll(0);
+        assert_eq!(placed(&l), vec![(1, vec![0]), (2, vec![0])]);
+        assert!(l.iter().all(|l| l.mem_cap == Some(40 * GIB)));
+        let st = &q.leases()[0];
+        assert_eq!((st.slots_used, st.slots_total), (2, 2));
+        assert_eq!(st.committed_mem, 80 * GIB);
+        assert_eq!(q.waiting(0)[0].id, 3);
+        // A lease still takes at most one slot per physical GPU.
+        assert!(q.submit(0, 4, whole(2)).is_err());
+        q.release(SEC, 1);
+        assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![0])]);
+    }
+
+    #[test]
+    fn overprovision_mixes_slots_and_fractions_by_memory() {
+        let cfg = QueueConfig {
+            overprovision: 2,
+            ..QueueConfig::default()
+        };
+        let mut q = Queue::new(gpus(&[80 * GIB]), cfg);
+        q.submit(0, 1, whole(1)).unwrap();
+        q.submit(0, 2, mem(30)).unwrap();
+        q.submit(0, 3, whole(1)).unwrap();
+        // The fraction goes first and leaves 50 GiB; the slot lease takes
+        // 40 of it; the second slot would need 40 more and waits.
+        let l = q.poll(0);
+        assert_eq!(placed(&l), vec![(2, vec![0]), (1, vec![0])]);
+        assert_eq!(q.leases()[0].committed_mem, 70 * GIB);
+        assert_eq!(q.position(0, 3), Some(1));
+        q.release(SEC, 2);
+        assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![0])]);
+    }
+
+    #[test]
+    fn overcommit_lets_commitments_exceed_total() {
+        let cfg = QueueConfig {
+            overcommit: true,
+            ..QueueConfig::default()
+        };
+        let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB]), cfg);
+        for id in 1..=3 {
+            q.submit(0, id, mem(60)).unwrap();
+        }
+        // Where it still fits first, then the least overcommitted GPU.
+        assert_eq!(
+            placed(&q.poll(0)),
+            vec![(1, vec![0]), (2, vec![1]), (3, vec![0])]
+        );
+        assert_eq!(q.leases()[0].committed_mem, 120 * GIB);
+        // Whole GPUs are still exclusive.
+        q.submit(0, 4, whole(1)).unwrap();
+        assert!(q.poll(0).is_empty());
+    }
+
+    #[test]
+    fn lease_details_are_queryable() {
+        let mut q = two_80g();
+        let r = Request {
+            compute: Some(30.0),
+            limit: Some(0.5),
+            label: "python train.py".into(),
+            ..whole(2)
+        };
+        q.submit(0, 9, r.clone()).unwrap();
+        q.poll(0);
+        assert_eq!(q.lease(9).unwrap().gpus, vec![0, 1]);
+        assert_eq!(q.lease_request(9), Some(&r));
+        q.release(SEC, 9);
+        assert!(q.lease(9).is_none());
+        assert!(
+            q.leases()
+                .iter()
+                .all(|g| g.committed_mem == 0 && g.slots_used == 0)
+        );
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Submit(Want),
+            TryNow(Want),
+            Release(usize),
+            Cancel(usize),
+            Advance(Nanos),
+            Poll,
+        }
+
+        fn want() -> impl Strategy<Value = Want> {
+            prop_oneof![
+                (0..4u32).prop_map(Want::Gpus),
+                (0..90u64).prop_map(|g| Want::Memory(g * GIB + 7)),
+            ]
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                3 => want().prop_map(Op::Submit),
+                1 => want().prop_map(Op::TryNow),
+                2 => any::<usize>().prop_map(Op::Release),
+                1 => any::<usize>().prop_map(Op::Cancel),
+                1 => (0..20 * SEC).prop_map(Op::Advance),
+                2 => Just(Op::Poll),
+            ]
+        }
+
+        fn config() -> impl Strategy<Value = (Vec<u64>, QueueConfig)> {
+            (
+                prop::collection::vec(
+                    prop_oneof![Just(16 * GIB), Just(24 * GIB + 3), Just(80 * GIB)],
+                    0..4,
+                ),
+                1..4u32,
+                prop_oneof![Just(Placement::BestFit), Just(Placement::Spread)],
+                0..30 * SEC,
+            )
+                .prop_map(|(totals, f, placement, escalate_after)| {
+                    (
+                        totals,
+                        QueueConfig {
+                            escalate_after,
+                            overprovision: f,
+                            overcommit: false,
+                            placement,
+                        },
+                    )
+                })
+        }
+
+        fn check(q: &Queue, now: Nanos, just_polled: bool) {
+            let f = q.cfg.overprovision;
+            for (i, g) in q.gpus.iter().enumerate() {
+                assert!(g.committed <= g.info.total_mem, "GPU {i} overcommitted");
+                assert!(g.slots_used <= f);
+                if f == 1 && g.slots_used == 1 {
+                    assert_eq!(g.leases.len(), 1, "whole GPU shared");
+                }
+                let (mut mem, mut slots, mut n) = (0, 0, 0);
+                for h in q.held.values() {
+                    for s in h.shares.iter().filter(|s| s.gpu == i) {
+                        mem += s.mem;
+                        slots += u32::from(s.slot);
+                        n += 1;
+                    }
+                }
+                assert_eq!((g.committed, g.slots_used, g.leases.len()), (mem, slots, n));
+            }
+            for (id, h) in &q.held {
+                assert!(h.lease.gpus.windows(2).all(|w| w[0] < w[1]));
+                assert!(!q.waiting.iter().any(|w| w.id == *id));
+                match h.req.want {
+                    Want::Memory(b) => {
+                        assert_eq!(h.lease.mem_cap, Some(b));
+                        assert_eq!(h.lease.gpus.len(), 1);
+                    }
+                    Want::Gpus(n) => assert_eq!(h.lease.gpus.len(), n as usize),
+                }
+            }
+            if just_polled {
+                // Backfill is complete: up to the first blocked escalated
+                // request, nothing still waiting fits.
+                for i in q.order(now) {
+                    let w = &q.waiting[i];
+                    assert!(q.plan(w.req.want).is_none(), "request {} fits", w.id);
+                    if q.is_escalated(now, w) {
+                        break;
+                    }
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+            #[test]
+            fn commitments_stay_within_totals((totals, cfg) in config(), ops in prop::collection::vec(op(), 1..120)) {
+                let mut q = Queue::new(gpus(&totals), cfg);
+                let mut now = 0;
+                let mut next_id = 0;
+                let mut ids: Vec<RequestId> = Vec::new();
+                for op in ops {
+                    let mut polled = false;
+                    match op {
+                        Op::Submit(w) => {
+                            next_id += 1;
+                            if q.submit(now, next_id, req(w)).is_ok() {
+                                ids.push(next_id);
+                            }
+                        }
+                        Op::TryNow(w) => {
+                            next_id += 1;
+                            if q.try_now(now, next_id, req(w)).is_ok() {
+                                ids.push(next_id);
+                            }
+                        }
+                        Op::Release(k) if !ids.is_empty() => {
+                            let id = ids.remove(k % ids.len());
+                            q.release(now, id);
+                        }
+                        Op::Cancel(k) if !ids.is_empty() => {
+                            let id = ids.remove(k % ids.len());
+                            q.cancel(now, id);
+                        }
+                        Op::Advance(dt) => now += dt,
+                        Op::Poll => {
+                            q.poll(now);
+                            polled = true;
+                        }
+                        _ => {}
+                    }
+                    check(&q, now, polled);
+                    let w = q.waiting(now);
+                    prop_assert!(w.iter().enumerate().all(|(i, s)| s.position == i + 1));
+                }
+            }
+        }
+    }
+}

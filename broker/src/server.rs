@@ -488,15 +488,20 @@ impl Server {
             while let Some(a) = self.gpus[g].sched.poll_action() {
                 let uuid = self.gpus[g].uuid;
                 match a {
-                    Action::Grant { client, slice, .. } => self.send_id(
+                    Action::Grant {
+                        client,
+                        grant,
+                        slice,
+                    } => self.send_id(
                         client,
                         &ServerMsg::Grant {
                             uuid,
+                            grant,
                             slice_ns: slice.unwrap_or(0),
                         },
                     ),
-                    Action::Revoke { client, .. } => {
-                        self.send_id(client, &ServerMsg::Revoke { uuid })
+                    Action::Revoke { client, grant } => {
+                        self.send_id(client, &ServerMsg::Revoke { uuid, grant })
                     }
                 }
             }

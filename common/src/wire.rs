@@ -197,13 +197,19 @@ pub enum ServerMsg {
         code: u16,
         message: String,
     },
+    /// A grant id the client already holds makes this an update of that
+    /// grant (it became contended, or open-ended again); a client ignores
+    /// grants and revokes for an id it has already released, since they
+    /// crossed its release on the wire.
     Grant {
         uuid: [u8; 16],
+        grant: u64,
         /// 0 = open-ended (the GPU is uncontended).
         slice_ns: u64,
     },
     Revoke {
         uuid: [u8; 16],
+        grant: u64,
     },
     StatusReply {
         json: String,
@@ -363,14 +369,20 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             put_u16(out, *code);
             put_str16(out, message);
         }
-        ServerMsg::Grant { uuid, slice_ns } => {
+        ServerMsg::Grant {
+            uuid,
+            grant,
+            slice_ns,
+        } => {
             out.push(T_GRANT);
             out.extend_from_slice(uuid);
+            put_u64(out, *grant);
             put_u64(out, *slice_ns);
         }
-        ServerMsg::Revoke { uuid } => {
+        ServerMsg::Revoke { uuid, grant } => {
             out.push(T_REVOKE);
             out.extend_from_slice(uuid);
+            put_u64(out, *grant);
         }
         ServerMsg::StatusReply { json } => {
             out.push(T_STATUS_REPLY);
@@ -490,9 +502,13 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
         }
         T_GRANT => ServerMsg::Grant {
             uuid: r.array()?,
+            grant: r.u64()?,
             slice_ns: r.u64()?,
         },
-        T_REVOKE => ServerMsg::Revoke { uuid: r.array()? },
+        T_REVOKE => ServerMsg::Revoke {
+            uuid: r.array()?,
+            grant: r.u64()?,
+        },
         T_STATUS_REPLY => {
             let len = r.u32()? as usize;
             ServerMsg::StatusReply { json: r.utf8(len)? }
@@ -794,13 +810,18 @@ mod tests {
             },
             ServerMsg::Grant {
                 uuid: uuid(1),
+                grant: 1,
                 slice_ns: 0,
             },
             ServerMsg::Grant {
                 uuid: uuid(1),
+                grant: 2,
                 slice_ns: 50_000_000,
             },
-            ServerMsg::Revoke { uuid: uuid(2) },
+            ServerMsg::Revoke {
+                uuid: uuid(2),
+                grant: 2,
+            },
             ServerMsg::StatusReply {
                 json: r#"{"gpus":[]}"#.into(),
             },
@@ -1119,7 +1140,7 @@ mod tests {
             DecodeError::Malformed("list longer than the payload")
         );
         assert_eq!(
-            s(T_GRANT, &[0; 25]),
+            s(T_GRANT, &[0; 33]),
             DecodeError::Malformed("trailing bytes after the message")
         );
         assert_eq!(s(0x89, &[]), DecodeError::UnknownType(0x89));
@@ -1308,9 +1329,15 @@ mod tests {
             any::<u16>().prop_map(|version| ServerMsg::HelloOk { version }),
             (any::<u16>(), any::<String>())
                 .prop_map(|(code, message)| ServerMsg::Error { code, message }),
+            (any::<[u8; 16]>(), any::<u64>(), any::<u64>()).prop_map(|(uuid, grant, slice_ns)| {
+                ServerMsg::Grant {
+                    uuid,
+                    grant,
+                    slice_ns,
+                }
+            }),
             (any::<[u8; 16]>(), any::<u64>())
-                .prop_map(|(uuid, slice_ns)| ServerMsg::Grant { uuid, slice_ns }),
-            any::<[u8; 16]>().prop_map(|uuid| ServerMsg::Revoke { uuid }),
+                .prop_map(|(uuid, grant)| ServerMsg::Revoke { uuid, grant }),
             any::<String>().prop_map(|json| ServerMsg::StatusReply { json }),
             (any::<u32>(), any::<String>()).prop_map(|(position, waiting_for)| {
                 ServerMsg::Queued {

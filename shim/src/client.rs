@@ -38,6 +38,10 @@ static REQUESTED: AtomicU64 = AtomicU64::new(0);
 static IN_FLIGHT: [AtomicU32; MAX_DEVICES] = [const { AtomicU32::new(0) }; MAX_DEVICES];
 static LAST_LAUNCH: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+/// Id of the grant held (or last released) per device: only the client
+/// thread touches these.
+static GRANT_ID: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+static RELEASED_ID: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 
 static STARTED: AtomicU8 = AtomicU8::new(0);
 /// Raw fd of the live connection (-1 none), for app threads sending
@@ -398,9 +402,18 @@ fn ordinal_of(uuid: &[u8; 16]) -> Option<usize> {
 
 fn on_message(m: ServerMsg) {
     match m {
-        ServerMsg::Grant { uuid, slice_ns } => {
+        ServerMsg::Grant {
+            uuid,
+            grant,
+            slice_ns,
+        } => {
             let Some(d) = ordinal_of(&uuid) else { return };
             let bit = 1u64 << d;
+            if grant == RELEASED_ID[d].load(Relaxed) {
+                // An update that crossed our release on the wire.
+                return;
+            }
+            GRANT_ID[d].store(grant, Relaxed);
             if slice_ns == 0 {
                 CONTENDED.fetch_and(!bit, SeqCst);
             } else {
@@ -422,9 +435,14 @@ fn on_message(m: ServerMsg) {
             );
             wake_all();
         }
-        ServerMsg::Revoke { uuid } => {
+        ServerMsg::Revoke { uuid, grant } => {
             if let Some(d) = ordinal_of(&uuid) {
-                release(d);
+                if grant == GRANT_ID[d].load(Relaxed) {
+                    // Revoked while busy: this process still has work, so
+                    // it asks again *before* releasing and keeps its place
+                    // in the fair queue instead of going idle.
+                    release(d, true);
+                }
             }
         }
         _ => {}
@@ -433,10 +451,19 @@ fn on_message(m: ServerMsg) {
 
 /// Stops launching on `d`, waits for launches already past the gate, drains
 /// this process's work there and tells the broker.
-fn release(d: usize) {
+fn release(d: usize, wants_again: bool) {
     let bit = 1u64 << d;
     if OPEN.fetch_and(!bit, SeqCst) & bit == 0 {
         return;
+    }
+    RELEASED_ID[d].store(GRANT_ID[d].load(Relaxed), Relaxed);
+    if wants_again {
+        if let Some(dev) = devices::all().get(d) {
+            REQUESTED.fetch_or(bit, SeqCst);
+            send(&ClientMsg::Acquire {
+                uuid: dev.uuid.bytes,
+            });
+        }
     }
     while IN_FLIGHT[d].load(SeqCst) > 0 {
         std::thread::yield_now();
@@ -472,7 +499,7 @@ fn idle_handback() {
             && IN_FLIGHT[d].load(Relaxed) == 0
             && now.saturating_sub(LAST_LAUNCH[d].load(Relaxed)) >= IDLE_HANDBACK_NS
         {
-            release(d);
+            release(d, false);
         }
     }
 }
