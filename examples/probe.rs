@@ -42,7 +42,12 @@ impl Cuda {
         } else {
             None
         };
-        Cuda { lib, gpa, version, ptsz }
+        Cuda {
+            lib,
+            gpa,
+            version,
+            ptsz,
+        }
     }
 
     /// Looks up `base` (cudart path) or `versioned` (dlsym path).
@@ -54,7 +59,10 @@ impl Cuda {
                 let mut status = 0;
                 let flags = if self.ptsz { 2 } else { 0 };
                 let rc = unsafe { gpa(name.as_ptr(), &mut p, self.version, flags, &mut status) };
-                assert!(rc == 0 && !p.is_null(), "cuGetProcAddress_v2({base}) = {rc}");
+                assert!(
+                    rc == 0 && !p.is_null(),
+                    "cuGetProcAddress_v2({base}) = {rc}"
+                );
                 p
             }
             None => {
@@ -109,7 +117,12 @@ struct Probe {
 
 impl Probe {
     fn set_current(&self) {
-        let set = f!(self.c, "cuCtxSetCurrent", "cuCtxSetCurrent", fn(*mut c_void));
+        let set = f!(
+            self.c,
+            "cuCtxSetCurrent",
+            "cuCtxSetCurrent",
+            fn(*mut c_void)
+        );
         unsafe { set(self.ctx as *mut c_void) };
     }
 
@@ -118,17 +131,27 @@ impl Probe {
         let c = &self.c;
         let mut p: u64 = 0;
         let rc = match kind {
-            "alloc" => unsafe { f!(c, "cuMemAlloc", "cuMemAlloc_v2", fn(*mut u64, usize))(&mut p, size) },
+            "alloc" => unsafe {
+                f!(c, "cuMemAlloc", "cuMemAlloc_v2", fn(*mut u64, usize))(&mut p, size)
+            },
             "managed" => unsafe {
-                f!(c, "cuMemAllocManaged", "cuMemAllocManaged", fn(*mut u64, usize, c_uint))(&mut p, size, 1)
+                f!(
+                    c,
+                    "cuMemAllocManaged",
+                    "cuMemAllocManaged",
+                    fn(*mut u64, usize, c_uint)
+                )(&mut p, size, 1)
             },
             "pitch" => {
                 // size is the row width; 4 rows.
                 let mut pitch = 0usize;
                 let rc = unsafe {
-                    f!(c, "cuMemAllocPitch", "cuMemAllocPitch_v2", fn(*mut u64, *mut usize, usize, usize, c_uint))(
-                        &mut p, &mut pitch, size, 4, 4,
-                    )
+                    f!(
+                        c,
+                        "cuMemAllocPitch",
+                        "cuMemAllocPitch_v2",
+                        fn(*mut u64, *mut usize, usize, usize, c_uint)
+                    )(&mut p, &mut pitch, size, 4, 4)
                 };
                 if rc == 0 {
                     println!("pitch pitch={pitch}");
@@ -138,7 +161,8 @@ impl Probe {
             "async" => {
                 let name = ptsz_name(c, "cuMemAllocAsync", "cuMemAllocAsync_ptsz");
                 let fp = c.sym("cuMemAllocAsync", name);
-                let fp: unsafe extern "C" fn(*mut u64, usize, *mut c_void) -> R = unsafe { std::mem::transmute(fp) };
+                let fp: unsafe extern "C" fn(*mut u64, usize, *mut c_void) -> R =
+                    unsafe { std::mem::transmute(fp) };
                 let rc = unsafe { fp(&mut p, size, std::ptr::null_mut()) };
                 if rc == 0 {
                     return Ok(Held::AsyncPtr(p));
@@ -146,12 +170,22 @@ impl Probe {
                 rc
             }
             "pool" => {
-                let pool = *self.pool.lock().unwrap().entry(self.dev).or_insert_with(|| {
-                    let mut pool: *mut c_void = std::ptr::null_mut();
-                    let get = f!(c, "cuDeviceGetDefaultMemPool", "cuDeviceGetDefaultMemPool", fn(*mut *mut c_void, c_int));
-                    assert_eq!(unsafe { get(&mut pool, self.dev) }, 0);
-                    pool as usize
-                });
+                let pool = *self
+                    .pool
+                    .lock()
+                    .unwrap()
+                    .entry(self.dev)
+                    .or_insert_with(|| {
+                        let mut pool: *mut c_void = std::ptr::null_mut();
+                        let get = f!(
+                            c,
+                            "cuDeviceGetDefaultMemPool",
+                            "cuDeviceGetDefaultMemPool",
+                            fn(*mut *mut c_void, c_int)
+                        );
+                        assert_eq!(unsafe { get(&mut pool, self.dev) }, 0);
+                        pool as usize
+                    });
                 let name = ptsz_name(c, "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz");
                 let fp = c.sym("cuMemAllocFromPoolAsync", name);
                 let fp: unsafe extern "C" fn(*mut u64, usize, *mut c_void, *mut c_void) -> R =
@@ -164,13 +198,22 @@ impl Probe {
             }
             k if k.starts_with("vmm") => {
                 // vmm or vmm@N: placed on device N whatever the current context.
-                let dev: c_int = k.strip_prefix("vmm@").map_or(self.dev, |d| d.parse().unwrap());
-                let mut prop = [0u8; 32];
+                let dev: c_int = k
+                    .strip_prefix("vmm@")
+                    .map_or(self.dev, |d| d.parse().unwrap());
+                // CUmemAllocationProp: type, handle types, location {type, id}.
+                let mut prop = [0u64; 4];
                 prop[0] = 1; // CU_MEM_ALLOCATION_TYPE_PINNED
-                prop[8] = 1; // location.type = DEVICE
-                prop[12..16].copy_from_slice(&dev.to_le_bytes());
+                prop[1] = 1 | ((dev as u32 as u64) << 32); // location = DEVICE, id
+                let prop: [u8; 32] = unsafe { std::mem::transmute(prop) };
+                let prop = &prop;
                 let mut h: u64 = 0;
-                let create = f!(c, "cuMemCreate", "cuMemCreate", fn(*mut u64, usize, *const u8, u64));
+                let create = f!(
+                    c,
+                    "cuMemCreate",
+                    "cuMemCreate",
+                    fn(*mut u64, usize, *const u8, u64)
+                );
                 let rc = unsafe { create(&mut h, size, prop.as_ptr(), 0) };
                 if rc == 0 {
                     return Ok(Held::Vmm(h));
@@ -181,7 +224,12 @@ impl Probe {
                 // FLOAT x1, size/4 wide, 1 row.
                 let desc: [usize; 3] = [size / 4, 1, 0x20 | (1 << 32)];
                 let mut a: *mut c_void = std::ptr::null_mut();
-                let create = f!(c, "cuArrayCreate", "cuArrayCreate_v2", fn(*mut *mut c_void, *const usize));
+                let create = f!(
+                    c,
+                    "cuArrayCreate",
+                    "cuArrayCreate_v2",
+                    fn(*mut *mut c_void, *const usize)
+                );
                 let rc = unsafe { create(&mut a, desc.as_ptr()) };
                 if rc == 0 {
                     return Ok(Held::Array(a as usize));
@@ -192,7 +240,12 @@ impl Probe {
                 // UINT8 x1, (size/4) x 2 x 2.
                 let desc: [usize; 5] = [size / 4, 2, 2, 0x01 | (1 << 32), 0];
                 let mut a: *mut c_void = std::ptr::null_mut();
-                let create = f!(c, "cuArray3DCreate", "cuArray3DCreate_v2", fn(*mut *mut c_void, *const usize));
+                let create = f!(
+                    c,
+                    "cuArray3DCreate",
+                    "cuArray3DCreate_v2",
+                    fn(*mut *mut c_void, *const usize)
+                );
                 let rc = unsafe { create(&mut a, desc.as_ptr()) };
                 if rc == 0 {
                     return Ok(Held::Array(a as usize));
@@ -233,10 +286,15 @@ impl Probe {
                     fp(p, std::ptr::null_mut())
                 }
                 Held::Vmm(h) => f!(c, "cuMemRelease", "cuMemRelease", fn(u64))(h),
-                Held::Array(a) => f!(c, "cuArrayDestroy", "cuArrayDestroy", fn(*mut c_void))(a as *mut c_void),
-                Held::Mipmap(a) => {
-                    f!(c, "cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy", fn(*mut c_void))(a as *mut c_void)
+                Held::Array(a) => {
+                    f!(c, "cuArrayDestroy", "cuArrayDestroy", fn(*mut c_void))(a as *mut c_void)
                 }
+                Held::Mipmap(a) => f!(
+                    c,
+                    "cuMipmappedArrayDestroy",
+                    "cuMipmappedArrayDestroy",
+                    fn(*mut c_void)
+                )(a as *mut c_void),
             }
         }
     }
@@ -264,7 +322,9 @@ fn last_variant(c: &Cuda) -> String {
         return "?".into();
     }
     let f: unsafe extern "C" fn() -> *const c_char = unsafe { std::mem::transmute(p) };
-    unsafe { CStr::from_ptr(f()) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(f()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn main() {
@@ -290,7 +350,13 @@ fn main() {
     if rc != 0 {
         std::process::exit(3);
     }
-    let mut probe = Probe { c, ctx: 0, dev, held: Mutex::new(Vec::new()), pool: Mutex::new(HashMap::new()) };
+    let mut probe = Probe {
+        c,
+        ctx: 0,
+        dev,
+        held: Mutex::new(Vec::new()),
+        pool: Mutex::new(HashMap::new()),
+    };
     let mut i = 0;
     let next = |i: &mut usize| {
         *i += 1;
@@ -301,7 +367,12 @@ fn main() {
         match step.as_str() {
             // Primary context on --device, made current.
             "ctx" => {
-                let retain = f!(probe.c, "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", fn(*mut *mut c_void, c_int));
+                let retain = f!(
+                    probe.c,
+                    "cuDevicePrimaryCtxRetain",
+                    "cuDevicePrimaryCtxRetain",
+                    fn(*mut *mut c_void, c_int)
+                );
                 let mut ctx = std::ptr::null_mut();
                 let rc = unsafe { retain(&mut ctx, probe.dev) };
                 probe.ctx = ctx as usize;
@@ -313,17 +384,30 @@ fn main() {
                 let d: c_int = next(&mut i).parse().unwrap();
                 let mut ctx: *mut c_void = std::ptr::null_mut();
                 let rc = if probe.c.version >= 13000 {
-                    let f = f!(probe.c, "cuCtxCreate", "cuCtxCreate_v4", fn(*mut *mut c_void, *mut c_void, c_uint, c_int));
+                    let f = f!(
+                        probe.c,
+                        "cuCtxCreate",
+                        "cuCtxCreate_v4",
+                        fn(*mut *mut c_void, *mut c_void, c_uint, c_int)
+                    );
                     unsafe { f(&mut ctx, std::ptr::null_mut(), 0, d) }
                 } else {
-                    let f = f!(probe.c, "cuCtxCreate", "cuCtxCreate_v2", fn(*mut *mut c_void, c_uint, c_int));
+                    let f = f!(
+                        probe.c,
+                        "cuCtxCreate",
+                        "cuCtxCreate_v2",
+                        fn(*mut *mut c_void, c_uint, c_int)
+                    );
                     unsafe { f(&mut ctx, 0, d) }
                 };
                 let variant = last_variant(&probe.c);
                 probe.ctx = ctx as usize;
                 probe.dev = d;
                 let mut got: c_int = -1;
-                let getdev = f!(probe.c, "cuCtxGetDevice", "cuCtxGetDevice", fn(*mut c_int));
+                // The CUDA 11/12 signature, whatever version this probe asks
+                // for (CUDA 13's cuCtxGetDevice takes a context as well).
+                let p = unsafe { libc::dlsym(probe.c.lib, c"cuCtxGetDevice".as_ptr()) };
+                let getdev: unsafe extern "C" fn(*mut c_int) -> R = unsafe { std::mem::transmute(p) };
                 unsafe { getdev(&mut got) };
                 println!("ctx-create rc={rc} device={got} variant={variant}");
             }
@@ -357,7 +441,11 @@ fn main() {
             }
             "free-all" => {
                 let held: Vec<Held> = std::mem::take(&mut *probe.held.lock().unwrap());
-                let bad = held.into_iter().map(|h| probe.free(h)).filter(|&rc| rc != 0).count();
+                let bad = held
+                    .into_iter()
+                    .map(|h| probe.free(h))
+                    .filter(|&rc| rc != 0)
+                    .count();
                 println!("free-all failures={bad}");
             }
             "free-unknown" => {
@@ -398,15 +486,34 @@ fn main() {
             }
             "info" => {
                 let (mut free, mut total) = (0usize, 0usize);
-                let rc = unsafe { f!(probe.c, "cuMemGetInfo", "cuMemGetInfo_v2", fn(*mut usize, *mut usize))(&mut free, &mut total) };
+                let rc = unsafe {
+                    f!(
+                        probe.c,
+                        "cuMemGetInfo",
+                        "cuMemGetInfo_v2",
+                        fn(*mut usize, *mut usize)
+                    )(&mut free, &mut total)
+                };
                 let mut dt = 0usize;
-                let rc2 = unsafe { f!(probe.c, "cuDeviceTotalMem", "cuDeviceTotalMem_v2", fn(*mut usize, c_int))(&mut dt, probe.dev) };
+                let rc2 = unsafe {
+                    f!(
+                        probe.c,
+                        "cuDeviceTotalMem",
+                        "cuDeviceTotalMem_v2",
+                        fn(*mut usize, c_int)
+                    )(&mut dt, probe.dev)
+                };
                 println!("info rc={rc} free={free} total={total} devtotal_rc={rc2} devtotal={dt}");
             }
             "info-null" => {
                 let mut total = 0usize;
                 let rc = unsafe {
-                    f!(probe.c, "cuMemGetInfo", "cuMemGetInfo_v2", fn(*mut usize, *mut usize))(std::ptr::null_mut(), &mut total)
+                    f!(
+                        probe.c,
+                        "cuMemGetInfo",
+                        "cuMemGetInfo_v2",
+                        fn(*mut usize, *mut usize)
+                    )(std::ptr::null_mut(), &mut total)
                 };
                 println!("info-null rc={rc} total={total}");
             }
@@ -419,7 +526,11 @@ fn main() {
                 } else {
                     let lim: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(p) };
                     let used: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
-                    println!("limit-api present=1 limit={} used={}", lim(probe.dev), used(probe.dev));
+                    println!(
+                        "limit-api present=1 limit={} used={}",
+                        lim(probe.dev),
+                        used(probe.dev)
+                    );
                 }
             }
             "launch" => {
@@ -445,7 +556,10 @@ fn main() {
                 let kernel_ns: u64 = next(&mut i).parse().unwrap();
                 let batch: usize = next(&mut i).parse().unwrap();
                 let (kernels, rc) = spin(&probe.c, start, end, kernel_ns, batch);
-                println!("spin kernels={kernels} rc={rc} gpu_ns={}", kernels * kernel_ns);
+                println!(
+                    "spin kernels={kernels} rc={rc} gpu_ns={}",
+                    kernels * kernel_ns
+                );
             }
             "sleep-ms" => {
                 let ms: u64 = next(&mut i).parse().unwrap();
@@ -476,27 +590,63 @@ fn origin(p: *mut c_void) -> String {
     if unsafe { libc::dladdr(p, &mut info) } == 0 || info.dli_fname.is_null() {
         return "unknown".into();
     }
-    let f = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    let f = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
     f.rsplit('/').next().unwrap_or(&f).to_string()
 }
 
 fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
     let mut module: *mut c_void = std::ptr::null_mut();
-    let load = f!(c, "cuModuleLoadData", "cuModuleLoadData", fn(*mut *mut c_void, *const c_void));
+    let load = f!(
+        c,
+        "cuModuleLoadData",
+        "cuModuleLoadData",
+        fn(*mut *mut c_void, *const c_void)
+    );
     unsafe { load(&mut module, c"sim".as_ptr().cast()) };
     let mut func: *mut c_void = std::ptr::null_mut();
-    let getf = f!(c, "cuModuleGetFunction", "cuModuleGetFunction", fn(*mut *mut c_void, *mut c_void, *const c_char));
+    let getf = f!(
+        c,
+        "cuModuleGetFunction",
+        "cuModuleGetFunction",
+        fn(*mut *mut c_void, *mut c_void, *const c_char)
+    );
     unsafe { getf(&mut func, module, c"spin".as_ptr()) };
     let name = ptsz_name(c, "cuLaunchKernel", "cuLaunchKernel_ptsz");
     let lk: unsafe extern "C" fn(
-        *mut c_void, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void,
+        *mut c_void,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        *mut c_void,
+        *mut *mut c_void,
+        *mut *mut c_void,
     ) -> R = unsafe { std::mem::transmute(c.sym("cuLaunchKernel", name)) };
     let mut d = ns;
     let mut params = [(&mut d as *mut u64).cast::<c_void>()];
     let mut rc = 0;
     let mut variant = String::new();
     for _ in 0..n {
-        rc = unsafe { lk(func, 1, 1, 1, 1, 1, 1, 0, std::ptr::null_mut(), params.as_mut_ptr(), std::ptr::null_mut()) };
+        rc = unsafe {
+            lk(
+                func,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
         variant = last_variant(c);
         if rc != 0 {
             break;
@@ -508,20 +658,43 @@ fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
 }
 
 pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn spin(c: &Cuda, start: u64, end: u64, ns: u64, batch: usize) -> (u64, R) {
     let mut module: *mut c_void = std::ptr::null_mut();
-    let load = f!(c, "cuModuleLoadData", "cuModuleLoadData", fn(*mut *mut c_void, *const c_void));
+    let load = f!(
+        c,
+        "cuModuleLoadData",
+        "cuModuleLoadData",
+        fn(*mut *mut c_void, *const c_void)
+    );
     unsafe { load(&mut module, c"sim".as_ptr().cast()) };
     let mut func: *mut c_void = std::ptr::null_mut();
-    let getf = f!(c, "cuModuleGetFunction", "cuModuleGetFunction", fn(*mut *mut c_void, *mut c_void, *const c_char));
+    let getf = f!(
+        c,
+        "cuModuleGetFunction",
+        "cuModuleGetFunction",
+        fn(*mut *mut c_void, *mut c_void, *const c_char)
+    );
     unsafe { getf(&mut func, module, c"spin".as_ptr()) };
     let lk: unsafe extern "C" fn(
-        *mut c_void, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, *mut c_void, *mut *mut c_void, *mut *mut c_void,
+        *mut c_void,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        *mut c_void,
+        *mut *mut c_void,
+        *mut *mut c_void,
     ) -> R = unsafe { std::mem::transmute(c.sym("cuLaunchKernel", "cuLaunchKernel")) };
     let sync = f!(c, "cuCtxSynchronize", "cuCtxSynchronize", fn());
     let mut d = ns;
@@ -536,7 +709,21 @@ fn spin(c: &Cuda, start: u64, end: u64, ns: u64, batch: usize) -> (u64, R) {
             return (done, 0);
         }
         for _ in 0..batch {
-            let rc = unsafe { lk(func, 1, 1, 1, 1, 1, 1, 0, std::ptr::null_mut(), params.as_mut_ptr(), std::ptr::null_mut()) };
+            let rc = unsafe {
+                lk(
+                    func,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    std::ptr::null_mut(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
             if rc != 0 {
                 return (done, rc);
             }
@@ -560,7 +747,8 @@ fn nvml_report() {
     unsafe {
         let init: unsafe extern "C" fn() -> R = std::mem::transmute(sym(c"nvmlInit_v2"));
         assert_eq!(init(), 0);
-        let count: unsafe extern "C" fn(*mut c_uint) -> R = std::mem::transmute(sym(c"nvmlDeviceGetCount_v2"));
+        let count: unsafe extern "C" fn(*mut c_uint) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetCount_v2"));
         let handle: unsafe extern "C" fn(c_uint, *mut *mut c_void) -> R =
             std::mem::transmute(sym(c"nvmlDeviceGetHandleByIndex_v2"));
         let info: unsafe extern "C" fn(*mut c_void, *mut [u64; 3]) -> R =

@@ -47,10 +47,10 @@ pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
             let (vt, vf) = virtual_view(t as u64, f as u64, cap, ledger::used(dev));
             unsafe {
                 if !free.is_null() {
-                    *free = vf as usize;
+                    free.write_unaligned(vf as usize);
                 }
                 if !total.is_null() {
-                    *total = vt as usize;
+                    total.write_unaligned(vt as usize);
                 }
             }
             rc
@@ -65,7 +65,7 @@ pub unsafe fn device_total_mem(bytes: *mut usize, dev: CUdevice) -> u32 {
     let rc = unsafe { call::cuDeviceTotalMem_v2(bytes, dev) };
     if rc == CUDA_SUCCESS && !bytes.is_null() && dev >= 0 && devices::ensure().is_ok() {
         let cap = ledger::limit(dev as usize);
-        unsafe { *bytes = (*bytes as u64).min(cap) as usize };
+        unsafe { bytes.write_unaligned((bytes.read_unaligned() as u64).min(cap) as usize) };
     }
     rc
 }

@@ -65,7 +65,7 @@ pub unsafe fn launch_kernel_ex(
     let stream = if config.is_null() {
         std::ptr::null_mut()
     } else {
-        unsafe { (*config).hStream }
+        unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
     gate!(stream);
     let rc = unsafe { call::cuLaunchKernelEx(config, f, params, extra) };
@@ -82,7 +82,7 @@ pub unsafe fn launch_kernel_ex_ptsz(
     let stream = if config.is_null() {
         std::ptr::null_mut()
     } else {
-        unsafe { (*config).hStream }
+        unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
     gate!(stream);
     let rc = unsafe { call::cuLaunchKernelEx_ptsz(config, f, params, extra) };
@@ -133,7 +133,7 @@ pub unsafe fn launch_coop_ptsz(
 pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> u32 {
     if !list.is_null() {
         for i in 0..n as usize {
-            gate!(unsafe { (*list.add(i)).hStream });
+            gate!(unsafe { std::ptr::addr_of!((*list.add(i)).hStream).read_unaligned() });
         }
     }
     let rc = unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) };

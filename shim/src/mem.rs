@@ -127,7 +127,7 @@ pub unsafe fn alloc(dptr: *mut CUdeviceptr, size: usize) -> u32 {
         ctx,
         size as u64,
         real,
-        || unsafe { *dptr }
+        || unsafe { dptr.read_unaligned() }
     ))
 }
 
@@ -139,7 +139,7 @@ pub unsafe fn alloc_managed(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) 
         ctx,
         size as u64,
         real,
-        || unsafe { *dptr }
+        || unsafe { dptr.read_unaligned() }
     ))
 }
 
@@ -167,15 +167,16 @@ pub unsafe fn alloc_pitch(
             ledger::unreserve(dev, lower);
             return rc;
         }
-        let actual = unsafe { (*pitch as u64).saturating_mul(height as u64) }.max(lower);
+        let actual =
+            unsafe { (pitch.read_unaligned() as u64).saturating_mul(height as u64) }.max(lower);
         if actual > lower && !ledger::reserve(dev, actual - lower) {
-            unsafe { call::cuMemFree_v2(*dptr) };
+            unsafe { call::cuMemFree_v2(dptr.read_unaligned()) };
             ledger::unreserve(dev, lower);
             return oom(dev, actual);
         }
         ledger::insert(
             Kind::Ptr,
-            unsafe { *dptr },
+            unsafe { dptr.read_unaligned() },
             Entry {
                 size: actual,
                 dev: dev as u32,
@@ -195,7 +196,7 @@ pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream)
         ctx,
         size as u64,
         real,
-        || unsafe { *dptr }
+        || unsafe { dptr.read_unaligned() }
     ))
 }
 
@@ -207,7 +208,7 @@ pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUst
         ctx,
         size as u64,
         real,
-        || unsafe { *dptr }
+        || unsafe { dptr.read_unaligned() }
     ))
 }
 
@@ -234,7 +235,9 @@ pub unsafe fn alloc_pool(
     let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
     gated!(real(), |dev, ctx| {
         let dev = pool_device(pool).unwrap_or(dev);
-        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe { *dptr })
+        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe {
+            dptr.read_unaligned()
+        })
     })
 }
 
@@ -247,7 +250,9 @@ pub unsafe fn alloc_pool_ptsz(
     let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
     gated!(real(), |dev, ctx| {
         let dev = pool_device(pool).unwrap_or(dev);
-        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe { *dptr })
+        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe {
+            dptr.read_unaligned()
+        })
     })
 }
 
@@ -256,9 +261,15 @@ pub unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const c_void) -> u32 
     if rc == CUDA_SUCCESS && !props.is_null() && !pool.is_null() {
         // CUmemPoolProps starts like CUmemAllocationProp: the location sits
         // at offset 8 in both.
-        let loc = unsafe { *(props.cast::<u8>().add(8).cast::<CUmemLocation>()) };
+        let loc = unsafe {
+            props
+                .cast::<u8>()
+                .add(8)
+                .cast::<CUmemLocation>()
+                .read_unaligned()
+        };
         if loc.type_ == CU_MEM_LOCATION_TYPE_DEVICE && loc.id >= 0 {
-            remember_pool(unsafe { *pool }, loc.id as usize);
+            remember_pool(unsafe { pool.read_unaligned() }, loc.id as usize);
         }
     }
     rc
@@ -278,7 +289,7 @@ pub unsafe fn pool_destroy(pool: CUmemoryPool) -> u32 {
 pub unsafe fn default_pool(pool: *mut CUmemoryPool, dev: CUdevice) -> u32 {
     let rc = unsafe { call::cuDeviceGetDefaultMemPool(pool, dev) };
     if rc == CUDA_SUCCESS && !pool.is_null() && dev >= 0 {
-        remember_pool(unsafe { *pool }, dev as usize);
+        remember_pool(unsafe { pool.read_unaligned() }, dev as usize);
     }
     rc
 }
@@ -316,7 +327,8 @@ pub unsafe fn create(
             if prop.is_null() || handle.is_null() {
                 return real();
             }
-            let loc = unsafe { (*prop).location };
+            // Application memory: never assume Rust's alignment.
+            let loc = unsafe { std::ptr::addr_of!((*prop).location).read_unaligned() };
             if loc.type_ != CU_MEM_LOCATION_TYPE_DEVICE || loc.id < 0 {
                 return real();
             }
@@ -327,7 +339,7 @@ pub unsafe fn create(
                 0,
                 size as u64,
                 real,
-                || unsafe { *handle },
+                || unsafe { handle.read_unaligned() },
             )
         }
     }
@@ -410,13 +422,13 @@ pub unsafe fn array_create(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR
     if desc.is_null() || arr.is_null() {
         return real();
     }
-    let estimate = array2d_bytes(unsafe { &*desc }) as u64;
+    let estimate = array2d_bytes(&unsafe { desc.read_unaligned() }) as u64;
     gated!(real(), |dev, ctx| charge_array(
         dev,
         ctx,
         estimate,
         real,
-        || unsafe { *arr as usize },
+        || unsafe { arr.read_unaligned() as usize },
         |h| array_exact(h, dev),
         |h| unsafe {
             call::cuArrayDestroy(h as CUarray);
@@ -429,13 +441,13 @@ pub unsafe fn array3d_create(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRI
     if desc.is_null() || arr.is_null() {
         return real();
     }
-    let estimate = array3d_bytes(unsafe { &*desc }, 0) as u64;
+    let estimate = array3d_bytes(&unsafe { desc.read_unaligned() }, 0) as u64;
     gated!(real(), |dev, ctx| charge_array(
         dev,
         ctx,
         estimate,
         real,
-        || unsafe { *arr as usize },
+        || unsafe { arr.read_unaligned() as usize },
         |h| array_exact(h, dev),
         |h| unsafe {
             call::cuArrayDestroy(h as CUarray);
@@ -452,7 +464,7 @@ pub unsafe fn mipmap_create(
     if desc.is_null() || arr.is_null() {
         return real();
     }
-    let d = unsafe { &*desc };
+    let d = &unsafe { desc.read_unaligned() };
     let estimate: u64 = (0..levels.min(32))
         .map(|l| array3d_bytes(d, l) as u64)
         .sum();
@@ -461,7 +473,7 @@ pub unsafe fn mipmap_create(
         ctx,
         estimate,
         real,
-        || unsafe { *arr as usize },
+        || unsafe { arr.read_unaligned() as usize },
         |h| mipmap_exact(h, dev),
         |h| unsafe {
             call::cuMipmappedArrayDestroy(h as CUmipmappedArray);
@@ -506,7 +518,7 @@ fn forget_context(ctx: usize) {
 
 fn created(rc: u32, pctx: *mut CUcontext, dev: CUdevice) -> u32 {
     if rc == CUDA_SUCCESS && !pctx.is_null() && dev >= 0 {
-        let ctx = unsafe { *pctx } as usize;
+        let ctx = unsafe { pctx.read_unaligned() } as usize;
         let mut g = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
         if !g.contains(&(dev as usize, ctx)) {
             g.push((dev as usize, ctx));
@@ -572,7 +584,7 @@ pub unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> u32 {
     }
     let rc = unsafe { call::cuDevicePrimaryCtxRetain(pctx, dev) };
     if rc == CUDA_SUCCESS && !pctx.is_null() && dev >= 0 {
-        let ctx = unsafe { *pctx } as usize;
+        let ctx = unsafe { pctx.read_unaligned() } as usize;
         let mut g = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
         g.retain(|(d, _)| *d != dev as usize);
         g.push((dev as usize, ctx));

@@ -46,12 +46,13 @@ pub unsafe fn memory_info(dev: nvmlDevice_t, mem: *mut nvmlMemory_t) -> u32 {
     if rc != NVML_SUCCESS || mem.is_null() {
         return rc;
     }
-    let m = unsafe { &mut *mem };
+    let mut m = unsafe { mem.read_unaligned() };
     if let Some((cap, used)) = view_for(dev, m.total) {
         let (t, f) = virtual_view(m.total, m.free, cap, used);
         m.total = t;
         m.free = f;
         m.used = t - f;
+        unsafe { mem.write_unaligned(m) };
     }
     rc
 }
@@ -62,13 +63,14 @@ pub unsafe fn memory_info_v2(dev: nvmlDevice_t, mem: *mut nvmlMemory_v2_t) -> u3
     if rc != NVML_SUCCESS || mem.is_null() {
         return rc;
     }
-    let m = unsafe { &mut *mem };
+    let mut m = unsafe { mem.read_unaligned() };
     if let Some((cap, used)) = view_for(dev, m.total) {
         let (t, f) = virtual_view(m.total, m.free, cap, used);
         m.total = t;
         m.free = f;
         m.reserved = 0;
         m.used = t - f;
+        unsafe { mem.write_unaligned(m) };
     }
     rc
 }

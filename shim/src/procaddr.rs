@@ -17,12 +17,12 @@ unsafe fn swap(pfn: *mut *mut c_void, symbol: *const c_char, ver: Option<i32>, f
     if pfn.is_null() {
         return;
     }
-    let p = unsafe { *pfn } as usize;
+    let p = unsafe { pfn.read_unaligned() } as usize;
     if p == 0 {
         return;
     }
     if let Some(h) = init::hook_for_real(p) {
-        unsafe { *pfn = h as *mut c_void };
+        unsafe { pfn.write_unaligned(h as *mut c_void) };
         return;
     }
     // A pointer that is no exported driver symbol: map by versioned name,
@@ -39,7 +39,7 @@ unsafe fn swap(pfn: *mut *mut c_void, symbol: *const c_char, ver: Option<i32>, f
                 debug!(
                     "cuGetProcAddress({base}, {ver}): unknown pointer, mapped to {name} by version"
                 );
-                unsafe { *pfn = e.hook as *mut c_void };
+                unsafe { pfn.write_unaligned(e.hook as *mut c_void) };
             }
         }
     }
