@@ -26,8 +26,27 @@ fn main() {
     let f = |name: &str| fx.join(name).display().to_string();
     std::fs::create_dir_all(out.join("stub")).unwrap();
     let stub = out.join("stub/libcuda.so").display().to_string();
-    let _ = run(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &stub, &f("lcuda_stub.c")])
-        && run(&["-o", &o("lcuda_app"), &f("lcuda_app.c"), &format!("-L{}", out.join("stub").display()), "-lcuda"]);
-    let _ = run(&["-shared", "-fPIC", "-o", &o("librtldnext.so"), &f("rtld_next_preload.c"), "-ldl"]);
+    let _ = run(&[
+        "-shared",
+        "-fPIC",
+        "-Wl,-soname,libcuda.so.1",
+        "-o",
+        &stub,
+        &f("lcuda_stub.c"),
+    ]) && run(&[
+        "-o",
+        &o("lcuda_app"),
+        &f("lcuda_app.c"),
+        &format!("-L{}", out.join("stub").display()),
+        "-lcuda",
+    ]);
+    let _ = run(&[
+        "-shared",
+        "-fPIC",
+        "-o",
+        &o("librtldnext.so"),
+        &f("rtld_next_preload.c"),
+        "-ldl",
+    ]);
     let _ = run(&["-o", &o("hello"), &f("hello.c")]);
 }

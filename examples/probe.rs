@@ -407,7 +407,8 @@ fn main() {
                 // The CUDA 11/12 signature, whatever version this probe asks
                 // for (CUDA 13's cuCtxGetDevice takes a context as well).
                 let p = unsafe { libc::dlsym(probe.c.lib, c"cuCtxGetDevice".as_ptr()) };
-                let getdev: unsafe extern "C" fn(*mut c_int) -> R = unsafe { std::mem::transmute(p) };
+                let getdev: unsafe extern "C" fn(*mut c_int) -> R =
+                    unsafe { std::mem::transmute(p) };
                 unsafe { getdev(&mut got) };
                 println!("ctx-create rc={rc} device={got} variant={variant}");
             }
@@ -560,6 +561,25 @@ fn main() {
                     "spin kernels={kernels} rc={rc} gpu_ns={}",
                     kernels * kernel_ns
                 );
+            }
+            "trickle" => {
+                // One kernel every PERIOD_MS from START to END: a process
+                // that holds the GPU only briefly now and then.
+                let start: u64 = next(&mut i).parse().unwrap();
+                let end: u64 = next(&mut i).parse().unwrap();
+                let period_ms: u64 = next(&mut i).parse().unwrap();
+                let kernel_ns: u64 = next(&mut i).parse().unwrap();
+                let mut n = 0;
+                while mono_ns() < start {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                while mono_ns() < end {
+                    if launch(&probe.c, 1, kernel_ns).0 == 0 {
+                        n += 1;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(period_ms));
+                }
+                println!("trickle kernels={n}");
             }
             "sleep-ms" => {
                 let ms: u64 = next(&mut i).parse().unwrap();

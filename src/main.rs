@@ -1,3 +1,286 @@
-fn main() {
-    println!("gpufrac (in progress)");
+//! The `gpufrac` command: the broker daemon, `run`, `status` and
+//! `docker-args`.
+
+mod client;
+mod docker;
+mod run;
+mod status;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use gpufrac_common::config::{DEFAULT_SOCKET, VAR_SOCKET};
+use gpufrac_common::size::{self, DURATION_EXAMPLE};
+
+const ABOUT: &str =
+    "Share NVIDIA GPUs among processes: memory caps, compute shares and a GPU queue";
+
+const LONG_ABOUT: &str = "\
+Share NVIDIA GPUs among processes: memory caps, compute shares and a GPU queue.
+
+libgpufrac.so, preloaded into unmodified CUDA programs, caps their GPU memory
+and takes compute timeslices from the broker. `gpufrac run` does the
+preloading for you and queues for whole GPUs or memory fractions.";
+
+const EXAMPLES: &str = "\
+Examples:
+  gpufrac broker &                                         start the node's arbiter
+  gpufrac run --gpu-memory 4G --gpu-compute 30% -- python train.py
+  gpufrac run --gpus 2 -- torchrun --nproc_per_node=2 train.py
+  gpufrac status
+  docker run $(gpufrac docker-args --gpu-memory 8G --gpus 0) IMAGE
+
+Environment:
+  GPUFRAC_SOCKET   broker socket (default /run/gpufrac/broker.sock)
+  RUST_LOG         broker log filter (default info)";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpufrac",
+    version,
+    about = ABOUT,
+    long_about = LONG_ABOUT,
+    after_help = EXAMPLES,
+    propagate_version = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the node-local broker: compute timeslices, the GPU queue, status.
+    Broker(BrokerArgs),
+    /// Run a command under the shim, with a memory cap, a compute share and
+    /// queued GPUs.
+    Run(run::RunArgs),
+    /// Show GPUs, processes, shares, the queue and leases.
+    Status(status::StatusArgs),
+    /// Print `docker run` flags that put a sealed image under gpufrac.
+    DockerArgs(docker::DockerArgs),
+}
+
+const BROKER_EXAMPLES: &str = "\
+Examples:
+  gpufrac broker
+  sudo gpufrac broker --group gpu --metrics 127.0.0.1:9400
+  gpufrac broker --socket /tmp/gpufrac.sock --timeslice 20ms
+  gpufrac broker --overprovision 4     # every GPU becomes 4 slots for --gpus 1
+
+Log detail follows RUST_LOG (default info), e.g. RUST_LOG=gpufrac_broker=debug.";
+
+#[derive(Args, Debug)]
+#[command(after_help = BROKER_EXAMPLES)]
+struct BrokerArgs {
+    /// Socket to listen on [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Compute timeslice when a GPU is contended.
+    #[arg(long, value_name = "DUR", default_value = "50ms", value_parser = positive_duration)]
+    timeslice: u64,
+    /// Group allowed to use the socket (mode 0660); default: the broker's own.
+    #[arg(long, value_name = "GROUP")]
+    group: Option<String>,
+    /// Serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9400.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
+    /// A queued request waiting this long goes ahead of all younger ones.
+    #[arg(long, value_name = "DUR", default_value = "1h", value_parser = duration)]
+    escalate_after: u64,
+    /// Present each physical GPU as F logical GPUs (`--gpus 1` then takes one
+    /// slot, capped at total/F memory).
+    #[arg(long, value_name = "F", default_value = "1", value_parser = overprovision)]
+    overprovision: u32,
+    /// Let leased memory exceed a GPU's physical total.
+    #[arg(long)]
+    overcommit: bool,
+    /// Place memory fractions on the emptiest GPU instead of the best fit.
+    #[arg(long)]
+    spread: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Broker(args) => broker(args),
+        Cmd::Run(args) => run::main(args),
+        Cmd::Status(args) => status::main(args),
+        Cmd::DockerArgs(args) => docker::main(args),
+    };
+    ExitCode::from(code)
+}
+
+fn broker(args: BrokerArgs) -> u8 {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        // Colour codes would litter log files and the journal.
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .init();
+    let opts = gpufrac_broker::server::BrokerOptions {
+        socket: socket_path(args.socket),
+        timeslice: args.timeslice,
+        group: args.group,
+        metrics: args.metrics,
+        escalate_after: args.escalate_after,
+        overprovision: args.overprovision,
+        overcommit: args.overcommit,
+        spread: args.spread,
+    };
+    match gpufrac_broker::server::run(opts) {
+        Ok(()) => 0,
+        Err(msg) => {
+            eprintln!("gpufrac broker: {msg}");
+            1
+        }
+    }
+}
+
+/// `--socket`, else `$GPUFRAC_SOCKET`, else the default, so that a user who
+/// exports the variable once reaches the same broker from every subcommand
+/// and from the shim.
+pub(crate) fn socket_path(flag: Option<PathBuf>) -> PathBuf {
+    flag.or_else(|| {
+        std::env::var_os(VAR_SOCKET)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    })
+    .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET))
+}
+
+/// Writes `text` to stdout. A reader that went away (`gpufrac status |
+/// head`) is not an error worth a message; anything else is returned.
+pub(crate) fn print_stdout(text: &str) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(format!("cannot write to stdout: {e}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Nanoseconds.
+pub(crate) fn duration(s: &str) -> Result<u64, String> {
+    size::parse_duration(s)
+}
+
+fn positive_duration(s: &str) -> Result<u64, String> {
+    match size::parse_duration(s)? {
+        0 => Err(format!(
+            "must be greater than zero; expected {DURATION_EXAMPLE}"
+        )),
+        ns => Ok(ns),
+    }
+}
+
+fn overprovision(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u32>() {
+        Ok(0) => Err("must be at least 1 (1 = no over-provisioning)".into()),
+        Ok(f) => Ok(f),
+        Err(_) => Err("expected a whole number of slots per GPU such as 1, 2 or 4".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("gpufrac").chain(args.iter().copied()))
+    }
+
+    fn err(args: &[&str]) -> String {
+        match parse(args) {
+            Ok(c) => panic!("{args:?} accepted: {c:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn broker_defaults() {
+        let Cmd::Broker(b) = parse(&["broker"]).unwrap().cmd else {
+            panic!()
+        };
+        assert_eq!(b.timeslice, 50_000_000);
+        assert_eq!(b.escalate_after, 3_600_000_000_000);
+        assert_eq!(b.overprovision, 1);
+        assert!(!b.overcommit && !b.spread);
+        assert!(b.socket.is_none() && b.group.is_none() && b.metrics.is_none());
+    }
+
+    #[test]
+    fn broker_options() {
+        let Cmd::Broker(b) = parse(&[
+            "broker",
+            "--socket",
+            "/tmp/s.sock",
+            "--timeslice",
+            "20ms",
+            "--group",
+            "gpu",
+            "--metrics",
+            "127.0.0.1:9400",
+            "--escalate-after",
+            "10m",
+            "--overprovision",
+            "4",
+            "--overcommit",
+            "--spread",
+        ])
+        .unwrap()
+        .cmd
+        else {
+            panic!()
+        };
+        assert_eq!(b.timeslice, 20_000_000);
+        assert_eq!(b.escalate_after, 600_000_000_000);
+        assert_eq!(b.overprovision, 4);
+        assert_eq!(b.group.as_deref(), Some("gpu"));
+        assert_eq!(b.metrics.as_deref(), Some("127.0.0.1:9400"));
+        assert_eq!(b.socket, Some(PathBuf::from("/tmp/s.sock")));
+        assert!(b.overcommit && b.spread);
+    }
+
+    #[test]
+    fn broker_bad_values_name_the_option_and_an_example() {
+        let e = err(&["broker", "--timeslice", "50"]);
+        assert!(e.contains("--timeslice") && e.contains("50ms"), "{e}");
+        let e = err(&["broker", "--timeslice", "0ms"]);
+        assert!(
+            e.contains("--timeslice") && e.contains("greater than zero"),
+            "{e}"
+        );
+        let e = err(&["broker", "--escalate-after", "soon"]);
+        assert!(e.contains("--escalate-after") && e.contains("1h"), "{e}");
+        let e = err(&["broker", "--overprovision", "0"]);
+        assert!(
+            e.contains("--overprovision") && e.contains("at least 1"),
+            "{e}"
+        );
+        let e = err(&["broker", "--overprovision", "1.5"]);
+        assert!(
+            e.contains("--overprovision") && e.contains("such as 1, 2 or 4"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn socket_flag_wins() {
+        assert_eq!(
+            socket_path(Some(PathBuf::from("/x.sock"))),
+            PathBuf::from("/x.sock")
+        );
+    }
 }

@@ -12,13 +12,28 @@ const CAP_BYTES: u64 = 64 * MIB;
 fn fill_exact(lookup: &str, extra: &[&str], kind: &str, size: &str, expect: u64) {
     let mut args = vec!["--lookup", lookup];
     args.extend_from_slice(extra);
-    args.extend_from_slice(&["ctx", "fill", kind, size, "free-one", "alloc", kind, size, "alloc", kind, size]);
+    args.extend_from_slice(&[
+        "ctx", "fill", kind, size, "free-one", "alloc", kind, size, "alloc", kind, size,
+    ]);
     let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &args);
     let fill = line(&o, "fill", 0);
-    assert_eq!(num(&fill, "count"), expect, "{lookup} {kind}: {}", stdout(&o));
-    assert_eq!(num(&fill, "rc"), 2, "{kind} must end with CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(
+        num(&fill, "count"),
+        expect,
+        "{lookup} {kind}: {}",
+        stdout(&o)
+    );
+    assert_eq!(
+        num(&fill, "rc"),
+        2,
+        "{kind} must end with CUDA_ERROR_OUT_OF_MEMORY"
+    );
     assert_eq!(num(&line(&o, "free-one", 0), "rc"), 0);
-    assert_eq!(num(&line(&o, "alloc", 0), "rc"), 0, "after a free, one more {kind} fits");
+    assert_eq!(
+        num(&line(&o, "alloc", 0), "rc"),
+        0,
+        "after a free, one more {kind} fits"
+    );
     assert_eq!(num(&line(&o, "alloc", 1), "rc"), 2, "and only one");
 }
 
@@ -47,18 +62,29 @@ fn pitch_counts_the_padded_rows() {
     // padded size would not: the count pins the padded figure.
     let per = 4 * (MIB + 512);
     let expect = CAP_BYTES / per;
-    let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["ctx", "fill", "pitch", "1048577", "info"]);
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", CAP)],
+        &["ctx", "fill", "pitch", "1048577", "info"],
+    );
     assert_eq!(num(&line(&o, "fill", 0), "count"), expect);
     assert_eq!(num(&line(&o, "pitch", 0), "pitch"), MIB + 512);
     let info = line(&o, "info", 0);
-    assert_eq!(num(&info, "free"), CAP_BYTES - expect * per, "used = pitch × height per allocation");
+    assert_eq!(
+        num(&info, "free"),
+        CAP_BYTES - expect * per,
+        "used = pitch × height per allocation"
+    );
 }
 
 #[test]
 fn direct_linking_is_capped() {
     let a = artifacts();
     let app = a.fixtures.join("lcuda_app");
-    assert!(app.exists(), "fixture {app:?} missing: build.rs needs a C compiler");
+    assert!(
+        app.exists(),
+        "fixture {app:?} missing: build.rs needs a C compiler"
+    );
     let o = sim_command(&app, "16G", true)
         .env("GPU_MEM_LIMIT", CAP)
         .arg((4 * MIB).to_string())
@@ -69,7 +95,10 @@ fn direct_linking_is_capped() {
     assert_eq!(num(&line(&o, "lcuda", 2), "rc"), 0, "realloc after free");
     assert_eq!(num(&line(&o, "lcuda", 3), "total"), CAP_BYTES);
     // Without the shim the same program is limited only by the device.
-    let o = sim_command(&app, "256M", false).arg((4 * MIB).to_string()).output().unwrap();
+    let o = sim_command(&app, "256M", false)
+        .arg((4 * MIB).to_string())
+        .output()
+        .unwrap();
     assert_eq!(num(&line(&o, "lcuda", 0), "count"), 64);
 }
 
@@ -78,13 +107,35 @@ fn frees_make_room_and_nothing_drifts() {
     let o = probe(
         "16G",
         &[("GPU_MEM_LIMIT", CAP)],
-        &["ctx", "fill", "alloc", "4M", "free-all", "churn", "alloc", "4K", "100000", "churn", "vmm", "2M", "20000", "fill", "alloc", "4M", "limit-api"],
+        &[
+            "ctx",
+            "fill",
+            "alloc",
+            "4M",
+            "free-all",
+            "churn",
+            "alloc",
+            "4K",
+            "100000",
+            "churn",
+            "vmm",
+            "2M",
+            "20000",
+            "fill",
+            "alloc",
+            "4M",
+            "limit-api",
+        ],
     );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 16);
     assert_eq!(num(&line(&o, "free-all", 0), "failures"), 0);
     assert_eq!(num(&line(&o, "churn", 0), "failures"), 0);
     assert_eq!(num(&line(&o, "churn", 1), "failures"), 0);
-    assert_eq!(num(&line(&o, "fill", 1), "count"), 16, "120 000 alloc/free pairs later the cap is intact");
+    assert_eq!(
+        num(&line(&o, "fill", 1), "count"),
+        16,
+        "120 000 alloc/free pairs later the cap is intact"
+    );
     let api = line(&o, "limit-api", 0);
     assert_eq!(num(&api, "limit"), CAP_BYTES);
     assert_eq!(num(&api, "used"), CAP_BYTES);
@@ -93,15 +144,27 @@ fn frees_make_room_and_nothing_drifts() {
 #[test]
 fn racing_threads_never_overshoot() {
     for _ in 0..3 {
-        let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["ctx", "race", "8", "alloc", "1M", "limit-api"]);
-        assert_eq!(num(&line(&o, "race", 0), "count"), 64, "8 threads together get exactly cap/size");
+        let o = probe(
+            "16G",
+            &[("GPU_MEM_LIMIT", CAP)],
+            &["ctx", "race", "8", "alloc", "1M", "limit-api"],
+        );
+        assert_eq!(
+            num(&line(&o, "race", 0), "count"),
+            64,
+            "8 threads together get exactly cap/size"
+        );
         assert_eq!(num(&line(&o, "limit-api", 0), "used"), CAP_BYTES);
     }
 }
 
 #[test]
 fn views_report_the_cap() {
-    let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["ctx", "info", "alloc", "alloc", "10M", "info", "nvml"]);
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", CAP)],
+        &["ctx", "info", "alloc", "alloc", "10M", "info", "nvml"],
+    );
     let before = line(&o, "info", 0);
     assert_eq!(num(&before, "total"), CAP_BYTES);
     assert_eq!(num(&before, "free"), CAP_BYTES);
@@ -120,7 +183,13 @@ fn views_report_the_cap() {
 #[test]
 fn free_memory_is_never_more_than_the_device_has() {
     // A 64 MiB device under a 1 GiB cap: the device is the limit.
-    let o = probe("64M", &[("GPU_MEM_LIMIT", "1G")], &["ctx", "alloc", "alloc", "16M", "info", "fill", "alloc", "4M"]);
+    let o = probe(
+        "64M",
+        &[("GPU_MEM_LIMIT", "1G")],
+        &[
+            "ctx", "alloc", "alloc", "16M", "info", "fill", "alloc", "4M",
+        ],
+    );
     let info = line(&o, "info", 0);
     assert_eq!(num(&info, "total"), 64 * MIB);
     assert_eq!(num(&info, "free"), 48 * MIB);
@@ -129,9 +198,15 @@ fn free_memory_is_never_more_than_the_device_has() {
 
 #[test]
 fn null_out_pointers_behave_as_the_driver_does() {
-    let plain = sim_command(&artifacts().probe, "16G", false).args(["ctx", "info-null"]).output().unwrap();
+    let plain = sim_command(&artifacts().probe, "16G", false)
+        .args(["ctx", "info-null"])
+        .output()
+        .unwrap();
     let capped = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["ctx", "info-null"]);
-    assert_eq!(line(&plain, "info-null", 0)["rc"], line(&capped, "info-null", 0)["rc"]);
+    assert_eq!(
+        line(&plain, "info-null", 0)["rc"],
+        line(&capped, "info-null", 0)["rc"]
+    );
 }
 
 #[test]
@@ -145,15 +220,27 @@ fn uncapped_processes_see_the_physical_device() {
 #[test]
 fn per_device_overrides() {
     let env = [("GPU_MEM_LIMIT", CAP), ("GPU_MEM_LIMIT_1", "32M")];
-    let o = probe("16G,16G", &env, &["--device", "0", "ctx", "fill", "alloc", "4M", "nvml"]);
+    let o = probe(
+        "16G,16G",
+        &env,
+        &["--device", "0", "ctx", "fill", "alloc", "4M", "nvml"],
+    );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 16);
     assert_eq!(num(&line(&o, "nvml", 0), "total"), CAP_BYTES);
     assert_eq!(num(&line(&o, "nvml", 1), "total"), 32 * MIB);
-    let o = probe("16G,16G", &env, &["--device", "1", "ctx", "fill", "alloc", "4M", "info"]);
+    let o = probe(
+        "16G,16G",
+        &env,
+        &["--device", "1", "ctx", "fill", "alloc", "4M", "info"],
+    );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 8);
     assert_eq!(num(&line(&o, "info", 0), "total"), 32 * MIB);
     // "0" lifts the cap for one device.
-    let o = probe("256M,256M", &[("GPU_MEM_LIMIT", CAP), ("GPU_MEM_LIMIT_1", "0")], &["--device", "1", "ctx", "fill", "alloc", "4M"]);
+    let o = probe(
+        "256M,256M",
+        &[("GPU_MEM_LIMIT", CAP), ("GPU_MEM_LIMIT_1", "0")],
+        &["--device", "1", "ctx", "fill", "alloc", "4M"],
+    );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 64);
 }
 
@@ -161,9 +248,17 @@ fn per_device_overrides() {
 fn vmm_charges_the_device_it_is_placed_on() {
     // Context on device 0, physical allocations placed on device 1 (cap 32M).
     let env = [("GPU_MEM_LIMIT_0", "64M"), ("GPU_MEM_LIMIT_1", "32M")];
-    let o = probe("16G,16G", &env, &["--device", "0", "ctx", "fill", "vmm@1", "4M", "info"]);
+    let o = probe(
+        "16G,16G",
+        &env,
+        &["--device", "0", "ctx", "fill", "vmm@1", "4M", "info"],
+    );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 8);
-    assert_eq!(num(&line(&o, "info", 0), "free"), 64 * MIB, "device 0 untouched");
+    assert_eq!(
+        num(&line(&o, "info", 0), "free"),
+        64 * MIB,
+        "device 0 untouched"
+    );
 }
 
 #[test]
@@ -171,7 +266,19 @@ fn destroying_a_context_returns_its_memory() {
     let o = probe(
         "16G",
         &[("GPU_MEM_LIMIT", CAP)],
-        &["ctx-create", "0", "fill", "alloc", "4M", "ctx-destroy", "ctx-create", "0", "fill", "alloc", "4M"],
+        &[
+            "ctx-create",
+            "0",
+            "fill",
+            "alloc",
+            "4M",
+            "ctx-destroy",
+            "ctx-create",
+            "0",
+            "fill",
+            "alloc",
+            "4M",
+        ],
     );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 16);
     assert_eq!(num(&line(&o, "ctx-destroy", 0), "rc"), 0);
@@ -195,9 +302,21 @@ fn accepted_spellings() {
         ("0", "256M", 64),
     ];
     for (value, devices, expect) in cases {
-        let o = probe(devices, &[("GPU_MEM_LIMIT", value)], &["ctx", "fill", "alloc", "4M"]);
-        assert_eq!(num(&line(&o, "fill", 0), "count"), *expect, "GPU_MEM_LIMIT={value:?}");
-        assert!(stderr(&o).is_empty(), "no output for a valid value: {}", stderr(&o));
+        let o = probe(
+            devices,
+            &[("GPU_MEM_LIMIT", value)],
+            &["ctx", "fill", "alloc", "4M"],
+        );
+        assert_eq!(
+            num(&line(&o, "fill", 0), "count"),
+            *expect,
+            "GPU_MEM_LIMIT={value:?}"
+        );
+        assert!(
+            stderr(&o).is_empty(),
+            "no output for a valid value: {}",
+            stderr(&o)
+        );
     }
 }
 
@@ -217,12 +336,22 @@ fn malformed_values_fail_closed_with_a_clear_message() {
     ];
     for (var, value) in cases {
         let o = probe("16G", &[(var, value)], &["ctx", "alloc", "alloc", "4M"]);
-        assert_eq!(num(&line(&o, "init", 0), "rc"), 1, "{var}={value}: cuInit must return CUDA_ERROR_INVALID_VALUE");
+        assert_eq!(
+            num(&line(&o, "init", 0), "rc"),
+            1,
+            "{var}={value}: cuInit must return CUDA_ERROR_INVALID_VALUE"
+        );
         assert!(!o.status.success());
         let err = stderr(&o);
         assert!(err.starts_with("gpufrac: "), "{err}");
-        assert!(err.contains(var) && err.contains(value), "message names {var} and {value:?}: {err}");
-        assert!(err.contains("expected") || err.contains("valid"), "message gives a good example: {err}");
+        assert!(
+            err.contains(var) && err.contains(value),
+            "message names {var} and {value:?}: {err}"
+        );
+        assert!(
+            err.contains("expected") || err.contains("valid"),
+            "message gives a good example: {err}"
+        );
     }
 }
 
@@ -232,7 +361,11 @@ fn hooks_keep_the_callers_version_and_stream_semantics() {
     // callers _v2; both must land on device 1 as asked.
     for (ver, variant) in [("13000", "cuCtxCreate_v4"), ("12080", "cuCtxCreate_v2")] {
         for lookup in ["cudart", "dlsym"] {
-            let o = probe("16G,16G", &[("GPU_MEM_LIMIT", CAP)], &["--lookup", lookup, "--cuda-version", ver, "ctx-create", "1"]);
+            let o = probe(
+                "16G,16G",
+                &[("GPU_MEM_LIMIT", CAP)],
+                &["--lookup", lookup, "--cuda-version", ver, "ctx-create", "1"],
+            );
             let l = line(&o, "ctx-create", 0);
             assert_eq!(num(&l, "rc"), 0);
             assert_eq!(num(&l, "device"), 1, "{lookup} {ver}");
@@ -240,10 +373,20 @@ fn hooks_keep_the_callers_version_and_stream_semantics() {
         }
     }
     // Per-thread default stream callers reach the _ptsz entry points.
-    let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["--ptsz", "ctx", "alloc", "async", "1M", "launch", "3", "1000"]);
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", CAP)],
+        &[
+            "--ptsz", "ctx", "alloc", "async", "1M", "launch", "3", "1000",
+        ],
+    );
     assert_eq!(line(&o, "alloc", 0)["variant"], "cuMemAllocAsync_ptsz");
     assert_eq!(line(&o, "launch", 0)["variant"], "cuLaunchKernel_ptsz");
-    let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["ctx", "alloc", "async", "1M", "launch", "3", "1000"]);
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", CAP)],
+        &["ctx", "alloc", "async", "1M", "launch", "3", "1000"],
+    );
     assert_eq!(line(&o, "alloc", 0)["variant"], "cuMemAllocAsync");
     assert_eq!(line(&o, "launch", 0)["variant"], "cuLaunchKernel");
 }
@@ -254,7 +397,16 @@ fn unhooked_symbols_come_back_untouched() {
         let o = probe(
             "16G",
             &[],
-            &["--lookup", lookup, "origin", "cuModuleLoadData", "cuModuleLoadData", "origin", "cuMemAlloc", "cuMemAlloc_v2"],
+            &[
+                "--lookup",
+                lookup,
+                "origin",
+                "cuModuleLoadData",
+                "cuModuleLoadData",
+                "origin",
+                "cuMemAlloc",
+                "cuMemAlloc_v2",
+            ],
         );
         let unhooked = line(&o, "origin", 0);
         assert_eq!(unhooked["via_lookup"], "libcuda.so.1", "{lookup}");
@@ -264,16 +416,30 @@ fn unhooked_symbols_come_back_untouched() {
         assert_eq!(hooked["via_dlsym"], "libgpufrac.so");
     }
     // Exact names only: no prefix matching.
-    let o = probe("16G", &[], &["lookup", "cudnnCreate", "lookup", "cuMemAlloc_v2x"]);
+    let o = probe(
+        "16G",
+        &[],
+        &["lookup", "cudnnCreate", "lookup", "cuMemAlloc_v2x"],
+    );
     assert_eq!(num(&line(&o, "lookup", 0), "found"), 0);
     assert_eq!(num(&line(&o, "lookup", 1), "found"), 0);
 }
 
 #[test]
 fn unknown_frees_pass_through() {
-    let plain = sim_command(&artifacts().probe, "16G", false).args(["ctx", "free-unknown"]).output().unwrap();
-    let o = probe("16G", &[("GPU_MEM_LIMIT", CAP)], &["ctx", "free-unknown", "fill", "alloc", "4M"]);
-    assert_eq!(line(&o, "free-unknown", 0)["rc"], line(&plain, "free-unknown", 0)["rc"]);
+    let plain = sim_command(&artifacts().probe, "16G", false)
+        .args(["ctx", "free-unknown"])
+        .output()
+        .unwrap();
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", CAP)],
+        &["ctx", "free-unknown", "fill", "alloc", "4M"],
+    );
+    assert_eq!(
+        line(&o, "free-unknown", 0)["rc"],
+        line(&plain, "free-unknown", 0)["rc"]
+    );
     assert_eq!(num(&line(&o, "fill", 0), "count"), 16);
 }
 
@@ -289,16 +455,33 @@ fn programs_that_never_touch_cuda_are_untouched() {
     for (prog, args) in [
         ("sh", &["-c", "echo hi; ls / >/dev/null"][..]),
         ("ls", &["/"][..]),
-        ("python3", &["-c", "import os, ctypes, json; print(len(os.listdir('/proc/self/task')), 'libcuda' in open('/proc/self/maps').read())"][..]),
+        (
+            "python3",
+            &[
+                "-c",
+                "import os, ctypes, json; print(len(os.listdir('/proc/self/task')), 'libcuda' in open('/proc/self/maps').read())",
+            ][..],
+        ),
     ] {
         let with = run(prog, args, true);
         let without = run(prog, args, false);
-        assert!(with.status.success(), "{prog} failed under the shim: {}", stderr(&with));
+        assert!(
+            with.status.success(),
+            "{prog} failed under the shim: {}",
+            stderr(&with)
+        );
         assert_eq!(stdout(&with), stdout(&without), "{prog}");
         assert_eq!(stderr(&with), "", "{prog} printed on stderr under the shim");
     }
     // The python line above proves one thread and no libcuda mapping.
-    let o = run("python3", &["-c", "import os; print(len(os.listdir('/proc/self/task')), 'libcuda' in open('/proc/self/maps').read())"], true);
+    let o = run(
+        "python3",
+        &[
+            "-c",
+            "import os; print(len(os.listdir('/proc/self/task')), 'libcuda' in open('/proc/self/maps').read())",
+        ],
+        true,
+    );
     assert_eq!(stdout(&o).trim(), "1 False");
     let _ = a;
 }
@@ -308,12 +491,23 @@ fn another_preloaded_library_using_rtld_next_still_works() {
     let a = artifacts();
     let hello = a.fixtures.join("hello");
     let other = a.fixtures.join("librtldnext.so");
-    assert!(hello.exists() && other.exists(), "fixtures missing: build.rs needs a C compiler");
+    assert!(
+        hello.exists() && other.exists(),
+        "fixtures missing: build.rs needs a C compiler"
+    );
     let o = sim_command(&hello, "16G", false)
-        .env("LD_PRELOAD", format!("{} {}", a.shim.display(), other.display()))
+        .env(
+            "LD_PRELOAD",
+            format!("{} {}", a.shim.display(), other.display()),
+        )
         .output()
         .unwrap();
-    assert!(o.status.success(), "exit {:?}: {}", o.status.code(), stderr(&o));
+    assert!(
+        o.status.success(),
+        "exit {:?}: {}",
+        o.status.code(),
+        stderr(&o)
+    );
     assert_eq!(stdout(&o), "[other] hello\n");
 }
 

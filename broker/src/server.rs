@@ -373,12 +373,14 @@ impl Server {
                 }
             }
             ClientMsg::Acquire { uuid } => {
+                debug!(pid = c.pid, "acquire");
                 if let Some(d) = c.devices.iter().find(|d| self.gpus[d.gpu].uuid == uuid) {
                     let g = d.gpu;
                     self.gpus[g].sched.acquire(now, id);
                 }
             }
-            ClientMsg::Release { uuid, .. } => {
+            ClientMsg::Release { uuid, held_ns } => {
+                debug!(pid = c.pid, held_us = held_ns / 1000, "release");
                 if let Some(d) = c.devices.iter().find(|d| self.gpus[d.gpu].uuid == uuid) {
                     let g = d.gpu;
                     self.gpus[g].sched.release(now, id);
@@ -425,10 +427,11 @@ impl Server {
                     command
                 };
                 c.command = label.clone();
+                // Percent on the wire, fractions in the queue.
                 let req = Request {
                     want,
                     compute,
-                    limit,
+                    limit: limit.map(|l| l / 100.0),
                     label,
                 };
                 if no_wait {
@@ -487,6 +490,7 @@ impl Server {
             }
             while let Some(a) = self.gpus[g].sched.poll_action() {
                 let uuid = self.gpus[g].uuid;
+                debug!(?a, "scheduler");
                 match a {
                     Action::Grant {
                         client,
@@ -583,6 +587,30 @@ impl Server {
             self.queue.release(now, c.id);
             if !c.devices.is_empty() || c.leased_at.is_some() {
                 info!(pid = c.pid, command = %c.command, "client gone");
+            }
+        }
+    }
+
+    /// Runs the state machines and the sockets to a fixed point: removing
+    /// a dead client can produce a grant for another, sending can reveal a
+    /// dead client, and every such consequence must go out this turn (there
+    /// may be no timer to bring the loop back).
+    fn settle(&mut self, touched: Vec<Token>) {
+        let mut touched = touched;
+        loop {
+            self.reap();
+            self.pump();
+            let toks: Vec<Token> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| !c.outbuf.is_empty())
+                .map(|(t, _)| *t)
+                .collect();
+            for t in toks.into_iter().chain(touched.drain(..)) {
+                self.flush(t);
+            }
+            if !self.conns.values().any(|c| c.dead) {
+                return;
             }
         }
     }
@@ -1030,18 +1058,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             info!("shutting down");
             break Ok(());
         }
-        s.pump();
-        s.reap();
-        let toks: Vec<Token> = s
-            .conns
-            .iter()
-            .filter(|(_, c)| !c.outbuf.is_empty())
-            .map(|(t, _)| *t)
-            .collect();
-        for t in toks.into_iter().chain(touched) {
-            s.flush(t);
-        }
-        s.reap();
+        s.settle(touched);
         s.refresh_metrics();
     };
     let _ = std::fs::remove_file(&s.opts.socket);

@@ -101,6 +101,16 @@ pub const VERSIONS: &[(&str, i32, bool, &str)] = &[
         false,
         "cuLaunchCooperativeKernelMultiDevice",
     ),
+    ("cuCtxSynchronize", 2000, false, "cuCtxSynchronize"),
+    ("cuCtxSynchronize", 13000, false, "cuCtxSynchronize_v2"),
+    ("cuStreamSynchronize", 2000, false, "cuStreamSynchronize"),
+    (
+        "cuStreamSynchronize",
+        7000,
+        true,
+        "cuStreamSynchronize_ptsz",
+    ),
+    ("cuEventSynchronize", 2000, false, "cuEventSynchronize"),
     ("cuGraphLaunch", 10000, false, "cuGraphLaunch"),
     ("cuGraphLaunch", 10000, true, "cuGraphLaunch_ptsz"),
 ];

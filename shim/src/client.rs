@@ -29,6 +29,9 @@ use std::time::Duration;
 
 /// Launches must consult the per-device bits.
 static GATED: AtomicBool = AtomicBool::new(false);
+/// Threads blocked in a synchronize call: waiting for its own kernels is
+/// not idleness.
+static SYNCING: AtomicU32 = AtomicU32::new(0);
 /// Devices this process may launch on now.
 static OPEN: AtomicU64 = AtomicU64::new(0);
 /// Devices held under a contended (sliced) grant: idle hand-back applies.
@@ -153,9 +156,15 @@ fn wake_all() {
 
 /// Sends one frame on the live connection (any thread).
 fn send(msg: &ClientMsg) -> bool {
+    let g = SEND.lock().unwrap_or_else(|e| e.into_inner());
+    send_locked(&g, msg)
+}
+
+/// Sends with the send lock already held (the lock orders an application
+/// thread's Acquire after a release in progress).
+fn send_locked(_held: &std::sync::MutexGuard<'_, ()>, msg: &ClientMsg) -> bool {
     let mut buf = Vec::with_capacity(64);
     wire::encode_client(msg, &mut buf);
-    let _g = SEND.lock().unwrap_or_else(|e| e.into_inner());
     let fd = CONN_FD.load(Acquire);
     if fd < 0 {
         return false;
@@ -488,9 +497,26 @@ fn release(d: usize, wants_again: bool) {
     debug!("device {d}: released after {} us", held / 1000);
 }
 
+/// Wraps a synchronize call so idle hand-back does not fire while the
+/// process waits for its own work.
+#[inline(always)]
+pub fn syncing<F: FnOnce() -> u32>(f: F) -> u32 {
+    if !GATED.load(Relaxed) {
+        return f();
+    }
+    SYNCING.fetch_add(1, SeqCst);
+    let rc = f();
+    SYNCING.fetch_sub(1, SeqCst);
+    let now = coarse_ns();
+    for l in LAST_LAUNCH.iter().take(NDEV.load(Relaxed) as usize) {
+        l.store(now, Relaxed);
+    }
+    rc
+}
+
 fn idle_handback() {
     let contended = CONTENDED.load(Relaxed) & OPEN.load(Relaxed);
-    if contended == 0 {
+    if contended == 0 || SYNCING.load(SeqCst) > 0 {
         return;
     }
     let now = coarse_ns();

@@ -154,3 +154,26 @@ pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
     client::launched(rc);
     rc
 }
+
+// Synchronisation: pass-through, but marked, so that a process waiting for
+// its own kernels is not mistaken for an idle holder.
+
+pub unsafe fn ctx_sync() -> u32 {
+    client::syncing(|| unsafe { call::cuCtxSynchronize() })
+}
+
+pub unsafe fn ctx_sync_v2(ctx: CUcontext) -> u32 {
+    client::syncing(|| unsafe { call::cuCtxSynchronize_v2(ctx) })
+}
+
+pub unsafe fn stream_sync(stream: CUstream) -> u32 {
+    client::syncing(|| unsafe { call::cuStreamSynchronize(stream) })
+}
+
+pub unsafe fn stream_sync_ptsz(stream: CUstream) -> u32 {
+    client::syncing(|| unsafe { call::cuStreamSynchronize_ptsz(stream) })
+}
+
+pub unsafe fn event_sync(event: CUevent) -> u32 {
+    client::syncing(|| unsafe { call::cuEventSynchronize(event) })
+}

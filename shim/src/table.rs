@@ -181,6 +181,12 @@ hooks! {
         Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => launch::graph_launch;
         Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => launch::graph_launch_ptsz;
 
+        Cuda fn cuCtxSynchronize() => launch::ctx_sync;
+        Cuda fn cuCtxSynchronize_v2(ctx: CUcontext) => launch::ctx_sync_v2;
+        Cuda fn cuStreamSynchronize(stream: CUstream) => launch::stream_sync;
+        Cuda fn cuStreamSynchronize_ptsz(stream: CUstream) => launch::stream_sync_ptsz;
+        Cuda fn cuEventSynchronize(event: CUevent) => launch::event_sync;
+
         Nvml fn nvmlDeviceGetMemoryInfo(dev: nvmlDevice_t, mem: *mut nvmlMemory_t) => nvml::memory_info;
         Nvml fn nvmlDeviceGetMemoryInfo_v2(dev: nvmlDevice_t, mem: *mut nvmlMemory_v2_t) => nvml::memory_info_v2;
 
@@ -193,7 +199,6 @@ hooks! {
         Cuda fn cuCtxGetDevice(dev: *mut CUdevice);
         Cuda fn cuCtxGetCurrent(pctx: *mut CUcontext);
         Cuda fn cuCtxSetCurrent(ctx: CUcontext);
-        Cuda fn cuCtxSynchronize();
         Cuda fn cuCtxPushCurrent_v2(ctx: CUcontext);
         Cuda fn cuCtxPopCurrent_v2(pctx: *mut CUcontext);
         Cuda fn cuDeviceGet(dev: *mut CUdevice, ordinal: c_int);

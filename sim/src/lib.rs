@@ -1,1 +1,136 @@
-//! Simulated CUDA driver (in progress)
+//! Simulated CUDA driver and NVML, for tests only.
+//!
+//! The library is installed as `libcuda.so.1`, `libcuda.so` and
+//! `libnvidia-ml.so.1` and exports the driver and NVML entry points the shim
+//! hooks. Memory is host bookkeeping only; kernels are reservations on one
+//! execution engine per device that every process sharing the state file
+//! (`GPUFRAC_SIM_STATE`) contends for.
+//!
+//! Rules kept throughout:
+//! - an exported function never calls another exported function (the shim in
+//!   front of us would intercept it); logic lives in private helpers;
+//! - no panic crosses the FFI boundary (`guard` turns it into an error code);
+//! - the kernel launch path takes no lock, allocates nothing and makes no
+//!   system call besides `clock_gettime`.
+#![allow(
+    // Exported C entry points: their contract is the CUDA/NVML documentation.
+    clippy::missing_safety_doc,
+    // cuLaunchKernel and friends have the driver's argument lists.
+    clippy::too_many_arguments,
+    non_snake_case
+)]
+
+use std::ffi::CStr;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use gpufrac_common::cuda::{CUDA_ERROR_UNKNOWN, CUresult, NVML_ERROR_UNKNOWN, nvmlReturn_t};
+
+/// Defines exported CUDA entry points. Each records its own name as the
+/// thread's last variant and runs its body (returning
+/// `Result<(), CUresult>`) behind a panic guard.
+macro_rules! cuda_exports {
+    ($(
+        $(#[$m:meta])*
+        fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block
+    )*) => {$(
+        $(#[$m])*
+        #[unsafe(no_mangle)]
+        #[allow(unused_unsafe)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> gpufrac_common::cuda::CUresult {
+            $crate::set_last(const { $crate::cstr(concat!(stringify!($name), "\0")) });
+            $crate::guard(move || -> Result<(), gpufrac_common::cuda::CUresult> {
+                unsafe { $body }
+            })
+        }
+    )*};
+}
+
+/// Like `cuda_exports!` for NVML: no last-variant bookkeeping.
+macro_rules! nvml_exports {
+    ($(
+        $(#[$m:meta])*
+        fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block
+    )*) => {$(
+        $(#[$m])*
+        #[unsafe(no_mangle)]
+        #[allow(unused_unsafe)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> gpufrac_common::cuda::nvmlReturn_t {
+            $crate::nvml_guard(move || -> Result<(), gpufrac_common::cuda::nvmlReturn_t> {
+                unsafe { $body }
+            })
+        }
+    )*};
+}
+
+mod config;
+mod ctx;
+mod device;
+mod engine;
+mod exec;
+mod mem;
+mod nvml;
+mod objects;
+mod procaddr;
+mod state;
+mod testing;
+
+thread_local! {
+    static LAST_VARIANT: std::cell::Cell<&'static CStr> = const { std::cell::Cell::new(c"") };
+}
+
+#[inline(always)]
+pub(crate) fn set_last(name: &'static CStr) {
+    // A const thread-local without destructor: always accessible.
+    LAST_VARIANT.set(name);
+}
+
+pub(crate) fn last_variant() -> &'static CStr {
+    LAST_VARIANT.get()
+}
+
+pub(crate) const fn cstr(s: &'static str) -> &'static CStr {
+    match CStr::from_bytes_with_nul(s.as_bytes()) {
+        Ok(c) => c,
+        Err(_) => panic!("not NUL-terminated"),
+    }
+}
+
+#[inline(always)]
+pub(crate) fn guard<F: FnOnce() -> Result<(), CUresult>>(f: F) -> CUresult {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => e,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
+}
+
+pub(crate) fn nvml_guard<F: FnOnce() -> Result<(), nvmlReturn_t>>(f: F) -> nvmlReturn_t {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => e,
+        Err(_) => NVML_ERROR_UNKNOWN,
+    }
+}
+
+/// Writes through an out-pointer, failing with `err` when it is NULL.
+#[inline(always)]
+pub(crate) unsafe fn out<T>(p: *mut T, v: T, err: u32) -> Result<(), u32> {
+    if p.is_null() {
+        return Err(err);
+    }
+    unsafe { p.write_unaligned(v) };
+    Ok(())
+}
+
+/// Copies `s` plus a NUL into a C buffer of `len` bytes; `false` if it does
+/// not fit (nothing is written then).
+pub(crate) unsafe fn write_cstr(buf: *mut std::ffi::c_char, len: usize, s: &[u8]) -> bool {
+    if buf.is_null() || len < s.len() + 1 {
+        return false;
+    }
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        *buf.add(s.len()) = 0;
+    }
+    true
+}

@@ -43,8 +43,13 @@ pub fn artifacts() -> &'static Artifacts {
         if release {
             cmd.arg("--release");
         }
-        let st = cmd.status().expect("running cargo build for the test artifacts");
-        assert!(st.success(), "building the shim, simulated driver and examples failed");
+        let st = cmd
+            .status()
+            .expect("running cargo build for the test artifacts");
+        assert!(
+            st.success(),
+            "building the shim, simulated driver and examples failed"
+        );
         let simdir = dir.join("sim-driver");
         std::fs::create_dir_all(&simdir).unwrap();
         for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"] {
@@ -70,7 +75,11 @@ pub fn sim_command(program: impl AsRef<Path>, devices: &str, shim: bool) -> Comm
     let a = artifacts();
     let mut cmd = Command::new(program.as_ref());
     for (k, _) in std::env::vars() {
-        if k.starts_with("GPU_") || k.starts_with("GPUFRAC_") || k == "LD_PRELOAD" || k == "CUDA_VISIBLE_DEVICES" {
+        if k.starts_with("GPU_")
+            || k.starts_with("GPUFRAC_")
+            || k == "LD_PRELOAD"
+            || k == "CUDA_VISIBLE_DEVICES"
+        {
             cmd.env_remove(k);
         }
     }
@@ -107,7 +116,12 @@ pub fn line(o: &Output, step: &str, n: usize) -> HashMap<String, String> {
         .lines()
         .filter(|l| l.split_whitespace().next() == Some(step))
         .nth(n)
-        .unwrap_or_else(|| panic!("no line #{n} for step {step:?} in output:\n{out}\nstderr:\n{}", stderr(o)));
+        .unwrap_or_else(|| {
+            panic!(
+                "no line #{n} for step {step:?} in output:\n{out}\nstderr:\n{}",
+                stderr(o)
+            )
+        });
     l.split_whitespace()
         .skip(1)
         .filter_map(|kv| kv.split_once('='))
@@ -124,3 +138,218 @@ pub fn num(m: &HashMap<String, String>, key: &str) -> u64 {
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
+
+/// CLOCK_MONOTONIC in ns: the clock the probe's `spin` windows use, shared
+/// by every process on the machine.
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Waits for `cond`, checking every few ms, up to `secs`.
+pub fn wait_until(secs: f64, what: &str, mut cond: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !cond() {
+        assert!(
+            t.elapsed().as_secs_f64() < secs,
+            "timed out after {secs}s waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// A scratch directory under target/, removed on drop.
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    pub fn new(name: &str) -> Scratch {
+        let p = artifacts().dir.join("test-scratch").join(format!(
+            "{name}-{}-{}",
+            std::process::id(),
+            mono_ns()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Scratch(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `gpufrac broker` on a private socket, seeing the simulated
+/// devices. Killed on drop.
+pub struct Broker {
+    pub child: std::process::Child,
+    pub socket: PathBuf,
+    pub devices: String,
+    pub state: PathBuf,
+    pub args: Vec<String>,
+    _dir: Option<Scratch>,
+}
+
+impl Broker {
+    pub fn start(devices: &str, args: &[&str]) -> Broker {
+        let dir = Scratch::new("broker");
+        let socket = dir.0.join("broker.sock");
+        let state = dir.0.join("sim-state");
+        let mut b = Broker {
+            child: spawn_broker(&socket, devices, &state, args),
+            socket,
+            devices: devices.into(),
+            state,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            _dir: Some(dir),
+        };
+        b.wait_ready();
+        b
+    }
+
+    pub fn wait_ready(&mut self) {
+        let sock = self.socket.clone();
+        let child = &mut self.child;
+        wait_until(20.0, "the broker socket", || {
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!("broker exited early: {st}");
+            }
+            std::os::unix::net::UnixStream::connect(&sock).is_ok()
+        });
+    }
+
+    /// Restarts after a kill, same socket and devices.
+    pub fn restart(&mut self) {
+        let args: Vec<&str> = self.args.iter().map(|s| s.as_str()).collect();
+        self.child = spawn_broker(&self.socket, &self.devices, &self.state, &args);
+        self.wait_ready();
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// A command for a program under the shim, wired to this broker and
+    /// sharing its simulated devices (one execution engine per device).
+    pub fn client(&self, program: impl AsRef<Path>) -> Command {
+        let mut cmd = sim_command(program, &self.devices, true);
+        cmd.env("GPUFRAC_SOCKET", &self.socket)
+            .env("GPUFRAC_BROKER", "optional")
+            .env("GPUFRAC_SIM_STATE", &self.state);
+        cmd
+    }
+
+    pub fn status(&self) -> serde_json::Value {
+        let mut c = RawClient::connect(&self.socket);
+        c.hello();
+        c.send(&gpufrac_common::wire::ClientMsg::Status);
+        match c.recv() {
+            Some(gpufrac_common::wire::ServerMsg::StatusReply { json }) => {
+                serde_json::from_str(&json).unwrap()
+            }
+            other => panic!("expected a status reply, got {other:?}"),
+        }
+    }
+
+    /// pids registered on any GPU.
+    pub fn registered(&self) -> Vec<u64> {
+        let s = self.status();
+        let mut v: Vec<u64> = s["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| {
+                g["processes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| p["pid"].as_u64().unwrap())
+            })
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+}
+
+fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
+    let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
+    cmd.arg("broker")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env("GPUFRAC_SIM_STATE", state)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    cmd.spawn().expect("starting gpufrac broker")
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A protocol-level client for poking the broker directly.
+pub struct RawClient {
+    pub s: std::os::unix::net::UnixStream,
+    buf: Vec<u8>,
+}
+
+impl RawClient {
+    pub fn connect(path: &Path) -> RawClient {
+        let s = std::os::unix::net::UnixStream::connect(path).expect("connect to broker");
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        RawClient { s, buf: Vec::new() }
+    }
+
+    pub fn hello(&mut self) {
+        self.send(&gpufrac_common::wire::ClientMsg::hello(
+            std::process::id(),
+            gpufrac_common::wire::Role::Cli,
+        ));
+        match self.recv() {
+            Some(gpufrac_common::wire::ServerMsg::HelloOk { .. }) => {}
+            other => panic!("expected HelloOk, got {other:?}"),
+        }
+    }
+
+    pub fn send(&mut self, m: &gpufrac_common::wire::ClientMsg) {
+        use std::io::Write;
+        let mut b = Vec::new();
+        gpufrac_common::wire::encode_client(m, &mut b);
+        self.s.write_all(&b).unwrap();
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        self.s.write_all(bytes)
+    }
+
+    /// Next message, or None when the broker closed the connection.
+    pub fn recv(&mut self) -> Option<gpufrac_common::wire::ServerMsg> {
+        use std::io::Read;
+        loop {
+            match gpufrac_common::wire::decode_server(&self.buf) {
+                Ok((m, n)) => {
+                    self.buf.drain(..n);
+                    return Some(m);
+                }
+                Err(gpufrac_common::wire::DecodeError::Incomplete) => {}
+                Err(e) => panic!("broker sent a bad frame: {e}"),
+            }
+            let mut tmp = [0u8; 65536];
+            match self.s.read(&mut tmp) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+            }
+        }
+    }
+}

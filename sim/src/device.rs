@@ -1,0 +1,221 @@
+//! Initialisation, devices, error strings.
+
+use std::ffi::{c_char, c_int, c_uint};
+
+use gpufrac_common::cuda::*;
+
+use crate::config::driver_version;
+use crate::state::{cuda, cuda_init};
+use crate::{out, write_cstr};
+
+/// Deterministic UUID of device `i`, the same for CUDA and NVML.
+pub fn uuid(i: usize) -> CUuuid {
+    let mut bytes = [
+        0x5a, 0x1e, 0x6f, 0x7a, 0xc0, 0xde, 0x40, 0x00, 0x80, 0x00, 0, 0, 0, 0, 0, 0,
+    ];
+    bytes[14] = (i >> 8) as u8;
+    bytes[15] = i as u8;
+    CUuuid { bytes }
+}
+
+pub fn uuid_string(i: usize) -> ([u8; 40], usize) {
+    let mut buf = [0u8; 40];
+    let n = format_uuid(&uuid(i), &mut buf);
+    (buf, n)
+}
+
+pub fn name(i: usize) -> String {
+    format!("gpufrac-sim GPU {i}")
+}
+
+fn attribute(attr: c_int, dev: usize) -> c_int {
+    match attr {
+        1 => 1024,                         // MAX_THREADS_PER_BLOCK
+        2 | 3 => 1024,                     // MAX_BLOCK_DIM_X/Y
+        4 => 64,                           // MAX_BLOCK_DIM_Z
+        5 => i32::MAX,                     // MAX_GRID_DIM_X
+        6 | 7 => 65535,                    // MAX_GRID_DIM_Y/Z
+        8 => 48 << 10,                     // MAX_SHARED_MEMORY_PER_BLOCK
+        9 => 64 << 10,                     // TOTAL_CONSTANT_MEMORY
+        10 => 32,                          // WARP_SIZE
+        12 => 65536,                       // MAX_REGISTERS_PER_BLOCK
+        16 => 132,                         // MULTIPROCESSOR_COUNT
+        19 | 31 | 41 | 83 | 89 | 102 => 1, // CAN_MAP_HOST_MEMORY, CONCURRENT_KERNELS, UNIFIED_ADDRESSING, MANAGED_MEMORY, CONCURRENT_MANAGED_ACCESS, VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        33 => dev as c_int + 1,            // PCI_BUS_ID
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => 0,
+        CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => 1,
+        _ => 0,
+    }
+}
+
+/// (code, name, description) as the real driver reports them.
+const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
+    (0, c"CUDA_SUCCESS", c"no error"),
+    (1, c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+    (2, c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
+    (3, c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
+    (4, c"CUDA_ERROR_DEINITIALIZED", c"driver shutting down"),
+    (
+        46,
+        c"CUDA_ERROR_DEVICE_UNAVAILABLE",
+        c"CUDA-capable device(s) is/are busy or unavailable",
+    ),
+    (
+        100,
+        c"CUDA_ERROR_NO_DEVICE",
+        c"no CUDA-capable device is detected",
+    ),
+    (101, c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
+    (
+        200,
+        c"CUDA_ERROR_INVALID_IMAGE",
+        c"device kernel image is invalid",
+    ),
+    (
+        201,
+        c"CUDA_ERROR_INVALID_CONTEXT",
+        c"invalid device context",
+    ),
+    (
+        202,
+        c"CUDA_ERROR_CONTEXT_ALREADY_CURRENT",
+        c"context already current",
+    ),
+    (
+        400,
+        c"CUDA_ERROR_INVALID_HANDLE",
+        c"invalid resource handle",
+    ),
+    (500, c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
+    (600, c"CUDA_ERROR_NOT_READY", c"device not ready"),
+    (
+        700,
+        c"CUDA_ERROR_ILLEGAL_ADDRESS",
+        c"an illegal memory access was encountered",
+    ),
+    (
+        701,
+        c"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+        c"too many resources requested for launch",
+    ),
+    (
+        702,
+        c"CUDA_ERROR_LAUNCH_TIMEOUT",
+        c"the launch timed out and was terminated",
+    ),
+    (
+        709,
+        c"CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        c"context is destroyed",
+    ),
+    (
+        719,
+        c"CUDA_ERROR_LAUNCH_FAILED",
+        c"unspecified launch failure",
+    ),
+    (801, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+    (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
+];
+
+fn error_entry(
+    e: CUresult,
+) -> Result<&'static (CUresult, &'static std::ffi::CStr, &'static std::ffi::CStr), CUresult> {
+    ERRORS
+        .iter()
+        .find(|(c, _, _)| *c == e)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+cuda_exports! {
+    fn cuInit(flags: c_uint) {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        cuda_init()
+    }
+
+    fn cuDriverGetVersion(version: *mut c_int) {
+        out(version, driver_version(), CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) {
+        let s = cuda()?;
+        let d = s.dev(ordinal)?;
+        out(device, d as CUdevice, CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceGetCount(count: *mut c_int) {
+        let s = cuda()?;
+        out(count, s.ndev() as c_int, CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceGetName(buf: *mut c_char, len: c_int, dev: CUdevice) {
+        let d = cuda()?.dev(dev)?;
+        if buf.is_null() || len <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let n = name(d);
+        let take = n.len().min(len as usize - 1);
+        write_cstr(buf, len as usize, &n.as_bytes()[..take]);
+        Ok(())
+    }
+
+    fn cuDeviceGetUuid(u: *mut CUuuid, dev: CUdevice) {
+        let d = cuda()?.dev(dev)?;
+        out(u, uuid(d), CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceGetUuid_v2(u: *mut CUuuid, dev: CUdevice) {
+        let d = cuda()?.dev(dev)?;
+        out(u, uuid(d), CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) {
+        let s = cuda()?;
+        let d = s.dev(dev)?;
+        out(bytes, s.totals[d] as usize, CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceGetAttribute(pi: *mut c_int, attrib: c_int, dev: CUdevice) {
+        let d = cuda()?.dev(dev)?;
+        out(pi, attribute(attrib, d), CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuDeviceGetPCIBusId(buf: *mut c_char, len: c_int, dev: CUdevice) {
+        let d = cuda()?.dev(dev)?;
+        if buf.is_null() || len <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let id = format!("0000:{:02X}:00.0", d + 1);
+        let take = id.len().min(len as usize - 1);
+        write_cstr(buf, len as usize, &id.as_bytes()[..take]);
+        Ok(())
+    }
+
+    fn cuGetErrorString(error: CUresult, pstr: *mut *const c_char) {
+        if pstr.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        match error_entry(error) {
+            Ok(e) => out(pstr, e.2.as_ptr(), CUDA_ERROR_INVALID_VALUE),
+            Err(e) => {
+                *pstr = std::ptr::null();
+                Err(e)
+            }
+        }
+    }
+
+    fn cuGetErrorName(error: CUresult, pstr: *mut *const c_char) {
+        if pstr.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        match error_entry(error) {
+            Ok(e) => out(pstr, e.1.as_ptr(), CUDA_ERROR_INVALID_VALUE),
+            Err(e) => {
+                *pstr = std::ptr::null();
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,570 @@
+//! Memory: bookkeeping only. Physical use is charged to the shared state;
+//! this process remembers what each pointer/handle charged.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::{Mutex, MutexGuard};
+
+use gpufrac_common::cuda::*;
+
+use crate::engine::wait_until;
+use crate::objects::{self, Handle, Pool, resolve_stream};
+use crate::out;
+use crate::state::{Sim, cuda};
+
+pub const ARRAY_ALIGN: u64 = 512;
+pub const PITCH_ALIGN: u64 = 512;
+pub const GRANULARITY: u64 = 2 << 20;
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum Kind {
+    Dev,
+    Vmm,
+    Array,
+    Mipmap,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Alloc {
+    pub dev: usize,
+    pub size: u64,
+    /// Owning context (freed with it), 0 for none.
+    pub ctx: usize,
+}
+
+struct Registry {
+    allocs: BTreeMap<(Kind, u64), Alloc>,
+    /// VMM address reservations: start -> size.
+    reserved: BTreeMap<u64, u64>,
+    /// VMM mappings: start -> (handle, size).
+    mapped: BTreeMap<u64, (u64, u64)>,
+    host: BTreeSet<usize>,
+}
+
+static REG: Mutex<Registry> = Mutex::new(Registry {
+    allocs: BTreeMap::new(),
+    reserved: BTreeMap::new(),
+    mapped: BTreeMap::new(),
+    host: BTreeSet::new(),
+});
+
+fn reg() -> MutexGuard<'static, Registry> {
+    REG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn round_up(v: u64, a: u64) -> Option<u64> {
+    v.checked_add(a - 1).map(|x| x / a * a)
+}
+
+static NEXT_VA: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh fake device address range: unique in this process, non-zero,
+/// aligned to `align` (at least 512), never dereferenced.
+fn alloc_va(size: u64, align: u64) -> Result<u64, CUresult> {
+    let align = align.max(512);
+    let span = round_up(size.max(1), 512)
+        .and_then(|s| s.checked_add(512))
+        .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+    // SAFETY: no preconditions.
+    let first = 0x7f00_0000_0000u64 + ((unsafe { libc::getpid() } as u64) << 32);
+    let start = |cur: u64| round_up(if cur == 0 { first } else { cur }, align);
+    let prev = NEXT_VA
+        .fetch_update(AcqRel, Acquire, |cur| start(cur)?.checked_add(span))
+        .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+    start(prev).ok_or(CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+/// Charges `size` on `dev` and registers a fresh address/handle for it.
+fn charge(s: &Sim, kind: Kind, dev: usize, size: u64, ctx: usize) -> Result<u64, CUresult> {
+    s.reserve(dev, size)?;
+    let align = if kind == Kind::Vmm { GRANULARITY } else { 512 };
+    let va = match alloc_va(size, align) {
+        Ok(v) => v,
+        Err(e) => {
+            s.release(dev, size);
+            return Err(e);
+        }
+    };
+    reg().allocs.insert((kind, va), Alloc { dev, size, ctx });
+    Ok(va)
+}
+
+fn uncharge(s: &Sim, kind: Kind, key: u64, err: CUresult) -> Result<(), CUresult> {
+    let a = reg().allocs.remove(&(kind, key)).ok_or(err)?;
+    s.release(a.dev, a.size);
+    Ok(())
+}
+
+/// Frees everything a destroyed (or released/reset primary) context owned.
+pub fn free_ctx_allocs(s: &Sim, ctx: usize) {
+    let gone: Vec<Alloc> = {
+        let mut r = reg();
+        let keys: Vec<_> = r
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.ctx == ctx)
+            .map(|(k, _)| *k)
+            .collect();
+        keys.iter().filter_map(|k| r.allocs.remove(k)).collect()
+    };
+    for a in gone {
+        s.release(a.dev, a.size);
+    }
+}
+
+fn lookup(kind: Kind, key: u64) -> Option<Alloc> {
+    reg().allocs.get(&(kind, key)).copied()
+}
+
+unsafe fn alloc_dev(dptr: *mut CUdeviceptr, size: usize) -> Result<(), CUresult> {
+    let s = cuda()?;
+    let c = objects::current()?;
+    if dptr.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = charge(s, Kind::Dev, c.device, size as u64, c.id())?;
+    unsafe { *dptr = p };
+    Ok(())
+}
+
+unsafe fn alloc_async(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Option<CUmemoryPool>,
+    stream: CUstream,
+    ptsz: bool,
+) -> Result<(), CUresult> {
+    let s = cuda()?;
+    let t = unsafe { resolve_stream(stream, ptsz) }?;
+    let dev = match pool {
+        None => t.ctx.device,
+        Some(p) => {
+            unsafe { Pool::from_handle(p) }
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?
+                .device
+        }
+    };
+    if dptr.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // Pool memory belongs to the device, not to a context.
+    let p = charge(s, Kind::Dev, dev, size as u64, 0)?;
+    unsafe { *dptr = p };
+    Ok(())
+}
+
+unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
+    let s = cuda()?;
+    unsafe { resolve_stream(stream, ptsz) }?;
+    uncharge(s, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
+}
+
+fn array_charge(kind: Kind, out_handle: *mut *mut c_void, bytes: usize) -> Result<(), CUresult> {
+    let s = cuda()?;
+    let c = objects::current()?;
+    if out_handle.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let size = round_up(bytes as u64, ARRAY_ALIGN).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+    let h = charge(s, kind, c.device, size, c.id())?;
+    // SAFETY: checked non-NULL.
+    unsafe { *out_handle = h as *mut c_void };
+    Ok(())
+}
+
+fn requirements(
+    req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS,
+    kind: Kind,
+    h: *mut c_void,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let s = cuda()?;
+    s.dev(dev)?;
+    let a = lookup(kind, h as u64).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    let r = CUDA_ARRAY_MEMORY_REQUIREMENTS {
+        size: a.size as usize,
+        alignment: ARRAY_ALIGN as usize,
+        reserved: [0; 4],
+    };
+    unsafe { out(req, r, CUDA_ERROR_INVALID_VALUE) }
+}
+
+/// Synchronous copies wait for prior work on the stream they are ordered on.
+unsafe fn sync_copy(ptsz: bool, ok: bool) -> Result<(), CUresult> {
+    cuda()?;
+    let t = unsafe { resolve_stream(std::ptr::null_mut(), ptsz) }?;
+    if !ok {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    wait_until(t.tail.load(Acquire));
+    Ok(())
+}
+
+unsafe fn async_op(stream: CUstream, ptsz: bool, ok: bool) -> Result<(), CUresult> {
+    cuda()?;
+    unsafe { resolve_stream(stream, ptsz) }?;
+    if ok {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_INVALID_VALUE)
+    }
+}
+
+unsafe fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
+    cuda()?;
+    objects::current()?;
+    if pp.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut p = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; page alignment like pinned memory.
+    if unsafe { libc::posix_memalign(&mut p, 4096, size) } != 0 || p.is_null() {
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, size) };
+    reg().host.insert(p as usize);
+    unsafe { *pp = p };
+    Ok(())
+}
+
+cuda_exports! {
+    fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) {
+        alloc_dev(dptr, size)
+    }
+
+    fn cuMemFree_v2(dptr: CUdeviceptr) {
+        uncharge(cuda()?, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuMemAllocPitch_v2(
+        dptr: *mut CUdeviceptr,
+        pitch: *mut usize,
+        width: usize,
+        height: usize,
+        elem: c_uint,
+    ) {
+        let s = cuda()?;
+        let c = objects::current()?;
+        if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 || !matches!(elem, 4 | 8 | 16) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = round_up(width as u64, PITCH_ALIGN).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let size = p.checked_mul(height as u64).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let v = charge(s, Kind::Dev, c.device, size, c.id())?;
+        *dptr = v;
+        *pitch = p as usize;
+        Ok(())
+    }
+
+    fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) {
+        if !matches!(flags, 1 | 2) {
+            // CU_MEM_ATTACH_GLOBAL or CU_MEM_ATTACH_HOST
+            cuda()?;
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        alloc_dev(dptr, size)
+    }
+
+    fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) {
+        alloc_async(dptr, size, None, stream, false)
+    }
+
+    fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) {
+        alloc_async(dptr, size, None, stream, true)
+    }
+
+    fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) {
+        alloc_async(dptr, size, Some(pool), stream, false)
+    }
+
+    fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) {
+        alloc_async(dptr, size, Some(pool), stream, true)
+    }
+
+    fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) {
+        free_async(dptr, stream, false)
+    }
+
+    fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) {
+        free_async(dptr, stream, true)
+    }
+
+    fn cuDeviceGetDefaultMemPool(pool: *mut CUmemoryPool, dev: CUdevice) {
+        let s = cuda()?;
+        let d = s.dev(dev)?;
+        out(pool, s.default_pools[d].handle(), CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const c_void) {
+        let s = cuda()?;
+        if pool.is_null() || props.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // CUmemPoolProps: allocType, handleTypes, then a CUmemLocation.
+        let loc = (props as *const u8).add(8).cast::<CUmemLocation>().read_unaligned();
+        if loc.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let d = s.dev(loc.id)?;
+        *pool = objects::leak(Pool::new(d, false)).handle();
+        Ok(())
+    }
+
+    fn cuMemPoolDestroy(pool: CUmemoryPool) {
+        cuda()?;
+        let p = Pool::from_handle(pool).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if p.is_default {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        p.kill();
+        Ok(())
+    }
+
+    fn cuMemCreate(
+        handle: *mut CUmemGenericAllocationHandle,
+        size: usize,
+        prop: *const CUmemAllocationProp,
+        _flags: u64,
+    ) {
+        let s = cuda()?;
+        if handle.is_null() || prop.is_null() || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let loc = (*prop).location;
+        if loc.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let d = s.dev(loc.id)?;
+        *handle = charge(s, Kind::Vmm, d, size as u64, 0)?;
+        Ok(())
+    }
+
+    fn cuMemRelease(handle: CUmemGenericAllocationHandle) {
+        uncharge(cuda()?, Kind::Vmm, handle, CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuMemAddressReserve(
+        ptr: *mut CUdeviceptr,
+        size: usize,
+        align: usize,
+        _addr: CUdeviceptr,
+        _flags: u64,
+    ) {
+        cuda()?;
+        if ptr.is_null() || size == 0 || (align != 0 && !align.is_power_of_two()) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let va = alloc_va(size as u64, (align as u64).max(GRANULARITY))?;
+        reg().reserved.insert(va, size as u64);
+        *ptr = va;
+        Ok(())
+    }
+
+    fn cuMemAddressFree(ptr: CUdeviceptr, _size: usize) {
+        cuda()?;
+        reg().reserved.remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(())
+    }
+
+    fn cuMemMap(ptr: CUdeviceptr, size: usize, _offset: usize, handle: CUmemGenericAllocationHandle, _flags: u64) {
+        cuda()?;
+        let mut r = reg();
+        if !r.allocs.contains_key(&(Kind::Vmm, handle)) || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let inside = r
+            .reserved
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(&start, &len)| ptr.checked_add(size as u64).is_some_and(|e| e <= start + len));
+        if !inside || r.mapped.contains_key(&ptr) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        r.mapped.insert(ptr, (handle, size as u64));
+        Ok(())
+    }
+
+    fn cuMemUnmap(ptr: CUdeviceptr, _size: usize) {
+        cuda()?;
+        reg().mapped.remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(())
+    }
+
+    fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const c_void, count: usize) {
+        cuda()?;
+        if ptr == 0 || size == 0 || desc.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
+    }
+
+    fn cuMemGetAllocationGranularity(gran: *mut usize, prop: *const CUmemAllocationProp, _option: c_int) {
+        cuda()?;
+        if prop.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        out(gran, GRANULARITY as usize, CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) {
+        cuda()?;
+        if desc.is_null() || (*desc).Width == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        array_charge(Kind::Array, arr, array2d_bytes(&*desc))
+    }
+
+    fn cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) {
+        cuda()?;
+        if desc.is_null() || (*desc).Width == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        array_charge(Kind::Array, arr, array3d_bytes(&*desc, 0))
+    }
+
+    fn cuArrayDestroy(arr: CUarray) {
+        uncharge(cuda()?, Kind::Array, arr as u64, CUDA_ERROR_INVALID_HANDLE)
+    }
+
+    fn cuMipmappedArrayCreate(arr: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) {
+        cuda()?;
+        if desc.is_null() || (*desc).Width == 0 || levels == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let d = &*desc;
+        let bytes = (0..levels.min(64)).fold(0usize, |acc, l| acc.saturating_add(array3d_bytes(d, l)));
+        array_charge(Kind::Mipmap, arr, bytes)
+    }
+
+    fn cuMipmappedArrayDestroy(arr: CUmipmappedArray) {
+        uncharge(cuda()?, Kind::Mipmap, arr as u64, CUDA_ERROR_INVALID_HANDLE)
+    }
+
+    fn cuArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, arr: CUarray, dev: CUdevice) {
+        requirements(req, Kind::Array, arr, dev)
+    }
+
+    fn cuMipmappedArrayGetMemoryRequirements(
+        req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS,
+        arr: CUmipmappedArray,
+        dev: CUdevice,
+    ) {
+        requirements(req, Kind::Mipmap, arr, dev)
+    }
+
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        let s = cuda()?;
+        let c = objects::current()?;
+        if free.is_null() || total.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let t = s.totals[c.device];
+        *total = t as usize;
+        *free = t.saturating_sub(s.used(c.device)) as usize;
+        Ok(())
+    }
+
+    fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) {
+        sync_copy(false, n == 0 || (dst != 0 && !src.is_null()))
+    }
+
+    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) {
+        sync_copy(false, n == 0 || (!dst.is_null() && src != 0))
+    }
+
+    fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+        async_op(std::ptr::null_mut(), false, n == 0 || (dst != 0 && src != 0))
+    }
+
+    fn cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) {
+        sync_copy(true, n == 0 || (dst != 0 && !src.is_null()))
+    }
+
+    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) {
+        sync_copy(true, n == 0 || (!dst.is_null() && src != 0))
+    }
+
+    fn cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+        async_op(std::ptr::null_mut(), true, n == 0 || (dst != 0 && src != 0))
+    }
+
+    fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream) {
+        async_op(stream, false, n == 0 || (dst != 0 && !src.is_null()))
+    }
+
+    fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream) {
+        async_op(stream, false, n == 0 || (!dst.is_null() && src != 0))
+    }
+
+    fn cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream) {
+        async_op(stream, true, n == 0 || (dst != 0 && !src.is_null()))
+    }
+
+    fn cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream) {
+        async_op(stream, true, n == 0 || (!dst.is_null() && src != 0))
+    }
+
+    fn cuMemsetD8_v2(dst: CUdeviceptr, _value: u8, n: usize) {
+        async_op(std::ptr::null_mut(), false, n == 0 || dst != 0)
+    }
+
+    fn cuMemsetD32_v2(dst: CUdeviceptr, _value: c_uint, n: usize) {
+        async_op(std::ptr::null_mut(), false, n == 0 || dst != 0)
+    }
+
+    fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) {
+        async_op(stream, false, n == 0 || (dst != 0 && src != 0))
+    }
+
+    fn cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) {
+        async_op(stream, true, n == 0 || (dst != 0 && src != 0))
+    }
+
+    fn cuMemsetD8Async(dst: CUdeviceptr, _value: u8, n: usize, stream: CUstream) {
+        async_op(stream, false, n == 0 || dst != 0)
+    }
+
+    fn cuMemsetD8Async_ptsz(dst: CUdeviceptr, _value: u8, n: usize, stream: CUstream) {
+        async_op(stream, true, n == 0 || dst != 0)
+    }
+
+    fn cuMemsetD32Async(dst: CUdeviceptr, _value: c_uint, n: usize, stream: CUstream) {
+        async_op(stream, false, n == 0 || dst != 0)
+    }
+
+    fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, _value: c_uint, n: usize, stream: CUstream) {
+        async_op(stream, true, n == 0 || dst != 0)
+    }
+
+    fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) {
+        let s = cuda()?;
+        let d = s.dev(dev)?;
+        out(pool, s.default_pools[d].handle(), CUDA_ERROR_INVALID_VALUE)
+    }
+
+    fn cuMemsetD8_v2_ptds(dst: CUdeviceptr, _value: u8, n: usize) {
+        async_op(std::ptr::null_mut(), true, n == 0 || dst != 0)
+    }
+
+    fn cuMemsetD32_v2_ptds(dst: CUdeviceptr, _value: c_uint, n: usize) {
+        async_op(std::ptr::null_mut(), true, n == 0 || dst != 0)
+    }
+
+    fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) {
+        host_alloc(pp, size)
+    }
+
+    fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) {
+        host_alloc(pp, size)
+    }
+
+    fn cuMemFreeHost(p: *mut c_void) {
+        cuda()?;
+        if !reg().host.remove(&(p as usize)) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        libc::free(p);
+        Ok(())
+    }
+}

@@ -1,0 +1,237 @@
+//! NVML over the same simulated devices.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU32, Ordering::*};
+
+use gpufrac_common::cuda::*;
+
+use crate::config::driver_version;
+use crate::device::{name, uuid_string};
+use crate::state::{MAX_DEV, Sim, init, sim};
+use crate::{out, write_cstr};
+
+/// Static per-device records; an `nvmlDevice_t` points at one.
+#[repr(C)]
+pub struct NvmlDev {
+    index: u32,
+}
+
+static DEVS: [NvmlDev; MAX_DEV] = {
+    let mut a = [const { NvmlDev { index: 0 } }; MAX_DEV];
+    let mut i = 0;
+    while i < MAX_DEV {
+        a[i].index = i as u32;
+        i += 1;
+    }
+    a
+};
+
+static REFS: AtomicU32 = AtomicU32::new(0);
+
+fn nvml() -> Result<&'static Sim, nvmlReturn_t> {
+    if REFS.load(Acquire) == 0 {
+        return Err(NVML_ERROR_UNINITIALIZED);
+    }
+    sim().ok_or(NVML_ERROR_UNINITIALIZED)
+}
+
+fn nvml_init() -> Result<(), nvmlReturn_t> {
+    init().map_err(|e| {
+        eprintln!("gpufrac-sim: {e}");
+        NVML_ERROR_UNKNOWN
+    })?;
+    REFS.fetch_add(1, AcqRel);
+    Ok(())
+}
+
+fn handle(i: usize) -> nvmlDevice_t {
+    &DEVS[i] as *const NvmlDev as *mut c_void
+}
+
+/// (simulator, device index) for a handle.
+fn dev(h: nvmlDevice_t) -> Result<(&'static Sim, usize), nvmlReturn_t> {
+    let s = nvml()?;
+    let base = DEVS.as_ptr() as usize;
+    let off = (h as usize).wrapping_sub(base);
+    let sz = std::mem::size_of::<NvmlDev>();
+    if h.is_null() || off & (sz - 1) != 0 || off / sz >= s.ndev() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    Ok((s, DEVS[off / sz].index as usize))
+}
+
+fn memory(s: &Sim, d: usize) -> (u64, u64, u64) {
+    let total = s.totals[d];
+    let used = s.used(d).min(total);
+    (total, total - used, used)
+}
+
+const ERRORS: &[(nvmlReturn_t, &CStr)] = &[
+    (0, c"Success"),
+    (1, c"Uninitialized"),
+    (2, c"Invalid Argument"),
+    (3, c"Not Supported"),
+    (4, c"Insufficient Permissions"),
+    (5, c"Already Initialized"),
+    (6, c"Not Found"),
+    (7, c"Insufficient Size"),
+    (8, c"Insufficient External Power"),
+    (9, c"Driver Not Loaded"),
+    (10, c"Timeout"),
+    (12, c"NVML Shared Library Not Found"),
+    (13, c"Function Not Found"),
+    (15, c"GPU is lost"),
+    (25, c"Argument version mismatch"),
+];
+
+/// `nvmlErrorString`: never fails.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
+    ERRORS
+        .iter()
+        .find(|(c, _)| *c == result)
+        .map_or(c"Unknown Error".as_ptr(), |(_, s)| s.as_ptr())
+}
+
+nvml_exports! {
+    fn nvmlInit_v2() {
+        nvml_init()
+    }
+
+    fn nvmlInitWithFlags(_flags: c_uint) {
+        nvml_init()
+    }
+
+    fn nvmlShutdown() {
+        REFS.fetch_update(AcqRel, Acquire, |r| r.checked_sub(1))
+            .map_err(|_| NVML_ERROR_UNINITIALIZED)?;
+        Ok(())
+    }
+
+    fn nvmlDeviceGetCount_v2(count: *mut c_uint) {
+        let s = nvml()?;
+        out(count, s.ndev() as c_uint, NVML_ERROR_INVALID_ARGUMENT)
+    }
+
+    fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) {
+        let s = nvml()?;
+        if index as usize >= s.ndev() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        out(device, handle(index as usize), NVML_ERROR_INVALID_ARGUMENT)
+    }
+
+    fn nvmlDeviceGetHandleByUUID(u: *const c_char, device: *mut nvmlDevice_t) {
+        let s = nvml()?;
+        if u.is_null() || device.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let want = CStr::from_ptr(u).to_bytes();
+        let i = (0..s.ndev())
+            .find(|&i| {
+                let (b, n) = uuid_string(i);
+                &b[..n] == want
+            })
+            .ok_or(NVML_ERROR_NOT_FOUND)?;
+        *device = handle(i);
+        Ok(())
+    }
+
+    fn nvmlDeviceGetUUID(device: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
+        let (_, d) = dev(device)?;
+        if buf.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let (b, n) = uuid_string(d);
+        if !write_cstr(buf, len as usize, &b[..n]) {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        Ok(())
+    }
+
+    fn nvmlDeviceGetName(device: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
+        let (_, d) = dev(device)?;
+        if buf.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        if !write_cstr(buf, len as usize, name(d).as_bytes()) {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        Ok(())
+    }
+
+    fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) {
+        let (_, d) = dev(device)?;
+        out(index, d as c_uint, NVML_ERROR_INVALID_ARGUMENT)
+    }
+
+    fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, mem: *mut nvmlMemory_t) {
+        let (s, d) = dev(device)?;
+        let (total, free, used) = memory(s, d);
+        out(mem, nvmlMemory_t { total, free, used }, NVML_ERROR_INVALID_ARGUMENT)
+    }
+
+    fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, mem: *mut nvmlMemory_v2_t) {
+        let (s, d) = dev(device)?;
+        if mem.is_null() || (*mem).version != nvmlMemory_v2 {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let (total, free, used) = memory(s, d);
+        *mem = nvmlMemory_v2_t { version: nvmlMemory_v2, total, reserved: 0, free, used };
+        Ok(())
+    }
+
+    fn nvmlDeviceGetUtilizationRates(device: nvmlDevice_t, util: *mut nvmlUtilization_t) {
+        let (s, d) = dev(device)?;
+        if util.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        *util = nvmlUtilization_t { gpu: s.utilization(d), memory: 0 };
+        Ok(())
+    }
+
+    fn nvmlDeviceGetComputeRunningProcesses_v3(
+        device: nvmlDevice_t,
+        count: *mut c_uint,
+        infos: *mut nvmlProcessInfo_t,
+    ) {
+        let (s, d) = dev(device)?;
+        if count.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let procs = s.processes(d);
+        let room = *count as usize;
+        *count = procs.len() as c_uint;
+        if procs.len() > room {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        if !procs.is_empty() && infos.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        for (i, (pid, used)) in procs.into_iter().enumerate() {
+            *infos.add(i) = nvmlProcessInfo_t {
+                pid,
+                usedGpuMemory: used,
+                gpuInstanceId: u32::MAX,
+                computeInstanceId: u32::MAX,
+            };
+        }
+        Ok(())
+    }
+
+    fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) {
+        nvml()?;
+        if buf.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        if !write_cstr(buf, len as usize, b"580.00-sim") {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        Ok(())
+    }
+
+    fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) {
+        nvml()?;
+        out(version, driver_version(), NVML_ERROR_INVALID_ARGUMENT)
+    }
+}

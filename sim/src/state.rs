@@ -1,0 +1,400 @@
+//! Device state shared by every process on one state file, and the
+//! per-process simulator singleton.
+//!
+//! The shared mapping holds only atomics and no lock, so a process killed at
+//! any instruction cannot wedge the others. Each process owns a slot that
+//! mirrors its share of `used`; slots of dead processes are reaped (their
+//! memory returned) the way a real driver frees a dead process's memory.
+//!
+//! Liveness is an open-file-description byte lock on the state file, one
+//! byte per slot (past the end of the data): the kernel drops it the moment
+//! the owner exits or is killed, so there is no pid reuse, zombie or pid
+//! namespace ambiguity, and nothing a dead process can leave held.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Mutex, OnceLock};
+
+use gpufrac_common::cuda::*;
+
+use crate::config;
+use crate::engine::now_ns;
+use crate::objects::{Ctx, Pool, leak};
+
+pub const MAX_DEV: usize = 64;
+pub const MAX_SLOTS: usize = 256;
+const MAGIC: u64 = 0x6770_7566_7273_6901; // "gpufrsi" + layout version 1
+/// Slot `i` is alive while someone holds the write lock on byte LOCK_BASE + i.
+const LOCK_BASE: i64 = 1 << 30;
+
+#[repr(C, align(64))]
+pub struct SharedDev {
+    pub used: AtomicU64,
+    pub engine_free_at: AtomicU64,
+    pub busy_ns_total: AtomicU64,
+    pub kernels_total: AtomicU64,
+}
+
+#[repr(C)]
+pub struct Slot {
+    pub pid: AtomicU32,
+    _pad: u32,
+    pub used: [AtomicU64; MAX_DEV],
+}
+
+#[repr(C)]
+pub struct Shared {
+    magic: AtomicU64,
+    pub devs: [SharedDev; MAX_DEV],
+    pub slots: [Slot; MAX_SLOTS],
+}
+
+pub struct Sim {
+    pub totals: Vec<u64>,
+    pub shared: &'static Shared,
+    pub primary: Vec<&'static Ctx>,
+    pub default_pools: Vec<&'static Pool>,
+    /// Slot index + 1 (0: none) and the pid that claimed it (fork check).
+    slot: AtomicUsize,
+    slot_pid: AtomicU32,
+    /// The state file (None: private anonymous state) and our descriptor
+    /// on it, which carries the slot lock.
+    path: Option<std::ffi::CString>,
+    fd: std::sync::atomic::AtomicI32,
+    /// Per device: (time, completed busy ns) samples for utilisation.
+    util: Vec<Mutex<Vec<(u64, u64)>>>,
+}
+
+static SIM: OnceLock<Sim> = OnceLock::new();
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+static SLOT_LOCK: Mutex<()> = Mutex::new(());
+static CUDA_INITED: AtomicBool = AtomicBool::new(false);
+
+pub fn sim() -> Option<&'static Sim> {
+    SIM.get()
+}
+
+/// The simulator, if `cuInit` has succeeded in this process.
+#[inline(always)]
+pub fn cuda() -> Result<&'static Sim, CUresult> {
+    if !CUDA_INITED.load(Acquire) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    SIM.get().ok_or(CUDA_ERROR_NOT_INITIALIZED)
+}
+
+pub fn cuda_init() -> Result<(), CUresult> {
+    let s = init().map_err(|e| {
+        eprintln!("gpufrac-sim: {e}");
+        CUDA_ERROR_UNKNOWN
+    })?;
+    if s.totals.is_empty() {
+        return Err(CUDA_ERROR_NO_DEVICE);
+    }
+    CUDA_INITED.store(true, Release);
+    Ok(())
+}
+
+/// Builds the singleton on first call (from `cuInit` or `nvmlInit`).
+pub fn init() -> Result<&'static Sim, String> {
+    if let Some(s) = SIM.get() {
+        return Ok(s);
+    }
+    let _g = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(s) = SIM.get() {
+        return Ok(s);
+    }
+    let cfg = config::load()?;
+    let (shared, fd) = map_shared(cfg.state_path.as_deref())?;
+    let n = cfg.totals.len();
+    let sim = Sim {
+        path: cfg.state_path,
+        fd: std::sync::atomic::AtomicI32::new(fd),
+        primary: (0..n).map(|d| leak(Ctx::new(d, true))).collect(),
+        default_pools: (0..n).map(|d| leak(Pool::new(d, true))).collect(),
+        totals: cfg.totals,
+        shared,
+        slot: AtomicUsize::new(0),
+        slot_pid: AtomicU32::new(0),
+        util: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+    };
+    let _ = SIM.set(sim);
+    let s = SIM.get().ok_or("init failed")?;
+    s.my_slot();
+    Ok(s)
+}
+
+/// Maps the state; returns it and the descriptor kept open for slot locks
+/// (-1 for private state).
+fn map_shared(path: Option<&std::ffi::CStr>) -> Result<(&'static Shared, i32), String> {
+    let size = std::mem::size_of::<Shared>();
+    // SAFETY: plain syscalls; the mapping is never unmapped and zero bytes
+    // are a valid `Shared` (all atomics).
+    unsafe {
+        let mut keep_fd = -1;
+        let p = match path {
+            None => libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            ),
+            Some(path) => {
+                let fd = libc::open(
+                    path.as_ptr(),
+                    libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC,
+                    0o666,
+                );
+                if fd < 0 {
+                    return Err(format!(
+                        "cannot open state file {path:?}: {}",
+                        std::io::Error::last_os_error()
+                    ));
+                }
+                let mut st: libc::stat = std::mem::zeroed();
+                if libc::fstat(fd, &mut st) != 0
+                    || ((st.st_size as usize) < size
+                        && libc::ftruncate(fd, size as libc::off_t) != 0)
+                {
+                    let e = std::io::Error::last_os_error();
+                    libc::close(fd);
+                    return Err(format!("cannot size state file {path:?}: {e}"));
+                }
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    size,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                );
+                keep_fd = fd;
+                p
+            }
+        };
+        if p == libc::MAP_FAILED {
+            if keep_fd >= 0 {
+                libc::close(keep_fd);
+            }
+            return Err(format!(
+                "cannot map state: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let shared = &*(p as *const Shared);
+        match shared.magic.compare_exchange(0, MAGIC, AcqRel, Acquire) {
+            Ok(_) => {}
+            Err(m) if m == MAGIC => {}
+            Err(_) => return Err("state file has another layout; delete it".into()),
+        }
+        Ok((shared, keep_fd))
+    }
+}
+
+fn getpid() -> u32 {
+    // SAFETY: no preconditions.
+    unsafe { libc::getpid() as u32 }
+}
+
+/// Sets (`F_WRLCK`) or drops (`F_UNLCK`) our lock on slot `idx`'s byte;
+/// `false` if another open file description holds it.
+fn slot_lock(fd: i32, idx: usize, typ: i32) -> bool {
+    // SAFETY: plain fcntl on our own descriptor with a valid flock.
+    unsafe {
+        let mut fl: libc::flock = std::mem::zeroed();
+        fl.l_type = typ as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        fl.l_start = LOCK_BASE + idx as i64;
+        fl.l_len = 1;
+        libc::fcntl(fd, libc::F_OFD_SETLK, &mut fl) == 0
+    }
+}
+
+impl Sim {
+    pub fn ndev(&self) -> usize {
+        self.totals.len()
+    }
+
+    pub fn dev(&self, d: CUdevice) -> Result<usize, CUresult> {
+        if d >= 0 && (d as usize) < self.ndev() {
+            Ok(d as usize)
+        } else {
+            Err(CUDA_ERROR_INVALID_DEVICE)
+        }
+    }
+
+    #[inline(always)]
+    pub fn shared_dev(&self, d: usize) -> &SharedDev {
+        &self.shared.devs[d]
+    }
+
+    pub fn used(&self, d: usize) -> u64 {
+        self.reap_dead();
+        self.shared.devs[d].used.load(Acquire)
+    }
+
+    /// This process's slot, claiming one on first use (or after a fork).
+    fn my_slot(&self) -> Option<&Slot> {
+        let me = getpid();
+        let idx = self.slot.load(Acquire);
+        if idx != 0 && self.slot_pid.load(Acquire) == me {
+            return Some(&self.shared.slots[idx - 1]);
+        }
+        let _g = SLOT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let idx = self.slot.load(Acquire);
+        if idx != 0 && self.slot_pid.load(Acquire) == me {
+            return Some(&self.shared.slots[idx - 1]);
+        }
+        let fd = match &self.path {
+            None => -1,
+            // After a fork our descriptor is shared with the parent: take a
+            // fresh open file description for our own lock.
+            Some(p) if idx != 0 => {
+                // SAFETY: valid C string path.
+                let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+                if fd < 0 {
+                    return None;
+                }
+                self.fd.store(fd, Release);
+                fd
+            }
+            Some(_) => self.fd.load(Acquire),
+        };
+        for (i, s) in self.shared.slots.iter().enumerate() {
+            let mine = if fd < 0 {
+                s.pid.compare_exchange(0, me, AcqRel, Acquire).is_ok()
+            } else if slot_lock(fd, i, libc::F_WRLCK) {
+                // Whoever had this slot before is gone: return its memory.
+                self.drain_usage(s);
+                s.pid.store(me, Release);
+                true
+            } else {
+                false
+            };
+            if mine {
+                self.slot_pid.store(me, Release);
+                self.slot.store(i + 1, Release);
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    fn drain_usage(&self, s: &Slot) {
+        for (d, u) in s.used.iter().enumerate() {
+            let n = u.swap(0, AcqRel);
+            if n != 0 {
+                sub_sat(&self.shared.devs[d].used, n);
+            }
+        }
+    }
+
+    /// Returns the memory of processes that have exited.
+    pub fn reap_dead(&self) {
+        let fd = self.fd.load(Acquire);
+        if fd < 0 {
+            return;
+        }
+        let mine = self.slot.load(Acquire);
+        for (i, s) in self.shared.slots.iter().enumerate() {
+            if i + 1 == mine || s.pid.load(Acquire) == 0 {
+                continue;
+            }
+            if slot_lock(fd, i, libc::F_WRLCK) {
+                self.drain_usage(s);
+                s.pid.store(0, Release);
+                slot_lock(fd, i, libc::F_UNLCK);
+            }
+        }
+    }
+
+    fn try_reserve(&self, d: usize, size: u64) -> bool {
+        let used = &self.shared.devs[d].used;
+        let total = self.totals[d];
+        let mut cur = used.load(Acquire);
+        loop {
+            let Some(new) = cur.checked_add(size).filter(|&n| n <= total) else {
+                return false;
+            };
+            match used.compare_exchange_weak(cur, new, AcqRel, Acquire) {
+                Ok(_) => return true,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    /// Charges `size` bytes of physical memory on device `d`.
+    pub fn reserve(&self, d: usize, size: u64) -> Result<(), CUresult> {
+        if !self.try_reserve(d, size) {
+            self.reap_dead();
+            if !self.try_reserve(d, size) {
+                return Err(CUDA_ERROR_OUT_OF_MEMORY);
+            }
+        }
+        if let Some(s) = self.my_slot() {
+            s.used[d].fetch_add(size, AcqRel);
+        }
+        Ok(())
+    }
+
+    pub fn release(&self, d: usize, size: u64) {
+        if let Some(s) = self.my_slot() {
+            sub_sat(&s.used[d], size);
+        }
+        sub_sat(&self.shared.devs[d].used, size);
+    }
+
+    /// Live processes holding memory on device `d`: (pid, bytes).
+    pub fn processes(&self, d: usize) -> Vec<(u32, u64)> {
+        self.reap_dead();
+        self.shared
+            .slots
+            .iter()
+            .filter_map(|s| {
+                let p = s.pid.load(Acquire);
+                let u = s.used[d].load(Acquire);
+                (p != 0 && u != 0).then_some((p, u))
+            })
+            .collect()
+    }
+
+    /// Busy percentage of device `d` over roughly the last second.
+    pub fn utilization(&self, d: usize) -> u32 {
+        let dev = &self.shared.devs[d];
+        let now = now_ns();
+        let free_at = dev.engine_free_at.load(Acquire);
+        // Work after `now` is one contiguous block ending at `free_at`.
+        let pending = free_at.saturating_sub(now);
+        let done = dev.busy_ns_total.load(Acquire).saturating_sub(pending);
+        let mut samples = self.util[d].lock().unwrap_or_else(|e| e.into_inner());
+        let window = 1_000_000_000;
+        let base = samples
+            .iter()
+            .rev()
+            .find(|(t, _)| *t + window <= now)
+            .or_else(|| samples.first())
+            .copied();
+        let pct = match base {
+            Some((t, b)) if now > t => {
+                (done.saturating_sub(b) as u128 * 100 / (now - t) as u128).min(100) as u32
+            }
+            _ if pending > 0 => 100,
+            _ => 0,
+        };
+        // Keep the newest sample older than the window plus everything newer.
+        let keep_from = samples
+            .iter()
+            .rposition(|(t, _)| *t + window <= now)
+            .unwrap_or(0);
+        samples.drain(..keep_from);
+        if samples.last().is_none_or(|(t, _)| now >= t + 10_000_000) {
+            samples.push((now, done));
+        }
+        pct
+    }
+}
+
+fn sub_sat(a: &AtomicU64, n: u64) {
+    let _ = a.fetch_update(AcqRel, Acquire, |v| Some(v.saturating_sub(n)));
+}

@@ -1,0 +1,533 @@
+//! Blocking client for the broker protocol, as `gpufrac run` and
+//! `gpufrac status` speak it.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpufrac_broker::status::Status;
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
+
+/// A live broker answers at once; this only bounds how long a wedged one can
+/// hang `status` or the start of `run`.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+pub enum ConnectError {
+    /// Nothing listens on the socket: the file is missing or stale. Callers
+    /// treat this as "run without a broker", unlike every other failure.
+    NoBroker,
+    Other(String),
+}
+
+/// What a lease request came to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum LeaseOutcome {
+    Leased {
+        gpus: Vec<u32>,
+        uuids: Vec<[u8; 16]>,
+        mem_cap: u64,
+    },
+    Refused(String),
+    /// The deadline passed first; the last queue report, if any came.
+    TimedOut(Option<QueueReport>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueReport {
+    pub position: u32,
+    pub waiting_for: String,
+}
+
+pub struct Client {
+    stream: UnixStream,
+    socket: PathBuf,
+    /// Bytes read but not yet decoded; frames may arrive split or several at
+    /// once.
+    buf: Vec<u8>,
+}
+
+impl Client {
+    /// Connects and completes the handshake.
+    pub fn connect(socket: &Path) -> Result<Client, ConnectError> {
+        let stream = UnixStream::connect(socket).map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOENT) | Some(libc::ECONNREFUSED) => ConnectError::NoBroker,
+            _ => ConnectError::Other(connect_problem(socket, &e)),
+        })?;
+        let mut client = Client {
+            stream,
+            socket: socket.to_owned(),
+            buf: Vec::new(),
+        };
+        let pid = std::process::id();
+        client
+            .send(&ClientMsg::hello(pid, Role::Cli))
+            .map_err(ConnectError::Other)?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        match client.recv(Some(deadline)).map_err(ConnectError::Other)? {
+            Some(ServerMsg::HelloOk { .. }) => Ok(client),
+            Some(ServerMsg::Error { message, .. }) => Err(ConnectError::Other(format!(
+                "the broker at {} refused the connection: {message}",
+                socket.display()
+            ))),
+            Some(other) => Err(ConnectError::Other(format!(
+                "the broker at {} answered the handshake with {}",
+                socket.display(),
+                msg_name(&other)
+            ))),
+            None => Err(ConnectError::Other(format!(
+                "the broker at {} did not answer within {}s",
+                socket.display(),
+                REPLY_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+
+    pub fn status(&mut self) -> Result<Status, String> {
+        self.send(&ClientMsg::Status)?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            match self.recv(Some(deadline))? {
+                Some(ServerMsg::StatusReply { json }) => {
+                    return serde_json::from_str(&json).map_err(|e| {
+                        format!("the broker sent a status this gpufrac cannot read: {e}")
+                    });
+                }
+                Some(ServerMsg::Error { message, .. }) => return Err(message),
+                // Nothing else is addressed to a CLI connection; a newer
+                // broker's extras are not worth failing over.
+                Some(_) => continue,
+                None => {
+                    return Err(format!(
+                        "the broker at {} did not answer within {}s",
+                        self.socket.display(),
+                        REPLY_TIMEOUT.as_secs()
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Sends a `Lease` request; follow with [`Client::wait_lease`].
+    pub fn request_lease(&mut self, lease: &ClientMsg) -> Result<(), String> {
+        debug_assert!(matches!(lease, ClientMsg::Lease { .. }));
+        self.send(lease)
+    }
+
+    /// Reads queue updates until the lease is granted or refused, or
+    /// `deadline` passes. `progress` is called with the latest queue report
+    /// whenever one arrives and at least every `tick` in between, so a
+    /// caller can keep an elapsed-time display current.
+    pub fn wait_lease(
+        &mut self,
+        deadline: Option<Instant>,
+        tick: Duration,
+        mut progress: impl FnMut(Option<&QueueReport>),
+    ) -> Result<LeaseOutcome, String> {
+        let mut last: Option<QueueReport> = None;
+        loop {
+            let next_tick = Instant::now() + tick;
+            let wake = deadline.map_or(next_tick, |d| d.min(next_tick));
+            match self.recv(Some(wake))? {
+                Some(ServerMsg::Queued {
+                    position,
+                    waiting_for,
+                }) => {
+                    last = Some(QueueReport {
+                        position,
+                        waiting_for,
+                    });
+                    progress(last.as_ref());
+                }
+                Some(ServerMsg::Leased {
+                    gpus,
+                    uuids,
+                    mem_cap,
+                }) => {
+                    return Ok(LeaseOutcome::Leased {
+                        gpus,
+                        uuids,
+                        mem_cap,
+                    });
+                }
+                Some(ServerMsg::Refused { reason }) => return Ok(LeaseOutcome::Refused(reason)),
+                Some(ServerMsg::Error { message, .. }) => return Err(message),
+                Some(_) => {}
+                None if deadline.is_some_and(|d| Instant::now() >= d) => {
+                    return Ok(LeaseOutcome::TimedOut(last));
+                }
+                None => progress(last.as_ref()),
+            }
+        }
+    }
+
+    fn send(&mut self, msg: &ClientMsg) -> Result<(), String> {
+        let mut out = Vec::new();
+        wire::encode_client(msg, &mut out);
+        self.stream.write_all(&out).map_err(|e| {
+            format!(
+                "lost the connection to the broker at {}: {e}",
+                self.socket.display()
+            )
+        })
+    }
+
+    /// The next message, or `None` once `deadline` passes without one.
+    fn recv(&mut self, deadline: Option<Instant>) -> Result<Option<ServerMsg>, String> {
+        let mut chunk = [0u8; 64 * 1024];
+        loop {
+            match wire::decode_server(&self.buf) {
+                Ok((msg, used)) => {
+                    self.buf.drain(..used);
+                    return Ok(Some(msg));
+                }
+                Err(DecodeError::Incomplete) => {}
+                Err(e) => {
+                    return Err(format!(
+                        "the broker at {} sent a bad message ({e}); are gpufrac and the broker the same version?",
+                        self.socket.display()
+                    ));
+                }
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            // Out of time, what has already arrived still counts: a lease
+            // granted at the deadline is better used than thrown away.
+            let last_look = left.is_some_and(|l| l.is_zero());
+            let set = if last_look {
+                self.stream.set_nonblocking(true)
+            } else {
+                self.stream.set_read_timeout(left)
+            };
+            set.map_err(|e| format!("socket error: {e}"))?;
+            let got = self.stream.read(&mut chunk);
+            if last_look {
+                self.stream
+                    .set_nonblocking(false)
+                    .map_err(|e| format!("socket error: {e}"))?;
+            }
+            match got {
+                Ok(0) => {
+                    return Err(format!(
+                        "the broker at {} closed the connection",
+                        self.socket.display()
+                    ));
+                }
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    if last_look && wire::decode_server(&self.buf) == Err(DecodeError::Incomplete) {
+                        return Ok(None);
+                    }
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(None);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(format!(
+                        "lost the connection to the broker at {}: {e}",
+                        self.socket.display()
+                    ));
+                }
+            }
+        }
+    }
+}
+
+fn connect_problem(socket: &Path, e: &io::Error) -> String {
+    let hint = if e.kind() == io::ErrorKind::PermissionDenied {
+        " (the socket is only open to the broker's --group; ask for membership or use sudo)"
+    } else {
+        ""
+    };
+    format!(
+        "cannot connect to the broker at {}: {e}{hint}",
+        socket.display()
+    )
+}
+
+fn msg_name(m: &ServerMsg) -> &'static str {
+    match m {
+        ServerMsg::HelloOk { .. } => "HelloOk",
+        ServerMsg::Error { .. } => "Error",
+        ServerMsg::Grant { .. } => "Grant",
+        ServerMsg::Revoke { .. } => "Revoke",
+        ServerMsg::StatusReply { .. } => "StatusReply",
+        ServerMsg::Queued { .. } => "Queued",
+        ServerMsg::Leased { .. } => "Leased",
+        ServerMsg::Refused { .. } => "Refused",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::thread;
+
+    fn server_frames(msgs: &[ServerMsg]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for m in msgs {
+            wire::encode_server(m, &mut out);
+        }
+        out
+    }
+
+    /// A one-connection fake broker: reads the hello and any request, then
+    /// writes `bytes` one byte at a time so that frames arrive split.
+    fn fake_broker(bytes: Vec<u8>) -> (tempdir::Dir, thread::JoinHandle<Vec<u8>>) {
+        let dir = tempdir::Dir::new();
+        let path = dir.path.join("b.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let h = thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            let mut chunk = [0u8; 256];
+            // Hello (15 bytes) and at least the start of what follows.
+            s.set_read_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            while let Ok(n) = s.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&chunk[..n]);
+                if got.len() >= 15 {
+                    break;
+                }
+            }
+            for b in bytes {
+                if s.write_all(&[b]).is_err() {
+                    break;
+                }
+            }
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            while let Ok(n) = s.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&chunk[..n]);
+            }
+            got
+        });
+        (dir, h)
+    }
+
+    mod tempdir {
+        use std::path::PathBuf;
+
+        pub struct Dir {
+            pub path: PathBuf,
+        }
+
+        impl Dir {
+            pub fn new() -> Dir {
+                use std::sync::atomic::{AtomicU32, Ordering};
+                static N: AtomicU32 = AtomicU32::new(0);
+                let path = std::env::temp_dir().join(format!(
+                    "gpufrac-client-test-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::Relaxed)
+                ));
+                std::fs::create_dir_all(&path).unwrap();
+                Dir { path }
+            }
+        }
+
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.path);
+            }
+        }
+    }
+
+    #[test]
+    fn missing_socket_is_no_broker() {
+        let dir = tempdir::Dir::new();
+        assert!(matches!(
+            Client::connect(&dir.path.join("nothing.sock")),
+            Err(ConnectError::NoBroker)
+        ));
+    }
+
+    #[test]
+    fn stale_socket_is_no_broker() {
+        let dir = tempdir::Dir::new();
+        let path = dir.path.join("stale.sock");
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(matches!(
+            Client::connect(&path),
+            Err(ConnectError::NoBroker)
+        ));
+    }
+
+    #[test]
+    fn handshake_error_is_reported() {
+        let (dir, h) = fake_broker(server_frames(&[ServerMsg::Error {
+            code: wire::ERR_VERSION,
+            message: "protocol version 1 not supported; this broker speaks 2".into(),
+        }]));
+        let Err(ConnectError::Other(msg)) = Client::connect(&dir.path.join("b.sock")) else {
+            panic!("connected")
+        };
+        assert!(msg.contains("this broker speaks 2"), "{msg}");
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn status_round_trip() {
+        let status = Status {
+            version: "0.1.0".into(),
+            socket: "/x".into(),
+            timeslice_ms: 50.0,
+            overprovision: 1,
+            ..Status::default()
+        };
+        let json = serde_json::to_string(&status).unwrap();
+        let (dir, h) = fake_broker(server_frames(&[
+            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::StatusReply { json },
+        ]));
+        let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
+        assert_eq!(c.status().unwrap(), status);
+        drop(c);
+        let sent = h.join().unwrap();
+        let (hello, used) = wire::decode_client(&sent).unwrap();
+        assert!(matches!(
+            hello,
+            ClientMsg::Hello {
+                role: Role::Cli,
+                ..
+            }
+        ));
+        assert_eq!(
+            wire::decode_client(&sent[used..]).unwrap().0,
+            ClientMsg::Status
+        );
+    }
+
+    #[test]
+    fn lease_reports_queue_then_grant() {
+        let (dir, h) = fake_broker(server_frames(&[
+            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::Queued {
+                position: 2,
+                waiting_for: "1 GPU".into(),
+            },
+            ServerMsg::Queued {
+                position: 1,
+                waiting_for: "1 GPU".into(),
+            },
+            ServerMsg::Leased {
+                gpus: vec![3],
+                uuids: vec![[7; 16]],
+                mem_cap: 0,
+            },
+        ]));
+        let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
+        let req = ClientMsg::Lease {
+            want_gpus: 1,
+            want_mem: 0,
+            compute: None,
+            limit: None,
+            no_wait: false,
+            command: "sleep 1".into(),
+        };
+        c.request_lease(&req).unwrap();
+        let mut seen = Vec::new();
+        let out = c
+            .wait_lease(None, Duration::from_millis(50), |q| {
+                if let Some(q) = q {
+                    seen.push(q.position);
+                }
+            })
+            .unwrap();
+        assert_eq!(
+            out,
+            LeaseOutcome::Leased {
+                gpus: vec![3],
+                uuids: vec![[7; 16]],
+                mem_cap: 0
+            }
+        );
+        assert!(seen.starts_with(&[2]) && seen.ends_with(&[1]), "{seen:?}");
+        drop(c);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn lease_times_out_with_last_position() {
+        let (dir, h) = fake_broker(server_frames(&[
+            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::Queued {
+                position: 4,
+                waiting_for: "2 GPUs".into(),
+            },
+        ]));
+        let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
+        let start = Instant::now();
+        let out = c
+            .wait_lease(
+                Some(start + Duration::from_millis(300)),
+                Duration::from_millis(50),
+                |_| {},
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            LeaseOutcome::TimedOut(Some(QueueReport {
+                position: 4,
+                waiting_for: "2 GPUs".into()
+            }))
+        );
+        assert!(start.elapsed() >= Duration::from_millis(300));
+        drop(c);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn lease_already_granted_beats_an_expired_deadline() {
+        let leased = ServerMsg::Leased {
+            gpus: vec![0],
+            uuids: vec![[1; 16]],
+            mem_cap: 5,
+        };
+        let (dir, h) = fake_broker(server_frames(&[
+            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::Queued {
+                position: 1,
+                waiting_for: "1 GPU".into(),
+            },
+            leased,
+        ]));
+        let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
+        thread::sleep(Duration::from_millis(200));
+        let out = c
+            .wait_lease(Some(Instant::now()), Duration::from_millis(50), |_| {})
+            .unwrap();
+        assert!(
+            matches!(out, LeaseOutcome::Leased { mem_cap: 5, .. }),
+            "{out:?}"
+        );
+        drop(c);
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn closed_connection_is_an_error() {
+        let (dir, h) = fake_broker(server_frames(&[ServerMsg::HelloOk { version: 1 }]));
+        let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
+        // The fake broker only closes after we stop writing; shutting our
+        // side down makes it finish.
+        c.stream.shutdown(std::net::Shutdown::Write).unwrap();
+        h.join().unwrap();
+        let err = c
+            .wait_lease(None, Duration::from_millis(50), |_| {})
+            .unwrap_err();
+        assert!(err.contains("closed the connection"), "{err}");
+    }
+}

@@ -1,0 +1,835 @@
+//! `gpufrac run`: get a placement from the broker, then run the command
+//! under the shim while holding the lease.
+
+use std::ffi::OsString;
+use std::io::{IsTerminal, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use gpufrac_common::config::{
+    VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_SHARE, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX,
+    VAR_SOCKET,
+};
+use gpufrac_common::size::{self, format_size, parse_percent};
+use gpufrac_common::wire::ClientMsg;
+
+use crate::client::{Client, ConnectError, LeaseOutcome, QueueReport};
+
+pub const SHIM_NAME: &str = "libgpufrac.so";
+
+const RUN_EXAMPLES: &str = "\
+Examples:
+  gpufrac run --gpu-memory 4G --gpu-compute 30% -- python train.py
+  gpufrac run --gpus 2 -- torchrun --nproc_per_node=2 train.py
+  gpufrac run --gpus 1 --timeout 10m -- ./benchmark
+  gpufrac run --gpu-memory 8G --no-wait -- pytest tests/gpu
+
+The child gets CUDA_VISIBLE_DEVICES (with CUDA_DEVICE_ORDER=PCI_BUS_ID, so
+indices match nvidia-smi), LD_PRELOAD with libgpufrac.so first, GPU_MEM_LIMIT,
+GPU_COMPUTE_SHARE, GPU_COMPUTE_LIMIT and GPUFRAC_SOCKET. The lease lasts as
+long as this process: it ends when the command exits or gpufrac run is killed.
+
+Without a broker the command still runs under the shim with its --gpu-memory
+cap; compute shares and queueing need `gpufrac broker`.
+
+Exit status: the command's own, 128+N if a signal N killed it, 124 when
+--timeout expired in the queue, 126/127 when the command could not be started,
+1 for other errors (refused requests included), 2 for bad arguments.";
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = RUN_EXAMPLES,
+    override_usage = "gpufrac run [--gpus N | --gpu-memory SIZE] [OPTIONS] [--] <CMD> [ARGS]..."
+)]
+pub struct RunArgs {
+    /// Wait for N whole GPUs (lowest free indices first).
+    #[arg(long, value_name = "N", value_parser = gpu_count, conflicts_with = "gpu_memory")]
+    pub gpus: Option<u32>,
+    /// Wait for a GPU with SIZE uncommitted memory (e.g. 4G, 512M) and cap the
+    /// command at SIZE.
+    #[arg(long, value_name = "SIZE", value_parser = gpu_memory)]
+    pub gpu_memory: Option<u64>,
+    /// Share of GPU time when the GPU is contended (e.g. 30%); alone, the
+    /// command still gets all of it.
+    #[arg(long, value_name = "PCT", value_parser = parse_percent)]
+    pub gpu_compute: Option<f64>,
+    /// Hard ceiling on GPU time, even when the GPU is otherwise idle (e.g. 50%).
+    #[arg(long, value_name = "PCT", value_parser = parse_percent)]
+    pub gpu_limit: Option<f64>,
+    /// Fail at once instead of queueing when nothing is free.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Give up (exit 124) after waiting this long in the queue (e.g. 30s, 10m).
+    #[arg(long, value_name = "DUR", value_parser = timeout)]
+    pub timeout: Option<Timeout>,
+    /// Broker socket [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// The command and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        value_name = "CMD",
+        num_args = 1..
+    )]
+    pub command: Vec<OsString>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Timeout {
+    pub ns: u64,
+    /// As typed, for the message when it expires.
+    pub text: String,
+}
+
+fn gpu_count(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u32>() {
+        Ok(0) => Err("--gpus must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err("expected a whole number of GPUs such as 1 or 2".into()),
+    }
+}
+
+fn gpu_memory(s: &str) -> Result<u64, String> {
+    match size::parse_size(s)? {
+        0 => Err(format!(
+            "--gpu-memory must be greater than 0; expected {}",
+            size::SIZE_EXAMPLE
+        )),
+        b => Ok(b),
+    }
+}
+
+fn timeout(s: &str) -> Result<Timeout, String> {
+    match size::parse_duration(s)? {
+        // Nothing could ever be granted in no time at all.
+        0 => Err("must be greater than zero; use --no-wait not to queue at all".into()),
+        ns => Ok(Timeout {
+            ns,
+            text: s.trim().to_owned(),
+        }),
+    }
+}
+
+/// A failure of `run` itself: the message (printed after "gpufrac run: ")
+/// and the exit status.
+#[derive(Debug)]
+struct Fail {
+    msg: String,
+    code: u8,
+}
+
+impl Fail {
+    fn new(code: u8, msg: impl Into<String>) -> Fail {
+        Fail {
+            msg: msg.into(),
+            code,
+        }
+    }
+}
+
+pub fn main(args: RunArgs) -> u8 {
+    match run(args) {
+        Ok(code) => code,
+        Err(f) => {
+            eprintln!("gpufrac run: {}", f.msg);
+            f.code
+        }
+    }
+}
+
+/// Where the child runs, as far as the broker decided.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placement {
+    /// No broker: the shim enforces the memory cap on its own.
+    NoBroker,
+    /// A broker is there but nothing was asked of the queue (neither --gpus
+    /// nor --gpu-memory): the child sees every GPU and registers itself.
+    Unplaced,
+    Leased {
+        /// nvidia-smi indices.
+        gpus: Vec<u32>,
+        /// Bytes per GPU; 0 = uncapped.
+        mem_cap: u64,
+    },
+}
+
+/// The flags that shape the child's environment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EnvFlags {
+    pub gpu_memory: Option<u64>,
+    /// Percent.
+    pub compute: Option<f64>,
+    /// Percent.
+    pub limit: Option<f64>,
+}
+
+/// Changes to make to the child's environment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChildEnv {
+    pub set: Vec<(String, String)>,
+    pub remove: Vec<String>,
+}
+
+#[cfg(test)]
+impl ChildEnv {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.set
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Builds the child's environment from the placement, the flags and the
+/// environment `run` was started with (first occurrence wins, as for
+/// `getenv`).
+pub fn child_env(
+    placement: &Placement,
+    flags: &EnvFlags,
+    shim: &Path,
+    socket: &Path,
+    existing: &[(String, String)],
+) -> ChildEnv {
+    let get = |name: &str| {
+        existing
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let mut env = ChildEnv::default();
+    let mut set = |k: &str, v: String| env.set.push((k.to_owned(), v));
+
+    set("LD_PRELOAD", prepend_preload(shim, get("LD_PRELOAD")));
+    set(VAR_SOCKET, socket.display().to_string());
+
+    let cap = match placement {
+        Placement::NoBroker => {
+            // The shim would otherwise look for the broker again and print
+            // its own warning after ours.
+            set(VAR_BROKER, "off".to_owned());
+            flags.gpu_memory
+        }
+        Placement::Unplaced => flags.gpu_memory,
+        Placement::Leased { gpus, mem_cap } => {
+            if !gpus.is_empty() {
+                let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
+                set("CUDA_VISIBLE_DEVICES", list.join(","));
+                // The broker numbers GPUs as nvidia-smi does; CUDA's default
+                // order (fastest first) can differ.
+                set("CUDA_DEVICE_ORDER", "PCI_BUS_ID".to_owned());
+            }
+            Some(*mem_cap).filter(|&c| c > 0).or(flags.gpu_memory)
+        }
+    };
+    if let Some(cap) = cap {
+        set(VAR_MEM_LIMIT, cap.to_string());
+    }
+    // Shares mean nothing to a shim that may not reach a broker.
+    if *placement != Placement::NoBroker {
+        if let Some(p) = flags.compute {
+            set(VAR_COMPUTE_SHARE, format!("{p}%"));
+        }
+        if let Some(p) = flags.limit {
+            set(VAR_COMPUTE_LIMIT, format!("{p}%"));
+        }
+    }
+    if cap.is_some() {
+        // A per-device override would beat the cap gpufrac promised the
+        // broker, and under a new CUDA_VISIBLE_DEVICES it would name another
+        // GPU than the user meant anyway.
+        for (k, _) in existing {
+            if k.strip_prefix(VAR_MEM_LIMIT_PREFIX)
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                && !env.remove.contains(k)
+            {
+                env.remove.push(k.clone());
+            }
+        }
+    }
+    env
+}
+
+/// The shim first, so its symbols win over any other preloaded library's;
+/// left alone when some libgpufrac.so is already there, because two shims
+/// would each count the same allocations.
+fn prepend_preload(shim: &Path, existing: Option<&str>) -> String {
+    let existing = existing.unwrap_or("").trim();
+    let has_shim = existing
+        .split([':', ' '])
+        .any(|e| !e.is_empty() && Path::new(e).file_name().is_some_and(|n| n == SHIM_NAME));
+    if has_shim {
+        return existing.to_owned();
+    }
+    let shim = shim.display().to_string();
+    if existing.is_empty() {
+        shim
+    } else {
+        format!("{shim}:{existing}")
+    }
+}
+
+/// `libgpufrac.so` beside the binary (a build tree, or everything in one
+/// directory), else in `../lib` (an install under a prefix).
+pub fn find_shim() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe()
+        .and_then(|p| p.canonicalize())
+        .map_err(|e| format!("cannot locate the gpufrac binary to find {SHIM_NAME}: {e}"))?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    let candidates = [dir.join(SHIM_NAME), dir.join("../lib").join(SHIM_NAME)];
+    for c in &candidates {
+        if c.is_file() {
+            return Ok(c.canonicalize().unwrap_or_else(|_| c.clone()));
+        }
+    }
+    Err(format!(
+        "cannot find {SHIM_NAME}: looked for {} and {}",
+        candidates[0].display(),
+        candidates[1].display()
+    ))
+}
+
+/// "1 GPU", "2 GPUs", "4.00 GiB": what a request waits for, in the broker's
+/// own words for when it has not said yet.
+fn describe_want(gpus: Option<u32>, mem: Option<u64>) -> String {
+    match (gpus, mem) {
+        (Some(1), _) => "1 GPU".to_owned(),
+        (Some(n), _) => format!("{n} GPUs"),
+        (None, Some(b)) => format!("a GPU with {} free", format_size(b)),
+        (None, None) => "a GPU".to_owned(),
+    }
+}
+
+fn run(args: RunArgs) -> Result<u8, Fail> {
+    let shim = find_shim().map_err(|m| Fail::new(1, m))?;
+    let socket = crate::socket_path(args.socket.clone());
+    let wants_placement = args.gpus.is_some() || args.gpu_memory.is_some();
+
+    // Held until the child exits: the broker ends the lease when this
+    // connection closes, which also happens when run is killed outright.
+    let mut held_lease: Option<Client> = None;
+    let placement = match Client::connect(&socket) {
+        Err(ConnectError::NoBroker) => {
+            if std::env::var(VAR_BROKER).is_ok_and(|v| v.trim().eq_ignore_ascii_case("required")) {
+                return Err(Fail::new(
+                    1,
+                    format!(
+                        "no broker at {} and {VAR_BROKER}=required (start one with: gpufrac broker)",
+                        socket.display()
+                    ),
+                ));
+            }
+            eprintln!(
+                "gpufrac run: no broker at {}; running under the memory cap only (compute shares and queueing need: gpufrac broker)",
+                socket.display()
+            );
+            Placement::NoBroker
+        }
+        Err(ConnectError::Other(m)) => return Err(Fail::new(1, m)),
+        Ok(client) if !wants_placement => {
+            drop(client);
+            Placement::Unplaced
+        }
+        Ok(mut client) => {
+            let (gpus, mem_cap) = lease(&mut client, &args)?;
+            held_lease = Some(client);
+            Placement::Leased { gpus, mem_cap }
+        }
+    };
+
+    let flags = EnvFlags {
+        gpu_memory: args.gpu_memory,
+        compute: args.gpu_compute,
+        limit: args.gpu_limit,
+    };
+    let existing: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect();
+    // The child may change directory before its shim connects.
+    let child_socket = std::path::absolute(&socket).unwrap_or_else(|_| socket.clone());
+    let env = child_env(&placement, &flags, &shim, &child_socket, &existing);
+    let status = spawn_and_wait(&args.command, &env)?;
+    drop(held_lease);
+    Ok(exit_code(status))
+}
+
+fn exit_code(status: std::process::ExitStatus) -> u8 {
+    match (status.code(), status.signal()) {
+        // Exit statuses are 0..=255 already; the mask only satisfies the type.
+        (Some(c), _) => (c & 0xff) as u8,
+        (None, Some(sig)) => (128 + sig).clamp(0, 255) as u8,
+        (None, None) => 1,
+    }
+}
+
+/// Sends the lease request and waits for the answer, keeping a status line
+/// on the terminal. Returns the GPUs and the memory cap.
+fn lease(client: &mut Client, args: &RunArgs) -> Result<(Vec<u32>, u64), Fail> {
+    let command = args
+        .command
+        .iter()
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let req = ClientMsg::Lease {
+        want_gpus: args.gpus.unwrap_or(0),
+        want_mem: args.gpu_memory.unwrap_or(0),
+        compute: args.gpu_compute,
+        limit: args.gpu_limit,
+        no_wait: args.no_wait,
+        command,
+    };
+    client.request_lease(&req).map_err(|m| Fail::new(1, m))?;
+
+    let start = Instant::now();
+    let deadline = args
+        .timeout
+        .as_ref()
+        .map(|t| start + Duration::from_nanos(t.ns));
+    let tty = std::io::stderr().is_terminal();
+    let mut line = StatusLine::default();
+    let outcome = client.wait_lease(deadline, Duration::from_millis(500), |q| {
+        if tty && let Some(q) = q {
+            line.draw(q, start.elapsed());
+        }
+    });
+    line.clear();
+    match outcome.map_err(|m| Fail::new(1, m))? {
+        LeaseOutcome::Leased { gpus, mem_cap, .. } => Ok((gpus, mem_cap)),
+        LeaseOutcome::Refused(reason) => Err(Fail::new(1, reason)),
+        LeaseOutcome::TimedOut(last) => {
+            let (what, pos) = match last {
+                Some(QueueReport {
+                    position,
+                    waiting_for,
+                }) => (waiting_for, position.to_string()),
+                None => (
+                    describe_want(args.gpus, args.gpu_memory),
+                    "unknown".to_owned(),
+                ),
+            };
+            let text = args.timeout.as_ref().map_or("", |t| t.text.as_str());
+            Err(Fail::new(
+                124,
+                format!("gave up after {text} waiting for {what} (position {pos})"),
+            ))
+        }
+    }
+}
+
+/// The one-line queue display on a terminal.
+#[derive(Default)]
+struct StatusLine {
+    drawn_at: Option<Instant>,
+    text: String,
+    last: Option<(u32, String)>,
+}
+
+impl StatusLine {
+    fn draw(&mut self, q: &QueueReport, elapsed: Duration) {
+        let text = format!(
+            " gpufrac: waiting for {} \u{2014} position {} \u{2014} {}s",
+            q.waiting_for,
+            q.position,
+            elapsed.as_secs()
+        );
+        // A new position shows at once; the clock alone redraws at most
+        // twice a second, and not at all when the text would not change.
+        let moved = self.last != Some((q.position, q.waiting_for.clone()));
+        let due = self
+            .drawn_at
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(500));
+        if text == self.text || !(moved || due) {
+            return;
+        }
+        // \x1b[K clears what a longer earlier line left behind.
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "\r{text}\x1b[K");
+        let _ = err.flush();
+        self.drawn_at = Some(Instant::now());
+        self.text = text;
+        self.last = Some((q.position, q.waiting_for.clone()));
+    }
+
+    /// Leaves the terminal as it was, so the command's output starts on a
+    /// clean line.
+    fn clear(&mut self) {
+        if self.drawn_at.take().is_some() {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+        }
+    }
+}
+
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+const FORWARDED: [libc::c_int; 6] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+];
+
+extern "C" fn forward_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // A terminal sends ^C, ^\ and hangups to its whole foreground process
+    // group, the child included; passing them on would deliver them twice.
+    if matches!(sig, libc::SIGINT | libc::SIGQUIT | libc::SIGHUP)
+        && !info.is_null()
+        // SAFETY: the kernel hands a valid siginfo to an SA_SIGINFO handler.
+        && unsafe { (*info).si_code } == libc::SI_KERNEL
+    {
+        return;
+    }
+    let pid = CHILD.load(Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: errno is thread-local and kill is async-signal-safe; errno
+        // is restored so the interrupted code never sees ours.
+        unsafe {
+            let errno = *libc::__errno_location();
+            libc::kill(pid, sig);
+            *libc::__errno_location() = errno;
+        }
+    }
+}
+
+fn forwarded_set() -> libc::sigset_t {
+    // SAFETY: sigemptyset initialises the set before sigaddset reads it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in FORWARDED {
+            libc::sigaddset(&mut set, s);
+        }
+        set
+    }
+}
+
+/// Spawns the command with the forwarded signals blocked until its pid is
+/// known, so none that arrives in between is lost or kills `run` alone.
+fn spawn_and_wait(command: &[OsString], env: &ChildEnv) -> Result<std::process::ExitStatus, Fail> {
+    let (program, rest) = command
+        .split_first()
+        .ok_or_else(|| Fail::new(2, "no command given"))?;
+    let mut cmd = Command::new(program);
+    cmd.args(rest);
+    for k in &env.remove {
+        cmd.env_remove(k);
+    }
+    for (k, v) in &env.set {
+        cmd.env(k, v);
+    }
+
+    let set = forwarded_set();
+    // SAFETY: plain libc calls on initialised sigsets.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
+    // std passes the signal mask on to the child, which would then never
+    // see the very signals we forward to it.
+    // SAFETY: pthread_sigmask is async-signal-safe, as pre_exec requires.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+            Ok(())
+        });
+    }
+    let spawned = cmd.spawn();
+    if let Ok(child) = &spawned {
+        CHILD.store(child.id() as i32, Ordering::Relaxed);
+        for s in FORWARDED {
+            // SAFETY: the handler only touches an atomic, errno and kill().
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = forward_signal as *const () as usize;
+                sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(s, &sa, std::ptr::null_mut());
+            }
+        }
+    }
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+
+    let mut child = spawned.map_err(|e| {
+        let name = program.to_string_lossy();
+        match e.kind() {
+            std::io::ErrorKind::NotFound => Fail::new(127, format!("{name}: command not found")),
+            _ => Fail::new(126, format!("cannot run {name}: {e}")),
+        }
+    })?;
+    child
+        .wait()
+        .map_err(|e| Fail::new(1, format!("waiting for the command failed: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct T {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<RunArgs, String> {
+        T::try_parse_from(std::iter::once("run").chain(args.iter().copied()))
+            .map(|t| t.run)
+            .map_err(|e| e.to_string())
+    }
+
+    fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    const SHIM: &str = "/opt/gpufrac/lib/libgpufrac.so";
+
+    fn env_of(p: &Placement, f: &EnvFlags, existing: &[(&str, &str)]) -> ChildEnv {
+        child_env(
+            p,
+            f,
+            Path::new(SHIM),
+            Path::new("/run/g.sock"),
+            &vars(existing),
+        )
+    }
+
+    #[test]
+    fn parses_a_full_request() {
+        let a = parse(&[
+            "--gpu-memory",
+            "4G",
+            "--gpu-compute",
+            "30%",
+            "--gpu-limit",
+            "50",
+            "--no-wait",
+            "--timeout",
+            "10m",
+            "--",
+            "python",
+            "-c",
+            "print(1)",
+        ])
+        .unwrap();
+        assert_eq!(a.gpu_memory, Some(4 << 30));
+        assert_eq!(a.gpu_compute, Some(30.0));
+        assert_eq!(a.gpu_limit, Some(50.0));
+        assert!(a.no_wait);
+        assert_eq!(a.timeout.unwrap().ns, 600_000_000_000);
+        assert_eq!(a.command, ["python", "-c", "print(1)"]);
+    }
+
+    #[test]
+    fn command_flags_are_not_ours() {
+        let a = parse(&["--gpus", "2", "torchrun", "--gpus", "8", "-x"]).unwrap();
+        assert_eq!(a.gpus, Some(2));
+        assert_eq!(a.command, ["torchrun", "--gpus", "8", "-x"]);
+    }
+
+    #[test]
+    fn bad_arguments() {
+        let e = parse(&["--gpus", "0", "--", "true"]).unwrap_err();
+        assert!(e.contains("--gpus must be at least 1"), "{e}");
+        let e = parse(&["--gpus", "two", "--", "true"]).unwrap_err();
+        assert!(e.contains("such as 1 or 2"), "{e}");
+        let e = parse(&["--gpu-compute", "0%", "--", "true"]).unwrap_err();
+        assert!(e.contains("a percentage must be greater than 0"), "{e}");
+        assert!(e.contains("--gpu-compute"), "{e}");
+        let e = parse(&["--gpu-limit", "150%", "--", "true"]).unwrap_err();
+        assert!(e.contains("above 100%"), "{e}");
+        let e = parse(&["--gpu-memory", "4X", "--", "true"]).unwrap_err();
+        assert!(e.contains("unknown unit") && e.contains("4G"), "{e}");
+        let e = parse(&["--gpu-memory", "0", "--", "true"]).unwrap_err();
+        assert!(e.contains("greater than 0"), "{e}");
+        let e = parse(&["--timeout", "0s", "--", "true"]).unwrap_err();
+        assert!(e.contains("--no-wait"), "{e}");
+        let e = parse(&["--timeout", "30", "--", "true"]).unwrap_err();
+        assert!(e.contains("--timeout") && e.contains("30s"), "{e}");
+        let e = parse(&["--gpus", "1", "--gpu-memory", "4G", "--", "true"]).unwrap_err();
+        assert!(e.contains("cannot be used with"), "{e}");
+        let e = parse(&["--gpus", "1"]).unwrap_err();
+        assert!(e.contains("<CMD>"), "{e}");
+    }
+
+    #[test]
+    fn preload_is_prepended_once() {
+        let e = env_of(&Placement::Unplaced, &EnvFlags::default(), &[]);
+        assert_eq!(e.get("LD_PRELOAD"), Some(SHIM));
+
+        let e = env_of(
+            &Placement::Unplaced,
+            &EnvFlags::default(),
+            &[("LD_PRELOAD", "/usr/lib/libfoo.so")],
+        );
+        assert_eq!(
+            e.get("LD_PRELOAD"),
+            Some("/opt/gpufrac/lib/libgpufrac.so:/usr/lib/libfoo.so")
+        );
+
+        // Already there, under this path or another install's.
+        for existing in [
+            "/usr/lib/libfoo.so:/opt/gpufrac/lib/libgpufrac.so",
+            "/elsewhere/libgpufrac.so /usr/lib/libfoo.so",
+            "libgpufrac.so",
+        ] {
+            let e = env_of(
+                &Placement::Unplaced,
+                &EnvFlags::default(),
+                &[("LD_PRELOAD", existing)],
+            );
+            assert_eq!(e.get("LD_PRELOAD"), Some(existing));
+        }
+
+        // Similar names are other libraries.
+        let e = env_of(
+            &Placement::Unplaced,
+            &EnvFlags::default(),
+            &[("LD_PRELOAD", "/x/libgpufrac.so.bak")],
+        );
+        assert_eq!(
+            e.get("LD_PRELOAD"),
+            Some("/opt/gpufrac/lib/libgpufrac.so:/x/libgpufrac.so.bak")
+        );
+
+        // An empty value is no value.
+        let e = env_of(
+            &Placement::Unplaced,
+            &EnvFlags::default(),
+            &[("LD_PRELOAD", " ")],
+        );
+        assert_eq!(e.get("LD_PRELOAD"), Some(SHIM));
+    }
+
+    #[test]
+    fn lease_sets_devices_and_caps() {
+        let flags = EnvFlags {
+            gpu_memory: None,
+            compute: Some(30.0),
+            limit: Some(12.5),
+        };
+        let e = env_of(
+            &Placement::Leased {
+                gpus: vec![1, 3],
+                mem_cap: 20 << 30,
+            },
+            &flags,
+            &[("CUDA_VISIBLE_DEVICES", "0"), ("GPU_MEM_LIMIT", "1G")],
+        );
+        assert_eq!(e.get("CUDA_VISIBLE_DEVICES"), Some("1,3"));
+        assert_eq!(e.get("CUDA_DEVICE_ORDER"), Some("PCI_BUS_ID"));
+        assert_eq!(e.get("GPU_MEM_LIMIT"), Some("21474836480"));
+        assert_eq!(e.get("GPU_COMPUTE_SHARE"), Some("30%"));
+        assert_eq!(e.get("GPU_COMPUTE_LIMIT"), Some("12.5%"));
+        assert_eq!(e.get("GPUFRAC_SOCKET"), Some("/run/g.sock"));
+        assert_eq!(e.get("GPUFRAC_BROKER"), None);
+    }
+
+    #[test]
+    fn uncapped_lease_keeps_the_users_cap() {
+        let e = env_of(
+            &Placement::Leased {
+                gpus: vec![0],
+                mem_cap: 0,
+            },
+            &EnvFlags::default(),
+            &[("GPU_MEM_LIMIT", "1G"), ("GPU_MEM_LIMIT_0", "2G")],
+        );
+        assert_eq!(e.get("GPU_MEM_LIMIT"), None);
+        assert!(e.remove.is_empty());
+        assert_eq!(e.get("GPU_COMPUTE_SHARE"), None);
+    }
+
+    #[test]
+    fn imposed_cap_drops_per_device_overrides() {
+        let e = env_of(
+            &Placement::Leased {
+                gpus: vec![2],
+                mem_cap: 4 << 30,
+            },
+            &EnvFlags::default(),
+            &[
+                ("GPU_MEM_LIMIT_0", "80G"),
+                ("GPU_MEM_LIMIT_12", "1G"),
+                ("GPU_MEM_LIMIT_X", "1G"),
+                ("GPU_MEM_LIMIT_0", "70G"),
+            ],
+        );
+        assert_eq!(e.remove, ["GPU_MEM_LIMIT_0", "GPU_MEM_LIMIT_12"]);
+    }
+
+    #[test]
+    fn memory_lease_falls_back_to_the_flag() {
+        let flags = EnvFlags {
+            gpu_memory: Some(4 << 30),
+            ..EnvFlags::default()
+        };
+        let e = env_of(
+            &Placement::Leased {
+                gpus: vec![0],
+                mem_cap: 0,
+            },
+            &flags,
+            &[],
+        );
+        assert_eq!(e.get("GPU_MEM_LIMIT"), Some("4294967296"));
+    }
+
+    #[test]
+    fn no_broker_runs_under_the_cap_only() {
+        let flags = EnvFlags {
+            gpu_memory: Some(512 << 20),
+            compute: Some(30.0),
+            limit: Some(50.0),
+        };
+        let e = env_of(
+            &Placement::NoBroker,
+            &flags,
+            &[("CUDA_VISIBLE_DEVICES", "1"), ("GPU_MEM_LIMIT", "8G")],
+        );
+        assert_eq!(e.get("GPU_MEM_LIMIT"), Some("536870912"));
+        assert_eq!(e.get("GPUFRAC_BROKER"), Some("off"));
+        assert_eq!(e.get("CUDA_VISIBLE_DEVICES"), None);
+        assert_eq!(e.get("GPU_COMPUTE_SHARE"), None);
+        assert_eq!(e.get("GPU_COMPUTE_LIMIT"), None);
+        assert_eq!(e.get("LD_PRELOAD"), Some(SHIM));
+
+        // --gpus without a broker: no device change, the user's cap stays.
+        let e = env_of(
+            &Placement::NoBroker,
+            &EnvFlags::default(),
+            &[("GPU_MEM_LIMIT", "8G")],
+        );
+        assert_eq!(e.get("GPU_MEM_LIMIT"), None);
+        assert_eq!(e.get("CUDA_VISIBLE_DEVICES"), None);
+    }
+
+    #[test]
+    fn descriptions() {
+        assert_eq!(describe_want(Some(1), None), "1 GPU");
+        assert_eq!(describe_want(Some(2), None), "2 GPUs");
+        assert_eq!(
+            describe_want(None, Some(4 << 30)),
+            "a GPU with 4.00 GiB free"
+        );
+    }
+
+    #[test]
+    fn exit_codes_follow_the_shell() {
+        use std::process::ExitStatus;
+        assert_eq!(exit_code(ExitStatus::from_raw(0)), 0);
+        assert_eq!(exit_code(ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(ExitStatus::from_raw(libc::SIGKILL)), 137);
+        assert_eq!(exit_code(ExitStatus::from_raw(libc::SIGTERM | 0x80)), 143);
+    }
+}

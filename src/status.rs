@@ -1,0 +1,404 @@
+//! `gpufrac status`: the broker's view of GPUs, processes, the queue and
+//! leases.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use clap::Args;
+use gpufrac_broker::status::{GpuStatus, LeaseEntry, QueueEntry, Status};
+use gpufrac_common::size::format_size;
+
+use crate::client::{Client, ConnectError};
+
+const STATUS_EXAMPLES: &str = "\
+Examples:
+  gpufrac status
+  gpufrac status --json | jq '.gpus[].processes[] | {pid, mem_used}'
+
+Columns: SHARE is the promised share of GPU time when contended, ACHIEVED the
+share held over the last window, LIMIT the GPU_COMPUTE_LIMIT ceiling.";
+
+#[derive(Args, Debug)]
+#[command(after_help = STATUS_EXAMPLES)]
+pub struct StatusArgs {
+    /// Print the broker's status document as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Broker socket [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+}
+
+const COMMAND_WIDTH: usize = 30;
+
+pub fn main(args: StatusArgs) -> u8 {
+    let socket = crate::socket_path(args.socket);
+    let status = match Client::connect(&socket) {
+        Ok(mut c) => c.status(),
+        Err(ConnectError::NoBroker) => {
+            eprintln!(
+                "gpufrac status: no broker at {} (start one with: gpufrac broker)",
+                socket.display()
+            );
+            return 1;
+        }
+        Err(ConnectError::Other(m)) => Err(m),
+    };
+    let status = match status {
+        Ok(s) => s,
+        Err(m) => {
+            eprintln!("gpufrac status: {m}");
+            return 1;
+        }
+    };
+    let text = if args.json {
+        match serde_json::to_string_pretty(&status) {
+            Ok(j) => j + "\n",
+            Err(e) => {
+                eprintln!("gpufrac status: {e}");
+                return 1;
+            }
+        }
+    } else {
+        render(&status)
+    };
+    match crate::print_stdout(&text) {
+        Ok(()) => 0,
+        Err(m) => {
+            eprintln!("gpufrac status: {m}");
+            1
+        }
+    }
+}
+
+/// The table view.
+pub fn render(s: &Status) -> String {
+    let mut out = String::new();
+    if s.gpus.is_empty() {
+        out.push_str("no GPUs\n");
+    }
+    for (i, g) in s.gpus.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        render_gpu(&mut out, g);
+    }
+    out.push('\n');
+    render_queue(&mut out, &s.queue);
+    out.push('\n');
+    render_leases(&mut out, &s.leases);
+    out
+}
+
+fn render_gpu(out: &mut String, g: &GpuStatus) {
+    let index = g.index.map_or("?".to_owned(), |i| i.to_string());
+    let util = g.utilization.map_or("-".to_owned(), |u| format!("{u}%"));
+    let _ = writeln!(
+        out,
+        "GPU {index} {} {} mem {}/{} slots {}/{} util {util}",
+        g.name,
+        g.uuid,
+        format_size(g.committed_mem),
+        format_size(g.total_mem),
+        g.slots_used,
+        g.slots_total,
+    );
+    if g.processes.is_empty() {
+        out.push_str("  no processes\n");
+        return;
+    }
+    let mut rows = vec![[
+        "PID".to_owned(),
+        "COMMAND".to_owned(),
+        "MEM USED".to_owned(),
+        "CAP".to_owned(),
+        "SHARE".to_owned(),
+        "ACHIEVED".to_owned(),
+        "LIMIT".to_owned(),
+        "STATE".to_owned(),
+    ]];
+    for p in &g.processes {
+        rows.push([
+            p.pid.to_string(),
+            command(&p.command),
+            format_size(p.mem_used),
+            p.mem_cap.map_or("-".to_owned(), format_size),
+            percent(p.share_target),
+            percent(p.share_achieved),
+            p.limit.map_or("-".to_owned(), percent),
+            p.state.clone(),
+        ]);
+    }
+    table(out, &rows);
+}
+
+fn render_queue(out: &mut String, q: &[QueueEntry]) {
+    if q.is_empty() {
+        out.push_str("queue: empty\n");
+        return;
+    }
+    out.push_str("queue:\n");
+    let mut rows = vec![[
+        "POS".to_owned(),
+        "PID".to_owned(),
+        "WANTS".to_owned(),
+        "WAITING".to_owned(),
+        "ESCALATED".to_owned(),
+        "COMMAND".to_owned(),
+    ]];
+    for e in q {
+        rows.push([
+            e.position.to_string(),
+            e.pid.to_string(),
+            e.wants.clone(),
+            seconds(e.waiting_s),
+            if e.escalated { "yes" } else { "no" }.to_owned(),
+            command(&e.command),
+        ]);
+    }
+    table(out, &rows);
+}
+
+fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
+    if leases.is_empty() {
+        out.push_str("leases: none\n");
+        return;
+    }
+    out.push_str("leases:\n");
+    let mut rows = vec![[
+        "PID".to_owned(),
+        "GPUS".to_owned(),
+        "MEM CAP".to_owned(),
+        "HELD".to_owned(),
+        "COMMAND".to_owned(),
+    ]];
+    for l in leases {
+        let gpus: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
+        rows.push([
+            l.pid.to_string(),
+            if gpus.is_empty() {
+                "-".to_owned()
+            } else {
+                gpus.join(",")
+            },
+            l.mem_cap.map_or("-".to_owned(), format_size),
+            seconds(l.held_s),
+            command(&l.command),
+        ]);
+    }
+    table(out, &rows);
+}
+
+/// Left-aligned columns two spaces apart, indented under their heading; the
+/// last column is not padded so lines carry no trailing blanks.
+fn table<const N: usize>(out: &mut String, rows: &[[String; N]]) {
+    let mut widths = [0usize; N];
+    for r in rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    for r in rows {
+        let mut line = String::from(" ");
+        for (i, cell) in r.iter().enumerate() {
+            line.push(' ');
+            line.push_str(cell);
+            if i + 1 < N {
+                let pad = widths[i] - cell.chars().count() + 1;
+                line.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+/// A 0..1 fraction as a whole percentage; NaN and negatives (which only a
+/// confused broker would send) print as they are rather than as 0%.
+fn percent(f: f64) -> String {
+    let p = f * 100.0;
+    if p.is_finite() && p > 0.0 && p < 1.0 {
+        format!("{p:.1}%")
+    } else {
+        format!("{p:.0}%")
+    }
+}
+
+/// "45s", "3m04s", "2h05m".
+fn seconds(s: f64) -> String {
+    if !s.is_finite() || s < 0.0 {
+        return "-".to_owned();
+    }
+    let s = s as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// A command for a table cell: the program without its directory (a long
+/// path would use up the whole width), then as much as fits.
+fn command(s: &str) -> String {
+    let s = s.trim_start();
+    let (program, rest) = s.split_at(s.find(' ').unwrap_or(s.len()));
+    let program = program
+        .rsplit('/')
+        .next()
+        .filter(|p| !p.is_empty())
+        .unwrap_or(program);
+    truncate(&format!("{program}{rest}"), COMMAND_WIDTH)
+}
+
+/// One table cell: control characters (a command line may hold newlines)
+/// become spaces, and anything past `max` characters becomes an ellipsis.
+fn truncate(s: &str, max: usize) -> String {
+    let clean: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if clean.chars().count() <= max {
+        return clean;
+    }
+    let mut t: String = clean.chars().take(max.saturating_sub(1)).collect();
+    t.push('\u{2026}');
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpufrac_broker::status::ProcStatus;
+
+    fn sample() -> Status {
+        Status {
+            version: "0.1.0".into(),
+            socket: "/run/gpufrac/broker.sock".into(),
+            timeslice_ms: 50.0,
+            overprovision: 1,
+            gpus: vec![GpuStatus {
+                index: Some(0),
+                uuid: "GPU-0000".into(),
+                name: "NVIDIA H100".into(),
+                total_mem: 80 << 30,
+                slots_total: 1,
+                slots_used: 1,
+                committed_mem: 4 << 30,
+                utilization: Some(37),
+                holder: Some(42),
+                processes: vec![
+                    ProcStatus {
+                        pid: 42,
+                        command: "python train.py --epochs 100 --batch-size 512".into(),
+                        ordinal: 0,
+                        mem_used: 1 << 30,
+                        mem_peak: 2 << 30,
+                        mem_cap: Some(4 << 30),
+                        ooms: 0,
+                        share_target: 0.3,
+                        share_achieved: 0.28,
+                        limit: None,
+                        state: "holding".into(),
+                    },
+                    ProcStatus {
+                        pid: 7,
+                        command: "sleep".into(),
+                        mem_cap: None,
+                        share_target: 0.7,
+                        limit: Some(0.5),
+                        state: "idle".into(),
+                        ..ProcStatus::default()
+                    },
+                ],
+            }],
+            queue: vec![QueueEntry {
+                position: 1,
+                pid: 99,
+                command: "torchrun x".into(),
+                wants: "2 GPUs".into(),
+                waiting_s: 184.2,
+                escalated: true,
+            }],
+            leases: vec![LeaseEntry {
+                pid: 42,
+                command: "python train.py".into(),
+                gpus: vec![0],
+                mem_cap: Some(4 << 30),
+                held_s: 7500.0,
+            }],
+        }
+    }
+
+    #[test]
+    fn table_view() {
+        let t = render(&sample());
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "GPU 0 NVIDIA H100 GPU-0000 mem 4.00 GiB/80.00 GiB slots 1/1 util 37%"
+        );
+        assert!(lines[1].starts_with("  PID  COMMAND"), "{t}");
+        assert!(
+            lines[2].contains("python train.py --epochs 100 \u{2026}"),
+            "{t}"
+        );
+        assert!(
+            lines[2].contains("1.00 GiB") && lines[2].contains("4.00 GiB"),
+            "{t}"
+        );
+        assert!(lines[2].contains("30%") && lines[2].contains("28%"), "{t}");
+        assert!(lines[2].ends_with("holding"), "{t}");
+        assert!(lines[3].contains("70%") && lines[3].contains("50%"), "{t}");
+        assert!(lines[3].ends_with("idle"), "{t}");
+        assert!(t.contains("queue:\n"), "{t}");
+        assert!(
+            t.contains("3m04s") && t.contains("yes") && t.contains("2 GPUs"),
+            "{t}"
+        );
+        assert!(t.contains("leases:\n") && t.contains("2h05m"), "{t}");
+        assert!(t.lines().all(|l| l == l.trim_end()), "{t}");
+        // Columns line up.
+        let col = |l: &str| {
+            l.find("COMMAND")
+                .or_else(|| l.find("python"))
+                .or_else(|| l.find("sleep"))
+        };
+        assert_eq!(col(lines[1]), col(lines[2]));
+        assert_eq!(col(lines[1]), col(lines[3]));
+    }
+
+    #[test]
+    fn empty_broker() {
+        let t = render(&Status::default());
+        assert_eq!(t, "no GPUs\n\nqueue: empty\n\nleases: none\n");
+    }
+
+    #[test]
+    fn unknown_values() {
+        let mut s = sample();
+        s.gpus[0].index = None;
+        s.gpus[0].utilization = None;
+        let t = render(&s);
+        assert!(t.starts_with("GPU ? NVIDIA H100"), "{t}");
+        assert!(t.lines().next().unwrap().ends_with("util -"), "{t}");
+    }
+
+    #[test]
+    fn helpers() {
+        assert_eq!(truncate("a\nb", 30), "a b");
+        assert_eq!(
+            command("/usr/bin/python3 /home/me/x.py"),
+            "python3 /home/me/x.py"
+        );
+        assert_eq!(command("./a.out"), "a.out");
+        assert_eq!(command("dir/"), "dir/");
+        assert_eq!(command(""), "");
+        assert_eq!(truncate(&"x".repeat(31), 30).chars().count(), 30);
+        assert_eq!(seconds(0.4), "0s");
+        assert_eq!(seconds(59.9), "59s");
+        assert_eq!(seconds(3600.0), "1h00m");
+        assert_eq!(percent(0.005), "0.5%");
+        assert_eq!(percent(1.0), "100%");
+        assert_eq!(percent(0.0), "0%");
+    }
+}

@@ -1,0 +1,327 @@
+//! Compute arbitration end to end: a real `gpufrac broker`, real client
+//! processes under the shim, and the simulated driver's shared execution
+//! engine, on which kernels of different processes really serialize.
+//!
+//! Shares are measured as each process's completed kernel time inside a
+//! common window. Tolerances are loose enough for a loaded 2-core CI
+//! machine; `bench/` reports the precise figures.
+
+mod support;
+use std::process::{Child, Stdio};
+use support::*;
+
+const MS: u64 = 1_000_000;
+const KERNEL_NS: u64 = MS;
+
+fn spawn_spinner(b: &Broker, share: Option<&str>, start: u64, end: u64) -> Child {
+    let mut cmd = b.client(&artifacts().probe);
+    if let Some(s) = share {
+        cmd.env("GPU_COMPUTE_SHARE", s);
+    }
+    cmd.args([
+        "ctx",
+        "spin",
+        &start.to_string(),
+        &end.to_string(),
+        &KERNEL_NS.to_string(),
+        "2",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    cmd.spawn().unwrap()
+}
+
+fn kernels(c: Child) -> u64 {
+    let o = c.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "spinner failed: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    num(&line(&o, "spin", 0), "kernels")
+}
+
+/// Runs one spinner per share over a 3 s window and returns each one's
+/// fraction of the GPU time used, plus the busy fraction of the window.
+fn contend(b: &Broker, shares: &[Option<&str>]) -> (Vec<f64>, f64) {
+    let start = mono_ns() + 1500 * MS;
+    let end = start + 3000 * MS;
+    let kids: Vec<Child> = shares
+        .iter()
+        .map(|s| spawn_spinner(b, *s, start, end))
+        .collect();
+    let k: Vec<u64> = kids.into_iter().map(kernels).collect();
+    let total: u64 = k.iter().sum();
+    let busy = (total * KERNEL_NS) as f64 / (end - start) as f64;
+    (
+        k.iter().map(|&x| x as f64 / total.max(1) as f64).collect(),
+        busy,
+    )
+}
+
+fn assert_shares(got: &[f64], want: &[f64], tol: f64) {
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g - w).abs() <= tol,
+            "achieved {got:?}, target {want:?} (±{tol})"
+        );
+    }
+}
+
+#[test]
+fn two_processes_split_by_their_shares() {
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let (s, busy) = contend(&b, &[Some("50%"), Some("50%")]);
+    assert_shares(&s, &[0.5, 0.5], 0.10);
+    assert!(busy > 0.75, "GPU busy {busy:.2} of the window");
+    let (s, busy) = contend(&b, &[Some("70%"), Some("30%")]);
+    assert_shares(&s, &[0.7, 0.3], 0.10);
+    assert!(busy > 0.75, "GPU busy {busy:.2} of the window");
+}
+
+#[test]
+fn three_processes_1_1_2() {
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let (s, _) = contend(&b, &[Some("25"), Some("25"), Some("50")]);
+    assert_shares(&s, &[0.25, 0.25, 0.5], 0.10);
+}
+
+#[test]
+fn a_lone_process_runs_unthrottled() {
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let (_, busy) = contend(&b, &[None]);
+    assert!(
+        busy > 0.85,
+        "a process alone kept the GPU busy only {busy:.2} of the time"
+    );
+}
+
+#[test]
+fn an_idle_holder_hands_the_gpu_back() {
+    // A trickler launches one short kernel every 60 ms and then idles; a
+    // spinner wants the GPU all the time. With 50 ms slices, a holder that
+    // kept its slice while idle would cost the spinner most of each period.
+    let b = Broker::start("16G", &["--timeslice", "50ms"]);
+    let start = mono_ns() + 1500 * MS;
+    let end = start + 3000 * MS;
+    let mut t = b.client(&artifacts().probe);
+    t.args([
+        "ctx",
+        "trickle",
+        &start.to_string(),
+        &end.to_string(),
+        "60",
+        "100000",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let trickler = t.spawn().unwrap();
+    let spinner = spawn_spinner(&b, None, start, end);
+    let k = kernels(spinner);
+    let o = trickler.wait_with_output().unwrap();
+    assert!(
+        num(&line(&o, "trickle", 0), "kernels") > 10,
+        "the trickler ran too: {}",
+        stdout(&o)
+    );
+    let busy = (k * KERNEL_NS) as f64 / (end - start) as f64;
+    assert!(
+        busy > 0.70,
+        "spinner got only {busy:.2} of the GPU next to an idle holder"
+    );
+}
+
+#[test]
+fn killing_the_holder_frees_the_gpu_at_once() {
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let t0 = mono_ns();
+    let victim = spawn_spinner(&b, None, t0 + 1000 * MS, t0 + 60_000 * MS);
+    let victim_pid = victim.id() as u64;
+    let survivor = spawn_spinner(&b, None, t0 + 1000 * MS, t0 + 4000 * MS);
+    let survivor_pid = survivor.id() as u64;
+    wait_until(10.0, "both registered", || {
+        let r = b.registered();
+        r.contains(&victim_pid) && r.contains(&survivor_pid)
+    });
+    while mono_ns() < t0 + 1500 * MS {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let mut victim = victim;
+    unsafe { libc::kill(victim.id() as i32, libc::SIGKILL) };
+    let _ = victim.wait();
+    wait_until(5.0, "the killed process to leave", || {
+        !b.registered().contains(&victim_pid)
+    });
+    // 0.5 s shared, then 2.5 s alone: ~0.92 of the window; without the
+    // release on disconnect the survivor would stay near 0.5.
+    let k = kernels(survivor);
+    let busy = (k * KERNEL_NS) as f64 / (3000 * MS) as f64;
+    assert!(busy > 0.75, "survivor got {busy:.2} after the holder died");
+}
+
+#[test]
+fn broker_restart_clients_keep_caps_and_reregister() {
+    let mut b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.env("GPU_MEM_LIMIT", "64M")
+        .args(["ctx", "alloc", "alloc", "4M", "launch", "2", "1000"])
+        .args([
+            "sleep-ms", "1500", "fill", "alloc", "4M", "launch", "20", "1000", "sleep-ms", "4000",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    let pid = child.id() as u64;
+    wait_until(10.0, "the client to register", || {
+        b.registered().contains(&pid)
+    });
+    b.kill();
+    // While the broker is gone (the client's fill runs ~1.5 s in): the cap
+    // still holds and launches go through unarbitrated.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    b.restart();
+    wait_until(10.0, "the client to re-register", || {
+        b.registered().contains(&pid)
+    });
+    let s = b.status();
+    let p = &s["gpus"][0]["processes"][0];
+    assert_eq!(p["mem_cap"].as_u64(), Some(64 * MIB));
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(
+        num(&line(&o, "fill", 0), "count"),
+        15,
+        "cap enforced without the broker"
+    );
+    assert_eq!(
+        num(&line(&o, "launch", 1), "rc"),
+        0,
+        "launches ran unarbitrated"
+    );
+}
+
+#[test]
+fn required_broker_missing_fails_clearly() {
+    let o = probe(
+        "16G",
+        &[
+            ("GPUFRAC_BROKER", "required"),
+            ("GPUFRAC_SOCKET", "/nonexistent/gpufrac.sock"),
+        ],
+        &["ctx"],
+    );
+    assert_eq!(
+        num(&line(&o, "init", 0), "rc"),
+        802,
+        "CUDA_ERROR_SYSTEM_NOT_READY"
+    );
+    let err = stderr(&o);
+    assert!(
+        err.contains("GPUFRAC_BROKER=required") && err.contains("/nonexistent/gpufrac.sock"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_frames_close_only_the_offending_client() {
+    let b = Broker::start("16G", &[]);
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.args(["ctx", "sleep-ms", "3000"]).stdout(Stdio::null());
+    let mut shim = cmd.spawn().unwrap();
+    let pid = shim.id() as u64;
+    wait_until(10.0, "the client to register", || {
+        b.registered().contains(&pid)
+    });
+
+    let mut garbage = RawClient::connect(&b.socket);
+    garbage
+        .send_raw(&[0x07, 0, 0, 0, 0xee, 1, 2, 3, 4, 5, 6])
+        .unwrap();
+    assert!(matches!(
+        garbage.recv(),
+        Some(gpufrac_common::wire::ServerMsg::Error { .. }) | None
+    ));
+    assert!(
+        garbage.recv().is_none(),
+        "connection closed after a bad frame"
+    );
+
+    let mut huge = RawClient::connect(&b.socket);
+    huge.hello();
+    let _ = huge.send_raw(&(200u32 << 20).to_le_bytes());
+    let _ = huge.send_raw(&[0x01; 1024]);
+    while let Some(m) = huge.recv() {
+        assert!(
+            matches!(m, gpufrac_common::wire::ServerMsg::Error { .. }),
+            "{m:?}"
+        );
+    }
+
+    let mut wrong_version = RawClient::connect(&b.socket);
+    wrong_version.send(&gpufrac_common::wire::ClientMsg::Hello {
+        magic: gpufrac_common::wire::MAGIC,
+        version: 99,
+        pid: 1,
+        role: gpufrac_common::wire::Role::Cli,
+    });
+    match wrong_version.recv() {
+        Some(gpufrac_common::wire::ServerMsg::Error { message, .. }) => {
+            assert!(message.contains("99"), "{message}")
+        }
+        other => panic!("expected a version error, got {other:?}"),
+    }
+
+    // Everyone else is unaffected.
+    assert!(b.registered().contains(&pid));
+    let _ = shim.wait();
+}
+
+#[test]
+fn a_hundred_clients_at_once_are_all_served() {
+    let b = Broker::start("16G", &[]);
+    let served: usize = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..100)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut c = RawClient::connect(&b.socket);
+                    c.hello();
+                    c.send(&gpufrac_common::wire::ClientMsg::Status);
+                    matches!(
+                        c.recv(),
+                        Some(gpufrac_common::wire::ServerMsg::StatusReply { .. })
+                    ) as usize
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert_eq!(served, 100);
+}
+
+#[test]
+fn status_shows_processes_with_memory_and_shares() {
+    let b = Broker::start("16G", &[]);
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.env("GPU_MEM_LIMIT", "64M")
+        .env("GPU_COMPUTE_SHARE", "30%")
+        .args(["ctx", "alloc", "alloc", "12M", "sleep-ms", "3000"])
+        .stdout(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id() as u64;
+    // Usage reports are coalesced (~100 ms): wait for the figure to arrive.
+    wait_until(10.0, "usage to be reported", || {
+        let s = b.status();
+        s["gpus"][0]["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["pid"].as_u64() == Some(pid) && p["mem_used"].as_u64() == Some(12 * MIB))
+    });
+    let s = b.status();
+    let p = &s["gpus"][0]["processes"][0];
+    assert_eq!(p["mem_cap"].as_u64(), Some(64 * MIB));
+    assert!(p["command"].as_str().unwrap().contains("probe"), "{p}");
+    assert_eq!(s["gpus"][0]["total_mem"].as_u64(), Some(16 * GIB));
+    let _ = child.wait();
+}
