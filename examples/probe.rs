@@ -20,10 +20,12 @@ use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::sync::Mutex;
 
 type R = u32;
+type GetProcAddress =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> R;
 
 struct Cuda {
     lib: *mut c_void,
-    gpa: Option<unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> R>,
+    gpa: Option<GetProcAddress>,
     version: i32,
     ptsz: bool,
 }
@@ -38,7 +40,7 @@ impl Cuda {
         let gpa = if lookup == "cudart" {
             let p = unsafe { libc::dlsym(lib, c"cuGetProcAddress_v2".as_ptr()) };
             assert!(!p.is_null(), "no cuGetProcAddress_v2");
-            Some(unsafe { std::mem::transmute::<*mut c_void, _>(p) })
+            Some(unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(p) })
         } else {
             None
         };

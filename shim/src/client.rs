@@ -134,12 +134,12 @@ fn wait_for_grant(d: usize) {
     let bit = 1u64 << d;
     let mut g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
     while GATED.load(Acquire) && OPEN.load(SeqCst) & bit == 0 {
-        if REQUESTED.fetch_or(bit, AcqRel) & bit == 0 {
-            if let Some(dev) = devices::all().get(d) {
-                send(&ClientMsg::Acquire {
-                    uuid: dev.uuid.bytes,
-                });
-            }
+        if REQUESTED.fetch_or(bit, AcqRel) & bit == 0
+            && let Some(dev) = devices::all().get(d)
+        {
+            send(&ClientMsg::Acquire {
+                uuid: dev.uuid.bytes,
+            });
         }
         g = WAIT
             .1
@@ -445,13 +445,11 @@ fn on_message(m: ServerMsg) {
             wake_all();
         }
         ServerMsg::Revoke { uuid, grant } => {
-            if let Some(d) = ordinal_of(&uuid) {
-                if grant == GRANT_ID[d].load(Relaxed) {
-                    // Revoked while busy: this process still has work, so
-                    // it asks again *before* releasing and keeps its place
-                    // in the fair queue instead of going idle.
-                    release(d, true);
-                }
+            // Revoked while busy: this process still has work (see release).
+            if let Some(d) = ordinal_of(&uuid)
+                && grant == GRANT_ID[d].load(Relaxed)
+            {
+                release(d, true);
             }
         }
         _ => {}
@@ -462,17 +460,21 @@ fn on_message(m: ServerMsg) {
 /// this process's work there and tells the broker.
 fn release(d: usize, wants_again: bool) {
     let bit = 1u64 << d;
+    // Held until the Release is on the wire: an application thread that
+    // finds the gate closed and asks again must be heard *after* this
+    // release, or the broker would take its Acquire for the holder's and
+    // then idle it.
+    let sending = SEND.lock().unwrap_or_else(|e| e.into_inner());
     if OPEN.fetch_and(!bit, SeqCst) & bit == 0 {
         return;
     }
     RELEASED_ID[d].store(GRANT_ID[d].load(Relaxed), Relaxed);
-    if wants_again {
-        if let Some(dev) = devices::all().get(d) {
-            REQUESTED.fetch_or(bit, SeqCst);
-            send(&ClientMsg::Acquire {
-                uuid: dev.uuid.bytes,
-            });
-        }
+    let uuid = devices::all().get(d).map(|dev| dev.uuid.bytes);
+    if let (true, Some(uuid)) = (wants_again, uuid) {
+        // Still busy: ask again *before* releasing, to keep this process's
+        // place in the fair queue instead of going idle.
+        REQUESTED.fetch_or(bit, SeqCst);
+        send_locked(&sending, &ClientMsg::Acquire { uuid });
     }
     while IN_FLIGHT[d].load(SeqCst) > 0 {
         std::thread::yield_now();
@@ -488,12 +490,16 @@ fn release(d: usize, wants_again: bool) {
     }
     CONTENDED.fetch_and(!bit, SeqCst);
     let held = now_ns().saturating_sub(GRANTED_AT[d].load(Relaxed));
-    if let Some(dev) = devices::all().get(d) {
-        send(&ClientMsg::Release {
-            uuid: dev.uuid.bytes,
-            held_ns: held,
-        });
+    if let Some(uuid) = uuid {
+        send_locked(
+            &sending,
+            &ClientMsg::Release {
+                uuid,
+                held_ns: held,
+            },
+        );
     }
+    drop(sending);
     debug!("device {d}: released after {} us", held / 1000);
 }
 

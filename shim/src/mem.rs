@@ -607,12 +607,13 @@ pub unsafe fn primary_release(dev: CUdevice) -> u32 {
     if rc == CUDA_SUCCESS {
         let (mut flags, mut active) = (0u32, 1i32);
         let st = unsafe { call::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
-        if st == CUDA_SUCCESS && active == 0 {
-            if let Some(ctx) = primary_of(dev) {
-                ledger::release_context(ctx);
-                forget_context(ctx);
-                client::usage_changed();
-            }
+        if st == CUDA_SUCCESS
+            && active == 0
+            && let Some(ctx) = primary_of(dev)
+        {
+            ledger::release_context(ctx);
+            forget_context(ctx);
+            client::usage_changed();
         }
     }
     rc
@@ -620,11 +621,11 @@ pub unsafe fn primary_release(dev: CUdevice) -> u32 {
 
 pub unsafe fn primary_reset(dev: CUdevice) -> u32 {
     let rc = unsafe { call::cuDevicePrimaryCtxReset_v2(dev) };
-    if rc == CUDA_SUCCESS {
-        if let Some(ctx) = primary_of(dev) {
-            ledger::release_context(ctx);
-            client::usage_changed();
-        }
+    if rc == CUDA_SUCCESS
+        && let Some(ctx) = primary_of(dev)
+    {
+        ledger::release_context(ctx);
+        client::usage_changed();
     }
     rc
 }

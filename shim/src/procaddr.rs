@@ -33,15 +33,12 @@ unsafe fn swap(pfn: *mut *mut c_void, symbol: *const c_char, ver: Option<i32>, f
     let Ok(base) = unsafe { CStr::from_ptr(symbol) }.to_str() else {
         return;
     };
-    if let Some(name) = versioned(base, ver, flags) {
-        if let Some(e) = TABLE.iter().find(|e| e.name_str() == name) {
-            if e.real.load(Ordering::Acquire) != 0 {
-                debug!(
-                    "cuGetProcAddress({base}, {ver}): unknown pointer, mapped to {name} by version"
-                );
-                unsafe { pfn.write_unaligned(e.hook as *mut c_void) };
-            }
-        }
+    if let Some(name) = versioned(base, ver, flags)
+        && let Some(e) = TABLE.iter().find(|e| e.name_str() == name)
+        && e.real.load(Ordering::Acquire) != 0
+    {
+        debug!("cuGetProcAddress({base}, {ver}): unknown pointer, mapped to {name} by version");
+        unsafe { pfn.write_unaligned(e.hook as *mut c_void) };
     }
 }
 

@@ -6,6 +6,18 @@
 //! execution engine per device that every process sharing the state file
 //! (`GPUFRAC_SIM_STATE`) contends for.
 //!
+//! Environment (read once, at the first `cuInit`/`nvmlInit`):
+//! - `GPUFRAC_SIM_DEVICES`: device memory sizes, `16G,8G` (K/M/G/T binary,
+//!   optional `i`/`B`; plain bytes). Default one 16G device; empty: none.
+//! - `GPUFRAC_SIM_STATE`: shared state file (created/sized as needed); unset:
+//!   private state.
+//! - `GPUFRAC_SIM_DRIVER_VERSION`: default 13000 (`cuDriverGetVersion`, cap
+//!   of `cuGetProcAddress` selection; read on first use, also before cuInit).
+//!
+//! Test-only exports (`testing.rs`): `gpufracSimGraphCreate`,
+//! `gpufracSimLastVariant`, `gpufracSimEngineStats`, `gpufracSimDeviceUsed`.
+//! Kernel duration convention: `kernelParams[0]` points to a u64 of ns.
+//!
 //! Rules kept throughout:
 //! - an exported function never calls another exported function (the shim in
 //!   front of us would intercept it); logic lives in private helpers;
