@@ -1,0 +1,307 @@
+//! `gpufrac run` end to end: the queue, whole-GPU and fractional placement,
+//! over-provisioning, exit codes, signals and leases, against a real broker
+//! and the simulated driver.
+
+mod support;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use support::*;
+
+/// A `gpufrac run` wired to this broker.
+fn run(b: &Broker, args: &[&str]) -> Command {
+    let mut cmd = sim_command(&artifacts().gpufrac, &b.devices, false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .env("GPUFRAC_SIM_STATE", &b.state)
+        .arg("run")
+        .arg("--socket")
+        .arg(&b.socket)
+        .args(args);
+    cmd
+}
+
+/// A job that records what it was given, then holds its lease until
+/// `release(dir, name)`.
+fn job(b: &Broker, dir: &Path, name: &str, args: &[&str]) -> Child {
+    let script = format!(
+        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/{name}.env.tmp && mv {d}/{name}.env.tmp {d}/{name}.env; \
+         while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done",
+        d = dir.display()
+    );
+    let mut cmd = run(b, args);
+    cmd.args(["--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd.spawn().unwrap()
+}
+
+fn started(dir: &Path, name: &str) -> Option<(String, String)> {
+    let s = std::fs::read_to_string(dir.join(format!("{name}.env"))).ok()?;
+    let mut it = s.trim_end_matches('\n').splitn(2, ' ');
+    Some((it.next()?.to_string(), it.next().unwrap_or("").to_string()))
+}
+
+fn wait_started(dir: &Path, name: &str) -> (String, String) {
+    let mut r = None;
+    wait_until(15.0, &format!("job {name} to start"), || {
+        r = started(dir, name);
+        r.is_some()
+    });
+    r.unwrap()
+}
+
+fn release(dir: &Path, name: &str, child: Child) {
+    std::fs::write(dir.join(format!("{name}.stop")), "").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "job {name}: {}", stderr(&o));
+}
+
+fn queued(b: &Broker) -> usize {
+    b.status()["queue"].as_array().unwrap().len()
+}
+
+fn scratch(name: &str) -> (Scratch, PathBuf) {
+    let s = Scratch::new(name);
+    let p = s.0.clone();
+    (s, p)
+}
+
+#[test]
+fn whole_gpus_go_to_distinct_devices_and_the_third_waits() {
+    let b = Broker::start("16G,16G", &[]);
+    let (_s, d) = scratch("whole");
+    let a = job(&b, &d, "a", &["--gpus", "1"]);
+    let (cvd_a, _) = wait_started(&d, "a");
+    let c = job(&b, &d, "b", &["--gpus", "1"]);
+    let (cvd_b, _) = wait_started(&d, "b");
+    let mut got = [cvd_a.clone(), cvd_b];
+    got.sort();
+    assert_eq!(
+        got,
+        ["0".to_string(), "1".to_string()],
+        "lowest indices, distinct"
+    );
+    let third = job(&b, &d, "c", &["--gpus", "1"]);
+    wait_until(10.0, "the third job to queue", || queued(&b) == 1);
+    assert!(started(&d, "c").is_none());
+    release(&d, "a", a);
+    let (cvd_c, _) = wait_started(&d, "c");
+    assert_eq!(cvd_c, cvd_a, "the third gets the freed GPU");
+    release(&d, "b", c);
+    release(&d, "c", third);
+}
+
+#[test]
+fn a_small_job_overtakes_a_big_one_until_the_big_one_escalates() {
+    let b = Broker::start("16G,16G", &["--escalate-after", "2s"]);
+    let (_s, d) = scratch("order");
+    let a = job(&b, &d, "a", &["--gpus", "1"]);
+    wait_started(&d, "a");
+    let x = job(&b, &d, "x", &["--gpus", "1"]);
+    wait_started(&d, "x");
+    // Both GPUs busy. A 2-GPU job queues first, then a 1-GPU job.
+    let big = job(&b, &d, "big", &["--gpus", "2"]);
+    wait_until(10.0, "the big job to queue", || queued(&b) == 1);
+    let small = job(&b, &d, "small", &["--gpus", "1"]);
+    wait_until(10.0, "the small job to queue", || queued(&b) == 2);
+    let s = b.status();
+    assert_eq!(
+        s["queue"][0]["wants"], "1 GPU",
+        "fewer GPUs first: {}",
+        s["queue"]
+    );
+    release(&d, "a", a);
+    wait_started(&d, "small");
+    assert!(started(&d, "big").is_none());
+    // Let the big one wait past --escalate-after: now it goes first and
+    // holds back younger small jobs.
+    wait_until(10.0, "escalation", || {
+        b.status()["queue"][0]["escalated"] == true
+    });
+    let late = job(&b, &d, "late", &["--gpus", "1"]);
+    wait_until(10.0, "the late job to queue", || queued(&b) == 2);
+    release(&d, "small", small);
+    // GPU 0 is free, but the escalated 2-GPU job comes first.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        started(&d, "late").is_none(),
+        "a younger job must not take the GPU the escalated one waits for"
+    );
+    release(&d, "x", x);
+    let (cvd, _) = wait_started(&d, "big");
+    assert_eq!(cvd, "0,1");
+    release(&d, "big", big);
+    wait_started(&d, "late");
+    release(&d, "late", late);
+}
+
+#[test]
+fn memory_fractions_pack_best_fit_and_wait() {
+    let b = Broker::start("16G,8G", &[]);
+    let (_s, d) = scratch("frac");
+    let six = (6 * GIB).to_string();
+    let j1 = job(&b, &d, "j1", &["--gpu-memory", "6G"]);
+    assert_eq!(
+        wait_started(&d, "j1"),
+        ("1".into(), six.clone()),
+        "best fit: the 8G GPU"
+    );
+    let j2 = job(&b, &d, "j2", &["--gpu-memory", "6G"]);
+    assert_eq!(wait_started(&d, "j2"), ("0".into(), six.clone()));
+    let j3 = job(&b, &d, "j3", &["--gpu-memory", "6G"]);
+    assert_eq!(wait_started(&d, "j3"), ("0".into(), six.clone()));
+    let j4 = job(&b, &d, "j4", &["--gpu-memory", "6G"]);
+    wait_until(10.0, "the fourth to queue", || queued(&b) == 1);
+    let s = b.status();
+    let g0 = s["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["index"] == 0)
+        .unwrap();
+    assert_eq!(g0["committed_mem"].as_u64(), Some(12 * GIB));
+    release(&d, "j1", j1);
+    assert_eq!(wait_started(&d, "j4"), ("1".into(), six));
+    for (n, c) in [("j2", j2), ("j3", j3), ("j4", j4)] {
+        release(&d, n, c);
+    }
+}
+
+#[test]
+fn the_child_runs_under_its_cap() {
+    let b = Broker::start("16G", &[]);
+    let mut cmd = run(&b, &["--gpu-memory", "64M", "--"]);
+    cmd.arg(&artifacts().probe)
+        .args(["ctx", "fill", "alloc", "4M", "info"]);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(num(&line(&o, "fill", 0), "count"), 16);
+    assert_eq!(num(&line(&o, "info", 0), "total"), 64 * MIB);
+}
+
+#[test]
+fn impossible_requests_are_refused_at_once() {
+    let b = Broker::start("16G,8G", &[]);
+    for (args, words) in [
+        (&["--gpus", "3"][..], "3 GPUs"),
+        (&["--gpu-memory", "100G"][..], "100"),
+    ] {
+        let t = std::time::Instant::now();
+        let o = run(&b, args).args(["--", "true"]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.starts_with("gpufrac run: ") && err.contains(words),
+            "{err}"
+        );
+        assert!(t.elapsed().as_secs() < 5, "refused at once, not queued");
+    }
+    let o = run(&b, &["--gpus", "0", "--", "true"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--gpus"), "{}", stderr(&o));
+}
+
+#[test]
+fn no_wait_and_timeout() {
+    let b = Broker::start("16G", &[]);
+    let (_s, d) = scratch("nowait");
+    let a = job(&b, &d, "a", &["--gpus", "1"]);
+    wait_started(&d, "a");
+    let o = run(&b, &["--gpus", "1", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("gpufrac run:"), "{}", stderr(&o));
+    let o = run(&b, &["--gpus", "1", "--timeout", "500ms", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(124));
+    assert!(stderr(&o).contains("gave up after 500ms"), "{}", stderr(&o));
+    release(&d, "a", a);
+}
+
+#[test]
+fn exit_status_and_signals_pass_through() {
+    let b = Broker::start("16G", &[]);
+    let o = run(&b, &["--gpus", "1", "--", "sh", "-c", "exit 7"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(7));
+    let (_s, d) = scratch("signals");
+    let ready = d.join("ready");
+    let script = format!(
+        "trap 'echo got-term; exit 3' TERM; touch {}; while true; do sleep 0.02; done",
+        ready.display()
+    );
+    let mut cmd = run(&b, &["--gpus", "1", "--", "sh", "-c", &script]);
+    let child = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    wait_until(10.0, "the child to start", || ready.exists());
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(stdout(&o).trim(), "got-term");
+    assert_eq!(o.status.code(), Some(3));
+}
+
+#[test]
+fn killing_run_frees_its_lease() {
+    let b = Broker::start("16G", &[]);
+    let (_s, d) = scratch("kill");
+    let mut a = job(&b, &d, "a", &["--gpus", "1"]);
+    wait_started(&d, "a");
+    let w = job(&b, &d, "w", &["--gpus", "1"]);
+    wait_until(10.0, "the second job to queue", || queued(&b) == 1);
+    unsafe { libc::kill(a.id() as i32, libc::SIGKILL) };
+    let _ = a.wait();
+    wait_started(&d, "w");
+    // The orphaned child of the killed run still waits for its stop file.
+    std::fs::write(d.join("a.stop"), "").unwrap();
+    release(&d, "w", w);
+}
+
+#[test]
+fn overprovisioning_admits_f_jobs_per_gpu_with_a_share_of_memory() {
+    let b = Broker::start("16G", &["--overprovision", "2"]);
+    let (_s, d) = scratch("overprov");
+    let eight = (8 * GIB).to_string();
+    let a = job(&b, &d, "a", &["--gpus", "1"]);
+    assert_eq!(wait_started(&d, "a"), ("0".into(), eight.clone()));
+    let c = job(&b, &d, "b", &["--gpus", "1"]);
+    assert_eq!(wait_started(&d, "b"), ("0".into(), eight));
+    let third = job(&b, &d, "c", &["--gpus", "1"]);
+    wait_until(10.0, "the third to queue", || queued(&b) == 1);
+    let s = b.status();
+    assert_eq!(s["gpus"][0]["slots_used"].as_u64(), Some(2));
+    assert_eq!(s["gpus"][0]["slots_total"].as_u64(), Some(2));
+    release(&d, "a", a);
+    wait_started(&d, "c");
+    release(&d, "b", c);
+    release(&d, "c", third);
+}
+
+#[test]
+fn without_a_broker_run_still_caps_memory() {
+    let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .args([
+            "run",
+            "--socket",
+            "/nonexistent/broker.sock",
+            "--gpu-memory",
+            "64M",
+            "--",
+        ])
+        .arg(&artifacts().probe)
+        .args(["ctx", "fill", "alloc", "4M"]);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(num(&line(&o, "fill", 0), "count"), 16);
+    let err = stderr(&o);
+    assert!(
+        err.contains("no broker") && err.contains("gpufrac broker"),
+        "{err}"
+    );
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "one line, no warning from the shim too: {err}"
+    );
+}
