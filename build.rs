@@ -9,6 +9,7 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let fx = Path::new("tests/fixtures");
     println!("cargo:rerun-if-changed=tests/fixtures");
+    println!("cargo:rerun-if-changed=include/gpufrac.h");
     println!("cargo:rustc-env=GPUFRAC_FIXTURES={}", out.display());
     let cc = cc::Build::new().cargo_metadata(false).get_compiler();
     let run = |args: &[&str]| {
@@ -49,4 +50,13 @@ fn main() {
         "-ldl",
     ]);
     let _ = run(&["-o", &o("hello"), &f("hello.c")]);
+    let _ = run(&[
+        "-shared",
+        "-fPIC",
+        "-o",
+        &o("libfakecudart.so"),
+        &f("fake_cudart.c"),
+        "-ldl",
+    ]);
+    let _ = run(&["-Iinclude", "-o", &o("api_app"), &f("api_app.c"), "-ldl"]);
 }

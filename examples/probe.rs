@@ -583,6 +583,56 @@ fn main() {
                 }
                 println!("trickle kernels={n}");
             }
+            "cudart-entry" => {
+                // cudaGetDriverEntryPoint of a cudart loaded RTLD_LOCAL (as
+                // frameworks load it), then an allocation through the
+                // pointer it handed out.
+                let lib = CString::new(next(&mut i)).unwrap();
+                let sym = CString::new(next(&mut i)).unwrap();
+                let h = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+                assert!(!h.is_null(), "dlopen {lib:?}");
+                let f = unsafe { libc::dlsym(h, c"cudaGetDriverEntryPoint".as_ptr()) };
+                let f: unsafe extern "C" fn(*const c_char, *mut *mut c_void, u64, *mut c_int) -> R =
+                    unsafe { std::mem::transmute(f) };
+                let mut p: *mut c_void = std::ptr::null_mut();
+                let mut status = -1;
+                let rc = unsafe { f(sym.as_ptr(), &mut p, 0, &mut status) };
+                let mut d: u64 = 0;
+                let arc = if rc == 0 {
+                    let alloc: unsafe extern "C" fn(*mut u64, usize) -> R =
+                        unsafe { std::mem::transmute(p) };
+                    unsafe { alloc(&mut d, 48 << 20) }
+                } else {
+                    999
+                };
+                println!(
+                    "cudart-entry rc={rc} origin={} alloc48M_rc={arc}",
+                    origin(p)
+                );
+            }
+            "fork-used" => {
+                // What the shim charges in a child forked after CUDA init.
+                let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
+                assert!(!q.is_null());
+                let used: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
+                let parent = used(probe.dev);
+                let mut fds = [0; 2];
+                unsafe { libc::pipe(fds.as_mut_ptr()) };
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    let v = used(probe.dev).to_le_bytes();
+                    unsafe {
+                        libc::write(fds[1], v.as_ptr().cast(), 8);
+                        libc::_exit(0);
+                    }
+                }
+                let mut v = [0u8; 8];
+                unsafe {
+                    libc::read(fds[0], v.as_mut_ptr().cast(), 8);
+                    libc::waitpid(pid, std::ptr::null_mut(), 0);
+                }
+                println!("fork-used parent={parent} child={}", u64::from_le_bytes(v));
+            }
             "sleep-ms" => {
                 let ms: u64 = next(&mut i).parse().unwrap();
                 std::thread::sleep(std::time::Duration::from_millis(ms));

@@ -530,3 +530,59 @@ fn cudarc_programs_are_capped() {
         assert_eq!(line(&o, "cudarc", 2)["ok"], "true");
     }
 }
+
+#[test]
+fn cudart_entry_points_are_swapped_even_from_a_local_cudart() {
+    let a = artifacts();
+    let lib = a.fixtures.join("libfakecudart.so");
+    let lib = lib.to_str().unwrap();
+    // The pointer comes back as our hook, and allocating through it is capped.
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", "32M")],
+        &["ctx", "cudart-entry", lib, "cuMemAlloc"],
+    );
+    let l = line(&o, "cudart-entry", 0);
+    assert_eq!(num(&l, "rc"), 0, "{}", stderr(&o));
+    assert_eq!(l["origin"], "libgpufrac.so");
+    assert_eq!(num(&l, "alloc48M_rc"), 2, "48 MiB past a 32 MiB cap");
+    // Without the shim the same program gets the driver's own pointer.
+    let o = sim_command(&a.probe, "16G", false)
+        .args(["ctx", "cudart-entry", lib, "cuMemAlloc"])
+        .output()
+        .unwrap();
+    let l = line(&o, "cudart-entry", 0);
+    assert_eq!(l["origin"], "libcuda.so.1");
+    assert_eq!(num(&l, "alloc48M_rc"), 0);
+}
+
+#[test]
+fn the_c_header_and_query_api() {
+    let app = artifacts().fixtures.join("api_app");
+    let o = sim_command(&app, "16G", true)
+        .env("GPU_MEM_LIMIT", "4G")
+        .output()
+        .unwrap();
+    let l = line(&o, "api", 0);
+    assert_eq!(num(&l, "present"), 1);
+    assert_eq!(num(&l, "limit"), 4 * GIB);
+    assert_eq!(l["version"], env!("CARGO_PKG_VERSION"));
+    let o = sim_command(&app, "16G", false).output().unwrap();
+    assert_eq!(num(&line(&o, "api", 0), "present"), 0);
+}
+
+#[test]
+fn a_forked_child_starts_with_clean_books() {
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", CAP)],
+        &["ctx", "alloc", "alloc", "8M", "fork-used"],
+    );
+    let l = line(&o, "fork-used", 0);
+    assert_eq!(num(&l, "parent"), 8 * MIB);
+    assert_eq!(
+        num(&l, "child"),
+        0,
+        "CUDA state does not survive fork; neither do its charges"
+    );
+}

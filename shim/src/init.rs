@@ -145,16 +145,62 @@ pub fn ensure_nvml() {
     }
 }
 
-/// cudart may be linked statically into the application, or absent: its
-/// real entry points are whatever follows us in the lookup order.
+/// cudart may be linked statically, loaded globally, or — as frameworks do
+/// — as a dependency of a library opened with RTLD_LOCAL, which RTLD_NEXT
+/// cannot see although our export still interposes its callers. So after
+/// RTLD_NEXT, every loaded object is asked in turn.
 pub fn ensure_cudart() {
     for e in TABLE.iter().filter(|e| e.family == Family::Cudart) {
-        if e.real.load(Ordering::Acquire) == 0 {
-            // SAFETY: RTLD_NEXT from our own code finds the next definition.
-            let p = unsafe { dlsym::real_dlsym(libc::RTLD_NEXT, e.name.as_ptr().cast()) };
-            e.real.store(p as usize, Ordering::Release);
+        if e.real.load(Ordering::Acquire) != 0 {
+            continue;
         }
+        // SAFETY: RTLD_NEXT from our own code finds the next definition.
+        let mut p = unsafe { dlsym::real_dlsym(libc::RTLD_NEXT, e.name.as_ptr().cast()) } as usize;
+        if p == 0 {
+            p = search_loaded_objects(e.name, e.hook as usize);
+        }
+        debug!("{}: real at {p:#x}", e.name_str());
+        e.real.store(p, Ordering::Release);
     }
+}
+
+fn search_loaded_objects(name: &'static [u8], ours: usize) -> usize {
+    struct Ctx {
+        name: &'static [u8],
+        ours: usize,
+        found: usize,
+    }
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> libc::c_int {
+        let ctx = unsafe { &mut *data.cast::<Ctx>() };
+        let obj = unsafe { (*info).dlpi_name };
+        if obj.is_null() || unsafe { *obj } == 0 {
+            return 0;
+        }
+        // SAFETY: a path the loader gave us; NOLOAD only takes a reference.
+        let h = unsafe { libc::dlopen(obj, libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        if h.is_null() {
+            return 0;
+        }
+        let p = unsafe { dlsym::real_dlsym(h, ctx.name.as_ptr().cast()) } as usize;
+        unsafe { libc::dlclose(h) };
+        if p != 0 && p != ctx.ours {
+            ctx.found = p;
+            return 1;
+        }
+        0
+    }
+    let mut ctx = Ctx {
+        name,
+        ours,
+        found: 0,
+    };
+    // SAFETY: the callback only reads loader-provided data.
+    unsafe { libc::dl_iterate_phdr(Some(visit), (&mut ctx as *mut Ctx).cast()) };
+    ctx.found
 }
 
 /// Makes sure the real functions of a family are resolved (used by the
