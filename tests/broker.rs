@@ -325,3 +325,43 @@ fn status_shows_processes_with_memory_and_shares() {
     assert_eq!(s["gpus"][0]["total_mem"].as_u64(), Some(16 * GIB));
     let _ = child.wait();
 }
+
+#[test]
+fn metrics_are_served_over_http() {
+    // A free port: bind, read it, let go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let b = Broker::start("16G", &["--metrics", &addr]);
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.env("GPU_MEM_LIMIT", "64M")
+        .args(["ctx", "alloc", "alloc", "8M", "sleep-ms", "3000"])
+        .stdout(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id();
+    let get = || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    };
+    let want = format!("gpufrac_process_memory_used_bytes{{uuid=\"GPU-");
+    wait_until(10.0, "the process's usage in /metrics", || {
+        let m = get();
+        m.lines().any(|l| {
+            l.starts_with(&want)
+                && l.contains(&format!("pid=\"{pid}\""))
+                && l.ends_with(&(8 * MIB).to_string())
+        })
+    });
+    let m = get();
+    assert!(m.starts_with("HTTP/1.1 200 OK"), "{m}");
+    assert!(m.contains("gpufrac_gpu_memory_total_bytes"), "{m}");
+    let _ = child.wait();
+}
