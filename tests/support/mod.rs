@@ -167,10 +167,12 @@ pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new(name: &str) -> Scratch {
-        let p = artifacts().dir.join("test-scratch").join(format!(
-            "{name}-{}-{}",
+        // Under the temp dir, not target/: a Unix socket path must fit in
+        // 107 bytes, however deep the checkout is.
+        let p = std::env::temp_dir().join(format!(
+            "gpufrac-{name}-{}-{}",
             std::process::id(),
-            mono_ns()
+            mono_ns() % 1_000_000_000_000
         ));
         std::fs::create_dir_all(&p).unwrap();
         Scratch(p)
