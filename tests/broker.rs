@@ -351,11 +351,11 @@ fn metrics_are_served_over_http() {
         s.read_to_string(&mut body).unwrap();
         body
     };
-    let want = format!("gpufrac_process_memory_used_bytes{{uuid=\"GPU-");
+    let want = "gpufrac_process_memory_used_bytes{uuid=\"GPU-";
     wait_until(10.0, "the process's usage in /metrics", || {
         let m = get();
         m.lines().any(|l| {
-            l.starts_with(&want)
+            l.starts_with(want)
                 && l.contains(&format!("pid=\"{pid}\""))
                 && l.ends_with(&(8 * MIB).to_string())
         })

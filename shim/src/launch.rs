@@ -19,6 +19,15 @@ macro_rules! gate {
     };
 }
 
+/// Every launch: the compute gate, the driver call, the gate's bookkeeping.
+#[inline(always)]
+fn gated_launch(stream: CUstream, real: impl FnOnce() -> u32) -> u32 {
+    gate!(stream);
+    let rc = real();
+    client::launched(rc);
+    rc
+}
+
 pub unsafe fn launch_kernel(
     f: CUfunction,
     gx: c_uint,
@@ -32,11 +41,9 @@ pub unsafe fn launch_kernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> u32 {
-    gate!(stream);
-    let rc =
-        unsafe { call::cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra) };
-    client::launched(rc);
-    rc
+    gated_launch(stream, || unsafe {
+        call::cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+    })
 }
 
 pub unsafe fn launch_kernel_ptsz(
@@ -52,12 +59,9 @@ pub unsafe fn launch_kernel_ptsz(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> u32 {
-    gate!(stream);
-    let rc = unsafe {
+    gated_launch(stream, || unsafe {
         call::cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
-    };
-    client::launched(rc);
-    rc
+    })
 }
 
 pub unsafe fn launch_kernel_ex(
@@ -71,10 +75,9 @@ pub unsafe fn launch_kernel_ex(
     } else {
         unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
-    gate!(stream);
-    let rc = unsafe { call::cuLaunchKernelEx(config, f, params, extra) };
-    client::launched(rc);
-    rc
+    gated_launch(stream, || unsafe {
+        call::cuLaunchKernelEx(config, f, params, extra)
+    })
 }
 
 pub unsafe fn launch_kernel_ex_ptsz(
@@ -88,10 +91,9 @@ pub unsafe fn launch_kernel_ex_ptsz(
     } else {
         unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
-    gate!(stream);
-    let rc = unsafe { call::cuLaunchKernelEx_ptsz(config, f, params, extra) };
-    client::launched(rc);
-    rc
+    gated_launch(stream, || unsafe {
+        call::cuLaunchKernelEx_ptsz(config, f, params, extra)
+    })
 }
 
 pub unsafe fn launch_coop(
@@ -106,12 +108,9 @@ pub unsafe fn launch_coop(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> u32 {
-    gate!(stream);
-    let rc = unsafe {
+    gated_launch(stream, || unsafe {
         call::cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
-    };
-    client::launched(rc);
-    rc
+    })
 }
 
 pub unsafe fn launch_coop_ptsz(
@@ -126,12 +125,9 @@ pub unsafe fn launch_coop_ptsz(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> u32 {
-    gate!(stream);
-    let rc = unsafe {
+    gated_launch(stream, || unsafe {
         call::cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
-    };
-    client::launched(rc);
-    rc
+    })
 }
 
 pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> u32 {
@@ -146,17 +142,11 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
 }
 
 pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
-    gate!(stream);
-    let rc = unsafe { call::cuGraphLaunch(exec, stream) };
-    client::launched(rc);
-    rc
+    gated_launch(stream, || unsafe { call::cuGraphLaunch(exec, stream) })
 }
 
 pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    gate!(stream);
-    let rc = unsafe { call::cuGraphLaunch_ptsz(exec, stream) };
-    client::launched(rc);
-    rc
+    gated_launch(stream, || unsafe { call::cuGraphLaunch_ptsz(exec, stream) })
 }
 
 // Synchronisation: pass-through, but marked, so that a process waiting for

@@ -119,28 +119,34 @@ macro_rules! gated {
     };
 }
 
-pub unsafe fn alloc(dptr: *mut CUdeviceptr, size: usize) -> u32 {
-    let real = || unsafe { call::cuMemAlloc_v2(dptr, size) };
+/// The common shape of a device-pointer allocation: charged to the current
+/// context's device, or to `on` (a pool's device) when given.
+fn alloc_ptr(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    on: Option<usize>,
+    real: impl Fn() -> u32,
+) -> u32 {
     gated!(real(), |dev, ctx| charge(
         Kind::Ptr,
-        dev,
+        on.unwrap_or(dev),
         ctx,
         size as u64,
-        real,
+        &real,
         || unsafe { dptr.read_unaligned() }
     ))
 }
 
+pub unsafe fn alloc(dptr: *mut CUdeviceptr, size: usize) -> u32 {
+    alloc_ptr(dptr, size, None, || unsafe {
+        call::cuMemAlloc_v2(dptr, size)
+    })
+}
+
 pub unsafe fn alloc_managed(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) -> u32 {
-    let real = || unsafe { call::cuMemAllocManaged(dptr, size, flags) };
-    gated!(real(), |dev, ctx| charge(
-        Kind::Ptr,
-        dev,
-        ctx,
-        size as u64,
-        real,
-        || unsafe { dptr.read_unaligned() }
-    ))
+    alloc_ptr(dptr, size, None, || unsafe {
+        call::cuMemAllocManaged(dptr, size, flags)
+    })
 }
 
 /// The driver picks the pitch, so we charge the lower bound first and the
@@ -189,27 +195,15 @@ pub unsafe fn alloc_pitch(
 }
 
 pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    let real = || unsafe { call::cuMemAllocAsync(dptr, size, stream) };
-    gated!(real(), |dev, ctx| charge(
-        Kind::Ptr,
-        dev,
-        ctx,
-        size as u64,
-        real,
-        || unsafe { dptr.read_unaligned() }
-    ))
+    alloc_ptr(dptr, size, None, || unsafe {
+        call::cuMemAllocAsync(dptr, size, stream)
+    })
 }
 
 pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    let real = || unsafe { call::cuMemAllocAsync_ptsz(dptr, size, stream) };
-    gated!(real(), |dev, ctx| charge(
-        Kind::Ptr,
-        dev,
-        ctx,
-        size as u64,
-        real,
-        || unsafe { dptr.read_unaligned() }
-    ))
+    alloc_ptr(dptr, size, None, || unsafe {
+        call::cuMemAllocAsync_ptsz(dptr, size, stream)
+    })
 }
 
 /// Pools created on a device other than the current one charge that device.
@@ -232,12 +226,8 @@ pub unsafe fn alloc_pool(
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> u32 {
-    let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
-    gated!(real(), |dev, ctx| {
-        let dev = pool_device(pool).unwrap_or(dev);
-        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe {
-            dptr.read_unaligned()
-        })
+    alloc_ptr(dptr, size, pool_device(pool), || unsafe {
+        call::cuMemAllocFromPoolAsync(dptr, size, pool, stream)
     })
 }
 
@@ -247,12 +237,8 @@ pub unsafe fn alloc_pool_ptsz(
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> u32 {
-    let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
-    gated!(real(), |dev, ctx| {
-        let dev = pool_device(pool).unwrap_or(dev);
-        charge(Kind::Ptr, dev, ctx, size as u64, real, || unsafe {
-            dptr.read_unaligned()
-        })
+    alloc_ptr(dptr, size, pool_device(pool), || unsafe {
+        call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)
     })
 }
 

@@ -42,13 +42,29 @@ unsafe fn swap(pfn: *mut *mut c_void, symbol: *const c_char, ver: Option<i32>, f
     }
 }
 
-pub unsafe fn get_v1(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags: u64) -> u32 {
-    init::ensure();
-    let rc = unsafe { call::cuGetProcAddress(symbol, pfn, ver, flags) };
+/// Calls something that hands out a driver pointer into `pfn` and, when it
+/// succeeded, swaps the pointer for our hook.
+unsafe fn handing_out(
+    pfn: *mut *mut c_void,
+    symbol: *const c_char,
+    ver: Option<i32>,
+    flags: u64,
+    real: impl FnOnce() -> u32,
+) -> u32 {
+    let rc = real();
     if rc == CUDA_SUCCESS {
-        unsafe { swap(pfn, symbol, Some(ver), flags) };
+        unsafe { swap(pfn, symbol, ver, flags) };
     }
     rc
+}
+
+pub unsafe fn get_v1(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags: u64) -> u32 {
+    init::ensure();
+    unsafe {
+        handing_out(pfn, symbol, Some(ver), flags, || {
+            call::cuGetProcAddress(symbol, pfn, ver, flags)
+        })
+    }
 }
 
 pub unsafe fn get_v2(
@@ -59,18 +75,23 @@ pub unsafe fn get_v2(
     status: *mut c_int,
 ) -> u32 {
     init::ensure();
-    let rc = unsafe { call::cuGetProcAddress_v2(symbol, pfn, ver, flags, status) };
-    if rc == CUDA_SUCCESS {
-        unsafe { swap(pfn, symbol, Some(ver), flags) };
+    unsafe {
+        handing_out(pfn, symbol, Some(ver), flags, || {
+            call::cuGetProcAddress_v2(symbol, pfn, ver, flags, status)
+        })
     }
-    rc
 }
 
 // cudart's entry-point getters hand driver pointers straight to
 // applications. cudart normally obtains them through our cuGetProcAddress
 // already (then these swaps find nothing to do); a cudart that reached the
 // driver some other way is caught here. Only exact pointer matches are
-// swapped: the caller's CUDA version is unknown.
+// swapped when the caller's CUDA version is unknown.
+
+fn cudart_ready() {
+    init::ensure_cudart();
+    init::ensure();
+}
 
 pub unsafe fn cudart_entry_point(
     symbol: *const c_char,
@@ -78,13 +99,12 @@ pub unsafe fn cudart_entry_point(
     flags: u64,
     status: *mut c_int,
 ) -> u32 {
-    init::ensure_cudart();
-    init::ensure();
-    let rc = unsafe { call::cudaGetDriverEntryPoint(symbol, pfn, flags, status) };
-    if rc == 0 {
-        unsafe { swap(pfn, symbol, None, flags) };
+    cudart_ready();
+    unsafe {
+        handing_out(pfn, symbol, None, flags, || {
+            call::cudaGetDriverEntryPoint(symbol, pfn, flags, status)
+        })
     }
-    rc
 }
 
 pub unsafe fn cudart_entry_point_ptsz(
@@ -93,13 +113,12 @@ pub unsafe fn cudart_entry_point_ptsz(
     flags: u64,
     status: *mut c_int,
 ) -> u32 {
-    init::ensure_cudart();
-    init::ensure();
-    let rc = unsafe { call::cudaGetDriverEntryPoint_ptsz(symbol, pfn, flags, status) };
-    if rc == 0 {
-        unsafe { swap(pfn, symbol, None, flags) };
+    cudart_ready();
+    unsafe {
+        handing_out(pfn, symbol, None, flags, || {
+            call::cudaGetDriverEntryPoint_ptsz(symbol, pfn, flags, status)
+        })
     }
-    rc
 }
 
 pub unsafe fn cudart_entry_point_by_version(
@@ -109,13 +128,12 @@ pub unsafe fn cudart_entry_point_by_version(
     flags: u64,
     status: *mut c_int,
 ) -> u32 {
-    init::ensure_cudart();
-    init::ensure();
-    let rc = unsafe { call::cudaGetDriverEntryPointByVersion(symbol, pfn, ver, flags, status) };
-    if rc == 0 {
-        unsafe { swap(pfn, symbol, Some(ver as i32), flags) };
+    cudart_ready();
+    unsafe {
+        handing_out(pfn, symbol, Some(ver as i32), flags, || {
+            call::cudaGetDriverEntryPointByVersion(symbol, pfn, ver, flags, status)
+        })
     }
-    rc
 }
 
 pub unsafe fn cudart_entry_point_by_version_ptsz(
@@ -125,12 +143,10 @@ pub unsafe fn cudart_entry_point_by_version_ptsz(
     flags: u64,
     status: *mut c_int,
 ) -> u32 {
-    init::ensure_cudart();
-    init::ensure();
-    let rc =
-        unsafe { call::cudaGetDriverEntryPointByVersion_ptsz(symbol, pfn, ver, flags, status) };
-    if rc == 0 {
-        unsafe { swap(pfn, symbol, Some(ver as i32), flags) };
+    cudart_ready();
+    unsafe {
+        handing_out(pfn, symbol, Some(ver as i32), flags, || {
+            call::cudaGetDriverEntryPointByVersion_ptsz(symbol, pfn, ver, flags, status)
+        })
     }
-    rc
 }
