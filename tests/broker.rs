@@ -365,3 +365,28 @@ fn metrics_are_served_over_http() {
     assert!(m.contains("gpufrac_gpu_memory_total_bytes"), "{m}");
     let _ = child.wait();
 }
+
+#[test]
+fn a_compute_limit_is_a_ceiling_even_alone() {
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let start = mono_ns() + 1500 * MS;
+    let end = start + 3000 * MS;
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.env("GPU_COMPUTE_LIMIT", "30%")
+        .args([
+            "ctx",
+            "spin",
+            &start.to_string(),
+            &end.to_string(),
+            &KERNEL_NS.to_string(),
+            "2",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let k = kernels(cmd.spawn().unwrap());
+    let busy = (k * KERNEL_NS) as f64 / (end - start) as f64;
+    assert!(
+        (0.2..=0.4).contains(&busy),
+        "limited to 30% but used {busy:.2} of the GPU"
+    );
+}

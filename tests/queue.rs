@@ -305,3 +305,64 @@ fn without_a_broker_run_still_caps_memory() {
         "one line, no warning from the shim too: {err}"
     );
 }
+
+#[test]
+fn docker_args_inject_the_shim_into_a_sealed_image() {
+    let a = artifacts();
+    let o = Command::new(&a.gpufrac)
+        .args([
+            "docker-args",
+            "--gpu-memory",
+            "8G",
+            "--gpu-compute",
+            "50%",
+            "--gpus",
+            "0",
+            "--socket",
+            "/run/gpufrac/broker.sock",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let args: Vec<String> = stdout(&o).lines().map(String::from).collect();
+    let pair = |flag: &str, value: &str| args.windows(2).any(|w| w[0] == flag && w[1] == value);
+    let lib = std::fs::canonicalize(&a.shim).unwrap();
+    assert!(
+        pair(
+            "-v",
+            &format!("{}:/usr/lib/gpufrac/libgpufrac.so:ro", lib.display())
+        ),
+        "{args:?}"
+    );
+    assert!(pair("-v", "/run/gpufrac:/run/gpufrac"), "{args:?}");
+    assert!(
+        pair("-e", "LD_PRELOAD=/usr/lib/gpufrac/libgpufrac.so"),
+        "{args:?}"
+    );
+    assert!(pair("-e", "GPU_MEM_LIMIT=8G"), "{args:?}");
+    assert!(pair("-e", "GPU_COMPUTE_SHARE=50%"), "{args:?}");
+    assert!(
+        pair("-e", "GPUFRAC_SOCKET=/run/gpufrac/broker.sock"),
+        "{args:?}"
+    );
+    assert!(pair("--gpus", "device=0"), "{args:?}");
+    // An image whose entrypoint clears LD_PRELOAD: a mounted preload file.
+    let (_s, d) = scratch("docker");
+    let f = d.join("ld.so.preload");
+    let o = Command::new(&a.gpufrac)
+        .args(["docker-args", "--gpu-memory", "8G", "--preload-file"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains(&format!("{}:/etc/ld.so.preload:ro", f.display())),
+        "{out}"
+    );
+    assert!(!out.contains("LD_PRELOAD="), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(&f).unwrap().trim(),
+        "/usr/lib/gpufrac/libgpufrac.so"
+    );
+}

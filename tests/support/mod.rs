@@ -27,29 +27,27 @@ pub fn artifacts() -> &'static Artifacts {
         // target/<profile>/deps/<test>-<hash>
         let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
         let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.current_dir(env!("CARGO_MANIFEST_DIR")).args([
-            "build",
-            "--quiet",
-            "-p",
-            "gpufrac-shim",
-            "-p",
-            "gpufrac-sim",
-            "-p",
-            "gpufrac",
-            "--bins",
-            "--examples",
-        ]);
-        if release {
-            cmd.arg("--release");
+        // Two invocations: target filters such as --bins apply to every
+        // package named, and the shim and the simulated driver are libraries.
+        for args in [
+            &["-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
+            &["-p", "gpufrac", "--bins", "--examples"][..],
+        ] {
+            let mut cmd = Command::new(env!("CARGO"));
+            cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+                .args(["build", "--quiet"])
+                .args(args);
+            if release {
+                cmd.arg("--release");
+            }
+            let st = cmd
+                .status()
+                .expect("running cargo build for the test artifacts");
+            assert!(
+                st.success(),
+                "building the test artifacts failed: cargo build {args:?}"
+            );
         }
-        let st = cmd
-            .status()
-            .expect("running cargo build for the test artifacts");
-        assert!(
-            st.success(),
-            "building the shim, simulated driver and examples failed"
-        );
         let simdir = dir.join("sim-driver");
         std::fs::create_dir_all(&simdir).unwrap();
         for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"] {
