@@ -11,6 +11,15 @@ use std::process::{Child, Stdio};
 use support::*;
 
 const MS: u64 = 1_000_000;
+
+/// The tests that measure shares of GPU time run one at a time: on a
+/// 2-core CI machine, spinners of two such tests would steal each other's
+/// CPU and blur what is being measured.
+static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn timed() -> std::sync::MutexGuard<'static, ()> {
+    TIMED.lock().unwrap_or_else(|e| e.into_inner())
+}
 const KERNEL_NS: u64 = MS;
 
 fn spawn_spinner(b: &Broker, share: Option<&str>, start: u64, end: u64) -> Child {
@@ -71,6 +80,7 @@ fn assert_shares(got: &[f64], want: &[f64], tol: f64) {
 
 #[test]
 fn two_processes_split_by_their_shares() {
+    let _serial = timed();
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
     let (s, busy) = contend(&b, &[Some("50%"), Some("50%")]);
     assert_shares(&s, &[0.5, 0.5], 0.10);
@@ -82,6 +92,7 @@ fn two_processes_split_by_their_shares() {
 
 #[test]
 fn three_processes_1_1_2() {
+    let _serial = timed();
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
     let (s, _) = contend(&b, &[Some("25"), Some("25"), Some("50")]);
     assert_shares(&s, &[0.25, 0.25, 0.5], 0.10);
@@ -89,6 +100,7 @@ fn three_processes_1_1_2() {
 
 #[test]
 fn a_lone_process_runs_unthrottled() {
+    let _serial = timed();
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
     let (_, busy) = contend(&b, &[None]);
     assert!(
@@ -99,6 +111,7 @@ fn a_lone_process_runs_unthrottled() {
 
 #[test]
 fn an_idle_holder_hands_the_gpu_back() {
+    let _serial = timed();
     // A trickler launches one short kernel every 60 ms and then idles; a
     // spinner wants the GPU all the time. With 50 ms slices, a holder that
     // kept its slice while idle would cost the spinner most of each period.
@@ -134,6 +147,7 @@ fn an_idle_holder_hands_the_gpu_back() {
 
 #[test]
 fn killing_the_holder_frees_the_gpu_at_once() {
+    let _serial = timed();
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
     let t0 = mono_ns();
     let victim = spawn_spinner(&b, None, t0 + 1000 * MS, t0 + 60_000 * MS);
@@ -368,6 +382,7 @@ fn metrics_are_served_over_http() {
 
 #[test]
 fn a_compute_limit_is_a_ceiling_even_alone() {
+    let _serial = timed();
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
     let start = mono_ns() + 1500 * MS;
     let end = start + 3000 * MS;
