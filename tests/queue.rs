@@ -366,3 +366,34 @@ fn docker_args_inject_the_shim_into_a_sealed_image() {
         "/usr/lib/gpufrac/libgpufrac.so"
     );
 }
+
+#[test]
+fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_stays_quiet() {
+    let b = Broker::start("16G", &[]);
+    let (_s, d) = scratch("tty");
+    let a = job(&b, &d, "a", &["--gpus", "1"]);
+    wait_started(&d, "a");
+    // Under a pseudo-terminal (script(1)), the waiting line is drawn.
+    let inner = format!(
+        "{} run --socket {} --gpus 1 --timeout 1500ms -- true",
+        artifacts().gpufrac.display(),
+        b.socket.display()
+    );
+    let mut cmd = sim_command("script", &b.devices, false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .args(["-qec", &inner, "/dev/null"]);
+    let o = cmd.output().unwrap();
+    let out = stdout(&o);
+    assert!(
+        out.contains("waiting for 1 GPU") && out.contains("position 1"),
+        "{out:?}"
+    );
+    // Not a terminal: only the final message.
+    let o = run(&b, &["--gpus", "1", "--timeout", "500ms", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(124));
+    assert!(!stderr(&o).contains("position 1 —"), "{}", stderr(&o));
+    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    release(&d, "a", a);
+}
