@@ -294,6 +294,7 @@ mod tests {
                         mem_used: 1 << 30,
                         mem_peak: 2 << 30,
                         mem_cap: Some(4 << 30),
+                        driver_mem: Some((1 << 30) + (300 << 20)),
                         ooms: 0,
                         share_target: 0.3,
                         share_achieved: 0.28,

@@ -47,6 +47,23 @@ impl Nvml {
         Nvml(nvml_wrapper::Nvml::init().ok())
     }
 
+    /// Memory per process on this GPU as the driver accounts it (context and
+    /// module overhead included), by pid.
+    pub fn process_memory(&self, uuid: &str) -> Vec<(u32, u64)> {
+        let Some(nvml) = self.0.as_ref() else { return Vec::new() };
+        let Ok(dev) = nvml.device_by_uuid(uuid) else { return Vec::new() };
+        dev.running_compute_processes()
+            .map(|ps| {
+                ps.into_iter()
+                    .filter_map(|p| match p.used_gpu_memory {
+                        nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some((p.pid, b)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     pub fn utilization(&self, uuid: &str) -> Option<u32> {
         let nvml = self.0.as_ref()?;
         let dev = nvml.device_by_uuid(uuid).ok()?;

@@ -637,6 +637,7 @@ impl Server {
         let mut gpus = Vec::new();
         for g in &self.gpus {
             let st = g.sched.status(now);
+            let driver_mem = self.nvml.process_memory(&g.uuid_str);
             let mut processes = Vec::new();
             for c in self.conns.values() {
                 let Some(d) = c.devices.iter().find(|d| self.gpus[d.gpu].uuid == g.uuid) else {
@@ -650,6 +651,7 @@ impl Server {
                     mem_used: d.used,
                     mem_peak: d.peak,
                     mem_cap: (d.cap > 0).then_some(d.cap),
+                    driver_mem: driver_mem.iter().find(|(p, _)| *p == c.pid).map(|&(_, b)| b),
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),

@@ -41,6 +41,10 @@ pub struct ProcStatus {
     pub mem_used: u64,
     pub mem_peak: u64,
     pub mem_cap: Option<u64>,
+    /// What the driver reports for this process (NVML), when available: the
+    /// shim's figure plus the driver's own context and module memory.
+    #[serde(default)]
+    pub driver_mem: Option<u64>,
     pub ooms: u64,
     /// Share promised when contended, 0..1.
     pub share_target: f64,
