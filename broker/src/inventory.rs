@@ -50,8 +50,12 @@ impl Nvml {
     /// Memory per process on this GPU as the driver accounts it (context and
     /// module overhead included), by pid.
     pub fn process_memory(&self, uuid: &str) -> Vec<(u32, u64)> {
-        let Some(nvml) = self.0.as_ref() else { return Vec::new() };
-        let Ok(dev) = nvml.device_by_uuid(uuid) else { return Vec::new() };
+        let Some(nvml) = self.0.as_ref() else {
+            return Vec::new();
+        };
+        let Ok(dev) = nvml.device_by_uuid(uuid) else {
+            return Vec::new();
+        };
         dev.running_compute_processes()
             .map(|ps| {
                 ps.into_iter()

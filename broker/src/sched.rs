@@ -583,6 +583,7 @@ impl Scheduler {
         let remaining = c.remaining(&cfg, now);
         let quantum = c.quantum(&cfg);
         let vtime = c.vtime;
+        let weight = c.weight;
         let g = c.grant.as_mut().expect("holder has a grant");
         if let Some(r) = g.revoked_at {
             if r.saturating_add(cfg.grace) <= now {
@@ -597,13 +598,23 @@ impl Scheduler {
             Some(d) if d <= now => {
                 // A holder that would be picked again anyway (strictly ahead
                 // of every eligible waiter; ties go to the waiter, as FIFO
-                // would) keeps the GPU: a revoke would only cost it a drain.
+                // would) keeps the GPU — for the real time that brings its
+                // virtual time level with the best waiter's, not a whole
+                // slice (which would double the waiters' wait for a deficit
+                // of one drain), but at least a fifth of a slice, so that a
+                // small deficit does not cost a drain and an immediate
+                // re-grant.
+                let ext = best.map(|b| {
+                    (((b - vtime).max(0.0) * weight) as Nanos)
+                        .clamp(cfg.timeslice / 5, cfg.timeslice)
+                });
                 if best.is_some_and(|b| vtime >= b) {
                     None
                 } else if let (Some(r), Some(q)) = (remaining, quantum) {
-                    (r >= q).then(|| Some(r.min(cfg.timeslice)))
+                    let cap = ext.unwrap_or(Nanos::MAX);
+                    (r >= q).then(|| Some(r.min(cfg.timeslice).min(cap)))
                 } else if contended {
-                    Some(Some(cfg.timeslice))
+                    Some(Some(ext.unwrap_or(cfg.timeslice)))
                 } else {
                     Some(None)
                 }
@@ -1020,10 +1031,10 @@ mod tests {
         assert_eq!(drain(&mut s), vec![grant(2, 2, Some(50 * MS))]);
         assert_eq!(status_of(&s, 80 * MS, 1).total_held, 80 * MS);
         // 2 has been charged 50 ms against 1's 80 ms, so it keeps the GPU
-        // for another slice instead of being revoked.
+        // for the 30 ms that level them, instead of being revoked.
         s.handle_timeout(130 * MS);
-        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(50 * MS))]);
-        s.handle_timeout(180 * MS);
+        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(30 * MS))]);
+        s.handle_timeout(160 * MS);
         assert_eq!(
             drain(&mut s),
             vec![Action::Revoke {

@@ -651,7 +651,10 @@ impl Server {
                     mem_used: d.used,
                     mem_peak: d.peak,
                     mem_cap: (d.cap > 0).then_some(d.cap),
-                    driver_mem: driver_mem.iter().find(|(p, _)| *p == c.pid).map(|&(_, b)| b),
+                    driver_mem: driver_mem
+                        .iter()
+                        .find(|(p, _)| *p == c.pid)
+                        .map(|&(_, b)| b),
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),

@@ -34,6 +34,25 @@ static GATED: AtomicBool = AtomicBool::new(false);
 static SYNCING: AtomicU32 = AtomicU32::new(0);
 /// Devices this process may launch on now.
 static OPEN: AtomicU64 = AtomicU64::new(0);
+/// Every registered device is held under an open-ended grant: launches
+/// need not even look up their device (the common case of a job alone on
+/// its GPU). Cleared first by anything that closes a device.
+static ALL_OPEN: AtomicBool = AtomicBool::new(false);
+/// Launches that went through the ALL_OPEN lane on the counter and have not
+/// returned (threads without a slot, or no membarrier).
+static GLOBAL_IN_FLIGHT: AtomicU32 = AtomicU32::new(0);
+
+/// Per-thread "inside a launch" flags for the ALL_OPEN lane, a cache line
+/// each. With membarrier registered, a launch marks its slot with a plain
+/// store and a compiler fence: the full fence that a Dekker handshake needs
+/// is paid by the (rare) releaser, through membarrier, instead of by every
+/// launch. Slots are never reused; threads beyond them take the counter.
+#[repr(align(64))]
+struct Slot(AtomicU32);
+const NSLOT: usize = 256;
+static SLOTS: [Slot; NSLOT] = [const { Slot(AtomicU32::new(0)) }; NSLOT];
+static SLOTS_USED: AtomicU32 = AtomicU32::new(0);
+static MEMBARRIER: AtomicBool = AtomicBool::new(false);
 /// Devices held under a contended (sliced) grant: idle hand-back applies.
 static CONTENDED: AtomicU64 = AtomicU64::new(0);
 /// Devices for which an Acquire is outstanding.
@@ -60,8 +79,44 @@ const REPORT_EVERY_NS: u64 = 100_000_000;
 static NDEV: AtomicU32 = AtomicU32::new(0);
 
 thread_local! {
-    // Device whose IN_FLIGHT this thread's current launch holds (-1: none).
+    // What this thread's current launch holds: a device's IN_FLIGHT (>= 0),
+    // nothing (-1), the ALL_OPEN counter (ALL_LANE), or a slot
+    // (SLOT_BASE - slot).
     static PENDING: Cell<i32> = const { Cell::new(-1) };
+    // This thread's slot: -1 not yet assigned, -3 none left.
+    static MY_SLOT: Cell<i32> = const { Cell::new(-1) };
+}
+
+const SLOT_BASE: i32 = -100;
+
+fn my_slot() -> i32 {
+    MY_SLOT.with(|c| {
+        let v = c.get();
+        if v != -1 {
+            return v;
+        }
+        let n = SLOTS_USED.fetch_add(1, Relaxed) as usize;
+        let v = if n < NSLOT { n as i32 } else { -3 };
+        c.set(v);
+        v
+    })
+}
+
+const MEMBARRIER_CMD_PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
+const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: libc::c_long = 1 << 4;
+
+fn register_membarrier() {
+    // SAFETY: membarrier takes no pointers; failure (old kernel, seccomp)
+    // leaves the counter lane in use.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_membarrier,
+            MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED,
+            0,
+            0,
+        )
+    };
+    MEMBARRIER.store(rc == 0, SeqCst);
 }
 
 fn now_ns() -> u64 {
@@ -96,6 +151,26 @@ pub fn may_launch(_stream: CUstream) -> Result<(), u32> {
 #[cold]
 #[inline(never)]
 fn gate_slow() -> Result<(), u32> {
+    if MEMBARRIER.load(Relaxed) {
+        let slot = my_slot();
+        if slot >= 0 {
+            let flag = &SLOTS[slot as usize].0;
+            flag.store(1, Relaxed);
+            std::sync::atomic::compiler_fence(SeqCst);
+            if ALL_OPEN.load(Relaxed) {
+                PENDING.with(|p| p.set(SLOT_BASE - slot));
+                return Ok(());
+            }
+            flag.store(0, Release);
+        }
+    }
+    // Same Dekker handshake as the per-device lane below, on one counter.
+    GLOBAL_IN_FLIGHT.fetch_add(1, SeqCst);
+    if ALL_OPEN.load(SeqCst) {
+        PENDING.with(|p| p.set(ALL_LANE));
+        return Ok(());
+    }
+    GLOBAL_IN_FLIGHT.fetch_sub(1, SeqCst);
     let mut dev: CUdevice = -1;
     if unsafe { call::cuCtxGetDevice(&mut dev) } != CUDA_SUCCESS
         || !(0..MAX_DEVICES as i32).contains(&dev)
@@ -122,12 +197,27 @@ fn gate_slow() -> Result<(), u32> {
     }
 }
 
+/// PENDING value of a launch that went through the ALL_OPEN lane.
+const ALL_LANE: i32 = -2;
+
 #[inline(always)]
 pub fn launched(_rc: u32) {
     let d = PENDING.with(|p| p.replace(-1));
     if d >= 0 {
         IN_FLIGHT[d as usize].fetch_sub(1, SeqCst);
+    } else if d == ALL_LANE {
+        GLOBAL_IN_FLIGHT.fetch_sub(1, SeqCst);
+    } else if d <= SLOT_BASE {
+        SLOTS[(SLOT_BASE - d) as usize].0.store(0, Release);
     }
+}
+
+/// Re-derives ALL_OPEN after the client thread changed OPEN or CONTENDED.
+fn update_all_open() {
+    let n = NDEV.load(Relaxed).min(MAX_DEVICES as u32);
+    let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+    let open = n > 0 && OPEN.load(SeqCst) & all == all && CONTENDED.load(SeqCst) & all == 0;
+    ALL_OPEN.store(open, SeqCst);
 }
 
 fn wait_for_grant(d: usize) {
@@ -305,6 +395,7 @@ fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
 }
 
 fn client_thread(cfg: &'static ShimConfig) {
+    register_membarrier();
     // Caps and UUIDs are needed to register; they exist once a context does.
     while devices::ensure().is_err() {
         std::thread::sleep(Duration::from_millis(50));
@@ -336,6 +427,7 @@ fn client_thread(cfg: &'static ShimConfig) {
         }
         // Lost or never had a broker: optional mode runs unarbitrated,
         // required mode blocks launches until it is back.
+        ALL_OPEN.store(false, SeqCst);
         OPEN.store(0, SeqCst);
         CONTENDED.store(0, SeqCst);
         REQUESTED.store(0, SeqCst);
@@ -354,6 +446,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
         use std::os::fd::AsRawFd;
         s.as_raw_fd()
     };
+    ALL_OPEN.store(false, SeqCst);
     OPEN.store(0, SeqCst);
     CONTENDED.store(0, SeqCst);
     REQUESTED.store(0, SeqCst);
@@ -362,7 +455,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
     wake_all();
     info!("registered with the broker at {}", cfg.socket);
     let mut inbuf = Vec::new();
-    let mut reported = [u64::MAX; MAX_DEVICES];
+    let mut reported = [(u64::MAX, u64::MAX, u64::MAX); MAX_DEVICES];
     let mut last_report = 0u64;
     let result: Result<(), String> = (|| loop {
         let tick = if CONTENDED.load(Relaxed) != 0 { 1 } else { 100 };
@@ -426,7 +519,9 @@ fn on_message(m: ServerMsg) {
             if slice_ns == 0 {
                 CONTENDED.fetch_and(!bit, SeqCst);
             } else {
-                // Contention starts now: give the holder a fresh idle window.
+                // Contention starts now: give the holder a fresh idle window,
+                // and send launches back through the lane that stamps it.
+                ALL_OPEN.store(false, SeqCst);
                 LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
                 CONTENDED.fetch_or(bit, SeqCst);
             }
@@ -434,6 +529,7 @@ fn on_message(m: ServerMsg) {
                 GRANTED_AT[d].store(now_ns(), Relaxed);
             }
             REQUESTED.fetch_and(!bit, SeqCst);
+            update_all_open();
             debug!(
                 "device {d}: granted ({})",
                 if slice_ns == 0 {
@@ -465,6 +561,13 @@ fn release(d: usize, wants_again: bool) {
     // release, or the broker would take its Acquire for the holder's and
     // then idle it.
     let sending = SEND.lock().unwrap_or_else(|e| e.into_inner());
+    ALL_OPEN.store(false, SeqCst);
+    if MEMBARRIER.load(Relaxed) {
+        // The other half of the slot handshake: every thread of this
+        // process runs a full fence, so a launch either saw ALL_OPEN false
+        // or its slot is visible below.
+        unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) };
+    }
     if OPEN.fetch_and(!bit, SeqCst) & bit == 0 {
         return;
     }
@@ -476,7 +579,11 @@ fn release(d: usize, wants_again: bool) {
         REQUESTED.fetch_or(bit, SeqCst);
         send_locked(&sending, &ClientMsg::Acquire { uuid });
     }
-    while IN_FLIGHT[d].load(SeqCst) > 0 {
+    let slots = (SLOTS_USED.load(Acquire) as usize).min(NSLOT);
+    while IN_FLIGHT[d].load(SeqCst) > 0
+        || GLOBAL_IN_FLIGHT.load(SeqCst) > 0
+        || SLOTS[..slots].iter().any(|s| s.0.load(Acquire) != 0)
+    {
         std::thread::yield_now();
     }
     for ctx in mem::contexts_of(d) {
@@ -536,21 +643,27 @@ fn idle_handback() {
     }
 }
 
-fn report_usage(reported: &mut [u64; MAX_DEVICES]) {
+/// Sends the figures of every device whose (used, peak, ooms) changed since
+/// they were last sent: comparing values costs the allocation path nothing.
+fn report_usage(reported: &mut [(u64, u64, u64); MAX_DEVICES]) {
     let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
     for (d, dev) in devices::all().iter().enumerate().take(n) {
         let l = &LEDGERS[d];
-        let epoch = l.epoch.load(Acquire);
-        if reported[d] == epoch {
+        let now = (
+            l.used.load(Relaxed),
+            l.peak.load(Relaxed),
+            l.ooms.load(Relaxed),
+        );
+        if reported[d] == now {
             continue;
         }
         if send(&ClientMsg::Usage {
             uuid: dev.uuid.bytes,
-            used: l.used.load(Relaxed),
-            peak: l.peak.load(Relaxed),
-            ooms: l.ooms.load(Relaxed),
+            used: now.0,
+            peak: now.1,
+            ooms: now.2,
         }) {
-            reported[d] = epoch;
+            reported[d] = now;
         }
     }
 }
@@ -570,6 +683,13 @@ pub fn reset_after_fork() {
     }
     STARTED.store(0, SeqCst);
     GATED.store(false, SeqCst);
+    ALL_OPEN.store(false, SeqCst);
+    GLOBAL_IN_FLIGHT.store(0, SeqCst);
+    // membarrier registration belongs to the parent's address space.
+    MEMBARRIER.store(false, SeqCst);
+    for s in &SLOTS {
+        s.0.store(0, SeqCst);
+    }
     OPEN.store(0, SeqCst);
     CONTENDED.store(0, SeqCst);
     REQUESTED.store(0, SeqCst);

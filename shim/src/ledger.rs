@@ -17,9 +17,6 @@ pub struct Ledger {
     pub limit: AtomicU64,
     pub peak: AtomicU64,
     pub ooms: AtomicU64,
-    /// Bumped on every change, so the broker reporter can tell cheaply
-    /// whether there is anything new to say.
-    pub epoch: AtomicU64,
 }
 
 impl Ledger {
@@ -29,7 +26,6 @@ impl Ledger {
             limit: AtomicU64::new(NO_LIMIT),
             peak: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
-            epoch: AtomicU64::new(0),
         }
     }
 }
@@ -47,7 +43,6 @@ pub fn reserve(dev: usize, size: u64) -> bool {
     loop {
         let Some(new) = cur.checked_add(size).filter(|&n| n <= limit) else {
             l.ooms.fetch_add(1, Ordering::Relaxed);
-            l.epoch.fetch_add(1, Ordering::Release);
             return false;
         };
         match l
@@ -55,8 +50,11 @@ pub fn reserve(dev: usize, size: u64) -> bool {
             .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
         {
             Ok(_) => {
-                l.peak.fetch_max(new, Ordering::Relaxed);
-                l.epoch.fetch_add(1, Ordering::Release);
+                // Read first: a new peak is rare, a locked max on every
+                // allocation is not free.
+                if new > l.peak.load(Ordering::Relaxed) {
+                    l.peak.fetch_max(new, Ordering::Relaxed);
+                }
                 return true;
             }
             Err(actual) => cur = actual,
@@ -67,7 +65,6 @@ pub fn reserve(dev: usize, size: u64) -> bool {
 pub fn unreserve(dev: usize, size: u64) {
     if let Some(l) = LEDGERS.get(dev) {
         l.used.fetch_sub(size, Ordering::AcqRel);
-        l.epoch.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -104,14 +101,37 @@ pub enum Kind {
 
 const SHARDS: usize = 64;
 
+/// Keys are device addresses and driver handles, not attacker-chosen
+/// strings: a multiplicative hash is enough and costs a few cycles where
+/// SipHash costs tens of nanoseconds on every allocation and free.
+#[derive(Default, Clone, Copy)]
+struct AddrHasher(u64);
+
+impl std::hash::Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        // Fold the high half in so aligned addresses spread over buckets.
+        self.0 = (v ^ (v >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (v >> 32);
+    }
+}
+
+type Map = HashMap<u64, Entry, std::hash::BuildHasherDefault<AddrHasher>>;
+
 struct Maps {
-    shards: [[Mutex<HashMap<u64, Entry>>; SHARDS]; 3],
+    shards: [[Mutex<Map>; SHARDS]; 3],
 }
 
 impl Maps {
     fn new() -> Box<Maps> {
         Box::new(Maps {
-            shards: std::array::from_fn(|_| std::array::from_fn(|_| Mutex::new(HashMap::new()))),
+            shards: std::array::from_fn(|_| std::array::from_fn(|_| Mutex::new(Map::default()))),
         })
     }
 }
@@ -142,13 +162,13 @@ fn maps() -> &'static Maps {
 }
 
 #[inline]
-fn shard(kind: Kind, key: u64) -> &'static Mutex<HashMap<u64, Entry>> {
+fn shard(kind: Kind, key: u64) -> &'static Mutex<Map> {
     // Device pointers are aligned; mix the bits so shards fill evenly.
     let h = (key ^ (key >> 17) ^ (key >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     &maps().shards[kind as usize][(h >> 58) as usize % SHARDS]
 }
 
-fn lock(m: &Mutex<HashMap<u64, Entry>>) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+fn lock(m: &Mutex<Map>) -> std::sync::MutexGuard<'_, Map> {
     // A poisoned shard only means a panic was contained elsewhere; the map
     // itself is still consistent (every operation is a single insert/remove).
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -1,0 +1,114 @@
+//! A blocking client of the broker protocol (gpufrac_common::wire), for
+//! status queries and for the scale section's simulated shims.
+
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+pub struct WireClient {
+    s: UnixStream,
+    buf: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl WireClient {
+    /// Connects and completes the handshake as `role`.
+    pub fn connect(path: &Path, role: Role) -> Result<WireClient, String> {
+        let s =
+            UnixStream::connect(path).map_err(|e| format!("connect to {}: {e}", path.display()))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| e.to_string())?;
+        let mut c = WireClient {
+            s,
+            buf: Vec::new(),
+            out: Vec::with_capacity(256),
+        };
+        c.send(&ClientMsg::hello(std::process::id(), role))?;
+        match c.recv()? {
+            ServerMsg::HelloOk { .. } => Ok(c),
+            other => Err(format!("expected HelloOk, got {other:?}")),
+        }
+    }
+
+    pub fn set_timeout(&self, d: Duration) {
+        let _ = self.s.set_read_timeout(Some(d));
+    }
+
+    pub fn send(&mut self, m: &ClientMsg) -> Result<(), String> {
+        self.out.clear();
+        wire::encode_client(m, &mut self.out);
+        self.s.write_all(&self.out).map_err(|e| e.to_string())
+    }
+
+    /// Next message; an error on timeout, a closed connection or a bad frame.
+    pub fn recv(&mut self) -> Result<ServerMsg, String> {
+        loop {
+            match wire::decode_server(&self.buf) {
+                Ok((m, n)) => {
+                    self.buf.drain(..n);
+                    return Ok(m);
+                }
+                Err(DecodeError::Incomplete) => {}
+                Err(e) => return Err(format!("bad frame from the broker: {e}")),
+            }
+            let mut tmp = [0u8; 8192];
+            match self.s.read(&mut tmp) {
+                Ok(0) => return Err("the broker closed the connection".into()),
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    /// The broker's status document.
+    pub fn status(&mut self) -> Result<serde_json::Value, String> {
+        self.send(&ClientMsg::Status)?;
+        loop {
+            match self.recv()? {
+                ServerMsg::StatusReply { json } => {
+                    return serde_json::from_str(&json).map_err(|e| e.to_string());
+                }
+                ServerMsg::Error { message, .. } => return Err(message),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// One-shot status query.
+pub fn status(socket: &Path) -> Result<serde_json::Value, String> {
+    WireClient::connect(socket, Role::Cli)?.status()
+}
+
+/// Parses the broker's UUID text (`GPU-xxxxxxxx-xxxx-…`) into its bytes.
+pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex: Vec<u8> = s
+        .strip_prefix("GPU-")
+        .unwrap_or(s)
+        .bytes()
+        .filter(|&b| b != b'-')
+        .collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        let pair = std::str::from_utf8(&hex[2 * i..2 * i + 2]).ok()?;
+        *o = u8::from_str_radix(pair, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn uuids() {
+        let u = super::parse_uuid("GPU-5a1e6f7a-c0de-4000-8000-000000000001").unwrap();
+        assert_eq!(u[0], 0x5a);
+        assert_eq!(u[15], 1);
+        assert!(super::parse_uuid("GPU-zz").is_none());
+    }
+}
