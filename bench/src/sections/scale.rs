@@ -134,13 +134,13 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
     );
     notes.push(
         "Where the broker's CPU goes (perf, 64 clients on 1 GPU, while building this \
-         instrument): about half in the kernel — epoll wake-ups, recv/send, and an epoll_ctl \
-         for every flushed connection (broker/src/server.rs `flush` re-registers its interest \
-         on every call, even when it does not change); most of the rest in scans of every \
-         client or connection on each event (sched.rs `settle`, `next_timeout`, \
-         `best_waiter`; server.rs `reap` and `settle` walk all connections each turn), plus a \
-         16 KiB read buffer zeroed on every read (server.rs `read`). It stays well under a \
-         core at these rates; CPU per grant rises only mildly with clients per GPU (those scans)."
+         instrument): about half in the kernel — epoll wake-ups and recv/send (an epoll_ctl \
+         per flush and a 16 KiB buffer zeroed per read were found this way and removed: \
+         server.rs now re-registers only when a client's write interest changes and reuses \
+         one read buffer); most of the rest in scans of every client or connection on each \
+         event (sched.rs `settle`, `next_timeout`, `best_waiter`; server.rs `reap` and \
+         `settle`). It stays well under a core at these rates; CPU per grant rises only \
+         mildly with clients per GPU (those scans)."
             .into(),
     );
     notes.push(format!(
