@@ -47,6 +47,22 @@ fn oom(dev: usize, size: u64) -> u32 {
     CUDA_ERROR_OUT_OF_MEMORY
 }
 
+/// Reserves `size` on `dev` and calls the driver; on an out-of-memory
+/// refusal or a driver error the reservation is gone again and the code to
+/// answer comes back as `Err`.
+#[inline]
+fn reserve_then(dev: usize, size: u64, real: impl FnOnce() -> u32) -> Result<(), u32> {
+    if !ledger::reserve(dev, size) {
+        return Err(oom(dev, size));
+    }
+    let rc = real();
+    if rc != CUDA_SUCCESS {
+        ledger::unreserve(dev, size);
+        return Err(rc);
+    }
+    Ok(())
+}
+
 /// Reserve, call, record — or give the reservation back.
 #[inline]
 fn charge(
@@ -60,12 +76,7 @@ fn charge(
     if size == 0 {
         return real();
     }
-    if !ledger::reserve(dev, size) {
-        return oom(dev, size);
-    }
-    let rc = real();
-    if rc != CUDA_SUCCESS {
-        ledger::unreserve(dev, size);
+    if let Err(rc) = reserve_then(dev, size, real) {
         return rc;
     }
     ledger::insert(
@@ -78,7 +89,7 @@ fn charge(
         },
     );
     client::usage_changed();
-    rc
+    CUDA_SUCCESS
 }
 
 /// Forget, call, give back — or restore the record if the driver refused.
@@ -165,12 +176,7 @@ pub unsafe fn alloc_pitch(
         if lower == 0 {
             return real();
         }
-        if !ledger::reserve(dev, lower) {
-            return oom(dev, lower);
-        }
-        let rc = real();
-        if rc != CUDA_SUCCESS {
-            ledger::unreserve(dev, lower);
+        if let Err(rc) = reserve_then(dev, lower, real) {
             return rc;
         }
         let actual =
@@ -190,7 +196,7 @@ pub unsafe fn alloc_pitch(
             },
         );
         client::usage_changed();
-        rc
+        CUDA_SUCCESS
     })
 }
 
@@ -349,12 +355,7 @@ fn charge_array(
     if estimate == 0 {
         return real();
     }
-    if !ledger::reserve(dev, estimate) {
-        return oom(dev, estimate);
-    }
-    let rc = real();
-    if rc != CUDA_SUCCESS {
-        ledger::unreserve(dev, estimate);
+    if let Err(rc) = reserve_then(dev, estimate, real) {
         return rc;
     }
     let h = handle();
@@ -381,7 +382,7 @@ fn charge_array(
         },
     );
     client::usage_changed();
-    rc
+    CUDA_SUCCESS
 }
 
 fn array_exact(arr: usize, dev: usize) -> Option<u64> {
