@@ -18,6 +18,11 @@
 //! `gpufracSimLastVariant`, `gpufracSimEngineStats`, `gpufracSimDeviceUsed`.
 //! Kernel duration convention: `kernelParams[0]` points to a u64 of ns.
 //!
+//! Known gap: `CUDA_VISIBLE_DEVICES` is not honoured — every process sees
+//! every simulated device in configuration order (a real driver renumbers
+//! the visible ones from 0). Tests of `gpufrac run` therefore check the
+//! placement it hands the child, not where the child's kernels land.
+//!
 //! Rules kept throughout:
 //! - an exported function never calls another exported function (the shim in
 //!   front of us would intercept it); logic lives in private helpers;
