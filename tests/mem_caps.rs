@@ -586,3 +586,33 @@ fn a_forked_child_starts_with_clean_books() {
         "CUDA state does not survive fork; neither do its charges"
     );
 }
+
+#[test]
+fn a_panic_inside_a_hook_is_contained_and_the_call_still_reaches_the_driver() {
+    // Debug builds of the shim panic on purpose inside the named hook.
+    let o = probe(
+        "16G",
+        &[
+            ("GPU_MEM_LIMIT", CAP),
+            ("GPUFRAC_TEST_PANIC", "cuMemAlloc_v2"),
+        ],
+        &["ctx", "alloc", "alloc", "4M", "info"],
+    );
+    assert!(o.status.success(), "the process survives: {}", stderr(&o));
+    assert_eq!(
+        num(&line(&o, "alloc", 0), "rc"),
+        0,
+        "the driver still allocated"
+    );
+    assert_eq!(
+        num(&line(&o, "info", 0), "total"),
+        CAP_BYTES,
+        "other hooks unaffected"
+    );
+    let err = stderr(&o);
+    assert!(
+        err.contains("internal error in cuMemAlloc_v2")
+            && err.contains("passing the call to the driver"),
+        "{err}"
+    );
+}

@@ -63,3 +63,21 @@ pub fn install_panic_hook() {
         ));
     }));
 }
+
+/// Fault injection for the tests, in debug builds only: the hook named by
+/// `GPUFRAC_TEST_PANIC` panics inside its boundary, to prove that the panic
+/// is contained and the call still reaches the driver. Release builds
+/// compile this to nothing.
+#[inline(always)]
+pub fn test_panic(name: &str) {
+    #[cfg(debug_assertions)]
+    {
+        static WHICH: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        let which = WHICH.get_or_init(|| std::env::var("GPUFRAC_TEST_PANIC").ok());
+        if which.as_deref() == Some(name) {
+            panic!("GPUFRAC_TEST_PANIC={name}");
+        }
+    }
+    #[cfg(not(debug_assertions))]
+    let _ = name;
+}

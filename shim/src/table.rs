@@ -102,7 +102,10 @@ macro_rules! hooks {
                 pub unsafe extern "C" fn $name($($arg: $ty),*) -> u32 {
                     crate::boundary::run(
                         stringify!($name),
-                        move || unsafe { $imp($($arg),*) },
+                        move || {
+                            crate::boundary::test_panic(stringify!($name));
+                            unsafe { $imp($($arg),*) }
+                        },
                         move || { crate::init::ensure_family(Family::$fam); unsafe { call::$name($($arg),*) } },
                     )
                 }
