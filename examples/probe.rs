@@ -572,9 +572,7 @@ fn main() {
                 let period_ms: u64 = next(&mut i).parse().unwrap();
                 let kernel_ns: u64 = next(&mut i).parse().unwrap();
                 let mut n = 0;
-                while mono_ns() < start {
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                }
+                gpufrac_common::clock::sleep_until(start);
                 while mono_ns() < end {
                     if launch(&probe.c, 1, kernel_ns).0 == 0 {
                         n += 1;
@@ -668,45 +666,57 @@ fn origin(p: *mut c_void) -> String {
     f.rsplit('/').next().unwrap_or(&f).to_string()
 }
 
-fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
-    let mut module: *mut c_void = std::ptr::null_mut();
-    let load = f!(
-        c,
-        "cuModuleLoadData",
-        "cuModuleLoadData",
-        fn(*mut *mut c_void, *const c_void)
-    );
-    unsafe { load(&mut module, c"sim".as_ptr().cast()) };
-    let mut func: *mut c_void = std::ptr::null_mut();
-    let getf = f!(
-        c,
-        "cuModuleGetFunction",
-        "cuModuleGetFunction",
-        fn(*mut *mut c_void, *mut c_void, *const c_char)
-    );
-    unsafe { getf(&mut func, module, c"spin".as_ptr()) };
-    let name = ptsz_name(c, "cuLaunchKernel", "cuLaunchKernel_ptsz");
-    let lk: unsafe extern "C" fn(
-        *mut c_void,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        *mut c_void,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> R = unsafe { std::mem::transmute(c.sym("cuLaunchKernel", name)) };
-    let mut d = ns;
-    let mut params = [(&mut d as *mut u64).cast::<c_void>()];
-    let mut rc = 0;
-    let mut variant = String::new();
-    for _ in 0..n {
-        rc = unsafe {
-            lk(
-                func,
+type LaunchKernel = unsafe extern "C" fn(
+    *mut c_void,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> R;
+
+/// The simulated driver's "spin" kernel and the launch entry point named
+/// `variant`: one 1×1×1 launch on the default stream lasts `ns`.
+struct Kernel {
+    func: *mut c_void,
+    launch: LaunchKernel,
+}
+
+impl Kernel {
+    fn new(c: &Cuda, variant: &str) -> Kernel {
+        let mut module: *mut c_void = std::ptr::null_mut();
+        let load = f!(
+            c,
+            "cuModuleLoadData",
+            "cuModuleLoadData",
+            fn(*mut *mut c_void, *const c_void)
+        );
+        unsafe { load(&mut module, c"sim".as_ptr().cast()) };
+        let mut func: *mut c_void = std::ptr::null_mut();
+        let getf = f!(
+            c,
+            "cuModuleGetFunction",
+            "cuModuleGetFunction",
+            fn(*mut *mut c_void, *mut c_void, *const c_char)
+        );
+        unsafe { getf(&mut func, module, c"spin".as_ptr()) };
+        let launch = unsafe {
+            std::mem::transmute::<*mut c_void, LaunchKernel>(c.sym("cuLaunchKernel", variant))
+        };
+        Kernel { func, launch }
+    }
+
+    fn run(&self, ns: u64) -> R {
+        let mut d = ns;
+        let mut params = [(&mut d as *mut u64).cast::<c_void>()];
+        unsafe {
+            (self.launch)(
+                self.func,
                 1,
                 1,
                 1,
@@ -718,7 +728,16 @@ fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
-        };
+        }
+    }
+}
+
+fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
+    let k = Kernel::new(c, ptsz_name(c, "cuLaunchKernel", "cuLaunchKernel_ptsz"));
+    let mut rc = 0;
+    let mut variant = String::new();
+    for _ in 0..n {
+        rc = k.run(ns);
         variant = last_variant(c);
         if rc != 0 {
             break;
@@ -729,73 +748,19 @@ fn launch(c: &Cuda, n: usize, ns: u64) -> (R, String) {
     (rc, variant)
 }
 
-pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use gpufrac_common::clock::mono_ns;
 
 fn spin(c: &Cuda, start: u64, end: u64, ns: u64, batch: usize) -> (u64, R) {
-    let mut module: *mut c_void = std::ptr::null_mut();
-    let load = f!(
-        c,
-        "cuModuleLoadData",
-        "cuModuleLoadData",
-        fn(*mut *mut c_void, *const c_void)
-    );
-    unsafe { load(&mut module, c"sim".as_ptr().cast()) };
-    let mut func: *mut c_void = std::ptr::null_mut();
-    let getf = f!(
-        c,
-        "cuModuleGetFunction",
-        "cuModuleGetFunction",
-        fn(*mut *mut c_void, *mut c_void, *const c_char)
-    );
-    unsafe { getf(&mut func, module, c"spin".as_ptr()) };
-    let lk: unsafe extern "C" fn(
-        *mut c_void,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        *mut c_void,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> R = unsafe { std::mem::transmute(c.sym("cuLaunchKernel", "cuLaunchKernel")) };
+    let k = Kernel::new(c, "cuLaunchKernel");
     let sync = f!(c, "cuCtxSynchronize", "cuCtxSynchronize", fn());
-    let mut d = ns;
-    let mut params = [(&mut d as *mut u64).cast::<c_void>()];
-    while mono_ns() < start {
-        std::thread::sleep(std::time::Duration::from_micros(200));
-    }
+    gpufrac_common::clock::sleep_until(start);
     let mut done = 0u64;
     loop {
-        let t = mono_ns();
-        if t >= end {
+        if mono_ns() >= end {
             return (done, 0);
         }
         for _ in 0..batch {
-            let rc = unsafe {
-                lk(
-                    func,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    0,
-                    std::ptr::null_mut(),
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            };
+            let rc = k.run(ns);
             if rc != 0 {
                 return (done, rc);
             }

@@ -1,6 +1,7 @@
 //! Code shared by the shim, the broker, the CLI and the simulated driver.
 //! Nothing here may allocate on a path the shim calls per CUDA call.
 
+pub mod clock;
 pub mod config;
 pub mod cuda;
 pub mod size;

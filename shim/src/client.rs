@@ -119,25 +119,7 @@ fn register_membarrier() {
     MEMBARRIER.store(rc == 0, SeqCst);
 }
 
-fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: vDSO clock read into a local.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-fn coarse_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: as above; the coarse clock is a plain memory read in the vDSO.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use gpufrac_common::clock::{coarse_ns, mono_ns as now_ns};
 
 /// The compute gate. `Ok` means launch now; `launched` must follow.
 #[inline(always)]

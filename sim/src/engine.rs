@@ -7,38 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering::*};
 use crate::objects::Target;
 use crate::state::Sim;
 
-#[inline(always)]
-pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists (vDSO).
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// Blocks (no spinning) until CLOCK_MONOTONIC reaches `t`.
-pub fn wait_until(t: u64) {
-    loop {
-        if now_ns() >= t {
-            return;
-        }
-        let ts = libc::timespec {
-            tv_sec: (t / 1_000_000_000) as libc::time_t,
-            tv_nsec: (t % 1_000_000_000) as libc::c_long,
-        };
-        // SAFETY: valid timespec; EINTR just loops.
-        unsafe {
-            libc::clock_nanosleep(
-                libc::CLOCK_MONOTONIC,
-                libc::TIMER_ABSTIME,
-                &ts,
-                std::ptr::null_mut(),
-            )
-        };
-    }
-}
+pub use gpufrac_common::clock::{mono_ns as now_ns, sleep_until as wait_until};
 
 /// The kernel duration convention: `kernelParams[0]` points to a u64 of
 /// nanoseconds; NULL anywhere means 0.

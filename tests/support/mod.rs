@@ -139,14 +139,7 @@ pub const GIB: u64 = 1 << 30;
 
 /// CLOCK_MONOTONIC in ns: the clock the probe's `spin` windows use, shared
 /// by every process on the machine.
-pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use gpufrac_common::clock::mono_ns;
 
 /// Waits for `cond`, checking every few ms, up to `secs`.
 pub fn wait_until(secs: f64, what: &str, mut cond: impl FnMut() -> bool) {
