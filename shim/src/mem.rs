@@ -404,17 +404,14 @@ fn mipmap_exact(arr: usize, dev: usize) -> Option<u64> {
     (rc == CUDA_SUCCESS).then_some(req.size as u64)
 }
 
-pub unsafe fn array_create(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> u32 {
-    let real = || unsafe { call::cuArrayCreate_v2(arr, desc) };
-    if desc.is_null() || arr.is_null() {
-        return real();
-    }
-    let estimate = array2d_bytes(&unsafe { desc.read_unaligned() }) as u64;
+/// A plain (non-mipmapped) array of `estimate` bytes from its descriptor,
+/// corrected to the driver's figure once it exists.
+fn plain_array(arr: *mut CUarray, estimate: u64, real: impl Fn() -> u32) -> u32 {
     gated!(real(), |dev, ctx| charge_array(
         dev,
         ctx,
         estimate,
-        real,
+        &real,
         || unsafe { arr.read_unaligned() as usize },
         |h| array_exact(h, dev),
         |h| unsafe {
@@ -423,23 +420,28 @@ pub unsafe fn array_create(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR
     ))
 }
 
+pub unsafe fn array_create(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> u32 {
+    let real = || unsafe { call::cuArrayCreate_v2(arr, desc) };
+    if desc.is_null() || arr.is_null() {
+        return real();
+    }
+    plain_array(
+        arr,
+        array2d_bytes(&unsafe { desc.read_unaligned() }) as u64,
+        real,
+    )
+}
+
 pub unsafe fn array3d_create(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> u32 {
     let real = || unsafe { call::cuArray3DCreate_v2(arr, desc) };
     if desc.is_null() || arr.is_null() {
         return real();
     }
-    let estimate = array3d_bytes(&unsafe { desc.read_unaligned() }, 0) as u64;
-    gated!(real(), |dev, ctx| charge_array(
-        dev,
-        ctx,
-        estimate,
+    plain_array(
+        arr,
+        array3d_bytes(&unsafe { desc.read_unaligned() }, 0) as u64,
         real,
-        || unsafe { arr.read_unaligned() as usize },
-        |h| array_exact(h, dev),
-        |h| unsafe {
-            call::cuArrayDestroy(h as CUarray);
-        }
-    ))
+    )
 }
 
 pub unsafe fn mipmap_create(
