@@ -436,6 +436,7 @@ mod tests {
             limit: None,
             no_wait: false,
             command: "sleep 1".into(),
+            priority: None,
         };
         c.request_lease(&req).unwrap();
         let mut seen = Vec::new();

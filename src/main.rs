@@ -78,9 +78,15 @@ struct BrokerArgs {
     /// Socket to listen on [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
-    /// Compute timeslice when a GPU is contended.
-    #[arg(long, value_name = "DUR", default_value = "50ms", value_parser = positive_duration)]
+    /// Slice of GPU time between busy processes of one priority class.
+    /// (Interactive processes and higher classes do not wait for it.)
+    #[arg(long, value_name = "DUR", default_value = "20ms", value_parser = positive_duration)]
     timeslice: u64,
+    /// Most unfinished GPU work a process may keep queued while others share
+    /// its GPU: what a process that starts launching may have to wait for,
+    /// beyond the GPU's own ~2 ms time-slice. 0 turns the bound off.
+    #[arg(long, value_name = "DUR", default_value = "250us", value_parser = duration)]
+    inflight: u64,
     /// Group allowed to use the socket (mode 0660); default: the broker's own.
     #[arg(long, value_name = "GROUP")]
     group: Option<String>,
@@ -125,6 +131,7 @@ fn broker(args: BrokerArgs) -> u8 {
     let opts = gpufrac_broker::server::BrokerOptions {
         socket: socket_path(args.socket),
         timeslice: args.timeslice,
+        inflight: args.inflight,
         group: args.group,
         metrics: args.metrics,
         escalate_after: args.escalate_after,
@@ -213,7 +220,8 @@ mod tests {
         let Cmd::Broker(b) = parse(&["broker"]).unwrap().cmd else {
             panic!()
         };
-        assert_eq!(b.timeslice, 50_000_000);
+        assert_eq!(b.timeslice, 20_000_000);
+        assert_eq!(b.inflight, 250_000);
         assert_eq!(b.escalate_after, 3_600_000_000_000);
         assert_eq!(b.overprovision, 1);
         assert!(!b.overcommit && !b.spread);

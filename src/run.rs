@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use gpufrac_common::config::{
-    VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_SHARE, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX,
-    VAR_SOCKET,
+    Priority, VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_PRIORITY, VAR_COMPUTE_SHARE,
+    VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
 };
 use gpufrac_common::size::{self, format_size, parse_percent};
 use gpufrac_common::wire::ClientMsg;
@@ -27,10 +27,11 @@ Examples:
   gpufrac run --gpus 2 -- torchrun --nproc_per_node=2 train.py
   gpufrac run --gpus 1 --timeout 10m -- ./benchmark
   gpufrac run --gpu-memory 8G --no-wait -- pytest tests/gpu
+  gpufrac run --gpu-memory 8G --priority high -- python serve.py
 
 The child gets CUDA_VISIBLE_DEVICES (with CUDA_DEVICE_ORDER=PCI_BUS_ID, so
 indices match nvidia-smi), LD_PRELOAD with libgpufrac.so first, GPU_MEM_LIMIT,
-GPU_COMPUTE_SHARE, GPU_COMPUTE_LIMIT and GPUFRAC_SOCKET. The lease lasts as
+GPU_COMPUTE_SHARE, GPU_COMPUTE_LIMIT, GPU_COMPUTE_PRIORITY and GPUFRAC_SOCKET. The lease lasts as
 long as this process: it ends when the command exits or gpufrac run is killed.
 
 Without a broker the command still runs under the shim with its --gpu-memory
@@ -60,6 +61,11 @@ pub struct RunArgs {
     /// Hard ceiling on GPU time, even when the GPU is otherwise idle (e.g. 50%).
     #[arg(long, value_name = "PCT", value_parser = parse_percent)]
     pub gpu_limit: Option<f64>,
+    /// Priority class: `high` (interactive: a notebook, an inference server)
+    /// gets the GPU as soon as it has work; `low` runs only on GPU time
+    /// nobody else wants; shares apply within a class.
+    #[arg(long, value_name = "CLASS", value_parser = priority)]
+    pub priority: Option<Priority>,
     /// Fail at once instead of queueing when nothing is free.
     #[arg(long)]
     pub no_wait: bool,
@@ -102,6 +108,10 @@ fn gpu_memory(s: &str) -> Result<u64, String> {
         )),
         b => Ok(b),
     }
+}
+
+fn priority(s: &str) -> Result<Priority, String> {
+    Priority::parse(s).ok_or_else(|| "expected one of high, normal, low".into())
 }
 
 fn timeout(s: &str) -> Result<Timeout, String> {
@@ -166,6 +176,7 @@ pub struct EnvFlags {
     pub compute: Option<f64>,
     /// Percent.
     pub limit: Option<f64>,
+    pub priority: Option<Priority>,
 }
 
 /// Changes to make to the child's environment.
@@ -236,6 +247,9 @@ pub fn child_env(
         }
         if let Some(p) = flags.limit {
             set(VAR_COMPUTE_LIMIT, format!("{p}%"));
+        }
+        if let Some(p) = flags.priority {
+            set(VAR_COMPUTE_PRIORITY, p.as_str().to_owned());
         }
     }
     if cap.is_some() {
@@ -345,6 +359,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         gpu_memory: args.gpu_memory,
         compute: args.gpu_compute,
         limit: args.gpu_limit,
+        priority: args.priority,
     };
     let existing: Vec<(String, String)> = std::env::vars_os()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
@@ -382,6 +397,7 @@ fn lease(client: &mut Client, args: &RunArgs) -> Result<(Vec<u32>, u64), Fail> {
         limit: args.gpu_limit,
         no_wait: args.no_wait,
         command,
+        priority: args.priority,
     };
     client.request_lease(&req).map_err(|m| Fail::new(1, m))?;
 
@@ -646,6 +662,17 @@ mod tests {
         let e = parse(&["--gpu-compute", "0%", "--", "true"]).unwrap_err();
         assert!(e.contains("a percentage must be greater than 0"), "{e}");
         assert!(e.contains("--gpu-compute"), "{e}");
+        let e = parse(&["--priority", "urgent", "--", "true"]).unwrap_err();
+        assert!(
+            e.contains("--priority") && e.contains("high, normal, low"),
+            "{e}"
+        );
+        assert_eq!(
+            parse(&["--priority", "HIGH", "--", "true"])
+                .unwrap()
+                .priority,
+            Some(Priority::High)
+        );
         let e = parse(&["--gpu-limit", "150%", "--", "true"]).unwrap_err();
         assert!(e.contains("above 100%"), "{e}");
         let e = parse(&["--gpu-memory", "4X", "--", "true"]).unwrap_err();
@@ -717,6 +744,7 @@ mod tests {
             gpu_memory: None,
             compute: Some(30.0),
             limit: Some(12.5),
+            priority: Some(Priority::High),
         };
         let e = env_of(
             &Placement::Leased {
@@ -731,6 +759,7 @@ mod tests {
         assert_eq!(e.get("GPU_MEM_LIMIT"), Some("21474836480"));
         assert_eq!(e.get("GPU_COMPUTE_SHARE"), Some("30%"));
         assert_eq!(e.get("GPU_COMPUTE_LIMIT"), Some("12.5%"));
+        assert_eq!(e.get("GPU_COMPUTE_PRIORITY"), Some("high"));
         assert_eq!(e.get("GPUFRAC_SOCKET"), Some("/run/g.sock"));
         assert_eq!(e.get("GPUFRAC_BROKER"), None);
     }
@@ -791,6 +820,7 @@ mod tests {
             gpu_memory: Some(512 << 20),
             compute: Some(30.0),
             limit: Some(50.0),
+            priority: Some(Priority::Low),
         };
         let e = env_of(
             &Placement::NoBroker,
@@ -802,6 +832,7 @@ mod tests {
         assert_eq!(e.get("CUDA_VISIBLE_DEVICES"), None);
         assert_eq!(e.get("GPU_COMPUTE_SHARE"), None);
         assert_eq!(e.get("GPU_COMPUTE_LIMIT"), None);
+        assert_eq!(e.get("GPU_COMPUTE_PRIORITY"), None);
         assert_eq!(e.get("LD_PRELOAD"), Some(SHIM));
 
         // --gpus without a broker: no device change, the user's cap stays.

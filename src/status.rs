@@ -115,6 +115,7 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
         "SHARE".to_owned(),
         "ACHIEVED".to_owned(),
         "LIMIT".to_owned(),
+        "PRIO".to_owned(),
         "STATE".to_owned(),
     ]];
     for p in &g.processes {
@@ -126,7 +127,12 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
             percent(p.share_target),
             percent(p.share_achieved),
             p.limit.map_or("-".to_owned(), percent),
-            p.state.clone(),
+            p.priority.clone(),
+            if p.draining {
+                format!("{} (draining)", p.state)
+            } else {
+                p.state.clone()
+            },
         ]);
     }
     table(out, &rows);
@@ -274,7 +280,8 @@ mod tests {
         Status {
             version: "0.1.0".into(),
             socket: "/run/gpufrac/broker.sock".into(),
-            timeslice_ms: 50.0,
+            timeslice_ms: 20.0,
+            inflight_us: 250.0,
             overprovision: 1,
             gpus: vec![GpuStatus {
                 index: Some(0),
@@ -300,6 +307,9 @@ mod tests {
                         share_achieved: 0.28,
                         limit: None,
                         state: "holding".into(),
+                        priority: "high".into(),
+                        gpu_time_s: 12.5,
+                        draining: false,
                     },
                     ProcStatus {
                         pid: 7,

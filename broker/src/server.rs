@@ -5,7 +5,7 @@
 
 use crate::inventory::{self, Nvml, uuid_string};
 use crate::queue::{self, Placement, Queue, QueueConfig, Request, Want};
-use crate::sched::{Action, ClientState, SchedConfig, Scheduler};
+use crate::sched::{Action, ClientState, Priority, SchedConfig, Scheduler};
 use crate::status::{GpuStatus, LeaseEntry, ProcStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
 use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
@@ -24,8 +24,12 @@ use tracing::{debug, info, warn};
 #[derive(Clone, Debug)]
 pub struct BrokerOptions {
     pub socket: PathBuf,
-    /// Contended timeslice, ns (default 50 ms).
+    /// Contended timeslice between busy processes of one class, ns
+    /// (default 20 ms).
     pub timeslice: u64,
+    /// Most unfinished work a holder may keep queued while others share its
+    /// GPU, ns (default 250 µs; 0: unbounded).
+    pub inflight: u64,
     /// Group that may use the socket (mode 0660).
     pub group: Option<String>,
     /// Address for Prometheus metrics over HTTP, e.g. 127.0.0.1:9400.
@@ -44,7 +48,8 @@ impl Default for BrokerOptions {
     fn default() -> Self {
         BrokerOptions {
             socket: gpufrac_common::config::DEFAULT_SOCKET.into(),
-            timeslice: 50_000_000,
+            timeslice: SchedConfig::default().timeslice,
+            inflight: SchedConfig::default().bound,
             group: None,
             metrics: None,
             escalate_after: 3600 * 1_000_000_000,
@@ -136,6 +141,7 @@ impl Server {
     fn sched_cfg(&self) -> SchedConfig {
         SchedConfig {
             timeslice: self.opts.timeslice,
+            bound: self.opts.inflight,
             ..SchedConfig::default()
         }
     }
@@ -330,6 +336,7 @@ impl Server {
                 devices,
                 share,
                 limit,
+                priority,
             } => {
                 let share = share.filter(|s| s.is_finite() && *s > 0.0);
                 let limit = limit
@@ -347,9 +354,13 @@ impl Server {
                 let mut devs = Vec::new();
                 for d in devices.iter().take(64) {
                     let g = self.gpu_by_uuid(&d.uuid, d.mem_total);
-                    self.gpus[g]
-                        .sched
-                        .add_client(now, id, share.unwrap_or(DEFAULT_WEIGHT), limit);
+                    self.gpus[g].sched.add_client(
+                        now,
+                        id,
+                        share.unwrap_or(DEFAULT_WEIGHT),
+                        limit,
+                        priority,
+                    );
                     devs.push(ClientDev {
                         gpu: g,
                         ordinal: d.ordinal,
@@ -360,7 +371,7 @@ impl Server {
                     });
                 }
                 if let Some(c) = self.conns.get_mut(&tok) {
-                    info!(pid = c.pid, command = %c.command, devices = devs.len(), ?share, ?limit, "registered");
+                    info!(pid = c.pid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, "registered");
                     c.devices = devs;
                 }
             }
@@ -390,6 +401,13 @@ impl Server {
                     self.gpus[g].sched.release(now, id);
                 }
             }
+            ClientMsg::Drained { uuid } => {
+                debug!(pid = c.pid, "drained");
+                if let Some(d) = c.devices.iter().find(|d| self.gpus[d.gpu].uuid == uuid) {
+                    let g = d.gpu;
+                    self.gpus[g].sched.drained(now, id);
+                }
+            }
             ClientMsg::Status => {
                 let json = serde_json::to_string(&self.status()).unwrap_or_default();
                 self.send(tok, &ServerMsg::StatusReply { json });
@@ -401,6 +419,7 @@ impl Server {
                 limit,
                 no_wait,
                 command,
+                ..
             } => {
                 if c.queued.is_some() || c.leased_at.is_some() {
                     self.send(
@@ -500,12 +519,14 @@ impl Server {
                         client,
                         grant,
                         slice,
+                        bound,
                     } => self.send_id(
                         client,
                         &ServerMsg::Grant {
                             uuid,
                             grant,
                             slice_ns: slice.unwrap_or(0),
+                            bound_ns: bound,
                         },
                     ),
                     Action::Revoke { client, grant } => {
@@ -677,6 +698,9 @@ impl Server {
                         ClientState::Revoking if s.hung => "hung".into(),
                         ClientState::Revoking => "revoking".into(),
                     }),
+                    priority: s.map_or(Priority::Normal, |s| s.priority).as_str().into(),
+                    gpu_time_s: s.map_or(0.0, |s| s.gpu_time as f64 / 1e9),
+                    draining: s.is_some_and(|s| s.draining),
                 });
             }
             processes.sort_by_key(|p| p.pid);
@@ -737,6 +761,7 @@ impl Server {
             version: env!("CARGO_PKG_VERSION").into(),
             socket: self.opts.socket.display().to_string(),
             timeslice_ms: self.opts.timeslice as f64 / 1e6,
+            inflight_us: self.opts.inflight as f64 / 1e3,
             overprovision: self.opts.overprovision,
             gpus,
             queue,
@@ -1020,6 +1045,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     };
     let sched = SchedConfig {
         timeslice: opts.timeslice,
+        bound: opts.inflight,
         ..SchedConfig::default()
     };
     let mut s = Server {

@@ -8,6 +8,10 @@ pub struct Status {
     pub version: String,
     pub socket: String,
     pub timeslice_ms: f64,
+    /// Most unfinished work a holder may keep queued while others share its
+    /// GPU, µs (0: unbounded).
+    #[serde(default)]
+    pub inflight_us: f64,
     pub overprovision: u32,
     pub gpus: Vec<GpuStatus>,
     pub queue: Vec<QueueEntry>,
@@ -52,8 +56,23 @@ pub struct ProcStatus {
     pub share_achieved: f64,
     /// GPU_COMPUTE_LIMIT, 0..1.
     pub limit: Option<f64>,
-    /// holding | waiting | idle | revoking
+    /// holding | waiting | idle | revoking | hung
     pub state: String,
+    /// GPU_COMPUTE_PRIORITY: high | normal | low.
+    #[serde(default = "normal")]
+    pub priority: String,
+    /// GPU time charged to it so far, seconds: time on the GPU (holding, or
+    /// its queued work still running after a release), split evenly while
+    /// several processes' work shared the GPU.
+    #[serde(default)]
+    pub gpu_time_s: f64,
+    /// Released, with queued work still running on the GPU.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+fn normal() -> String {
+    "normal".into()
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

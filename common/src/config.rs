@@ -22,6 +22,7 @@ pub const VAR_MEM_LIMIT: &str = "GPU_MEM_LIMIT";
 pub const VAR_MEM_LIMIT_PREFIX: &str = "GPU_MEM_LIMIT_";
 pub const VAR_COMPUTE_SHARE: &str = "GPU_COMPUTE_SHARE";
 pub const VAR_COMPUTE_LIMIT: &str = "GPU_COMPUTE_LIMIT";
+pub const VAR_COMPUTE_PRIORITY: &str = "GPU_COMPUTE_PRIORITY";
 pub const VAR_SOCKET: &str = "GPUFRAC_SOCKET";
 pub const VAR_BROKER: &str = "GPUFRAC_BROKER";
 pub const VAR_LOG: &str = "GPUFRAC_LOG";
@@ -34,6 +35,7 @@ const ORDINAL_EXAMPLE: &str = "a variable name such as GPU_MEM_LIMIT_0 through G
 const SOCKET_EXAMPLE: &str = "a Unix socket path such as /run/gpufrac/broker.sock";
 const BROKER_EXAMPLE: &str = "one of optional, required, off";
 const LOG_EXAMPLE: &str = "one of error, warn, info, debug";
+const PRIORITY_EXAMPLE: &str = "one of high, normal, low";
 const UTF8_PROBLEM: &str = "the value is not valid UTF-8";
 
 /// What to do about the broker (`GPUFRAC_BROKER`).
@@ -63,6 +65,51 @@ impl BrokerMode {
         [BrokerMode::Optional, BrokerMode::Required, BrokerMode::Off]
             .into_iter()
             .find(|m| m.as_str().eq_ignore_ascii_case(s))
+    }
+}
+
+/// `GPU_COMPUTE_PRIORITY`: the class a process competes in. A higher class
+/// takes the GPU from a lower one at once; shares apply within a class.
+/// Ordered so that `High > Normal > Low`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    Low,
+    #[default]
+    Normal,
+    High,
+}
+
+impl Priority {
+    pub const ALL: [Priority; 3] = [Priority::Low, Priority::Normal, Priority::High];
+
+    /// The spelling `GPU_COMPUTE_PRIORITY` and `gpufrac run --priority` accept.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Low => "low",
+            Priority::Normal => "normal",
+            Priority::High => "high",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// Its byte on the wire and its index in per-class tables.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn from_index(i: u8) -> Option<Self> {
+        Self::ALL.get(i as usize).copied()
+    }
+}
+
+impl fmt::Display for Priority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -111,6 +158,8 @@ pub struct ShimConfig {
     pub compute_share: Option<f64>,
     /// `GPU_COMPUTE_LIMIT`, percent.
     pub compute_limit: Option<f64>,
+    /// `GPU_COMPUTE_PRIORITY`
+    pub compute_priority: Priority,
     /// `GPUFRAC_SOCKET`
     pub socket: String,
     /// `GPUFRAC_BROKER`
@@ -127,6 +176,7 @@ impl Default for ShimConfig {
             per_device: [None; MAX_DEVICES],
             compute_share: None,
             compute_limit: None,
+            compute_priority: Priority::Normal,
             socket: DEFAULT_SOCKET.to_owned(),
             broker: BrokerMode::Optional,
             log: LogLevel::Error,
@@ -233,6 +283,16 @@ pub fn from_raw_vars<'a, I: IntoIterator<Item = (&'a [u8], &'a [u8])>>(
                     let v = value(PERCENT_EXAMPLE)?;
                     cfg.compute_limit =
                         optional_percent(v).map_err(|p| fail(v, p, PERCENT_EXAMPLE))?;
+                }
+            }
+            VAR_COMPUTE_PRIORITY => {
+                if seen.first(Var::ComputePriority) {
+                    let v = value(PRIORITY_EXAMPLE)?;
+                    if !v.trim().is_empty() {
+                        cfg.compute_priority = Priority::parse(v).ok_or_else(|| {
+                            fail(v, "unknown priority".to_owned(), PRIORITY_EXAMPLE)
+                        })?;
+                    }
                 }
             }
             VAR_SOCKET => {
@@ -344,6 +404,7 @@ enum Var {
     MemLimit,
     ComputeShare,
     ComputeLimit,
+    ComputePriority,
     Socket,
     Broker,
     Log,
@@ -641,12 +702,46 @@ mod tests {
     }
 
     #[test]
+    fn priorities() {
+        for (v, want) in [
+            ("high", Priority::High),
+            ("normal", Priority::Normal),
+            ("low", Priority::Low),
+            ("HIGH", Priority::High),
+            (" Low ", Priority::Low),
+            ("", Priority::Normal),
+        ] {
+            assert_eq!(
+                ok(&[("GPU_COMPUTE_PRIORITY", v)]).compute_priority,
+                want,
+                "{v:?}"
+            );
+        }
+        for v in ["urgent", "1", "hi", "high,low", "realtime", "-1"] {
+            let e = err(&[("GPU_COMPUTE_PRIORITY", v)]);
+            assert_eq!(e.var, "GPU_COMPUTE_PRIORITY");
+            assert!(
+                e.to_string().ends_with("expected one of high, normal, low"),
+                "{e}"
+            );
+        }
+        assert_eq!(ShimConfig::default().compute_priority, Priority::Normal);
+        assert!(Priority::High > Priority::Normal && Priority::Normal > Priority::Low);
+        for p in Priority::ALL {
+            assert_eq!(Priority::parse(p.as_str()), Some(p));
+            assert_eq!(Priority::from_index(p.index() as u8), Some(p));
+        }
+        assert_eq!(Priority::from_index(3), None);
+    }
+
+    #[test]
     fn everything_at_once() {
         let c = ok(&[
             ("GPU_MEM_LIMIT", "25%"),
             ("GPU_MEM_LIMIT_1", "8G"),
             ("GPU_COMPUTE_SHARE", "30%"),
             ("GPU_COMPUTE_LIMIT", "50"),
+            ("GPU_COMPUTE_PRIORITY", "high"),
             ("GPUFRAC_SOCKET", "/tmp/b.sock"),
             ("GPUFRAC_BROKER", "required"),
             ("GPUFRAC_LOG", "debug"),
@@ -655,6 +750,7 @@ mod tests {
         assert_eq!(c.limit_for(1), MemLimit::Bytes(8 * GIB));
         assert_eq!(c.compute_share, Some(30.0));
         assert_eq!(c.compute_limit, Some(50.0));
+        assert_eq!(c.compute_priority, Priority::High);
         assert_eq!(c.socket, "/tmp/b.sock");
         assert_eq!(c.broker, BrokerMode::Required);
         assert_eq!(c.log, LogLevel::Debug);

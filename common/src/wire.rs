@@ -55,7 +55,11 @@
 
 use std::fmt;
 
-pub const PROTOCOL_VERSION: u16 = 1;
+use crate::config::Priority;
+
+/// 2: priorities (`Register`, `Lease`), the in-flight bound in `Grant`,
+/// and `Drained`.
+pub const PROTOCOL_VERSION: u16 = 2;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -79,6 +83,7 @@ const T_ACQUIRE: u8 = 0x04;
 const T_RELEASE: u8 = 0x05;
 const T_STATUS: u8 = 0x06;
 const T_LEASE: u8 = 0x07;
+const T_DRAINED: u8 = 0x08;
 
 const T_HELLO_OK: u8 = 0x81;
 const T_ERROR: u8 = 0x82;
@@ -145,6 +150,7 @@ pub enum ClientMsg {
         share: Option<f64>,
         /// Percent.
         limit: Option<f64>,
+        priority: Priority,
     },
     Usage {
         uuid: [u8; 16],
@@ -155,9 +161,17 @@ pub enum ClientMsg {
     Acquire {
         uuid: [u8; 16],
     },
+    /// Stops launching on a device. Work already queued there may still be
+    /// running: the GPU's own time-slicer interleaves it with the next
+    /// holder's, and `Drained` says when it has finished.
     Release {
         uuid: [u8; 16],
         held_ns: u64,
+    },
+    /// Everything this process had queued on the device before its last
+    /// `Release` has completed.
+    Drained {
+        uuid: [u8; 16],
     },
     /// Asks for `StatusReply`.
     Status,
@@ -172,6 +186,8 @@ pub enum ClientMsg {
         limit: Option<f64>,
         no_wait: bool,
         command: String,
+        /// `None`: the job's processes choose for themselves.
+        priority: Option<Priority>,
     },
 }
 
@@ -206,6 +222,9 @@ pub enum ServerMsg {
         grant: u64,
         /// 0 = open-ended (the GPU is uncontended).
         slice_ns: u64,
+        /// Most GPU time the holder may have queued and unfinished at once
+        /// (others share the GPU and must get in quickly); 0 = no bound.
+        bound_ns: u64,
     },
     Revoke {
         uuid: [u8; 16],
@@ -300,6 +319,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             devices,
             share,
             limit,
+            priority,
         } => {
             out.push(T_REGISTER);
             put_str16(out, command);
@@ -313,6 +333,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             }
             put_opt_f64(out, *share);
             put_opt_f64(out, *limit);
+            out.push(priority.index() as u8);
         }
         ClientMsg::Usage {
             uuid,
@@ -335,6 +356,10 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             out.extend_from_slice(uuid);
             put_u64(out, *held_ns);
         }
+        ClientMsg::Drained { uuid } => {
+            out.push(T_DRAINED);
+            out.extend_from_slice(uuid);
+        }
         ClientMsg::Status => out.push(T_STATUS),
         ClientMsg::Lease {
             want_gpus,
@@ -343,6 +368,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             limit,
             no_wait,
             command,
+            priority,
         } => {
             out.push(T_LEASE);
             put_u32(out, *want_gpus);
@@ -351,6 +377,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             put_opt_f64(out, *limit);
             out.push(u8::from(*no_wait));
             put_str16(out, command);
+            out.push(priority.map_or(0, |p| p.index() as u8 + 1));
         }
     }
     end_frame(out, start);
@@ -373,11 +400,13 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             uuid,
             grant,
             slice_ns,
+            bound_ns,
         } => {
             out.push(T_GRANT);
             out.extend_from_slice(uuid);
             put_u64(out, *grant);
             put_u64(out, *slice_ns);
+            put_u64(out, *bound_ns);
         }
         ServerMsg::Revoke { uuid, grant } => {
             out.push(T_REVOKE);
@@ -457,6 +486,8 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
                 devices,
                 share: r.opt_f64()?,
                 limit: r.opt_f64()?,
+                priority: Priority::from_index(r.u8()?)
+                    .ok_or(DecodeError::Malformed("unknown priority"))?,
             }
         }
         T_USAGE => ClientMsg::Usage {
@@ -470,6 +501,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
             uuid: r.array()?,
             held_ns: r.u64()?,
         },
+        T_DRAINED => ClientMsg::Drained { uuid: r.array()? },
         T_STATUS => ClientMsg::Status,
         T_LEASE => ClientMsg::Lease {
             want_gpus: r.u32()?,
@@ -478,6 +510,13 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
             limit: r.opt_f64()?,
             no_wait: r.bool()?,
             command: r.str16()?,
+            priority: match r.u8()? {
+                0 => None,
+                b => Some(
+                    Priority::from_index(b - 1)
+                        .ok_or(DecodeError::Malformed("unknown priority"))?,
+                ),
+            },
         },
         other => return Err(DecodeError::UnknownType(other)),
     };
@@ -504,6 +543,7 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
             uuid: r.array()?,
             grant: r.u64()?,
             slice_ns: r.u64()?,
+            bound_ns: r.u64()?,
         },
         T_REVOKE => ServerMsg::Revoke {
             uuid: r.array()?,
@@ -763,12 +803,14 @@ mod tests {
                 ],
                 share: Some(30.0),
                 limit: None,
+                priority: Priority::High,
             },
             ClientMsg::Register {
                 command: String::new(),
                 devices: vec![],
                 share: None,
                 limit: Some(12.5),
+                priority: Priority::Low,
             },
             ClientMsg::Usage {
                 uuid: uuid(3),
@@ -777,6 +819,7 @@ mod tests {
                 ooms: 7,
             },
             ClientMsg::Acquire { uuid: uuid(4) },
+            ClientMsg::Drained { uuid: uuid(5) },
             ClientMsg::Release {
                 uuid: uuid(5),
                 held_ns: 50_000_000,
@@ -789,6 +832,7 @@ mod tests {
                 limit: None,
                 no_wait: false,
                 command: "torchrun --nproc_per_node=2 train.py".into(),
+                priority: None,
             },
             ClientMsg::Lease {
                 want_gpus: 0,
@@ -797,6 +841,7 @@ mod tests {
                 limit: Some(50.0),
                 no_wait: true,
                 command: String::new(),
+                priority: Some(Priority::High),
             },
         ]
     }
@@ -812,11 +857,13 @@ mod tests {
                 uuid: uuid(1),
                 grant: 1,
                 slice_ns: 0,
+                bound_ns: 0,
             },
             ServerMsg::Grant {
                 uuid: uuid(1),
                 grant: 2,
                 slice_ns: 50_000_000,
+                bound_ns: 250_000,
             },
             ServerMsg::Revoke {
                 uuid: uuid(2),
@@ -874,7 +921,7 @@ mod tests {
         assert_eq!(
             enc_c(&ClientMsg::hello(0x0102_0304, Role::Shim)),
             [
-                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 1, 0, 4, 3, 2, 1, 1
+                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 2, 0, 4, 3, 2, 1, 1
             ]
         );
         assert_eq!(
@@ -889,11 +936,11 @@ mod tests {
             [7, 0, 0, 0, 0x82, 1, 0, 2, 0, b'n', b'o']
         );
         assert_eq!(enc_c(&ClientMsg::Status), [1, 0, 0, 0, 0x06]);
-        let mut want = vec![26, 0, 0, 0, 0x07, 2, 0, 0, 0];
+        let mut want = vec![27, 0, 0, 0, 0x07, 2, 0, 0, 0];
         want.extend_from_slice(&0u64.to_le_bytes());
         want.extend_from_slice(&[1]);
         want.extend_from_slice(&30.0f64.to_bits().to_le_bytes());
-        want.extend_from_slice(&[0, 1, 0, 0]);
+        want.extend_from_slice(&[0, 1, 0, 0, 0]);
         assert_eq!(
             enc_c(&ClientMsg::Lease {
                 want_gpus: 2,
@@ -902,6 +949,7 @@ mod tests {
                 limit: None,
                 no_wait: true,
                 command: String::new(),
+                priority: None,
             }),
             want
         );
@@ -931,7 +979,7 @@ mod tests {
             hello_reply(magic, version),
             ServerMsg::Error {
                 code: ERR_VERSION,
-                message: "protocol version 7 not supported; this broker speaks 1".into()
+                message: "protocol version 7 not supported; this broker speaks 2".into()
             }
         );
 
@@ -1066,7 +1114,7 @@ mod tests {
             Err(DecodeError::Malformed("empty frame"))
         );
         assert_eq!(m(0x00, &[]), DecodeError::UnknownType(0));
-        assert_eq!(m(0x08, &[]), DecodeError::UnknownType(8));
+        assert_eq!(m(0x09, &[]), DecodeError::UnknownType(9));
         assert_eq!(m(T_HELLO_OK, &[1, 0]), DecodeError::UnknownType(T_HELLO_OK));
         assert_eq!(
             decode_server(&frame(T_HELLO, &[])),
@@ -1140,10 +1188,17 @@ mod tests {
             DecodeError::Malformed("list longer than the payload")
         );
         assert_eq!(
-            s(T_GRANT, &[0; 33]),
+            s(T_GRANT, &[0; 41]),
             DecodeError::Malformed("trailing bytes after the message")
         );
         assert_eq!(s(0x89, &[]), DecodeError::UnknownType(0x89));
+
+        let mut reg = vec![0, 0, 0, 0, 0, 0];
+        reg.push(3);
+        assert_eq!(
+            m(T_REGISTER, &reg),
+            DecodeError::Malformed("unknown priority")
+        );
     }
 
     #[test]
@@ -1157,6 +1212,7 @@ mod tests {
             limit: None,
             no_wait: false,
             command: long.clone(),
+            priority: Some(Priority::Low),
         };
         let bytes = enc_c(&m);
         let (ClientMsg::Lease { command, .. }, used) = decode_client(&bytes).unwrap() else {
@@ -1194,6 +1250,7 @@ mod tests {
             devices: vec![dev; 70_000],
             share: Some(1.0),
             limit: Some(2.0),
+            priority: Priority::Normal,
         };
         let bytes = enc_c(&m);
         assert!(bytes.len() <= MAX_FRAME as usize + 4);
@@ -1221,6 +1278,7 @@ mod tests {
             devices: vec![],
             share: Some(odd_nan),
             limit: Some(-0.0),
+            priority: Priority::High,
         };
         let (ClientMsg::Register { share, limit, .. }, _) = decode_client(&enc_c(&m)).unwrap()
         else {
@@ -1283,14 +1341,19 @@ mod tests {
                 any::<String>(),
                 vec(device(), 0..6),
                 proptest::option::of(float()),
-                proptest::option::of(float())
+                proptest::option::of(float()),
+                proptest::sample::select(Priority::ALL.to_vec()),
             )
-                .prop_map(|(command, devices, share, limit)| ClientMsg::Register {
-                    command,
-                    devices,
-                    share,
-                    limit
+                .prop_map(|(command, devices, share, limit, priority)| {
+                    ClientMsg::Register {
+                        command,
+                        devices,
+                        share,
+                        limit,
+                        priority,
+                    }
                 }),
+            any::<[u8; 16]>().prop_map(|uuid| ClientMsg::Drained { uuid }),
             (any::<[u8; 16]>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
                 |(uuid, used, peak, ooms)| ClientMsg::Usage {
                     uuid,
@@ -1319,6 +1382,7 @@ mod tests {
                         limit,
                         no_wait,
                         command,
+                        priority: None,
                     }
                 }),
         ]
@@ -1334,6 +1398,7 @@ mod tests {
                     uuid,
                     grant,
                     slice_ns,
+                    bound_ns: slice_ns / 3,
                 }
             }),
             (any::<[u8; 16]>(), any::<u64>())

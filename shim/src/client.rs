@@ -57,6 +57,15 @@ static MEMBARRIER: AtomicBool = AtomicBool::new(false);
 static CONTENDED: AtomicU64 = AtomicU64::new(0);
 /// Devices for which an Acquire is outstanding.
 static REQUESTED: AtomicU64 = AtomicU64::new(0);
+/// Devices held under a grant with an in-flight bound (others share the
+/// GPU): launches there are tracked (see inflight.rs), and idle hand-back
+/// applies.
+static BOUNDED: AtomicU64 = AtomicU64::new(0);
+static BOUND_NS: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+/// Devices released whose queued work the drain thread still has to see
+/// finish before telling the broker.
+static DRAIN_REQ: AtomicU64 = AtomicU64::new(0);
+static DRAIN_WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 static IN_FLIGHT: [AtomicU32; MAX_DEVICES] = [const { AtomicU32::new(0) }; MAX_DEVICES];
 static LAST_LAUNCH: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
@@ -72,8 +81,9 @@ static CONN_FD: AtomicI32 = AtomicI32::new(-1);
 static SEND: Mutex<()> = Mutex::new(());
 static WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 
-/// Without launches for this long while others wait, the GPU is handed back.
-const IDLE_HANDBACK_NS: u64 = 2_000_000;
+/// Without launches for this long while others wait (or could), the GPU is
+/// handed back: a returning holder asks again, which costs a round trip.
+const IDLE_HANDBACK_NS: u64 = 500_000;
 const REPORT_EVERY_NS: u64 = 100_000_000;
 /// Largest device count registered (bounded by MAX_DEVICES).
 static NDEV: AtomicU32 = AtomicU32::new(0);
@@ -85,6 +95,8 @@ thread_local! {
     static PENDING: Cell<i32> = const { Cell::new(-1) };
     // This thread's slot: -1 not yet assigned, -3 none left.
     static MY_SLOT: Cell<i32> = const { Cell::new(-1) };
+    // The current launch is on a bounded device and must be tracked.
+    static TRACKED: Cell<bool> = const { Cell::new(false) };
 }
 
 const SLOT_BASE: i32 = -100;
@@ -163,12 +175,18 @@ fn gate_slow() -> Result<(), u32> {
     let d = dev as usize;
     let bit = 1u64 << d;
     loop {
+        // Wait for room outside the gate: a revoke must not wait for it.
+        let bounded = BOUNDED.load(Acquire) & bit != 0;
+        if bounded {
+            crate::inflight::wait_room(d, BOUND_NS[d].load(Relaxed));
+        }
         IN_FLIGHT[d].fetch_add(1, SeqCst);
         if OPEN.load(SeqCst) & bit != 0 {
-            if CONTENDED.load(Relaxed) & bit != 0 {
+            if (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & bit != 0 {
                 LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
             }
             PENDING.with(|p| p.set(dev));
+            TRACKED.with(|t| t.set(bounded));
             return Ok(());
         }
         IN_FLIGHT[d].fetch_sub(1, SeqCst);
@@ -182,10 +200,15 @@ fn gate_slow() -> Result<(), u32> {
 /// PENDING value of a launch that went through the ALL_OPEN lane.
 const ALL_LANE: i32 = -2;
 
+/// After the driver call of a launch that `may_launch` let through, on
+/// `stream` (`ptsz`: with per-thread default stream semantics).
 #[inline(always)]
-pub fn launched(_rc: u32) {
+pub fn launched(rc: u32, stream: CUstream, ptsz: bool) {
     let d = PENDING.with(|p| p.replace(-1));
     if d >= 0 {
+        if TRACKED.with(|t| t.replace(false)) && rc == CUDA_SUCCESS {
+            crate::inflight::record(d as usize, stream, ptsz);
+        }
         IN_FLIGHT[d as usize].fetch_sub(1, SeqCst);
     } else if d == ALL_LANE {
         GLOBAL_IN_FLIGHT.fetch_sub(1, SeqCst);
@@ -198,7 +221,9 @@ pub fn launched(_rc: u32) {
 fn update_all_open() {
     let n = NDEV.load(Relaxed).min(MAX_DEVICES as u32);
     let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
-    let open = n > 0 && OPEN.load(SeqCst) & all == all && CONTENDED.load(SeqCst) & all == 0;
+    let open = n > 0
+        && OPEN.load(SeqCst) & all == all
+        && (CONTENDED.load(SeqCst) | BOUNDED.load(SeqCst)) & all == 0;
     ALL_OPEN.store(open, SeqCst);
 }
 
@@ -370,6 +395,7 @@ fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
             devices: devs,
             share: cfg.compute_share,
             limit: cfg.compute_limit,
+            priority: cfg.compute_priority,
         },
         &mut buf,
     );
@@ -378,6 +404,15 @@ fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
 
 fn client_thread(cfg: &'static ShimConfig) {
     register_membarrier();
+    if std::thread::Builder::new()
+        .name("gpufrac-drain".into())
+        .spawn(drain_thread)
+        .is_err()
+    {
+        warn!(
+            "could not start the drain thread; queued work after a handover is charged until the broker's timeout"
+        );
+    }
     // Caps and UUIDs are needed to register; they exist once a context does.
     while devices::ensure().is_err() {
         std::thread::sleep(Duration::from_millis(50));
@@ -412,6 +447,7 @@ fn client_thread(cfg: &'static ShimConfig) {
         ALL_OPEN.store(false, SeqCst);
         OPEN.store(0, SeqCst);
         CONTENDED.store(0, SeqCst);
+        BOUNDED.store(0, SeqCst);
         REQUESTED.store(0, SeqCst);
         GATED.store(cfg.broker == BrokerMode::Required, Release);
         wake_all();
@@ -431,6 +467,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
     ALL_OPEN.store(false, SeqCst);
     OPEN.store(0, SeqCst);
     CONTENDED.store(0, SeqCst);
+    BOUNDED.store(0, SeqCst);
     REQUESTED.store(0, SeqCst);
     CONN_FD.store(fd, Release);
     GATED.store(true, Release);
@@ -440,8 +477,15 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
     let mut reported = [(u64::MAX, u64::MAX, u64::MAX); MAX_DEVICES];
     let mut last_report = 0u64;
     let result: Result<(), String> = (|| loop {
-        let tick = if CONTENDED.load(Relaxed) != 0 { 1 } else { 100 };
-        s.set_read_timeout(Some(Duration::from_millis(tick)))
+        // Idle hand-back is checked on this tick: fine while others share
+        // the GPU, coarse (for usage reports) while alone.
+        let shared = (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & OPEN.load(Relaxed);
+        let tick = if shared != 0 {
+            IDLE_HANDBACK_NS / 2
+        } else {
+            100_000_000
+        };
+        s.set_read_timeout(Some(Duration::from_nanos(tick)))
             .map_err(|e| e.to_string())?;
         let mut tmp = [0u8; 4096];
         match s.read(&mut tmp) {
@@ -490,6 +534,7 @@ fn on_message(m: ServerMsg) {
             uuid,
             grant,
             slice_ns,
+            bound_ns,
         } => {
             let Some(d) = ordinal_of(&uuid) else { return };
             let bit = 1u64 << d;
@@ -498,6 +543,14 @@ fn on_message(m: ServerMsg) {
                 return;
             }
             GRANT_ID[d].store(grant, Relaxed);
+            BOUND_NS[d].store(bound_ns, Relaxed);
+            if bound_ns == 0 {
+                BOUNDED.fetch_and(!bit, SeqCst);
+            } else {
+                ALL_OPEN.store(false, SeqCst);
+                LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
+                BOUNDED.fetch_or(bit, SeqCst);
+            }
             if slice_ns == 0 {
                 CONTENDED.fetch_and(!bit, SeqCst);
             } else {
@@ -568,16 +621,11 @@ fn release(d: usize, wants_again: bool) {
     {
         std::thread::yield_now();
     }
-    for ctx in mem::contexts_of(d) {
-        unsafe {
-            if call::cuCtxPushCurrent_v2(ctx as CUcontext) == CUDA_SUCCESS {
-                call::cuCtxSynchronize();
-                let mut old: CUcontext = std::ptr::null_mut();
-                call::cuCtxPopCurrent_v2(&mut old);
-            }
-        }
-    }
+    // No drain here: the next holder starts now, and the GPU's time-slicer
+    // interleaves what this process still has queued (kept short by the
+    // in-flight bound). The drain thread reports when it has finished.
     CONTENDED.fetch_and(!bit, SeqCst);
+    BOUNDED.fetch_and(!bit, SeqCst);
     let held = now_ns().saturating_sub(GRANTED_AT[d].load(Relaxed));
     if let Some(uuid) = uuid {
         send_locked(
@@ -589,7 +637,50 @@ fn release(d: usize, wants_again: bool) {
         );
     }
     drop(sending);
+    request_drain(d);
     debug!("device {d}: released after {} us", held / 1000);
+}
+
+fn request_drain(d: usize) {
+    DRAIN_REQ.fetch_or(1 << d, SeqCst);
+    let _g = DRAIN_WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
+    DRAIN_WAIT.1.notify_one();
+}
+
+/// Waits for the work this process queued on a released device to finish,
+/// then tells the broker, which charges that work as GPU time used.
+fn drain_thread() {
+    loop {
+        let req = {
+            let mut g = DRAIN_WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                let r = DRAIN_REQ.swap(0, SeqCst);
+                if r != 0 {
+                    break r;
+                }
+                g = DRAIN_WAIT.1.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        for d in 0..MAX_DEVICES {
+            if req & (1 << d) == 0 {
+                continue;
+            }
+            for ctx in mem::contexts_of(d) {
+                unsafe {
+                    if call::cuCtxPushCurrent_v2(ctx as CUcontext) == CUDA_SUCCESS {
+                        call::cuCtxSynchronize();
+                        let mut old: CUcontext = std::ptr::null_mut();
+                        call::cuCtxPopCurrent_v2(&mut old);
+                    }
+                }
+            }
+            if let Some(dev) = devices::all().get(d) {
+                send(&ClientMsg::Drained {
+                    uuid: dev.uuid.bytes,
+                });
+            }
+        }
+    }
 }
 
 /// Wraps a synchronize call so idle hand-back does not fire while the
@@ -610,7 +701,7 @@ pub fn syncing<F: FnOnce() -> u32>(f: F) -> u32 {
 }
 
 fn idle_handback() {
-    let contended = CONTENDED.load(Relaxed) & OPEN.load(Relaxed);
+    let contended = (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & OPEN.load(Relaxed);
     if contended == 0 || SYNCING.load(SeqCst) > 0 {
         return;
     }
@@ -674,6 +765,8 @@ pub fn reset_after_fork() {
     }
     OPEN.store(0, SeqCst);
     CONTENDED.store(0, SeqCst);
+    BOUNDED.store(0, SeqCst);
+    DRAIN_REQ.store(0, SeqCst);
     REQUESTED.store(0, SeqCst);
     for c in &IN_FLIGHT {
         c.store(0, SeqCst);

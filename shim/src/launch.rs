@@ -21,10 +21,10 @@ macro_rules! gate {
 
 /// Every launch: the compute gate, the driver call, the gate's bookkeeping.
 #[inline(always)]
-fn gated_launch(stream: CUstream, real: impl FnOnce() -> u32) -> u32 {
+fn gated_launch(stream: CUstream, ptsz: bool, real: impl FnOnce() -> u32) -> u32 {
     gate!(stream);
     let rc = real();
-    client::launched(rc);
+    client::launched(rc, stream, ptsz);
     rc
 }
 
@@ -41,7 +41,7 @@ pub unsafe fn launch_kernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> u32 {
-    gated_launch(stream, || unsafe {
+    gated_launch(stream, false, || unsafe {
         call::cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
     })
 }
@@ -59,7 +59,7 @@ pub unsafe fn launch_kernel_ptsz(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> u32 {
-    gated_launch(stream, || unsafe {
+    gated_launch(stream, true, || unsafe {
         call::cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
     })
 }
@@ -75,7 +75,7 @@ pub unsafe fn launch_kernel_ex(
     } else {
         unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
-    gated_launch(stream, || unsafe {
+    gated_launch(stream, false, || unsafe {
         call::cuLaunchKernelEx(config, f, params, extra)
     })
 }
@@ -91,7 +91,7 @@ pub unsafe fn launch_kernel_ex_ptsz(
     } else {
         unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
-    gated_launch(stream, || unsafe {
+    gated_launch(stream, true, || unsafe {
         call::cuLaunchKernelEx_ptsz(config, f, params, extra)
     })
 }
@@ -108,7 +108,7 @@ pub unsafe fn launch_coop(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> u32 {
-    gated_launch(stream, || unsafe {
+    gated_launch(stream, false, || unsafe {
         call::cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
     })
 }
@@ -125,7 +125,7 @@ pub unsafe fn launch_coop_ptsz(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> u32 {
-    gated_launch(stream, || unsafe {
+    gated_launch(stream, true, || unsafe {
         call::cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
     })
 }
@@ -137,16 +137,26 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
         }
     }
     let rc = unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) };
-    client::launched(rc);
+    // Several streams: the first stands for the launch in the bound.
+    let first = if list.is_null() || n == 0 {
+        std::ptr::null_mut()
+    } else {
+        unsafe { std::ptr::addr_of!((*list).hStream).read_unaligned() }
+    };
+    client::launched(rc, first, false);
     rc
 }
 
 pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
-    gated_launch(stream, || unsafe { call::cuGraphLaunch(exec, stream) })
+    gated_launch(stream, false, || unsafe {
+        call::cuGraphLaunch(exec, stream)
+    })
 }
 
 pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    gated_launch(stream, || unsafe { call::cuGraphLaunch_ptsz(exec, stream) })
+    gated_launch(stream, true, || unsafe {
+        call::cuGraphLaunch_ptsz(exec, stream)
+    })
 }
 
 // Synchronisation: pass-through, but marked, so that a process waiting for

@@ -212,6 +212,13 @@ hooks! {
         Cuda fn cuArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, arr: CUarray, dev: CUdevice);
         Cuda fn cuMipmappedArrayGetMemoryRequirements(req: *mut CUDA_ARRAY_MEMORY_REQUIREMENTS, arr: CUmipmappedArray, dev: CUdevice);
         Cuda fn cuStreamGetCtx(stream: CUstream, pctx: *mut CUcontext);
+        Cuda fn cuEventCreate(event: *mut CUevent, flags: c_uint);
+        Cuda fn cuEventRecord(event: CUevent, stream: CUstream);
+        Cuda fn cuEventRecord_ptsz(event: CUevent, stream: CUstream);
+        Cuda fn cuEventQuery(event: CUevent);
+        Cuda fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
+        Cuda fn cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent);
+        Cuda fn cuEventDestroy_v2(event: CUevent);
         Nvml fn nvmlDeviceGetUUID(dev: nvmlDevice_t, buf: *mut c_char, len: c_uint);
     }
 }
