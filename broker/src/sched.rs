@@ -111,6 +111,9 @@ pub enum Action {
         grant: GrantId,
         slice: Option<Nanos>,
         bound: Nanos,
+        /// Someone else (of any class) wants the GPU: an idle holder hands
+        /// it back early.
+        waiters: bool,
     },
     /// Stop launching, then `release` (without waiting for queued work).
     Revoke { client: ClientId, grant: GrantId },
@@ -177,6 +180,12 @@ struct Outstanding {
     hung: bool,
     /// The bound last sent with this grant.
     bound: Nanos,
+    /// `waiters` last sent with this grant.
+    waiters: bool,
+    /// Granted to a client that had been idle: its first slice is a burst
+    /// (a request, a notebook cell) that must be queued whole, or the GPU's
+    /// time-slicer would switch to others' leftover work at every gap.
+    burst: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -215,6 +224,8 @@ pub struct Scheduler {
     vclock: [f64; 3],
     /// A client that just woke up and may preempt the holder.
     woke: Option<ClientId>,
+    /// Clients that left idle and have not been granted since.
+    waking: std::collections::BTreeSet<ClientId>,
     next_seq: u64,
     next_grant: GrantId,
     actions: VecDeque<Action>,
@@ -395,6 +406,7 @@ impl Scheduler {
             holder: None,
             vclock: [0.0; 3],
             woke: None,
+            waking: std::collections::BTreeSet::new(),
             next_seq: 0,
             next_grant: 1,
             actions: VecDeque::new(),
@@ -460,6 +472,7 @@ impl Scheduler {
         let now = self.clock(now);
         self.settle(now);
         self.clients.remove(&id);
+        self.waking.remove(&id);
         if self.holder == Some(id) {
             self.holder = None;
         }
@@ -484,6 +497,7 @@ impl Scheduler {
                 c.seq = seq;
                 self.next_seq += 1;
                 self.woke = Some(id);
+                self.waking.insert(id);
             }
             ClientState::Revoking => c.wants_again = true,
             ClientState::Waiting | ClientState::Holding => {}
@@ -504,7 +518,10 @@ impl Scheduler {
         let c = self.clients.get_mut(&id).expect("checked above");
         match c.state {
             ClientState::Idle => {}
-            ClientState::Waiting => c.state = ClientState::Idle,
+            ClientState::Waiting => {
+                c.state = ClientState::Idle;
+                self.waking.remove(&id);
+            }
             ClientState::Holding | ClientState::Revoking => {
                 c.grant = None;
                 c.draining_since.get_or_insert(now);
@@ -552,9 +569,14 @@ impl Scheduler {
             }
         };
         let mut waiter_times_matter = true;
-        if let Some(d) = self.holder_grant().and_then(|g| g.deadline) {
-            consider(d);
-            waiter_times_matter = false;
+        if let Some(g) = self.holder_grant() {
+            if let Some(d) = g.deadline {
+                consider(d);
+                waiter_times_matter = false;
+            }
+            if g.burst {
+                consider(g.start.saturating_add(self.cfg.timeslice));
+            }
         }
         for c in self.clients.values() {
             if let Some(g) = &c.grant
@@ -706,9 +728,22 @@ impl Scheduler {
             })
     }
 
-    /// The bound a holder gets: only while someone else could want the GPU.
-    fn bound(&self) -> Nanos {
-        if self.clients.len() > 1 {
+    /// The bound `id` gets as holder: only while someone who could take the
+    /// GPU from it or follow it is registered (a client of its class or
+    /// higher), and not during the first slice of a burst.
+    fn bound_for(&self, now: Nanos, id: ClientId) -> Nanos {
+        let Some(c) = self.clients.get(&id) else {
+            return 0;
+        };
+        let in_burst = c
+            .grant
+            .as_ref()
+            .is_some_and(|g| g.burst && now < g.start.saturating_add(self.cfg.timeslice));
+        let others = self
+            .clients
+            .iter()
+            .any(|(&o, oc)| o != id && oc.class >= c.class);
+        if others && !in_burst {
             self.cfg.bound
         } else {
             0
@@ -767,8 +802,9 @@ impl Scheduler {
             };
         };
         let cfg = self.cfg;
-        let bound = self.bound();
+        let bound = self.bound_for(now, h);
         let best = self.best_waiter(now, Some(h));
+        let best_any = best;
         let woke = self.woke.take();
         let c = self.clients.get(&h).expect("holder is registered");
         let (class, vtime, weight) = (c.class, c.vtime, c.weight);
@@ -786,7 +822,8 @@ impl Scheduler {
         let remaining = c.remaining(&cfg, now);
         let quantum = c.quantum(&cfg);
         let g = c.grant.as_ref().expect("holder has a grant");
-        let (gid, start, deadline, sent_bound) = (g.id, g.start, g.deadline, g.bound);
+        let (gid, start, deadline) = (g.id, g.start, g.deadline);
+        let unchanged = g.bound == bound && g.waiters == best_any.is_some();
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
@@ -809,7 +846,7 @@ impl Scheduler {
                 }
             }
             Some(d) => {
-                if bound == sent_bound {
+                if unchanged {
                     return false;
                 }
                 Some(Some(d - now))
@@ -826,7 +863,7 @@ impl Scheduler {
                 (d > now).then_some(Some(d - now))
             }
             None => {
-                if bound == sent_bound {
+                if unchanged {
                     return false;
                 }
                 Some(None)
@@ -838,11 +875,13 @@ impl Scheduler {
                 let g = c.grant.as_mut().expect("holder has a grant");
                 g.deadline = slice.map(|s| now + s);
                 g.bound = bound;
+                g.waiters = best_any.is_some();
                 self.actions.push_back(Action::Grant {
                     client: h,
                     grant: gid,
                     slice,
                     bound,
+                    waiters: best_any.is_some(),
                 });
             }
             None => self.revoke(now, h),
@@ -852,7 +891,7 @@ impl Scheduler {
 
     fn grant_to(&mut self, now: Nanos, id: ClientId) {
         let cfg = self.cfg;
-        let bound = self.bound();
+        let burst = self.waking.remove(&id);
         let class = self.clients[&id].class;
         let contended = self
             .best_waiter(now, Some(id))
@@ -871,17 +910,26 @@ impl Scheduler {
             deadline: slice.map(|s| now + s),
             revoked_at: None,
             hung: false,
-            bound,
+            bound: 0,
+            waiters: false,
+            burst,
         });
         // Its own earlier work now counts as part of the holding.
         c.draining_since = None;
         c.refresh_run(now);
         self.holder = Some(id);
+        let bound = self.bound_for(now, id);
+        let waiters = self.best_waiter(now, Some(id)).is_some();
+        if let Some(g) = self.clients.get_mut(&id).and_then(|c| c.grant.as_mut()) {
+            g.bound = bound;
+            g.waiters = waiters;
+        }
         self.actions.push_back(Action::Grant {
             client: id,
             grant: gid,
             slice,
             bound,
+            waiters,
         });
     }
 }
@@ -904,6 +952,18 @@ mod tests {
             grant,
             slice,
             bound,
+            // A slice means a waiter of the holder's class.
+            waiters: slice.is_some(),
+        }
+    }
+
+    fn grant_w(client: ClientId, grant: GrantId, bound: Nanos) -> Action {
+        Action::Grant {
+            client,
+            grant,
+            slice: None,
+            bound,
+            waiters: true,
         }
     }
 
@@ -1119,11 +1179,18 @@ mod tests {
         s.add_client(0, 1, 1.0, None, N);
         s.acquire(0, 1);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
-        // Idle, but it could wake at any moment: keep the holder's queue short.
+        // Idle, but it could wake at any moment: keep the holder's queue
+        // short, once the holder's first burst is over.
         s.add_client(MS, 2, 1.0, None, N);
+        assert!(drain(&mut s).is_empty());
+        assert_eq!(s.next_timeout(), Some(20 * MS));
+        s.handle_timeout(20 * MS);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, B)]);
-        s.remove_client(2 * MS, 2);
+        s.remove_client(30 * MS, 2);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
+        // A lower class cannot take the GPU from it: no bound for that.
+        s.add_client(40 * MS, 3, 1.0, None, Priority::Low);
+        assert!(drain(&mut s).is_empty());
     }
 
     #[test]
@@ -1132,28 +1199,31 @@ mod tests {
         s.add_client(0, 1, 1.0, None, N);
         s.add_client(0, 2, 1.0, None, N);
         s.acquire(0, 1);
+        assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
+        s.handle_timeout(20 * MS);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, B)]);
-        // 2 has used nothing and 1 has used 20 ms: 2 is behind and takes
-        // the GPU now, in the same step as the revoke.
-        s.acquire(20 * MS, 2);
-        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, B)]);
+        // 2 has used nothing and 1 has used 30 ms: 2 is behind and takes
+        // the GPU now, in the same step as the revoke. Its burst is not
+        // bounded.
+        s.acquire(30 * MS, 2);
+        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, 0)]);
         assert_eq!(s.state(1), Some(ClientState::Revoking));
         assert_eq!(s.holder(), Some(2));
         // 1's queued work drains alongside 2's: both are charged half.
-        s.release(20 * MS, 1);
-        assert!(status_of(&s, 20 * MS, 1).draining);
+        s.release(30 * MS, 1);
+        assert!(status_of(&s, 30 * MS, 1).draining);
         let before = (
-            status_of(&s, 20 * MS, 1).gpu_time,
-            status_of(&s, 20 * MS, 2).gpu_time,
+            status_of(&s, 30 * MS, 1).gpu_time,
+            status_of(&s, 30 * MS, 2).gpu_time,
         );
-        s.drained(22 * MS, 1);
+        s.drained(32 * MS, 1);
         let after = (
-            status_of(&s, 22 * MS, 1).gpu_time,
-            status_of(&s, 22 * MS, 2).gpu_time,
+            status_of(&s, 32 * MS, 1).gpu_time,
+            status_of(&s, 32 * MS, 2).gpu_time,
         );
         assert_eq!(after.0 - before.0, MS);
         assert_eq!(after.1 - before.1, MS);
-        assert!(!status_of(&s, 22 * MS, 1).draining);
+        assert!(!status_of(&s, 32 * MS, 1).draining);
     }
 
     #[test]
@@ -1164,10 +1234,14 @@ mod tests {
         s.acquire(0, 1);
         drain(&mut s);
         s.acquire(2 * SEC, 2);
-        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, B)]);
+        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, 0)]);
         s.acquire(2 * SEC, 1);
         s.release(2 * SEC, 1);
         // 1 waits again: 2's grant becomes a contended slice.
+        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), 0)]);
+        // Past its first slice, 2 is behind by 1's solo second: it keeps the
+        // GPU, now bounded.
+        s.handle_timeout(2 * SEC + 20 * MS);
         assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), B)]);
     }
 
@@ -1212,7 +1286,8 @@ mod tests {
         drain(&mut s);
         s.acquire(SEC + MS, 2);
         // Not preempted: 2's credit is one slice, and it is ahead by more.
-        assert_eq!(drain(&mut s), vec![grant(1, 2, Some(19 * MS), B)]);
+        // (1 is still in the first slice of its burst: no bound yet.)
+        assert_eq!(drain(&mut s), vec![grant(1, 2, Some(19 * MS), 0)]);
         assert_eq!(s.holder(), Some(1));
     }
 
@@ -1223,13 +1298,16 @@ mod tests {
         s.add_client(0, 2, 1.0, None, Priority::High);
         s.acquire(0, 1);
         drain(&mut s);
-        s.acquire(5 * SEC, 1);
+        s.handle_timeout(5 * SEC);
+        drain(&mut s);
         s.acquire(5 * SEC, 2);
-        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, B)]);
+        // No other high client: nothing can take the GPU from 2, no bound.
+        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, 0)]);
         s.acquire(5 * SEC, 1);
         s.release(5 * SEC, 1);
-        // A normal waiter does not contend with a high holder: open-ended.
-        assert!(drain(&mut s).is_empty());
+        // A normal waiter does not contend with a high holder: open-ended,
+        // but it is told someone waits, so it hands back when idle.
+        assert_eq!(drain(&mut s), vec![grant_w(2, 2, 0)]);
         s.handle_timeout(10 * SEC);
         assert!(drain(&mut s).is_empty());
         assert_eq!(s.holder(), Some(2));
@@ -1296,7 +1374,7 @@ mod tests {
         assert_eq!(s.holder(), Some(1));
         // ...unless 1 runs out of work first.
         s.release(SEC + 5 * MS, 1);
-        assert_eq!(drain(&mut s), vec![grant(2, 3, None, B)]);
+        assert_eq!(drain(&mut s), vec![grant(2, 3, None, 0)]);
         assert_eq!(s.holder(), Some(2));
         assert_eq!(s.state(1), Some(ClientState::Idle));
         s.drained(SEC + 5 * MS, 1);
@@ -1314,17 +1392,29 @@ mod tests {
         s.acquire(0, 3);
         assert_eq!(
             drain(&mut s),
-            vec![grant(1, 1, None, B), grant(1, 1, Some(20 * MS), B)]
+            vec![grant(1, 1, None, 0), grant(1, 1, Some(20 * MS), 0)]
         );
         s.remove_client(10 * MS, 1);
         // 3 is still waiting behind 2, so 2's grant is a contended slice.
-        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), B)]);
+        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), 0)]);
         assert_eq!(s.holder(), Some(2));
         assert_eq!(s.state(1), None);
-        // A waiting client that disconnects just leaves the queue; 2 is
-        // alone now, so its bound goes.
+        // A waiting client that disconnects just leaves the queue; 2 now
+        // has nobody waiting.
         s.remove_client(11 * MS, 3);
-        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(19 * MS), 0)]);
+        assert_eq!(
+            drain(&mut s),
+            vec![Action::Grant {
+                client: 2,
+                grant: 2,
+                slice: Some(19 * MS),
+                bound: 0,
+                waiters: false
+            }]
+        );
+        // 2 is alone: past its burst, still no bound.
+        s.handle_timeout(30 * MS);
+        assert_eq!(drain(&mut s), vec![grant(2, 2, None, 0)]);
     }
 
     #[test]
@@ -1419,7 +1509,16 @@ mod tests {
         s.acquire(0, 1);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
         s.add_client(10 * MS, 1, 1.0, Some(0.5), N);
-        assert_eq!(drain(&mut s), vec![grant(1, 1, Some(10 * MS), 0)]);
+        assert_eq!(
+            drain(&mut s),
+            vec![Action::Grant {
+                client: 1,
+                grant: 1,
+                slice: Some(10 * MS),
+                bound: 0,
+                waiters: false
+            }]
+        );
     }
 
     #[test]

@@ -520,6 +520,7 @@ impl Server {
                         grant,
                         slice,
                         bound,
+                        waiters,
                     } => self.send_id(
                         client,
                         &ServerMsg::Grant {
@@ -527,6 +528,7 @@ impl Server {
                             grant,
                             slice_ns: slice.unwrap_or(0),
                             bound_ns: bound,
+                            waiters,
                         },
                     ),
                     Action::Revoke { client, grant } => {

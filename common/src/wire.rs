@@ -225,6 +225,8 @@ pub enum ServerMsg {
         /// Most GPU time the holder may have queued and unfinished at once
         /// (others share the GPU and must get in quickly); 0 = no bound.
         bound_ns: u64,
+        /// Someone else wants the GPU: hand it back as soon as idle.
+        waiters: bool,
     },
     Revoke {
         uuid: [u8; 16],
@@ -401,12 +403,14 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             grant,
             slice_ns,
             bound_ns,
+            waiters,
         } => {
             out.push(T_GRANT);
             out.extend_from_slice(uuid);
             put_u64(out, *grant);
             put_u64(out, *slice_ns);
             put_u64(out, *bound_ns);
+            out.push(u8::from(*waiters));
         }
         ServerMsg::Revoke { uuid, grant } => {
             out.push(T_REVOKE);
@@ -544,6 +548,7 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
             grant: r.u64()?,
             slice_ns: r.u64()?,
             bound_ns: r.u64()?,
+            waiters: r.bool()?,
         },
         T_REVOKE => ServerMsg::Revoke {
             uuid: r.array()?,
@@ -858,12 +863,14 @@ mod tests {
                 grant: 1,
                 slice_ns: 0,
                 bound_ns: 0,
+                waiters: false,
             },
             ServerMsg::Grant {
                 uuid: uuid(1),
                 grant: 2,
                 slice_ns: 50_000_000,
                 bound_ns: 250_000,
+                waiters: true,
             },
             ServerMsg::Revoke {
                 uuid: uuid(2),
@@ -1188,7 +1195,7 @@ mod tests {
             DecodeError::Malformed("list longer than the payload")
         );
         assert_eq!(
-            s(T_GRANT, &[0; 41]),
+            s(T_GRANT, &[0; 42]),
             DecodeError::Malformed("trailing bytes after the message")
         );
         assert_eq!(s(0x89, &[]), DecodeError::UnknownType(0x89));
@@ -1399,6 +1406,7 @@ mod tests {
                     grant,
                     slice_ns,
                     bound_ns: slice_ns / 3,
+                    waiters: grant % 2 == 0,
                 }
             }),
             (any::<[u8; 16]>(), any::<u64>())

@@ -66,6 +66,13 @@ static BOUND_NS: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DE
 /// finish before telling the broker.
 static DRAIN_REQ: AtomicU64 = AtomicU64::new(0);
 static DRAIN_WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
+/// A process that starts launching after being idle does not wait for the
+/// broker's answer: until this time (per device) its launches go straight
+/// to the GPU, as they would without gpufrac, while the broker makes room.
+/// Waiting here first is what would make sharing through gpufrac slower
+/// than the GPU's own time-slicing.
+static OPTIMISTIC_UNTIL: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+const OPTIMISTIC_NS: u64 = 1_000_000;
 static IN_FLIGHT: [AtomicU32; MAX_DEVICES] = [const { AtomicU32::new(0) }; MAX_DEVICES];
 static LAST_LAUNCH: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
@@ -189,10 +196,24 @@ fn gate_slow() -> Result<(), u32> {
             TRACKED.with(|t| t.set(bounded));
             return Ok(());
         }
-        IN_FLIGHT[d].fetch_sub(1, SeqCst);
         if !GATED.load(Acquire) {
+            IN_FLIGHT[d].fetch_sub(1, SeqCst);
             return Ok(());
         }
+        if REQUESTED.fetch_or(bit, AcqRel) & bit == 0 {
+            // Coming back from idle: ask, and launch meanwhile.
+            OPTIMISTIC_UNTIL[d].store(now_ns() + OPTIMISTIC_NS, Relaxed);
+            if let Some(dev) = devices::all().get(d) {
+                send(&ClientMsg::Acquire {
+                    uuid: dev.uuid.bytes,
+                });
+            }
+        }
+        if now_ns() < OPTIMISTIC_UNTIL[d].load(Relaxed) {
+            PENDING.with(|p| p.set(dev));
+            return Ok(());
+        }
+        IN_FLIGHT[d].fetch_sub(1, SeqCst);
         wait_for_grant(d);
     }
 }
@@ -535,6 +556,7 @@ fn on_message(m: ServerMsg) {
             grant,
             slice_ns,
             bound_ns,
+            waiters,
         } => {
             let Some(d) = ordinal_of(&uuid) else { return };
             let bit = 1u64 << d;
@@ -551,7 +573,8 @@ fn on_message(m: ServerMsg) {
                 LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
                 BOUNDED.fetch_or(bit, SeqCst);
             }
-            if slice_ns == 0 {
+            OPTIMISTIC_UNTIL[d].store(0, Relaxed);
+            if slice_ns == 0 && !waiters {
                 CONTENDED.fetch_and(!bit, SeqCst);
             } else {
                 // Contention starts now: give the holder a fresh idle window,
@@ -608,6 +631,7 @@ fn release(d: usize, wants_again: bool) {
     }
     RELEASED_ID[d].store(GRANT_ID[d].load(Relaxed), Relaxed);
     let uuid = devices::all().get(d).map(|dev| dev.uuid.bytes);
+    OPTIMISTIC_UNTIL[d].store(0, Relaxed);
     if let (true, Some(uuid)) = (wants_again, uuid) {
         // Still busy: ask again *before* releasing, to keep this process's
         // place in the fair queue instead of going idle.

@@ -16,6 +16,8 @@ pub struct Artifacts {
     /// and libnvidia-ml.so.1.
     pub simdir: PathBuf,
     pub probe: PathBuf,
+    /// examples/loadgen: batch and interactive GPU load.
+    pub loadgen: PathBuf,
     pub gpufrac: PathBuf,
     pub fixtures: PathBuf,
 }
@@ -58,6 +60,7 @@ pub fn artifacts() -> &'static Artifacts {
         Artifacts {
             shim: dir.join("libgpufrac.so"),
             probe: dir.join("examples/probe"),
+            loadgen: dir.join("examples/loadgen"),
             gpufrac: dir.join("gpufrac"),
             fixtures: PathBuf::from(env!("GPUFRAC_FIXTURES")),
             simdir,

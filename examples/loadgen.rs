@@ -1,0 +1,242 @@
+//! GPU load generator for the latency and share tests and the bench: the
+//! two kinds of neighbour users put side by side on one GPU.
+//!
+//! ```text
+//! loadgen batch       KERNEL_US START_NS END_NS [DEPTH]
+//! loadgen interactive KERNELS KERNEL_US PERIOD_US START_NS END_NS
+//! ```
+//!
+//! `batch` keeps DEPTH (default 4) kernels of KERNEL_US queued from START to
+//! END (CLOCK_MONOTONIC) and prints `batch kernels=N executed_ns=T`, T being
+//! the GPU time the driver ran for this process when it can tell (the
+//! simulated driver's test export), else N × KERNEL_US.
+//!
+//! `interactive` sends a request every PERIOD_US: KERNELS kernels of
+//! KERNEL_US queued at once, then a stream synchronize; a request's latency
+//! runs from its first launch to the synchronize's return. It prints
+//! `interactive requests=N p50_us=… p99_us=… max_us=… missed=M`, M being the
+//! requests that took longer than the period.
+//!
+//! It finds the driver as cudarc does (dlopen + dlsym) and uses the
+//! simulated driver's kernel convention: the first kernel parameter is the
+//! duration in ns. On a real GPU, use gpu/ instead.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+
+use gpufrac_common::clock::{mono_ns, sleep_until};
+
+type R = u32;
+type LaunchKernel = unsafe extern "C" fn(
+    *mut c_void,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> R;
+
+struct Gpu {
+    lib: *mut c_void,
+    func: *mut c_void,
+    launch: LaunchKernel,
+    stream_sync: unsafe extern "C" fn(*mut c_void) -> R,
+}
+
+fn sym(lib: *mut c_void, name: &CStr) -> *mut c_void {
+    let p = unsafe { libc::dlsym(lib, name.as_ptr()) };
+    assert!(!p.is_null(), "no {name:?} in libcuda.so.1");
+    p
+}
+
+macro_rules! call {
+    ($lib:expr, $name:literal, fn($($t:ty),*)) => {
+        unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($t),*) -> R>(sym(
+                $lib,
+                $name,
+            ))
+        }
+    };
+}
+
+fn check(what: &str, rc: R) {
+    if rc != 0 {
+        eprintln!("loadgen: {what} failed with CUDA error {rc}");
+        std::process::exit(1);
+    }
+}
+
+impl Gpu {
+    fn open() -> Gpu {
+        let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
+        assert!(!lib.is_null(), "dlopen libcuda.so.1 failed");
+        check("cuInit", unsafe { call!(lib, c"cuInit", fn(c_uint))(0) });
+        let mut ctx = std::ptr::null_mut();
+        let retain = call!(
+            lib,
+            c"cuDevicePrimaryCtxRetain",
+            fn(*mut *mut c_void, c_int)
+        );
+        check("cuDevicePrimaryCtxRetain", unsafe { retain(&mut ctx, 0) });
+        check("cuCtxSetCurrent", unsafe {
+            call!(lib, c"cuCtxSetCurrent", fn(*mut c_void))(ctx)
+        });
+        let mut module = std::ptr::null_mut();
+        check("cuModuleLoadData", unsafe {
+            call!(
+                lib,
+                c"cuModuleLoadData",
+                fn(*mut *mut c_void, *const c_void)
+            )(&mut module, c"sim".as_ptr().cast())
+        });
+        let mut func = std::ptr::null_mut();
+        check("cuModuleGetFunction", unsafe {
+            call!(
+                lib,
+                c"cuModuleGetFunction",
+                fn(*mut *mut c_void, *mut c_void, *const c_char)
+            )(&mut func, module, c"spin".as_ptr())
+        });
+        Gpu {
+            lib,
+            func,
+            launch: unsafe {
+                std::mem::transmute::<*mut c_void, LaunchKernel>(sym(lib, c"cuLaunchKernel"))
+            },
+            stream_sync: call!(lib, c"cuStreamSynchronize", fn(*mut c_void)),
+        }
+    }
+
+    fn kernel(&self, ns: u64) {
+        let mut d = ns;
+        let mut params = [(&mut d as *mut u64).cast::<c_void>()];
+        let rc = unsafe {
+            (self.launch)(
+                self.func,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        check("cuLaunchKernel", rc);
+    }
+
+    fn sync(&self) {
+        check("cuStreamSynchronize", unsafe {
+            (self.stream_sync)(std::ptr::null_mut())
+        });
+    }
+
+    /// GPU time the driver ran for this process, when it can say.
+    fn executed_ns(&self) -> Option<u64> {
+        let p = unsafe { libc::dlsym(self.lib, c"gpufracSimExecutedNs".as_ptr()) };
+        if p.is_null() {
+            return None;
+        }
+        let f: unsafe extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(p) };
+        Some(unsafe { f(0) })
+    }
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
+    args.get(i)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            eprintln!("loadgen: argument {i} ({what}) missing or malformed");
+            std::process::exit(2)
+        })
+}
+
+fn batch(args: &[String]) {
+    let kernel_ns = arg::<u64>(args, 0, "KERNEL_US") * 1000;
+    let (start, end) = (arg::<u64>(args, 1, "START_NS"), arg(args, 2, "END_NS"));
+    let depth = args.get(3).map_or(4, |_| arg::<usize>(args, 3, "DEPTH"));
+    let gpu = Gpu::open();
+    gpu.sync();
+    sleep_until(start);
+    let before = gpu.executed_ns();
+    let mut done = 0u64;
+    while mono_ns() < end {
+        for _ in 0..depth {
+            gpu.kernel(kernel_ns);
+        }
+        gpu.sync();
+        if mono_ns() <= end {
+            done += depth as u64;
+        }
+    }
+    let executed = match (before, gpu.executed_ns()) {
+        // Only what ran inside the window counts: the last batch may
+        // have finished after it.
+        (Some(a), Some(b)) => b - a,
+        _ => done * kernel_ns,
+    };
+    println!("batch kernels={done} executed_ns={executed}");
+}
+
+fn interactive(args: &[String]) {
+    let kernels: usize = arg(args, 0, "KERNELS");
+    let kernel_ns = arg::<u64>(args, 1, "KERNEL_US") * 1000;
+    let period = arg::<u64>(args, 2, "PERIOD_US") * 1000;
+    let (start, end) = (arg::<u64>(args, 3, "START_NS"), arg::<u64>(args, 4, "END_NS"));
+    let gpu = Gpu::open();
+    // One warm-up request, outside the measurement.
+    gpu.kernel(kernel_ns);
+    gpu.sync();
+    let mut lat = Vec::new();
+    let mut next = start;
+    while next < end {
+        sleep_until(next);
+        let t0 = mono_ns();
+        for _ in 0..kernels {
+            gpu.kernel(kernel_ns);
+        }
+        gpu.sync();
+        lat.push(mono_ns() - t0);
+        next += period;
+        // A request late past its whole period skips the slots it missed,
+        // as a server with a deadline would.
+        while next + period < mono_ns() {
+            next += period;
+        }
+    }
+    lat.sort_unstable();
+    let pct = |p: f64| {
+        let i = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len().max(1)) - 1;
+        lat.get(i).copied().unwrap_or(0) / 1000
+    };
+    let missed = lat.iter().filter(|&&l| l > period).count();
+    println!(
+        "interactive requests={} p50_us={} p99_us={} max_us={} missed={missed}",
+        lat.len(),
+        pct(0.50),
+        pct(0.99),
+        lat.last().copied().unwrap_or(0) / 1000
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("batch") => batch(&args[1..]),
+        Some("interactive") => interactive(&args[1..]),
+        _ => {
+            eprintln!(
+                "usage: loadgen batch KERNEL_US START_NS END_NS [DEPTH]\n       loadgen interactive KERNELS KERNEL_US PERIOD_US START_NS END_NS"
+            );
+            std::process::exit(2);
+        }
+    }
+}
