@@ -21,6 +21,10 @@
 //! simulated driver's kernel convention: the first kernel parameter is the
 //! duration in ns. On a real GPU, use gpu/ instead.
 
+// The call! macro transmutes inside its own unsafe block and is also used
+// inside unsafe expressions.
+#![allow(unused_unsafe)]
+
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use gpufrac_common::clock::{mono_ns, sleep_until};
@@ -139,24 +143,24 @@ impl Gpu {
         });
     }
 
-    /// GPU time the driver ran for this process, when it can say.
-    fn executed_ns(&self) -> Option<u64> {
-        let p = unsafe { libc::dlsym(self.lib, c"gpufracSimExecutedNs".as_ptr()) };
+    /// GPU time the driver has run for this process at `t`, when it can
+    /// say (the simulated driver's test export).
+    fn executed_at(lib: usize, t: u64) -> Option<u64> {
+        let p = unsafe { libc::dlsym(lib as *mut c_void, c"gpufracSimExecutedNs".as_ptr()) };
         if p.is_null() {
             return None;
         }
         let f: unsafe extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(p) };
+        sleep_until(t);
         Some(unsafe { f(0) })
     }
 }
 
 fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
-    args.get(i)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            eprintln!("loadgen: argument {i} ({what}) missing or malformed");
-            std::process::exit(2)
-        })
+    args.get(i).and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        eprintln!("loadgen: argument {i} ({what}) missing or malformed");
+        std::process::exit(2)
+    })
 }
 
 fn batch(args: &[String]) {
@@ -165,8 +169,16 @@ fn batch(args: &[String]) {
     let depth = args.get(3).map_or(4, |_| arg::<usize>(args, 3, "DEPTH"));
     let gpu = Gpu::open();
     gpu.sync();
+    // The GPU time ran inside the window is sampled at its edges by a
+    // thread of its own: the launching thread is usually blocked in a
+    // synchronize when the window closes.
+    let lib = gpu.lib as usize;
+    let sampler = std::thread::spawn(move || {
+        let g = Gpu::executed_at(lib, start);
+        let h = Gpu::executed_at(lib, end);
+        g.zip(h).map(|(a, b)| b - a)
+    });
     sleep_until(start);
-    let before = gpu.executed_ns();
     let mut done = 0u64;
     while mono_ns() < end {
         for _ in 0..depth {
@@ -177,12 +189,7 @@ fn batch(args: &[String]) {
             done += depth as u64;
         }
     }
-    let executed = match (before, gpu.executed_ns()) {
-        // Only what ran inside the window counts: the last batch may
-        // have finished after it.
-        (Some(a), Some(b)) => b - a,
-        _ => done * kernel_ns,
-    };
+    let executed = sampler.join().ok().flatten().unwrap_or(done * kernel_ns);
     println!("batch kernels={done} executed_ns={executed}");
 }
 
@@ -190,7 +197,10 @@ fn interactive(args: &[String]) {
     let kernels: usize = arg(args, 0, "KERNELS");
     let kernel_ns = arg::<u64>(args, 1, "KERNEL_US") * 1000;
     let period = arg::<u64>(args, 2, "PERIOD_US") * 1000;
-    let (start, end) = (arg::<u64>(args, 3, "START_NS"), arg::<u64>(args, 4, "END_NS"));
+    let (start, end) = (
+        arg::<u64>(args, 3, "START_NS"),
+        arg::<u64>(args, 4, "END_NS"),
+    );
     let gpu = Gpu::open();
     // One warm-up request, outside the measurement.
     gpu.kernel(kernel_ns);

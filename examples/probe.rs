@@ -8,7 +8,8 @@
 //! - `dlsym`: dlopen + dlsym of each versioned symbol (what cudarc, ctypes
 //!   and older cudart do).
 //!
-//! Steps run in order and each prints one line `step key=value …`.
+//! Steps run in order and each prints one line `step key=value …`
+//! (`window` prints its line when the probe ends).
 //! Sizes accept K/M/G suffixes (binary).
 
 // The f! macro transmutes inside its own unsafe block and is also used inside
@@ -359,6 +360,7 @@ fn main() {
         held: Mutex::new(Vec::new()),
         pool: Mutex::new(HashMap::new()),
     };
+    let mut windows = Vec::new();
     let mut i = 0;
     let next = |i: &mut usize| {
         *i += 1;
@@ -646,9 +648,90 @@ fn main() {
                 let via_dlsym = origin(unsafe { libc::dlsym(probe.c.lib, name.as_ptr()) });
                 println!("origin via_lookup={via_gpa} via_dlsym={via_dlsym}");
             }
+            "window" => {
+                // In the background: kernel ns this process executes on
+                // --device from START to END (CLOCK_MONOTONIC ns) and the
+                // device's context switches meanwhile, exact (simulated
+                // driver only); printed when the probe ends.
+                let start: u64 = next(&mut i).parse().unwrap();
+                let end: u64 = next(&mut i).parse().unwrap();
+                let (lib, dev) = (probe.c.lib as usize, probe.dev);
+                windows.push(std::thread::spawn(move || {
+                    let executed = sim_counter(lib, c"gpufracSimExecutedNs");
+                    let switches = sim_counter(lib, c"gpufracSimSwitches");
+                    gpufrac_common::clock::sleep_until(start);
+                    let (e0, s0) = unsafe { (executed(dev), switches(dev)) };
+                    gpufrac_common::clock::sleep_until(end);
+                    let (e1, s1) = unsafe { (executed(dev), switches(dev)) };
+                    format!(
+                        "window executed_ns={} switches={} window_ns={}",
+                        e1 - e0,
+                        s1 - s0,
+                        end - start
+                    )
+                }));
+            }
+            "burst" => {
+                // An interactive process: every PERIOD_US from START to END,
+                // N kernels of KERNEL_NS queued at once on the default
+                // stream, then cuStreamSynchronize; latencies in µs.
+                let start: u64 = next(&mut i).parse().unwrap();
+                let end: u64 = next(&mut i).parse().unwrap();
+                let period_us: u64 = next(&mut i).parse().unwrap();
+                let n: usize = next(&mut i).parse().unwrap();
+                let kernel_ns: u64 = next(&mut i).parse().unwrap();
+                let mut lat = burst(&probe.c, start, end, period_us * 1000, n, kernel_ns);
+                lat.sort_unstable();
+                let p = |q: f64| {
+                    let k = ((q * lat.len() as f64).ceil() as usize).clamp(1, lat.len().max(1));
+                    lat.get(k - 1).map_or(0, |v| v / 1000)
+                };
+                println!(
+                    "burst n={} p50_us={} p99_us={} max_us={}",
+                    lat.len(),
+                    p(0.5),
+                    p(0.99),
+                    lat.last().map_or(0, |v| v / 1000)
+                );
+            }
             other => panic!("unknown step {other}"),
         }
     }
+    for w in windows {
+        println!("{}", w.join().unwrap());
+    }
+}
+
+/// A `u64 f(int device)` test-only export of the simulated driver.
+fn sim_counter(lib: usize, name: &CStr) -> unsafe extern "C" fn(c_int) -> u64 {
+    let p = unsafe { libc::dlsym(lib as *mut c_void, name.as_ptr()) };
+    assert!(!p.is_null(), "{name:?}: not the simulated driver");
+    unsafe { std::mem::transmute(p) }
+}
+
+/// Latencies (ns) of bursts of `n` kernels queued at once then
+/// synchronised, one every `period` ns from `start` to `end`.
+fn burst(c: &Cuda, start: u64, end: u64, period: u64, n: usize, ns: u64) -> Vec<u64> {
+    let k = Kernel::new(c, "cuLaunchKernel");
+    let sync = f!(
+        c,
+        "cuStreamSynchronize",
+        "cuStreamSynchronize",
+        fn(*mut c_void)
+    );
+    let mut lat = Vec::new();
+    let mut next = start;
+    while next + period <= end {
+        gpufrac_common::clock::sleep_until(next);
+        let t = mono_ns();
+        for _ in 0..n {
+            k.run(ns);
+        }
+        unsafe { sync(std::ptr::null_mut()) };
+        lat.push(mono_ns() - t);
+        next += period;
+    }
+    lat
 }
 
 /// File name of the shared object containing `p`.

@@ -196,8 +196,10 @@ fn gate_slow() -> Result<(), u32> {
             TRACKED.with(|t| t.set(bounded));
             return Ok(());
         }
+        // Never send while counted in flight: a release in progress holds
+        // the send lock while it waits for that count to drop.
+        IN_FLIGHT[d].fetch_sub(1, SeqCst);
         if !GATED.load(Acquire) {
-            IN_FLIGHT[d].fetch_sub(1, SeqCst);
             return Ok(());
         }
         if REQUESTED.fetch_or(bit, AcqRel) & bit == 0 {
@@ -210,10 +212,10 @@ fn gate_slow() -> Result<(), u32> {
             }
         }
         if now_ns() < OPTIMISTIC_UNTIL[d].load(Relaxed) {
-            PENDING.with(|p| p.set(dev));
+            // Not counted in flight: this process holds no grant that a
+            // release would have to wait for.
             return Ok(());
         }
-        IN_FLIGHT[d].fetch_sub(1, SeqCst);
         wait_for_grant(d);
     }
 }

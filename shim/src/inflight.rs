@@ -115,7 +115,7 @@ fn elapsed_ns(a: usize, b: usize) -> Option<u64> {
     if rc == CUDA_ERROR_NOT_FOUND {
         rc = unsafe { call::cuEventElapsedTime(&mut ms, a as CUevent, b as CUevent) };
     }
-    (rc == CUDA_SUCCESS && ms.is_finite() && ms >= 0.0).then(|| (ms as f64 * 1e6) as u64)
+    (rc == CUDA_SUCCESS && ms.is_finite() && ms >= 0.0).then_some((ms as f64 * 1e6) as u64)
 }
 
 static TRACKS: [Mutex<Track>; MAX_DEVICES] = [const { Mutex::new(Track::new()) }; MAX_DEVICES];
@@ -135,9 +135,12 @@ pub fn wait_room(d: usize, bound: u64) {
     let n = t.allowed(bound);
     while t.ring.len() >= n {
         let Some(&oldest) = t.ring.front() else { break };
-        // Holding the lock is deliberate: other threads launching on this
-        // device are bounded by the same room.
-        if unsafe { call::cuEventSynchronize(oldest as CUevent) } != CUDA_SUCCESS {
+        // Not under the lock: a thread finishing a launch records its event
+        // under it, and a release waits for that launch.
+        drop(t);
+        let rc = unsafe { call::cuEventSynchronize(oldest as CUevent) };
+        t = m.lock().unwrap_or_else(|e| e.into_inner());
+        if rc != CUDA_SUCCESS && t.ring.front() == Some(&oldest) {
             // A broken event must not block launches forever.
             t.ring.pop_front();
             continue;

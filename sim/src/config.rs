@@ -6,13 +6,22 @@ use std::sync::OnceLock;
 pub const VAR_DEVICES: &str = "GPUFRAC_SIM_DEVICES";
 pub const VAR_STATE: &str = "GPUFRAC_SIM_STATE";
 pub const VAR_DRIVER_VERSION: &str = "GPUFRAC_SIM_DRIVER_VERSION";
+pub const VAR_QUANTUM_US: &str = "GPUFRAC_SIM_QUANTUM_US";
+pub const VAR_SWITCH_US: &str = "GPUFRAC_SIM_SWITCH_US";
 
 pub const DEFAULT_DRIVER_VERSION: i32 = 13000;
 pub const DEFAULT_DEVICE_BYTES: u64 = 16 << 30;
+/// Time slice and context switch cost measured on an H100 (driver 580).
+pub const DEFAULT_QUANTUM_US: u64 = 2000;
+pub const DEFAULT_SWITCH_US: u64 = 100;
+/// Past this a model step in ns could overflow when added to a timestamp.
+const MAX_US: u64 = 3_600_000_000;
 
 pub struct Config {
     pub totals: Vec<u64>,
     pub state_path: Option<CString>,
+    pub quantum_ns: u64,
+    pub switch_ns: u64,
 }
 
 /// Parses `16G`, `512M`, `1024`, `8GiB`, `8GB` (all binary units).
@@ -52,6 +61,26 @@ pub fn parse_devices(s: &str) -> Result<Vec<u64>, String> {
     Ok(v)
 }
 
+/// Microseconds as a plain integer; `min` is the least accepted value.
+pub fn parse_us(var: &str, s: &str, min: u64) -> Result<u64, String> {
+    let v: u64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{var}: {s:?} is not a whole number of microseconds"))?;
+    if v < min || v > MAX_US {
+        return Err(format!("{var}: {v} is out of range ({min}..={MAX_US})"));
+    }
+    Ok(v)
+}
+
+fn env_us(var: &str, default: u64, min: u64) -> Result<u64, String> {
+    match std::env::var(var) {
+        Ok(s) => parse_us(var, &s, min),
+        Err(std::env::VarError::NotPresent) => Ok(default),
+        Err(e) => Err(format!("{var}: {e}")),
+    }
+}
+
 pub fn load() -> Result<Config, String> {
     let totals = match std::env::var(VAR_DEVICES) {
         Ok(s) if !s.trim().is_empty() => parse_devices(&s)?,
@@ -63,7 +92,16 @@ pub fn load() -> Result<Config, String> {
         Some(p) if !p.is_empty() => Some(to_cstring(p)?),
         _ => None,
     };
-    Ok(Config { totals, state_path })
+    // A zero quantum would let two contexts preempt each other forever
+    // without either making progress.
+    let quantum_ns = env_us(VAR_QUANTUM_US, DEFAULT_QUANTUM_US, 1)? * 1000;
+    let switch_ns = env_us(VAR_SWITCH_US, DEFAULT_SWITCH_US, 0)? * 1000;
+    Ok(Config {
+        totals,
+        state_path,
+        quantum_ns,
+        switch_ns,
+    })
 }
 
 fn to_cstring(p: OsString) -> Result<CString, String> {
@@ -101,5 +139,16 @@ mod tests {
         assert!(parse_size("99999999999T").is_err());
         assert_eq!(parse_devices("16G,8G"), Ok(vec![16 << 30, 8 << 30]));
         assert!(parse_devices("16G,,8G").is_err());
+    }
+
+    #[test]
+    fn microseconds() {
+        assert_eq!(parse_us("Q", " 2000 ", 1), Ok(2000));
+        assert_eq!(parse_us("S", "0", 0), Ok(0));
+        assert!(parse_us("Q", "0", 1).unwrap_err().contains("out of range"));
+        assert!(parse_us("Q", "2ms", 1).unwrap_err().starts_with("Q: "));
+        assert!(parse_us("Q", "-5", 1).is_err());
+        assert!(parse_us("Q", "", 1).is_err());
+        assert!(parse_us("Q", "99999999999999", 1).is_err());
     }
 }

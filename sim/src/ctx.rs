@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering::*;
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::wait_until;
+use crate::engine::{self, Work};
 use crate::mem::free_ctx_allocs;
 use crate::objects::{self, Ctx, Handle, leak, resolve_stream};
 use crate::out;
@@ -73,6 +73,7 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
         free_ctx_allocs(s, c.id());
+        engine::drop_ctx(s, c);
         c.kill();
         objects::pop_if_current(c)
     }
@@ -120,14 +121,14 @@ cuda_exports! {
     }
 
     fn cuCtxSynchronize() {
-        cuda()?;
-        wait_until(objects::current()?.tail.load(Acquire));
+        let s = cuda()?;
+        engine::wait(s, Work::ctx(objects::current()?));
         Ok(())
     }
 
     fn cuCtxSynchronize_v2(ctx: CUcontext) {
-        cuda()?;
-        wait_until(ctx_or_current(ctx)?.tail.load(Acquire));
+        let s = cuda()?;
+        engine::wait(s, Work::ctx(ctx_or_current(ctx)?));
         Ok(())
     }
 
@@ -149,7 +150,9 @@ cuda_exports! {
             .fetch_update(AcqRel, Acquire, |r| r.checked_sub(1))
             .map_err(|_| CUDA_ERROR_INVALID_CONTEXT)?;
         if prev == 1 {
+            // The driver tears the context down.
             free_ctx_allocs(s, c.id());
+            engine::drop_ctx(s, c);
         }
         Ok(())
     }
@@ -160,6 +163,7 @@ cuda_exports! {
         c.refs.store(0, Release);
         c.flags.store(0, Release);
         free_ctx_allocs(s, c.id());
+        engine::drop_ctx(s, c);
         Ok(())
     }
 

@@ -1,14 +1,13 @@
 //! Modules, streams, events and kernel launches.
 
 use std::ffi::{c_char, c_float, c_int, c_uint, c_void};
-use std::sync::atomic::Ordering::*;
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::{completion, duration_from_params, launch, now_ns, wait_until};
+use crate::engine::{self, Work, duration_from_params, launch, now_ns};
 use crate::objects::{self, Event, Func, GraphExec, Handle, Module, Stream, leak, resolve_stream};
 use crate::out;
-use crate::state::cuda;
+use crate::state::{Sim, cuda};
 
 /// The common launch path: validate, resolve the stream, reserve the engine.
 #[inline(always)]
@@ -27,8 +26,7 @@ unsafe fn launch_kernel(
     if dims.contains(&0) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    launch(s, t, duration);
-    Ok(())
+    launch(s, t, duration)
 }
 
 unsafe fn launch_ex(
@@ -57,60 +55,90 @@ unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream, ptsz: bool) -> Resul
     let s = cuda()?;
     let t = unsafe { resolve_stream(stream, ptsz) }?;
     let g = unsafe { GraphExec::from_handle(exec) }.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-    launch(s, t, g.duration_ns);
-    Ok(())
+    launch(s, t, g.duration_ns)
 }
 
 unsafe fn stream_sync(stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
-    cuda()?;
+    let s = cuda()?;
     let t = unsafe { resolve_stream(stream, ptsz) }?;
-    wait_until(completion(t));
+    engine::wait(s, Work::of(t));
     Ok(())
 }
 
 unsafe fn stream_query(stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
-    cuda()?;
+    let s = cuda()?;
     let t = unsafe { resolve_stream(stream, ptsz) }?;
-    if now_ns() < completion(t) {
-        Err(CUDA_ERROR_NOT_READY)
-    } else {
+    if engine::is_done(s, Work::of(t)) {
         Ok(())
+    } else {
+        Err(CUDA_ERROR_NOT_READY)
     }
 }
 
 unsafe fn event_record(ev: CUevent, stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
-    cuda()?;
+    let s = cuda()?;
     let e = unsafe { Event::from_handle(ev) }.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     let t = unsafe { resolve_stream(stream, ptsz) }?;
-    let at = now_ns().max(completion(t)).max(1);
-    e.recorded.store(at, Release);
+    let work = Work::of(t);
+    let at = now_ns();
+    // Work already done: the event completes as the engine reaches it, now.
+    let done = engine::done_at(s, work).map_or(0, |_| at);
+    let generation = e.record(work, at, done);
+    if done == 0 {
+        engine::watch(e, generation);
+    }
     Ok(())
 }
 
+/// When the event completed: Ok(None) while it has not, Err if it was
+/// never recorded. Its time is the instant the engine reached it (or the
+/// record, if later), whoever asks and however late.
+fn event_time(s: &Sim, e: &Event) -> Result<Option<u64>, ()> {
+    let mut r = e.rec.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(work) = r.work else {
+        return Err(());
+    };
+    if r.done == 0
+        && let Some(t) = engine::done_at(s, work)
+    {
+        r.done = t.max(r.at).max(1);
+    }
+    Ok((r.done != 0).then_some(r.done))
+}
+
 unsafe fn elapsed(ms: *mut c_float, start: CUevent, end: CUevent) -> Result<(), CUresult> {
-    cuda()?;
+    let s = cuda()?;
     let a = unsafe { Event::from_handle(start) }.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     let b = unsafe { Event::from_handle(end) }.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     if ms.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let (ta, tb) = (a.recorded.load(Acquire), b.recorded.load(Acquire));
-    if ta == 0 || tb == 0 {
+    let (ta, tb) = (event_time(s, a), event_time(s, b));
+    let (Ok(ta), Ok(tb)) = (ta, tb) else {
         return Err(CUDA_ERROR_INVALID_HANDLE);
-    }
-    if now_ns() < ta.max(tb) {
+    };
+    let (Some(ta), Some(tb)) = (ta, tb) else {
         return Err(CUDA_ERROR_NOT_READY);
-    }
+    };
     unsafe { *ms = ((tb as i128 - ta as i128) as f64 / 1e6) as c_float };
     Ok(())
 }
 
 /// Later work on the stream starts no earlier than the event's completion.
 unsafe fn stream_wait_event(stream: CUstream, ev: CUevent, ptsz: bool) -> Result<(), CUresult> {
-    cuda()?;
+    let s = cuda()?;
     let t = unsafe { resolve_stream(stream, ptsz) }?;
     let e = unsafe { Event::from_handle(ev) }.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-    t.tail.fetch_max(e.recorded.load(Acquire), AcqRel);
+    let Some(work) = e.get().work else {
+        return Ok(());
+    };
+    if work.ctx == t.ctx.id() {
+        work.order_before(t);
+    } else {
+        // The engine has no cross-context dependencies: order by waiting
+        // here (correct, only less asynchronous).
+        engine::wait(s, work);
+    }
     Ok(())
 }
 
@@ -202,19 +230,23 @@ cuda_exports! {
     }
 
     fn cuEventSynchronize(ev: CUevent) {
-        cuda()?;
+        let s = cuda()?;
         let e = Event::from_handle(ev).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        wait_until(e.recorded.load(Acquire));
+        // Never recorded: nothing to wait for.
+        if let Some(work) = e.get().work {
+            engine::wait(s, work);
+            let _ = event_time(s, e);
+        }
         Ok(())
     }
 
     fn cuEventQuery(ev: CUevent) {
-        cuda()?;
+        let s = cuda()?;
         let e = Event::from_handle(ev).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        if now_ns() < e.recorded.load(Acquire) {
-            return Err(CUDA_ERROR_NOT_READY);
+        match event_time(s, e) {
+            Ok(None) => Err(CUDA_ERROR_NOT_READY),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     fn cuEventElapsedTime(ms: *mut c_float, start: CUevent, end: CUevent) {

@@ -2,9 +2,10 @@
 //!
 //! The library is installed as `libcuda.so.1`, `libcuda.so` and
 //! `libnvidia-ml.so.1` and exports the driver and NVML entry points the shim
-//! hooks. Memory is host bookkeeping only; kernels are reservations on one
-//! execution engine per device that every process sharing the state file
-//! (`GPUFRAC_SIM_STATE`) contends for.
+//! hooks. Memory is host bookkeeping only; kernels are work on one execution
+//! engine per device that every process sharing the state file
+//! (`GPUFRAC_SIM_STATE`) contends for, time-sliced between contexts the way
+//! a real GPU does it (`engine.rs`).
 //!
 //! Environment (read once, at the first `cuInit`/`nvmlInit`):
 //! - `GPUFRAC_SIM_DEVICES`: device memory sizes, `16G,8G` (K/M/G/T binary,
@@ -13,9 +14,19 @@
 //!   private state.
 //! - `GPUFRAC_SIM_DRIVER_VERSION`: default 13000 (`cuDriverGetVersion`, cap
 //!   of `cuGetProcAddress` selection; read on first use, also before cuInit).
+//! - `GPUFRAC_SIM_QUANTUM_US`: time slice of a context while another waits,
+//!   in µs; default 2000, at least 1.
+//! - `GPUFRAC_SIM_SWITCH_US`: cost of a context switch (no progress), in µs;
+//!   default 100, 0 allowed. The defaults are what an H100 (driver 580) was
+//!   measured to do; every process on one state file should use the same.
+//!
+//! A bad value makes `cuInit`/`nvmlInit` fail with a message on stderr.
 //!
 //! Test-only exports (`testing.rs`): `gpufracSimGraphCreate`,
-//! `gpufracSimLastVariant`, `gpufracSimEngineStats`, `gpufracSimDeviceUsed`.
+//! `gpufracSimLastVariant`, `gpufracSimEngineStats`, `gpufracSimDeviceUsed`,
+//! `gpufracSimExecutedNs` (kernel ns the calling process executed on a
+//! device: exact shares), `gpufracSimSwitches`, `gpufracSimCrashInEngine`
+//! (fault injection).
 //! Kernel duration convention: `kernelParams[0]` points to a u64 of ns.
 //!
 //! Known gap: `CUDA_VISIBLE_DEVICES` is not honoured — every process sees
@@ -27,8 +38,10 @@
 //! - an exported function never calls another exported function (the shim in
 //!   front of us would intercept it); logic lives in private helpers;
 //! - no panic crosses the FFI boundary (`guard` turns it into an error code);
-//! - the kernel launch path takes no lock, allocates nothing and makes no
-//!   system call besides `clock_gettime`.
+//! - the kernel launch path allocates nothing and makes no system call
+//!   besides `clock_gettime` (vDSO) in the common case; it holds the device
+//!   engine's lock for a few hundred instructions, a lock a dead holder
+//!   cannot wedge.
 #![allow(
     // Exported C entry points: their contract is the CUDA/NVML documentation.
     clippy::missing_safety_doc,

@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::wait_until;
+use crate::engine::{self, Work};
 use crate::objects::{self, Handle, Pool, resolve_stream};
 use crate::out;
 use crate::state::{Sim, cuda};
@@ -192,12 +192,12 @@ fn requirements(
 
 /// Synchronous copies wait for prior work on the stream they are ordered on.
 unsafe fn sync_copy(ptsz: bool, ok: bool) -> Result<(), CUresult> {
-    cuda()?;
+    let s = cuda()?;
     let t = unsafe { resolve_stream(std::ptr::null_mut(), ptsz) }?;
     if !ok {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    wait_until(t.tail.load(Acquire));
+    engine::wait(s, Work::of(t));
     Ok(())
 }
 

@@ -8,9 +8,12 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
 use gpufrac_common::cuda::*;
+
+use crate::engine::Work;
 
 const DEAD: u32 = 0xdead_dead;
 
@@ -66,10 +69,13 @@ pub struct Ctx {
     pub flags: AtomicU32,
     pub device: usize,
     pub primary: bool,
-    /// End of the last kernel of any stream of this context.
+    /// Work target (engine.rs) of the last kernel of any stream of this
+    /// context.
     pub tail: AtomicU64,
     /// Primary contexts: retain count.
     pub refs: AtomicU32,
+    /// Its entry in the device engine; 0: none yet.
+    pub ent: AtomicU64,
 }
 handle_type!(Ctx, 0x6366_6301);
 
@@ -82,6 +88,7 @@ impl Ctx {
             primary,
             tail: AtomicU64::new(0),
             refs: AtomicU32::new(0),
+            ent: AtomicU64::new(0),
         }
     }
 
@@ -95,6 +102,7 @@ pub struct Stream {
     magic: AtomicU32,
     pub flags: u32,
     pub ctx: &'static Ctx,
+    /// Work target of the last kernel on this stream.
     pub tail: AtomicU64,
     pub priority: i32,
 }
@@ -117,10 +125,22 @@ pub struct Event {
     magic: AtomicU32,
     pub flags: u32,
     pub ctx: &'static Ctx,
-    /// Completion time of the last record; 0: never recorded.
-    pub recorded: AtomicU64,
+    pub rec: Mutex<EventRec>,
 }
 handle_type!(Event, 0x6366_6501);
+
+/// The last record of an event.
+#[derive(Clone, Copy, Default)]
+pub struct EventRec {
+    /// What it waits for; None: never recorded.
+    pub work: Option<Work>,
+    /// When it was recorded.
+    pub at: u64,
+    /// When it completed; 0: not known yet.
+    pub done: u64,
+    /// Counts records, so a late dating of an earlier one is told apart.
+    pub generation: u64,
+}
 
 impl Event {
     pub fn new(ctx: &'static Ctx, flags: u32) -> Event {
@@ -128,8 +148,25 @@ impl Event {
             magic: AtomicU32::new(Self::MAGIC),
             flags,
             ctx,
-            recorded: AtomicU64::new(0),
+            rec: Mutex::new(EventRec::default()),
         }
+    }
+
+    pub fn get(&self) -> EventRec {
+        *self.rec.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records `work` at `at`, `done` then if nonzero; returns the record's
+    /// generation.
+    pub fn record(&self, work: Work, at: u64, done: u64) -> u64 {
+        let mut r = self.rec.lock().unwrap_or_else(|e| e.into_inner());
+        *r = EventRec {
+            work: Some(work),
+            at,
+            done,
+            generation: r.generation + 1,
+        };
+        r.generation
     }
 }
 
@@ -299,7 +336,7 @@ pub const CU_STREAM_LEGACY: usize = 0x1;
 pub const CU_STREAM_PER_THREAD: usize = 0x2;
 
 /// Where work submitted to a stream goes: its context and the tail that
-/// orders it.
+/// orders it (a work target of that context).
 #[derive(Clone, Copy)]
 pub struct Target {
     pub ctx: &'static Ctx,

@@ -1,8 +1,9 @@
 //! Device state shared by every process on one state file, and the
 //! per-process simulator singleton.
 //!
-//! The shared mapping holds only atomics and no lock, so a process killed at
-//! any instruction cannot wedge the others. Each process owns a slot that
+//! The shared mapping holds only atomics. Its one lock, each device engine's
+//! (engine.rs), is taken over from a holder that died, so a process killed
+//! at any instruction cannot wedge the others. Each process owns a slot that
 //! mirrors its share of `used`; slots of dead processes are reaped (their
 //! memory returned) the way a real driver frees a dead process's memory.
 //!
@@ -17,29 +18,34 @@ use std::sync::{Mutex, OnceLock};
 use gpufrac_common::cuda::*;
 
 use crate::config;
-use crate::engine::now_ns;
+use crate::engine::{self, Engine, Params, now_ns};
 use crate::objects::{Ctx, Pool, leak};
 
 pub const MAX_DEV: usize = 64;
 pub const MAX_SLOTS: usize = 256;
-const MAGIC: u64 = 0x6770_7566_7273_6901; // "gpufrsi" + layout version 1
+const MAGIC: u64 = 0x6770_7566_7273_6902; // "gpufrsi" + layout version 2
 /// Slot `i` is alive while someone holds the write lock on byte LOCK_BASE + i.
 const LOCK_BASE: i64 = 1 << 30;
 
 #[repr(C, align(64))]
 pub struct SharedDev {
     pub used: AtomicU64,
-    pub engine_free_at: AtomicU64,
-    pub busy_ns_total: AtomicU64,
-    pub kernels_total: AtomicU64,
+    pub engine: Engine,
 }
 
 #[repr(C)]
 pub struct Slot {
     pub pid: AtomicU32,
-    _pad: u32,
+    /// Counts claims, so a token of an earlier owner is told apart.
+    pub generation: AtomicU32,
     pub used: [AtomicU64; MAX_DEV],
 }
+
+/// Marks the token of a process with no slot (all taken): the rest is its
+/// pid, checked with kill(2) (pid reuse aside, right).
+const NO_SLOT: u64 = 1 << 63;
+/// Slot generations in tokens keep clear of `NO_SLOT`.
+const GEN_MASK: u32 = 0x7fff_ffff;
 
 #[repr(C)]
 pub struct Shared {
@@ -62,6 +68,12 @@ pub struct Sim {
     fd: std::sync::atomic::AtomicI32,
     /// Per device: (time, completed busy ns) samples for utilisation.
     util: Vec<Mutex<Vec<(u64, u64)>>>,
+    params: Params,
+    /// `(slot generation << 32) | (slot index + 1)`, what the engine knows
+    /// this process by; 0: not known yet (or forked since).
+    token: AtomicU64,
+    /// Per device: kernel ns executed by contexts this process destroyed.
+    retired: Vec<AtomicU64>,
 }
 
 static SIM: OnceLock<Sim> = OnceLock::new();
@@ -116,11 +128,30 @@ pub fn init() -> Result<&'static Sim, String> {
         slot: AtomicUsize::new(0),
         slot_pid: AtomicU32::new(0),
         util: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+        params: Params {
+            quantum: cfg.quantum_ns,
+            switch: cfg.switch_ns,
+        },
+        token: AtomicU64::new(0),
+        retired: (0..n).map(|_| AtomicU64::new(0)).collect(),
     };
     let _ = SIM.set(sim);
     let s = SIM.get().ok_or("init failed")?;
     s.my_slot();
+    // SAFETY: registers a handler that only stores to atomics.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     Ok(s)
+}
+
+/// A forked child is a new process to the engine: it claims its own slot
+/// (and so token) on first use and has executed nothing yet.
+extern "C" fn after_fork_in_child() {
+    if let Some(s) = SIM.get() {
+        s.token.store(0, Relaxed);
+        for r in &s.retired {
+            r.store(0, Relaxed);
+        }
+    }
 }
 
 /// Maps the state; returns it and the descriptor kept open for slot locks
@@ -211,6 +242,21 @@ fn slot_lock(fd: i32, idx: usize, typ: i32) -> bool {
     }
 }
 
+/// Whether another open file description holds slot `idx`'s byte; None if
+/// the kernel would not say.
+fn slot_held(fd: i32, idx: usize) -> Option<bool> {
+    // SAFETY: plain fcntl on our own descriptor with a valid flock.
+    unsafe {
+        let mut fl: libc::flock = std::mem::zeroed();
+        fl.l_type = libc::F_WRLCK as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        fl.l_start = LOCK_BASE + idx as i64;
+        fl.l_len = 1;
+        (libc::fcntl(fd, libc::F_OFD_GETLK, &mut fl) == 0)
+            .then_some(fl.l_type != libc::F_UNLCK as libc::c_short)
+    }
+}
+
 impl Sim {
     pub fn ndev(&self) -> usize {
         self.totals.len()
@@ -225,8 +271,76 @@ impl Sim {
     }
 
     #[inline(always)]
-    pub fn shared_dev(&self, d: usize) -> &SharedDev {
-        &self.shared.devs[d]
+    pub fn engine(&self, d: usize) -> &Engine {
+        &self.shared.devs[d].engine
+    }
+
+    #[inline(always)]
+    pub fn params(&self) -> Params {
+        self.params
+    }
+
+    /// No state file: this process is alone.
+    #[inline(always)]
+    pub fn private(&self) -> bool {
+        self.path.is_none()
+    }
+
+    /// What the engine knows this process by.
+    #[inline(always)]
+    pub fn token(&self) -> u64 {
+        match self.token.load(Relaxed) {
+            0 => self.token_slow(),
+            t => t,
+        }
+    }
+
+    #[cold]
+    fn token_slow(&self) -> u64 {
+        let t = match self.my_slot() {
+            Some(s) => {
+                let i = self.slot.load(Acquire) as u64;
+                (u64::from(s.generation.load(Acquire) & GEN_MASK) << 32) | i
+            }
+            None => NO_SLOT | u64::from(getpid()),
+        };
+        self.token.store(t, Relaxed);
+        t
+    }
+
+    /// Whether the process behind an engine token still runs. Never false
+    /// for a live process; once false, stays false (a reclaimed slot gets a
+    /// new generation), which is what makes taking over its lock safe.
+    pub fn alive(&self, token: u64) -> bool {
+        if token == self.token() {
+            return true;
+        }
+        let fd = self.fd.load(Acquire);
+        if fd < 0 {
+            return true;
+        }
+        if token & NO_SLOT != 0 {
+            // SAFETY: signal 0 only checks for existence.
+            let r = unsafe { libc::kill((token & 0xffff_ffff) as libc::pid_t, 0) };
+            return r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        }
+        let i = (token & 0xffff_ffff) as usize;
+        if i == 0 || i > MAX_SLOTS {
+            return false;
+        }
+        let generation = self.shared.slots[i - 1].generation.load(Acquire) & GEN_MASK;
+        if generation != (token >> 32) as u32 {
+            return false;
+        }
+        slot_held(fd, i - 1).unwrap_or(true)
+    }
+
+    pub fn retire(&self, d: usize, ns: u64) {
+        self.retired[d].fetch_add(ns, Relaxed);
+    }
+
+    pub fn retired(&self, d: usize) -> u64 {
+        self.retired[d].load(Relaxed)
     }
 
     pub fn used(&self, d: usize) -> u64 {
@@ -267,6 +381,7 @@ impl Sim {
             } else if slot_lock(fd, i, libc::F_WRLCK) {
                 // Whoever had this slot before is gone: return its memory.
                 self.drain_usage(s);
+                s.generation.fetch_add(1, AcqRel);
                 s.pid.store(me, Release);
                 true
             } else {
@@ -361,12 +476,9 @@ impl Sim {
 
     /// Busy percentage of device `d` over roughly the last second.
     pub fn utilization(&self, d: usize) -> u32 {
-        let dev = &self.shared.devs[d];
+        let st = engine::stats(self, d);
+        let (done, running) = (st.busy_ns, st.running);
         let now = now_ns();
-        let free_at = dev.engine_free_at.load(Acquire);
-        // Work after `now` is one contiguous block ending at `free_at`.
-        let pending = free_at.saturating_sub(now);
-        let done = dev.busy_ns_total.load(Acquire).saturating_sub(pending);
         let mut samples = self.util[d].lock().unwrap_or_else(|e| e.into_inner());
         let window = 1_000_000_000;
         let base = samples
@@ -379,7 +491,7 @@ impl Sim {
             Some((t, b)) if now > t => {
                 (done.saturating_sub(b) as u128 * 100 / (now - t) as u128).min(100) as u32
             }
-            _ if pending > 0 => 100,
+            _ if running => 100,
             _ => 0,
         };
         // Keep the newest sample older than the window plus everything newer.

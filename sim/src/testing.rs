@@ -2,10 +2,10 @@
 //! do not touch the last-variant record.
 
 use std::ffi::{c_char, c_int};
-use std::sync::atomic::Ordering::*;
 
 use gpufrac_common::cuda::*;
 
+use crate::engine;
 use crate::exec::out_graph;
 use crate::state::{Sim, sim};
 
@@ -29,7 +29,8 @@ pub unsafe extern "C" fn gpufracSimLastVariant() -> *const c_char {
     crate::last_variant().as_ptr()
 }
 
-/// Shared engine statistics of `device`: total reserved kernel time and count.
+/// Shared engine statistics of `device`: kernel ns executed so far (all
+/// processes, switches excluded) and kernels submitted.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn gpufracSimEngineStats(
     device: c_int,
@@ -38,20 +39,45 @@ pub unsafe extern "C" fn gpufracSimEngineStats(
 ) -> CUresult {
     crate::guard(|| {
         let (s, d) = any_sim(device)?;
-        let dev = s.shared_dev(d);
+        let st = engine::stats(s, d);
         unsafe {
-            crate::out(
-                busy_ns,
-                dev.busy_ns_total.load(Acquire),
-                CUDA_ERROR_INVALID_VALUE,
-            )?;
-            crate::out(
-                kernels,
-                dev.kernels_total.load(Acquire),
-                CUDA_ERROR_INVALID_VALUE,
-            )
+            crate::out(busy_ns, st.busy_ns, CUDA_ERROR_INVALID_VALUE)?;
+            crate::out(kernels, st.kernels, CUDA_ERROR_INVALID_VALUE)
         }
     })
+}
+
+/// Kernel ns executed so far on `device` by the calling process's contexts
+/// (destroyed ones included); 0 for a bad device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpufracSimExecutedNs(device: c_int) -> u64 {
+    let r = std::panic::catch_unwind(|| {
+        any_sim(device).map_or(0, |(s, d)| engine::executed_by_me(s, d) + s.retired(d))
+    });
+    r.unwrap_or(0)
+}
+
+/// Context switches on `device` so far (all processes).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpufracSimSwitches(device: c_int) -> u64 {
+    let r = std::panic::catch_unwind(|| {
+        any_sim(device).map_or(0, |(s, d)| engine::stats(s, d).switches)
+    });
+    r.unwrap_or(0)
+}
+
+/// Fault injection: the calling process kills itself with SIGKILL at the
+/// next `at` in the engine: 1, right after taking a device lock; 2, after
+/// writing the next scheduling event but before committing it.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn gpufracSimCrashInEngine(at: c_int) -> CUresult {
+    match at as u32 {
+        a @ (engine::CRASH_HOLDING_LOCK | engine::CRASH_BEFORE_COMMIT) => {
+            engine::arm_crash(a);
+            0
+        }
+        _ => CUDA_ERROR_INVALID_VALUE,
+    }
 }
 
 /// Physical bytes in use on `device` by all processes sharing the state.

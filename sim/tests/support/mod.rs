@@ -75,6 +75,8 @@ pub fn isolated(name: &str, env: &[(&str, &str)], body: impl FnOnce()) {
         "GPUFRAC_SIM_DEVICES",
         "GPUFRAC_SIM_STATE",
         "GPUFRAC_SIM_DRIVER_VERSION",
+        "GPUFRAC_SIM_QUANTUM_US",
+        "GPUFRAC_SIM_SWITCH_US",
         "LD_PRELOAD",
     ] {
         cmd.env_remove(v);
@@ -250,6 +252,9 @@ api! {
     fn gpufracSimLastVariant() -> *const c_char;
     fn gpufracSimEngineStats(d: c_int, busy: *mut u64, kernels: *mut u64) -> CUresult;
     fn gpufracSimDeviceUsed(d: c_int, used: *mut u64) -> CUresult;
+    fn gpufracSimExecutedNs(d: c_int) -> u64;
+    fn gpufracSimSwitches(d: c_int) -> u64;
+    fn gpufracSimCrashInEngine(at: c_int) -> CUresult;
 
     fn nvmlInit_v2() -> nvmlReturn_t;
     fn nvmlInitWithFlags(flags: c_uint) -> nvmlReturn_t;
@@ -360,4 +365,80 @@ pub fn device_prop(dev: c_int) -> CUmemAllocationProp {
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: Default::default(),
     }
+}
+
+pub fn executed(dev: c_int) -> u64 {
+    unsafe { gpufracSimExecutedNs(dev) }
+}
+
+pub fn switches(dev: c_int) -> u64 {
+    unsafe { gpufracSimSwitches(dev) }
+}
+
+pub use gpufrac_common::clock::{mono_ns as now_ns, sleep_until};
+
+/// A helper process: this test binary running the test `name` (which acts
+/// on `env`), its stdin and stdout piped.
+pub struct Helper {
+    pub child: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Helper {
+    /// Starts `name` with `env` on top of this process's environment.
+    pub fn spawn(name: &str, env: &[(&str, String)]) -> Helper {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_VAR, name)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn helper");
+        let lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+        Helper { child, lines }
+    }
+
+    /// The rest of the first line that contains `tag` (libtest prints
+    /// "test name ... " in front of what the body prints first).
+    pub fn expect(&mut self, tag: &str) -> String {
+        loop {
+            let l = self
+                .lines
+                .next()
+                .unwrap_or_else(|| panic!("helper exited before {tag:?}"))
+                .unwrap();
+            if let Some(i) = l.find(tag) {
+                return l[i + tag.len()..].trim().to_owned();
+            }
+        }
+    }
+
+    pub fn send(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    pub fn wait(mut self) -> std::process::ExitStatus {
+        for _ in self.lines.by_ref() {}
+        self.child.wait().unwrap()
+    }
+}
+
+/// `key=value` pairs of a line, as numbers.
+pub fn fields(line: &str) -> std::collections::HashMap<String, u64> {
+    line.split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.parse().unwrap()))
+        .collect()
+}
+
+/// A number from this helper's environment.
+pub fn param(name: &str) -> u64 {
+    std::env::var(name)
+        .unwrap_or_else(|_| panic!("{name} not set"))
+        .parse()
+        .unwrap()
 }
