@@ -6,11 +6,12 @@
 #   REPORT=path            report file (default docs/gpu-results-YYYY-MM-DD.md)
 #   OUT=dir                also copy the report (and raw logs) there
 #   PYTHON=python3         interpreter with torch / cupy / jax
-#   SUITE_SECTIONS="1 2 3 4 5"   sections to run (the build always runs)
+#   SUITE_SECTIONS="1 2 3 4 5 6" sections to run (the build always runs; 6 runs before 5)
 #   SUITE_SKIP_BUILD=1     use the artifacts already in target/release
 #   SUITE_BUDGET_S=480     wall-clock budget; steps that would start after it are SKIPPED
 #   SUITE_CAP_GIB=4        the memory cap the checks run under
 #   SUITE_SHARE_SECONDS=8  length of each sharing measurement
+#   SUITE_LATENCY_SECONDS=5  length of each latency window in section 6 (250 requests)
 #   SUITE_REVISION=...     free text (e.g. a commit id) printed in the report
 #
 # Every step runs under `timeout`; a missing framework or tool makes its
@@ -29,8 +30,9 @@ CAP_GIB=${SUITE_CAP_GIB:-4}
 export SUITE_CAP="${CAP_GIB}G"
 export SUITE_CAP_BYTES=$((CAP_GIB * 1024 * 1024 * 1024))
 BUDGET=${SUITE_BUDGET_S:-480}
-SECTIONS=" ${SUITE_SECTIONS:-1 2 3 4 5} "
+SECTIONS=" ${SUITE_SECTIONS:-1 2 3 4 5 6} "
 SHARE_SECONDS=${SUITE_SHARE_SECONDS:-8}
+LAT_SECONDS=${SUITE_LATENCY_SECONDS:-5}
 SOCK=/tmp/gpufrac-suite.sock
 T0=$(date +%s)
 WORK=$(mktemp -d /tmp/gpufrac-suite.XXXXXX)
@@ -42,6 +44,7 @@ SHIM=$ROOT/target/release/libgpufrac.so
 BIN=$ROOT/target/release/gpufrac
 CUDARC=$ROOT/target/release/examples/cudarc_alloc
 EMPTY=$WORK/empty_kernel
+LOADBIN=$WORK/load
 
 # Nothing gpufrac reads may leak in from the caller's environment.
 ORIG_LD_PRELOAD=${LD_PRELOAD:-}
@@ -210,6 +213,7 @@ finalize() {
         cp "$REPORT" "$OUT/"
         cp -r "$LOGS" "$OUT/gpu-suite-logs/" 2>/dev/null
         [ -d "$WORK/sharing" ] && cp -r "$WORK/sharing" "$OUT/gpu-suite-logs/" 2>/dev/null
+        [ -d "$WORK/latency" ] && cp -r "$WORK/latency" "$OUT/gpu-suite-logs/" 2>/dev/null
     fi
     echo
     echo "Report: $REPORT ($p passed, $f failed, $s skipped, $(elapsed) s)"
@@ -279,7 +283,7 @@ fw_probe() { # fw_probe NAME: runs env_info.py natively; output in $LOGS/env-NAM
 }
 kv() { sed -n "s/^$2=//p" "$1" 2>/dev/null | head -n 1; }
 
-if wants 1 || wants 2 || wants 3 || wants 4; then
+if wants 1 || wants 2 || wants 3 || wants 4 || wants 6; then
     section 1 "Environment"
     smi_l=$(timeout 30 nvidia-smi -L 2>&1)
     if [ $? -eq 0 ] && grep -q '^GPU ' <<<"$smi_l"; then
@@ -399,33 +403,38 @@ if wants 2; then
 fi
 
 # ---------------------------------------------------------------- 3. overhead
-EMPTY_TRIED=0
-build_empty_kernel() {
-    [ -x "$EMPTY" ] && return 0
-    ((EMPTY_TRIED)) && return 1
-    EMPTY_TRIED=1
+# build_cu NAME OUT [NVCC FLAGS...]: nvcc -O2 -arch=native (falling back to
+# sm_90) of gpu/NAME into OUT, tried once per run; records PASS/FAIL/SKIP.
+declare -A CU_TRIED
+build_cu() {
+    local name=$1 out=$2
+    shift 2
+    [ -x "$out" ] && return 0
+    [ -n "${CU_TRIED[$name]:-}" ] && return 1
+    CU_TRIED[$name]=1
     if (($(remaining) < 60)); then
-        record SKIP "nvcc builds gpu/empty_kernel.cu" "time budget"
+        record SKIP "nvcc builds gpu/$name" "time budget"
         return 1
     fi
     if [ -z "${NVCC:-}" ]; then
         NVCC=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
     fi
     if [ -z "$NVCC" ]; then
-        record SKIP "nvcc builds gpu/empty_kernel.cu" "nvcc not found (PATH, /usr/local/cuda/bin)"
+        record SKIP "nvcc builds gpu/$name" "nvcc not found (PATH, /usr/local/cuda/bin)"
         return 1
     fi
     local arch
     for arch in native sm_90; do
-        if timeout -k 5 180 "$NVCC" -O2 -arch=$arch -o "$EMPTY" "$GPU_DIR/empty_kernel.cu" \
+        if timeout -k 5 180 "$NVCC" -O2 "$@" -arch=$arch -o "$out" "$GPU_DIR/$name" \
             >>"$LOGS/nvcc.log" 2>&1 </dev/null; then
-            record PASS "nvcc builds gpu/empty_kernel.cu" "-arch=$arch"
+            record PASS "nvcc builds gpu/$name" "-arch=$arch"
             return 0
         fi
     done
-    record FAIL "nvcc builds gpu/empty_kernel.cu" "$(tail -n 3 "$LOGS/nvcc.log" | tr '\n' ' ' | cut -c1-300)"
+    record FAIL "nvcc builds gpu/$name" "$(tail -n 3 "$LOGS/nvcc.log" | tr '\n' ' ' | cut -c1-300)"
     return 1
 }
+build_empty_kernel() { build_cu empty_kernel.cu "$EMPTY"; }
 
 if wants 3; then
     section 3 "Overhead (native vs LD_PRELOAD shim, GPUFRAC_BROKER=off)"
@@ -460,6 +469,45 @@ if wants 4; then
     end_section
 fi
 
+# ---------------------------------------------------------------- 6. latency and shares
+# Runs before section 5, which checks that nothing was left behind.
+
+# latency_step LABEL TIMEOUT NEED ARGS...: one part of gpu/latency.py; it is
+# told how long it has, so it skips scenarios rather than run into the timeout.
+latency_step() {
+    local label=$1 t=$2 need=$3 rem
+    shift 3
+    rem=$(remaining)
+    ((t > rem)) && t=$rem
+    run_step "$label" "$t" "$need" "$PY" "$GPU_DIR/latency.py" --bin "$BIN" --shim "$SHIM" \
+        --workdir "$WORK/latency" --sock "$SOCK" --seconds "$LAT_SECONDS" --deadline-s $((t > 30 ? t - 15 : 15)) "$@"
+}
+
+if wants 6; then
+    section 6 "Latency beside batch work, and shares with short and long kernels"
+    why=$(prereq)
+    if [ -z "$why" ] && [ ! -x "$BIN" ]; then why="target/release/gpufrac was not built"; fi
+    if [ -n "$why" ]; then
+        skip_all "latency and share checks" "$why"
+    else
+        if build_cu load.cu "$LOADBIN" -std=c++17; then
+            latency_step "latency: load.cu interactive beside 50 us / 6 ms / 120 ms kernels" 150 60 \
+                --part cuda --load "$LOADBIN"
+            latency_step "shares: load.cu 70/30 with 50 us / 6 ms / 120 ms kernels" 100 40 \
+                --part shares --load "$LOADBIN"
+        else
+            skip_all "load.cu latency and share checks" "gpu/load.cu was not built"
+        fi
+        if ((HAVE_TORCH)); then
+            latency_step "latency: PyTorch inference beside training; 70/30 training pair" 180 60 \
+                --part torch --torch-script "$GPU_DIR/torch_load.py"
+        else
+            skip_all "PyTorch latency and share checks" "$TORCH_WHY"
+        fi
+    fi
+    end_section
+fi
+
 # ---------------------------------------------------------------- 5. sanity
 if wants 5; then
     section 5 "Sanity: nothing left behind"
@@ -476,7 +524,7 @@ if wants 5; then
     else
         record SKIP "nvidia-smi --query-compute-apps" "no GPU"
     fi
-    left=$(pgrep -af -- "$GPU_DIR/[a-z_]+\\.py|$EMPTY|$CUDARC|$SOCK" 2>/dev/null | grep -v "^$$ ")
+    left=$(pgrep -af -- "$GPU_DIR/[a-z_]+\\.py|$EMPTY|$LOADBIN|$CUDARC|$SOCK" 2>/dev/null | grep -v "^$$ ")
     if [ -z "$left" ]; then
         record PASS "no suite process (check scripts, loads, broker) still running" ""
     else

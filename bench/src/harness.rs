@@ -22,13 +22,16 @@ pub struct Artifacts {
     pub simdir: PathBuf,
     pub gpufrac: PathBuf,
     pub hotloop: PathBuf,
+    /// examples/loadgen: the batch and interactive load of sections 5 and 6.
+    pub loadgen: PathBuf,
     /// This program (re-run as `scale-client`).
     pub bench: PathBuf,
 }
 
-/// Builds the shim, the simulated driver, the gpufrac binary and this
-/// crate's binaries in the profile this program was built in, and links the
-/// simulated driver under the names the loader looks for.
+/// Builds the shim, the simulated driver, the gpufrac binary, this crate's
+/// binaries and the load generator example in the profile this program was
+/// built in, and links the simulated driver under the names the loader
+/// looks for.
 pub fn build() -> Result<Artifacts, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     // target/<profile>/gpufrac-bench
@@ -42,32 +45,30 @@ pub fn build() -> Result<Artifacts, String> {
         .ok_or("no workspace root")?
         .to_path_buf();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(&root).args([
-        "build",
-        "--quiet",
-        "-p",
-        "gpufrac-shim",
-        "-p",
-        "gpufrac-sim",
-        "-p",
-        "gpufrac",
-        "-p",
-        "gpufrac-bench",
-        "--bins",
-    ]);
-    if release {
-        cmd.arg("--release");
-    }
     eprintln!(
         "gpufrac-bench: building the shim, the simulated driver and the binaries ({})",
         if release { "release" } else { "debug" }
     );
-    let st = cmd
-        .status()
-        .map_err(|e| format!("running cargo build: {e}"))?;
-    if !st.success() {
-        return Err(format!("cargo build failed ({st})"));
+    // Separate invocations because a target filter applies to every package
+    // named: with `--bins`, the shim and the simulated driver (libraries
+    // only) would not be built at all, and the load generator is an example
+    // of the root package.
+    for args in [
+        &["-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
+        &["-p", "gpufrac", "-p", "gpufrac-bench", "--bins"][..],
+        &["-p", "gpufrac", "--example", "loadgen"][..],
+    ] {
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(&root).args(["build", "--quiet"]).args(args);
+        if release {
+            cmd.arg("--release");
+        }
+        let st = cmd
+            .status()
+            .map_err(|e| format!("running cargo build: {e}"))?;
+        if !st.success() {
+            return Err(format!("cargo build {} failed ({st})", args.join(" ")));
+        }
     }
     remove_stale_scratch(&dir.join("bench-scratch"));
     let simdir = dir.join("bench-sim-driver");
@@ -82,6 +83,7 @@ pub fn build() -> Result<Artifacts, String> {
         shim: dir.join("libgpufrac.so"),
         gpufrac: dir.join("gpufrac"),
         hotloop: dir.join("gpufrac-hotloop"),
+        loadgen: dir.join("examples/loadgen"),
         bench: exe,
         profile: if release { "release" } else { "debug" },
         simdir,
@@ -92,6 +94,7 @@ pub fn build() -> Result<Artifacts, String> {
         &a.shim,
         &a.gpufrac,
         &a.hotloop,
+        &a.loadgen,
         &a.dir.join("libgpufrac_sim.so"),
     ] {
         if !p.exists() {

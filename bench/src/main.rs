@@ -1,14 +1,16 @@
 //! gpufrac-bench: the benchmark instrument.
 //!
-//! `cargo run --release -p gpufrac-bench [-- --quick] [-- --only SECTION]`
+//! `cargo run --release -p gpufrac-bench [-- --quick] [-- --only SECTION[,SECTION…]]`
 //! builds the shim, the simulated driver and the binaries, runs every
 //! section on the simulated driver, prints a compact table per section and
 //! writes docs/benchmarks.md.
 //!
 //! Sections: `hook` (1: hook overhead), `free` (2: free stays O(1)),
 //! `arbitration` (3: shares, utilisation, switch cost), `scale` (4: broker
-//! scale). `gpufrac-bench scale-client …` is the simulated shim of section 4
-//! (an internal subcommand).
+//! scale), `latency` (5: an interactive process beside batch work),
+//! `accuracy` (6: shares with short and long kernels). `gpufrac-bench
+//! scale-client …` is the simulated shim of section 4 (an internal
+//! subcommand).
 
 mod sections;
 
@@ -18,17 +20,20 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "\
-usage: gpufrac-bench [--quick] [--only SECTION] [--out FILE]
+usage: gpufrac-bench [--quick] [--only SECTION[,SECTION…]] [--out FILE]
 
   --quick         short runs (a smoke test; figures are noisy)
-  --only SECTION  hook | free | arbitration | scale (or 1..4)
+  --only SECTION  hook | free | arbitration | scale | latency | accuracy (or
+                  1..6); a comma-separated list, or --only more than once,
+                  runs several
   --out FILE      where to write the report [default: docs/benchmarks.md for a
                   full run, target/<profile>/benchmarks-partial.md with --quick
                   or --only, so a smoke test never overwrites the real figures]";
 
 struct Opts {
     quick: bool,
-    only: Option<&'static str>,
+    /// Empty: every section.
+    only: Vec<&'static str>,
     out: Option<PathBuf>,
 }
 
@@ -38,6 +43,8 @@ fn section_key(s: &str) -> Option<&'static str> {
         "2" | "free" => Some("free"),
         "3" | "arbitration" | "arb" => Some("arbitration"),
         "4" | "scale" => Some("scale"),
+        "5" | "latency" => Some("latency"),
+        "6" | "accuracy" => Some("accuracy"),
         _ => None,
     }
 }
@@ -45,7 +52,7 @@ fn section_key(s: &str) -> Option<&'static str> {
 fn parse(args: &[String]) -> Result<Opts, String> {
     let mut o = Opts {
         quick: false,
-        only: None,
+        only: Vec::new(),
         out: None,
     };
     let mut it = args.iter();
@@ -54,7 +61,13 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             "--quick" => o.quick = true,
             "--only" => {
                 let v = it.next().ok_or("--only needs a section")?;
-                o.only = Some(section_key(v).ok_or_else(|| format!("unknown section {v:?}"))?);
+                for part in v.split(',') {
+                    let k = section_key(part.trim())
+                        .ok_or_else(|| format!("unknown section {part:?}"))?;
+                    if !o.only.contains(&k) {
+                        o.only.push(k);
+                    }
+                }
             }
             "--out" => o.out = Some(it.next().ok_or("--out needs a file")?.into()),
             "-h" | "--help" => return Err(String::new()),
@@ -90,7 +103,7 @@ fn main() -> ExitCode {
         }
     };
     type Runner = fn(&harness::Artifacts, bool) -> Result<Section, String>;
-    let all: [(&str, &str, Runner); 4] = [
+    let all: [(&str, &str, Runner); 6] = [
         ("hook", "1. Hook overhead", sections::hook::run),
         ("free", "2. Free stays O(1)", sections::free::run),
         (
@@ -99,10 +112,20 @@ fn main() -> ExitCode {
             sections::arbitration::run,
         ),
         ("scale", "4. Broker scale", sections::scale::run),
+        (
+            "latency",
+            "5. Interactive latency beside batch work",
+            sections::latency::run,
+        ),
+        (
+            "accuracy",
+            "6. Share accuracy across kernel lengths",
+            sections::accuracy::run,
+        ),
     ];
     let mut done = Vec::new();
     for (key, title, run) in all {
-        if opts.only.is_some_and(|o| o != key) {
+        if !opts.only.is_empty() && !opts.only.contains(&key) {
             continue;
         }
         eprintln!("gpufrac-bench: section {title} …");
@@ -132,7 +155,7 @@ fn main() -> ExitCode {
         machine: report::machine(),
         profile: a.profile,
         quick: opts.quick,
-        only: opts.only.map(str::to_string),
+        only: (!opts.only.is_empty()).then(|| opts.only.join(", ")),
         wall_s: t0.elapsed().as_secs_f64(),
         command: std::iter::once(if a.profile == "release" {
             "cargo run --release -p gpufrac-bench".to_string()
@@ -144,7 +167,7 @@ fn main() -> ExitCode {
         .join(" "),
     };
     let out = opts.out.clone().unwrap_or_else(|| {
-        if opts.quick || opts.only.is_some() {
+        if opts.quick || !opts.only.is_empty() {
             a.dir.join("benchmarks-partial.md")
         } else {
             a.root.join("docs/benchmarks.md")

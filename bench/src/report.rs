@@ -356,6 +356,10 @@ pub fn document(info: &RunInfo, sections: &[Section]) -> String {
          the round. Arbitration quality \
          compares the broker's achieved GPU shares with the shares asked for, and the GPU busy \
          fraction with the broker against the same processes contending freely without it. \
+         Sections 5 and 6 put whole programs side by side on one simulated GPU whose engine \
+         time-slices contexts as an H100 does (a 2 ms slice while another context waits, \
+         100 us per switch), so *without gpufrac* there means the GPU's own time-slicing, and \
+         a request's latency includes both processes' wake-ups on this machine. \
          A figure marked MISS did not meet its target in this run; the notes under it say where \
          the time goes. Where the interquartile range shown for a figure straddles its target, \
          its PASS or MISS is within this machine's noise (a shared 2-CPU VM: repeated runs move \

@@ -61,6 +61,8 @@ pub type GrantId = u64;
 
 const MS: Nanos = 1_000_000;
 const US: Nanos = 1_000;
+/// How many bounds of work a burst grant may keep queued.
+const BURST_BOUND: Nanos = 8;
 
 /// Hold intervals kept per client. Only the last `window` matters; the cap
 /// keeps a client that spins acquire/release from growing memory without
@@ -84,6 +86,10 @@ pub struct SchedConfig {
     /// Longest a released client is charged for its queued work without
     /// saying it has drained.
     pub drain_timeout: Nanos,
+    /// Longest a client that wakes up waits for a holder of its class,
+    /// when it is not behind enough to take the GPU at once: about the
+    /// GPU's own time-slice quantum.
+    pub wake: Nanos,
 }
 
 impl Default for SchedConfig {
@@ -97,6 +103,7 @@ impl Default for SchedConfig {
             grace: 200 * MS,
             bound: 250 * US,
             drain_timeout: 5000 * MS,
+            wake: 2 * MS,
         }
     }
 }
@@ -398,6 +405,7 @@ impl Scheduler {
             timeslice: cfg.timeslice.max(1),
             window: cfg.window.max(1),
             drain_timeout: cfg.drain_timeout.max(1),
+            wake: cfg.wake.max(1),
             ..cfg
         };
         Scheduler {
@@ -494,6 +502,11 @@ impl Scheduler {
                 let floor = self.vclock[c.class.index()] - c.credit(&cfg);
                 c.vtime = c.vtime.max(floor);
                 c.state = ClientState::Waiting;
+                // A shim launches a little with its request, before any
+                // grant: that work is on the GPU (and charged) until it
+                // reports it drained or is granted.
+                c.draining_since.get_or_insert(now);
+                c.refresh_run(now);
                 c.seq = seq;
                 self.next_seq += 1;
                 self.woke = Some(id);
@@ -730,7 +743,9 @@ impl Scheduler {
 
     /// The bound `id` gets as holder: only while someone who could take the
     /// GPU from it or follow it is registered (a client of its class or
-    /// higher), and not during the first slice of a burst.
+    /// higher); during the first slice of a burst, eight times as much (a
+    /// request of many short kernels is queued whole, while a batch job that
+    /// wakes up still cannot queue seconds of work).
     fn bound_for(&self, now: Nanos, id: ClientId) -> Nanos {
         let Some(c) = self.clients.get(&id) else {
             return 0;
@@ -743,10 +758,10 @@ impl Scheduler {
             .clients
             .iter()
             .any(|(&o, oc)| o != id && oc.class >= c.class);
-        if others && !in_burst {
-            self.cfg.bound
-        } else {
-            0
+        match (others, in_burst) {
+            (false, _) => 0,
+            (true, false) => self.cfg.bound,
+            (true, true) => self.cfg.bound.saturating_mul(BURST_BOUND),
         }
     }
 
@@ -810,12 +825,25 @@ impl Scheduler {
         let (class, vtime, weight) = (c.class, c.vtime, c.weight);
         // A waiter of a higher class takes the GPU at once; one that just
         // woke up behind the holder in virtual time does too.
+        // (Behind by more than a quarter slice of the holder's time, so that
+        // two clients waking together do not take the GPU from each other.)
+        let gran = cfg.timeslice as f64 / 4.0 / weight;
         if let Some(w) = best
-            && (w.class > class || (w.class == class && woke == Some(w.id) && w.vtime < vtime))
+            && (w.class > class
+                || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
         {
             self.revoke(now, h);
             return true;
         }
+        // One that woke up without being behind waits no longer than the
+        // GPU's own time-slicer would make it wait: the holder's slice ends
+        // within `wake`, and the usual order decides then.
+        let woke_here = woke.is_some_and(|id| {
+            self.clients.get(&id).is_some_and(|w| {
+                w.class == class && w.state == ClientState::Waiting && w.eligible(&cfg, now)
+            })
+        });
+        let wake_by = now.saturating_add(cfg.wake);
         // Lower classes do not contend with the holder.
         let best = best.filter(|w| w.class == class);
         let contended = best.is_some();
@@ -845,6 +873,7 @@ impl Scheduler {
                     Some(None)
                 }
             }
+            Some(d) if woke_here && d > wake_by => Some(Some(cfg.wake)),
             Some(d) => {
                 if unchanged {
                     return false;
@@ -860,6 +889,7 @@ impl Scheduler {
                     Some(r) => d.min(now + r),
                     None => d,
                 };
+                let d = if woke_here { d.min(wake_by) } else { d };
                 (d > now).then_some(Some(d - now))
             }
             None => {
@@ -979,6 +1009,8 @@ mod tests {
     }
 
     const B: Nanos = 250 * US;
+    /// The bound of a burst grant's first slice.
+    const BB: Nanos = B * BURST_BOUND;
 
     /// Virtual-time model of shims: a busy client always has work, so on a
     /// revoke it asks again and releases at once; its queued work then
@@ -1019,6 +1051,8 @@ mod tests {
         fn start(&mut self, id: ClientId) {
             self.busy.insert(id);
             self.s.acquire(self.now, id);
+            // What it launched with its request has run.
+            self.s.drained(self.now, id);
             self.pump();
         }
 
@@ -1180,9 +1214,9 @@ mod tests {
         s.acquire(0, 1);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
         // Idle, but it could wake at any moment: keep the holder's queue
-        // short, once the holder's first burst is over.
+        // short (a burst's bound first, then the bound).
         s.add_client(MS, 2, 1.0, None, N);
-        assert!(drain(&mut s).is_empty());
+        assert_eq!(drain(&mut s), vec![grant(1, 1, None, BB)]);
         assert_eq!(s.next_timeout(), Some(20 * MS));
         s.handle_timeout(20 * MS);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, B)]);
@@ -1199,14 +1233,14 @@ mod tests {
         s.add_client(0, 1, 1.0, None, N);
         s.add_client(0, 2, 1.0, None, N);
         s.acquire(0, 1);
-        assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
+        assert_eq!(drain(&mut s), vec![grant(1, 1, None, BB)]);
         s.handle_timeout(20 * MS);
         assert_eq!(drain(&mut s), vec![grant(1, 1, None, B)]);
         // 2 has used nothing and 1 has used 30 ms: 2 is behind and takes
         // the GPU now, in the same step as the revoke. Its burst is not
         // bounded.
         s.acquire(30 * MS, 2);
-        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, 0)]);
+        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, BB)]);
         assert_eq!(s.state(1), Some(ClientState::Revoking));
         assert_eq!(s.holder(), Some(2));
         // 1's queued work drains alongside 2's: both are charged half.
@@ -1234,11 +1268,11 @@ mod tests {
         s.acquire(0, 1);
         drain(&mut s);
         s.acquire(2 * SEC, 2);
-        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, 0)]);
+        assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, BB)]);
         s.acquire(2 * SEC, 1);
         s.release(2 * SEC, 1);
         // 1 waits again: 2's grant becomes a contended slice.
-        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), 0)]);
+        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), BB)]);
         // Past its first slice, 2 is behind by 1's solo second: it keeps the
         // GPU, now bounded.
         s.handle_timeout(2 * SEC + 20 * MS);
@@ -1274,7 +1308,7 @@ mod tests {
     }
 
     #[test]
-    fn a_waker_ahead_of_the_holder_waits_for_the_slice() {
+    fn a_waker_ahead_of_the_holder_waits_a_quantum_then_the_order_decides() {
         let mut s = Scheduler::new(SchedConfig::default());
         s.add_client(0, 1, 1.0, None, N);
         s.add_client(0, 2, 1.0, None, N);
@@ -1286,8 +1320,17 @@ mod tests {
         drain(&mut s);
         s.acquire(SEC + MS, 2);
         // Not preempted: 2's credit is one slice, and it is ahead by more.
-        // (1 is still in the first slice of its burst: no bound yet.)
-        assert_eq!(drain(&mut s), vec![grant(1, 2, Some(19 * MS), 0)]);
+        // But it waits no longer than the GPU's quantum for its turn to be
+        // weighed (1 is still in its first burst: the burst's bound).
+        assert_eq!(drain(&mut s), vec![grant(1, 2, Some(2 * MS), BB)]);
+        assert_eq!(s.holder(), Some(1));
+        // Then 1, far behind, keeps the GPU for most of a slice more.
+        s.handle_timeout(SEC + 3 * MS);
+        let a = drain(&mut s);
+        assert!(
+            matches!(a[..], [Action::Grant { client: 1, grant: 2, slice: Some(s), .. }] if s >= 10 * MS),
+            "{a:?}"
+        );
         assert_eq!(s.holder(), Some(1));
     }
 
@@ -1374,7 +1417,7 @@ mod tests {
         assert_eq!(s.holder(), Some(1));
         // ...unless 1 runs out of work first.
         s.release(SEC + 5 * MS, 1);
-        assert_eq!(drain(&mut s), vec![grant(2, 3, None, 0)]);
+        assert_eq!(drain(&mut s), vec![grant(2, 3, None, BB)]);
         assert_eq!(s.holder(), Some(2));
         assert_eq!(s.state(1), Some(ClientState::Idle));
         s.drained(SEC + 5 * MS, 1);
@@ -1392,11 +1435,11 @@ mod tests {
         s.acquire(0, 3);
         assert_eq!(
             drain(&mut s),
-            vec![grant(1, 1, None, 0), grant(1, 1, Some(20 * MS), 0)]
+            vec![grant(1, 1, None, BB), grant(1, 1, Some(2 * MS), BB)]
         );
         s.remove_client(10 * MS, 1);
         // 3 is still waiting behind 2, so 2's grant is a contended slice.
-        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), 0)]);
+        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), BB)]);
         assert_eq!(s.holder(), Some(2));
         assert_eq!(s.state(1), None);
         // A waiting client that disconnects just leaves the queue; 2 now
@@ -1427,14 +1470,14 @@ mod tests {
         sim.start(1);
         sim.start(2);
         sim.run_until(SEC);
-        // Revoked at the end of its first slice; the GPU moved on then.
-        assert_eq!(sim.grants_to(2), vec![(20 * MS, None)]);
+        // 2 woke beside it: revoked a quantum later; the GPU moved on then.
+        assert_eq!(sim.grants_to(2), vec![(2 * MS, None)]);
         assert_eq!(sim.s.holder(), Some(2));
         let st = status_of(&sim.s, sim.now, 1);
         assert_eq!(st.state, ClientState::Revoking);
         assert!(st.hung);
         // Charged as on the GPU all along (half of it since the handover).
-        let want = 20 * MS + (SEC - 20 * MS) / 2;
+        let want = 2 * MS + (SEC - 2 * MS) / 2;
         assert!(st.gpu_time.abs_diff(want) < MS, "{} vs {want}", st.gpu_time);
         // The hang ends: it still has work, so it re-queues.
         sim.stuck.remove(&1);
@@ -1627,15 +1670,24 @@ mod tests {
         }
 
         fn config() -> impl Strategy<Value = SchedConfig> {
-            (0..60 * MS, 0..2 * SEC, 0..300 * MS, 0..MS, 0..SEC).prop_map(
-                |(timeslice, window, grace, bound, drain_timeout)| SchedConfig {
-                    timeslice,
-                    window,
-                    grace,
-                    bound,
-                    drain_timeout,
-                },
+            (
+                0..60 * MS,
+                0..2 * SEC,
+                0..300 * MS,
+                0..MS,
+                0..SEC,
+                0..5 * MS,
             )
+                .prop_map(|(timeslice, window, grace, bound, drain_timeout, wake)| {
+                    SchedConfig {
+                        timeslice,
+                        window,
+                        grace,
+                        bound,
+                        drain_timeout,
+                        wake,
+                    }
+                })
         }
 
         fn check(s: &Scheduler, now: Nanos) {

@@ -73,6 +73,10 @@ static DRAIN_WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 /// than the GPU's own time-slicing.
 static OPTIMISTIC_UNTIL: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 const OPTIMISTIC_NS: u64 = 1_000_000;
+/// What a process may queue before the broker answers: a request of short
+/// kernels goes out whole, a batch job that wakes up queues no more than
+/// one long kernel (the broker's own burst bound).
+const OPTIMISTIC_BOUND_NS: u64 = 2_000_000;
 static IN_FLIGHT: [AtomicU32; MAX_DEVICES] = [const { AtomicU32::new(0) }; MAX_DEVICES];
 static LAST_LAUNCH: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
@@ -102,8 +106,9 @@ thread_local! {
     static PENDING: Cell<i32> = const { Cell::new(-1) };
     // This thread's slot: -1 not yet assigned, -3 none left.
     static MY_SLOT: Cell<i32> = const { Cell::new(-1) };
-    // The current launch is on a bounded device and must be tracked.
-    static TRACKED: Cell<bool> = const { Cell::new(false) };
+    // The device whose in-flight bound the current launch counts against
+    // (-1: none).
+    static TRACK_DEV: Cell<i32> = const { Cell::new(-1) };
 }
 
 const SLOT_BASE: i32 = -100;
@@ -138,7 +143,9 @@ fn register_membarrier() {
     MEMBARRIER.store(rc == 0, SeqCst);
 }
 
-use gpufrac_common::clock::{coarse_ns, mono_ns as now_ns};
+// The precise clock: idle hand-back works in fractions of a millisecond, and
+// the coarse clock ticks every few milliseconds.
+use gpufrac_common::clock::mono_ns as now_ns;
 
 /// The compute gate. `Ok` means launch now; `launched` must follow.
 #[inline(always)]
@@ -184,16 +191,20 @@ fn gate_slow() -> Result<(), u32> {
     loop {
         // Wait for room outside the gate: a revoke must not wait for it.
         let bounded = BOUNDED.load(Acquire) & bit != 0;
+        let optimistic =
+            OPEN.load(Acquire) & bit == 0 && now_ns() < OPTIMISTIC_UNTIL[d].load(Relaxed);
         if bounded {
-            crate::inflight::wait_room(d, BOUND_NS[d].load(Relaxed));
+            wait_room(d, BOUND_NS[d].load(Relaxed));
+        } else if optimistic {
+            wait_room(d, OPTIMISTIC_BOUND_NS);
         }
         IN_FLIGHT[d].fetch_add(1, SeqCst);
         if OPEN.load(SeqCst) & bit != 0 {
             if (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & bit != 0 {
-                LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
+                LAST_LAUNCH[d].store(now_ns(), Relaxed);
             }
             PENDING.with(|p| p.set(dev));
-            TRACKED.with(|t| t.set(bounded));
+            TRACK_DEV.with(|t| t.set(if bounded { dev } else { -1 }));
             return Ok(());
         }
         // Never send while counted in flight: a release in progress holds
@@ -203,21 +214,39 @@ fn gate_slow() -> Result<(), u32> {
             return Ok(());
         }
         if REQUESTED.fetch_or(bit, AcqRel) & bit == 0 {
-            // Coming back from idle: ask, and launch meanwhile.
+            // Coming back from idle: ask, and launch meanwhile (once there
+            // is room under the optimistic bound: next time round).
             OPTIMISTIC_UNTIL[d].store(now_ns() + OPTIMISTIC_NS, Relaxed);
             if let Some(dev) = devices::all().get(d) {
                 send(&ClientMsg::Acquire {
                     uuid: dev.uuid.bytes,
                 });
             }
+            continue;
         }
-        if now_ns() < OPTIMISTIC_UNTIL[d].load(Relaxed) {
+        let until = OPTIMISTIC_UNTIL[d].load(Relaxed);
+        if optimistic && now_ns() < until {
             // Not counted in flight: this process holds no grant that a
             // release would have to wait for.
+            TRACK_DEV.with(|t| t.set(dev));
             return Ok(());
+        }
+        if until != 0 && OPTIMISTIC_UNTIL[d].swap(0, Relaxed) != 0 {
+            // The broker did not make room in time: what went out
+            // meanwhile is charged until it has run.
+            request_drain(d);
         }
         wait_for_grant(d);
     }
+}
+
+/// Waiting for room under the bound is waiting for this process's own
+/// kernels: not idleness, so no idle hand-back meanwhile.
+fn wait_room(d: usize, bound: u64) {
+    SYNCING.fetch_add(1, SeqCst);
+    crate::inflight::wait_room(d, bound);
+    SYNCING.fetch_sub(1, SeqCst);
+    LAST_LAUNCH[d].store(now_ns(), Relaxed);
 }
 
 /// PENDING value of a launch that went through the ALL_OPEN lane.
@@ -227,11 +256,12 @@ const ALL_LANE: i32 = -2;
 /// `stream` (`ptsz`: with per-thread default stream semantics).
 #[inline(always)]
 pub fn launched(rc: u32, stream: CUstream, ptsz: bool) {
+    let t = TRACK_DEV.with(|t| t.replace(-1));
+    if t >= 0 && rc == CUDA_SUCCESS {
+        crate::inflight::record(t as usize, stream, ptsz);
+    }
     let d = PENDING.with(|p| p.replace(-1));
     if d >= 0 {
-        if TRACKED.with(|t| t.replace(false)) && rc == CUDA_SUCCESS {
-            crate::inflight::record(d as usize, stream, ptsz);
-        }
         IN_FLIGHT[d as usize].fetch_sub(1, SeqCst);
     } else if d == ALL_LANE {
         GLOBAL_IN_FLIGHT.fetch_sub(1, SeqCst);
@@ -508,18 +538,31 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
         } else {
             100_000_000
         };
-        s.set_read_timeout(Some(Duration::from_nanos(tick)))
-            .map_err(|e| e.to_string())?;
-        let mut tmp = [0u8; 4096];
-        match s.read(&mut tmp) {
-            Ok(0) => return Err("broker closed the connection".into()),
-            Ok(n) => inbuf.extend_from_slice(&tmp[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                ) => {}
-            Err(e) => return Err(e.to_string()),
+        // ppoll, not a socket timeout: SO_RCVTIMEO counts in scheduler
+        // ticks (4 ms at HZ=250), far coarser than the hand-back.
+        let ts = libc::timespec {
+            tv_sec: (tick / 1_000_000_000) as libc::time_t,
+            tv_nsec: (tick % 1_000_000_000) as libc::c_long,
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd of ours, a timespec on the stack.
+        let ready = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        if ready > 0 {
+            let mut tmp = [0u8; 4096];
+            match s.read(&mut tmp) {
+                Ok(0) => return Err("broker closed the connection".into()),
+                Ok(n) => inbuf.extend_from_slice(&tmp[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(e.to_string()),
+            }
         }
         loop {
             match wire::decode_server(&inbuf) {
@@ -572,7 +615,7 @@ fn on_message(m: ServerMsg) {
                 BOUNDED.fetch_and(!bit, SeqCst);
             } else {
                 ALL_OPEN.store(false, SeqCst);
-                LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
+                LAST_LAUNCH[d].store(now_ns(), Relaxed);
                 BOUNDED.fetch_or(bit, SeqCst);
             }
             OPTIMISTIC_UNTIL[d].store(0, Relaxed);
@@ -582,7 +625,7 @@ fn on_message(m: ServerMsg) {
                 // Contention starts now: give the holder a fresh idle window,
                 // and send launches back through the lane that stamps it.
                 ALL_OPEN.store(false, SeqCst);
-                LAST_LAUNCH[d].store(coarse_ns(), Relaxed);
+                LAST_LAUNCH[d].store(now_ns(), Relaxed);
                 CONTENDED.fetch_or(bit, SeqCst);
             }
             if OPEN.fetch_or(bit, SeqCst) & bit == 0 {
@@ -719,7 +762,7 @@ pub fn syncing<F: FnOnce() -> u32>(f: F) -> u32 {
     SYNCING.fetch_add(1, SeqCst);
     let rc = f();
     SYNCING.fetch_sub(1, SeqCst);
-    let now = coarse_ns();
+    let now = now_ns();
     for l in LAST_LAUNCH.iter().take(NDEV.load(Relaxed) as usize) {
         l.store(now, Relaxed);
     }
@@ -731,7 +774,7 @@ fn idle_handback() {
     if contended == 0 || SYNCING.load(SeqCst) > 0 {
         return;
     }
-    let now = coarse_ns();
+    let now = now_ns();
     for d in 0..MAX_DEVICES {
         if contended & (1 << d) != 0
             && IN_FLIGHT[d].load(Relaxed) == 0

@@ -84,10 +84,15 @@ impl Track {
             self.ring.pop_front();
             if let Some(prev) = self.last_done.replace(ev) {
                 if let Some(ns) = elapsed_ns(prev, ev) {
-                    self.est_ns = if self.est_ns == 0 {
-                        ns
+                    // Down at once, up slowly: time-slicing against other
+                    // processes only ever stretches the gap between two
+                    // completions, and an estimate inflated that way would
+                    // split a short request into launches the GPU runs one
+                    // by one, switching away between them.
+                    self.est_ns = if self.est_ns == 0 || ns < self.est_ns {
+                        ns.max(1)
                     } else {
-                        (self.est_ns * 3 + ns) / 4
+                        self.est_ns + (ns - self.est_ns) / 16
                     };
                 }
                 self.recycle(prev);

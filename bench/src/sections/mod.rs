@@ -1,11 +1,14 @@
-//! The four benchmark sections. Each returns a [`Section`] of tables,
+//! The six benchmark sections. Each returns a [`Section`] of tables,
 //! targets and notes; every process it starts is killed on drop.
 //!
 //! [`Section`]: gpufrac_bench::report::Section
 
+pub mod accuracy;
 pub mod arbitration;
 pub mod free;
 pub mod hook;
+pub mod latency;
+mod loadgen;
 pub mod scale;
 
 /// `12.3` style formatting with a fixed number of decimals.

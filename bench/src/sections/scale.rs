@@ -11,6 +11,7 @@ use gpufrac_bench::harness::{
 use gpufrac_bench::report::{Check, Section, Table};
 use gpufrac_bench::stats::percentile_u64;
 use gpufrac_bench::wirec::{WireClient, parse_uuid};
+use gpufrac_common::config::Priority;
 use gpufrac_common::wire::{ClientMsg, DeviceReg, Role, ServerMsg};
 use std::path::Path;
 use std::process::{Command, ExitCode};
@@ -457,6 +458,7 @@ fn client(
         }],
         share: None,
         limit: None,
+        priority: Priority::Normal,
     })?;
     c.set_timeout(Duration::from_secs(5));
     let mut cycles = Vec::new();
@@ -481,6 +483,9 @@ fn client(
             uuid,
             held_ns: t2 - t1,
         })?;
+        // A shim reports its queued work finished (protocol v2); this one
+        // queued none, so at once, or the broker would wait out its drain.
+        c.send(&ClientMsg::Drained { uuid })?;
         cycles.push([t0, t1, t2]);
         released = grant;
         next += period;

@@ -1,0 +1,317 @@
+//! Latency and shares under sharing, end to end: a real broker, real
+//! processes under the shim, and the simulated driver, whose engine
+//! time-slices contexts like a GPU (a ~2 ms quantum, ~100 µs per switch),
+//! so "without gpufrac" here means what it means on hardware.
+//!
+//! The interactive process sends a request every 20 ms: 10 kernels of
+//! 50 µs queued at once, then a synchronize. Its neighbour is a batch job
+//! that keeps kernels of 50 µs, 6 ms or 120 ms queued. GPU time is the
+//! simulated driver's own count of what each process ran, so shares are
+//! exact; only the scheduling of a 2-core machine blurs them.
+
+mod support;
+use std::process::{Child, Command, Stdio};
+use support::*;
+
+const MS: u64 = 1_000_000;
+const US: u64 = 1_000;
+/// The simulated time-slicer's quantum (its default).
+const QUANTUM: u64 = 2 * MS;
+
+/// The timed scenarios run one at a time: two at once on 2 cores would
+/// blur each other.
+static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn timed() -> std::sync::MutexGuard<'static, ()> {
+    TIMED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// No shim, no broker: the GPU's time-slicer alone.
+    Native,
+    /// Through the broker, both processes at default settings.
+    Default,
+    /// Through the broker, the interactive process at GPU_COMPUTE_PRIORITY=high.
+    High,
+}
+
+#[derive(Debug)]
+struct Latency {
+    requests: u64,
+    p50: u64,
+    p99: u64,
+    missed: u64,
+}
+
+fn spawn(cmd: &mut Command) -> Child {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.spawn().unwrap()
+}
+
+fn output(c: Child, step: &str) -> std::collections::HashMap<String, String> {
+    let o = c.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "loadgen {step} failed: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    line(&o, step, 0)
+}
+
+fn latency(c: Child) -> Latency {
+    let m = output(c, "interactive");
+    Latency {
+        requests: num(&m, "requests"),
+        p50: num(&m, "p50_us") * US,
+        p99: num(&m, "p99_us") * US,
+        missed: num(&m, "missed"),
+    }
+}
+
+/// Where the processes of one scenario run: under a broker, or bare on a
+/// shared simulated device.
+enum Place {
+    Broker(Broker),
+    Bare(Scratch),
+}
+
+impl Place {
+    fn new(mode: Mode) -> Place {
+        match mode {
+            Mode::Native => Place::Bare(Scratch::new("native")),
+            _ => Place::Broker(Broker::start("16G", &[])),
+        }
+    }
+
+    fn command(&self) -> Command {
+        let a = artifacts();
+        match self {
+            Place::Broker(b) => b.client(&a.loadgen),
+            Place::Bare(dir) => {
+                let mut c = sim_command(&a.loadgen, "16G", false);
+                c.env("GPUFRAC_SIM_STATE", dir.0.join("sim-state"));
+                c
+            }
+        }
+    }
+}
+
+/// The batch job alone for `window`: the fraction of it that it keeps the
+/// GPU busy (launch and synchronize gaps included).
+fn batch_alone(kernel_us: u64, window: u64) -> f64 {
+    let place = Place::new(Mode::Native);
+    let start = mono_ns() + 1000 * MS;
+    let mut c = place.command();
+    c.args([
+        "batch",
+        &kernel_us.to_string(),
+        &start.to_string(),
+        &(start + window).to_string(),
+    ]);
+    num(&output(spawn(&mut c), "batch"), "executed_ns") as f64 / window as f64
+}
+
+/// An interactive process beside a batch neighbour of `kernel_us` kernels
+/// (none: alone) for `window`; returns its latency and the fraction of the
+/// window the batch job ran on the GPU.
+fn scenario(mode: Mode, kernel_us: Option<u64>, window: u64) -> (Latency, f64) {
+    let place = Place::new(mode);
+    let start = mono_ns() + 1000 * MS;
+    let end = start + window;
+    let batch = kernel_us.map(|k| {
+        let mut c = place.command();
+        c.args([
+            "batch",
+            &k.to_string(),
+            &start.to_string(),
+            &end.to_string(),
+        ]);
+        spawn(&mut c)
+    });
+    let mut c = place.command();
+    if mode == Mode::High {
+        c.env("GPU_COMPUTE_PRIORITY", "high");
+    }
+    c.args([
+        "interactive",
+        "10",
+        "50",
+        "20000",
+        &start.to_string(),
+        &end.to_string(),
+    ]);
+    let lat = latency(spawn(&mut c));
+    let busy = batch.map_or(0.0, |b| {
+        num(&output(b, "batch"), "executed_ns") as f64 / window as f64
+    });
+    assert!(lat.requests >= window / (20 * MS) / 2, "{lat:?}");
+    (lat, busy)
+}
+
+/// The better of two rounds, for gpufrac and for the baseline alike: a p99 of
+/// 150 requests on a 2-core machine moves with whatever else ran in that
+/// second, and taking the best of two strips that from both sides.
+fn best_of_two(mode: Mode, kernel_us: u64, window: u64) -> (Latency, f64) {
+    let a = scenario(mode, Some(kernel_us), window);
+    let b = scenario(mode, Some(kernel_us), window);
+    if a.0.p99 <= b.0.p99 { a } else { b }
+}
+
+/// Default settings never worse than the GPU's own time-slicing; `high`
+/// close to running alone, and the batch job keeps most of its throughput.
+fn interactive_beside(kernel_us: u64) {
+    let _t = timed();
+    let window = 3000 * MS;
+    let (alone, _) = scenario(Mode::Native, None, window);
+    let solo = batch_alone(kernel_us, window);
+    let (native, native_busy) = best_of_two(Mode::Native, kernel_us, window);
+    let (default, default_busy) = best_of_two(Mode::Default, kernel_us, window);
+    let (high, high_busy) = best_of_two(Mode::High, kernel_us, window);
+    let report = format!(
+        "beside {kernel_us} us kernels: alone {alone:?}, batch alone {solo:.3}; native {native:?} batch {native_busy:.3}; \
+         default {default:?} batch {default_busy:.3}; high {high:?} batch {high_busy:.3}"
+    );
+    eprintln!("{report}");
+    // A tenth and 300 us of slack: the launch and wake-up paths of a debug
+    // build on a loaded 2-core machine, which the release benchmark does
+    // not need (docs/benchmarks-latency.md).
+    assert!(
+        default.p99 <= native.p99 + native.p99 / 10 + 300 * US,
+        "default p99 worse than without gpufrac: {report}"
+    );
+    let high_target = if kernel_us * US < QUANTUM {
+        alone.p99 * 3 / 2 + 500 * US
+    } else {
+        alone.p99 + QUANTUM + 500 * US
+    };
+    assert!(
+        high.p99 <= high_target,
+        "high p99 {} us over its target {} us: {report}",
+        high.p99 / US,
+        high_target / US
+    );
+    assert!(
+        high_busy >= 0.80 * solo,
+        "batch kept {high_busy:.3} of the GPU, against {solo:.3} alone: {report}"
+    );
+    assert_eq!(high.missed, 0, "{report}");
+    assert!(high.p50 <= high.p99);
+}
+
+#[test]
+fn interactive_beside_50us_kernels() {
+    interactive_beside(50);
+}
+
+#[test]
+fn interactive_beside_6ms_kernels() {
+    interactive_beside(6000);
+}
+
+#[test]
+fn interactive_beside_120ms_kernels() {
+    interactive_beside(120_000);
+}
+
+/// Two batch jobs at 70/30: their GPU time splits 70/30 whatever the kernel
+/// length, and together they keep the GPU as busy as one alone.
+fn shares_hold(kernel_us: u64, window: u64) {
+    let _t = timed();
+    let solo = batch_alone(kernel_us, window.min(3000 * MS));
+    let b = Broker::start("16G", &[]);
+    let start = mono_ns() + 1000 * MS;
+    let end = start + window;
+    let kids: Vec<Child> = ["70%", "30%"]
+        .iter()
+        .map(|share| {
+            let mut c = b.client(&artifacts().loadgen);
+            c.env("GPU_COMPUTE_SHARE", share).args([
+                "batch",
+                &kernel_us.to_string(),
+                &start.to_string(),
+                &end.to_string(),
+            ]);
+            spawn(&mut c)
+        })
+        .collect();
+    let ran: Vec<u64> = kids
+        .into_iter()
+        .map(|k| num(&output(k, "batch"), "executed_ns"))
+        .collect();
+    let total = (ran[0] + ran[1]) as f64;
+    let first = ran[0] as f64 / total;
+    let busy = total / window as f64;
+    eprintln!(
+        "70/30 with {kernel_us} us kernels: {first:.3} / {:.3}, busy {busy:.3} (one alone {solo:.3})",
+        1.0 - first
+    );
+    assert!(
+        (first - 0.70).abs() <= 0.02,
+        "70/30 with {kernel_us} us kernels split {first:.3}/{:.3}",
+        1.0 - first
+    );
+    assert!(
+        busy >= 0.95 * solo,
+        "two batch jobs kept the GPU {busy:.3} busy, one alone {solo:.3}"
+    );
+}
+
+#[test]
+fn shares_hold_with_50us_kernels() {
+    shares_hold(50, 3000 * MS);
+}
+
+#[test]
+fn shares_hold_with_6ms_kernels() {
+    shares_hold(6000, 3000 * MS);
+}
+
+#[test]
+fn shares_hold_with_120ms_kernels() {
+    shares_hold(120_000, 6000 * MS);
+}
+
+/// A low-priority scavenger gets only what the normal job leaves.
+#[test]
+fn low_priority_runs_on_leftover_time_only() {
+    let _t = timed();
+    let b = Broker::start("16G", &[]);
+    let window = 2000 * MS;
+    let start = mono_ns() + 1000 * MS;
+    let end = start + window;
+    let mut low = b.client(&artifacts().loadgen);
+    low.env("GPU_COMPUTE_PRIORITY", "low").args([
+        "batch",
+        "1000",
+        &start.to_string(),
+        &end.to_string(),
+    ]);
+    let low = spawn(&mut low);
+    let mut normal = b.client(&artifacts().loadgen);
+    normal.args(["batch", "1000", &start.to_string(), &end.to_string()]);
+    let normal = spawn(&mut normal);
+    let low_ran = num(&output(low, "batch"), "executed_ns") as f64 / window as f64;
+    let normal_ran = num(&output(normal, "batch"), "executed_ns") as f64 / window as f64;
+    assert!(
+        low_ran < 0.05,
+        "low got {low_ran:.3} beside a busy normal job"
+    );
+    assert!(normal_ran > 0.90, "normal got {normal_ran:.3}");
+}
+
+#[test]
+fn a_malformed_priority_fails_closed() {
+    let o = sim_command(&artifacts().loadgen, "16G", true)
+        .env("GPU_COMPUTE_PRIORITY", "urgent")
+        .args(["batch", "50", "0", "0"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("GPU_COMPUTE_PRIORITY") && err.contains("high, normal, low"),
+        "{err}"
+    );
+}
