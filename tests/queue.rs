@@ -397,3 +397,37 @@ fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_stays_quiet() {
     assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
     release(&d, "a", a);
 }
+
+#[test]
+fn priority_reaches_the_child_and_the_broker() {
+    let b = Broker::start("16G", &[]);
+    let o = run(&b, &["--gpu-memory", "64M", "--priority", "high", "--"])
+        .args(["sh", "-c", "echo \"prio=$GPU_COMPUTE_PRIORITY\""])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("prio=high"), "{}", stdout(&o));
+
+    // A job that runs for a while under the shim registers with its class.
+    let start = mono_ns();
+    let end = start + 3_000_000_000;
+    let mut cmd = run(&b, &["--gpu-memory", "64M", "--priority", "low", "--"]);
+    cmd.arg(&artifacts().loadgen)
+        .args(["batch", "1000", &start.to_string(), &end.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    wait_until(10.0, "the low-priority job in status", || {
+        b.status()["gpus"][0]["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["priority"] == "low")
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+
+    let e = run(&b, &["--priority", "urgent", "--", "true"]).output().unwrap();
+    assert_eq!(e.status.code(), Some(2));
+    assert!(stderr(&e).contains("high, normal, low"), "{}", stderr(&e));
+}
