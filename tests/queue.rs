@@ -427,7 +427,9 @@ fn priority_reaches_the_child_and_the_broker() {
     let _ = child.kill();
     let _ = child.wait();
 
-    let e = run(&b, &["--priority", "urgent", "--", "true"]).output().unwrap();
+    let e = run(&b, &["--priority", "urgent", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(e.status.code(), Some(2));
     assert!(stderr(&e).contains("high, normal, low"), "{}", stderr(&e));
 }

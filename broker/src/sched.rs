@@ -211,6 +211,8 @@ struct Client {
     wants_again: bool,
     /// Released with work still queued, since then.
     draining_since: Option<Nanos>,
+    /// Charged as draining at most until then without a `drained`.
+    drain_until: Nanos,
     /// On the GPU (holding, revoking or draining) since then.
     run_start: Option<Nanos>,
     /// Closed on-GPU intervals, oldest first, non-overlapping.
@@ -461,6 +463,7 @@ impl Scheduler {
                     grant: None,
                     wants_again: false,
                     draining_since: None,
+                    drain_until: 0,
                     run_start: None,
                     history: VecDeque::new(),
                     total_closed: 0,
@@ -504,8 +507,13 @@ impl Scheduler {
                 c.state = ClientState::Waiting;
                 // A shim launches a little with its request, before any
                 // grant: that work is on the GPU (and charged) until it
-                // reports it drained or is granted.
-                c.draining_since.get_or_insert(now);
+                // reports it drained or is granted — at most two wake
+                // periods (it is bounded to about that much work), so that
+                // a lost report cannot keep a waiting client charged.
+                if c.draining_since.is_none() {
+                    c.draining_since = Some(now);
+                    c.drain_until = now.saturating_add(cfg.wake.saturating_mul(2));
+                }
                 c.refresh_run(now);
                 c.seq = seq;
                 self.next_seq += 1;
@@ -537,7 +545,8 @@ impl Scheduler {
             }
             ClientState::Holding | ClientState::Revoking => {
                 c.grant = None;
-                c.draining_since.get_or_insert(now);
+                c.draining_since = Some(now);
+                c.drain_until = now.saturating_add(self.cfg.drain_timeout);
                 if std::mem::take(&mut c.wants_again) {
                     c.state = ClientState::Waiting;
                     c.seq = seq;
@@ -598,8 +607,8 @@ impl Scheduler {
             {
                 consider(r.saturating_add(self.cfg.grace));
             }
-            if let Some(d) = c.draining_since {
-                consider(d.saturating_add(self.cfg.drain_timeout));
+            if c.draining_since.is_some() {
+                consider(c.drain_until);
             }
             // Only an idle GPU or an open-ended holder reacts to a waiter's
             // budget coming back; a pending deadline re-evaluates anyway.
@@ -777,9 +786,7 @@ impl Scheduler {
             {
                 g.hung = true;
             }
-            if c.draining_since
-                .is_some_and(|d| d.saturating_add(cfg.drain_timeout) <= now)
-            {
+            if c.draining_since.is_some() && c.drain_until <= now {
                 c.draining_since = None;
                 c.refresh_run(now);
             }

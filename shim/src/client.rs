@@ -533,7 +533,8 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
         // Idle hand-back is checked on this tick: fine while others share
         // the GPU, coarse (for usage reports) while alone.
         let shared = (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & OPEN.load(Relaxed);
-        let tick = if shared != 0 {
+        let optimistic = OPTIMISTIC_UNTIL.iter().any(|o| o.load(Relaxed) != 0);
+        let tick = if shared != 0 || optimistic {
             IDLE_HANDBACK_NS / 2
         } else {
             100_000_000
@@ -575,6 +576,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
             }
         }
         idle_handback();
+        end_optimism();
         let now = now_ns();
         if now.saturating_sub(last_report) >= REPORT_EVERY_NS {
             last_report = now;
@@ -769,6 +771,20 @@ pub fn syncing<F: FnOnce() -> u32>(f: F) -> u32 {
     rc
 }
 
+/// A process whose launches went out ahead of a grant that has not come
+/// within the window reports that work once it has run, whether or not it
+/// launches again: the broker charges it until then.
+fn end_optimism() {
+    let now = now_ns();
+    let open = OPEN.load(Relaxed);
+    for (d, o) in OPTIMISTIC_UNTIL.iter().enumerate() {
+        let until = o.load(Relaxed);
+        if until != 0 && now >= until && open & (1 << d) == 0 && o.swap(0, Relaxed) != 0 {
+            request_drain(d);
+        }
+    }
+}
+
 fn idle_handback() {
     let contended = (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & OPEN.load(Relaxed);
     if contended == 0 || SYNCING.load(SeqCst) > 0 {
@@ -837,6 +853,9 @@ pub fn reset_after_fork() {
     BOUNDED.store(0, SeqCst);
     DRAIN_REQ.store(0, SeqCst);
     REQUESTED.store(0, SeqCst);
+    for o in &OPTIMISTIC_UNTIL {
+        o.store(0, SeqCst);
+    }
     for c in &IN_FLIGHT {
         c.store(0, SeqCst);
     }

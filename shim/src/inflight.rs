@@ -145,12 +145,20 @@ pub fn wait_room(d: usize, bound: u64) {
         drop(t);
         let rc = unsafe { call::cuEventSynchronize(oldest as CUevent) };
         t = m.lock().unwrap_or_else(|e| e.into_inner());
-        if rc != CUDA_SUCCESS && t.ring.front() == Some(&oldest) {
+        if t.ring.front() == Some(&oldest) && rc != CUDA_SUCCESS {
             // A broken event must not block launches forever.
             t.ring.pop_front();
             continue;
         }
         t.reap();
+        if rc == CUDA_SUCCESS && t.ring.front() == Some(&oldest) {
+            // Synchronized means done, whatever a query says: never spin
+            // on a driver whose query lags its synchronize.
+            t.ring.pop_front();
+            if let Some(prev) = t.last_done.replace(oldest) {
+                t.recycle(prev);
+            }
+        }
     }
 }
 
