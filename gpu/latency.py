@@ -31,14 +31,25 @@ The broker and every child are stopped at the end, whatever happens.
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from suitelib import check, clean_env, done, guarded, info, run, skip, tail  # noqa: E402
+from suitelib import (  # noqa: E402
+    check,
+    clean_env,
+    done,
+    exit_on_sigterm,
+    guarded,
+    info,
+    read,
+    run,
+    skip,
+    stop,
+    tail,
+)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--part", required=True, choices=["cuda", "shares", "torch"])
@@ -68,30 +79,7 @@ BUSY_TARGET = 0.99
 INIT_S = {"load": 4.0, "torch": 20.0}
 
 
-def on_term(signum, _frame):
-    raise SystemExit(128 + signum)
-
-
-signal.signal(signal.SIGTERM, on_term)
-
-
-def read(path):
-    try:
-        with open(path, errors="replace") as f:
-            return re.sub(r"\x1b\[[0-9;]*m", "", f.read())
-    except OSError:
-        return ""
-
-
-def stop(p, grace=5.0):
-    if p is None or p.poll() is not None:
-        return
-    p.terminate()
-    try:
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(timeout=grace)
+exit_on_sigterm()
 
 
 def left():

@@ -19,7 +19,6 @@ The broker and every child are stopped at the end, whatever happens.
 import argparse
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,21 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from suitelib import MiB, cap_bytes, check, clean_env, done, guarded, info, run, skip, tail  # noqa: E402
+from suitelib import (  # noqa: E402
+    MiB,
+    cap_bytes,
+    check,
+    clean_env,
+    done,
+    exit_on_sigterm,
+    guarded,
+    info,
+    read,
+    run,
+    skip,
+    stop,
+    tail,
+)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bin", required=True)
@@ -45,31 +58,7 @@ CHILDREN = []
 BROKER = None
 
 
-def on_term(signum, _frame):
-    raise SystemExit(128 + signum)
-
-
-signal.signal(signal.SIGTERM, on_term)
-
-
-def read(path):
-    """The file's text without ANSI colour codes ("" if unreadable)."""
-    try:
-        with open(path, errors="replace") as f:
-            return re.sub(r"\x1b\[[0-9;]*m", "", f.read())
-    except OSError:
-        return ""
-
-
-def stop(p, grace=5.0):
-    if p is None or p.poll() is not None:
-        return
-    p.terminate()
-    try:
-        p.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(timeout=grace)
+exit_on_sigterm()
 
 
 def shim_env(share=None):

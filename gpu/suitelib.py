@@ -12,6 +12,8 @@ reported as such rather than as a silent lack of results.
 """
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import traceback
@@ -98,3 +100,34 @@ def run(cmd, env=None, timeout=60):
 def tail(text, n=6):
     lines = [l for l in text.strip().splitlines() if l.strip()]
     return " | ".join(lines[-n:])
+
+
+def exit_on_sigterm():
+    """A runner's timeout sends SIGTERM: exit through `finally` blocks, so
+    children and brokers are stopped."""
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def read(path):
+    """The file's text without ANSI colour codes ("" if unreadable)."""
+    try:
+        with open(path, errors="replace") as f:
+            return re.sub(r"\x1b\[[0-9;]*m", "", f.read())
+    except OSError:
+        return ""
+
+
+def stop(p, grace=5.0):
+    """Terminates a child, then kills it if it does not go within `grace`."""
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=grace)
