@@ -14,7 +14,7 @@
 //! `interactive` sends a request every PERIOD_US: KERNELS kernels of
 //! KERNEL_US queued at once, then a stream synchronize; a request's latency
 //! runs from its first launch to the synchronize's return. It prints
-//! `interactive requests=N p50_us=… p99_us=… max_us=… missed=M`, M being the
+//! `interactive requests=N p50_us=… p95_us=… p99_us=… max_us=… missed=M`, M being the
 //! requests that took longer than the period.
 //!
 //! It finds the driver as cudarc does (dlopen + dlsym) and uses the
@@ -234,9 +234,10 @@ fn interactive(args: &[String]) {
     };
     let missed = lat.iter().filter(|&&l| l > period).count();
     println!(
-        "interactive requests={} p50_us={} p99_us={} max_us={} missed={missed}",
+        "interactive requests={} p50_us={} p95_us={} p99_us={} max_us={} missed={missed}",
         lat.len(),
         pct(0.50),
+        pct(0.95),
         pct(0.99),
         lat.last().copied().unwrap_or(0) / 1000
     );

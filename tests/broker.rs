@@ -377,6 +377,13 @@ fn metrics_are_served_over_http() {
     let m = get();
     assert!(m.starts_with("HTTP/1.1 200 OK"), "{m}");
     assert!(m.contains("gpufrac_gpu_memory_total_bytes"), "{m}");
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("gpufrac_process_gpu_seconds_total{")
+                && l.contains(&format!("pid=\"{pid}\""))
+                && l.contains("priority=\"normal\"")),
+        "{m}"
+    );
     let _ = child.wait();
 }
 

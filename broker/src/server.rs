@@ -877,6 +877,10 @@ fn render_metrics(s: &Status) -> String {
             "gpufrac_process_ooms_total",
             "Allocations refused by the memory cap.",
         ),
+        (
+            "gpufrac_process_gpu_seconds_total",
+            "GPU time charged to the process (split evenly while shared).",
+        ),
     ] {
         let _ = writeln!(o, "# HELP {name} {help}");
         let _ = writeln!(
@@ -894,9 +898,14 @@ fn render_metrics(s: &Status) -> String {
                     "gpufrac_process_memory_used_bytes" => p.mem_used as f64,
                     "gpufrac_process_share_target" => p.share_target,
                     "gpufrac_process_share_achieved" => p.share_achieved,
+                    "gpufrac_process_gpu_seconds_total" => p.gpu_time_s,
                     _ => p.ooms as f64,
                 };
-                let _ = writeln!(o, "{name}{{uuid=\"{}\",pid=\"{}\"}} {v}", g.uuid, p.pid);
+                let _ = writeln!(
+                    o,
+                    "{name}{{uuid=\"{}\",pid=\"{}\",priority=\"{}\"}} {v}",
+                    g.uuid, p.pid, p.priority
+                );
             }
         }
     }
