@@ -412,3 +412,52 @@ fn a_compute_limit_is_a_ceiling_even_alone() {
         "limited to 30% but used {busy:.2} of the GPU"
     );
 }
+
+#[test]
+fn a_declared_share_is_clamped_to_the_whole_gpu() {
+    use gpufrac_common::config::Priority;
+    use gpufrac_common::wire::{ClientMsg, DeviceReg};
+    let b = Broker::start("16G", &[]);
+    let s = b.status();
+    let text = s["gpus"][0]["uuid"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("GPU-");
+    let hex: String = text.chars().filter(|c| *c != '-').collect();
+    let mut uuid = [0u8; 16];
+    for (i, byte) in uuid.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    let join = |command: &str, share: f64| {
+        let mut c = RawClient::connect(&b.socket);
+        c.hello();
+        c.send(&ClientMsg::Register {
+            command: command.into(),
+            devices: vec![DeviceReg {
+                uuid,
+                ordinal: 0,
+                mem_cap: 0,
+                mem_total: 16 * GIB,
+            }],
+            share: Some(share),
+            limit: None,
+            priority: Priority::Normal,
+        });
+        c.send(&ClientMsg::Acquire { uuid });
+        c
+    };
+    let _greedy = join("greedy", 1e300);
+    let _fair = join("fair", 100.0);
+    let target = |name: &str| -> Option<f64> {
+        b.status()["gpus"][0]["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["command"] == name)?["share_target"]
+            .as_f64()
+    };
+    wait_until(10.0, "both clients asking for the GPU", || {
+        target("greedy").is_some_and(|t| t > 0.0) && target("fair").is_some_and(|t| t > 0.0)
+    });
+    assert_eq!(target("greedy"), Some(0.5));
+    assert_eq!(target("fair"), Some(0.5));
+}

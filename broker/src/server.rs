@@ -338,7 +338,12 @@ impl Server {
                 limit,
                 priority,
             } => {
-                let share = share.filter(|s| s.is_finite() && *s > 0.0);
+                // A weight is a percentage: (0, 100]. Anything larger would
+                // let one client declare itself the whole GPU (1e300 once
+                // left a neighbour 52 kernels in 2924).
+                let share = share
+                    .filter(|s| s.is_finite() && *s > 0.0)
+                    .map(|s| s.min(100.0));
                 let limit = limit
                     .filter(|l| l.is_finite() && *l > 0.0)
                     .map(|l| (l / 100.0).min(1.0));
