@@ -461,3 +461,18 @@ fn a_declared_share_is_clamped_to_the_whole_gpu() {
     assert_eq!(target("greedy"), Some(0.5));
     assert_eq!(target("fair"), Some(0.5));
 }
+
+#[test]
+fn a_socket_path_that_names_a_file_is_refused_and_the_file_kept() {
+    let dir = Scratch::new("notasocket");
+    let file = dir.0.join("precious.txt");
+    std::fs::write(&file, "keep me").unwrap();
+    let o = sim_command(&artifacts().gpufrac, "16G", false)
+        .args(["broker", "--socket"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("is not a socket"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+}

@@ -951,7 +951,16 @@ fn bind(opts: &BrokerOptions) -> Result<UnixListener, String> {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        // Only ever remove a stale socket: a typo in --socket must not
+        // delete someone's file.
+        if !meta.file_type().is_socket() {
+            return Err(format!(
+                "{} exists and is not a socket; remove it yourself or choose another --socket path",
+                path.display()
+            ));
+        }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(format!(
                 "another broker is already listening on {}",
