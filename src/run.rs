@@ -35,7 +35,8 @@ GPU_COMPUTE_SHARE, GPU_COMPUTE_LIMIT, GPU_COMPUTE_PRIORITY and GPUFRAC_SOCKET. T
 long as this process: it ends when the command exits or gpufrac run is killed.
 
 Without a broker the command still runs under the shim with its --gpu-memory
-cap; compute shares and queueing need `gpufrac broker`.
+cap; compute shares and queueing need `gpufrac broker`, and --gpus N is
+refused.
 
 Exit status: the command's own, 128+N if a signal N killed it, 124 when
 --timeout expired in the queue, 126/127 when the command could not be started,
@@ -333,6 +334,17 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                     1,
                     format!(
                         "no broker at {} and {VAR_BROKER}=required (start one with: gpufrac broker)",
+                        socket.display()
+                    ),
+                ));
+            }
+            if let Some(n) = args.gpus {
+                // Whole GPUs cannot be booked without the broker: running
+                // anyway would hand out GPUs that another job may hold.
+                return Err(Fail::new(
+                    1,
+                    format!(
+                        "--gpus {n} needs the broker to book whole GPUs, and none answers at {} (start one with: gpufrac broker; --gpu-memory alone runs capped without it)",
                         socket.display()
                     ),
                 ));

@@ -304,6 +304,31 @@ fn without_a_broker_run_still_caps_memory() {
         1,
         "one line, no warning from the shim too: {err}"
     );
+
+    // Whole GPUs cannot be booked without a broker: refused, nothing run.
+    let dir = Scratch::new("nobroker");
+    let marker = dir.0.join("ran");
+    let o = sim_command(&artifacts().gpufrac, "16G", false)
+        .env_remove("GPUFRAC_BROKER")
+        .args([
+            "run",
+            "--socket",
+            "/nonexistent/broker.sock",
+            "--gpus",
+            "1",
+            "--",
+            "touch",
+        ])
+        .arg(&marker)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--gpus 1 needs the broker"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!marker.exists(), "the command ran without a booked GPU");
 }
 
 #[test]
