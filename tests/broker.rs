@@ -414,7 +414,7 @@ fn a_compute_limit_is_a_ceiling_even_alone() {
 }
 
 #[test]
-fn a_declared_share_is_clamped_to_the_whole_gpu() {
+fn declared_shares_and_usage_are_bounded_by_the_gpu() {
     use gpufrac_common::config::Priority;
     use gpufrac_common::wire::{ClientMsg, DeviceReg};
     let b = Broker::start("16G", &[]);
@@ -446,8 +446,15 @@ fn a_declared_share_is_clamped_to_the_whole_gpu() {
         c.send(&ClientMsg::Acquire { uuid });
         c
     };
-    let _greedy = join("greedy", 1e300);
+    let mut greedy = join("greedy", 1e300);
     let _fair = join("fair", 100.0);
+    // Its word on memory is bounded by the GPU too.
+    greedy.send(&ClientMsg::Usage {
+        uuid,
+        used: 4 << 60,
+        peak: u64::MAX,
+        ooms: 0,
+    });
     let target = |name: &str| -> Option<f64> {
         b.status()["gpus"][0]["processes"]
             .as_array()?
@@ -460,6 +467,18 @@ fn a_declared_share_is_clamped_to_the_whole_gpu() {
     });
     assert_eq!(target("greedy"), Some(0.5));
     assert_eq!(target("fair"), Some(0.5));
+    let used = |key: &str| -> Option<u64> {
+        b.status()["gpus"][0]["processes"]
+            .as_array()?
+            .iter()
+            .find(|p| p["command"] == "greedy")?[key]
+            .as_u64()
+    };
+    wait_until(10.0, "the usage report", || {
+        used("mem_used").is_some_and(|u| u > 0)
+    });
+    assert_eq!(used("mem_used"), Some(16 * GIB));
+    assert_eq!(used("mem_peak"), Some(16 * GIB));
 }
 
 #[test]

@@ -387,8 +387,13 @@ impl Server {
                 ooms,
             } => {
                 if let Some(d) = c.devices.iter_mut().find(|d| self.gpus[d.gpu].uuid == uuid) {
-                    d.used = used;
-                    d.peak = peak;
+                    // Reports are the client's word: never more than the
+                    // GPU holds (a claim of 4 EiB used would skew status
+                    // and every sum made from it).
+                    let total = self.gpus[d.gpu].total_mem;
+                    let cap = if total > 0 { total } else { u64::MAX };
+                    d.used = used.min(cap);
+                    d.peak = peak.min(cap).max(d.used);
                     d.ooms = ooms;
                 }
             }
