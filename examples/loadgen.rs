@@ -29,20 +29,11 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
 use gpufrac_common::clock::{mono_ns, sleep_until};
 
+#[path = "support/spin.rs"]
+mod spin;
+use spin::LaunchKernel;
+
 type R = u32;
-type LaunchKernel = unsafe extern "C" fn(
-    *mut c_void,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> R;
 
 struct Gpu {
     lib: *mut c_void,
@@ -117,24 +108,7 @@ impl Gpu {
     }
 
     fn kernel(&self, ns: u64) {
-        let mut d = ns;
-        let mut params = [(&mut d as *mut u64).cast::<c_void>()];
-        let rc = unsafe {
-            (self.launch)(
-                self.func,
-                1,
-                1,
-                1,
-                1,
-                1,
-                1,
-                0,
-                std::ptr::null_mut(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        check("cuLaunchKernel", rc);
+        check("cuLaunchKernel", spin::run(self.launch, self.func, ns));
     }
 
     fn sync(&self) {

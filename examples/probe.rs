@@ -749,19 +749,9 @@ fn origin(p: *mut c_void) -> String {
     f.rsplit('/').next().unwrap_or(&f).to_string()
 }
 
-type LaunchKernel = unsafe extern "C" fn(
-    *mut c_void,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    c_uint,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> R;
+#[path = "support/spin.rs"]
+mod spin;
+use spin::LaunchKernel;
 
 /// The simulated driver's "spin" kernel and the launch entry point named
 /// `variant`: one 1×1×1 launch on the default stream lasts `ns`.
@@ -795,23 +785,7 @@ impl Kernel {
     }
 
     fn run(&self, ns: u64) -> R {
-        let mut d = ns;
-        let mut params = [(&mut d as *mut u64).cast::<c_void>()];
-        unsafe {
-            (self.launch)(
-                self.func,
-                1,
-                1,
-                1,
-                1,
-                1,
-                1,
-                0,
-                std::ptr::null_mut(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
+        spin::run(self.launch, self.func, ns)
     }
 }
 

@@ -826,7 +826,8 @@ impl Scheduler {
         let cfg = self.cfg;
         let bound = self.bound_for(now, h);
         let best = self.best_waiter(now, Some(h));
-        let best_any = best;
+        // Anyone at all waiting (any class): an idle holder hands back.
+        let waiters = best.is_some();
         let woke = self.woke.take();
         let c = self.clients.get(&h).expect("holder is registered");
         let (class, vtime, weight) = (c.class, c.vtime, c.weight);
@@ -858,7 +859,7 @@ impl Scheduler {
         let quantum = c.quantum(&cfg);
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
-        let unchanged = g.bound == bound && g.waiters == best_any.is_some();
+        let unchanged = g.bound == bound && g.waiters == waiters;
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
@@ -912,13 +913,13 @@ impl Scheduler {
                 let g = c.grant.as_mut().expect("holder has a grant");
                 g.deadline = slice.map(|s| now + s);
                 g.bound = bound;
-                g.waiters = best_any.is_some();
+                g.waiters = waiters;
                 self.actions.push_back(Action::Grant {
                     client: h,
                     grant: gid,
                     slice,
                     bound,
-                    waiters: best_any.is_some(),
+                    waiters,
                 });
             }
             None => self.revoke(now, h),
@@ -930,9 +931,9 @@ impl Scheduler {
         let cfg = self.cfg;
         let burst = self.waking.remove(&id);
         let class = self.clients[&id].class;
-        let contended = self
-            .best_waiter(now, Some(id))
-            .is_some_and(|w| w.class >= class);
+        let best = self.best_waiter(now, Some(id));
+        let contended = best.is_some_and(|w| w.class >= class);
+        let waiters = best.is_some();
         let gid = self.next_grant;
         self.next_grant += 1;
         let c = self.clients.get_mut(&id).expect("picked client exists");
@@ -956,7 +957,6 @@ impl Scheduler {
         c.refresh_run(now);
         self.holder = Some(id);
         let bound = self.bound_for(now, id);
-        let waiters = self.best_waiter(now, Some(id)).is_some();
         if let Some(g) = self.clients.get_mut(&id).and_then(|c| c.grant.as_mut()) {
             g.bound = bound;
             g.waiters = waiters;

@@ -200,7 +200,7 @@ fn gate_slow() -> Result<(), u32> {
         }
         IN_FLIGHT[d].fetch_add(1, SeqCst);
         if OPEN.load(SeqCst) & bit != 0 {
-            if (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & bit != 0 {
+            if shared() & bit != 0 {
                 LAST_LAUNCH[d].store(now_ns(), Relaxed);
             }
             PENDING.with(|p| p.set(dev));
@@ -213,29 +213,19 @@ fn gate_slow() -> Result<(), u32> {
         if !GATED.load(Acquire) {
             return Ok(());
         }
-        if REQUESTED.fetch_or(bit, AcqRel) & bit == 0 {
-            // Coming back from idle: ask, and launch meanwhile (once there
-            // is room under the optimistic bound: next time round).
-            OPTIMISTIC_UNTIL[d].store(now_ns() + OPTIMISTIC_NS, Relaxed);
-            if let Some(dev) = devices::all().get(d) {
-                send(&ClientMsg::Acquire {
-                    uuid: dev.uuid.bytes,
-                });
-            }
+        // Coming back from idle: ask, and launch meanwhile (once there is
+        // room under the optimistic bound: next time round).
+        if ask(d, true) {
             continue;
         }
-        let until = OPTIMISTIC_UNTIL[d].load(Relaxed);
-        if optimistic && now_ns() < until {
+        let now = now_ns();
+        if optimistic && now < OPTIMISTIC_UNTIL[d].load(Relaxed) {
             // Not counted in flight: this process holds no grant that a
             // release would have to wait for.
             TRACK_DEV.with(|t| t.set(dev));
             return Ok(());
         }
-        if until != 0 && OPTIMISTIC_UNTIL[d].swap(0, Relaxed) != 0 {
-            // The broker did not make room in time: what went out
-            // meanwhile is charged until it has run.
-            request_drain(d);
-        }
+        expire_optimism(d, now);
         wait_for_grant(d);
     }
 }
@@ -280,17 +270,45 @@ fn update_all_open() {
     ALL_OPEN.store(open, SeqCst);
 }
 
+/// Sends `Acquire` for `d` unless one is outstanding; true if it did. With
+/// `optimistic`, the launches that follow may go out before the answer
+/// (the window opens before the request leaves, so a quick grant closes it).
+fn ask(d: usize, optimistic: bool) -> bool {
+    let bit = 1u64 << d;
+    if REQUESTED.fetch_or(bit, AcqRel) & bit != 0 {
+        return false;
+    }
+    if optimistic {
+        OPTIMISTIC_UNTIL[d].store(now_ns() + OPTIMISTIC_NS, Relaxed);
+    }
+    if let Some(dev) = devices::all().get(d) {
+        send(&ClientMsg::Acquire {
+            uuid: dev.uuid.bytes,
+        });
+    }
+    true
+}
+
+/// Devices where others share the GPU: a slice, a bound, or someone waiting.
+/// Launches there stamp their time, and idle hand-back applies.
+fn shared() -> u64 {
+    CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)
+}
+
+/// Closes every gate (the broker connection is new, or gone).
+fn close_gates() {
+    ALL_OPEN.store(false, SeqCst);
+    OPEN.store(0, SeqCst);
+    CONTENDED.store(0, SeqCst);
+    BOUNDED.store(0, SeqCst);
+    REQUESTED.store(0, SeqCst);
+}
+
 fn wait_for_grant(d: usize) {
     let bit = 1u64 << d;
     let mut g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
     while GATED.load(Acquire) && OPEN.load(SeqCst) & bit == 0 {
-        if REQUESTED.fetch_or(bit, AcqRel) & bit == 0
-            && let Some(dev) = devices::all().get(d)
-        {
-            send(&ClientMsg::Acquire {
-                uuid: dev.uuid.bytes,
-            });
-        }
+        ask(d, false);
         g = WAIT
             .1
             .wait_timeout(g, Duration::from_millis(100))
@@ -497,11 +515,7 @@ fn client_thread(cfg: &'static ShimConfig) {
         }
         // Lost or never had a broker: optional mode runs unarbitrated,
         // required mode blocks launches until it is back.
-        ALL_OPEN.store(false, SeqCst);
-        OPEN.store(0, SeqCst);
-        CONTENDED.store(0, SeqCst);
-        BOUNDED.store(0, SeqCst);
-        REQUESTED.store(0, SeqCst);
+        close_gates();
         GATED.store(cfg.broker == BrokerMode::Required, Release);
         wake_all();
         std::thread::sleep(Duration::from_millis(500));
@@ -517,11 +531,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
         use std::os::fd::AsRawFd;
         s.as_raw_fd()
     };
-    ALL_OPEN.store(false, SeqCst);
-    OPEN.store(0, SeqCst);
-    CONTENDED.store(0, SeqCst);
-    BOUNDED.store(0, SeqCst);
-    REQUESTED.store(0, SeqCst);
+    close_gates();
     CONN_FD.store(fd, Release);
     GATED.store(true, Release);
     wake_all();
@@ -532,9 +542,8 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
     let result: Result<(), String> = (|| loop {
         // Idle hand-back is checked on this tick: fine while others share
         // the GPU, coarse (for usage reports) while alone.
-        let shared = (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & OPEN.load(Relaxed);
         let optimistic = OPTIMISTIC_UNTIL.iter().any(|o| o.load(Relaxed) != 0);
-        let tick = if shared != 0 || optimistic {
+        let tick = if shared() & OPEN.load(Relaxed) != 0 || optimistic {
             IDLE_HANDBACK_NS / 2
         } else {
             100_000_000
@@ -777,16 +786,25 @@ pub fn syncing<F: FnOnce() -> u32>(f: F) -> u32 {
 fn end_optimism() {
     let now = now_ns();
     let open = OPEN.load(Relaxed);
-    for (d, o) in OPTIMISTIC_UNTIL.iter().enumerate() {
-        let until = o.load(Relaxed);
-        if until != 0 && now >= until && open & (1 << d) == 0 && o.swap(0, Relaxed) != 0 {
-            request_drain(d);
+    for d in 0..MAX_DEVICES {
+        if open & (1 << d) == 0 {
+            expire_optimism(d, now);
         }
     }
 }
 
+/// Closes `d`'s optimistic window if it has run out without a grant; what
+/// went out meanwhile is charged until it has run, so ask for that report.
+fn expire_optimism(d: usize, now: u64) {
+    let o = &OPTIMISTIC_UNTIL[d];
+    let until = o.load(Relaxed);
+    if until != 0 && now >= until && o.swap(0, Relaxed) != 0 {
+        request_drain(d);
+    }
+}
+
 fn idle_handback() {
-    let contended = (CONTENDED.load(Relaxed) | BOUNDED.load(Relaxed)) & OPEN.load(Relaxed);
+    let contended = shared() & OPEN.load(Relaxed);
     if contended == 0 || SYNCING.load(SeqCst) > 0 {
         return;
     }
@@ -848,11 +866,8 @@ pub fn reset_after_fork() {
     for s in &SLOTS {
         s.0.store(0, SeqCst);
     }
-    OPEN.store(0, SeqCst);
-    CONTENDED.store(0, SeqCst);
-    BOUNDED.store(0, SeqCst);
+    close_gates();
     DRAIN_REQ.store(0, SeqCst);
-    REQUESTED.store(0, SeqCst);
     for o in &OPTIMISTIC_UNTIL {
         o.store(0, SeqCst);
     }
