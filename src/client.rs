@@ -28,6 +28,7 @@ pub enum LeaseOutcome {
         gpus: Vec<u32>,
         uuids: Vec<[u8; 16]>,
         mem_cap: u64,
+        token: u64,
     },
     Refused(String),
     /// The deadline passed first; the last queue report, if any came.
@@ -38,6 +39,8 @@ pub enum LeaseOutcome {
 pub struct QueueReport {
     pub position: u32,
     pub waiting_for: String,
+    /// Names the request for a resume after a broker restart.
+    pub token: u64,
 }
 
 pub struct Client {
@@ -46,6 +49,8 @@ pub struct Client {
     /// Bytes read but not yet decoded; frames may arrive split or several at
     /// once.
     buf: Vec<u8>,
+    /// The latest queue report, kept across a lost connection.
+    last: Option<QueueReport>,
 }
 
 impl Client {
@@ -59,6 +64,7 @@ impl Client {
             stream,
             socket: socket.to_owned(),
             buf: Vec::new(),
+            last: None,
         };
         let pid = std::process::id();
         client
@@ -84,8 +90,30 @@ impl Client {
         }
     }
 
+    /// The whole status, page by page (a busy node's process list spans
+    /// several replies).
     pub fn status(&mut self) -> Result<Status, String> {
-        self.send(&ClientMsg::Status)?;
+        let mut whole = self.status_page(0)?;
+        let mut pages = 1;
+        while let Some(from) = whole.next.take() {
+            let mut page = self.status_page(from)?;
+            for g in page.gpus.drain(..) {
+                match whole.gpus.iter_mut().find(|w| w.uuid == g.uuid) {
+                    Some(w) => w.processes.extend(g.processes),
+                    None => whole.gpus.push(g),
+                }
+            }
+            whole.next = page.next;
+            pages += 1;
+            if pages > 10_000 {
+                return Err("the broker's status did not end".into());
+            }
+        }
+        Ok(whole)
+    }
+
+    fn status_page(&mut self, from: u32) -> Result<Status, String> {
+        self.send(&ClientMsg::Status { from })?;
         let deadline = Instant::now() + REPLY_TIMEOUT;
         loop {
             match self.recv(Some(deadline))? {
@@ -105,6 +133,21 @@ impl Client {
                         REPLY_TIMEOUT.as_secs()
                     ));
                 }
+            }
+        }
+    }
+
+    /// The latest queue report received on this connection.
+    pub fn last_report(&self) -> Option<QueueReport> {
+        self.last.clone()
+    }
+
+    /// Blocks until the broker closes the connection (or it breaks);
+    /// returns why.
+    pub fn wait_closed(&mut self) -> String {
+        loop {
+            if let Err(e) = self.recv(None) {
+                return e;
             }
         }
     }
@@ -133,22 +176,27 @@ impl Client {
                 Some(ServerMsg::Queued {
                     position,
                     waiting_for,
+                    token,
                 }) => {
                     last = Some(QueueReport {
                         position,
                         waiting_for,
+                        token,
                     });
+                    self.last.clone_from(&last);
                     progress(last.as_ref());
                 }
                 Some(ServerMsg::Leased {
                     gpus,
                     uuids,
                     mem_cap,
+                    token,
                 }) => {
                     return Ok(LeaseOutcome::Leased {
                         gpus,
                         uuids,
                         mem_cap,
+                        token,
                     });
                 }
                 Some(ServerMsg::Refused { reason }) => return Ok(LeaseOutcome::Refused(reason)),
@@ -261,6 +309,7 @@ fn msg_name(m: &ServerMsg) -> &'static str {
         ServerMsg::Queued { .. } => "Queued",
         ServerMsg::Leased { .. } => "Leased",
         ServerMsg::Refused { .. } => "Refused",
+        ServerMsg::Registered { .. } => "Registered",
     }
 }
 
@@ -406,7 +455,7 @@ mod tests {
         ));
         assert_eq!(
             wire::decode_client(&sent[used..]).unwrap().0,
-            ClientMsg::Status
+            ClientMsg::Status { from: 0 }
         );
     }
 
@@ -417,15 +466,18 @@ mod tests {
             ServerMsg::Queued {
                 position: 2,
                 waiting_for: "1 GPU".into(),
+                token: 9,
             },
             ServerMsg::Queued {
                 position: 1,
                 waiting_for: "1 GPU".into(),
+                token: 9,
             },
             ServerMsg::Leased {
                 gpus: vec![3],
                 uuids: vec![[7; 16]],
                 mem_cap: 0,
+                token: 9,
             },
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
@@ -437,6 +489,7 @@ mod tests {
             no_wait: false,
             command: "sleep 1".into(),
             priority: None,
+            resume: 0,
         };
         c.request_lease(&req).unwrap();
         let mut seen = Vec::new();
@@ -452,7 +505,8 @@ mod tests {
             LeaseOutcome::Leased {
                 gpus: vec![3],
                 uuids: vec![[7; 16]],
-                mem_cap: 0
+                mem_cap: 0,
+                token: 9,
             }
         );
         assert!(seen.starts_with(&[2]) && seen.ends_with(&[1]), "{seen:?}");
@@ -467,6 +521,7 @@ mod tests {
             ServerMsg::Queued {
                 position: 4,
                 waiting_for: "2 GPUs".into(),
+                token: 9,
             },
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
@@ -482,7 +537,8 @@ mod tests {
             out,
             LeaseOutcome::TimedOut(Some(QueueReport {
                 position: 4,
-                waiting_for: "2 GPUs".into()
+                waiting_for: "2 GPUs".into(),
+                token: 9,
             }))
         );
         assert!(start.elapsed() >= Duration::from_millis(300));
@@ -496,12 +552,14 @@ mod tests {
             gpus: vec![0],
             uuids: vec![[1; 16]],
             mem_cap: 5,
+            token: 9,
         };
         let (dir, h) = fake_broker(server_frames(&[
             ServerMsg::HelloOk { version: 1 },
             ServerMsg::Queued {
                 position: 1,
                 waiting_for: "1 GPU".into(),
+                token: 9,
             },
             leased,
         ]));

@@ -106,6 +106,14 @@ struct BrokerArgs {
     /// Place memory fractions on the emptiest GPU instead of the best fit.
     #[arg(long)]
     spread: bool,
+    /// Most connections one user may hold open (each process under the shim
+    /// holds one): a user cannot exhaust the broker's file descriptors.
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::server::DEFAULT_MAX_CONNS_PER_USER)]
+    max_connections_per_user: usize,
+    /// File where leases and the queue are kept so that they survive a
+    /// broker crash [default: the socket path + ".state"].
+    #[arg(long, value_name = "PATH")]
+    state: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -138,6 +146,8 @@ fn broker(args: BrokerArgs) -> u8 {
         overprovision: args.overprovision,
         overcommit: args.overcommit,
         spread: args.spread,
+        max_conns_per_user: args.max_connections_per_user,
+        state: args.state,
     };
     match gpufrac_broker::server::run(opts) {
         Ok(()) => 0,

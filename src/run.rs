@@ -326,7 +326,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
 
     // Held until the child exits: the broker ends the lease when this
     // connection closes, which also happens when run is killed outright.
-    let mut held_lease: Option<Client> = None;
+    let mut held: Option<(Client, u64)> = None;
     let placement = match Client::connect(&socket) {
         Err(ConnectError::NoBroker) => {
             if std::env::var(VAR_BROKER).is_ok_and(|v| v.trim().eq_ignore_ascii_case("required")) {
@@ -356,14 +356,20 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
             Placement::NoBroker
         }
         Err(ConnectError::Other(m)) => return Err(Fail::new(1, m)),
-        Ok(client) if !wants_placement => {
-            drop(client);
-            Placement::Unplaced
-        }
-        Ok(mut client) => {
-            let (gpus, mem_cap) = lease(&mut client, &args)?;
-            held_lease = Some(client);
-            Placement::Leased { gpus, mem_cap }
+        // Every run with a broker is a job, placed or not: its processes
+        // share one unit of fairness and the broker enforces its flags on
+        // them, whatever their environment says.
+        Ok(client) => {
+            let (client, g) = lease(client, &args, &socket)?;
+            held = Some((client, g.token));
+            if wants_placement {
+                Placement::Leased {
+                    gpus: g.gpus,
+                    mem_cap: g.mem_cap,
+                }
+            } else {
+                Placement::Unplaced
+            }
         }
     };
 
@@ -379,8 +385,20 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     // The child may change directory before its shim connects.
     let child_socket = std::path::absolute(&socket).unwrap_or_else(|_| socket.clone());
     let env = child_env(&placement, &flags, &shim, &child_socket, &existing);
+    if held.is_some() {
+        // Descendants that daemonise are re-parented here rather than to
+        // init, so the broker still finds them under this job.
+        // SAFETY: prctl with integer arguments only.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    }
+    if let Some((client, token)) = held {
+        let req = lease_request(&args, token);
+        std::thread::Builder::new()
+            .name("lease-keeper".into())
+            .spawn(move || keep_lease(client, req, socket))
+            .map_err(|e| Fail::new(1, format!("cannot start a thread: {e}")))?;
+    }
     let status = spawn_and_wait(&args.command, &env)?;
-    drop(held_lease);
     Ok(exit_code(status))
 }
 
@@ -393,16 +411,55 @@ fn exit_code(status: std::process::ExitStatus) -> u8 {
     }
 }
 
-/// Sends the lease request and waits for the answer, keeping a status line
-/// on the terminal. Returns the GPUs and the memory cap.
-fn lease(client: &mut Client, args: &RunArgs) -> Result<(Vec<u32>, u64), Fail> {
+/// Holds the lease's connection while the child runs. If the broker goes
+/// away (a crash, a restart), reconnects and claims the same lease back,
+/// so a restarted broker never hands this job's GPUs to another.
+fn keep_lease(mut client: Client, req: ClientMsg, socket: PathBuf) {
+    loop {
+        let why = client.wait_closed();
+        eprintln!("gpufrac run: {why}; the command carries on and the lease will be claimed back");
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let Ok(mut c) = Client::connect(&socket) else {
+                continue;
+            };
+            if c.request_lease(&req).is_err() {
+                continue;
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            match c.wait_lease(Some(deadline), Duration::from_secs(1), |_| {}) {
+                Ok(LeaseOutcome::Leased { .. }) => {
+                    eprintln!("gpufrac run: lease claimed back from the restarted broker");
+                    client = c;
+                    break;
+                }
+                Ok(LeaseOutcome::Refused(reason)) => {
+                    eprintln!(
+                        "gpufrac run: the broker would not give the lease back ({reason}); the command carries on unbooked"
+                    );
+                    return;
+                }
+                _ => continue,
+            }
+        }
+    }
+}
+
+/// What the broker granted.
+struct Granted {
+    gpus: Vec<u32>,
+    mem_cap: u64,
+    token: u64,
+}
+
+fn lease_request(args: &RunArgs, resume: u64) -> ClientMsg {
     let command = args
         .command
         .iter()
         .map(|a| a.to_string_lossy())
         .collect::<Vec<_>>()
         .join(" ");
-    let req = ClientMsg::Lease {
+    ClientMsg::Lease {
         want_gpus: args.gpus.unwrap_or(0),
         want_mem: args.gpu_memory.unwrap_or(0),
         compute: args.gpu_compute,
@@ -410,8 +467,21 @@ fn lease(client: &mut Client, args: &RunArgs) -> Result<(Vec<u32>, u64), Fail> {
         no_wait: args.no_wait,
         command,
         priority: args.priority,
-    };
-    client.request_lease(&req).map_err(|m| Fail::new(1, m))?;
+        resume,
+    }
+}
+
+/// How long a queued `run` waits for a broker that went away to come back
+/// before giving up.
+const BROKER_RETURN: Duration = Duration::from_secs(60);
+
+/// Sends the lease request and waits for the answer, keeping a status line
+/// on the terminal. If the broker restarts meanwhile, reconnects and asks
+/// for the same place in the queue.
+fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, Granted), Fail> {
+    client
+        .request_lease(&lease_request(args, 0))
+        .map_err(|m| Fail::new(1, m))?;
 
     let start = Instant::now();
     let deadline = args
@@ -420,32 +490,89 @@ fn lease(client: &mut Client, args: &RunArgs) -> Result<(Vec<u32>, u64), Fail> {
         .map(|t| start + Duration::from_nanos(t.ns));
     let tty = std::io::stderr().is_terminal();
     let mut line = StatusLine::default();
-    let outcome = client.wait_lease(deadline, Duration::from_millis(500), |q| {
-        if tty && let Some(q) = q {
-            line.draw(q, start.elapsed());
+    let mut last_report: Option<QueueReport> = None;
+    loop {
+        let outcome = client.wait_lease(deadline, Duration::from_millis(500), |q| {
+            if tty && let Some(q) = q {
+                line.draw(q, start.elapsed());
+            }
+        });
+        line.clear();
+        let lost = match outcome {
+            Ok(LeaseOutcome::Leased {
+                gpus,
+                mem_cap,
+                token,
+                ..
+            }) => {
+                return Ok((
+                    client,
+                    Granted {
+                        gpus,
+                        mem_cap,
+                        token,
+                    },
+                ));
+            }
+            Ok(LeaseOutcome::Refused(reason)) => {
+                if last_report.is_some() {
+                    // A restarted broker that lost its state: queue anew.
+                    last_report = None;
+                    client
+                        .request_lease(&lease_request(args, 0))
+                        .map_err(|m| Fail::new(1, m))?;
+                    continue;
+                }
+                return Err(Fail::new(1, reason));
+            }
+            Ok(LeaseOutcome::TimedOut(last)) => {
+                let (what, pos) = match last.or(last_report) {
+                    Some(QueueReport {
+                        position,
+                        waiting_for,
+                        ..
+                    }) => (waiting_for, position.to_string()),
+                    None => (
+                        describe_want(args.gpus, args.gpu_memory),
+                        "unknown".to_owned(),
+                    ),
+                };
+                let text = args.timeout.as_ref().map_or("", |t| t.text.as_str());
+                return Err(Fail::new(
+                    124,
+                    format!("gave up after {text} waiting for {what} (position {pos})"),
+                ));
+            }
+            Err(m) => m,
+        };
+        if let Some(r) = client.last_report() {
+            last_report = Some(r);
         }
-    });
-    line.clear();
-    match outcome.map_err(|m| Fail::new(1, m))? {
-        LeaseOutcome::Leased { gpus, mem_cap, .. } => Ok((gpus, mem_cap)),
-        LeaseOutcome::Refused(reason) => Err(Fail::new(1, reason)),
-        LeaseOutcome::TimedOut(last) => {
-            let (what, pos) = match last {
-                Some(QueueReport {
-                    position,
-                    waiting_for,
-                }) => (waiting_for, position.to_string()),
-                None => (
-                    describe_want(args.gpus, args.gpu_memory),
-                    "unknown".to_owned(),
-                ),
-            };
-            let text = args.timeout.as_ref().map_or("", |t| t.text.as_str());
-            Err(Fail::new(
-                124,
-                format!("gave up after {text} waiting for {what} (position {pos})"),
-            ))
-        }
+        // The broker went away while we waited: claim our place back
+        // when it returns (it keeps the queue across a restart).
+        let Some(token) = last_report.as_ref().map(|r| r.token) else {
+            return Err(Fail::new(1, lost));
+        };
+        eprintln!("gpufrac run: {lost}; waiting for the broker to return");
+        let back_by = Instant::now() + BROKER_RETURN;
+        client = loop {
+            if Instant::now() >= back_by {
+                return Err(Fail::new(
+                    1,
+                    format!(
+                        "the broker at {} did not come back within {}s",
+                        socket.display(),
+                        BROKER_RETURN.as_secs()
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            if let Ok(mut c) = Client::connect(socket)
+                && c.request_lease(&lease_request(args, token)).is_ok()
+            {
+                break c;
+            }
+        };
     }
 }
 

@@ -310,6 +310,8 @@ mod tests {
                         priority: "high".into(),
                         gpu_time_s: 12.5,
                         draining: false,
+                        uid: 1000,
+                        job: Some(41),
                     },
                     ProcStatus {
                         pid: 7,
@@ -336,7 +338,12 @@ mod tests {
                 gpus: vec![0],
                 mem_cap: Some(4 << 30),
                 held_s: 7500.0,
+                compute: Some(30.0),
+                limit: None,
+                connected: true,
             }],
+            next: None,
+            truncated: false,
         }
     }
 

@@ -300,7 +300,7 @@ fn a_hundred_clients_at_once_are_all_served() {
                 s.spawn(|| {
                     let mut c = RawClient::connect(&b.socket);
                     c.hello();
-                    c.send(&gpufrac_common::wire::ClientMsg::Status);
+                    c.send(&gpufrac_common::wire::ClientMsg::Status { from: 0 });
                     matches!(
                         c.recv(),
                         Some(gpufrac_common::wire::ServerMsg::StatusReply { .. })

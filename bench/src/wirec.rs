@@ -65,7 +65,7 @@ impl WireClient {
 
     /// The broker's status document.
     pub fn status(&mut self) -> Result<serde_json::Value, String> {
-        self.send(&ClientMsg::Status)?;
+        self.send(&ClientMsg::Status { from: 0 })?;
         loop {
             match self.recv()? {
                 ServerMsg::StatusReply { json } => {

@@ -2,6 +2,7 @@
 //! thin socket layer.
 
 pub mod inventory;
+pub mod jobs;
 pub mod queue;
 pub mod sched;
 pub mod server;

@@ -287,6 +287,46 @@ impl Queue {
         Ok(())
     }
 
+    /// Queues a request that was waiting since `since` (a restarted broker
+    /// restoring its queue): it keeps its age, and so its place.
+    pub fn submit_since(
+        &mut self,
+        since: Nanos,
+        id: RequestId,
+        req: Request,
+    ) -> Result<(), Refusal> {
+        self.submit(since, id, req)
+    }
+
+    /// Books a lease that was running before a restart on the GPUs it held
+    /// (by index), whatever else is booked: the job is running there. GPUs
+    /// this node no longer has are left out.
+    pub fn restore(&mut self, id: RequestId, req: Request, gpus: &[u32]) -> Result<Lease, Refusal> {
+        if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
+            return Err(refuse(format!("request {id} is already queued or running")));
+        }
+        let shares: Vec<Share> = gpus
+            .iter()
+            .filter_map(|&ix| self.gpus.iter().position(|g| g.info.index == ix))
+            .map(|i| match req.want {
+                Want::Gpus(_) => Share {
+                    gpu: i,
+                    mem: self.slot_mem(&self.gpus[i]),
+                    slot: true,
+                },
+                Want::Memory(b) => Share {
+                    gpu: i,
+                    mem: b,
+                    slot: false,
+                },
+            })
+            .collect();
+        if shares.is_empty() {
+            return Err(refuse("none of the lease's GPUs is on this node any more"));
+        }
+        Ok(self.commit(id, req, shares))
+    }
+
     /// `--no-wait`: a lease now, or a refusal saying what is busy. Never
     /// jumps an escalated request, which by then has priority over everyone
     /// younger, this one included.

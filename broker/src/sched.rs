@@ -58,6 +58,21 @@ pub type ClientId = u64;
 /// Identifies one grant, so late updates and revokes can be told apart from a
 /// new grant by the client.
 pub type GrantId = u64;
+/// A unit of fairness (a job or a user); chosen by the caller.
+pub type GroupId = u64;
+
+/// Units whose members all left, remembered while their virtual time is
+/// still ahead of the class clock: at most this many.
+const MAX_DEPARTED: usize = 1024;
+
+/// What a unit leaves behind when its last member disconnects, so that
+/// reconnecting does not wipe its history (a client that reconnected every
+/// 250 ms once got a fresh start each time).
+#[derive(Debug, Clone, Default)]
+struct Departed {
+    vtime: f64,
+    history: VecDeque<(Nanos, Nanos)>,
+}
 
 const MS: Nanos = 1_000_000;
 const US: Nanos = 1_000;
@@ -197,7 +212,17 @@ struct Outstanding {
 
 #[derive(Debug, Clone)]
 struct Client {
+    /// Effective weight: the unit's weight split among its active members
+    /// in proportion to `own` (see `reweigh`).
     weight: f64,
+    /// The weight the client declared (or was given).
+    own: f64,
+    /// The unit that holds a share: a job (lease) or a user. Defaults to
+    /// the client's own id, a unit of one.
+    group: GroupId,
+    /// The unit's weight when imposed (a lease's `--gpu-compute`); else
+    /// the largest `own` among its active members.
+    unit_weight: Option<f64>,
     limit: Option<f64>,
     class: Priority,
     state: ClientState,
@@ -235,6 +260,8 @@ pub struct Scheduler {
     woke: Option<ClientId>,
     /// Clients that left idle and have not been granted since.
     waking: std::collections::BTreeSet<ClientId>,
+    /// Per (unit, class): what departed members of a unit left behind.
+    departed: BTreeMap<(GroupId, usize), Departed>,
     next_seq: u64,
     next_grant: GrantId,
     actions: VecDeque<Action>,
@@ -417,6 +444,7 @@ impl Scheduler {
             vclock: [0.0; 3],
             woke: None,
             waking: std::collections::BTreeSet::new(),
+            departed: BTreeMap::new(),
             next_seq: 0,
             next_grant: 1,
             actions: VecDeque::new(),
@@ -443,7 +471,7 @@ impl Scheduler {
         self.settle(now);
         let (weight, limit) = (sanitize_weight(weight), sanitize_limit(limit));
         if let Some(c) = self.clients.get_mut(&id) {
-            c.weight = weight;
+            c.own = weight;
             c.limit = limit;
             if c.class != class && c.state == ClientState::Waiting {
                 c.vtime = c.vtime.max(self.vclock[class.index()]);
@@ -454,6 +482,9 @@ impl Scheduler {
                 id,
                 Client {
                     weight,
+                    own: weight,
+                    group: id,
+                    unit_weight: None,
                     limit,
                     class,
                     state: ClientState::Idle,
@@ -474,6 +505,33 @@ impl Scheduler {
         self.reschedule(now);
     }
 
+    /// Puts a client in a unit (a job or a user) whose members split the
+    /// unit's weight: `unit_weight` imposes it, `None` takes the largest
+    /// weight among the unit's active members. A unit's virtual time and
+    /// usage history outlive its members' connections.
+    pub fn set_group(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        group: GroupId,
+        unit_weight: Option<f64>,
+    ) {
+        let now = self.clock(now);
+        self.settle(now);
+        let Some(c) = self.clients.get_mut(&id) else {
+            return;
+        };
+        c.group = group;
+        c.unit_weight = unit_weight.map(sanitize_weight);
+        if let Some(d) = self.departed.remove(&(group, c.class.index())) {
+            c.vtime = c.vtime.max(d.vtime);
+            if c.history.is_empty() {
+                c.history = d.history;
+            }
+        }
+        self.reschedule(now);
+    }
+
     /// Disconnect. A holder's GPU goes to the next waiter at once, and the
     /// process's queued work is gone with it.
     pub fn remove_client(&mut self, now: Nanos, id: ClientId) {
@@ -482,7 +540,30 @@ impl Scheduler {
         }
         let now = self.clock(now);
         self.settle(now);
-        self.clients.remove(&id);
+        if let Some(mut c) = self.clients.remove(&id) {
+            if let Some(s) = c.run_start.take() {
+                c.close_interval(s, now);
+            }
+            let ahead = c.vtime > self.vclock[c.class.index()];
+            let used = c.usage(&self.cfg, now) > 0;
+            if c.group != id && (ahead || used) {
+                let d = self.departed.entry((c.group, c.class.index())).or_default();
+                d.vtime = d.vtime.max(c.vtime);
+                if d.history.is_empty() {
+                    d.history = std::mem::take(&mut c.history);
+                }
+                if self.departed.len() > MAX_DEPARTED {
+                    let oldest = self
+                        .departed
+                        .iter()
+                        .min_by(|a, b| a.1.vtime.total_cmp(&b.1.vtime))
+                        .map(|(k, _)| *k);
+                    if let Some(k) = oldest {
+                        self.departed.remove(&k);
+                    }
+                }
+            }
+        }
         self.waking.remove(&id);
         if self.holder == Some(id) {
             self.holder = None;
@@ -701,7 +782,29 @@ impl Scheduler {
 
     /// Charges everyone on the GPU up to `now` (the time-slicer splits the
     /// GPU evenly among those with work) and advances the virtual clocks.
+    /// Splits each unit's weight among its active members in proportion
+    /// to their own weights; an inactive member is weighed as if it were
+    /// about to join (so its wake-up credit is what it would get).
+    fn reweigh(&mut self) {
+        let mut units: BTreeMap<GroupId, (f64, f64)> = BTreeMap::new();
+        for c in self.clients.values() {
+            if c.is_active() || c.on_gpu() {
+                let u = units.entry(c.group).or_insert((0.0, 0.0));
+                u.0 += c.own;
+                u.1 = u.1.max(c.own);
+            }
+        }
+        for c in self.clients.values_mut() {
+            let active = c.is_active() || c.on_gpu();
+            let (sum, max) = units.get(&c.group).copied().unwrap_or((0.0, 0.0));
+            let sum = if active { sum } else { sum + c.own };
+            let unit = c.unit_weight.unwrap_or(max.max(c.own));
+            c.weight = sanitize_weight(unit * c.own / sum);
+        }
+    }
+
     fn settle(&mut self, now: Nanos) {
+        self.reweigh();
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
         let n = self.clients.values().filter(|c| c.on_gpu()).count();
@@ -728,6 +831,12 @@ impl Scheduler {
                 *v = v.max(m);
             }
         }
+        // A unit that is no longer ahead of its class needs no memory.
+        let (vclock, lo) = (self.vclock, now.saturating_sub(self.cfg.window));
+        self.departed.retain(|&(_, class), d| {
+            d.history.retain(|&(_, e)| e > lo);
+            d.vtime > vclock[class] || !d.history.is_empty()
+        });
     }
 
     /// The eligible waiter that would be picked, other than `except`.
@@ -797,6 +906,7 @@ impl Scheduler {
             }
         }
         self.woke = None;
+        self.reweigh();
     }
 
     fn revoke(&mut self, now: Nanos, h: ClientId) {

@@ -4,8 +4,9 @@
 //! client can only lose its own connection, never stall the others.
 
 use crate::inventory::{self, Nvml, uuid_string};
-use crate::queue::{self, Placement, Queue, QueueConfig, Request, Want};
-use crate::sched::{Action, ClientState, Priority, SchedConfig, Scheduler};
+use crate::jobs::{self, Job, Phase, StateFile};
+use crate::queue::{self, Placement, Queue, QueueConfig, Want};
+use crate::sched::{Action, ClientState, GroupId, Priority, SchedConfig, Scheduler};
 use crate::status::{GpuStatus, LeaseEntry, ProcStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
 use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
@@ -42,6 +43,11 @@ pub struct BrokerOptions {
     pub overcommit: bool,
     /// Place fractions on the emptiest GPU instead of best fit.
     pub spread: bool,
+    /// Most connections one user may hold open at once.
+    pub max_conns_per_user: usize,
+    /// Where leases and the queue are kept across restarts (default: next
+    /// to the socket, `<socket>.state`).
+    pub state: Option<PathBuf>,
 }
 
 impl Default for BrokerOptions {
@@ -56,9 +62,27 @@ impl Default for BrokerOptions {
             overprovision: 1,
             overcommit: false,
             spread: false,
+            max_conns_per_user: DEFAULT_MAX_CONNS_PER_USER,
+            state: None,
         }
     }
 }
+
+pub const DEFAULT_MAX_CONNS_PER_USER: usize = 256;
+/// A connection must say hello within this, and finish any frame it
+/// starts within `FRAME_DEADLINE`: idle or trickling connections cannot
+/// pile up.
+const HELLO_DEADLINE: Duration = Duration::from_secs(2);
+const FRAME_DEADLINE: Duration = Duration::from_secs(5);
+/// Unread client input across all connections.
+const INPUT_BUDGET: usize = 64 << 20;
+/// Processes listed per status page; a page's JSON stays far below the
+/// frame limit (a process entry is a few hundred bytes).
+const STATUS_PAGE: usize = 1000;
+/// GPUs the broker arbitrates for clients when it found none itself.
+const MAX_UNKNOWN_GPUS: usize = 16;
+/// Fairness units: a job's is its token, a user's its uid (tagged).
+const UID_UNIT: GroupId = 1 << 63;
 
 /// A client whose unsent output grows past this is not reading: drop it.
 const MAX_OUTBUF: usize = 4 << 20;
@@ -93,6 +117,10 @@ struct Conn {
     stream: UnixStream,
     id: u64,
     pid: u32,
+    uid: u32,
+    opened: Instant,
+    /// An unfinished frame has been waiting since then.
+    partial_since: Option<Instant>,
     inbuf: Vec<u8>,
     outbuf: Vec<u8>,
     role: Option<Role>,
@@ -100,9 +128,13 @@ struct Conn {
     devices: Vec<ClientDev>,
     share: Option<f64>,
     limit: Option<f64>,
-    /// Queue request of a `gpufrac run`: last position told, lease start.
+    priority: Priority,
+    /// The job (token) this connection is the `gpufrac run` of.
+    job: Option<u64>,
+    /// The job this process belongs to (it descends from the job's run).
+    member_of: Option<u64>,
+    /// Queue position last told to a waiting `gpufrac run`.
     queued: Option<u32>,
-    leased_at: Option<Instant>,
     dead: bool,
     /// Registered for writability (output pending).
     want_write: bool,
@@ -126,16 +158,55 @@ struct Server {
     gpus: Vec<Gpu>,
     queue: Queue,
     nvml: Nvml,
-    start: Instant,
     next_token: usize,
     metrics: Option<Arc<Mutex<String>>>,
     last_metrics: Instant,
     readbuf: Vec<u8>,
+    /// Every `gpufrac run`, by token; saved to `state` after each change.
+    jobs: std::collections::BTreeMap<u64, Job>,
+    job_conn: HashMap<u64, Token>,
+    leased_at: HashMap<u64, Instant>,
+    state: Option<StateFile>,
+    dirty: bool,
+    /// The broker found GPUs itself: a client naming another is refused.
+    discovered: bool,
+    per_uid: HashMap<u32, usize>,
+    inbuf_total: usize,
+    /// Held open so that, out of file descriptors, the broker can still
+    /// accept a connection to close it (else the listener stays readable
+    /// and the backlog fills with clients who wait forever).
+    reserve: Option<std::fs::File>,
+    last_sweep: Instant,
+    last_refusal_log: Option<Instant>,
+}
+
+/// A warning at most every 10 s: a flood must not also flood the log.
+fn warn_limited(last: &mut Option<Instant>, msg: std::fmt::Arguments<'_>) {
+    if last.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+        *last = Some(Instant::now());
+        warn!("{msg}");
+    }
+}
+
+/// `CLOCK_MONOTONIC` in ns: unlike an `Instant` it means the same to the
+/// next broker after a restart, so queue ages survive one.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime into a local timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn reserve_fd() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
 }
 
 impl Server {
     fn now(&self) -> u64 {
-        self.start.elapsed().as_nanos() as u64
+        monotonic_ns()
     }
 
     fn sched_cfg(&self) -> SchedConfig {
@@ -184,9 +255,34 @@ impl Server {
         loop {
             match self.listener.accept() {
                 Ok((mut stream, _)) => {
+                    let (pid, uid) = peer_cred(stream.as_raw_fd());
+                    let count = self.per_uid.get(&uid).copied().unwrap_or(0);
+                    if count >= self.opts.max_conns_per_user {
+                        // Said and closed at once, without buffering: the
+                        // write of one small frame to a fresh socket does
+                        // not block.
+                        let mut out = Vec::new();
+                        wire::encode_server(
+                            &ServerMsg::Error {
+                                code: wire::ERR_REFUSED,
+                                message: format!(
+                                    "user {uid} already has {count} connections open to this broker \
+                                     (its limit, --max-connections-per-user); close some and retry"
+                                ),
+                            },
+                            &mut out,
+                        );
+                        let _ = stream.write(&out);
+                        warn_limited(
+                            &mut self.last_refusal_log,
+                            format_args!(
+                                "refusing a connection from uid {uid} (pid {pid}): {count} open, the per-user limit"
+                            ),
+                        );
+                        continue;
+                    }
                     let tok = Token(self.next_token);
                     self.next_token += 1;
-                    let (pid, uid) = peer_cred(stream.as_raw_fd());
                     if let Err(e) =
                         self.poll
                             .registry()
@@ -195,6 +291,7 @@ impl Server {
                         warn!("register client: {e}");
                         continue;
                     }
+                    *self.per_uid.entry(uid).or_insert(0) += 1;
                     let id = tok.0 as u64;
                     debug!(pid, uid, id, "client connected");
                     self.by_id.insert(id, tok);
@@ -204,6 +301,9 @@ impl Server {
                             stream,
                             id,
                             pid,
+                            uid,
+                            opened: Instant::now(),
+                            partial_since: None,
                             inbuf: Vec::new(),
                             outbuf: Vec::new(),
                             role: None,
@@ -211,19 +311,79 @@ impl Server {
                             devices: Vec::new(),
                             share: None,
                             limit: None,
+                            priority: Priority::Normal,
+                            job: None,
+                            member_of: None,
                             queued: None,
-                            leased_at: None,
                             dead: false,
                             want_write: false,
                         },
                     );
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    // Out of descriptors: free the reserve, take the
+                    // connection off the backlog and close it, so the
+                    // client hears "closed" instead of hanging, and the
+                    // listener does not spin readable.
+                    self.reserve = None;
+                    if let Ok((stream, _)) = self.listener.accept() {
+                        drop(stream);
+                    }
+                    self.reserve = reserve_fd();
+                    warn_limited(
+                        &mut self.last_refusal_log,
+                        format_args!(
+                            "out of file descriptors ({e}); closing new connections until some close"
+                        ),
+                    );
+                    return;
+                }
                 Err(e) => {
                     warn!("accept: {e}");
                     return;
                 }
             }
+        }
+    }
+
+    /// Closes connections that never said hello or sat on half a frame.
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < Duration::from_millis(250) {
+            return;
+        }
+        self.last_sweep = now;
+        for c in self.conns.values_mut() {
+            let silent = c.role.is_none() && now.duration_since(c.opened) > HELLO_DEADLINE;
+            let stuck = c
+                .partial_since
+                .is_some_and(|t| now.duration_since(t) > FRAME_DEADLINE);
+            if (silent || stuck) && !c.dead {
+                debug!(
+                    pid = c.pid,
+                    uid = c.uid,
+                    silent,
+                    stuck,
+                    "closing a stalled connection"
+                );
+                c.dead = true;
+            }
+        }
+        // Jobs restored from a previous broker whose run never came back.
+        let gone: Vec<u64> = self
+            .jobs
+            .iter()
+            .filter(|(t, j)| !self.job_conn.contains_key(t) && !j.alive())
+            .map(|(t, _)| *t)
+            .collect();
+        for t in gone {
+            info!(
+                token = t,
+                "a restored job's gpufrac run is gone; ending its lease"
+            );
+            self.end_job(t);
         }
     }
 
@@ -238,9 +398,19 @@ impl Server {
                     break;
                 }
                 Ok(n) => {
+                    if self.inbuf_total + n > INPUT_BUDGET {
+                        warn!(
+                            pid = c.pid,
+                            uid = c.uid,
+                            "input budget exhausted; closing the client"
+                        );
+                        c.dead = true;
+                        break;
+                    }
                     c.inbuf.extend_from_slice(&buf[..n]);
+                    self.inbuf_total += n;
                     // Never buffer more than one maximal frame of input.
-                    if c.inbuf.len() > wire::MAX_FRAME as usize + 8 {
+                    if c.inbuf.len() > wire::MAX_CLIENT_FRAME as usize + 8 {
                         break;
                     }
                 }
@@ -262,14 +432,25 @@ impl Server {
                 return;
             };
             if c.dead || c.inbuf.is_empty() {
+                if let Some(c) = self.conns.get_mut(&tok) {
+                    c.partial_since = None;
+                }
                 return;
             }
             match wire::decode_client(&c.inbuf) {
                 Ok((msg, used)) => {
                     c.inbuf.drain(..used);
+                    self.inbuf_total = self.inbuf_total.saturating_sub(used);
+                    c.partial_since = None;
+                    if c.inbuf.capacity() > 64 << 10 && c.inbuf.len() < 4 << 10 {
+                        c.inbuf.shrink_to(4 << 10);
+                    }
                     self.handle(tok, msg);
                 }
-                Err(DecodeError::Incomplete) => return,
+                Err(DecodeError::Incomplete) => {
+                    c.partial_since.get_or_insert_with(Instant::now);
+                    return;
+                }
                 Err(e) => {
                     let pid = c.pid;
                     warn!(pid, "bad frame ({e}); closing that client");
@@ -347,11 +528,62 @@ impl Server {
                 let limit = limit
                     .filter(|l| l.is_finite() && *l > 0.0)
                     .map(|l| (l / 100.0).min(1.0));
+                // Only GPUs this node has: a client inventing UUIDs once
+                // grew the broker by 400 MB and broke status for everyone.
+                let unknown: Vec<String> = devices
+                    .iter()
+                    .take(64)
+                    .filter(|d| !self.gpus.iter().any(|g| g.uuid == d.uuid))
+                    .map(|d| uuid_string(&d.uuid))
+                    .collect();
+                let room = if self.discovered {
+                    0
+                } else {
+                    MAX_UNKNOWN_GPUS.saturating_sub(self.gpus.len())
+                };
+                if unknown.len() > room {
+                    let pid = c.pid;
+                    let known: Vec<&str> = self.gpus.iter().map(|g| g.uuid_str.as_str()).collect();
+                    warn!(
+                        pid,
+                        ?unknown,
+                        "refusing a registration for GPUs this node does not have"
+                    );
+                    self.send(
+                        tok,
+                        &ServerMsg::Error {
+                            code: wire::ERR_REFUSED,
+                            message: format!(
+                                "this broker does not manage {} (it manages: {}); \
+                                 run the process where the broker sees its GPUs, or with GPUFRAC_BROKER=off",
+                                unknown.join(", "),
+                                if known.is_empty() { "none".into() } else { known.join(", ") }
+                            ),
+                        },
+                    );
+                    if let Some(c) = self.conns.get_mut(&tok) {
+                        c.dead = true;
+                    }
+                    return;
+                }
+                let Some(c) = self.conns.get_mut(&tok) else {
+                    return;
+                };
                 if !command.is_empty() {
                     c.command = command;
                 }
                 c.share = share;
                 c.limit = limit;
+                c.priority = priority;
+                // The job it belongs to: the nearest `gpufrac run` among its
+                // ancestors (run is a subreaper, so a daemonised child stays
+                // below it), whatever its environment says.
+                let chain = jobs::ancestry(c.pid);
+                let job = chain
+                    .iter()
+                    .find_map(|&p| self.jobs.iter().find(|(_, j)| j.pid == p).map(|(&t, _)| t));
+                let uid = c.uid;
+                let old_job = std::mem::replace(&mut c.member_of, job);
                 let old: Vec<usize> = c.devices.drain(..).map(|d| d.gpu).collect();
                 for g in old {
                     self.gpus[g].sched.remove_client(now, id);
@@ -359,6 +591,9 @@ impl Server {
                 let mut devs = Vec::new();
                 for d in devices.iter().take(64) {
                     let g = self.gpu_by_uuid(&d.uuid, d.mem_total);
+                    if devs.iter().any(|x: &ClientDev| x.gpu == g) {
+                        continue;
+                    }
                     self.gpus[g].sched.add_client(
                         now,
                         id,
@@ -375,10 +610,24 @@ impl Server {
                         ooms: 0,
                     });
                 }
+                let mem_cap = job
+                    .and_then(|t| self.jobs.get(&t))
+                    .and_then(|j| j.mem_cap)
+                    .unwrap_or(0);
                 if let Some(c) = self.conns.get_mut(&tok) {
-                    info!(pid = c.pid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, "registered");
+                    for d in &mut devs {
+                        if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
+                            d.cap = mem_cap;
+                        }
+                    }
+                    info!(pid = c.pid, uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job, "registered");
                     c.devices = devs;
                 }
+                self.send(tok, &ServerMsg::Registered { mem_cap });
+                if let Some(t) = old_job.filter(|&t| Some(t) != job) {
+                    self.enforce_job(now, Some(t), uid);
+                }
+                self.enforce_job(now, job, uid);
             }
             ClientMsg::Usage {
                 uuid,
@@ -418,8 +667,8 @@ impl Server {
                     self.gpus[g].sched.drained(now, id);
                 }
             }
-            ClientMsg::Status => {
-                let json = serde_json::to_string(&self.status()).unwrap_or_default();
+            ClientMsg::Status { from } => {
+                let json = self.status_json(from as usize);
                 self.send(tok, &ServerMsg::StatusReply { json });
             }
             ClientMsg::Lease {
@@ -429,9 +678,10 @@ impl Server {
                 limit,
                 no_wait,
                 command,
-                ..
+                priority,
+                resume,
             } => {
-                if c.queued.is_some() || c.leased_at.is_some() {
+                if c.job.is_some() {
                     self.send(
                         tok,
                         &ServerMsg::Refused {
@@ -440,48 +690,242 @@ impl Server {
                     );
                     return;
                 }
-                let want = if want_gpus > 0 {
-                    Want::Gpus(want_gpus)
-                } else {
-                    Want::Memory(want_mem)
-                };
-                if want_gpus == 0 && want_mem == 0 {
-                    self.send(
-                        tok,
-                        &ServerMsg::Refused {
-                            reason: "ask for --gpus N or --gpu-memory SIZE".into(),
-                        },
-                    );
+                let (pid, uid) = (c.pid, c.uid);
+                if resume != 0 {
+                    self.resume_job(tok, resume);
                     return;
                 }
+                let want = match (want_gpus, want_mem) {
+                    (0, 0) => None,
+                    (0, b) => Some(Want::Memory(b)),
+                    (n, _) => Some(Want::Gpus(n)),
+                };
                 let label = if command.is_empty() {
                     c.command.clone()
                 } else {
                     command
                 };
                 c.command = label.clone();
-                // Percent on the wire, fractions in the queue.
-                let req = Request {
+                // Percent on the wire; clamped like a process's own.
+                let compute = compute
+                    .filter(|s| s.is_finite() && *s > 0.0)
+                    .map(|s| s.min(100.0));
+                let limit = limit
+                    .filter(|l| l.is_finite() && *l > 0.0)
+                    .map(|l| (l / 100.0).min(1.0));
+                let Some(start_time) = jobs::proc_start_time(pid) else {
+                    self.send(
+                        tok,
+                        &ServerMsg::Refused {
+                            reason: "cannot identify the requesting process".into(),
+                        },
+                    );
+                    return;
+                };
+                let token = jobs::new_token();
+                let mut job = Job {
+                    token,
+                    pid,
+                    start_time,
+                    uid,
                     want,
                     compute,
-                    limit: limit.map(|l| l / 100.0),
+                    limit,
+                    priority,
                     label,
+                    mem_cap: None,
+                    phase: Phase::Unplaced,
                 };
-                if no_wait {
-                    match self.queue.try_now(now, id, req) {
-                        Ok(lease) => self.deliver_lease(&lease),
-                        Err(r) => self.send(tok, &ServerMsg::Refused { reason: r.reason }),
+                match job.request() {
+                    // A job without placement: a unit with its settings.
+                    None => {
+                        self.attach_job(tok, job);
+                        self.send(
+                            tok,
+                            &ServerMsg::Leased {
+                                gpus: Vec::new(),
+                                uuids: Vec::new(),
+                                mem_cap: 0,
+                                token,
+                            },
+                        );
                     }
-                } else {
-                    match self.queue.submit(now, id, req) {
+                    Some(req) if no_wait => match self.queue.try_now(now, token, req) {
+                        Ok(lease) => {
+                            job.phase = Phase::Running {
+                                gpus: lease.gpus.clone(),
+                            };
+                            self.attach_job(tok, job);
+                            self.deliver_lease(&lease);
+                        }
+                        Err(r) => self.send(tok, &ServerMsg::Refused { reason: r.reason }),
+                    },
+                    Some(req) => match self.queue.submit(now, token, req) {
                         Ok(()) => {
+                            job.phase = Phase::Queued { since: now };
+                            self.attach_job(tok, job);
                             if let Some(c) = self.conns.get_mut(&tok) {
                                 c.queued = Some(0);
                             }
                         }
                         Err(r) => self.send(tok, &ServerMsg::Refused { reason: r.reason }),
-                    }
+                    },
                 }
+            }
+        }
+    }
+
+    fn attach_job(&mut self, tok: Token, job: Job) {
+        let t = job.token;
+        self.jobs.insert(t, job);
+        self.job_conn.insert(t, tok);
+        if let Some(c) = self.conns.get_mut(&tok) {
+            c.job = Some(t);
+        }
+        self.dirty = true;
+    }
+
+    /// A `gpufrac run` reconnecting after a broker restart: only the same
+    /// process may claim its job back, and only while no live connection
+    /// holds it.
+    fn resume_job(&mut self, tok: Token, token: u64) {
+        let Some(c) = self.conns.get(&tok) else {
+            return;
+        };
+        let ok = self.jobs.get(&token).is_some_and(|j| {
+            j.pid == c.pid
+                && j.alive()
+                && !self
+                    .job_conn
+                    .get(&token)
+                    .is_some_and(|t| self.conns.contains_key(t))
+        });
+        if !ok {
+            self.send(
+                tok,
+                &ServerMsg::Refused {
+                    reason: "this broker has no such lease to resume (it was started without the state file, or the lease ended)".into(),
+                },
+            );
+            return;
+        }
+        let pid = c.pid;
+        self.job_conn.insert(token, tok);
+        if let Some(c) = self.conns.get_mut(&tok) {
+            c.job = Some(token);
+        }
+        let (phase, label) = {
+            let j = &self.jobs[&token];
+            (j.phase.clone(), j.label.clone())
+        };
+        info!(pid, token, "gpufrac run reclaimed its job");
+        if let Some(c) = self.conns.get_mut(&tok) {
+            c.command = label;
+        }
+        match phase {
+            Phase::Queued { .. } => {
+                if let Some(c) = self.conns.get_mut(&tok) {
+                    c.queued = Some(0);
+                }
+            }
+            Phase::Unplaced => {
+                self.send(
+                    tok,
+                    &ServerMsg::Leased {
+                        gpus: Vec::new(),
+                        uuids: Vec::new(),
+                        mem_cap: 0,
+                        token,
+                    },
+                );
+            }
+            Phase::Running { .. } => {
+                if let Some(lease) = self.queue.lease(token).cloned() {
+                    self.deliver_lease(&lease);
+                }
+            }
+        }
+    }
+
+    /// The job is over (its run disconnected or died): its lease or place
+    /// goes, its processes become their user's again.
+    fn end_job(&mut self, token: u64) {
+        let now = self.now();
+        self.queue.cancel(now, token);
+        self.queue.release(now, token);
+        self.leased_at.remove(&token);
+        self.job_conn.remove(&token);
+        if let Some(j) = self.jobs.remove(&token) {
+            self.dirty = true;
+            let members: Vec<(Token, u32)> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.member_of == Some(token))
+                .map(|(t, c)| (*t, c.uid))
+                .collect();
+            for (t, _) in &members {
+                if let Some(c) = self.conns.get_mut(t) {
+                    c.member_of = None;
+                }
+            }
+            let mut uids: Vec<u32> = members.iter().map(|m| m.1).collect();
+            uids.sort_unstable();
+            uids.dedup();
+            for uid in uids {
+                self.enforce_job(now, None, uid);
+            }
+            debug!(token, pid = j.pid, "job ended");
+        }
+    }
+
+    /// Puts a unit's processes in their scheduler group with the unit's
+    /// settings: a job's `--gpu-compute` is the unit's weight, its
+    /// `--gpu-limit` is split evenly among its processes on each GPU, and
+    /// its `--priority` is every process's class. Outside a job, a user's
+    /// processes form the unit.
+    fn enforce_job(&mut self, now: u64, job: Option<u64>, uid: u32) {
+        let members: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                !c.devices.is_empty()
+                    && match job {
+                        Some(t) => c.member_of == Some(t),
+                        None => c.member_of.is_none() && c.uid == uid,
+                    }
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        let j = job.and_then(|t| self.jobs.get(&t));
+        let group = match job {
+            Some(t) => t & !UID_UNIT,
+            None => UID_UNIT | u64::from(uid),
+        };
+        let (unit_weight, job_limit, job_prio) =
+            j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
+        let mut per_gpu: HashMap<usize, usize> = HashMap::new();
+        for t in &members {
+            for d in &self.conns[t].devices {
+                *per_gpu.entry(d.gpu).or_insert(0) += 1;
+            }
+        }
+        for t in &members {
+            let c = &self.conns[t];
+            for d in &c.devices {
+                let n = per_gpu[&d.gpu] as f64;
+                let limit = match job_limit {
+                    Some(l) => Some(c.limit.map_or(l / n, |own| own.min(l / n))),
+                    None => c.limit,
+                };
+                let sched = &mut self.gpus[d.gpu].sched;
+                sched.add_client(
+                    now,
+                    c.id,
+                    c.share.unwrap_or(DEFAULT_WEIGHT),
+                    limit,
+                    job_prio.unwrap_or(c.priority),
+                );
+                sched.set_group(now, c.id, group, unit_weight);
             }
         }
     }
@@ -497,11 +941,18 @@ impl Server {
                     .map_or([0; 16], |g| g.uuid)
             })
             .collect();
-        if let Some(&tok) = self.by_id.get(&lease.id) {
+        if let Some(j) = self.jobs.get_mut(&lease.id) {
+            j.phase = Phase::Running {
+                gpus: lease.gpus.clone(),
+            };
+            j.mem_cap = lease.mem_cap;
+            self.dirty = true;
+        }
+        self.leased_at.entry(lease.id).or_insert_with(Instant::now);
+        if let Some(&tok) = self.job_conn.get(&lease.id) {
             if let Some(c) = self.conns.get_mut(&tok) {
                 info!(pid = c.pid, gpus = ?lease.gpus, mem_cap = ?lease.mem_cap, "lease granted");
                 c.queued = None;
-                c.leased_at = Some(Instant::now());
             }
             self.send(
                 tok,
@@ -509,6 +960,7 @@ impl Server {
                     gpus: lease.gpus.clone(),
                     uuids,
                     mem_cap: lease.mem_cap.unwrap_or(0),
+                    token: lease.id,
                 },
             );
         }
@@ -552,7 +1004,7 @@ impl Server {
         }
         for w in self.queue.waiting(now) {
             let pos = w.position as u32;
-            let Some(&tok) = self.by_id.get(&w.id) else {
+            let Some(&tok) = self.job_conn.get(&w.id) else {
                 continue;
             };
             let changed = self.conns.get(&tok).is_some_and(|c| c.queued != Some(pos));
@@ -566,6 +1018,7 @@ impl Server {
                     &ServerMsg::Queued {
                         position: pos,
                         waiting_for,
+                        token: w.id,
                     },
                 );
             }
@@ -624,12 +1077,26 @@ impl Server {
             };
             let _ = self.poll.registry().deregister(&mut c.stream);
             self.by_id.remove(&c.id);
+            self.inbuf_total = self.inbuf_total.saturating_sub(c.inbuf.len());
+            if let Some(n) = self.per_uid.get_mut(&c.uid) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_uid.remove(&c.uid);
+                }
+            }
             for d in &c.devices {
                 self.gpus[d.gpu].sched.remove_client(now, c.id);
             }
-            self.queue.cancel(now, c.id);
-            self.queue.release(now, c.id);
-            if !c.devices.is_empty() || c.leased_at.is_some() {
+            if let Some(t) = c.job
+                && self.job_conn.get(&t) == Some(&tok)
+            {
+                self.end_job(t);
+            }
+            if !c.devices.is_empty() {
+                // Its unit's limit is split among fewer processes now.
+                self.enforce_job(now, c.member_of, c.uid);
+            }
+            if !c.devices.is_empty() || c.job.is_some() {
                 info!(pid = c.pid, command = %c.command, "client gone");
             }
         }
@@ -654,8 +1121,28 @@ impl Server {
                 self.flush(t);
             }
             if !self.conns.values().any(|c| c.dead) {
-                return;
+                break;
             }
+        }
+        self.save_state();
+    }
+
+    /// Writes the jobs out if they changed. A write that fails is retried
+    /// at the next change, and said once.
+    fn save_state(&mut self) {
+        if !std::mem::take(&mut self.dirty) {
+            return;
+        }
+        let Some(f) = &self.state else { return };
+        if let Err(e) = f.save(self.jobs.values()) {
+            warn_limited(
+                &mut self.last_refusal_log,
+                format_args!(
+                    "cannot write the state file {}: {e}; leases will not survive a restart",
+                    f.path().display()
+                ),
+            );
+            self.dirty = true;
         }
     }
 
@@ -670,6 +1157,17 @@ impl Server {
         // waits, and refresh metrics.
         if !self.queue.waiting(now).is_empty() || self.metrics.is_some() {
             let tick = now + 500_000_000;
+            t = Some(t.map_or(tick, |x| x.min(tick)));
+        }
+        // Deadlines of connections that have not said hello or sit on half
+        // a frame, and restored jobs whose run may have died.
+        let pending = self
+            .conns
+            .values()
+            .any(|c| c.role.is_none() || c.partial_since.is_some())
+            || self.jobs.keys().any(|k| !self.job_conn.contains_key(k));
+        if pending {
+            let tick = now + 250_000_000;
             t = Some(t.map_or(tick, |x| x.min(tick)));
         }
         t.map(|t| Duration::from_nanos(t.saturating_sub(now)))
@@ -702,7 +1200,9 @@ impl Server {
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),
-                    limit: c.limit,
+                    limit: s.map_or(c.limit, |s| s.limit),
+                    uid: c.uid,
+                    job: c.member_of.and_then(|t| self.jobs.get(&t)).map(|j| j.pid),
                     state: s.map_or("idle".into(), |s| match s.state {
                         ClientState::Idle => "idle".into(),
                         ClientState::Waiting => "waiting".into(),
@@ -740,11 +1240,7 @@ impl Server {
             .waiting(now)
             .into_iter()
             .map(|w| {
-                let pid = self
-                    .by_id
-                    .get(&w.id)
-                    .and_then(|t| self.conns.get(t))
-                    .map_or(0, |c| c.pid);
+                let pid = self.jobs.get(&w.id).map_or(0, |j| j.pid);
                 QueueEntry {
                     position: w.position as u32,
                     pid,
@@ -756,17 +1252,27 @@ impl Server {
             })
             .collect();
         let leases = self
-            .conns
-            .values()
-            .filter_map(|c| {
-                let l = self.queue.lease(c.id)?;
-                Some(LeaseEntry {
-                    pid: c.pid,
-                    command: c.command.clone(),
-                    gpus: l.gpus.clone(),
-                    mem_cap: l.mem_cap,
-                    held_s: c.leased_at.map_or(0.0, |t| t.elapsed().as_secs_f64()),
-                })
+            .jobs
+            .iter()
+            .filter(|(_, j)| !matches!(j.phase, Phase::Queued { .. }))
+            .map(|(t, j)| LeaseEntry {
+                pid: j.pid,
+                command: j.label.clone(),
+                gpus: self
+                    .queue
+                    .lease(*t)
+                    .map_or_else(Vec::new, |l| l.gpus.clone()),
+                mem_cap: j.mem_cap,
+                held_s: self
+                    .leased_at
+                    .get(t)
+                    .map_or(0.0, |at| at.elapsed().as_secs_f64()),
+                compute: j.compute,
+                limit: j.limit,
+                connected: self
+                    .job_conn
+                    .get(t)
+                    .is_some_and(|c| self.conns.contains_key(c)),
             })
             .collect();
         Status {
@@ -778,7 +1284,45 @@ impl Server {
             gpus,
             queue,
             leases,
+            next: None,
+            truncated: false,
         }
+    }
+
+    /// One page of status: every GPU, queue entry and lease, and processes
+    /// from the `from`-th (in GPU, then pid order) on, at most
+    /// `STATUS_PAGE`; `next` says where the following page starts. Each
+    /// page fits a frame whatever the node holds.
+    fn status_json(&self, from: usize) -> String {
+        let mut st = self.status();
+        let mut seen = 0usize;
+        let mut more = false;
+        for g in &mut st.gpus {
+            let procs = std::mem::take(&mut g.processes);
+            for p in procs {
+                if seen >= from && seen < from + STATUS_PAGE {
+                    g.processes.push(p);
+                } else if seen >= from + STATUS_PAGE {
+                    more = true;
+                }
+                seen += 1;
+            }
+        }
+        st.next = more.then_some((from + STATUS_PAGE) as u32);
+        // Lists other than processes are bounded by the connection limits;
+        // cut them too if a page would still not fit.
+        let mut json = serde_json::to_string(&st).unwrap_or_default();
+        while json.len() > wire::MAX_STATUS_JSON - 64
+            && (!st.queue.is_empty() || !st.leases.is_empty())
+        {
+            let q = st.queue.len() / 2;
+            st.queue.truncate(q);
+            let l = st.leases.len() / 2;
+            st.leases.truncate(l);
+            st.truncated = true;
+            json = serde_json::to_string(&st).unwrap_or_default();
+        }
+        json
     }
 
     fn refresh_metrics(&mut self) {
@@ -950,11 +1494,79 @@ fn serve_metrics(addr: &str, text: Arc<Mutex<String>>) -> Result<(), String> {
     Ok(())
 }
 
+/// A directory others can write lets them replace the socket (or plant
+/// their own before the broker starts): refuse one that is writable by
+/// group or others (unless sticky, like /tmp, where only owners may
+/// remove) or owned by someone other than root or the broker's user.
+fn check_socket_dir(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta =
+        std::fs::metadata(dir).map_err(|e| format!("cannot inspect {}: {e}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let mode = meta.mode();
+    let sticky = mode & 0o1000 != 0;
+    if meta.uid() != 0 && meta.uid() != me {
+        return Err(format!(
+            "the socket directory {} belongs to uid {}, who could replace the socket; \
+             use a directory owned by root or by this user (e.g. /run/gpufrac)",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    if mode & 0o022 != 0 && !sticky {
+        return Err(format!(
+            "the socket directory {} is writable by {} (mode {:o}), who could replace the socket; \
+             run: chmod go-w {} (or choose another --socket)",
+            dir.display(),
+            if mode & 0o002 != 0 {
+                "everyone"
+            } else {
+                "its group"
+            },
+            mode & 0o7777,
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Raises the soft file limit to the hard one: every client is a socket.
+fn raise_nofile() -> u64 {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: get/setrlimit on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) != 0 {
+            return 0;
+        }
+        if rl.rlim_cur < rl.rlim_max {
+            let want = libc::rlimit {
+                rlim_cur: rl.rlim_max,
+                rlim_max: rl.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
+                return want.rlim_cur;
+            }
+        }
+    }
+    rl.rlim_cur
+}
+
 fn bind(opts: &BrokerOptions) -> Result<UnixListener, String> {
     let path = &opts.socket;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        if !dir.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        }
+        check_socket_dir(dir)?;
     }
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
@@ -1006,9 +1618,31 @@ fn bind(opts: &BrokerOptions) -> Result<UnixListener, String> {
 /// Runs the broker until SIGTERM/SIGINT. Returns an error message meant for
 /// the user (e.g. the socket is already in use).
 pub fn run(opts: BrokerOptions) -> Result<(), String> {
+    // Every option is checked before anything is created, so a refused
+    // start leaves nothing behind.
     if opts.overprovision == 0 {
         return Err("--overprovision must be at least 1".into());
     }
+    if opts.max_conns_per_user == 0 {
+        return Err("--max-connections-per-user must be at least 1".into());
+    }
+    if let Some(group) = &opts.group {
+        let cname =
+            std::ffi::CString::new(group.as_str()).map_err(|_| "bad group name".to_string())?;
+        // SAFETY: getgrnam with a valid C string; only the null check.
+        if unsafe { libc::getgrnam(cname.as_ptr()) }.is_null() {
+            return Err(format!("--group {group}: no such group"));
+        }
+    }
+    if let Some(addr) = &opts.metrics
+        && addr.parse::<std::net::SocketAddr>().is_err()
+        && std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()).is_err()
+    {
+        return Err(format!(
+            "--metrics {addr}: not an address; use HOST:PORT, e.g. 127.0.0.1:9400"
+        ));
+    }
+    let nofile = raise_nofile();
     let found = match inventory::discover() {
         Ok(g) => g,
         Err(e) => {
@@ -1022,6 +1656,12 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         info!(index = g.index, name = %g.name, uuid = %uuid_string(&g.uuid), total = %format_size(g.total_mem), "GPU");
     }
     let listener = bind(&opts)?;
+    info!(nofile, "file limit");
+    let state_path = opts.state.clone().unwrap_or_else(|| {
+        let mut p = opts.socket.clone().into_os_string();
+        p.push(".state");
+        PathBuf::from(p)
+    });
     let poll = Poll::new().map_err(|e| e.to_string())?;
     let mut fds = [0i32; 2];
     // SAFETY: pipe2 into a 2-int array.
@@ -1096,13 +1736,24 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             .collect(),
         queue: Queue::new(qgpus, qcfg),
         nvml: Nvml::open(),
-        start: Instant::now(),
         next_token: FIRST_CLIENT,
         metrics,
         last_metrics: Instant::now() - Duration::from_secs(1),
         readbuf: Vec::new(),
+        jobs: std::collections::BTreeMap::new(),
+        job_conn: HashMap::new(),
+        leased_at: HashMap::new(),
+        state: Some(StateFile::new(state_path)),
+        dirty: false,
+        discovered: !found.is_empty(),
+        per_uid: HashMap::new(),
+        inbuf_total: 0,
+        reserve: reserve_fd(),
+        last_sweep: Instant::now(),
+        last_refusal_log: None,
         opts,
     };
+    s.restore_jobs();
     info!(socket = %s.opts.socket.display(), timeslice_ms = s.opts.timeslice as f64 / 1e6, "broker ready");
     let mut events = Events::with_capacity(256);
     let result = loop {
@@ -1131,9 +1782,72 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             info!("shutting down");
             break Ok(());
         }
+        s.sweep();
         s.settle(touched);
         s.refresh_metrics();
     };
     let _ = std::fs::remove_file(&s.opts.socket);
+    // A clean stop ends every lease (the runs see the socket close); only
+    // a crash leaves state for the next broker.
+    if let Some(f) = &s.state {
+        f.remove();
+    }
     result
+}
+
+impl Server {
+    /// Books what a previous broker left (leases first, then the queue in
+    /// its original order) before any client is accepted, so no GPU is
+    /// handed out twice. Jobs whose `gpufrac run` has died are dropped.
+    fn restore_jobs(&mut self) {
+        let Some(f) = &self.state else { return };
+        let (saved, problem) = f.load();
+        if let Some(p) = problem {
+            warn!("{p}");
+        }
+        let (mut kept, mut dropped) = (0, 0);
+        let mut saved = saved;
+        saved.sort_by_key(|j| match j.phase {
+            Phase::Running { .. } | Phase::Unplaced => (0, 0),
+            Phase::Queued { since } => (1, since),
+        });
+        let now = self.now();
+        for j in saved {
+            if !j.alive() || self.jobs.contains_key(&j.token) {
+                dropped += 1;
+                continue;
+            }
+            let ok = match (&j.phase, j.request()) {
+                (Phase::Unplaced, _) => true,
+                (Phase::Running { gpus }, Some(req)) => {
+                    match self.queue.restore(j.token, req, gpus) {
+                        Ok(_) => {
+                            self.leased_at.insert(j.token, Instant::now());
+                            true
+                        }
+                        Err(r) => {
+                            warn!(pid = j.pid, "cannot restore a lease: {}", r.reason);
+                            false
+                        }
+                    }
+                }
+                (Phase::Queued { since }, Some(req)) => self
+                    .queue
+                    .submit_since((*since).min(now), j.token, req)
+                    .is_ok(),
+                _ => false,
+            };
+            if ok {
+                kept += 1;
+                self.jobs.insert(j.token, j);
+            } else {
+                dropped += 1;
+            }
+        }
+        if kept + dropped > 0 {
+            info!(kept, dropped, "restored jobs from the state file");
+        }
+        self.dirty = true;
+        self.save_state();
+    }
 }

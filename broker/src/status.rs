@@ -16,6 +16,13 @@ pub struct Status {
     pub gpus: Vec<GpuStatus>,
     pub queue: Vec<QueueEntry>,
     pub leases: Vec<LeaseEntry>,
+    /// Processes are paged: the next page starts at this process index
+    /// (`None`: this was the last page).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<u32>,
+    /// The queue or lease lists were cut to fit a page.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -69,6 +76,13 @@ pub struct ProcStatus {
     /// Released, with queued work still running on the GPU.
     #[serde(default)]
     pub draining: bool,
+    /// The process's user (the unit of fairness outside a job).
+    #[serde(default)]
+    pub uid: u32,
+    /// pid of the `gpufrac run` whose job this process belongs to (its
+    /// unit of fairness), if any.
+    #[serde(default)]
+    pub job: Option<u32>,
 }
 
 fn normal() -> String {
@@ -93,4 +107,18 @@ pub struct LeaseEntry {
     pub gpus: Vec<u32>,
     pub mem_cap: Option<u64>,
     pub held_s: f64,
+    /// `--gpu-compute` (percent) and `--gpu-limit` (0..1), enforced on
+    /// every process of the job.
+    #[serde(default)]
+    pub compute: Option<f64>,
+    #[serde(default)]
+    pub limit: Option<f64>,
+    /// Its `gpufrac run` is connected (false for a lease restored after a
+    /// broker restart until run reconnects).
+    #[serde(default = "yes")]
+    pub connected: bool,
+}
+
+fn yes() -> bool {
+    true
 }

@@ -58,11 +58,16 @@ use std::fmt;
 use crate::config::Priority;
 
 /// 2: priorities (`Register`, `Lease`), the in-flight bound in `Grant`,
-/// and `Drained`.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// and `Drained`. 3: `Registered`, lease tokens (`Queued`, `Leased`,
+/// `Lease.resume`) and paged `Status`.
+pub const PROTOCOL_VERSION: u16 = 3;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
+/// Largest frame a client may send: its longest message (a `Register` of
+/// [`MAX_LIST`] devices and a full-length command) fits with room to spare,
+/// and the broker buffers no more than this per connection.
+pub const MAX_CLIENT_FRAME: u32 = 256 << 10;
 /// Most items in any list; far above any node's GPU count, and low enough
 /// that no message of lists and short strings can exceed [`MAX_FRAME`].
 pub const MAX_LIST: usize = 4096;
@@ -93,6 +98,7 @@ const T_STATUS_REPLY: u8 = 0x85;
 const T_QUEUED: u8 = 0x86;
 const T_LEASED: u8 = 0x87;
 const T_REFUSED: u8 = 0x88;
+const T_REGISTERED: u8 = 0x89;
 
 const UUID_LEN: usize = 16;
 const DEVICE_REG_LEN: usize = UUID_LEN + 4 + 8 + 8;
@@ -173,8 +179,11 @@ pub enum ClientMsg {
     Drained {
         uuid: [u8; 16],
     },
-    /// Asks for `StatusReply`.
-    Status,
+    /// Asks for `StatusReply`, listing processes from the `from`-th on
+    /// (the reply's `next` says where the following page starts).
+    Status {
+        from: u32,
+    },
     Lease {
         /// 0 when asking for memory.
         want_gpus: u32,
@@ -188,6 +197,10 @@ pub enum ClientMsg {
         command: String,
         /// `None`: the job's processes choose for themselves.
         priority: Option<Priority>,
+        /// 0: a new request. Otherwise the token of a lease or queued
+        /// request this same process held before the broker restarted: the
+        /// broker gives back that lease, or that place in the queue.
+        resume: u64,
     },
 }
 
@@ -238,15 +251,25 @@ pub enum ServerMsg {
     Queued {
         position: u32,
         waiting_for: String,
+        /// Names the request for `Lease.resume` after a broker restart.
+        token: u64,
     },
     Leased {
         gpus: Vec<u32>,
         uuids: Vec<[u8; 16]>,
         /// 0 = uncapped.
         mem_cap: u64,
+        /// Names the lease for `Lease.resume` after a broker restart.
+        token: u64,
     },
     Refused {
         reason: String,
+    },
+    /// Answers `Register`: what the broker enforces on this process
+    /// whatever its environment says (its job's lease).
+    Registered {
+        /// Memory cap on every registered device; 0 = none imposed.
+        mem_cap: u64,
     },
 }
 
@@ -290,7 +313,7 @@ impl fmt::Display for DecodeError {
         match self {
             DecodeError::Incomplete => f.write_str("incomplete frame"),
             DecodeError::TooLarge(n) => {
-                write!(f, "frame of {n} bytes exceeds the limit of {MAX_FRAME}")
+                write!(f, "frame of {n} bytes exceeds the size limit")
             }
             DecodeError::UnknownType(t) => write!(f, "unknown message type {t:#04x}"),
             DecodeError::Malformed(why) => write!(f, "malformed frame: {why}"),
@@ -362,7 +385,10 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             out.push(T_DRAINED);
             out.extend_from_slice(uuid);
         }
-        ClientMsg::Status => out.push(T_STATUS),
+        ClientMsg::Status { from } => {
+            out.push(T_STATUS);
+            put_u32(out, *from);
+        }
         ClientMsg::Lease {
             want_gpus,
             want_mem,
@@ -371,6 +397,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             no_wait,
             command,
             priority,
+            resume,
         } => {
             out.push(T_LEASE);
             put_u32(out, *want_gpus);
@@ -380,6 +407,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             out.push(u8::from(*no_wait));
             put_str16(out, command);
             out.push(priority.map_or(0, |p| p.index() as u8 + 1));
+            put_u64(out, *resume);
         }
     }
     end_frame(out, start);
@@ -426,15 +454,22 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
         ServerMsg::Queued {
             position,
             waiting_for,
+            token,
         } => {
             out.push(T_QUEUED);
             put_u32(out, *position);
             put_str16(out, waiting_for);
+            put_u64(out, *token);
+        }
+        ServerMsg::Registered { mem_cap } => {
+            out.push(T_REGISTERED);
+            put_u64(out, *mem_cap);
         }
         ServerMsg::Leased {
             gpus,
             uuids,
             mem_cap,
+            token,
         } => {
             out.push(T_LEASED);
             let gpus = clamp_list(gpus);
@@ -448,6 +483,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
                 out.extend_from_slice(u);
             }
             put_u64(out, *mem_cap);
+            put_u64(out, *token);
         }
         ServerMsg::Refused { reason } => {
             out.push(T_REFUSED);
@@ -460,7 +496,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
 /// Decodes the frame at the start of `buf`, returning the message and how
 /// many bytes it took. Never panics, whatever `buf` holds.
 pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
-    let (ty, payload, used) = split_frame(buf)?;
+    let (ty, payload, used) = split_frame(buf, MAX_CLIENT_FRAME)?;
     let mut r = Reader(payload);
     let msg = match ty {
         T_HELLO => {
@@ -506,7 +542,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
             held_ns: r.u64()?,
         },
         T_DRAINED => ClientMsg::Drained { uuid: r.array()? },
-        T_STATUS => ClientMsg::Status,
+        T_STATUS => ClientMsg::Status { from: r.u32()? },
         T_LEASE => ClientMsg::Lease {
             want_gpus: r.u32()?,
             want_mem: r.u64()?,
@@ -521,6 +557,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
                         .ok_or(DecodeError::Malformed("unknown priority"))?,
                 ),
             },
+            resume: r.u64()?,
         },
         other => return Err(DecodeError::UnknownType(other)),
     };
@@ -531,7 +568,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
 /// Decodes the frame at the start of `buf`, returning the message and how
 /// many bytes it took. Never panics, whatever `buf` holds.
 pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
-    let (ty, payload, used) = split_frame(buf)?;
+    let (ty, payload, used) = split_frame(buf, MAX_FRAME)?;
     let mut r = Reader(payload);
     let msg = match ty {
         // Frozen and extensible: later versions may append fields.
@@ -561,7 +598,9 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
         T_QUEUED => ServerMsg::Queued {
             position: r.u32()?,
             waiting_for: r.str16()?,
+            token: r.u64()?,
         },
+        T_REGISTERED => ServerMsg::Registered { mem_cap: r.u64()? },
         T_LEASED => {
             let n = r.count(4)?;
             let mut gpus = Vec::with_capacity(n);
@@ -577,6 +616,7 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
                 gpus,
                 uuids,
                 mem_cap: r.u64()?,
+                token: r.u64()?,
             }
         }
         T_REFUSED => ServerMsg::Refused { reason: r.str16()? },
@@ -587,14 +627,14 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
 }
 
 /// Returns the type byte, the payload and the whole frame's length.
-fn split_frame(buf: &[u8]) -> Result<(u8, &[u8], usize), DecodeError> {
+fn split_frame(buf: &[u8], max: u32) -> Result<(u8, &[u8], usize), DecodeError> {
     let Some((len, rest)) = buf.split_first_chunk::<4>() else {
         return Err(DecodeError::Incomplete);
     };
     let len = u32::from_le_bytes(*len);
     // Checked before waiting for the body, so an absurd length is refused
     // at once rather than buffered.
-    if len > MAX_FRAME {
+    if len > max {
         return Err(DecodeError::TooLarge(len));
     }
     if len == 0 {
@@ -829,7 +869,8 @@ mod tests {
                 uuid: uuid(5),
                 held_ns: 50_000_000,
             },
-            ClientMsg::Status,
+            ClientMsg::Status { from: 0 },
+            ClientMsg::Status { from: 7 },
             ClientMsg::Lease {
                 want_gpus: 2,
                 want_mem: 0,
@@ -838,6 +879,7 @@ mod tests {
                 no_wait: false,
                 command: "torchrun --nproc_per_node=2 train.py".into(),
                 priority: None,
+                resume: 0,
             },
             ClientMsg::Lease {
                 want_gpus: 0,
@@ -847,6 +889,7 @@ mod tests {
                 no_wait: true,
                 command: String::new(),
                 priority: Some(Priority::High),
+                resume: u64::MAX,
             },
         ]
     }
@@ -885,16 +928,21 @@ mod tests {
             ServerMsg::Queued {
                 position: 3,
                 waiting_for: "2 GPUs".into(),
+                token: 77,
             },
+            ServerMsg::Registered { mem_cap: 0 },
+            ServerMsg::Registered { mem_cap: 4 << 30 },
             ServerMsg::Leased {
                 gpus: vec![0, 1],
                 uuids: vec![uuid(1), uuid(2)],
                 mem_cap: 0,
+                token: 1,
             },
             ServerMsg::Leased {
                 gpus: vec![],
                 uuids: vec![],
                 mem_cap: 4 << 30,
+                token: u64::MAX,
             },
             ServerMsg::Refused {
                 reason: "no GPU on this node has 200 GiB".into(),
@@ -928,7 +976,7 @@ mod tests {
         assert_eq!(
             enc_c(&ClientMsg::hello(0x0102_0304, Role::Shim)),
             [
-                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 2, 0, 4, 3, 2, 1, 1
+                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 3, 0, 4, 3, 2, 1, 1
             ]
         );
         assert_eq!(
@@ -942,12 +990,16 @@ mod tests {
             }),
             [7, 0, 0, 0, 0x82, 1, 0, 2, 0, b'n', b'o']
         );
-        assert_eq!(enc_c(&ClientMsg::Status), [1, 0, 0, 0, 0x06]);
-        let mut want = vec![27, 0, 0, 0, 0x07, 2, 0, 0, 0];
+        assert_eq!(
+            enc_c(&ClientMsg::Status { from: 3 }),
+            [5, 0, 0, 0, 0x06, 3, 0, 0, 0]
+        );
+        let mut want = vec![35, 0, 0, 0, 0x07, 2, 0, 0, 0];
         want.extend_from_slice(&0u64.to_le_bytes());
         want.extend_from_slice(&[1]);
         want.extend_from_slice(&30.0f64.to_bits().to_le_bytes());
         want.extend_from_slice(&[0, 1, 0, 0, 0]);
+        want.extend_from_slice(&9u64.to_le_bytes());
         assert_eq!(
             enc_c(&ClientMsg::Lease {
                 want_gpus: 2,
@@ -957,6 +1009,7 @@ mod tests {
                 no_wait: true,
                 command: String::new(),
                 priority: None,
+                resume: 9,
             }),
             want
         );
@@ -986,7 +1039,9 @@ mod tests {
             hello_reply(magic, version),
             ServerMsg::Error {
                 code: ERR_VERSION,
-                message: "protocol version 7 not supported; this broker speaks 2".into()
+                message: format!(
+                    "protocol version 7 not supported; this broker speaks {PROTOCOL_VERSION}"
+                )
             }
         );
 
@@ -1065,9 +1120,18 @@ mod tests {
             decode_client(b"GET / HTTP/1.1\r\n"),
             Err(DecodeError::TooLarge(_))
         ));
-        // Exactly MAX_FRAME is allowed, so only waits for more.
+        // Exactly the limit is allowed, so only waits for more; a client
+        // frame has a lower limit than a broker's.
         assert_eq!(
-            decode_client(&MAX_FRAME.to_le_bytes()),
+            decode_client(&MAX_CLIENT_FRAME.to_le_bytes()),
+            Err(DecodeError::Incomplete)
+        );
+        assert_eq!(
+            decode_client(&(MAX_CLIENT_FRAME + 1).to_le_bytes()),
+            Err(DecodeError::TooLarge(MAX_CLIENT_FRAME + 1))
+        );
+        assert_eq!(
+            decode_server(&MAX_FRAME.to_le_bytes()),
             Err(DecodeError::Incomplete)
         );
     }
@@ -1105,8 +1169,8 @@ mod tests {
     #[test]
     fn encoders_append() {
         let mut out = vec![0xAA];
-        encode_client(&ClientMsg::Status, &mut out);
-        assert_eq!(out, [0xAA, 1, 0, 0, 0, T_STATUS]);
+        encode_client(&ClientMsg::Status { from: 0 }, &mut out);
+        assert_eq!(out, [0xAA, 5, 0, 0, 0, T_STATUS, 0, 0, 0, 0]);
     }
 
     #[test]
@@ -1128,7 +1192,7 @@ mod tests {
             Err(DecodeError::UnknownType(T_HELLO))
         );
         assert_eq!(
-            m(T_STATUS, &[0]),
+            m(T_STATUS, &[0; 5]),
             DecodeError::Malformed("trailing bytes after the message")
         );
         assert_eq!(
@@ -1198,7 +1262,7 @@ mod tests {
             s(T_GRANT, &[0; 42]),
             DecodeError::Malformed("trailing bytes after the message")
         );
-        assert_eq!(s(0x89, &[]), DecodeError::UnknownType(0x89));
+        assert_eq!(s(0x8f, &[]), DecodeError::UnknownType(0x8f));
 
         let mut reg = vec![0, 0, 0, 0, 0, 0];
         reg.push(3);
@@ -1220,6 +1284,7 @@ mod tests {
             no_wait: false,
             command: long.clone(),
             priority: Some(Priority::Low),
+            resume: 0,
         };
         let bytes = enc_c(&m);
         let (ClientMsg::Lease { command, .. }, used) = decode_client(&bytes).unwrap() else {
@@ -1270,6 +1335,7 @@ mod tests {
             gpus: vec![7; 70_000],
             uuids: vec![uuid(1); 70_000],
             mem_cap: 5,
+            token: 6,
         };
         let (ServerMsg::Leased { gpus, uuids, .. }, _) = decode_server(&enc_s(&m)).unwrap() else {
             panic!()
@@ -1300,7 +1366,7 @@ mod tests {
         assert_eq!(DecodeError::Incomplete.to_string(), "incomplete frame");
         assert_eq!(
             DecodeError::TooLarge(2_000_000).to_string(),
-            "frame of 2000000 bytes exceeds the limit of 1048576"
+            "frame of 2000000 bytes exceeds the size limit"
         );
         assert_eq!(
             DecodeError::UnknownType(0x42).to_string(),
@@ -1372,7 +1438,7 @@ mod tests {
             any::<[u8; 16]>().prop_map(|uuid| ClientMsg::Acquire { uuid }),
             (any::<[u8; 16]>(), any::<u64>())
                 .prop_map(|(uuid, held_ns)| ClientMsg::Release { uuid, held_ns }),
-            Just(ClientMsg::Status),
+            any::<u32>().prop_map(|from| ClientMsg::Status { from }),
             (
                 any::<u32>(),
                 any::<u64>(),
@@ -1390,6 +1456,7 @@ mod tests {
                         no_wait,
                         command,
                         priority: None,
+                        resume: want_mem.rotate_left(7),
                     }
                 }),
         ]
@@ -1412,12 +1479,14 @@ mod tests {
             (any::<[u8; 16]>(), any::<u64>())
                 .prop_map(|(uuid, grant)| ServerMsg::Revoke { uuid, grant }),
             any::<String>().prop_map(|json| ServerMsg::StatusReply { json }),
-            (any::<u32>(), any::<String>()).prop_map(|(position, waiting_for)| {
-                ServerMsg::Queued {
+            (any::<u32>(), any::<String>(), any::<u64>()).prop_map(
+                |(position, waiting_for, token)| ServerMsg::Queued {
                     position,
                     waiting_for,
+                    token,
                 }
-            }),
+            ),
+            any::<u64>().prop_map(|mem_cap| ServerMsg::Registered { mem_cap }),
             (
                 vec(any::<u32>(), 0..8),
                 vec(any::<[u8; 16]>(), 0..8),
@@ -1426,7 +1495,8 @@ mod tests {
                 .prop_map(|(gpus, uuids, mem_cap)| ServerMsg::Leased {
                     gpus,
                     uuids,
-                    mem_cap
+                    mem_cap,
+                    token: mem_cap ^ 0x5a5a,
                 }),
             any::<String>().prop_map(|reason| ServerMsg::Refused { reason }),
         ]

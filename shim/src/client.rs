@@ -662,6 +662,21 @@ fn on_message(m: ServerMsg) {
                 release(d, true);
             }
         }
+        ServerMsg::Registered { mem_cap } if mem_cap > 0 => {
+            // The job's cap, from its lease: it holds even if the process's
+            // environment lost or raised GPU_MEM_LIMIT.
+            let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
+            let mut lowered = false;
+            for l in &LEDGERS[..n] {
+                lowered |= l.limit.fetch_min(mem_cap, AcqRel) > mem_cap;
+            }
+            if lowered {
+                info!("memory cap lowered to the job's {mem_cap} bytes by the broker");
+            }
+        }
+        ServerMsg::Error { message, .. } => {
+            crate::log::write_line(format_args!("the broker refused this process: {message}"));
+        }
         _ => {}
     }
 }

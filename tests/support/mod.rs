@@ -243,7 +243,7 @@ impl Broker {
     pub fn status(&self) -> serde_json::Value {
         let mut c = RawClient::connect(&self.socket);
         c.hello();
-        c.send(&gpufrac_common::wire::ClientMsg::Status);
+        c.send(&gpufrac_common::wire::ClientMsg::Status { from: 0 });
         match c.recv() {
             Some(gpufrac_common::wire::ServerMsg::StatusReply { json }) => {
                 serde_json::from_str(&json).unwrap()

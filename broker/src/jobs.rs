@@ -1,0 +1,273 @@
+//! Jobs: each `gpufrac run` is a unit of fairness (its processes split one
+//! share) and holds its lease or its place in the queue. Jobs are written to
+//! a small state file after every change, so a broker that crashes and
+//! restarts books the same GPUs before it admits anyone new, and each `run`
+//! can reconnect and claim its lease or its place back.
+//!
+//! Everything here is plain data and file I/O; the socket layer decides.
+
+use crate::queue::{Request, Want};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub use gpufrac_common::config::Priority;
+
+/// Format of the state file; a broker refuses (and keeps aside) a file of
+/// another version rather than misreading it.
+const STATE_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Phase {
+    /// In the queue since this monotonic instant (ns, `CLOCK_MONOTONIC`,
+    /// which a broker restart does not reset).
+    Queued { since: u64 },
+    /// Holding GPUs (by index).
+    Running { gpus: Vec<u32> },
+    /// A job without placement (`run --gpu-compute` alone): a unit of
+    /// fairness and enforced settings, no GPUs booked.
+    Unplaced,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    /// Names the job on the wire (`Lease.resume`); random, so that one
+    /// process cannot guess another's.
+    pub token: u64,
+    /// The `gpufrac run` process, and its start time (clock ticks after
+    /// boot, from /proc), which tells a live run from a reused pid.
+    pub pid: u32,
+    pub start_time: u64,
+    pub uid: u32,
+    pub want: Option<Want>,
+    pub compute: Option<f64>,
+    /// A fraction in (0, 1].
+    pub limit: Option<f64>,
+    #[serde(with = "opt_priority")]
+    pub priority: Option<Priority>,
+    pub label: String,
+    pub mem_cap: Option<u64>,
+    pub phase: Phase,
+}
+
+impl Job {
+    pub fn request(&self) -> Option<Request> {
+        Some(Request {
+            want: self.want?,
+            compute: self.compute,
+            limit: self.limit,
+            label: self.label.clone(),
+        })
+    }
+
+    /// The `run` process is still the one that asked.
+    pub fn alive(&self) -> bool {
+        proc_start_time(self.pid) == Some(self.start_time)
+    }
+}
+
+/// Priorities by name, as users spell them.
+mod opt_priority {
+    use super::Priority;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(p: &Option<Priority>, s: S) -> Result<S::Ok, S::Error> {
+        match p {
+            Some(p) => s.serialize_some(p.as_str()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Priority>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|n| {
+                Priority::parse(&n)
+                    .ok_or_else(|| serde::de::Error::custom(format!("unknown priority {n}")))
+            })
+            .transpose()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    version: u32,
+    jobs: Vec<Job>,
+}
+
+/// The state file next to the socket (or where `--state` says).
+pub struct StateFile {
+    path: PathBuf,
+}
+
+impl StateFile {
+    pub fn new(path: PathBuf) -> Self {
+        StateFile { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The jobs a previous broker left, or none. A file that cannot be read
+    /// is moved aside (never deleted) with a warning returned.
+    pub fn load(&self) -> (Vec<Job>, Option<String>) {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return (Vec::new(), None),
+            Err(e) => {
+                return (
+                    Vec::new(),
+                    Some(format!("cannot read {}: {e}", self.path.display())),
+                );
+            }
+        };
+        match serde_json::from_str::<Saved>(&text) {
+            Ok(s) if s.version == STATE_VERSION => (s.jobs, None),
+            Ok(s) => (
+                Vec::new(),
+                Some(self.set_aside(&format!("version {}", s.version))),
+            ),
+            Err(e) => (Vec::new(), Some(self.set_aside(&e.to_string()))),
+        }
+    }
+
+    fn set_aside(&self, why: &str) -> String {
+        let aside = self.path.with_extension("unreadable");
+        let _ = std::fs::rename(&self.path, &aside);
+        format!(
+            "state file {} is unusable ({why}); moved to {} and starting without saved leases",
+            self.path.display(),
+            aside.display()
+        )
+    }
+
+    /// Writes all jobs atomically: a crash mid-write leaves the previous
+    /// file whole.
+    pub fn save<'a>(&self, jobs: impl Iterator<Item = &'a Job>) -> std::io::Result<()> {
+        let saved = Saved {
+            version: STATE_VERSION,
+            jobs: jobs.cloned().collect(),
+        };
+        let text = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
+        let tmp = self.path.with_extension("tmp");
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&text)?;
+            f.sync_data()?;
+        }
+        std::fs::rename(&tmp, &self.path)
+    }
+
+    pub fn remove(&self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Start time of a process (field 22 of /proc/PID/stat), None if gone.
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields start after
+    // the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Parent of a process, None if gone.
+pub fn proc_parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// `pid` and its ancestors, nearest first (at most 64: a deeper tree is
+/// not a job's).
+pub fn ancestry(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut p = pid;
+    while p > 1 && out.len() < 64 {
+        out.push(p);
+        match proc_parent(p) {
+            Some(pp) if pp != p => p = pp,
+            _ => break,
+        }
+    }
+    out
+}
+
+/// A random token from the kernel.
+pub fn new_token() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom into a local buffer of the given size.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let t = if n == 8 {
+        u64::from_le_bytes(b)
+    } else {
+        // Never reached on Linux ≥ 3.17; still unique per broker.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        now ^ (u64::from(std::process::id()) << 32)
+    };
+    t.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(token: u64) -> Job {
+        Job {
+            token,
+            pid: std::process::id(),
+            start_time: proc_start_time(std::process::id()).unwrap(),
+            uid: 0,
+            want: Some(Want::Gpus(1)),
+            compute: Some(30.0),
+            limit: None,
+            priority: Some(Priority::Low),
+            label: "train.py".into(),
+            mem_cap: None,
+            phase: Phase::Running { gpus: vec![0] },
+        }
+    }
+
+    #[test]
+    fn state_round_trips_and_bad_files_are_kept_aside() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-jobs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = StateFile::new(dir.join("state.json"));
+        assert_eq!(f.load().0, vec![]);
+        let jobs = vec![job(1), job(2)];
+        f.save(jobs.iter()).unwrap();
+        let (back, warn) = f.load();
+        assert_eq!((back, warn), (jobs, None));
+        assert!(back_alive(&f));
+        std::fs::write(f.path(), b"{ not json").unwrap();
+        let (back, warn) = f.load();
+        assert!(back.is_empty());
+        assert!(warn.unwrap().contains("unusable"));
+        assert!(dir.join("state.unreadable").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn back_alive(f: &StateFile) -> bool {
+        f.load().0.iter().all(Job::alive)
+    }
+
+    #[test]
+    fn proc_helpers() {
+        let me = std::process::id();
+        assert!(proc_start_time(me).is_some());
+        let chain = ancestry(me);
+        assert_eq!(chain[0], me);
+        assert_eq!(chain.get(1).copied(), proc_parent(me));
+        assert_eq!(proc_start_time(u32::MAX), None);
+        assert_ne!(new_token(), new_token());
+    }
+}
