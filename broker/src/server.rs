@@ -325,20 +325,25 @@ impl Server {
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
                     // Out of descriptors: free the reserve, take the
                     // connection off the backlog and close it, so the
-                    // client hears "closed" instead of hanging, and the
-                    // listener does not spin readable.
-                    self.reserve = None;
-                    if let Ok((stream, _)) = self.listener.accept() {
-                        drop(stream);
-                    }
-                    self.reserve = reserve_fd();
+                    // client hears "closed" instead of hanging.
                     warn_limited(
                         &mut self.last_refusal_log,
                         format_args!(
                             "out of file descriptors ({e}); closing new connections until some close"
                         ),
                     );
-                    return;
+                    if self.reserve.take().is_none() {
+                        // Nothing to free; the loop retries after the next
+                        // sweep has closed stale connections.
+                        return;
+                    }
+                    let shed = self.listener.accept();
+                    self.reserve = reserve_fd();
+                    match shed {
+                        Ok((stream, _)) => drop(stream),
+                        Err(_) => return,
+                    }
+                    // The listener is edge-triggered: drain the backlog.
                 }
                 Err(e) => {
                     warn!("accept: {e}");
@@ -624,10 +629,13 @@ impl Server {
                     c.devices = devs;
                 }
                 self.send(tok, &ServerMsg::Registered { mem_cap });
+                self.enforce(now, tok);
                 if let Some(t) = old_job.filter(|&t| Some(t) != job) {
-                    self.enforce_job(now, Some(t), uid);
+                    self.enforce_job(now, t);
                 }
-                self.enforce_job(now, job, uid);
+                if let Some(t) = job {
+                    self.enforce_job(now, t);
+                }
             }
             ClientMsg::Usage {
                 uuid,
@@ -857,76 +865,82 @@ impl Server {
         self.job_conn.remove(&token);
         if let Some(j) = self.jobs.remove(&token) {
             self.dirty = true;
-            let members: Vec<(Token, u32)> = self
+            let members: Vec<Token> = self
                 .conns
                 .iter()
                 .filter(|(_, c)| c.member_of == Some(token))
-                .map(|(t, c)| (*t, c.uid))
+                .map(|(t, _)| *t)
                 .collect();
-            for (t, _) in &members {
-                if let Some(c) = self.conns.get_mut(t) {
+            for t in members {
+                if let Some(c) = self.conns.get_mut(&t) {
                     c.member_of = None;
                 }
-            }
-            let mut uids: Vec<u32> = members.iter().map(|m| m.1).collect();
-            uids.sort_unstable();
-            uids.dedup();
-            for uid in uids {
-                self.enforce_job(now, None, uid);
+                self.enforce(now, t);
             }
             debug!(token, pid = j.pid, "job ended");
         }
     }
 
-    /// Puts a unit's processes in their scheduler group with the unit's
+    /// Puts a process in its unit's scheduler group with the unit's
     /// settings: a job's `--gpu-compute` is the unit's weight, its
     /// `--gpu-limit` is split evenly among its processes on each GPU, and
     /// its `--priority` is every process's class. Outside a job, a user's
     /// processes form the unit.
-    fn enforce_job(&mut self, now: u64, job: Option<u64>, uid: u32) {
-        let members: Vec<Token> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| {
-                !c.devices.is_empty()
-                    && match job {
-                        Some(t) => c.member_of == Some(t),
-                        None => c.member_of.is_none() && c.uid == uid,
-                    }
-            })
-            .map(|(t, _)| *t)
-            .collect();
+    fn enforce(&mut self, now: u64, tok: Token) {
+        let Some(c) = self.conns.get(&tok) else {
+            return;
+        };
+        let job = c.member_of;
         let j = job.and_then(|t| self.jobs.get(&t));
         let group = match job {
             Some(t) => t & !UID_UNIT,
-            None => UID_UNIT | u64::from(uid),
+            None => UID_UNIT | u64::from(c.uid),
         };
         let (unit_weight, job_limit, job_prio) =
             j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
-        let mut per_gpu: HashMap<usize, usize> = HashMap::new();
-        for t in &members {
-            for d in &self.conns[t].devices {
-                *per_gpu.entry(d.gpu).or_insert(0) += 1;
-            }
+        for d in &c.devices {
+            let limit = match job_limit {
+                Some(l) => {
+                    // Processes of this job on this GPU.
+                    let n = self
+                        .conns
+                        .values()
+                        .filter(|o| {
+                            o.member_of == job && o.devices.iter().any(|od| od.gpu == d.gpu)
+                        })
+                        .count()
+                        .max(1) as f64;
+                    Some(c.limit.map_or(l / n, |own| own.min(l / n)))
+                }
+                None => c.limit,
+            };
+            let sched = &mut self.gpus[d.gpu].sched;
+            sched.add_client(
+                now,
+                c.id,
+                c.share.unwrap_or(DEFAULT_WEIGHT),
+                limit,
+                job_prio.unwrap_or(c.priority),
+            );
+            sched.set_group(now, c.id, group, unit_weight);
         }
-        for t in &members {
-            let c = &self.conns[t];
-            for d in &c.devices {
-                let n = per_gpu[&d.gpu] as f64;
-                let limit = match job_limit {
-                    Some(l) => Some(c.limit.map_or(l / n, |own| own.min(l / n))),
-                    None => c.limit,
-                };
-                let sched = &mut self.gpus[d.gpu].sched;
-                sched.add_client(
-                    now,
-                    c.id,
-                    c.share.unwrap_or(DEFAULT_WEIGHT),
-                    limit,
-                    job_prio.unwrap_or(c.priority),
-                );
-                sched.set_group(now, c.id, group, unit_weight);
-            }
+    }
+
+    /// Re-applies a job's settings to all its processes: its limit is split
+    /// among however many there are now.
+    fn enforce_job(&mut self, now: u64, job: u64) {
+        let has_limit = self.jobs.get(&job).is_some_and(|j| j.limit.is_some());
+        if !has_limit {
+            return;
+        }
+        let members: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.member_of == Some(job) && !c.devices.is_empty())
+            .map(|(t, _)| *t)
+            .collect();
+        for t in members {
+            self.enforce(now, t);
         }
     }
 
@@ -1069,6 +1083,7 @@ impl Server {
             .filter(|(_, c)| c.dead)
             .map(|(t, _)| *t)
             .collect();
+        let reaped = !dead.is_empty();
         for tok in dead {
             // Say what we still can (an error frame) before closing.
             self.flush(tok);
@@ -1092,13 +1107,21 @@ impl Server {
             {
                 self.end_job(t);
             }
-            if !c.devices.is_empty() {
-                // Its unit's limit is split among fewer processes now.
-                self.enforce_job(now, c.member_of, c.uid);
+            if let Some(t) = c.member_of
+                && !c.devices.is_empty()
+            {
+                // Its job's limit is split among fewer processes now.
+                self.enforce_job(now, t);
             }
             if !c.devices.is_empty() || c.job.is_some() {
                 info!(pid = c.pid, command = %c.command, "client gone");
             }
+        }
+        if reaped {
+            // The descriptors just closed make room for connections still
+            // waiting in the backlog, which the edge-triggered listener
+            // will not report again.
+            self.accept();
         }
     }
 
@@ -1188,7 +1211,7 @@ impl Server {
                 let s = st.iter().find(|s| s.client == c.id);
                 processes.push(ProcStatus {
                     pid: c.pid,
-                    command: c.command.clone(),
+                    command: clip(&c.command, MAX_COMMAND),
                     ordinal: d.ordinal,
                     mem_used: d.used,
                     mem_peak: d.peak,
@@ -1296,19 +1319,31 @@ impl Server {
     fn status_json(&self, from: usize) -> String {
         let mut st = self.status();
         let mut seen = 0usize;
-        let mut more = false;
+        let mut next = None;
+        // Room for processes once the rest is written.
+        let mut room = (wire::MAX_STATUS_JSON / 2).saturating_sub(
+            serde_json::to_string(&st.queue).map_or(0, |j| j.len())
+                + serde_json::to_string(&st.leases).map_or(0, |j| j.len()),
+        );
+        let mut taken = 0;
         for g in &mut st.gpus {
             let procs = std::mem::take(&mut g.processes);
             for p in procs {
-                if seen >= from && seen < from + STATUS_PAGE {
-                    g.processes.push(p);
-                } else if seen >= from + STATUS_PAGE {
-                    more = true;
+                if seen >= from && next.is_none() {
+                    let size = serde_json::to_string(&p).map_or(0, |j| j.len()) + 1;
+                    // At least one per page, so paging always advances.
+                    if taken < STATUS_PAGE && (size <= room || taken == 0) {
+                        room = room.saturating_sub(size);
+                        taken += 1;
+                        g.processes.push(p);
+                    } else {
+                        next = Some(seen as u32);
+                    }
                 }
                 seen += 1;
             }
         }
-        st.next = more.then_some((from + STATUS_PAGE) as u32);
+        st.next = next;
         // Lists other than processes are bounded by the connection limits;
         // cut them too if a page would still not fit.
         let mut json = serde_json::to_string(&st).unwrap_or_default();
@@ -1336,6 +1371,21 @@ impl Server {
         let text = render_metrics(&self.status());
         *m.lock().unwrap_or_else(|e| e.into_inner()) = text;
     }
+}
+
+/// Longest command line status shows: a process's arguments are its own
+/// to make long, not everyone's status to carry.
+const MAX_COMMAND: usize = 1024;
+
+fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
 }
 
 fn describe(w: &Want) -> String {
@@ -1468,30 +1518,77 @@ fn render_metrics(s: &Status) -> String {
     o
 }
 
+/// Scrapes served at once; more are answered 503 at once.
+const METRICS_CONNS: usize = 32;
+
+/// Serves each connection on its own short-lived thread with a short read
+/// deadline, so idle or slow connections (ten once delayed a scrape by
+/// 20 s) cannot hold up a scrape.
 fn serve_metrics(addr: &str, text: Arc<Mutex<String>>) -> Result<(), String> {
     let l =
         std::net::TcpListener::bind(addr).map_err(|e| format!("metrics address {addr}: {e}"))?;
     info!(%addr, "serving Prometheus metrics at /metrics");
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
             for s in l.incoming() {
-                let Ok(mut s) = s else { continue };
-                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                let mut req = [0u8; 1024];
-                let n = s.read(&mut req).unwrap_or(0);
-                let path_ok = req[..n].starts_with(b"GET /metrics");
-                let body = if path_ok { text.lock().unwrap_or_else(|e| e.into_inner()).clone() } else { String::new() };
-                let head = if path_ok { "200 OK" } else { "404 Not Found" };
-                let _ = write!(
-                    s,
-                    "HTTP/1.1 {head}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let Ok(mut s) = s else {
+                    // Out of descriptors, most likely: let some close.
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                if busy.load(Ordering::Relaxed) >= METRICS_CONNS {
+                    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+                    let _ = s.write_all(
+                        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                    );
+                    continue;
+                }
+                busy.fetch_add(1, Ordering::Relaxed);
+                let (text, busy) = (text.clone(), busy.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("metrics-conn".into())
+                    .spawn(move || {
+                        answer_scrape(&mut s, &text);
+                        busy.fetch_sub(1, Ordering::Relaxed);
+                    });
+                if spawned.is_err() {
+                    warn!("cannot start a metrics thread");
+                }
             }
         })
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+fn answer_scrape(s: &mut std::net::TcpStream, text: &Mutex<String>) {
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    let mut req = Vec::new();
+    let mut chunk = [0u8; 1024];
+    // The request line is enough; stop at the end of the headers or 8 KiB.
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => req.extend_from_slice(&chunk[..n]),
+        }
+        if req.starts_with(b"GET ") && req.contains(&b'\n') {
+            break;
+        }
+    }
+    let path_ok = req.starts_with(b"GET /metrics");
+    let body = if path_ok {
+        text.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    } else {
+        String::new()
+    };
+    let head = if path_ok { "200 OK" } else { "404 Not Found" };
+    let _ = write!(
+        s,
+        "HTTP/1.1 {head}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
 }
 
 /// A directory others can write lets them replace the socket (or plant

@@ -371,7 +371,41 @@ pub fn on_context_created() {
             .spawn(move || client_thread(cfg));
         if spawned.is_err() {
             warn!("could not start the broker client thread; compute is not arbitrated");
+            return;
         }
+        // The broker may impose the job's memory cap (its lease's), and
+        // the first allocation must already be under it: wait for the
+        // first registration to be answered, or to fail, a bounded time.
+        let mut done = FIRST_REGISTRATION
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let deadline = std::time::Instant::now() + Duration::from_millis(1500);
+        while !*done {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            done = FIRST_REGISTRATION
+                .1
+                .wait_timeout(done, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// Set once the first registration was answered or could not be made.
+static FIRST_REGISTRATION: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
+
+fn first_registration_done() {
+    let mut done = FIRST_REGISTRATION
+        .0
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if !*done {
+        *done = true;
+        FIRST_REGISTRATION.1.notify_all();
     }
 }
 
@@ -496,6 +530,7 @@ fn client_thread(cfg: &'static ShimConfig) {
                 serve(s, cfg);
             }
             Err(e) => {
+                first_registration_done();
                 if !warned {
                     warned = true;
                     let asked = cfg.compute_share.is_some() || cfg.compute_limit.is_some();
@@ -662,22 +697,31 @@ fn on_message(m: ServerMsg) {
                 release(d, true);
             }
         }
-        ServerMsg::Registered { mem_cap } if mem_cap > 0 => {
-            // The job's cap, from its lease: it holds even if the process's
-            // environment lost or raised GPU_MEM_LIMIT.
-            let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
-            let mut lowered = false;
-            for l in &LEDGERS[..n] {
-                lowered |= l.limit.fetch_min(mem_cap, AcqRel) > mem_cap;
-            }
-            if lowered {
-                info!("memory cap lowered to the job's {mem_cap} bytes by the broker");
-            }
+        ServerMsg::Registered { mem_cap } => {
+            apply_job_cap(mem_cap);
+            first_registration_done();
         }
         ServerMsg::Error { message, .. } => {
             crate::log::write_line(format_args!("the broker refused this process: {message}"));
+            first_registration_done();
         }
         _ => {}
+    }
+}
+
+/// The job's cap, from its lease: it holds even if the process's
+/// environment lost or raised GPU_MEM_LIMIT.
+fn apply_job_cap(mem_cap: u64) {
+    if mem_cap == 0 {
+        return;
+    }
+    let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
+    let mut lowered = false;
+    for l in &LEDGERS[..n] {
+        lowered |= l.limit.fetch_min(mem_cap, AcqRel) > mem_cap;
+    }
+    if lowered {
+        info!("memory cap lowered to the job's {mem_cap} bytes by the broker");
     }
 }
 

@@ -1,0 +1,552 @@
+//! The broker against its own users: each attack a local user could try
+//! (floods, invented GPUs, extra connections, a lease's flags dropped from
+//! the environment, a broker crash under running jobs), with real
+//! processes against a real broker on a socket.
+//!
+//! Attacks that only mean something from another user (the per-user
+//! connection limit) run the attacker as `nobody` when the tests run as
+//! root, and are skipped with a message otherwise.
+
+mod support;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use support::*;
+
+const MS: u64 = 1_000_000;
+const KERNEL_NS: u64 = MS;
+
+static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Tests that measure GPU time, or flood, run one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    TIMED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn run(b: &Broker, args: &[&str]) -> Command {
+    let mut cmd = sim_command(&artifacts().gpufrac, &b.devices, false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .env("GPUFRAC_SIM_STATE", &b.state)
+        .arg("run")
+        .arg("--socket")
+        .arg(&b.socket)
+        .args(args);
+    cmd
+}
+
+fn spin_args(start: u64, end: u64) -> Vec<String> {
+    [
+        "ctx".to_string(),
+        "spin".into(),
+        start.to_string(),
+        end.to_string(),
+        KERNEL_NS.to_string(),
+        "2".into(),
+    ]
+    .to_vec()
+}
+
+/// Kernels completed by each `spin` line in the output.
+fn spun(o: &std::process::Output) -> Vec<u64> {
+    let out = stdout(o);
+    out.lines()
+        .filter(|l| l.starts_with("spin "))
+        .map(|l| {
+            l.split_whitespace()
+                .find_map(|kv| kv.strip_prefix("kernels="))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no kernel count in {l:?}"))
+        })
+        .collect()
+}
+
+fn status_json(b: &Broker) -> serde_json::Value {
+    let o = Command::new(&artifacts().gpufrac)
+        .args(["status", "--json", "--socket"])
+        .arg(&b.socket)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "status failed: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn ten_processes_of_one_job_get_one_share_between_them() {
+    let _s = serial();
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let start = mono_ns() + 2000 * MS;
+    let end = start + 3000 * MS;
+    let probe = artifacts().probe.display().to_string();
+    let args = spin_args(start, end).join(" ");
+    // Ten spinners in one job, each declaring the largest legal share.
+    let many = format!(
+        "for i in 0 1 2 3 4 5 6 7 8 9; do GPU_COMPUTE_SHARE=100 {probe} {args} & done; wait"
+    );
+    let attacker = run(&b, &["--", "sh", "-c", &many])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The victim declares the same legal maximum: one unit each.
+    let victim = run(&b, &["--", "env", "GPU_COMPUTE_SHARE=100"])
+        .arg(&artifacts().probe)
+        .args(spin_args(start, end))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let a = attacker.wait_with_output().unwrap();
+    let v = victim.wait_with_output().unwrap();
+    assert!(
+        a.status.success() && v.status.success(),
+        "{}{}",
+        stderr(&a),
+        stderr(&v)
+    );
+    let (a, v) = (spun(&a), spun(&v));
+    assert_eq!(a.len(), 10, "ten attacker spinners reported");
+    let total: u64 = a.iter().sum::<u64>() + v[0];
+    let victim_share = v[0] as f64 / total as f64;
+    // Before jobs were the unit, the victim got 1/11 of the GPU.
+    assert!(
+        (victim_share - 0.5).abs() < 0.12,
+        "the lone job got {victim_share:.2} of the GPU beside a job of ten (want 0.5): {v:?} vs {a:?}"
+    );
+}
+
+#[test]
+fn a_jobs_limit_holds_whatever_its_processes_environment_says() {
+    let _s = serial();
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let start = mono_ns() + 1500 * MS;
+    let end = start + 3000 * MS;
+    let o = run(
+        &b,
+        &["--gpu-limit", "10%", "--", "env", "-u", "GPU_COMPUTE_LIMIT"],
+    )
+    .arg(&artifacts().probe)
+    .args(spin_args(start, end))
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let k = spun(&o)[0];
+    let busy = (k * KERNEL_NS) as f64 / (end - start) as f64;
+    // It once ran at 66% with the variable removed.
+    assert!(
+        busy < 0.16,
+        "a job under --gpu-limit 10% used {busy:.2} of the GPU"
+    );
+    assert!(busy > 0.04, "the job barely ran: {busy:.2}");
+}
+
+#[test]
+fn a_jobs_memory_cap_holds_whatever_its_processes_environment_says() {
+    let b = Broker::start("16G", &[]);
+    let o = run(&b, &["--gpu-memory", "1G", "--", "env", "GPU_MEM_LIMIT=8G"])
+        .arg(&artifacts().probe)
+        .args(["ctx", "fill", "alloc", "64M"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let got = num(&line(&o, "fill", 0), "count") * 64 * MIB;
+    assert!(
+        got <= GIB,
+        "the job allocated {got} bytes under a 1 GiB lease with GPU_MEM_LIMIT=8G in its environment"
+    );
+    assert!(got >= GIB - 128 * MIB, "the job got only {got} bytes");
+}
+
+#[test]
+fn invented_gpus_are_refused_and_status_stays_whole() {
+    let b = Broker::start("16G", &[]);
+    for i in 0..50u8 {
+        let mut c = RawClient::connect(&b.socket);
+        c.send(&gpufrac_common::wire::ClientMsg::hello(
+            std::process::id(),
+            gpufrac_common::wire::Role::Shim,
+        ));
+        assert!(matches!(
+            c.recv(),
+            Some(gpufrac_common::wire::ServerMsg::HelloOk { .. })
+        ));
+        c.send(&gpufrac_common::wire::ClientMsg::Register {
+            command: "x".into(),
+            devices: vec![gpufrac_common::wire::DeviceReg {
+                uuid: [i.wrapping_add(0x40); 16],
+                ordinal: 0,
+                mem_cap: 0,
+                mem_total: 1 << 40,
+            }],
+            share: None,
+            limit: None,
+            priority: gpufrac_common::config::Priority::Normal,
+        });
+        match c.recv() {
+            Some(gpufrac_common::wire::ServerMsg::Error { message, .. }) => {
+                assert!(message.contains("does not manage"), "{message}");
+            }
+            other => panic!("an invented GPU was accepted: {other:?}"),
+        }
+        assert_eq!(c.recv(), None, "the connection is closed after the refusal");
+    }
+    let s = status_json(&b);
+    assert_eq!(s["gpus"].as_array().unwrap().len(), 1, "{s}");
+}
+
+#[test]
+fn status_pages_through_more_processes_than_one_frame_holds() {
+    let b = Broker::start("16G", &["--max-connections-per-user", "3000"]);
+    let uuid = {
+        let s = status_json(&b);
+        let u = s["gpus"][0]["uuid"].as_str().unwrap().to_string();
+        let hex: String = u.trim_start_matches("GPU-").replace('-', "");
+        let mut b = [0u8; 16];
+        for (i, byte) in b.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        b
+    };
+    let long = "x".repeat(2000);
+    let mut held = Vec::new();
+    for _ in 0..1200 {
+        let mut c = RawClient::connect(&b.socket);
+        c.send(&gpufrac_common::wire::ClientMsg::hello(
+            std::process::id(),
+            gpufrac_common::wire::Role::Shim,
+        ));
+        c.send(&gpufrac_common::wire::ClientMsg::Register {
+            command: long.clone(),
+            devices: vec![gpufrac_common::wire::DeviceReg {
+                uuid,
+                ordinal: 0,
+                mem_cap: 0,
+                mem_total: 16 << 30,
+            }],
+            share: None,
+            limit: None,
+            priority: gpufrac_common::config::Priority::Normal,
+        });
+        held.push(c);
+    }
+    // 1200 processes with 2 KB command lines are 2.4 MB of JSON: more
+    // than one frame, which once made status fail for everyone.
+    wait_until(20.0, "all 1200 registrations", || {
+        let s = status_json(&b);
+        s["gpus"][0]["processes"].as_array().unwrap().len() == 1200
+    });
+}
+
+/// Opens up to `n` connections that never say hello, as `uid` when given,
+/// and reports how many the broker accepted and, after `hold`, how many it
+/// had closed.
+fn flood(socket: &Path, n: usize, as_nobody: bool, hold_s: f64) -> Child {
+    let script = format!(
+        r#"
+import os, socket, sys, time
+if {nobody}:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+socks = []
+for i in range({n}):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect({path:?})
+        socks.append(s)
+    except OSError:
+        s.close()
+print("opened", len(socks), flush=True)
+sys.stdin.readline()
+deadline = time.time() + {hold}
+closed = 0
+for s in socks:
+    s.settimeout(max(0.01, deadline - time.time()))
+    try:
+        data = s.recv(4096)
+        if data == b"" or data:
+            # A refusal frame or EOF: the broker let go of it.
+            closed += 1
+    except OSError:
+        pass
+print("closed", closed, flush=True)
+"#,
+        nobody = if as_nobody { "True" } else { "False" },
+        path = socket.display().to_string(),
+        hold = hold_s,
+    );
+    Command::new("python3")
+        .args(["-c", &script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+fn read_line(c: &mut Child) -> String {
+    let out = c.stdout.as_mut().unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while out.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    String::from_utf8(line).unwrap()
+}
+
+#[test]
+fn an_idle_flood_from_another_user_neither_stops_the_broker_nor_outlives_itself() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run the attacker as nobody");
+        return;
+    }
+    let _s = serial();
+    let b = Broker::start(
+        "16G",
+        &["--group", "nogroup", "--max-connections-per-user", "200"],
+    );
+    // The socket's directory must be traversable by nobody.
+    let dir = b.socket.parent().unwrap();
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut f = flood(&b.socket, 1100, true, 6.0);
+    let opened = read_line(&mut f);
+    assert!(opened.starts_with("opened"), "{opened}");
+    // The flood is held open: everyone else is still served at once.
+    let t = Instant::now();
+    let s = status_json(&b);
+    assert!(s["gpus"].is_array());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "status took {:?} during the flood",
+        t.elapsed()
+    );
+    let probe = b
+        .client(&artifacts().probe)
+        .env("GPUFRAC_BROKER", "required")
+        .args(["ctx", "launch", "3", "1000"])
+        .output()
+        .unwrap();
+    assert!(probe.status.success(), "{}", stderr(&probe));
+    assert_eq!(
+        num(&line(&probe, "launch", 0), "rc"),
+        0,
+        "{}",
+        stdout(&probe)
+    );
+    // And the flood does not outlive its hello deadline: every connection
+    // it holds was refused or closed by the broker.
+    f.stdin.as_mut().unwrap().write_all(b"\n").unwrap();
+    let closed = read_line(&mut f);
+    let n: usize = opened.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(closed, format!("closed {n}"), "opened {n}");
+    f.wait().unwrap();
+}
+
+#[test]
+fn out_of_file_descriptors_the_broker_sheds_connections_and_recovers() {
+    let _s = serial();
+    // A broker whose hard file limit is low: the flood exhausts it.
+    let dir = Scratch::new("nofile");
+    let socket = dir.0.join("b.sock");
+    let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
+    cmd.args(["broker", "--socket"])
+        .arg(&socket)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: setrlimit in the child before exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            let rl = libc::rlimit {
+                rlim_cur: 96,
+                rlim_max: 96,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &rl);
+            Ok(())
+        });
+    }
+    let mut broker = cmd.spawn().unwrap();
+    wait_until(20.0, "the broker socket", || {
+        UnixStream::connect(&socket).is_ok()
+    });
+    let mut f = flood(&socket, 300, false, 6.0);
+    let opened = read_line(&mut f);
+    assert!(opened.starts_with("opened"), "{opened}");
+    // Served again within the hello deadline, while the flood still holds
+    // its sockets.
+    wait_until(10.0, "status to be served during the flood", || {
+        Command::new(&artifacts().gpufrac)
+            .args(["status", "--json", "--socket"])
+            .arg(&socket)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    f.stdin.as_mut().unwrap().write_all(b"\n").unwrap();
+    let closed = read_line(&mut f);
+    let n: usize = opened.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert_eq!(closed, format!("closed {n}"));
+    f.wait().unwrap();
+    assert!(broker.try_wait().unwrap().is_none(), "the broker died");
+    let _ = broker.kill();
+    let _ = broker.wait();
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn half_sent_frames_cost_bounded_memory_and_are_dropped() {
+    let _s = serial();
+    let b = Broker::start("16G", &["--max-connections-per-user", "1000"]);
+    let pid = b.child.id();
+    let before = rss_kb(pid);
+    let mut held = Vec::new();
+    for i in 0..400 {
+        let mut s = UnixStream::connect(&b.socket).unwrap();
+        let mut hello = Vec::new();
+        gpufrac_common::wire::encode_client(
+            &gpufrac_common::wire::ClientMsg::hello(1, gpufrac_common::wire::Role::Cli),
+            &mut hello,
+        );
+        s.write_all(&hello).unwrap();
+        // Half the connections claim a 1 MiB frame (refused at once: no
+        // client frame is that large); half send 200 KiB of a 250 KiB one.
+        if i % 2 == 0 {
+            s.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+        } else {
+            s.write_all(&(250u32 << 10).to_le_bytes()).unwrap();
+            s.write_all(&[0x02]).unwrap();
+            let _ = s.write_all(&vec![0u8; 200 << 10]);
+        }
+        held.push(s);
+    }
+    let grown_mb = (rss_kb(pid).saturating_sub(before)) / 1024;
+    // 800 such frames once took 827 MB.
+    assert!(grown_mb < 100, "the broker grew by {grown_mb} MB");
+    // Every one of them is closed: at once, or at the frame deadline.
+    for mut s in held {
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+                Err(e) => panic!("a half-sent frame's connection was kept open: {e}"),
+            }
+        }
+    }
+    assert!(status_json(&b)["gpus"].is_array());
+}
+
+#[test]
+fn a_restarted_broker_keeps_running_leases_and_the_queue() {
+    let b0 = Broker::start("16G", &[]);
+    let mut b = b0;
+    // A holds the only GPU until told; B waits behind it.
+    let mut a = run(&b, &["--gpus", "1", "--", "sh", "-c", "read x"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(20.0, "A's lease", || {
+        b.status()["leases"]
+            .as_array()
+            .is_some_and(|l| l.len() == 1)
+    });
+    let queued = run(&b, &["--gpus", "1", "--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(20.0, "B in the queue", || {
+        b.status()["queue"].as_array().is_some_and(|q| q.len() == 1)
+    });
+
+    b.kill(); // SIGKILL: no clean shutdown, the state file stays.
+    b.restart();
+
+    wait_until(20.0, "A and B to reclaim their lease and place", || {
+        let s = b.status();
+        s["leases"]
+            .as_array()
+            .is_some_and(|l| l.len() == 1 && l[0]["connected"] == serde_json::Value::Bool(true))
+            && s["queue"].as_array().is_some_and(|q| q.len() == 1)
+    });
+    // The GPU A holds is not handed out again.
+    let o = run(&b, &["--gpus", "1", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no room now"), "{}", stderr(&o));
+
+    // A ends; B, which kept its place, runs.
+    a.stdin.take().unwrap().write_all(b"done\n").unwrap();
+    let ao = a.wait_with_output().unwrap();
+    assert!(ao.status.success(), "{}", stderr(&ao));
+    let bo = queued.wait_with_output().unwrap();
+    assert!(bo.status.success(), "B lost its place: {}", stderr(&bo));
+}
+
+#[test]
+fn a_socket_directory_others_can_write_is_refused() {
+    let dir = Scratch::new("opendir");
+    let open = dir.0.join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let o = sim_command(&artifacts().gpufrac, "16G", false)
+        .args(["broker", "--socket"])
+        .arg(open.join("b.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("writable by everyone") && stderr(&o).contains("chmod go-w"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read_dir(&open).unwrap().count(),
+        0,
+        "left something behind"
+    );
+}
+
+#[test]
+fn idle_metrics_connections_do_not_delay_a_scrape() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let b = Broker::start("16G", &["--metrics", &addr]);
+    let _ = &b;
+    let idle: Vec<std::net::TcpStream> = (0..10)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    // Below the 2 s an idle connection may take: answered at once, not
+    // after the ten idle ones (20 s before).
+    s.set_read_timeout(Some(Duration::from_millis(1500)))
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    drop(idle);
+}
