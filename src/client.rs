@@ -7,11 +7,17 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpufrac_broker::status::Status;
+use gpufrac_common::net;
 use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
 
 /// A live broker answers at once; this only bounds how long a wedged one can
 /// hang `status` or the start of `run`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connecting and the handshake together: a broker whose accept queue is
+/// full (a flood of idle connections) or that is stopped (SIGSTOP) gets this
+/// long, then the command fails saying so instead of hanging.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug)]
 pub enum ConnectError {
@@ -54,12 +60,31 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects and completes the handshake.
+    /// Connects and completes the handshake within [`CONNECT_TIMEOUT`].
     pub fn connect(socket: &Path) -> Result<Client, ConnectError> {
-        let stream = UnixStream::connect(socket).map_err(|e| match e.raw_os_error() {
+        Client::connect_within(socket, CONNECT_TIMEOUT)
+    }
+
+    /// Connects and completes the handshake, or fails once `timeout` has
+    /// passed without the broker answering.
+    pub fn connect_within(socket: &Path, timeout: Duration) -> Result<Client, ConnectError> {
+        let deadline = Instant::now() + timeout;
+        let silent = || {
+            ConnectError::Other(format!(
+                "the broker at {} did not answer within {} (it may be overloaded or stopped)",
+                socket.display(),
+                seconds(timeout)
+            ))
+        };
+        let stream = net::connect_unix(socket, deadline).map_err(|e| match e.raw_os_error() {
             Some(libc::ENOENT) | Some(libc::ECONNREFUSED) => ConnectError::NoBroker,
+            _ if e.kind() == io::ErrorKind::TimedOut => silent(),
             _ => ConnectError::Other(connect_problem(socket, &e)),
         })?;
+        // A stalled broker stops reading too: no write may block for long.
+        stream
+            .set_write_timeout(Some(REPLY_TIMEOUT))
+            .map_err(|e| ConnectError::Other(format!("socket error: {e}")))?;
         let mut client = Client {
             stream,
             socket: socket.to_owned(),
@@ -70,7 +95,6 @@ impl Client {
         client
             .send(&ClientMsg::hello(pid, Role::Cli))
             .map_err(ConnectError::Other)?;
-        let deadline = Instant::now() + REPLY_TIMEOUT;
         match client.recv(Some(deadline)).map_err(ConnectError::Other)? {
             Some(ServerMsg::HelloOk { .. }) => Ok(client),
             Some(ServerMsg::Error { message, .. }) => Err(ConnectError::Other(format!(
@@ -82,11 +106,7 @@ impl Client {
                 socket.display(),
                 msg_name(&other)
             ))),
-            None => Err(ConnectError::Other(format!(
-                "the broker at {} did not answer within {}s",
-                socket.display(),
-                REPLY_TIMEOUT.as_secs()
-            ))),
+            None => Err(silent()),
         }
     }
 
@@ -128,9 +148,9 @@ impl Client {
                 Some(_) => continue,
                 None => {
                     return Err(format!(
-                        "the broker at {} did not answer within {}s",
+                        "the broker at {} did not answer within {} (it may be overloaded or stopped)",
                         self.socket.display(),
-                        REPLY_TIMEOUT.as_secs()
+                        seconds(REPLY_TIMEOUT)
                     ));
                 }
             }
@@ -287,6 +307,15 @@ impl Client {
     }
 }
 
+/// "5 s", "300 ms".
+fn seconds(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} ms", d.as_millis())
+    }
+}
+
 fn connect_problem(socket: &Path, e: &io::Error) -> String {
     let hint = if e.kind() == io::ErrorKind::PermissionDenied {
         " (the socket is only open to the broker's --group; ask for membership or use sudo)"
@@ -412,6 +441,53 @@ mod tests {
             Client::connect(&path),
             Err(ConnectError::NoBroker)
         ));
+    }
+
+    /// A listener that accepts nothing; with `jam`, its accept queue is
+    /// full too (backlog 0 holds one connection), as a flood leaves it.
+    fn silent_listener(path: &Path, jam: bool) -> (UnixListener, Vec<UnixStream>) {
+        use std::os::fd::AsRawFd;
+        let l = UnixListener::bind(path).unwrap();
+        // SAFETY: shrinking the backlog of our own listening socket.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
+        let mut fillers = Vec::new();
+        if jam {
+            loop {
+                match net::connect_unix(path, Instant::now()) {
+                    Ok(s) => fillers.push(s),
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => break,
+                    Err(e) => panic!("{e}"),
+                }
+                assert!(fillers.len() < 64, "the accept queue never filled");
+            }
+        }
+        (l, fillers)
+    }
+
+    #[test]
+    fn a_broker_that_never_answers_fails_within_the_deadline() {
+        for jam in [false, true] {
+            let dir = tempdir::Dir::new();
+            let path = dir.path.join("b.sock");
+            let _held = silent_listener(&path, jam);
+            let t = Instant::now();
+            let r = Client::connect_within(&path, Duration::from_millis(300));
+            let took = t.elapsed();
+            let Err(ConnectError::Other(msg)) = r else {
+                panic!("jam={jam}: expected a timeout")
+            };
+            assert!(
+                msg.contains(&format!(
+                    "the broker at {} did not answer within 300 ms",
+                    path.display()
+                )) && msg.contains("overloaded or stopped"),
+                "jam={jam}: {msg}"
+            );
+            assert!(
+                took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+                "jam={jam}: {took:?}"
+            );
+        }
     }
 
     #[test]

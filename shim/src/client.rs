@@ -13,19 +13,24 @@
 //! that device and reports the release. If the broker goes away it keeps
 //! retrying and re-registers when it returns; meanwhile launches run
 //! unarbitrated (or block, with GPUFRAC_BROKER=required).
+//!
+//! No wait on the broker is unbounded (see `Watch`): connecting and the
+//! handshake have a deadline, and a broker that stops answering (SIGSTOP,
+//! wedged) while this process waits on it is treated as gone.
 
 use crate::ledger::{LEDGERS, NO_LIMIT};
 use crate::table::call;
 use crate::{devices, init, mem};
 use gpufrac_common::config::{BrokerMode, MAX_DEVICES, ShimConfig};
 use gpufrac_common::cuda::*;
+use gpufrac_common::net;
 use gpufrac_common::wire::{self, ClientMsg, DeviceReg, Role, ServerMsg};
 use std::cell::Cell;
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Launches must consult the per-device bits.
 static GATED: AtomicBool = AtomicBool::new(false);
@@ -84,6 +89,8 @@ static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_
 /// thread touches these.
 static GRANT_ID: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static RELEASED_ID: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+/// Slice of the grant held per device (0: open-ended); client thread only.
+static SLICE_NS: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 
 static STARTED: AtomicU8 = AtomicU8::new(0);
 /// Raw fd of the live connection (-1 none), for app threads sending
@@ -96,6 +103,27 @@ static WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 /// handed back: a returning holder asks again, which costs a round trip.
 const IDLE_HANDBACK_NS: u64 = 500_000;
 const REPORT_EVERY_NS: u64 = 100_000_000;
+
+/// Connecting and the handshake, per attempt of the client thread (which
+/// retries every ~0.5 s anyway). A live broker answers in microseconds; a
+/// full accept queue (a flood of idle connections) or a stopped broker
+/// never does, and `connect` on a Unix socket would block with it.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The same for the one attempt `GPUFRAC_BROKER=required` makes in cuInit,
+/// whose failure fails the process: more patience with a busy broker.
+const REQUIRED_TIMEOUT: Duration = Duration::from_secs(5);
+/// A broker that says nothing for this long while this process waits on it
+/// is deemed stalled. Far above any legitimate silence: a timeslice is tens
+/// of ms, a waiter's turn comes within a few slices, and a process parked
+/// by GPU_COMPUTE_LIMIT waits at most its window (1 s) plus a slice. Other
+/// waits can be longer (a `low` process behind busy `normal` ones), which
+/// is why silence is broken by a probe (`PROBE_NS`) that a live broker
+/// answers whatever its scheduler decides.
+const STALL_NS: u64 = 3_000_000_000;
+/// After this much silence while waiting, ask the broker for its status: a
+/// request it answers at once if it is alive, so that only a broker that
+/// answers nothing for `STALL_NS` is deemed stalled.
+const PROBE_NS: u64 = 1_000_000_000;
 /// Largest device count registered (bounded by MAX_DEVICES).
 static NDEV: AtomicU32 = AtomicU32::new(0);
 
@@ -304,6 +332,8 @@ fn close_gates() {
     REQUESTED.store(0, SeqCst);
 }
 
+/// Blocks until `d` is granted or the gates open (no broker, or a stalled
+/// one in optional mode: the client thread's `Watch` bounds this wait).
 fn wait_for_grant(d: usize) {
     let bit = 1u64 << d;
     let mut g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -410,59 +440,94 @@ fn first_registration_done() {
 }
 
 /// `GPUFRAC_BROKER=required`: called from cuInit; fails initialisation when
-/// no broker answers.
+/// no broker answers within `REQUIRED_TIMEOUT`.
 pub fn check_required(cfg: &ShimConfig) -> Result<(), u32> {
     // Frameworks call cuInit more than once; one successful check is enough.
     static CHECKED: AtomicBool = AtomicBool::new(false);
     if cfg.broker != BrokerMode::Required || CHECKED.load(Acquire) {
         return Ok(());
     }
-    match connect(cfg).map(|_| CHECKED.store(true, Release)) {
-        Ok(_) => Ok(()),
+    match connect(cfg, REQUIRED_TIMEOUT) {
+        Ok(_) => {
+            CHECKED.store(true, Release);
+            Ok(())
+        }
         Err(e) => {
+            let hint = match e {
+                ConnectFail::Silent(_) => "set GPUFRAC_BROKER=optional to run without it",
+                ConnectFail::Other(_) => {
+                    "start one with `gpufrac broker` or set GPUFRAC_BROKER=optional"
+                }
+            };
             crate::log::write_line(format_args!(
-                "GPUFRAC_BROKER=required but no broker answers at {} ({e}); start one with `gpufrac broker` or set GPUFRAC_BROKER=optional",
-                cfg.socket
+                "GPUFRAC_BROKER=required but {}; {hint}",
+                e.what(&cfg.socket)
             ));
             Err(CUDA_ERROR_SYSTEM_NOT_READY)
         }
     }
 }
 
-fn connect(cfg: &ShimConfig) -> Result<UnixStream, String> {
-    let mut s = UnixStream::connect(&cfg.socket).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    wire::encode_client(&ClientMsg::hello(std::process::id(), Role::Shim), &mut buf);
-    s.write_all(&buf).map_err(|e| e.to_string())?;
-    let mut inbuf = Vec::new();
-    match read_msg(&mut s, &mut inbuf)? {
-        ServerMsg::HelloOk { .. } => Ok(s),
-        ServerMsg::Error { message, .. } => Err(message),
-        other => Err(format!("unexpected answer {other:?}")),
+/// Why no session with the broker could be opened.
+enum ConnectFail {
+    /// It did not complete the handshake within this time: accept queue
+    /// full, stopped, or wedged.
+    Silent(Duration),
+    Other(String),
+}
+
+impl ConnectFail {
+    /// "no broker at PATH (why)" or "the broker at PATH did not answer ...".
+    fn what(&self, socket: &str) -> String {
+        match self {
+            ConnectFail::Silent(t) => format!(
+                "the broker at {socket} did not answer within {} s (it may be overloaded or stopped)",
+                t.as_secs()
+            ),
+            ConnectFail::Other(e) => format!("no broker at {socket} ({e})"),
+        }
     }
 }
 
-/// Reads one whole message (blocking up to the socket's timeout).
-fn read_msg(s: &mut UnixStream, inbuf: &mut Vec<u8>) -> Result<ServerMsg, String> {
+/// Connects and completes the handshake within `timeout`.
+fn connect(cfg: &ShimConfig, timeout: Duration) -> Result<UnixStream, ConnectFail> {
+    let deadline = Instant::now() + timeout;
+    let fail = |e: std::io::Error| {
+        if e.kind() == ErrorKind::TimedOut {
+            ConnectFail::Silent(timeout)
+        } else {
+            ConnectFail::Other(e.to_string())
+        }
+    };
+    let mut s = net::connect_unix(std::path::Path::new(&cfg.socket), deadline).map_err(fail)?;
+    let mut buf = Vec::new();
+    wire::encode_client(&ClientMsg::hello(std::process::id(), Role::Shim), &mut buf);
+    // A fresh connection's send buffer is empty: this cannot block.
+    s.write_all(&buf).map_err(fail)?;
+    let mut inbuf = Vec::new();
     loop {
-        match wire::decode_server(inbuf) {
-            Ok((m, n)) => {
-                inbuf.drain(..n);
-                return Ok(m);
+        match wire::decode_server(&inbuf) {
+            Ok((ServerMsg::HelloOk { .. }, _)) => break,
+            Ok((ServerMsg::Error { message, .. }, _)) => return Err(ConnectFail::Other(message)),
+            Ok((other, _)) => {
+                return Err(ConnectFail::Other(format!("unexpected answer {other:?}")));
             }
             Err(wire::DecodeError::Incomplete) => {}
-            Err(e) => return Err(format!("bad frame from broker: {e}")),
+            Err(e) => return Err(ConnectFail::Other(format!("bad frame from broker: {e}"))),
         }
+        net::wait_for(&s, libc::POLLIN, deadline).map_err(fail)?;
         let mut tmp = [0u8; 4096];
         match s.read(&mut tmp) {
-            Ok(0) => return Err("broker closed the connection".into()),
+            Ok(0) => return Err(ConnectFail::Other("broker closed the connection".into())),
             Ok(n) => inbuf.extend_from_slice(&tmp[..n]),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(fail(e)),
         }
     }
+    // The session reads only after ppoll says so; this is a backstop.
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(fail)?;
+    Ok(s)
 }
 
 fn command_line() -> String {
@@ -524,26 +589,22 @@ fn client_thread(cfg: &'static ShimConfig) {
     }
     let mut warned = false;
     loop {
-        match connect(cfg) {
-            Ok(s) => {
-                warned = false;
-                serve(s, cfg);
-            }
+        match connect(cfg, CONNECT_TIMEOUT) {
+            // A session that ended with a stall has said so already; the
+            // retries that follow while the broker is still stopped do not
+            // repeat it.
+            Ok(s) => warned = serve(s, cfg),
             Err(e) => {
                 first_registration_done();
                 if !warned {
                     warned = true;
-                    let asked = cfg.compute_share.is_some() || cfg.compute_limit.is_some();
-                    if asked || cfg.broker == BrokerMode::Required {
+                    let what = e.what(&cfg.socket);
+                    if asks_arbitration(cfg) {
                         crate::log::write_line(format_args!(
-                            "no broker at {} ({e}); memory caps are enforced, compute shares and limits are not until it returns",
-                            cfg.socket
+                            "{what}; memory caps are enforced, compute shares and limits are not until it returns"
                         ));
                     } else {
-                        warn!(
-                            "no broker at {} ({e}); memory caps are enforced, compute is not arbitrated",
-                            cfg.socket
-                        );
+                        warn!("{what}; memory caps are enforced, compute is not arbitrated");
                     }
                 }
             }
@@ -557,10 +618,116 @@ fn client_thread(cfg: &'static ShimConfig) {
     }
 }
 
-/// One connected session; returns when the connection is lost.
-fn serve(mut s: UnixStream, cfg: &ShimConfig) {
+/// A user who asked for compute shares or limits, or for the broker itself,
+/// is told when they do not hold; others only at GPUFRAC_LOG=warn.
+fn asks_arbitration(cfg: &ShimConfig) -> bool {
+    cfg.compute_share.is_some() || cfg.compute_limit.is_some() || cfg.broker == BrokerMode::Required
+}
+
+/// How the client thread bounds this process's waits on a broker that has
+/// stopped answering (SIGSTOP, wedged) while the connection stays open —
+/// unlike a dead broker, which closes it and is noticed at once.
+///
+/// The process waits on the broker while it has asked for a device and
+/// holds no grant there (launches blocked in `wait_for_grant`), and while
+/// it holds a timesliced grant: the broker must end that slice, and until
+/// it does everyone else waits on this process. Silence is measured from
+/// the later of the last message received and the start of that wait, so
+/// a long quiet spell before the process asked does not count. After
+/// `PROBE_NS` of silence the thread asks for a status; only a broker that
+/// answers nothing at all is deemed stalled, after `STALL_NS` (waiting for
+/// a grant) or the slice plus `STALL_NS` (holding one: the holder enforces
+/// its own slice end, with the same margin).
+///
+/// A stalled broker is then treated as gone: in optional mode the session
+/// ends and the gates open, so launches go ahead unarbitrated, as they
+/// would on a GPU without gpufrac; the existing reconnect loop registers
+/// afresh once the broker answers again, which restores arbitration with
+/// the broker's own state (it sees this connection close and frees its
+/// grant). Keeping the session instead would leave grants and requests on
+/// both sides to reconcile. With GPUFRAC_BROKER=required the user asked to
+/// wait for the broker: launches keep waiting, and the user is told once.
+struct Watch {
+    last_heard: u64,
+    /// Start of the current wait on the broker (0: none).
+    since: u64,
+    probed: bool,
+    told: bool,
+}
+
+/// What to do about the broker's silence.
+enum Verdict {
+    Fine,
+    Probe,
+    Stalled,
+}
+
+impl Watch {
+    fn new(now: u64) -> Watch {
+        Watch {
+            last_heard: now,
+            since: 0,
+            probed: false,
+            told: false,
+        }
+    }
+
+    fn heard(&mut self, now: u64) {
+        self.last_heard = now;
+        self.probed = false;
+        self.told = false;
+    }
+
+    /// How long the broker may stay silent now, or None when nothing here
+    /// waits on it.
+    fn allowance() -> Option<u64> {
+        let open = OPEN.load(SeqCst);
+        if REQUESTED.load(SeqCst) & !open != 0 {
+            return Some(STALL_NS);
+        }
+        let held = CONTENDED.load(SeqCst) & open;
+        if held == 0 {
+            return None;
+        }
+        let slice = (0..MAX_DEVICES)
+            .filter(|d| held & (1 << d) != 0)
+            .map(|d| SLICE_NS[d].load(Relaxed))
+            .max()
+            .unwrap_or(0);
+        Some(STALL_NS.saturating_add(slice))
+    }
+
+    fn check(&mut self, now: u64, allowance: Option<u64>) -> Verdict {
+        let Some(allow) = allowance else {
+            self.since = 0;
+            return Verdict::Fine;
+        };
+        if self.since == 0 {
+            self.since = now;
+        }
+        let quiet = now.saturating_sub(self.last_heard.max(self.since));
+        if quiet >= allow {
+            Verdict::Stalled
+        } else if quiet >= PROBE_NS && !self.probed {
+            self.probed = true;
+            Verdict::Probe
+        } else {
+            Verdict::Fine
+        }
+    }
+}
+
+/// How a session ended.
+enum End {
+    Lost(String),
+    Stalled,
+}
+
+/// One connected session; returns when the connection is lost or the
+/// broker stalls, true if the user has been told already.
+fn serve(mut s: UnixStream, cfg: &ShimConfig) -> bool {
     if register(&mut s, cfg).is_err() {
-        return;
+        return false;
     }
     let fd = {
         use std::os::fd::AsRawFd;
@@ -574,7 +741,8 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
     let mut inbuf = Vec::new();
     let mut reported = [(u64::MAX, u64::MAX, u64::MAX); MAX_DEVICES];
     let mut last_report = 0u64;
-    let result: Result<(), String> = (|| loop {
+    let mut watch = Watch::new(now_ns());
+    let result: Result<(), End> = (|| loop {
         // Idle hand-back is checked on this tick: fine while others share
         // the GPU, coarse (for usage reports) while alone.
         let optimistic = OPTIMISTIC_UNTIL.iter().any(|o| o.load(Relaxed) != 0);
@@ -599,14 +767,17 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
         if ready > 0 {
             let mut tmp = [0u8; 4096];
             match s.read(&mut tmp) {
-                Ok(0) => return Err("broker closed the connection".into()),
-                Ok(n) => inbuf.extend_from_slice(&tmp[..n]),
+                Ok(0) => return Err(End::Lost("broker closed the connection".into())),
+                Ok(n) => {
+                    inbuf.extend_from_slice(&tmp[..n]);
+                    watch.heard(now_ns());
+                }
                 Err(e)
                     if matches!(
                         e.kind(),
                         ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
                     ) => {}
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(End::Lost(e.to_string())),
             }
         }
         loop {
@@ -616,7 +787,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
                     on_message(m);
                 }
                 Err(wire::DecodeError::Incomplete) => break,
-                Err(e) => return Err(format!("bad frame from broker: {e}")),
+                Err(e) => return Err(End::Lost(format!("bad frame from broker: {e}"))),
             }
         }
         idle_handback();
@@ -626,10 +797,55 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) {
             last_report = now;
             report_usage(&mut reported);
         }
+        match watch.check(now, Watch::allowance()) {
+            Verdict::Fine => {}
+            // Answered by a StatusReply, which on_message ignores: what
+            // counts is that something arrives.
+            Verdict::Probe => {
+                send(&ClientMsg::Status);
+            }
+            Verdict::Stalled if cfg.broker == BrokerMode::Required => {
+                if !watch.told {
+                    watch.told = true;
+                    crate::log::write_line(format_args!(
+                        "broker at {} has not answered for {} s; launches wait for it (GPUFRAC_BROKER=required)",
+                        cfg.socket,
+                        STALL_NS / 1_000_000_000
+                    ));
+                }
+            }
+            Verdict::Stalled => {
+                if asks_arbitration(cfg) {
+                    crate::log::write_line(format_args!(
+                        "broker at {} has not answered for {} s; launching unarbitrated until it answers again",
+                        cfg.socket,
+                        STALL_NS / 1_000_000_000
+                    ));
+                } else {
+                    warn!(
+                        "broker at {} has not answered for {} s; launching unarbitrated until it answers again",
+                        cfg.socket,
+                        STALL_NS / 1_000_000_000
+                    );
+                }
+                return Err(End::Stalled);
+            }
+        }
     })();
     CONN_FD.store(-1, Release);
-    if let Err(e) = result {
-        warn!("lost the broker ({e}); retrying");
+    // Wake any thread blocked sending to a broker that stopped reading,
+    // and let a send in progress finish before the descriptor is closed
+    // (and its number reused).
+    let _ = s.shutdown(std::net::Shutdown::Both);
+    drop(SEND.lock().unwrap_or_else(|e| e.into_inner()));
+    drop(s);
+    match result {
+        Err(End::Lost(e)) => {
+            warn!("lost the broker ({e}); retrying");
+            false
+        }
+        Err(End::Stalled) => true,
+        Ok(()) => false,
     }
 }
 
@@ -657,6 +873,7 @@ fn on_message(m: ServerMsg) {
             }
             GRANT_ID[d].store(grant, Relaxed);
             BOUND_NS[d].store(bound_ns, Relaxed);
+            SLICE_NS[d].store(slice_ns, Relaxed);
             if bound_ns == 0 {
                 BOUNDED.fetch_and(!bit, SeqCst);
             } else {
