@@ -339,6 +339,7 @@ fn msg_name(m: &ServerMsg) -> &'static str {
         ServerMsg::Leased { .. } => "Leased",
         ServerMsg::Refused { .. } => "Refused",
         ServerMsg::Registered { .. } => "Registered",
+        ServerMsg::Pong => "Pong",
     }
 }
 

@@ -1273,6 +1273,108 @@ mod tests {
         assert_shares(&[50.0, 50.0], B);
     }
 
+    /// Ten processes of one unit (a job, or a user) split one share: a lone
+    /// unit beside them still gets half the GPU.
+    #[test]
+    fn a_unit_of_ten_gets_one_share() {
+        let mut sim = Sim::new(SchedConfig::default());
+        sim.add(0, 100.0, None);
+        sim.s.set_group(0, 0, 500, None);
+        for id in 1..=10 {
+            sim.add(id, 100.0, None);
+            sim.s.set_group(0, id, 600, None);
+            sim.residual.insert(id, B);
+        }
+        sim.residual.insert(0, B);
+        for id in 0..=10 {
+            sim.start(id);
+        }
+        let end = 20 * SEC;
+        sim.run_until(end);
+        let lone = sim.gpu(0) as f64 / end as f64;
+        assert!((lone - 0.5).abs() < 0.02, "lone unit got {lone:.3}");
+        // An imposed unit weight (a lease's --gpu-compute) sets the split.
+        let mut sim = Sim::new(SchedConfig::default());
+        for id in 0..4 {
+            sim.add(id, 50.0, None);
+            sim.s.set_group(
+                0,
+                id,
+                if id == 0 { 700 } else { 800 },
+                Some(if id == 0 { 75.0 } else { 25.0 }),
+            );
+            sim.residual.insert(id, B);
+            sim.start(id);
+        }
+        sim.run_until(end);
+        let first = sim.gpu(0) as f64 / end as f64;
+        assert!((first - 0.75).abs() < 0.02, "the 75% unit got {first:.3}");
+    }
+
+    /// A process that disconnects and reconnects every 250 ms comes back
+    /// into its unit at the unit's virtual time and usage history, not with
+    /// a fresh start.
+    #[test]
+    fn reconnecting_does_not_reset_a_units_history() {
+        let mut sim = Sim::new(SchedConfig::default());
+        sim.add(1, 50.0, None);
+        sim.s.set_group(0, 1, 900, None);
+        sim.residual.insert(1, B);
+        sim.start(1);
+        let mut id = 100;
+        sim.add(id, 50.0, None);
+        sim.s.set_group(0, id, 901, None);
+        sim.start(id);
+        let end = 20 * SEC;
+        while sim.now + 250 * MS < end {
+            let t = sim.now + 250 * MS;
+            sim.run_until(t);
+            sim.s.remove_client(t, id);
+            id += 1;
+            sim.add(id, 50.0, None);
+            sim.s.set_group(t, id, 901, None);
+            sim.residual.insert(id, B);
+            sim.start(id);
+        }
+        sim.run_until(end);
+        let victim = sim.gpu(1) as f64 / end as f64;
+        assert!(
+            victim > 0.47,
+            "the steady process got {victim:.3} beside a reconnecting one"
+        );
+    }
+
+    /// A limit's usage history also survives a reconnect within the unit.
+    #[test]
+    fn a_limit_survives_reconnects() {
+        let mut sim = Sim::new(SchedConfig::default());
+        let mut id = 1;
+        sim.add(id, 50.0, Some(0.2));
+        sim.s.set_group(0, id, 42, None);
+        sim.residual.insert(id, B);
+        sim.start(id);
+        let end = 10 * SEC;
+        let mut used = 0;
+        while sim.now + 100 * MS < end {
+            let t = sim.now + 100 * MS;
+            sim.run_until(t);
+            used += sim.gpu(id);
+            sim.s.remove_client(t, id);
+            id += 1;
+            sim.add(id, 50.0, Some(0.2));
+            sim.s.set_group(t, id, 42, None);
+            sim.residual.insert(id, B);
+            sim.start(id);
+        }
+        sim.run_until(end);
+        used += sim.gpu(id);
+        let share = used as f64 / end as f64;
+        assert!(
+            share < 0.23,
+            "a 20% limit reconnecting every 100 ms used {share:.3}"
+        );
+    }
+
     #[test]
     fn weights_70_30_converge() {
         assert_shares(&[70.0, 30.0], B);

@@ -458,7 +458,10 @@ impl Server {
                 }
                 Err(e) => {
                     let pid = c.pid;
-                    warn!(pid, "bad frame ({e}); closing that client");
+                    warn_limited(
+                        &mut self.last_refusal_log,
+                        format_args!("bad frame from pid {pid} ({e}); closing that client"),
+                    );
                     self.send(
                         tok,
                         &ServerMsg::Error {
@@ -675,6 +678,7 @@ impl Server {
                     self.gpus[g].sched.drained(now, id);
                 }
             }
+            ClientMsg::Ping => self.send(tok, &ServerMsg::Pong),
             ClientMsg::Status { from } => {
                 let json = self.status_json(from as usize);
                 self.send(tok, &ServerMsg::StatusReply { json });

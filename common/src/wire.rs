@@ -59,7 +59,7 @@ use crate::config::Priority;
 
 /// 2: priorities (`Register`, `Lease`), the in-flight bound in `Grant`,
 /// and `Drained`. 3: `Registered`, lease tokens (`Queued`, `Leased`,
-/// `Lease.resume`) and paged `Status`.
+/// `Lease.resume`), paged `Status`, and `Ping`.
 pub const PROTOCOL_VERSION: u16 = 3;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
@@ -89,6 +89,7 @@ const T_RELEASE: u8 = 0x05;
 const T_STATUS: u8 = 0x06;
 const T_LEASE: u8 = 0x07;
 const T_DRAINED: u8 = 0x08;
+const T_PING: u8 = 0x09;
 
 const T_HELLO_OK: u8 = 0x81;
 const T_ERROR: u8 = 0x82;
@@ -99,6 +100,7 @@ const T_QUEUED: u8 = 0x86;
 const T_LEASED: u8 = 0x87;
 const T_REFUSED: u8 = 0x88;
 const T_REGISTERED: u8 = 0x89;
+const T_PONG: u8 = 0x8a;
 
 const UUID_LEN: usize = 16;
 const DEVICE_REG_LEN: usize = UUID_LEN + 4 + 8 + 8;
@@ -179,6 +181,9 @@ pub enum ClientMsg {
     Drained {
         uuid: [u8; 16],
     },
+    /// Asks for `Pong`: a waiting shim checks that a silent broker is
+    /// alive, not stalled.
+    Ping,
     /// Asks for `StatusReply`, listing processes from the `from`-th on
     /// (the reply's `next` says where the following page starts).
     Status {
@@ -265,6 +270,8 @@ pub enum ServerMsg {
     Refused {
         reason: String,
     },
+    /// Answers `Ping`.
+    Pong,
     /// Answers `Register`: what the broker enforces on this process
     /// whatever its environment says (its job's lease).
     Registered {
@@ -385,6 +392,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             out.push(T_DRAINED);
             out.extend_from_slice(uuid);
         }
+        ClientMsg::Ping => out.push(T_PING),
         ClientMsg::Status { from } => {
             out.push(T_STATUS);
             put_u32(out, *from);
@@ -461,6 +469,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             put_str16(out, waiting_for);
             put_u64(out, *token);
         }
+        ServerMsg::Pong => out.push(T_PONG),
         ServerMsg::Registered { mem_cap } => {
             out.push(T_REGISTERED);
             put_u64(out, *mem_cap);
@@ -543,6 +552,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
         },
         T_DRAINED => ClientMsg::Drained { uuid: r.array()? },
         T_STATUS => ClientMsg::Status { from: r.u32()? },
+        T_PING => ClientMsg::Ping,
         T_LEASE => ClientMsg::Lease {
             want_gpus: r.u32()?,
             want_mem: r.u64()?,
@@ -601,6 +611,7 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
             token: r.u64()?,
         },
         T_REGISTERED => ServerMsg::Registered { mem_cap: r.u64()? },
+        T_PONG => ServerMsg::Pong,
         T_LEASED => {
             let n = r.count(4)?;
             let mut gpus = Vec::with_capacity(n);
@@ -871,6 +882,7 @@ mod tests {
             },
             ClientMsg::Status { from: 0 },
             ClientMsg::Status { from: 7 },
+            ClientMsg::Ping,
             ClientMsg::Lease {
                 want_gpus: 2,
                 want_mem: 0,
@@ -931,6 +943,7 @@ mod tests {
                 token: 77,
             },
             ServerMsg::Registered { mem_cap: 0 },
+            ServerMsg::Pong,
             ServerMsg::Registered { mem_cap: 4 << 30 },
             ServerMsg::Leased {
                 gpus: vec![0, 1],
@@ -1439,6 +1452,7 @@ mod tests {
             (any::<[u8; 16]>(), any::<u64>())
                 .prop_map(|(uuid, held_ns)| ClientMsg::Release { uuid, held_ns }),
             any::<u32>().prop_map(|from| ClientMsg::Status { from }),
+            Just(ClientMsg::Ping),
             (
                 any::<u32>(),
                 any::<u64>(),
@@ -1487,6 +1501,7 @@ mod tests {
                 }
             ),
             any::<u64>().prop_map(|mem_cap| ServerMsg::Registered { mem_cap }),
+            Just(ServerMsg::Pong),
             (
                 vec(any::<u32>(), 0..8),
                 vec(any::<[u8; 16]>(), 0..8),

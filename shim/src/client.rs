@@ -799,10 +799,10 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) -> bool {
         }
         match watch.check(now, Watch::allowance()) {
             Verdict::Fine => {}
-            // Answered by a StatusReply, which on_message ignores: what
+            // Answered by a Pong, which on_message ignores: what
             // counts is that something arrives.
             Verdict::Probe => {
-                send(&ClientMsg::Status);
+                send(&ClientMsg::Ping);
             }
             Verdict::Stalled if cfg.broker == BrokerMode::Required => {
                 if !watch.told {
