@@ -552,10 +552,12 @@ impl Server {
                 if unknown.len() > room {
                     let pid = c.pid;
                     let known: Vec<&str> = self.gpus.iter().map(|g| g.uuid_str.as_str()).collect();
-                    warn!(
-                        pid,
-                        ?unknown,
-                        "refusing a registration for GPUs this node does not have"
+                    warn_limited(
+                        &mut self.last_refusal_log,
+                        format_args!(
+                            "refusing a registration from pid {pid} for GPUs this node does not have: {}",
+                            unknown.join(", ")
+                        ),
                     );
                     self.send(
                         tok,
