@@ -122,6 +122,65 @@ fn ten_processes_of_one_job_get_one_share_between_them() {
 }
 
 #[test]
+fn outside_jobs_a_user_with_ten_processes_gets_one_share() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run the victim as nobody");
+        return;
+    }
+    let _s = serial();
+    let b = Broker::start("16G", &["--timeslice", "20ms", "--group", "nogroup"]);
+    let dir = b.socket.parent().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, PermissionsExt::from_mode(0o755)).unwrap();
+    // The simulated GPU's shared state, which the victim must map too.
+    std::fs::set_permissions(&b.state, PermissionsExt::from_mode(0o666)).unwrap();
+    let start = mono_ns() + 2000 * MS;
+    let end = start + 3000 * MS;
+    let spinner = |share: &str| {
+        let mut c = b.client(&artifacts().probe);
+        c.env("GPU_COMPUTE_SHARE", share)
+            .args(spin_args(start, end))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    };
+    // Ten processes of root, each declaring the largest legal share (ten
+    // connections at share 100 once left another user 208 kernels of
+    // 2924).
+    let attackers: Vec<Child> = (0..10).map(|_| spinner("100").spawn().unwrap()).collect();
+    let mut v = spinner("100");
+    // SAFETY: setgid/setuid in the child before exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut v, || {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setuid(65534) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let victim = v.spawn().unwrap();
+    let a: Vec<u64> = attackers
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            assert!(o.status.success(), "{}", stderr(&o));
+            spun(&o)[0]
+        })
+        .collect();
+    let vo = victim.wait_with_output().unwrap();
+    assert!(vo.status.success(), "{}{}", stdout(&vo), stderr(&vo));
+    let v = spun(&vo)[0];
+    let share = v as f64 / (v + a.iter().sum::<u64>()) as f64;
+    assert!(
+        (share - 0.5).abs() < 0.12,
+        "a user with one process got {share:.2} beside a user with ten (want 0.5): {v} vs {a:?}"
+    );
+}
+
+#[test]
 fn a_jobs_limit_holds_whatever_its_processes_environment_says() {
     let _s = serial();
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
@@ -549,4 +608,164 @@ fn idle_metrics_connections_do_not_delay_a_scrape() {
     s.read_to_string(&mut body).unwrap();
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     drop(idle);
+}
+
+/// Deterministic pseudo-random numbers (xorshift64*): the same sequence
+/// every run, so a failure can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
+    use gpufrac_common::config::Priority;
+    use gpufrac_common::wire::{ClientMsg, DeviceReg, encode_client};
+    let uuid = if r.below(4) == 0 {
+        [r.below(256) as u8; 16]
+    } else {
+        real
+    };
+    let f = |r: &mut Rng| match r.below(5) {
+        0 => None,
+        1 => Some(f64::NAN),
+        2 => Some(1e300),
+        3 => Some(-5.0),
+        _ => Some(r.below(120) as f64),
+    };
+    let prio = [Priority::Low, Priority::Normal, Priority::High][r.below(3) as usize];
+    let msg = match r.below(11) {
+        0 => ClientMsg::Register {
+            command: "fuzz".into(),
+            devices: vec![DeviceReg {
+                uuid,
+                ordinal: r.below(4) as u32,
+                mem_cap: r.next(),
+                mem_total: r.next(),
+            }],
+            share: f(r),
+            limit: f(r),
+            priority: prio,
+        },
+        1 => ClientMsg::Usage {
+            uuid,
+            used: r.next(),
+            peak: r.next(),
+            ooms: r.next(),
+        },
+        2 | 3 => ClientMsg::Acquire { uuid },
+        4 | 5 => ClientMsg::Release {
+            uuid,
+            held_ns: r.next(),
+        },
+        6 => ClientMsg::Drained { uuid },
+        7 => ClientMsg::Status {
+            from: r.below(3) as u32,
+        },
+        8 => ClientMsg::Ping,
+        9 => ClientMsg::Lease {
+            want_gpus: r.below(3) as u32,
+            want_mem: if r.below(2) == 0 {
+                0
+            } else {
+                r.below(32) << 30
+            },
+            compute: f(r),
+            limit: f(r),
+            no_wait: r.below(2) == 0,
+            command: "fuzz".into(),
+            priority: Some(prio),
+            resume: if r.below(4) == 0 { r.next() } else { 0 },
+        },
+        _ => {
+            // Garbage: a random frame.
+            let n = r.below(40) as usize;
+            let mut b = (n as u32 + 1).to_le_bytes().to_vec();
+            b.extend((0..=n).map(|_| r.below(256) as u8));
+            return b;
+        }
+    };
+    let mut b = Vec::new();
+    encode_client(&msg, &mut b);
+    b
+}
+
+#[test]
+fn random_client_sequences_leave_the_broker_whole() {
+    let b = Broker::start("16G,8G", &[]);
+    let s = status_json(&b);
+    let hex: String = s["gpus"][0]["uuid"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("GPU-")
+        .replace('-', "");
+    let mut real = [0u8; 16];
+    for (i, byte) in real.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    for round in 0..4u64 {
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ (round + 1));
+        let mut clients: Vec<UnixStream> = Vec::new();
+        for _ in 0..24 {
+            let mut s = UnixStream::connect(&b.socket).unwrap();
+            let mut hello = Vec::new();
+            let role = if r.below(2) == 0 {
+                gpufrac_common::wire::Role::Shim
+            } else {
+                gpufrac_common::wire::Role::Cli
+            };
+            gpufrac_common::wire::encode_client(
+                &gpufrac_common::wire::ClientMsg::hello(1, role),
+                &mut hello,
+            );
+            s.write_all(&hello).unwrap();
+            s.set_nonblocking(true).unwrap();
+            clients.push(s);
+        }
+        for _ in 0..3000 {
+            let i = r.below(clients.len() as u64) as usize;
+            let m = random_msg(&mut r, real);
+            // A client the broker closed (bad frame) just stops mattering.
+            let _ = clients[i].write_all(&m);
+            // Drain replies now and then so well-behaved clients stay so.
+            if r.below(8) == 0 {
+                let mut buf = [0u8; 65536];
+                let _ = clients[i].read(&mut buf);
+            }
+        }
+        // The broker still serves everyone, and its books are consistent.
+        let s = status_json(&b);
+        for g in s["gpus"].as_array().unwrap() {
+            let holders = g["processes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|p| p["state"] == "holding")
+                .count();
+            assert!(holders <= 1, "two holders on one GPU: {g}");
+            assert!(g["committed_mem"].as_u64().unwrap() <= g["total_mem"].as_u64().unwrap());
+        }
+        assert_eq!(s["gpus"].as_array().unwrap().len(), 2, "{s}");
+        drop(clients);
+        // Nothing outlives its clients: no process, lease or queue entry.
+        wait_until(10.0, "the fuzz clients to be forgotten", || {
+            let s = status_json(&b);
+            s["gpus"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|g| g["processes"].as_array().unwrap().is_empty())
+                && s["leases"].as_array().unwrap().is_empty()
+                && s["queue"].as_array().unwrap().is_empty()
+        });
+    }
 }

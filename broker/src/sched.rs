@@ -516,11 +516,12 @@ impl Scheduler {
         group: GroupId,
         unit_weight: Option<f64>,
     ) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
         let now = self.clock(now);
         self.settle(now);
-        let Some(c) = self.clients.get_mut(&id) else {
-            return;
-        };
+        let c = self.clients.get_mut(&id).expect("checked above");
         c.group = group;
         c.unit_weight = unit_weight.map(sanitize_weight);
         if let Some(d) = self.departed.remove(&(group, c.class.index())) {
@@ -1860,6 +1861,7 @@ mod tests {
             Acquire(ClientId),
             Release(ClientId),
             Drained(ClientId),
+            Group(ClientId, GroupId, Option<f64>),
             Advance(Nanos),
             Timeout,
         }
@@ -1883,6 +1885,12 @@ mod tests {
                 id.clone().prop_map(Op::Acquire),
                 id.clone().prop_map(Op::Release),
                 id.clone().prop_map(Op::Drained),
+                (
+                    id.clone(),
+                    100..103u64,
+                    prop_oneof![Just(None), Just(Some(25.0)), Just(Some(f64::INFINITY))]
+                )
+                    .prop_map(|(i, g, w)| Op::Group(i, g, w)),
                 (0..120 * MS).prop_map(Op::Advance),
                 Just(Op::Timeout),
             ]
@@ -1924,6 +1932,7 @@ mod tests {
             }
             for c in &st {
                 assert!((0.0..=1.0 + 1e-9).contains(&c.achieved), "{c:?}");
+                assert!(c.weight.is_finite() && c.weight > 0.0, "{c:?}");
             }
             // The charges never exceed the time that has passed.
             let total: Nanos = st.iter().map(|c| c.gpu_time).sum();
@@ -1946,6 +1955,7 @@ mod tests {
                         Op::Acquire(i) => s.acquire(now, i),
                         Op::Release(i) => s.release(now, i),
                         Op::Drained(i) => s.drained(now, i),
+                        Op::Group(i, g, w) => s.set_group(now, i, g, w),
                         Op::Advance(dt) => now += dt,
                         Op::Timeout => s.handle_timeout(now),
                     }

@@ -579,7 +579,10 @@ impl Server {
                 let Some(c) = self.conns.get_mut(&tok) else {
                     return;
                 };
-                if !command.is_empty() {
+                // The broker's own view of the process wins: a process could
+                // claim to be anyone's job in status. A process the broker
+                // cannot see in /proc (another pid namespace) says for itself.
+                if c.command.is_empty() && !command.is_empty() {
                     c.command = command;
                 }
                 c.share = share;
@@ -1758,6 +1761,16 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     for g in &found {
         info!(index = g.index, name = %g.name, uuid = %uuid_string(&g.uuid), total = %format_size(g.total_mem), "GPU");
     }
+    // Bound before the socket: a metrics address in use must not leave a
+    // socket behind.
+    let metrics = match &opts.metrics {
+        Some(addr) => {
+            let m = Arc::new(Mutex::new(String::new()));
+            serve_metrics(addr, m.clone())?;
+            Some(m)
+        }
+        None => None,
+    };
     let listener = bind(&opts)?;
     info!(nofile, "file limit");
     let state_path = opts.state.clone().unwrap_or_else(|| {
@@ -1790,14 +1803,6 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     poll.registry()
         .register(&mut SourceFd(&fds[0]), SIGNALS, Interest::READABLE)
         .map_err(|e| e.to_string())?;
-    let metrics = match &opts.metrics {
-        Some(addr) => {
-            let m = Arc::new(Mutex::new(String::new()));
-            serve_metrics(addr, m.clone())?;
-            Some(m)
-        }
-        None => None,
-    };
     let qgpus = found
         .iter()
         .map(|g| queue::GpuInfo {
