@@ -114,6 +114,7 @@ fn ten_processes_of_one_job_get_one_share_between_them() {
     assert_eq!(a.len(), 10, "ten attacker spinners reported");
     let total: u64 = a.iter().sum::<u64>() + v[0];
     let victim_share = v[0] as f64 / total as f64;
+    eprintln!("figure: lone job beside a job of ten: {victim_share:.3} of the GPU");
     // Before jobs were the unit, the victim got 1/11 of the GPU.
     assert!(
         (victim_share - 0.5).abs() < 0.12,
@@ -174,6 +175,7 @@ fn outside_jobs_a_user_with_ten_processes_gets_one_share() {
     assert!(vo.status.success(), "{}{}", stdout(&vo), stderr(&vo));
     let v = spun(&vo)[0];
     let share = v as f64 / (v + a.iter().sum::<u64>()) as f64;
+    eprintln!("figure: one user's process beside another user's ten: {share:.3} of the GPU");
     assert!(
         (share - 0.5).abs() < 0.12,
         "a user with one process got {share:.2} beside a user with ten (want 0.5): {v} vs {a:?}"
@@ -197,6 +199,7 @@ fn a_jobs_limit_holds_whatever_its_processes_environment_says() {
     assert!(o.status.success(), "{}", stderr(&o));
     let k = spun(&o)[0];
     let busy = (k * KERNEL_NS) as f64 / (end - start) as f64;
+    eprintln!("figure: job under --gpu-limit 10% without the variable: {busy:.3} of the GPU");
     // It once ran at 66% with the variable removed.
     assert!(
         busy < 0.16,
@@ -381,6 +384,10 @@ fn an_idle_flood_from_another_user_neither_stops_the_broker_nor_outlives_itself(
     let t = Instant::now();
     let s = status_json(&b);
     assert!(s["gpus"].is_array());
+    eprintln!(
+        "figure: status during an 1100-connection idle flood: {:?}",
+        t.elapsed()
+    );
     assert!(
         t.elapsed() < Duration::from_secs(5),
         "status took {:?} during the flood",
@@ -493,6 +500,7 @@ fn half_sent_frames_cost_bounded_memory_and_are_dropped() {
         held.push(s);
     }
     let grown_mb = (rss_kb(pid).saturating_sub(before)) / 1024;
+    eprintln!("figure: broker growth under 400 half-sent frames: {grown_mb} MB");
     // 800 such frames once took 827 MB.
     assert!(grown_mb < 100, "the broker grew by {grown_mb} MB");
     // Every one of them is closed: at once, or at the frame deadline.
@@ -537,6 +545,7 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
     });
 
     b.kill(); // SIGKILL: no clean shutdown, the state file stays.
+    let t = Instant::now();
     b.restart();
 
     wait_until(20.0, "A and B to reclaim their lease and place", || {
@@ -546,6 +555,10 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
             .is_some_and(|l| l.len() == 1 && l[0]["connected"] == serde_json::Value::Bool(true))
             && s["queue"].as_array().is_some_and(|q| q.len() == 1)
     });
+    eprintln!(
+        "figure: restart to lease and place reclaimed: {:?}",
+        t.elapsed()
+    );
     // The GPU A holds is not handed out again.
     let o = run(&b, &["--gpus", "1", "--no-wait", "--", "true"])
         .output()
