@@ -128,6 +128,28 @@ fn outside_jobs_a_user_with_ten_processes_gets_one_share() {
         eprintln!("skipped: needs root to run the victim as nobody");
         return;
     }
+    // The victim runs the probe, the shim and the simulated driver from
+    // this checkout: skip where nobody cannot reach them (a clone under
+    // /root, say).
+    let a = artifacts();
+    let reachable = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+        ])
+        .arg("test -x \"$0\" && test -r \"$1\" && test -r \"$2/libcuda.so.1\"")
+        .arg(&a.probe)
+        .arg(&a.shim)
+        .arg(&a.simdir)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !reachable {
+        eprintln!("skipped: user nobody cannot reach the test programs in this checkout");
+        return;
+    }
     let _s = serial();
     let b = Broker::start("16G", &["--timeslice", "20ms", "--group", "nogroup"]);
     let dir = b.socket.parent().unwrap();
