@@ -104,6 +104,9 @@ enum Held {
     Ptr(u64),
     AsyncPtr(u64),
     Vmm(u64),
+    /// A VMM allocation mapped at this address and released at once (the
+    /// documented idiom): only unmapping frees it.
+    Mapped(u64, usize),
     Array(usize),
     Mipmap(usize),
 }
@@ -199,6 +202,22 @@ impl Probe {
                 }
                 rc
             }
+            "vmmap" => {
+                let h = match self.alloc("vmm", size) {
+                    Ok(Held::Vmm(h)) => h,
+                    Ok(_) => unreachable!(),
+                    Err(rc) => return Err(rc),
+                };
+                let va = match vmm_map(c, h, size, 0, size) {
+                    Ok(va) => va,
+                    Err(rc) => return Err(rc),
+                };
+                let rc = unsafe { f!(c, "cuMemRelease", "cuMemRelease", fn(u64))(h) };
+                if rc != 0 {
+                    return Err(rc);
+                }
+                return Ok(Held::Mapped(va, size));
+            }
             k if k.starts_with("vmm") => {
                 // vmm or vmm@N: placed on device N whatever the current context.
                 let dev: c_int = k
@@ -289,6 +308,11 @@ impl Probe {
                     fp(p, std::ptr::null_mut())
                 }
                 Held::Vmm(h) => f!(c, "cuMemRelease", "cuMemRelease", fn(u64))(h),
+                Held::Mapped(va, size) => {
+                    let rc = f!(c, "cuMemUnmap", "cuMemUnmap", fn(u64, usize))(va, size);
+                    f!(c, "cuMemAddressFree", "cuMemAddressFree", fn(u64, usize))(va, size);
+                    rc
+                }
                 Held::Array(a) => {
                     f!(c, "cuArrayDestroy", "cuArrayDestroy", fn(*mut c_void))(a as *mut c_void)
                 }
@@ -509,6 +533,62 @@ fn main() {
                     )(&mut dt, probe.dev)
                 };
                 println!("info rc={rc} free={free} total={total} devtotal_rc={rc2} devtotal={dt}");
+            }
+            // VMM lifetimes: create, map whole at A and half at B, retain
+            // through A, release both references, unmap A, unmap B. After
+            // each stage: what the shim charges (gpufrac_mem_used, 0
+            // without the shim) and what the driver holds (total - free).
+            "vmm-life" => {
+                let size = parse_size(&next(&mut i));
+                let c = &probe.c;
+                let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
+                let dev = probe.dev;
+                let stage = || {
+                    let used = if q.is_null() {
+                        0
+                    } else {
+                        let f: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
+                        f(dev)
+                    };
+                    // The simulated driver's own figure, past the shim.
+                    let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
+                    let p = unsafe { libc::dlsym(lib, c"gpufracSimDeviceUsed".as_ptr()) };
+                    assert!(!p.is_null(), "not the simulated driver");
+                    let held: unsafe extern "C" fn(c_int, *mut u64) -> R =
+                        unsafe { std::mem::transmute(p) };
+                    let mut h = 0u64;
+                    unsafe { held(dev, &mut h) };
+                    format!("{used}/{h}")
+                };
+                let mut out = Vec::new();
+                let h = match probe.alloc("vmm", size) {
+                    Ok(Held::Vmm(h)) => h,
+                    other => panic!("cuMemCreate: {:?}", other.err()),
+                };
+                out.push(stage());
+                let a = vmm_map(c, h, size, 0, size).expect("map A");
+                let b = vmm_map(c, h, size / 2, size / 2, size / 2).expect("map B");
+                let mut h2 = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemRetainAllocationHandle",
+                        "cuMemRetainAllocationHandle",
+                        fn(*mut u64, u64)
+                    )(&mut h2, a + 4096)
+                };
+                assert_eq!((rc, h2), (0, h), "retain");
+                let release = f!(c, "cuMemRelease", "cuMemRelease", fn(u64));
+                assert_eq!(unsafe { release(h) }, 0);
+                out.push(stage());
+                assert_eq!(unsafe { release(h2) }, 0);
+                out.push(stage());
+                let unmap = f!(c, "cuMemUnmap", "cuMemUnmap", fn(u64, usize));
+                assert_eq!(unsafe { unmap(a, size) }, 0);
+                out.push(stage());
+                assert_eq!(unsafe { unmap(b, size / 2) }, 0);
+                out.push(stage());
+                println!("vmm-life stages={}", out.join(","));
             }
             "info-null" => {
                 let mut total = 0usize;
@@ -735,6 +815,30 @@ fn burst(c: &Cuda, start: u64, end: u64, period: u64, n: usize, ns: u64) -> Vec<
 }
 
 /// File name of the shared object containing `p`.
+/// Reserves a range of `size` bytes and maps `len` bytes of handle `h`
+/// from `offset` at its start.
+fn vmm_map(c: &Cuda, h: u64, size: usize, offset: usize, len: usize) -> Result<u64, R> {
+    let mut va = 0u64;
+    let rc = unsafe {
+        f!(
+            c,
+            "cuMemAddressReserve",
+            "cuMemAddressReserve",
+            fn(*mut u64, usize, usize, u64, u64)
+        )(&mut va, size, 0, 0, 0)
+    };
+    if rc != 0 {
+        return Err(rc);
+    }
+    let rc = unsafe {
+        f!(c, "cuMemMap", "cuMemMap", fn(u64, usize, usize, u64, u64))(va, len, offset, h, 0)
+    };
+    if rc != 0 {
+        return Err(rc);
+    }
+    Ok(va)
+}
+
 fn origin(p: *mut c_void) -> String {
     if p.is_null() {
         return "null".into();

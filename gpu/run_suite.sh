@@ -393,6 +393,8 @@ if wants 2; then
         fi
         run_step "NVML and nvidia-smi inside the capped process" 90 10 \
             env "${SHIM_VARS[@]}" "$PY" "$GPU_DIR/check_nvml.py"
+        run_step "VMM: map then release at once stays charged; driver lifetimes" 120 10 \
+            env "${SHIM_VARS[@]}" "$PY" "$GPU_DIR/check_vmm.py"
         margs=(--shim "$SHIM")
         [ -x "$CUDARC" ] && margs+=(--cudarc "$CUDARC")
         ((HAVE_TORCH)) && margs+=(--torch)

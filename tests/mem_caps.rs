@@ -261,6 +261,65 @@ fn vmm_charges_the_device_it_is_placed_on() {
     );
 }
 
+/// The documented VMM idiom: create, map, release at once. The driver
+/// keeps the memory until the unmap, so the cap must too (8 × 1 GiB once
+/// passed a 2 GiB cap on an H100).
+#[test]
+fn vmm_memory_released_while_mapped_stays_charged() {
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", "2G")],
+        &["ctx", "fill", "vmmap", "512M", "info"],
+    );
+    assert_eq!(
+        num(&line(&o, "fill", 0), "count"),
+        4,
+        "mapped-and-released handles must stay charged: {}",
+        stdout(&o)
+    );
+    assert_eq!(num(&line(&o, "info", 0), "free"), 0);
+    // Unmapping frees them: the cap is whole again.
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", "2G")],
+        &[
+            "ctx", "fill", "vmmap", "512M", "free-all", "fill", "vmmap", "512M",
+        ],
+    );
+    assert_eq!(num(&line(&o, "fill", 1), "count"), 4, "{}", stdout(&o));
+}
+
+/// Retained references, a second (partial) mapping, releases and unmaps:
+/// the shim charges exactly what the driver holds at every stage, and the
+/// simulated driver holds what a real one does (the memory goes with the
+/// last of references and mappings).
+#[test]
+fn vmm_charge_follows_references_and_mappings() {
+    const S: u64 = 256 * MIB;
+    let want = [S, S, S, S, 0];
+    for shim in [true, false] {
+        let mut cmd = sim_command(&artifacts().probe, "16G", shim);
+        cmd.env("GPU_MEM_LIMIT", "4G")
+            .args(["ctx", "vmm-life", "256M"]);
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+        let stages = line(&o, "vmm-life", 0)["stages"].clone();
+        let pairs: Vec<(u64, u64)> = stages
+            .split(',')
+            .map(|p| {
+                let (a, b) = p.split_once('/').unwrap();
+                (a.parse().unwrap(), b.parse().unwrap())
+            })
+            .collect();
+        let held: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+        assert_eq!(held, want, "driver (shim={shim}): {stages}");
+        if shim {
+            let charged: Vec<u64> = pairs.iter().map(|p| p.0).collect();
+            assert_eq!(charged, want, "shim: {stages}");
+        }
+    }
+}
+
 #[test]
 fn destroying_a_context_returns_its_memory() {
     let o = probe(

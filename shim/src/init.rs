@@ -267,5 +267,6 @@ fn register_fork_handlers() {
 /// locked by threads that do not exist in the child), no broker connection.
 extern "C" fn after_fork_child() {
     ledger::reset_after_fork();
+    crate::vmm::reset_after_fork();
     crate::client::reset_after_fork();
 }

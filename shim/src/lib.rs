@@ -25,3 +25,4 @@ mod mem;
 mod nvml;
 mod procaddr;
 mod table;
+mod vmm;

@@ -36,7 +36,7 @@ pub(crate) fn gate() -> Gate {
     }
 }
 
-fn oom(dev: usize, size: u64) -> u32 {
+pub(crate) fn oom(dev: usize, size: u64) -> u32 {
     info!(
         "device {dev}: refused {} (used {} of cap {})",
         format_size(size),
@@ -325,20 +325,12 @@ pub unsafe fn create(
                 return real();
             }
             let _g = HookGuard::enter();
-            charge(
-                Kind::Vmm,
-                loc.id as usize,
-                0,
-                size as u64,
-                real,
-                || unsafe { handle.read_unaligned() },
-            )
+            if size == 0 {
+                return real();
+            }
+            crate::vmm::create(handle, loc.id as usize, size as u64, real)
         }
     }
-}
-
-pub unsafe fn release(handle: CUmemGenericAllocationHandle) -> u32 {
-    uncharge(Kind::Vmm, handle, || unsafe { call::cuMemRelease(handle) })
 }
 
 /// Arrays: charged from the descriptor first, then corrected to what the

@@ -134,7 +134,7 @@ macro_rules! hooks {
     };
 }
 
-use crate::{info, launch, mem, nvml, procaddr};
+use crate::{info, launch, mem, nvml, procaddr, vmm};
 
 hooks! {
     exported {
@@ -153,7 +153,10 @@ hooks! {
         Cuda fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => mem::free_async;
         Cuda fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => mem::free_async_ptsz;
         Cuda fn cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => mem::create;
-        Cuda fn cuMemRelease(handle: CUmemGenericAllocationHandle) => mem::release;
+        Cuda fn cuMemRelease(handle: CUmemGenericAllocationHandle) => vmm::release;
+        Cuda fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain;
+        Cuda fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) => vmm::map;
+        Cuda fn cuMemUnmap(ptr: CUdeviceptr, size: usize) => vmm::unmap;
         Cuda fn cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => mem::array_create;
         Cuda fn cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => mem::array3d_create;
         Cuda fn cuArrayDestroy(arr: CUarray) => mem::array_destroy;

@@ -39,6 +39,10 @@ struct Registry {
     reserved: BTreeMap<u64, u64>,
     /// VMM mappings: start -> (handle, size).
     mapped: BTreeMap<u64, (u64, u64)>,
+    /// VMM physical allocations: handle -> (references, mappings). The
+    /// memory lives until both are zero, as on a real driver: releasing a
+    /// mapped handle frees nothing.
+    vmm: BTreeMap<u64, (u32, u32)>,
     host: BTreeSet<usize>,
 }
 
@@ -46,6 +50,7 @@ static REG: Mutex<Registry> = Mutex::new(Registry {
     allocs: BTreeMap::new(),
     reserved: BTreeMap::new(),
     mapped: BTreeMap::new(),
+    vmm: BTreeMap::new(),
     host: BTreeSet::new(),
 });
 
@@ -336,12 +341,44 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let d = s.dev(loc.id)?;
-        *handle = charge(s, Kind::Vmm, d, size as u64, 0)?;
+        let h = charge(s, Kind::Vmm, d, size as u64, 0)?;
+        reg().vmm.insert(h, (1, 0));
+        *handle = h;
         Ok(())
     }
 
     fn cuMemRelease(handle: CUmemGenericAllocationHandle) {
-        uncharge(cuda()?, Kind::Vmm, handle, CUDA_ERROR_INVALID_VALUE)
+        let s = cuda()?;
+        let free = {
+            let mut r = reg();
+            let e = r.vmm.get_mut(&handle).filter(|e| e.0 > 0).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            e.0 -= 1;
+            *e == (0, 0)
+        };
+        if free {
+            reg().vmm.remove(&handle);
+            uncharge(s, Kind::Vmm, handle, CUDA_ERROR_INVALID_VALUE)?;
+        }
+        Ok(())
+    }
+
+    fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) {
+        cuda()?;
+        if handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let a = addr as u64;
+        let mut r = reg();
+        let h = r
+            .mapped
+            .range(..=a)
+            .next_back()
+            .filter(|(start, (_, len))| a < *start + *len)
+            .map(|(_, (h, _))| *h)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        r.vmm.get_mut(&h).ok_or(CUDA_ERROR_INVALID_VALUE)?.0 += 1;
+        *handle = h;
+        Ok(())
     }
 
     fn cuMemAddressReserve(
@@ -370,7 +407,9 @@ cuda_exports! {
     fn cuMemMap(ptr: CUdeviceptr, size: usize, _offset: usize, handle: CUmemGenericAllocationHandle, _flags: u64) {
         cuda()?;
         let mut r = reg();
-        if !r.allocs.contains_key(&(Kind::Vmm, handle)) || size == 0 {
+        // A released handle cannot be mapped again, even while its memory
+        // lives on in another mapping.
+        if r.vmm.get(&handle).is_none_or(|e| e.0 == 0) || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let inside = r
@@ -382,12 +421,45 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         r.mapped.insert(ptr, (handle, size as u64));
+        r.vmm.get_mut(&handle).expect("checked above").1 += 1;
         Ok(())
     }
 
-    fn cuMemUnmap(ptr: CUdeviceptr, _size: usize) {
-        cuda()?;
-        reg().mapped.remove(&ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    /// Unmaps the whole mappings in the range (it must start at one and may
+    /// span several; cutting one is refused, as the driver does). A handle
+    /// released earlier is freed with its last mapping.
+    fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
+        let s = cuda()?;
+        let end = ptr.checked_add(size as u64).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let freed: Vec<u64> = {
+            let mut r = reg();
+            if size == 0 || !r.mapped.contains_key(&ptr) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let inside: Vec<(u64, u64)> = r
+                .mapped
+                .range(ptr..end)
+                .map(|(&st, &(_, len))| (st, st + len))
+                .collect();
+            if inside.iter().any(|&(_, e)| e > end) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let mut freed = Vec::new();
+            for (st, _) in inside {
+                let (h, _) = r.mapped.remove(&st).expect("listed above");
+                if let Some(e) = r.vmm.get_mut(&h) {
+                    e.1 -= 1;
+                    if *e == (0, 0) {
+                        r.vmm.remove(&h);
+                        freed.push(h);
+                    }
+                }
+            }
+            freed
+        };
+        for h in freed {
+            uncharge(s, Kind::Vmm, h, CUDA_ERROR_INVALID_VALUE)?;
+        }
         Ok(())
     }
 

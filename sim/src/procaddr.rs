@@ -88,6 +88,7 @@ pub fn table() -> &'static [Entry] {
             "cuMemRelease" 10020 cuMemRelease;
             "cuMemMap" 10020 cuMemMap;
             "cuMemUnmap" 10020 cuMemUnmap;
+            "cuMemRetainAllocationHandle" 11000 cuMemRetainAllocationHandle;
             "cuMemAddressReserve" 10020 cuMemAddressReserve;
             "cuMemAddressFree" 10020 cuMemAddressFree;
             "cuMemSetAccess" 10020 cuMemSetAccess;
