@@ -208,10 +208,7 @@ impl Probe {
                     Ok(_) => unreachable!(),
                     Err(rc) => return Err(rc),
                 };
-                let va = match vmm_map(c, h, size, 0, size) {
-                    Ok(va) => va,
-                    Err(rc) => return Err(rc),
-                };
+                let va = vmm_map(c, h, size, 0, size)?;
                 let rc = unsafe { f!(c, "cuMemRelease", "cuMemRelease", fn(u64))(h) };
                 if rc != 0 {
                     return Err(rc);
