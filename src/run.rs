@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use gpufrac_common::config::{
     Priority, VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_PRIORITY, VAR_COMPUTE_SHARE,
-    VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
+    VAR_JOB_LEDGER, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
 };
 use gpufrac_common::size::{self, format_size, parse_percent};
 use gpufrac_common::wire::ClientMsg;
@@ -384,7 +384,14 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         .collect();
     // The child may change directory before its shim connects.
     let child_socket = std::path::absolute(&socket).unwrap_or_else(|_| socket.clone());
-    let env = child_env(&placement, &flags, &shim, &child_socket, &existing);
+    let mut env = child_env(&placement, &flags, &shim, &child_socket, &existing);
+    // One set of memory books for the whole job: every process under this
+    // run shares the cap, instead of each getting all of it.
+    let books = job_books(&env)?;
+    if let Some(b) = &books {
+        env.set
+            .push((VAR_JOB_LEDGER.to_owned(), b.path.display().to_string()));
+    }
     if held.is_some() {
         // Descendants that daemonise are re-parented here rather than to
         // init, so the broker still finds them under this job.
@@ -398,8 +405,58 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
             .spawn(move || keep_lease(client, req, socket))
             .map_err(|e| Fail::new(1, format!("cannot start a thread: {e}")))?;
     }
-    let status = spawn_and_wait(&args.command, &env)?;
-    Ok(exit_code(status))
+    let status = spawn_and_wait(&args.command, &env);
+    drop(books);
+    Ok(exit_code(status?))
+}
+
+/// The job's shared memory books: a small file the child's processes map
+/// (named in `GPUFRAC_JOB_LEDGER`), removed when the job ends.
+struct JobBooks {
+    path: PathBuf,
+    _books: gpufrac_common::jobledger::JobLedger,
+}
+
+impl Drop for JobBooks {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn job_books(env: &ChildEnv) -> Result<Option<JobBooks>, Fail> {
+    let Some(cap) = env
+        .set
+        .iter()
+        .find(|(k, _)| k == VAR_MEM_LIMIT)
+        .and_then(|(_, v)| v.parse::<u64>().ok())
+    else {
+        return Ok(None);
+    };
+    // Memory-backed where there is /dev/shm: nothing touches a disk.
+    let dir = Path::new("/dev/shm");
+    let dir = if dir.is_dir() {
+        dir.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let path = dir.join(format!("gpufrac-job-{}-{nanos}", std::process::id()));
+    let books = gpufrac_common::jobledger::JobLedger::create(&path.display().to_string(), cap)
+        .map_err(|e| {
+            Fail::new(
+                1,
+                format!(
+                    "cannot create the job's memory books at {}: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+    Ok(Some(JobBooks {
+        path,
+        _books: books,
+    }))
 }
 
 fn exit_code(status: std::process::ExitStatus) -> u8 {

@@ -112,6 +112,7 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
         "COMMAND".to_owned(),
         "MEM USED".to_owned(),
         "CAP".to_owned(),
+        "JOB (MEM)".to_owned(),
         "SHARE".to_owned(),
         "ACHIEVED".to_owned(),
         "LIMIT".to_owned(),
@@ -124,6 +125,11 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
             command(&p.command),
             format_size(p.mem_used),
             p.mem_cap.map_or("-".to_owned(), format_size),
+            match (p.job, p.job_mem_used) {
+                (Some(j), Some(m)) => format!("{j} ({})", format_size(m)),
+                (Some(j), None) => j.to_string(),
+                _ => "-".to_owned(),
+            },
             percent(p.share_target),
             percent(p.share_achieved),
             p.limit.map_or("-".to_owned(), percent),
@@ -312,6 +318,7 @@ mod tests {
                         draining: false,
                         uid: 1000,
                         job: Some(41),
+                        job_mem_used: Some(3 << 30),
                     },
                     ProcStatus {
                         pid: 7,

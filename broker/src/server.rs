@@ -1235,6 +1235,14 @@ impl Server {
                     limit: s.map_or(c.limit, |s| s.limit),
                     uid: c.uid,
                     job: c.member_of.and_then(|t| self.jobs.get(&t)).map(|j| j.pid),
+                    job_mem_used: c.member_of.map(|t| {
+                        self.conns
+                            .values()
+                            .filter(|o| o.member_of == Some(t))
+                            .filter_map(|o| o.devices.iter().find(|od| od.gpu == d.gpu))
+                            .map(|od| od.used)
+                            .sum()
+                    }),
                     state: s.map_or("idle".into(), |s| match s.state {
                         ClientState::Idle => "idle".into(),
                         ClientState::Waiting => "waiting".into(),

@@ -83,6 +83,10 @@ pub struct ProcStatus {
     /// unit of fairness), if any.
     #[serde(default)]
     pub job: Option<u32>,
+    /// What all of that job's processes hold on this GPU (a job started
+    /// with `--gpu-memory` is capped as a whole).
+    #[serde(default)]
+    pub job_mem_used: Option<u64>,
 }
 
 fn normal() -> String {

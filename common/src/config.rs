@@ -26,6 +26,9 @@ pub const VAR_COMPUTE_PRIORITY: &str = "GPU_COMPUTE_PRIORITY";
 pub const VAR_SOCKET: &str = "GPUFRAC_SOCKET";
 pub const VAR_BROKER: &str = "GPUFRAC_BROKER";
 pub const VAR_LOG: &str = "GPUFRAC_LOG";
+/// Set by `gpufrac run --gpu-memory`: the file holding the job's shared
+/// memory books (see `jobledger`).
+pub const VAR_JOB_LEDGER: &str = "GPUFRAC_JOB_LEDGER";
 
 /// `sun_path` is 108 bytes on Linux and needs a terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
@@ -166,6 +169,8 @@ pub struct ShimConfig {
     pub broker: BrokerMode,
     /// `GPUFRAC_LOG`
     pub log: LogLevel,
+    /// `GPUFRAC_JOB_LEDGER`
+    pub job_ledger: Option<String>,
 }
 
 impl Default for ShimConfig {
@@ -180,6 +185,7 @@ impl Default for ShimConfig {
             socket: DEFAULT_SOCKET.to_owned(),
             broker: BrokerMode::Optional,
             log: LogLevel::Error,
+            job_ledger: None,
         }
     }
 }
@@ -315,6 +321,14 @@ pub fn from_raw_vars<'a, I: IntoIterator<Item = (&'a [u8], &'a [u8])>>(
                     }
                 }
             }
+            VAR_JOB_LEDGER => {
+                if seen.first(Var::JobLedger) {
+                    let v = value("a path such as /dev/shm/gpufrac-job-1234")?;
+                    if !v.trim().is_empty() {
+                        cfg.job_ledger = Some(v.to_owned());
+                    }
+                }
+            }
             VAR_LOG => {
                 if seen.first(Var::Log) {
                     let v = value(LOG_EXAMPLE)?;
@@ -408,6 +422,7 @@ enum Var {
     Socket,
     Broker,
     Log,
+    JobLedger,
 }
 
 /// Which variables have been met, so later duplicates are skipped.

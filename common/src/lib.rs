@@ -4,6 +4,7 @@
 pub mod clock;
 pub mod config;
 pub mod cuda;
+pub mod jobledger;
 pub mod net;
 pub mod size;
 pub mod versions;

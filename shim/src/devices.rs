@@ -83,6 +83,19 @@ fn slow_ensure() -> Result<(), u32> {
             uuid,
         });
     }
+    if let Some(path) = &cfg.job_ledger {
+        // The job's books (gpufrac run --gpu-memory): joined before any
+        // charge, so the first allocation already counts against the job.
+        let uuids: Vec<[u8; 16]> = devs.iter().map(|d| d.uuid.bytes).collect();
+        let joined = gpufrac_common::jobledger::JobLedger::open(path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| crate::ledger::join_job(b, &uuids).map_err(str::to_owned));
+        if let Err(e) = joined {
+            crate::log::write_line(format_args!(
+                "cannot use the job's memory books at {path} ({e}); this process is capped on its own"
+            ));
+        }
+    }
     let _ = DEVICES.set(devs);
     READY.store(1, Ordering::Release);
     Ok(())

@@ -45,6 +45,8 @@ pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
                 return rc;
             }
             let (vt, vf) = virtual_view(t as u64, f as u64, cap, ledger::used(dev));
+            // In a job, what the job's other processes hold is not free.
+            let vf = vf.min(ledger::job_room(dev));
             unsafe {
                 if !free.is_null() {
                     free.write_unaligned(vf as usize);

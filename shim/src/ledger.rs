@@ -6,9 +6,10 @@
 //! everything it owned — the books never drift.
 
 use gpufrac_common::config::MAX_DEVICES;
+use gpufrac_common::jobledger::JobLedger;
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 pub const NO_LIMIT: u64 = u64::MAX;
 
@@ -32,6 +33,77 @@ impl Ledger {
 
 pub static LEDGERS: [Ledger; MAX_DEVICES] = [const { Ledger::new() }; MAX_DEVICES];
 
+/// The job's shared books (`gpufrac run --gpu-memory`), when this process
+/// belongs to one: every charge must fit the job's cap as well as the
+/// process's own.
+struct Job {
+    books: JobLedger,
+    /// This process's slot; `NO_SLOT` until (re)attached, as after a fork.
+    slot: AtomicUsize,
+    /// Local ordinal -> GPU index in the books (`NO_GPU`: not in the job).
+    gpu: [AtomicU8; MAX_DEVICES],
+}
+
+const NO_SLOT: usize = usize::MAX;
+const NO_GPU: u8 = u8::MAX;
+
+static JOB: AtomicPtr<Job> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Joins the job's books with this process's devices (by UUID). Called
+/// once the devices are known.
+pub fn join_job(books: JobLedger, uuids: &[[u8; 16]]) -> Result<(), &'static str> {
+    let slot = books
+        .attach(std::process::id())
+        .ok_or("the job runs more processes than its books hold (256)")?;
+    let job = Box::new(Job {
+        books,
+        slot: AtomicUsize::new(slot),
+        gpu: [const { AtomicU8::new(NO_GPU) }; MAX_DEVICES],
+    });
+    for (i, u) in uuids.iter().enumerate().take(MAX_DEVICES) {
+        if let Some(g) = job.books.gpu(u) {
+            job.gpu[i].store(g as u8, Ordering::Relaxed);
+        }
+    }
+    // Never freed: a process belongs to one job for its life.
+    JOB.store(Box::into_raw(job), Ordering::Release);
+    Ok(())
+}
+
+#[inline]
+fn job() -> Option<&'static Job> {
+    let p = JOB.load(Ordering::Acquire);
+    // SAFETY: published once, never freed.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+impl Job {
+    /// (slot, gpu index) for a charge on `dev`, attaching a forked child
+    /// on its first charge.
+    fn place(&self, dev: usize) -> Option<(usize, usize)> {
+        let g = self.gpu.get(dev)?.load(Ordering::Relaxed);
+        if g == NO_GPU {
+            return None;
+        }
+        let mut slot = self.slot.load(Ordering::Acquire);
+        if slot == NO_SLOT {
+            slot = self.books.attach(std::process::id())?;
+            self.slot.store(slot, Ordering::Release);
+        }
+        Some((slot, g as usize))
+    }
+}
+
+/// Room left under the job's cap on `dev` (`NO_LIMIT` outside a job).
+pub fn job_room(dev: usize) -> u64 {
+    job()
+        .and_then(|j| {
+            let g = j.gpu.get(dev)?.load(Ordering::Relaxed);
+            (g != NO_GPU).then(|| j.books.cap().saturating_sub(j.books.used(g as usize)))
+        })
+        .unwrap_or(NO_LIMIT)
+}
+
 /// Charges `size` bytes to `dev`. Returns false (and counts an OOM) when
 /// that would exceed the device's cap.
 pub fn reserve(dev: usize, size: u64) -> bool {
@@ -50,6 +122,14 @@ pub fn reserve(dev: usize, size: u64) -> bool {
             .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
         {
             Ok(_) => {
+                if let Some(j) = job()
+                    && let Some((slot, g)) = j.place(dev)
+                    && !j.books.reserve(slot, g, size)
+                {
+                    l.used.fetch_sub(size, Ordering::AcqRel);
+                    l.ooms.fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
                 // Read first: a new peak is rare, a locked max on every
                 // allocation is not free.
                 if new > l.peak.load(Ordering::Relaxed) {
@@ -65,6 +145,11 @@ pub fn reserve(dev: usize, size: u64) -> bool {
 pub fn unreserve(dev: usize, size: u64) {
     if let Some(l) = LEDGERS.get(dev) {
         l.used.fetch_sub(size, Ordering::AcqRel);
+        if let Some(j) = job()
+            && let Some((slot, g)) = j.place(dev)
+        {
+            j.books.unreserve(slot, g, size);
+        }
     }
 }
 
@@ -218,6 +303,10 @@ pub fn live_count() -> usize {
 }
 
 pub fn reset_after_fork() {
+    // A child charges a slot of its own, taken at its first charge.
+    if let Some(j) = job() {
+        j.slot.store(NO_SLOT, Ordering::Release);
+    }
     MAPS.store(Box::into_raw(Maps::new()), Ordering::Release);
     for l in &LEDGERS {
         l.used.store(0, Ordering::Relaxed);

@@ -1,0 +1,444 @@
+//! One memory ledger for a whole job: every process of a `gpufrac run
+//! --gpu-memory SIZE` (and their descendants) charges the same books, so the
+//! job as a whole never holds more than SIZE on a GPU, however many
+//! processes it starts.
+//!
+//! The books live in a small file mapped shared by every process of the job
+//! (`gpufrac run` creates it and names it in `GPUFRAC_JOB_LEDGER`). They are
+//! kept under a process-shared *robust* mutex: a process killed while holding
+//! it cannot wedge the others — the next one to lock it is told, and rebuilds
+//! the totals from the per-process slots, which are the truth. Each process
+//! charges its own slot; the memory of a process that has died is returned
+//! the moment anyone would otherwise be refused (its slot is recognised by a
+//! pid that is gone or now names another process).
+//!
+//! No allocation on the charge path; the only system calls are the futex of
+//! an uncontended lock and, when a charge would be refused, a look at
+//! `/proc` for dead processes.
+
+use std::ffi::CString;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// "gpfrjob1"
+const MAGIC: u64 = 0x6770_6672_6a6f_6231;
+/// GPUs one job may use, and processes one job may run on the GPU at once.
+pub const MAX_GPUS: usize = 8;
+pub const MAX_SLOTS: usize = 256;
+
+#[repr(C)]
+struct Slot {
+    /// 0: free.
+    pid: u32,
+    _pad: u32,
+    /// The process's start time (clock ticks after boot): a recycled pid is
+    /// not the same process.
+    start: u64,
+    used: [u64; MAX_GPUS],
+}
+
+#[repr(C)]
+struct Shared {
+    magic: AtomicU64,
+    /// Bytes per GPU for the whole job.
+    cap: u64,
+    lock: libc::pthread_mutex_t,
+    ngpus: u64,
+    gpus: [[u8; 16]; MAX_GPUS],
+    /// Σ of the live slots' `used`: a cache, rebuilt after a holder died.
+    used: [u64; MAX_GPUS],
+    peak: [u64; MAX_GPUS],
+    slots: [Slot; MAX_SLOTS],
+}
+
+/// A process's view of a job's books.
+pub struct JobLedger {
+    shared: *mut Shared,
+}
+
+// SAFETY: all access to the shared books goes through the process-shared
+// mutex, or reads plain words (the magic, the cap) that never change after
+// creation.
+unsafe impl Send for JobLedger {}
+unsafe impl Sync for JobLedger {}
+
+fn start_time(pid: u32) -> u64 {
+    // /proc/PID/stat, field 22, read into a stack buffer.
+    let mut path = [0u8; 32];
+    let mut n = 0;
+    for b in b"/proc/" {
+        path[n] = *b;
+        n += 1;
+    }
+    let mut digits = [0u8; 10];
+    let mut d = 0;
+    let mut p = pid;
+    loop {
+        digits[d] = b'0' + (p % 10) as u8;
+        d += 1;
+        p /= 10;
+        if p == 0 {
+            break;
+        }
+    }
+    while d > 0 {
+        d -= 1;
+        path[n] = digits[d];
+        n += 1;
+    }
+    for b in b"/stat\0" {
+        path[n] = *b;
+        n += 1;
+    }
+    let mut buf = [0u8; 1024];
+    // SAFETY: a NUL-terminated path in a local buffer; read into a local
+    // buffer of its size.
+    let len = unsafe {
+        let fd = libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return 0;
+        }
+        let r = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+        libc::close(fd);
+        r
+    };
+    if len <= 0 {
+        return 0;
+    }
+    let text = &buf[..len as usize];
+    let Some(close) = text.iter().rposition(|&c| c == b')') else {
+        return 0;
+    };
+    text[close + 1..]
+        .split(|&c| c == b' ')
+        .filter(|f| !f.is_empty())
+        .nth(19)
+        .and_then(|f| std::str::from_utf8(f).ok())
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0)
+}
+
+fn alive(pid: u32, start: u64) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let exists = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0
+        || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists && start_time(pid) == start
+}
+
+struct Locked<'a> {
+    s: &'a mut Shared,
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        // SAFETY: we hold it.
+        unsafe { libc::pthread_mutex_unlock(&mut self.s.lock) };
+    }
+}
+
+impl JobLedger {
+    /// Creates the books for a job capped at `cap` bytes per GPU (by
+    /// `gpufrac run`), readable and writable by the owner only.
+    pub fn create(path: &str, cap: u64) -> io::Result<JobLedger> {
+        let c = CString::new(path).map_err(|_| io::Error::other("NUL in path"))?;
+        // SAFETY: plain file creation; O_EXCL so nobody else's file is used.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let l = Self::map(fd, true)?;
+        // SAFETY: freshly created and zeroed by ftruncate; no one else has
+        // it until its name is handed to the child.
+        unsafe {
+            let s = &mut *l.shared;
+            s.cap = cap;
+            let mut attr: libc::pthread_mutexattr_t = std::mem::zeroed();
+            libc::pthread_mutexattr_init(&mut attr);
+            libc::pthread_mutexattr_setpshared(&mut attr, libc::PTHREAD_PROCESS_SHARED);
+            libc::pthread_mutexattr_setrobust(&mut attr, libc::PTHREAD_MUTEX_ROBUST);
+            libc::pthread_mutex_init(&mut s.lock, &attr);
+            libc::pthread_mutexattr_destroy(&mut attr);
+            s.magic.store(MAGIC, Ordering::Release);
+        }
+        Ok(l)
+    }
+
+    /// Opens the books a `gpufrac run` created.
+    pub fn open(path: &str) -> io::Result<JobLedger> {
+        let c = CString::new(path).map_err(|_| io::Error::other("NUL in path"))?;
+        // SAFETY: plain open.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let l = Self::map(fd, false)?;
+        // SAFETY: mapped, at least the header's size.
+        if unsafe { &*l.shared }.magic.load(Ordering::Acquire) != MAGIC {
+            return Err(io::Error::other("not a gpufrac job ledger"));
+        }
+        Ok(l)
+    }
+
+    fn map(fd: libc::c_int, size_it: bool) -> io::Result<JobLedger> {
+        let len = std::mem::size_of::<Shared>();
+        // SAFETY: fd is ours; the mapping outlives the fd.
+        unsafe {
+            if size_it && libc::ftruncate(fd, len as libc::off_t) != 0 {
+                let e = io::Error::last_os_error();
+                libc::close(fd);
+                return Err(e);
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) != 0 || (st.st_size as usize) < len {
+                libc::close(fd);
+                return Err(io::Error::other("job ledger file too short"));
+            }
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            if p == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(JobLedger { shared: p.cast() })
+        }
+    }
+
+    pub fn cap(&self) -> u64 {
+        // SAFETY: written once before the magic was published.
+        unsafe { (*self.shared).cap }
+    }
+
+    fn lock(&self) -> Locked<'_> {
+        // SAFETY: the mutex lives in the shared mapping for our lifetime.
+        let s = unsafe { &mut *self.shared };
+        let rc = unsafe { libc::pthread_mutex_lock(&mut s.lock) };
+        if rc == libc::EOWNERDEAD {
+            // Its holder died mid-update: the slots are the truth.
+            // SAFETY: we hold it now.
+            unsafe { libc::pthread_mutex_consistent(&mut s.lock) };
+            rebuild(s);
+        }
+        Locked { s }
+    }
+
+    /// Takes a slot for this process; None when the job runs more processes
+    /// on the GPU than the books have room for.
+    pub fn attach(&self, pid: u32) -> Option<usize> {
+        let start = start_time(pid);
+        let g = self.lock();
+        let s = &mut *g.s;
+        if let Some(i) = s
+            .slots
+            .iter()
+            .position(|x| x.pid == pid && x.start == start)
+        {
+            return Some(i);
+        }
+        let free = match s.slots.iter().position(|x| x.pid == 0) {
+            Some(i) => i,
+            None => {
+                reclaim(s);
+                s.slots.iter().position(|x| x.pid == 0)?
+            }
+        };
+        let slot = &mut s.slots[free];
+        slot.pid = pid;
+        slot.start = start;
+        slot.used = [0; MAX_GPUS];
+        Some(free)
+    }
+
+    /// The index of a GPU (by UUID) in the books, added if new; None when
+    /// the job already uses as many GPUs as the books hold.
+    pub fn gpu(&self, uuid: &[u8; 16]) -> Option<usize> {
+        let g = self.lock();
+        let s = &mut *g.s;
+        let n = s.ngpus as usize;
+        if let Some(i) = s.gpus[..n].iter().position(|u| u == uuid) {
+            return Some(i);
+        }
+        if n == MAX_GPUS {
+            return None;
+        }
+        s.gpus[n] = *uuid;
+        s.ngpus += 1;
+        Some(n)
+    }
+
+    /// Charges `size` to this process's slot on GPU `gpu`, unless the job
+    /// would pass its cap there.
+    pub fn reserve(&self, slot: usize, gpu: usize, size: u64) -> bool {
+        let g = self.lock();
+        let s = &mut *g.s;
+        let cap = s.cap;
+        let fits = |s: &Shared| s.used[gpu].checked_add(size).is_some_and(|n| n <= cap);
+        if !fits(s) {
+            // Memory of processes that died is the job's again.
+            reclaim(s);
+            if !fits(s) {
+                return false;
+            }
+        }
+        s.slots[slot].used[gpu] += size;
+        s.used[gpu] += size;
+        s.peak[gpu] = s.peak[gpu].max(s.used[gpu]);
+        true
+    }
+
+    pub fn unreserve(&self, slot: usize, gpu: usize, size: u64) {
+        let g = self.lock();
+        let s = &mut *g.s;
+        let mine = &mut s.slots[slot].used[gpu];
+        let size = size.min(*mine);
+        *mine -= size;
+        s.used[gpu] = s.used[gpu].saturating_sub(size);
+    }
+
+    /// What the whole job holds on GPU `gpu`.
+    pub fn used(&self, gpu: usize) -> u64 {
+        self.lock().s.used[gpu]
+    }
+
+    /// Gives a slot up (its process is done with CUDA, or exiting).
+    pub fn detach(&self, slot: usize) {
+        let g = self.lock();
+        let s = &mut *g.s;
+        for (i, u) in s.slots[slot].used.iter().enumerate() {
+            s.used[i] = s.used[i].saturating_sub(*u);
+        }
+        s.slots[slot] = Slot {
+            pid: 0,
+            _pad: 0,
+            start: 0,
+            used: [0; MAX_GPUS],
+        };
+    }
+
+    /// Returns the slots of processes that have died; what they held.
+    pub fn reclaim_dead(&self) -> u64 {
+        let g = self.lock();
+        reclaim(g.s)
+    }
+
+    /// Per GPU (UUID, used, peak), for status and tests.
+    pub fn totals(&self) -> Vec<([u8; 16], u64, u64)> {
+        let g = self.lock();
+        let s = &*g.s;
+        (0..s.ngpus as usize)
+            .map(|i| (s.gpus[i], s.used[i], s.peak[i]))
+            .collect()
+    }
+}
+
+impl Drop for JobLedger {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.shared.cast(), std::mem::size_of::<Shared>()) };
+    }
+}
+
+fn reclaim(s: &mut Shared) -> u64 {
+    let mut freed = 0;
+    for slot in s.slots.iter_mut() {
+        if slot.pid != 0 && !alive(slot.pid, slot.start) {
+            for (i, u) in slot.used.iter().enumerate() {
+                s.used[i] = s.used[i].saturating_sub(*u);
+                freed += *u;
+            }
+            *slot = Slot {
+                pid: 0,
+                _pad: 0,
+                start: 0,
+                used: [0; MAX_GPUS],
+            };
+        }
+    }
+    freed
+}
+
+fn rebuild(s: &mut Shared) {
+    let mut used = [0u64; MAX_GPUS];
+    for slot in s.slots.iter().filter(|x| x.pid != 0) {
+        for (i, u) in slot.used.iter().enumerate() {
+            used[i] += *u;
+        }
+    }
+    s.used = used;
+    reclaim(s);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(name: &str) -> String {
+        format!(
+            "{}/gpufrac-jl-{name}-{}",
+            std::env::temp_dir().display(),
+            std::process::id()
+        )
+    }
+
+    #[test]
+    fn charges_are_shared_and_capped() {
+        let p = path("cap");
+        let _ = std::fs::remove_file(&p);
+        let a = JobLedger::create(&p, 100).unwrap();
+        let b = JobLedger::open(&p).unwrap();
+        let me = std::process::id();
+        let sa = a.attach(me).unwrap();
+        let sb = b.attach(me).unwrap();
+        assert_eq!(sa, sb, "one process, one slot");
+        let g = a.gpu(&[1; 16]).unwrap();
+        assert_eq!(b.gpu(&[1; 16]), Some(g));
+        assert!(a.reserve(sa, g, 60));
+        assert!(!b.reserve(sb, g, 41));
+        assert!(b.reserve(sb, g, 40));
+        assert_eq!(a.used(g), 100);
+        a.unreserve(sa, g, 30);
+        assert_eq!(b.used(g), 70);
+        assert_eq!(a.totals(), vec![([1; 16], 70, 100)]);
+        a.detach(sa);
+        assert_eq!(a.used(g), 0);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn a_dead_process_gives_its_memory_back() {
+        let p = path("dead");
+        let _ = std::fs::remove_file(&p);
+        let a = JobLedger::create(&p, 100).unwrap();
+        let g = a.gpu(&[2; 16]).unwrap();
+        // A child takes memory and dies holding the lock.
+        // SAFETY: the child only calls into the ledger and _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let b = JobLedger::open(&p).unwrap();
+            let s = b.attach(std::process::id()).unwrap();
+            let ok = b.reserve(s, g, 90);
+            std::mem::forget(b.lock());
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(libc::WEXITSTATUS(status), 0);
+        let me = a.attach(std::process::id()).unwrap();
+        // The lock its holder died with is recovered, and so is its memory.
+        assert!(a.reserve(me, g, 100));
+        assert_eq!(a.used(g), 100);
+        std::fs::remove_file(&p).unwrap();
+    }
+}
