@@ -1198,7 +1198,7 @@ mod tests {
             Err(DecodeError::Malformed("empty frame"))
         );
         assert_eq!(m(0x00, &[]), DecodeError::UnknownType(0));
-        assert_eq!(m(0x09, &[]), DecodeError::UnknownType(9));
+        assert_eq!(m(0x0f, &[]), DecodeError::UnknownType(0x0f));
         assert_eq!(m(T_HELLO_OK, &[1, 0]), DecodeError::UnknownType(T_HELLO_OK));
         assert_eq!(
             decode_server(&frame(T_HELLO, &[])),
