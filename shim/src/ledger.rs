@@ -99,7 +99,12 @@ pub fn job_room(dev: usize) -> u64 {
     job()
         .and_then(|j| {
             let g = j.gpu.get(dev)?.load(Ordering::Relaxed);
-            (g != NO_GPU).then(|| j.books.cap().saturating_sub(j.books.used(g as usize)))
+            // A process of the job that exited without freeing still has
+            // its slot: free memory must not be understated on its account.
+            (g != NO_GPU).then(|| {
+                j.books.reclaim_dead();
+                j.books.cap().saturating_sub(j.books.used(g as usize))
+            })
         })
         .unwrap_or(NO_LIMIT)
 }
