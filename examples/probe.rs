@@ -687,6 +687,127 @@ fn main() {
                     origin(p)
                 );
             }
+            // CUDA graph memory: capture a cuMemAllocAsync of SIZE on a new
+            // stream into a graph, instantiate it, then launch it N times;
+            // after each launch the allocation is freed outside the graph
+            // unless HOLD is "hold". Prints every launch's rc, and after
+            // each what the shim charges and the driver holds on the device;
+            // then trims the graph pool and prints them again.
+            "graph-mem" => {
+                let size = parse_size(&next(&mut i));
+                let n: usize = next(&mut i).parse().unwrap();
+                let hold = next(&mut i) == "hold";
+                let c = &probe.c;
+                let dev = probe.dev;
+                let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
+                let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
+                let held_fn = unsafe { libc::dlsym(lib, c"gpufracSimDeviceUsed".as_ptr()) };
+                let stage = || {
+                    let used = if q.is_null() {
+                        0
+                    } else {
+                        let f: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
+                        f(dev)
+                    };
+                    let mut h = 0u64;
+                    if !held_fn.is_null() {
+                        let f: unsafe extern "C" fn(c_int, *mut u64) -> R =
+                            unsafe { std::mem::transmute(held_fn) };
+                        unsafe { f(dev, &mut h) };
+                    }
+                    format!("{used}/{h}")
+                };
+                let mut stream: *mut c_void = std::ptr::null_mut();
+                unsafe {
+                    assert_eq!(
+                        f!(
+                            c,
+                            "cuStreamCreate",
+                            "cuStreamCreate",
+                            fn(*mut *mut c_void, c_uint)
+                        )(&mut stream, 1),
+                        0
+                    );
+                    assert_eq!(
+                        f!(
+                            c,
+                            "cuStreamBeginCapture",
+                            "cuStreamBeginCapture_v2",
+                            fn(*mut c_void, c_int)
+                        )(stream, 0),
+                        0
+                    );
+                }
+                let mut p = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemAllocAsync",
+                        "cuMemAllocAsync",
+                        fn(*mut u64, usize, *mut c_void)
+                    )(&mut p, size, stream)
+                };
+                assert_eq!(rc, 0, "captured alloc");
+                let mut graph: *mut c_void = std::ptr::null_mut();
+                let mut exec: *mut c_void = std::ptr::null_mut();
+                unsafe {
+                    assert_eq!(
+                        f!(
+                            c,
+                            "cuStreamEndCapture",
+                            "cuStreamEndCapture",
+                            fn(*mut c_void, *mut *mut c_void)
+                        )(stream, &mut graph),
+                        0
+                    );
+                    assert_eq!(
+                        f!(
+                            c,
+                            "cuGraphInstantiateWithFlags",
+                            "cuGraphInstantiateWithFlags",
+                            fn(*mut *mut c_void, *mut c_void, u64)
+                        )(&mut exec, graph, 0),
+                        0
+                    );
+                }
+                let captured = stage();
+                let launch = f!(
+                    c,
+                    "cuGraphLaunch",
+                    "cuGraphLaunch",
+                    fn(*mut c_void, *mut c_void)
+                );
+                let sync = f!(
+                    c,
+                    "cuStreamSynchronize",
+                    "cuStreamSynchronize",
+                    fn(*mut c_void)
+                );
+                let free = f!(c, "cuMemFreeAsync", "cuMemFreeAsync", fn(u64, *mut c_void));
+                let mut rcs = Vec::new();
+                let mut after = Vec::new();
+                for _ in 0..n {
+                    let rc = unsafe { launch(exec, stream) };
+                    rcs.push(rc.to_string());
+                    unsafe { sync(stream) };
+                    after.push(stage());
+                    if rc == 0 && !hold {
+                        unsafe {
+                            free(p, stream);
+                            sync(stream);
+                        }
+                    }
+                }
+                unsafe {
+                    f!(c, "cuDeviceGraphMemTrim", "cuDeviceGraphMemTrim", fn(c_int))(dev);
+                }
+                println!(
+                    "graph-mem captured={captured} launches={} after={} trimmed={}",
+                    rcs.join(","),
+                    after.join(","),
+                    stage()
+                );
+            }
             "fork-used" => {
                 // What the shim charges in a child forked after CUDA init.
                 let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };

@@ -148,14 +148,18 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
 }
 
 pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
-    gated_launch(stream, false, || unsafe {
-        call::cuGraphLaunch(exec, stream)
+    crate::graphmem::launch(exec, || {
+        gated_launch(stream, false, || unsafe {
+            call::cuGraphLaunch(exec, stream)
+        })
     })
 }
 
 pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    gated_launch(stream, true, || unsafe {
-        call::cuGraphLaunch_ptsz(exec, stream)
+    crate::graphmem::launch(exec, || {
+        gated_launch(stream, true, || unsafe {
+            call::cuGraphLaunch_ptsz(exec, stream)
+        })
     })
 }
 

@@ -147,6 +147,17 @@ pub fn reserve(dev: usize, size: u64) -> bool {
     }
 }
 
+/// Charges memory the driver already holds (a graph pool's growth): past
+/// the cap if need be, so that nothing more is allocated until it goes.
+pub fn force(dev: usize, size: u64) {
+    if !reserve(dev, size)
+        && let Some(l) = LEDGERS.get(dev)
+    {
+        let new = l.used.fetch_add(size, Ordering::AcqRel) + size;
+        l.peak.fetch_max(new, Ordering::Relaxed);
+    }
+}
+
 pub fn unreserve(dev: usize, size: u64) {
     if let Some(l) = LEDGERS.get(dev) {
         l.used.fetch_sub(size, Ordering::AcqRel);

@@ -16,6 +16,7 @@ mod boundary;
 mod client;
 mod devices;
 mod dlsym;
+mod graphmem;
 mod inflight;
 mod info;
 mod init;

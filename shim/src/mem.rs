@@ -200,16 +200,44 @@ pub unsafe fn alloc_pitch(
     })
 }
 
+/// An asynchronous allocation on a stream being captured becomes a node of
+/// the graph: it holds no memory until the graph is launched, and is
+/// charged then, as graph memory (`graphmem`).
+fn captured_alloc(
+    stream: CUstream,
+    on: Option<usize>,
+    size: usize,
+    real: impl Fn() -> u32,
+) -> Option<u32> {
+    if reentered() || !matches!(gate(), Gate::Account) {
+        return None;
+    }
+    let dev = on.or_else(|| devices::current().map(|d| d.0))?;
+    if !crate::graphmem::capturing(stream) {
+        return None;
+    }
+    let _g = HookGuard::enter();
+    let rc = real();
+    if rc == CUDA_SUCCESS {
+        crate::graphmem::captured(stream, dev, size as u64);
+    }
+    Some(rc)
+}
+
 pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    alloc_ptr(dptr, size, None, || unsafe {
-        call::cuMemAllocAsync(dptr, size, stream)
-    })
+    let real = || unsafe { call::cuMemAllocAsync(dptr, size, stream) };
+    if let Some(rc) = captured_alloc(stream, None, size, real) {
+        return rc;
+    }
+    alloc_ptr(dptr, size, None, real)
 }
 
 pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    alloc_ptr(dptr, size, None, || unsafe {
-        call::cuMemAllocAsync_ptsz(dptr, size, stream)
-    })
+    let real = || unsafe { call::cuMemAllocAsync_ptsz(dptr, size, stream) };
+    if let Some(rc) = captured_alloc(stream, None, size, real) {
+        return rc;
+    }
+    alloc_ptr(dptr, size, None, real)
 }
 
 /// Pools created on a device other than the current one charge that device.
@@ -232,9 +260,11 @@ pub unsafe fn alloc_pool(
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> u32 {
-    alloc_ptr(dptr, size, pool_device(pool), || unsafe {
-        call::cuMemAllocFromPoolAsync(dptr, size, pool, stream)
-    })
+    let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
+    if let Some(rc) = captured_alloc(stream, pool_device(pool), size, real) {
+        return rc;
+    }
+    alloc_ptr(dptr, size, pool_device(pool), real)
 }
 
 pub unsafe fn alloc_pool_ptsz(
@@ -243,9 +273,11 @@ pub unsafe fn alloc_pool_ptsz(
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> u32 {
-    alloc_ptr(dptr, size, pool_device(pool), || unsafe {
-        call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)
-    })
+    let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
+    if let Some(rc) = captured_alloc(stream, pool_device(pool), size, real) {
+        return rc;
+    }
+    alloc_ptr(dptr, size, pool_device(pool), real)
 }
 
 pub unsafe fn pool_create(pool: *mut CUmemoryPool, props: *const c_void) -> u32 {

@@ -134,7 +134,7 @@ macro_rules! hooks {
     };
 }
 
-use crate::{info, launch, mem, nvml, procaddr, vmm};
+use crate::{graphmem, info, launch, mem, nvml, procaddr, vmm};
 
 hooks! {
     exported {
@@ -185,6 +185,12 @@ hooks! {
         Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop_ptsz;
         Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) => launch::launch_coop_multi;
         Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => launch::graph_launch;
+        Cuda fn cuStreamEndCapture(stream: CUstream, graph: *mut *mut c_void) => graphmem::end_capture;
+        Cuda fn cuGraphInstantiateWithFlags(exec: *mut CUgraphExec, graph: *mut c_void, flags: u64) => graphmem::instantiate_with_flags;
+        Cuda fn cuGraphInstantiateWithParams(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params;
+        Cuda fn cuGraphDestroy(graph: *mut c_void) => graphmem::graph_destroy;
+        Cuda fn cuGraphExecDestroy(exec: CUgraphExec) => graphmem::exec_destroy;
+        Cuda fn cuDeviceGraphMemTrim(dev: CUdevice) => graphmem::trim;
         Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => launch::graph_launch_ptsz;
 
         Cuda fn cuCtxSynchronize() => launch::ctx_sync;
@@ -222,6 +228,8 @@ hooks! {
         Cuda fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent);
         Cuda fn cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent);
         Cuda fn cuEventDestroy_v2(event: CUevent);
+        Cuda fn cuStreamIsCapturing(stream: CUstream, status: *mut c_int);
+        Cuda fn cuDeviceGetGraphMemAttribute(dev: CUdevice, attr: c_int, value: *mut c_void);
         Nvml fn nvmlDeviceGetUUID(dev: nvmlDevice_t, buf: *mut c_char, len: c_uint);
     }
 }

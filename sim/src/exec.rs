@@ -55,6 +55,7 @@ unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream, ptsz: bool) -> Resul
     let s = cuda()?;
     let t = unsafe { resolve_stream(stream, ptsz) }?;
     let g = unsafe { GraphExec::from_handle(exec) }.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    crate::graphs::launch(s, exec)?;
     launch(s, t, g.duration_ns)
 }
 

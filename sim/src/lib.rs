@@ -97,6 +97,7 @@ mod ctx;
 mod device;
 mod engine;
 mod exec;
+mod graphs;
 mod mem;
 mod nvml;
 mod objects;

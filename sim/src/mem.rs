@@ -153,6 +153,12 @@ unsafe fn alloc_async(
     if dptr.is_null() || size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // Captured into a graph: an address now, memory at each launch.
+    let va = alloc_va(size as u64, 512)?;
+    if let Some(va) = crate::graphs::capture_alloc(stream, size as u64, dev, va) {
+        unsafe { *dptr = va };
+        return Ok(());
+    }
     // Pool memory belongs to the device, not to a context.
     let p = charge(s, Kind::Dev, dev, size as u64, 0)?;
     unsafe { *dptr = p };
@@ -162,6 +168,9 @@ unsafe fn alloc_async(
 unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
     let s = cuda()?;
     unsafe { resolve_stream(stream, ptsz) }?;
+    if crate::graphs::free(stream, dptr)? {
+        return Ok(());
+    }
     uncharge(s, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
 }
 

@@ -9,6 +9,7 @@ use crate::config::driver_version;
 use crate::ctx::*;
 use crate::device::*;
 use crate::exec::*;
+use crate::graphs::*;
 use crate::mem::*;
 
 #[derive(Debug, PartialEq)]
@@ -156,6 +157,15 @@ pub fn table() -> &'static [Entry] {
             "cuLaunchCooperativeKernelMultiDevice" 9000 cuLaunchCooperativeKernelMultiDevice;
             "cuGraphLaunch" 10000 cuGraphLaunch;
             "cuGraphLaunch" 10000 cuGraphLaunch_ptsz;
+            "cuStreamBeginCapture" 10000 cuStreamBeginCapture;
+            "cuStreamBeginCapture" 10010 cuStreamBeginCapture_v2;
+            "cuStreamEndCapture" 10000 cuStreamEndCapture;
+            "cuStreamIsCapturing" 10000 cuStreamIsCapturing;
+            "cuGraphInstantiateWithFlags" 11040 cuGraphInstantiateWithFlags;
+            "cuGraphDestroy" 10000 cuGraphDestroy;
+            "cuGraphExecDestroy" 10000 cuGraphExecDestroy;
+            "cuDeviceGraphMemTrim" 11040 cuDeviceGraphMemTrim;
+            "cuDeviceGetGraphMemAttribute" 11040 cuDeviceGetGraphMemAttribute;
 
             "cuGetProcAddress" 11030 cuGetProcAddress;
             "cuGetProcAddress" 12000 cuGetProcAddress_v2;
