@@ -395,6 +395,8 @@ if wants 2; then
             env "${SHIM_VARS[@]}" "$PY" "$GPU_DIR/check_nvml.py"
         run_step "VMM: map then release at once stays charged; driver lifetimes" 120 10 \
             env "${SHIM_VARS[@]}" "$PY" "$GPU_DIR/check_vmm.py"
+        run_step "CUDA graph memory: captured allocation relaunched under the cap" 120 10 \
+            env "${SHIM_VARS[@]}" "$PY" "$GPU_DIR/check_graphmem.py"
         margs=(--shim "$SHIM")
         [ -x "$CUDARC" ] && margs+=(--cudarc "$CUDARC")
         ((HAVE_TORCH)) && margs+=(--torch)
