@@ -460,7 +460,15 @@ fn out_of_file_descriptors_the_broker_sheds_connections_and_recovers() {
             Ok(())
         });
     }
-    let mut broker = cmd.spawn().unwrap();
+    // Killed however the test ends.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut broker = Killed(cmd.spawn().unwrap());
     wait_until(20.0, "the broker socket", || {
         UnixStream::connect(&socket).is_ok()
     });
@@ -481,9 +489,7 @@ fn out_of_file_descriptors_the_broker_sheds_connections_and_recovers() {
     let n: usize = opened.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert_eq!(closed, format!("closed {n}"));
     f.wait().unwrap();
-    assert!(broker.try_wait().unwrap().is_none(), "the broker died");
-    let _ = broker.kill();
-    let _ = broker.wait();
+    assert!(broker.0.try_wait().unwrap().is_none(), "the broker died");
 }
 
 fn rss_kb(pid: u32) -> u64 {

@@ -309,10 +309,14 @@ fn ask(d: usize, optimistic: bool) -> bool {
     if optimistic {
         OPTIMISTIC_UNTIL[d].store(now_ns() + OPTIMISTIC_NS, Relaxed);
     }
-    if let Some(dev) = devices::all().get(d) {
-        send(&ClientMsg::Acquire {
+    if let Some(dev) = devices::all().get(d)
+        && !send(&ClientMsg::Acquire {
             uuid: dev.uuid.bytes,
-        });
+        })
+    {
+        // Not on the wire (no connection at this instant): asking again
+        // must not be skipped as already done.
+        REQUESTED.fetch_and(!bit, AcqRel);
     }
     true
 }
@@ -337,7 +341,16 @@ fn close_gates() {
 fn wait_for_grant(d: usize) {
     let bit = 1u64 << d;
     let mut g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rounds = 0u32;
     while GATED.load(Acquire) && OPEN.load(SeqCst) & bit == 0 {
+        rounds += 1;
+        if rounds % ASK_AGAIN_ROUNDS == 0 {
+            // Asked long ago and still nothing: ask again. The broker
+            // takes a repeated Acquire as the same request, and a request
+            // lost in some race (a CI run once left a process waiting on a
+            // broker that had it as idle) costs half a second, not forever.
+            REQUESTED.fetch_and(!bit, AcqRel);
+        }
         ask(d, false);
         g = WAIT
             .1
@@ -346,6 +359,9 @@ fn wait_for_grant(d: usize) {
             .0;
     }
 }
+
+/// Waits of 100 ms after which a waiting process repeats its Acquire.
+const ASK_AGAIN_ROUNDS: u32 = 5;
 
 fn wake_all() {
     let _g = WAIT.0.lock().unwrap_or_else(|e| e.into_inner());
