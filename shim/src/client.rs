@@ -344,7 +344,7 @@ fn wait_for_grant(d: usize) {
     let mut rounds = 0u32;
     while GATED.load(Acquire) && OPEN.load(SeqCst) & bit == 0 {
         rounds += 1;
-        if rounds % ASK_AGAIN_ROUNDS == 0 {
+        if rounds.is_multiple_of(ASK_AGAIN_ROUNDS) {
             // Asked long ago and still nothing: ask again. The broker
             // takes a repeated Acquire as the same request, and a request
             // lost in some race (a CI run once left a process waiting on a
