@@ -35,6 +35,8 @@ pub enum LeaseOutcome {
         uuids: Vec<[u8; 16]>,
         mem_cap: u64,
         token: u64,
+        /// MPS pipe directory, when the broker runs MPS.
+        mps_pipe: String,
     },
     Refused(String),
     /// The deadline passed first; the last queue report, if any came.
@@ -211,12 +213,14 @@ impl Client {
                     uuids,
                     mem_cap,
                     token,
+                    mps_pipe,
                 }) => {
                     return Ok(LeaseOutcome::Leased {
                         gpus,
                         uuids,
                         mem_cap,
                         token,
+                        mps_pipe,
                     });
                 }
                 Some(ServerMsg::Refused { reason }) => return Ok(LeaseOutcome::Refused(reason)),
@@ -555,6 +559,7 @@ mod tests {
                 uuids: vec![[7; 16]],
                 mem_cap: 0,
                 token: 9,
+                mps_pipe: String::new(),
             },
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
@@ -584,6 +589,7 @@ mod tests {
                 uuids: vec![[7; 16]],
                 mem_cap: 0,
                 token: 9,
+                mps_pipe: String::new(),
             }
         );
         assert!(seen.starts_with(&[2]) && seen.ends_with(&[1]), "{seen:?}");
@@ -630,6 +636,7 @@ mod tests {
             uuids: vec![[1; 16]],
             mem_cap: 5,
             token: 9,
+            mps_pipe: String::new(),
         };
         let (dir, h) = fake_broker(server_frames(&[
             ServerMsg::HelloOk { version: 1 },

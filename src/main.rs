@@ -114,6 +114,10 @@ struct BrokerArgs {
     /// broker crash [default: the socket path + ".state"].
     #[arg(long, value_name = "PATH")]
     state: Option<PathBuf>,
+    /// Run NVIDIA MPS for the GPUs: jobs run side by side on the SMs
+    /// (`--gpu-compute` becomes an SM percentage) instead of taking turns.
+    #[arg(long)]
+    mps: bool,
 }
 
 fn main() -> ExitCode {
@@ -148,6 +152,7 @@ fn broker(args: BrokerArgs) -> u8 {
         spread: args.spread,
         max_conns_per_user: args.max_connections_per_user,
         state: args.state,
+        mps: args.mps,
     };
     match gpufrac_broker::server::run(opts) {
         Ok(()) => 0,

@@ -327,6 +327,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     // Held until the child exits: the broker ends the lease when this
     // connection closes, which also happens when run is killed outright.
     let mut held: Option<(Client, u64)> = None;
+    let mut mps_pipe = String::new();
     let placement = match Client::connect(&socket) {
         Err(ConnectError::NoBroker) => {
             if std::env::var(VAR_BROKER).is_ok_and(|v| v.trim().eq_ignore_ascii_case("required")) {
@@ -362,6 +363,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         Ok(client) => {
             let (client, g) = lease(client, &args, &socket)?;
             held = Some((client, g.token));
+            mps_pipe = g.mps_pipe;
             if wants_placement {
                 Placement::Leased {
                     gpus: g.gpus,
@@ -385,6 +387,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     // The child may change directory before its shim connects.
     let child_socket = std::path::absolute(&socket).unwrap_or_else(|_| socket.clone());
     let mut env = child_env(&placement, &flags, &shim, &child_socket, &existing);
+    env.set.extend(mps_env(&mps_pipe, &flags));
     // One set of memory books for the whole job: every process under this
     // run shares the cap, instead of each getting all of it.
     let books = job_books(&env)?;
@@ -507,6 +510,27 @@ struct Granted {
     gpus: Vec<u32>,
     mem_cap: u64,
     token: u64,
+    mps_pipe: String,
+}
+
+/// A broker running MPS: the child is an MPS client of its daemon, its
+/// `--gpu-compute` is the share of SMs it may use, and `--priority low`
+/// is MPS's below-normal client priority (MPS has no higher one).
+fn mps_env(pipe: &str, flags: &EnvFlags) -> Vec<(String, String)> {
+    if pipe.is_empty() {
+        return Vec::new();
+    }
+    let mut v = vec![("CUDA_MPS_PIPE_DIRECTORY".to_owned(), pipe.to_owned())];
+    if let Some(p) = flags.compute {
+        v.push((
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_owned(),
+            format!("{}", p.clamp(1.0, 100.0)),
+        ));
+    }
+    if flags.priority == Some(Priority::Low) {
+        v.push(("CUDA_MPS_CLIENT_PRIORITY".to_owned(), "1".to_owned()));
+    }
+    v
 }
 
 fn lease_request(args: &RunArgs, resume: u64) -> ClientMsg {
@@ -560,6 +584,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
                 gpus,
                 mem_cap,
                 token,
+                mps_pipe,
                 ..
             }) => {
                 return Ok((
@@ -568,6 +593,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
                         gpus,
                         mem_cap,
                         token,
+                        mps_pipe,
                     },
                 ));
             }

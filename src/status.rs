@@ -74,6 +74,16 @@ pub fn main(args: StatusArgs) -> u8 {
 /// The table view.
 pub fn render(s: &Status) -> String {
     let mut out = String::new();
+    if let Some(m) = &s.mps {
+        let _ = writeln!(
+            out,
+            "MPS {} (pipe {}, control daemon {}, {} restarts): jobs share the SMs side by side\n",
+            m.state,
+            m.pipe_dir,
+            m.daemon_pid.map_or("-".to_owned(), |p| format!("pid {p}")),
+            m.restarts
+        );
+    }
     if s.gpus.is_empty() {
         out.push_str("no GPUs\n");
     }
@@ -130,7 +140,10 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
                 (Some(j), None) => j.to_string(),
                 _ => "-".to_owned(),
             },
-            percent(p.share_target),
+            match p.sm_percent {
+                Some(sm) => format!("{sm:.0}% SMs"),
+                None => percent(p.share_target),
+            },
             percent(p.share_achieved),
             p.limit.map_or("-".to_owned(), percent),
             p.priority.clone(),
@@ -291,6 +304,7 @@ mod tests {
             overprovision: 1,
             gpus: vec![GpuStatus {
                 index: Some(0),
+                mode: "time-slicing".into(),
                 uuid: "GPU-0000".into(),
                 name: "NVIDIA H100".into(),
                 total_mem: 80 << 30,
@@ -319,6 +333,7 @@ mod tests {
                         uid: 1000,
                         job: Some(41),
                         job_mem_used: Some(3 << 30),
+                        sm_percent: None,
                     },
                     ProcStatus {
                         pid: 7,
@@ -351,6 +366,7 @@ mod tests {
             }],
             next: None,
             truncated: false,
+            mps: None,
         }
     }
 

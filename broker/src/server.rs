@@ -48,6 +48,8 @@ pub struct BrokerOptions {
     /// Where leases and the queue are kept across restarts (default: next
     /// to the socket, `<socket>.state`).
     pub state: Option<PathBuf>,
+    /// Run NVIDIA MPS for the GPUs: jobs share the SMs at once.
+    pub mps: bool,
 }
 
 impl Default for BrokerOptions {
@@ -64,6 +66,7 @@ impl Default for BrokerOptions {
             spread: false,
             max_conns_per_user: DEFAULT_MAX_CONNS_PER_USER,
             state: None,
+            mps: false,
         }
     }
 }
@@ -178,6 +181,8 @@ struct Server {
     reserve: Option<std::fs::File>,
     last_sweep: Instant,
     last_refusal_log: Option<Instant>,
+    /// MPS mode: the control daemon the broker runs.
+    mps: Option<crate::mps::Mps>,
 }
 
 /// A warning at most every 10 s: a flood must not also flood the log.
@@ -662,6 +667,22 @@ impl Server {
                     d.ooms = ooms;
                 }
             }
+            ClientMsg::Acquire { uuid } if self.mps.is_some() => {
+                // MPS runs every client's kernels side by side: nothing to
+                // take turns at. The grant is open-ended and never revoked.
+                if c.devices.iter().any(|d| self.gpus[d.gpu].uuid == uuid) {
+                    self.send(
+                        tok,
+                        &ServerMsg::Grant {
+                            uuid,
+                            grant: 1,
+                            slice_ns: 0,
+                            bound_ns: 0,
+                            waiters: false,
+                        },
+                    );
+                }
+            }
             ClientMsg::Acquire { uuid } => {
                 debug!(pid = c.pid, "acquire");
                 if let Some(d) = c.devices.iter().find(|d| self.gpus[d.gpu].uuid == uuid) {
@@ -764,6 +785,7 @@ impl Server {
                                 uuids: Vec::new(),
                                 mem_cap: 0,
                                 token,
+                                mps_pipe: self.mps_pipe(),
                             },
                         );
                     }
@@ -790,6 +812,12 @@ impl Server {
                 }
             }
         }
+    }
+
+    fn mps_pipe(&self) -> String {
+        self.mps
+            .as_ref()
+            .map_or_else(String::new, |m| m.pipe_dir.display().to_string())
     }
 
     fn attach_job(&mut self, tok: Token, job: Job) {
@@ -853,6 +881,7 @@ impl Server {
                         uuids: Vec::new(),
                         mem_cap: 0,
                         token,
+                        mps_pipe: self.mps_pipe(),
                     },
                 );
             }
@@ -984,6 +1013,7 @@ impl Server {
                     uuids,
                     mem_cap: lease.mem_cap.unwrap_or(0),
                     token: lease.id,
+                    mps_pipe: self.mps_pipe(),
                 },
             );
         }
@@ -1193,10 +1223,11 @@ impl Server {
         }
         // Deadlines of connections that have not said hello or sit on half
         // a frame, and restored jobs whose run may have died.
-        let pending = self
-            .conns
-            .values()
-            .any(|c| c.role.is_none() || c.partial_since.is_some())
+        let pending = self.mps.is_some()
+            || self
+                .conns
+                .values()
+                .any(|c| c.role.is_none() || c.partial_since.is_some())
             || self.jobs.keys().any(|k| !self.job_conn.contains_key(k));
         if pending {
             let tick = now + 250_000_000;
@@ -1225,6 +1256,11 @@ impl Server {
                     mem_used: d.used,
                     mem_peak: d.peak,
                     mem_cap: (d.cap > 0).then_some(d.cap),
+                    sm_percent: self.mps.as_ref().and_then(|_| {
+                        c.member_of
+                            .and_then(|t| self.jobs.get(&t))
+                            .and_then(|j| j.compute)
+                    }),
                     driver_mem: driver_mem
                         .iter()
                         .find(|(p, _)| *p == c.pid)
@@ -1259,6 +1295,12 @@ impl Server {
             let ls = g.index.and_then(|i| leases.iter().find(|l| l.index == i));
             gpus.push(GpuStatus {
                 index: g.index,
+                mode: if self.mps.is_some() {
+                    "mps"
+                } else {
+                    "time-slicing"
+                }
+                .into(),
                 uuid: g.uuid_str.clone(),
                 name: g.name.clone(),
                 total_mem: g.total_mem,
@@ -1326,6 +1368,12 @@ impl Server {
             leases,
             next: None,
             truncated: false,
+            mps: self.mps.as_ref().map(|m| crate::status::MpsStatus {
+                state: m.state.into(),
+                pipe_dir: m.pipe_dir.display().to_string(),
+                daemon_pid: m.daemon_pid(),
+                restarts: m.restarts,
+            }),
         }
     }
 
@@ -1529,6 +1577,14 @@ fn render_metrics(s: &Status) -> String {
                 );
             }
         }
+    }
+    if let Some(m) = &s.mps {
+        let _ = writeln!(
+            o,
+            "# HELP gpufrac_mps_up The MPS control daemon the broker runs is up (1) or not (0)."
+        );
+        let _ = writeln!(o, "# TYPE gpufrac_mps_up gauge");
+        let _ = writeln!(o, "gpufrac_mps_up {}", u8::from(m.state == "running"));
     }
     let _ = writeln!(o, "# TYPE gpufrac_queue_waiting gauge");
     let _ = writeln!(o, "gpufrac_queue_waiting {}", s.queue.len());
@@ -1781,6 +1837,24 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     };
     let listener = bind(&opts)?;
     info!(nofile, "file limit");
+    let mps = if opts.mps {
+        let dir = opts
+            .socket
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."))
+            .to_path_buf();
+        match crate::mps::Mps::start(&dir) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                // Nothing left behind by a refused start.
+                let _ = std::fs::remove_file(&opts.socket);
+                return Err(e);
+            }
+        }
+    } else {
+        None
+    };
     let state_path = opts.state.clone().unwrap_or_else(|| {
         let mut p = opts.socket.clone().into_os_string();
         p.push(".state");
@@ -1867,6 +1941,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         reserve: reserve_fd(),
         last_sweep: Instant::now(),
         last_refusal_log: None,
+        mps,
         opts,
     };
     s.restore_jobs();
@@ -1899,9 +1974,15 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             break Ok(());
         }
         s.sweep();
+        if let Some(m) = s.mps.as_mut() {
+            m.supervise();
+        }
         s.settle(touched);
         s.refresh_metrics();
     };
+    if let Some(m) = s.mps.as_mut() {
+        m.quit();
+    }
     let _ = std::fs::remove_file(&s.opts.socket);
     // A clean stop ends every lease (the runs see the socket close); only
     // a crash leaves state for the next broker.

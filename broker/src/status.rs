@@ -23,12 +23,28 @@ pub struct Status {
     /// The queue or lease lists were cut to fit a page.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub truncated: bool,
+    /// `--mps`: the MPS control daemon the broker runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<MpsStatus>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MpsStatus {
+    /// starting | running | failed | stopped
+    pub state: String,
+    pub pipe_dir: String,
+    pub daemon_pid: Option<u32>,
+    pub restarts: u32,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct GpuStatus {
     /// nvidia-smi index; None for a device only known from a client.
     pub index: Option<u32>,
+    /// How processes share it: "time-slicing" (the broker's timeslices) or
+    /// "mps" (side by side under NVIDIA MPS).
+    #[serde(default = "time_slicing")]
+    pub mode: String,
     pub uuid: String,
     pub name: String,
     pub total_mem: u64,
@@ -52,6 +68,11 @@ pub struct ProcStatus {
     pub mem_used: u64,
     pub mem_peak: u64,
     pub mem_cap: Option<u64>,
+    /// `--mps`: the share of the GPU's SMs this process may use
+    /// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, from its job's
+    /// `--gpu-compute`), percent; None: all of them.
+    #[serde(default)]
+    pub sm_percent: Option<f64>,
     /// What the driver reports for this process (NVML), when available: the
     /// shim's figure plus the driver's own context and module memory.
     #[serde(default)]
@@ -87,6 +108,10 @@ pub struct ProcStatus {
     /// with `--gpu-memory` is capped as a whole).
     #[serde(default)]
     pub job_mem_used: Option<u64>,
+}
+
+fn time_slicing() -> String {
+    "time-slicing".into()
 }
 
 fn normal() -> String {

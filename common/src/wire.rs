@@ -266,6 +266,9 @@ pub enum ServerMsg {
         mem_cap: u64,
         /// Names the lease for `Lease.resume` after a broker restart.
         token: u64,
+        /// The MPS pipe directory the job's processes must use (a broker
+        /// running MPS); empty otherwise.
+        mps_pipe: String,
     },
     Refused {
         reason: String,
@@ -479,6 +482,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             uuids,
             mem_cap,
             token,
+            mps_pipe,
         } => {
             out.push(T_LEASED);
             let gpus = clamp_list(gpus);
@@ -493,6 +497,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             }
             put_u64(out, *mem_cap);
             put_u64(out, *token);
+            put_str16(out, mps_pipe);
         }
         ServerMsg::Refused { reason } => {
             out.push(T_REFUSED);
@@ -628,6 +633,7 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
                 uuids,
                 mem_cap: r.u64()?,
                 token: r.u64()?,
+                mps_pipe: r.str16()?,
             }
         }
         T_REFUSED => ServerMsg::Refused { reason: r.str16()? },
@@ -950,12 +956,14 @@ mod tests {
                 uuids: vec![uuid(1), uuid(2)],
                 mem_cap: 0,
                 token: 1,
+                mps_pipe: String::new(),
             },
             ServerMsg::Leased {
                 gpus: vec![],
                 uuids: vec![],
                 mem_cap: 4 << 30,
                 token: u64::MAX,
+                mps_pipe: "/run/gpufrac/mps-pipe".into(),
             },
             ServerMsg::Refused {
                 reason: "no GPU on this node has 200 GiB".into(),
@@ -1349,6 +1357,7 @@ mod tests {
             uuids: vec![uuid(1); 70_000],
             mem_cap: 5,
             token: 6,
+            mps_pipe: String::new(),
         };
         let (ServerMsg::Leased { gpus, uuids, .. }, _) = decode_server(&enc_s(&m)).unwrap() else {
             panic!()
@@ -1512,6 +1521,7 @@ mod tests {
                     uuids,
                     mem_cap,
                     token: mem_cap ^ 0x5a5a,
+                    mps_pipe: String::new(),
                 }),
             any::<String>().prop_map(|reason| ServerMsg::Refused { reason }),
         ]

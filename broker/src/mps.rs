@@ -1,0 +1,173 @@
+//! `gpufrac broker --mps`: NVIDIA MPS run by the broker. The broker starts
+//! `nvidia-cuda-mps-control -d` with pipe and log directories of its own
+//! (under the socket's directory), restarts it if it dies, and tells it
+//! `quit` on shutdown. Jobs then run as MPS clients, truly side by side on
+//! the GPU's SMs; the shim still caps their memory.
+//!
+//! Only process management here; the socket layer decides what MPS mode
+//! means for arbitration.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+pub const CONTROL: &str = "nvidia-cuda-mps-control";
+/// Restarts of a control daemon that keeps dying before the broker gives
+/// up on it (and says so in status).
+const MAX_RESTARTS: u32 = 5;
+
+pub struct Mps {
+    pub pipe_dir: PathBuf,
+    pub log_dir: PathBuf,
+    control: PathBuf,
+    pub restarts: u32,
+    pub state: &'static str,
+    last_check: Instant,
+}
+
+/// `nvidia-cuda-mps-control` as found on PATH.
+fn find_control() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(CONTROL))
+        .find(|p| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+impl Mps {
+    /// Starts the control daemon for the broker's GPUs. Refuses, saying
+    /// why and what to do, when MPS is not there or will not start.
+    pub fn start(runtime_dir: &Path) -> Result<Mps, String> {
+        let control = find_control().ok_or_else(|| {
+            format!(
+                "--mps needs NVIDIA MPS, and {CONTROL} is not on PATH; install the NVIDIA driver's \
+                 MPS utilities (or drop --mps to time-slice the GPUs instead)"
+            )
+        })?;
+        let pipe_dir = runtime_dir.join("mps-pipe");
+        let log_dir = runtime_dir.join("mps-log");
+        for d in [&pipe_dir, &log_dir] {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(d)
+                .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        }
+        let mut m = Mps {
+            pipe_dir,
+            log_dir,
+            control,
+            restarts: 0,
+            state: "starting",
+            last_check: Instant::now(),
+        };
+        m.spawn()?;
+        info!(pipe = %m.pipe_dir.display(), "MPS control daemon started");
+        Ok(m)
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.control);
+        c.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
+            .env("CUDA_MPS_LOG_DIRECTORY", &self.log_dir)
+            // Every GPU of the node: the broker manages them all.
+            .env_remove("CUDA_VISIBLE_DEVICES");
+        c
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let out = self
+            .command()
+            .arg("-d")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", self.control.display()))?;
+        if !out.status.success() {
+            self.state = "failed";
+            return Err(format!(
+                "{} -d failed ({}): {}; check that the GPUs are in the Default compute mode and see {}",
+                self.control.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim(),
+                self.log_dir.display()
+            ));
+        }
+        self.state = "running";
+        Ok(())
+    }
+
+    /// The control daemon's pid, from the file it keeps in its pipe
+    /// directory.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.pipe_dir.join("nvidia-cuda-mps-control.pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// By its pid file when there is one; else by its control pipe (the
+    /// pid file's name is what NVIDIA's daemon writes, but a daemon
+    /// without it must not be restarted in a loop).
+    fn alive(&self) -> bool {
+        match self.daemon_pid() {
+            Some(p) => Path::new(&format!("/proc/{p}")).exists(),
+            None => self.pipe_dir.join("control").exists(),
+        }
+    }
+
+    /// Restarts a daemon that died (at most `MAX_RESTARTS` times); called
+    /// from the broker's loop, checks at most every 500 ms.
+    pub fn supervise(&mut self) {
+        if self.last_check.elapsed() < Duration::from_millis(500) || self.state == "failed" {
+            return;
+        }
+        self.last_check = Instant::now();
+        if self.alive() {
+            return;
+        }
+        if self.restarts >= MAX_RESTARTS {
+            self.state = "failed";
+            warn!(
+                "the MPS control daemon keeps dying ({} restarts); MPS clients will fail until it is fixed (see {})",
+                self.restarts,
+                self.log_dir.display()
+            );
+            return;
+        }
+        self.restarts += 1;
+        warn!(
+            restarts = self.restarts,
+            "the MPS control daemon is gone; restarting it"
+        );
+        if let Err(e) = self.spawn() {
+            warn!("{e}");
+        }
+    }
+
+    /// Tells the daemon to quit (it stops its servers, then itself).
+    pub fn quit(&mut self) {
+        let child = self
+            .command()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        match child {
+            Ok(mut c) => {
+                if let Some(mut i) = c.stdin.take() {
+                    let _ = i.write_all(b"quit\n");
+                }
+                let _ = c.wait();
+                self.state = "stopped";
+                info!("MPS control daemon told to quit");
+            }
+            Err(e) => warn!("cannot tell the MPS control daemon to quit: {e}"),
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! `gpufrac broker --mps` against a stand-in `nvidia-cuda-mps-control` on
+//! PATH that records how it was started and what it was told (MPS itself
+//! needs a GPU; gpu/ checks the real one).
+
+mod support;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use support::*;
+
+const STANDIN: &str = r#"#!/bin/sh
+log="$GPUFRAC_MPS_STANDIN_LOG"
+echo "call $* pipe=$CUDA_MPS_PIPE_DIRECTORY logdir=$CUDA_MPS_LOG_DIRECTORY cvd=${CUDA_VISIBLE_DEVICES-unset}" >> "$log"
+if [ "$1" = "-d" ]; then
+  if [ -n "$GPUFRAC_MPS_STANDIN_FAIL" ]; then
+    echo "MPS is not supported on this GPU" >&2
+    exit 1
+  fi
+  sleep 1000000 </dev/null >/dev/null 2>&1 &
+  echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+  exit 0
+fi
+while read cmd; do
+  echo "cmd $cmd" >> "$log"
+  if [ "$cmd" = quit ]; then
+    kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
+  fi
+done
+"#;
+
+struct Setup {
+    dir: Scratch,
+    socket: PathBuf,
+    log: PathBuf,
+    path: String,
+}
+
+fn setup(name: &str) -> Setup {
+    let dir = Scratch::new(name);
+    let bin = dir.0.join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let standin = bin.join("nvidia-cuda-mps-control");
+    std::fs::write(&standin, STANDIN).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&standin, PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:/usr/bin:/bin", bin.display());
+    let run = dir.0.join("run");
+    std::fs::create_dir(&run).unwrap();
+    Setup {
+        socket: run.join("b.sock"),
+        log: dir.0.join("standin.log"),
+        path,
+        dir,
+    }
+}
+
+fn broker(s: &Setup, path: &str, extra: &[(&str, &str)]) -> Command {
+    let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
+    cmd.args(["broker", "--mps", "--socket"])
+        .arg(&s.socket)
+        .env("PATH", path)
+        .env("GPUFRAC_MPS_STANDIN_LOG", &s.log)
+        .env("GPUFRAC_SIM_STATE", s.dir.0.join("sim"))
+        .env("RUST_LOG", "warn")
+        .envs(extra.iter().copied());
+    cmd
+}
+
+fn log(s: &Setup) -> String {
+    std::fs::read_to_string(&s.log).unwrap_or_default()
+}
+
+fn status(socket: &Path) -> serde_json::Value {
+    let o = Command::new(&artifacts().gpufrac)
+        .args(["status", "--json", "--socket"])
+        .arg(socket)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn alive(pid: u64) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
+    let s = setup("mps");
+    let mut b = Running(
+        broker(&s, &s.path, &[])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until(20.0, "the broker", || {
+        std::os::unix::net::UnixStream::connect(&s.socket).is_ok()
+    });
+    let run_dir = s.socket.parent().unwrap();
+    wait_until(20.0, "the daemon started", || {
+        status(&s.socket)["mps"]["state"] == "running"
+    });
+    let first = log(&s);
+    assert!(
+        first.contains(&format!(
+            "call -d pipe={} logdir={} cvd=unset",
+            run_dir.join("mps-pipe").display(),
+            run_dir.join("mps-log").display()
+        )),
+        "{first}"
+    );
+    let st = status(&s.socket);
+    assert_eq!(st["mps"]["state"], "running", "{st}");
+    assert_eq!(st["gpus"][0]["mode"], "mps", "{st}");
+    let pid = st["mps"]["daemon_pid"].as_u64().unwrap();
+    assert!(alive(pid));
+
+    // The daemon dies: the broker starts another.
+    // SAFETY: killing the stand-in daemon this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_until(10.0, "a restarted daemon", || {
+        let st = status(&s.socket);
+        st["mps"]["restarts"] == 1 && st["mps"]["daemon_pid"].as_u64().is_some_and(|p| p != pid)
+    });
+    let pid2 = status(&s.socket)["mps"]["daemon_pid"].as_u64().unwrap();
+
+    // Jobs are MPS clients: the pipe, and their compute share as an SM
+    // percentage; their launches are never held back by the broker.
+    let o = sim_command(&artifacts().gpufrac, "16G", false)
+        .env("GPUFRAC_SIM_STATE", s.dir.0.join("sim"))
+        .args(["run", "--socket"])
+        .arg(&s.socket)
+        .args(["--gpu-memory", "1G", "--gpu-compute", "30%", "--", "sh", "-c"])
+        .arg(format!(
+            "echo env $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $GPU_MEM_LIMIT; {} ctx launch 20 100000",
+            artifacts().probe.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!(
+            "env {} 30 {}",
+            run_dir.join("mps-pipe").display(),
+            1u64 << 30
+        )),
+        "{}",
+        stdout(&o)
+    );
+    assert_eq!(num(&line(&o, "launch", 0), "rc"), 0, "{}", stdout(&o));
+
+    // A clean stop tells the daemon to quit.
+    // SAFETY: signalling the broker this test started.
+    unsafe { libc::kill(b.0.id() as i32, libc::SIGTERM) };
+    let st = b.0.wait().unwrap();
+    assert!(st.success());
+    assert!(log(&s).contains("cmd quit"), "{}", log(&s));
+    wait_until(5.0, "the daemon gone", || !alive(pid2));
+}
+
+#[test]
+fn without_mps_the_broker_refuses_to_start_and_says_why() {
+    let s = setup("nomps");
+    let o = broker(&s, "/usr/bin:/bin", &[]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("nvidia-cuda-mps-control is not on PATH") && e.contains("drop --mps"),
+        "{e}"
+    );
+    assert!(!s.socket.exists(), "a refused start left its socket");
+}
+
+#[test]
+fn a_daemon_that_will_not_start_is_reported() {
+    let s = setup("mpsfail");
+    let o = broker(&s, &s.path, &[("GPUFRAC_MPS_STANDIN_FAIL", "1")])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("MPS is not supported on this GPU"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!s.socket.exists(), "a refused start left its socket");
+}
