@@ -6,7 +6,7 @@
 #   REPORT=path            report file (default docs/gpu-results-YYYY-MM-DD.md)
 #   OUT=dir                also copy the report (and raw logs) there
 #   PYTHON=python3         interpreter with torch / cupy / jax
-#   SUITE_SECTIONS="1 2 3 4 5 6" sections to run (the build always runs; 6 runs before 5)
+#   SUITE_SECTIONS="1 2 3 4 5 6 7" sections to run (the build always runs; 6 and 7 run before 5)
 #   SUITE_SKIP_BUILD=1     use the artifacts already in target/release
 #   SUITE_BUDGET_S=480     wall-clock budget; steps that would start after it are SKIPPED
 #   SUITE_CAP_GIB=4        the memory cap the checks run under
@@ -30,7 +30,7 @@ CAP_GIB=${SUITE_CAP_GIB:-4}
 export SUITE_CAP="${CAP_GIB}G"
 export SUITE_CAP_BYTES=$((CAP_GIB * 1024 * 1024 * 1024))
 BUDGET=${SUITE_BUDGET_S:-480}
-SECTIONS=" ${SUITE_SECTIONS:-1 2 3 4 5 6} "
+SECTIONS=" ${SUITE_SECTIONS:-1 2 3 4 5 6 7} "
 SHARE_SECONDS=${SUITE_SHARE_SECONDS:-8}
 LAT_SECONDS=${SUITE_LATENCY_SECONDS:-5}
 SOCK=/tmp/gpufrac-suite.sock
@@ -508,6 +508,27 @@ if wants 6; then
         else
             skip_all "PyTorch latency and share checks" "$TORCH_WHY"
         fi
+    fi
+    end_section
+fi
+
+# ---------------------------------------------------------------- 7. MPS
+if wants 7; then
+    section 7 "MPS: small jobs side by side (gpufrac broker --mps)"
+    why=$(prereq)
+    if [ -z "$why" ] && ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+        why="nvidia-cuda-mps-control is not installed"
+    fi
+    if [ -z "$why" ] && [ ! -x "$BIN" ]; then why="target/release/gpufrac was not built"; fi
+    if [ -n "$why" ]; then
+        skip_all "MPS checks" "$why"
+    elif build_cu load.cu "$LOADBIN" -std=c++17; then
+        margs=(--bin "$BIN" --load "$LOADBIN" --shim "$SHIM" --workdir "$WORK/mps")
+        ((HAVE_TORCH)) && margs+=(--torch-check "$GPU_DIR/check_torch.py")
+        run_step "MPS: 1/2/16 small-kernel jobs vs time-slicing; caps in a client; clean stop" 300 120 \
+            "$PY" "$GPU_DIR/mps.py" "${margs[@]}"
+    else
+        skip_all "MPS checks" "gpu/load.cu was not built"
     fi
     end_section
 fi
