@@ -153,7 +153,7 @@ pub fn docker_args(args: &DockerArgs) -> Result<Vec<String>, String> {
         }
         None => None,
     };
-    Ok(build(
+    let mut out = build(
         &lib,
         &socket,
         preload.as_deref(),
@@ -161,7 +161,41 @@ pub fn docker_args(args: &DockerArgs) -> Result<Vec<String>, String> {
         args.gpu_compute.as_deref(),
         args.gpu_limit.as_deref(),
         args.gpus.as_deref(),
-    ))
+    );
+    if broker_runs_mps(&socket) {
+        out.extend(mps_args(args.gpu_compute.as_deref()));
+    }
+    Ok(out)
+}
+
+/// A broker started with `--mps` keeps its MPS pipe directory beside its
+/// socket, which the container already sees (the socket's directory is
+/// mounted); asked of the broker itself, so a stale directory does not
+/// count.
+fn broker_runs_mps(socket: &Path) -> bool {
+    crate::client::Client::connect(socket)
+        .ok()
+        .and_then(|mut c| c.status().ok())
+        .is_some_and(|s| s.mps.is_some())
+}
+
+/// The container's processes as MPS clients: the pipe directory as the
+/// container sees it, the host's IPC namespace (MPS clients and server
+/// share memory through it), and the compute share as an SM percentage.
+fn mps_args(compute: Option<&str>) -> Vec<String> {
+    let mut v = vec![
+        "-e".to_owned(),
+        format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_SOCKET_DIR}/mps-pipe"),
+        "--ipc=host".to_owned(),
+    ];
+    if let Some(c) = compute {
+        v.push("-e".to_owned());
+        v.push(format!(
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={}",
+            c.trim_end_matches('%')
+        ));
+    }
+    v
 }
 
 fn build(

@@ -160,6 +160,24 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     );
     assert_eq!(num(&line(&o, "launch", 0), "rc"), 0, "{}", stdout(&o));
 
+    // Containers too: docker-args passes the pipe as the container sees
+    // it (the socket's directory is mounted) and the host IPC namespace.
+    let o = Command::new(&artifacts().gpufrac)
+        .args(["docker-args", "--socket"])
+        .arg(&s.socket)
+        .args(["--gpu-memory", "1G", "--gpu-compute", "30%"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let a = stdout(&o);
+    for want in [
+        "CUDA_MPS_PIPE_DIRECTORY=/run/gpufrac/mps-pipe",
+        "--ipc=host",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30",
+    ] {
+        assert!(a.contains(want), "{want} missing from {a}");
+    }
+
     // A clean stop tells the daemon to quit.
     // SAFETY: signalling the broker this test started.
     unsafe { libc::kill(b.0.id() as i32, libc::SIGTERM) };
