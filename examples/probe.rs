@@ -538,25 +538,7 @@ fn main() {
             "vmm-life" => {
                 let size = parse_size(&next(&mut i));
                 let c = &probe.c;
-                let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
-                let dev = probe.dev;
-                let stage = || {
-                    let used = if q.is_null() {
-                        0
-                    } else {
-                        let f: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
-                        f(dev)
-                    };
-                    // The simulated driver's own figure, past the shim.
-                    let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
-                    let p = unsafe { libc::dlsym(lib, c"gpufracSimDeviceUsed".as_ptr()) };
-                    assert!(!p.is_null(), "not the simulated driver");
-                    let held: unsafe extern "C" fn(c_int, *mut u64) -> R =
-                        unsafe { std::mem::transmute(p) };
-                    let mut h = 0u64;
-                    unsafe { held(dev, &mut h) };
-                    format!("{used}/{h}")
-                };
+                let stage = || charged_and_held(c, probe.dev);
                 let mut out = Vec::new();
                 let h = match probe.alloc("vmm", size) {
                     Ok(Held::Vmm(h)) => h,
@@ -699,24 +681,7 @@ fn main() {
                 let hold = next(&mut i) == "hold";
                 let c = &probe.c;
                 let dev = probe.dev;
-                let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
-                let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
-                let held_fn = unsafe { libc::dlsym(lib, c"gpufracSimDeviceUsed".as_ptr()) };
-                let stage = || {
-                    let used = if q.is_null() {
-                        0
-                    } else {
-                        let f: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
-                        f(dev)
-                    };
-                    let mut h = 0u64;
-                    if !held_fn.is_null() {
-                        let f: unsafe extern "C" fn(c_int, *mut u64) -> R =
-                            unsafe { std::mem::transmute(held_fn) };
-                        unsafe { f(dev, &mut h) };
-                    }
-                    format!("{used}/{h}")
-                };
+                let stage = || charged_and_held(c, dev);
                 let mut stream: *mut c_void = std::ptr::null_mut();
                 unsafe {
                     assert_eq!(
@@ -933,6 +898,24 @@ fn burst(c: &Cuda, start: u64, end: u64, period: u64, n: usize, ns: u64) -> Vec<
 }
 
 /// File name of the shared object containing `p`.
+/// "CHARGED/HELD" on `dev`: what the shim charges (gpufrac_mem_used, 0
+/// without the shim) and what the simulated driver holds, past the shim.
+fn charged_and_held(c: &Cuda, dev: c_int) -> String {
+    let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
+    let charged = if q.is_null() {
+        0
+    } else {
+        let f: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(q) };
+        f(dev)
+    };
+    let p = unsafe { libc::dlsym(c.lib, c"gpufracSimDeviceUsed".as_ptr()) };
+    assert!(!p.is_null(), "not the simulated driver");
+    let held_fn: unsafe extern "C" fn(c_int, *mut u64) -> R = unsafe { std::mem::transmute(p) };
+    let mut held = 0u64;
+    unsafe { held_fn(dev, &mut held) };
+    format!("{charged}/{held}")
+}
+
 /// Reserves a range of `size` bytes and maps `len` bytes of handle `h`
 /// from `offset` at its start.
 fn vmm_map(c: &Cuda, h: u64, size: usize, offset: usize, len: usize) -> Result<u64, R> {

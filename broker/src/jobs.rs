@@ -169,21 +169,7 @@ impl StateFile {
     }
 }
 
-/// Start time of a process (field 22 of /proc/PID/stat), None if gone.
-pub fn proc_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: fields start after
-    // the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// Parent of a process, None if gone.
-pub fn proc_parent(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
-}
+pub use gpufrac_common::procfs::{parent as proc_parent, start_time as proc_start_time};
 
 /// `pid` and its ancestors, nearest first (at most 64: a deeper tree is
 /// not a job's).

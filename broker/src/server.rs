@@ -612,13 +612,8 @@ impl Server {
                     if devs.iter().any(|x: &ClientDev| x.gpu == g) {
                         continue;
                     }
-                    self.gpus[g].sched.add_client(
-                        now,
-                        id,
-                        share.unwrap_or(DEFAULT_WEIGHT),
-                        limit,
-                        priority,
-                    );
+                    // Added to the GPU's scheduler by `enforce` below, with
+                    // its unit's settings.
                     devs.push(ClientDev {
                         gpu: g,
                         ordinal: d.ordinal,
@@ -778,16 +773,7 @@ impl Server {
                     // A job without placement: a unit with its settings.
                     None => {
                         self.attach_job(tok, job);
-                        self.send(
-                            tok,
-                            &ServerMsg::Leased {
-                                gpus: Vec::new(),
-                                uuids: Vec::new(),
-                                mem_cap: 0,
-                                token,
-                                mps_pipe: self.mps_pipe(),
-                            },
-                        );
+                        self.send_unplaced(tok, token);
                     }
                     Some(req) if no_wait => match self.queue.try_now(now, token, req) {
                         Ok(lease) => {
@@ -818,6 +804,19 @@ impl Server {
         self.mps
             .as_ref()
             .map_or_else(String::new, |m| m.pipe_dir.display().to_string())
+    }
+
+    /// The lease of a job without placement: no GPUs, only its token (and
+    /// the MPS pipe, in MPS mode).
+    fn send_unplaced(&mut self, tok: Token, token: u64) {
+        let msg = ServerMsg::Leased {
+            gpus: Vec::new(),
+            uuids: Vec::new(),
+            mem_cap: 0,
+            token,
+            mps_pipe: self.mps_pipe(),
+        };
+        self.send(tok, &msg);
     }
 
     fn attach_job(&mut self, tok: Token, job: Job) {
@@ -873,18 +872,7 @@ impl Server {
                     c.queued = Some(0);
                 }
             }
-            Phase::Unplaced => {
-                self.send(
-                    tok,
-                    &ServerMsg::Leased {
-                        gpus: Vec::new(),
-                        uuids: Vec::new(),
-                        mem_cap: 0,
-                        token,
-                        mps_pipe: self.mps_pipe(),
-                    },
-                );
-            }
+            Phase::Unplaced => self.send_unplaced(tok, token),
             Phase::Running { .. } => {
                 if let Some(lease) = self.queue.lease(token).cloned() {
                     self.deliver_lease(&lease);
@@ -1239,6 +1227,16 @@ impl Server {
     fn status(&self) -> Status {
         let now = self.now();
         let leases = self.queue.leases();
+        // What each job's processes hold together, per GPU: summed once,
+        // not once per process.
+        let mut job_used: HashMap<(u64, usize), u64> = HashMap::new();
+        for c in self.conns.values() {
+            if let Some(t) = c.member_of {
+                for d in &c.devices {
+                    *job_used.entry((t, d.gpu)).or_insert(0) += d.used;
+                }
+            }
+        }
         let mut gpus = Vec::new();
         for g in &self.gpus {
             let st = g.sched.status(now);
@@ -1271,14 +1269,9 @@ impl Server {
                     limit: s.map_or(c.limit, |s| s.limit),
                     uid: c.uid,
                     job: c.member_of.and_then(|t| self.jobs.get(&t)).map(|j| j.pid),
-                    job_mem_used: c.member_of.map(|t| {
-                        self.conns
-                            .values()
-                            .filter(|o| o.member_of == Some(t))
-                            .filter_map(|o| o.devices.iter().find(|od| od.gpu == d.gpu))
-                            .map(|od| od.used)
-                            .sum()
-                    }),
+                    job_mem_used: c
+                        .member_of
+                        .map(|t| job_used.get(&(t, d.gpu)).copied().unwrap_or(0)),
                     state: s.map_or("idle".into(), |s| match s.state {
                         ClientState::Idle => "idle".into(),
                         ClientState::Waiting => "waiting".into(),

@@ -63,59 +63,7 @@ unsafe impl Send for JobLedger {}
 unsafe impl Sync for JobLedger {}
 
 fn start_time(pid: u32) -> u64 {
-    // /proc/PID/stat, field 22, read into a stack buffer.
-    let mut path = [0u8; 32];
-    let mut n = 0;
-    for b in b"/proc/" {
-        path[n] = *b;
-        n += 1;
-    }
-    let mut digits = [0u8; 10];
-    let mut d = 0;
-    let mut p = pid;
-    loop {
-        digits[d] = b'0' + (p % 10) as u8;
-        d += 1;
-        p /= 10;
-        if p == 0 {
-            break;
-        }
-    }
-    while d > 0 {
-        d -= 1;
-        path[n] = digits[d];
-        n += 1;
-    }
-    for b in b"/stat\0" {
-        path[n] = *b;
-        n += 1;
-    }
-    let mut buf = [0u8; 1024];
-    // SAFETY: a NUL-terminated path in a local buffer; read into a local
-    // buffer of its size.
-    let len = unsafe {
-        let fd = libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return 0;
-        }
-        let r = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
-        libc::close(fd);
-        r
-    };
-    if len <= 0 {
-        return 0;
-    }
-    let text = &buf[..len as usize];
-    let Some(close) = text.iter().rposition(|&c| c == b')') else {
-        return 0;
-    };
-    text[close + 1..]
-        .split(|&c| c == b' ')
-        .filter(|f| !f.is_empty())
-        .nth(19)
-        .and_then(|f| std::str::from_utf8(f).ok())
-        .and_then(|f| f.parse().ok())
-        .unwrap_or(0)
+    crate::procfs::start_time(pid).unwrap_or(0)
 }
 
 fn alive(pid: u32, start: u64) -> bool {

@@ -6,6 +6,7 @@ pub mod config;
 pub mod cuda;
 pub mod jobledger;
 pub mod net;
+pub mod procfs;
 pub mod size;
 pub mod versions;
 pub mod wire;

@@ -25,7 +25,7 @@ use gpufrac_common::cuda::*;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 const ATTR_USED_CURRENT: i32 = 0;
 const ATTR_RESERVED_CURRENT: i32 = 2;
@@ -44,14 +44,12 @@ struct Books {
     execs: HashMap<usize, Need>,
 }
 
-static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
+static BOOKS: LazyLock<Mutex<Books>> = LazyLock::new(|| Mutex::new(Books::default()));
 /// What is charged for each device's graph pool.
 static CHARGED: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 
-fn books() -> MutexGuard<'static, Option<Books>> {
-    let mut g = BOOKS.lock().unwrap_or_else(|e| e.into_inner());
-    g.get_or_insert_with(Books::default);
-    g
+fn books() -> MutexGuard<'static, Books> {
+    BOOKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// True when `stream` is being captured (its allocations become graph
@@ -67,8 +65,6 @@ pub fn capturing(stream: CUstream) -> bool {
 pub fn captured(stream: CUstream, dev: usize, size: u64) {
     let mut g = books();
     let n = g
-        .as_mut()
-        .expect("initialised")
         .capturing
         .entry(stream as usize)
         .or_insert(Need { dev, bytes: 0 });
@@ -107,7 +103,7 @@ pub unsafe fn end_capture(stream: CUstream, graph: *mut *mut c_void) -> u32 {
         return rc;
     }
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     let need = b.capturing.remove(&(stream as usize));
     if rc == CUDA_SUCCESS
         && !graph.is_null()
@@ -125,7 +121,7 @@ fn instantiated(rc: u32, exec: *mut CUgraphExec, graph: *mut c_void) -> u32 {
         return rc;
     }
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     if let Some(n) = b.graphs.get(&(graph as usize)).copied() {
         // SAFETY: the driver wrote the exec there.
         let e = unsafe { exec.read_unaligned() } as usize;
@@ -155,11 +151,7 @@ pub unsafe fn instantiate_with_params(
 pub unsafe fn graph_destroy(graph: *mut c_void) -> u32 {
     let rc = unsafe { call::cuGraphDestroy(graph) };
     if rc == CUDA_SUCCESS && !reentered() {
-        books()
-            .as_mut()
-            .expect("initialised")
-            .graphs
-            .remove(&(graph as usize));
+        books().graphs.remove(&(graph as usize));
     }
     rc
 }
@@ -167,11 +159,7 @@ pub unsafe fn graph_destroy(graph: *mut c_void) -> u32 {
 pub unsafe fn exec_destroy(exec: CUgraphExec) -> u32 {
     let rc = unsafe { call::cuGraphExecDestroy(exec) };
     if rc == CUDA_SUCCESS && !reentered() {
-        let n = books()
-            .as_mut()
-            .expect("initialised")
-            .execs
-            .remove(&(exec as usize));
+        let n = books().execs.remove(&(exec as usize));
         if let Some(n) = n {
             sync(n.dev);
         }
@@ -193,14 +181,7 @@ pub fn launch(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     if reentered() {
         return real();
     }
-    let need = {
-        let g = books();
-        g.as_ref()
-            .expect("initialised")
-            .execs
-            .get(&(exec as usize))
-            .copied()
-    };
+    let need = books().execs.get(&(exec as usize)).copied();
     match gate() {
         Gate::Pass => return real(),
         Gate::Refuse(code) => return code,

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use gpufrac_common::cuda::*;
 
@@ -57,17 +57,15 @@ struct Books {
     next_graph: usize,
 }
 
-static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
+static BOOKS: LazyLock<Mutex<Books>> = LazyLock::new(|| {
+    Mutex::new(Books {
+        next_graph: 0x6a00_0000,
+        ..Books::default()
+    })
+});
 
-fn books() -> MutexGuard<'static, Option<Books>> {
-    let mut g = BOOKS.lock().unwrap_or_else(|e| e.into_inner());
-    if g.is_none() {
-        *g = Some(Books {
-            next_graph: 0x6a00_0000,
-            ..Books::default()
-        });
-    }
-    g
+fn books() -> MutexGuard<'static, Books> {
+    BOOKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A capture in progress on `stream`: the allocation becomes a node of the
@@ -75,7 +73,7 @@ fn books() -> MutexGuard<'static, Option<Books>> {
 /// capturing.
 pub fn capture_alloc(stream: CUstream, size: u64, dev: usize, va: u64) -> Option<u64> {
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     let list = b.capturing.get_mut(&(stream as usize))?;
     list.push(GraphAlloc {
         va,
@@ -91,7 +89,7 @@ pub fn capture_alloc(stream: CUstream, size: u64, dev: usize, va: u64) -> Option
 /// pool. False when `va` is no graph allocation.
 pub fn free(stream: CUstream, va: u64) -> Result<bool, CUresult> {
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     if let Some(list) = b.capturing.get_mut(&(stream as usize))
         && let Some(a) = list.iter_mut().find(|a| a.va == va)
     {
@@ -116,7 +114,7 @@ pub fn free(stream: CUstream, va: u64) -> Result<bool, CUresult> {
 /// Takes the memory of a launch of `exec` from its devices' graph pools.
 pub fn launch(s: &Sim, exec: CUgraphExec) -> Result<(), CUresult> {
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     let Some((allocs, out)) = b.execs.get(&(exec as usize)).cloned() else {
         return Ok(());
     };
@@ -162,7 +160,7 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut g = books();
-        let b = g.as_mut().expect("initialised");
+        let b = &mut *g;
         let allocs = b
             .capturing
             .remove(&(stream as usize))
@@ -180,8 +178,6 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let capturing = books()
-            .as_ref()
-            .expect("initialised")
             .capturing
             .contains_key(&(stream as usize));
         *status = i32::from(capturing);
@@ -195,8 +191,6 @@ cuda_exports! {
     fn cuGraphDestroy(graph: *mut c_void) {
         cuda()?;
         books()
-            .as_mut()
-            .expect("initialised")
             .graphs
             .remove(&(graph as usize))
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
@@ -208,7 +202,7 @@ cuda_exports! {
         // Outstanding allocations outlive the exec; they are freed with
         // cuMemFreeAsync as before.
         let mut g = books();
-        let b = g.as_mut().expect("initialised");
+        let b = &mut *g;
         if b.execs.remove(&(exec as usize)).is_none() && GraphExec::from_handle(exec).is_none() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -219,7 +213,7 @@ cuda_exports! {
         let s = cuda()?;
         let d = s.dev(device)?;
         let mut g = books();
-        let p = g.as_mut().expect("initialised").pools.entry(d).or_default();
+        let p = &mut *g.pools.entry(d).or_default();
         let spare = p.reserved - p.used;
         s.release(d, spare);
         p.reserved = p.used;
@@ -233,7 +227,7 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut g = books();
-        let p = g.as_mut().expect("initialised").pools.entry(d).or_default();
+        let p = &mut *g.pools.entry(d).or_default();
         let v = match attr {
             ATTR_USED_CURRENT => p.used,
             ATTR_USED_HIGH => p.used_high,
@@ -255,7 +249,7 @@ unsafe fn begin(stream: CUstream) -> Result<(), CUresult> {
     }
     unsafe { resolve_stream(stream, false) }?;
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     if b.capturing.insert(stream as usize, Vec::new()).is_some() {
         return Err(CUDA_ERROR_ILLEGAL_STATE);
     }
@@ -268,7 +262,7 @@ unsafe fn instantiate(exec: *mut CUgraphExec, graph: *mut c_void) -> Result<(), 
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let mut g = books();
-    let b = g.as_mut().expect("initialised");
+    let b = &mut *g;
     let allocs = b
         .graphs
         .get(&(graph as usize))
