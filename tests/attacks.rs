@@ -30,17 +30,6 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-fn run(b: &Broker, args: &[&str]) -> Command {
-    let mut cmd = sim_command(&artifacts().gpufrac, &b.devices, false);
-    cmd.env_remove("GPUFRAC_BROKER")
-        .env("GPUFRAC_SIM_STATE", &b.state)
-        .arg("run")
-        .arg("--socket")
-        .arg(&b.socket)
-        .args(args);
-    cmd
-}
-
 fn spin_args(start: u64, end: u64) -> Vec<String> {
     [
         "ctx".to_string(),
@@ -67,16 +56,6 @@ fn spun(o: &std::process::Output) -> Vec<u64> {
         .collect()
 }
 
-fn status_json(b: &Broker) -> serde_json::Value {
-    let o = Command::new(&artifacts().gpufrac)
-        .args(["status", "--json", "--socket"])
-        .arg(&b.socket)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "status failed: {}", stderr(&o));
-    serde_json::from_slice(&o.stdout).unwrap()
-}
-
 #[test]
 fn ten_processes_of_one_job_get_one_share_between_them() {
     let _s = serial();
@@ -89,13 +68,15 @@ fn ten_processes_of_one_job_get_one_share_between_them() {
     let many = format!(
         "for i in 0 1 2 3 4 5 6 7 8 9; do GPU_COMPUTE_SHARE=100 {probe} {args} & done; wait"
     );
-    let attacker = run(&b, &["--", "sh", "-c", &many])
+    let attacker = b
+        .run(&["--", "sh", "-c", &many])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     // The victim declares the same legal maximum: one unit each.
-    let victim = run(&b, &["--", "env", "GPU_COMPUTE_SHARE=100"])
+    let victim = b
+        .run(&["--", "env", "GPU_COMPUTE_SHARE=100"])
         .arg(&artifacts().probe)
         .args(spin_args(start, end))
         .stdout(Stdio::piped())
@@ -210,14 +191,12 @@ fn a_jobs_limit_holds_whatever_its_processes_environment_says() {
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
     let start = mono_ns() + 1500 * MS;
     let end = start + 3000 * MS;
-    let o = run(
-        &b,
-        &["--gpu-limit", "10%", "--", "env", "-u", "GPU_COMPUTE_LIMIT"],
-    )
-    .arg(&artifacts().probe)
-    .args(spin_args(start, end))
-    .output()
-    .unwrap();
+    let o = b
+        .run(&["--gpu-limit", "10%", "--", "env", "-u", "GPU_COMPUTE_LIMIT"])
+        .arg(&artifacts().probe)
+        .args(spin_args(start, end))
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let k = spun(&o)[0];
     let busy = (k * KERNEL_NS) as f64 / (end - start) as f64;
@@ -233,7 +212,8 @@ fn a_jobs_limit_holds_whatever_its_processes_environment_says() {
 #[test]
 fn a_jobs_memory_cap_holds_whatever_its_processes_environment_says() {
     let b = Broker::start("16G", &[]);
-    let o = run(&b, &["--gpu-memory", "1G", "--", "env", "GPU_MEM_LIMIT=8G"])
+    let o = b
+        .run(&["--gpu-memory", "1G", "--", "env", "GPU_MEM_LIMIT=8G"])
         .arg(&artifacts().probe)
         .args(["ctx", "fill", "alloc", "64M"])
         .output()
@@ -280,23 +260,14 @@ fn invented_gpus_are_refused_and_status_stays_whole() {
         }
         assert_eq!(c.recv(), None, "the connection is closed after the refusal");
     }
-    let s = status_json(&b);
+    let s = status_cli(&b.socket);
     assert_eq!(s["gpus"].as_array().unwrap().len(), 1, "{s}");
 }
 
 #[test]
 fn status_pages_through_more_processes_than_one_frame_holds() {
     let b = Broker::start("16G", &["--max-connections-per-user", "3000"]);
-    let uuid = {
-        let s = status_json(&b);
-        let u = s["gpus"][0]["uuid"].as_str().unwrap().to_string();
-        let hex: String = u.trim_start_matches("GPU-").replace('-', "");
-        let mut b = [0u8; 16];
-        for (i, byte) in b.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-        }
-        b
-    };
+    let uuid = b.first_gpu_uuid();
     let long = "x".repeat(2000);
     let mut held = Vec::new();
     for _ in 0..1200 {
@@ -322,7 +293,7 @@ fn status_pages_through_more_processes_than_one_frame_holds() {
     // 1200 processes with 2 KB command lines are 2.4 MB of JSON: more
     // than one frame, which once made status fail for everyone.
     wait_until(20.0, "all 1200 registrations", || {
-        let s = status_json(&b);
+        let s = status_cli(&b.socket);
         s["gpus"][0]["processes"].as_array().unwrap().len() == 1200
     });
 }
@@ -404,7 +375,7 @@ fn an_idle_flood_from_another_user_neither_stops_the_broker_nor_outlives_itself(
     assert!(opened.starts_with("opened"), "{opened}");
     // The flood is held open: everyone else is still served at once.
     let t = Instant::now();
-    let s = status_json(&b);
+    let s = status_cli(&b.socket);
     assert!(s["gpus"].is_array());
     eprintln!(
         "figure: status during an 1100-connection idle flood: {:?}",
@@ -460,15 +431,7 @@ fn out_of_file_descriptors_the_broker_sheds_connections_and_recovers() {
             Ok(())
         });
     }
-    // Killed however the test ends.
-    struct Killed(std::process::Child);
-    impl Drop for Killed {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let mut broker = Killed(cmd.spawn().unwrap());
+    let mut broker = KillOnDrop(cmd.spawn().unwrap());
     wait_until(20.0, "the broker socket", || {
         UnixStream::connect(&socket).is_ok()
     });
@@ -544,7 +507,7 @@ fn half_sent_frames_cost_bounded_memory_and_are_dropped() {
             }
         }
     }
-    assert!(status_json(&b)["gpus"].is_array());
+    assert!(status_cli(&b.socket)["gpus"].is_array());
 }
 
 #[test]
@@ -552,7 +515,8 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
     let b0 = Broker::start("16G", &[]);
     let mut b = b0;
     // A holds the only GPU until told; B waits behind it.
-    let mut a = run(&b, &["--gpus", "1", "--", "sh", "-c", "read x"])
+    let mut a = b
+        .run(&["--gpus", "1", "--", "sh", "-c", "read x"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -563,7 +527,8 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
             .as_array()
             .is_some_and(|l| l.len() == 1)
     });
-    let queued = run(&b, &["--gpus", "1", "--", "true"])
+    let queued = b
+        .run(&["--gpus", "1", "--", "true"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -588,7 +553,8 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
         t.elapsed()
     );
     // The GPU A holds is not handed out again.
-    let o = run(&b, &["--gpus", "1", "--no-wait", "--", "true"])
+    let o = b
+        .run(&["--gpus", "1", "--no-wait", "--", "true"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
@@ -743,16 +709,7 @@ fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
 #[test]
 fn random_client_sequences_leave_the_broker_whole() {
     let b = Broker::start("16G,8G", &[]);
-    let s = status_json(&b);
-    let hex: String = s["gpus"][0]["uuid"]
-        .as_str()
-        .unwrap()
-        .trim_start_matches("GPU-")
-        .replace('-', "");
-    let mut real = [0u8; 16];
-    for (i, byte) in real.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
+    let real = b.first_gpu_uuid();
     for round in 0..4u64 {
         let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ (round + 1));
         let mut clients: Vec<UnixStream> = Vec::new();
@@ -784,7 +741,7 @@ fn random_client_sequences_leave_the_broker_whole() {
             }
         }
         // The broker still serves everyone, and its books are consistent.
-        let s = status_json(&b);
+        let s = status_cli(&b.socket);
         for g in s["gpus"].as_array().unwrap() {
             let holders = g["processes"]
                 .as_array()
@@ -799,7 +756,7 @@ fn random_client_sequences_leave_the_broker_whole() {
         drop(clients);
         // Nothing outlives its clients: no process, lease or queue entry.
         wait_until(10.0, "the fuzz clients to be forgotten", || {
-            let s = status_json(&b);
+            let s = status_cli(&b.socket);
             s["gpus"]
                 .as_array()
                 .unwrap()

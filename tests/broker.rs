@@ -418,16 +418,7 @@ fn declared_shares_and_usage_are_bounded_by_the_gpu() {
     use gpufrac_common::config::Priority;
     use gpufrac_common::wire::{ClientMsg, DeviceReg};
     let b = Broker::start("16G", &[]);
-    let s = b.status();
-    let text = s["gpus"][0]["uuid"]
-        .as_str()
-        .unwrap()
-        .trim_start_matches("GPU-");
-    let hex: String = text.chars().filter(|c| *c != '-').collect();
-    let mut uuid = [0u8; 16];
-    for (i, byte) in uuid.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-    }
+    let uuid = b.first_gpu_uuid();
     let join = |command: &str, share: f64| {
         let mut c = RawClient::connect(&b.socket);
         c.hello();

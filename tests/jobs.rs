@@ -7,18 +7,12 @@ mod support;
 use std::process::{Command, Output, Stdio};
 use support::*;
 
-fn run_cmd(socket: Option<&std::path::Path>, devices: &str, args: &[&str]) -> Command {
-    let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
-    cmd.env_remove("GPUFRAC_BROKER").arg("run");
-    match socket {
-        Some(s) => {
-            cmd.arg("--socket").arg(s);
-        }
-        None => {
-            cmd.args(["--socket", "/nonexistent/gpufrac.sock"]);
-        }
-    }
-    cmd.args(args);
+/// `gpufrac run` with no broker to talk to.
+fn run_alone(args: &[&str]) -> Command {
+    let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .args(["run", "--socket", "/nonexistent/gpufrac.sock"])
+        .args(args);
     cmd
 }
 
@@ -46,7 +40,7 @@ fn three_fill(probe: &std::path::Path) -> String {
 
 #[test]
 fn a_job_without_a_broker_is_capped_as_a_whole() {
-    let o = run_cmd(None, "16G", &["--gpu-memory", "1G", "--", "sh", "-c"])
+    let o = run_alone(&["--gpu-memory", "1G", "--", "sh", "-c"])
         .arg(three_fill(&artifacts().probe))
         .output()
         .unwrap();
@@ -62,17 +56,13 @@ fn a_job_with_a_broker_is_capped_as_a_whole_and_status_shows_its_total() {
     let b = Broker::start("16G", &[]);
     let p = artifacts().probe.display().to_string();
     let script = format!("for i in 1 2; do {p} ctx fill alloc 64M sleep-ms 3000 & done; wait");
-    let child = run_cmd(
-        Some(&b.socket),
-        "16G",
-        &["--gpu-memory", "1G", "--", "sh", "-c"],
-    )
-    .env("GPUFRAC_SIM_STATE", &b.state)
-    .arg(&script)
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let child = b
+        .run(&["--gpu-memory", "1G", "--", "sh", "-c"])
+        .arg(&script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // Both processes registered under the job, together at the job's cap.
     wait_until(20.0, "the job's total in status", || {
         let s = b.status();
@@ -104,13 +94,9 @@ fn memory_of_a_killed_process_returns_to_the_job_at_once() {
          kill -9 $P; wait $P; cat {f}; {p} ctx fill alloc 64M",
         f = first.display()
     );
-    let o = run_cmd(
-        None,
-        "16G",
-        &["--gpu-memory", "1G", "--", "sh", "-c", &script],
-    )
-    .output()
-    .unwrap();
+    let o = run_alone(&["--gpu-memory", "1G", "--", "sh", "-c", &script])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     assert_eq!(fills(&o), vec![16, 16], "{}", stdout(&o));
 }
@@ -129,18 +115,14 @@ fn plain_gpu_mem_limit_stays_per_process() {
 
 #[test]
 fn the_jobs_books_are_removed_when_it_ends() {
-    let o = run_cmd(
-        None,
-        "16G",
-        &[
-            "--gpu-memory",
-            "1G",
-            "--",
-            "sh",
-            "-c",
-            "echo $GPUFRAC_JOB_LEDGER",
-        ],
-    )
+    let o = run_alone(&[
+        "--gpu-memory",
+        "1G",
+        "--",
+        "sh",
+        "-c",
+        "echo $GPUFRAC_JOB_LEDGER",
+    ])
     .output()
     .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));

@@ -4,7 +4,7 @@
 
 mod support;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use support::*;
 
 const STANDIN: &str = r#"#!/bin/sh
@@ -69,16 +69,6 @@ fn log(s: &Setup) -> String {
     std::fs::read_to_string(&s.log).unwrap_or_default()
 }
 
-fn status(socket: &Path) -> serde_json::Value {
-    let o = Command::new(&artifacts().gpufrac)
-        .args(["status", "--json", "--socket"])
-        .arg(socket)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    serde_json::from_slice(&o.stdout).unwrap()
-}
-
 fn alive(pid: u64) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -86,19 +76,10 @@ fn alive(pid: u64) -> bool {
             .contains(") Z ")
 }
 
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     let s = setup("mps");
-    let mut b = Running(
+    let mut b = KillOnDrop(
         broker(&s, &s.path, &[])
             .stdout(Stdio::null())
             .spawn()
@@ -109,7 +90,7 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     });
     let run_dir = s.socket.parent().unwrap();
     wait_until(20.0, "the daemon started", || {
-        status(&s.socket)["mps"]["state"] == "running"
+        status_cli(&s.socket)["mps"]["state"] == "running"
     });
     let first = log(&s);
     assert!(
@@ -120,7 +101,7 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
         )),
         "{first}"
     );
-    let st = status(&s.socket);
+    let st = status_cli(&s.socket);
     assert_eq!(st["mps"]["state"], "running", "{st}");
     assert_eq!(st["gpus"][0]["mode"], "mps", "{st}");
     let pid = st["mps"]["daemon_pid"].as_u64().unwrap();
@@ -130,10 +111,10 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     // SAFETY: killing the stand-in daemon this test started.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     wait_until(10.0, "a restarted daemon", || {
-        let st = status(&s.socket);
+        let st = status_cli(&s.socket);
         st["mps"]["restarts"] == 1 && st["mps"]["daemon_pid"].as_u64().is_some_and(|p| p != pid)
     });
-    let pid2 = status(&s.socket)["mps"]["daemon_pid"].as_u64().unwrap();
+    let pid2 = status_cli(&s.socket)["mps"]["daemon_pid"].as_u64().unwrap();
 
     // Jobs are MPS clients: the pipe, and their compute share as an SM
     // percentage; their launches are never held back by the broker.

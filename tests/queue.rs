@@ -8,17 +8,6 @@ use std::process::{Child, Command, Stdio};
 use support::*;
 
 /// A `gpufrac run` wired to this broker.
-fn run(b: &Broker, args: &[&str]) -> Command {
-    let mut cmd = sim_command(&artifacts().gpufrac, &b.devices, false);
-    cmd.env_remove("GPUFRAC_BROKER")
-        .env("GPUFRAC_SIM_STATE", &b.state)
-        .arg("run")
-        .arg("--socket")
-        .arg(&b.socket)
-        .args(args);
-    cmd
-}
-
 /// A job that records what it was given, then holds its lease until
 /// `release(dir, name)`.
 fn job(b: &Broker, dir: &Path, name: &str, args: &[&str]) -> Child {
@@ -27,7 +16,7 @@ fn job(b: &Broker, dir: &Path, name: &str, args: &[&str]) -> Child {
          while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done",
         d = dir.display()
     );
-    let mut cmd = run(b, args);
+    let mut cmd = b.run(args);
     cmd.args(["--", "sh", "-c", &script])
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
@@ -169,7 +158,7 @@ fn memory_fractions_pack_best_fit_and_wait() {
 #[test]
 fn the_child_runs_under_its_cap() {
     let b = Broker::start("16G", &[]);
-    let mut cmd = run(&b, &["--gpu-memory", "64M", "--"]);
+    let mut cmd = b.run(&["--gpu-memory", "64M", "--"]);
     cmd.arg(&artifacts().probe)
         .args(["ctx", "fill", "alloc", "4M", "info"]);
     let o = cmd.output().unwrap();
@@ -186,7 +175,7 @@ fn impossible_requests_are_refused_at_once() {
         (&["--gpu-memory", "100G"][..], "100"),
     ] {
         let t = std::time::Instant::now();
-        let o = run(&b, args).args(["--", "true"]).output().unwrap();
+        let o = b.run(args).args(["--", "true"]).output().unwrap();
         assert_eq!(o.status.code(), Some(1), "{args:?}");
         let err = stderr(&o);
         assert!(
@@ -195,7 +184,7 @@ fn impossible_requests_are_refused_at_once() {
         );
         assert!(t.elapsed().as_secs() < 5, "refused at once, not queued");
     }
-    let o = run(&b, &["--gpus", "0", "--", "true"]).output().unwrap();
+    let o = b.run(&["--gpus", "0", "--", "true"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("--gpus"), "{}", stderr(&o));
 }
@@ -206,12 +195,14 @@ fn no_wait_and_timeout() {
     let (_s, d) = scratch("nowait");
     let a = job(&b, &d, "a", &["--gpus", "1"]);
     wait_started(&d, "a");
-    let o = run(&b, &["--gpus", "1", "--no-wait", "--", "true"])
+    let o = b
+        .run(&["--gpus", "1", "--no-wait", "--", "true"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("gpufrac run:"), "{}", stderr(&o));
-    let o = run(&b, &["--gpus", "1", "--timeout", "500ms", "--", "true"])
+    let o = b
+        .run(&["--gpus", "1", "--timeout", "500ms", "--", "true"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(124));
@@ -222,7 +213,8 @@ fn no_wait_and_timeout() {
 #[test]
 fn exit_status_and_signals_pass_through() {
     let b = Broker::start("16G", &[]);
-    let o = run(&b, &["--gpus", "1", "--", "sh", "-c", "exit 7"])
+    let o = b
+        .run(&["--gpus", "1", "--", "sh", "-c", "exit 7"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(7));
@@ -232,7 +224,7 @@ fn exit_status_and_signals_pass_through() {
         "trap 'echo got-term; exit 3' TERM; touch {}; while true; do sleep 0.02; done",
         ready.display()
     );
-    let mut cmd = run(&b, &["--gpus", "1", "--", "sh", "-c", &script]);
+    let mut cmd = b.run(&["--gpus", "1", "--", "sh", "-c", &script]);
     let child = cmd.stdout(Stdio::piped()).spawn().unwrap();
     wait_until(10.0, "the child to start", || ready.exists());
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -414,7 +406,8 @@ fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_stays_quiet() {
         "{out:?}"
     );
     // Not a terminal: only the final message.
-    let o = run(&b, &["--gpus", "1", "--timeout", "500ms", "--", "true"])
+    let o = b
+        .run(&["--gpus", "1", "--timeout", "500ms", "--", "true"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(124));
@@ -426,7 +419,8 @@ fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_stays_quiet() {
 #[test]
 fn priority_reaches_the_child_and_the_broker() {
     let b = Broker::start("16G", &[]);
-    let o = run(&b, &["--gpu-memory", "64M", "--priority", "high", "--"])
+    let o = b
+        .run(&["--gpu-memory", "64M", "--priority", "high", "--"])
         .args(["sh", "-c", "echo \"prio=$GPU_COMPUTE_PRIORITY\""])
         .output()
         .unwrap();
@@ -436,7 +430,7 @@ fn priority_reaches_the_child_and_the_broker() {
     // A job that runs for a while under the shim registers with its class.
     let start = mono_ns();
     let end = start + 3_000_000_000;
-    let mut cmd = run(&b, &["--gpu-memory", "64M", "--priority", "low", "--"]);
+    let mut cmd = b.run(&["--gpu-memory", "64M", "--priority", "low", "--"]);
     cmd.arg(&artifacts().loadgen)
         .args(["batch", "1000", &start.to_string(), &end.to_string()])
         .stdout(Stdio::null())
@@ -452,7 +446,8 @@ fn priority_reaches_the_child_and_the_broker() {
     let _ = child.kill();
     let _ = child.wait();
 
-    let e = run(&b, &["--priority", "urgent", "--", "true"])
+    let e = b
+        .run(&["--priority", "urgent", "--", "true"])
         .output()
         .unwrap();
     assert_eq!(e.status.code(), Some(2));

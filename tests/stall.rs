@@ -206,6 +206,21 @@ impl Drop for Continue<'_> {
     }
 }
 
+/// The probe spinning 1 ms kernels, two in flight, from `start` to `end`
+/// under the shim, wired to `b`.
+fn spin(b: &Broker, start: u64, end: u64) -> Command {
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.args([
+        "ctx",
+        "spin",
+        &start.to_string(),
+        &end.to_string(),
+        &MS.to_string(),
+        "2",
+    ]);
+    cmd
+}
+
 #[test]
 fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
@@ -213,18 +228,9 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     let start = t0 + 1500 * MS;
     let end = t0 + 8000 * MS;
     let spinner = || {
-        let mut cmd = b.client(&artifacts().probe);
-        cmd.env("GPUFRAC_LOG", "warn").args([
-            "ctx",
-            "spin",
-            &start.to_string(),
-            &end.to_string(),
-            &MS.to_string(),
-            "2",
-            // Still alive when the broker comes back: it must re-register.
-            "sleep-ms",
-            "60000",
-        ]);
+        let mut cmd = spin(&b, start, end);
+        // Still alive when the broker comes back: it must re-register.
+        cmd.env("GPUFRAC_LOG", "warn").args(["sleep-ms", "60000"]);
         Watched::spawn(cmd)
     };
     let mut procs = [spinner(), spinner()];
@@ -318,15 +324,8 @@ fn a_stopped_broker_keeps_blocking_launches_with_broker_required() {
     let start = t0 + 1500 * MS;
     let end = t0 + 4000 * MS;
     let spinner = || {
-        let mut cmd = b.client(&artifacts().probe);
-        cmd.env("GPUFRAC_BROKER", "required").args([
-            "ctx",
-            "spin",
-            &start.to_string(),
-            &end.to_string(),
-            &MS.to_string(),
-            "2",
-        ]);
+        let mut cmd = spin(&b, start, end);
+        cmd.env("GPUFRAC_BROKER", "required");
         Watched::spawn(cmd)
     };
     let procs = [spinner(), spinner()];
@@ -379,17 +378,9 @@ fn a_live_broker_that_keeps_a_waiter_waiting_is_not_a_stall() {
     let start = t0 + 1500 * MS;
     let end = t0 + 7500 * MS;
     let spinner = |prio: &str| {
-        let mut cmd = b.client(&artifacts().probe);
+        let mut cmd = spin(&b, start, end);
         cmd.env("GPUFRAC_LOG", "warn")
-            .env("GPU_COMPUTE_PRIORITY", prio)
-            .args([
-                "ctx",
-                "spin",
-                &start.to_string(),
-                &end.to_string(),
-                &MS.to_string(),
-                "2",
-            ]);
+            .env("GPU_COMPUTE_PRIORITY", prio);
         Watched::spawn(cmd)
     };
     let procs = [spinner("normal"), spinner("low")];

@@ -252,6 +252,33 @@ impl Broker {
         }
     }
 
+    /// `gpufrac run` against this broker and its simulated devices.
+    pub fn run(&self, args: &[&str]) -> Command {
+        let mut cmd = sim_command(&artifacts().gpufrac, &self.devices, false);
+        cmd.env_remove("GPUFRAC_BROKER")
+            .env("GPUFRAC_SIM_STATE", &self.state)
+            .arg("run")
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args);
+        cmd
+    }
+
+    /// The first GPU's UUID as the wire carries it.
+    pub fn first_gpu_uuid(&self) -> [u8; 16] {
+        let s = self.status();
+        let hex: String = s["gpus"][0]["uuid"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("GPU-")
+            .replace('-', "");
+        let mut uuid = [0u8; 16];
+        for (i, byte) in uuid.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        uuid
+    }
+
     /// pids registered on any GPU.
     pub fn registered(&self) -> Vec<u64> {
         let s = self.status();
@@ -347,5 +374,26 @@ impl RawClient {
                 Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
             }
         }
+    }
+}
+
+/// The whole status as `gpufrac status --json` prints it (all pages).
+pub fn status_cli(socket: &Path) -> serde_json::Value {
+    let o = Command::new(&artifacts().gpufrac)
+        .args(["status", "--json", "--socket"])
+        .arg(socket)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "status failed: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// A child process killed however the test ends.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
