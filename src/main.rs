@@ -1,9 +1,11 @@
 //! The `gpufrac` command: the broker daemon, `run`, `status` and
 //! `docker-args`.
 
+mod cdi;
 mod client;
 mod docker;
 mod run;
+mod slurm;
 mod status;
 
 use std::io::{IsTerminal, Write};
@@ -61,6 +63,11 @@ enum Cmd {
     Status(status::StatusArgs),
     /// Print `docker run` flags that put a sealed image under gpufrac.
     DockerArgs(docker::DockerArgs),
+    /// Container Device Interface specs for Podman and Docker ≥ 25.
+    Cdi(cdi::CdiArgs),
+    /// Slurm TaskProlog: a task's shards become a memory cap and a compute
+    /// share (prints `export` lines).
+    SlurmTaskProlog(slurm::PrologArgs),
 }
 
 const BROKER_EXAMPLES: &str = "\
@@ -127,6 +134,8 @@ fn main() -> ExitCode {
         Cmd::Run(args) => run::main(args),
         Cmd::Status(args) => status::main(args),
         Cmd::DockerArgs(args) => docker::main(args),
+        Cmd::Cdi(args) => cdi::main(args),
+        Cmd::SlurmTaskProlog(args) => slurm::main(args),
     };
     ExitCode::from(code)
 }
