@@ -13,7 +13,7 @@ use std::time::Duration;
 pub struct Artifacts {
     /// The workspace root.
     pub root: PathBuf,
-    /// target/<profile>
+    /// `target/<profile>`
     pub dir: PathBuf,
     pub profile: &'static str,
     pub shim: PathBuf,
@@ -332,7 +332,7 @@ impl Drop for Kid {
     }
 }
 
-/// A scratch directory under target/<profile>/bench-scratch, removed on drop.
+/// A scratch directory under `target/<profile>/bench-scratch`, removed on drop.
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
@@ -429,7 +429,7 @@ impl Broker {
     }
 }
 
-/// utime + stime of `pid` in seconds, from /proc/<pid>/stat.
+/// utime + stime of `pid` in seconds, from `/proc/<pid>/stat`.
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name, which is parenthesised and may hold
@@ -444,9 +444,9 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
 }
 
 /// CPU time of all threads of `pid` in seconds, from
-/// /proc/<pid>/task/*/schedstat (the scheduler's run time in ns: the
-/// utime+stime of /proc/<pid>/stat without its 10 ms tick granularity);
-/// falls back to /proc/<pid>/stat.
+/// `/proc/<pid>/task/*/schedstat` (the scheduler's run time in ns: the
+/// utime+stime of `/proc/<pid>/stat` without its 10 ms tick granularity);
+/// falls back to `/proc/<pid>/stat`.
 pub fn cpu_seconds_precise(pid: u32) -> Option<f64> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
     let mut ns: u64 = 0;
@@ -471,7 +471,7 @@ pub fn cpu_seconds_precise(pid: u32) -> Option<f64> {
     }
 }
 
-/// A `Vm*` line of /proc/<pid>/status, in KiB.
+/// A `Vm*` line of `/proc/<pid>/status`, in KiB.
 pub fn vm_kib(pid: u32, key: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
