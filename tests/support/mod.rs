@@ -23,49 +23,80 @@ pub struct Artifacts {
 }
 
 pub fn artifacts() -> &'static Artifacts {
-    static A: OnceLock<Artifacts> = OnceLock::new();
-    A.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        // target/<profile>/deps/<test>-<hash>
-        let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-        let release = dir.file_name().is_some_and(|n| n == "release");
-        // Two invocations: target filters such as --bins apply to every
-        // package named, and the shim and the simulated driver are libraries.
-        for args in [
-            &["-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
-            &["-p", "gpufrac", "--bins", "--examples"][..],
-        ] {
-            let mut cmd = Command::new(env!("CARGO"));
-            cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
-                .args(["build", "--quiet"])
-                .args(args);
-            if release {
-                cmd.arg("--release");
-            }
-            let st = cmd
-                .status()
-                .expect("running cargo build for the test artifacts");
-            assert!(
-                st.success(),
-                "building the test artifacts failed: cargo build {args:?}"
-            );
+    // A failed build is kept, not retried: OnceLock retries an initialiser
+    // that panicked, so every test of the binary would rerun cargo and
+    // print the same compile errors again.
+    static A: OnceLock<Result<Artifacts, String>> = OnceLock::new();
+    let mut built_here = None;
+    let a = A.get_or_init(|| {
+        build_artifacts().map_err(|output| {
+            built_here = Some(output);
+            // libtest names each test's thread after the test.
+            std::thread::current()
+                .name()
+                .unwrap_or("the first test")
+                .to_string()
+        })
+    });
+    match (a, built_here) {
+        (Ok(a), _) => a,
+        (Err(_), Some(output)) => panic!("{output}"),
+        (Err(test), None) => panic!(
+            "the test artifacts did not build; cargo's output is under \
+             `---- {test} stdout ----`"
+        ),
+    }
+}
+
+/// Builds the artifacts, or returns the failed cargo command and its output.
+fn build_artifacts() -> Result<Artifacts, String> {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test>-<hash>
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let release = dir.file_name().is_some_and(|n| n == "release");
+    // Two invocations: target filters such as --bins apply to every
+    // package named, and the shim and the simulated driver are libraries.
+    for args in [
+        &["-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
+        &["-p", "gpufrac", "--bins", "--examples"][..],
+    ] {
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "--quiet"])
+            .args(args);
+        if release {
+            cmd.arg("--release");
         }
-        let simdir = dir.join("sim-driver");
-        std::fs::create_dir_all(&simdir).unwrap();
-        for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"] {
-            let link = simdir.join(name);
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(dir.join("libgpufrac_sim.so"), &link).unwrap();
+        let o = cmd
+            .output()
+            .expect("running cargo build for the test artifacts");
+        if !o.status.success() {
+            return Err(format!(
+                "building the test artifacts failed: cargo build {args:?}\n{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ));
         }
-        Artifacts {
-            shim: dir.join("libgpufrac.so"),
-            probe: dir.join("examples/probe"),
-            loadgen: dir.join("examples/loadgen"),
-            gpufrac: dir.join("gpufrac"),
-            fixtures: PathBuf::from(env!("GPUFRAC_FIXTURES")),
-            simdir,
-            dir,
-        }
+        // Warnings go straight to the process's stderr, past libtest's
+        // capture: the shim is built only here, so nothing else shows them.
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(&o.stderr);
+    }
+    let simdir = dir.join("sim-driver");
+    std::fs::create_dir_all(&simdir).unwrap();
+    for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"] {
+        let link = simdir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(dir.join("libgpufrac_sim.so"), &link).unwrap();
+    }
+    Ok(Artifacts {
+        shim: dir.join("libgpufrac.so"),
+        probe: dir.join("examples/probe"),
+        loadgen: dir.join("examples/loadgen"),
+        gpufrac: dir.join("gpufrac"),
+        fixtures: PathBuf::from(env!("GPUFRAC_FIXTURES")),
+        simdir,
+        dir,
     })
 }
 
