@@ -15,8 +15,21 @@ Examples:
   gpufrac status
   gpufrac status --json | jq '.gpus[].processes[] | {pid, mem_used}'
 
-Columns: SHARE is the promised share of GPU time when contended, ACHIEVED the
-share held over the last window, LIMIT the GPU_COMPUTE_LIMIT ceiling.";
+What the figures mean:
+  committed        (GPU line) memory promised to leases of gpufrac run
+                   (--gpu-memory, a slot's share), of the GPU's total; a
+                   promise, not memory in use
+  allocated        (GPU line) what its processes have allocated through the
+                   shim, together
+  ALLOCATED, CAP   a process's allocations through the shim and its memory
+                   cap (the driver's own context memory is not counted)
+  JOB (ALLOCATED)  the process's job (the pid of its gpufrac run) and what all
+                   of the job's processes have allocated on this GPU
+  JOB              (queue, leases) the pid of the gpufrac run; messages such
+                   as a --no-wait refusal name leases by it
+  SHARE            the promised share of GPU time when contended
+  ACHIEVED         the share held over the last window
+  LIMIT            the GPU_COMPUTE_LIMIT ceiling";
 
 #[derive(Args, Debug)]
 #[command(after_help = STATUS_EXAMPLES)]
@@ -103,15 +116,17 @@ pub fn render(s: &Status) -> String {
 fn render_gpu(out: &mut String, g: &GpuStatus) {
     let index = g.index.map_or("?".to_owned(), |i| i.to_string());
     let util = g.utilization.map_or("-".to_owned(), |u| format!("{u}%"));
+    let allocated: u64 = g.processes.iter().map(|p| p.mem_used).sum();
     let _ = writeln!(
         out,
-        "GPU {index} {} {} mem {}/{} slots {}/{} util {util}",
+        "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} util {util}",
         g.name,
         g.uuid,
         format_size(g.committed_mem),
         format_size(g.total_mem),
         g.slots_used,
         g.slots_total,
+        format_size(allocated),
     );
     if g.processes.is_empty() {
         out.push_str("  no processes\n");
@@ -120,9 +135,9 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
     let mut rows = vec![[
         "PID".to_owned(),
         "COMMAND".to_owned(),
-        "MEM USED".to_owned(),
+        "ALLOCATED".to_owned(),
         "CAP".to_owned(),
-        "JOB (MEM)".to_owned(),
+        "JOB (ALLOCATED)".to_owned(),
         "SHARE".to_owned(),
         "ACHIEVED".to_owned(),
         "LIMIT".to_owned(),
@@ -165,7 +180,7 @@ fn render_queue(out: &mut String, q: &[QueueEntry]) {
     out.push_str("queue:\n");
     let mut rows = vec![[
         "POS".to_owned(),
-        "PID".to_owned(),
+        "JOB".to_owned(),
         "WANTS".to_owned(),
         "WAITING".to_owned(),
         "ESCALATED".to_owned(),
@@ -191,7 +206,7 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
     }
     out.push_str("leases:\n");
     let mut rows = vec![[
-        "PID".to_owned(),
+        "JOB".to_owned(),
         "GPUS".to_owned(),
         "MEM CAP".to_owned(),
         "HELD".to_owned(),
@@ -355,7 +370,7 @@ mod tests {
                 escalated: true,
             }],
             leases: vec![LeaseEntry {
-                pid: 42,
+                pid: 41,
                 command: "python train.py".into(),
                 gpus: vec![0],
                 mem_cap: Some(4 << 30),
@@ -376,9 +391,15 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
-            "GPU 0 NVIDIA H100 GPU-0000 mem 4.00 GiB/80.00 GiB slots 1/1 util 37%"
+            "GPU 0 NVIDIA H100 GPU-0000 committed 4.00 GiB/80.00 GiB slots 1/1 \
+             allocated 1.00 GiB util 37%"
         );
         assert!(lines[1].starts_with("  PID  COMMAND"), "{t}");
+        assert!(
+            lines[1].contains(" ALLOCATED ") && lines[1].contains(" JOB (ALLOCATED) "),
+            "{t}"
+        );
+        assert!(lines[2].contains("41 (3.00 GiB)"), "{t}");
         assert!(
             lines[2].contains("python train.py --epochs 100 \u{2026}"),
             "{t}"
@@ -397,6 +418,11 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("leases:\n") && t.contains("2h05m"), "{t}");
+        // Queue and leases are named by the job's run pid, as messages name
+        // them.
+        assert!(t.contains("queue:\n  POS  JOB  WANTS"), "{t}");
+        assert!(t.contains("leases:\n  JOB  GPUS"), "{t}");
+        assert!(t.contains("\n  41   0"), "{t}");
         assert!(t.lines().all(|l| l == l.trim_end()), "{t}");
         // Columns line up.
         let col = |l: &str| {

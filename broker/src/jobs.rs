@@ -57,6 +57,7 @@ impl Job {
             compute: self.compute,
             limit: self.limit,
             label: self.label.clone(),
+            job: self.pid,
         })
     }
 

@@ -96,6 +96,10 @@ pub struct Request {
     pub limit: Option<f64>,
     /// The command, for status.
     pub label: String,
+    /// pid of the job's `gpufrac run`: names its lease in messages, as
+    /// status shows it. (The request id is the job's secret token.)
+    #[serde(default)]
+    pub job: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -668,12 +672,16 @@ impl Queue {
                 if g.leases.is_empty() {
                     return format!("GPU {}: free", g.info.index);
                 }
-                let mut leases = g.leases.clone();
-                leases.sort_unstable();
-                let ids: Vec<String> = leases.iter().map(|l| l.to_string()).collect();
+                let mut jobs: Vec<u32> = g
+                    .leases
+                    .iter()
+                    .filter_map(|l| self.held.get(l).map(|h| h.req.job))
+                    .collect();
+                jobs.sort_unstable();
+                let ids: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
                 let owners = format!(
                     "{} {}",
-                    if ids.len() == 1 { "lease" } else { "leases" },
+                    if ids.len() == 1 { "job" } else { "jobs" },
                     ids.join(", ")
                 );
                 if f == 1 && g.slots_used == 1 {
@@ -718,6 +726,7 @@ mod tests {
             compute: None,
             limit: None,
             label: format!("job {want:?}"),
+            job: 0,
         }
     }
 
@@ -964,13 +973,15 @@ mod tests {
     #[test]
     fn try_now_places_or_says_what_is_busy() {
         let mut q = two_80g();
-        let l = q.try_now(0, 1, whole(1)).unwrap();
+        let of = |job, r| Request { job, ..r };
+        let l = q.try_now(0, 1, of(101, whole(1))).unwrap();
         assert_eq!(l.gpus, vec![0]);
-        q.try_now(0, 2, mem(30)).unwrap();
+        q.try_now(0, 2, of(102, mem(30))).unwrap();
         let e = q.try_now(0, 3, whole(1)).unwrap_err();
-        assert!(e.reason.contains("GPU 0: held whole by lease 1"), "{e}");
+        // Leases are named by their run's pid, as status shows them.
+        assert!(e.reason.contains("GPU 0: held whole by job 101"), "{e}");
         assert!(e.reason.contains("GPU 1:"), "{e}");
-        assert!(e.reason.contains("lease 2"), "{e}");
+        assert!(e.reason.contains("(job 102)"), "{e}");
         assert!(e.reason.contains("--no-wait"), "{e}");
         let e = q.try_now(0, 4, mem(60)).unwrap_err();
         assert!(e.reason.contains("--gpu-memory 60.0 GiB"), "{e}");
