@@ -10,9 +10,9 @@ use gpufrac_common::size::{parse_mem_limit, parse_percent};
 use crate::run::find_shim;
 
 /// Where the shim appears inside the container.
-const CONTAINER_LIB: &str = "/usr/lib/gpufrac/libgpufrac.so";
+pub(crate) const CONTAINER_LIB: &str = "/usr/lib/gpufrac/libgpufrac.so";
 /// Where the broker's socket directory appears inside the container.
-const CONTAINER_SOCKET_DIR: &str = "/run/gpufrac";
+pub(crate) const CONTAINER_SOCKET_DIR: &str = "/run/gpufrac";
 
 const DOCKER_EXAMPLES: &str = "\
 Examples:

@@ -3,6 +3,7 @@
 
 mod cdi;
 mod client;
+mod container;
 mod docker;
 mod run;
 mod slurm;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use gpufrac_common::config::{
-    Priority, VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_PRIORITY, VAR_COMPUTE_SHARE,
+    Priority, VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_PRIORITY, VAR_COMPUTE_SHARE, VAR_JOB,
     VAR_JOB_LEDGER, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
 };
 use gpufrac_common::size::{self, format_size, parse_percent};
@@ -395,6 +395,16 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         env.set
             .push((VAR_JOB_LEDGER.to_owned(), b.path.display().to_string()));
     }
+    if let Some((_, token)) = &held {
+        // Processes that do not descend from this run (a container's) join
+        // the job by its token.
+        env.set.push((VAR_JOB.to_owned(), format!("{token:016x}")));
+    }
+    let command = match crate::container::run_index(&args.command) {
+        Some(at) => crate::container::wrap(&args.command, at, &env, &shim, &child_socket)
+            .map_err(|m| Fail::new(2, m))?,
+        None => args.command.clone(),
+    };
     if held.is_some() {
         // Descendants that daemonise are re-parented here rather than to
         // init, so the broker still finds them under this job.
@@ -408,7 +418,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
             .spawn(move || keep_lease(client, req, socket))
             .map_err(|e| Fail::new(1, format!("cannot start a thread: {e}")))?;
     }
-    let status = spawn_and_wait(&args.command, &env);
+    let status = spawn_and_wait(&command, &env);
     drop(books);
     Ok(exit_code(status?))
 }

@@ -130,3 +130,71 @@ fn the_jobs_books_are_removed_when_it_ends() {
     assert!(path.contains("gpufrac-job-"), "{path}");
     assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
 }
+
+/// A process that does not descend from the job's `run` (a container's,
+/// whose parent is the container runtime) joins the job by the token run
+/// puts in the environment, and shares its memory cap; a wrong token makes
+/// it its user's, uncapped.
+#[test]
+fn a_process_outside_the_run_joins_the_job_by_its_token() {
+    use std::io::{BufRead, BufReader};
+    let b = Broker::start("16G", &[]);
+    let mut run = KillOnDrop(
+        b.run(&["--gpu-memory", "1G", "--", "sh", "-c"])
+            .arg("echo \"$GPUFRAC_JOB $GPUFRAC_JOB_LEDGER\"; cat > /dev/null")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let run_pid = run.0.id();
+    let mut line = String::new();
+    BufReader::new(run.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let (token, books) = line.trim().split_once(' ').expect("token and books");
+    assert_eq!(token.len(), 16, "{line}");
+    let outsider = |token: &str| {
+        b.client(&artifacts().probe)
+            .env("GPUFRAC_JOB", token)
+            .env("GPUFRAC_JOB_LEDGER", books)
+            .args(["ctx", "fill", "alloc", "64M", "sleep-ms", "1500"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let joined = outsider(token);
+    let pid = joined.id();
+    wait_until(20.0, "the outsider in the job", || {
+        b.status()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|ps| {
+                ps.iter().any(|p| {
+                    p["pid"].as_u64() == Some(u64::from(pid))
+                        && p["job"].as_u64() == Some(u64::from(run_pid))
+                })
+            })
+    });
+    let o = joined.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(fills(&o), vec![16], "{}", stdout(&o));
+
+    // Another job's token: not this job's (a token no job holds counts for
+    // nothing), so the process is its user's, under no cap.
+    let wrong = if token == "0000000000000001" {
+        "0000000000000002"
+    } else {
+        "0000000000000001"
+    };
+    let o = b
+        .client(&artifacts().probe)
+        .env("GPUFRAC_JOB", wrong)
+        .args(["ctx", "fill", "alloc", "64M"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    assert_eq!(fills(&o), vec![256], "{}", stdout(&o));
+    drop(run.0.stdin.take());
+    assert!(run.0.wait().unwrap().success());
+}

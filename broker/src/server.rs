@@ -134,8 +134,12 @@ struct Conn {
     priority: Priority,
     /// The job (token) this connection is the `gpufrac run` of.
     job: Option<u64>,
-    /// The job this process belongs to (it descends from the job's run).
+    /// The job this process belongs to (it descends from the job's run, or
+    /// holds its token).
     member_of: Option<u64>,
+    /// The job token a process sent in `Join` (a container's process, which
+    /// does not descend from its job's run).
+    claimed_job: Option<u64>,
     /// Queue position last told to a waiting `gpufrac run`.
     queued: Option<u32>,
     dead: bool,
@@ -319,6 +323,7 @@ impl Server {
                             priority: Priority::Normal,
                             job: None,
                             member_of: None,
+                            claimed_job: None,
                             queued: None,
                             dead: false,
                             want_write: false,
@@ -599,7 +604,10 @@ impl Server {
                 let chain = jobs::ancestry(c.pid);
                 let job = chain
                     .iter()
-                    .find_map(|&p| self.jobs.iter().find(|(_, j)| j.pid == p).map(|(&t, _)| t));
+                    .find_map(|&p| self.jobs.iter().find(|(_, j)| j.pid == p).map(|(&t, _)| t))
+                    // Else the token it holds: the token is random and only
+                    // in the job's environment, so holding it is the proof.
+                    .or(c.claimed_job.filter(|t| self.jobs.contains_key(t)));
                 let uid = c.uid;
                 let old_job = std::mem::replace(&mut c.member_of, job);
                 let old: Vec<usize> = c.devices.drain(..).map(|d| d.gpu).collect();
@@ -700,6 +708,12 @@ impl Server {
                 }
             }
             ClientMsg::Ping => self.send(tok, &ServerMsg::Pong),
+            ClientMsg::Join { job } => {
+                // Settled at Register; a token no job holds is ignored
+                // there (the process is its user's), not refused: a
+                // container can outlive its run.
+                c.claimed_job = Some(job);
+            }
             ClientMsg::Status { from } => {
                 let json = self.status_json(from as usize);
                 self.send(tok, &ServerMsg::StatusReply { json });

@@ -29,6 +29,10 @@ pub const VAR_LOG: &str = "GPUFRAC_LOG";
 /// Set by `gpufrac run --gpu-memory`: the file holding the job's shared
 /// memory books (see `jobledger`).
 pub const VAR_JOB_LEDGER: &str = "GPUFRAC_JOB_LEDGER";
+/// Set by `gpufrac run` when a broker runs the job: the job's token (16 hex
+/// digits), by which processes that do not descend from `run` (a
+/// container's) join the job.
+pub const VAR_JOB: &str = "GPUFRAC_JOB";
 
 /// `sun_path` is 108 bytes on Linux and needs a terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
@@ -171,6 +175,8 @@ pub struct ShimConfig {
     pub log: LogLevel,
     /// `GPUFRAC_JOB_LEDGER`
     pub job_ledger: Option<String>,
+    /// `GPUFRAC_JOB`; 0 = none.
+    pub job: u64,
 }
 
 impl Default for ShimConfig {
@@ -186,6 +192,7 @@ impl Default for ShimConfig {
             broker: BrokerMode::Optional,
             log: LogLevel::Error,
             job_ledger: None,
+            job: 0,
         }
     }
 }
@@ -329,6 +336,20 @@ pub fn from_raw_vars<'a, I: IntoIterator<Item = (&'a [u8], &'a [u8])>>(
                     }
                 }
             }
+            VAR_JOB => {
+                if seen.first(Var::Job) {
+                    const JOB_EXAMPLE: &str =
+                        "the 16 hex digits gpufrac run sets, such as 0123456789abcdef";
+                    let v = value(JOB_EXAMPLE)?;
+                    let t = v.trim();
+                    if !t.is_empty() {
+                        cfg.job = u64::from_str_radix(t, 16)
+                            .ok()
+                            .filter(|&j| j != 0 && t.len() == 16)
+                            .ok_or_else(|| fail(v, "not a job token".to_owned(), JOB_EXAMPLE))?;
+                    }
+                }
+            }
             VAR_LOG => {
                 if seen.first(Var::Log) {
                     let v = value(LOG_EXAMPLE)?;
@@ -423,18 +444,19 @@ enum Var {
     Broker,
     Log,
     JobLedger,
+    Job,
 }
 
 /// Which variables have been met, so later duplicates are skipped.
 #[derive(Default)]
 struct Seen {
-    vars: u8,
+    vars: u16,
     devices: u64,
 }
 
 impl Seen {
     fn first(&mut self, var: Var) -> bool {
-        let bit = 1u8 << var as u8;
+        let bit = 1u16 << var as u16;
         let first = self.vars & bit == 0;
         self.vars |= bit;
         first
@@ -476,6 +498,24 @@ mod tests {
         assert_eq!(c.socket, DEFAULT_SOCKET);
         assert_eq!(c.broker, BrokerMode::Optional);
         assert_eq!(c.log, LogLevel::Error);
+    }
+
+    #[test]
+    fn job_token() {
+        assert_eq!(ok(&[("GPUFRAC_JOB", "00000000000000ff")]).job, 0xff);
+        assert_eq!(ok(&[("GPUFRAC_JOB", "")]).job, 0);
+        for bad in [
+            "ff",
+            "xyz0000000000000",
+            "0000000000000000",
+            "00000000000000ff0",
+        ] {
+            let e = err(&[("GPUFRAC_JOB", bad)]).to_string();
+            assert!(
+                e.contains("GPUFRAC_JOB") && e.contains("16 hex digits"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

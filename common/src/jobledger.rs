@@ -9,8 +9,13 @@
 //! it cannot wedge the others — the next one to lock it is told, and rebuilds
 //! the totals from the per-process slots, which are the truth. Each process
 //! charges its own slot; the memory of a process that has died is returned
-//! the moment anyone would otherwise be refused (its slot is recognised by a
-//! pid that is gone or now names another process).
+//! the moment anyone would otherwise be refused.
+//!
+//! A slot's process is alive while it holds a POSIX record lock on the
+//! slot's byte of the file (past the books themselves). The kernel drops the
+//! lock when the process dies, execs or is killed, in any pid namespace: a
+//! container's processes share the books through a bind mount, and their
+//! pids mean nothing to the host's /proc or to another container's.
 //!
 //! No allocation on the charge path; the only system calls are the futex of
 //! an uncontended lock and, when a charge would be refused, a look at
@@ -54,6 +59,24 @@ struct Shared {
 /// A process's view of a job's books.
 pub struct JobLedger {
     shared: *mut Shared,
+    /// Kept open: closing any descriptor of the file would drop this
+    /// process's slot locks.
+    fd: libc::c_int,
+}
+
+/// The byte whose lock says slot `i`'s process lives.
+fn lock_byte(i: usize) -> libc::off_t {
+    (std::mem::size_of::<Shared>() + i) as libc::off_t
+}
+
+fn flock_for(kind: libc::c_int, i: usize) -> libc::flock {
+    // SAFETY: a plain C struct; zero is a valid value for every field.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = lock_byte(i);
+    fl.l_len = 1;
+    fl
 }
 
 // SAFETY: all access to the shared books goes through the process-shared
@@ -66,11 +89,23 @@ fn start_time(pid: u32) -> u64 {
     crate::procfs::start_time(pid).unwrap_or(0)
 }
 
-fn alive(pid: u32, start: u64) -> bool {
+/// Whether slot `i`'s process lives: ours, or someone holds its lock.
+fn alive(fd: libc::c_int, i: usize, slot: &Slot) -> bool {
+    let me = std::process::id();
+    if slot.pid == me && slot.start == start_time(me) {
+        // Our own locks never conflict with us, so F_GETLK cannot tell.
+        return true;
+    }
+    let mut fl = flock_for(libc::F_WRLCK, i);
+    // SAFETY: F_GETLK fills the struct we own.
+    if unsafe { libc::fcntl(fd, libc::F_GETLK, &mut fl) } == 0 {
+        return fl.l_type != libc::F_UNLCK as libc::c_short;
+    }
+    // No record locks on this file system: the pid is the best we have.
     // SAFETY: signal 0 only checks that the process exists.
-    let exists = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0
+    let exists = unsafe { libc::kill(slot.pid as libc::pid_t, 0) } == 0
         || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    exists && start_time(pid) == start
+    exists && start_time(slot.pid) == slot.start
 }
 
 struct Locked<'a> {
@@ -155,11 +190,15 @@ impl JobLedger {
                 fd,
                 0,
             );
-            libc::close(fd);
             if p == libc::MAP_FAILED {
-                return Err(io::Error::last_os_error());
+                let e = io::Error::last_os_error();
+                libc::close(fd);
+                return Err(e);
             }
-            Ok(JobLedger { shared: p.cast() })
+            Ok(JobLedger {
+                shared: p.cast(),
+                fd,
+            })
         }
     }
 
@@ -176,7 +215,7 @@ impl JobLedger {
             // Its holder died mid-update: the slots are the truth.
             // SAFETY: we hold it now.
             unsafe { libc::pthread_mutex_consistent(&mut s.lock) };
-            rebuild(s);
+            rebuild(self.fd, s);
         }
         Locked { s }
     }
@@ -197,10 +236,14 @@ impl JobLedger {
         let free = match s.slots.iter().position(|x| x.pid == 0) {
             Some(i) => i,
             None => {
-                reclaim(s);
+                reclaim(self.fd, s);
                 s.slots.iter().position(|x| x.pid == 0)?
             }
         };
+        let fl = flock_for(libc::F_WRLCK, free);
+        // SAFETY: F_SETLK reads the struct we own. A failure (a file system
+        // without record locks) leaves liveness to the pid.
+        unsafe { libc::fcntl(self.fd, libc::F_SETLK, &fl) };
         let slot = &mut s.slots[free];
         slot.pid = pid;
         slot.start = start;
@@ -234,7 +277,7 @@ impl JobLedger {
         let fits = |s: &Shared| s.used[gpu].checked_add(size).is_some_and(|n| n <= cap);
         if !fits(s) {
             // Memory of processes that died is the job's again.
-            reclaim(s);
+            reclaim(self.fd, s);
             if !fits(s) {
                 return false;
             }
@@ -272,12 +315,15 @@ impl JobLedger {
             start: 0,
             used: [0; MAX_GPUS],
         };
+        let fl = flock_for(libc::F_UNLCK, slot);
+        // SAFETY: as in attach.
+        unsafe { libc::fcntl(self.fd, libc::F_SETLK, &fl) };
     }
 
     /// Returns the slots of processes that have died; what they held.
     pub fn reclaim_dead(&self) -> u64 {
         let g = self.lock();
-        reclaim(g.s)
+        reclaim(self.fd, g.s)
     }
 
     /// Per GPU (UUID, used, peak), for status and tests.
@@ -292,15 +338,18 @@ impl JobLedger {
 
 impl Drop for JobLedger {
     fn drop(&mut self) {
-        // SAFETY: our own mapping.
-        unsafe { libc::munmap(self.shared.cast(), std::mem::size_of::<Shared>()) };
+        // SAFETY: our own mapping and descriptor.
+        unsafe {
+            libc::munmap(self.shared.cast(), std::mem::size_of::<Shared>());
+            libc::close(self.fd);
+        }
     }
 }
 
-fn reclaim(s: &mut Shared) -> u64 {
+fn reclaim(fd: libc::c_int, s: &mut Shared) -> u64 {
     let mut freed = 0;
-    for slot in s.slots.iter_mut() {
-        if slot.pid != 0 && !alive(slot.pid, slot.start) {
+    for (i, slot) in s.slots.iter_mut().enumerate() {
+        if slot.pid != 0 && !alive(fd, i, slot) {
             for (i, u) in slot.used.iter().enumerate() {
                 s.used[i] = s.used[i].saturating_sub(*u);
                 freed += *u;
@@ -316,7 +365,7 @@ fn reclaim(s: &mut Shared) -> u64 {
     freed
 }
 
-fn rebuild(s: &mut Shared) {
+fn rebuild(fd: libc::c_int, s: &mut Shared) {
     let mut used = [0u64; MAX_GPUS];
     for slot in s.slots.iter().filter(|x| x.pid != 0) {
         for (i, u) in slot.used.iter().enumerate() {
@@ -324,7 +373,7 @@ fn rebuild(s: &mut Shared) {
         }
     }
     s.used = used;
-    reclaim(s);
+    reclaim(fd, s);
 }
 
 #[cfg(test)]
@@ -387,6 +436,73 @@ mod tests {
         // The lock its holder died with is recovered, and so is its memory.
         assert!(a.reserve(me, g, 100));
         assert_eq!(a.used(g), 100);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A process in another pid namespace (a container) writes a pid that
+    /// names some unrelated process here, or none at all: liveness must not
+    /// depend on it.
+    #[test]
+    fn liveness_does_not_trust_the_pid() {
+        let p = path("ns");
+        let _ = std::fs::remove_file(&p);
+        let a = JobLedger::create(&p, 100).unwrap();
+        let g = a.gpu(&[3; 16]).unwrap();
+        let mut fds = [0; 2];
+        // SAFETY: a pipe into a local array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // Two children that each charge 40 under a pid that is not theirs:
+        // one under init's (alive forever), which then exits; one under a
+        // pid that does not exist, which stays until told.
+        let spawn = |fake: u32, stay: bool| {
+            // SAFETY: the child only uses the ledger, read and _exit.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let b = JobLedger::open(&p).unwrap();
+                let s = b.attach(fake).unwrap();
+                let ok = b.reserve(s, g, 40);
+                if stay {
+                    let mut byte = 0u8;
+                    // SAFETY: blocks until the parent closes its end (ours
+                    // is closed first, or read would never see the end).
+                    unsafe {
+                        libc::close(fds[1]);
+                        libc::read(fds[0], (&raw mut byte).cast(), 1)
+                    };
+                }
+                unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+            }
+            pid
+        };
+        let gone = spawn(1, false);
+        let mut status = 0;
+        // SAFETY: our own child.
+        unsafe { libc::waitpid(gone, &mut status, 0) };
+        assert_eq!(libc::WEXITSTATUS(status), 0);
+        let stays = spawn(0x7fff_fff0, true);
+        let me = a.attach(std::process::id()).unwrap();
+        // Wait for the second child's charge without a fixed sleep.
+        let t0 = std::time::Instant::now();
+        while a.totals()[0].1 < 80 && t0.elapsed().as_secs() < 10 {
+            std::thread::yield_now();
+        }
+        // The exited child's 40 come back although init lives; the living
+        // child's 40 stay although its pid names no process.
+        assert!(
+            a.reserve(me, g, 60),
+            "the dead child's memory was not returned"
+        );
+        assert!(!a.reserve(me, g, 1), "the living child's memory was taken");
+        // SAFETY: closing our ends lets the child's read return.
+        unsafe {
+            libc::close(fds[1]);
+            libc::close(fds[0]);
+            libc::waitpid(stays, &mut status, 0);
+        }
+        assert!(
+            a.reserve(me, g, 40),
+            "the second child's memory came back after it exited"
+        );
         std::fs::remove_file(&p).unwrap();
     }
 }

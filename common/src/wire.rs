@@ -46,7 +46,7 @@
 //!
 //! # Conversation
 //!
-//! A shim sends `Register` once, then `Usage` now and then, and `Acquire` /
+//! A shim sends `Register` once (after `Join` when it holds a job's token), then `Usage` now and then, and `Acquire` /
 //! `Release` around compute timeslices; the broker sends it `Grant` and
 //! `Revoke`. The CLI sends `Status` (answered by `StatusReply`) or `Lease`
 //! (answered by `Queued` any number of times, then `Leased` or `Refused`).
@@ -59,8 +59,8 @@ use crate::config::Priority;
 
 /// 2: priorities (`Register`, `Lease`), the in-flight bound in `Grant`,
 /// and `Drained`. 3: `Registered`, lease tokens (`Queued`, `Leased`,
-/// `Lease.resume`), paged `Status`, and `Ping`.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// `Lease.resume`), paged `Status`, and `Ping`. 4: `Join`.
+pub const PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -90,6 +90,7 @@ const T_STATUS: u8 = 0x06;
 const T_LEASE: u8 = 0x07;
 const T_DRAINED: u8 = 0x08;
 const T_PING: u8 = 0x09;
+const T_JOIN: u8 = 0x0a;
 
 const T_HELLO_OK: u8 = 0x81;
 const T_ERROR: u8 = 0x82;
@@ -184,6 +185,12 @@ pub enum ClientMsg {
     /// Asks for `Pong`: a waiting shim checks that a silent broker is
     /// alive, not stalled.
     Ping,
+    /// Sent before `Register` by a process that holds a job's token
+    /// (`GPUFRAC_JOB`) but may not descend from its `gpufrac run`: a
+    /// container's processes are children of the container runtime.
+    Join {
+        job: u64,
+    },
     /// Asks for `StatusReply`, listing processes from the `from`-th on
     /// (the reply's `next` says where the following page starts).
     Status {
@@ -396,6 +403,10 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             out.extend_from_slice(uuid);
         }
         ClientMsg::Ping => out.push(T_PING),
+        ClientMsg::Join { job } => {
+            out.push(T_JOIN);
+            put_u64(out, *job);
+        }
         ClientMsg::Status { from } => {
             out.push(T_STATUS);
             put_u32(out, *from);
@@ -558,6 +569,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
         T_DRAINED => ClientMsg::Drained { uuid: r.array()? },
         T_STATUS => ClientMsg::Status { from: r.u32()? },
         T_PING => ClientMsg::Ping,
+        T_JOIN => ClientMsg::Join { job: r.u64()? },
         T_LEASE => ClientMsg::Lease {
             want_gpus: r.u32()?,
             want_mem: r.u64()?,
@@ -889,6 +901,7 @@ mod tests {
             ClientMsg::Status { from: 0 },
             ClientMsg::Status { from: 7 },
             ClientMsg::Ping,
+            ClientMsg::Join { job: u64::MAX },
             ClientMsg::Lease {
                 want_gpus: 2,
                 want_mem: 0,
@@ -997,7 +1010,7 @@ mod tests {
         assert_eq!(
             enc_c(&ClientMsg::hello(0x0102_0304, Role::Shim)),
             [
-                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 3, 0, 4, 3, 2, 1, 1
+                12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 4, 0, 4, 3, 2, 1, 1
             ]
         );
         assert_eq!(
@@ -1462,6 +1475,7 @@ mod tests {
                 .prop_map(|(uuid, held_ns)| ClientMsg::Release { uuid, held_ns }),
             any::<u32>().prop_map(|from| ClientMsg::Status { from }),
             Just(ClientMsg::Ping),
+            any::<u64>().prop_map(|job| ClientMsg::Join { job }),
             (
                 any::<u32>(),
                 any::<u64>(),

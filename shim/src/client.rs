@@ -575,6 +575,10 @@ fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
         .collect();
     NDEV.store(devs.len() as u32, Relaxed);
     let mut buf = Vec::new();
+    if cfg.job != 0 {
+        // Before Register, which is where the broker settles the job.
+        wire::encode_client(&ClientMsg::Join { job: cfg.job }, &mut buf);
+    }
     wire::encode_client(
         &ClientMsg::Register {
             command: command_line(),
