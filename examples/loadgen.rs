@@ -2,13 +2,17 @@
 //! two kinds of neighbour users put side by side on one GPU.
 //!
 //! ```text
-//! loadgen batch       KERNEL_US START_NS END_NS [DEPTH]
-//! loadgen interactive KERNELS KERNEL_US PERIOD_US START_NS END_NS
+//! loadgen batch       KERNEL_US START END [DEPTH]
+//! loadgen interactive KERNELS KERNEL_US PERIOD_US START END
 //! ```
 //!
+//! START and END are CLOCK_MONOTONIC instants in ns (the tests give every
+//! process the same window), or `+SECONDS` after loadgen starts
+//! (`+1 +11`: from one second from now for ten seconds), for use by hand.
+//!
 //! `batch` keeps DEPTH (default 4) kernels of KERNEL_US queued from START to
-//! END (CLOCK_MONOTONIC) and prints `batch kernels=N executed_ns=T`, T being
-//! the GPU time the driver ran for this process when it can tell (the
+//! END and prints `batch kernels=N executed_ns=T`, T being the GPU time the
+//! driver ran for this process inside the window when it can tell (the
 //! simulated driver's test export), else N × KERNEL_US.
 //!
 //! `interactive` sends a request every PERIOD_US: KERNELS kernels of
@@ -137,9 +141,26 @@ fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
     })
 }
 
-fn batch(args: &[String]) {
+/// An instant: CLOCK_MONOTONIC ns, or `+SECONDS` after `base`.
+fn instant(args: &[String], i: usize, what: &str, base: u64) -> u64 {
+    match args.get(i).and_then(|s| s.strip_prefix('+')) {
+        Some(s) => match s.parse::<f64>() {
+            Ok(secs) if secs.is_finite() && secs >= 0.0 => base + (secs * 1e9) as u64,
+            _ => {
+                eprintln!("loadgen: argument {i} ({what}): expected +SECONDS such as +1 or +10.5");
+                std::process::exit(2)
+            }
+        },
+        None => arg(args, i, what),
+    }
+}
+
+fn batch(args: &[String], base: u64) {
     let kernel_ns = arg::<u64>(args, 0, "KERNEL_US") * 1000;
-    let (start, end) = (arg::<u64>(args, 1, "START_NS"), arg(args, 2, "END_NS"));
+    let (start, end) = (
+        instant(args, 1, "START", base),
+        instant(args, 2, "END", base),
+    );
     let depth = args.get(3).map_or(4, |_| arg::<usize>(args, 3, "DEPTH"));
     let gpu = Gpu::open();
     gpu.sync();
@@ -167,13 +188,13 @@ fn batch(args: &[String]) {
     println!("batch kernels={done} executed_ns={executed}");
 }
 
-fn interactive(args: &[String]) {
+fn interactive(args: &[String], base: u64) {
     let kernels: usize = arg(args, 0, "KERNELS");
     let kernel_ns = arg::<u64>(args, 1, "KERNEL_US") * 1000;
     let period = arg::<u64>(args, 2, "PERIOD_US") * 1000;
     let (start, end) = (
-        arg::<u64>(args, 3, "START_NS"),
-        arg::<u64>(args, 4, "END_NS"),
+        instant(args, 3, "START", base),
+        instant(args, 4, "END", base),
     );
     let gpu = Gpu::open();
     // One warm-up request, outside the measurement, as a server makes
@@ -218,13 +239,16 @@ fn interactive(args: &[String]) {
 }
 
 fn main() {
+    // Read once, so that `+1 +11` is one ten-second window.
+    let base = mono_ns();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        Some("batch") => batch(&args[1..]),
-        Some("interactive") => interactive(&args[1..]),
+        Some("batch") => batch(&args[1..], base),
+        Some("interactive") => interactive(&args[1..], base),
         _ => {
             eprintln!(
-                "usage: loadgen batch KERNEL_US START_NS END_NS [DEPTH]\n       loadgen interactive KERNELS KERNEL_US PERIOD_US START_NS END_NS"
+                "usage: loadgen batch KERNEL_US START END [DEPTH]\n       loadgen interactive KERNELS KERNEL_US PERIOD_US START END\n\
+                 START, END: CLOCK_MONOTONIC ns, or +SECONDS from now (e.g. +1 +11)"
             );
             std::process::exit(2);
         }
