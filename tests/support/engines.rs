@@ -1,0 +1,664 @@
+//! Real container engines for tests: Docker and Podman installed and
+//! answering, a sealed Debian image built once per machine, the arguments
+//! that put the simulated driver and the test programs inside a container,
+//! and containers removed however a test ends.
+//!
+//! Include it beside `support` with
+//! `#[path = "support/engines.rs"] mod engines;`.
+//!
+//! On a machine without the engines (a fresh Debian 12 CI runner) the
+//! helpers install them with apt-get and start dockerd; they give up, loudly,
+//! only where that is impossible (not root, no apt-get). Tests then return
+//! early: `if !engines::ensure_docker() { return; }`.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::support::{Broker, artifacts};
+
+/// The sealed image: Debian bookworm's essential packages and nothing else
+/// (no CUDA, no gpufrac), imported from a tarball since no registry is
+/// reachable. The tag is ours; nothing else uses it.
+pub const IMAGE: &str = "gpufrac-test:bookworm";
+/// Where the test programs appear inside containers.
+pub const PROBE: &str = "/gpufrac-test/probe";
+pub const LOADGEN: &str = "/gpufrac-test/loadgen";
+/// Where `sim_driver_args` puts the simulated driver.
+pub const SIM_LIB_DIR: &str = "/gpufrac-test/lib";
+
+/// This client talks to the daemon installed beside it; a newer client
+/// elsewhere on PATH may not (it may speak an API the daemon lacks).
+const DOCKER: &str = "/usr/bin/docker";
+const DOCKERD: &str = "/usr/sbin/dockerd";
+const PODMAN: &str = "/usr/bin/podman";
+const MMDEBSTRAP: &str = "/usr/bin/mmdebstrap";
+const RUNC: &[&str] = &["/usr/sbin/runc", "/usr/bin/runc"];
+
+/// Podman's default ulimits (nofile 1048576) exceed the hard limit on many
+/// CI machines and containers fail to start; crun is not installed, runc is.
+const CONTAINERS_CONF: &str = "\
+[containers]
+default_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]
+
+[engine]
+runtime = \"runc\"
+";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    Docker,
+    Podman,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Docker => "docker",
+            Engine::Podman => "podman",
+        }
+    }
+
+    /// The engine's CLI program.
+    pub fn program(self) -> &'static str {
+        match self {
+            Engine::Docker => DOCKER,
+            Engine::Podman => PODMAN,
+        }
+    }
+
+    /// The environment the CLI needs in tests: give it to a command that
+    /// runs the engine itself (`gpufrac run -- podman run …`).
+    pub fn env(self) -> Vec<(&'static str, PathBuf)> {
+        match self {
+            Engine::Docker => Vec::new(),
+            Engine::Podman => vec![("CONTAINERS_CONF", containers_conf().to_path_buf())],
+        }
+    }
+
+    /// The engine's CLI, configured for tests.
+    pub fn command(self) -> Command {
+        let mut c = Command::new(self.program());
+        c.envs(self.env());
+        c
+    }
+
+    /// `run --rm --name NAME --network none`: how every test container
+    /// starts, so that `Container` can remove it by name.
+    pub fn run_args(name: &str) -> Vec<String> {
+        ["run", "--rm", "--name", name, "--network", "none"]
+            .map(str::to_owned)
+            .to_vec()
+    }
+
+    /// Runs the CLI with `args`, panicking with its output if it fails.
+    pub fn run_ok(self, args: &[&str]) -> String {
+        let o = self
+            .command()
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", self.name()));
+        assert!(
+            o.status.success(),
+            "{} {args:?} failed: {}{}",
+            self.name(),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn quiet_ok(self, args: &[&str]) -> bool {
+        self.command()
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Straight to the process's stderr: libtest shows a passing test's
+/// `eprintln!` to nobody, and a skip or a minute of setup must be seen.
+fn say(msg: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{msg}\n").as_bytes());
+}
+
+fn skip(what: &str, why: &str) -> bool {
+    say(&format!(
+        "\n################################################################\n\
+         SKIPPED: {what}: {why}\n\
+         ################################################################\n"
+    ));
+    false
+}
+
+/// An exclusive lock shared by every process on the machine, held until
+/// dropped. Tests of several binaries (and their threads) share dpkg, the
+/// daemon and the image.
+pub struct MachineLock(std::fs::File);
+
+impl MachineLock {
+    pub fn take(name: &str) -> MachineLock {
+        let path = std::env::temp_dir().join(format!("gpufrac-test-{name}.lock"));
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid descriptor; flock blocks until the lock is ours.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        assert_eq!(rc, 0, "flock {}", path.display());
+        MachineLock(f)
+    }
+}
+
+/// Installs Debian packages so that every path in `need` exists; false
+/// (after saying why) where this machine cannot.
+fn install(what: &str, need: &[&[&str]], packages: &[&str]) -> bool {
+    let present = |alts: &[&str]| alts.iter().any(|p| Path::new(p).exists());
+    if need.iter().all(|alts| present(alts)) {
+        return true;
+    }
+    if !is_root() {
+        return skip(
+            what,
+            &format!("{packages:?} are not installed and we are not root"),
+        );
+    }
+    if !Path::new("/usr/bin/apt-get").exists() {
+        return skip(
+            what,
+            &format!("{packages:?} are not installed and there is no apt-get"),
+        );
+    }
+    let _lock = MachineLock::take("apt");
+    if need.iter().all(|alts| present(alts)) {
+        return true;
+    }
+    say(&format!("installing {packages:?} for {what} (apt-get)"));
+    let apt = |args: &[&str]| {
+        Command::new("/usr/bin/apt-get")
+            .args(["-o", "DPkg::Lock::Timeout=600"])
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run apt-get: {e}"))
+    };
+    // A fresh machine has no package lists yet.
+    assert!(apt(&["update"]).success(), "apt-get update failed");
+    let mut args = vec!["install", "-y"];
+    args.extend_from_slice(packages);
+    assert!(apt(&args).success(), "apt-get install {packages:?} failed");
+    for alts in need {
+        assert!(
+            present(alts),
+            "installed {packages:?} but {alts:?} is still missing"
+        );
+    }
+    true
+}
+
+/// Docker installed and its daemon answering. False, after a loud message,
+/// only where the machine cannot have it.
+pub fn ensure_docker() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        if Path::new(DOCKER).exists() && Engine::Docker.quiet_ok(&["info"]) {
+            return true;
+        }
+        if !install(
+            "Docker tests",
+            &[&[DOCKER], &[DOCKERD], RUNC, &[MMDEBSTRAP]],
+            &["docker.io", "runc", "mmdebstrap"],
+        ) {
+            return false;
+        }
+        if !is_root() {
+            return skip("Docker tests", "dockerd is not running and we are not root");
+        }
+        start_dockerd();
+        true
+    })
+}
+
+/// Starts dockerd in the background, unless another test did meanwhile,
+/// and waits until it answers. It outlives the tests, like a system daemon.
+// Never waited for: it is meant to outlive this process.
+#[allow(clippy::zombie_processes)]
+fn start_dockerd() {
+    let _lock = MachineLock::take("dockerd");
+    if Engine::Docker.quiet_ok(&["info"]) {
+        return;
+    }
+    let log_path = std::env::temp_dir().join("gpufrac-test-dockerd.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    say(&format!("starting dockerd (log: {})", log_path.display()));
+    // No iptables and no bridge: CI machines often lack netfilter, and the
+    // tests run with --network none.
+    let mut child = Command::new(DOCKERD)
+        .args(["--iptables=false", "--bridge=none"])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        // Its own process group: a ^C to cargo test must not take it down
+        // halfway through another test binary's container.
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {DOCKERD}: {e}"));
+    let t = Instant::now();
+    while !Engine::Docker.quiet_ok(&["info"]) {
+        let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!(
+                "dockerd exited ({st}) before answering; its log:\n{}",
+                log()
+            );
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(90),
+            "dockerd did not answer `docker info` within 90 s; its log:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Podman installed (it has no daemon). False, after a loud message, only
+/// where the machine cannot have it.
+pub fn ensure_podman() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        if !is_root() {
+            // Rootless Podman reads other storage and cannot make device
+            // nodes or write /var/run/cdi.
+            return skip("Podman tests", "they need root");
+        }
+        install(
+            "Podman tests",
+            &[&[PODMAN], RUNC, &[MMDEBSTRAP]],
+            &["podman", "runc", "mmdebstrap"],
+        )
+    })
+}
+
+/// The containers.conf Podman runs with in tests: one file for every test
+/// process, written whole and renamed into place (its content never
+/// changes, so whichever process wrote it last does not matter).
+pub fn containers_conf() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = std::env::temp_dir();
+        let p = dir.join("gpufrac-test-containers.conf");
+        let tmp = dir.join(format!(
+            "gpufrac-test-containers.conf.{}",
+            std::process::id()
+        ));
+        std::fs::write(&tmp, CONTAINERS_CONF).unwrap();
+        std::fs::rename(&tmp, &p).unwrap();
+        p
+    })
+}
+
+/// The sealed test image in `engine`'s store, built on first use on this
+/// machine: `mmdebstrap --variant=essential bookworm` into a tarball kept
+/// in the cache (so the other engine imports the same root without a
+/// second download), then imported.
+pub fn image(engine: Engine) -> &'static str {
+    static DONE: [OnceLock<()>; 2] = [OnceLock::new(), OnceLock::new()];
+    DONE[engine as usize].get_or_init(|| {
+        let exists = || match engine {
+            Engine::Docker => engine.quiet_ok(&["image", "inspect", IMAGE]),
+            Engine::Podman => engine.quiet_ok(&["image", "exists", IMAGE]),
+        };
+        if exists() {
+            return;
+        }
+        let _lock = MachineLock::take("image");
+        if exists() {
+            return;
+        }
+        let tar = rootfs_tarball();
+        say(&format!(
+            "importing {} into {} as {IMAGE}",
+            tar.display(),
+            engine.name()
+        ));
+        engine.run_ok(&["import", tar.to_str().unwrap(), IMAGE]);
+    });
+    IMAGE
+}
+
+/// Called with the image lock held.
+fn rootfs_tarball() -> PathBuf {
+    let dir = Path::new("/var/cache/gpufrac-test");
+    let tar = dir.join("bookworm-essential.tar");
+    if tar.exists() {
+        return tar;
+    }
+    std::fs::create_dir_all(dir).unwrap();
+    // Renamed once whole, so an interrupted build is not taken for one.
+    let part = dir.join("bookworm-essential.part.tar");
+    say("building the test image's root with mmdebstrap (once per machine)");
+    let st = Command::new(MMDEBSTRAP)
+        .args(["--variant=essential", "--format=tar", "bookworm"])
+        .arg(&part)
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {MMDEBSTRAP}: {e}"));
+    assert!(
+        st.success(),
+        "mmdebstrap failed ({st}); it needs a Debian mirror"
+    );
+    std::fs::rename(&part, &tar).unwrap();
+    tar
+}
+
+/// `-v`/`-e` arguments: the simulated driver as libcuda.so.1 and
+/// libnvidia-ml.so.1 in `SIM_LIB_DIR`, on the loader's path. (The host's
+/// sim-driver directory holds absolute symlinks, which would dangle inside.)
+pub fn sim_driver_args() -> Vec<String> {
+    let sim = artifacts().dir.join("libgpufrac_sim.so");
+    let mut v = Vec::new();
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        v.push("-v".into());
+        v.push(format!("{}:{SIM_LIB_DIR}/{name}:ro", sim.display()));
+    }
+    v.push("-e".into());
+    v.push(format!("LD_LIBRARY_PATH={SIM_LIB_DIR}"));
+    v
+}
+
+/// `-v`/`-e` arguments that make the container's processes share the
+/// simulated GPUs `devices` with the host's processes on state file
+/// `state`: its directory is mounted at the same path.
+pub fn sim_state_args(devices: &str, state: &Path) -> Vec<String> {
+    let dir = state.parent().unwrap().display().to_string();
+    vec![
+        "-v".into(),
+        format!("{dir}:{dir}"),
+        "-e".into(),
+        format!("GPUFRAC_SIM_DEVICES={devices}"),
+        "-e".into(),
+        format!("GPUFRAC_SIM_STATE={}", state.display()),
+    ]
+}
+
+/// `-v` arguments for the test programs, at `PROBE` and `LOADGEN`.
+pub fn program_args() -> Vec<String> {
+    let a = artifacts();
+    vec![
+        "-v".into(),
+        format!("{}:{PROBE}:ro", a.probe.display()),
+        "-v".into(),
+        format!("{}:{LOADGEN}:ro", a.loadgen.display()),
+    ]
+}
+
+/// Everything a container needs to run the test programs against `b`'s
+/// simulated GPUs: driver, shared state and programs.
+pub fn sim_args(b: &Broker) -> Vec<String> {
+    let mut v = sim_driver_args();
+    v.extend(sim_state_args(&b.devices, &b.state));
+    v.extend(program_args());
+    v
+}
+
+/// `gpufrac docker-args ARGS`, one argument per element.
+pub fn docker_args(args: &[&str]) -> Vec<String> {
+    let o = Command::new(&artifacts().gpufrac)
+        .arg("docker-args")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "gpufrac docker-args {args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A container run attached (`ENGINE run --rm --name NAME --network none
+/// ARGS…`), removed with `rm -f` when dropped, however the test ends. Its
+/// stdout arrives line by line.
+pub struct Container {
+    pub engine: Engine,
+    pub name: String,
+    child: Child,
+    lines: Receiver<String>,
+    /// Every stdout line seen so far.
+    pub seen: Vec<String>,
+    stderr: Arc<Mutex<String>>,
+    stderr_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// A container name no other test (of any process) uses.
+pub fn container_name() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "gpufrac-test-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Container {
+    /// `ENGINE run --rm --name NAME --network none ARGS…`; `args`: run
+    /// options, the image, then the command.
+    pub fn run<S: AsRef<str>>(engine: Engine, args: &[S]) -> Container {
+        let name = container_name();
+        let mut cmd = engine.command();
+        cmd.args(Engine::run_args(&name))
+            .args(args.iter().map(AsRef::as_ref));
+        Container::attach(engine, name, cmd)
+    }
+
+    /// Starts `cmd`, which runs container `name` attached, however it does
+    /// (`gpufrac run … -- docker run` + `Engine::run_args(name)` + …), and
+    /// takes charge of its output and of removing the container.
+    pub fn attach(engine: Engine, name: String, mut cmd: Command) -> Container {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", cmd.get_program()));
+        let (tx, lines) = channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut err = child.stderr.take().unwrap();
+        let sink = stderr.clone();
+        let stderr_thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Container {
+            engine,
+            name,
+            child,
+            lines,
+            seen: Vec::new(),
+            stderr,
+            stderr_thread: Some(stderr_thread),
+        }
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    fn context(&self) -> String {
+        format!(
+            "{} container {}\nstdout:\n{}\nstderr:\n{}",
+            self.engine.name(),
+            self.name,
+            self.seen.join("\n"),
+            self.stderr()
+        )
+    }
+
+    /// The key=value pairs of the next stdout line whose first word is
+    /// `step` (lines before it are kept in `seen`), waiting up to `secs`.
+    pub fn wait_line(&mut self, step: &str, secs: u64) -> HashMap<String, String> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.split_whitespace().next() == Some(step) {
+                        return l
+                            .split_whitespace()
+                            .skip(1)
+                            .filter_map(|kv| kv.split_once('='))
+                            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                            .collect();
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("no {step:?} line within {secs} s from {}", self.context())
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let _ = self.child.wait();
+                    // All of stderr for the message.
+                    if let Some(t) = self.stderr_thread.take() {
+                        let _ = t.join();
+                    }
+                    panic!(
+                        "the container ended without a {step:?} line: {}",
+                        self.context()
+                    )
+                }
+            }
+        }
+    }
+
+    /// Waits up to `secs` for the container to end; its status and every
+    /// stdout line.
+    pub fn finish(mut self, secs: u64) -> (ExitStatus, Vec<String>) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => self.seen.push(l),
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!("still running after {secs} s: {}", self.context())
+                }
+            }
+        }
+        let st = self.child.wait().unwrap();
+        if let Some(t) = self.stderr_thread.take() {
+            let _ = t.join();
+        }
+        (st, std::mem::take(&mut self.seen))
+    }
+
+    /// The host pid of the container's first process (its entrypoint, or
+    /// what that exec'd).
+    pub fn host_pid(&self) -> u32 {
+        let t = Instant::now();
+        loop {
+            let out = self
+                .engine
+                .command()
+                .args(["inspect", "-f", "{{.State.Pid}}", &self.name])
+                .stdin(Stdio::null())
+                .output()
+                .unwrap();
+            if let Ok(pid) = String::from_utf8_lossy(&out.stdout).trim().parse::<u32>()
+                && pid != 0
+            {
+                return pid;
+            }
+            // The client may not have created the container yet.
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{} inspect {} gives no pid: {}",
+                self.engine.name(),
+                self.name,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The key=value pairs of the `n`-th line of `lines` whose first word is
+/// `step`.
+pub fn step(lines: &[String], name: &str, n: usize) -> HashMap<String, String> {
+    let l = lines
+        .iter()
+        .filter(|l| l.split_whitespace().next() == Some(name))
+        .nth(n)
+        .unwrap_or_else(|| panic!("no line #{n} for {name:?} in:\n{}", lines.join("\n")));
+    l.split_whitespace()
+        .skip(1)
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        // Killing the client would leave the container running. Podman
+        // would first send SIGTERM and wait 10 s, and a program running as
+        // the container's pid 1 ignores a signal it has no handler for.
+        let mut rm = vec!["rm", "-f", self.name.as_str()];
+        if self.engine == Engine::Podman {
+            rm.extend(["--time", "0"]);
+        }
+        let _ = self
+            .engine
+            .command()
+            .args(&rm)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
