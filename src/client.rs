@@ -322,14 +322,43 @@ fn seconds(d: Duration) -> String {
 
 fn connect_problem(socket: &Path, e: &io::Error) -> String {
     let hint = if e.kind() == io::ErrorKind::PermissionDenied {
-        " (the socket is only open to the broker's --group; ask for membership or use sudo)"
+        let own = gpufrac_broker::user_socket();
+        format!(
+            " (the socket is open only to the broker's --group: ask to be added to it, or use \
+             sudo; on a machine of your own, start a broker you can reach instead: gpufrac broker \
+             --socket {own}, and set GPUFRAC_SOCKET={own} or pass --socket {own})",
+            own = own.display()
+        )
     } else {
-        ""
+        String::new()
     };
     format!(
         "cannot connect to the broker at {}: {e}{hint}",
         socket.display()
     )
+}
+
+/// How to start the broker a command looked for at `socket` and did not
+/// find. The default socket is in root's /run, so a user without root is
+/// pointed at a path of their own.
+pub fn start_hint(socket: &Path) -> String {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if socket != Path::new(gpufrac_common::config::DEFAULT_SOCKET) {
+        format!(
+            "start one with: gpufrac broker --socket {}",
+            socket.display()
+        )
+    } else if root {
+        "start one with: gpufrac broker".into()
+    } else {
+        let own = gpufrac_broker::user_socket();
+        format!(
+            "start one with: sudo gpufrac broker; or, without root, gpufrac broker --socket {own}, \
+             and set GPUFRAC_SOCKET={own}",
+            own = own.display()
+        )
+    }
 }
 
 fn msg_name(m: &ServerMsg) -> &'static str {
@@ -425,6 +454,44 @@ mod tests {
             fn drop(&mut self) {
                 let _ = std::fs::remove_dir_all(&self.path);
             }
+        }
+    }
+
+    #[test]
+    fn no_permission_suggests_a_socket_of_ones_own() {
+        let m = connect_problem(
+            Path::new("/run/gpufrac/broker.sock"),
+            &io::Error::from_raw_os_error(libc::EACCES),
+        );
+        let own = gpufrac_broker::user_socket();
+        assert!(m.contains("--group"), "{m}");
+        assert!(
+            m.contains(&format!("gpufrac broker --socket {}", own.display()))
+                && m.contains(&format!("GPUFRAC_SOCKET={}", own.display())),
+            "{m}"
+        );
+        let m = connect_problem(
+            Path::new("/x.sock"),
+            &io::Error::from_raw_os_error(libc::ECONNRESET),
+        );
+        assert!(!m.contains("GPUFRAC_SOCKET"), "{m}");
+    }
+
+    #[test]
+    fn start_hint_names_the_socket_looked_at() {
+        assert_eq!(
+            start_hint(Path::new("/tmp/b.sock")),
+            "start one with: gpufrac broker --socket /tmp/b.sock"
+        );
+        let h = start_hint(Path::new(gpufrac_common::config::DEFAULT_SOCKET));
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            assert_eq!(h, "start one with: gpufrac broker");
+        } else {
+            assert!(
+                h.contains("sudo gpufrac broker") && h.contains("GPUFRAC_SOCKET="),
+                "{h}"
+            );
         }
     }
 

@@ -50,8 +50,9 @@ pub fn main(args: StatusArgs) -> u8 {
         Ok(mut c) => c.status(),
         Err(ConnectError::NoBroker) => {
             eprintln!(
-                "gpufrac status: no broker at {} (start one with: gpufrac broker)",
-                socket.display()
+                "gpufrac status: no broker at {} ({})",
+                socket.display(),
+                crate::client::start_hint(&socket)
             );
             return 1;
         }

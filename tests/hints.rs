@@ -1,10 +1,165 @@
-//! Error messages that say what to do next, from the real binary: a busy
-//! GPU named by the job that holds it as `gpufrac status` shows it.
+//! Error messages that say what to do next, from the real binary: a port
+//! where an address belongs, a socket the user may not create or reach,
+//! no broker at the socket asked for, and a busy GPU named by the job that
+//! holds it as `gpufrac status` shows it.
+//!
+//! "May not" is real: run as root, the tests run gpufrac as `nobody`
+//! (root passes every permission check).
 
 mod support;
-use std::path::Path;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use support::*;
+
+/// What the hints must suggest for a socket of one's own.
+const XDG: &str = "/run/user/4242";
+
+/// The gpufrac binary copied where any user can run it (a checkout under
+/// a home directory may be closed to `nobody`).
+fn gpufrac_for_anyone(dir: &Scratch) -> PathBuf {
+    let to = dir.0.join("gpufrac");
+    std::fs::copy(&artifacts().gpufrac, &to).unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    to
+}
+
+/// Drops root, if the tests have it, before `cmd` runs.
+fn unprivileged(cmd: &mut Command) {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    // SAFETY: setgroups/setgid/setuid in the child before exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, || {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setuid(65534) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+fn own_socket_suggested(err: &str) -> bool {
+    err.contains(&format!("--socket {XDG}/gpufrac.sock"))
+        && err.contains(&format!("GPUFRAC_SOCKET={XDG}/gpufrac.sock"))
+}
+
+#[test]
+fn a_port_alone_for_metrics_is_refused_with_an_address_to_use() {
+    let dir = Scratch::new("hint-metrics");
+    let socket = dir.0.join("b.sock");
+    for (given, port) in [("9400", "9400"), (":9401", "9401")] {
+        let o = sim_command(&artifacts().gpufrac, "16G", false)
+            .args(["broker", "--socket"])
+            .arg(&socket)
+            .args(["--metrics", given])
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!("--metrics {given}: needs an address"))
+                && err.contains(&format!("use --metrics 127.0.0.1:{port}")),
+            "{err}"
+        );
+        assert!(!socket.exists(), "a refused start left its socket");
+    }
+    // Anything else that is no address keeps the general message.
+    let o = sim_command(&artifacts().gpufrac, "16G", false)
+        .args(["broker", "--socket"])
+        .arg(&socket)
+        .args(["--metrics", "nowhere"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("not an address; use HOST:PORT, e.g. 127.0.0.1:9400"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_broker_that_may_not_create_its_socket_is_told_where_it_may() {
+    let dir = Scratch::new("hint-broker");
+    let gpufrac = gpufrac_for_anyone(&dir);
+    let locked = dir.0.join("locked");
+    std::fs::create_dir(&locked).unwrap();
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o555)).unwrap();
+    // Its directory cannot be created (as with /run/gpufrac for a user),
+    // and a directory that exists cannot be written.
+    for (socket, failed) in [
+        (locked.join("sub/b.sock"), "cannot create"),
+        (locked.join("b.sock"), "cannot listen on"),
+    ] {
+        let mut cmd = sim_command(&gpufrac, "16G", false);
+        cmd.args(["broker", "--socket"])
+            .arg(&socket)
+            .env("XDG_RUNTIME_DIR", XDG)
+            .env("RUST_LOG", "error");
+        unprivileged(&mut cmd);
+        let o = cmd.output().unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(failed) && err.contains("Permission denied"),
+            "{err}"
+        );
+        assert!(own_socket_suggested(&err), "{err}");
+    }
+}
+
+#[test]
+fn a_client_that_may_not_reach_the_socket_is_told_how_to_reach_a_broker() {
+    let dir = Scratch::new("hint-client");
+    let gpufrac = gpufrac_for_anyone(&dir);
+    let socket = dir.0.join("b.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    // Connecting needs write permission on the socket.
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let mut cmd = sim_command(&gpufrac, "16G", false);
+    cmd.args(["status", "--socket"])
+        .arg(&socket)
+        .env("XDG_RUNTIME_DIR", XDG);
+    unprivileged(&mut cmd);
+    let o = cmd.output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "cannot connect to the broker at {}",
+            socket.display()
+        )) && err.contains("Permission denied")
+            && err.contains("--group"),
+        "{err}"
+    );
+    assert!(own_socket_suggested(&err), "{err}");
+}
+
+#[test]
+fn no_broker_at_a_socket_says_how_to_start_one_there() {
+    let dir = Scratch::new("hint-none");
+    let socket = dir.0.join("none.sock");
+    let o = sim_command(&artifacts().gpufrac, "16G", false)
+        .args(["status", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "no broker at {0} (start one with: gpufrac broker --socket {0})",
+            socket.display()
+        )),
+        "{err}"
+    );
+}
 
 /// The text status, as a user reads it.
 fn status_text(socket: &Path) -> String {

@@ -387,15 +387,17 @@ impl Server {
             }
         }
         // Jobs restored from a previous broker whose run never came back.
-        let gone: Vec<u64> = self
+        let gone: Vec<(u64, u32)> = self
             .jobs
             .iter()
             .filter(|(t, j)| !self.job_conn.contains_key(t) && !j.alive())
-            .map(|(t, _)| *t)
+            .map(|(t, j)| (*t, j.pid))
             .collect();
-        for t in gone {
+        // Named by the run's pid, as status names leases: the token is a
+        // secret.
+        for (t, pid) in gone {
             info!(
-                token = t,
+                pid,
                 "a restored job's gpufrac run is gone; ending its lease"
             );
             self.end_job(t);
@@ -1671,6 +1673,20 @@ fn answer_scrape(s: &mut std::net::TcpStream, text: &Mutex<String>) {
     );
 }
 
+/// `what: e`, and for a permission error where to put the socket instead.
+fn no_permission(what: String, e: &std::io::Error) -> String {
+    if e.kind() != std::io::ErrorKind::PermissionDenied {
+        return format!("{what}: {e}");
+    }
+    let p = crate::user_socket();
+    format!(
+        "{what}: {e}; run the broker as root, or give it a socket in a directory you can write: \
+         gpufrac broker --socket {p}, and set GPUFRAC_SOCKET={p} for gpufrac run, gpufrac status \
+         and the programs you start",
+        p = p.display()
+    )
+}
+
 /// A directory others can write lets them replace the socket (or plant
 /// their own before the broker starts): refuse one that is writable by
 /// group or others (unless sticky, like /tmp, where only owners may
@@ -1741,7 +1757,7 @@ fn bind(opts: &BrokerOptions) -> Result<UnixListener, String> {
                 .recursive(true)
                 .mode(0o755)
                 .create(dir)
-                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+                .map_err(|e| no_permission(format!("cannot create {}", dir.display()), &e))?;
         }
         check_socket_dir(dir)?;
     }
@@ -1765,7 +1781,7 @@ fn bind(opts: &BrokerOptions) -> Result<UnixListener, String> {
         let _ = std::fs::remove_file(path);
     }
     let l = UnixListener::bind(path)
-        .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+        .map_err(|e| no_permission(format!("cannot listen on {}", path.display()), &e))?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .map_err(|e| format!("chmod {}: {e}", path.display()))?;
@@ -1815,9 +1831,16 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         && addr.parse::<std::net::SocketAddr>().is_err()
         && std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()).is_err()
     {
-        return Err(format!(
-            "--metrics {addr}: not an address; use HOST:PORT, e.g. 127.0.0.1:9400"
-        ));
+        // `--metrics 9400` (or `:9400`) is the likely slip: a port alone.
+        return Err(match addr.trim_start_matches(':').parse::<u16>() {
+            Ok(port) => format!(
+                "--metrics {addr}: needs an address, not only a port; \
+                 use --metrics 127.0.0.1:{port} (or 0.0.0.0:{port} to serve every interface)"
+            ),
+            Err(_) => {
+                format!("--metrics {addr}: not an address; use HOST:PORT, e.g. 127.0.0.1:9400")
+            }
+        });
     }
     let nofile = raise_nofile();
     let found = match inventory::discover() {
