@@ -637,13 +637,15 @@ impl Server {
                     .and_then(|t| self.jobs.get(&t))
                     .and_then(|j| j.mem_cap)
                     .unwrap_or(0);
+                let job_pid = job.and_then(|t| self.jobs.get(&t)).map(|j| j.pid);
                 if let Some(c) = self.conns.get_mut(&tok) {
                     for d in &mut devs {
                         if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
                             d.cap = mem_cap;
                         }
                     }
-                    info!(pid = c.pid, uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job, "registered");
+                    // A job is named by its run's pid: the token is a secret.
+                    info!(pid = c.pid, uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
                     c.devices = devs;
                 }
                 self.send(tok, &ServerMsg::Registered { mem_cap });
@@ -878,7 +880,7 @@ impl Server {
             let j = &self.jobs[&token];
             (j.phase.clone(), j.label.clone())
         };
-        info!(pid, token, "gpufrac run reclaimed its job");
+        info!(pid, "gpufrac run reclaimed its job");
         if let Some(c) = self.conns.get_mut(&tok) {
             c.command = label;
         }
@@ -919,7 +921,7 @@ impl Server {
                 }
                 self.enforce(now, t);
             }
-            debug!(token, pid = j.pid, "job ended");
+            debug!(pid = j.pid, "job ended");
         }
     }
 
