@@ -224,7 +224,12 @@ fn install(what: &str, need: &[&[&str]], packages: &[&str]) -> bool {
 pub fn ensure_docker() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        if Path::new(DOCKER).exists() && Engine::Docker.quiet_ok(&["info"]) {
+        // A machine where someone else runs Docker (and a user in the docker
+        // group) needs nothing more, unless the image is still to be built.
+        if Path::new(DOCKER).exists()
+            && Engine::Docker.quiet_ok(&["info"])
+            && (Path::new(MMDEBSTRAP).exists() || image_exists(Engine::Docker))
+        {
             return true;
         }
         if !install(
@@ -290,8 +295,8 @@ pub fn ensure_podman() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
         if !is_root() {
-            // Rootless Podman reads other storage and cannot make device
-            // nodes or write /var/run/cdi.
+            // Rootless Podman keeps images elsewhere, and the CDI test
+            // writes /var/run/cdi.
             return skip("Podman tests", "they need root");
         }
         install(
@@ -327,15 +332,11 @@ pub fn containers_conf() -> &'static Path {
 pub fn image(engine: Engine) -> &'static str {
     static DONE: [OnceLock<()>; 2] = [OnceLock::new(), OnceLock::new()];
     DONE[engine as usize].get_or_init(|| {
-        let exists = || match engine {
-            Engine::Docker => engine.quiet_ok(&["image", "inspect", IMAGE]),
-            Engine::Podman => engine.quiet_ok(&["image", "exists", IMAGE]),
-        };
-        if exists() {
+        if image_exists(engine) {
             return;
         }
         let _lock = MachineLock::take("image");
-        if exists() {
+        if image_exists(engine) {
             return;
         }
         let tar = rootfs_tarball();
@@ -347,6 +348,13 @@ pub fn image(engine: Engine) -> &'static str {
         engine.run_ok(&["import", tar.to_str().unwrap(), IMAGE]);
     });
     IMAGE
+}
+
+fn image_exists(engine: Engine) -> bool {
+    match engine {
+        Engine::Docker => engine.quiet_ok(&["image", "inspect", IMAGE]),
+        Engine::Podman => engine.quiet_ok(&["image", "exists", IMAGE]),
+    }
 }
 
 /// Called with the image lock held.
