@@ -405,3 +405,88 @@ fn podman_with_the_cdi_spec_is_capped_and_registered() {
     drop(c);
     drop(spec);
 }
+
+/// `gpufrac run … -- docker run …`: the container's job queues behind a
+/// job holding the GPU, gets its lease, its process (a child of the
+/// container runtime, not of run) counts in the job under the job's cap,
+/// and `docker kill` ends the lease.
+#[test]
+fn a_containerised_job_queues_holds_a_lease_and_ends_with_the_container() {
+    if !engines::ensure_docker() {
+        return;
+    }
+    let image = engines::image(Engine::Docker);
+    let b = Broker::start(DEVICE, &[]);
+    let mut first = KillOnDrop(
+        b.run(&["--gpus", "1", "--", "sh", "-c", "cat > /dev/null"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until(20.0, "the first job's lease", || {
+        b.status()["leases"]
+            .as_array()
+            .is_some_and(|l| l.len() == 1)
+    });
+
+    let name = engines::container_name();
+    let mut cmd = b.run(&["--gpu-memory", CAP, "--", Engine::Docker.program()]);
+    cmd.args(Engine::run_args(&name))
+        .args(engines::sim_args(&b));
+    cmd.arg(image)
+        .arg(PROBE)
+        .args(FILL)
+        .args(["sleep-ms", "60000"]);
+    let mut c = Container::attach(Engine::Docker, name.clone(), cmd);
+    let run_pid = c.client_pid();
+    wait_until(20.0, "the container's job in the queue", || {
+        b.status()["queue"]
+            .as_array()
+            .is_some_and(|q| q.iter().any(|e| e["pid"].as_u64() == Some(run_pid.into())))
+    });
+    // Not started while queued: docker run has not even been called.
+    assert!(c.seen.is_empty(), "{:?}", c.seen);
+
+    drop(first.0.stdin.take());
+    assert!(first.0.wait().unwrap().success());
+    let info = c.wait_line("info", 60);
+    assert_eq!(num(&info, "total"), 64 * MIB, "{info:?}");
+    let fill = c.wait_line("fill", 30);
+    assert_eq!(num(&fill, "count"), 16, "{fill:?}");
+    let pid = c.host_pid();
+    let p = registered_with(&b, pid, 0, 64 * MIB);
+    // In the job: the broker names it by the run's pid, although the
+    // process descends from the container runtime.
+    assert_eq!(p["job"].as_u64(), Some(run_pid.into()), "{p}");
+    assert_eq!(p["job_mem_used"].as_u64(), Some(64 * MIB), "{p}");
+    let leases = b.status()["leases"].clone();
+    assert!(
+        leases
+            .as_array()
+            .is_some_and(|l| l.len() == 1 && l[0]["pid"].as_u64() == Some(run_pid.into())),
+        "{leases}"
+    );
+
+    engines::Engine::Docker.run_ok(&["kill", &name]);
+    let (st, _) = c.finish(30);
+    assert_eq!(st.code(), Some(137), "run passes on the container's end");
+    wait_until(20.0, "the lease to end with the container", || {
+        let s = b.status();
+        s["leases"].as_array().is_some_and(Vec::is_empty)
+            && s["gpus"][0]["processes"]
+                .as_array()
+                .is_none_or(Vec::is_empty)
+    });
+}
+
+/// A detached container would leave the lease behind at once: refused.
+#[test]
+fn a_detached_container_is_refused() {
+    let b = Broker::start(DEVICE, &[]);
+    let o = b
+        .run(&["--gpu-memory", CAP, "--", "docker", "run", "-d", "img"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("drop -d"), "{}", stderr(&o));
+}

@@ -537,6 +537,12 @@ impl Container {
         self.stderr.lock().unwrap().clone()
     }
 
+    /// The pid of the command that runs the container (the engine's client,
+    /// or the `gpufrac run` around it).
+    pub fn client_pid(&self) -> u32 {
+        self.child.id()
+    }
+
     fn context(&self) -> String {
         format!(
             "{} container {}\nstdout:\n{}\nstderr:\n{}",
