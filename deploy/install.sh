@@ -12,6 +12,7 @@ Installs under PREFIX (default /usr/local):
   PREFIX/bin/gpufrac
   PREFIX/lib/libgpufrac.so
   PREFIX/include/gpufrac.h
+  PREFIX/libexec/gpufrac-task-prolog  (Slurm's TaskProlog, its path rewritten)
   PREFIX/share/doc/gpufrac/     README.md, install.md, SECURITY.md, LICENSE
   UNITDIR/gpufrac-broker.service (its paths rewritten to PREFIX)
 
@@ -91,7 +92,7 @@ docs="README.md install.md SECURITY.md LICENSE"
 
 if [ $uninstall = yes ]; then
     rm -f "$root/bin/gpufrac" "$root/lib/libgpufrac.so" "$root/include/gpufrac.h" \
-        "$destdir$unitdir/gpufrac-broker.service"
+        "$root/libexec/gpufrac-task-prolog" "$destdir$unitdir/gpufrac-broker.service"
     for f in $docs; do
         rm -f "$root/share/doc/gpufrac/$f"
     done
@@ -100,14 +101,14 @@ if [ $uninstall = yes ]; then
     exit 0
 fi
 
-for f in bin/gpufrac lib/libgpufrac.so include/gpufrac.h lib/systemd/system/gpufrac-broker.service $docs; do
+for f in bin/gpufrac lib/libgpufrac.so include/gpufrac.h libexec/gpufrac-task-prolog lib/systemd/system/gpufrac-broker.service $docs; do
     if [ ! -f "$here/$f" ]; then
         echo "install.sh: $here/$f is missing; run this script from an unpacked gpufrac release" >&2
         exit 1
     fi
 done
 
-install -d -m 0755 "$root/bin" "$root/lib" "$root/include" "$root/share/doc/gpufrac" "$destdir$unitdir"
+install -d -m 0755 "$root/bin" "$root/lib" "$root/include" "$root/libexec" "$root/share/doc/gpufrac" "$destdir$unitdir"
 # install(1) replaces a file by a new one rather than writing into it, so
 # running processes keep the library and binary they mapped: copying over
 # a library in use would crash them.
@@ -117,6 +118,10 @@ install -m 0644 "$here/include/gpufrac.h" "$root/include/gpufrac.h"
 for f in $docs; do
     install -m 0644 "$here/$f" "$root/share/doc/gpufrac/$f"
 done
+prolog=$root/libexec/gpufrac-task-prolog
+sed "s|/usr/local/|$prefix/|g" "$here/libexec/gpufrac-task-prolog" >"$prolog.tmp"
+chmod 0755 "$prolog.tmp"
+mv -f "$prolog.tmp" "$prolog"
 unit=$destdir$unitdir/gpufrac-broker.service
 sed "s|/usr/local/|$prefix/|g" "$here/lib/systemd/system/gpufrac-broker.service" >"$unit.tmp"
 chmod 0644 "$unit.tmp"

@@ -208,6 +208,7 @@ fn tarball_holds_the_release_and_install_sh_lays_it_out_under_a_prefix() {
         "install.sh",
         "lib/libgpufrac.so",
         "lib/systemd/system/gpufrac-broker.service",
+        "libexec/gpufrac-task-prolog",
     ]
     .iter()
     .map(|f| format!("gpufrac-{VERSION}/{f}"))
@@ -233,6 +234,7 @@ fn tarball_holds_the_release_and_install_sh_lays_it_out_under_a_prefix() {
         ("bin/gpufrac", 0o755),
         ("lib/libgpufrac.so", 0o755),
         ("include/gpufrac.h", 0o644),
+        ("libexec/gpufrac-task-prolog", 0o755),
         ("lib/systemd/system/gpufrac-broker.service", 0o644),
         ("share/doc/gpufrac/install.md", 0o644),
         ("share/doc/gpufrac/LICENSE", 0o644),
@@ -256,6 +258,12 @@ fn tarball_holds_the_release_and_install_sh_lays_it_out_under_a_prefix() {
     assert!(
         !unit.contains("/usr/local/") && !unit.contains(destdir.to_str().unwrap()),
         "the unit names another prefix or the staging directory:\n{unit}"
+    );
+    let prolog = std::fs::read_to_string(root.join("libexec/gpufrac-task-prolog")).unwrap();
+    assert!(
+        prolog.contains("exec /opt/gpufrac/bin/gpufrac slurm-task-prolog")
+            && !prolog.contains("/usr/local/"),
+        "the Slurm TaskProlog names another prefix:\n{prolog}"
     );
 
     let v = Command::new(root.join("bin/gpufrac"))

@@ -212,7 +212,7 @@ fn stage(ws: &Workspace, built: &Path, dest: &Path) -> Result<(), String> {
         fs::remove_dir_all(dest).map_err(|e| format!("cannot remove {}: {e}", dest.display()))?;
     }
     let r = &ws.root;
-    let files: [(PathBuf, &str, u32); 9] = [
+    let files: [(PathBuf, &str, u32); 10] = [
         (built.join("gpufrac"), "bin/gpufrac", 0o755),
         (built.join("libgpufrac.so"), "lib/libgpufrac.so", 0o755),
         (r.join("include/gpufrac.h"), "include/gpufrac.h", 0o644),
@@ -222,6 +222,11 @@ fn stage(ws: &Workspace, built: &Path, dest: &Path) -> Result<(), String> {
             0o644,
         ),
         (r.join("deploy/install.sh"), "install.sh", 0o755),
+        (
+            r.join("deploy/slurm/gpufrac-task-prolog"),
+            "libexec/gpufrac-task-prolog",
+            0o755,
+        ),
         (r.join("README.md"), "README.md", 0o644),
         (r.join("LICENSE"), "LICENSE", 0o644),
         (r.join("SECURITY.md"), "SECURITY.md", 0o644),
