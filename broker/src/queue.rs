@@ -1,4 +1,4 @@
-//! GPU admission queue for `gpufrac run` (SPEC §3).
+//! GPU admission queue for `gpufrac run` (the README's `gpufrac run` section).
 //!
 //! A pure state machine: no I/O, no clock. The socket layer submits requests,
 //! reports ends of leases, and calls [`Queue::poll`] after every change

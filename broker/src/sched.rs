@@ -1,4 +1,4 @@
-//! Per-GPU compute scheduler (SPEC §2).
+//! Per-GPU compute scheduler (docs/design.md, "The broker").
 //!
 //! A pure state machine: no I/O, no clock, no threads. Every entry point takes
 //! the current monotonic time so the whole policy can be driven in virtual

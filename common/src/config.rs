@@ -1,5 +1,5 @@
 //! The shim's configuration, read from the environment of the process it is
-//! loaded into (SPEC §1).
+//! loaded into (the README's Configuration table).
 //!
 //! Anything malformed is an error, never a default: a user who asked for a
 //! cap must not run uncapped because of a typo. Where the environment holds a

@@ -2,7 +2,7 @@
 //!
 //! It enforces a per-process memory cap on every device, shows the process a
 //! GPU the size of its cap (CUDA and NVML alike), and gates kernel launches
-//! by the timeslices the broker grants. See SPEC §1 and docs/design.md.
+//! by the timeslices the broker grants. See the README and docs/design.md.
 //!
 //! Layout: `table` is the single list of hooked symbols; `dlsym` and
 //! `procaddr` make every lookup path reach it; `init` is the staged lazy

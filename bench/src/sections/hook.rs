@@ -211,7 +211,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
              through `__tls_get_addr`. perf puts most of the added time on the two locked \
              instructions. The in-flight count only matters once a revoke can come; an \
              uncontended holder could skip it if the switch to counting were fenced (e.g. \
-             membarrier), and the device could be cached per context. SPEC §1 asks for \
+             membarrier), and the device could be cached per context. The design asks for \
              \"a few atomic loads\"."
                 .into(),
         );
