@@ -403,6 +403,29 @@ fn podman_with_the_cdi_spec_is_capped_and_registered() {
     assert_eq!(p["mem_cap"].as_u64(), Some(64 * MIB), "{p}");
     assert!(p["ooms"].as_u64().unwrap() >= 1, "{p}");
     drop(c);
+
+    // The same spec under `gpufrac run`: the CDI device brings the shim and
+    // the socket, run adds the job (its cap, books and token), and the
+    // container's process counts in the job.
+    let name = engines::container_name();
+    let mut cmd = b.run(&["--gpu-memory", "128M", "--", Engine::Podman.program()]);
+    cmd.envs(Engine::Podman.env())
+        .args(Engine::run_args(&name))
+        .args(["--device", "gpufrac.dev/gpu=all"])
+        .args(engines::sim_state_args(&b.devices, &b.state))
+        .args(engines::program_args())
+        .arg(image)
+        .arg(PROBE)
+        .args(FILL)
+        .args(["sleep-ms", "30000"]);
+    let mut c = Container::attach(Engine::Podman, name, cmd);
+    let info = c.wait_line("info", 60);
+    assert_eq!(num(&info, "total"), 128 * MIB, "{info:?}");
+    assert_eq!(num(&c.wait_line("fill", 30), "count"), 32);
+    let p = registered_with(&b, c.host_pid(), 0, 128 * MIB);
+    assert_eq!(p["job"].as_u64(), Some(c.client_pid().into()), "{p}");
+    assert_eq!(p["job_mem_used"].as_u64(), Some(128 * MIB), "{p}");
+    drop(c);
     drop(spec);
 }
 
