@@ -5,6 +5,7 @@ mod cdi;
 mod client;
 mod container;
 mod docker;
+mod k8s;
 mod run;
 mod slurm;
 mod status;
@@ -69,6 +70,9 @@ enum Cmd {
     /// Slurm TaskProlog: a task's shards become a memory cap and a compute
     /// share (prints `export` lines).
     SlurmTaskProlog(slurm::PrologArgs),
+    /// Kubernetes device plugin: advertises GPU slots or memory units to
+    /// the kubelet and answers allocations with gpufrac's environment.
+    K8sDevicePlugin(k8s::PluginArgs),
 }
 
 const BROKER_EXAMPLES: &str = "\
@@ -137,6 +141,7 @@ fn main() -> ExitCode {
         Cmd::DockerArgs(args) => docker::main(args),
         Cmd::Cdi(args) => cdi::main(args),
         Cmd::SlurmTaskProlog(args) => slurm::main(args),
+        Cmd::K8sDevicePlugin(args) => k8s::main(args),
     };
     ExitCode::from(code)
 }
