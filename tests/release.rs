@@ -43,29 +43,6 @@ fn target_dir() -> PathBuf {
     PathBuf::from(m["target_directory"].as_str().unwrap())
 }
 
-/// Holds an exclusive flock on `path` until dropped: other test processes
-/// (another `cargo test` beside this one) must not run the same installer
-/// into the same place at once.
-struct FileLock {
-    _held: std::fs::File,
-}
-
-impl FileLock {
-    fn take(path: &Path) -> FileLock {
-        use std::os::fd::AsRawFd;
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
-        // SAFETY: flock on a descriptor this struct owns.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-        assert_eq!(rc, 0, "flock {}", path.display());
-        FileLock { _held: f }
-    }
-}
-
 /// A prerequisite that could not be installed: loud, and a failure in CI,
 /// where the machine can always install it and a skipped release test
 /// would hide a broken release.
@@ -82,7 +59,7 @@ fn cannot(what: &str) {
 fn install_zig_tools(target: &Path) -> Result<(), String> {
     let tools = target.join("dist-tools");
     std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
-    let _lock = FileLock::take(&target.join("dist-tools.lock"));
+    let _lock = MachineLock::at(&target.join("dist-tools.lock"));
     let o = Command::new("python3")
         .args([
             "-m",
@@ -419,32 +396,13 @@ fn systemd_analyze() -> bool {
     if have() {
         return true;
     }
-    let _lock = FileLock::take(&std::env::temp_dir().join("gpufrac-apt.lock"));
-    if have() {
-        return true;
+    match apt_install(&["systemd"], have) {
+        Ok(()) => true,
+        Err(why) => {
+            cannot(&format!("systemd-analyze is missing: {why}"));
+            false
+        }
     }
-    let apt = |args: &[&str]| {
-        Command::new("apt-get")
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdin(Stdio::null())
-            .output()
-            .map(|o| (o.status.success(), out(&o)))
-            .unwrap_or_else(|e| (false, e.to_string()))
-    };
-    let (ok, why) = apt(&["update", "-qq"]);
-    let (ok, why) = if ok {
-        apt(&["install", "-y", "-qq", "systemd"])
-    } else {
-        (ok, why)
-    };
-    if !ok || !have() {
-        cannot(&format!(
-            "systemd-analyze is missing and apt-get could not install the systemd package: {why}"
-        ));
-        return false;
-    }
-    true
 }
 
 #[test]

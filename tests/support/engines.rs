@@ -22,7 +22,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::support::{Broker, artifacts};
+pub use crate::support::MachineLock;
+use crate::support::{Broker, apt_install, artifacts};
 
 /// The sealed image: Debian bookworm's essential packages and nothing else
 /// (no CUDA, no gpufrac), imported from a tarball since no registry is
@@ -148,75 +149,17 @@ fn skip(what: &str, why: &str) -> bool {
     false
 }
 
-/// An exclusive lock shared by every process on the machine, held until
-/// dropped. Tests of several binaries (and their threads) share dpkg, the
-/// daemon and the image.
-pub struct MachineLock(std::fs::File);
-
-impl MachineLock {
-    pub fn take(name: &str) -> MachineLock {
-        let path = std::env::temp_dir().join(format!("gpufrac-test-{name}.lock"));
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
-        use std::os::fd::AsRawFd;
-        // SAFETY: a valid descriptor; flock blocks until the lock is ours.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-        assert_eq!(rc, 0, "flock {}", path.display());
-        MachineLock(f)
-    }
-}
-
 /// Installs Debian packages so that every path in `need` exists; false
 /// (after saying why) where this machine cannot.
 fn install(what: &str, need: &[&[&str]], packages: &[&str]) -> bool {
-    let present = |alts: &[&str]| alts.iter().any(|p| Path::new(p).exists());
-    if need.iter().all(|alts| present(alts)) {
-        return true;
-    }
-    if !is_root() {
-        return skip(
-            what,
-            &format!("{packages:?} are not installed and we are not root"),
-        );
-    }
-    if !Path::new("/usr/bin/apt-get").exists() {
-        return skip(
-            what,
-            &format!("{packages:?} are not installed and there is no apt-get"),
-        );
-    }
-    let _lock = MachineLock::take("apt");
-    if need.iter().all(|alts| present(alts)) {
-        return true;
-    }
-    say(&format!("installing {packages:?} for {what} (apt-get)"));
-    let apt = |args: &[&str]| {
-        Command::new("/usr/bin/apt-get")
-            .args(["-o", "DPkg::Lock::Timeout=600"])
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .stdin(Stdio::null())
-            .stdout(Stdio::inherit())
-            .stderr(Stdio::inherit())
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run apt-get: {e}"))
+    let present = || {
+        need.iter()
+            .all(|alts| alts.iter().any(|p| Path::new(p).exists()))
     };
-    // A fresh machine has no package lists yet.
-    assert!(apt(&["update"]).success(), "apt-get update failed");
-    let mut args = vec!["install", "-y"];
-    args.extend_from_slice(packages);
-    assert!(apt(&args).success(), "apt-get install {packages:?} failed");
-    for alts in need {
-        assert!(
-            present(alts),
-            "installed {packages:?} but {alts:?} is still missing"
-        );
+    match apt_install(packages, present) {
+        Ok(()) => true,
+        Err(why) => skip(what, &why),
     }
-    true
 }
 
 /// Docker installed and its daemon answering. False, after a loud message,

@@ -428,3 +428,83 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// An exclusive lock, machine-wide, held until dropped: test binaries (and
+/// their threads, and a second `cargo test` beside this one) share dpkg,
+/// daemons, images and installers.
+pub struct MachineLock(std::fs::File);
+
+impl MachineLock {
+    /// The lock called `name` (a file in the temp dir).
+    pub fn take(name: &str) -> MachineLock {
+        Self::at(&std::env::temp_dir().join(format!("gpufrac-test-{name}.lock")))
+    }
+
+    /// The lock on the file at `path`.
+    pub fn at(path: &Path) -> MachineLock {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
+        // SAFETY: a valid descriptor; flock blocks until the lock is ours.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        assert_eq!(rc, 0, "flock {}", path.display());
+        MachineLock(f)
+    }
+}
+
+/// Installs Debian `packages` with apt-get, one installer at a time on the
+/// machine, unless `present()` already holds (checked again once the lock
+/// is ours: another test may have installed them meanwhile). Err says why
+/// this machine cannot (not root, no apt-get); on a machine that can, a
+/// failed installation panics with what apt-get said, since a skip there
+/// would hide it.
+pub fn apt_install(packages: &[&str], present: impl Fn() -> bool) -> Result<(), String> {
+    if present() {
+        return Ok(());
+    }
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(format!(
+            "{packages:?} are not installed and installing them needs root"
+        ));
+    }
+    if !Path::new("/usr/bin/apt-get").exists() {
+        return Err(format!(
+            "{packages:?} are not installed and there is no apt-get"
+        ));
+    }
+    let _lock = MachineLock::take("apt");
+    if present() {
+        return Ok(());
+    }
+    eprintln!("installing {packages:?} with apt-get");
+    let apt = |args: &[&str]| {
+        let o = Command::new("/usr/bin/apt-get")
+            .args(["-o", "DPkg::Lock::Timeout=600", "-qq"])
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run apt-get: {e}"));
+        assert!(
+            o.status.success(),
+            "apt-get {args:?} failed:\n{}{}",
+            stdout(&o),
+            stderr(&o)
+        );
+    };
+    // A fresh machine has no package lists yet.
+    apt(&["update"]);
+    let mut args = vec!["install", "-y"];
+    args.extend_from_slice(packages);
+    apt(&args);
+    assert!(
+        present(),
+        "installed {packages:?}, but what they provide is still missing"
+    );
+    Ok(())
+}

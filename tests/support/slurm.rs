@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{Scratch, artifacts, sim_command, stderr, stdout};
+use crate::support::{Scratch, apt_install, artifacts, sim_command};
 
 /// The node's name in slurm.conf (slurmd is told it with -N, so it need not
 /// be the machine's).
@@ -73,67 +73,8 @@ pub fn tools() -> Result<Tools, String> {
     if missing(&dirs).is_empty() {
         return Ok(Tools { dir: dirs });
     }
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(format!(
-            "{} missing, and installing slurm-wlm and munge needs root",
-            missing(&dirs).join(", ")
-        ));
-    }
-    let Some(apt) = find_program("apt-get", &dirs) else {
-        return Err(format!(
-            "{} missing, and there is no apt-get to install slurm-wlm and munge with",
-            missing(&dirs).join(", ")
-        ));
-    };
-    // Test binaries run in parallel and dpkg takes one installer at a time.
-    let lock = std::env::temp_dir().join("gpufrac-apt-slurm.lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock)
-        .unwrap_or_else(|e| panic!("opening {}: {e}", lock.display()));
-    use std::os::fd::AsRawFd;
-    assert_eq!(
-        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) },
-        0,
-        "flock {}",
-        lock.display()
-    );
-    // Another test may have installed them while this one waited.
-    if missing(&dirs).is_empty() {
-        return Ok(Tools { dir: dirs });
-    }
-    let install = || {
-        let mut c = Command::new(&apt);
-        c.env("DEBIAN_FRONTEND", "noninteractive")
-            .args(["-o", "DPkg::Lock::Timeout=300", "install", "-y"])
-            .args(["slurm-wlm", "munge"])
-            .stdin(Stdio::null());
-        c.output().expect("running apt-get install")
-    };
-    let mut o = install();
-    if !o.status.success() {
-        // A fresh machine's package lists may be missing or stale.
-        let u = Command::new(&apt)
-            .args(["-o", "DPkg::Lock::Timeout=300", "update"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("running apt-get update");
-        assert!(
-            u.status.success(),
-            "apt-get update failed:\n{}{}",
-            stdout(&u),
-            stderr(&u)
-        );
-        o = install();
-    }
-    assert!(
-        o.status.success(),
-        "apt-get install -y slurm-wlm munge failed:\n{}{}",
-        stdout(&o),
-        stderr(&o)
-    );
+    apt_install(&["slurm-wlm", "munge"], || missing(&dirs).is_empty())
+        .map_err(|why| format!("{} missing: {why}", missing(&dirs).join(", ")))?;
     let still = missing(&dirs);
     assert!(
         still.is_empty(),
