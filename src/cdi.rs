@@ -16,8 +16,7 @@ use gpufrac_broker::inventory::{self, GpuInfo, uuid_string};
 use gpufrac_common::config::VAR_SOCKET;
 use serde_json::{Value, json};
 
-use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
-use crate::run::find_shim;
+use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR, InjectArgs, absolute};
 
 pub const KIND: &str = "gpufrac.dev/gpu";
 /// The oldest version with everything used here: device names that start
@@ -93,16 +92,8 @@ pub struct GenerateArgs {
     /// read; the text is JSON, which YAML readers accept) [default: stdout]
     #[arg(long, short = 'o', value_name = "PATH")]
     pub output: Option<PathBuf>,
-    /// Broker socket on the host [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
-    #[arg(long, value_name = "PATH")]
-    pub socket: Option<PathBuf>,
-    /// libgpufrac.so on the host [default: the one installed with this gpufrac]
-    #[arg(long, value_name = "PATH")]
-    pub lib: Option<PathBuf>,
-    /// Write an ld.so.preload file to PATH and mount it as /etc/ld.so.preload
-    /// instead of setting LD_PRELOAD (for images whose entrypoint resets it).
-    #[arg(long, value_name = "PATH")]
-    pub preload_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub inject: InjectArgs,
     /// A driver library to inject, instead of those the host's ld cache
     /// lists; repeat for each (e.g. --driver-lib /opt/nvidia/libcuda.so.1).
     #[arg(long = "driver-lib", value_name = "PATH")]
@@ -252,17 +243,7 @@ fn gather(
     minors: &HashMap<String, u32>,
     warnings: &mut Vec<String>,
 ) -> Result<Inputs, String> {
-    let lib = match &args.lib {
-        Some(p) => absolute(p)?,
-        None => find_shim()?,
-    };
-    if !lib.is_file() {
-        return Err(format!(
-            "--lib {}: no such file; name libgpufrac.so, e.g. /usr/local/lib/libgpufrac.so",
-            lib.display()
-        ));
-    }
-    let socket = absolute(&crate::socket_path(args.socket.clone()))?;
+    let (lib, socket) = args.inject.lib_and_socket()?;
     let socket_dir = socket.parent().unwrap_or(Path::new("/"));
     if !socket_dir.is_dir() {
         warnings.push(format!(
@@ -328,15 +309,8 @@ fn gather(
     };
     driver.extend(driver_binaries());
 
-    let preload_file = match &args.preload_file {
-        Some(p) => {
-            let p = absolute(p)?;
-            std::fs::write(&p, format!("{CONTAINER_LIB}\n"))
-                .map_err(|e| format!("--preload-file {}: cannot write it: {e}", p.display()))?;
-            Some(p)
-        }
-        None => None,
-    };
+    // Written only once everything else checks out.
+    let preload_file = args.inject.write_preload_file()?;
     let inputs = Inputs {
         gpus: nodes,
         control_nodes,
@@ -613,17 +587,6 @@ fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
         let _ = std::fs::remove_file(&tmp);
         format!("--output {}: cannot write it: {e}", path.display())
     })
-}
-
-/// Mount sources must be absolute; a path that does not exist yet (a
-/// socket before its broker starts) is made absolute without resolving it.
-fn absolute(p: &Path) -> Result<PathBuf, String> {
-    if let Ok(c) = p.canonicalize() {
-        return Ok(c);
-    }
-    std::env::current_dir()
-        .map(|d| d.join(p))
-        .map_err(|e| format!("cannot make {} absolute: {e}", p.display()))
 }
 
 #[cfg(test)]

@@ -54,19 +54,54 @@ pub struct DockerArgs {
     /// GPUs to pass through: `all`, or indices or UUIDs such as 0 or 0,1.
     #[arg(long, value_name = "LIST", value_parser = gpu_list)]
     pub gpus: Option<String>,
+    #[command(flatten)]
+    pub inject: InjectArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Lines)]
+    pub format: Format,
+}
+
+/// What `docker-args` and `cdi generate` both inject into a container.
+#[derive(Args, Debug)]
+pub struct InjectArgs {
     /// Broker socket on the host [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// libgpufrac.so on the host [default: the one installed with this gpufrac]
     #[arg(long, value_name = "PATH")]
     pub lib: Option<PathBuf>,
-    /// Write an ld.so.preload file to PATH and mount it instead of setting
-    /// LD_PRELOAD (for images whose entrypoint resets LD_PRELOAD).
+    /// Write an ld.so.preload file to PATH and mount it as /etc/ld.so.preload
+    /// instead of setting LD_PRELOAD (for images whose entrypoint resets it).
     #[arg(long, value_name = "PATH")]
     pub preload_file: Option<PathBuf>,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Lines)]
-    pub format: Format,
+}
+
+impl InjectArgs {
+    /// The shim and the socket as absolute host paths.
+    pub fn lib_and_socket(&self) -> Result<(PathBuf, PathBuf), String> {
+        let lib = match &self.lib {
+            Some(p) => absolute(p)?,
+            None => find_shim()?,
+        };
+        if !lib.is_file() {
+            return Err(format!(
+                "--lib {}: no such file; name libgpufrac.so, e.g. /usr/local/lib/libgpufrac.so",
+                lib.display()
+            ));
+        }
+        Ok((lib, absolute(&crate::socket_path(self.socket.clone()))?))
+    }
+
+    /// Writes the preload file, if asked for one; its absolute path.
+    pub fn write_preload_file(&self) -> Result<Option<PathBuf>, String> {
+        let Some(p) = &self.preload_file else {
+            return Ok(None);
+        };
+        let p = absolute(p)?;
+        std::fs::write(&p, format!("{CONTAINER_LIB}\n"))
+            .map_err(|e| format!("--preload-file {}: cannot write it: {e}", p.display()))?;
+        Ok(Some(p))
+    }
 }
 
 fn mem_limit(s: &str) -> Result<String, String> {
@@ -137,26 +172,12 @@ fn splits_in_substitution(c: char) -> bool {
 
 /// The arguments, one per element.
 pub fn docker_args(args: &DockerArgs) -> Result<Vec<String>, String> {
-    let lib = match &args.lib {
-        Some(p) => absolute(p)?,
-        None => find_shim()?,
-    };
-    if !lib.is_file() {
-        return Err(format!("{} is not a file", lib.display()));
-    }
-    let socket = absolute(&crate::socket_path(args.socket.clone()))?;
-    let preload = match &args.preload_file {
-        Some(p) => {
-            let p = absolute(p)?;
-            write_preload_file(&p)?;
-            Some(p)
-        }
-        None => None,
-    };
+    let (lib, socket) = args.inject.lib_and_socket()?;
+    let preload_file = args.inject.write_preload_file()?;
     let mut out = build(
         &lib,
         &socket,
-        preload.as_deref(),
+        preload_file.as_deref(),
         args.gpu_memory.as_deref(),
         args.gpu_compute.as_deref(),
         args.gpu_limit.as_deref(),
@@ -249,13 +270,8 @@ fn build(
     out
 }
 
-fn write_preload_file(path: &Path) -> Result<(), String> {
-    std::fs::write(path, format!("{CONTAINER_LIB}\n"))
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
-
-/// docker -v needs absolute host paths.
-fn absolute(p: &Path) -> Result<PathBuf, String> {
+/// Mounts need absolute host paths.
+pub(crate) fn absolute(p: &Path) -> Result<PathBuf, String> {
     if let Ok(c) = p.canonicalize() {
         return Ok(c);
     }
@@ -361,7 +377,12 @@ mod tests {
     #[test]
     fn preload_file_is_written() {
         let p = std::env::temp_dir().join(format!("gpufrac-preload-{}", std::process::id()));
-        write_preload_file(&p).unwrap();
+        let args = InjectArgs {
+            socket: None,
+            lib: None,
+            preload_file: Some(p.clone()),
+        };
+        assert_eq!(args.write_preload_file().unwrap(), Some(p.clone()));
         assert_eq!(
             std::fs::read_to_string(&p).unwrap(),
             "/usr/lib/gpufrac/libgpufrac.so\n"
