@@ -3,11 +3,17 @@
 use std::ffi::{CString, OsString};
 use std::sync::OnceLock;
 
+pub use crate::mig::Model;
+
 pub const VAR_DEVICES: &str = "GPUFRAC_SIM_DEVICES";
 pub const VAR_STATE: &str = "GPUFRAC_SIM_STATE";
 pub const VAR_DRIVER_VERSION: &str = "GPUFRAC_SIM_DRIVER_VERSION";
 pub const VAR_QUANTUM_US: &str = "GPUFRAC_SIM_QUANTUM_US";
 pub const VAR_SWITCH_US: &str = "GPUFRAC_SIM_SWITCH_US";
+/// Read for one thing only: a first entry `MIG-<uuid>` makes the process
+/// see that MIG device alone, as the real driver does. Other lists are not
+/// honoured (see the crate's known gap).
+pub const VAR_VISIBLE: &str = "CUDA_VISIBLE_DEVICES";
 
 pub const DEFAULT_DRIVER_VERSION: i32 = 13000;
 pub const DEFAULT_DEVICE_BYTES: u64 = 16 << 30;
@@ -17,8 +23,31 @@ pub const DEFAULT_SWITCH_US: u64 = 100;
 /// Past this a model step in ns could overflow when added to a timestamp.
 const MAX_US: u64 = 3_600_000_000;
 
+/// One physical device of `GPUFRAC_SIM_DEVICES`: a size (`16G`), or a
+/// MIG-capable model (`A100-40GB`) whose MIG mode is on with `:mig`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevSpec {
+    pub total: u64,
+    pub model: Option<Model>,
+    /// MIG mode is enabled (read-only: nothing in the simulator changes it,
+    /// as nothing in gpufrac may change it on a real GPU).
+    pub mig: bool,
+}
+
+impl DevSpec {
+    pub const fn plain(total: u64) -> DevSpec {
+        DevSpec {
+            total,
+            model: None,
+            mig: false,
+        }
+    }
+}
+
 pub struct Config {
-    pub totals: Vec<u64>,
+    pub devices: Vec<DevSpec>,
+    /// `CUDA_VISIBLE_DEVICES`' first entry when it names a MIG device.
+    pub visible_mig: Option<String>,
     pub state_path: Option<CString>,
     pub quantum_ns: u64,
     pub switch_ns: u64,
@@ -47,10 +76,44 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
-pub fn parse_devices(s: &str) -> Result<Vec<u64>, String> {
+/// One entry: a size, or `MODEL` / `MODEL:mig` for a MIG-capable model.
+pub fn parse_device(s: &str) -> Result<DevSpec, String> {
+    let t = s.trim();
+    let (name, mig) = match t.rsplit_once(':') {
+        Some((n, m)) if m.trim().eq_ignore_ascii_case("mig") => (n.trim(), true),
+        Some((_, m)) => {
+            return Err(format!(
+                "bad device {s:?}: unknown suffix {m:?}; the only suffix is :mig, e.g. A100-40GB:mig"
+            ));
+        }
+        None => (t, false),
+    };
+    if let Some(model) = Model::parse(name) {
+        return Ok(DevSpec {
+            total: model.info().total_mib << 20,
+            model: Some(model),
+            mig,
+        });
+    }
+    let total = parse_size(name).map_err(|e| {
+        format!(
+            "{e}; a device is a size such as 16G or a MIG-capable model ({}), optionally with :mig",
+            Model::NAMES.join(", ")
+        )
+    })?;
+    if mig {
+        return Err(format!(
+            "bad device {s:?}: MIG needs a model with MIG profiles, e.g. A100-40GB:mig ({} are known)",
+            Model::NAMES.join(", ")
+        ));
+    }
+    Ok(DevSpec::plain(total))
+}
+
+pub fn parse_devices(s: &str) -> Result<Vec<DevSpec>, String> {
     let v = s
         .split(',')
-        .map(parse_size)
+        .map(parse_device)
         .collect::<Result<Vec<_>, _>>()?;
     if v.len() > crate::state::MAX_DEV {
         return Err(format!(
@@ -81,13 +144,25 @@ fn env_us(var: &str, default: u64, min: u64) -> Result<u64, String> {
     }
 }
 
+/// The MIG device a `CUDA_VISIBLE_DEVICES` value selects: its first entry,
+/// when that is `MIG-...` (CUDA enumerates one MIG device per process).
+pub fn visible_mig(s: &str) -> Option<String> {
+    let first = s.split(',').next()?.trim();
+    first.starts_with("MIG-").then(|| first.to_owned())
+}
+
 pub fn load() -> Result<Config, String> {
-    let totals = match std::env::var(VAR_DEVICES) {
-        Ok(s) if !s.trim().is_empty() => parse_devices(&s)?,
+    let devices = match std::env::var(VAR_DEVICES) {
+        Ok(s) if !s.trim().is_empty() => {
+            parse_devices(&s).map_err(|e| format!("{VAR_DEVICES}: {e}"))?
+        }
         Ok(_) => Vec::new(),
-        Err(std::env::VarError::NotPresent) => vec![DEFAULT_DEVICE_BYTES],
+        Err(std::env::VarError::NotPresent) => vec![DevSpec::plain(DEFAULT_DEVICE_BYTES)],
         Err(e) => return Err(format!("{VAR_DEVICES}: {e}")),
     };
+    let visible_mig = std::env::var(VAR_VISIBLE)
+        .ok()
+        .and_then(|v| visible_mig(&v));
     let state_path = match std::env::var_os(VAR_STATE) {
         Some(p) if !p.is_empty() => Some(to_cstring(p)?),
         _ => None,
@@ -97,7 +172,8 @@ pub fn load() -> Result<Config, String> {
     let quantum_ns = env_us(VAR_QUANTUM_US, DEFAULT_QUANTUM_US, 1)? * 1000;
     let switch_ns = env_us(VAR_SWITCH_US, DEFAULT_SWITCH_US, 0)? * 1000;
     Ok(Config {
-        totals,
+        devices,
+        visible_mig,
         state_path,
         quantum_ns,
         switch_ns,
@@ -137,8 +213,41 @@ mod tests {
         assert!(parse_size("G").is_err());
         assert!(parse_size("12X").is_err());
         assert!(parse_size("99999999999T").is_err());
-        assert_eq!(parse_devices("16G,8G"), Ok(vec![16 << 30, 8 << 30]));
+        assert_eq!(
+            parse_devices("16G,8G"),
+            Ok(vec![DevSpec::plain(16 << 30), DevSpec::plain(8 << 30)])
+        );
         assert!(parse_devices("16G,,8G").is_err());
+    }
+
+    #[test]
+    fn mig_models() {
+        let v = parse_devices("A100-40GB:mig, a100-80gb ,H100-80GB:MIG,8G").unwrap();
+        let models: Vec<_> = v.iter().map(|d| (d.model, d.mig)).collect();
+        assert_eq!(
+            models,
+            vec![
+                (Some(Model::A100_40GB), true),
+                (Some(Model::A100_80GB), false),
+                (Some(Model::H100_80GB), true),
+                (None, false)
+            ]
+        );
+        assert_eq!(v[0].total, 40960 << 20);
+        assert_eq!(v[2].total, 81559 << 20);
+        let e = parse_device("16G:mig").unwrap_err();
+        assert!(
+            e.contains("MIG needs a model") && e.contains("A100-40GB"),
+            "{e}"
+        );
+        let e = parse_device("A100-40GB:nope").unwrap_err();
+        assert!(e.contains(":mig"), "{e}");
+        let e = parse_device("V100").unwrap_err();
+        assert!(e.contains("H100-80GB"), "{e}");
+        assert_eq!(visible_mig("MIG-abc,GPU-x"), Some("MIG-abc".into()));
+        assert_eq!(visible_mig(" MIG-abc"), Some("MIG-abc".into()));
+        assert_eq!(visible_mig("0,MIG-abc"), None);
+        assert_eq!(visible_mig(""), None);
     }
 
     #[test]

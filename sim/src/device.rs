@@ -4,8 +4,8 @@ use std::ffi::{c_char, c_int, c_uint};
 
 use gpufrac_common::cuda::*;
 
-use crate::config::driver_version;
-use crate::state::{cuda, cuda_init};
+use crate::config::{DevSpec, driver_version};
+use crate::state::{CudaDev, cuda, cuda_init};
 use crate::{out, write_cstr};
 
 /// Deterministic UUID of device `i`, the same for CUDA and NVML.
@@ -24,11 +24,15 @@ pub fn uuid_string(i: usize) -> ([u8; 40], usize) {
     (buf, n)
 }
 
-pub fn name(i: usize) -> String {
-    format!("gpufrac-sim GPU {i}")
+/// Name of physical device `i` (NVML's, and CUDA's when CUDA shows it).
+pub fn phys_name(i: usize, d: &DevSpec) -> String {
+    match d.model {
+        Some(m) => format!("gpufrac-sim {} (GPU {i})", m.info().name),
+        None => format!("gpufrac-sim GPU {i}"),
+    }
 }
 
-fn attribute(attr: c_int, dev: usize) -> c_int {
+fn attribute(attr: c_int, dev: &CudaDev) -> c_int {
     match attr {
         1 => 1024,                         // MAX_THREADS_PER_BLOCK
         2 | 3 => 1024,                     // MAX_BLOCK_DIM_X/Y
@@ -39,9 +43,9 @@ fn attribute(attr: c_int, dev: usize) -> c_int {
         9 => 64 << 10,                     // TOTAL_CONSTANT_MEMORY
         10 => 32,                          // WARP_SIZE
         12 => 65536,                       // MAX_REGISTERS_PER_BLOCK
-        16 => 132,                         // MULTIPROCESSOR_COUNT
+        16 => dev.sms,                     // MULTIPROCESSOR_COUNT
         19 | 31 | 41 | 83 | 89 | 102 => 1, // CAN_MAP_HOST_MEMORY, CONCURRENT_KERNELS, UNIFIED_ADDRESSING, MANAGED_MEMORY, CONCURRENT_MANAGED_ACCESS, VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
-        33 => dev as c_int + 1,            // PCI_BUS_ID
+        33 => dev.phys as c_int + 1,       // PCI_BUS_ID
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => 9,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => 0,
         CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED => 1,
@@ -151,24 +155,30 @@ cuda_exports! {
     }
 
     fn cuDeviceGetName(buf: *mut c_char, len: c_int, dev: CUdevice) {
-        let d = cuda()?.dev(dev)?;
+        let s = cuda()?;
+        let d = s.dev(dev)?;
         if buf.is_null() || len <= 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let n = name(d);
+        let n = &s.cuda_devs[d].name;
         let take = n.len().min(len as usize - 1);
         write_cstr(buf, len as usize, &n.as_bytes()[..take]);
         Ok(())
     }
 
+    /// On a MIG device, the parent GPU's UUID (what CUDA reported before
+    /// `_v2` existed).
     fn cuDeviceGetUuid(u: *mut CUuuid, dev: CUdevice) {
-        let d = cuda()?.dev(dev)?;
-        out(u, uuid(d), CUDA_ERROR_INVALID_VALUE)
+        let s = cuda()?;
+        let d = s.dev(dev)?;
+        out(u, s.cuda_devs[d].uuid_v1, CUDA_ERROR_INVALID_VALUE)
     }
 
+    /// On a MIG device, the MIG device's own UUID.
     fn cuDeviceGetUuid_v2(u: *mut CUuuid, dev: CUdevice) {
-        let d = cuda()?.dev(dev)?;
-        out(u, uuid(d), CUDA_ERROR_INVALID_VALUE)
+        let s = cuda()?;
+        let d = s.dev(dev)?;
+        out(u, s.cuda_devs[d].uuid, CUDA_ERROR_INVALID_VALUE)
     }
 
     fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) {
@@ -178,16 +188,18 @@ cuda_exports! {
     }
 
     fn cuDeviceGetAttribute(pi: *mut c_int, attrib: c_int, dev: CUdevice) {
-        let d = cuda()?.dev(dev)?;
-        out(pi, attribute(attrib, d), CUDA_ERROR_INVALID_VALUE)
+        let s = cuda()?;
+        let d = s.dev(dev)?;
+        out(pi, attribute(attrib, &s.cuda_devs[d]), CUDA_ERROR_INVALID_VALUE)
     }
 
     fn cuDeviceGetPCIBusId(buf: *mut c_char, len: c_int, dev: CUdevice) {
-        let d = cuda()?.dev(dev)?;
+        let s = cuda()?;
+        let d = s.dev(dev)?;
         if buf.is_null() || len <= 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let id = format!("0000:{:02X}:00.0", d + 1);
+        let id = format!("0000:{:02X}:00.0", s.cuda_devs[d].phys + 1);
         let take = id.len().min(len as usize - 1);
         write_cstr(buf, len as usize, &id.as_bytes()[..take]);
         Ok(())

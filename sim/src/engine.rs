@@ -644,13 +644,27 @@ pub unsafe fn duration_from_params(params: *mut *mut c_void) -> u64 {
 /// Runs `f` on the model of device `dev` advanced to `now`, under the lock.
 #[inline(always)]
 fn with_model<R>(sim: &Sim, dev: usize, now: u64, f: impl FnOnce(&mut Model) -> R) -> R {
-    let eng = sim.engine(dev);
+    with_engine(sim, sim.engine(dev), Some(dev), now, f)
+}
+
+/// `with_model` on any engine; `dev` (the CUDA device, if the engine is
+/// one of this process's) dates the events watched on it.
+#[inline(always)]
+fn with_engine<R>(
+    sim: &Sim,
+    eng: &Engine,
+    dev: Option<usize>,
+    now: u64,
+    f: impl FnOnce(&mut Model) -> R,
+) -> R {
     let _g = lock(eng, sim.token(), |t| sim.alive(t));
     let mut m = Model::load(eng, sim.params());
     m.advance(now);
     let r = f(&mut m);
     m.commit_if_changed();
-    if WATCHED.load(Relaxed) != 0 {
+    if let Some(dev) = dev
+        && WATCHED.load(Relaxed) != 0
+    {
         date_events(&m, dev, now);
     }
     r
@@ -698,7 +712,11 @@ fn date_events(m: &Model, dev: usize, now: u64) {
 /// per other process).
 #[inline(always)]
 fn maybe_reap(sim: &Sim, dev: usize, now: u64) {
-    let eng = sim.engine(dev);
+    maybe_reap_engine(sim, sim.engine(dev), now);
+}
+
+#[inline(always)]
+fn maybe_reap_engine(sim: &Sim, eng: &Engine, now: u64) {
     let due = eng.next_reap.load(Relaxed);
     if now < due || sim.private() {
         return;
@@ -708,12 +726,15 @@ fn maybe_reap(sim: &Sim, dev: usize, now: u64) {
         .compare_exchange(due, now + REAP_EVERY_NS, Relaxed, Relaxed)
         .is_ok()
     {
-        reap(sim, dev, now);
+        reap_engine(sim, eng, now);
     }
 }
 
 fn reap(sim: &Sim, dev: usize, now: u64) {
-    let eng = sim.engine(dev);
+    reap_engine(sim, sim.engine(dev), now);
+}
+
+fn reap_engine(sim: &Sim, eng: &Engine, now: u64) {
     let me = sim.token();
     // Liveness costs a system call: ask outside the lock, once per owner.
     let mut seen = [(0u64, true); 16];
@@ -925,14 +946,24 @@ pub struct Stats {
 }
 
 pub fn stats(sim: &Sim, dev: usize) -> Stats {
+    stats_engine(sim, sim.engine(dev), Some(dev))
+}
+
+/// `stats` of a physical device or MIG instance (`Shared::devs` index),
+/// whether or not CUDA shows it to this process (NVML asks).
+pub fn stats_slot(sim: &Sim, slot: usize) -> Stats {
+    stats_engine(sim, sim.slot_engine(slot), None)
+}
+
+fn stats_engine(sim: &Sim, eng: &Engine, dev: Option<usize>) -> Stats {
     let now = now_ns();
-    maybe_reap(sim, dev, now);
-    let (busy_ns, switches, running) = with_model(sim, dev, now, |m| {
+    maybe_reap_engine(sim, eng, now);
+    let (busy_ns, switches, running) = with_engine(sim, eng, dev, now, |m| {
         (m.busy_now(), m.rec.switches, m.rec.cur != 0)
     });
     Stats {
         busy_ns,
-        kernels: sim.engine(dev).kernels_total.load(Acquire),
+        kernels: eng.kernels_total.load(Acquire),
         switches,
         running,
     }

@@ -10,6 +10,11 @@
 //! Environment (read once, at the first `cuInit`/`nvmlInit`):
 //! - `GPUFRAC_SIM_DEVICES`: device memory sizes, `16G,8G` (K/M/G/T binary,
 //!   optional `i`/`B`; plain bytes). Default one 16G device; empty: none.
+//!   An entry may instead name a MIG-capable model, `A100-40GB`,
+//!   `A100-80GB` or `H100-80GB` (its memory, SMs and MIG profiles), with
+//!   `:mig` when its MIG mode is on (`A100-40GB:mig`; see `mig.rs`). A GPU
+//!   in MIG mode is no CUDA device of its own: its instances are, to a
+//!   process whose `CUDA_VISIBLE_DEVICES` starts with their `MIG-<uuid>`.
 //! - `GPUFRAC_SIM_STATE`: shared state file (created/sized as needed); unset:
 //!   private state.
 //! - `GPUFRAC_SIM_DRIVER_VERSION`: default 13000 (`cuDriverGetVersion`, cap
@@ -30,8 +35,9 @@
 //! Kernel duration convention: `kernelParams[0]` points to a u64 of ns.
 //!
 //! Known gap: `CUDA_VISIBLE_DEVICES` is not honoured — every process sees
-//! every simulated device in configuration order (a real driver renumbers
-//! the visible ones from 0). Tests of `gpufrac run` therefore check the
+//! every simulated device not in MIG mode, in configuration order (a real
+//! driver renumbers the visible ones from 0) — except that a first entry
+//! `MIG-<uuid>` shows that MIG device alone, as the driver does. Tests of `gpufrac run` therefore check the
 //! placement it hands the child, not where the child's kernels land.
 //!
 //! Rules kept throughout:
@@ -99,6 +105,7 @@ mod engine;
 mod exec;
 mod graphs;
 mod mem;
+mod mig;
 mod nvml;
 mod objects;
 mod procaddr;

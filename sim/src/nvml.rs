@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicU32, Ordering::*};
 use gpufrac_common::cuda::*;
 
 use crate::config::driver_version;
-use crate::device::{name, uuid_string};
+use crate::device::{phys_name, uuid_string};
+use crate::mig::{self, mig_handle};
 use crate::state::{MAX_DEV, Sim, init, sim};
 use crate::{out, write_cstr};
 
@@ -28,7 +29,7 @@ static DEVS: [NvmlDev; MAX_DEV] = {
 
 static REFS: AtomicU32 = AtomicU32::new(0);
 
-fn nvml() -> Result<&'static Sim, nvmlReturn_t> {
+pub(crate) fn nvml() -> Result<&'static Sim, nvmlReturn_t> {
     if REFS.load(Acquire) == 0 {
         return Err(NVML_ERROR_UNINITIALIZED);
     }
@@ -44,26 +45,40 @@ fn nvml_init() -> Result<(), nvmlReturn_t> {
     Ok(())
 }
 
-fn handle(i: usize) -> nvmlDevice_t {
+pub(crate) fn handle(i: usize) -> nvmlDevice_t {
     &DEVS[i] as *const NvmlDev as *mut c_void
 }
 
-/// (simulator, device index) for a handle.
-fn dev(h: nvmlDevice_t) -> Result<(&'static Sim, usize), nvmlReturn_t> {
+/// (simulator, physical device index) for a physical device handle.
+pub(crate) fn dev(h: nvmlDevice_t) -> Result<(&'static Sim, usize), nvmlReturn_t> {
     let s = nvml()?;
     let base = DEVS.as_ptr() as usize;
     let off = (h as usize).wrapping_sub(base);
     let sz = std::mem::size_of::<NvmlDev>();
-    if h.is_null() || off & (sz - 1) != 0 || off / sz >= s.ndev() {
+    if h.is_null() || off & (sz - 1) != 0 || off / sz >= s.nphys() {
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
     Ok((s, DEVS[off / sz].index as usize))
 }
 
-fn memory(s: &Sim, d: usize) -> (u64, u64, u64) {
-    let total = s.totals[d];
-    let used = s.used(d).min(total);
-    (total, total - used, used)
+/// (total, free, used) of a physical device (with all its MIG instances)
+/// or of a MIG device (its GPU instance's memory).
+fn memory(h: nvmlDevice_t) -> Result<(u64, u64, u64), nvmlReturn_t> {
+    let (total, used) = if mig_handle(h).is_some() {
+        let s = nvml()?;
+        let (_g, m) = s.mig();
+        let ci = mig::live_mig_device(&m, h)?;
+        (
+            ci.gi.memory(),
+            s.slot_used(crate::state::MAX_DEV + ci.gi.slot),
+        )
+    } else {
+        let (s, d) = dev(h)?;
+        let (_g, m) = s.mig();
+        (s.phys[d].total, m.phys_used(s, d))
+    };
+    let used = used.min(total);
+    Ok((total, total - used, used))
 }
 
 const ERRORS: &[(nvmlReturn_t, &CStr)] = &[
@@ -81,6 +96,8 @@ const ERRORS: &[(nvmlReturn_t, &CStr)] = &[
     (12, c"NVML Shared Library Not Found"),
     (13, c"Function Not Found"),
     (15, c"GPU is lost"),
+    (19, c"In use by another client"),
+    (23, c"Insufficient resources"),
     (25, c"Argument version mismatch"),
 ];
 
@@ -110,12 +127,12 @@ nvml_exports! {
 
     fn nvmlDeviceGetCount_v2(count: *mut c_uint) {
         let s = nvml()?;
-        out(count, s.ndev() as c_uint, NVML_ERROR_INVALID_ARGUMENT)
+        out(count, s.nphys() as c_uint, NVML_ERROR_INVALID_ARGUMENT)
     }
 
     fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) {
         let s = nvml()?;
-        if index as usize >= s.ndev() {
+        if index as usize >= s.nphys() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
         out(device, handle(index as usize), NVML_ERROR_INVALID_ARGUMENT)
@@ -126,8 +143,12 @@ nvml_exports! {
         if u.is_null() || device.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
+        if let Some(h) = mig::handle_by_uuid(s, CStr::from_ptr(u)) {
+            *device = h;
+            return Ok(());
+        }
         let want = CStr::from_ptr(u).to_bytes();
-        let i = (0..s.ndev())
+        let i = (0..s.nphys())
             .find(|&i| {
                 let (b, n) = uuid_string(i);
                 &b[..n] == want
@@ -138,6 +159,11 @@ nvml_exports! {
     }
 
     fn nvmlDeviceGetUUID(device: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
+        if mig_handle(device).is_some() {
+            let s = nvml()?;
+            let (_g, m) = s.mig();
+            return mig::write_uuid(&m, device, buf, len);
+        }
         let (_, d) = dev(device)?;
         if buf.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
@@ -150,11 +176,18 @@ nvml_exports! {
     }
 
     fn nvmlDeviceGetName(device: nvmlDevice_t, buf: *mut c_char, len: c_uint) {
-        let (_, d) = dev(device)?;
+        let name = if mig_handle(device).is_some() {
+            let s = nvml()?;
+            let (_g, m) = s.mig();
+            m.device_name(&mig::live_mig_device(&m, device)?)
+        } else {
+            let (s, d) = dev(device)?;
+            phys_name(d, &s.phys[d])
+        };
         if buf.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        if !write_cstr(buf, len as usize, name(d).as_bytes()) {
+        if !write_cstr(buf, len as usize, name.as_bytes()) {
             return Err(NVML_ERROR_INSUFFICIENT_SIZE);
         }
         Ok(())
@@ -166,23 +199,25 @@ nvml_exports! {
     }
 
     fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, mem: *mut nvmlMemory_t) {
-        let (s, d) = dev(device)?;
-        let (total, free, used) = memory(s, d);
+        let (total, free, used) = memory(device)?;
         out(mem, nvmlMemory_t { total, free, used }, NVML_ERROR_INVALID_ARGUMENT)
     }
 
     fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, mem: *mut nvmlMemory_v2_t) {
-        let (s, d) = dev(device)?;
+        let (total, free, used) = memory(device)?;
         if mem.is_null() || (*mem).version != nvmlMemory_v2 {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let (total, free, used) = memory(s, d);
         *mem = nvmlMemory_v2_t { version: nvmlMemory_v2, total, reserved: 0, free, used };
         Ok(())
     }
 
+    /// Not supported in MIG mode, as on a real GPU.
     fn nvmlDeviceGetUtilizationRates(device: nvmlDevice_t, util: *mut nvmlUtilization_t) {
         let (s, d) = dev(device)?;
+        if s.phys[d].mig {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
         if util.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
@@ -199,7 +234,22 @@ nvml_exports! {
         if count.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let procs = s.processes(d);
+        // In MIG mode, each process with its GPU and compute instance.
+        let mut procs: Vec<(u32, u64, u32, u32)> = s
+            .slot_processes(d)
+            .into_iter()
+            .map(|(pid, used, _)| (pid, used, u32::MAX, u32::MAX))
+            .collect();
+        {
+            let (_g, m) = s.mig();
+            for gi in m.gis(d) {
+                let cis = m.cis(&gi);
+                for (pid, used, serial) in s.slot_processes(crate::state::MAX_DEV + gi.slot) {
+                    let ci = cis.iter().find(|c| c.serial == serial).map_or(0, |c| c.id());
+                    procs.push((pid, used, gi.id(), ci));
+                }
+            }
+        }
         let room = *count as usize;
         *count = procs.len() as c_uint;
         if procs.len() > room {
@@ -208,12 +258,12 @@ nvml_exports! {
         if !procs.is_empty() && infos.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        for (i, (pid, used)) in procs.into_iter().enumerate() {
+        for (i, (pid, used, gi, ci)) in procs.into_iter().enumerate() {
             *infos.add(i) = nvmlProcessInfo_t {
                 pid,
                 usedGpuMemory: used,
-                gpuInstanceId: u32::MAX,
-                computeInstanceId: u32::MAX,
+                gpuInstanceId: gi,
+                computeInstanceId: ci,
             };
         }
         Ok(())

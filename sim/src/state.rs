@@ -17,15 +17,27 @@ use std::sync::{Mutex, OnceLock};
 
 use gpufrac_common::cuda::*;
 
-use crate::config;
+use crate::config::{self, DevSpec};
+use crate::device::{phys_name, uuid};
 use crate::engine::{self, Engine, Params, now_ns};
+use crate::mig::{Mig, MigShared};
 use crate::objects::{Ctx, Pool, leak};
 
 pub const MAX_DEV: usize = 64;
 pub const MAX_SLOTS: usize = 256;
-const MAGIC: u64 = 0x6770_7566_7273_6902; // "gpufrsi" + layout version 2
+/// Memory and engines of MIG GPU instances, machine-wide (a GPU has at most
+/// 7): `devs[MAX_DEV + k]` backs the instance holding MIG slot k.
+pub const MIG_SLOTS: usize = 64;
+/// Everything with its own memory and engine: physical devices, then MIG
+/// GPU instances.
+pub const NSLOT: usize = MAX_DEV + MIG_SLOTS;
+const MAGIC: u64 = 0x6770_7566_7273_6903; // "gpufrsi" + layout version 3
 /// Slot `i` is alive while someone holds the write lock on byte LOCK_BASE + i.
 const LOCK_BASE: i64 = 1 << 30;
+/// The MIG tables' lock: a byte below the slot locks. An open file
+/// description lock, so the kernel drops it with a process that dies
+/// holding it.
+const MIG_LOCK_BYTE: i64 = LOCK_BASE - 1;
 
 #[repr(C, align(64))]
 pub struct SharedDev {
@@ -38,7 +50,10 @@ pub struct Slot {
     pub pid: AtomicU32,
     /// Counts claims, so a token of an earlier owner is told apart.
     pub generation: AtomicU32,
-    pub used: [AtomicU64; MAX_DEV],
+    /// Serial of the MIG compute instance the process runs on (0: none):
+    /// the driver refuses to destroy an instance a live process uses.
+    pub mig: AtomicU32,
+    pub used: [AtomicU64; NSLOT],
 }
 
 /// Marks the token of a process with no slot (all taken): the rest is its
@@ -50,12 +65,35 @@ const GEN_MASK: u32 = 0x7fff_ffff;
 #[repr(C)]
 pub struct Shared {
     magic: AtomicU64,
-    pub devs: [SharedDev; MAX_DEV],
+    pub devs: [SharedDev; NSLOT],
     pub slots: [Slot; MAX_SLOTS],
+    pub mig: MigShared,
+}
+
+/// A device as CUDA numbers it in this process: a physical device not in
+/// MIG mode, or the MIG device `CUDA_VISIBLE_DEVICES` names.
+pub struct CudaDev {
+    pub total: u64,
+    /// Index into `Shared::devs`: its memory and engine.
+    pub slot: usize,
+    /// The physical device (for its PCI bus id).
+    pub phys: usize,
+    /// `cuDeviceGetUuid_v2`: the MIG device's own UUID on a MIG device.
+    pub uuid: CUuuid,
+    /// `cuDeviceGetUuid`: the parent GPU's on a MIG device.
+    pub uuid_v1: CUuuid,
+    pub name: String,
+    pub sms: i32,
 }
 
 pub struct Sim {
+    /// Memory of each CUDA device (by ordinal).
     pub totals: Vec<u64>,
+    pub cuda_devs: Vec<CudaDev>,
+    /// The physical devices, as NVML numbers them.
+    pub phys: Vec<DevSpec>,
+    /// The MIG compute instance this process was pointed at (0: none).
+    mig_serial: u32,
     pub shared: &'static Shared,
     pub primary: Vec<&'static Ctx>,
     pub default_pools: Vec<&'static Pool>,
@@ -66,7 +104,8 @@ pub struct Sim {
     /// on it, which carries the slot lock.
     path: Option<std::ffi::CString>,
     fd: std::sync::atomic::AtomicI32,
-    /// Per device: (time, completed busy ns) samples for utilisation.
+    /// Per physical device: (time, completed busy ns) samples for
+    /// utilisation.
     util: Vec<Mutex<Vec<(u64, u64)>>>,
     params: Params,
     /// `(slot generation << 32) | (slot index + 1)`, what the engine knows
@@ -79,6 +118,9 @@ pub struct Sim {
 static SIM: OnceLock<Sim> = OnceLock::new();
 static INIT_LOCK: Mutex<()> = Mutex::new(());
 static SLOT_LOCK: Mutex<()> = Mutex::new(());
+/// Threads of one process share its open file description, whose lock
+/// does not exclude them from each other.
+static MIG_MUTEX: Mutex<()> = Mutex::new(());
 static CUDA_INITED: AtomicBool = AtomicBool::new(false);
 
 pub fn sim() -> Option<&'static Sim> {
@@ -117,17 +159,23 @@ pub fn init() -> Result<&'static Sim, String> {
     }
     let cfg = config::load()?;
     let (shared, fd) = map_shared(cfg.state_path.as_deref())?;
-    let n = cfg.totals.len();
+    let (cuda_devs, mig_serial) = cuda_view(shared, fd, &cfg);
+    let n = cuda_devs.len();
+    let totals = cuda_devs.iter().map(|c| c.total).collect();
+    let nphys = cfg.devices.len();
     let sim = Sim {
         path: cfg.state_path,
         fd: std::sync::atomic::AtomicI32::new(fd),
         primary: (0..n).map(|d| leak(Ctx::new(d, true))).collect(),
         default_pools: (0..n).map(|d| leak(Pool::new(d, true))).collect(),
-        totals: cfg.totals,
+        totals,
+        cuda_devs,
+        phys: cfg.devices,
+        mig_serial,
         shared,
         slot: AtomicUsize::new(0),
         slot_pid: AtomicU32::new(0),
-        util: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+        util: (0..nphys).map(|_| Mutex::new(Vec::new())).collect(),
         params: Params {
             quantum: cfg.quantum_ns,
             switch: cfg.switch_ns,
@@ -141,6 +189,92 @@ pub fn init() -> Result<&'static Sim, String> {
     // SAFETY: registers a handler that only stores to atomics.
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     Ok(s)
+}
+
+/// What CUDA shows this process: the MIG device named first in
+/// `CUDA_VISIBLE_DEVICES` (none if no such instance exists, as with the
+/// real driver), else every physical device not in MIG mode. (The real
+/// driver would show a MIG-mode GPU's first MIG device instead; the
+/// simulator shows MIG devices only to processes pointed at them.)
+fn cuda_view(shared: &'static Shared, fd: i32, cfg: &config::Config) -> (Vec<CudaDev>, u32) {
+    let Some(want) = &cfg.visible_mig else {
+        let devs = cfg
+            .devices
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| !d.mig)
+            .map(|(i, d)| CudaDev {
+                total: d.total,
+                slot: i,
+                phys: i,
+                uuid: uuid(i),
+                uuid_v1: uuid(i),
+                name: phys_name(i, d),
+                sms: d.model.map_or(132, |m| m.info().sms as i32),
+            })
+            .collect();
+        return (devs, 0);
+    };
+    let _g = mig_lock(fd);
+    let m = Mig::new(shared, &cfg.devices);
+    match m.find_uuid(want) {
+        Some(ci) => {
+            let p = ci.gi.phys;
+            let dev = CudaDev {
+                total: ci.gi.memory(),
+                slot: MAX_DEV + ci.gi.slot,
+                phys: p,
+                uuid: ci.uuid(),
+                uuid_v1: uuid(p),
+                name: m.device_name(&ci),
+                sms: ci.sms() as i32,
+            };
+            (vec![dev], ci.serial)
+        }
+        None => (Vec::new(), 0),
+    }
+}
+
+/// Holds the MIG tables' lock: the process mutex and, with a state file,
+/// the file lock that excludes other processes.
+pub struct MigGuard {
+    _m: std::sync::MutexGuard<'static, ()>,
+    fd: i32,
+}
+
+fn mig_lock(fd: i32) -> MigGuard {
+    let m = MIG_MUTEX.lock().unwrap_or_else(|e| e.into_inner());
+    if fd >= 0 {
+        // SAFETY: plain fcntl on our own descriptor with a valid flock;
+        // F_OFD_SETLKW waits, and EINTR is retried.
+        unsafe {
+            let mut fl: libc::flock = std::mem::zeroed();
+            fl.l_type = libc::F_WRLCK as libc::c_short;
+            fl.l_whence = libc::SEEK_SET as libc::c_short;
+            fl.l_start = MIG_LOCK_BYTE;
+            fl.l_len = 1;
+            while libc::fcntl(fd, libc::F_OFD_SETLKW, &mut fl) != 0
+                && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+            {}
+        }
+    }
+    MigGuard { _m: m, fd }
+}
+
+impl Drop for MigGuard {
+    fn drop(&mut self) {
+        if self.fd >= 0 {
+            // SAFETY: as in mig_lock.
+            unsafe {
+                let mut fl: libc::flock = std::mem::zeroed();
+                fl.l_type = libc::F_UNLCK as libc::c_short;
+                fl.l_whence = libc::SEEK_SET as libc::c_short;
+                fl.l_start = MIG_LOCK_BYTE;
+                fl.l_len = 1;
+                libc::fcntl(self.fd, libc::F_OFD_SETLK, &mut fl);
+            }
+        }
+    }
 }
 
 /// A forked child is a new process to the engine: it claims its own slot
@@ -258,8 +392,33 @@ fn slot_held(fd: i32, idx: usize) -> Option<bool> {
 }
 
 impl Sim {
+    /// Devices CUDA shows this process.
     pub fn ndev(&self) -> usize {
         self.totals.len()
+    }
+
+    /// Physical devices (NVML's).
+    pub fn nphys(&self) -> usize {
+        self.phys.len()
+    }
+
+    /// The MIG tables, locked against every process on the state file.
+    pub fn mig(&self) -> (MigGuard, Mig<'_>) {
+        // After a fork our descriptor is the parent's open file
+        // description, whose lock the parent might hold: make it our own.
+        self.my_slot();
+        let g = mig_lock(self.fd.load(Acquire));
+        (g, Mig::new(self.shared, &self.phys))
+    }
+
+    /// Whether a live process runs on the MIG compute instance `serial`.
+    pub fn mig_in_use(&self, serial: u32) -> bool {
+        // Dead processes' slots are cleared here, ours never is.
+        self.reap_dead();
+        self.shared
+            .slots
+            .iter()
+            .any(|s| s.pid.load(Acquire) != 0 && s.mig.load(Acquire) == serial)
     }
 
     pub fn dev(&self, d: CUdevice) -> Result<usize, CUresult> {
@@ -270,9 +429,15 @@ impl Sim {
         }
     }
 
+    /// The engine of CUDA device `d`.
     #[inline(always)]
     pub fn engine(&self, d: usize) -> &Engine {
-        &self.shared.devs[d].engine
+        &self.shared.devs[self.cuda_devs[d].slot].engine
+    }
+
+    /// The engine of a physical device or MIG instance (`Shared::devs`).
+    pub fn slot_engine(&self, slot: usize) -> &Engine {
+        &self.shared.devs[slot].engine
     }
 
     #[inline(always)]
@@ -343,9 +508,15 @@ impl Sim {
         self.retired[d].load(Relaxed)
     }
 
+    /// Memory in use on CUDA device `d`.
     pub fn used(&self, d: usize) -> u64 {
+        self.slot_used(self.cuda_devs[d].slot)
+    }
+
+    /// Memory in use on a physical device or MIG instance.
+    pub fn slot_used(&self, slot: usize) -> u64 {
         self.reap_dead();
-        self.shared.devs[d].used.load(Acquire)
+        self.shared.devs[slot].used.load(Acquire)
     }
 
     /// This process's slot, claiming one on first use (or after a fork).
@@ -388,6 +559,7 @@ impl Sim {
                 false
             };
             if mine {
+                s.mig.store(self.mig_serial, Release);
                 self.slot_pid.store(me, Release);
                 self.slot.store(i + 1, Release);
                 return Some(s);
@@ -418,6 +590,7 @@ impl Sim {
             }
             if slot_lock(fd, i, libc::F_WRLCK) {
                 self.drain_usage(s);
+                s.mig.store(0, Release);
                 s.pid.store(0, Release);
                 slot_lock(fd, i, libc::F_UNLCK);
             }
@@ -425,7 +598,7 @@ impl Sim {
     }
 
     fn try_reserve(&self, d: usize, size: u64) -> bool {
-        let used = &self.shared.devs[d].used;
+        let used = &self.shared.devs[self.cuda_devs[d].slot].used;
         let total = self.totals[d];
         let mut cur = used.load(Acquire);
         loop {
@@ -447,36 +620,39 @@ impl Sim {
                 return Err(CUDA_ERROR_OUT_OF_MEMORY);
             }
         }
+        let slot = self.cuda_devs[d].slot;
         if let Some(s) = self.my_slot() {
-            s.used[d].fetch_add(size, AcqRel);
+            s.used[slot].fetch_add(size, AcqRel);
         }
         Ok(())
     }
 
     pub fn release(&self, d: usize, size: u64) {
+        let slot = self.cuda_devs[d].slot;
         if let Some(s) = self.my_slot() {
-            sub_sat(&s.used[d], size);
+            sub_sat(&s.used[slot], size);
         }
-        sub_sat(&self.shared.devs[d].used, size);
+        sub_sat(&self.shared.devs[slot].used, size);
     }
 
-    /// Live processes holding memory on device `d`: (pid, bytes).
-    pub fn processes(&self, d: usize) -> Vec<(u32, u64)> {
+    /// Live processes holding memory on a physical device or MIG instance:
+    /// (pid, bytes, serial of the MIG compute instance it runs on).
+    pub fn slot_processes(&self, slot: usize) -> Vec<(u32, u64, u32)> {
         self.reap_dead();
         self.shared
             .slots
             .iter()
             .filter_map(|s| {
                 let p = s.pid.load(Acquire);
-                let u = s.used[d].load(Acquire);
-                (p != 0 && u != 0).then_some((p, u))
+                let u = s.used[slot].load(Acquire);
+                (p != 0 && u != 0).then(|| (p, u, s.mig.load(Acquire)))
             })
             .collect()
     }
 
-    /// Busy percentage of device `d` over roughly the last second.
+    /// Busy percentage of physical device `d` over roughly the last second.
     pub fn utilization(&self, d: usize) -> u32 {
-        let st = engine::stats(self, d);
+        let st = engine::stats_slot(self, d);
         let (done, running) = (st.busy_ns, st.running);
         let now = now_ns();
         let mut samples = self.util[d].lock().unwrap_or_else(|e| e.into_inner());

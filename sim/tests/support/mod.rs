@@ -1,6 +1,11 @@
 //! Loads the built simulator with `dlopen` and runs each test in a fresh
 //! process, because the library reads its configuration once per process.
-#![allow(dead_code, non_snake_case, clippy::too_many_arguments)]
+#![allow(
+    dead_code,
+    non_snake_case,
+    non_camel_case_types,
+    clippy::too_many_arguments
+)]
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::io::Read;
@@ -78,6 +83,7 @@ pub fn isolated(name: &str, env: &[(&str, &str)], body: impl FnOnce()) {
         "GPUFRAC_SIM_QUANTUM_US",
         "GPUFRAC_SIM_SWITCH_US",
         "LD_PRELOAD",
+        "CUDA_VISIBLE_DEVICES",
     ] {
         cmd.env_remove(v);
     }
@@ -272,6 +278,132 @@ api! {
     fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> nvmlReturn_t;
     fn nvmlSystemGetCudaDriverVersion_v2(v: *mut c_int) -> nvmlReturn_t;
     fn nvmlErrorString(r: nvmlReturn_t) -> *const c_char;
+
+    fn nvmlDeviceGetMigMode(d: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstanceProfileInfo(d: nvmlDevice_t, profile: c_uint, info: *mut nvmlGpuInstanceProfileInfo_t) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstanceProfileInfoV(d: nvmlDevice_t, profile: c_uint, info: *mut nvmlGpuInstanceProfileInfo_v2_t) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(d: nvmlDevice_t, profile_id: c_uint, p: *mut nvmlGpuInstancePlacement_t, n: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstanceRemainingCapacity(d: nvmlDevice_t, profile_id: c_uint, n: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceCreateGpuInstance(d: nvmlDevice_t, profile_id: c_uint, gi: *mut nvmlGpuInstance_t) -> nvmlReturn_t;
+    fn nvmlDeviceCreateGpuInstanceWithPlacement(d: nvmlDevice_t, profile_id: c_uint, p: *const nvmlGpuInstancePlacement_t, gi: *mut nvmlGpuInstance_t) -> nvmlReturn_t;
+    fn nvmlGpuInstanceDestroy(gi: nvmlGpuInstance_t) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstances(d: nvmlDevice_t, profile_id: c_uint, gis: *mut nvmlGpuInstance_t, n: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstanceById(d: nvmlDevice_t, id: c_uint, gi: *mut nvmlGpuInstance_t) -> nvmlReturn_t;
+    fn nvmlGpuInstanceGetInfo(gi: nvmlGpuInstance_t, info: *mut nvmlGpuInstanceInfo_t) -> nvmlReturn_t;
+    fn nvmlGpuInstanceGetComputeInstanceProfileInfo(gi: nvmlGpuInstance_t, profile: c_uint, eng: c_uint, info: *mut nvmlComputeInstanceProfileInfo_t) -> nvmlReturn_t;
+    fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(gi: nvmlGpuInstance_t, profile: c_uint, eng: c_uint, info: *mut nvmlComputeInstanceProfileInfo_v2_t) -> nvmlReturn_t;
+    fn nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi: nvmlGpuInstance_t, profile_id: c_uint, n: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlGpuInstanceCreateComputeInstance(gi: nvmlGpuInstance_t, profile_id: c_uint, ci: *mut nvmlComputeInstance_t) -> nvmlReturn_t;
+    fn nvmlComputeInstanceDestroy(ci: nvmlComputeInstance_t) -> nvmlReturn_t;
+    fn nvmlGpuInstanceGetComputeInstances(gi: nvmlGpuInstance_t, profile_id: c_uint, cis: *mut nvmlComputeInstance_t, n: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlComputeInstanceGetInfo_v2(ci: nvmlComputeInstance_t, info: *mut nvmlComputeInstanceInfo_t) -> nvmlReturn_t;
+    fn nvmlDeviceIsMigDeviceHandle(d: nvmlDevice_t, is_mig: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetGpuInstanceId(d: nvmlDevice_t, id: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetComputeInstanceId(d: nvmlDevice_t, id: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetMaxMigDeviceCount(d: nvmlDevice_t, n: *mut c_uint) -> nvmlReturn_t;
+    fn nvmlDeviceGetMigDeviceHandleByIndex(d: nvmlDevice_t, i: c_uint, mig: *mut nvmlDevice_t) -> nvmlReturn_t;
+    fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig: nvmlDevice_t, d: *mut nvmlDevice_t) -> nvmlReturn_t;
+}
+
+// MIG structures as nvml.h lays them out.
+pub type nvmlGpuInstance_t = *mut c_void;
+pub type nvmlComputeInstance_t = *mut c_void;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct nvmlGpuInstancePlacement_t {
+    pub start: c_uint,
+    pub size: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct nvmlGpuInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlGpuInstanceProfileInfo_v2_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: u64,
+    pub name: [c_char; 96],
+}
+
+/// `nvmlGpuInstanceProfileInfo_v2`: `NVML_STRUCT_VERSION(GpuInstanceProfileInfo, 2)`.
+pub const GI_PROFILE_INFO_V2: c_uint =
+    std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as c_uint | (2 << 24);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlGpuInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlGpuInstancePlacement_t,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct nvmlComputeInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlComputeInstanceProfileInfo_v2_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub name: [c_char; 96],
+}
+
+pub const CI_PROFILE_INFO_V2: c_uint =
+    std::mem::size_of::<nvmlComputeInstanceProfileInfo_v2_t>() as c_uint | (2 << 24);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlComputeInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub gpuInstance: nvmlGpuInstance_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlGpuInstancePlacement_t,
 }
 
 pub fn last() -> String {
@@ -375,6 +507,7 @@ pub fn switches(dev: c_int) -> u64 {
     unsafe { gpufracSimSwitches(dev) }
 }
 
+#[allow(unused_imports)] // not every test binary times things
 pub use gpufrac_common::clock::{mono_ns as now_ns, sleep_until};
 
 /// A helper process: this test binary running the test `name` (which acts
