@@ -1,0 +1,187 @@
+//! `gpufrac k8s-device-plugin`: a kubelet device plugin (API v1beta1) that
+//! advertises each GPU as gpufrac slots (`gpufrac.dev/gpu`) or memory units
+//! (`gpufrac.dev/gpu-memory`), and answers an allocation with what puts the
+//! container under the shim: its memory cap and compute share, the GPU, the
+//! shim and the broker's socket.
+//!
+//! The plugin is a process of its own with a tokio runtime; nothing here is
+//! linked into the shim. `docs/k8s.md` describes it for operators.
+//!
+//! - [`api`]: the kubelet's protocol, generated at build time from the
+//!   vendored `proto/api.proto`.
+//! - [`devices`]: what is advertised and how allocations are answered
+//!   (pure, tested without a kubelet).
+//! - [`run`]: serves the plugin's socket, registers with the kubelet and
+//!   registers again whenever the kubelet restarts, and polls the GPUs.
+
+pub mod api {
+    //! The kubelet device-plugin API, v1beta1, as prost and tonic generate
+    //! it from `proto/api.proto`.
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("v1beta1");
+}
+pub mod devices;
+mod node;
+mod service;
+
+/// The crates the API is spoken with, for the root crate's tests: their
+/// stand-in kubelet uses the same types without a dependency line of its
+/// own for each.
+pub mod reexport {
+    pub use tokio;
+    pub use tokio_stream;
+    pub use tonic;
+}
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use devices::{Gpu, Injection, Mounts, Resource};
+pub use node::connect_unix;
+
+/// The API version this plugin speaks, as it registers.
+pub const API_VERSION: &str = "v1beta1";
+/// The kubelet's registration socket, in its device-plugin directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+/// Where the kubelet keeps its device-plugin sockets.
+pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
+
+pub struct Config {
+    /// The kubelet's device-plugin directory: kubelet.sock is there, and
+    /// the plugin's own socket goes there.
+    pub kubelet_dir: PathBuf,
+    pub resource: Resource,
+    pub inject: Injection,
+    /// How often the GPUs are listed again (health).
+    pub poll_interval: Duration,
+    /// The program that lists the GPUs.
+    pub lister: Lister,
+    /// Where the kernel module lists GPUs and their minor numbers
+    /// (/proc/driver/nvidia/gpus).
+    pub proc_gpus: PathBuf,
+}
+
+/// A program that prints the GPUs, one line each: `gpu INDEX UUID
+/// TOTAL_BYTES`. Run anew for every look, because the CUDA driver
+/// enumerates GPUs once per process: a long-running process would never
+/// see one go or come back.
+pub struct Lister {
+    pub program: PathBuf,
+    pub args: Vec<OsString>,
+    /// A lister that hangs (a wedged driver) is killed after this long and
+    /// counts as a failure.
+    pub timeout: Duration,
+}
+
+impl Lister {
+    /// Runs the program once.
+    pub async fn list(&self) -> Result<Vec<Gpu>, String> {
+        let mut cmd = tokio::process::Command::new(&self.program);
+        cmd.args(&self.args)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(self.timeout, cmd.output())
+            .await
+            .map_err(|_| {
+                format!(
+                    "listing the GPUs ({}) did not finish within {:?}",
+                    self.program.display(),
+                    self.timeout
+                )
+            })?
+            .map_err(|e| {
+                format!(
+                    "cannot run {} to list the GPUs: {e}",
+                    self.program.display()
+                )
+            })?;
+        if !out.status.success() {
+            return Err(format!(
+                "listing the GPUs failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        parse_gpu_lines(&String::from_utf8_lossy(&out.stdout))
+    }
+}
+
+/// One `gpu INDEX UUID TOTAL_BYTES` line per GPU.
+pub fn format_gpu_line(g: &Gpu) -> String {
+    format!("gpu {} {} {}\n", g.index, g.uuid, g.total_mem)
+}
+
+pub fn parse_gpu_lines(text: &str) -> Result<Vec<Gpu>, String> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            parse_gpu_line(l).ok_or_else(|| {
+                format!("the GPU lister printed {l:?}; expected `gpu INDEX UUID TOTAL_BYTES`")
+            })
+        })
+        .collect()
+}
+
+fn parse_gpu_line(l: &str) -> Option<Gpu> {
+    match l.split_whitespace().collect::<Vec<_>>().as_slice() {
+        ["gpu", index, uuid, total] => Some(Gpu {
+            index: index.parse().ok()?,
+            uuid: uuid.to_string(),
+            total_mem: total.parse().ok()?,
+        }),
+        _ => None,
+    }
+}
+
+/// Runs the plugin until SIGTERM or SIGINT.
+pub fn run(cfg: Config) -> Result<(), String> {
+    // One thread is plenty: the kubelet calls rarely and every answer is
+    // computed in microseconds; the GPU lister is a child process.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    rt.block_on(node::serve(cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_lines_round_trip() {
+        let g = Gpu {
+            index: 1,
+            uuid: "GPU-5a1e6f7a-c0de-4000-8000-000000000001".into(),
+            total_mem: 8 << 30,
+        };
+        assert_eq!(parse_gpu_lines(&format_gpu_line(&g)).unwrap(), [g]);
+        assert_eq!(parse_gpu_lines("").unwrap(), []);
+        let e = parse_gpu_lines("gpu x y\n").unwrap_err();
+        assert!(
+            e.contains("\"gpu x y\"") && e.contains("gpu INDEX UUID TOTAL_BYTES"),
+            "{e}"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn lister_failures_say_what_happened() {
+        let sh = |script: &str| Lister {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            timeout: Duration::from_secs(5),
+        };
+        let gpus = sh("echo gpu 0 GPU-a 1024").list().await.unwrap();
+        assert_eq!(gpus[0].uuid, "GPU-a");
+        let e = sh("echo no driver >&2; exit 3").list().await.unwrap_err();
+        assert!(
+            e.contains("no driver") && e.contains("exit status: 3"),
+            "{e}"
+        );
+        let mut slow = sh("sleep 30");
+        slow.timeout = Duration::from_millis(50);
+        let e = slow.list().await.unwrap_err();
+        assert!(e.contains("did not finish within"), "{e}");
+    }
+}

@@ -1,0 +1,614 @@
+//! `gpufrac k8s-device-plugin` as a real process, against a stand-in
+//! kubelet that speaks the kubelet's own gRPC API (v1beta1, the same
+//! generated code): a Registration server on a temporary kubelet.sock, and a
+//! DevicePlugin client on the plugin's socket, as the kubelet's device
+//! manager does. The GPUs are the simulated driver's.
+
+mod support;
+use support::*;
+
+use std::collections::HashMap;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpufrac_k8s::api;
+use gpufrac_k8s::api::device_plugin_client::DevicePluginClient;
+use gpufrac_k8s::reexport::tokio::sync::{mpsc, watch};
+use gpufrac_k8s::reexport::tonic::transport::Channel;
+use gpufrac_k8s::reexport::tonic::{self, Request, Response, Status};
+use gpufrac_k8s::reexport::{tokio, tokio_stream};
+
+const DEVICES: &str = "16G,8G";
+/// What any answer from the plugin may take before the test gives up.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The kubelet's side: a Registration server that hands each request to
+/// the test.
+struct Registration(mpsc::UnboundedSender<api::RegisterRequest>);
+
+#[tonic::async_trait]
+impl api::registration_server::Registration for Registration {
+    async fn register(
+        &self,
+        req: Request<api::RegisterRequest>,
+    ) -> Result<Response<api::Empty>, Status> {
+        let _ = self.0.send(req.into_inner());
+        Ok(Response::new(api::Empty {}))
+    }
+}
+
+/// A stand-in kubelet on a device-plugin directory of its own.
+struct Kubelet {
+    dir: Scratch,
+    rt: tokio::runtime::Runtime,
+    tx: mpsc::UnboundedSender<api::RegisterRequest>,
+    regs: mpsc::UnboundedReceiver<api::RegisterRequest>,
+    stop: Option<watch::Sender<bool>>,
+}
+
+impl Kubelet {
+    /// The directory only; `start` makes kubelet.sock.
+    fn new() -> Kubelet {
+        // A worker thread of its own, so the kubelet answers while the test
+        // waits on something else, as a real one would.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (tx, regs) = mpsc::unbounded_channel();
+        Kubelet {
+            dir: Scratch::new("kubelet"),
+            rt,
+            tx,
+            regs,
+            stop: None,
+        }
+    }
+
+    fn started() -> Kubelet {
+        let mut k = Kubelet::new();
+        k.start();
+        k
+    }
+
+    fn path(&self) -> &Path {
+        &self.dir.0
+    }
+
+    fn start(&mut self) {
+        let _g = self.rt.enter();
+        let listener = tokio::net::UnixListener::bind(self.dir.0.join("kubelet.sock")).unwrap();
+        let (stop, mut until) = watch::channel(false);
+        let svc = api::registration_server::RegistrationServer::new(Registration(self.tx.clone()));
+        self.rt.spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(listener),
+                    async move {
+                        let _ = until.wait_for(|s| *s).await;
+                    },
+                ),
+        );
+        self.stop = Some(stop);
+    }
+
+    /// What a kubelet does when it restarts: its device manager removes
+    /// every socket in the directory, its own and the plugins', and makes a
+    /// new kubelet.sock.
+    fn restart(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(true);
+        }
+        for e in std::fs::read_dir(self.path()).unwrap().flatten() {
+            if e.file_type().unwrap().is_socket() {
+                std::fs::remove_file(e.path()).unwrap();
+            }
+        }
+        self.start();
+    }
+
+    /// The next registration, or a panic with the plugin's log.
+    fn registration(&mut self, plugin: &Plugin) -> api::RegisterRequest {
+        let got = self
+            .rt
+            .block_on(async { tokio::time::timeout(WAIT, self.regs.recv()).await });
+        match got {
+            Ok(Some(r)) => r,
+            _ => panic!(
+                "no registration within {WAIT:?}; the plugin's log:\n{}",
+                plugin.log()
+            ),
+        }
+    }
+
+    /// A DevicePlugin client on the plugin's socket, as the kubelet makes
+    /// one after a registration.
+    fn client(&self, endpoint: &str) -> DevicePluginClient<Channel> {
+        let path = self.dir.0.join(endpoint);
+        let ch = self
+            .rt
+            .block_on(gpufrac_k8s::connect_unix(path.clone()))
+            .unwrap_or_else(|e| panic!("cannot connect to {}: {e:?}", path.display()));
+        DevicePluginClient::new(ch)
+    }
+
+    fn call<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        self.rt.block_on(async {
+            tokio::time::timeout(WAIT, f)
+                .await
+                .unwrap_or_else(|_| panic!("the plugin did not answer within {WAIT:?}"))
+        })
+    }
+}
+
+/// `gpufrac k8s-device-plugin` running against a kubelet stand-in.
+struct Plugin {
+    child: KillOnDrop,
+    log: PathBuf,
+    /// Its content is the simulated GPUs the plugin's GPU listing sees.
+    devices_file: PathBuf,
+    _dir: Scratch,
+}
+
+impl Plugin {
+    fn start(kubelet: &Kubelet, args: &[&str]) -> Plugin {
+        let dir = Scratch::new("k8s-plugin");
+        let dev = dir.0.join("dev");
+        std::fs::create_dir(&dev).unwrap();
+        // Any character device stands in for the NVIDIA nodes.
+        for n in ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"] {
+            std::os::unix::fs::symlink("/dev/null", dev.join(n)).unwrap();
+        }
+        let devices_file = dir.0.join("devices");
+        std::fs::write(&devices_file, DEVICES).unwrap();
+        let log = dir.0.join("plugin.log");
+        let mut cmd = sim_command(&artifacts().gpufrac, DEVICES, false);
+        cmd.arg("k8s-device-plugin")
+            .arg("--kubelet-dir")
+            .arg(kubelet.path())
+            .arg("--poll-interval")
+            .arg("50ms")
+            .args(args)
+            .env("GPUFRAC_K8S_SIM_DEVICES_FILE", &devices_file)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        if !args.contains(&"--cdi") {
+            cmd.arg("--dev-dir")
+                .arg(&dev)
+                .arg("--lib")
+                .arg(&artifacts().shim);
+        }
+        Plugin {
+            child: KillOnDrop(cmd.spawn().expect("starting gpufrac k8s-device-plugin")),
+            log,
+            devices_file,
+            _dir: dir,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Still running: it never exits on its own, whatever the kubelet does.
+    fn running(&mut self) -> bool {
+        matches!(self.child.0.try_wait(), Ok(None))
+    }
+
+    fn set_gpus(&self, devices: &str) {
+        std::fs::write(&self.devices_file, devices).unwrap();
+    }
+}
+
+/// A child killed if the test ends before it is taken.
+struct Reap(Option<std::process::Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The simulated GPUs' UUIDs as the plugin's own listing prints them.
+fn uuids() -> Vec<String> {
+    let o = sim_command(&artifacts().gpufrac, DEVICES, false)
+        .args(["k8s-device-plugin", "--list-gpus"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let v: Vec<String> = out
+        .lines()
+        .map(|l| l.split_whitespace().nth(2).unwrap().to_string())
+        .collect();
+    assert_eq!(v.len(), 2, "{out}");
+    assert_eq!(
+        out.lines().next().unwrap(),
+        format!("gpu 0 {} {}", v[0], 16 * GIB)
+    );
+    v
+}
+
+fn ids(uuid: &str, tag: &str, ns: std::ops::Range<u32>) -> Vec<String> {
+    ns.map(|n| format!("{uuid}-{tag}-{n}")).collect()
+}
+
+fn health<'a>(list: &'a api::ListAndWatchResponse, prefix: &str) -> Vec<&'a str> {
+    let mut v: Vec<&str> = list
+        .devices
+        .iter()
+        .filter(|d| d.id.starts_with(prefix))
+        .map(|d| d.health.as_str())
+        .collect();
+    v.dedup();
+    v
+}
+
+#[test]
+fn registers_lists_units_and_reports_a_gpu_that_goes() {
+    let u = uuids();
+    let mut kubelet = Kubelet::started();
+    let plugin = Plugin::start(&kubelet, &[]);
+    let r = kubelet.registration(&plugin);
+    assert_eq!(r.version, "v1beta1");
+    assert_eq!(r.resource_name, "gpufrac.dev/gpu-memory");
+    assert_eq!(r.endpoint, "gpufrac-gpu-memory.sock");
+    let opts = r.options.expect("options");
+    assert!(opts.get_preferred_allocation_available && !opts.pre_start_required);
+
+    let mut c = kubelet.client(&r.endpoint);
+    let asked = kubelet.call(c.get_device_plugin_options(api::Empty {}));
+    assert_eq!(asked.unwrap().into_inner(), opts);
+    let mut stream = kubelet
+        .call(c.list_and_watch(api::Empty {}))
+        .unwrap()
+        .into_inner();
+    let mut next = || {
+        kubelet
+            .call(stream.message())
+            .unwrap()
+            .expect("the ListAndWatch stream ended")
+    };
+    let first = next();
+    let got: Vec<&str> = first.devices.iter().map(|d| d.id.as_str()).collect();
+    let mut want = ids(&u[0], "mem", 0..16);
+    want.extend(ids(&u[1], "mem", 0..8));
+    assert_eq!(got, want, "one device per GiB of each GPU");
+    assert_eq!(health(&first, "GPU-"), ["Healthy"]);
+
+    // GPU 1 disappears from the driver's list: its units turn Unhealthy in
+    // the next message, GPU 0's stay Healthy.
+    plugin.set_gpus("16G");
+    let gone = next();
+    assert_eq!(gone.devices.len(), 24);
+    assert_eq!(health(&gone, &u[0]), ["Healthy"]);
+    assert_eq!(health(&gone, &u[1]), ["Unhealthy"], "{gone:?}");
+    assert!(plugin.log().contains("gone from the driver's list"));
+    // And back.
+    plugin.set_gpus(DEVICES);
+    let back = next();
+    assert_eq!(health(&back, "GPU-"), ["Healthy"]);
+}
+
+#[test]
+fn a_pod_asking_for_4_units_runs_capped_at_4g_under_the_broker() {
+    let u = uuids();
+    let broker = Broker::start(DEVICES, &[]);
+    let mut kubelet = Kubelet::started();
+    let socket = broker.socket.to_str().unwrap().to_owned();
+    let plugin = Plugin::start(&kubelet, &["--socket", &socket]);
+    let r = kubelet.registration(&plugin);
+    let mut c = kubelet.client(&r.endpoint);
+
+    // What the kubelet's device manager has free: 10 units on GPU 0 and 6
+    // on GPU 1. Four fit on either: the fuller GPU, keeping GPU 0's room
+    // for a larger pod. Eight fit on GPU 0 only.
+    let mut available = ids(&u[0], "mem", 6..16);
+    available.extend(ids(&u[1], "mem", 2..8));
+    let preferred = |size: i32, must: Vec<String>| {
+        let req = api::PreferredAllocationRequest {
+            container_requests: vec![api::ContainerPreferredAllocationRequest {
+                available_device_i_ds: available.clone(),
+                must_include_device_i_ds: must,
+                allocation_size: size,
+            }],
+        };
+        let mut c = c.clone();
+        kubelet
+            .call(c.get_preferred_allocation(req))
+            .unwrap()
+            .into_inner()
+            .container_responses
+            .remove(0)
+            .device_i_ds
+    };
+    assert_eq!(preferred(4, vec![]), ids(&u[1], "mem", 2..6));
+    assert_eq!(preferred(8, vec![]), ids(&u[0], "mem", 6..14));
+    let with_must = preferred(4, ids(&u[0], "mem", 9..10));
+    assert!(
+        with_must.iter().all(|i| i.starts_with(&u[0])),
+        "{with_must:?}"
+    );
+    assert!(with_must.contains(&format!("{}-mem-9", u[0])));
+
+    let grant = preferred(4, vec![]);
+    let resp = kubelet
+        .call(c.allocate(api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest {
+                devices_ids: grant.clone(),
+            }],
+        }))
+        .unwrap()
+        .into_inner();
+    let spec = &resp.container_responses[0];
+    let sock_dir = broker.socket.parent().unwrap();
+    let want: HashMap<String, String> = [
+        ("GPU_MEM_LIMIT", "4G"),
+        ("CUDA_VISIBLE_DEVICES", u[1].as_str()),
+        ("NVIDIA_VISIBLE_DEVICES", u[1].as_str()),
+        ("LD_PRELOAD", "/usr/lib/gpufrac/libgpufrac.so"),
+        ("GPUFRAC_SOCKET", "/run/gpufrac/broker.sock"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    assert_eq!(spec.envs, want);
+    let shim = artifacts().shim.canonicalize().unwrap();
+    assert_eq!(
+        spec.mounts,
+        [
+            api::Mount {
+                container_path: "/usr/lib/gpufrac/libgpufrac.so".into(),
+                host_path: shim.to_str().unwrap().into(),
+                read_only: true,
+            },
+            api::Mount {
+                container_path: "/run/gpufrac".into(),
+                host_path: sock_dir.to_str().unwrap().into(),
+                read_only: false,
+            },
+        ]
+    );
+    let nodes: Vec<(&str, &str)> = spec
+        .devices
+        .iter()
+        .map(|d| (d.container_path.as_str(), d.permissions.as_str()))
+        .collect();
+    assert_eq!(
+        nodes,
+        [
+            ("/dev/nvidiactl", "rw"),
+            ("/dev/nvidia-uvm", "rw"),
+            ("/dev/nvidia1", "rw")
+        ]
+    );
+    assert!(spec.devices.iter().all(|d| d.host_path == "/dev/null"));
+    assert!(spec.cdi_devices.is_empty());
+
+    // The container's process: exactly that environment, with each path
+    // the container would see mapped to the host path mounted there (what
+    // the runtime's bind mounts do), plus the simulated driver, standing in
+    // for the one the NVIDIA runtime gives a container.
+    let to_host = |v: &str| -> String {
+        for m in &spec.mounts {
+            if let Some(rest) = v.strip_prefix(&m.container_path) {
+                return format!("{}{rest}", m.host_path);
+            }
+        }
+        v.to_string()
+    };
+    let mut cmd = Command::new(&artifacts().probe);
+    cmd.env_clear()
+        .envs(spec.envs.iter().map(|(k, v)| (k, to_host(v))))
+        .env("LD_LIBRARY_PATH", &artifacts().simdir)
+        .env("GPUFRAC_SIM_DEVICES", DEVICES)
+        .env("GPUFRAC_SIM_STATE", &broker.state)
+        .args(["ctx", "info", "fill", "alloc", "256M", "sleep-ms", "60000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut probe = Reap(Some(cmd.spawn().unwrap()));
+    let pid = probe.0.as_ref().unwrap().id();
+    // It reached the broker through the mounted socket and registered like
+    // any other process, with its cap.
+    let mut seen = serde_json::Value::Null;
+    wait_until(20.0, "the pod's process in the broker's status", || {
+        let s = broker.status();
+        let found = s["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["processes"].as_array().unwrap().iter())
+            .find(|p| p["pid"] == pid && p["mem_used"] == 4 * GIB)
+            .cloned();
+        match found {
+            Some(p) => {
+                seen = p;
+                true
+            }
+            None => false,
+        }
+    });
+    assert_eq!(seen["mem_cap"], 4 * GIB, "{seen}");
+    let mut child = probe.0.take().unwrap();
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let info = line(&out, "info", 0);
+    assert_eq!(num(&info, "total"), 4 * GIB, "{}", stderr(&out));
+    let fill = line(&out, "fill", 0);
+    assert_eq!(num(&fill, "count"), 16, "16 × 256 MiB in 4 GiB");
+    assert_eq!(num(&fill, "rc"), 2, "then CUDA_ERROR_OUT_OF_MEMORY");
+}
+
+#[test]
+fn slots_with_cdi_give_a_share_and_the_spec_devices() {
+    let u = uuids();
+    let mut kubelet = Kubelet::started();
+    let plugin = Plugin::start(
+        &kubelet,
+        &["--resource", "gpu", "--slots-per-gpu", "4", "--cdi"],
+    );
+    let r = kubelet.registration(&plugin);
+    assert_eq!(r.resource_name, "gpufrac.dev/gpu");
+    assert_eq!(r.endpoint, "gpufrac-gpu.sock");
+    let mut c = kubelet.client(&r.endpoint);
+    let mut stream = kubelet
+        .call(c.list_and_watch(api::Empty {}))
+        .unwrap()
+        .into_inner();
+    let first = kubelet.call(stream.message()).unwrap().unwrap();
+    let got: Vec<&str> = first.devices.iter().map(|d| d.id.as_str()).collect();
+    let mut want = ids(&u[0], "slot", 0..4);
+    want.extend(ids(&u[1], "slot", 0..4));
+    assert_eq!(got, want);
+
+    let mut allocate = |ids: Vec<String>| {
+        kubelet.call(c.allocate(api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest { devices_ids: ids }],
+        }))
+    };
+    let one = allocate(ids(&u[0], "slot", 3..4)).unwrap().into_inner();
+    let s = &one.container_responses[0];
+    assert_eq!(s.envs["GPU_MEM_LIMIT"], "4G", "16G / 4");
+    assert_eq!(s.envs["GPU_COMPUTE_SHARE"], "25%");
+    assert_eq!(s.envs["CUDA_VISIBLE_DEVICES"], u[0]);
+    assert_eq!(
+        s.envs.len(),
+        3,
+        "the CDI spec brings the rest: {:?}",
+        s.envs
+    );
+    assert_eq!(s.cdi_devices[0].name, "gpufrac.dev/gpu=0");
+    assert!(s.mounts.is_empty() && s.devices.is_empty());
+    let two = allocate(ids(&u[1], "slot", 0..2)).unwrap().into_inner();
+    let s = &two.container_responses[0];
+    assert_eq!(s.envs["GPU_MEM_LIMIT"], "4G", "2 × 8G / 4");
+    assert_eq!(s.envs["GPU_COMPUTE_SHARE"], "50%");
+    assert_eq!(s.cdi_devices[0].name, "gpufrac.dev/gpu=1");
+    // A device the plugin never advertised.
+    let e = allocate(vec![format!("{}-mem-0", u[0])]).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("GPU-<uuid>-slot-<n>"), "{e:?}");
+}
+
+#[test]
+fn registers_when_the_kubelet_comes_and_again_when_it_restarts() {
+    // The plugin first: no kubelet.sock yet.
+    let mut kubelet = Kubelet::new();
+    let mut plugin = Plugin::start(&kubelet, &[]);
+    let own = kubelet.path().join("gpufrac-gpu-memory.sock");
+    wait_until(20.0, "the plugin's socket", || own.exists());
+    kubelet.start();
+    let first = kubelet.registration(&plugin);
+    assert_eq!(first.endpoint, "gpufrac-gpu-memory.sock");
+    let mut c = kubelet.client(&first.endpoint);
+    let mut old = kubelet
+        .call(c.list_and_watch(api::Empty {}))
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        kubelet.call(old.message()).unwrap().unwrap().devices.len(),
+        24
+    );
+
+    kubelet.restart();
+    let t = Instant::now();
+    let again = kubelet.registration(&plugin);
+    assert_eq!(again, first);
+    // The plugin also looks every 5 s whatever the directory watch says;
+    // sooner than that, the watch saw the restart (it takes milliseconds).
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "re-registered only after {:?}: the directory watch missed the restart\n{}",
+        t.elapsed(),
+        plugin.log()
+    );
+    // Served anew on a new socket: the old stream has ended, a new one
+    // lists the devices.
+    assert!(
+        !matches!(kubelet.call(old.message()), Ok(Some(_))),
+        "the old ListAndWatch stream still sends"
+    );
+    let mut c = kubelet.client(&again.endpoint);
+    let mut s = kubelet
+        .call(c.list_and_watch(api::Empty {}))
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        kubelet.call(s.message()).unwrap().unwrap().devices.len(),
+        24
+    );
+    assert!(plugin.log().contains("serving it anew"), "{}", plugin.log());
+    assert!(plugin.running());
+}
+
+#[test]
+fn allocate_latency() {
+    let u = uuids();
+    let mut kubelet = Kubelet::started();
+    let plugin = Plugin::start(&kubelet, &[]);
+    let r = kubelet.registration(&plugin);
+    let mut c = kubelet.client(&r.endpoint);
+    let req = api::AllocateRequest {
+        container_requests: vec![api::ContainerAllocateRequest {
+            devices_ids: ids(&u[0], "mem", 0..4),
+        }],
+    };
+    let mut us: Vec<f64> = (0..200)
+        .map(|_| {
+            let t = Instant::now();
+            let resp = kubelet.call(c.allocate(req.clone())).unwrap().into_inner();
+            let dt = t.elapsed().as_secs_f64() * 1e6;
+            assert_eq!(resp.container_responses[0].envs["GPU_MEM_LIMIT"], "4G");
+            dt
+        })
+        .collect();
+    us.sort_by(f64::total_cmp);
+    let (median, p99) = (us[100], us[197]);
+    println!(
+        "Allocate through the stand-in kubelet: median {median:.0} µs, p99 {p99:.0} µs (200 calls)"
+    );
+    // The target is 1 ms; this bound only catches an Allocate that does
+    // something slow (a process, a driver call), whatever the build.
+    assert!(median < 20_000.0, "median {median:.0} µs");
+}
+
+#[test]
+fn bad_settings_exit_with_what_to_do() {
+    let kubelet = Kubelet::new();
+    let run = |devices: &str, dir: &Path, args: &[&str]| {
+        let o = sim_command(&artifacts().gpufrac, devices, false)
+            .arg("k8s-device-plugin")
+            .arg("--kubelet-dir")
+            .arg(dir)
+            .args(["--cdi"])
+            .args(args)
+            .output()
+            .unwrap();
+        (o.status.code(), stderr(&o))
+    };
+    let (code, e) = run("", kubelet.path(), &[]);
+    assert_eq!(code, Some(1));
+    assert!(
+        e.contains("cannot list the GPUs") && e.contains("no CUDA-capable device"),
+        "{e}"
+    );
+    let (code, e) = run(DEVICES, &kubelet.path().join("nope"), &[]);
+    assert_eq!(code, Some(1));
+    assert!(e.contains("--kubelet-dir") && e.contains("hostPath"), "{e}");
+    let (code, e) = run(DEVICES, kubelet.path(), &["--memory-unit", "32G"]);
+    assert_eq!(code, Some(1));
+    assert!(e.contains("larger than every GPU"), "{e}");
+    let (code, e) = run(DEVICES, kubelet.path(), &["--slots-per-gpu", "4"]);
+    assert_eq!(code, Some(2));
+    assert!(e.contains("--resource gpu"), "{e}");
+    // Nothing was left in the kubelet's directory.
+    assert_eq!(std::fs::read_dir(kubelet.path()).unwrap().count(), 0);
+}
