@@ -3,6 +3,7 @@
 
 pub mod inventory;
 pub mod jobs;
+pub mod mig;
 pub mod mps;
 pub mod queue;
 pub mod sched;

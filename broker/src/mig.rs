@@ -1,0 +1,1168 @@
+//! Dynamic MIG planner (`gpufrac broker --mig dynamic`; docs/mig.md).
+//!
+//! A pure state machine, like `queue.rs`: no I/O, no clock. Time is a `u64`
+//! of nanoseconds passed in. It knows each MIG-mode GPU's GPU-instance
+//! profiles (memory, compute slices, the placements the hardware allows)
+//! and its instances (in use by a lease, idle since when, or foreign), and
+//! decides where a request goes:
+//!
+//! 1. The profile: the smallest (memory, then compute slices) with memory
+//!    ≥ the request and compute slices / 7 ≥ `--gpu-compute`. Profiles with
+//!    media extensions (`+me`) are left for those who ask for them by hand.
+//! 2. On a GPU with that profile: an idle instance of it (reused: the most
+//!    recently idle, so the oldest stay first in line for destruction);
+//!    else a free placement (the one that blocks the fewest placements of
+//!    other profiles, so big profiles stay possible); else a placement
+//!    freed by destroying idle instances lazily: the fewest that free one,
+//!    the longest idle first. An instance in use, or one the broker does
+//!    not manage, is never touched.
+//! 3. A larger fitting profile, or another GPU, only when the smallest
+//!    cannot be had at all.
+//!
+//! Decisions come out as steps (destroy these GPU instances, create one
+//! with this profile at this placement) that the I/O layer carries out
+//! through NVML and reports back: `created`, or `failed`, after which the
+//! GPU's instances are re-read (`sync`) and the memory slices of the
+//! failed placement are avoided, by every profile, for `BLOCK_FOR`: what
+//! the driver refused there it would likely refuse again.
+
+use serde::{Deserialize, Serialize};
+
+pub type Nanos = u64;
+pub type RequestId = u64;
+
+/// A placement that failed is not tried again for this long.
+pub const BLOCK_FOR: Nanos = 30 * 1_000_000_000;
+
+/// Memory slices a placement covers, as NVML's `nvmlGpuInstancePlacement_t`
+/// (and nvidia-smi's `start:size`) say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Range {
+    pub start: u32,
+    pub size: u32,
+}
+
+impl Range {
+    pub fn end(&self) -> u32 {
+        self.start + self.size
+    }
+
+    pub fn overlaps(&self, o: &Range) -> bool {
+        self.start < o.end() && o.start < self.end()
+    }
+}
+
+impl std::fmt::Display for Range {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.start, self.size)
+    }
+}
+
+/// A GPU-instance profile as NVML describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Profile {
+    /// `nvmlGpuInstanceProfileInfo_t.id` (nvidia-smi's profile ID): what
+    /// creation takes.
+    pub id: u32,
+    /// `1g.5gb`
+    pub name: String,
+    /// Compute slices.
+    pub slices: u32,
+    /// Bytes.
+    pub mem: u64,
+    /// Most instances at once.
+    pub max: u32,
+    /// Where an instance may go.
+    pub placements: Vec<Range>,
+}
+
+impl Profile {
+    fn media(&self) -> bool {
+        self.name.contains("+me")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigGpu {
+    /// nvidia-smi index.
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub total_mem: u64,
+    /// Compute slices of the whole GPU (7 on A100 and H100).
+    pub slices: u32,
+    pub profiles: Vec<Profile>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Use {
+    /// Held by this lease.
+    Lease(RequestId),
+    /// Nobody's since then: reusable, and destroyable when space is needed.
+    Idle { since: Nanos },
+    /// Not the broker's to use or destroy (a GPU instance with several
+    /// compute instances, made by hand); it only takes up room.
+    Foreign,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    /// GPU instance id; None while being created.
+    pub gi: Option<u32>,
+    /// Profile id.
+    pub profile: u32,
+    pub placement: Range,
+    /// The MIG device (`MIG-<uuid>`); None while being created, or for a
+    /// GPU instance without a compute instance (destroyable, not usable).
+    pub uuid: Option<String>,
+    pub use_: Use,
+}
+
+/// What the I/O layer does for a decision, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Step {
+    /// Destroy this GPU instance (its compute instance first).
+    Destroy { gi: u32 },
+    /// Create a GPU instance of this profile here, and a compute instance
+    /// spanning it.
+    Create { profile: u32, placement: Range },
+}
+
+/// A decision for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    /// Position among the planner's GPUs.
+    pub gpu: usize,
+    pub profile: u32,
+    pub how: How,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum How {
+    Reuse {
+        gi: u32,
+    },
+    /// `destroy`: idle GPU instances in the way (empty when the placement
+    /// was free).
+    Create {
+        placement: Range,
+        destroy: Vec<u32>,
+    },
+}
+
+/// What a request holds once decided: the instance and how to make it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment {
+    /// nvidia-smi index of the GPU.
+    pub gpu: u32,
+    pub gpu_uuid: String,
+    pub profile: u32,
+    pub profile_name: String,
+    pub mem: u64,
+    pub placement: Range,
+    pub gi: Option<u32>,
+    pub uuid: Option<String>,
+    /// For the I/O layer; empty for a reused instance.
+    pub steps: Vec<Step>,
+}
+
+#[derive(Debug, Clone)]
+struct GpuState {
+    info: MigGpu,
+    instances: Vec<Instance>,
+    /// (memory slices, until): creation failed there lately.
+    blocked: Vec<(Range, Nanos)>,
+    created: u64,
+    destroyed: u64,
+    failures: u64,
+}
+
+/// One instance as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceStatus {
+    pub gi: Option<u32>,
+    pub profile: String,
+    pub placement: Range,
+    pub mem: u64,
+    pub uuid: Option<String>,
+    pub use_: Use,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuStatus {
+    pub gpu: MigGpu,
+    pub instances: Vec<InstanceStatus>,
+    /// Instances created and destroyed by this broker, and steps that
+    /// failed.
+    pub created: u64,
+    pub destroyed: u64,
+    pub failures: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Planner {
+    gpus: Vec<GpuState>,
+}
+
+/// How good a choice is, smaller first: profile memory and slices, then
+/// the way (reuse, free placement, after destroying), instances destroyed,
+/// the newest idle time among them, GPU position, placement start.
+type Rank = (u64, u32, u8, usize, u64, usize, u32);
+
+/// Whether `p` gives `compute` percent: its slices of the GPU's, with a
+/// hair of slack so that 100/7 % asks for exactly one slice.
+fn gives(p: &Profile, slices: u32, compute: Option<f64>) -> bool {
+    match compute {
+        Some(c) => f64::from(p.slices) * 100.0 >= c * f64::from(slices) - 1e-6,
+        None => true,
+    }
+}
+
+impl Planner {
+    pub fn new(gpus: Vec<MigGpu>) -> Planner {
+        let mut gpus: Vec<GpuState> = gpus
+            .into_iter()
+            .map(|info| GpuState {
+                info,
+                instances: Vec::new(),
+                blocked: Vec::new(),
+                created: 0,
+                destroyed: 0,
+                failures: 0,
+            })
+            .collect();
+        gpus.sort_by_key(|g| g.info.index);
+        Planner { gpus }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty()
+    }
+
+    pub fn gpus(&self) -> impl Iterator<Item = &MigGpu> {
+        self.gpus.iter().map(|g| &g.info)
+    }
+
+    /// Position of the GPU with nvidia-smi index `index`.
+    pub fn position(&self, index: u32) -> Option<usize> {
+        self.gpus.iter().position(|g| g.info.index == index)
+    }
+
+    /// The largest profile any GPU has: (GPU index, profile), for messages.
+    pub fn largest(&self) -> Option<(u32, &Profile)> {
+        self.gpus
+            .iter()
+            .flat_map(|g| g.info.profiles.iter().map(move |p| (g.info.index, p)))
+            .filter(|(_, p)| !p.media())
+            .max_by_key(|(i, p)| (p.mem, p.slices, std::cmp::Reverse(*i)))
+    }
+
+    /// Whether some profile could ever hold `mem` bytes and `compute` %.
+    pub fn could_fit(&self, mem: u64, compute: Option<f64>) -> bool {
+        self.gpus.iter().any(|g| {
+            g.info
+                .profiles
+                .iter()
+                .any(|p| !p.media() && p.mem >= mem && gives(p, g.info.slices, compute))
+        })
+    }
+
+    /// Replaces what the planner believes of GPU `index` by what the driver
+    /// reports: (GPU instance id, profile id, placement, MIG device UUIDs).
+    /// An instance keeps its lease or idle time when its GPU instance id
+    /// and UUID still match; one seen for the first time is idle since
+    /// `now`; one with several compute instances is foreign.
+    pub fn sync(&mut self, now: Nanos, index: u32, found: &[(u32, u32, Range, Vec<String>)]) {
+        let Some(g) = self.gpus.iter_mut().find(|g| g.info.index == index) else {
+            return;
+        };
+        let old = std::mem::take(&mut g.instances);
+        g.instances = found
+            .iter()
+            .map(|(gi, profile, placement, uuids)| {
+                let uuid = match uuids.as_slice() {
+                    [] => None,
+                    [one] => Some(one.clone()),
+                    _ => {
+                        return Instance {
+                            gi: Some(*gi),
+                            profile: *profile,
+                            placement: *placement,
+                            uuid: uuids.first().cloned(),
+                            use_: Use::Foreign,
+                        };
+                    }
+                };
+                let use_ = old
+                    .iter()
+                    .find(|o| o.gi == Some(*gi) && o.uuid == uuid && o.use_ != Use::Foreign)
+                    .map_or(Use::Idle { since: now }, |o| o.use_);
+                Instance {
+                    gi: Some(*gi),
+                    profile: *profile,
+                    placement: *placement,
+                    uuid,
+                    use_,
+                }
+            })
+            .collect();
+    }
+
+    /// Where a request for `mem` bytes and `compute` percent would go now,
+    /// or None if it must wait (or no profile fits: see `could_fit`).
+    pub fn plan(&self, now: Nanos, mem: u64, compute: Option<f64>) -> Option<Choice> {
+        let mut best: Option<(Rank, Choice)> = None;
+        for (gi_pos, g) in self.gpus.iter().enumerate() {
+            for p in &g.info.profiles {
+                if p.media() || p.mem < mem || !gives(p, g.info.slices, compute) {
+                    continue;
+                }
+                let Some((kind, destroyed, age, start, how)) = self.best_on(now, g, p) else {
+                    continue;
+                };
+                let key = (p.mem, p.slices, kind, destroyed, age, gi_pos, start);
+                if best.as_ref().is_none_or(|(k, _)| key < *k) {
+                    best = Some((
+                        key,
+                        Choice {
+                            gpu: gi_pos,
+                            profile: p.id,
+                            how,
+                        },
+                    ));
+                }
+            }
+        }
+        best.map(|(_, c)| c)
+    }
+
+    /// The best way to get profile `p` on `g`: (kind: 0 reuse, 1 free
+    /// placement, 2 after destroying; instances destroyed; the newest idle
+    /// time among them, so older sets come first; placement start).
+    fn best_on(&self, now: Nanos, g: &GpuState, p: &Profile) -> Option<(u8, usize, u64, u32, How)> {
+        // Reuse: the most recently idle instance of the profile.
+        let reuse = g
+            .instances
+            .iter()
+            .filter(|i| i.profile == p.id && i.uuid.is_some())
+            .filter_map(|i| match (i.use_, i.gi) {
+                (Use::Idle { since }, Some(gi)) => Some((since, gi)),
+                _ => None,
+            })
+            .max();
+        if let Some((_, gi)) = reuse {
+            return Some((0, 0, 0, 0, How::Reuse { gi }));
+        }
+        let blocked = |r: &Range| {
+            g.blocked
+                .iter()
+                .any(|(b, until)| b.overlaps(r) && *until > now)
+        };
+        let same = |keep: &dyn Fn(&Instance) -> bool| {
+            g.instances
+                .iter()
+                .filter(|i| i.profile == p.id && keep(i))
+                .count() as u32
+        };
+        // Free placements, the least damaging first.
+        if same(&|_| true) < p.max {
+            let free = p
+                .placements
+                .iter()
+                .filter(|r| !blocked(r))
+                .filter(|r| !g.instances.iter().any(|i| i.placement.overlaps(r)))
+                .min_by_key(|r| (self.damage(g, r), std::cmp::Reverse(r.start)));
+            if let Some(r) = free {
+                return Some((
+                    1,
+                    0,
+                    0,
+                    r.start,
+                    How::Create {
+                        placement: *r,
+                        destroy: Vec::new(),
+                    },
+                ));
+            }
+        }
+        // Lazily: destroy the fewest idle instances that free a placement,
+        // those idle longest first.
+        let mut best: Option<(usize, u64, u32, Range, Vec<u32>)> = None;
+        for r in p.placements.iter().filter(|r| !blocked(r)) {
+            let mut victims = Vec::new();
+            let mut newest = 0;
+            let mut ok = true;
+            for i in g.instances.iter().filter(|i| i.placement.overlaps(r)) {
+                match (i.use_, i.gi) {
+                    (Use::Idle { since }, Some(gi)) => {
+                        victims.push(gi);
+                        newest = newest.max(since);
+                    }
+                    _ => {
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if !ok {
+                continue;
+            }
+            let left = same(&|i| !i.gi.is_some_and(|gi| victims.contains(&gi)));
+            if left >= p.max {
+                continue;
+            }
+            victims.sort_unstable();
+            let key = (victims.len(), newest, r.start);
+            if best
+                .as_ref()
+                .is_none_or(|(n, t, s, _, _)| key < (*n, *t, *s))
+            {
+                best = Some((victims.len(), newest, r.start, *r, victims));
+            }
+        }
+        best.map(|(n, newest, start, placement, destroy)| {
+            (2, n, newest, start, How::Create { placement, destroy })
+        })
+    }
+
+    /// How many currently free placements of other profiles `r` would
+    /// take away.
+    fn damage(&self, g: &GpuState, r: &Range) -> usize {
+        g.info
+            .profiles
+            .iter()
+            .flat_map(|p| p.placements.iter())
+            .filter(|o| o.overlaps(r))
+            .filter(|o| !g.instances.iter().any(|i| i.placement.overlaps(o)))
+            .count()
+    }
+
+    /// Takes `choice` for request `id`: a reused instance is held at once;
+    /// for a new one the destroyed instances go and a placeholder holds
+    /// the placement until `created` or `failed`.
+    pub fn assign(&mut self, id: RequestId, choice: &Choice) -> Assignment {
+        let g = &mut self.gpus[choice.gpu];
+        let p = g
+            .info
+            .profiles
+            .iter()
+            .find(|p| p.id == choice.profile)
+            .cloned()
+            .expect("a choice names a profile of its GPU");
+        match &choice.how {
+            How::Reuse { gi } => {
+                let i = g
+                    .instances
+                    .iter_mut()
+                    .find(|i| i.gi == Some(*gi))
+                    .expect("a choice names a live instance");
+                i.use_ = Use::Lease(id);
+                Assignment {
+                    gpu: g.info.index,
+                    gpu_uuid: g.info.uuid.clone(),
+                    profile: p.id,
+                    profile_name: p.name,
+                    mem: p.mem,
+                    placement: i.placement,
+                    gi: i.gi,
+                    uuid: i.uuid.clone(),
+                    steps: Vec::new(),
+                }
+            }
+            How::Create { placement, destroy } => {
+                g.instances
+                    .retain(|i| !i.gi.is_some_and(|gi| destroy.contains(&gi)));
+                g.instances.push(Instance {
+                    gi: None,
+                    profile: p.id,
+                    placement: *placement,
+                    uuid: None,
+                    use_: Use::Lease(id),
+                });
+                let mut steps: Vec<Step> = destroy.iter().map(|&gi| Step::Destroy { gi }).collect();
+                steps.push(Step::Create {
+                    profile: p.id,
+                    placement: *placement,
+                });
+                Assignment {
+                    gpu: g.info.index,
+                    gpu_uuid: g.info.uuid.clone(),
+                    profile: p.id,
+                    profile_name: p.name,
+                    mem: p.mem,
+                    placement: *placement,
+                    gi: None,
+                    uuid: None,
+                    steps,
+                }
+            }
+        }
+    }
+
+    /// The I/O layer destroyed GPU instance `gi` of GPU `index`.
+    pub fn destroyed(&mut self, index: u32, gi: u32) {
+        if let Some(g) = self.gpus.iter_mut().find(|g| g.info.index == index) {
+            g.instances.retain(|i| i.gi != Some(gi));
+            g.destroyed += 1;
+        }
+    }
+
+    /// The I/O layer created the instance request `id` waited for.
+    pub fn created(&mut self, id: RequestId, index: u32, gi: u32, uuid: String) {
+        if let Some(g) = self.gpus.iter_mut().find(|g| g.info.index == index)
+            && let Some(i) = g
+                .instances
+                .iter_mut()
+                .find(|i| i.use_ == Use::Lease(id) && i.gi.is_none())
+        {
+            i.gi = Some(gi);
+            i.uuid = Some(uuid);
+            g.created += 1;
+        }
+    }
+
+    /// Carrying out request `id`'s steps failed at `placement`: its
+    /// placeholder goes, and those memory slices are avoided for
+    /// `BLOCK_FOR`. The caller then re-reads the GPU (`sync`).
+    pub fn failed(&mut self, now: Nanos, id: RequestId, index: u32, placement: Range) {
+        if let Some(g) = self.gpus.iter_mut().find(|g| g.info.index == index) {
+            g.instances
+                .retain(|i| !(i.use_ == Use::Lease(id) && i.gi.is_none()));
+            g.blocked.retain(|(_, until)| *until > now);
+            g.blocked.push((placement, now + BLOCK_FOR));
+            g.failures += 1;
+        }
+    }
+
+    /// Whether some failed placement is still being avoided.
+    pub fn avoiding(&self, now: Nanos) -> bool {
+        self.gpus
+            .iter()
+            .any(|g| g.blocked.iter().any(|(_, until)| *until > now))
+    }
+
+    /// A lease ended: its instance stays, idle from `now`.
+    pub fn release(&mut self, now: Nanos, id: RequestId) {
+        for g in &mut self.gpus {
+            // A placeholder whose creation never finished holds nothing.
+            g.instances
+                .retain(|i| !(i.use_ == Use::Lease(id) && i.gi.is_none()));
+            for i in &mut g.instances {
+                if i.use_ == Use::Lease(id) {
+                    i.use_ = Use::Idle { since: now };
+                }
+            }
+        }
+    }
+
+    /// A lease from before a restart on the instance with MIG device
+    /// `uuid` of GPU `index`: held again, whatever it was.
+    pub fn restore(&mut self, id: RequestId, index: u32, uuid: &str) -> Option<Assignment> {
+        let g = self.gpus.iter_mut().find(|g| g.info.index == index)?;
+        let i = g
+            .instances
+            .iter_mut()
+            .find(|i| i.uuid.as_deref() == Some(uuid) && i.use_ != Use::Foreign)?;
+        i.use_ = Use::Lease(id);
+        let p = g.info.profiles.iter().find(|p| p.id == i.profile)?;
+        Some(Assignment {
+            gpu: g.info.index,
+            gpu_uuid: g.info.uuid.clone(),
+            profile: p.id,
+            profile_name: p.name.clone(),
+            mem: p.mem,
+            placement: i.placement,
+            gi: i.gi,
+            uuid: i.uuid.clone(),
+            steps: Vec::new(),
+        })
+    }
+
+    pub fn status(&self) -> Vec<GpuStatus> {
+        self.gpus
+            .iter()
+            .map(|g| GpuStatus {
+                gpu: g.info.clone(),
+                instances: g
+                    .instances
+                    .iter()
+                    .map(|i| {
+                        let p = g.info.profiles.iter().find(|p| p.id == i.profile);
+                        InstanceStatus {
+                            gi: i.gi,
+                            profile: p.map_or_else(
+                                || format!("profile {}", i.profile),
+                                |p| p.name.clone(),
+                            ),
+                            placement: i.placement,
+                            mem: p.map_or(0, |p| p.mem),
+                            uuid: i.uuid.clone(),
+                            use_: i.use_,
+                        }
+                    })
+                    .collect(),
+                created: g.created,
+                destroyed: g.destroyed,
+                failures: g.failures,
+            })
+            .collect()
+    }
+
+    /// Memory of GPU `index`'s instances held by leases.
+    pub fn committed(&self, index: u32) -> u64 {
+        self.gpus
+            .iter()
+            .filter(|g| g.info.index == index)
+            .flat_map(|g| {
+                g.instances
+                    .iter()
+                    .filter(|i| matches!(i.use_, Use::Lease(_)))
+                    .filter_map(|i| g.info.profiles.iter().find(|p| p.id == i.profile))
+                    .map(|p| p.mem)
+            })
+            .sum()
+    }
+
+    /// A one-line summary of why nothing fits now, for `--no-wait`.
+    pub fn busy_summary(&self) -> String {
+        let parts: Vec<String> = self
+            .gpus
+            .iter()
+            .map(|g| {
+                let used = g
+                    .instances
+                    .iter()
+                    .filter(|i| matches!(i.use_, Use::Lease(_)))
+                    .count();
+                let foreign = g
+                    .instances
+                    .iter()
+                    .filter(|i| i.use_ == Use::Foreign)
+                    .count();
+                let mut s = format!("GPU {} (MIG): {used} instances in use", g.info.index);
+                if foreign > 0 {
+                    s.push_str(&format!(", {foreign} not managed by gpufrac"));
+                }
+                s
+            })
+            .collect();
+        parts.join("; ")
+    }
+}
+
+/// The profiles of the models NVIDIA documents, as NVML reports them (for
+/// tests and the figures in docs/mig.md; the broker reads the real ones).
+pub mod models {
+    use super::{MigGpu, Profile, Range};
+
+    const MIB: u64 = 1 << 20;
+
+    fn profile(
+        id: u32,
+        name: &str,
+        slices: u32,
+        mib: u64,
+        max: u32,
+        size: u32,
+        starts: &[u32],
+    ) -> Profile {
+        Profile {
+            id,
+            name: name.into(),
+            slices,
+            mem: mib * MIB,
+            max,
+            placements: starts.iter().map(|&start| Range { start, size }).collect(),
+        }
+    }
+
+    fn gpu(index: u32, name: &str, total_mib: u64, names: [&str; 7], mib: [u64; 7]) -> MigGpu {
+        let shape: [(u32, u32, u32, u32, &[u32]); 7] = [
+            (19, 1, 7, 1, &[0, 1, 2, 3, 4, 5, 6]),
+            (20, 1, 1, 1, &[0, 1, 2, 3, 4, 5, 6]),
+            (15, 1, 4, 2, &[0, 2, 4, 6]),
+            (14, 2, 3, 2, &[0, 2, 4]),
+            (9, 3, 2, 4, &[0, 4]),
+            (5, 4, 1, 4, &[0]),
+            (0, 7, 1, 8, &[0]),
+        ];
+        MigGpu {
+            index,
+            uuid: format!("GPU-{index:08x}-0000-4000-8000-000000000000"),
+            name: name.into(),
+            total_mem: total_mib * MIB,
+            slices: 7,
+            profiles: shape
+                .iter()
+                .zip(names.iter().zip(mib))
+                .map(|(&(id, slices, max, size, starts), (n, m))| {
+                    profile(id, n, slices, m, max, size, starts)
+                })
+                .collect(),
+        }
+    }
+
+    pub fn a100_40gb(index: u32) -> MigGpu {
+        gpu(
+            index,
+            "A100-SXM4-40GB",
+            40960,
+            [
+                "1g.5gb",
+                "1g.5gb+me",
+                "1g.10gb",
+                "2g.10gb",
+                "3g.20gb",
+                "4g.20gb",
+                "7g.40gb",
+            ],
+            [4864, 4864, 9856, 9856, 19968, 19968, 40192],
+        )
+    }
+
+    pub fn a100_80gb(index: u32) -> MigGpu {
+        gpu(
+            index,
+            "A100-SXM4-80GB",
+            81920,
+            [
+                "1g.10gb",
+                "1g.10gb+me",
+                "1g.20gb",
+                "2g.20gb",
+                "3g.40gb",
+                "4g.40gb",
+                "7g.80gb",
+            ],
+            [9728, 9728, 19968, 19968, 40192, 40192, 80896],
+        )
+    }
+
+    pub fn h100_80gb(index: u32) -> MigGpu {
+        gpu(
+            index,
+            "H100 80GB HBM3",
+            81559,
+            [
+                "1g.10gb",
+                "1g.10gb+me",
+                "1g.20gb",
+                "2g.20gb",
+                "3g.40gb",
+                "4g.40gb",
+                "7g.80gb",
+            ],
+            [9984, 9984, 20096, 20096, 40448, 40448, 81152],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::models::*;
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const SEC: Nanos = 1_000_000_000;
+
+    fn name(pl: &Planner, c: &Choice) -> String {
+        pl.gpus[c.gpu]
+            .info
+            .profiles
+            .iter()
+            .find(|p| p.id == c.profile)
+            .unwrap()
+            .name
+            .clone()
+    }
+
+    /// Plans, assigns and completes (as the I/O layer would, with made-up
+    /// GPU instance ids from 100 up).
+    fn take(
+        pl: &mut Planner,
+        now: Nanos,
+        id: RequestId,
+        mem: u64,
+        compute: Option<f64>,
+    ) -> Assignment {
+        let c = pl.plan(now, mem, compute).expect("a placement");
+        let a = pl.assign(id, &c);
+        let index = a.gpu;
+        for s in &a.steps {
+            if let Step::Destroy { gi } = s {
+                pl.destroyed(index, *gi);
+            }
+        }
+        if a.uuid.is_none() {
+            let gi = 100 + id as u32;
+            pl.created(id, index, gi, format!("MIG-{id}"));
+            return Assignment {
+                gi: Some(gi),
+                uuid: Some(format!("MIG-{id}")),
+                ..a
+            };
+        }
+        a
+    }
+
+    #[test]
+    fn the_smallest_profile_that_fits_memory_and_compute() {
+        let pl = Planner::new(vec![a100_40gb(0)]);
+        let cases: [(u64, Option<f64>, &str); 9] = [
+            (4 * GIB, None, "1g.5gb"),
+            (4 * GIB, Some(14.0), "1g.5gb"),
+            (4 * GIB, Some(100.0 / 7.0), "1g.5gb"),
+            // One slice is 14.3%: 20% takes two.
+            (4 * GIB, Some(20.0), "2g.10gb"),
+            (6 * GIB, None, "1g.10gb"),
+            (6 * GIB, Some(25.0), "2g.10gb"),
+            (12 * GIB, None, "3g.20gb"),
+            (12 * GIB, Some(50.0), "4g.20gb"),
+            (25 * GIB, None, "7g.40gb"),
+        ];
+        for (mem, compute, want) in cases {
+            let c = pl.plan(0, mem, compute).unwrap();
+            assert_eq!(name(&pl, &c), want, "{mem} {compute:?}");
+        }
+        assert!(pl.plan(0, 40 * GIB, None).is_none());
+        assert!(!pl.could_fit(40 * GIB, None));
+        assert!(pl.could_fit(39 * GIB, Some(100.0)));
+        let (gpu, p) = pl.largest().unwrap();
+        assert_eq!((gpu, p.name.as_str()), (0, "7g.40gb"));
+    }
+
+    #[test]
+    fn reuse_then_free_placements_then_lazy_destruction() {
+        let mut pl = Planner::new(vec![a100_40gb(0)]);
+        // The first 1g goes where it blocks least: the end of the GPU.
+        let a = take(&mut pl, 0, 1, 4 * GIB, None);
+        assert_eq!(
+            (a.placement, a.steps.len()),
+            (Range { start: 6, size: 1 }, 1)
+        );
+        // Released, it is reused rather than a second one made.
+        pl.release(SEC, 1);
+        let b = take(&mut pl, 2 * SEC, 2, 3 * GIB, None);
+        assert_eq!((b.gi, b.steps.clone()), (a.gi, vec![]));
+        // A 3g.20gb fits beside it, at 0 (4:4 overlaps the 1g at 6).
+        let c = take(&mut pl, 3 * SEC, 3, 12 * GIB, None);
+        assert_eq!(c.placement, Range { start: 0, size: 4 });
+        assert_eq!(c.steps.len(), 1);
+        // Two more 1g instances, at 5 and 4 (each blocks three free
+        // placements; the later start wins the tie), then everything is
+        // released at different times.
+        let d = take(&mut pl, 4 * SEC, 4, 4 * GIB, None);
+        let e = take(&mut pl, 4 * SEC, 5, 4 * GIB, None);
+        assert_eq!((d.placement.start, e.placement.start), (5, 4));
+        pl.release(10 * SEC, 3);
+        pl.release(11 * SEC, 4);
+        pl.release(12 * SEC, 2);
+        pl.release(13 * SEC, 5);
+        let gi = |a: &Assignment| a.gi.unwrap();
+        // A 7g.40gb needs the whole GPU: all four idle instances go.
+        let f = pl.plan(20 * SEC, 30 * GIB, None).unwrap();
+        let mut all = vec![gi(&b), gi(&c), gi(&d), gi(&e)];
+        all.sort();
+        assert_eq!(
+            f.how,
+            How::Create {
+                placement: Range { start: 0, size: 8 },
+                destroy: all
+            }
+        );
+        // A 3g.20gb: the idle one is reused.
+        let g = pl.plan(20 * SEC, 12 * GIB, None).unwrap();
+        assert_eq!(g.how, How::Reuse { gi: gi(&c) });
+        // A 2g.10gb (28% needs two slices): 0:2 and 2:2 need only the 3g
+        // gone, 4:2 both 1g at 4 and 5; the fewest, then the lowest start.
+        let h = pl.plan(20 * SEC, 8 * GIB, Some(28.0)).unwrap();
+        assert_eq!(
+            h.how,
+            How::Create {
+                placement: Range { start: 0, size: 2 },
+                destroy: vec![gi(&c)]
+            }
+        );
+    }
+
+    #[test]
+    fn the_longest_idle_go_first_and_leases_are_never_destroyed() {
+        let mut pl = Planner::new(vec![a100_40gb(0)]);
+        // Seven 1g instances fill the GPU.
+        let all: Vec<Assignment> = (1..=7)
+            .map(|id| take(&mut pl, 0, id, 4 * GIB, None))
+            .collect();
+        assert!(pl.plan(0, 4 * GIB, None).is_none(), "full");
+        // Idle at 0:1 since 5 s, 1:1 since 3 s; the rest in use.
+        let at = |s: u32| all.iter().find(|a| a.placement.start == s).unwrap().clone();
+        let (z, o) = (at(0), at(1));
+        let id_of = |a: &Assignment| (a.uuid.as_ref().unwrap()[4..]).parse::<u64>().unwrap();
+        pl.release(5 * SEC, id_of(&z));
+        pl.release(3 * SEC, id_of(&o));
+        // A 1g.10gb (two memory slices at 0, 2, 4 or 6): only 0:2 is
+        // freeable, by destroying both idle ones.
+        let c = pl.plan(9 * SEC, 6 * GIB, None).unwrap();
+        assert_eq!(
+            c.how,
+            How::Create {
+                placement: Range { start: 0, size: 2 },
+                destroy: {
+                    let mut v = vec![z.gi.unwrap(), o.gi.unwrap()];
+                    v.sort();
+                    v
+                }
+            }
+        );
+        // A 1g.5gb reuses the most recently idle (3 s < 5 s: the one at 0).
+        let r = pl.plan(9 * SEC, 4 * GIB, None).unwrap();
+        assert_eq!(r.how, How::Reuse { gi: z.gi.unwrap() });
+        // Nothing bigger can be had without touching leases.
+        assert!(pl.plan(9 * SEC, 12 * GIB, None).is_none());
+    }
+
+    #[test]
+    fn foreign_instances_and_failed_placements_are_avoided() {
+        let mut pl = Planner::new(vec![a100_40gb(0)]);
+        // Found at start: a 3g.20gb at 4 with two compute instances
+        // (foreign) and an idle 1g.5gb at 0.
+        pl.sync(
+            0,
+            0,
+            &[
+                (
+                    1,
+                    9,
+                    Range { start: 4, size: 4 },
+                    vec!["MIG-a".into(), "MIG-b".into()],
+                ),
+                (2, 19, Range { start: 0, size: 1 }, vec!["MIG-c".into()]),
+            ],
+        );
+        // Only 0:4 could hold a 3g; the idle 1g goes, the foreign stays.
+        let c = pl.plan(SEC, 12 * GIB, None).unwrap();
+        assert_eq!(
+            c.how,
+            How::Create {
+                placement: Range { start: 0, size: 4 },
+                destroy: vec![2]
+            }
+        );
+        assert!(
+            pl.plan(SEC, 25 * GIB, None).is_none(),
+            "7g needs the foreign one's room"
+        );
+        // Creation at 0:4 fails: those slices are avoided for a while, by
+        // every profile.
+        let a = pl.assign(7, &c);
+        pl.destroyed(0, 2);
+        pl.failed(2 * SEC, 7, 0, a.placement);
+        pl.sync(
+            2 * SEC,
+            0,
+            &[(
+                1,
+                9,
+                Range { start: 4, size: 4 },
+                vec!["MIG-a".into(), "MIG-b".into()],
+            )],
+        );
+        assert!(pl.avoiding(3 * SEC));
+        assert!(pl.plan(3 * SEC, 12 * GIB, None).is_none());
+        assert!(pl.plan(3 * SEC, 4 * GIB, None).is_none());
+        assert!(!pl.avoiding(2 * SEC + BLOCK_FOR));
+        let c = pl.plan(2 * SEC + BLOCK_FOR, 12 * GIB, None).unwrap();
+        assert_eq!(name(&pl, &c), "3g.20gb");
+        let st = pl.status();
+        assert_eq!(st[0].failures, 1);
+        assert_eq!(st[0].destroyed, 1);
+    }
+
+    #[test]
+    fn sync_keeps_leases_and_restore_finds_them() {
+        let mut pl = Planner::new(vec![a100_80gb(3)]);
+        let a = take(&mut pl, 0, 1, 12 * GIB, None);
+        assert_eq!(a.profile_name, "1g.20gb");
+        assert_eq!(a.gpu, 3);
+        let found = [(
+            a.gi.unwrap(),
+            a.profile,
+            a.placement,
+            vec![a.uuid.clone().unwrap()],
+        )];
+        pl.sync(5 * SEC, 3, &found);
+        assert_eq!(pl.status()[0].instances[0].use_, Use::Lease(1));
+        assert_eq!(pl.committed(3), 19968 << 20);
+        // A new broker knows nothing of leases until they are restored.
+        let mut fresh = Planner::new(vec![a100_80gb(3)]);
+        fresh.sync(0, 3, &found);
+        assert_eq!(fresh.status()[0].instances[0].use_, Use::Idle { since: 0 });
+        let r = fresh.restore(9, 3, a.uuid.as_deref().unwrap()).unwrap();
+        assert_eq!((r.gi, r.mem), (a.gi, 19968 << 20));
+        assert!(fresh.restore(9, 3, "MIG-nope").is_none());
+        fresh.release(7 * SEC, 9);
+        assert_eq!(
+            fresh.status()[0].instances[0].use_,
+            Use::Idle { since: 7 * SEC }
+        );
+    }
+
+    #[test]
+    fn another_gpu_or_a_larger_profile_only_when_the_smallest_cannot_be_had() {
+        let mut pl = Planner::new(vec![a100_40gb(0), h100_80gb(1)]);
+        // 4 GiB: the A100's 1g.5gb is smaller than any H100 profile.
+        let a = take(&mut pl, 0, 1, 4 * GIB, None);
+        assert_eq!((a.gpu, a.profile_name.as_str()), (0, "1g.5gb"));
+        // 30 GiB: only the A100's 7g.40gb is smaller than the H100's
+        // 3g.40gb... but it is blocked by a lease, so the H100 it is.
+        let b = take(&mut pl, 0, 2, 30 * GIB, None);
+        assert_eq!((b.gpu, b.profile_name.as_str()), (1, "3g.40gb"));
+        // 45 GiB: only the H100's 7g.80gb, blocked by the 3g.40gb lease.
+        assert!(pl.plan(0, 45 * GIB, None).is_none());
+        assert!(pl.could_fit(45 * GIB, None));
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Take(u64, Option<f64>),
+            Release(usize),
+            Fail(u64),
+            Advance(Nanos),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => ((1..90u64), prop::option::of(1.0..100.0f64))
+                    .prop_map(|(g, c)| Op::Take(g * GIB / 2, c)),
+                3 => any::<usize>().prop_map(Op::Release),
+                1 => (1..90u64).prop_map(|g| Op::Fail(g * GIB / 2)),
+                1 => (0..20 * SEC).prop_map(Op::Advance),
+            ]
+        }
+
+        fn gpus() -> impl Strategy<Value = Vec<MigGpu>> {
+            prop::collection::vec(0..3u8, 1..4).prop_map(|kinds| {
+                kinds
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| match k {
+                        0 => a100_40gb(i as u32),
+                        1 => a100_80gb(i as u32),
+                        _ => h100_80gb(i as u32),
+                    })
+                    .collect()
+            })
+        }
+
+        /// Instances never overlap, sit only where their profile may, and
+        /// never add up to more than the GPU (slices, memory, counts).
+        fn check(pl: &Planner, leases: &[RequestId]) {
+            for g in &pl.gpus {
+                let mut slices = 0;
+                let mut mem = 0;
+                for (k, i) in g.instances.iter().enumerate() {
+                    let p = g.info.profiles.iter().find(|p| p.id == i.profile).unwrap();
+                    assert!(
+                        p.placements.contains(&i.placement),
+                        "{i:?} not a placement of {}",
+                        p.name
+                    );
+                    assert!(i.placement.end() <= 8);
+                    for j in &g.instances[k + 1..] {
+                        assert!(!i.placement.overlaps(&j.placement), "{i:?} overlaps {j:?}");
+                    }
+                    slices += p.slices;
+                    mem += p.mem;
+                    let n = g
+                        .instances
+                        .iter()
+                        .filter(|j| j.profile == i.profile)
+                        .count() as u32;
+                    assert!(n <= p.max, "{n} instances of {}", p.name);
+                }
+                assert!(slices <= g.info.slices, "{slices} compute slices");
+                assert!(mem <= g.info.total_mem, "{mem} bytes");
+            }
+            // Each lease holds exactly one instance; nothing else does.
+            let held: Vec<RequestId> = pl
+                .gpus
+                .iter()
+                .flat_map(|g| g.instances.iter())
+                .filter_map(|i| match i.use_ {
+                    Use::Lease(id) => Some(id),
+                    _ => None,
+                })
+                .collect();
+            let mut a = held.clone();
+            a.sort_unstable();
+            let mut b = leases.to_vec();
+            b.sort_unstable();
+            assert_eq!(a, b);
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            #[test]
+            fn instances_never_overlap_nor_exceed_the_gpu(gpus in gpus(), ops in prop::collection::vec(op(), 1..150)) {
+                let mut pl = Planner::new(gpus);
+                let mut now = 0;
+                let mut next = 0;
+                let mut leases: Vec<RequestId> = Vec::new();
+                for op in ops {
+                    match op {
+                        Op::Take(mem, compute) => {
+                            next += 1;
+                            if let Some(c) = pl.plan(now, mem, compute) {
+                                let g = &pl.gpus[c.gpu];
+                                let p = g.info.profiles.iter().find(|p| p.id == c.profile).unwrap();
+                                prop_assert!(p.mem >= mem);
+                                // Only idle instances are destroyed.
+                                if let How::Create { destroy, .. } = &c.how {
+                                    for gi in destroy {
+                                        let i = g.instances.iter().find(|i| i.gi == Some(*gi)).unwrap();
+                                        let idle = matches!(i.use_, Use::Idle { .. });
+                                        prop_assert!(idle, "destroying {:?}", i);
+                                    }
+                                }
+                                take(&mut pl, now, next, mem, compute);
+                                leases.push(next);
+                            } else {
+                                let empty = pl.gpus.iter().all(|g| g.instances.is_empty());
+                                prop_assert!(
+                                    !pl.could_fit(mem, compute) || !empty || pl.avoiding(now),
+                                    "an empty node refused what fits"
+                                );
+                            }
+                        }
+                        Op::Fail(mem) => {
+                            next += 1;
+                            if let Some(c) = pl.plan(now, mem, None) {
+                                let a = pl.assign(next, &c);
+                                for s in &a.steps {
+                                    if let Step::Destroy { gi } = s {
+                                        pl.destroyed(a.gpu, *gi);
+                                    }
+                                }
+                                if a.uuid.is_none() {
+                                    pl.failed(now, next, a.gpu, a.placement);
+                                } else {
+                                    leases.push(next);
+                                }
+                            }
+                        }
+                        Op::Release(k) if !leases.is_empty() => {
+                            let id = leases.remove(k % leases.len());
+                            pl.release(now, id);
+                        }
+                        Op::Advance(dt) => now += dt,
+                        _ => {}
+                    }
+                    check(&pl, &leases);
+                }
+            }
+        }
+    }
+}
