@@ -150,9 +150,24 @@ pub fn main(args: PluginArgs) -> u8 {
     }
 }
 
-/// The resource and its size, refusing the other resource's option: it
-/// would be silently ignored.
+/// The resource and its size, refusing options that the chosen resource or
+/// `--cdi` would silently ignore.
 fn resource(args: &PluginArgs) -> Result<Resource, String> {
+    if args.cdi {
+        let i = &args.inject;
+        for (given, flag) in [
+            (i.lib.is_some(), "--lib"),
+            (i.socket.is_some(), "--socket"),
+            (i.preload_file.is_some(), "--preload-file"),
+        ] {
+            if given {
+                return Err(format!(
+                    "{flag} has no effect with --cdi: the CDI spec decides how the shim and the \
+                     socket get into containers (gpufrac cdi generate {flag} …)"
+                ));
+            }
+        }
+    }
     match args.resource {
         ResourceKind::GpuMemory => {
             if args.slots_per_gpu.is_some() {
@@ -186,23 +201,20 @@ fn resource(args: &PluginArgs) -> Result<Resource, String> {
 /// first pod.
 fn injection(args: &PluginArgs) -> Result<Injection, String> {
     if args.cdi {
-        let i = &args.inject;
-        for (given, flag) in [
-            (i.lib.is_some(), "--lib"),
-            (i.socket.is_some(), "--socket"),
-            (i.preload_file.is_some(), "--preload-file"),
-        ] {
-            if given {
-                return Err(format!(
-                    "{flag} has no effect with --cdi: the CDI spec decides how the shim and the \
-                     socket get into containers (gpufrac cdi generate {flag} …)"
-                ));
-            }
-        }
         return Ok(Injection::Cdi);
     }
     let (lib, socket) = args.inject.lib_and_socket()?;
     let preload_file = args.inject.write_preload_file()?;
+    if let Some(dir) = socket.parent().filter(|d| !d.is_dir()) {
+        // Not an error: the broker may start later, and pods keep their
+        // memory caps meanwhile.
+        tracing::warn!(
+            "the broker socket's directory {} does not exist (yet): until `gpufrac broker` \
+             runs there, pods get their memory caps but no compute arbitration, and pods \
+             may fail to start where the runtime will not create a missing mount source",
+            dir.display()
+        );
+    }
     let mut control_nodes = Vec::new();
     for name in REQUIRED_NODES.iter().chain(OPTIONAL_NODES) {
         let path = args.dev_dir.join(name);
@@ -327,7 +339,7 @@ mod tests {
         let e = resource(&a).unwrap_err();
         assert!(e.contains("--resource gpu-memory with it"), "{e}");
         let a = parse(&["--cdi", "--lib", "/x.so"]).unwrap();
-        let e = injection(&a).unwrap_err();
+        let e = resource(&a).unwrap_err();
         assert!(e.contains("--lib has no effect with --cdi"), "{e}");
     }
 

@@ -178,10 +178,10 @@ impl Plugin {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
         if !args.contains(&"--cdi") {
-            cmd.arg("--dev-dir")
-                .arg(&dev)
-                .arg("--lib")
-                .arg(&artifacts().shim);
+            cmd.arg("--dev-dir").arg(&dev);
+            if !args.contains(&"--lib") {
+                cmd.arg("--lib").arg(&artifacts().shim);
+            }
         }
         Plugin {
             child: KillOnDrop(cmd.spawn().expect("starting gpufrac k8s-device-plugin")),
@@ -611,4 +611,66 @@ fn bad_settings_exit_with_what_to_do() {
     assert!(e.contains("--resource gpu"), "{e}");
     // Nothing was left in the kubelet's directory.
     assert_eq!(std::fs::read_dir(kubelet.path()).unwrap().count(), 0);
+}
+
+/// The plugin's arguments in deploy/k8s/daemonset.yaml (a one-line flow
+/// sequence, which is also JSON) run as given, but for the host paths,
+/// which point into the test's own files: what it registers is what the
+/// example pod asks for, and 4 of it are a 4 GiB cap as the pod's comment
+/// says.
+#[test]
+fn the_deploy_manifests_agree_with_the_plugin() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s");
+    let ds = std::fs::read_to_string(root.join("daemonset.yaml")).unwrap();
+    let line = ds
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("args: "))
+        .expect("an `args: [...]` line in daemonset.yaml");
+    let mut args: Vec<String> = serde_json::from_str(line).unwrap();
+    assert!(
+        ds.contains(r#"command: ["/usr/local/bin/gpufrac", "k8s-device-plugin"]"#),
+        "{ds}"
+    );
+    let broker_dir = Scratch::new("k8s-manifest");
+    let socket = broker_dir.0.join("broker.sock");
+    for (flag, here) in [
+        ("--lib", artifacts().shim.clone()),
+        ("--socket", socket.clone()),
+    ] {
+        let i = args.iter().position(|a| a == flag).unwrap() + 1;
+        assert!(args[i].starts_with('/'), "{flag} {}: a host path", args[i]);
+        args[i] = here.to_str().unwrap().to_owned();
+    }
+    let pod = std::fs::read_to_string(root.join("pod-example.yaml")).unwrap();
+    let (resource, count) = pod
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("gpufrac.dev/")?.split_once(": "))
+        .expect("a gpufrac.dev/ limit in pod-example.yaml");
+
+    let mut kubelet = Kubelet::started();
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let plugin = Plugin::start(&kubelet, &argv);
+    let r = kubelet.registration(&plugin);
+    assert_eq!(r.resource_name, format!("gpufrac.dev/{resource}"));
+    let mut c = kubelet.client(&r.endpoint);
+    let mut stream = kubelet
+        .call(c.list_and_watch(api::Empty {}))
+        .unwrap()
+        .into_inner();
+    let list = kubelet.call(stream.message()).unwrap().unwrap();
+    let n: usize = count.parse().unwrap();
+    let grant: Vec<String> = list.devices.iter().take(n).map(|d| d.id.clone()).collect();
+    let resp = kubelet
+        .call(c.allocate(api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest { devices_ids: grant }],
+        }))
+        .unwrap()
+        .into_inner();
+    let cap = &resp.container_responses[0].envs["GPU_MEM_LIMIT"];
+    assert!(
+        pod.contains(&format!("GPU_MEM_LIMIT={cap}")),
+        "the pod's comment should say GPU_MEM_LIMIT={cap}"
+    );
 }
