@@ -37,6 +37,8 @@ pub enum LeaseOutcome {
         token: u64,
         /// MPS pipe directory, when the broker runs MPS.
         mps_pipe: String,
+        /// The MIG device (`MIG-<uuid>`) of a MIG lease; empty otherwise.
+        mig: String,
     },
     Refused(String),
     /// The deadline passed first; the last queue report, if any came.
@@ -214,6 +216,7 @@ impl Client {
                     mem_cap,
                     token,
                     mps_pipe,
+                    mig,
                 }) => {
                     return Ok(LeaseOutcome::Leased {
                         gpus,
@@ -221,6 +224,7 @@ impl Client {
                         mem_cap,
                         token,
                         mps_pipe,
+                        mig,
                     });
                 }
                 Some(ServerMsg::Refused { reason }) => return Ok(LeaseOutcome::Refused(reason)),
@@ -627,6 +631,7 @@ mod tests {
                 mem_cap: 0,
                 token: 9,
                 mps_pipe: String::new(),
+                mig: "MIG-x".into(),
             },
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
@@ -657,6 +662,7 @@ mod tests {
                 mem_cap: 0,
                 token: 9,
                 mps_pipe: String::new(),
+                mig: "MIG-x".into(),
             }
         );
         assert!(seen.starts_with(&[2]) && seen.ends_with(&[1]), "{seen:?}");
@@ -704,6 +710,7 @@ mod tests {
             mem_cap: 5,
             token: 9,
             mps_pipe: String::new(),
+            mig: String::new(),
         };
         let (dir, h) = fake_broker(server_frames(&[
             ServerMsg::HelloOk { version: 1 },

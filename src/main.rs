@@ -81,6 +81,7 @@ Examples:
   sudo gpufrac broker --group gpu --metrics 127.0.0.1:9400
   gpufrac broker --socket /tmp/gpufrac.sock --timeslice 20ms
   gpufrac broker --overprovision 4     # every GPU becomes 4 slots for --gpus 1
+  gpufrac broker --mig dynamic         # --gpu-memory jobs get MIG instances on GPUs in MIG mode
 
 Log detail follows RUST_LOG (default info), e.g. RUST_LOG=gpufrac_broker=debug.";
 
@@ -130,6 +131,18 @@ struct BrokerArgs {
     /// (`--gpu-compute` becomes an SM percentage) instead of taking turns.
     #[arg(long)]
     mps: bool,
+    /// GPUs in MIG mode: `dynamic` gives each `gpufrac run --gpu-memory`
+    /// job a MIG instance of the smallest profile that fits its memory and
+    /// `--gpu-compute`, kept idle for the next job and destroyed only when
+    /// its room is needed. MIG mode itself is never changed.
+    #[arg(long, value_name = "MODE", value_enum)]
+    mig: Option<MigArg>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum MigArg {
+    /// Make and destroy MIG instances as jobs need them.
+    Dynamic,
 }
 
 fn main() -> ExitCode {
@@ -168,6 +181,10 @@ fn broker(args: BrokerArgs) -> u8 {
         max_conns_per_user: args.max_connections_per_user,
         state: args.state,
         mps: args.mps,
+        mig: match args.mig {
+            Some(MigArg::Dynamic) => gpufrac_broker::server::MigMode::Dynamic,
+            None => gpufrac_broker::server::MigMode::Off,
+        },
     };
     match gpufrac_broker::server::run(opts) {
         Ok(()) => 0,

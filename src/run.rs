@@ -30,7 +30,8 @@ Examples:
   gpufrac run --gpu-memory 8G --priority high -- python serve.py
 
 The child gets CUDA_VISIBLE_DEVICES (with CUDA_DEVICE_ORDER=PCI_BUS_ID, so
-indices match nvidia-smi), LD_PRELOAD with libgpufrac.so first, GPU_MEM_LIMIT,
+indices match nvidia-smi; or MIG-<uuid>, the MIG instance a broker running
+--mig dynamic made for a --gpu-memory job), LD_PRELOAD with libgpufrac.so first, GPU_MEM_LIMIT,
 GPU_COMPUTE_SHARE, GPU_COMPUTE_LIMIT, GPU_COMPUTE_PRIORITY and GPUFRAC_SOCKET. The lease lasts as
 long as this process: it ends when the command exits or gpufrac run is killed.
 
@@ -166,6 +167,9 @@ pub enum Placement {
         gpus: Vec<u32>,
         /// Bytes per GPU; 0 = uncapped.
         mem_cap: u64,
+        /// A MIG instance (`MIG-<uuid>`) of `gpus`' one GPU: the device the
+        /// child is given instead of the GPU.
+        mig: Option<String>,
     },
 }
 
@@ -227,7 +231,21 @@ pub fn child_env(
             flags.gpu_memory
         }
         Placement::Unplaced => flags.gpu_memory,
-        Placement::Leased { gpus, mem_cap } => {
+        Placement::Leased {
+            mig: Some(m),
+            mem_cap,
+            ..
+        } => {
+            // CUDA enumerates the one MIG device named; its UUID says
+            // which, so no device order is needed.
+            set("CUDA_VISIBLE_DEVICES", m.clone());
+            Some(*mem_cap).filter(|&c| c > 0).or(flags.gpu_memory)
+        }
+        Placement::Leased {
+            gpus,
+            mem_cap,
+            mig: None,
+        } => {
             if !gpus.is_empty() {
                 let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
                 set("CUDA_VISIBLE_DEVICES", list.join(","));
@@ -394,6 +412,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                 Placement::Leased {
                     gpus: g.gpus,
                     mem_cap: g.mem_cap,
+                    mig: Some(g.mig).filter(|m| !m.is_empty()),
                 }
             } else {
                 Placement::Unplaced
@@ -547,6 +566,8 @@ struct Granted {
     mem_cap: u64,
     token: u64,
     mps_pipe: String,
+    /// `MIG-<uuid>` of a MIG lease; empty otherwise.
+    mig: String,
 }
 
 /// A broker running MPS: the child is an MPS client of its daemon, its
@@ -621,6 +642,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
                 mem_cap,
                 token,
                 mps_pipe,
+                mig,
                 ..
             }) => {
                 return Ok((
@@ -630,6 +652,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
                         mem_cap,
                         token,
                         mps_pipe,
+                        mig,
                     },
                 ));
             }
@@ -1008,6 +1031,7 @@ mod tests {
             &Placement::Leased {
                 gpus: vec![1, 3],
                 mem_cap: 20 << 30,
+                mig: None,
             },
             &flags,
             &[("CUDA_VISIBLE_DEVICES", "0"), ("GPU_MEM_LIMIT", "1G")],
@@ -1028,6 +1052,7 @@ mod tests {
             &Placement::Leased {
                 gpus: vec![0],
                 mem_cap: 0,
+                mig: None,
             },
             &EnvFlags::default(),
             &[("GPU_MEM_LIMIT", "1G"), ("GPU_MEM_LIMIT_0", "2G")],
@@ -1043,6 +1068,7 @@ mod tests {
             &Placement::Leased {
                 gpus: vec![2],
                 mem_cap: 4 << 30,
+                mig: None,
             },
             &EnvFlags::default(),
             &[
@@ -1056,6 +1082,31 @@ mod tests {
     }
 
     #[test]
+    fn a_mig_lease_names_its_mig_device() {
+        let mig = "MIG-3c1e6f7a-c0de-4000-8000-000000000001";
+        let e = env_of(
+            &Placement::Leased {
+                gpus: vec![0],
+                mem_cap: 4864 << 20,
+                mig: Some(mig.into()),
+            },
+            &EnvFlags {
+                gpu_memory: Some(4 << 30),
+                ..EnvFlags::default()
+            },
+            &[("CUDA_VISIBLE_DEVICES", "1"), ("GPU_MEM_LIMIT_0", "1G")],
+        );
+        assert_eq!(e.get("CUDA_VISIBLE_DEVICES"), Some(mig));
+        assert_eq!(e.get("CUDA_DEVICE_ORDER"), None);
+        // The job has the whole instance, not only what it asked for.
+        assert_eq!(
+            e.get("GPU_MEM_LIMIT"),
+            Some((4864u64 << 20).to_string().as_str())
+        );
+        assert_eq!(e.remove, ["GPU_MEM_LIMIT_0"]);
+    }
+
+    #[test]
     fn memory_lease_falls_back_to_the_flag() {
         let flags = EnvFlags {
             gpu_memory: Some(4 << 30),
@@ -1065,6 +1116,7 @@ mod tests {
             &Placement::Leased {
                 gpus: vec![0],
                 mem_cap: 0,
+                mig: None,
             },
             &flags,
             &[],

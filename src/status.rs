@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use clap::Args;
-use gpufrac_broker::status::{GpuStatus, LeaseEntry, QueueEntry, Status};
+use gpufrac_broker::status::{GpuStatus, LeaseEntry, MigStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
 
 use crate::client::{Client, ConnectError};
@@ -29,7 +29,13 @@ What the figures mean:
                    as a --no-wait refusal name leases by it
   SHARE            the promised share of GPU time when contended
   ACHIEVED         the share held over the last window
-  LIMIT            the GPU_COMPUTE_LIMIT ceiling";
+  LIMIT            the GPU_COMPUTE_LIMIT ceiling
+  MIG instances    (gpufrac broker --mig dynamic) on a GPU in MIG mode: GPU
+                   instance, profile, placement (start:size in memory slices),
+                   memory, state (in-use, idle, foreign: not gpufrac's), the
+                   job holding it and how long it has been idle; each
+                   instance in use then has a line of its own with its
+                   processes";
 
 #[derive(Args, Debug)]
 #[command(after_help = STATUS_EXAMPLES)]
@@ -118,17 +124,33 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
     let index = g.index.map_or("?".to_owned(), |i| i.to_string());
     let util = g.utilization.map_or("-".to_owned(), |u| format!("{u}%"));
     let allocated: u64 = g.processes.iter().map(|p| p.mem_used).sum();
-    let _ = writeln!(
-        out,
-        "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} util {util}",
-        g.name,
-        g.uuid,
-        format_size(g.committed_mem),
-        format_size(g.total_mem),
-        g.slots_used,
-        g.slots_total,
-        format_size(allocated),
-    );
+    if let Some(m) = &g.mig {
+        render_mig_gpu(out, &index, g, m);
+        return;
+    }
+    if g.mig_instance.is_some() {
+        let _ = writeln!(
+            out,
+            "{} {} committed {}/{} allocated {}",
+            g.name,
+            g.uuid,
+            format_size(g.committed_mem),
+            format_size(g.total_mem),
+            format_size(allocated),
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} util {util}",
+            g.name,
+            g.uuid,
+            format_size(g.committed_mem),
+            format_size(g.total_mem),
+            g.slots_used,
+            g.slots_total,
+            format_size(allocated),
+        );
+    }
     if g.processes.is_empty() {
         out.push_str("  no processes\n");
         return;
@@ -168,6 +190,51 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
             } else {
                 p.state.clone()
             },
+        ]);
+    }
+    table(out, &rows);
+}
+
+/// A GPU in MIG mode: its line, then its instances.
+fn render_mig_gpu(out: &mut String, index: &str, g: &GpuStatus, m: &MigStatus) {
+    let in_use = m.instances.iter().filter(|i| i.state == "in-use").count();
+    let _ = writeln!(
+        out,
+        "GPU {index} {} {} MIG mode: {} instances, {in_use} in use, committed {}/{} \
+         (created {}, destroyed {}, failed {})",
+        g.name,
+        g.uuid,
+        m.instances.len(),
+        format_size(g.committed_mem),
+        format_size(g.total_mem),
+        m.created,
+        m.destroyed,
+        m.failures,
+    );
+    if m.instances.is_empty() {
+        out.push_str("  no MIG instances\n");
+        return;
+    }
+    let mut rows = vec![[
+        "GI".to_owned(),
+        "PROFILE".to_owned(),
+        "PLACEMENT".to_owned(),
+        "MEMORY".to_owned(),
+        "STATE".to_owned(),
+        "JOB".to_owned(),
+        "IDLE".to_owned(),
+        "MIG DEVICE".to_owned(),
+    ]];
+    for i in &m.instances {
+        rows.push([
+            i.gi.map_or("-".to_owned(), |v| v.to_string()),
+            i.profile.clone(),
+            i.placement.clone(),
+            format_size(i.mem),
+            i.state.clone(),
+            i.job.map_or("-".to_owned(), |v| v.to_string()),
+            i.idle_s.map_or("-".to_owned(), seconds),
+            i.uuid.clone().unwrap_or_else(|| "-".to_owned()),
         ]);
     }
     table(out, &rows);
@@ -361,6 +428,8 @@ mod tests {
                         ..ProcStatus::default()
                     },
                 ],
+                mig: None,
+                mig_instance: None,
             }],
             queue: vec![QueueEntry {
                 position: 1,
@@ -433,6 +502,102 @@ mod tests {
         };
         assert_eq!(col(lines[1]), col(lines[2]));
         assert_eq!(col(lines[1]), col(lines[3]));
+    }
+
+    #[test]
+    fn mig_gpus_and_instances() {
+        use gpufrac_broker::status::MigInstance;
+        let s = Status {
+            gpus: vec![
+                GpuStatus {
+                    index: Some(0),
+                    mode: "mig".into(),
+                    uuid: "GPU-0000".into(),
+                    name: "A100-SXM4-40GB".into(),
+                    total_mem: 40 << 30,
+                    committed_mem: 4864 << 20,
+                    mig: Some(MigStatus {
+                        instances: vec![
+                            MigInstance {
+                                gi: Some(1),
+                                profile: "1g.5gb".into(),
+                                placement: "6:1".into(),
+                                mem: 4864 << 20,
+                                uuid: Some("MIG-aaaa".into()),
+                                state: "in-use".into(),
+                                job: Some(41),
+                                idle_s: None,
+                            },
+                            MigInstance {
+                                gi: Some(2),
+                                profile: "3g.20gb".into(),
+                                placement: "0:4".into(),
+                                mem: 19968 << 20,
+                                uuid: Some("MIG-bbbb".into()),
+                                state: "idle".into(),
+                                job: None,
+                                idle_s: Some(125.0),
+                            },
+                        ],
+                        created: 2,
+                        destroyed: 1,
+                        failures: 0,
+                    }),
+                    ..GpuStatus::default()
+                },
+                GpuStatus {
+                    index: Some(0),
+                    mode: "mig-instance".into(),
+                    uuid: "MIG-aaaa".into(),
+                    name: "MIG 1g.5gb (GPU 0, GPU instance 1)".into(),
+                    total_mem: 4864 << 20,
+                    committed_mem: 4864 << 20,
+                    mig_instance: Some(1),
+                    processes: vec![ProcStatus {
+                        pid: 42,
+                        command: "probe".into(),
+                        mem_used: 1 << 30,
+                        state: "holding".into(),
+                        ..ProcStatus::default()
+                    }],
+                    ..GpuStatus::default()
+                },
+            ],
+            ..Status::default()
+        };
+        let t = render(&s);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "GPU 0 A100-SXM4-40GB GPU-0000 MIG mode: 2 instances, 1 in use, committed 4.75 GiB/40.00 GiB \
+             (created 2, destroyed 1, failed 0)"
+        );
+        assert_eq!(
+            lines[1],
+            "  GI  PROFILE  PLACEMENT  MEMORY     STATE   JOB  IDLE   MIG DEVICE"
+        );
+        assert_eq!(
+            lines[2],
+            "  1   1g.5gb   6:1        4.75 GiB   in-use  41   -      MIG-aaaa"
+        );
+        assert_eq!(
+            lines[3],
+            "  2   3g.20gb  0:4        19.50 GiB  idle    -    2m05s  MIG-bbbb"
+        );
+        assert_eq!(
+            lines[5],
+            "MIG 1g.5gb (GPU 0, GPU instance 1) MIG-aaaa committed 4.75 GiB/4.75 GiB allocated 1.00 GiB"
+        );
+        assert!(lines[6].starts_with("  PID  COMMAND"), "{t}");
+        assert!(
+            lines[7].contains("probe") && lines[7].ends_with("holding"),
+            "{t}"
+        );
+        let mut empty = s.gpus[0].clone();
+        empty.mig.as_mut().unwrap().instances.clear();
+        let mut out = String::new();
+        render_gpu(&mut out, &empty);
+        assert!(out.ends_with("\n  no MIG instances\n"), "{out}");
     }
 
     #[test]

@@ -22,8 +22,13 @@ pub enum Phase {
     /// In the queue since this monotonic instant (ns, `CLOCK_MONOTONIC`,
     /// which a broker restart does not reset).
     Queued { since: u64 },
-    /// Holding GPUs (by index).
-    Running { gpus: Vec<u32> },
+    /// Holding GPUs (by index); under `--mig dynamic`, perhaps a MIG
+    /// instance of its one GPU, by MIG device UUID.
+    Running {
+        gpus: Vec<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mig: Option<String>,
+    },
     /// A job without placement (`run --gpu-compute` alone): a unit of
     /// fairness and enforced settings, no GPUs booked.
     Unplaced,
@@ -220,7 +225,10 @@ mod tests {
             priority: Some(Priority::Low),
             label: "train.py".into(),
             mem_cap: None,
-            phase: Phase::Running { gpus: vec![0] },
+            phase: Phase::Running {
+                gpus: vec![0],
+                mig: None,
+            },
         }
     }
 

@@ -4,6 +4,7 @@
 pub mod inventory;
 pub mod jobs;
 pub mod mig;
+pub mod mig_nvml;
 pub mod mps;
 pub mod queue;
 pub mod sched;

@@ -118,6 +118,10 @@ pub struct Instance {
     pub use_: Use,
 }
 
+/// A GPU instance as the driver reports it: (GPU instance id, profile id,
+/// placement, the UUIDs of its MIG devices).
+pub type FoundInstance = (u32, u32, Range, Vec<String>);
+
 /// What the I/O layer does for a decision, in order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Step {
@@ -272,7 +276,7 @@ impl Planner {
     /// An instance keeps its lease or idle time when its GPU instance id
     /// and UUID still match; one seen for the first time is idle since
     /// `now`; one with several compute instances is foreign.
-    pub fn sync(&mut self, now: Nanos, index: u32, found: &[(u32, u32, Range, Vec<String>)]) {
+    pub fn sync(&mut self, now: Nanos, index: u32, found: &[FoundInstance]) {
         let Some(g) = self.gpus.iter_mut().find(|g| g.info.index == index) else {
             return;
         };

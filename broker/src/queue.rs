@@ -20,12 +20,24 @@
 //! - Committed memory never exceeds a GPU's total unless `overcommit`; then
 //!   memory is not checked at all (slots still are), and fractions go to GPUs
 //!   where they still fit if any, otherwise to the least overcommitted one.
+//!
+//! GPUs in MIG mode under `--mig dynamic` are not among these: the MIG
+//! planner (`mig.rs`) owns them. A memory request goes to a MIG instance
+//! whenever one can be had now (reused, created, or created after
+//! destroying idle ones), else to a fraction of a GPU outside MIG mode,
+//! else it waits for whichever frees first. Whole-GPU requests never go to
+//! MIG GPUs: CUDA shows a process one MIG device at most, so `--gpus N`
+//! could not use what it was given. A MIG lease comes out of `poll` with
+//! the steps (destroy, create) the socket layer carries out before
+//! delivering it, and reports back with `mig_created` or `mig_failed`.
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+use crate::mig;
 
 /// Monotonic nanoseconds, chosen by the caller.
 pub type Nanos = u64;
@@ -110,8 +122,13 @@ pub struct Lease {
     /// UUIDs of `gpus`, same order: what `CUDA_VISIBLE_DEVICES` should list.
     pub uuids: Vec<String>,
     /// Bytes per GPU; None = uncapped. For a slot lease on GPUs of different
-    /// sizes, the smallest GPU's `total / F`.
+    /// sizes, the smallest GPU's `total / F`. A MIG lease: the instance's
+    /// memory (the job has all of it).
     pub mem_cap: Option<u64>,
+    /// A MIG instance (`gpus` is then its GPU): which, and, until it
+    /// exists, the steps that make it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<mig::Assignment>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,6 +190,16 @@ struct Held {
     lease: Lease,
     req: Request,
     shares: Vec<Share>,
+    /// A MIG lease placed from the queue: (since, seq) of its wait, to
+    /// queue it again where it was if its instance cannot be made.
+    requeue: Option<(Nanos, u64)>,
+}
+
+/// Where a request would go.
+#[derive(Debug, Clone)]
+enum Placed {
+    Shares(Vec<Share>),
+    Mig(mig::Choice),
 }
 
 #[derive(Debug, Clone)]
@@ -192,11 +219,12 @@ impl GpuState {
 #[derive(Debug, Clone)]
 pub struct Queue {
     cfg: QueueConfig,
-    /// Sorted by index.
+    /// Sorted by index. GPUs in MIG mode are in `mig` instead.
     gpus: Vec<GpuState>,
     waiting: Vec<Waiter>,
     held: BTreeMap<RequestId, Held>,
     next_seq: u64,
+    mig: mig::Planner,
 }
 
 fn fmt_bytes(b: u64) -> String {
@@ -266,7 +294,110 @@ impl Queue {
             waiting: Vec::new(),
             held: BTreeMap::new(),
             next_seq: 0,
+            mig: mig::Planner::default(),
         }
+    }
+
+    /// Hands the GPUs in MIG mode to the queue (`--mig dynamic`).
+    pub fn set_mig(&mut self, planner: mig::Planner) {
+        self.mig = planner;
+    }
+
+    pub fn mig(&self) -> &mig::Planner {
+        &self.mig
+    }
+
+    /// The driver's word on GPU `index`'s instances (at start, after a
+    /// failure).
+    pub fn mig_sync(&mut self, now: Nanos, index: u32, found: &[mig::FoundInstance]) {
+        self.mig.sync(now, index, found);
+    }
+
+    /// A lease's idle MIG instance was destroyed to make room.
+    pub fn mig_destroyed(&mut self, index: u32, gi: u32) {
+        self.mig.destroyed(index, gi);
+    }
+
+    /// A lease's MIG instance exists: the lease, ready to deliver.
+    pub fn mig_created(&mut self, id: RequestId, gi: u32, uuid: String) -> Option<Lease> {
+        let h = self.held.get_mut(&id)?;
+        let a = h.lease.mig.as_mut()?;
+        self.mig.created(id, a.gpu, gi, uuid.clone());
+        a.gi = Some(gi);
+        a.uuid = Some(uuid);
+        a.steps.clear();
+        h.requeue = None;
+        Some(h.lease.clone())
+    }
+
+    /// A lease's MIG instance could not be made: the lease is undone, the
+    /// planner learns what the driver now reports (`found`, when it could
+    /// be read) and avoids that placement for a while. A lease placed from
+    /// the queue waits again where it was (true); one from `try_now` is
+    /// simply gone (false).
+    pub fn mig_failed(
+        &mut self,
+        now: Nanos,
+        id: RequestId,
+        found: Option<&[mig::FoundInstance]>,
+    ) -> bool {
+        let Some(h) = self.held.remove(&id) else {
+            return false;
+        };
+        if let Some(a) = &h.lease.mig {
+            self.mig.failed(now, id, a.gpu, a.placement);
+            if let Some(found) = found {
+                self.mig.sync(now, a.gpu, found);
+            }
+        }
+        match h.requeue {
+            Some((since, seq)) => {
+                self.waiting.push(Waiter {
+                    id,
+                    req: h.req,
+                    since,
+                    seq,
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A MIG lease that was running before a restart, on the instance with
+    /// MIG device `uuid` of GPU `index`.
+    pub fn restore_mig(
+        &mut self,
+        id: RequestId,
+        req: Request,
+        index: u32,
+        uuid: &str,
+    ) -> Result<Lease, Refusal> {
+        if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
+            return Err(refuse(format!("request {id} is already queued or running")));
+        }
+        let a = self.mig.restore(id, index, uuid).ok_or_else(|| {
+            refuse(format!(
+                "MIG instance {uuid} on GPU {index} no longer exists (or GPU {index} is no longer in MIG mode)"
+            ))
+        })?;
+        let lease = Lease {
+            id,
+            gpus: vec![a.gpu],
+            uuids: vec![a.gpu_uuid.clone()],
+            mem_cap: Some(a.mem),
+            mig: Some(a),
+        };
+        self.held.insert(
+            id,
+            Held {
+                lease: lease.clone(),
+                req,
+                shares: Vec::new(),
+                requeue: None,
+            },
+        );
+        Ok(lease)
     }
 
     pub fn config(&self) -> &QueueConfig {
@@ -352,8 +483,8 @@ impl Queue {
                 )
             )));
         }
-        match self.plan(req.want) {
-            Some(plan) => Ok(self.commit(id, req, plan)),
+        match self.plan(now, &req) {
+            Some(plan) => Ok(self.commit_placed(id, req, plan, None)),
             None => Err(refuse(format!(
                 "no room now for {}: {}; drop --no-wait to queue",
                 want_text(req.want),
@@ -373,13 +504,17 @@ impl Queue {
     }
 
     /// The lease ended. A waiting request under that id is dropped instead.
-    pub fn release(&mut self, _now: Nanos, id: RequestId) {
+    pub fn release(&mut self, now: Nanos, id: RequestId) {
         let Some(held) = self.held.remove(&id) else {
             if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
                 self.waiting.remove(pos);
             }
             return;
         };
+        if held.lease.mig.is_some() {
+            // Lazily: the instance stays, idle, until its room is needed.
+            self.mig.release(now, id);
+        }
         for s in held.shares {
             let g = &mut self.gpus[s.gpu];
             g.committed = g.committed.saturating_sub(s.mem);
@@ -400,10 +535,10 @@ impl Queue {
         for i in self.order(now) {
             let w = &self.waiting[i];
             let escalated = self.is_escalated(now, w);
-            match self.plan(w.req.want) {
+            match self.plan(now, &w.req) {
                 Some(plan) => {
-                    let (id, req) = (w.id, w.req.clone());
-                    placed.push(self.commit(id, req, plan));
+                    let (id, req, origin) = (w.id, w.req.clone(), (w.since, w.seq));
+                    placed.push(self.commit_placed(id, req, plan, Some(origin)));
                     taken.push(i);
                 }
                 None if escalated => break,
@@ -513,12 +648,19 @@ impl Queue {
                 "invalid compute limit {l}: it must be a fraction in (0, 1], e.g. 30%"
             )));
         }
-        if self.gpus.is_empty() {
+        if self.gpus.is_empty() && self.mig.is_empty() {
             return Err(refuse("this node has no GPUs"));
         }
         let indices: Vec<u32> = self.gpus.iter().map(|g| g.info.index).collect();
         match req.want {
             Want::Gpus(0) => Err(refuse("requested 0 GPUs; ask for at least 1")),
+            Want::Gpus(_) if self.gpus.is_empty() => Err(refuse(format!(
+                "--gpus needs whole GPUs, and every GPU of this node is in MIG mode ({}), \
+                 handed out only as MIG instances; ask for --gpu-memory SIZE{} instead",
+                self.mig_gpus_text(),
+                self.largest_profile_text()
+                    .map_or_else(String::new, |t| format!(" (at most {t})"))
+            ))),
             Want::Gpus(n) if n as usize > self.gpus.len() => {
                 let mut reason = format!(
                     "requested {} but this node has {} ({})",
@@ -536,12 +678,53 @@ impl Queue {
                 } else {
                     reason.push_str(&format!("; ask for --gpus {} at most", self.gpus.len()));
                 }
+                if !self.mig.is_empty() {
+                    reason.push_str(&format!(
+                        "; GPUs in MIG mode ({}) are handed out only as MIG instances, for --gpu-memory",
+                        self.mig_gpus_text()
+                    ));
+                }
                 Err(refuse(reason))
             }
             Want::Gpus(_) => Ok(()),
             Want::Memory(0) => Err(refuse(
                 "requested 0 bytes of GPU memory; ask for a positive size, e.g. 4G",
             )),
+            Want::Memory(b) if !self.mig.is_empty() => {
+                let whole = self
+                    .gpus
+                    .iter()
+                    .max_by_key(|g| (g.info.total_mem, Reverse(g.info.index)));
+                if self.mig.could_fit(b, req.compute)
+                    || whole.is_some_and(|g| b <= g.info.total_mem)
+                {
+                    return Ok(());
+                }
+                let (gpu, p) = self.mig.largest().expect("a MIG GPU has profiles");
+                let mut most = p.mem;
+                let mut reason = format!(
+                    "requested {} but no MIG profile holds it: the largest is {} ({}, GPU {gpu})",
+                    fmt_bytes(b),
+                    p.name,
+                    fmt_bytes(p.mem)
+                );
+                match whole {
+                    Some(g) => {
+                        most = most.max(g.info.total_mem);
+                        reason.push_str(&format!(
+                            ", and the largest GPU outside MIG mode has {} (GPU {})",
+                            fmt_bytes(g.info.total_mem),
+                            g.info.index
+                        ));
+                    }
+                    None => reason.push_str(", and no GPU of this node is outside MIG mode"),
+                }
+                reason.push_str(&format!(
+                    "; ask for --gpu-memory {} at most",
+                    fmt_bytes(most)
+                ));
+                Err(refuse(reason))
+            }
             Want::Memory(b) => {
                 let largest = self
                     .gpus
@@ -578,8 +761,66 @@ impl Queue {
         self.cfg.overcommit || g.uncommitted() >= i128::from(self.slot_mem(g))
     }
 
-    /// Where `want` would go now, or None if it must wait.
-    fn plan(&self, want: Want) -> Option<Vec<Share>> {
+    fn mig_gpus_text(&self) -> String {
+        let v: Vec<u32> = self.mig.gpus().map(|g| g.index).collect();
+        let list = fmt_indices(&v);
+        match list.strip_prefix("index ") {
+            Some(one) => format!("GPU {one}"),
+            None => format!("GPUs {}", list.trim_start_matches("indices ")),
+        }
+    }
+
+    fn largest_profile_text(&self) -> Option<String> {
+        self.mig
+            .largest()
+            .map(|(gpu, p)| format!("{}, the {} profile of GPU {gpu}", fmt_bytes(p.mem), p.name))
+    }
+
+    /// Where `req` would go now, or None if it must wait: a MIG instance
+    /// if one can be had, else as before.
+    fn plan(&self, now: Nanos, req: &Request) -> Option<Placed> {
+        if let Want::Memory(b) = req.want
+            && let Some(c) = self.mig.plan(now, b, req.compute)
+        {
+            return Some(Placed::Mig(c));
+        }
+        self.plan_shares(req.want).map(Placed::Shares)
+    }
+
+    fn commit_placed(
+        &mut self,
+        id: RequestId,
+        req: Request,
+        placed: Placed,
+        origin: Option<(Nanos, u64)>,
+    ) -> Lease {
+        match placed {
+            Placed::Shares(shares) => self.commit(id, req, shares),
+            Placed::Mig(c) => {
+                let a = self.mig.assign(id, &c);
+                let lease = Lease {
+                    id,
+                    gpus: vec![a.gpu],
+                    uuids: vec![a.gpu_uuid.clone()],
+                    mem_cap: Some(a.mem),
+                    mig: Some(a),
+                };
+                self.held.insert(
+                    id,
+                    Held {
+                        lease: lease.clone(),
+                        req,
+                        shares: Vec::new(),
+                        requeue: origin,
+                    },
+                );
+                lease
+            }
+        }
+    }
+
+    /// Where `want` would go now among GPUs outside MIG mode, or None.
+    fn plan_shares(&self, want: Want) -> Option<Vec<Share>> {
         match want {
             Want::Gpus(n) => {
                 let free: Vec<Share> = self
@@ -651,6 +892,7 @@ impl Queue {
                 .map(|s| self.gpus[s.gpu].info.uuid.clone())
                 .collect(),
             mem_cap,
+            mig: None,
         };
         self.held.insert(
             id,
@@ -658,6 +900,7 @@ impl Queue {
                 lease: lease.clone(),
                 req,
                 shares,
+                requeue: None,
             },
         );
         lease
@@ -697,7 +940,14 @@ impl Queue {
                 }
             })
             .collect();
-        parts.join("; ")
+        let mut text = parts.join("; ");
+        if !self.mig.is_empty() {
+            if !text.is_empty() {
+                text.push_str("; ");
+            }
+            text.push_str(&self.mig.busy_summary());
+        }
+        text
     }
 }
 
@@ -1098,6 +1348,158 @@ mod tests {
         );
     }
 
+    /// GPU 1 (80 GiB) outside MIG mode, GPU 0 an A100-40GB in MIG mode.
+    fn with_mig() -> Queue {
+        let mut q = Queue::new(
+            vec![GpuInfo {
+                index: 1,
+                uuid: "GPU-0001".into(),
+                total_mem: 80 * GIB,
+            }],
+            QueueConfig::default(),
+        );
+        q.set_mig(mig::Planner::new(vec![mig::models::a100_40gb(0)]));
+        q
+    }
+
+    fn steps(l: &Lease) -> Vec<mig::Step> {
+        l.mig.as_ref().unwrap().steps.clone()
+    }
+
+    #[test]
+    fn memory_goes_to_a_mig_instance_first_then_to_fractions() {
+        let mut q = with_mig();
+        q.submit(0, 1, mem(4)).unwrap();
+        let l = q.poll(0);
+        assert_eq!(placed(&l), vec![(1, vec![0])]);
+        assert_eq!(l[0].mem_cap, Some(4864 << 20), "the instance's memory");
+        assert_eq!(
+            steps(&l[0]),
+            vec![mig::Step::Create {
+                profile: 19,
+                placement: mig::Range { start: 6, size: 1 }
+            }]
+        );
+        let done = q.mig_created(1, 7, "MIG-one".into()).unwrap();
+        assert_eq!(done.mig.as_ref().unwrap().uuid.as_deref(), Some("MIG-one"));
+        assert!(done.mig.as_ref().unwrap().steps.is_empty());
+        assert_eq!(q.lease(1), Some(&done));
+        // No profile holds 45 GiB: a fraction of GPU 1.
+        q.submit(0, 2, mem(45)).unwrap();
+        let l = q.poll(0);
+        assert_eq!(placed(&l), vec![(2, vec![1])]);
+        assert!(l[0].mig.is_none());
+        assert_eq!(q.leases()[0].committed_mem, 45 * GIB);
+        // The job ends: its instance stays, idle, and the next is given it
+        // as it is.
+        q.release(SEC, 1);
+        q.submit(SEC, 3, mem(2)).unwrap();
+        let l = q.poll(SEC);
+        let a = l[0].mig.as_ref().unwrap();
+        assert_eq!(
+            (a.gi, a.uuid.as_deref(), a.steps.len()),
+            (Some(7), Some("MIG-one"), 0)
+        );
+        // A whole GPU only ever means one outside MIG mode.
+        q.release(SEC, 2);
+        q.submit(SEC, 4, whole(1)).unwrap();
+        assert_eq!(placed(&q.poll(SEC)), vec![(4, vec![1])]);
+    }
+
+    #[test]
+    fn a_failed_instance_waits_again_where_it_was() {
+        let mut q = with_mig();
+        // GPU 1 is taken whole, so memory can only go to MIG.
+        q.submit(0, 1, whole(1)).unwrap();
+        assert_eq!(placed(&q.poll(0)), vec![(1, vec![1])]);
+        q.submit(SEC, 2, mem(30)).unwrap();
+        q.submit(2 * SEC, 3, mem(30)).unwrap();
+        let l = q.poll(2 * SEC);
+        assert_eq!(placed(&l), vec![(2, vec![0])]);
+        assert_eq!(steps(&l[0]).len(), 1, "a 7g.40gb to create");
+        assert_eq!(q.position(2 * SEC, 3), Some(1));
+        let found = vec![(1, 5, mig::Range { start: 0, size: 4 }, vec!["MIG-x".into()])];
+        assert!(q.mig_failed(3 * SEC, 2, Some(&found)));
+        let w = q.waiting(3 * SEC);
+        assert_eq!(
+            w.iter().map(|w| (w.id, w.since)).collect::<Vec<_>>(),
+            vec![(2, SEC), (3, 2 * SEC)],
+            "back in its place, with its age"
+        );
+        assert!(q.lease(2).is_none());
+        // The driver says a 4g.20gb (made by hand) is there: nothing holds
+        // 30 GiB now; and the failed slices are avoided for a while anyway.
+        assert!(q.poll(3 * SEC).is_empty());
+        assert!(q.mig().avoiding(3 * SEC));
+        // try_now leases are not queued again.
+        let mut q = with_mig();
+        let l = q.try_now(0, 9, mem(4)).unwrap();
+        assert!(!steps(&l).is_empty());
+        assert!(!q.mig_failed(0, 9, None));
+        assert!(q.waiting(0).is_empty());
+    }
+
+    #[test]
+    fn mig_refusals_name_the_largest_profile() {
+        let mut q = Queue::new(vec![], QueueConfig::default());
+        q.set_mig(mig::Planner::new(vec![mig::models::a100_40gb(0)]));
+        let e = q.submit(0, 1, mem(45)).unwrap_err();
+        assert!(
+            e.reason.starts_with(
+                "requested 45.0 GiB but no MIG profile holds it: the largest is 7g.40gb (39.2 GiB, GPU 0), \
+                 and no GPU of this node is outside MIG mode; ask for --gpu-memory 39.2 GiB at most"
+            ),
+            "{e}"
+        );
+        let e = q.submit(0, 2, whole(1)).unwrap_err();
+        assert!(
+            e.reason
+                .contains("every GPU of this node is in MIG mode (GPU 0)"),
+            "{e}"
+        );
+        assert!(
+            e.reason
+                .contains("--gpu-memory SIZE (at most 39.2 GiB, the 7g.40gb profile of GPU 0)"),
+            "{e}"
+        );
+        let mut q = with_mig();
+        let e = q.submit(0, 3, mem(90)).unwrap_err();
+        assert!(
+            e.reason
+                .contains("the largest GPU outside MIG mode has 80.0 GiB (GPU 1)"),
+            "{e}"
+        );
+        assert!(
+            e.reason.ends_with("ask for --gpu-memory 80.0 GiB at most"),
+            "{e}"
+        );
+        let e = q.submit(0, 4, whole(2)).unwrap_err();
+        assert!(
+            e.reason
+                .contains("GPUs in MIG mode (GPU 0) are handed out only as MIG instances"),
+            "{e}"
+        );
+        // Restored leases find their instance, or are refused.
+        q.mig_sync(
+            0,
+            0,
+            &[(
+                3,
+                19,
+                mig::Range { start: 6, size: 1 },
+                vec!["MIG-a".into()],
+            )],
+        );
+        let l = q.restore_mig(5, mem(4), 0, "MIG-a").unwrap();
+        assert_eq!((l.gpus.clone(), l.mem_cap), (vec![0], Some(4864 << 20)));
+        assert!(q.restore_mig(6, mem(4), 0, "MIG-b").is_err());
+        // What is busy, for --no-wait, names the MIG GPU too.
+        q.submit(0, 7, whole(1)).unwrap();
+        q.poll(0);
+        let e = q.try_now(0, 8, mem(70)).unwrap_err();
+        assert!(e.reason.contains("GPU 0 (MIG): 1 instances in use"), "{e}");
+    }
+
     mod props {
         use super::*;
         use proptest::prelude::*;
@@ -1187,7 +1589,7 @@ mod tests {
                 // request, nothing still waiting fits.
                 for i in q.order(now) {
                     let w = &q.waiting[i];
-                    assert!(q.plan(w.req.want).is_none(), "request {} fits", w.id);
+                    assert!(q.plan(now, &w.req).is_none(), "request {} fits", w.id);
                     if q.is_escalated(now, w) {
                         break;
                     }

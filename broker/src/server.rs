@@ -5,6 +5,8 @@
 
 use crate::inventory::{self, Nvml, uuid_string};
 use crate::jobs::{self, Job, Phase, StateFile};
+use crate::mig::{self, Step, Use};
+use crate::mig_nvml::{MigDriver, NvmlMig};
 use crate::queue::{self, Placement, Queue, QueueConfig, Want};
 use crate::sched::{Action, ClientState, GroupId, Priority, SchedConfig, Scheduler};
 use crate::status::{GpuStatus, LeaseEntry, ProcStatus, QueueEntry, Status};
@@ -50,6 +52,22 @@ pub struct BrokerOptions {
     pub state: Option<PathBuf>,
     /// Run NVIDIA MPS for the GPUs: jobs share the SMs at once.
     pub mps: bool,
+    /// What to do with GPUs in MIG mode.
+    pub mig: MigMode,
+}
+
+/// How the broker uses GPUs in MIG mode (docs/mig.md). It never changes a
+/// GPU's MIG mode: that resets the GPU and is the administrator's call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MigMode {
+    /// Not at all: CUDA shows no device for such a GPU, and the broker
+    /// says so at start.
+    #[default]
+    Off,
+    /// `--mig dynamic`: `gpufrac run --gpu-memory` jobs get MIG instances
+    /// made for them (the smallest profile that fits), kept idle after the
+    /// job for the next one, and destroyed only when their room is needed.
+    Dynamic,
 }
 
 impl Default for BrokerOptions {
@@ -67,6 +85,7 @@ impl Default for BrokerOptions {
             max_conns_per_user: DEFAULT_MAX_CONNS_PER_USER,
             state: None,
             mps: false,
+            mig: MigMode::Off,
         }
     }
 }
@@ -154,6 +173,9 @@ struct Gpu {
     name: String,
     total_mem: u64,
     sched: Scheduler,
+    /// A MIG instance (`--mig dynamic`), arbitrated like a GPU of its own:
+    /// the index of its GPU and its GPU instance id.
+    mig: Option<(u32, u32)>,
 }
 
 struct Server {
@@ -187,6 +209,8 @@ struct Server {
     last_refusal_log: Option<Instant>,
     /// MPS mode: the control daemon the broker runs.
     mps: Option<crate::mps::Mps>,
+    /// `--mig dynamic`: carries out the MIG planner's steps.
+    mig_driver: Option<Box<dyn MigDriver>>,
 }
 
 /// A warning at most every 10 s: a flood must not also flood the log.
@@ -240,8 +264,130 @@ impl Server {
             name: "unknown".into(),
             total_mem: total,
             sched: Scheduler::new(cfg),
+            mig: None,
         });
         self.gpus.len() - 1
+    }
+
+    /// MIG devices of the instances that exist now.
+    fn live_mig_uuids(&self) -> Vec<String> {
+        self.queue
+            .mig()
+            .status()
+            .into_iter()
+            .flat_map(|g| g.instances.into_iter().filter_map(|i| i.uuid))
+            .collect()
+    }
+
+    /// A MIG instance becomes a unit of arbitration, so that its processes
+    /// (registering with its MIG device UUID) are known. The entry of an
+    /// instance that is gone, and that no process names any more, is
+    /// reused: entries stay bounded by the instances a node can hold.
+    fn add_mig_unit(&mut self, parent: u32, gi: u32, uuid: &str, profile: &str, mem: u64) {
+        let Some(bytes) = parse_uuid(uuid) else {
+            warn!(
+                gpu = parent,
+                gi,
+                "MIG device {uuid} has a UUID of the old form (driver before R470); its processes cannot register with the broker"
+            );
+            return;
+        };
+        if self.gpus.iter().any(|g| g.uuid == bytes) {
+            return;
+        }
+        let unit = Gpu {
+            index: Some(parent),
+            uuid: bytes,
+            uuid_str: uuid.to_owned(),
+            name: format!("MIG {profile} (GPU {parent}, GPU instance {gi})"),
+            total_mem: mem,
+            sched: Scheduler::new(self.sched_cfg()),
+            mig: Some((parent, gi)),
+        };
+        let live = self.live_mig_uuids();
+        let stale = (0..self.gpus.len()).find(|&i| {
+            self.gpus[i].mig.is_some()
+                && !live.contains(&self.gpus[i].uuid_str)
+                && !self
+                    .conns
+                    .values()
+                    .any(|c| c.devices.iter().any(|d| d.gpu == i))
+        });
+        match stale {
+            Some(i) => self.gpus[i] = unit,
+            None => self.gpus.push(unit),
+        }
+    }
+
+    /// Carries out a MIG lease's steps through NVML (destroying idle
+    /// instances in the way, creating the job's), synchronously: a step
+    /// takes milliseconds with the simulated driver, more on a real GPU,
+    /// and the loop waits for it. Returns the lease with its MIG device,
+    /// or why not; then the request is back in the queue where it was (if
+    /// it came from the queue) and the GPU's instances have been re-read.
+    fn finish_mig(&mut self, lease: queue::Lease) -> Result<queue::Lease, String> {
+        let Some(a) = lease.mig.clone().filter(|a| !a.steps.is_empty()) else {
+            return Ok(lease);
+        };
+        let now = self.now();
+        let Some(driver) = self.mig_driver.as_mut() else {
+            // Unreachable: without a driver the planner has no GPUs.
+            self.queue.mig_failed(now, lease.id, None);
+            return Err("the broker has no MIG driver".into());
+        };
+        let mut failure = None;
+        let mut made = None;
+        for step in &a.steps {
+            match *step {
+                Step::Destroy { gi } => match driver.destroy(a.gpu, gi) {
+                    Ok(()) => {
+                        self.queue.mig_destroyed(a.gpu, gi);
+                        info!(
+                            gpu = a.gpu,
+                            gi, "destroyed an idle MIG instance to make room"
+                        );
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                },
+                Step::Create { profile, placement } => {
+                    match driver.create(a.gpu, profile, placement) {
+                        Ok(m) => made = Some(m),
+                        Err(e) => {
+                            failure = Some(e);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let (gi, uuid) = match (failure, made) {
+            (None, Some(m)) => m,
+            (failure, _) => {
+                let e = failure.unwrap_or_else(|| "no instance was created".into());
+                let found = self
+                    .mig_driver
+                    .as_mut()
+                    .and_then(|d| d.instances(a.gpu).ok());
+                let requeued = self.queue.mig_failed(now, lease.id, found.as_deref());
+                warn!(
+                    gpu = a.gpu,
+                    profile = %a.profile_name,
+                    placement = %a.placement,
+                    requeued,
+                    "MIG: {e}; re-read the GPU's instances, and that placement is avoided for {} s",
+                    mig::BLOCK_FOR / 1_000_000_000
+                );
+                return Err(e);
+            }
+        };
+        info!(gpu = a.gpu, gi, profile = %a.profile_name, placement = %a.placement, %uuid, "created a MIG instance");
+        self.add_mig_unit(a.gpu, gi, &uuid, &a.profile_name, a.mem);
+        self.queue
+            .mig_created(lease.id, gi, uuid)
+            .ok_or_else(|| "the lease ended while its MIG instance was made".into())
     }
 
     fn send(&mut self, tok: Token, msg: &ServerMsg) {
@@ -793,16 +939,29 @@ impl Server {
                         self.attach_job(tok, job);
                         self.send_unplaced(tok, token);
                     }
-                    Some(req) if no_wait => match self.queue.try_now(now, token, req) {
-                        Ok(lease) => {
-                            job.phase = Phase::Running {
-                                gpus: lease.gpus.clone(),
-                            };
-                            self.attach_job(tok, job);
-                            self.deliver_lease(&lease);
+                    Some(req) if no_wait => {
+                        match self.queue.try_now(now, token, req).map_err(|r| r.reason) {
+                            Ok(lease) => match self.finish_mig(lease) {
+                                Ok(lease) => {
+                                    job.phase = Phase::Running {
+                                        gpus: lease.gpus.clone(),
+                                        mig: lease.mig.as_ref().and_then(|a| a.uuid.clone()),
+                                    };
+                                    self.attach_job(tok, job);
+                                    self.deliver_lease(&lease);
+                                }
+                                Err(e) => self.send(
+                                    tok,
+                                    &ServerMsg::Refused {
+                                        reason: format!(
+                                            "no room now: the MIG instance could not be made ({e}); drop --no-wait to queue"
+                                        ),
+                                    },
+                                ),
+                            },
+                            Err(reason) => self.send(tok, &ServerMsg::Refused { reason }),
                         }
-                        Err(r) => self.send(tok, &ServerMsg::Refused { reason: r.reason }),
-                    },
+                    }
                     Some(req) => match self.queue.submit(now, token, req) {
                         Ok(()) => {
                             job.phase = Phase::Queued { since: now };
@@ -833,6 +992,7 @@ impl Server {
             mem_cap: 0,
             token,
             mps_pipe: self.mps_pipe(),
+            mig: String::new(),
         };
         self.send(tok, &msg);
     }
@@ -903,6 +1063,14 @@ impl Server {
     /// goes, its processes become their user's again.
     fn end_job(&mut self, token: u64) {
         let now = self.now();
+        if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone()) {
+            info!(
+                gpu = a.gpu,
+                gi = ?a.gi,
+                profile = %a.profile_name,
+                "the job's MIG instance is idle; kept for the next job until its room is needed"
+            );
+        }
         self.queue.cancel(now, token);
         self.queue.release(now, token);
         self.leased_at.remove(&token);
@@ -996,12 +1164,17 @@ impl Server {
                 self.gpus
                     .iter()
                     .find(|g| &g.uuid_str == u)
-                    .map_or([0; 16], |g| g.uuid)
+                    .map(|g| g.uuid)
+                    // A GPU in MIG mode is not among them.
+                    .or_else(|| parse_uuid(u))
+                    .unwrap_or([0; 16])
             })
             .collect();
+        let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
         if let Some(j) = self.jobs.get_mut(&lease.id) {
             j.phase = Phase::Running {
                 gpus: lease.gpus.clone(),
+                mig: mig.clone(),
             };
             j.mem_cap = lease.mem_cap;
             self.dirty = true;
@@ -1009,7 +1182,7 @@ impl Server {
         self.leased_at.entry(lease.id).or_insert_with(Instant::now);
         if let Some(&tok) = self.job_conn.get(&lease.id) {
             if let Some(c) = self.conns.get_mut(&tok) {
-                info!(pid = c.pid, gpus = ?lease.gpus, mem_cap = ?lease.mem_cap, "lease granted");
+                info!(pid = c.pid, gpus = ?lease.gpus, mem_cap = ?lease.mem_cap, mig = ?mig, "lease granted");
                 c.queued = None;
             }
             self.send(
@@ -1020,6 +1193,7 @@ impl Server {
                     mem_cap: lease.mem_cap.unwrap_or(0),
                     token: lease.id,
                     mps_pipe: self.mps_pipe(),
+                    mig: mig.unwrap_or_default(),
                 },
             );
         }
@@ -1059,7 +1233,11 @@ impl Server {
             }
         }
         for lease in self.queue.poll(now) {
-            self.deliver_lease(&lease);
+            // A MIG instance that cannot be made leaves the request queued
+            // (said in the log); the next turn tries elsewhere.
+            if let Ok(lease) = self.finish_mig(lease) {
+                self.deliver_lease(&lease);
+            }
         }
         for w in self.queue.waiting(now) {
             let pos = w.position as u32;
@@ -1256,7 +1434,17 @@ impl Server {
             }
         }
         let mut gpus = Vec::new();
+        let mig_status = self.queue.mig().status();
+        let live: Vec<&str> = mig_status
+            .iter()
+            .flat_map(|g| g.instances.iter().filter_map(|i| i.uuid.as_deref()))
+            .collect();
         for g in &self.gpus {
+            // Entries of instances that are gone (kept for reuse) are not
+            // shown.
+            if g.mig.is_some() && !live.contains(&g.uuid_str.as_str()) {
+                continue;
+            }
             let st = g.sched.status(now);
             let driver_mem = self.nvml.process_memory(&g.uuid_str);
             let mut processes = Vec::new();
@@ -1303,10 +1491,23 @@ impl Server {
                 });
             }
             processes.sort_by_key(|p| p.pid);
-            let ls = g.index.and_then(|i| leases.iter().find(|l| l.index == i));
+            let ls = g
+                .index
+                .filter(|_| g.mig.is_none())
+                .and_then(|i| leases.iter().find(|l| l.index == i));
+            // An instance in use is committed whole to its job.
+            let in_use = g.mig.is_some()
+                && mig_status.iter().any(|m| {
+                    m.instances.iter().any(|i| {
+                        i.uuid.as_deref() == Some(g.uuid_str.as_str())
+                            && matches!(i.use_, Use::Lease(_))
+                    })
+                });
             gpus.push(GpuStatus {
                 index: g.index,
-                mode: if self.mps.is_some() {
+                mode: if g.mig.is_some() {
+                    "mig-instance"
+                } else if self.mps.is_some() {
                     "mps"
                 } else {
                     "time-slicing"
@@ -1315,10 +1516,23 @@ impl Server {
                 uuid: g.uuid_str.clone(),
                 name: g.name.clone(),
                 total_mem: g.total_mem,
-                slots_total: ls.map_or(self.opts.overprovision, |l| l.slots_total),
-                slots_used: ls.map_or(0, |l| l.slots_used),
-                committed_mem: ls.map_or(0, |l| l.committed_mem),
-                utilization: self.nvml.utilization(&g.uuid_str),
+                slots_total: match g.mig {
+                    Some(_) => 1,
+                    None => ls.map_or(self.opts.overprovision, |l| l.slots_total),
+                },
+                slots_used: match g.mig {
+                    Some(_) => u32::from(in_use),
+                    None => ls.map_or(0, |l| l.slots_used),
+                },
+                committed_mem: match g.mig {
+                    Some(_) if in_use => g.total_mem,
+                    Some(_) => 0,
+                    None => ls.map_or(0, |l| l.committed_mem),
+                },
+                utilization: match g.mig {
+                    Some(_) => None,
+                    None => self.nvml.utilization(&g.uuid_str),
+                },
                 holder: g
                     .sched
                     .holder()
@@ -1326,8 +1540,23 @@ impl Server {
                     .and_then(|t| self.conns.get(t))
                     .map(|c| c.pid),
                 processes,
+                mig: None,
+                mig_instance: g.mig.map(|(_, gi)| gi),
             });
         }
+        for m in &mig_status {
+            gpus.push(self.mig_gpu_status(now, m));
+        }
+        // GPUs by index (unknown ones last), each MIG GPU followed by its
+        // instances; the sort is stable, so nothing else moves.
+        gpus.sort_by_key(|g| {
+            (
+                g.index.is_none(),
+                g.index,
+                g.mig_instance.is_some(),
+                g.mig_instance,
+            )
+        });
         let queue = self
             .queue
             .waiting(now)
@@ -1385,6 +1614,55 @@ impl Server {
                 daemon_pid: m.daemon_pid(),
                 restarts: m.restarts,
             }),
+        }
+    }
+
+    /// A GPU in MIG mode: its instances, who holds them, since when idle.
+    fn mig_gpu_status(&self, now: u64, m: &mig::GpuStatus) -> GpuStatus {
+        let instances = m
+            .instances
+            .iter()
+            .map(|i| {
+                let (state, job, idle_s) = match i.use_ {
+                    Use::Lease(_) if i.gi.is_none() => ("creating", None, None),
+                    Use::Lease(id) => ("in-use", self.jobs.get(&id).map(|j| j.pid), None),
+                    Use::Idle { since } => {
+                        ("idle", None, Some(now.saturating_sub(since) as f64 / 1e9))
+                    }
+                    Use::Foreign => ("foreign", None, None),
+                };
+                crate::status::MigInstance {
+                    gi: i.gi,
+                    profile: i.profile.clone(),
+                    placement: i.placement.to_string(),
+                    mem: i.mem,
+                    uuid: i.uuid.clone(),
+                    state: state.into(),
+                    job,
+                    idle_s,
+                }
+            })
+            .collect();
+        GpuStatus {
+            index: Some(m.gpu.index),
+            mode: "mig".into(),
+            uuid: m.gpu.uuid.clone(),
+            name: m.gpu.name.clone(),
+            total_mem: m.gpu.total_mem,
+            slots_total: 0,
+            slots_used: 0,
+            committed_mem: self.queue.mig().committed(m.gpu.index),
+            // NVML does not report utilisation in MIG mode.
+            utilization: None,
+            holder: None,
+            processes: Vec::new(),
+            mig: Some(crate::status::MigStatus {
+                instances,
+                created: m.created,
+                destroyed: m.destroyed,
+                failures: m.failures,
+            }),
+            mig_instance: None,
         }
     }
 
@@ -1470,6 +1748,23 @@ fn describe(w: &Want) -> String {
         Want::Gpus(n) => format!("{n} GPUs"),
         Want::Memory(b) => format!("{} of GPU memory", format_size(*b)),
     }
+}
+
+/// The 16 bytes of `GPU-…` or `MIG-…` (8-4-4-4-12 hex digits), as CUDA's
+/// `cuDeviceGetUuid_v2` gives them; None for anything else (such as the
+/// `MIG-GPU-…/gi/ci` form of drivers before R470).
+fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex = s.strip_prefix("GPU-").or_else(|| s.strip_prefix("MIG-"))?;
+    let digits: Vec<u8> = hex.bytes().filter(|&b| b != b'-').collect();
+    if digits.len() != 32 || hex.len() != 36 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        let pair = std::str::from_utf8(&digits[2 * i..2 * i + 2]).ok()?;
+        *b = u8::from_str_radix(pair, 16).ok()?;
+    }
+    Some(out)
 }
 
 fn peer_cred(fd: i32) -> (u32, u32) {
@@ -1586,6 +1881,73 @@ fn render_metrics(s: &Status) -> String {
                     "{name}{{uuid=\"{}\",pid=\"{}\",priority=\"{}\"}} {v}",
                     g.uuid, p.pid, p.priority
                 );
+            }
+        }
+    }
+    if s.gpus.iter().any(|g| g.mig.is_some()) {
+        let _ = writeln!(
+            o,
+            "# HELP gpufrac_mig_instance A MIG instance on a GPU under --mig dynamic (always 1): \
+             profile, placement (start:size in memory slices), state (in-use, idle, foreign) \
+             and the pid of the gpufrac run holding it."
+        );
+        let _ = writeln!(o, "# TYPE gpufrac_mig_instance gauge");
+        for g in &s.gpus {
+            for i in g.mig.iter().flat_map(|m| m.instances.iter()) {
+                let _ = writeln!(
+                    o,
+                    "gpufrac_mig_instance{{uuid=\"{}\",mig_uuid=\"{}\",gi=\"{}\",profile=\"{}\",placement=\"{}\",state=\"{}\",job=\"{}\"}} 1",
+                    g.uuid,
+                    i.uuid.as_deref().unwrap_or(""),
+                    i.gi.map_or_else(String::new, |v| v.to_string()),
+                    i.profile,
+                    i.placement,
+                    i.state,
+                    i.job.map_or_else(String::new, |v| v.to_string())
+                );
+            }
+        }
+        let _ = writeln!(
+            o,
+            "# HELP gpufrac_mig_instance_idle_seconds How long an idle MIG instance has had no job."
+        );
+        let _ = writeln!(o, "# TYPE gpufrac_mig_instance_idle_seconds gauge");
+        for g in &s.gpus {
+            for i in g.mig.iter().flat_map(|m| m.instances.iter()) {
+                if let (Some(idle), Some(u)) = (i.idle_s, &i.uuid) {
+                    let _ = writeln!(
+                        o,
+                        "gpufrac_mig_instance_idle_seconds{{uuid=\"{}\",mig_uuid=\"{u}\",profile=\"{}\"}} {idle}",
+                        g.uuid, i.profile
+                    );
+                }
+            }
+        }
+        for (name, help) in [
+            (
+                "gpufrac_mig_instances_created_total",
+                "MIG instances this broker created.",
+            ),
+            (
+                "gpufrac_mig_instances_destroyed_total",
+                "Idle MIG instances this broker destroyed to make room.",
+            ),
+            (
+                "gpufrac_mig_failures_total",
+                "MIG instances that could not be made or destroyed.",
+            ),
+        ] {
+            let _ = writeln!(o, "# HELP {name} {help}");
+            let _ = writeln!(o, "# TYPE {name} counter");
+            for g in &s.gpus {
+                if let Some(m) = &g.mig {
+                    let v = match name {
+                        "gpufrac_mig_instances_created_total" => m.created,
+                        "gpufrac_mig_instances_destroyed_total" => m.destroyed,
+                        _ => m.failures,
+                    };
+                    let _ = writeln!(o, "{name}{{uuid=\"{}\"}} {v}", g.uuid);
+                }
             }
         }
     }
@@ -1821,6 +2183,13 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     if opts.max_conns_per_user == 0 {
         return Err("--max-connections-per-user must be at least 1".into());
     }
+    if opts.mig == MigMode::Dynamic && opts.mps {
+        return Err(
+            "--mig dynamic and --mps cannot be combined: choose MIG instances (isolated, fixed sizes) \
+             or MPS (shared SMs, one fault domain) for this node"
+                .into(),
+        );
+    }
     if let Some(group) = &opts.group {
         let cname =
             std::ffi::CString::new(group.as_str()).map_err(|_| "bad group name".to_string())?;
@@ -1847,6 +2216,12 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     let nofile = raise_nofile();
     let found = match inventory::discover() {
         Ok(g) => g,
+        // With --mig dynamic the GPUs may all be in MIG mode, which CUDA
+        // does not show as devices; NVML is asked below.
+        Err(e) if opts.mig == MigMode::Dynamic => {
+            info!("{e}");
+            Vec::new()
+        }
         Err(e) => {
             warn!(
                 "{e}; no GPUs to queue for (compute arbitration still works for clients that register)"
@@ -1854,6 +2229,8 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             Vec::new()
         }
     };
+    let (found, planner, mig_driver) = discover_mig(opts.mig, found, monotonic_ns())?;
+    let discovered = !found.is_empty() || !planner.is_empty();
     for g in &found {
         info!(index = g.index, name = %g.name, uuid = %uuid_string(&g.uuid), total = %format_size(g.total_mem), "GPU");
     }
@@ -1954,9 +2331,14 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
                 name: g.name.clone(),
                 total_mem: g.total_mem,
                 sched: Scheduler::new(sched),
+                mig: None,
             })
             .collect(),
-        queue: Queue::new(qgpus, qcfg),
+        queue: {
+            let mut q = Queue::new(qgpus, qcfg);
+            q.set_mig(planner);
+            q
+        },
         nvml: Nvml::open(),
         next_token: FIRST_CLIENT,
         metrics,
@@ -1967,15 +2349,25 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         leased_at: HashMap::new(),
         state: Some(StateFile::new(state_path)),
         dirty: false,
-        discovered: !found.is_empty(),
+        discovered,
         per_uid: HashMap::new(),
         inbuf_total: 0,
         reserve: reserve_fd(),
         last_sweep: Instant::now(),
         last_refusal_log: None,
         mps,
+        mig_driver,
         opts,
     };
+    // Instances found at start are units of arbitration from the outset:
+    // restored jobs' processes register on them.
+    for m in s.queue.mig().status() {
+        for i in &m.instances {
+            if let (Some(gi), Some(u)) = (i.gi, &i.uuid) {
+                s.add_mig_unit(m.gpu.index, gi, u, &i.profile, i.mem);
+            }
+        }
+    }
     s.restore_jobs();
     info!(socket = %s.opts.socket.display(), timeslice_ms = s.opts.timeslice as f64 / 1e6, "broker ready");
     let mut events = Events::with_capacity(256);
@@ -2024,6 +2416,79 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     result
 }
 
+/// GPUs in MIG mode, through NVML. With `--mig dynamic`: their profiles and
+/// instances go to the planner (instances found are adopted, idle); they
+/// leave the CUDA-found list, whose GPUs take NVML's (nvidia-smi's) index.
+/// Without it, a GPU in MIG mode is only mentioned. Returns the GPUs for
+/// the queue, the planner and the driver.
+#[allow(clippy::type_complexity)]
+fn discover_mig(
+    mode: MigMode,
+    mut found: Vec<inventory::GpuInfo>,
+    now: u64,
+) -> Result<
+    (
+        Vec<inventory::GpuInfo>,
+        mig::Planner,
+        Option<Box<dyn MigDriver>>,
+    ),
+    String,
+> {
+    if mode == MigMode::Off {
+        if let Ok(all) = NvmlMig::open().and_then(|mut d| d.gpus()) {
+            for g in all.iter().filter(|g| g.mig) {
+                info!(
+                    index = g.index,
+                    name = %g.name,
+                    "GPU in MIG mode: this broker does not use it; gpufrac broker --mig dynamic hands out its MIG instances"
+                );
+            }
+        }
+        return Ok((found, mig::Planner::default(), None));
+    }
+    let mut d = NvmlMig::open().map_err(|e| {
+        format!("--mig dynamic needs NVML to read MIG modes and make instances: {e}")
+    })?;
+    let all = d.gpus().map_err(|e| format!("--mig dynamic: {e}"))?;
+    let mut described = Vec::new();
+    for g in all.iter().filter(|g| g.mig) {
+        described.push(d.describe(g).map_err(|e| format!("--mig dynamic: {e}"))?);
+    }
+    let mut planner = mig::Planner::new(described.clone());
+    for g in &described {
+        let inst = d
+            .instances(g.index)
+            .map_err(|e| format!("--mig dynamic: {e}"))?;
+        planner.sync(now, g.index, &inst);
+        let profiles: Vec<&str> = g.profiles.iter().map(|p| p.name.as_str()).collect();
+        info!(
+            index = g.index,
+            name = %g.name,
+            uuid = %g.uuid,
+            instances = inst.len(),
+            profiles = %profiles.join(" "),
+            "GPU in MIG mode: its instances are made and destroyed for --gpu-memory jobs"
+        );
+    }
+    if described.is_empty() {
+        warn!(
+            "--mig dynamic: no GPU is in MIG mode, so there is nothing to manage; an administrator enables \
+             MIG with nvidia-smi -i N -mig 1 (gpufrac never changes MIG mode)"
+        );
+    }
+    found.retain(|c| {
+        let u = uuid_string(&c.uuid);
+        !all.iter().any(|g| g.mig && g.uuid == u)
+    });
+    for c in &mut found {
+        let u = uuid_string(&c.uuid);
+        if let Some(g) = all.iter().find(|g| g.uuid == u) {
+            c.index = g.index;
+        }
+    }
+    Ok((found, planner, Some(Box::new(d))))
+}
+
 impl Server {
     /// Books what a previous broker left (leases first, then the queue in
     /// its original order) before any client is accepted, so no GPU is
@@ -2048,7 +2513,27 @@ impl Server {
             }
             let ok = match (&j.phase, j.request()) {
                 (Phase::Unplaced, _) => true,
-                (Phase::Running { gpus }, Some(req)) => {
+                (
+                    Phase::Running {
+                        gpus,
+                        mig: Some(uuid),
+                    },
+                    Some(req),
+                ) => match gpus
+                    .first()
+                    .map(|&ix| self.queue.restore_mig(j.token, req, ix, uuid))
+                {
+                    Some(Ok(_)) => {
+                        self.leased_at.insert(j.token, Instant::now());
+                        true
+                    }
+                    Some(Err(r)) => {
+                        warn!(pid = j.pid, "cannot restore a MIG lease: {}", r.reason);
+                        false
+                    }
+                    None => false,
+                },
+                (Phase::Running { gpus, mig: None }, Some(req)) => {
                     match self.queue.restore(j.token, req, gpus) {
                         Ok(_) => {
                             self.leased_at.insert(j.token, Instant::now());

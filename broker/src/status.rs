@@ -39,10 +39,14 @@ pub struct MpsStatus {
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct GpuStatus {
-    /// nvidia-smi index; None for a device only known from a client.
+    /// nvidia-smi index; None for a device only known from a client. A MIG
+    /// instance has its GPU's.
     pub index: Option<u32>,
     /// How processes share it: "time-slicing" (the broker's timeslices) or
-    /// "mps" (side by side under NVIDIA MPS).
+    /// "mps" (side by side under NVIDIA MPS); under `--mig dynamic`, "mig"
+    /// for a GPU in MIG mode (its instances in `mig`) and "mig-instance"
+    /// for one of its instances, a device of its own (its processes,
+    /// timeslices among them, its MIG device UUID in `uuid`).
     #[serde(default = "time_slicing")]
     pub mode: String,
     pub uuid: String,
@@ -57,6 +61,43 @@ pub struct GpuStatus {
     /// pid of the process holding the compute timeslice.
     pub holder: Option<u32>,
     pub processes: Vec<ProcStatus>,
+    /// A GPU in MIG mode: its instances.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigStatus>,
+    /// A MIG instance: its GPU instance id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_instance: Option<u32>,
+}
+
+/// The instances of a GPU in MIG mode under `--mig dynamic`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MigStatus {
+    pub instances: Vec<MigInstance>,
+    /// Instances this broker created, idle ones it destroyed to make room,
+    /// and steps that failed.
+    pub created: u64,
+    pub destroyed: u64,
+    pub failures: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MigInstance {
+    /// GPU instance id (None while being created).
+    pub gi: Option<u32>,
+    /// `1g.5gb`
+    pub profile: String,
+    /// Memory slices, `start:size` as nvidia-smi prints them.
+    pub placement: String,
+    pub mem: u64,
+    /// The MIG device (`MIG-<uuid>`).
+    pub uuid: Option<String>,
+    /// in-use | idle | creating | foreign (not the broker's: a GPU instance
+    /// with several compute instances, made by hand).
+    pub state: String,
+    /// pid of the `gpufrac run` holding it.
+    pub job: Option<u32>,
+    /// Seconds since it became idle.
+    pub idle_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

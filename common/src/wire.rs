@@ -59,7 +59,8 @@ use crate::config::Priority;
 
 /// 2: priorities (`Register`, `Lease`), the in-flight bound in `Grant`,
 /// and `Drained`. 3: `Registered`, lease tokens (`Queued`, `Leased`,
-/// `Lease.resume`), paged `Status`, and `Ping`. 4: `Join`.
+/// `Lease.resume`), paged `Status`, and `Ping`. 4: `Join`, and the MIG
+/// device of a lease (`Leased.mig`, `gpufrac broker --mig dynamic`).
 pub const PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
@@ -276,6 +277,10 @@ pub enum ServerMsg {
         /// The MPS pipe directory the job's processes must use (a broker
         /// running MPS); empty otherwise.
         mps_pipe: String,
+        /// The MIG device the lease is (`MIG-<uuid>`, what
+        /// `CUDA_VISIBLE_DEVICES` must name: `gpus` is then its GPU);
+        /// empty for whole GPUs and fractions.
+        mig: String,
     },
     Refused {
         reason: String,
@@ -494,6 +499,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             mem_cap,
             token,
             mps_pipe,
+            mig,
         } => {
             out.push(T_LEASED);
             let gpus = clamp_list(gpus);
@@ -509,6 +515,7 @@ pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
             put_u64(out, *mem_cap);
             put_u64(out, *token);
             put_str16(out, mps_pipe);
+            put_str16(out, mig);
         }
         ServerMsg::Refused { reason } => {
             out.push(T_REFUSED);
@@ -646,6 +653,7 @@ pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
                 mem_cap: r.u64()?,
                 token: r.u64()?,
                 mps_pipe: r.str16()?,
+                mig: r.str16()?,
             }
         }
         T_REFUSED => ServerMsg::Refused { reason: r.str16()? },
@@ -970,6 +978,7 @@ mod tests {
                 mem_cap: 0,
                 token: 1,
                 mps_pipe: String::new(),
+                mig: String::new(),
             },
             ServerMsg::Leased {
                 gpus: vec![],
@@ -977,6 +986,15 @@ mod tests {
                 mem_cap: 4 << 30,
                 token: u64::MAX,
                 mps_pipe: "/run/gpufrac/mps-pipe".into(),
+                mig: String::new(),
+            },
+            ServerMsg::Leased {
+                gpus: vec![0],
+                uuids: vec![uuid(1)],
+                mem_cap: 4864 << 20,
+                token: 7,
+                mps_pipe: String::new(),
+                mig: "MIG-3c1e6f7a-c0de-4000-8000-000000000001".into(),
             },
             ServerMsg::Refused {
                 reason: "no GPU on this node has 200 GiB".into(),
@@ -1046,6 +1064,27 @@ mod tests {
                 resume: 9,
             }),
             want
+        );
+        // Version 4's lease: GPU 0, its UUID, the cap, the token, no MPS
+        // pipe, the MIG device last.
+        let mut want = vec![0x87, 1, 0, 0, 0, 0, 0, 1, 0];
+        want.extend_from_slice(&[0xab; 16]);
+        want.extend_from_slice(&5u64.to_le_bytes());
+        want.extend_from_slice(&9u64.to_le_bytes());
+        want.extend_from_slice(&[0, 0, 5, 0]);
+        want.extend_from_slice(b"MIG-x");
+        let mut framed = (want.len() as u32).to_le_bytes().to_vec();
+        framed.extend_from_slice(&want);
+        assert_eq!(
+            enc_s(&ServerMsg::Leased {
+                gpus: vec![0],
+                uuids: vec![[0xab; 16]],
+                mem_cap: 5,
+                token: 9,
+                mps_pipe: String::new(),
+                mig: "MIG-x".into(),
+            }),
+            framed
         );
     }
 
@@ -1371,6 +1410,7 @@ mod tests {
             mem_cap: 5,
             token: 6,
             mps_pipe: String::new(),
+            mig: String::new(),
         };
         let (ServerMsg::Leased { gpus, uuids, .. }, _) = decode_server(&enc_s(&m)).unwrap() else {
             panic!()
@@ -1536,6 +1576,11 @@ mod tests {
                     mem_cap,
                     token: mem_cap ^ 0x5a5a,
                     mps_pipe: String::new(),
+                    mig: if mem_cap % 2 == 0 {
+                        String::new()
+                    } else {
+                        format!("MIG-{mem_cap:x}")
+                    },
                 }),
             any::<String>().prop_map(|reason| ServerMsg::Refused { reason }),
         ]
