@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use support::*;
 
+use gpufrac_broker::mig::Range;
+use gpufrac_broker::mig_nvml::{MigDriver, NvmlMig};
+
 /// An A100-40GB in MIG mode and a 16 GiB GPU outside it.
 const NODE: &str = "A100-40GB:mig,16G";
 const MIG: &[&str] = &["--mig", "dynamic"];
@@ -350,4 +353,202 @@ fn metrics_show_instances() {
                 && l.contains(&format!("mig_uuid=\"{cvd}\""))
         })
     });
+}
+
+/// What an administrator might do by hand, out of the broker's sight: a
+/// helper process (this test binary, `nvml_helper`) loads the simulated
+/// NVML with the broker's devices and state and makes instances through
+/// the same NVML calls. Returns its `made` lines.
+fn by_hand(b: &Broker, action: &str) -> Vec<String> {
+    let o = sim_command(std::env::current_exe().unwrap(), &b.devices, false)
+        .args(["nvml_helper", "--exact", "--nocapture", "--test-threads=1"])
+        .env("GPUFRAC_SIM_STATE", &b.state)
+        .env(HELPER, action)
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(
+        o.status.success() && out.contains("1 passed"),
+        "{out}{}",
+        stderr(&o)
+    );
+    out.lines()
+        .filter_map(|l| l.split("made ").nth(1))
+        .map(str::to_owned)
+        .collect()
+}
+
+const HELPER: &str = "GPUFRAC_TEST_NVML_HELPER";
+
+/// Not a test of its own: the helper `by_hand` starts (it does nothing
+/// unless that environment variable names what to do).
+#[test]
+fn nvml_helper() {
+    let Ok(action) = std::env::var(HELPER) else {
+        return;
+    };
+    let mut d = NvmlMig::open().unwrap();
+    match action.as_str() {
+        // A 1g.5gb at 6:1, as the broker would have placed it.
+        "one" => {
+            let (gi, uuid) = d.create(0, 19, Range { start: 6, size: 1 }).unwrap();
+            println!("made {gi} {uuid}");
+        }
+        // A 3g.20gb at 0:4 split into three compute instances: not the
+        // broker's to use or destroy. NVML's C API makes the extra ones.
+        "split" => {
+            let (gi, uuid) = d.create(0, 9, Range { start: 0, size: 4 }).unwrap();
+            println!("made {gi} {uuid}");
+            split(gi);
+        }
+        other => panic!("unknown action {other}"),
+    }
+}
+
+/// Replaces GPU instance `gi`'s compute instance by three 1-slice ones,
+/// through NVML's C API (what the broker never does).
+fn split(gi: u32) {
+    use std::ffi::c_void;
+    type H = *mut c_void;
+    // SAFETY: the simulated NVML, found as the dynamic loader finds the
+    // driver's, called with its documented signatures.
+    unsafe {
+        let lib = libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW);
+        assert!(!lib.is_null());
+        let sym = |n: &std::ffi::CStr| {
+            let p = libc::dlsym(lib, n.as_ptr());
+            assert!(!p.is_null(), "{n:?}");
+            p
+        };
+        let init: extern "C" fn() -> u32 = std::mem::transmute(sym(c"nvmlInit_v2"));
+        let dev_at: extern "C" fn(u32, *mut H) -> u32 =
+            std::mem::transmute(sym(c"nvmlDeviceGetHandleByIndex_v2"));
+        let gi_by_id: extern "C" fn(H, u32, *mut H) -> u32 =
+            std::mem::transmute(sym(c"nvmlDeviceGetGpuInstanceById"));
+        let list: extern "C" fn(H, u32, *mut H, *mut u32) -> u32 =
+            std::mem::transmute(sym(c"nvmlGpuInstanceGetComputeInstances"));
+        let destroy: extern "C" fn(H) -> u32 =
+            std::mem::transmute(sym(c"nvmlComputeInstanceDestroy"));
+        let create: extern "C" fn(H, u32, *mut H) -> u32 =
+            std::mem::transmute(sym(c"nvmlGpuInstanceCreateComputeInstance"));
+        assert_eq!(init(), 0);
+        let (mut dev, mut g) = (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(dev_at(0, &mut dev), 0);
+        assert_eq!(gi_by_id(dev, gi, &mut g), 0);
+        // The compute instance spanning a 3-slice GPU instance has
+        // NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE (2); the small ones 1_SLICE (0).
+        let mut cis = [std::ptr::null_mut(); 1];
+        let mut n = 1;
+        assert_eq!(list(g, 2, cis.as_mut_ptr(), &mut n), 0);
+        assert_eq!(destroy(cis[0]), 0);
+        for _ in 0..3 {
+            let mut ci = std::ptr::null_mut();
+            assert_eq!(create(g, 0, &mut ci), 0);
+        }
+    }
+}
+
+#[test]
+fn a_failed_creation_is_retried_with_what_the_driver_reports() {
+    let b = Broker::start(NODE, MIG);
+    // Made behind the broker's back, exactly where it will try to put the
+    // next 1g.5gb.
+    let made = by_hand(&b, "one");
+    let uuid = made[0].split(' ').nth(1).unwrap().to_owned();
+    let (out, err, code) = run_once(&b, &["--gpu-memory", "4G"], "echo $CUDA_VISIBLE_DEVICES");
+    assert_eq!(code, Some(0), "{err}");
+    // Creation failed, the broker re-read the GPU, found the instance idle
+    // and gave it to the job.
+    assert_eq!(out.trim(), uuid);
+    let g = mig_gpu(&b);
+    assert_eq!(
+        (g["mig"]["failures"].as_u64(), g["mig"]["created"].as_u64()),
+        (Some(1), Some(0)),
+        "{g}"
+    );
+}
+
+#[test]
+fn instances_made_by_hand_are_adopted_or_left_alone() {
+    let mut b = Broker::start(NODE, MIG);
+    by_hand(&b, "one");
+    let made = by_hand(&b, "split");
+    let split_gi: u64 = made[0].split(' ').next().unwrap().parse().unwrap();
+    // A broker started after them (same node: the simulator's state)
+    // finds both: the 1g.5gb idle (its own to use), the split one foreign.
+    b.kill();
+    b.restart();
+    let g = mig_gpu(&b);
+    let states: Vec<(u64, String)> = g["mig"]["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["gi"].as_u64().unwrap(),
+                i["state"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(states.contains(&(split_gi, "foreign".into())), "{g}");
+    assert!(states.iter().any(|s| s.1 == "idle"), "{g}");
+    // 30 GiB needs the whole GPU, which the foreign instance blocks for
+    // good: --no-wait says so; nothing is destroyed.
+    let (_, err, code) = run_once(&b, &["--gpu-memory", "30G", "--no-wait"], "true");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("no room now") && err.contains("1 not managed by gpufrac"),
+        "{err}"
+    );
+    assert_eq!(mig_gpu(&b)["mig"]["instances"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn without_mig_mode_gpus_dynamic_mig_changes_nothing() {
+    let b = Broker::start("16G", MIG);
+    let (out, err, code) = run_once(
+        &b,
+        &["--gpu-memory", "4G"],
+        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\"",
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(out, format!("0 {}\n", 4 * GIB));
+    let s = b.status();
+    assert!(
+        s["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|g| g["mode"] == "time-slicing"),
+        "{s}"
+    );
+}
+
+#[test]
+fn dynamic_mig_and_mps_are_refused_together() {
+    let (_s, d) = scratch("mig-mps");
+    let sock = d.join("b.sock");
+    let o = sim_command(&artifacts().gpufrac, NODE, false)
+        .args(["broker", "--mig", "dynamic", "--mps", "--socket"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--mig dynamic and --mps cannot be combined"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!sock.exists(), "a refused start leaves nothing behind");
+    let o = sim_command(&artifacts().gpufrac, NODE, false)
+        .args(["broker", "--mig", "static", "--socket"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("possible values: dynamic"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -50,9 +50,20 @@ pub trait MigDriver {
     fn destroy(&mut self, index: u32, gi: u32) -> Result<(), String>;
 }
 
-/// NVML's reason for `code`, with the code.
+/// NVML's reason for `code`, with the code. nvml-wrapper has no words
+/// for some of the codes MIG calls return.
 fn why(code: nvmlReturn_t) -> String {
-    format!("{} (NVML error {code})", NvmlError::from(code))
+    let text = if code == nvmlReturn_enum_NVML_ERROR_IN_USE {
+        "in use (a process runs on it, or a GPU instance still has compute instances)".into()
+    } else if code == nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES {
+        "insufficient resources (the placement is taken, or the profile's instances are all made)"
+            .into()
+    } else if code == nvmlReturn_enum_NVML_ERROR_NO_PERMISSION {
+        "no permission (making and destroying MIG instances needs root)".into()
+    } else {
+        NvmlError::from(code).to_string()
+    };
+    format!("{text} (NVML error {code})")
 }
 
 fn check(code: nvmlReturn_t, what: impl FnOnce() -> String) -> Result<(), String> {
@@ -468,7 +479,8 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.starts_with("GPU 0: destroying GPU instance 3: "), "{e}");
-        assert!(e.ends_with("(NVML error 19)"), "{e}");
+        assert!(e.ends_with("in use (a process runs on it, or a GPU instance still has compute instances) (NVML error 19)"), "{e}");
+        assert!(why(23).starts_with("insufficient resources"), "{}", why(23));
         assert!(check(0, || unreachable!()).is_ok());
         assert_eq!(
             GI_PROFILE_INFO_V2,
