@@ -170,8 +170,6 @@ impl Plugin {
         cmd.arg("k8s-device-plugin")
             .arg("--kubelet-dir")
             .arg(kubelet.path())
-            .arg("--poll-interval")
-            .arg("50ms")
             .args(args)
             .env("GPUFRAC_K8S_SIM_DEVICES_FILE", &devices_file)
             .env("RUST_LOG", "info")
@@ -256,7 +254,9 @@ fn health<'a>(list: &'a api::ListAndWatchResponse, prefix: &str) -> Vec<&'a str>
 fn registers_lists_units_and_reports_a_gpu_that_goes() {
     let u = uuids();
     let mut kubelet = Kubelet::started();
-    let plugin = Plugin::start(&kubelet, &[]);
+    // Only this test looks at health: the others keep the default 10 s
+    // and spawn no listing meanwhile.
+    let plugin = Plugin::start(&kubelet, &["--poll-interval", "100ms"]);
     let r = kubelet.registration(&plugin);
     assert_eq!(r.version, "v1beta1");
     assert_eq!(r.resource_name, "gpufrac.dev/gpu-memory");
