@@ -746,27 +746,43 @@ mod tests {
         );
     }
 
-    fn mounts() -> Injection {
-        let dir = std::env::temp_dir().join(format!("gpufrac-k8s-dev-{}", std::process::id()));
-        let _ = std::fs::create_dir_all(&dir);
-        for n in ["nvidia0", "nvidia1", "nvidia7"] {
-            let _ = std::os::unix::fs::symlink("/dev/null", dir.join(n));
+    /// A directory of stand-in device nodes, removed with it.
+    struct DevDir(PathBuf);
+
+    impl Drop for DevDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
         }
-        Injection::Mounts(Mounts {
+    }
+
+    /// Mounts whose device nodes are links to /dev/null (any character
+    /// device will do), in a directory of the caller's own: tests run in
+    /// parallel.
+    fn mounts() -> (Injection, DevDir) {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("gpufrac-k8s-dev-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for n in ["nvidia0", "nvidia1", "nvidia7"] {
+            std::os::unix::fs::symlink("/dev/null", dir.join(n)).unwrap();
+        }
+        let m = Injection::Mounts(Mounts {
             lib: "/opt/gpufrac/lib/libgpufrac.so".into(),
             container_lib: "/usr/lib/gpufrac/libgpufrac.so".into(),
             socket: "/run/gpufrac/broker.sock".into(),
             container_socket_dir: "/run/gpufrac".into(),
             preload_file: None,
             control_nodes: vec![("/dev/nvidiactl".into(), "/dev/nvidiactl".into())],
-            dev_dir: dir,
-        })
+            dev_dir: dir.clone(),
+        });
+        (m, DevDir(dir))
     }
 
     #[test]
     fn allocate_memory_units_on_one_gpu() {
         let inv = mem(&[16, 8]);
-        let r = inv.allocate(&ids(U1, "mem", 0..4), &mounts()).unwrap();
+        let (inject, _dev) = mounts();
+        let r = inv.allocate(&ids(U1, "mem", 0..4), &inject).unwrap();
         let e = &r.envs;
         assert_eq!(e["GPU_MEM_LIMIT"], "4G");
         assert_eq!(e["CUDA_VISIBLE_DEVICES"], U1);
@@ -799,7 +815,8 @@ mod tests {
     #[test]
     fn preload_file_replaces_ld_preload() {
         let inv = mem(&[16]);
-        let Injection::Mounts(mut m) = mounts() else {
+        let (inject, _dev) = mounts();
+        let Injection::Mounts(mut m) = inject else {
             unreachable!()
         };
         m.preload_file = Some("/etc/gpufrac/ld.so.preload".into());
@@ -818,12 +835,13 @@ mod tests {
     fn allocate_uses_the_minor_number() {
         let mut inv = mem(&[16, 8]);
         inv.set_minors(&BTreeMap::from([(U1.to_ascii_lowercase(), 7)]));
-        let r = inv.allocate(&ids(U1, "mem", [0]), &mounts()).unwrap();
+        let (inject, _dev) = mounts();
+        let r = inv.allocate(&ids(U1, "mem", [0]), &inject).unwrap();
         assert_eq!(r.devices[1].container_path, "/dev/nvidia7");
         // A node that is not there is named.
         let mut inv = mem(&[16, 8]);
         inv.set_minors(&BTreeMap::from([(U1.to_ascii_lowercase(), 9)]));
-        let e = inv.allocate(&ids(U1, "mem", [0]), &mounts()).unwrap_err();
+        let e = inv.allocate(&ids(U1, "mem", [0]), &inject).unwrap_err();
         assert!(e.contains("nvidia9") && e.contains("--dev-dir"), "{e}");
     }
 
@@ -853,7 +871,8 @@ mod tests {
         let inv = mem(&[16, 8]);
         let mut want = ids(U1, "mem", 0..2);
         want.extend(ids(U0, "mem", 0..3));
-        let r = inv.allocate(&want, &mounts()).unwrap();
+        let (inject, _dev) = mounts();
+        let r = inv.allocate(&want, &inject).unwrap();
         let e = &r.envs;
         // In CUDA_VISIBLE_DEVICES order, which is index order.
         assert_eq!(e["CUDA_VISIBLE_DEVICES"], format!("{U0},{U1}"));
