@@ -321,6 +321,13 @@ impl Planner {
                 if p.media() || p.mem < mem || !gives(p, g.info.slices, compute) {
                     continue;
                 }
+                // A larger profile cannot beat what is found already.
+                if best
+                    .as_ref()
+                    .is_some_and(|(k, _)| (p.mem, p.slices) > (k.0, k.1))
+                {
+                    continue;
+                }
                 let Some((kind, destroyed, age, start, how)) = self.best_on(now, g, p) else {
                     continue;
                 };
@@ -1023,6 +1030,136 @@ mod tests {
         // 45 GiB: only the H100's 7g.80gb, blocked by the 3g.40gb lease.
         assert!(pl.plan(0, 45 * GIB, None).is_none());
         assert!(pl.could_fit(45 * GIB, None));
+    }
+
+    /// The figures in docs/mig.md: which profile requests get on an empty
+    /// GPU of each model, and what a decision costs on a busy node.
+    /// `cargo test --release -p gpufrac-broker mig::tests::figures -- --ignored --nocapture`
+    #[test]
+    #[ignore = "prints the figures for docs/mig.md; run it on purpose"]
+    fn figures() {
+        let requests: [(u64, Option<f64>); 16] = [
+            (1, None),
+            (4, None),
+            (4, Some(14.0)),
+            (4, Some(20.0)),
+            (6, None),
+            (8, Some(30.0)),
+            (10, None),
+            (12, None),
+            (12, Some(50.0)),
+            (20, None),
+            (25, None),
+            (39, None),
+            (40, None),
+            (45, None),
+            (79, None),
+            (80, None),
+        ];
+        let models = [a100_40gb(0), a100_80gb(0), h100_80gb(0)];
+        let mut table =
+            String::from("| request | A100-40GB | A100-80GB | H100-80GB |\n|---|---|---|---|\n");
+        for (g, c) in requests {
+            let req = match c {
+                Some(c) => format!("`--gpu-memory {g}G --gpu-compute {c}%`"),
+                None => format!("`--gpu-memory {g}G`"),
+            };
+            let cells: Vec<String> = models
+                .iter()
+                .map(|m| {
+                    let pl = Planner::new(vec![m.clone()]);
+                    pl.plan(0, g * GIB, c)
+                        .map_or("none (refused or a fraction elsewhere)".into(), |c| {
+                            name(&pl, &c)
+                        })
+                })
+                .collect();
+            table.push_str(&format!("| {req} | {} |\n", cells.join(" | ")));
+        }
+        println!("{table}");
+        let want = "\
+| `--gpu-memory 1G` | 1g.5gb | 1g.10gb | 1g.10gb |
+| `--gpu-memory 4G` | 1g.5gb | 1g.10gb | 1g.10gb |
+| `--gpu-memory 4G --gpu-compute 14%` | 1g.5gb | 1g.10gb | 1g.10gb |
+| `--gpu-memory 4G --gpu-compute 20%` | 2g.10gb | 2g.20gb | 2g.20gb |
+| `--gpu-memory 6G` | 1g.10gb | 1g.10gb | 1g.10gb |
+| `--gpu-memory 8G --gpu-compute 30%` | 3g.20gb | 3g.40gb | 3g.40gb |
+| `--gpu-memory 10G` | 3g.20gb | 1g.20gb | 1g.20gb |
+| `--gpu-memory 12G` | 3g.20gb | 1g.20gb | 1g.20gb |
+| `--gpu-memory 12G --gpu-compute 50%` | 4g.20gb | 4g.40gb | 4g.40gb |
+| `--gpu-memory 20G` | 7g.40gb | 3g.40gb | 3g.40gb |
+| `--gpu-memory 25G` | 7g.40gb | 3g.40gb | 3g.40gb |
+| `--gpu-memory 39G` | 7g.40gb | 3g.40gb | 3g.40gb |
+| `--gpu-memory 40G` | none (refused or a fraction elsewhere) | 7g.80gb | 7g.80gb |
+| `--gpu-memory 45G` | none (refused or a fraction elsewhere) | 7g.80gb | 7g.80gb |
+| `--gpu-memory 79G` | none (refused or a fraction elsewhere) | 7g.80gb | 7g.80gb |
+| `--gpu-memory 80G` | none (refused or a fraction elsewhere) | none (refused or a fraction elsewhere) | none (refused or a fraction elsewhere) |
+";
+        assert!(table.ends_with(want), "{table}");
+
+        // A busy node: eight GPUs of the three models, each full of 1g
+        // instances, four held by jobs and three idle (idle since
+        // different times): every plan for more than a 1g searches for
+        // instances to destroy on every GPU.
+        let gpus: Vec<MigGpu> = (0..8)
+            .map(|i| match i % 3 {
+                0 => a100_40gb(i),
+                1 => a100_80gb(i),
+                _ => h100_80gb(i),
+            })
+            .collect();
+        let mut pl = Planner::new(gpus);
+        let mut id = 0;
+        for g in 0..8u32 {
+            for k in 0..7u32 {
+                id += 1;
+                let since = u64::from(k) * SEC;
+                let use_ = if k < 4 {
+                    Use::Lease(id)
+                } else {
+                    Use::Idle { since }
+                };
+                pl.gpus[g as usize].instances.push(Instance {
+                    gi: Some(k + 1),
+                    profile: 19,
+                    placement: Range { start: k, size: 1 },
+                    uuid: Some(format!("MIG-{g}-{k}")),
+                    use_,
+                });
+            }
+        }
+        let time = |mem: u64, compute: Option<f64>| {
+            let n = 20_000u32;
+            let t = std::time::Instant::now();
+            let mut found = 0;
+            for _ in 0..n {
+                found += u32::from(std::hint::black_box(pl.plan(10 * SEC, mem, compute)).is_some());
+            }
+            (t.elapsed().as_nanos() as f64 / f64::from(n), found == n)
+        };
+        for (what, mem, c, want) in [
+            ("reuse an idle 1g", 4 * GIB, None, true),
+            (
+                "destroy idle 1g instances for a 2g",
+                8 * GIB,
+                Some(25.0),
+                true,
+            ),
+            (
+                "none can be had: 50 GiB needs a whole 80 GB GPU",
+                50 * GIB,
+                None,
+                false,
+            ),
+        ] {
+            let (ns, placed) = time(mem, c);
+            assert_eq!(placed, want, "{what}");
+            println!(
+                "| {what} | {:.1} µs | {} |",
+                ns / 1000.0,
+                if placed { "placed" } else { "waits" }
+            );
+        }
     }
 
     mod props {
