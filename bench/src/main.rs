@@ -173,7 +173,18 @@ fn main() -> ExitCode {
             a.root.join("docs/benchmarks.md")
         }
     });
-    let doc = report::document(&info, &done);
+    let mut doc = report::document(&info, &done);
+    // Figures measured elsewhere (by tests against real engines, the
+    // broker's attack tests) live below this marker and survive a rerun.
+    if let Ok(old) = std::fs::read_to_string(&out)
+        && let Some(at) = old.find(report::KEPT_MARKER)
+    {
+        if !doc.ends_with('\n') {
+            doc.push('\n');
+        }
+        doc.push('\n');
+        doc.push_str(&old[at..]);
+    }
     if let Some(dir) = out.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
