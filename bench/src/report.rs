@@ -4,7 +4,8 @@ use std::fmt::Write as _;
 
 /// Everything after this line in docs/benchmarks.md is kept when the
 /// bench rewrites the file: figures that other programs measure.
-pub const KEPT_MARKER: &str = "<!-- kept across bench runs: figures measured by tests, not by the bench -->";
+pub const KEPT_MARKER: &str =
+    "<!-- kept across bench runs: figures measured by tests, not by the bench -->";
 
 /// A table of figures.
 #[derive(Clone, Debug, Default)]
