@@ -5,7 +5,7 @@
 //! that no enum of ours knows, and they must pass through unchanged.
 #![allow(non_camel_case_types, non_snake_case)]
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 
 pub type CUresult = c_uint;
 pub type CUdevice = c_int;
@@ -299,3 +299,149 @@ mod tests {
         assert_eq!(array3d_bytes(&d, 10), 16);
     }
 }
+
+// --- NVML's MIG API, as nvml.h lays it out ---------------------------------
+
+pub const NVML_ERROR_IN_USE: nvmlReturn_t = 19;
+pub const NVML_ERROR_INSUFFICIENT_RESOURCES: nvmlReturn_t = 23;
+pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: nvmlReturn_t = 25;
+
+pub type nvmlGpuInstance_t = *mut c_void;
+pub type nvmlComputeInstance_t = *mut c_void;
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct nvmlGpuInstancePlacement_t {
+    pub start: c_uint,
+    pub size: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct nvmlGpuInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlGpuInstanceProfileInfo_v2_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: u64,
+    pub name: [c_char; 96],
+}
+
+/// v3 drops `isP2pSupported` and adds `capabilities`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlGpuInstanceProfileInfo_v3_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: u64,
+    pub name: [c_char; 96],
+    pub capabilities: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlGpuInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlGpuInstancePlacement_t,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, Debug)]
+pub struct nvmlComputeInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlComputeInstanceProfileInfo_v2_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub name: [c_char; 96],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlComputeInstanceProfileInfo_v3_t {
+    pub version: c_uint,
+    pub id: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub name: [c_char; 96],
+    pub capabilities: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlComputeInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub gpuInstance: nvmlGpuInstance_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlGpuInstancePlacement_t,
+}
+
+/// `NVML_STRUCT_VERSION(data, ver)`: the struct's size with the version in
+/// the top byte.
+const fn struct_version<T>(ver: u32) -> u32 {
+    std::mem::size_of::<T>() as u32 | (ver << 24)
+}
+
+pub const GI_PROFILE_INFO_V2: u32 = struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2);
+pub const GI_PROFILE_INFO_V3: u32 = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
+pub const CI_PROFILE_INFO_V2: u32 = struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2);
+pub const CI_PROFILE_INFO_V3: u32 = struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3);

@@ -34,10 +34,6 @@ use crate::nvml::{dev, handle, nvml};
 use crate::state::{MAX_DEV, MIG_SLOTS, Shared, Sim};
 use crate::{out, write_cstr};
 
-pub const NVML_ERROR_IN_USE: nvmlReturn_t = 19;
-pub const NVML_ERROR_INSUFFICIENT_RESOURCES: nvmlReturn_t = 23;
-pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: nvmlReturn_t = 25;
-
 /// `NVML_GPU_INSTANCE_PROFILE_COUNT` of current headers: profile numbers
 /// at or past it are invalid arguments, below it merely unsupported.
 const GI_PROFILE_COUNT: u32 = 17;
@@ -700,9 +696,6 @@ pub fn live_mig_device(m: &Mig<'_>, h: nvmlDevice_t) -> Result<Ci, nvmlReturn_t>
     m.ci_at(&gi, c).ok_or(NVML_ERROR_INVALID_ARGUMENT)
 }
 
-type nvmlGpuInstance_t = *mut c_void;
-type nvmlComputeInstance_t = *mut c_void;
-
 fn gi_handle(gi: &Gi) -> nvmlGpuInstance_t {
     to_handle(&GI_HANDLES, gi.key())
 }
@@ -724,145 +717,6 @@ fn ci_of(m: &Mig<'_>, h: nvmlComputeInstance_t) -> Result<Ci, nvmlReturn_t> {
         .ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
     m.ci_at(&gi, k % MAX_CI).ok_or(NVML_ERROR_INVALID_ARGUMENT)
 }
-
-// --- NVML structures, as nvml.h lays them out ----------------------------------
-
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub struct nvmlGpuInstancePlacement_t {
-    pub start: c_uint,
-    pub size: c_uint,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub struct nvmlGpuInstanceProfileInfo_t {
-    pub id: c_uint,
-    pub isP2pSupported: c_uint,
-    pub sliceCount: c_uint,
-    pub instanceCount: c_uint,
-    pub multiprocessorCount: c_uint,
-    pub copyEngineCount: c_uint,
-    pub decoderCount: c_uint,
-    pub encoderCount: c_uint,
-    pub jpegCount: c_uint,
-    pub ofaCount: c_uint,
-    pub memorySizeMB: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct nvmlGpuInstanceProfileInfo_v2_t {
-    pub version: c_uint,
-    pub id: c_uint,
-    pub isP2pSupported: c_uint,
-    pub sliceCount: c_uint,
-    pub instanceCount: c_uint,
-    pub multiprocessorCount: c_uint,
-    pub copyEngineCount: c_uint,
-    pub decoderCount: c_uint,
-    pub encoderCount: c_uint,
-    pub jpegCount: c_uint,
-    pub ofaCount: c_uint,
-    pub memorySizeMB: u64,
-    pub name: [c_char; 96],
-}
-
-/// v3 drops `isP2pSupported` and adds `capabilities`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct nvmlGpuInstanceProfileInfo_v3_t {
-    pub version: c_uint,
-    pub id: c_uint,
-    pub sliceCount: c_uint,
-    pub instanceCount: c_uint,
-    pub multiprocessorCount: c_uint,
-    pub copyEngineCount: c_uint,
-    pub decoderCount: c_uint,
-    pub encoderCount: c_uint,
-    pub jpegCount: c_uint,
-    pub ofaCount: c_uint,
-    pub memorySizeMB: u64,
-    pub name: [c_char; 96],
-    pub capabilities: c_uint,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct nvmlGpuInstanceInfo_t {
-    pub device: nvmlDevice_t,
-    pub id: c_uint,
-    pub profileId: c_uint,
-    pub placement: nvmlGpuInstancePlacement_t,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default, Debug)]
-pub struct nvmlComputeInstanceProfileInfo_t {
-    pub id: c_uint,
-    pub sliceCount: c_uint,
-    pub instanceCount: c_uint,
-    pub multiprocessorCount: c_uint,
-    pub sharedCopyEngineCount: c_uint,
-    pub sharedDecoderCount: c_uint,
-    pub sharedEncoderCount: c_uint,
-    pub sharedJpegCount: c_uint,
-    pub sharedOfaCount: c_uint,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct nvmlComputeInstanceProfileInfo_v2_t {
-    pub version: c_uint,
-    pub id: c_uint,
-    pub sliceCount: c_uint,
-    pub instanceCount: c_uint,
-    pub multiprocessorCount: c_uint,
-    pub sharedCopyEngineCount: c_uint,
-    pub sharedDecoderCount: c_uint,
-    pub sharedEncoderCount: c_uint,
-    pub sharedJpegCount: c_uint,
-    pub sharedOfaCount: c_uint,
-    pub name: [c_char; 96],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct nvmlComputeInstanceProfileInfo_v3_t {
-    pub version: c_uint,
-    pub id: c_uint,
-    pub sliceCount: c_uint,
-    pub instanceCount: c_uint,
-    pub multiprocessorCount: c_uint,
-    pub sharedCopyEngineCount: c_uint,
-    pub sharedDecoderCount: c_uint,
-    pub sharedEncoderCount: c_uint,
-    pub sharedJpegCount: c_uint,
-    pub sharedOfaCount: c_uint,
-    pub name: [c_char; 96],
-    pub capabilities: c_uint,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct nvmlComputeInstanceInfo_t {
-    pub device: nvmlDevice_t,
-    pub gpuInstance: nvmlGpuInstance_t,
-    pub id: c_uint,
-    pub profileId: c_uint,
-    pub placement: nvmlGpuInstancePlacement_t,
-}
-
-/// `NVML_STRUCT_VERSION(data, ver)`: the struct's size with the version in
-/// the top byte.
-const fn struct_version<T>(ver: u32) -> u32 {
-    std::mem::size_of::<T>() as u32 | (ver << 24)
-}
-
-pub const GI_PROFILE_INFO_V2: u32 = struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2);
-pub const GI_PROFILE_INFO_V3: u32 = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
-pub const CI_PROFILE_INFO_V2: u32 = struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2);
-pub const CI_PROFILE_INFO_V3: u32 = struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3);
 
 fn name96(s: &str) -> [c_char; 96] {
     let mut b = [0 as c_char; 96];

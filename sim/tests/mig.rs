@@ -10,10 +10,6 @@ use std::ptr::null_mut;
 
 use support::*;
 
-const NVML_ERROR_IN_USE: u32 = 19;
-const NVML_ERROR_INSUFFICIENT_RESOURCES: u32 = 23;
-const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: u32 = 25;
-
 fn handle(i: c_uint) -> nvmlDevice_t {
     let mut d = null_mut();
     unsafe { ok(nvmlDeviceGetHandleByIndex_v2(i, &mut d)) };
