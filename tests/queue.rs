@@ -453,3 +453,25 @@ fn priority_reaches_the_child_and_the_broker() {
     assert_eq!(e.status.code(), Some(2));
     assert!(stderr(&e).contains("high, normal, low"), "{}", stderr(&e));
 }
+
+/// A job without placement (a compute share only) still holds a lease, and
+/// status counts how long it has held it.
+#[test]
+fn an_unplaced_job_counts_its_time_held() {
+    let b = Broker::start("16G", &[]);
+    let mut run = KillOnDrop(
+        b.run(&["--gpu-compute", "30%", "--", "sh", "-c", "cat > /dev/null"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = u64::from(run.0.id());
+    wait_until(20.0, "the unplaced lease's time held to grow", || {
+        b.status()["leases"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|e| e["pid"].as_u64() == Some(pid) && e["held_s"].as_f64() > Some(0.05))
+        })
+    });
+    drop(run.0.stdin.take());
+    assert!(run.0.wait().unwrap().success());
+}

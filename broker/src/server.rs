@@ -986,6 +986,8 @@ impl Server {
     /// The lease of a job without placement: no GPUs, only its token (and
     /// the MPS pipe, in MPS mode).
     fn send_unplaced(&mut self, tok: Token, token: u64) {
+        // Held from now, as a placed lease is from its grant (status's HELD).
+        self.leased_at.entry(token).or_insert_with(Instant::now);
         let msg = ServerMsg::Leased {
             gpus: Vec::new(),
             uuids: Vec::new(),
