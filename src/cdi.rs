@@ -185,10 +185,7 @@ fn list_gpus() -> Result<Vec<GpuInfo>, String> {
     // one reads the environment while it changes. The order is the one
     // `gpufrac run` gives its children and nvidia-smi shows; a
     // CUDA_VISIBLE_DEVICES of our own would hide GPUs from the spec.
-    unsafe {
-        std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
-        std::env::remove_var("CUDA_VISIBLE_DEVICES");
-    }
+    unsafe { inventory::use_pci_order(true) };
     let gpus = inventory::discover().map_err(|e| {
         format!(
             "cannot list the GPUs: {e}; run this on the GPU host, with the NVIDIA driver loaded"

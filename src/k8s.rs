@@ -272,10 +272,7 @@ fn list_gpus() -> u8 {
             }
         }
     }
-    unsafe {
-        std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
-        std::env::remove_var("CUDA_VISIBLE_DEVICES");
-    }
+    unsafe { inventory::use_pci_order(true) };
     match inventory::discover() {
         Ok(gpus) => {
             let text: String = gpus

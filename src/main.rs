@@ -160,6 +160,9 @@ fn main() -> ExitCode {
 }
 
 fn broker(args: BrokerArgs) -> u8 {
+    // SAFETY: first thing, before any thread or the CUDA driver starts.
+    // The broker's GPU numbers are the ones `gpufrac run` hands out.
+    unsafe { gpufrac_broker::inventory::use_pci_order(false) };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()

@@ -12,6 +12,26 @@ pub struct GpuInfo {
     pub total_mem: u64,
 }
 
+/// Makes the CUDA driver number GPUs as nvidia-smi does (PCI bus order),
+/// which is the order `gpufrac run` gives its children with
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID`: by default CUDA puts the fastest GPU
+/// first, and on a node of mixed GPUs the broker's GPU 0 would then be
+/// another GPU than the child's. `all` also drops this process's own
+/// `CUDA_VISIBLE_DEVICES`, for a listing of every GPU.
+///
+/// # Safety
+/// Changes the environment: call it before any thread is started and
+/// before the CUDA driver is initialised.
+pub unsafe fn use_pci_order(all: bool) {
+    // SAFETY: the caller guarantees that no other thread runs.
+    unsafe {
+        std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
+        if all {
+            std::env::remove_var("CUDA_VISIBLE_DEVICES");
+        }
+    }
+}
+
 pub fn discover() -> Result<Vec<GpuInfo>, String> {
     use cudarc::driver::result;
     // cudarc panics when it cannot load the library; ask first.
