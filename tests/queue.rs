@@ -23,27 +23,6 @@ fn job(b: &Broker, dir: &Path, name: &str, args: &[&str]) -> Child {
     cmd.spawn().unwrap()
 }
 
-fn started(dir: &Path, name: &str) -> Option<(String, String)> {
-    let s = std::fs::read_to_string(dir.join(format!("{name}.env"))).ok()?;
-    let mut it = s.trim_end_matches('\n').splitn(2, ' ');
-    Some((it.next()?.to_string(), it.next().unwrap_or("").to_string()))
-}
-
-fn wait_started(dir: &Path, name: &str) -> (String, String) {
-    let mut r = None;
-    wait_until(15.0, &format!("job {name} to start"), || {
-        r = started(dir, name);
-        r.is_some()
-    });
-    r.unwrap()
-}
-
-fn release(dir: &Path, name: &str, child: Child) {
-    std::fs::write(dir.join(format!("{name}.stop")), "").unwrap();
-    let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "job {name}: {}", stderr(&o));
-}
-
 fn queued(b: &Broker) -> usize {
     b.status()["queue"].as_array().unwrap().len()
 }

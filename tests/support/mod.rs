@@ -508,3 +508,28 @@ pub fn apt_install(packages: &[&str], present: impl Fn() -> bool) -> Result<(), 
     );
     Ok(())
 }
+
+/// A queued job's script writes `DIR/NAME.env` ("CUDA_VISIBLE_DEVICES
+/// GPU_MEM_LIMIT") once it starts and runs until `DIR/NAME.stop` exists:
+/// what it was given, once it has started.
+pub fn started(dir: &Path, name: &str) -> Option<(String, String)> {
+    let s = std::fs::read_to_string(dir.join(format!("{name}.env"))).ok()?;
+    let mut it = s.trim_end_matches('\n').splitn(2, ' ');
+    Some((it.next()?.to_string(), it.next().unwrap_or("").to_string()))
+}
+
+pub fn wait_started(dir: &Path, name: &str) -> (String, String) {
+    let mut r = None;
+    wait_until(20.0, &format!("job {name} to start"), || {
+        r = started(dir, name);
+        r.is_some()
+    });
+    r.unwrap()
+}
+
+/// Tells job `name` to stop and checks that its run ended well.
+pub fn release(dir: &Path, name: &str, child: std::process::Child) {
+    std::fs::write(dir.join(format!("{name}.stop")), "").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "job {name}: {}", stderr(&o));
+}
