@@ -13,8 +13,10 @@ Installs under PREFIX (default /usr/local):
   PREFIX/lib/libgpufrac.so
   PREFIX/include/gpufrac.h
   PREFIX/libexec/gpufrac-task-prolog  (Slurm's TaskProlog, its path rewritten)
+  PREFIX/share/gpufrac/          k8s/ (DaemonSet, example Pod), slurm/ (conf lines)
   PREFIX/share/doc/gpufrac/     README.md, install.md, SECURITY.md, LICENSE
   UNITDIR/gpufrac-broker.service (its paths rewritten to PREFIX)
+  UNITDIR/gpufrac-cdi.service   (writes the CDI spec at boot; not enabled)
 
   --prefix PREFIX  where gpufrac lives (absolute)
   --destdir DIR    write under DIR instead of /, for building a package;
@@ -89,10 +91,16 @@ unitdir=${unitdir%/}
 here=$(cd "$(dirname "$0")" && pwd)
 root=$destdir$prefix
 docs="README.md install.md SECURITY.md LICENSE"
+shared="k8s/daemonset.yaml k8s/pod-example.yaml slurm/slurm.conf.example slurm/gres.conf.example"
 
 if [ $uninstall = yes ]; then
     rm -f "$root/bin/gpufrac" "$root/lib/libgpufrac.so" "$root/include/gpufrac.h" \
-        "$root/libexec/gpufrac-task-prolog" "$destdir$unitdir/gpufrac-broker.service"
+        "$root/libexec/gpufrac-task-prolog" "$destdir$unitdir/gpufrac-broker.service" \
+        "$destdir$unitdir/gpufrac-cdi.service"
+    for f in $shared; do
+        rm -f "$root/share/gpufrac/$f"
+    done
+    rmdir "$root/share/gpufrac/k8s" "$root/share/gpufrac/slurm" "$root/share/gpufrac" 2>/dev/null || true
     for f in $docs; do
         rm -f "$root/share/doc/gpufrac/$f"
     done
@@ -101,14 +109,16 @@ if [ $uninstall = yes ]; then
     exit 0
 fi
 
-for f in bin/gpufrac lib/libgpufrac.so include/gpufrac.h libexec/gpufrac-task-prolog lib/systemd/system/gpufrac-broker.service $docs; do
+for f in bin/gpufrac lib/libgpufrac.so include/gpufrac.h libexec/gpufrac-task-prolog lib/systemd/system/gpufrac-broker.service lib/systemd/system/gpufrac-cdi.service $docs \
+    $(for f in $shared; do echo "share/gpufrac/$f"; done); do
     if [ ! -f "$here/$f" ]; then
         echo "install.sh: $here/$f is missing; run this script from an unpacked gpufrac release" >&2
         exit 1
     fi
 done
 
-install -d -m 0755 "$root/bin" "$root/lib" "$root/include" "$root/libexec" "$root/share/doc/gpufrac" "$destdir$unitdir"
+install -d -m 0755 "$root/bin" "$root/lib" "$root/include" "$root/libexec" "$root/share/doc/gpufrac" \
+    "$root/share/gpufrac/k8s" "$root/share/gpufrac/slurm" "$destdir$unitdir"
 # install(1) replaces a file by a new one rather than writing into it, so
 # running processes keep the library and binary they mapped: copying over
 # a library in use would crash them.
@@ -118,14 +128,19 @@ install -m 0644 "$here/include/gpufrac.h" "$root/include/gpufrac.h"
 for f in $docs; do
     install -m 0644 "$here/$f" "$root/share/doc/gpufrac/$f"
 done
-prolog=$root/libexec/gpufrac-task-prolog
-sed "s|/usr/local/|$prefix/|g" "$here/libexec/gpufrac-task-prolog" >"$prolog.tmp"
-chmod 0755 "$prolog.tmp"
-mv -f "$prolog.tmp" "$prolog"
+# Files that name where gpufrac lives get the prefix in place of /usr/local.
+rewrite() { # FROM TO MODE
+    sed "s|/usr/local/|$prefix/|g" "$1" >"$2.tmp"
+    chmod "$3" "$2.tmp"
+    mv -f "$2.tmp" "$2"
+}
+rewrite "$here/libexec/gpufrac-task-prolog" "$root/libexec/gpufrac-task-prolog" 0755
+for f in $shared; do
+    rewrite "$here/share/gpufrac/$f" "$root/share/gpufrac/$f" 0644
+done
+rewrite "$here/lib/systemd/system/gpufrac-cdi.service" "$destdir$unitdir/gpufrac-cdi.service" 0644
 unit=$destdir$unitdir/gpufrac-broker.service
-sed "s|/usr/local/|$prefix/|g" "$here/lib/systemd/system/gpufrac-broker.service" >"$unit.tmp"
-chmod 0644 "$unit.tmp"
-mv -f "$unit.tmp" "$unit"
+rewrite "$here/lib/systemd/system/gpufrac-broker.service" "$unit" 0644
 
 echo "gpufrac installed under $destdir$prefix (unit: $unit)"
 if [ -n "$destdir" ]; then

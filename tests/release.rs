@@ -185,7 +185,12 @@ fn tarball_holds_the_release_and_install_sh_lays_it_out_under_a_prefix() {
         "install.sh",
         "lib/libgpufrac.so",
         "lib/systemd/system/gpufrac-broker.service",
+        "lib/systemd/system/gpufrac-cdi.service",
         "libexec/gpufrac-task-prolog",
+        "share/gpufrac/k8s/daemonset.yaml",
+        "share/gpufrac/k8s/pod-example.yaml",
+        "share/gpufrac/slurm/gres.conf.example",
+        "share/gpufrac/slurm/slurm.conf.example",
     ]
     .iter()
     .map(|f| format!("gpufrac-{VERSION}/{f}"))
@@ -212,6 +217,9 @@ fn tarball_holds_the_release_and_install_sh_lays_it_out_under_a_prefix() {
         ("lib/libgpufrac.so", 0o755),
         ("include/gpufrac.h", 0o644),
         ("libexec/gpufrac-task-prolog", 0o755),
+        ("lib/systemd/system/gpufrac-cdi.service", 0o644),
+        ("share/gpufrac/k8s/daemonset.yaml", 0o644),
+        ("share/gpufrac/slurm/slurm.conf.example", 0o644),
         ("lib/systemd/system/gpufrac-broker.service", 0o644),
         ("share/doc/gpufrac/install.md", 0o644),
         ("share/doc/gpufrac/LICENSE", 0o644),
@@ -242,6 +250,16 @@ fn tarball_holds_the_release_and_install_sh_lays_it_out_under_a_prefix() {
             && !prolog.contains("/usr/local/"),
         "the Slurm TaskProlog names another prefix:\n{prolog}"
     );
+    for f in [
+        "lib/systemd/system/gpufrac-cdi.service",
+        "share/gpufrac/k8s/daemonset.yaml",
+    ] {
+        let text = std::fs::read_to_string(root.join(f)).unwrap();
+        assert!(
+            text.contains("/opt/gpufrac/bin/gpufrac") && !text.contains("/usr/local/"),
+            "{f} names another prefix:\n{text}"
+        );
+    }
 
     let v = Command::new(root.join("bin/gpufrac"))
         .arg("--version")

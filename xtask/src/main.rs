@@ -212,7 +212,7 @@ fn stage(ws: &Workspace, built: &Path, dest: &Path) -> Result<(), String> {
         fs::remove_dir_all(dest).map_err(|e| format!("cannot remove {}: {e}", dest.display()))?;
     }
     let r = &ws.root;
-    let files: [(PathBuf, &str, u32); 10] = [
+    let files: [(PathBuf, &str, u32); 15] = [
         (built.join("gpufrac"), "bin/gpufrac", 0o755),
         (built.join("libgpufrac.so"), "lib/libgpufrac.so", 0o755),
         (r.join("include/gpufrac.h"), "include/gpufrac.h", 0o644),
@@ -226,6 +226,31 @@ fn stage(ws: &Workspace, built: &Path, dest: &Path) -> Result<(), String> {
             r.join("deploy/slurm/gpufrac-task-prolog"),
             "libexec/gpufrac-task-prolog",
             0o755,
+        ),
+        (
+            r.join("deploy/cdi/gpufrac-cdi.service"),
+            "lib/systemd/system/gpufrac-cdi.service",
+            0o644,
+        ),
+        (
+            r.join("deploy/k8s/daemonset.yaml"),
+            "share/gpufrac/k8s/daemonset.yaml",
+            0o644,
+        ),
+        (
+            r.join("deploy/k8s/pod-example.yaml"),
+            "share/gpufrac/k8s/pod-example.yaml",
+            0o644,
+        ),
+        (
+            r.join("deploy/slurm/slurm.conf.example"),
+            "share/gpufrac/slurm/slurm.conf.example",
+            0o644,
+        ),
+        (
+            r.join("deploy/slurm/gres.conf.example"),
+            "share/gpufrac/slurm/gres.conf.example",
+            0o644,
         ),
         (r.join("README.md"), "README.md", 0o644),
         (r.join("LICENSE"), "LICENSE", 0o644),
