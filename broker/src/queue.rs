@@ -381,23 +381,7 @@ impl Queue {
                 "MIG instance {uuid} on GPU {index} no longer exists (or GPU {index} is no longer in MIG mode)"
             ))
         })?;
-        let lease = Lease {
-            id,
-            gpus: vec![a.gpu],
-            uuids: vec![a.gpu_uuid.clone()],
-            mem_cap: Some(a.mem),
-            mig: Some(a),
-        };
-        self.held.insert(
-            id,
-            Held {
-                lease: lease.clone(),
-                req,
-                shares: Vec::new(),
-                requeue: None,
-            },
-        );
-        Ok(lease)
+        Ok(self.hold_mig(id, req, a, None))
     }
 
     pub fn config(&self) -> &QueueConfig {
@@ -798,25 +782,37 @@ impl Queue {
             Placed::Shares(shares) => self.commit(id, req, shares),
             Placed::Mig(c) => {
                 let a = self.mig.assign(id, &c);
-                let lease = Lease {
-                    id,
-                    gpus: vec![a.gpu],
-                    uuids: vec![a.gpu_uuid.clone()],
-                    mem_cap: Some(a.mem),
-                    mig: Some(a),
-                };
-                self.held.insert(
-                    id,
-                    Held {
-                        lease: lease.clone(),
-                        req,
-                        shares: Vec::new(),
-                        requeue: origin,
-                    },
-                );
-                lease
+                self.hold_mig(id, req, a, origin)
             }
         }
+    }
+
+    /// The lease of a job on MIG instance `a`: the instance's GPU, all of
+    /// its memory as the cap.
+    fn hold_mig(
+        &mut self,
+        id: RequestId,
+        req: Request,
+        a: mig::Assignment,
+        requeue: Option<(Nanos, u64)>,
+    ) -> Lease {
+        let lease = Lease {
+            id,
+            gpus: vec![a.gpu],
+            uuids: vec![a.gpu_uuid.clone()],
+            mem_cap: Some(a.mem),
+            mig: Some(a),
+        };
+        self.held.insert(
+            id,
+            Held {
+                lease: lease.clone(),
+                req,
+                shares: Vec::new(),
+                requeue,
+            },
+        );
+        lease
     }
 
     /// Where `want` would go now among GPUs outside MIG mode, or None.
