@@ -153,6 +153,21 @@ mod tests {
         args.iter().map(OsString::from).collect()
     }
 
+    /// `command` (an engine's `run` at index 2) wrapped for a job.
+    fn wrapped(command: &[OsString], env: &ChildEnv) -> Vec<String> {
+        wrap(
+            command,
+            2,
+            env,
+            Path::new("/opt/lib/libgpufrac.so"),
+            Path::new("/run/g/broker.sock"),
+        )
+        .unwrap()
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+    }
+
     #[test]
     fn finds_run() {
         assert_eq!(run_index(&v(&["docker", "run", "img"])), Some(2));
@@ -224,18 +239,7 @@ mod tests {
             ],
             remove: vec![],
         };
-        let out = wrap(
-            &v(&["docker", "run", "--rm", "img", "cmd"]),
-            2,
-            &env,
-            Path::new("/opt/lib/libgpufrac.so"),
-            Path::new("/run/g/broker.sock"),
-        )
-        .unwrap();
-        let s: Vec<String> = out
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
+        let s = wrapped(&v(&["docker", "run", "--rm", "img", "cmd"]), &env);
         assert_eq!(&s[..2], ["docker", "run"]);
         assert_eq!(&s[s.len() - 3..], ["--rm", "img", "cmd"]);
         let has = |a: &str, b: &str| s.windows(2).any(|w| w[0] == a && w[1] == b);
@@ -268,18 +272,10 @@ mod tests {
         assert!(has("-e", "GPUFRAC_JOB=00000000000000ff"), "{s:?}");
 
         // With a CDI device, the spec mounts the shim and the socket.
-        let out = wrap(
+        let s = wrapped(
             &v(&["podman", "run", "--device", "gpufrac.dev/gpu=0", "img"]),
-            2,
             &env,
-            Path::new("/opt/lib/libgpufrac.so"),
-            Path::new("/run/g/broker.sock"),
-        )
-        .unwrap();
-        let s: Vec<String> = out
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
+        );
         assert!(
             !s.iter()
                 .any(|a| a.contains(":/usr/lib/gpufrac/libgpufrac.so")),
