@@ -644,6 +644,8 @@ mod tests {
             command: "sleep 1".into(),
             priority: None,
             resume: 0,
+            token: 0,
+            pin: Vec::new(),
         };
         c.request_lease(&req).unwrap();
         let mut seen = Vec::new();

@@ -606,6 +606,8 @@ fn lease_request(args: &RunArgs, resume: u64) -> ClientMsg {
         command,
         priority: args.priority,
         resume,
+        token: 0,
+        pin: Vec::new(),
     }
 }
 

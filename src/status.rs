@@ -23,10 +23,12 @@ What the figures mean:
                    shim, together
   ALLOCATED, CAP   a process's allocations through the shim and its memory
                    cap (the driver's own context memory is not counted)
-  JOB (ALLOCATED)  the process's job (the pid of its gpufrac run) and what all
-                   of the job's processes have allocated on this GPU
-  JOB              (queue, leases) the pid of the gpufrac run; messages such
-                   as a --no-wait refusal name leases by it
+  JOB (ALLOCATED)  the process's job (the pid of its gpufrac run, or `pod
+                   NAMESPACE/NAME` for a pod's under the Kubernetes device
+                   plugin) and what all of the job's processes have
+                   allocated on this GPU
+  JOB              (queue, leases) the pid of the gpufrac run, or the pod;
+                   messages such as a --no-wait refusal name leases by it
   SHARE            the promised share of GPU time when contended
   ACHIEVED         the share held over the last window
   LIMIT            the GPU_COMPUTE_LIMIT ceiling
@@ -173,9 +175,9 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
             command(&p.command),
             format_size(p.mem_used),
             p.mem_cap.map_or("-".to_owned(), format_size),
-            match (p.job, p.job_mem_used) {
+            match (job_name(p.job, &p.pod), p.job_mem_used) {
                 (Some(j), Some(m)) => format!("{j} ({})", format_size(m)),
-                (Some(j), None) => j.to_string(),
+                (Some(j), None) => j,
                 _ => "-".to_owned(),
             },
             match p.sm_percent {
@@ -257,7 +259,7 @@ fn render_queue(out: &mut String, q: &[QueueEntry]) {
     for e in q {
         rows.push([
             e.position.to_string(),
-            e.pid.to_string(),
+            job_name(Some(e.pid), &e.pod).unwrap_or_default(),
             e.wants.clone(),
             seconds(e.waiting_s),
             if e.escalated { "yes" } else { "no" }.to_owned(),
@@ -283,7 +285,7 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
     for l in leases {
         let gpus: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
         rows.push([
-            l.pid.to_string(),
+            job_name(Some(l.pid), &l.pod).unwrap_or_default(),
             if gpus.is_empty() {
                 "-".to_owned()
             } else {
@@ -295,6 +297,16 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
         ]);
     }
     table(out, &rows);
+}
+
+/// A job as the JOB columns name it: its pod if it is one (every pod's
+/// lease is asked for by the one device plugin, so its pid tells them
+/// apart from nothing), else its run's pid.
+fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String> {
+    match pod {
+        Some(p) => Some(format!("pod {p}")),
+        None => pid.map(|p| p.to_string()),
+    }
 }
 
 /// Left-aligned columns two spaces apart, indented under their heading; the
@@ -417,6 +429,7 @@ mod tests {
                         job: Some(41),
                         job_mem_used: Some(3 << 30),
                         sm_percent: None,
+                        pod: None,
                     },
                     ProcStatus {
                         pid: 7,
@@ -425,6 +438,8 @@ mod tests {
                         share_target: 0.7,
                         limit: Some(0.5),
                         state: "idle".into(),
+                        job: Some(5),
+                        pod: Some("ml/infer-0".into()),
                         ..ProcStatus::default()
                     },
                 ],
@@ -434,21 +449,36 @@ mod tests {
             queue: vec![QueueEntry {
                 position: 1,
                 pid: 99,
+                pod: None,
                 command: "torchrun x".into(),
                 wants: "2 GPUs".into(),
                 waiting_s: 184.2,
                 escalated: true,
             }],
-            leases: vec![LeaseEntry {
-                pid: 41,
-                command: "python train.py".into(),
-                gpus: vec![0],
-                mem_cap: Some(4 << 30),
-                held_s: 7500.0,
-                compute: Some(30.0),
-                limit: None,
-                connected: true,
-            }],
+            leases: vec![
+                LeaseEntry {
+                    pid: 41,
+                    pod: None,
+                    command: "python train.py".into(),
+                    gpus: vec![0],
+                    mem_cap: Some(4 << 30),
+                    held_s: 7500.0,
+                    compute: Some(30.0),
+                    limit: None,
+                    connected: true,
+                },
+                LeaseEntry {
+                    pid: 5,
+                    pod: Some("ml/infer-0".into()),
+                    command: "container server".into(),
+                    gpus: vec![0],
+                    mem_cap: Some(2 << 30),
+                    held_s: 3.0,
+                    compute: None,
+                    limit: None,
+                    connected: true,
+                },
+            ],
             next: None,
             truncated: false,
             mps: None,
@@ -482,6 +512,10 @@ mod tests {
         assert!(lines[2].ends_with("holding"), "{t}");
         assert!(lines[3].contains("70%") && lines[3].contains("50%"), "{t}");
         assert!(lines[3].ends_with("idle"), "{t}");
+        // A pod's process and lease are named by the pod, not by the
+        // plugin's pid that all pods share.
+        assert!(lines[3].contains(" pod ml/infer-0 "), "{t}");
+        assert!(t.contains("\n  pod ml/infer-0  0     2.00 GiB"), "{t}");
         assert!(t.contains("queue:\n"), "{t}");
         assert!(
             t.contains("3m04s") && t.contains("yes") && t.contains("2 GPUs"),
@@ -491,8 +525,8 @@ mod tests {
         // Queue and leases are named by the job's run pid, as messages name
         // them.
         assert!(t.contains("queue:\n  POS  JOB  WANTS"), "{t}");
-        assert!(t.contains("leases:\n  JOB  GPUS"), "{t}");
-        assert!(t.contains("\n  41   0"), "{t}");
+        assert!(t.contains("leases:\n  JOB "), "{t}");
+        assert!(t.contains("\n  41              0"), "{t}");
         assert!(t.lines().all(|l| l == l.trim_end()), "{t}");
         // Columns line up.
         let col = |l: &str| {

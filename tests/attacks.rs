@@ -636,7 +636,7 @@ impl Rng {
 
 fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
     use gpufrac_common::config::Priority;
-    use gpufrac_common::wire::{ClientMsg, DeviceReg, encode_client};
+    use gpufrac_common::wire::{ClientMsg, DeviceReg, Pin, encode_client};
     let uuid = if r.below(4) == 0 {
         [r.below(256) as u8; 16]
     } else {
@@ -650,7 +650,7 @@ fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
         _ => Some(r.below(120) as f64),
     };
     let prio = [Priority::Low, Priority::Normal, Priority::High][r.below(3) as usize];
-    let msg = match r.below(11) {
+    let msg = match r.below(12) {
         0 => ClientMsg::Register {
             command: "fuzz".into(),
             devices: vec![DeviceReg {
@@ -692,6 +692,19 @@ fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
             command: "fuzz".into(),
             priority: Some(prio),
             resume: if r.below(4) == 0 { r.next() } else { 0 },
+            token: if r.below(4) == 0 { r.next() } else { 0 },
+            pin: if r.below(3) == 0 {
+                vec![Pin {
+                    uuid,
+                    mem: r.below(32) << 30,
+                }]
+            } else {
+                Vec::new()
+            },
+        },
+        10 => ClientMsg::Name {
+            pod: "fuzz/pod".into(),
+            label: "fuzz".into(),
         },
         _ => {
             // Garbage: a random frame.

@@ -6,7 +6,7 @@
 //!
 //! Everything here is plain data and file I/O; the socket layer decides.
 
-use crate::queue::{Request, Want};
+use crate::queue::{Pinned, Request, Want};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -53,6 +53,15 @@ pub struct Job {
     pub label: String,
     pub mem_cap: Option<u64>,
     pub phase: Phase,
+    /// The GPUs and memory the request was pinned to (a pod's, chosen by
+    /// the kubelet); empty for `gpufrac run`'s.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pin: Vec<Pinned>,
+    /// The pod the job is (`namespace/name`), from the device plugin's
+    /// `Name`: status shows it in place of the asking pid, which is the
+    /// plugin's for every pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 impl Job {
@@ -63,6 +72,7 @@ impl Job {
             limit: self.limit,
             label: self.label.clone(),
             job: self.pid,
+            pin: self.pin.clone(),
         })
     }
 
@@ -229,6 +239,8 @@ mod tests {
                 gpus: vec![0],
                 mig: None,
             },
+            pin: Vec::new(),
+            pod: None,
         }
     }
 

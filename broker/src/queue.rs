@@ -21,6 +21,13 @@
 //!   memory is not checked at all (slots still are), and fractions go to GPUs
 //!   where they still fit if any, otherwise to the least overcommitted one.
 //!
+//! - A pinned request (the Kubernetes device plugin's pod: the kubelet
+//!   already chose the GPUs and the pod is starting there) names its GPUs
+//!   and the memory on each; it goes there and nowhere else, as a fraction
+//!   on each. Pinned requests wait ahead of all but escalated ones, and a
+//!   GPU a pinned request waits for takes no other new lease meanwhile, so
+//!   that jobs arriving later cannot keep a pod's memory from it.
+//!
 //! GPUs in MIG mode under `--mig dynamic` are not among these: the MIG
 //! planner (`mig.rs`) owns them. A memory request goes to a MIG instance
 //! whenever one can be had now (reused, created, or created after
@@ -112,6 +119,18 @@ pub struct Request {
     /// status shows it. (The request id is the job's secret token.)
     #[serde(default)]
     pub job: u32,
+    /// Non-empty: the GPUs are already chosen, with the memory on each;
+    /// `want` is then `Memory` of their sum.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pin: Vec<Pinned>,
+}
+
+/// Memory on a GPU chosen before the request reached the queue.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pinned {
+    /// The GPU's UUID (`GPU-…`), as in [`GpuInfo::uuid`].
+    pub uuid: String,
+    pub mem: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -424,6 +443,24 @@ impl Queue {
         if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
             return Err(refuse(format!("request {id} is already queued or running")));
         }
+        if !req.pin.is_empty() {
+            let shares: Vec<Share> = req
+                .pin
+                .iter()
+                .filter_map(|p| {
+                    let i = self.gpu_of(&p.uuid)?;
+                    Some(Share {
+                        gpu: i,
+                        mem: p.mem,
+                        slot: false,
+                    })
+                })
+                .collect();
+            if shares.is_empty() {
+                return Err(refuse("none of the lease's GPUs is on this node any more"));
+            }
+            return Ok(self.commit(id, req, shares));
+        }
         let shares: Vec<Share> = gpus
             .iter()
             .filter_map(|&ix| self.gpus.iter().position(|g| g.info.index == ix))
@@ -467,7 +504,14 @@ impl Queue {
                 )
             )));
         }
-        match self.plan(now, &req) {
+        // Every GPU a pinned request waits for is taken: they are first.
+        let reserved: Vec<usize> = self
+            .waiting
+            .iter()
+            .flat_map(|w| &w.req.pin)
+            .filter_map(|p| self.gpu_of(&p.uuid))
+            .collect();
+        match self.plan(now, &req, &reserved) {
             Some(plan) => Ok(self.commit_placed(id, req, plan, None)),
             None => Err(refuse(format!(
                 "no room now for {}: {}; drop --no-wait to queue",
@@ -516,17 +560,20 @@ impl Queue {
     pub fn poll(&mut self, now: Nanos) -> Vec<Lease> {
         let mut placed = Vec::new();
         let mut taken = Vec::new();
+        // GPUs of pinned requests that did not fit: nobody after them may
+        // take room there (they come before every unescalated request).
+        let mut reserved = Vec::new();
         for i in self.order(now) {
             let w = &self.waiting[i];
             let escalated = self.is_escalated(now, w);
-            match self.plan(now, &w.req) {
+            match self.plan(now, &w.req, &reserved) {
                 Some(plan) => {
                     let (id, req, origin) = (w.id, w.req.clone(), (w.since, w.seq));
                     placed.push(self.commit_placed(id, req, plan, Some(origin)));
                     taken.push(i);
                 }
                 None if escalated => break,
-                None => {}
+                None => reserved.extend(w.req.pin.iter().filter_map(|p| self.gpu_of(&p.uuid))),
             }
         }
         taken.sort_unstable();
@@ -582,6 +629,16 @@ impl Queue {
             .collect()
     }
 
+    /// A new label for a waiting or held request (status shows it).
+    pub fn relabel(&mut self, id: RequestId, label: &str) {
+        if let Some(h) = self.held.get_mut(&id) {
+            h.req.label = label.to_owned();
+        }
+        if let Some(w) = self.waiting.iter_mut().find(|w| w.id == id) {
+            w.req.label = label.to_owned();
+        }
+    }
+
     pub fn lease(&self, id: RequestId) -> Option<&Lease> {
         self.held.get(&id).map(|h| &h.lease)
     }
@@ -596,19 +653,22 @@ impl Queue {
     }
 
     /// Indices into `waiting`, in queue order: escalated first (FIFO), then
-    /// by GPUs needed (a fraction counts as zero), FIFO among equals.
+    /// pinned (FIFO), then by GPUs needed (a fraction counts as zero), FIFO
+    /// among equals.
     fn order(&self, now: Nanos) -> Vec<usize> {
         let mut idx: Vec<usize> = (0..self.waiting.len()).collect();
         idx.sort_by_key(|&i| {
             let w = &self.waiting[i];
             if self.is_escalated(now, w) {
                 (0, 0, w.seq)
+            } else if !w.req.pin.is_empty() {
+                (1, 0, w.seq)
             } else {
                 let size = match w.req.want {
                     Want::Memory(_) => 0,
                     Want::Gpus(n) => n,
                 };
-                (1, size, w.seq)
+                (2, size, w.seq)
             }
         });
         idx
@@ -634,6 +694,9 @@ impl Queue {
         }
         if self.gpus.is_empty() && self.mig.is_empty() {
             return Err(refuse("this node has no GPUs"));
+        }
+        if !req.pin.is_empty() {
+            return self.check_pinned(req);
         }
         let indices: Vec<u32> = self.gpus.iter().map(|g| g.info.index).collect();
         match req.want {
@@ -731,6 +794,58 @@ impl Queue {
         }
     }
 
+    fn check_pinned(&self, req: &Request) -> Result<(), Refusal> {
+        let sum = req.pin.iter().fold(0u64, |a, p| a.saturating_add(p.mem));
+        if req.want != Want::Memory(sum) {
+            return Err(refuse(format!(
+                "a pinned request wants the sum of its pins ({}), not {}",
+                fmt_bytes(sum),
+                want_text(req.want)
+            )));
+        }
+        for (n, p) in req.pin.iter().enumerate() {
+            let Some(i) = self.gpu_of(&p.uuid) else {
+                let why = if self
+                    .mig
+                    .gpus()
+                    .any(|g| g.uuid.eq_ignore_ascii_case(&p.uuid))
+                {
+                    "is in MIG mode, handed out only as MIG instances"
+                } else {
+                    "is not a GPU of this broker"
+                };
+                return Err(refuse(format!("GPU {} {why}", p.uuid)));
+            };
+            if req.pin[..n]
+                .iter()
+                .any(|q| q.uuid.eq_ignore_ascii_case(&p.uuid))
+            {
+                return Err(refuse(format!(
+                    "GPU {} is named twice; name each GPU once with all its memory",
+                    p.uuid
+                )));
+            }
+            let g = &self.gpus[i].info;
+            if p.mem == 0 || p.mem > g.total_mem {
+                return Err(refuse(format!(
+                    "requested {} on GPU {}, which has {}; ask for 1 byte to {} there",
+                    fmt_bytes(p.mem),
+                    g.index,
+                    fmt_bytes(g.total_mem),
+                    fmt_bytes(g.total_mem)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The position in `gpus` of the GPU with this UUID.
+    fn gpu_of(&self, uuid: &str) -> Option<usize> {
+        self.gpus
+            .iter()
+            .position(|g| g.info.uuid.eq_ignore_ascii_case(uuid))
+    }
+
     fn slot_mem(&self, g: &GpuState) -> u64 {
         g.info.total_mem / u64::from(self.cfg.overprovision)
     }
@@ -760,15 +875,38 @@ impl Queue {
             .map(|(gpu, p)| format!("{}, the {} profile of GPU {gpu}", fmt_bytes(p.mem), p.name))
     }
 
-    /// Where `req` would go now, or None if it must wait: a MIG instance
-    /// if one can be had, else as before.
-    fn plan(&self, now: Nanos, req: &Request) -> Option<Placed> {
+    /// Where `req` would go now, or None if it must wait: its pinned GPUs
+    /// if it has them; else a MIG instance if one can be had, else a GPU
+    /// outside MIG mode other than the `reserved` ones (positions in
+    /// `gpus`).
+    fn plan(&self, now: Nanos, req: &Request, reserved: &[usize]) -> Option<Placed> {
+        if !req.pin.is_empty() {
+            return self.plan_pinned(&req.pin).map(Placed::Shares);
+        }
         if let Want::Memory(b) = req.want
             && let Some(c) = self.mig.plan(now, b, req.compute)
         {
             return Some(Placed::Mig(c));
         }
-        self.plan_shares(req.want).map(Placed::Shares)
+        self.plan_shares(req.want, reserved).map(Placed::Shares)
+    }
+
+    /// A fraction on each pinned GPU, if every one has a free slot and the
+    /// memory (or `overcommit`).
+    fn plan_pinned(&self, pin: &[Pinned]) -> Option<Vec<Share>> {
+        pin.iter()
+            .map(|p| {
+                let i = self.gpu_of(&p.uuid)?;
+                let g = &self.gpus[i];
+                let fits = g.slots_used < self.cfg.overprovision
+                    && (self.cfg.overcommit || g.uncommitted() >= i128::from(p.mem));
+                fits.then_some(Share {
+                    gpu: i,
+                    mem: p.mem,
+                    slot: false,
+                })
+            })
+            .collect()
     }
 
     fn commit_placed(
@@ -816,14 +954,14 @@ impl Queue {
     }
 
     /// Where `want` would go now among GPUs outside MIG mode, or None.
-    fn plan_shares(&self, want: Want) -> Option<Vec<Share>> {
+    fn plan_shares(&self, want: Want, reserved: &[usize]) -> Option<Vec<Share>> {
         match want {
             Want::Gpus(n) => {
                 let free: Vec<Share> = self
                     .gpus
                     .iter()
                     .enumerate()
-                    .filter(|(_, g)| self.fits_whole(g))
+                    .filter(|(i, g)| !reserved.contains(i) && self.fits_whole(g))
                     .take(n as usize)
                     .map(|(i, g)| Share {
                         gpu: i,
@@ -835,10 +973,9 @@ impl Queue {
             }
             Want::Memory(b) => {
                 let open = || {
-                    self.gpus
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, g)| g.slots_used < self.cfg.overprovision)
+                    self.gpus.iter().enumerate().filter(|(i, g)| {
+                        !reserved.contains(i) && g.slots_used < self.cfg.overprovision
+                    })
                 };
                 let need = i128::from(b);
                 let fitting = open().filter(|(_, g)| g.uncommitted() >= need);
@@ -866,7 +1003,9 @@ impl Queue {
         }
     }
 
-    fn commit(&mut self, id: RequestId, req: Request, shares: Vec<Share>) -> Lease {
+    fn commit(&mut self, id: RequestId, req: Request, mut shares: Vec<Share>) -> Lease {
+        // Pins come in the client's order; a lease lists GPUs ascending.
+        shares.sort_by_key(|s| self.gpus[s.gpu].info.index);
         for s in &shares {
             let g = &mut self.gpus[s.gpu];
             g.committed = g.committed.saturating_add(s.mem);
@@ -876,6 +1015,9 @@ impl Queue {
             g.leases.push(id);
         }
         let mem_cap = match req.want {
+            // On several GPUs, each has its own cap, in the processes'
+            // environment: one cap for all would be wrong for some.
+            Want::Memory(_) if req.pin.len() > 1 => None,
             Want::Memory(b) => Some(b),
             Want::Gpus(_) if self.cfg.overprovision > 1 => shares.iter().map(|s| s.mem).min(),
             Want::Gpus(_) => None,
@@ -911,13 +1053,25 @@ impl Queue {
                 if g.leases.is_empty() {
                     return format!("GPU {}: free", g.info.index);
                 }
-                let mut jobs: Vec<u32> = g
+                // A pinned lease is a pod's, and the plugin that asked for
+                // it has one pid for all of them: its label tells them apart.
+                let mut jobs: Vec<(u32, &str)> = g
                     .leases
                     .iter()
-                    .filter_map(|l| self.held.get(l).map(|h| h.req.job))
+                    .filter_map(|l| self.held.get(l))
+                    .map(|h| match h.req.pin.is_empty() {
+                        true => (h.req.job, ""),
+                        false => (h.req.job, h.req.label.as_str()),
+                    })
                     .collect();
                 jobs.sort_unstable();
-                let ids: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
+                let ids: Vec<String> = jobs
+                    .iter()
+                    .map(|(j, l)| match l.is_empty() {
+                        true => j.to_string(),
+                        false => format!("{j} ({l})"),
+                    })
+                    .collect();
                 let owners = format!(
                     "{} {}",
                     if ids.len() == 1 { "job" } else { "jobs" },
@@ -973,6 +1127,25 @@ mod tests {
             limit: None,
             label: format!("job {want:?}"),
             job: 0,
+            pin: Vec::new(),
+        }
+    }
+
+    /// A pod's request: `gib` on each GPU of `on` (positions, as `gpus`
+    /// names them).
+    fn pinned(on: &[(u32, u64)]) -> Request {
+        let pin: Vec<Pinned> = on
+            .iter()
+            .map(|&(i, gib)| Pinned {
+                uuid: format!("GPU-{i:04}"),
+                mem: gib * GIB,
+            })
+            .collect();
+        Request {
+            want: Want::Memory(pin.iter().map(|p| p.mem).sum()),
+            label: "pod ns/p".into(),
+            pin,
+            ..req(Want::Gpus(1))
         }
     }
 
@@ -1323,6 +1496,80 @@ mod tests {
     }
 
     #[test]
+    fn pinned_requests_go_to_their_gpu_and_hold_it_against_newcomers() {
+        let mut q = two_80g();
+        q.submit(0, 1, mem(70)).unwrap();
+        assert_eq!(placed(&q.poll(0)), vec![(1, vec![0])]);
+        // The pod's 20 GiB on GPU 0 wait for job 1's room...
+        q.submit(SEC, 2, pinned(&[(0, 20)])).unwrap();
+        // ...and a 5 GiB job, which best fit would put into GPU 0's last
+        // 10 GiB, goes to GPU 1 instead, as does --no-wait.
+        q.submit(SEC, 3, mem(5)).unwrap();
+        assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![1])]);
+        assert_eq!(q.position(SEC, 2), Some(1));
+        let l = q.try_now(SEC, 4, mem(5)).unwrap();
+        assert_eq!(l.gpus, [1]);
+        q.release(2 * SEC, 1);
+        let l = q.poll(2 * SEC);
+        assert_eq!(placed(&l), vec![(2, vec![0])]);
+        assert_eq!(l[0].mem_cap, Some(20 * GIB));
+        assert_eq!(q.leases()[0].committed_mem, 20 * GIB);
+        // Pinned requests go before unescalated ones, FIFO among them.
+        q.submit(3 * SEC, 5, whole(1)).unwrap();
+        q.submit(4 * SEC, 6, pinned(&[(1, 80)])).unwrap();
+        q.submit(5 * SEC, 7, pinned(&[(0, 60)])).unwrap();
+        let order: Vec<RequestId> = q.waiting(5 * SEC).iter().map(|w| w.id).collect();
+        assert_eq!(order, [6, 7, 5]);
+        assert_eq!(placed(&q.poll(5 * SEC)), vec![(7, vec![0])]);
+    }
+
+    #[test]
+    fn a_pinned_request_on_several_gpus_takes_each_its_own() {
+        let mut q = two_80g();
+        let l = q.try_now(0, 1, pinned(&[(1, 30), (0, 10)])).unwrap();
+        assert_eq!((l.gpus.clone(), l.mem_cap), (vec![0, 1], None));
+        let c: Vec<u64> = q.leases().iter().map(|g| g.committed_mem).collect();
+        assert_eq!(c, [10 * GIB, 30 * GIB]);
+        q.release(SEC, 1);
+        assert!(q.leases().iter().all(|g| g.committed_mem == 0));
+        // After a broker restart it is booked where its pins say, whatever
+        // GPUs the saved lease listed.
+        let l = q.restore(2, pinned(&[(1, 30), (0, 10)]), &[]).unwrap();
+        assert_eq!(l.gpus, [0, 1]);
+        let c: Vec<u64> = q.leases().iter().map(|g| g.committed_mem).collect();
+        assert_eq!(c, [10 * GIB, 30 * GIB]);
+    }
+
+    #[test]
+    fn bad_pins_are_refused_with_what_would_do() {
+        let mut q = two_80g();
+        let mut r = pinned(&[(0, 10)]);
+        r.pin[0].uuid = "GPU-ffff".into();
+        let e = q.submit(0, 1, r).unwrap_err();
+        assert!(
+            e.reason.contains("GPU-ffff is not a GPU of this broker"),
+            "{e}"
+        );
+        let e = q.submit(0, 2, pinned(&[(0, 10), (0, 5)])).unwrap_err();
+        assert!(e.reason.contains("named twice"), "{e}");
+        let e = q.submit(0, 3, pinned(&[(1, 81)])).unwrap_err();
+        assert!(
+            e.reason.contains("81.0 GiB on GPU 1, which has 80.0 GiB"),
+            "{e}"
+        );
+        let mut r = pinned(&[(0, 10)]);
+        r.want = Want::Gpus(1);
+        let e = q.submit(0, 4, r).unwrap_err();
+        assert!(e.reason.contains("sum of its pins"), "{e}");
+        // A pinned GPU in MIG mode is named as such.
+        let mut q = with_mig();
+        let mut r = pinned(&[(0, 5)]);
+        r.pin[0].uuid = q.mig().gpus().next().unwrap().uuid.clone();
+        let e = q.submit(0, 5, r).unwrap_err();
+        assert!(e.reason.contains("in MIG mode"), "{e}");
+    }
+
+    #[test]
     fn lease_details_are_queryable() {
         let mut q = two_80g();
         let r = Request {
@@ -1503,6 +1750,9 @@ mod tests {
         #[derive(Debug, Clone)]
         enum Op {
             Submit(Want),
+            /// GiB on the GPU at this position (mod the count), and on the
+            /// next one too if the second is non-zero.
+            Pin(usize, u64, u64),
             TryNow(Want),
             Release(usize),
             Cancel(usize),
@@ -1520,6 +1770,8 @@ mod tests {
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
                 3 => want().prop_map(Op::Submit),
+                1 => (any::<usize>(), 1..90u64, prop_oneof![Just(0u64), 1..30u64])
+                    .prop_map(|(g, a, b)| Op::Pin(g, a, b)),
                 1 => want().prop_map(Op::TryNow),
                 2 => any::<usize>().prop_map(Op::Release),
                 1 => any::<usize>().prop_map(Op::Cancel),
@@ -1573,6 +1825,14 @@ mod tests {
                 assert!(h.lease.gpus.windows(2).all(|w| w[0] < w[1]));
                 assert!(!q.waiting.iter().any(|w| w.id == *id));
                 match h.req.want {
+                    Want::Memory(_) if !h.req.pin.is_empty() => {
+                        assert_eq!(h.lease.gpus.len(), h.req.pin.len());
+                        let cap = h.req.pin[0].mem;
+                        assert_eq!(h.lease.mem_cap, (h.req.pin.len() == 1).then_some(cap));
+                        for p in &h.req.pin {
+                            assert!(h.lease.uuids.contains(&p.uuid));
+                        }
+                    }
                     Want::Memory(b) => {
                         assert_eq!(h.lease.mem_cap, Some(b));
                         assert_eq!(h.lease.gpus.len(), 1);
@@ -1582,10 +1842,17 @@ mod tests {
             }
             if just_polled {
                 // Backfill is complete: up to the first blocked escalated
-                // request, nothing still waiting fits.
+                // request, nothing still waiting fits (but where pinned
+                // requests before it wait).
+                let mut reserved = Vec::new();
                 for i in q.order(now) {
                     let w = &q.waiting[i];
-                    assert!(q.plan(now, &w.req).is_none(), "request {} fits", w.id);
+                    assert!(
+                        q.plan(now, &w.req, &reserved).is_none(),
+                        "request {} fits",
+                        w.id
+                    );
+                    reserved.extend(w.req.pin.iter().filter_map(|p| q.gpu_of(&p.uuid)));
                     if q.is_escalated(now, w) {
                         break;
                     }
@@ -1607,6 +1874,17 @@ mod tests {
                         Op::Submit(w) => {
                             next_id += 1;
                             if q.submit(now, next_id, req(w)).is_ok() {
+                                ids.push(next_id);
+                            }
+                        }
+                        Op::Pin(g, a, b) if !totals.is_empty() => {
+                            let n = totals.len();
+                            let mut on = vec![((g % n) as u32, a)];
+                            if b > 0 && n > 1 {
+                                on.push((((g + 1) % n) as u32, b));
+                            }
+                            next_id += 1;
+                            if q.submit(now, next_id, pinned(&on)).is_ok() {
                                 ids.push(next_id);
                             }
                         }

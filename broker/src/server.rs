@@ -7,7 +7,7 @@ use crate::inventory::{self, Nvml, uuid_string};
 use crate::jobs::{self, Job, Phase, StateFile};
 use crate::mig::{self, Step, Use};
 use crate::mig_nvml::{MigDriver, NvmlMig};
-use crate::queue::{self, Placement, Queue, QueueConfig, Want};
+use crate::queue::{self, Pinned, Placement, Queue, QueueConfig, Want};
 use crate::sched::{Action, ClientState, GroupId, Priority, SchedConfig, Scheduler};
 use crate::status::{GpuStatus, LeaseEntry, ProcStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
@@ -159,6 +159,8 @@ struct Conn {
     /// The job token a process sent in `Join` (a container's process, which
     /// does not descend from its job's run).
     claimed_job: Option<u64>,
+    /// It has sent `Register` (and been answered).
+    registered: bool,
     /// Queue position last told to a waiting `gpufrac run`.
     queued: Option<u32>,
     dead: bool,
@@ -470,6 +472,7 @@ impl Server {
                             job: None,
                             member_of: None,
                             claimed_job: None,
+                            registered: false,
                             queued: None,
                             dead: false,
                             want_write: false,
@@ -795,6 +798,9 @@ impl Server {
                     c.devices = devs;
                 }
                 self.send(tok, &ServerMsg::Registered { mem_cap });
+                if let Some(c) = self.conns.get_mut(&tok) {
+                    c.registered = true;
+                }
                 self.enforce(now, tok);
                 if let Some(t) = old_job.filter(|&t| Some(t) != job) {
                     self.enforce_job(now, t);
@@ -864,6 +870,28 @@ impl Server {
                 // container can outlive its run.
                 c.claimed_job = Some(job);
             }
+            ClientMsg::Name { pod, label } => {
+                let Some(t) = c.job else {
+                    self.send(
+                        tok,
+                        &ServerMsg::Error {
+                            code: wire::ERR_REFUSED,
+                            message:
+                                "Name names the job of this connection's lease: send Lease first"
+                                    .into(),
+                        },
+                    );
+                    return;
+                };
+                let label = clip(&label, MAX_COMMAND);
+                c.command = label.clone();
+                self.queue.relabel(t, &label);
+                if let Some(j) = self.jobs.get_mut(&t) {
+                    j.label = label;
+                    j.pod = Some(clip(&pod, MAX_POD)).filter(|p| !p.is_empty());
+                    self.dirty = true;
+                }
+            }
             ClientMsg::Status { from } => {
                 let json = self.status_json(from as usize);
                 self.send(tok, &ServerMsg::StatusReply { json });
@@ -877,6 +905,8 @@ impl Server {
                 command,
                 priority,
                 resume,
+                token: chosen,
+                pin,
             } => {
                 if c.job.is_some() {
                     self.send(
@@ -892,7 +922,35 @@ impl Server {
                     self.resume_job(tok, resume);
                     return;
                 }
+                let refusal = if chosen != 0 && self.jobs.contains_key(&chosen) {
+                    Some("the chosen token is another job's; choose another at random")
+                } else if !pin.is_empty() && (want_gpus, want_mem) != (0, 0) {
+                    Some(
+                        "a lease either names its GPUs and the memory on each (pin) or asks for GPUs or memory, not both",
+                    )
+                } else {
+                    None
+                };
+                if let Some(reason) = refusal {
+                    self.send(
+                        tok,
+                        &ServerMsg::Refused {
+                            reason: reason.into(),
+                        },
+                    );
+                    return;
+                }
+                let pin: Vec<Pinned> = pin
+                    .iter()
+                    .map(|p| Pinned {
+                        uuid: uuid_string(&p.uuid),
+                        mem: p.mem,
+                    })
+                    .collect();
                 let want = match (want_gpus, want_mem) {
+                    _ if !pin.is_empty() => Some(Want::Memory(
+                        pin.iter().fold(0u64, |a, p| a.saturating_add(p.mem)),
+                    )),
                     (0, 0) => None,
                     (0, b) => Some(Want::Memory(b)),
                     (n, _) => Some(Want::Gpus(n)),
@@ -919,7 +977,10 @@ impl Server {
                     );
                     return;
                 };
-                let token = jobs::new_token();
+                let token = match chosen {
+                    0 => jobs::new_token(),
+                    t => t,
+                };
                 let mut job = Job {
                     token,
                     pid,
@@ -932,6 +993,8 @@ impl Server {
                     label,
                     mem_cap: None,
                     phase: Phase::Unplaced,
+                    pin,
+                    pod: None,
                 };
                 match job.request() {
                     // A job without placement: a unit with its settings.
@@ -1007,6 +1070,46 @@ impl Server {
             c.job = Some(t);
         }
         self.dirty = true;
+        self.rejoin(t);
+    }
+
+    /// Brings a job's processes up to date with it: those that sent its
+    /// token before it existed join it (a pod's processes can start before
+    /// the device plugin's lease reaches the broker, and keep their token
+    /// when the plugin books the pod again after a restart), and all of
+    /// them get its memory cap once it has one (a pod's lease may be
+    /// granted after its processes started).
+    fn rejoin(&mut self, token: u64) {
+        let now = self.now();
+        let mem_cap = self.jobs.get(&token).and_then(|j| j.mem_cap).unwrap_or(0);
+        let who: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.registered
+                    && (c.member_of == Some(token)
+                        || (c.member_of.is_none() && c.claimed_job == Some(token)))
+            })
+            .map(|(t, _)| *t)
+            .collect();
+        if who.is_empty() {
+            return;
+        }
+        for t in who {
+            if let Some(c) = self.conns.get_mut(&t) {
+                c.member_of = Some(token);
+                for d in &mut c.devices {
+                    if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
+                        d.cap = mem_cap;
+                    }
+                }
+            }
+            if mem_cap > 0 {
+                self.send(t, &ServerMsg::Registered { mem_cap });
+            }
+            self.enforce(now, t);
+        }
+        self.enforce_job(now, token);
     }
 
     /// A `gpufrac run` reconnecting after a broker restart: only the same
@@ -1181,6 +1284,7 @@ impl Server {
             j.mem_cap = lease.mem_cap;
             self.dirty = true;
         }
+        self.rejoin(lease.id);
         self.leased_at.entry(lease.id).or_insert_with(Instant::now);
         if let Some(&tok) = self.job_conn.get(&lease.id) {
             if let Some(c) = self.conns.get_mut(&tok) {
@@ -1477,6 +1581,10 @@ impl Server {
                     limit: s.map_or(c.limit, |s| s.limit),
                     uid: c.uid,
                     job: c.member_of.and_then(|t| self.jobs.get(&t)).map(|j| j.pid),
+                    pod: c
+                        .member_of
+                        .and_then(|t| self.jobs.get(&t))
+                        .and_then(|j| j.pod.clone()),
                     job_mem_used: c
                         .member_of
                         .map(|t| job_used.get(&(t, d.gpu)).copied().unwrap_or(0)),
@@ -1564,10 +1672,11 @@ impl Server {
             .waiting(now)
             .into_iter()
             .map(|w| {
-                let pid = self.jobs.get(&w.id).map_or(0, |j| j.pid);
+                let job = self.jobs.get(&w.id);
                 QueueEntry {
                     position: w.position as u32,
-                    pid,
+                    pid: job.map_or(0, |j| j.pid),
+                    pod: job.and_then(|j| j.pod.clone()),
                     command: w.label.clone(),
                     wants: describe(&w.want),
                     waiting_s: w.waited as f64 / 1e9,
@@ -1581,6 +1690,7 @@ impl Server {
             .filter(|(_, j)| !matches!(j.phase, Phase::Queued { .. }))
             .map(|(t, j)| LeaseEntry {
                 pid: j.pid,
+                pod: j.pod.clone(),
                 command: j.label.clone(),
                 gpus: self
                     .queue
@@ -1732,6 +1842,8 @@ impl Server {
 /// Longest command line status shows: a process's arguments are its own
 /// to make long, not everyone's status to carry.
 const MAX_COMMAND: usize = 1024;
+/// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
+const MAX_POD: usize = 320;
 
 fn clip(s: &str, max: usize) -> String {
     if s.len() <= max {

@@ -149,6 +149,10 @@ pub struct ProcStatus {
     /// with `--gpu-memory` is capped as a whole).
     #[serde(default)]
     pub job_mem_used: Option<u64>,
+    /// The pod (`namespace/name`) whose lease that job is, for a pod's
+    /// process under the Kubernetes device plugin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 fn time_slicing() -> String {
@@ -163,6 +167,9 @@ fn normal() -> String {
 pub struct QueueEntry {
     pub position: u32,
     pub pid: u32,
+    /// A pod's lease (`namespace/name`): `pid` is then the device plugin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
     pub command: String,
     /// Human description: "2 GPUs", "4.00 GiB".
     pub wants: String,
@@ -173,6 +180,9 @@ pub struct QueueEntry {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct LeaseEntry {
     pub pid: u32,
+    /// A pod's lease (`namespace/name`): `pid` is then the device plugin's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
     pub command: String,
     pub gpus: Vec<u32>,
     pub mem_cap: Option<u64>,

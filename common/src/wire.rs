@@ -60,7 +60,9 @@ use crate::config::Priority;
 /// 2: priorities (`Register`, `Lease`), the in-flight bound in `Grant`,
 /// and `Drained`. 3: `Registered`, lease tokens (`Queued`, `Leased`,
 /// `Lease.resume`), paged `Status`, and `Ping`. 4: `Join`, and the MIG
-/// device of a lease (`Leased.mig`, `gpufrac broker --mig dynamic`).
+/// device of a lease (`Leased.mig`, `gpufrac broker --mig dynamic`),
+/// leases pinned to GPUs under a token the client chose (`Lease.pin`,
+/// `Lease.token`: the Kubernetes device plugin's pods), and `Name`.
 pub const PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
@@ -92,6 +94,7 @@ const T_LEASE: u8 = 0x07;
 const T_DRAINED: u8 = 0x08;
 const T_PING: u8 = 0x09;
 const T_JOIN: u8 = 0x0a;
+const T_NAME: u8 = 0x0b;
 
 const T_HELLO_OK: u8 = 0x81;
 const T_ERROR: u8 = 0x82;
@@ -106,6 +109,14 @@ const T_PONG: u8 = 0x8a;
 
 const UUID_LEN: usize = 16;
 const DEVICE_REG_LEN: usize = UUID_LEN + 4 + 8 + 8;
+const PIN_LEN: usize = UUID_LEN + 8;
+
+/// Memory on one given GPU, for a lease whose GPUs are already chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    pub uuid: [u8; 16],
+    pub mem: u64,
+}
 
 /// Who is on the other end of a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -214,6 +225,22 @@ pub enum ClientMsg {
         /// request this same process held before the broker restarted: the
         /// broker gives back that lease, or that place in the queue.
         resume: u64,
+        /// Non-zero: the token the new job is to have, chosen (at random)
+        /// by the client, which has already handed it to the job's
+        /// processes: the Kubernetes device plugin answers the kubelet
+        /// before the broker does, and books the same pod again under the
+        /// same token after either of them restarts. Refused if another
+        /// job holds it.
+        token: u64,
+        /// Non-empty: the GPUs are already chosen (the kubelet chose them
+        /// for a pod), and this is the memory on each; `want_*` are then 0.
+        pin: Vec<Pin>,
+    },
+    /// Names the job of this connection's lease for status: the pod it is
+    /// (`namespace/name`) and a label in place of its command.
+    Name {
+        pod: String,
+        label: String,
     },
 }
 
@@ -425,6 +452,8 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             command,
             priority,
             resume,
+            token,
+            pin,
         } => {
             out.push(T_LEASE);
             put_u32(out, *want_gpus);
@@ -435,6 +464,18 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             put_str16(out, command);
             out.push(priority.map_or(0, |p| p.index() as u8 + 1));
             put_u64(out, *resume);
+            put_u64(out, *token);
+            let pin = clamp_list(pin);
+            put_u16(out, pin.len() as u16);
+            for p in pin {
+                out.extend_from_slice(&p.uuid);
+                put_u64(out, p.mem);
+            }
+        }
+        ClientMsg::Name { pod, label } => {
+            out.push(T_NAME);
+            put_str16(out, pod);
+            put_str16(out, label);
         }
     }
     end_frame(out, start);
@@ -592,6 +633,22 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
                 ),
             },
             resume: r.u64()?,
+            token: r.u64()?,
+            pin: {
+                let n = r.count(PIN_LEN)?;
+                let mut pin = Vec::with_capacity(n);
+                for _ in 0..n {
+                    pin.push(Pin {
+                        uuid: r.array()?,
+                        mem: r.u64()?,
+                    });
+                }
+                pin
+            },
+        },
+        T_NAME => ClientMsg::Name {
+            pod: r.str16()?,
+            label: r.str16()?,
         },
         other => return Err(DecodeError::UnknownType(other)),
     };
@@ -919,6 +976,8 @@ mod tests {
                 command: "torchrun --nproc_per_node=2 train.py".into(),
                 priority: None,
                 resume: 0,
+                token: 0,
+                pin: Vec::new(),
             },
             ClientMsg::Lease {
                 want_gpus: 0,
@@ -929,6 +988,33 @@ mod tests {
                 command: String::new(),
                 priority: Some(Priority::High),
                 resume: u64::MAX,
+                token: 0,
+                pin: Vec::new(),
+            },
+            ClientMsg::Lease {
+                want_gpus: 0,
+                want_mem: 0,
+                compute: Some(25.0),
+                limit: None,
+                no_wait: false,
+                command: "k8s pod".into(),
+                priority: None,
+                resume: 0,
+                token: u64::MAX - 1,
+                pin: vec![
+                    Pin {
+                        uuid: uuid(1),
+                        mem: 4 << 30,
+                    },
+                    Pin {
+                        uuid: uuid(2),
+                        mem: 1,
+                    },
+                ],
+            },
+            ClientMsg::Name {
+                pod: "default/infer-0".into(),
+                label: "k8s default/infer-0 (container main)".into(),
             },
         ]
     }
@@ -1046,12 +1132,17 @@ mod tests {
             enc_c(&ClientMsg::Status { from: 3 }),
             [5, 0, 0, 0, 0x06, 3, 0, 0, 0]
         );
-        let mut want = vec![35, 0, 0, 0, 0x07, 2, 0, 0, 0];
+        // Then version 4's chosen token and pins (one here).
+        let mut want = vec![35 + 8 + 2 + 24, 0, 0, 0, 0x07, 2, 0, 0, 0];
         want.extend_from_slice(&0u64.to_le_bytes());
         want.extend_from_slice(&[1]);
         want.extend_from_slice(&30.0f64.to_bits().to_le_bytes());
         want.extend_from_slice(&[0, 1, 0, 0, 0]);
         want.extend_from_slice(&9u64.to_le_bytes());
+        want.extend_from_slice(&7u64.to_le_bytes());
+        want.extend_from_slice(&[1, 0]);
+        want.extend_from_slice(&[0xcd; 16]);
+        want.extend_from_slice(&(4u64 << 30).to_le_bytes());
         assert_eq!(
             enc_c(&ClientMsg::Lease {
                 want_gpus: 2,
@@ -1062,8 +1153,20 @@ mod tests {
                 command: String::new(),
                 priority: None,
                 resume: 9,
+                token: 7,
+                pin: vec![Pin {
+                    uuid: [0xcd; 16],
+                    mem: 4 << 30,
+                }],
             }),
             want
+        );
+        assert_eq!(
+            enc_c(&ClientMsg::Name {
+                pod: "a/b".into(),
+                label: "c".into()
+            }),
+            [9, 0, 0, 0, 0x0b, 3, 0, b'a', b'/', b'b', 1, 0, b'c']
         );
         // Version 4's lease: GPU 0, its UUID, the cap, the token, no MPS
         // pipe, the MIG device last.
@@ -1358,6 +1461,8 @@ mod tests {
             command: long.clone(),
             priority: Some(Priority::Low),
             resume: 0,
+            token: 0,
+            pin: Vec::new(),
         };
         let bytes = enc_c(&m);
         let (ClientMsg::Lease { command, .. }, used) = decode_client(&bytes).unwrap() else {
@@ -1516,6 +1621,8 @@ mod tests {
             any::<u32>().prop_map(|from| ClientMsg::Status { from }),
             Just(ClientMsg::Ping),
             any::<u64>().prop_map(|job| ClientMsg::Join { job }),
+            (any::<String>(), any::<String>())
+                .prop_map(|(pod, label)| ClientMsg::Name { pod, label }),
             (
                 any::<u32>(),
                 any::<u64>(),
@@ -1534,6 +1641,15 @@ mod tests {
                         command,
                         priority: None,
                         resume: want_mem.rotate_left(7),
+                        token: want_mem.rotate_left(13),
+                        pin: if no_wait {
+                            Vec::new()
+                        } else {
+                            vec![Pin {
+                                uuid: [want_gpus as u8; 16],
+                                mem: want_mem,
+                            }]
+                        },
                     }
                 }),
         ]
