@@ -12,6 +12,7 @@ use clap::{Args, ValueEnum};
 use gpufrac_broker::inventory::{self, uuid_string};
 use gpufrac_common::size::parse_size;
 use gpufrac_k8s::devices::MAX_UNITS_PER_GPU;
+use gpufrac_k8s::leases::LeaseConfig;
 use gpufrac_k8s::{Config, Gpu, Injection, Lister, Mounts, Resource};
 
 use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR, InjectArgs};
@@ -83,6 +84,15 @@ pub struct PluginArgs {
     /// no longer lists are reported Unhealthy.
     #[arg(long, value_name = "DUR", default_value = "10s", value_parser = crate::positive_duration)]
     pub poll_interval: u64,
+    /// The kubelet's pod-resources socket, asked every --poll-interval which
+    /// pod holds which devices: leases are named after their pods and end
+    /// when the pods do.
+    #[arg(long, value_name = "PATH", default_value = gpufrac_k8s::DEFAULT_POD_RESOURCES)]
+    pub pod_resources_socket: PathBuf,
+    /// Where the tokens of the pods' leases are kept (root only), so that
+    /// a restarted plugin books the same pods under the same tokens.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/gpufrac")]
+    pub state_dir: PathBuf,
     /// Print the GPUs (`gpu INDEX UUID TOTAL_BYTES`) and exit: what the
     /// plugin runs in a child process for each look at the GPUs.
     #[arg(long, hide = true)]
@@ -128,11 +138,21 @@ pub fn main(args: PluginArgs) -> u8 {
     let result = injection(&args).and_then(|inject| {
         let program = std::env::current_exe()
             .map_err(|e| format!("cannot locate the gpufrac binary to list the GPUs: {e}"))?;
+        let poll_interval = Duration::from_nanos(args.poll_interval);
+        let socket = crate::docker::absolute(&crate::socket_path(args.inject.socket.clone()))?;
         gpufrac_k8s::run(Config {
             kubelet_dir: args.kubelet_dir.clone(),
             resource,
             inject,
-            poll_interval: Duration::from_nanos(args.poll_interval),
+            poll_interval,
+            leases: LeaseConfig {
+                socket,
+                pod_resources: Some(args.pod_resources_socket.clone()),
+                state_file: state_file(&args.state_dir, resource),
+                // The kubelet lists a pod's devices as soon as Allocate
+                // has answered: three looks are plenty.
+                grace: poll_interval * 3,
+            },
             lister: Lister {
                 program,
                 args: vec!["k8s-device-plugin".into(), "--list-gpus".into()],
@@ -157,7 +177,6 @@ fn resource(args: &PluginArgs) -> Result<Resource, String> {
         let i = &args.inject;
         for (given, flag) in [
             (i.lib.is_some(), "--lib"),
-            (i.socket.is_some(), "--socket"),
             (i.preload_file.is_some(), "--preload-file"),
         ] {
             if given {
@@ -195,6 +214,20 @@ fn resource(args: &PluginArgs) -> Result<Resource, String> {
             })
         }
     }
+}
+
+/// The leases' state file in `dir` (made if missing), one per resource;
+/// None, said, when the directory cannot be made.
+fn state_file(dir: &Path, resource: Resource) -> Option<PathBuf> {
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        tracing::warn!(
+            "--state-dir {}: {e}; the pods' lease tokens are not kept, so a restarted plugin              books its pods under new tokens (their processes then count as their user's)",
+            dir.display()
+        );
+        return None;
+    }
+    let stem = resource.endpoint().trim_end_matches(".sock");
+    Some(dir.join(format!("k8s-{stem}.json")))
 }
 
 /// What allocations put into containers, checked now rather than at the

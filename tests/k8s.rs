@@ -2,7 +2,8 @@
 //! kubelet that speaks the kubelet's own gRPC API (v1beta1, the same
 //! generated code): a Registration server on a temporary kubelet.sock, and a
 //! DevicePlugin client on the plugin's socket, as the kubelet's device
-//! manager does. The GPUs are the simulated driver's.
+//! manager does, and a PodResourcesLister server on a pod-resources socket,
+//! which lists the pods the test says. The GPUs are the simulated driver's.
 
 mod support;
 use support::*;
@@ -11,10 +12,12 @@ use std::collections::HashMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpufrac_k8s::api;
 use gpufrac_k8s::api::device_plugin_client::DevicePluginClient;
+use gpufrac_k8s::podresources as pr;
 use gpufrac_k8s::reexport::tokio::sync::{mpsc, watch};
 use gpufrac_k8s::reexport::tonic::transport::Channel;
 use gpufrac_k8s::reexport::tonic::{self, Request, Response, Status};
@@ -39,9 +42,45 @@ impl api::registration_server::Registration for Registration {
     }
 }
 
+/// The kubelet's pod-resources API: List answers with the pods the test
+/// set.
+#[derive(Clone, Default)]
+struct Pods(Arc<Mutex<Vec<pr::PodResources>>>);
+
+#[tonic::async_trait]
+impl pr::pod_resources_lister_server::PodResourcesLister for Pods {
+    async fn list(
+        &self,
+        _: Request<pr::ListPodResourcesRequest>,
+    ) -> Result<Response<pr::ListPodResourcesResponse>, Status> {
+        Ok(Response::new(pr::ListPodResourcesResponse {
+            pod_resources: self.0.lock().unwrap().clone(),
+        }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<pr::AllocatableResourcesRequest>,
+    ) -> Result<Response<pr::AllocatableResourcesResponse>, Status> {
+        Err(Status::unimplemented("not in the stand-in"))
+    }
+
+    async fn get(
+        &self,
+        _: Request<pr::GetPodResourcesRequest>,
+    ) -> Result<Response<pr::GetPodResourcesResponse>, Status> {
+        Err(Status::unimplemented("not in the stand-in"))
+    }
+}
+
 /// A stand-in kubelet on a device-plugin directory of its own.
 struct Kubelet {
     dir: Scratch,
+    /// Its pod-resources socket (a directory of its own, as the kubelet's
+    /// is: a restart's socket clean-up does not touch it), and where the
+    /// plugins it runs keep their state.
+    pod_dir: Scratch,
+    pods: Pods,
     rt: tokio::runtime::Runtime,
     tx: mpsc::UnboundedSender<api::RegisterRequest>,
     regs: mpsc::UnboundedReceiver<api::RegisterRequest>,
@@ -59,13 +98,52 @@ impl Kubelet {
             .build()
             .unwrap();
         let (tx, regs) = mpsc::unbounded_channel();
+        let pod_dir = Scratch::new("kubelet-pods");
+        let pods = Pods::default();
+        {
+            let _g = rt.enter();
+            let listener = tokio::net::UnixListener::bind(pod_dir.0.join("kubelet.sock")).unwrap();
+            rt.spawn(
+                tonic::transport::Server::builder()
+                    .add_service(
+                        pr::pod_resources_lister_server::PodResourcesListerServer::new(
+                            pods.clone(),
+                        ),
+                    )
+                    .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+            );
+        }
         Kubelet {
             dir: Scratch::new("kubelet"),
+            pod_dir,
+            pods,
             rt,
             tx,
             regs,
             stop: None,
         }
+    }
+
+    /// What List answers from now on: (namespace, name, container, device
+    /// IDs of `resource`).
+    fn set_pods(&self, resource: &str, pods: &[(&str, &str, &str, Vec<String>)]) {
+        *self.pods.0.lock().unwrap() = pods
+            .iter()
+            .map(|(ns, name, container, ids)| pr::PodResources {
+                name: name.to_string(),
+                namespace: ns.to_string(),
+                containers: vec![pr::ContainerResources {
+                    name: container.to_string(),
+                    devices: vec![pr::ContainerDevices {
+                        resource_name: resource.into(),
+                        device_ids: ids.clone(),
+                        topology: None,
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .collect();
     }
 
     fn started() -> Kubelet {
@@ -170,6 +248,10 @@ impl Plugin {
         cmd.arg("k8s-device-plugin")
             .arg("--kubelet-dir")
             .arg(kubelet.path())
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_dir.0.join("kubelet.sock"))
+            .arg("--state-dir")
+            .arg(kubelet.pod_dir.0.join("state"))
             .args(args)
             .env("GPUFRAC_K8S_SIM_DEVICES_FILE", &devices_file)
             .env("RUST_LOG", "info")
@@ -201,6 +283,31 @@ impl Plugin {
     fn set_gpus(&self, devices: &str) {
         std::fs::write(&self.devices_file, devices).unwrap();
     }
+}
+
+/// The container's process: exactly the environment of an Allocate answer,
+/// with each path the container would see mapped to the host path mounted
+/// there (what the runtime's bind mounts do), plus the simulated driver,
+/// standing in for the one the NVIDIA runtime gives a container.
+fn pod_process(spec: &api::ContainerAllocateResponse, broker: &Broker, args: &[&str]) -> Command {
+    let to_host = |v: &str| -> String {
+        for m in &spec.mounts {
+            if let Some(rest) = v.strip_prefix(&m.container_path) {
+                return format!("{}{rest}", m.host_path);
+            }
+        }
+        v.to_string()
+    };
+    let mut cmd = Command::new(&artifacts().probe);
+    cmd.env_clear()
+        .envs(spec.envs.iter().map(|(k, v)| (k, to_host(v))))
+        .env("LD_LIBRARY_PATH", &artifacts().simdir)
+        .env("GPUFRAC_SIM_DEVICES", DEVICES)
+        .env("GPUFRAC_SIM_STATE", &broker.state)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
 }
 
 /// A child killed if the test ends before it is taken.
@@ -360,7 +467,13 @@ fn a_pod_asking_for_4_units_runs_capped_at_4g_under_the_broker() {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
-    assert_eq!(spec.envs, want);
+    let mut envs = spec.envs.clone();
+    let job = envs.remove("GPUFRAC_JOB").expect("the pod's lease token");
+    assert!(
+        job.len() == 16 && job.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{job}"
+    );
+    assert_eq!(envs, want);
     let shim = artifacts().shim.canonicalize().unwrap();
     assert_eq!(
         spec.mounts,
@@ -393,28 +506,16 @@ fn a_pod_asking_for_4_units_runs_capped_at_4g_under_the_broker() {
     assert!(spec.devices.iter().all(|d| d.host_path == "/dev/null"));
     assert!(spec.cdi_devices.is_empty());
 
-    // The container's process: exactly that environment, with each path
-    // the container would see mapped to the host path mounted there (what
-    // the runtime's bind mounts do), plus the simulated driver, standing in
-    // for the one the NVIDIA runtime gives a container.
-    let to_host = |v: &str| -> String {
-        for m in &spec.mounts {
-            if let Some(rest) = v.strip_prefix(&m.container_path) {
-                return format!("{}{rest}", m.host_path);
-            }
-        }
-        v.to_string()
-    };
-    let mut cmd = Command::new(&artifacts().probe);
-    cmd.env_clear()
-        .envs(spec.envs.iter().map(|(k, v)| (k, to_host(v))))
-        .env("LD_LIBRARY_PATH", &artifacts().simdir)
-        .env("GPUFRAC_SIM_DEVICES", DEVICES)
-        .env("GPUFRAC_SIM_STATE", &broker.state)
-        .args(["ctx", "info", "fill", "alloc", "256M", "sleep-ms", "60000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut probe = Reap(Some(cmd.spawn().unwrap()));
+    // The container's process, under exactly that answer.
+    let mut probe = Reap(Some(
+        pod_process(
+            spec,
+            &broker,
+            &["ctx", "info", "fill", "alloc", "256M", "sleep-ms", "60000"],
+        )
+        .spawn()
+        .unwrap(),
+    ));
     let pid = probe.0.as_ref().unwrap().id();
     // It reached the broker through the mounted socket and registered like
     // any other process, with its cap.
@@ -445,6 +546,134 @@ fn a_pod_asking_for_4_units_runs_capped_at_4g_under_the_broker() {
     let fill = line(&out, "fill", 0);
     assert_eq!(num(&fill, "count"), 16, "16 × 256 MiB in 4 GiB");
     assert_eq!(num(&fill, "rc"), 2, "then CUDA_ERROR_OUT_OF_MEMORY");
+}
+
+/// The broker's lease entries.
+fn leases(broker: &Broker) -> Vec<serde_json::Value> {
+    broker.status()["leases"].as_array().unwrap().clone()
+}
+
+/// The broker's entry for process `pid`, if it has registered.
+fn process(broker: &Broker, pid: u32) -> Option<serde_json::Value> {
+    broker.status()["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["processes"].as_array().unwrap().iter())
+        .find(|p| p["pid"] == pid)
+        .cloned()
+}
+
+#[test]
+fn pods_are_leases_in_the_broker_named_after_their_pods() {
+    let u = uuids();
+    let broker = Broker::start(DEVICES, &[]);
+    let mut kubelet = Kubelet::started();
+    let socket = broker.socket.to_str().unwrap().to_owned();
+    let args = ["--socket", &socket, "--poll-interval", "200ms"];
+    let mut plugin = Plugin::start(&kubelet, &args);
+    let r = kubelet.registration(&plugin);
+    let c = kubelet.client(&r.endpoint);
+    let allocate = |c: &DevicePluginClient<Channel>, ids: Vec<String>| {
+        let mut c = c.clone();
+        kubelet
+            .call(c.allocate(api::AllocateRequest {
+                container_requests: vec![api::ContainerAllocateRequest { devices_ids: ids }],
+            }))
+            .unwrap()
+            .into_inner()
+            .container_responses
+            .remove(0)
+    };
+
+    // 12 of GPU 0's 16 units: booked in the broker as a lease pinned there,
+    // before the kubelet has said whose it is.
+    let grant = ids(&u[0], "mem", 0..12);
+    let spec = allocate(&c, grant.clone());
+    wait_until(20.0, "the allocation booked in the broker", || {
+        leases(&broker)
+            .iter()
+            .any(|l| l["gpus"] == serde_json::json!([0]) && l["mem_cap"] == 12 * GIB)
+    });
+    // A 10 GiB job, which only GPU 0 could hold (its 16 GiB are free on
+    // the driver), is refused: 4 GiB are left there.
+    let o = broker
+        .run(&["--no-wait", "--gpu-memory", "10G", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("12.0 GiB of 16.0 GiB committed"),
+        "{}",
+        stderr(&o)
+    );
+
+    // The kubelet lists the pod: the lease takes its name, and messages
+    // name it by the pod.
+    let resource = "gpufrac.dev/gpu-memory";
+    kubelet.set_pods(resource, &[("ml", "infer-0", "server", grant.clone())]);
+    wait_until(20.0, "the lease named after its pod", || {
+        leases(&broker).iter().any(|l| l["pod"] == "ml/infer-0")
+    });
+    let l = leases(&broker);
+    assert_eq!(l.len(), 1, "{l:?}");
+    assert_eq!(l[0]["command"], "container server");
+    let o = broker
+        .run(&["--no-wait", "--gpu-memory", "10G", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(stderr(&o).contains("pod ml/infer-0"), "{}", stderr(&o));
+
+    // The pod's process counts in the pod's lease.
+    let mut probe = Reap(Some(
+        pod_process(
+            &spec,
+            &broker,
+            &["ctx", "alloc", "alloc", "1G", "sleep-ms", "60000"],
+        )
+        .spawn()
+        .unwrap(),
+    ));
+    let pid = probe.0.as_ref().unwrap().id();
+    wait_until(20.0, "the pod's process in its pod's job", || {
+        process(&broker, pid).is_some_and(|p| p["pod"] == "ml/infer-0" && p["mem_used"] == GIB)
+    });
+    assert_eq!(process(&broker, pid).unwrap()["mem_cap"], 12 * GIB);
+
+    // The plugin restarts: the lease goes with its connection, and the new
+    // plugin books the pod again under the same token (its state file), so
+    // the running process counts in it again.
+    drop(plugin);
+    wait_until(20.0, "the lease gone with the plugin", || {
+        leases(&broker).is_empty()
+    });
+    assert!(process(&broker, pid).unwrap()["pod"].is_null());
+    plugin = Plugin::start(&kubelet, &args);
+    wait_until(20.0, "the pod booked again, its process in it", || {
+        leases(&broker).iter().any(|l| l["pod"] == "ml/infer-0")
+            && process(&broker, pid).is_some_and(|p| p["pod"] == "ml/infer-0")
+    });
+    let _ = kubelet.registration(&plugin);
+
+    // The pod ends: its lease is released, and the job fits.
+    drop(probe.0.take().map(|mut p| {
+        let _ = p.kill();
+        p.wait()
+    }));
+    kubelet.set_pods(resource, &[]);
+    wait_until(20.0, "the lease released with its pod", || {
+        leases(&broker).is_empty()
+    });
+    let o = broker
+        .run(&["--no-wait", "--gpu-memory", "10G", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        plugin.log().contains("no longer holds its devices"),
+        "{}",
+        plugin.log()
+    );
 }
 
 #[test]
@@ -481,10 +710,11 @@ fn slots_with_cdi_give_a_share_and_the_spec_devices() {
     assert_eq!(s.envs["CUDA_VISIBLE_DEVICES"], u[0]);
     assert_eq!(
         s.envs.len(),
-        3,
-        "the CDI spec brings the rest: {:?}",
+        4,
+        "the CDI spec brings the rest, and the lease's token: {:?}",
         s.envs
     );
+    assert!(s.envs.contains_key("GPUFRAC_JOB"));
     assert_eq!(s.cdi_devices[0].name, "gpufrac.dev/gpu=0");
     assert!(s.mounts.is_empty() && s.devices.is_empty());
     let two = allocate(ids(&u[1], "slot", 0..2)).unwrap().into_inner();

@@ -73,6 +73,7 @@ impl Job {
             label: self.label.clone(),
             job: self.pid,
             pin: self.pin.clone(),
+            pod: self.pod.clone(),
         })
     }
 
@@ -202,22 +203,7 @@ pub fn ancestry(pid: u32) -> Vec<u32> {
     out
 }
 
-/// A random token from the kernel.
-pub fn new_token() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom into a local buffer of the given size.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    let t = if n == 8 {
-        u64::from_le_bytes(b)
-    } else {
-        // Never reached on Linux ≥ 3.17; still unique per broker.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        now ^ (u64::from(std::process::id()) << 32)
-    };
-    t.max(1)
-}
+pub use gpufrac_common::wire::random_token as new_token;
 
 #[cfg(test)]
 mod tests {

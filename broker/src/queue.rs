@@ -123,6 +123,10 @@ pub struct Request {
     /// `want` is then `Memory` of their sum.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pin: Vec<Pinned>,
+    /// The pod (`namespace/name`) a pinned request is, once its plugin
+    /// says: messages name it by that, not by the plugin's pid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 /// Memory on a GPU chosen before the request reached the queue.
@@ -629,13 +633,20 @@ impl Queue {
             .collect()
     }
 
-    /// A new label for a waiting or held request (status shows it).
-    pub fn relabel(&mut self, id: RequestId, label: &str) {
-        if let Some(h) = self.held.get_mut(&id) {
-            h.req.label = label.to_owned();
-        }
-        if let Some(w) = self.waiting.iter_mut().find(|w| w.id == id) {
-            w.req.label = label.to_owned();
+    /// A new label and pod for a waiting or held request (status and
+    /// messages show them).
+    pub fn relabel(&mut self, id: RequestId, label: &str, pod: Option<&str>) {
+        let req = match self.held.get_mut(&id) {
+            Some(h) => Some(&mut h.req),
+            None => self
+                .waiting
+                .iter_mut()
+                .find(|w| w.id == id)
+                .map(|w| &mut w.req),
+        };
+        if let Some(r) = req {
+            r.label = label.to_owned();
+            r.pod = pod.map(str::to_owned);
         }
     }
 
@@ -1053,23 +1064,20 @@ impl Queue {
                 if g.leases.is_empty() {
                     return format!("GPU {}: free", g.info.index);
                 }
-                // A pinned lease is a pod's, and the plugin that asked for
-                // it has one pid for all of them: its label tells them apart.
-                let mut jobs: Vec<(u32, &str)> = g
+                // A pod's lease is named by its pod: the plugin that asked
+                // for it has one pid for all of them.
+                let mut jobs: Vec<(u32, Option<&str>)> = g
                     .leases
                     .iter()
                     .filter_map(|l| self.held.get(l))
-                    .map(|h| match h.req.pin.is_empty() {
-                        true => (h.req.job, ""),
-                        false => (h.req.job, h.req.label.as_str()),
-                    })
+                    .map(|h| (h.req.job, h.req.pod.as_deref()))
                     .collect();
                 jobs.sort_unstable();
                 let ids: Vec<String> = jobs
                     .iter()
-                    .map(|(j, l)| match l.is_empty() {
-                        true => j.to_string(),
-                        false => format!("{j} ({l})"),
+                    .map(|(j, pod)| match pod {
+                        Some(p) => format!("pod {p}"),
+                        None => j.to_string(),
                     })
                     .collect();
                 let owners = format!(
@@ -1128,6 +1136,7 @@ mod tests {
             label: format!("job {want:?}"),
             job: 0,
             pin: Vec::new(),
+            pod: None,
         }
     }
 
@@ -1521,6 +1530,10 @@ mod tests {
         let order: Vec<RequestId> = q.waiting(5 * SEC).iter().map(|w| w.id).collect();
         assert_eq!(order, [6, 7, 5]);
         assert_eq!(placed(&q.poll(5 * SEC)), vec![(7, vec![0])]);
+        // What is busy names a pod's lease by its pod once it has one.
+        q.relabel(7, "container server", Some("ml/infer-0"));
+        let e = q.try_now(6 * SEC, 8, mem(1)).unwrap_err();
+        assert!(e.reason.contains("pod ml/infer-0"), "{e}");
     }
 
     #[test]

@@ -884,11 +884,12 @@ impl Server {
                     return;
                 };
                 let label = clip(&label, MAX_COMMAND);
+                let pod = Some(clip(&pod, MAX_POD)).filter(|p| !p.is_empty());
                 c.command = label.clone();
-                self.queue.relabel(t, &label);
+                self.queue.relabel(t, &label, pod.as_deref());
                 if let Some(j) = self.jobs.get_mut(&t) {
                     j.label = label;
-                    j.pod = Some(clip(&pod, MAX_POD)).filter(|p| !p.is_empty());
+                    j.pod = pod;
                     self.dirty = true;
                 }
             }

@@ -111,6 +111,25 @@ const UUID_LEN: usize = 16;
 const DEVICE_REG_LEN: usize = UUID_LEN + 4 + 8 + 8;
 const PIN_LEN: usize = UUID_LEN + 8;
 
+/// A random job token from the kernel (never 0, which means "none" on the
+/// wire): the broker's for the jobs it makes, the device plugin's for the
+/// pods it books, which it hands to them before the broker sees them.
+pub fn random_token() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom into a local buffer of the given size.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let t = if n == 8 {
+        u64::from_le_bytes(b)
+    } else {
+        // Never reached on Linux >= 3.17; still unique per process.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        now ^ (u64::from(std::process::id()) << 32)
+    };
+    t.max(1)
+}
+
 /// Memory on one given GPU, for a lease whose GPUs are already chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pin {

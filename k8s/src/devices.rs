@@ -381,43 +381,11 @@ impl Inventory {
         ids: &[String],
         inject: &Injection,
     ) -> Result<api::ContainerAllocateResponse, String> {
-        if ids.is_empty() {
-            return Err(format!(
-                "an allocation of no devices: ask for at least one {}",
-                self.resource.name()
-            ));
-        }
-        // Units per GPU, GPUs in index order.
-        let mut per_gpu: BTreeMap<u32, (&Known, HashSet<u64>)> = BTreeMap::new();
-        for id in ids {
-            let (g, n) = self.lookup(id)?;
-            let k = &self.gpus[g];
-            if !k.present {
-                return Err(format!(
-                    "device {id} is on GPU {}, which the driver no longer lists; the kubelet \
-                     should not have offered it (it is reported Unhealthy)",
-                    k.gpu.uuid
-                ));
-            }
-            let entry = per_gpu.entry(k.gpu.index).or_insert((k, HashSet::new()));
-            if !entry.1.insert(n) {
-                return Err(format!("device {id} is named twice in one allocation"));
-            }
-        }
-        let gpus: Vec<(&Known, u64)> = per_gpu
-            .values()
-            .map(|(k, units)| (*k, units.len() as u64))
-            .collect();
+        let gpus = self.granted(ids)?;
         let mut resp = api::ContainerAllocateResponse::default();
         let env = &mut resp.envs;
 
-        let caps: Vec<u64> = gpus
-            .iter()
-            .map(|(k, n)| match self.resource {
-                Resource::Memory { unit } => n * unit,
-                Resource::Slots { per_gpu } => n * (k.gpu.total_mem / u64::from(per_gpu)),
-            })
-            .collect();
+        let caps = self.caps(&gpus);
         let smallest = *caps.iter().min().expect("at least one GPU");
         env.insert(VAR_MEM_LIMIT.into(), env_size(smallest));
         if caps.len() > 1 {
@@ -425,16 +393,8 @@ impl Inventory {
                 env.insert(format!("{VAR_MEM_LIMIT_PREFIX}{ordinal}"), env_size(*cap));
             }
         }
-        if let Resource::Slots { per_gpu } = self.resource {
-            let fewest = gpus
-                .iter()
-                .map(|(_, n)| *n)
-                .min()
-                .expect("at least one GPU");
-            env.insert(
-                VAR_COMPUTE_SHARE.into(),
-                env_percent(fewest.min(u64::from(per_gpu)), u64::from(per_gpu)),
-            );
+        if let Some((fewest, per_gpu)) = self.share(&gpus) {
+            env.insert(VAR_COMPUTE_SHARE.into(), env_percent(fewest, per_gpu));
         }
         let uuids: Vec<&str> = gpus.iter().map(|(k, _)| k.gpu.uuid.as_str()).collect();
         env.insert("CUDA_VISIBLE_DEVICES".into(), uuids.join(","));
@@ -513,6 +473,92 @@ impl Inventory {
         }
         Ok(resp)
     }
+}
+
+impl Inventory {
+    /// What an allocation is worth, to book it with the broker: the memory
+    /// on each GPU, and the compute share of slots.
+    pub fn booking(&self, ids: &[String]) -> Result<Booking, String> {
+        let gpus = self.granted(ids)?;
+        let caps = self.caps(&gpus);
+        let mut sorted = ids.to_vec();
+        sorted.sort();
+        Ok(Booking {
+            ids: sorted,
+            pins: gpus
+                .iter()
+                .zip(caps)
+                .map(|((k, _), cap)| (k.gpu.uuid.clone(), cap))
+                .collect(),
+            compute: self
+                .share(&gpus)
+                .map(|(n, per_gpu)| n as f64 * 100.0 / per_gpu as f64),
+        })
+    }
+
+    /// The GPUs an allocation's devices are on, in index order, with the
+    /// number of units on each; refuses IDs that are not ours, on a GPU
+    /// gone, or named twice.
+    fn granted(&self, ids: &[String]) -> Result<Vec<(&Known, u64)>, String> {
+        if ids.is_empty() {
+            return Err(format!(
+                "an allocation of no devices: ask for at least one {}",
+                self.resource.name()
+            ));
+        }
+        let mut per_gpu: BTreeMap<u32, (&Known, HashSet<u64>)> = BTreeMap::new();
+        for id in ids {
+            let (g, n) = self.lookup(id)?;
+            let k = &self.gpus[g];
+            if !k.present {
+                return Err(format!(
+                    "device {id} is on GPU {}, which the driver no longer lists; the kubelet \
+                     should not have offered it (it is reported Unhealthy)",
+                    k.gpu.uuid
+                ));
+            }
+            let entry = per_gpu.entry(k.gpu.index).or_insert((k, HashSet::new()));
+            if !entry.1.insert(n) {
+                return Err(format!("device {id} is named twice in one allocation"));
+            }
+        }
+        Ok(per_gpu
+            .values()
+            .map(|(k, units)| (*k, units.len() as u64))
+            .collect())
+    }
+
+    /// The memory cap on each of `gpus`.
+    fn caps(&self, gpus: &[(&Known, u64)]) -> Vec<u64> {
+        gpus.iter()
+            .map(|(k, n)| match self.resource {
+                Resource::Memory { unit } => n * unit,
+                Resource::Slots { per_gpu } => n * (k.gpu.total_mem / u64::from(per_gpu)),
+            })
+            .collect()
+    }
+
+    /// Slots: the compute share, as (slots, per GPU) — one share per
+    /// process, the smallest of the GPUs' when they differ.
+    fn share(&self, gpus: &[(&Known, u64)]) -> Option<(u64, u64)> {
+        let Resource::Slots { per_gpu } = self.resource else {
+            return None;
+        };
+        let fewest = gpus.iter().map(|(_, n)| *n).min()?;
+        Some((fewest.min(u64::from(per_gpu)), u64::from(per_gpu)))
+    }
+}
+
+/// One container's allocation as the broker books it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Booking {
+    /// The device IDs, sorted: they name the allocation, here and in the
+    /// kubelet's pod-resources answers.
+    pub ids: Vec<String>,
+    /// Each GPU's UUID and the memory on it.
+    pub pins: Vec<(String, u64)>,
+    /// Slots: `GPU_COMPUTE_SHARE`, percent.
+    pub compute: Option<f64>,
 }
 
 fn device_spec(host: String, container: &str) -> api::DeviceSpec {

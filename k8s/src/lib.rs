@@ -11,8 +11,11 @@
 //!   vendored `proto/api.proto`.
 //! - [`devices`]: what is advertised and how allocations are answered
 //!   (pure, tested without a kubelet).
+//! - [`leases`]: books every allocation with the broker as a lease pinned
+//!   to its GPUs, named after its pod from the kubelet's pod-resources API.
 //! - [`run`]: serves the plugin's socket, registers with the kubelet and
-//!   registers again whenever the kubelet restarts, and polls the GPUs.
+//!   registers again whenever the kubelet restarts, and polls the GPUs and
+//!   the pods.
 
 pub mod api {
     //! The kubelet device-plugin API, v1beta1, as prost and tonic generate
@@ -20,7 +23,14 @@ pub mod api {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1beta1");
 }
+pub mod podresources {
+    //! The kubelet's pod-resources API, v1, as prost and tonic generate it
+    //! from `proto/podresources.proto`: which pod holds which devices.
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("v1");
+}
 pub mod devices;
+pub mod leases;
 mod node;
 mod service;
 
@@ -46,6 +56,8 @@ pub const API_VERSION: &str = "v1beta1";
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
 /// Where the kubelet keeps its device-plugin sockets.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
+/// The kubelet's pod-resources socket.
+pub const DEFAULT_POD_RESOURCES: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
 
 pub struct Config {
     /// The kubelet's device-plugin directory: kubelet.sock is there, and
@@ -60,6 +72,9 @@ pub struct Config {
     /// Where the kernel module lists GPUs and their minor numbers
     /// (/proc/driver/nvidia/gpus).
     pub proc_gpus: PathBuf,
+    /// Booking allocations with the broker; the pod-resources API is
+    /// asked every `poll_interval`.
+    pub leases: leases::LeaseConfig,
 }
 
 /// A program that prints the GPUs, one line each: `gpu INDEX UUID

@@ -20,6 +20,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::api;
 use crate::devices::{Inventory, Resource, read_minors};
+use crate::leases::{Leases, list_pods};
 use crate::service::{Service, Shared, options};
 use crate::{API_VERSION, Config, KUBELET_SOCKET, Lister};
 
@@ -87,6 +88,7 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
         poll_interval,
         lister,
         proc_gpus,
+        leases: lease_cfg,
     } = cfg;
     if !dir.is_dir() {
         return Err(format!(
@@ -115,7 +117,10 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
             resource.name()
         );
     }
-    let shared = Arc::new(Shared::new(inv, inject));
+    let pod_resources = lease_cfg.pod_resources.clone();
+    let mut leases = Leases::new(lease_cfg);
+    leases.load();
+    let shared = Arc::new(Shared::new(inv, inject, leases));
 
     let mut term = signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM: {e}"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(|e| format!("SIGINT: {e}"))?;
@@ -127,6 +132,14 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
         proc_gpus,
         Arc::clone(&shared),
     ));
+    let pods = pod_resources.map(|socket| {
+        tokio::spawn(poll_pods(
+            socket,
+            resource.name(),
+            poll_interval,
+            Arc::clone(&shared),
+        ))
+    });
 
     let mut node = Node {
         dir,
@@ -161,6 +174,9 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
     }
     tracing::info!("stopping");
     poller.abort();
+    if let Some(p) = pods {
+        p.abort();
+    }
     let own = node.own_socket();
     let bound = node.server.as_ref().map(|s| s.bound);
     node.stop_server().await;
@@ -364,6 +380,25 @@ fn watch_dir(dir: &Path, tx: mpsc::Sender<bool>) -> Result<notify::RecommendedWa
 }
 
 /// Lists the GPUs every `every` and publishes their devices' health.
+/// Asks the kubelet which pods hold the plugin's devices, every `every`,
+/// for the leases.
+async fn poll_pods(socket: PathBuf, resource: &'static str, every: Duration, shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match list_pods(&socket, resource).await {
+            Ok(listed) => {
+                let inv = shared.lock();
+                shared
+                    .leases()
+                    .apply_list(listed, |ids| inv.booking(ids).ok());
+            }
+            Err(e) => shared.leases().list_failed(e),
+        }
+    }
+}
+
 async fn poll_gpus(lister: Lister, every: Duration, proc_gpus: PathBuf, shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -3,12 +3,14 @@
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
+use gpufrac_common::config::VAR_JOB;
 use tokio::sync::watch;
 use tokio_stream::{Stream, wrappers::ReceiverStream};
 use tonic::{Request, Response, Status};
 
 use crate::api;
 use crate::devices::{Injection, Inventory};
+use crate::leases::{Leases, token_text};
 
 /// What the service and the node loop share.
 pub struct Shared {
@@ -16,16 +18,24 @@ pub struct Shared {
     pub inject: Injection,
     /// The current device list; every ListAndWatch stream follows it.
     pub devices: watch::Sender<Vec<api::Device>>,
+    /// Allocations booked with the broker. Locked after `inventory`, never
+    /// before it.
+    pub leases: Mutex<Leases>,
 }
 
 impl Shared {
-    pub fn new(inventory: Inventory, inject: Injection) -> Shared {
+    pub fn new(inventory: Inventory, inject: Injection, leases: Leases) -> Shared {
         let (devices, _) = watch::channel(inventory.devices());
         Shared {
             inventory: Mutex::new(inventory),
             inject,
             devices,
+            leases: Mutex::new(leases),
         }
+    }
+
+    pub fn leases(&self) -> std::sync::MutexGuard<'_, Leases> {
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Publishes the inventory's device list if it changed.
@@ -128,12 +138,19 @@ impl api::device_plugin_server::DevicePlugin for Service {
         let inv = self.shared.lock();
         let mut out = api::AllocateResponse::default();
         for c in &req.get_ref().container_requests {
-            let r = inv
+            let refuse = |e: String| {
+                tracing::warn!("refused an allocation of {:?}: {e}", c.devices_ids);
+                Status::invalid_argument(e)
+            };
+            let mut r = inv
                 .allocate(&c.devices_ids, &self.shared.inject)
-                .map_err(|e| {
-                    tracing::warn!("refused an allocation of {:?}: {e}", c.devices_ids);
-                    Status::invalid_argument(e)
-                })?;
+                .map_err(refuse)?;
+            let booking = inv.booking(&c.devices_ids).map_err(refuse)?;
+            // Booked in the background: the kubelet does not wait on the
+            // broker, and the container's processes join the job by this
+            // token whenever the booking lands.
+            let token = self.shared.leases().book(booking);
+            r.envs.insert(VAR_JOB.into(), token_text(token));
             tracing::info!(
                 "allocated {} {} on {}: {}",
                 c.devices_ids.len(),

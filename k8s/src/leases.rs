@@ -1,0 +1,675 @@
+//! Pods booked with the broker: every container allocation is a lease in
+//! the broker's queue, pinned to the GPUs the kubelet chose, so that
+//! `gpufrac run` jobs on the node are not placed into memory the kubelet
+//! already gave a pod, and status names the pod.
+//!
+//! The Allocate call never names the pod, and the kubelet must not wait on
+//! the broker, so the plugin picks the lease's token itself, hands it to
+//! the container in `GPUFRAC_JOB` at once, and books the lease under that
+//! token in the background (a connection per lease, held while the lease
+//! lives, as `gpufrac run` holds its own). The container's processes join
+//! the job with the token whenever the booking reaches the broker, before
+//! or after they start. The kubelet's pod-resources API (`List`) then tells
+//! which pod holds which devices: the lease is named after the pod, and
+//! dropped when the pod no longer holds the devices. Tokens are kept in a
+//! state file, so that a restarted plugin books the same pods under the
+//! same tokens and their running processes join again.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpufrac_common::size::format_size;
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, Pin, Role, ServerMsg};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::devices::Booking;
+use crate::podresources;
+
+/// Reconnecting to a broker that is away starts this soon and backs off to
+/// `MAX_RETRY`.
+const FIRST_RETRY: Duration = Duration::from_millis(200);
+const MAX_RETRY: Duration = Duration::from_secs(30);
+/// What the kubelet's pod-resources API and the broker's handshake get.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Format of the state file; another version is set aside, not misread.
+const STATE_VERSION: u32 = 1;
+
+pub struct LeaseConfig {
+    /// The broker's socket.
+    pub socket: PathBuf,
+    /// The kubelet's pod-resources socket; None: never asked (leases then
+    /// end only when their devices are allocated again).
+    pub pod_resources: Option<PathBuf>,
+    /// Where the tokens are kept across restarts; None: not kept.
+    pub state_file: Option<PathBuf>,
+    /// How long an allocation may go unlisted by the kubelet before its
+    /// lease is dropped (the kubelet lists a pod's devices as soon as
+    /// Allocate has answered; this covers a pod refused after it).
+    pub grace: Duration,
+}
+
+/// The container an allocation is, as the kubelet lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    /// Its container (several, comma-separated, when they share the
+    /// devices: an init container's are reused by the next).
+    pub container: String,
+}
+
+impl PodRef {
+    /// `namespace/name`, as status shows it.
+    pub fn pod(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    fn label(&self) -> String {
+        format!("container {}", self.container)
+    }
+}
+
+struct Entry {
+    booking: Booking,
+    token: u64,
+    pod: Option<PodRef>,
+    /// Booked (or loaded from the state file) at.
+    since: Instant,
+    names: watch::Sender<Option<PodRef>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // The task owns the connection: the broker ends the job when it
+        // closes.
+        self.task.abort();
+    }
+}
+
+/// The plugin's leases, by sorted device IDs.
+pub struct Leases {
+    cfg: LeaseConfig,
+    entries: BTreeMap<Vec<String>, Entry>,
+    /// The last pod-resources failure, said once until it works again.
+    podres_error: Option<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    version: u32,
+    leases: Vec<SavedLease>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SavedLease {
+    ids: Vec<String>,
+    pins: Vec<(String, u64)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    compute: Option<f64>,
+    /// 16 hex digits, as `GPUFRAC_JOB` carries it.
+    token: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pod: Option<PodRef>,
+}
+
+/// `GPUFRAC_JOB`'s form of a token.
+pub fn token_text(token: u64) -> String {
+    format!("{token:016x}")
+}
+
+impl Leases {
+    pub fn new(cfg: LeaseConfig) -> Leases {
+        Leases {
+            cfg,
+            entries: BTreeMap::new(),
+            podres_error: None,
+        }
+    }
+
+    /// Books again what the state file holds: the pods of a previous run
+    /// of the plugin, under their tokens. Must run inside the runtime.
+    pub fn load(&mut self) {
+        let Some(path) = self.cfg.state_file.clone() else {
+            return;
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::warn!("cannot read {}: {e}; starting without it", path.display());
+                return;
+            }
+        };
+        let saved = match serde_json::from_str::<Saved>(&text) {
+            Ok(s) if s.version == STATE_VERSION => s,
+            other => {
+                let why = match other {
+                    Ok(s) => format!("version {}", s.version),
+                    Err(e) => e.to_string(),
+                };
+                let aside = path.with_extension("unreadable");
+                let _ = std::fs::rename(&path, &aside);
+                tracing::warn!(
+                    "{} is unusable ({why}); moved to {} and starting without it",
+                    path.display(),
+                    aside.display()
+                );
+                return;
+            }
+        };
+        for l in saved.leases {
+            let Ok(token) = u64::from_str_radix(&l.token, 16) else {
+                tracing::warn!(
+                    "{}: skipping a lease with token {:?}",
+                    path.display(),
+                    l.token
+                );
+                continue;
+            };
+            let booking = Booking {
+                ids: l.ids,
+                pins: l.pins,
+                compute: l.compute,
+            };
+            tracing::info!(
+                "booking again {} (from {})",
+                describe(&booking, l.pod.as_ref()),
+                path.display()
+            );
+            self.insert(booking, token, l.pod, true);
+        }
+    }
+
+    /// Books an allocation the kubelet just made; its token, for the
+    /// container's `GPUFRAC_JOB`.
+    pub fn book(&mut self, booking: Booking) -> u64 {
+        // The kubelet gives a device to one container at a time: whoever
+        // held any of these devices before is gone.
+        let stale: Vec<Vec<String>> = self
+            .entries
+            .keys()
+            .filter(|k| k.iter().any(|id| booking.ids.binary_search(id).is_ok()))
+            .cloned()
+            .collect();
+        for k in stale {
+            if let Some(e) = self.entries.remove(&k) {
+                tracing::info!(
+                    "{} ends: its devices were allocated again",
+                    describe(&e.booking, e.pod.as_ref())
+                );
+            }
+        }
+        let token = wire::random_token();
+        tracing::info!("booking {} with the broker", describe(&booking, None));
+        self.insert(booking, token, None, false);
+        self.save();
+        token
+    }
+
+    fn insert(&mut self, booking: Booking, token: u64, pod: Option<PodRef>, resume: bool) {
+        let (names, rx) = watch::channel(pod.clone());
+        let task = tokio::spawn(hold(
+            self.cfg.socket.clone(),
+            booking.clone(),
+            token,
+            rx,
+            resume,
+        ));
+        self.entries.insert(
+            booking.ids.clone(),
+            Entry {
+                booking,
+                token,
+                pod,
+                since: Instant::now(),
+                names,
+                task,
+            },
+        );
+    }
+
+    /// Applies what the kubelet lists: names leases after their pods,
+    /// books pods it holds devices for that have no lease (the plugin
+    /// restarted without its state file), and drops leases of allocations
+    /// no pod holds any more.
+    /// `rebuild` reads a booking from device IDs alone (the inventory's
+    /// reading of them).
+    pub fn apply_list(
+        &mut self,
+        listed: Vec<(PodRef, Vec<String>)>,
+        rebuild: impl Fn(&[String]) -> Option<Booking>,
+    ) {
+        if self.podres_error.take().is_some() {
+            tracing::info!("the kubelet's pod-resources API answers again");
+        }
+        let mut by_ids: BTreeMap<Vec<String>, PodRef> = BTreeMap::new();
+        for (pod, mut ids) in listed {
+            ids.sort();
+            match by_ids.get_mut(&ids) {
+                Some(p) if p.namespace == pod.namespace && p.name == pod.name => {
+                    p.container = format!("{},{}", p.container, pod.container);
+                }
+                Some(_) => {}
+                None => {
+                    by_ids.insert(ids, pod);
+                }
+            }
+        }
+        let mut changed = false;
+        for (ids, pod) in &by_ids {
+            match self.entries.get_mut(ids) {
+                Some(e) if e.pod.as_ref() == Some(pod) => {}
+                Some(e) => {
+                    tracing::info!(
+                        "{} is pod {} ({})",
+                        describe(&e.booking, None),
+                        pod.pod(),
+                        pod.label()
+                    );
+                    e.pod = Some(pod.clone());
+                    e.names.send_replace(Some(pod.clone()));
+                    changed = true;
+                }
+                None => {
+                    // Devices the plugin did not book, from its own IDs:
+                    // book them (they would otherwise be invisible to the
+                    // broker). The pod's processes hold a token this plugin
+                    // no longer knows, so they stay their user's.
+                    let Some(booking) = rebuild(ids) else {
+                        continue;
+                    };
+                    tracing::warn!(
+                        "pod {} holds {} without a lease here (the plugin's state file was \
+                         lost?): booked now; its processes hold a token the broker does not \
+                         know, so they are capped but not counted in the pod's lease until \
+                         they restart",
+                        pod.pod(),
+                        describe(&booking, None)
+                    );
+                    self.insert(booking, wire::random_token(), Some(pod.clone()), false);
+                    changed = true;
+                }
+            }
+        }
+        let grace = self.cfg.grace;
+        let gone: Vec<Vec<String>> = self
+            .entries
+            .iter()
+            .filter(|(k, e)| !by_ids.contains_key(*k) && e.since.elapsed() >= grace)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
+            if let Some(e) = self.entries.remove(&k) {
+                match &e.pod {
+                    Some(p) => tracing::info!(
+                        "pod {} ({}) no longer holds its devices: its lease is released",
+                        p.pod(),
+                        p.label()
+                    ),
+                    None => tracing::info!(
+                        "{} was never listed by the kubelet within {:?} (the pod was refused or \
+                         deleted at once): its lease is released",
+                        describe(&e.booking, None),
+                        grace
+                    ),
+                }
+                changed = true;
+            }
+        }
+        if changed {
+            self.save();
+        }
+    }
+
+    /// The pod-resources API failed: said once, leases kept.
+    pub fn list_failed(&mut self, e: String) {
+        if self.podres_error.as_deref() != Some(e.as_str()) {
+            tracing::warn!(
+                "cannot learn from the kubelet which pods hold which devices: {e}; leases are \
+                 not named after their pods, and end only when their devices are allocated \
+                 again. Mount /var/lib/kubelet/pod-resources into the plugin (the DaemonSet \
+                 does) or point --pod-resources-socket at the kubelet's socket"
+            );
+            self.podres_error = Some(e);
+        }
+    }
+
+    /// Writes every lease's token, atomically and readable by root only
+    /// (a token is what lets a process count as the pod's).
+    fn save(&self) {
+        let Some(path) = &self.cfg.state_file else {
+            return;
+        };
+        let saved = Saved {
+            version: STATE_VERSION,
+            leases: self
+                .entries
+                .values()
+                .map(|e| SavedLease {
+                    ids: e.booking.ids.clone(),
+                    pins: e.booking.pins.clone(),
+                    compute: e.booking.compute,
+                    token: token_text(e.token),
+                    pod: e.pod.clone(),
+                })
+                .collect(),
+        };
+        if let Err(e) = write_atomic(path, &saved) {
+            tracing::warn!(
+                "cannot write {}: {e}; a restarted plugin would book its pods under new tokens",
+                path.display()
+            );
+        }
+    }
+}
+
+fn write_atomic(path: &Path, saved: &Saved) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let text = serde_json::to_vec(saved).map_err(std::io::Error::other)?;
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        // Not synced: the rename alone keeps the file whole, and a crash of
+        // the host that loses the last write ends the pods too. Allocate
+        // waits on this write; a sync would cost it milliseconds.
+        f.write_all(&text)?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+/// "4.0 GiB on GPU-…" (and the pod, when known), for the log.
+fn describe(b: &Booking, pod: Option<&PodRef>) -> String {
+    let on: Vec<String> = b
+        .pins
+        .iter()
+        .map(|(uuid, mem)| format!("{} on {uuid}", format_size(*mem)))
+        .collect();
+    let mut s = format!(
+        "the allocation of {} devices ({})",
+        b.ids.len(),
+        on.join(", ")
+    );
+    if let Some(p) = pod {
+        s.push_str(&format!(" of pod {} ({})", p.pod(), p.label()));
+    }
+    s
+}
+
+/// Asks the kubelet which container holds which of `resource`'s devices.
+pub async fn list_pods(
+    socket: &Path,
+    resource: &str,
+) -> Result<Vec<(PodRef, Vec<String>)>, String> {
+    let call = async {
+        let ch = crate::connect_unix(socket.to_path_buf())
+            .await
+            .map_err(|e| format!("{}: {e}", socket.display()))?;
+        let mut c = podresources::pod_resources_lister_client::PodResourcesListerClient::new(ch);
+        c.list(podresources::ListPodResourcesRequest {})
+            .await
+            .map_err(|e| format!("List on {}: {}", socket.display(), e.message()))
+    };
+    let resp = tokio::time::timeout(ANSWER_TIMEOUT, call)
+        .await
+        .map_err(|_| {
+            format!(
+                "{} did not answer within {ANSWER_TIMEOUT:?}",
+                socket.display()
+            )
+        })??
+        .into_inner();
+    let mut out = Vec::new();
+    for p in resp.pod_resources {
+        for c in p.containers {
+            for d in c
+                .devices
+                .into_iter()
+                .filter(|d| d.resource_name == resource)
+            {
+                out.push((
+                    PodRef {
+                        namespace: p.namespace.clone(),
+                        name: p.name.clone(),
+                        container: c.name.clone(),
+                    },
+                    d.device_ids,
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Holds one lease for as long as the task lives, booking it again after
+/// the broker restarts.
+async fn hold(
+    socket: PathBuf,
+    booking: Booking,
+    token: u64,
+    mut names: watch::Receiver<Option<PodRef>>,
+    mut resume: bool,
+) {
+    let mut backoff = FIRST_RETRY;
+    let mut said: Option<String> = None;
+    loop {
+        let started = Instant::now();
+        let e = session(&socket, &booking, token, &mut names, &mut resume).await;
+        // Said once while it stays the same: a broker that is away for an
+        // hour must not fill the log.
+        if said.as_deref() != Some(e.as_str()) {
+            tracing::warn!(
+                "the lease of {}: {e}; trying again (the pod runs meanwhile, capped)",
+                describe(&booking, names.borrow().as_ref())
+            );
+            said = Some(e);
+        }
+        if started.elapsed() > MAX_RETRY {
+            backoff = FIRST_RETRY;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_RETRY);
+    }
+}
+
+/// One connection to the broker holding the lease; returns why it ended.
+async fn session(
+    socket: &Path,
+    booking: &Booking,
+    token: u64,
+    names: &mut watch::Receiver<Option<PodRef>>,
+    resume: &mut bool,
+) -> String {
+    let mut conn = match tokio::time::timeout(ANSWER_TIMEOUT, Conn::open(socket)).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return e,
+        Err(_) => {
+            return format!(
+                "the broker at {} did not answer within {ANSWER_TIMEOUT:?}",
+                socket.display()
+            );
+        }
+    };
+    let pins: Vec<Pin> = booking
+        .pins
+        .iter()
+        .filter_map(|(uuid, mem)| {
+            Some(Pin {
+                uuid: parse_uuid(uuid)?,
+                mem: *mem,
+            })
+        })
+        .collect();
+    let lease = |resume: u64| ClientMsg::Lease {
+        want_gpus: 0,
+        want_mem: 0,
+        compute: booking.compute,
+        limit: None,
+        no_wait: false,
+        command: names.borrow().as_ref().map_or_else(
+            || "pod (not listed by the kubelet yet)".into(),
+            PodRef::label,
+        ),
+        priority: None,
+        resume,
+        token: if resume == 0 { token } else { 0 },
+        pin: if resume == 0 {
+            pins.clone()
+        } else {
+            Vec::new()
+        },
+    };
+    // The same process after a broker restart: take the lease back where
+    // it was. Otherwise (or if the broker lost it), book it anew under the
+    // same token.
+    let mut first = if *resume { lease(token) } else { lease(0) };
+    let mut fresh = !*resume;
+    loop {
+        if let Err(e) = conn.send(&first).await {
+            return e;
+        }
+        match conn.recv().await {
+            Ok(ServerMsg::Refused { reason }) if !fresh => {
+                tracing::debug!("resuming the lease: {reason}; booking it anew");
+                first = lease(0);
+                fresh = true;
+            }
+            Ok(ServerMsg::Refused { reason }) => return format!("the broker refused it: {reason}"),
+            Ok(m) => {
+                report(&m, booking);
+                break;
+            }
+            Err(e) => return e,
+        }
+    }
+    *resume = true;
+    names.mark_changed();
+    loop {
+        tokio::select! {
+            m = conn.recv() => match m {
+                Ok(ServerMsg::Refused { reason }) => return format!("the broker refused it: {reason}"),
+                Ok(m) => report(&m, booking),
+                Err(e) => return e,
+            },
+            r = names.changed() => {
+                if r.is_err() {
+                    // The entry is gone; the task is being aborted.
+                    return "released".into();
+                }
+                let pod = names.borrow_and_update().clone();
+                if let Some(p) = pod
+                    && let Err(e) = conn
+                        .send(&ClientMsg::Name {
+                            pod: p.pod(),
+                            label: p.label(),
+                        })
+                        .await
+                {
+                    return e;
+                }
+            }
+        }
+    }
+}
+
+fn report(m: &ServerMsg, booking: &Booking) {
+    match m {
+        ServerMsg::Queued {
+            position,
+            waiting_for,
+            ..
+        } => tracing::info!(
+            "{} waits in the broker's queue at position {position} for {waiting_for}: jobs \
+             outside Kubernetes hold that memory (the pod runs meanwhile, capped)",
+            describe(booking, None)
+        ),
+        ServerMsg::Leased { gpus, .. } => {
+            tracing::info!("{} is booked on GPUs {gpus:?}", describe(booking, None))
+        }
+        ServerMsg::Error { message, .. } => tracing::warn!("the broker says: {message}"),
+        _ => {}
+    }
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
+fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex: Vec<u8> = s
+        .strip_prefix("GPU-")?
+        .bytes()
+        .filter(|&b| b != b'-')
+        .collect();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        let pair = std::str::from_utf8(&hex[2 * i..2 * i + 2]).ok()?;
+        *b = u8::from_str_radix(pair, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// A broker connection speaking the wire protocol.
+struct Conn {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    async fn open(socket: &Path) -> Result<Conn, String> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(|e| format!("cannot reach the broker at {}: {e}", socket.display()))?;
+        let mut c = Conn {
+            stream,
+            buf: Vec::new(),
+        };
+        c.send(&ClientMsg::hello(std::process::id(), Role::Cli))
+            .await?;
+        match c.recv().await? {
+            ServerMsg::HelloOk { .. } => Ok(c),
+            ServerMsg::Error { message, .. } => Err(format!("the broker refused: {message}")),
+            m => Err(format!("the broker answered the handshake with {m:?}")),
+        }
+    }
+
+    async fn send(&mut self, m: &ClientMsg) -> Result<(), String> {
+        let mut out = Vec::new();
+        wire::encode_client(m, &mut out);
+        self.stream
+            .write_all(&out)
+            .await
+            .map_err(|e| format!("the broker connection broke: {e}"))
+    }
+
+    async fn recv(&mut self) -> Result<ServerMsg, String> {
+        loop {
+            match wire::decode_server(&self.buf) {
+                Ok((m, used)) => {
+                    self.buf.drain(..used);
+                    return Ok(m);
+                }
+                Err(DecodeError::Incomplete) => {}
+                Err(e) => return Err(format!("the broker sent a bad frame: {e}")),
+            }
+            let mut chunk = [0u8; 4096];
+            match self.stream.read(&mut chunk).await {
+                Ok(0) => return Err("the broker closed the connection".into()),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) => return Err(format!("the broker connection broke: {e}")),
+            }
+        }
+    }
+}
