@@ -42,7 +42,10 @@ GPU_COMPUTE_SHARE=100/F %). One resource per plugin process: the kubelet
 would count the two independently and hand the same GPU out twice.
 
 The plugin runs on the node (deploy/k8s/daemonset.yaml) beside the broker;
-allocations mount the shim and the broker socket's directory into the pod.
+allocations mount the shim and the broker socket's directory into the pod,
+and each is booked with the broker as a lease on the GPUs the kubelet chose,
+named after its pod (from the kubelet's pod-resources API) and released when
+the pod no longer holds the devices.
 Logs go to stderr (RUST_LOG=debug for more). docs/k8s.md has the details.";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -355,6 +358,12 @@ mod tests {
         let a = parse(&[]).unwrap();
         assert_eq!(a.kubelet_dir, Path::new("/var/lib/kubelet/device-plugins"));
         assert_eq!(a.poll_interval, 10_000_000_000);
+        // deploy/k8s/daemonset.yaml mounts both from the host.
+        assert_eq!(
+            a.pod_resources_socket,
+            Path::new("/var/lib/kubelet/pod-resources/kubelet.sock")
+        );
+        assert_eq!(a.state_dir, Path::new("/var/lib/gpufrac"));
         assert_eq!(resource(&a).unwrap(), Resource::Memory { unit: 1 << 30 });
         let a = parse(&["--resource", "gpu"]).unwrap();
         assert_eq!(resource(&a).unwrap(), Resource::Slots { per_gpu: 4 });
@@ -371,6 +380,9 @@ mod tests {
         let a = parse(&["--cdi", "--lib", "/x.so"]).unwrap();
         let e = resource(&a).unwrap_err();
         assert!(e.contains("--lib has no effect with --cdi"), "{e}");
+        // With --cdi the socket is still where the plugin books leases.
+        let a = parse(&["--cdi", "--socket", "/run/b.sock"]).unwrap();
+        assert!(resource(&a).is_ok());
     }
 
     #[test]

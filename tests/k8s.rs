@@ -862,6 +862,16 @@ fn the_deploy_manifests_agree_with_the_plugin() {
         ds.contains(r#"command: ["/usr/local/bin/gpufrac", "k8s-device-plugin"]"#),
         "{ds}"
     );
+    // The plugin's default paths for the kubelet's pod-resources socket
+    // and its own state are mounted from the host.
+    for dir in ["/var/lib/kubelet/pod-resources", "/var/lib/gpufrac"] {
+        assert_eq!(
+            ds.matches(&format!("path: {dir}\n")).count(),
+            1,
+            "a hostPath volume for {dir}"
+        );
+        assert!(ds.contains(&format!("mountPath: {dir}\n")), "{dir} mounted");
+    }
     let broker_dir = Scratch::new("k8s-manifest");
     let socket = broker_dir.0.join("broker.sock");
     for (flag, here) in [

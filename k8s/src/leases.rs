@@ -97,6 +97,9 @@ impl Drop for Entry {
 pub struct Leases {
     cfg: LeaseConfig,
     entries: BTreeMap<Vec<String>, Entry>,
+    /// The latest state for the writer task, which writes it off the
+    /// Allocate path (a write costs more than the rest of Allocate).
+    to_save: Option<watch::Sender<Option<Saved>>>,
     /// The last pod-resources failure, said once until it works again.
     podres_error: Option<String>,
 }
@@ -125,10 +128,38 @@ pub fn token_text(token: u64) -> String {
 }
 
 impl Leases {
+    /// Must run inside the runtime (it starts the state file's writer).
     pub fn new(cfg: LeaseConfig) -> Leases {
+        let to_save = cfg.state_file.clone().map(|path| {
+            let (tx, mut rx) = watch::channel(None::<Saved>);
+            tokio::spawn(async move {
+                // Every change is written, the latest last; changes that
+                // come while one is written are written together.
+                while rx.changed().await.is_ok() {
+                    let Some(text) = rx
+                        .borrow_and_update()
+                        .as_ref()
+                        .and_then(|s| serde_json::to_vec(s).ok())
+                    else {
+                        continue;
+                    };
+                    let (p, t) = (path.clone(), text);
+                    let r = tokio::task::spawn_blocking(move || write_atomic(&p, &t)).await;
+                    if let Ok(Err(e)) = r {
+                        tracing::warn!(
+                            "cannot write {}: {e}; a restarted plugin would book its pods under \
+                             new tokens",
+                            path.display()
+                        );
+                    }
+                }
+            });
+            tx
+        });
         Leases {
             cfg,
             entries: BTreeMap::new(),
+            to_save,
             podres_error: None,
         }
     }
@@ -344,7 +375,7 @@ impl Leases {
     /// Writes every lease's token, atomically and readable by root only
     /// (a token is what lets a process count as the pod's).
     fn save(&self) {
-        let Some(path) = &self.cfg.state_file else {
+        let Some(tx) = &self.to_save else {
             return;
         };
         let saved = Saved {
@@ -361,19 +392,13 @@ impl Leases {
                 })
                 .collect(),
         };
-        if let Err(e) = write_atomic(path, &saved) {
-            tracing::warn!(
-                "cannot write {}: {e}; a restarted plugin would book its pods under new tokens",
-                path.display()
-            );
-        }
+        tx.send_replace(Some(saved));
     }
 }
 
-fn write_atomic(path: &Path, saved: &Saved) -> std::io::Result<()> {
+fn write_atomic(path: &Path, text: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let text = serde_json::to_vec(saved).map_err(std::io::Error::other)?;
     let tmp = path.with_extension("tmp");
     {
         let mut f = std::fs::OpenOptions::new()
@@ -383,9 +408,8 @@ fn write_atomic(path: &Path, saved: &Saved) -> std::io::Result<()> {
             .mode(0o600)
             .open(&tmp)?;
         // Not synced: the rename alone keeps the file whole, and a crash of
-        // the host that loses the last write ends the pods too. Allocate
-        // waits on this write; a sync would cost it milliseconds.
-        f.write_all(&text)?;
+        // the host that loses the last write ends the pods too.
+        f.write_all(text)?;
     }
     std::fs::rename(&tmp, path)
 }
