@@ -454,3 +454,96 @@ fn an_unplaced_job_counts_its_time_held() {
     drop(run.0.stdin.take());
     assert!(run.0.wait().unwrap().success());
 }
+
+/// The device plugin's side of the protocol, spoken raw: a lease pinned to
+/// a GPU under a token the client chose, its name, and what is refused.
+#[test]
+fn pinned_leases_take_their_gpu_under_the_chosen_token() {
+    use gpufrac_common::wire::{ClientMsg, Pin, ServerMsg};
+    let b = Broker::start("16G,16G", &[]);
+    let second = {
+        let s = b.status();
+        s["gpus"][1]["uuid"].as_str().unwrap().to_owned()
+    };
+    let mut uuid = [0u8; 16];
+    let hex: Vec<u8> = second[4..].bytes().filter(|&c| c != b'-').collect();
+    for (i, byte) in uuid.iter_mut().enumerate() {
+        *byte =
+            u8::from_str_radix(std::str::from_utf8(&hex[2 * i..2 * i + 2]).unwrap(), 16).unwrap();
+    }
+    let lease = |token: u64, pin: Vec<Pin>, want_mem: u64| ClientMsg::Lease {
+        want_gpus: 0,
+        want_mem,
+        compute: None,
+        limit: None,
+        no_wait: false,
+        command: "pod".into(),
+        priority: None,
+        resume: 0,
+        token,
+        pin,
+    };
+    let pin = || vec![Pin { uuid, mem: 4 << 30 }];
+
+    // Name before any lease: an error that says what to do.
+    let mut c = RawClient::connect(&b.socket);
+    c.hello();
+    c.send(&ClientMsg::Name {
+        pod: "ml/a".into(),
+        label: "x".into(),
+    });
+    match c.recv() {
+        Some(ServerMsg::Error { message, .. }) => {
+            assert!(message.contains("Lease first"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Pins and a size at once are refused.
+    c.send(&lease(0, pin(), 1 << 30));
+    match c.recv() {
+        Some(ServerMsg::Refused { reason }) => assert!(reason.contains("not both"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // Placed on the pinned GPU (best fit alone would take GPU 0), under
+    // the chosen token, and named.
+    c.send(&lease(0xfeed, pin(), 0));
+    match c.recv() {
+        Some(ServerMsg::Leased {
+            gpus,
+            token,
+            mem_cap,
+            ..
+        }) => assert_eq!((gpus, token, mem_cap), (vec![1], 0xfeed, 4 << 30)),
+        other => panic!("{other:?}"),
+    }
+    c.send(&ClientMsg::Name {
+        pod: "ml/a".into(),
+        label: "container main".into(),
+    });
+    wait_until(20.0, "the lease named after its pod", || {
+        b.status()["leases"][0]["pod"] == "ml/a"
+    });
+    let l = &b.status()["leases"][0];
+    assert_eq!(l["command"], "container main");
+    assert_eq!(l["gpus"], serde_json::json!([1]));
+    // The same token again is refused while the job lives.
+    let mut d = RawClient::connect(&b.socket);
+    d.hello();
+    d.send(&lease(0xfeed, pin(), 0));
+    match d.recv() {
+        Some(ServerMsg::Refused { reason }) => {
+            assert!(reason.contains("another job's"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Its connection gone, the lease ends, and the token is free again.
+    drop(c);
+    wait_until(20.0, "the lease to end with its connection", || {
+        b.status()["leases"].as_array().unwrap().is_empty()
+    });
+    d.send(&lease(0xfeed, pin(), 0));
+    assert!(matches!(
+        d.recv(),
+        Some(ServerMsg::Leased { token: 0xfeed, .. })
+    ));
+}
