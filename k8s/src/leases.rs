@@ -489,8 +489,21 @@ async fn hold(
     let mut backoff = FIRST_RETRY;
     let mut said: Option<String> = None;
     loop {
-        let started = Instant::now();
-        let e = session(&socket, &booking, token, &mut names, &mut resume).await;
+        let mut booked = false;
+        let e = session(
+            &socket,
+            &booking,
+            token,
+            &mut names,
+            &mut resume,
+            &mut booked,
+        )
+        .await;
+        if booked {
+            // It held: the next trouble is news, and worth a quick retry.
+            said = None;
+            backoff = FIRST_RETRY;
+        }
         // Said once while it stays the same: a broker that is away for an
         // hour must not fill the log.
         if said.as_deref() != Some(e.as_str()) {
@@ -499,9 +512,6 @@ async fn hold(
                 describe(&booking, names.borrow().as_ref())
             );
             said = Some(e);
-        }
-        if started.elapsed() > MAX_RETRY {
-            backoff = FIRST_RETRY;
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_RETRY);
@@ -515,6 +525,7 @@ async fn session(
     token: u64,
     names: &mut watch::Receiver<Option<PodRef>>,
     resume: &mut bool,
+    booked: &mut bool,
 ) -> String {
     let mut conn = match tokio::time::timeout(ANSWER_TIMEOUT, Conn::open(socket)).await {
         Ok(Ok(c)) => c,
@@ -579,6 +590,7 @@ async fn session(
         }
     }
     *resume = true;
+    *booked = true;
     names.mark_changed();
     loop {
         tokio::select! {
@@ -695,5 +707,118 @@ impl Conn {
                 Err(e) => return Err(format!("the broker connection broke: {e}")),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn booking(ids: &[&str]) -> Booking {
+        let mut ids: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+        ids.sort();
+        Booking {
+            ids,
+            pins: vec![("GPU-00000000-0000-0000-0000-000000000001".into(), 1 << 30)],
+            compute: None,
+        }
+    }
+
+    fn pod(name: &str) -> PodRef {
+        PodRef {
+            namespace: "ml".into(),
+            name: name.into(),
+            container: "main".into(),
+        }
+    }
+
+    /// Waits until the state file holds just this lease (the writer may
+    /// still be on an earlier state): its first device ID, token and pod.
+    async fn saved_is(path: &Path, id: &str, token: u64, pod: Option<PodRef>) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            let ok = serde_json::from_str::<Saved>(&text).is_ok_and(|s| {
+                matches!(s.leases.as_slice(), [l] if l.ids[0] == id
+                    && l.token == token_text(token)
+                    && l.pod == pod)
+            });
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{}: {text}", path.display());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    // No broker listens on the socket: the holders only retry, which is
+    // what a plugin does while the broker is away.
+    #[tokio::test(flavor = "current_thread")]
+    async fn leases_follow_allocations_and_the_kubelets_list() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-leases-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let state = dir.join("k8s.json");
+        let cfg = || LeaseConfig {
+            socket: dir.join("no-broker.sock"),
+            pod_resources: None,
+            state_file: Some(state.clone()),
+            grace: Duration::from_secs(3600),
+        };
+        let mut l = Leases::new(cfg());
+        let t1 = l.book(booking(&["a", "b"]));
+        // Device b allocated again: whoever held it is gone.
+        let t2 = l.book(booking(&["c", "b"]));
+        assert_ne!(t1, t2);
+        let keys: Vec<&Vec<String>> = l.entries.keys().collect();
+        assert_eq!(keys, [&vec!["b".to_string(), "c".to_string()]]);
+        assert_eq!(token_text(t2).len(), 16);
+
+        // Listed (in any order): named after the pod, and saved so.
+        l.apply_list(vec![(pod("infer-0"), vec!["c".into(), "b".into()])], |_| {
+            None
+        });
+        let e = &l.entries[&vec!["b".to_string(), "c".to_string()]];
+        assert_eq!(e.pod, Some(pod("infer-0")));
+        assert_eq!(*e.names.borrow(), Some(pod("infer-0")));
+        saved_is(&state, "b", t2, Some(pod("infer-0"))).await;
+
+        // Unlisted: kept within the grace, released after it.
+        l.apply_list(vec![], |_| None);
+        assert_eq!(l.entries.len(), 1);
+        l.cfg.grace = Duration::ZERO;
+        l.apply_list(vec![], |_| None);
+        assert!(l.entries.is_empty());
+
+        // Devices a pod holds without a lease here are booked from their
+        // IDs.
+        l.apply_list(vec![(pod("train-1"), vec!["x".into()])], |ids| {
+            Some(booking(&ids.iter().map(String::as_str).collect::<Vec<_>>()))
+        });
+        let t3 = l.entries[&vec!["x".to_string()]].token;
+        saved_is(&state, "x", t3, Some(pod("train-1"))).await;
+
+        // A restarted plugin books them again under the same token.
+        drop(l);
+        let mut again = Leases::new(cfg());
+        again.load();
+        let e = &again.entries[&vec!["x".to_string()]];
+        assert_eq!((e.token, e.pod.clone()), (t3, Some(pod("train-1"))));
+
+        // A state file it cannot read is set aside, not misread.
+        std::fs::write(&state, b"{ not json").unwrap();
+        let mut fresh = Leases::new(cfg());
+        fresh.load();
+        assert!(fresh.entries.is_empty());
+        assert!(state.with_extension("unreadable").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn uuids_parse_as_the_wire_carries_them() {
+        let u = parse_uuid("GPU-5a1e6f7a-c0de-4000-8000-000000000001").unwrap();
+        assert_eq!(u[0], 0x5a);
+        assert_eq!(u[15], 0x01);
+        assert_eq!(parse_uuid("MIG-5a1e6f7a-c0de-4000-8000-000000000001"), None);
+        assert_eq!(parse_uuid("GPU-5a1e"), None);
     }
 }
