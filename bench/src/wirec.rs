@@ -83,32 +83,4 @@ pub fn status(socket: &Path) -> Result<serde_json::Value, String> {
     WireClient::connect(socket, Role::Cli)?.status()
 }
 
-/// Parses the broker's UUID text (`GPU-xxxxxxxx-xxxx-…`) into its bytes.
-pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let hex: Vec<u8> = s
-        .strip_prefix("GPU-")
-        .unwrap_or(s)
-        .bytes()
-        .filter(|&b| b != b'-')
-        .collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, o) in out.iter_mut().enumerate() {
-        let pair = std::str::from_utf8(&hex[2 * i..2 * i + 2]).ok()?;
-        *o = u8::from_str_radix(pair, 16).ok()?;
-    }
-    Some(out)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn uuids() {
-        let u = super::parse_uuid("GPU-5a1e6f7a-c0de-4000-8000-000000000001").unwrap();
-        assert_eq!(u[0], 0x5a);
-        assert_eq!(u[15], 1);
-        assert!(super::parse_uuid("GPU-zz").is_none());
-    }
-}
+pub use gpufrac_common::wire::parse_uuid;

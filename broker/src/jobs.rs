@@ -8,7 +8,6 @@
 
 use crate::queue::{Pinned, Request, Want};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub use gpufrac_common::config::Priority;
@@ -166,19 +165,7 @@ impl StateFile {
             jobs: jobs.cloned().collect(),
         };
         let text = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
-        let tmp = self.path.with_extension("tmp");
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&text)?;
-            f.sync_data()?;
-        }
-        std::fs::rename(&tmp, &self.path)
+        gpufrac_common::files::write_private(&self.path, &text, true)
     }
 
     pub fn remove(&self) {

@@ -11,7 +11,7 @@ use crate::queue::{self, Pinned, Placement, Queue, QueueConfig, Want};
 use crate::sched::{Action, ClientState, GroupId, Priority, SchedConfig, Scheduler};
 use crate::status::{GpuStatus, LeaseEntry, ProcStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg, parse_uuid};
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};
@@ -1863,23 +1863,6 @@ fn describe(w: &Want) -> String {
         Want::Gpus(n) => format!("{n} GPUs"),
         Want::Memory(b) => format!("{} of GPU memory", format_size(*b)),
     }
-}
-
-/// The 16 bytes of `GPU-…` or `MIG-…` (8-4-4-4-12 hex digits), as CUDA's
-/// `cuDeviceGetUuid_v2` gives them; None for anything else (such as the
-/// `MIG-GPU-…/gi/ci` form of drivers before R470).
-fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let hex = s.strip_prefix("GPU-").or_else(|| s.strip_prefix("MIG-"))?;
-    let digits: Vec<u8> = hex.bytes().filter(|&b| b != b'-').collect();
-    if digits.len() != 32 || hex.len() != 36 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, b) in out.iter_mut().enumerate() {
-        let pair = std::str::from_utf8(&digits[2 * i..2 * i + 2]).ok()?;
-        *b = u8::from_str_radix(pair, 16).ok()?;
-    }
-    Some(out)
 }
 
 fn peer_cred(fd: i32) -> (u32, u32) {

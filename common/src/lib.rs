@@ -4,6 +4,7 @@
 pub mod clock;
 pub mod config;
 pub mod cuda;
+pub mod files;
 pub mod jobledger;
 pub mod net;
 pub mod procfs;

@@ -130,6 +130,23 @@ pub fn random_token() -> u64 {
     t.max(1)
 }
 
+/// The 16 bytes of `GPU-…` or `MIG-…` (8-4-4-4-12 hex digits), as CUDA's
+/// `cuDeviceGetUuid_v2` gives them; None for anything else (such as the
+/// `MIG-GPU-…/gi/ci` form of drivers before R470).
+pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex = s.strip_prefix("GPU-").or_else(|| s.strip_prefix("MIG-"))?;
+    let digits: Vec<u8> = hex.bytes().filter(|&b| b != b'-').collect();
+    if digits.len() != 32 || hex.len() != 36 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        let pair = std::str::from_utf8(&digits[2 * i..2 * i + 2]).ok()?;
+        *b = u8::from_str_radix(pair, 16).ok()?;
+    }
+    Some(out)
+}
+
 /// Memory on one given GPU, for a lease whose GPUs are already chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pin {
@@ -1125,6 +1142,22 @@ mod tests {
                 "{m:?} read as a client message"
             );
         }
+    }
+
+    #[test]
+    fn uuids_parse_as_cuda_gives_them() {
+        let u = parse_uuid("GPU-5a1e6f7a-c0de-4000-8000-000000000001").unwrap();
+        assert_eq!((u[0], u[15]), (0x5a, 1));
+        assert_eq!(
+            parse_uuid("MIG-5a1e6f7a-c0de-4000-8000-000000000001"),
+            Some(u)
+        );
+        assert_eq!(parse_uuid("GPU-zz"), None);
+        assert_eq!(parse_uuid("5a1e6f7a-c0de-4000-8000-000000000001"), None);
+        assert_eq!(
+            parse_uuid("MIG-GPU-5a1e6f7a-c0de-4000-8000-000000000001/1/0"),
+            None
+        );
     }
 
     #[test]

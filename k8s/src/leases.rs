@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, ClientMsg, DecodeError, Pin, Role, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, Pin, Role, ServerMsg, parse_uuid};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -144,7 +144,12 @@ impl Leases {
                         continue;
                     };
                     let (p, t) = (path.clone(), text);
-                    let r = tokio::task::spawn_blocking(move || write_atomic(&p, &t)).await;
+                    let r = tokio::task::spawn_blocking(move || {
+                        // Not synced: a crash of the host that loses the
+                        // last write ends the pods too.
+                        gpufrac_common::files::write_private(&p, &t, false)
+                    })
+                    .await;
                     if let Ok(Err(e)) = r {
                         tracing::warn!(
                             "cannot write {}: {e}; a restarted plugin would book its pods under \
@@ -396,24 +401,6 @@ impl Leases {
     }
 }
 
-fn write_atomic(path: &Path, text: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        // Not synced: the rename alone keeps the file whole, and a crash of
-        // the host that loses the last write ends the pods too.
-        f.write_all(text)?;
-    }
-    std::fs::rename(&tmp, path)
-}
-
 /// "4.0 GiB on GPU-…" (and the pod, when known), for the log.
 fn describe(b: &Booking, pod: Option<&PodRef>) -> String {
     let on: Vec<String> = b
@@ -639,24 +626,6 @@ fn report(m: &ServerMsg, booking: &Booking) {
     }
 }
 
-/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as 16 bytes.
-fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let hex: Vec<u8> = s
-        .strip_prefix("GPU-")?
-        .bytes()
-        .filter(|&b| b != b'-')
-        .collect();
-    if hex.len() != 32 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, b) in out.iter_mut().enumerate() {
-        let pair = std::str::from_utf8(&hex[2 * i..2 * i + 2]).ok()?;
-        *b = u8::from_str_radix(pair, 16).ok()?;
-    }
-    Some(out)
-}
-
 /// A broker connection speaking the wire protocol.
 struct Conn {
     stream: UnixStream,
@@ -811,14 +780,5 @@ mod tests {
         assert!(fresh.entries.is_empty());
         assert!(state.with_extension("unreadable").exists());
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn uuids_parse_as_the_wire_carries_them() {
-        let u = parse_uuid("GPU-5a1e6f7a-c0de-4000-8000-000000000001").unwrap();
-        assert_eq!(u[0], 0x5a);
-        assert_eq!(u[15], 0x01);
-        assert_eq!(parse_uuid("MIG-5a1e6f7a-c0de-4000-8000-000000000001"), None);
-        assert_eq!(parse_uuid("GPU-5a1e"), None);
     }
 }
