@@ -148,12 +148,9 @@ impl StateFile {
     }
 
     fn set_aside(&self, why: &str) -> String {
-        let aside = self.path.with_extension("unreadable");
-        let _ = std::fs::rename(&self.path, &aside);
         format!(
-            "state file {} is unusable ({why}); moved to {} and starting without saved leases",
-            self.path.display(),
-            aside.display()
+            "state file {}; starting without saved leases",
+            gpufrac_common::files::set_aside(&self.path, why)
         )
     }
 

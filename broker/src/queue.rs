@@ -129,6 +129,11 @@ pub struct Request {
     pub pod: Option<String>,
 }
 
+/// What a pinned request wants: the memory of all its pins.
+pub fn pinned_total(pin: &[Pinned]) -> u64 {
+    pin.iter().fold(0u64, |a, p| a.saturating_add(p.mem))
+}
+
 /// Memory on a GPU chosen before the request reached the queue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pinned {
@@ -448,18 +453,7 @@ impl Queue {
             return Err(refuse(format!("request {id} is already queued or running")));
         }
         if !req.pin.is_empty() {
-            let shares: Vec<Share> = req
-                .pin
-                .iter()
-                .filter_map(|p| {
-                    let i = self.gpu_of(&p.uuid)?;
-                    Some(Share {
-                        gpu: i,
-                        mem: p.mem,
-                        slot: false,
-                    })
-                })
-                .collect();
+            let shares: Vec<Share> = req.pin.iter().filter_map(|p| self.pin_share(p)).collect();
             if shares.is_empty() {
                 return Err(refuse("none of the lease's GPUs is on this node any more"));
             }
@@ -806,7 +800,7 @@ impl Queue {
     }
 
     fn check_pinned(&self, req: &Request) -> Result<(), Refusal> {
-        let sum = req.pin.iter().fold(0u64, |a, p| a.saturating_add(p.mem));
+        let sum = pinned_total(&req.pin);
         if req.want != Want::Memory(sum) {
             return Err(refuse(format!(
                 "a pinned request wants the sum of its pins ({}), not {}",
@@ -907,17 +901,23 @@ impl Queue {
     fn plan_pinned(&self, pin: &[Pinned]) -> Option<Vec<Share>> {
         pin.iter()
             .map(|p| {
-                let i = self.gpu_of(&p.uuid)?;
-                let g = &self.gpus[i];
-                let fits = g.slots_used < self.cfg.overprovision
-                    && (self.cfg.overcommit || g.uncommitted() >= i128::from(p.mem));
-                fits.then_some(Share {
-                    gpu: i,
-                    mem: p.mem,
-                    slot: false,
+                self.pin_share(p).filter(|s| {
+                    let g = &self.gpus[s.gpu];
+                    g.slots_used < self.cfg.overprovision
+                        && (self.cfg.overcommit || g.uncommitted() >= i128::from(s.mem))
                 })
             })
             .collect()
+    }
+
+    /// What a pin holds on its GPU (a fraction), if the GPU is this
+    /// queue's.
+    fn pin_share(&self, p: &Pinned) -> Option<Share> {
+        Some(Share {
+            gpu: self.gpu_of(&p.uuid)?,
+            mem: p.mem,
+            slot: false,
+        })
     }
 
     fn commit_placed(

@@ -788,11 +788,7 @@ impl Server {
                     .unwrap_or(0);
                 let job_pid = job.and_then(|t| self.jobs.get(&t)).map(|j| j.pid);
                 if let Some(c) = self.conns.get_mut(&tok) {
-                    for d in &mut devs {
-                        if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
-                            d.cap = mem_cap;
-                        }
-                    }
+                    lower_caps(&mut devs, mem_cap);
                     // A job is named by its run's pid: the token is a secret.
                     info!(pid = c.pid, uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
                     c.devices = devs;
@@ -949,9 +945,7 @@ impl Server {
                     })
                     .collect();
                 let want = match (want_gpus, want_mem) {
-                    _ if !pin.is_empty() => Some(Want::Memory(
-                        pin.iter().fold(0u64, |a, p| a.saturating_add(p.mem)),
-                    )),
+                    _ if !pin.is_empty() => Some(Want::Memory(queue::pinned_total(&pin))),
                     (0, 0) => None,
                     (0, b) => Some(Want::Memory(b)),
                     (n, _) => Some(Want::Gpus(n)),
@@ -1099,11 +1093,7 @@ impl Server {
         for t in who {
             if let Some(c) = self.conns.get_mut(&t) {
                 c.member_of = Some(token);
-                for d in &mut c.devices {
-                    if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
-                        d.cap = mem_cap;
-                    }
-                }
+                lower_caps(&mut c.devices, mem_cap);
             }
             if mem_cap > 0 {
                 self.send(t, &ServerMsg::Registered { mem_cap });
@@ -1845,6 +1835,16 @@ impl Server {
 const MAX_COMMAND: usize = 1024;
 /// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
 const MAX_POD: usize = 320;
+
+/// A job's memory cap (0: none) over a process's own on each device: the
+/// lower of the two holds, as the shim applies it on `Registered`.
+fn lower_caps(devs: &mut [ClientDev], mem_cap: u64) {
+    for d in devs.iter_mut() {
+        if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
+            d.cap = mem_cap;
+        }
+    }
+}
 
 fn clip(s: &str, max: usize) -> String {
     if s.len() <= max {

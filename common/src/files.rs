@@ -25,3 +25,16 @@ pub fn write_private(path: &Path, bytes: &[u8], sync: bool) -> std::io::Result<(
     }
     std::fs::rename(&tmp, path)
 }
+
+/// Moves an unusable state file to `<name>.unreadable` (kept for a person
+/// to look at, never deleted) and says so: "PATH is unusable (WHY); moved
+/// to ASIDE".
+pub fn set_aside(path: &Path, why: &str) -> String {
+    let aside = path.with_extension("unreadable");
+    let _ = std::fs::rename(path, &aside);
+    format!(
+        "{} is unusable ({why}); moved to {}",
+        path.display(),
+        aside.display()
+    )
+}

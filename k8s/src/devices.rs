@@ -376,16 +376,22 @@ impl Inventory {
     /// `GPU_MEM_LIMIT` the smallest of them. Slots also give
     /// `GPU_COMPUTE_SHARE` (one share per process, the smallest of the
     /// GPUs' when they differ).
+    ///
+    /// With it, what the allocation is for the broker's queue.
     pub fn allocate(
         &self,
         ids: &[String],
         inject: &Injection,
-    ) -> Result<api::ContainerAllocateResponse, String> {
-        let gpus = self.granted(ids)?;
+    ) -> Result<(api::ContainerAllocateResponse, Booking), String> {
+        let Grant {
+            gpus,
+            caps,
+            share,
+            booking,
+        } = self.grant(ids)?;
         let mut resp = api::ContainerAllocateResponse::default();
         let env = &mut resp.envs;
 
-        let caps = self.caps(&gpus);
         let smallest = *caps.iter().min().expect("at least one GPU");
         env.insert(VAR_MEM_LIMIT.into(), env_size(smallest));
         if caps.len() > 1 {
@@ -393,7 +399,7 @@ impl Inventory {
                 env.insert(format!("{VAR_MEM_LIMIT_PREFIX}{ordinal}"), env_size(*cap));
             }
         }
-        if let Some((fewest, per_gpu)) = self.share(&gpus) {
+        if let Some((fewest, per_gpu)) = share {
             env.insert(VAR_COMPUTE_SHARE.into(), env_percent(fewest, per_gpu));
         }
         let uuids: Vec<&str> = gpus.iter().map(|(k, _)| k.gpu.uuid.as_str()).collect();
@@ -471,34 +477,44 @@ impl Inventory {
                 }
             }
         }
-        Ok(resp)
+        Ok((resp, booking))
     }
 }
 
 impl Inventory {
-    /// What an allocation is worth, to book it with the broker: the memory
-    /// on each GPU, and the compute share of slots.
+    /// What an allocation is for the broker's queue (without answering
+    /// it): the memory on each GPU, and the compute share of slots.
     pub fn booking(&self, ids: &[String]) -> Result<Booking, String> {
+        Ok(self.grant(ids)?.booking)
+    }
+
+    /// What devices `ids` come to; refuses IDs that are not ours, on a GPU
+    /// gone, or named twice.
+    fn grant(&self, ids: &[String]) -> Result<Grant<'_>, String> {
         let gpus = self.granted(ids)?;
         let caps = self.caps(&gpus);
+        let share = self.share(&gpus);
         let mut sorted = ids.to_vec();
         sorted.sort();
-        Ok(Booking {
+        let booking = Booking {
             ids: sorted,
             pins: gpus
                 .iter()
-                .zip(caps)
-                .map(|((k, _), cap)| (k.gpu.uuid.clone(), cap))
+                .zip(&caps)
+                .map(|((k, _), cap)| (k.gpu.uuid.clone(), *cap))
                 .collect(),
-            compute: self
-                .share(&gpus)
-                .map(|(n, per_gpu)| n as f64 * 100.0 / per_gpu as f64),
+            compute: share.map(|(n, per_gpu)| n as f64 * 100.0 / per_gpu as f64),
+        };
+        Ok(Grant {
+            gpus,
+            caps,
+            share,
+            booking,
         })
     }
 
     /// The GPUs an allocation's devices are on, in index order, with the
-    /// number of units on each; refuses IDs that are not ours, on a GPU
-    /// gone, or named twice.
+    /// number of units on each.
     fn granted(&self, ids: &[String]) -> Result<Vec<(&Known, u64)>, String> {
         if ids.is_empty() {
             return Err(format!(
@@ -549,8 +565,20 @@ impl Inventory {
     }
 }
 
-/// One container's allocation as the broker books it.
-#[derive(Clone, Debug, PartialEq)]
+/// An allocation worked out once, for the answer and the booking alike.
+struct Grant<'a> {
+    /// Each GPU and the units on it, in index order.
+    gpus: Vec<(&'a Known, u64)>,
+    /// The memory cap on each.
+    caps: Vec<u64>,
+    /// Slots: (slots, per GPU) of the compute share.
+    share: Option<(u64, u64)>,
+    booking: Booking,
+}
+
+/// One container's allocation as the broker books it (and the plugin's
+/// state file keeps it).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Booking {
     /// The device IDs, sorted: they name the allocation, here and in the
     /// kubelet's pod-resources answers.
@@ -558,6 +586,7 @@ pub struct Booking {
     /// Each GPU's UUID and the memory on it.
     pub pins: Vec<(String, u64)>,
     /// Slots: `GPU_COMPUTE_SHARE`, percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute: Option<f64>,
 }
 
@@ -828,7 +857,7 @@ mod tests {
     fn allocate_memory_units_on_one_gpu() {
         let inv = mem(&[16, 8]);
         let (inject, _dev) = mounts();
-        let r = inv.allocate(&ids(U1, "mem", 0..4), &inject).unwrap();
+        let r = inv.allocate(&ids(U1, "mem", 0..4), &inject).unwrap().0;
         let e = &r.envs;
         assert_eq!(e["GPU_MEM_LIMIT"], "4G");
         assert_eq!(e["CUDA_VISIBLE_DEVICES"], U1);
@@ -868,7 +897,8 @@ mod tests {
         m.preload_file = Some("/etc/gpufrac/ld.so.preload".into());
         let r = inv
             .allocate(&ids(U0, "mem", [0]), &Injection::Mounts(m))
-            .unwrap();
+            .unwrap()
+            .0;
         assert!(!r.envs.contains_key("LD_PRELOAD"));
         assert!(r.mounts.contains(&api::Mount {
             container_path: "/etc/ld.so.preload".into(),
@@ -882,7 +912,7 @@ mod tests {
         let mut inv = mem(&[16, 8]);
         inv.set_minors(&BTreeMap::from([(U1.to_ascii_lowercase(), 7)]));
         let (inject, _dev) = mounts();
-        let r = inv.allocate(&ids(U1, "mem", [0]), &inject).unwrap();
+        let r = inv.allocate(&ids(U1, "mem", [0]), &inject).unwrap().0;
         assert_eq!(r.devices[1].container_path, "/dev/nvidia7");
         // A node that is not there is named.
         let mut inv = mem(&[16, 8]);
@@ -896,18 +926,21 @@ mod tests {
         let inv = Inventory::new(Resource::Slots { per_gpu: 4 }, gpus(&[16, 8])).unwrap();
         let r = inv
             .allocate(&ids(U0, "slot", [2]), &Injection::Cdi)
-            .unwrap();
+            .unwrap()
+            .0;
         assert_eq!(r.envs["GPU_MEM_LIMIT"], "4G");
         assert_eq!(r.envs["GPU_COMPUTE_SHARE"], "25%");
         let r = inv
             .allocate(&ids(U1, "slot", [0, 3]), &Injection::Cdi)
-            .unwrap();
+            .unwrap()
+            .0;
         assert_eq!(r.envs["GPU_MEM_LIMIT"], "4G");
         assert_eq!(r.envs["GPU_COMPUTE_SHARE"], "50%");
         let inv = Inventory::new(Resource::Slots { per_gpu: 3 }, gpus(&[16])).unwrap();
         let r = inv
             .allocate(&ids(U0, "slot", [1]), &Injection::Cdi)
-            .unwrap();
+            .unwrap()
+            .0;
         assert_eq!(r.envs["GPU_MEM_LIMIT"], (16 * GIB / 3).to_string());
         assert_eq!(r.envs["GPU_COMPUTE_SHARE"], "33.33%");
     }
@@ -918,7 +951,7 @@ mod tests {
         let mut want = ids(U1, "mem", 0..2);
         want.extend(ids(U0, "mem", 0..3));
         let (inject, _dev) = mounts();
-        let r = inv.allocate(&want, &inject).unwrap();
+        let r = inv.allocate(&want, &inject).unwrap().0;
         let e = &r.envs;
         // In CUDA_VISIBLE_DEVICES order, which is index order.
         assert_eq!(e["CUDA_VISIBLE_DEVICES"], format!("{U0},{U1}"));
@@ -929,10 +962,23 @@ mod tests {
         let inv = Inventory::new(Resource::Slots { per_gpu: 4 }, gpus(&[16, 8])).unwrap();
         let mut want = ids(U0, "slot", 0..2);
         want.extend(ids(U1, "slot", [1]));
-        let r = inv.allocate(&want, &Injection::Cdi).unwrap();
+        let (r, booking) = inv.allocate(&want, &Injection::Cdi).unwrap();
         assert_eq!(r.envs["GPU_MEM_LIMIT_0"], "8G");
         assert_eq!(r.envs["GPU_MEM_LIMIT_1"], "2G");
         assert_eq!(r.envs["GPU_COMPUTE_SHARE"], "25%");
+        // The broker books the same: each GPU's cap, the share, and the
+        // IDs sorted (as the kubelet's pod-resources list is matched).
+        want.sort();
+        let pins = vec![(U0.to_string(), 8 * GIB), (U1.to_string(), 2 * GIB)];
+        assert_eq!(
+            booking,
+            Booking {
+                ids: want.clone(),
+                pins,
+                compute: Some(25.0),
+            }
+        );
+        assert_eq!(inv.booking(&want).unwrap(), booking);
         let names: Vec<&str> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["gpufrac.dev/gpu=0", "gpufrac.dev/gpu=1"]);
     }
@@ -942,7 +988,8 @@ mod tests {
         let inv = mem(&[16, 8]);
         let r = inv
             .allocate(&ids(U1, "mem", 0..4), &Injection::Cdi)
-            .unwrap();
+            .unwrap()
+            .0;
         assert_eq!(r.cdi_devices.len(), 1);
         assert_eq!(r.cdi_devices[0].name, "gpufrac.dev/gpu=1");
         assert!(r.mounts.is_empty() && r.devices.is_empty());

@@ -78,11 +78,17 @@ impl PodRef {
 struct Entry {
     booking: Booking,
     token: u64,
-    pod: Option<PodRef>,
     /// Booked (or loaded from the state file) at.
     since: Instant,
+    /// The pod it is, once the kubelet has said; its holder follows it.
     names: watch::Sender<Option<PodRef>>,
     task: JoinHandle<()>,
+}
+
+impl Entry {
+    fn pod(&self) -> Option<PodRef> {
+        self.names.borrow().clone()
+    }
 }
 
 impl Drop for Entry {
@@ -112,10 +118,8 @@ struct Saved {
 
 #[derive(Serialize, Deserialize)]
 struct SavedLease {
-    ids: Vec<String>,
-    pins: Vec<(String, u64)>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    compute: Option<f64>,
+    #[serde(flatten)]
+    booking: Booking,
     /// 16 hex digits, as `GPUFRAC_JOB` carries it.
     token: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,13 +194,10 @@ impl Leases {
                     Ok(s) => format!("version {}", s.version),
                     Err(e) => e.to_string(),
                 };
-                let aside = path.with_extension("unreadable");
-                let _ = std::fs::rename(&path, &aside);
-                tracing::warn!(
-                    "{} is unusable ({why}); moved to {} and starting without it",
-                    path.display(),
-                    aside.display()
-                );
+                // Outside the macro: tracing skips its arguments when the
+                // level is off, and the file must move regardless.
+                let said = gpufrac_common::files::set_aside(&path, &why);
+                tracing::warn!("{said}; starting without it");
                 return;
             }
         };
@@ -209,17 +210,12 @@ impl Leases {
                 );
                 continue;
             };
-            let booking = Booking {
-                ids: l.ids,
-                pins: l.pins,
-                compute: l.compute,
-            };
             tracing::info!(
                 "booking again {} (from {})",
-                describe(&booking, l.pod.as_ref()),
+                describe(&l.booking, l.pod.as_ref()),
                 path.display()
             );
-            self.insert(booking, token, l.pod, true);
+            self.insert(l.booking, token, l.pod, true);
         }
     }
 
@@ -238,7 +234,7 @@ impl Leases {
             if let Some(e) = self.entries.remove(&k) {
                 tracing::info!(
                     "{} ends: its devices were allocated again",
-                    describe(&e.booking, e.pod.as_ref())
+                    describe(&e.booking, e.pod().as_ref())
                 );
             }
         }
@@ -250,7 +246,7 @@ impl Leases {
     }
 
     fn insert(&mut self, booking: Booking, token: u64, pod: Option<PodRef>, resume: bool) {
-        let (names, rx) = watch::channel(pod.clone());
+        let (names, rx) = watch::channel(pod);
         let task = tokio::spawn(hold(
             self.cfg.socket.clone(),
             booking.clone(),
@@ -263,7 +259,6 @@ impl Leases {
             Entry {
                 booking,
                 token,
-                pod,
                 since: Instant::now(),
                 names,
                 task,
@@ -301,7 +296,7 @@ impl Leases {
         let mut changed = false;
         for (ids, pod) in &by_ids {
             match self.entries.get_mut(ids) {
-                Some(e) if e.pod.as_ref() == Some(pod) => {}
+                Some(e) if e.names.borrow().as_ref() == Some(pod) => {}
                 Some(e) => {
                     tracing::info!(
                         "{} is pod {} ({})",
@@ -309,7 +304,6 @@ impl Leases {
                         pod.pod(),
                         pod.label()
                     );
-                    e.pod = Some(pod.clone());
                     e.names.send_replace(Some(pod.clone()));
                     changed = true;
                 }
@@ -343,7 +337,7 @@ impl Leases {
             .collect();
         for k in gone {
             if let Some(e) = self.entries.remove(&k) {
-                match &e.pod {
+                match &e.pod() {
                     Some(p) => tracing::info!(
                         "pod {} ({}) no longer holds its devices: its lease is released",
                         p.pod(),
@@ -389,11 +383,9 @@ impl Leases {
                 .entries
                 .values()
                 .map(|e| SavedLease {
-                    ids: e.booking.ids.clone(),
-                    pins: e.booking.pins.clone(),
-                    compute: e.booking.compute,
+                    booking: e.booking.clone(),
                     token: token_text(e.token),
-                    pod: e.pod.clone(),
+                    pod: e.pod(),
                 })
                 .collect(),
         };
@@ -708,7 +700,7 @@ mod tests {
         loop {
             let text = std::fs::read_to_string(path).unwrap_or_default();
             let ok = serde_json::from_str::<Saved>(&text).is_ok_and(|s| {
-                matches!(s.leases.as_slice(), [l] if l.ids[0] == id
+                matches!(s.leases.as_slice(), [l] if l.booking.ids[0] == id
                     && l.token == token_text(token)
                     && l.pod == pod)
             });
@@ -747,8 +739,7 @@ mod tests {
             None
         });
         let e = &l.entries[&vec!["b".to_string(), "c".to_string()]];
-        assert_eq!(e.pod, Some(pod("infer-0")));
-        assert_eq!(*e.names.borrow(), Some(pod("infer-0")));
+        assert_eq!(e.pod(), Some(pod("infer-0")));
         saved_is(&state, "b", t2, Some(pod("infer-0"))).await;
 
         // Unlisted: kept within the grace, released after it.
@@ -771,7 +762,7 @@ mod tests {
         let mut again = Leases::new(cfg());
         again.load();
         let e = &again.entries[&vec!["x".to_string()]];
-        assert_eq!((e.token, e.pod.clone()), (t3, Some(pod("train-1"))));
+        assert_eq!((e.token, e.pod()), (t3, Some(pod("train-1"))));
 
         // A state file it cannot read is set aside, not misread.
         std::fs::write(&state, b"{ not json").unwrap();

@@ -142,10 +142,9 @@ impl api::device_plugin_server::DevicePlugin for Service {
                 tracing::warn!("refused an allocation of {:?}: {e}", c.devices_ids);
                 Status::invalid_argument(e)
             };
-            let mut r = inv
+            let (mut r, booking) = inv
                 .allocate(&c.devices_ids, &self.shared.inject)
                 .map_err(refuse)?;
-            let booking = inv.booking(&c.devices_ids).map_err(refuse)?;
             // Booked in the background: the kubelet does not wait on the
             // broker, and the container's processes join the job by this
             // token whenever the booking lands.
