@@ -1207,30 +1207,15 @@ impl Server {
         let (unit_weight, job_limit, job_prio) =
             j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
         for d in &c.devices {
-            let limit = match job_limit {
-                Some(l) => {
-                    // Processes of this job on this GPU.
-                    let n = self
-                        .conns
-                        .values()
-                        .filter(|o| {
-                            o.member_of == job && o.devices.iter().any(|od| od.gpu == d.gpu)
-                        })
-                        .count()
-                        .max(1) as f64;
-                    Some(c.limit.map_or(l / n, |own| own.min(l / n)))
-                }
-                None => c.limit,
-            };
             let sched = &mut self.gpus[d.gpu].sched;
             sched.add_client(
                 now,
                 c.id,
                 c.share.unwrap_or(DEFAULT_WEIGHT),
-                limit,
+                c.limit,
                 job_prio.unwrap_or(c.priority),
             );
-            sched.set_group(now, c.id, group, unit_weight);
+            sched.set_group(now, c.id, group, unit_weight, job_limit);
         }
     }
 

@@ -1,0 +1,1148 @@
+//! Per-GPU compute scheduler (docs/design.md, "The broker").
+//!
+//! A pure state machine: no I/O, no clock, no threads. Every entry point takes
+//! the current monotonic time so the whole policy can be driven in virtual
+//! time by tests and by the socket layer alike. Outputs are queued as
+//! [`Action`]s (drained with [`Scheduler::poll_action`]) and the caller arms a
+//! timer for [`Scheduler::next_timeout`].
+//!
+//! The policy, built around two rules: sharing through gpufrac never makes a
+//! process wait longer than the GPU's own time-slicer would, and shares hold
+//! whatever the kernel length.
+//!
+//! - **One holder may launch**, but a handover never waits for the previous
+//!   holder's queued work: the revoke and the next grant leave in the same
+//!   step. What the old holder still has queued runs on, interleaved by the
+//!   GPU's time-slicer (which preempts within a quantum of ~2 ms), and the
+//!   grant carries a *bound* on how much unfinished work a holder may keep
+//!   queued while others share the GPU, so that what is left at a handover is
+//!   short.
+//! - **Charged by GPU time used**, not by time held: a client is on the GPU
+//!   from its grant until its queued work has drained (`drained`), and while
+//!   several are on it the time-slicer splits the GPU evenly, so each is
+//!   charged `dt / n`. Long kernels that outlive a handover are paid for by
+//!   their owner; weights then hold for 50 µs and 120 ms kernels alike.
+//! - **Priority classes** (`high`, `normal`, `low`): a waiter of a higher
+//!   class takes the GPU at once; `low` runs only when no one else wants it.
+//!   Weighted fair shares (virtual time) apply within a class. While a
+//!   lower class could use the GPU, `high` holds it for at most
+//!   `high_share` of each window (Linux's real-time throttling), so no
+//!   client can stall the others by asking for `high`: past its share a
+//!   `high` holder is revoked like any other, and passed over if it does
+//!   not let go.
+//! - **Wake-up preemption**: a client that comes back from idle starts up to
+//!   one timeslice behind the class's virtual clock (never ahead of what it
+//!   had used), so an interactive process that used less than its share
+//!   takes the GPU at once instead of waiting for the holder's slice to end.
+//!   A busy newcomer gets the same one-time credit, which is bounded.
+//! - Between busy clients of one class, slices of `timeslice` (extended
+//!   while the holder is still behind), so switches stay rare.
+//! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
+//!   otherwise idle GPU; a unit's limit (a job's `--gpu-limit`) is one
+//!   budget for all its members together, however many there are.
+//!
+//! Protocol notes for the socket layer:
+//! - A `Grant` for a grant id the client already holds is an *update* (it
+//!   became contended, its slice was extended, its bound changed); a new id
+//!   is a new grant. A shim ignores updates and revokes for an id it has
+//!   already released.
+//! - A revoked client that still has work sends `acquire` (before or after
+//!   its `release`): it then waits at its charged virtual time.
+//! - After a `release`, the client reports `drained` once its queued work
+//!   has finished; until then it is charged as on the GPU (at most
+//!   `drain_timeout`).
+
+mod meter;
+
+use std::collections::{BTreeMap, VecDeque};
+
+use meter::{Meter, budget};
+
+pub use gpufrac_common::config::Priority;
+use serde::{Deserialize, Serialize};
+
+/// Monotonic nanoseconds, chosen by the caller.
+pub type Nanos = u64;
+/// One connected process.
+pub type ClientId = u64;
+/// Identifies one grant, so late updates and revokes can be told apart from a
+/// new grant by the client.
+pub type GrantId = u64;
+/// A unit of fairness (a job or a user); chosen by the caller.
+pub type GroupId = u64;
+
+/// Units whose members all left, remembered while their virtual time is
+/// still ahead of the class clock: at most this many.
+const MAX_DEPARTED: usize = 1024;
+
+/// What a unit leaves behind when its last member disconnects, so that
+/// reconnecting does not wipe its history (a client that reconnected every
+/// 250 ms once got a fresh start each time).
+#[derive(Debug, Clone, Default)]
+struct Departed {
+    vtime: f64,
+    history: VecDeque<(Nanos, Nanos)>,
+}
+
+const MS: Nanos = 1_000_000;
+const US: Nanos = 1_000;
+/// How many bounds of work a burst grant may keep queued.
+const BURST_BOUND: Nanos = 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SchedConfig {
+    /// Contended slice between busy clients of one class (`--timeslice`).
+    pub timeslice: Nanos,
+    /// Sliding window for `GPU_COMPUTE_LIMIT` and for achieved share.
+    pub window: Nanos,
+    /// A revoked holder that has not released after this is reported hung.
+    /// The GPU has already moved on at the revoke; it is charged either way.
+    pub grace: Nanos,
+    /// Most unfinished work a holder may keep queued while others share the
+    /// GPU (`--inflight`); 0: no bound. It is what a newcomer may have to
+    /// wait for beyond the time-slicer's own quantum, and what a handover
+    /// leaves running.
+    pub bound: Nanos,
+    /// Longest a released client is charged for its queued work without
+    /// saying it has drained.
+    pub drain_timeout: Nanos,
+    /// Longest a client that wakes up waits for a holder of its class,
+    /// when it is not behind enough to take the GPU at once: about the
+    /// GPU's own time-slice quantum.
+    pub wake: Nanos,
+    /// While clients of lower classes are active, the most of each window
+    /// the `high` class may hold the GPU (Linux's real-time throttling):
+    /// an interactive process still gets the GPU at once, but a busy or
+    /// stuck `high` client cannot starve everyone else. 1.0: unbounded.
+    pub high_share: f64,
+}
+
+impl Default for SchedConfig {
+    /// 20 ms slices (a handover costs about a round trip and a hardware
+    /// context switch, so 20 ms keeps switching under 1%), a 1 s window, a
+    /// 200 ms grace, 250 µs of queued work, 5 s to drain, and at most half
+    /// of each window for `high` while others wait.
+    fn default() -> Self {
+        SchedConfig {
+            timeslice: 20 * MS,
+            window: 1000 * MS,
+            grace: 200 * MS,
+            bound: 250 * US,
+            drain_timeout: 5000 * MS,
+            wake: 2 * MS,
+            high_share: 0.5,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action {
+    /// `slice: None` is open-ended (uncontended, unlimited). A grant id the
+    /// client already holds makes this an update of that grant. `bound` is
+    /// the most unfinished work it may keep queued (0: none).
+    Grant {
+        client: ClientId,
+        grant: GrantId,
+        slice: Option<Nanos>,
+        bound: Nanos,
+        /// Someone else (of any class) wants the GPU: an idle holder hands
+        /// it back early.
+        waiters: bool,
+    },
+    /// Stop launching, then `release` (without waiting for queued work).
+    Revoke { client: ClientId, grant: GrantId },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientState {
+    Idle,
+    Waiting,
+    Holding,
+    /// Revoked and not yet released (then `hung` past the grace). It is
+    /// no longer the holder, but still charged.
+    Revoking,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClientStatus {
+    pub client: ClientId,
+    pub weight: f64,
+    pub limit: Option<f64>,
+    #[serde(with = "priority_name")]
+    pub priority: Priority,
+    pub state: ClientState,
+    /// Fraction of the last window (or of its lifetime, if younger) during
+    /// which the client was on the GPU (holding, or its work draining).
+    pub achieved: f64,
+    /// weight / sum of weights of active clients of the highest active
+    /// class; 0 for an idle client or one of a lower class.
+    pub target: f64,
+    /// Time on the GPU (holding or draining), wall clock.
+    pub total_held: Nanos,
+    /// GPU time charged: wall time on the GPU, split evenly while several
+    /// clients' work shared it.
+    pub gpu_time: Nanos,
+    /// Released, with queued work still running.
+    pub draining: bool,
+    /// Revoked, past its grace, still not released.
+    pub hung: bool,
+}
+
+/// Priorities by name in status JSON (`"high"`), as users spell them.
+pub mod priority_name {
+    use super::Priority;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(p: &Priority, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(p.as_str())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Priority, D::Error> {
+        let s = String::deserialize(d)?;
+        Priority::parse(&s)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown priority {s:?}")))
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Outstanding {
+    id: GrantId,
+    start: Nanos,
+    deadline: Option<Nanos>,
+    revoked_at: Option<Nanos>,
+    hung: bool,
+    /// The bound last sent with this grant.
+    bound: Nanos,
+    /// `waiters` last sent with this grant.
+    waiters: bool,
+    /// Granted to a client that had been idle: its first slice is a burst
+    /// (a request, a notebook cell) that must be queued whole, or the GPU's
+    /// time-slicer would switch to others' leftover work at every gap.
+    burst: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Client {
+    /// Effective weight: the unit's weight split among its active members
+    /// in proportion to `own` (see `reweigh`).
+    weight: f64,
+    /// The weight the client declared (or was given).
+    own: f64,
+    /// The unit that holds a share: a job (lease) or a user. Defaults to
+    /// the client's own id, a unit of one.
+    group: GroupId,
+    /// The unit's weight when imposed (a lease's `--gpu-compute`); else
+    /// the largest `own` among its active members.
+    unit_weight: Option<f64>,
+    limit: Option<f64>,
+    class: Priority,
+    state: ClientState,
+    vtime: f64,
+    /// FIFO stamp, taken each time the client starts waiting.
+    seq: u64,
+    added_at: Nanos,
+    grant: Option<Outstanding>,
+    /// Set by `acquire` while revoking: the release re-queues instead of
+    /// idling.
+    wants_again: bool,
+    /// Released with work still queued, since then.
+    draining_since: Option<Nanos>,
+    /// Charged as draining at most until then without a `drained`.
+    drain_until: Nanos,
+    /// On the GPU: holding, revoking or draining.
+    meter: Meter,
+    /// GPU time charged so far, ns.
+    charged: f64,
+}
+
+/// A unit with a ceiling of its own (a job's `--gpu-limit`): all its
+/// members together stay within it, however many of them there are, and
+/// however many sit idle.
+#[derive(Debug, Clone, Default)]
+struct Unit {
+    limit: Option<f64>,
+    /// On the GPU while any member is.
+    meter: Meter,
+}
+
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    cfg: SchedConfig,
+    clients: BTreeMap<ClientId, Client>,
+    holder: Option<ClientId>,
+    /// Per class, never decreasing; tracks the least virtual time among the
+    /// class's active clients. Clients that (re)activate start at most one
+    /// timeslice lower, so idling banks little credit.
+    vclock: [f64; 3],
+    /// A client that just woke up and may preempt the holder.
+    woke: Option<ClientId>,
+    /// Clients that left idle and have not been granted since.
+    waking: std::collections::BTreeSet<ClientId>,
+    /// Per (unit, class): what departed members of a unit left behind.
+    departed: BTreeMap<(GroupId, usize), Departed>,
+    /// Units with a limit, and their time on the GPU (kept while the
+    /// window still sees it, members or not).
+    units: BTreeMap<GroupId, Unit>,
+    /// The `high` class's time on the GPU, for its share of the window.
+    high: Meter,
+    next_seq: u64,
+    next_grant: GrantId,
+    actions: VecDeque<Action>,
+    /// Charges are settled up to here.
+    settled_at: Nanos,
+    /// Latest time seen; earlier `now` arguments are clamped to it so a
+    /// caller's clock hiccup cannot make durations underflow.
+    now: Nanos,
+}
+
+fn sanitize_weight(weight: f64) -> f64 {
+    // Only ratios matter; a weight that cannot be compared is treated as the
+    // default rather than poisoning every comparison with NaN.
+    if weight.is_finite() && weight > 0.0 {
+        weight
+    } else {
+        1.0
+    }
+}
+
+fn sanitize_limit(limit: Option<f64>) -> Option<f64> {
+    // The shim validates GPU_COMPUTE_LIMIT; anything that still arrives out of
+    // range is not a ceiling the scheduler can honour: >= 100% is no ceiling,
+    // and <= 0 would park the client forever.
+    limit.filter(|l| l.is_finite() && *l > 0.0 && *l < 1.0)
+}
+
+impl Client {
+    fn on_gpu(&self) -> bool {
+        matches!(self.state, ClientState::Holding | ClientState::Revoking)
+            || self.draining_since.is_some()
+    }
+
+    /// Opens or closes the on-GPU interval after a state change.
+    fn refresh_run(&mut self, now: Nanos) {
+        self.meter.set(self.on_gpu(), now);
+    }
+
+    fn is_active(&self) -> bool {
+        !matches!(self.state, ClientState::Idle)
+    }
+
+    /// One timeslice of this client's GPU time, in virtual time.
+    fn credit(&self, cfg: &SchedConfig) -> f64 {
+        cfg.timeslice as f64 / self.weight
+    }
+}
+
+/// One ceiling on a client's time on the GPU in the window.
+struct Ceiling<'a> {
+    budget: Nanos,
+    /// The least worth granting against it: without a floor, a client
+    /// hovering at its budget would get a stream of nanosecond grants.
+    quantum: Nanos,
+    meter: &'a Meter,
+}
+
+impl Ceiling<'_> {
+    fn remaining(&self, window: Nanos, now: Nanos) -> Nanos {
+        self.budget.saturating_sub(self.meter.usage(window, now))
+    }
+
+    fn fits(&self, window: Nanos, now: Nanos) -> bool {
+        self.remaining(window, now) >= self.quantum
+    }
+}
+
+/// The waiter that would be picked: highest class, then least virtual time,
+/// then FIFO.
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    id: ClientId,
+    class: Priority,
+    vtime: f64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedConfig) -> Self {
+        // Zero-length slices or windows would make deadlines fire at the
+        // instant they are set and the timer loop spin.
+        let cfg = SchedConfig {
+            timeslice: cfg.timeslice.max(1),
+            window: cfg.window.max(1),
+            drain_timeout: cfg.drain_timeout.max(1),
+            wake: cfg.wake.max(1),
+            ..cfg
+        };
+        Scheduler {
+            cfg,
+            clients: BTreeMap::new(),
+            holder: None,
+            vclock: [0.0; 3],
+            woke: None,
+            waking: std::collections::BTreeSet::new(),
+            departed: BTreeMap::new(),
+            units: BTreeMap::new(),
+            high: Meter::default(),
+            next_seq: 0,
+            next_grant: 1,
+            actions: VecDeque::new(),
+            settled_at: 0,
+            now: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedConfig {
+        &self.cfg
+    }
+
+    /// Registers a client, idle. Re-adding a known id updates its weight,
+    /// limit and class in place (time already used stays charged as it was).
+    pub fn add_client(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        weight: f64,
+        limit: Option<f64>,
+        class: Priority,
+    ) {
+        let now = self.clock(now);
+        self.settle(now);
+        let (weight, limit) = (sanitize_weight(weight), sanitize_limit(limit));
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.own = weight;
+            c.limit = limit;
+            if c.class != class && c.state == ClientState::Waiting {
+                c.vtime = c.vtime.max(self.vclock[class.index()]);
+            }
+            c.class = class;
+        } else {
+            self.clients.insert(
+                id,
+                Client {
+                    weight,
+                    own: weight,
+                    group: id,
+                    unit_weight: None,
+                    limit,
+                    class,
+                    state: ClientState::Idle,
+                    vtime: self.vclock[class.index()],
+                    seq: 0,
+                    added_at: now,
+                    grant: None,
+                    wants_again: false,
+                    draining_since: None,
+                    drain_until: 0,
+                    meter: Meter::default(),
+                    charged: 0.0,
+                },
+            );
+        }
+        self.reschedule(now);
+    }
+
+    /// Puts a client in a unit (a job or a user) whose members split the
+    /// unit's weight: `unit_weight` imposes it, `None` takes the largest
+    /// weight among the unit's active members. `unit_limit` is a ceiling
+    /// (a fraction of each window) for all the unit's members together,
+    /// whatever their number. A unit's virtual time and usage history
+    /// outlive its members' connections.
+    pub fn set_group(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        group: GroupId,
+        unit_weight: Option<f64>,
+        unit_limit: Option<f64>,
+    ) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
+        let now = self.clock(now);
+        self.settle(now);
+        let c = self.clients.get_mut(&id).expect("checked above");
+        c.group = group;
+        c.unit_weight = unit_weight.map(sanitize_weight);
+        if let Some(d) = self.departed.remove(&(group, c.class.index())) {
+            c.vtime = c.vtime.max(d.vtime);
+            c.meter.adopt_history(d.history);
+        }
+        let unit_limit = sanitize_limit(unit_limit);
+        match self.units.get_mut(&group) {
+            Some(u) => u.limit = unit_limit,
+            None if unit_limit.is_some() => {
+                self.units.insert(
+                    group,
+                    Unit {
+                        limit: unit_limit,
+                        meter: Meter::default(),
+                    },
+                );
+            }
+            None => {}
+        }
+        self.reschedule(now);
+    }
+
+    /// Disconnect. A holder's GPU goes to the next waiter at once, and the
+    /// process's queued work is gone with it.
+    pub fn remove_client(&mut self, now: Nanos, id: ClientId) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
+        let now = self.clock(now);
+        self.settle(now);
+        if let Some(mut c) = self.clients.remove(&id) {
+            c.meter.set(false, now);
+            let ahead = c.vtime > self.vclock[c.class.index()];
+            let used = c.meter.usage(self.cfg.window, now) > 0;
+            if c.group != id && (ahead || used) {
+                let d = self.departed.entry((c.group, c.class.index())).or_default();
+                d.vtime = d.vtime.max(c.vtime);
+                if d.history.is_empty() {
+                    d.history = c.meter.take_history();
+                }
+                if self.departed.len() > MAX_DEPARTED {
+                    let oldest = self
+                        .departed
+                        .iter()
+                        .min_by(|a, b| a.1.vtime.total_cmp(&b.1.vtime))
+                        .map(|(k, _)| *k);
+                    if let Some(k) = oldest {
+                        self.departed.remove(&k);
+                    }
+                }
+            }
+        }
+        self.waking.remove(&id);
+        if self.holder == Some(id) {
+            self.holder = None;
+        }
+        self.reschedule(now);
+    }
+
+    /// The client wants to launch work.
+    pub fn acquire(&mut self, now: Nanos, id: ClientId) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
+        let now = self.clock(now);
+        self.settle(now);
+        let seq = self.next_seq;
+        let cfg = self.cfg;
+        let c = self.clients.get_mut(&id).expect("checked above");
+        match c.state {
+            ClientState::Idle => {
+                let floor = self.vclock[c.class.index()] - c.credit(&cfg);
+                c.vtime = c.vtime.max(floor);
+                c.state = ClientState::Waiting;
+                // A shim launches a little with its request, before any
+                // grant: that work is on the GPU (and charged) until it
+                // reports it drained or is granted — at most two wake
+                // periods (it is bounded to about that much work), so that
+                // a lost report cannot keep a waiting client charged.
+                if c.draining_since.is_none() {
+                    c.draining_since = Some(now);
+                    c.drain_until = now.saturating_add(cfg.wake.saturating_mul(2));
+                }
+                c.refresh_run(now);
+                c.seq = seq;
+                self.next_seq += 1;
+                self.woke = Some(id);
+                self.waking.insert(id);
+            }
+            ClientState::Revoking => c.wants_again = true,
+            ClientState::Waiting | ClientState::Holding => {}
+        }
+        self.reschedule(now);
+    }
+
+    /// The client stopped launching: after a revoke, or early because it ran
+    /// out of work. Its queued work may still run (see `drained`). From a
+    /// waiting client it withdraws the request.
+    pub fn release(&mut self, now: Nanos, id: ClientId) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
+        let now = self.clock(now);
+        self.settle(now);
+        let seq = self.next_seq;
+        let c = self.clients.get_mut(&id).expect("checked above");
+        match c.state {
+            ClientState::Idle => {}
+            ClientState::Waiting => {
+                c.state = ClientState::Idle;
+                self.waking.remove(&id);
+            }
+            ClientState::Holding | ClientState::Revoking => {
+                c.grant = None;
+                c.draining_since = Some(now);
+                c.drain_until = now.saturating_add(self.cfg.drain_timeout);
+                if std::mem::take(&mut c.wants_again) {
+                    c.state = ClientState::Waiting;
+                    c.seq = seq;
+                    self.next_seq += 1;
+                } else {
+                    c.state = ClientState::Idle;
+                }
+                c.refresh_run(now);
+                if self.holder == Some(id) {
+                    self.holder = None;
+                }
+            }
+        }
+        self.reschedule(now);
+    }
+
+    /// Everything the client queued before its last release has finished.
+    pub fn drained(&mut self, now: Nanos, id: ClientId) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
+        let now = self.clock(now);
+        self.settle(now);
+        let c = self.clients.get_mut(&id).expect("checked above");
+        c.draining_since = None;
+        c.refresh_run(now);
+        self.reschedule(now);
+    }
+
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Earliest instant at which `handle_timeout` has something to do;
+    /// always later than the last time passed in, so a timer loop cannot spin.
+    pub fn next_timeout(&self) -> Option<Nanos> {
+        let now = self.now;
+        let mut next: Option<Nanos> = None;
+        let mut consider = |t: Nanos| {
+            if t > now {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        };
+        let mut waiter_times_matter = true;
+        if let Some(g) = self.holder_grant() {
+            if let Some(d) = g.deadline {
+                consider(d);
+                waiter_times_matter = false;
+            }
+            if g.burst {
+                consider(g.start.saturating_add(self.cfg.timeslice));
+            }
+        }
+        let bounded = self.high_bounded(now);
+        let holder_class = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .map(|c| c.class);
+        for c in self.clients.values() {
+            if let Some(g) = &c.grant
+                && let Some(r) = g.revoked_at
+                && !g.hung
+            {
+                consider(r.saturating_add(self.cfg.grace));
+            }
+            if c.draining_since.is_some() {
+                consider(c.drain_until);
+            }
+            // Only an idle GPU, an open-ended holder or a holder of a lower
+            // class reacts to a waiter's budget coming back; a pending
+            // deadline re-evaluates anyway.
+            if (waiter_times_matter || holder_class.is_some_and(|h| c.class > h))
+                && c.state == ClientState::Waiting
+                && let Some(t) = self.fits_at(c, now, bounded)
+            {
+                consider(t);
+            }
+        }
+        next
+    }
+
+    pub fn handle_timeout(&mut self, now: Nanos) {
+        let now = self.clock(now);
+        let w = self.cfg.window;
+        for c in self.clients.values_mut() {
+            c.meter.prune(w, now);
+        }
+        for u in self.units.values_mut() {
+            u.meter.prune(w, now);
+        }
+        self.high.prune(w, now);
+        self.reschedule(now);
+    }
+
+    pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
+        let now = now.max(self.now);
+        let top = self
+            .clients
+            .values()
+            .filter(|c| c.is_active())
+            .map(|c| c.class)
+            .max();
+        let active_weight: f64 = self
+            .clients
+            .values()
+            .filter(|c| c.is_active() && Some(c.class) == top)
+            .map(|c| c.weight)
+            .sum();
+        // Charges since the last settle, as settle would make them.
+        let n = self.clients.values().filter(|c| c.on_gpu()).count().max(1);
+        let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
+        self.clients
+            .iter()
+            .map(|(&id, c)| {
+                let span = self.cfg.window.min(now - c.added_at);
+                let achieved = if span == 0 {
+                    0.0
+                } else {
+                    (c.meter.usage(self.cfg.window, now) as f64 / span as f64).min(1.0)
+                };
+                let charged = c.charged + if c.on_gpu() { pending } else { 0.0 };
+                ClientStatus {
+                    client: id,
+                    weight: c.weight,
+                    limit: c
+                        .limit
+                        .or_else(|| self.units.get(&c.group).and_then(|u| u.limit)),
+                    priority: c.class,
+                    state: c.state,
+                    achieved,
+                    target: if c.is_active() && Some(c.class) == top {
+                        c.weight / active_weight
+                    } else {
+                        0.0
+                    },
+                    total_held: c.meter.total(now),
+                    gpu_time: charged as Nanos,
+                    draining: c.draining_since.is_some(),
+                    hung: c.grant.as_ref().is_some_and(|g| g.hung),
+                }
+            })
+            .collect()
+    }
+
+    /// The client that may launch now.
+    pub fn holder(&self) -> Option<ClientId> {
+        self.holder
+    }
+
+    pub fn state(&self, id: ClientId) -> Option<ClientState> {
+        self.clients.get(&id).map(|c| c.state)
+    }
+
+    fn clock(&mut self, now: Nanos) -> Nanos {
+        self.now = self.now.max(now);
+        self.now
+    }
+
+    fn holder_grant(&self) -> Option<&Outstanding> {
+        self.holder
+            .and_then(|h| self.clients.get(&h))
+            .and_then(|c| c.grant.as_ref())
+    }
+
+    /// Charges everyone on the GPU up to `now` (the time-slicer splits the
+    /// GPU evenly among those with work) and advances the virtual clocks.
+    /// Splits each unit's weight among its active members in proportion
+    /// to their own weights; an inactive member is weighed as if it were
+    /// about to join (so its wake-up credit is what it would get).
+    fn reweigh(&mut self) {
+        let mut units: BTreeMap<GroupId, (f64, f64)> = BTreeMap::new();
+        for c in self.clients.values() {
+            if c.is_active() || c.on_gpu() {
+                let u = units.entry(c.group).or_insert((0.0, 0.0));
+                u.0 += c.own;
+                u.1 = u.1.max(c.own);
+            }
+        }
+        for c in self.clients.values_mut() {
+            let active = c.is_active() || c.on_gpu();
+            let (sum, max) = units.get(&c.group).copied().unwrap_or((0.0, 0.0));
+            let sum = if active { sum } else { sum + c.own };
+            let unit = c.unit_weight.unwrap_or(max.max(c.own));
+            c.weight = sanitize_weight(unit * c.own / sum);
+        }
+    }
+
+    fn settle(&mut self, now: Nanos) {
+        self.reweigh();
+        let dt = now.saturating_sub(self.settled_at);
+        self.settled_at = self.settled_at.max(now);
+        let n = self.clients.values().filter(|c| c.on_gpu()).count();
+        if dt > 0 && n > 0 {
+            let share = dt as f64 / n as f64;
+            for c in self.clients.values_mut().filter(|c| c.on_gpu()) {
+                c.vtime += share / c.weight;
+                c.charged += share;
+            }
+        }
+        for class in Priority::ALL {
+            // Revoking clients are left out: they are off the GPU's books
+            // as far as the order goes and must not hold the clock back.
+            let min_active = self
+                .clients
+                .iter()
+                .filter(|&(&id, c)| {
+                    c.class == class && (c.state == ClientState::Waiting || Some(id) == self.holder)
+                })
+                .map(|(_, c)| c.vtime)
+                .min_by(f64::total_cmp);
+            if let Some(m) = min_active {
+                let v = &mut self.vclock[class.index()];
+                *v = v.max(m);
+            }
+        }
+        // A unit that is no longer ahead of its class needs no memory.
+        let (vclock, lo) = (self.vclock, now.saturating_sub(self.cfg.window));
+        self.departed.retain(|&(_, class), d| {
+            d.history.retain(|&(_, e)| e > lo);
+            d.vtime > vclock[class] || !d.history.is_empty()
+        });
+    }
+
+    /// Opens and closes the meters of units and of the `high` class after
+    /// clients went on or off the GPU at `now` (every change within one
+    /// call happens at the same instant, so doing it once per call is
+    /// exact).
+    fn sync_meters(&mut self, now: Nanos) {
+        let high_on = self
+            .clients
+            .values()
+            .any(|c| c.class == Priority::High && c.on_gpu());
+        self.high.set(high_on, now);
+        let clients = &self.clients;
+        for (g, u) in self.units.iter_mut() {
+            let on = clients.values().any(|c| c.group == *g && c.on_gpu());
+            u.meter.set(on, now);
+        }
+        // A unit nobody belongs to any more is kept only while the window
+        // still sees its time.
+        self.units
+            .retain(|g, u| !u.meter.is_empty() || clients.values().any(|c| c.group == *g));
+    }
+
+    /// Whether the `high` class is held to its share of the window now:
+    /// some client of a lower class could use the GPU (holds it, or waits
+    /// within its own ceilings). Work-conserving: alone, `high` is not
+    /// bounded.
+    fn high_bounded(&self, now: Nanos) -> bool {
+        self.cfg.high_share < 1.0
+            && self.clients.values().any(|c| {
+                c.class < Priority::High
+                    && (c.state == ClientState::Holding
+                        || (c.state == ClientState::Waiting && self.fits(c, now, false)))
+            })
+    }
+
+    /// The ceilings on a client's time in the window: its own limit, its
+    /// unit's, and, for a `high` client while the class is `bounded`, the
+    /// class's share. The class's grants are no smaller than a timeslice,
+    /// so that `high` and the others take turns in slices, not in slivers.
+    fn ceilings<'a>(&'a self, c: &'a Client, bounded: bool) -> impl Iterator<Item = Ceiling<'a>> {
+        let cfg = &self.cfg;
+        let limited = |fraction: f64, meter: &'a Meter| {
+            let budget = budget(fraction, cfg.window);
+            Ceiling {
+                budget,
+                quantum: (budget.min(cfg.timeslice) / 5).max(1),
+                meter,
+            }
+        };
+        let own = c.limit.map(|l| limited(l, &c.meter));
+        let unit = self
+            .units
+            .get(&c.group)
+            .and_then(|u| u.limit.map(|l| limited(l, &u.meter)));
+        let class = (bounded && c.class == Priority::High).then(|| {
+            let budget = budget(cfg.high_share, cfg.window);
+            Ceiling {
+                budget,
+                quantum: budget.min(cfg.timeslice),
+                meter: &self.high,
+            }
+        });
+        [own, unit, class].into_iter().flatten()
+    }
+
+    /// Whether `c` may be granted now, as far as its ceilings go.
+    fn fits(&self, c: &Client, now: Nanos, bounded: bool) -> bool {
+        let w = self.cfg.window;
+        self.ceilings(c, bounded).all(|x| x.fits(w, now))
+    }
+
+    /// What the tightest of `c`'s ceilings leaves it; None: unbounded.
+    fn remaining(&self, c: &Client, now: Nanos, bounded: bool) -> Option<Nanos> {
+        let w = self.cfg.window;
+        self.ceilings(c, bounded).map(|x| x.remaining(w, now)).min()
+    }
+
+    /// Earliest instant at which a waiting client that does not fit its
+    /// ceilings will, computed with the same integer arithmetic as `fits`
+    /// so that a timer armed for it never fires early. None when it fits,
+    /// or while a meter in its way still runs (an event comes first).
+    fn fits_at(&self, c: &Client, now: Nanos, bounded: bool) -> Option<Nanos> {
+        let w = self.cfg.window;
+        let mut at = None;
+        for x in self.ceilings(c, bounded).filter(|x| !x.fits(w, now)) {
+            let t = x.meter.down_to_at(w, now, x.budget - x.quantum)?;
+            at = Some(at.map_or(t, |a: Nanos| a.max(t)));
+        }
+        at
+    }
+
+    /// The eligible waiter that would be picked, other than `except`.
+    fn best_waiter(&self, now: Nanos, except: Option<ClientId>) -> Option<Candidate> {
+        let bounded = self.high_bounded(now);
+        self.clients
+            .iter()
+            .filter(|&(&id, c)| {
+                Some(id) != except && c.state == ClientState::Waiting && self.fits(c, now, bounded)
+            })
+            .min_by(|a, b| {
+                b.1.class
+                    .cmp(&a.1.class)
+                    .then(a.1.vtime.total_cmp(&b.1.vtime))
+                    .then(a.1.seq.cmp(&b.1.seq))
+            })
+            .map(|(&id, c)| Candidate {
+                id,
+                class: c.class,
+                vtime: c.vtime,
+            })
+    }
+
+    /// The bound `id` gets as holder: only while someone who could take the
+    /// GPU from it or follow it is registered (a client of its class or
+    /// higher); during the first slice of a burst, eight times as much (a
+    /// request of many short kernels is queued whole, while a batch job that
+    /// wakes up still cannot queue seconds of work).
+    fn bound_for(&self, now: Nanos, id: ClientId) -> Nanos {
+        let Some(c) = self.clients.get(&id) else {
+            return 0;
+        };
+        let in_burst = c
+            .grant
+            .as_ref()
+            .is_some_and(|g| g.burst && now < g.start.saturating_add(self.cfg.timeslice));
+        let others = self
+            .clients
+            .iter()
+            .any(|(&o, oc)| o != id && oc.class >= c.class);
+        match (others, in_burst) {
+            (false, _) => 0,
+            (true, false) => self.cfg.bound,
+            (true, true) => self.cfg.bound.saturating_mul(BURST_BOUND),
+        }
+    }
+
+    /// Brings the state to a fixed point for `now`; every step either makes
+    /// progress or stops, so the loop is short.
+    fn reschedule(&mut self, now: Nanos) {
+        self.settle(now);
+        self.sync_meters(now);
+        let cfg = self.cfg;
+        for c in self.clients.values_mut() {
+            if let Some(g) = c.grant.as_mut()
+                && let Some(r) = g.revoked_at
+                && r.saturating_add(cfg.grace) <= now
+            {
+                g.hung = true;
+            }
+            if c.draining_since.is_some() && c.drain_until <= now {
+                c.draining_since = None;
+                c.refresh_run(now);
+            }
+        }
+        self.sync_meters(now);
+        for _ in 0..self.clients.len() * 2 + 4 {
+            if !self.step(now) {
+                break;
+            }
+        }
+        self.woke = None;
+        self.sync_meters(now);
+        self.reweigh();
+    }
+
+    fn revoke(&mut self, now: Nanos, h: ClientId) {
+        let c = self.clients.get_mut(&h).expect("holder is registered");
+        let g = c.grant.as_mut().expect("holder has a grant");
+        g.revoked_at = Some(now);
+        g.deadline = None;
+        c.state = ClientState::Revoking;
+        let gid = g.id;
+        self.holder = None;
+        self.actions.push_back(Action::Revoke {
+            client: h,
+            grant: gid,
+        });
+    }
+
+    fn step(&mut self, now: Nanos) -> bool {
+        let Some(h) = self.holder else {
+            return match self.best_waiter(now, None) {
+                Some(next) => {
+                    self.grant_to(now, next.id);
+                    true
+                }
+                None => false,
+            };
+        };
+        let cfg = self.cfg;
+        let bound = self.bound_for(now, h);
+        let best = self.best_waiter(now, Some(h));
+        // Anyone at all waiting (any class): an idle holder hands back.
+        let waiters = best.is_some();
+        let woke = self.woke.take();
+        let c = self.clients.get(&h).expect("holder is registered");
+        let (class, vtime, weight) = (c.class, c.vtime, c.weight);
+        // A waiter of a higher class takes the GPU at once; one that just
+        // woke up behind the holder in virtual time does too.
+        // (Behind by more than a quarter slice of the holder's time, so that
+        // two clients waking together do not take the GPU from each other.)
+        let gran = cfg.timeslice as f64 / 4.0 / weight;
+        if let Some(w) = best
+            && (w.class > class
+                || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
+        {
+            self.revoke(now, h);
+            return true;
+        }
+        // One that woke up without being behind waits no longer than the
+        // GPU's own time-slicer would make it wait: the holder's slice ends
+        // within `wake`, and the usual order decides then.
+        let bounded = self.high_bounded(now);
+        let woke_here = woke.is_some_and(|id| {
+            self.clients.get(&id).is_some_and(|w| {
+                w.class == class && w.state == ClientState::Waiting && self.fits(w, now, bounded)
+            })
+        });
+        let wake_by = now.saturating_add(cfg.wake);
+        // Lower classes do not contend with the holder.
+        let best = best.filter(|w| w.class == class);
+        let contended = best.is_some();
+        let remaining = self.remaining(c, now, bounded);
+        let fits = self.fits(c, now, bounded);
+        let g = c.grant.as_ref().expect("holder has a grant");
+        let (gid, start, deadline) = (g.id, g.start, g.deadline);
+        let unchanged = g.bound == bound && g.waiters == waiters;
+        // What to do: Some(slice) grants (or updates) with that slice,
+        // None revokes.
+        let action: Option<Option<Nanos>> = match deadline {
+            Some(d) if d <= now => {
+                // A holder still behind the best waiter keeps the GPU for
+                // the real time that brings it level (at least a fifth of a
+                // slice, so a small deficit does not cost a switch).
+                let ext = best.map(|b| {
+                    (((b.vtime - vtime).max(0.0) * weight) as Nanos)
+                        .clamp(cfg.timeslice / 5, cfg.timeslice)
+                });
+                if best.is_some_and(|b| vtime >= b.vtime) {
+                    None
+                } else if let Some(r) = remaining {
+                    fits.then(|| Some(r.min(cfg.timeslice).min(ext.unwrap_or(Nanos::MAX))))
+                } else if contended {
+                    Some(Some(ext.unwrap_or(cfg.timeslice)))
+                } else {
+                    Some(None)
+                }
+            }
+            Some(d) if woke_here && d > wake_by => Some(Some(cfg.wake)),
+            Some(d) => {
+                if unchanged {
+                    return false;
+                }
+                Some(Some(d - now))
+            }
+            None if contended || remaining.is_some() => {
+                // A newcomer waits for the holder's first timeslice to run
+                // out, counted from its grant; a holder that already had that
+                // much is revoked now: its solo run is paid for. A holder
+                // only its ceilings cut short gets a slice from now.
+                let mut d = start.saturating_add(cfg.timeslice).max(now);
+                if !contended && d == now {
+                    d = now + cfg.timeslice;
+                }
+                let d = match remaining {
+                    Some(r) => d.min(now + r),
+                    None => d,
+                };
+                let d = if woke_here { d.min(wake_by) } else { d };
+                (d > now).then_some(Some(d - now))
+            }
+            None => {
+                if unchanged {
+                    return false;
+                }
+                Some(None)
+            }
+        };
+        match action {
+            Some(slice) => {
+                let c = self.clients.get_mut(&h).expect("holder is registered");
+                let g = c.grant.as_mut().expect("holder has a grant");
+                g.deadline = slice.map(|s| now + s);
+                g.bound = bound;
+                g.waiters = waiters;
+                self.actions.push_back(Action::Grant {
+                    client: h,
+                    grant: gid,
+                    slice,
+                    bound,
+                    waiters,
+                });
+            }
+            None => self.revoke(now, h),
+        }
+        true
+    }
+
+    fn grant_to(&mut self, now: Nanos, id: ClientId) {
+        let cfg = self.cfg;
+        let burst = self.waking.remove(&id);
+        let class = self.clients[&id].class;
+        let best = self.best_waiter(now, Some(id));
+        let contended = best.is_some_and(|w| w.class >= class);
+        let waiters = best.is_some();
+        let gid = self.next_grant;
+        self.next_grant += 1;
+        let bounded = self.high_bounded(now);
+        let remaining = self.remaining(&self.clients[&id], now, bounded);
+        let c = self.clients.get_mut(&id).expect("picked client exists");
+        let slice = match remaining {
+            Some(r) => Some(r.min(cfg.timeslice)),
+            None => contended.then_some(cfg.timeslice),
+        };
+        c.state = ClientState::Holding;
+        c.grant = Some(Outstanding {
+            id: gid,
+            start: now,
+            deadline: slice.map(|s| now + s),
+            revoked_at: None,
+            hung: false,
+            bound: 0,
+            waiters: false,
+            burst,
+        });
+        // Its own earlier work now counts as part of the holding.
+        c.draining_since = None;
+        c.refresh_run(now);
+        self.holder = Some(id);
+        let bound = self.bound_for(now, id);
+        if let Some(g) = self.clients.get_mut(&id).and_then(|c| c.grant.as_mut()) {
+            g.bound = bound;
+            g.waiters = waiters;
+        }
+        self.actions.push_back(Action::Grant {
+            client: id,
+            grant: gid,
+            slice,
+            bound,
+            waiters,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;
