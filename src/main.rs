@@ -123,6 +123,35 @@ struct BrokerArgs {
     /// holds one): a user cannot exhaust the broker's file descriptors.
     #[arg(long, value_name = "N", default_value_t = gpufrac_broker::server::DEFAULT_MAX_CONNS_PER_USER)]
     max_connections_per_user: usize,
+    /// Most requests one user may have waiting in the queue at once.
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::Budgets::default().queued)]
+    max_queued_per_user: usize,
+    /// Most leases one user may hold at once (queued requests included).
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::Budgets::default().leases)]
+    max_leases_per_user: usize,
+    /// User (name or uid) who, besides root, may send the Kubernetes device
+    /// plugin's requests (leases pinned to GPUs, chosen job tokens).
+    /// Repeatable.
+    #[arg(long, value_name = "USER")]
+    plugin_user: Vec<String>,
+    /// Group (name or gid) whose members may send the device plugin's
+    /// requests. Repeatable.
+    #[arg(long, value_name = "GROUP")]
+    plugin_group: Vec<String>,
+    /// While lower priorities wait, the most of each second that processes
+    /// of priority `high` hold the GPU together (Linux's real-time
+    /// throttling, for the GPU); 100% lets `high` starve everyone else.
+    #[arg(long, value_name = "PCT", default_value = "50%", value_parser = high_share)]
+    high_share: f64,
+    /// Only these users (or @groups) may use priority `high`; others asking
+    /// for it get `normal`. Repeatable. Default: everyone.
+    #[arg(long, value_name = "USER|@GROUP")]
+    high_allow: Vec<String>,
+    /// When the state file cannot be trusted at start (corrupt, truncated,
+    /// another user's), new placements wait this long while running jobs
+    /// claim their leases back, so that no GPU is booked twice.
+    #[arg(long, value_name = "DUR", default_value = "30s", value_parser = duration)]
+    recovery_grace: u64,
     /// File where leases and the queue are kept so that they survive a
     /// broker crash [default: the socket path + ".state"].
     #[arg(long, value_name = "PATH")]
@@ -182,6 +211,13 @@ fn broker(args: BrokerArgs) -> u8 {
         overcommit: args.overcommit,
         spread: args.spread,
         max_conns_per_user: args.max_connections_per_user,
+        max_queued_per_user: args.max_queued_per_user,
+        max_leases_per_user: args.max_leases_per_user,
+        plugin_users: args.plugin_user,
+        plugin_groups: args.plugin_group,
+        high_share: args.high_share,
+        high_allow: args.high_allow,
+        recovery_grace: args.recovery_grace,
         state: args.state,
         mps: args.mps,
         mig: match args.mig {
@@ -233,6 +269,14 @@ fn positive_duration(s: &str) -> Result<u64, String> {
             "must be greater than zero; expected {DURATION_EXAMPLE}"
         )),
         ns => Ok(ns),
+    }
+}
+
+/// A share of the window, as a fraction in (0, 1].
+fn high_share(s: &str) -> Result<f64, String> {
+    match size::parse_percent(s)? {
+        p if p > 0.0 && p <= 100.0 => Ok(p / 100.0),
+        _ => Err("expected a percentage in (0, 100], e.g. 50%".into()),
     }
 }
 

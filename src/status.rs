@@ -482,6 +482,7 @@ mod tests {
             next: None,
             truncated: false,
             mps: None,
+            recovery: None,
         }
     }
 

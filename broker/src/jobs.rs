@@ -1,14 +1,14 @@
 //! Jobs: each `gpufrac run` is a unit of fairness (its processes split one
 //! share) and holds its lease or its place in the queue. Jobs are written to
-//! a small state file after every change, so a broker that crashes and
+//! a small state file (`statefile.rs`), so a broker that crashes and
 //! restarts books the same GPUs before it admits anyone new, and each `run`
 //! can reconnect and claim its lease or its place back.
 //!
-//! Everything here is plain data and file I/O; the socket layer decides.
+//! Plain data and its encoding; the broker core decides, the state file
+//! keeps.
 
 use crate::queue::{Pinned, Request, Want};
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
 
 pub use gpufrac_common::config::Priority;
 
@@ -61,6 +61,12 @@ pub struct Job {
     /// plugin's for every pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// Booked by root or the device plugin's user: any process holding its
+    /// token joins it (a pod's processes run as whatever user the pod
+    /// says). A user's own job takes only that user's processes, and
+    /// root's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub privileged: bool,
 }
 
 impl Job {
@@ -74,11 +80,6 @@ impl Job {
             pin: self.pin.clone(),
             pod: self.pod.clone(),
         })
-    }
-
-    /// The `run` process is still the one that asked.
-    pub fn alive(&self) -> bool {
-        proc_start_time(self.pid) == Some(self.start_time)
     }
 }
 
@@ -110,81 +111,25 @@ struct Saved {
     jobs: Vec<Job>,
 }
 
-/// The state file next to the socket (or where `--state` says).
-pub struct StateFile {
-    path: PathBuf,
+/// The state file's bytes for these jobs.
+pub fn encode<'a>(jobs: impl Iterator<Item = &'a Job>) -> Vec<u8> {
+    let saved = Saved {
+        version: STATE_VERSION,
+        jobs: jobs.cloned().collect(),
+    };
+    serde_json::to_vec(&saved).unwrap_or_default()
 }
 
-impl StateFile {
-    pub fn new(path: PathBuf) -> Self {
-        StateFile { path }
+/// The jobs in a state file's bytes, or why they cannot be used.
+pub fn decode(bytes: &[u8]) -> Result<Vec<Job>, String> {
+    match serde_json::from_slice::<Saved>(bytes) {
+        Ok(s) if s.version == STATE_VERSION => Ok(s.jobs),
+        Ok(s) => Err(format!(
+            "version {} (this broker reads version {STATE_VERSION})",
+            s.version
+        )),
+        Err(e) => Err(e.to_string()),
     }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The jobs a previous broker left, or none. A file that cannot be read
-    /// is moved aside (never deleted) with a warning returned.
-    pub fn load(&self) -> (Vec<Job>, Option<String>) {
-        let text = match std::fs::read_to_string(&self.path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return (Vec::new(), None),
-            Err(e) => {
-                return (
-                    Vec::new(),
-                    Some(format!("cannot read {}: {e}", self.path.display())),
-                );
-            }
-        };
-        match serde_json::from_str::<Saved>(&text) {
-            Ok(s) if s.version == STATE_VERSION => (s.jobs, None),
-            Ok(s) => (
-                Vec::new(),
-                Some(self.set_aside(&format!("version {}", s.version))),
-            ),
-            Err(e) => (Vec::new(), Some(self.set_aside(&e.to_string()))),
-        }
-    }
-
-    fn set_aside(&self, why: &str) -> String {
-        format!(
-            "state file {}; starting without saved leases",
-            gpufrac_common::files::set_aside(&self.path, why)
-        )
-    }
-
-    /// Writes all jobs atomically: a crash mid-write leaves the previous
-    /// file whole.
-    pub fn save<'a>(&self, jobs: impl Iterator<Item = &'a Job>) -> std::io::Result<()> {
-        let saved = Saved {
-            version: STATE_VERSION,
-            jobs: jobs.cloned().collect(),
-        };
-        let text = serde_json::to_vec(&saved).map_err(std::io::Error::other)?;
-        gpufrac_common::files::write_private(&self.path, &text, true)
-    }
-
-    pub fn remove(&self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-pub use gpufrac_common::procfs::{parent as proc_parent, start_time as proc_start_time};
-
-/// `pid` and its ancestors, nearest first (at most 64: a deeper tree is
-/// not a job's).
-pub fn ancestry(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    let mut p = pid;
-    while p > 1 && out.len() < 64 {
-        out.push(p);
-        match proc_parent(p) {
-            Some(pp) if pp != p => p = pp,
-            _ => break,
-        }
-    }
-    out
 }
 
 pub use gpufrac_common::wire::random_token as new_token;
@@ -193,12 +138,12 @@ pub use gpufrac_common::wire::random_token as new_token;
 mod tests {
     use super::*;
 
-    fn job(token: u64) -> Job {
+    pub(crate) fn job(token: u64) -> Job {
         Job {
             token,
-            pid: std::process::id(),
-            start_time: proc_start_time(std::process::id()).unwrap(),
-            uid: 0,
+            pid: 4242,
+            start_time: 99,
+            uid: 1000,
             want: Some(Want::Gpus(1)),
             compute: Some(30.0),
             limit: None,
@@ -211,40 +156,21 @@ mod tests {
             },
             pin: Vec::new(),
             pod: None,
+            privileged: false,
         }
     }
 
     #[test]
-    fn state_round_trips_and_bad_files_are_kept_aside() {
-        let dir = std::env::temp_dir().join(format!("gpufrac-jobs-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let f = StateFile::new(dir.join("state.json"));
-        assert_eq!(f.load().0, vec![]);
+    fn jobs_round_trip_and_bad_bytes_say_why() {
         let jobs = vec![job(1), job(2)];
-        f.save(jobs.iter()).unwrap();
-        let (back, warn) = f.load();
-        assert_eq!((back, warn), (jobs, None));
-        assert!(back_alive(&f));
-        std::fs::write(f.path(), b"{ not json").unwrap();
-        let (back, warn) = f.load();
-        assert!(back.is_empty());
-        assert!(warn.unwrap().contains("unusable"));
-        assert!(dir.join("state.unreadable").exists());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    fn back_alive(f: &StateFile) -> bool {
-        f.load().0.iter().all(Job::alive)
-    }
-
-    #[test]
-    fn proc_helpers() {
-        let me = std::process::id();
-        assert!(proc_start_time(me).is_some());
-        let chain = ancestry(me);
-        assert_eq!(chain[0], me);
-        assert_eq!(chain.get(1).copied(), proc_parent(me));
-        assert_eq!(proc_start_time(u32::MAX), None);
+        assert_eq!(decode(&encode(jobs.iter())).unwrap(), jobs);
+        let text = String::from_utf8(encode(jobs.iter())).unwrap();
+        // Cut anywhere, the file is refused, never half read.
+        for cut in [1, text.len() / 2, text.len() - 1] {
+            assert!(decode(&text.as_bytes()[..cut]).is_err(), "cut at {cut}");
+        }
+        let other = text.replace("\"version\":1", "\"version\":9");
+        assert!(decode(other.as_bytes()).unwrap_err().contains("version 9"));
         assert_ne!(new_token(), new_token());
     }
 }

@@ -1,14 +1,29 @@
-//! The gpufrac broker: pure state machines (scheduler, queue) driven by a
-//! thin socket layer.
+//! The gpufrac broker (docs/design.md, "The broker"). Layers import
+//! downward only:
+//!
+//! - pure policy in virtual time: `sched` (compute), `queue` and `mig`
+//!   (placement), `authority` (who may do what), `jobs` (what a job is);
+//! - `proto`, the sans-I/O core: connections, budgets, membership,
+//!   leases, recovery and status, over `procs` (the host, behind traits);
+//! - I/O: `server` (the event loop), `listen` (the socket), `statefile`,
+//!   `metrics`, `mps`, `mig_nvml`, `inventory`;
+//! - `startup`, which puts them together.
 
+pub mod authority;
 pub mod inventory;
 pub mod jobs;
+pub mod listen;
+pub mod metrics;
 pub mod mig;
 pub mod mig_nvml;
 pub mod mps;
+pub mod procs;
+pub mod proto;
 pub mod queue;
 pub mod sched;
 pub mod server;
+pub mod startup;
+pub mod statefile;
 pub mod status;
 
 /// A socket path this user can create, for hints when the default (root's

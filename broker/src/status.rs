@@ -26,6 +26,11 @@ pub struct Status {
     /// `--mps`: the MPS control daemon the broker runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps: Option<MpsStatus>,
+    /// The broker started from a state file it could not trust and holds
+    /// new placements while running jobs claim their leases back: why, and
+    /// for how long more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

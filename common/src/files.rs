@@ -82,7 +82,7 @@ pub fn read_private(path: &Path, max: u64) -> Result<Vec<u8>, Untrusted> {
         // A FIFO planted in its place must not block the reader.
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path);
-    let mut f = match f {
+    let f = match f {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Untrusted::Missing),
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
@@ -185,7 +185,12 @@ mod tests {
         // replaced, its target untouched.
         write_private(&p, b"mine", false).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), b"precious");
-        assert!(!std::fs::symlink_metadata(&p).unwrap().file_type().is_symlink());
+        assert!(
+            !std::fs::symlink_metadata(&p)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -59,6 +59,24 @@ pub fn parent(pid: u32) -> Option<u32> {
     stat_field(pid, 1).and_then(|p| u32::try_from(p).ok())
 }
 
+/// The command line of `pid` (`None`: this process), arguments joined by
+/// spaces; empty when it cannot be read. Allocates: not for hot paths.
+pub fn cmdline(pid: impl Into<Option<u32>>) -> String {
+    let path = match pid.into() {
+        Some(p) => format!("/proc/{p}/cmdline"),
+        None => "/proc/self/cmdline".to_owned(),
+    };
+    std::fs::read(path)
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +88,8 @@ mod tests {
         // SAFETY: getppid has no preconditions.
         assert_eq!(parent(me), Some(unsafe { libc::getppid() } as u32));
         assert_eq!(start_time(u32::MAX), None);
+        assert_eq!(cmdline(me), cmdline(None));
+        assert!(cmdline(None).contains("gpufrac_common"));
+        assert_eq!(cmdline(u32::MAX), "");
     }
 }

@@ -1,0 +1,217 @@
+//! The socket: where it may be created, created safely, and who is on the
+//! other end of a connection (as the kernel says).
+
+use mio::net::UnixListener;
+
+use crate::authority::Peer;
+
+/// `what: e`, and for a permission error where to put the socket instead.
+pub fn no_permission(what: String, e: &std::io::Error) -> String {
+    if e.kind() != std::io::ErrorKind::PermissionDenied {
+        return format!("{what}: {e}");
+    }
+    let p = crate::user_socket();
+    format!(
+        "{what}: {e}; run the broker as root, or give it a socket in a directory you can write: \
+         gpufrac broker --socket {p}, and set GPUFRAC_SOCKET={p} for gpufrac run, gpufrac status \
+         and the programs you start",
+        p = p.display()
+    )
+}
+
+/// A directory others can write lets them replace the socket (or plant
+/// their own before the broker starts): refuse one that is writable by
+/// group or others (unless sticky, like /tmp, where only owners may
+/// remove) or owned by someone other than root or the broker's user.
+fn check_socket_dir(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta =
+        std::fs::metadata(dir).map_err(|e| format!("cannot inspect {}: {e}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let mode = meta.mode();
+    let sticky = mode & 0o1000 != 0;
+    if meta.uid() != 0 && meta.uid() != me {
+        return Err(format!(
+            "the socket directory {} belongs to uid {}, who could replace the socket; \
+             use a directory owned by root or by this user (e.g. /run/gpufrac)",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    if mode & 0o022 != 0 && !sticky {
+        return Err(format!(
+            "the socket directory {} is writable by {} (mode {:o}), who could replace the socket; \
+             run: chmod go-w {} (or choose another --socket)",
+            dir.display(),
+            if mode & 0o002 != 0 {
+                "everyone"
+            } else {
+                "its group"
+            },
+            mode & 0o7777,
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Raises the soft file limit to the hard one: every client is a socket.
+pub fn raise_nofile() -> u64 {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: get/setrlimit on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) != 0 {
+            return 0;
+        }
+        if rl.rlim_cur < rl.rlim_max {
+            let want = libc::rlimit {
+                rlim_cur: rl.rlim_max,
+                rlim_max: rl.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
+                return want.rlim_cur;
+            }
+        }
+    }
+    rl.rlim_cur
+}
+
+pub fn bind(path: &std::path::Path, group: Option<&str>) -> Result<UnixListener, String> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .map_err(|e| no_permission(format!("cannot create {}", dir.display()), &e))?;
+        }
+        check_socket_dir(dir)?;
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        // Only ever remove a stale socket: a typo in --socket must not
+        // delete someone's file.
+        if !meta.file_type().is_socket() {
+            return Err(format!(
+                "{} exists and is not a socket; remove it yourself or choose another --socket path",
+                path.display()
+            ));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!(
+                "another broker is already listening on {}",
+                path.display()
+            ));
+        }
+        // A stale socket from a broker that died.
+        let _ = std::fs::remove_file(path);
+    }
+    let l = UnixListener::bind(path)
+        .map_err(|e| no_permission(format!("cannot listen on {}", path.display()), &e))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+    if let Some(group) = group {
+        let cname = std::ffi::CString::new(group).map_err(|_| "bad group name".to_string())?;
+        // SAFETY: getgrnam with a valid C string; we copy gr_gid at once.
+        let gr = unsafe { libc::getgrnam(cname.as_ptr()) };
+        if gr.is_null() {
+            return Err(format!("--group {group}: no such group"));
+        }
+        let gid = unsafe { (*gr).gr_gid };
+        let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| "bad socket path")?;
+        // SAFETY: chown of our own socket file; -1 keeps the owner.
+        if unsafe { libc::chown(cpath.as_ptr(), u32::MAX, gid) } != 0 {
+            return Err(format!(
+                "chown {} to group {group}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(l)
+}
+
+/// Runs the broker until SIGTERM/SIGINT. Returns an error message meant for
+/// the user (e.g. the socket is already in use).
+
+/// The peer of a connection: pid, uid and gid from `SO_PEERCRED`,
+/// supplementary groups from `SO_PEERGROUPS` (Linux 4.13 and later; none
+/// where the kernel cannot say). None when the kernel gives nothing.
+pub fn peer(fd: i32) -> Option<Peer> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt into a correctly sized ucred.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || cred.pid <= 0 {
+        return None;
+    }
+    let mut groups = vec![0u32; 64];
+    loop {
+        let mut len = (groups.len() * std::mem::size_of::<u32>()) as libc::socklen_t;
+        // SAFETY: getsockopt into a buffer of `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / std::mem::size_of::<u32>();
+        if rc == 0 {
+            groups.truncate(n);
+            break;
+        }
+        let e = std::io::Error::last_os_error().raw_os_error();
+        if e == Some(libc::ERANGE) && n > groups.len() && n <= 1 << 16 {
+            groups.resize(n, 0);
+            continue;
+        }
+        groups.clear();
+        break;
+    }
+    Some(Peer {
+        pid: cred.pid as u32,
+        uid: cred.uid,
+        gid: cred.gid,
+        groups,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peer_of_a_socket_pair_is_this_process() {
+        use std::os::fd::AsRawFd;
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let p = peer(a.as_raw_fd()).unwrap();
+        assert_eq!(p.pid, std::process::id());
+        // SAFETY: getuid/getgid have no preconditions.
+        assert_eq!((p.uid, p.gid), unsafe { (libc::getuid(), libc::getgid()) });
+        // SAFETY: getgroups with a zero size only counts.
+        let n = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
+        assert_eq!(p.groups.len(), n as usize);
+    }
+}

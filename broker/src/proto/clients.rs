@@ -1,0 +1,366 @@
+//! Processes: the handshake, registration and the job each belongs to,
+//! usage reports, and the compute arbitration their messages drive.
+
+use gpufrac_common::wire::{self, ClientMsg, ServerMsg};
+use tracing::{debug, info};
+
+use super::conn::{ClientDev, Conn};
+use super::{Broker, ConnId, MAX_UNKNOWN_GPUS, Nanos};
+use crate::inventory::uuid_string;
+use crate::procs::ancestry;
+use crate::sched::GroupId;
+
+/// Fairness units: a job's is its token, a user's its uid (tagged).
+const UID_UNIT: GroupId = 1 << 63;
+/// Weight of a process that set no GPU_COMPUTE_SHARE: as if it asked 50%,
+/// so two such processes split evenly and every share is a plain weight.
+pub const DEFAULT_WEIGHT: f64 = 50.0;
+
+impl Broker {
+    pub(super) fn handle(&mut self, now: Nanos, id: ConnId, msg: ClientMsg) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if c.role.is_none() {
+            let reply = match msg {
+                ClientMsg::Hello {
+                    magic,
+                    version,
+                    role,
+                    ..
+                } => {
+                    let reply = wire::hello_reply(magic, version);
+                    if matches!(reply, ServerMsg::HelloOk { .. }) {
+                        c.role = Some(role);
+                    } else {
+                        tracing::warn!(
+                            pid = c.peer.pid,
+                            version,
+                            "refusing client with another protocol version"
+                        );
+                        c.dead = true;
+                    }
+                    reply
+                }
+                _ => {
+                    c.dead = true;
+                    ServerMsg::Error {
+                        code: wire::ERR_BAD_FRAME,
+                        message: "expected Hello first".into(),
+                    }
+                }
+            };
+            // Said even to a connection that is being closed.
+            let was_dead = std::mem::replace(&mut c.dead, false);
+            self.send(id, &reply);
+            if was_dead {
+                self.kill(id);
+            }
+            return;
+        }
+        match msg {
+            ClientMsg::Hello { .. } => {}
+            ClientMsg::Register {
+                command,
+                devices,
+                share,
+                limit,
+                priority,
+            } => self.register(now, id, command, devices, share, limit, priority),
+            ClientMsg::Usage {
+                uuid,
+                used,
+                peak,
+                ooms,
+            } => {
+                let gpus = &self.gpus;
+                if let Some(d) = c.devices.iter_mut().find(|d| gpus[d.gpu].uuid == uuid) {
+                    // Reports are the client's word: never more than the
+                    // GPU holds (a claim of 4 EiB used would skew status
+                    // and every sum made from it).
+                    let total = gpus[d.gpu].total_mem;
+                    let cap = if total > 0 { total } else { u64::MAX };
+                    d.used = used.min(cap);
+                    d.peak = peak.min(cap).max(d.used);
+                    d.ooms = ooms;
+                }
+            }
+            ClientMsg::Acquire { uuid } if self.cfg.mps_pipe.is_some() => {
+                // MPS runs every client's kernels side by side: nothing to
+                // take turns at. The grant is open-ended and never revoked.
+                if c.devices.iter().any(|d| self.gpus[d.gpu].uuid == uuid) {
+                    self.send(
+                        id,
+                        &ServerMsg::Grant {
+                            uuid,
+                            grant: 1,
+                            slice_ns: 0,
+                            bound_ns: 0,
+                            waiters: false,
+                        },
+                    );
+                }
+            }
+            ClientMsg::Acquire { uuid } => {
+                debug!(pid = c.peer.pid, "acquire");
+                if let Some(g) = self.device_of(id, &uuid) {
+                    self.gpus[g].sched.acquire(now, id);
+                }
+            }
+            ClientMsg::Release { uuid, held_ns } => {
+                debug!(pid = c.peer.pid, held_us = held_ns / 1000, "release");
+                if let Some(g) = self.device_of(id, &uuid) {
+                    self.gpus[g].sched.release(now, id);
+                }
+            }
+            ClientMsg::Drained { uuid } => {
+                debug!(pid = c.peer.pid, "drained");
+                if let Some(g) = self.device_of(id, &uuid) {
+                    self.gpus[g].sched.drained(now, id);
+                }
+            }
+            ClientMsg::Ping => self.send(id, &ServerMsg::Pong),
+            ClientMsg::Join { job } => {
+                // Settled at Register; a token no job holds is ignored
+                // there (the process is its user's), not refused: a
+                // container can outlive its run.
+                c.claimed_job = Some(job);
+            }
+            ClientMsg::Status { from } => {
+                let json = self.status_json(now, from as usize);
+                self.send(id, &ServerMsg::StatusReply { json });
+            }
+            ClientMsg::Name { pod, label } => self.name(id, pod, label),
+            ClientMsg::Lease {
+                want_gpus,
+                want_mem,
+                compute,
+                limit,
+                no_wait,
+                command,
+                priority,
+                resume,
+                token,
+                pin,
+            } => self.lease(
+                now,
+                id,
+                super::leases::Ask {
+                    want_gpus,
+                    want_mem,
+                    compute,
+                    limit,
+                    no_wait,
+                    command,
+                    priority,
+                    resume,
+                    token,
+                    pin,
+                },
+            ),
+        }
+    }
+
+    /// The GPU (position in `gpus`) a process registered with this UUID.
+    fn device_of(&self, id: ConnId, uuid: &[u8; 16]) -> Option<usize> {
+        self.conns
+            .get(&id)?
+            .devices
+            .iter()
+            .find(|d| &self.gpus[d.gpu].uuid == uuid)
+            .map(|d| d.gpu)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &mut self,
+        now: Nanos,
+        id: ConnId,
+        command: String,
+        devices: Vec<wire::DeviceReg>,
+        share: Option<f64>,
+        limit: Option<f64>,
+        priority: crate::sched::Priority,
+    ) {
+        // A weight is a percentage: (0, 100]. Anything larger would let one
+        // client declare itself the whole GPU (1e300 once left a neighbour
+        // 52 kernels in 2924).
+        let share = share
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(|s| s.min(100.0));
+        let limit = limit
+            .filter(|l| l.is_finite() && *l > 0.0)
+            .map(|l| (l / 100.0).min(1.0));
+        // Only GPUs this node has: a client inventing UUIDs once grew the
+        // broker by 400 MB and broke status for everyone.
+        let unknown: Vec<String> = devices
+            .iter()
+            .take(64)
+            .filter(|d| !self.gpus.iter().any(|g| g.uuid == d.uuid))
+            .map(|d| uuid_string(&d.uuid))
+            .collect();
+        let room = if self.discovered {
+            0
+        } else {
+            MAX_UNKNOWN_GPUS.saturating_sub(self.gpus.len())
+        };
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
+        if unknown.len() > room {
+            let pid = c.peer.pid;
+            let known: Vec<&str> = self.gpus.iter().map(|g| g.uuid_str.as_str()).collect();
+            let message = format!(
+                "this broker does not manage {} (it manages: {}); \
+                 run the process where the broker sees its GPUs, or with GPUFRAC_BROKER=off",
+                unknown.join(", "),
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            );
+            self.warn_limited(format_args!(
+                "refusing a registration from pid {pid} for GPUs this node does not have: {}",
+                unknown.join(", ")
+            ));
+            self.send(
+                id,
+                &ServerMsg::Error {
+                    code: wire::ERR_REFUSED,
+                    message,
+                },
+            );
+            self.kill(id);
+            return;
+        }
+        let priority = self.cfg.policy.priority(&c.peer, priority);
+        let job = self.job_of(c);
+        let label = self.cfg.budgets.label;
+        let c = self.conns.get_mut(&id).expect("looked up above");
+        // The broker's own view of the process wins: a process could claim
+        // to be anyone's job in status. A process the broker cannot see in
+        // /proc (another pid namespace) says for itself.
+        if c.command.is_empty() && !command.is_empty() {
+            c.command = super::clip(&command, label);
+        }
+        c.share = share;
+        c.limit = limit;
+        c.priority = priority;
+        c.member_of = job;
+        let old: Vec<usize> = c.devices.drain(..).map(|d| d.gpu).collect();
+        for g in old {
+            self.gpus[g].sched.remove_client(now, id);
+        }
+        let mut devs: Vec<ClientDev> = Vec::new();
+        for d in devices.iter().take(64) {
+            let g = self.gpu_by_uuid(&d.uuid, d.mem_total);
+            if devs.iter().any(|x| x.gpu == g) {
+                continue;
+            }
+            // Put in the GPU's scheduler by `enforce` below, with its
+            // unit's settings.
+            devs.push(ClientDev {
+                gpu: g,
+                ordinal: d.ordinal,
+                cap: d.mem_cap,
+                used: 0,
+                peak: 0,
+                ooms: 0,
+            });
+        }
+        let j = job.and_then(|t| self.jobs.get(&t));
+        let mem_cap = j.and_then(|j| j.mem_cap).unwrap_or(0);
+        let job_pid = j.map(|j| j.pid);
+        lower_caps(&mut devs, mem_cap);
+        let c = self.conns.get_mut(&id).expect("looked up above");
+        // A job is named by its run's pid: the token is a secret.
+        info!(pid = c.peer.pid, uid = c.peer.uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
+        c.devices = devs;
+        c.registered = true;
+        self.send(id, &ServerMsg::Registered { mem_cap });
+        self.enforce(now, id);
+    }
+
+    /// The job a process belongs to: the nearest `gpufrac run` among its
+    /// ancestors, by pid and start time (run is a subreaper, so a
+    /// daemonised child stays below it; a pid reused by another process
+    /// is not the run), whatever its environment says; else the job whose
+    /// token it holds, if the rules let it join by token.
+    fn job_of(&self, c: &Conn) -> Option<u64> {
+        let by_ancestry = ancestry(self.procs.as_ref(), c.peer.pid)
+            .into_iter()
+            .find_map(|(p, start)| {
+                self.jobs
+                    .iter()
+                    .find(|(_, j)| j.pid == p && Some(j.start_time) == start)
+                    .map(|(&t, _)| t)
+            });
+        // The token is random and only in the job's environment, so
+        // holding it is the proof; the rules say whose processes may use
+        // it (a leaked token does not hand another user's job to anyone).
+        by_ancestry.or_else(|| {
+            c.claimed_job.filter(|t| {
+                self.jobs
+                    .get(t)
+                    .is_some_and(|j| self.cfg.policy.may_join(&c.peer, j))
+            })
+        })
+    }
+
+    /// Puts a process in its unit's scheduler group with the unit's
+    /// settings: a job's `--gpu-compute` is the unit's weight, its
+    /// `--gpu-limit` a ceiling for all its processes together on each
+    /// GPU, its `--priority` every process's class. Outside a job, a
+    /// user's processes form the unit.
+    pub(super) fn enforce(&mut self, now: Nanos, id: ConnId) {
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
+        let job = c.member_of;
+        let j = job.and_then(|t| self.jobs.get(&t));
+        let group = match job {
+            Some(t) => t & !UID_UNIT,
+            None => UID_UNIT | u64::from(c.peer.uid),
+        };
+        let (unit_weight, unit_limit, job_prio) =
+            j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
+        for d in &c.devices {
+            let sched = &mut self.gpus[d.gpu].sched;
+            sched.add_client(
+                now,
+                id,
+                c.share.unwrap_or(DEFAULT_WEIGHT),
+                c.limit,
+                job_prio.unwrap_or(c.priority),
+            );
+            sched.set_group(now, id, group, unit_weight, unit_limit);
+        }
+    }
+
+    /// A closed connection: its process leaves every scheduler, and a
+    /// run's job ends.
+    pub(super) fn forget_client(&mut self, now: Nanos, id: ConnId, c: Conn) {
+        for d in &c.devices {
+            self.gpus[d.gpu].sched.remove_client(now, id);
+        }
+        if let Some(t) = c.job
+            && self.job_conn.get(&t) == Some(&id)
+        {
+            self.end_job(now, t);
+        }
+        if !c.devices.is_empty() || c.job.is_some() {
+            info!(pid = c.peer.pid, command = %c.command, "client gone");
+        }
+    }
+}
+
+/// A job's memory cap (0: none) over a process's own on each device: the
+/// lower of the two holds, as the shim applies it on `Registered`.
+pub(super) fn lower_caps(devs: &mut [ClientDev], mem_cap: u64) {
+    for d in devs.iter_mut() {
+        if mem_cap > 0 && (d.cap == 0 || d.cap > mem_cap) {
+            d.cap = mem_cap;
+        }
+    }
+}

@@ -1,0 +1,747 @@
+//! Jobs: `gpufrac run`'s leases and the device plugin's, the queue they
+//! wait in, their processes, what a restarted broker restores and what it
+//! holds when its state could not be trusted, and MIG instances made for
+//! them.
+
+use gpufrac_common::size::format_size;
+use gpufrac_common::wire::{self, ServerMsg};
+use tracing::{debug, info, warn};
+
+use super::clients::lower_caps;
+use super::{Broker, ConnId, MigDone, Nanos, Work, clip};
+use crate::inventory::uuid_string;
+use crate::jobs::{self, Job, Phase};
+use crate::mig;
+use crate::queue::{self, Pinned, Want};
+use crate::statefile::Loaded;
+
+/// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
+const MAX_POD: usize = 320;
+
+/// A `Lease` message.
+pub(super) struct Ask {
+    pub want_gpus: u32,
+    pub want_mem: u64,
+    pub compute: Option<f64>,
+    pub limit: Option<f64>,
+    pub no_wait: bool,
+    pub command: String,
+    pub priority: Option<crate::sched::Priority>,
+    pub resume: u64,
+    pub token: u64,
+    pub pin: Vec<wire::Pin>,
+}
+
+/// A MIG lease whose instance is being made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Making {
+    /// The connection of a `--no-wait` request, answered either way.
+    no_wait: Option<ConnId>,
+    /// Its job ended meanwhile: the lease is released once the instance
+    /// is made (or not).
+    abandoned: bool,
+}
+
+pub(super) fn describe(w: &Want) -> String {
+    match w {
+        Want::Gpus(1) => "1 GPU".into(),
+        Want::Gpus(n) => format!("{n} GPUs"),
+        Want::Memory(b) => format!("{} of GPU memory", format_size(*b)),
+    }
+}
+
+impl Broker {
+    fn refuse(&mut self, id: ConnId, reason: impl Into<String>) {
+        self.send(
+            id,
+            &ServerMsg::Refused {
+                reason: reason.into(),
+            },
+        );
+    }
+
+    pub(super) fn lease(&mut self, now: Nanos, id: ConnId, a: Ask) {
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
+        if c.job.is_some() {
+            return self.refuse(id, "one lease per connection");
+        }
+        let peer = c.peer.clone();
+        let pinned = !a.pin.is_empty() && a.resume == 0;
+        if let Err(reason) = self
+            .cfg
+            .policy
+            .lease(&peer, pinned, a.token != 0, a.priority)
+        {
+            self.warn_limited(format_args!(
+                "refused a lease from pid {} (uid {}): {reason}",
+                peer.pid, peer.uid
+            ));
+            return self.refuse(id, reason);
+        }
+        if a.resume != 0 {
+            return self.resume_job(now, id, a);
+        }
+        if a.token != 0 && self.jobs.contains_key(&a.token) {
+            return self.refuse(
+                id,
+                "the chosen token is another job's; choose another at random",
+            );
+        }
+        if pinned && (a.want_gpus, a.want_mem) != (0, 0) {
+            return self.refuse(
+                id,
+                "a lease either names its GPUs and the memory on each (pin) or asks for GPUs or memory, not both",
+            );
+        }
+        let will_wait = !a.no_wait && (a.want_gpus, a.want_mem, pinned) != (0, 0, false);
+        if let Err(reason) = self.within_budget(&peer, will_wait) {
+            return self.refuse(id, reason);
+        }
+        let Some(start_time) = self.procs.start_time(peer.pid) else {
+            return self.refuse(id, "cannot identify the requesting process");
+        };
+        let token = match a.token {
+            0 => jobs::new_token(),
+            t => t,
+        };
+        let job = self.job_for(id, &a, token, start_time);
+        match job.request() {
+            // A job without placement: a unit with its settings.
+            None => {
+                self.attach_job(now, id, job);
+                self.send_unplaced(now, id, token);
+            }
+            // While a recovery holds placements, the kubelet's placements
+            // are facts to book, like the leases running jobs claim back.
+            Some(_) if pinned && !self.placing(now) => self.claim(now, id, job, &[]),
+            Some(_) if a.no_wait && !self.placing(now) => {
+                let why = self.recovering_text(now);
+                self.refuse(id, format!("no room now: {why}; drop --no-wait to queue"));
+            }
+            Some(req) if a.no_wait => match self.queue.try_now(now, token, req) {
+                Ok(lease) => {
+                    let mut job = job;
+                    job.phase = Phase::Running {
+                        gpus: lease.gpus.clone(),
+                        mig: None,
+                    };
+                    self.attach_job(now, id, job);
+                    self.placed(now, lease, Some(id));
+                }
+                Err(r) => self.refuse(id, r.reason),
+            },
+            Some(req) => match self.queue.submit(now, token, req) {
+                Ok(()) => {
+                    let mut job = job;
+                    job.phase = Phase::Queued { since: now };
+                    self.attach_job(now, id, job);
+                    if let Some(c) = self.conns.get_mut(&id) {
+                        c.queued = Some(0);
+                    }
+                }
+                Err(r) => self.refuse(id, r.reason),
+            },
+        }
+    }
+
+    /// A user may hold `budgets.leases` jobs (placed, waiting or without
+    /// placement) and wait in the queue with `budgets.queued` of them; root
+    /// and the device plugin are not counted (they book for others).
+    fn within_budget(&self, peer: &crate::authority::Peer, will_wait: bool) -> Result<(), String> {
+        if !self.cfg.policy.counted(peer) {
+            return Ok(());
+        }
+        let mine = self.jobs.values().filter(|j| j.uid == peer.uid);
+        let (all, queued) = mine.fold((0, 0), |(a, q), j| {
+            (
+                a + 1,
+                q + usize::from(matches!(j.phase, Phase::Queued { .. })),
+            )
+        });
+        let b = self.cfg.budgets;
+        if all >= b.leases {
+            return Err(format!(
+                "user {} already holds {all} leases and queued requests on this broker (its per-user limit); \
+                 end some and retry",
+                peer.uid
+            ));
+        }
+        if will_wait && queued >= b.queued {
+            return Err(format!(
+                "user {} already has {queued} requests waiting in the queue (its per-user limit); \
+                 wait for some to be placed, or use --no-wait",
+                peer.uid
+            ));
+        }
+        Ok(())
+    }
+
+    /// The job a `Lease` asks for, its values clamped and cut to size.
+    fn job_for(&self, id: ConnId, a: &Ask, token: u64, start_time: u64) -> Job {
+        let c = &self.conns[&id];
+        let pin: Vec<Pinned> = a
+            .pin
+            .iter()
+            .map(|p| Pinned {
+                uuid: uuid_string(&p.uuid),
+                mem: p.mem,
+            })
+            .collect();
+        let want = match (a.want_gpus, a.want_mem) {
+            _ if !pin.is_empty() => Some(Want::Memory(queue::pinned_total(&pin))),
+            (0, 0) => None,
+            (0, b) => Some(Want::Memory(b)),
+            (n, _) => Some(Want::Gpus(n)),
+        };
+        let label = if a.command.is_empty() {
+            c.command.clone()
+        } else {
+            clip(&a.command, self.cfg.budgets.label)
+        };
+        Job {
+            token,
+            pid: c.peer.pid,
+            start_time,
+            uid: c.peer.uid,
+            want,
+            // Percent on the wire; clamped like a process's own.
+            compute: a
+                .compute
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(|s| s.min(100.0)),
+            limit: a
+                .limit
+                .filter(|l| l.is_finite() && *l > 0.0)
+                .map(|l| (l / 100.0).min(1.0)),
+            priority: a.priority,
+            label,
+            mem_cap: None,
+            phase: Phase::Unplaced,
+            pin,
+            pod: None,
+            privileged: self.cfg.policy.privileged(&c.peer),
+        }
+    }
+
+    pub(super) fn name(&mut self, id: ConnId, pod: String, label: String) {
+        let Some(t) = self.conns.get(&id).and_then(|c| c.job) else {
+            return self.send(
+                id,
+                &ServerMsg::Error {
+                    code: wire::ERR_REFUSED,
+                    message: "Name names the job of this connection's lease: send Lease first"
+                        .into(),
+                },
+            );
+        };
+        let label = clip(&label, self.cfg.budgets.label);
+        let pod = Some(clip(&pod, MAX_POD)).filter(|p| !p.is_empty());
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.command = label.clone();
+        }
+        self.queue.relabel(t, &label, pod.as_deref());
+        if let Some(j) = self.jobs.get_mut(&t) {
+            j.label = label;
+            j.pod = pod;
+            self.changed();
+        }
+    }
+
+    /// The lease of a job without placement: no GPUs, only its token (and
+    /// the MPS pipe, in MPS mode).
+    fn send_unplaced(&mut self, now: Nanos, id: ConnId, token: u64) {
+        // Held from now, as a placed lease is from its grant (status's HELD).
+        self.leased_at.entry(token).or_insert(now);
+        let msg = ServerMsg::Leased {
+            gpus: Vec::new(),
+            uuids: Vec::new(),
+            mem_cap: 0,
+            token,
+            mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
+            mig: String::new(),
+        };
+        self.send(id, &msg);
+    }
+
+    fn attach_job(&mut self, now: Nanos, id: ConnId, job: Job) {
+        let t = job.token;
+        self.jobs.insert(t, job);
+        self.job_conn.insert(t, id);
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.job = Some(t);
+        }
+        self.changed();
+        self.rejoin(now, t);
+    }
+
+    /// Brings a job's processes up to date with it: those that sent its
+    /// token before it existed join it (a pod's processes can start before
+    /// the device plugin's lease reaches the broker), if the rules let
+    /// them, and all of them get its memory cap once it has one.
+    fn rejoin(&mut self, now: Nanos, token: u64) {
+        let Some(j) = self.jobs.get(&token) else {
+            return;
+        };
+        let mem_cap = j.mem_cap.unwrap_or(0);
+        let policy = &self.cfg.policy;
+        let who: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| {
+                c.registered
+                    && (c.member_of == Some(token)
+                        || (c.member_of.is_none()
+                            && c.claimed_job == Some(token)
+                            && policy.may_join(&c.peer, j)))
+            })
+            .map(|(&t, _)| t)
+            .collect();
+        for t in who {
+            if let Some(c) = self.conns.get_mut(&t) {
+                c.member_of = Some(token);
+                lower_caps(&mut c.devices, mem_cap);
+            }
+            if mem_cap > 0 {
+                self.send(t, &ServerMsg::Registered { mem_cap });
+            }
+            self.enforce(now, t);
+        }
+    }
+
+    /// A `gpufrac run` reconnecting after a broker restart: only the same
+    /// process may claim its job back, and only while no live connection
+    /// holds it. While a recovery holds placements, a job the state file
+    /// lost is booked again where its run says it runs.
+    fn resume_job(&mut self, now: Nanos, id: ConnId, a: Ask) {
+        let token = a.resume;
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
+        let start = self.procs.start_time(c.peer.pid);
+        let taken = self
+            .job_conn
+            .get(&token)
+            .is_some_and(|t| self.conns.contains_key(t));
+        match self.jobs.get(&token) {
+            Some(j) if !taken && self.cfg.policy.may_resume(&c.peer, start, j) => {}
+            None if !self.placing(now) && !a.pin.is_empty() && start.is_some() => {
+                let job = self.job_for(id, &a, token, start.unwrap_or(0));
+                // What it held, not what it pins: a job of `--gpus` or
+                // `--gpu-memory`, on the GPUs it names.
+                let job = Job {
+                    want: match (a.want_gpus, a.want_mem) {
+                        (0, b) => Some(Want::Memory(b)),
+                        (n, _) => Some(Want::Gpus(n)),
+                    },
+                    pin: Vec::new(),
+                    ..job
+                };
+                let held: Vec<[u8; 16]> = a.pin.iter().map(|p| p.uuid).collect();
+                return self.claim(now, id, job, &held);
+            }
+            _ => {
+                return self.refuse(
+                    id,
+                    "this broker has no such lease to resume (it was started without the state file, or the lease ended)",
+                );
+            }
+        }
+        let pid = c.peer.pid;
+        self.job_conn.insert(token, id);
+        let (phase, label) = {
+            let j = &self.jobs[&token];
+            (j.phase.clone(), j.label.clone())
+        };
+        info!(pid, "gpufrac run reclaimed its job");
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.job = Some(token);
+            c.command = label;
+            if matches!(phase, Phase::Queued { .. }) {
+                c.queued = Some(0);
+            }
+        }
+        match phase {
+            Phase::Queued { .. } => {}
+            Phase::Unplaced => self.send_unplaced(now, id, token),
+            Phase::Running { .. } if self.undelivered.iter().any(|&(_, t)| t == token) => {}
+            Phase::Running { .. } => self.tell_lease(token),
+        }
+    }
+
+    /// Books, during a recovery, what a running job holds: a pinned
+    /// job where its pins say, a job the state file lost on the GPUs (or
+    /// MIG device) named by UUID in `held`, whatever else is booked there
+    /// (it runs there: overbooked, the GPU takes no newcomer, which is the
+    /// safe side).
+    fn claim(&mut self, now: Nanos, id: ConnId, job: Job, held: &[[u8; 16]]) {
+        let Some(req) = job.request() else {
+            return self.refuse(id, "a lease claimed back must say what it holds");
+        };
+        let named = |u: &str| wire::parse_uuid(u).is_some_and(|b| held.contains(&b));
+        let mig = self.queue.mig().status().into_iter().find_map(|g| {
+            g.instances
+                .iter()
+                .find_map(|i| i.uuid.clone().filter(|u| named(u)))
+                .map(|u| (g.gpu.index, u))
+        });
+        let restored = match mig {
+            Some((ix, uuid)) => self
+                .queue
+                .restore_mig(job.token, req, ix, &uuid)
+                .map(|l| (l, Some(uuid))),
+            None => {
+                let gpus: Vec<u32> = self
+                    .queue
+                    .gpus()
+                    .filter(|g| named(&g.uuid))
+                    .map(|g| g.index)
+                    .collect();
+                self.queue.restore(job.token, req, &gpus).map(|l| (l, None))
+            }
+        };
+        match restored {
+            Ok((lease, mig)) => {
+                warn!(
+                    pid = job.pid,
+                    uid = job.uid,
+                    gpus = ?lease.gpus,
+                    "recovery: booked a running job's lease as it claimed it"
+                );
+                let mut job = job;
+                job.phase = Phase::Running {
+                    gpus: lease.gpus.clone(),
+                    mig,
+                };
+                self.attach_job(now, id, job);
+                self.granted(now, lease);
+            }
+            Err(r) => self.refuse(id, r.reason),
+        }
+    }
+
+    /// The job is over (its run disconnected or died): its lease or place
+    /// goes, its processes become their user's again.
+    pub(super) fn end_job(&mut self, now: Nanos, token: u64) {
+        if let Some(m) = self.making.get_mut(&token) {
+            // Released when its instance is made (or not).
+            m.abandoned = true;
+        } else {
+            if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone()) {
+                info!(
+                    gpu = a.gpu,
+                    gi = ?a.gi,
+                    profile = %a.profile_name,
+                    "the job's MIG instance is idle; kept for the next job until its room is needed"
+                );
+            }
+            self.queue.cancel(now, token);
+            self.queue.release(now, token);
+        }
+        self.undelivered.retain(|&(_, t)| t != token);
+        self.leased_at.remove(&token);
+        self.job_conn.remove(&token);
+        if let Some(j) = self.jobs.remove(&token) {
+            self.changed();
+            let members: Vec<ConnId> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.member_of == Some(token))
+                .map(|(&t, _)| t)
+                .collect();
+            for t in members {
+                if let Some(c) = self.conns.get_mut(&t) {
+                    c.member_of = None;
+                }
+                self.enforce(now, t);
+            }
+            debug!(pid = j.pid, "job ended");
+        }
+    }
+
+    /// A lease the queue placed (from the queue, or `--no-wait` on
+    /// `no_wait`): granted, or first its MIG instance is made.
+    pub(super) fn placed(&mut self, now: Nanos, lease: queue::Lease, no_wait: Option<ConnId>) {
+        if let Some(a) = lease.mig.as_ref().filter(|a| !a.steps.is_empty()) {
+            self.making.insert(
+                lease.id,
+                Making {
+                    no_wait,
+                    abandoned: false,
+                },
+            );
+            self.work.push_back(Work::Mig {
+                lease: lease.id,
+                gpu: a.gpu,
+                steps: a.steps.clone(),
+            });
+            return;
+        }
+        self.granted(now, lease);
+    }
+
+    /// Books a lease in its job and its processes; the run is told once
+    /// the state that books it is on disk.
+    fn granted(&mut self, now: Nanos, lease: queue::Lease) {
+        let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
+        if let Some(j) = self.jobs.get_mut(&lease.id) {
+            j.phase = Phase::Running {
+                gpus: lease.gpus.clone(),
+                mig,
+            };
+            j.mem_cap = lease.mem_cap;
+        }
+        self.changed();
+        self.rejoin(now, lease.id);
+        self.leased_at.entry(lease.id).or_insert(now);
+        if let Some(&id) = self.job_conn.get(&lease.id)
+            && let Some(c) = self.conns.get_mut(&id)
+        {
+            c.queued = None;
+        }
+        self.undelivered.push((self.state_seq, lease.id));
+    }
+
+    /// `Leased` to the job's run.
+    pub(super) fn tell_lease(&mut self, token: u64) {
+        let Some(lease) = self.queue.lease(token).cloned() else {
+            return;
+        };
+        let Some(&id) = self.job_conn.get(&token) else {
+            return;
+        };
+        let uuids: Vec<[u8; 16]> = lease
+            .uuids
+            .iter()
+            .map(|u| {
+                self.gpus
+                    .iter()
+                    .find(|g| &g.uuid_str == u)
+                    .map(|g| g.uuid)
+                    // A GPU in MIG mode is not among them.
+                    .or_else(|| wire::parse_uuid(u))
+                    .unwrap_or([0; 16])
+            })
+            .collect();
+        let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
+        if let Some(c) = self.conns.get(&id) {
+            info!(pid = c.peer.pid, gpus = ?lease.gpus, mem_cap = ?lease.mem_cap, mig = ?mig, "lease granted");
+        }
+        self.send(
+            id,
+            &ServerMsg::Leased {
+                gpus: lease.gpus.clone(),
+                uuids,
+                mem_cap: lease.mem_cap.unwrap_or(0),
+                token,
+                mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
+                mig: mig.unwrap_or_default(),
+            },
+        );
+    }
+
+    /// Tells each waiting run its place when it changed.
+    pub(super) fn tell_positions(&mut self, now: Nanos) {
+        for w in self.queue.waiting(now) {
+            let pos = w.position as u32;
+            let Some(&id) = self.job_conn.get(&w.id) else {
+                continue;
+            };
+            let changed = self.conns.get(&id).is_some_and(|c| c.queued != Some(pos));
+            if changed {
+                if let Some(c) = self.conns.get_mut(&id) {
+                    c.queued = Some(pos);
+                }
+                self.send(
+                    id,
+                    &ServerMsg::Queued {
+                        position: pos,
+                        waiting_for: describe(&w.want),
+                        token: w.id,
+                    },
+                );
+            }
+        }
+    }
+
+    /// What the shell made of a MIG lease's steps.
+    pub fn mig_done(&mut self, now: Nanos, done: MigDone) {
+        let now = self.clock(now);
+        let making = self.making.remove(&done.lease).unwrap_or(Making {
+            no_wait: None,
+            abandoned: true,
+        });
+        for &gi in &done.destroyed {
+            self.queue.mig_destroyed(done.gpu, gi);
+            info!(
+                gpu = done.gpu,
+                gi, "destroyed an idle MIG instance to make room"
+            );
+        }
+        let a = self.queue.lease(done.lease).and_then(|l| l.mig.clone());
+        match done.result {
+            Ok((gi, uuid)) => {
+                let (profile, mem) = a
+                    .as_ref()
+                    .map_or((String::new(), 0), |a| (a.profile_name.clone(), a.mem));
+                info!(gpu = done.gpu, gi, %profile, %uuid, "created a MIG instance");
+                self.add_mig_unit(done.gpu, gi, &uuid, &profile, mem);
+                let lease = self.queue.mig_created(done.lease, gi, uuid);
+                match lease {
+                    Some(_) if making.abandoned => self.queue.release(now, done.lease),
+                    Some(lease) => self.granted(now, lease),
+                    None => {}
+                }
+            }
+            Err((e, found)) => {
+                let requeued = self.queue.mig_failed(now, done.lease, found.as_deref());
+                if let Some(a) = &a {
+                    warn!(
+                        gpu = a.gpu,
+                        profile = %a.profile_name,
+                        placement = %a.placement,
+                        requeued,
+                        "MIG: {e}; re-read the GPU's instances, and that placement is avoided for {} s",
+                        mig::BLOCK_FOR / 1_000_000_000
+                    );
+                }
+                if making.abandoned {
+                    self.queue.cancel(now, done.lease);
+                } else if let Some(id) = making.no_wait {
+                    // The job of a refused `--no-wait` never was.
+                    self.jobs.remove(&done.lease);
+                    self.job_conn.remove(&done.lease);
+                    self.leased_at.remove(&done.lease);
+                    self.changed();
+                    if let Some(c) = self.conns.get_mut(&id) {
+                        c.job = None;
+                    }
+                    self.refuse(
+                        id,
+                        format!(
+                            "no room now: the MIG instance could not be made ({e}); drop --no-wait to queue"
+                        ),
+                    );
+                }
+            }
+        }
+        self.pump(now);
+    }
+
+    /// Books what a previous broker left (leases first, then the queue in
+    /// its original order) before any client is heard, so no GPU is handed
+    /// out twice. Jobs whose `gpufrac run` has died are dropped. When the
+    /// newest state could not be trusted, new placements are held for
+    /// the recovery grace, while running jobs claim back what it lost.
+    pub fn restore(&mut self, now: Nanos, loaded: Loaded) {
+        let now = self.clock(now);
+        if let Some(p) = &loaded.problem {
+            warn!("{p}");
+        }
+        let (mut kept, mut dropped) = (0, 0);
+        let mut saved = loaded.jobs;
+        saved.sort_by_key(|j| match j.phase {
+            Phase::Running { .. } | Phase::Unplaced => (0, 0),
+            Phase::Queued { since } => (1, since),
+        });
+        for j in saved {
+            if !self.alive(&j) || self.jobs.contains_key(&j.token) {
+                dropped += 1;
+                continue;
+            }
+            let ok = match (&j.phase, j.request()) {
+                (Phase::Unplaced, _) => true,
+                (
+                    Phase::Running {
+                        gpus,
+                        mig: Some(uuid),
+                    },
+                    Some(req),
+                ) => match gpus
+                    .first()
+                    .map(|&ix| self.queue.restore_mig(j.token, req, ix, uuid))
+                {
+                    Some(Ok(_)) => true,
+                    Some(Err(r)) => {
+                        warn!(pid = j.pid, "cannot restore a MIG lease: {}", r.reason);
+                        false
+                    }
+                    None => false,
+                },
+                (Phase::Running { gpus, mig: None }, Some(req)) => {
+                    match self.queue.restore(j.token, req, gpus) {
+                        Ok(_) => true,
+                        Err(r) => {
+                            warn!(pid = j.pid, "cannot restore a lease: {}", r.reason);
+                            false
+                        }
+                    }
+                }
+                (Phase::Queued { since }, Some(req)) => self
+                    .queue
+                    .submit_since((*since).min(now), j.token, req)
+                    .is_ok(),
+                _ => false,
+            };
+            if ok {
+                kept += 1;
+                if matches!(j.phase, Phase::Running { .. }) {
+                    self.leased_at.insert(j.token, now);
+                }
+                self.jobs.insert(j.token, j);
+            } else {
+                dropped += 1;
+            }
+        }
+        if kept + dropped > 0 {
+            info!(kept, dropped, "restored jobs from the state file");
+        }
+        if loaded.suspect {
+            let grace = self.cfg.recovery_grace;
+            warn!(
+                "the state file could not be trusted: new placements are held for {} s so that running \
+                 jobs can claim their leases back (no GPU is booked twice)",
+                grace / 1_000_000_000
+            );
+            let why = loaded
+                .problem
+                .unwrap_or_else(|| "the state file could not be trusted".into());
+            self.recovery = Some((now + grace, why));
+        }
+        self.changed();
+    }
+
+    /// New placements are made (no recovery holds them).
+    pub(super) fn placing(&self, now: Nanos) -> bool {
+        self.recovery
+            .as_ref()
+            .is_none_or(|(until, _)| now >= *until)
+    }
+
+    pub(super) fn end_recovery(&mut self, now: Nanos) {
+        if self
+            .recovery
+            .as_ref()
+            .is_some_and(|(until, _)| now >= *until)
+        {
+            self.recovery = None;
+            info!(
+                jobs = self.jobs.len(),
+                "recovery over: placing new leases again"
+            );
+        }
+    }
+
+    /// Why placements are held, for refusals and status.
+    pub(super) fn recovering_text(&self, now: Nanos) -> String {
+        match &self.recovery {
+            Some((until, why)) => format!(
+                "the broker is recovering from a state file it could not trust ({why}); new placements \
+                 are held for {:.0} s more, while running jobs claim their leases back",
+                until.saturating_sub(now) as f64 / 1e9
+            ),
+            None => String::new(),
+        }
+    }
+}

@@ -1,0 +1,717 @@
+//! The broker core, sans I/O (as quinn-proto is for quinn): connections'
+//! bytes, credentials and disconnections go in, with the time; replies,
+//! closes, timers and work for slow drivers come out. It owns the
+//! protocol (framing, handshake, dispatch), who may do what
+//! (`authority`), each user's budgets, jobs and their membership, leases
+//! and the queue, MIG as requests to the shell, the state to persist and
+//! status. /proc and NVML are behind traits (`procs`). The shell
+//! (`server.rs`) only moves bytes, arms timers and runs the work it is
+//! given, so everything here is tested in virtual time (`tests.rs`).
+//!
+//! Rooms: `conn` (a connection, its budgets), `clients` (processes:
+//! registration, membership, arbitration), `leases` (jobs: leases, the
+//! queue, restarts, recovery, MIG), `view` (status).
+
+mod clients;
+mod conn;
+mod leases;
+mod view;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use gpufrac_common::wire::{self, DecodeError, ServerMsg};
+use tracing::warn;
+
+use crate::authority::{Peer, Policy};
+use crate::inventory::uuid_string;
+use crate::jobs::Job;
+use crate::mig::{self, FoundInstance};
+use crate::procs::{Procs, Telemetry};
+use crate::queue::{self, Queue, QueueConfig};
+use crate::sched::{Action, SchedConfig, Scheduler};
+use crate::status::MpsStatus;
+
+pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, clip};
+use conn::{Conn, Held};
+
+/// Monotonic nanoseconds (`CLOCK_MONOTONIC`, which a broker restart does
+/// not reset, so queue ages survive one).
+pub type Nanos = u64;
+/// Chosen by the shell, unique among open connections.
+pub type ConnId = u64;
+
+const MS: Nanos = 1_000_000;
+/// A connection must say hello within this, and finish any frame it
+/// starts within `FRAME_DEADLINE`: idle or trickling connections cannot
+/// pile up.
+const HELLO_DEADLINE: Nanos = 2000 * MS;
+const FRAME_DEADLINE: Nanos = 5000 * MS;
+/// State writes at most this often: churn costs bounded I/O.
+pub const SAVE_EVERY: Nanos = 100 * MS;
+/// Queue escalation has no timer of its own: re-checked this often while
+/// anyone waits.
+const QUEUE_TICK: Nanos = 500 * MS;
+/// Restored jobs whose run may have died are looked at this often.
+const SWEEP_TICK: Nanos = 250 * MS;
+/// Warnings a client can provoke are said at most this often.
+const WARN_EVERY: Nanos = 10_000 * MS;
+/// GPUs the broker arbitrates for clients when it found none itself.
+const MAX_UNKNOWN_GPUS: usize = 16;
+
+/// Everything the core decides by.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub sched: SchedConfig,
+    pub queue: QueueConfig,
+    pub policy: Policy,
+    pub budgets: Budgets,
+    /// For status.
+    pub socket: String,
+    /// MPS mode: the pipe directory clients are given.
+    pub mps_pipe: Option<String>,
+    /// After a state file that could not be trusted: how long running jobs
+    /// have to claim their leases back before new placements resume.
+    pub recovery_grace: Nanos,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            sched: SchedConfig::default(),
+            queue: QueueConfig::default(),
+            policy: Policy::default(),
+            budgets: Budgets::default(),
+            socket: String::new(),
+            mps_pipe: None,
+            recovery_grace: 30_000 * MS,
+        }
+    }
+}
+
+/// Work the shell carries out for the core, off its event loop, and
+/// reports back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Work {
+    /// Make a MIG lease's instance on GPU `gpu`: the planner's steps, in
+    /// order (`mig_done` with what came of them). Creating or destroying
+    /// an instance takes up to seconds on a real GPU.
+    Mig {
+        lease: u64,
+        gpu: u32,
+        steps: Vec<mig::Step>,
+    },
+}
+
+/// What came of a `Work::Mig`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigDone {
+    pub lease: u64,
+    pub gpu: u32,
+    /// GPU instances destroyed (before a failure, if any).
+    pub destroyed: Vec<u32>,
+    /// The instance made (GPU instance id, MIG device UUID), or why not
+    /// and the GPU's instances as the driver then reports them.
+    pub result: Result<(u32, String), (String, Option<Vec<FoundInstance>>)>,
+}
+
+/// A GPU, or a MIG instance, as a unit of arbitration.
+struct Gpu {
+    index: Option<u32>,
+    uuid: [u8; 16],
+    uuid_str: String,
+    name: String,
+    total_mem: u64,
+    sched: Scheduler,
+    /// A MIG instance (`--mig dynamic`): the index of its GPU and its GPU
+    /// instance id.
+    mig: Option<(u32, u32)>,
+}
+
+/// The broker's decisions, in virtual time.
+pub struct Broker {
+    cfg: Config,
+    conns: BTreeMap<ConnId, Conn>,
+    held: HashMap<u32, Held>,
+    gpus: Vec<Gpu>,
+    /// The broker found GPUs itself: a client naming another is refused.
+    discovered: bool,
+    queue: Queue,
+    /// Every job, by token.
+    jobs: BTreeMap<u64, Job>,
+    job_conn: HashMap<u64, ConnId>,
+    leased_at: HashMap<u64, Nanos>,
+    procs: Box<dyn Procs>,
+    telemetry: Box<dyn Telemetry>,
+    mps: Option<MpsStatus>,
+    /// State: changes counted, the last count handed out to be written
+    /// and the last known written, and when the last write was handed out.
+    state_seq: u64,
+    saving: Option<u64>,
+    saved_seq: u64,
+    last_save: Option<Nanos>,
+    /// Leases granted but not yet durable: told to their run once the
+    /// state that books them is on disk, so that a crash never forgets a
+    /// lease a job already holds.
+    undelivered: Vec<(u64, u64)>,
+    work: VecDeque<Work>,
+    /// MIG leases being made: the connection of a `--no-wait` request,
+    /// which is answered either way.
+    making: BTreeMap<u64, leases::Making>,
+    /// After an untrusted state file: placements held until then, and why.
+    recovery: Option<(Nanos, String)>,
+    last_sweep: Nanos,
+    last_warning: Option<Nanos>,
+    now: Nanos,
+}
+
+impl Broker {
+    /// A broker for `gpus` (found through CUDA, PCI bus order) and the MIG
+    /// GPUs in `planner`; `discovered`: the GPUs are the node's (a client
+    /// naming another is refused).
+    pub fn new(
+        cfg: Config,
+        gpus: Vec<crate::inventory::GpuInfo>,
+        planner: mig::Planner,
+        discovered: bool,
+        procs: Box<dyn Procs>,
+        telemetry: Box<dyn Telemetry>,
+        now: Nanos,
+    ) -> Broker {
+        let qgpus = gpus
+            .iter()
+            .map(|g| queue::GpuInfo {
+                index: g.index,
+                uuid: uuid_string(&g.uuid),
+                total_mem: g.total_mem,
+            })
+            .collect();
+        let mut queue = Queue::new(qgpus, cfg.queue);
+        queue.set_mig(planner);
+        let mut b = Broker {
+            gpus: gpus
+                .iter()
+                .map(|g| Gpu {
+                    index: Some(g.index),
+                    uuid: g.uuid,
+                    uuid_str: uuid_string(&g.uuid),
+                    name: g.name.clone(),
+                    total_mem: g.total_mem,
+                    sched: Scheduler::new(cfg.sched),
+                    mig: None,
+                })
+                .collect(),
+            cfg,
+            conns: BTreeMap::new(),
+            held: HashMap::new(),
+            discovered,
+            queue,
+            jobs: BTreeMap::new(),
+            job_conn: HashMap::new(),
+            leased_at: HashMap::new(),
+            procs,
+            telemetry,
+            mps: None,
+            state_seq: 0,
+            saving: None,
+            saved_seq: 0,
+            last_save: None,
+            undelivered: Vec::new(),
+            work: VecDeque::new(),
+            making: BTreeMap::new(),
+            recovery: None,
+            last_sweep: now,
+            last_warning: None,
+            now,
+        };
+        // Instances found at start are units of arbitration from the
+        // outset: restored jobs' processes register on them.
+        for m in b.queue.mig().status() {
+            for i in &m.instances {
+                if let (Some(gi), Some(u)) = (i.gi, &i.uuid) {
+                    b.add_mig_unit(m.gpu.index, gi, u, &i.profile, i.mem);
+                }
+            }
+        }
+        b
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The MPS control daemon's state (MPS mode), as the shell sees it.
+    pub fn set_mps(&mut self, mps: Option<MpsStatus>) {
+        self.mps = mps;
+    }
+
+    fn clock(&mut self, now: Nanos) -> Nanos {
+        self.now = self.now.max(now);
+        self.now
+    }
+
+    /// A warning a client can provoke, at most every `WARN_EVERY`: a flood
+    /// must not also flood the log.
+    fn warn_limited(&mut self, msg: std::fmt::Arguments<'_>) {
+        let now = self.now;
+        if self
+            .last_warning
+            .is_none_or(|t| now.saturating_sub(t) > WARN_EVERY)
+        {
+            self.last_warning = Some(now);
+            warn!("{msg}");
+        }
+    }
+
+    /// A new connection from `peer`. Refused, with the frame to say why,
+    /// past its user's connection budget.
+    pub fn connect(&mut self, now: Nanos, id: ConnId, peer: Peer) -> Result<(), Vec<u8>> {
+        let now = self.clock(now);
+        let count = self.held.get(&peer.uid).map_or(0, |h| h.conns);
+        if count >= self.cfg.budgets.connections {
+            let mut out = Vec::new();
+            wire::encode_server(
+                &ServerMsg::Error {
+                    code: wire::ERR_REFUSED,
+                    message: format!(
+                        "user {} already has {count} connections open to this broker \
+                         (its limit, --max-connections-per-user); close some and retry",
+                        peer.uid
+                    ),
+                },
+                &mut out,
+            );
+            self.warn_limited(format_args!(
+                "refusing a connection from uid {} (pid {}): {count} open, the per-user limit",
+                peer.uid, peer.pid
+            ));
+            return Err(out);
+        }
+        self.held.entry(peer.uid).or_default().conns += 1;
+        let command = self.procs.cmdline(peer.pid);
+        let command = clip(&command, self.cfg.budgets.label);
+        tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
+        self.conns.insert(id, Conn::new(peer, now, command));
+        Ok(())
+    }
+
+    /// Bytes that arrived on `id`. Frames are handled as they complete;
+    /// what is left of an unfinished one counts against its user's input
+    /// budget, and a user past it loses the connection that went over.
+    pub fn input(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
+        let now = self.clock(now);
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if c.dead {
+            return;
+        }
+        let uid = c.peer.uid;
+        let h = self.held.entry(uid).or_default();
+        if h.input + bytes.len() > self.cfg.budgets.input {
+            let pid = c.peer.pid;
+            c.dead = true;
+            self.warn_limited(format_args!(
+                "user {uid}'s input budget is exhausted; closing the connection of pid {pid} that went over"
+            ));
+            return;
+        }
+        h.input += bytes.len();
+        c.inbuf.extend_from_slice(bytes);
+        loop {
+            let Some(c) = self.conns.get_mut(&id) else {
+                return;
+            };
+            if c.dead || c.inbuf.is_empty() {
+                if let Some(c) = self.conns.get_mut(&id) {
+                    c.partial_since = None;
+                }
+                break;
+            }
+            match wire::decode_client(&c.inbuf) {
+                Ok((msg, used)) => {
+                    c.inbuf.drain(..used);
+                    c.partial_since = None;
+                    if c.inbuf.capacity() > 64 << 10 && c.inbuf.len() < 4 << 10 {
+                        c.inbuf.shrink_to(4 << 10);
+                    }
+                    if let Some(h) = self.held.get_mut(&uid) {
+                        h.input = h.input.saturating_sub(used);
+                    }
+                    self.handle(now, id, msg);
+                }
+                Err(DecodeError::Incomplete) => {
+                    c.partial_since.get_or_insert(now);
+                    break;
+                }
+                Err(e) => {
+                    let pid = c.peer.pid;
+                    self.warn_limited(format_args!(
+                        "bad frame from pid {pid} ({e}); closing that client"
+                    ));
+                    self.send(
+                        id,
+                        &ServerMsg::Error {
+                            code: wire::ERR_BAD_FRAME,
+                            message: format!("bad frame: {e}"),
+                        },
+                    );
+                    self.kill(id);
+                    break;
+                }
+            }
+        }
+        self.pump(now);
+    }
+
+    /// The peer hung up, or its socket failed.
+    pub fn hangup(&mut self, id: ConnId) {
+        self.kill(id);
+    }
+
+    fn kill(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.dead = true;
+        }
+    }
+
+    /// What is waiting to be written to `id`.
+    pub fn output(&self, id: ConnId) -> &[u8] {
+        self.conns.get(&id).map_or(&[], |c| &c.outbuf)
+    }
+
+    /// `n` bytes of `output(id)` were written.
+    pub fn consumed(&mut self, id: ConnId, n: usize) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            let n = n.min(c.outbuf.len());
+            c.outbuf.drain(..n);
+            if c.outbuf.is_empty() && c.outbuf.capacity() > 64 << 10 {
+                c.outbuf = Vec::new();
+            }
+            if let Some(h) = self.held.get_mut(&c.peer.uid) {
+                h.output = h.output.saturating_sub(n);
+            }
+        }
+    }
+
+    /// Connections with output waiting.
+    pub fn pending_output(&self) -> Vec<ConnId> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| !c.outbuf.is_empty())
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// Connections the core is done with: the shell writes what it still
+    /// can of their output, closes them and calls `remove`.
+    pub fn dead(&self) -> Vec<ConnId> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| c.dead)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    pub fn is_dead(&self, id: ConnId) -> bool {
+        self.conns.get(&id).is_none_or(|c| c.dead)
+    }
+
+    /// The connection is closed: its process's grant and registration go
+    /// at once, a run's job ends.
+    pub fn remove(&mut self, now: Nanos, id: ConnId) {
+        let now = self.clock(now);
+        let Some(c) = self.conns.remove(&id) else {
+            return;
+        };
+        if let Some(h) = self.held.get_mut(&c.peer.uid) {
+            h.conns = h.conns.saturating_sub(1);
+            h.input = h.input.saturating_sub(c.inbuf.len());
+            h.output = h.output.saturating_sub(c.outbuf.len());
+            if h.conns == 0 {
+                self.held.remove(&c.peer.uid);
+            }
+        }
+        self.forget_client(now, id, c);
+        self.pump(now);
+    }
+
+    /// Timers: deadlines of connections, restored jobs whose run died,
+    /// the end of a recovery, the schedulers' and the queue's clocks.
+    pub fn handle_timeout(&mut self, now: Nanos) {
+        let now = self.clock(now);
+        if now.saturating_sub(self.last_sweep) >= SWEEP_TICK {
+            self.last_sweep = now;
+            self.sweep(now);
+        }
+        self.end_recovery(now);
+        self.pump(now);
+    }
+
+    /// Closes connections that never said hello or sat on half a frame,
+    /// and ends restored jobs whose run never came back.
+    fn sweep(&mut self, now: Nanos) {
+        for c in self.conns.values_mut() {
+            let silent = c.role.is_none() && now.saturating_sub(c.opened) > HELLO_DEADLINE;
+            let stuck = c
+                .partial_since
+                .is_some_and(|t| now.saturating_sub(t) > FRAME_DEADLINE);
+            if (silent || stuck) && !c.dead {
+                tracing::debug!(
+                    pid = c.peer.pid,
+                    uid = c.peer.uid,
+                    silent,
+                    stuck,
+                    "closing a stalled connection"
+                );
+                c.dead = true;
+            }
+        }
+        let gone: Vec<(u64, u32)> = self
+            .jobs
+            .iter()
+            .filter(|(t, j)| !self.job_conn.contains_key(t) && !self.alive(j))
+            .map(|(t, j)| (*t, j.pid))
+            .collect();
+        // Named by the run's pid, as status names leases: the token is a
+        // secret.
+        for (t, pid) in gone {
+            tracing::info!(
+                pid,
+                "a restored job's gpufrac run is gone; ending its lease"
+            );
+            self.end_job(now, t);
+        }
+    }
+
+    /// When `handle_timeout` next has something to do.
+    pub fn next_timeout(&self) -> Option<Nanos> {
+        let now = self.now;
+        let mut t = self
+            .gpus
+            .iter()
+            .filter_map(|g| g.sched.next_timeout())
+            .min();
+        let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
+        if !self.queue.waiting(now).is_empty() {
+            at(now + QUEUE_TICK);
+        }
+        let sweep = self
+            .conns
+            .values()
+            .any(|c| !c.dead && (c.role.is_none() || c.partial_since.is_some()))
+            || self.jobs.keys().any(|k| !self.job_conn.contains_key(k));
+        if sweep {
+            at(self.last_sweep.max(now) + SWEEP_TICK);
+        }
+        if let Some((until, _)) = &self.recovery {
+            at(*until);
+        }
+        if let Some(s) = self.save_due() {
+            at(s);
+        }
+        t.map(|x| x.max(now + 1))
+    }
+
+    /// Work for the shell, in order.
+    pub fn poll_work(&mut self) -> Option<Work> {
+        self.work.pop_front()
+    }
+
+    fn send(&mut self, id: ConnId, msg: &ServerMsg) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if c.dead {
+            return;
+        }
+        let before = c.outbuf.len();
+        wire::encode_server(msg, &mut c.outbuf);
+        let added = c.outbuf.len() - before;
+        let h = self.held.entry(c.peer.uid).or_default();
+        h.output += added;
+        let (pid, uid) = (c.peer.pid, c.peer.uid);
+        if c.outbuf.len() > MAX_OUTBUF {
+            c.dead = true;
+            self.warn_limited(format_args!(
+                "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
+            ));
+        } else if h.output > self.cfg.budgets.output {
+            c.dead = true;
+            self.warn_limited(format_args!(
+                "user {uid}'s output budget is exhausted (its connections are not reading); \
+                 closing the connection of pid {pid} that went over"
+            ));
+        }
+    }
+
+    /// Everything the state machines decided since the last turn.
+    fn pump(&mut self, now: Nanos) {
+        for g in 0..self.gpus.len() {
+            if self.gpus[g].sched.next_timeout().is_some_and(|t| t <= now) {
+                self.gpus[g].sched.handle_timeout(now);
+            }
+            while let Some(a) = self.gpus[g].sched.poll_action() {
+                let uuid = self.gpus[g].uuid;
+                tracing::debug!(?a, "scheduler");
+                match a {
+                    Action::Grant {
+                        client,
+                        grant,
+                        slice,
+                        bound,
+                        waiters,
+                    } => self.send(
+                        client,
+                        &ServerMsg::Grant {
+                            uuid,
+                            grant,
+                            slice_ns: slice.unwrap_or(0),
+                            bound_ns: bound,
+                            waiters,
+                        },
+                    ),
+                    Action::Revoke { client, grant } => {
+                        self.send(client, &ServerMsg::Revoke { uuid, grant })
+                    }
+                }
+            }
+        }
+        if self.placing(now) {
+            for lease in self.queue.poll(now) {
+                self.placed(now, lease, None);
+            }
+        }
+        self.tell_positions(now);
+    }
+
+    /// The state to write, if it changed and a write is due: (its number,
+    /// its bytes). Report with `state_saved`.
+    pub fn take_state(&mut self, now: Nanos) -> Option<(u64, Vec<u8>)> {
+        let now = self.clock(now);
+        if self.save_due().is_none_or(|t| t > now) {
+            return None;
+        }
+        self.saving = Some(self.state_seq);
+        self.last_save = Some(now);
+        Some((self.state_seq, crate::jobs::encode(self.jobs.values())))
+    }
+
+    /// When the next write may go: None while nothing changed or one is
+    /// being written.
+    fn save_due(&self) -> Option<Nanos> {
+        if self.saving.is_some() || self.state_seq == self.saved_seq {
+            return None;
+        }
+        Some(self.last_save.map_or(0, |t| t + SAVE_EVERY))
+    }
+
+    /// State number `seq` was written, or could not be (then leases are
+    /// told all the same: a broker that cannot write its state must still
+    /// hand out what it granted; it says so).
+    pub fn state_saved(&mut self, now: Nanos, seq: u64, result: Result<(), String>) {
+        let now = self.clock(now);
+        self.saving = None;
+        match result {
+            Ok(()) => self.saved_seq = self.saved_seq.max(seq),
+            Err(e) => self.warn_limited(format_args!(
+                "cannot write the state file: {e}; leases will not survive a restart"
+            )),
+        }
+        let ready: Vec<u64> = self
+            .undelivered
+            .iter()
+            .filter(|&&(s, _)| s <= seq)
+            .map(|&(_, t)| t)
+            .collect();
+        self.undelivered.retain(|&(s, _)| s > seq);
+        for t in ready {
+            self.tell_lease(t);
+        }
+        self.pump(now);
+    }
+
+    fn changed(&mut self) {
+        self.state_seq += 1;
+    }
+
+    /// Whether a job's `gpufrac run` is still the process that asked.
+    fn alive(&self, j: &Job) -> bool {
+        self.procs.start_time(j.pid) == Some(j.start_time)
+    }
+
+    fn sched_cfg(&self) -> SchedConfig {
+        self.cfg.sched
+    }
+
+    fn gpu_by_uuid(&mut self, uuid: &[u8; 16], total: u64) -> usize {
+        if let Some(i) = self.gpus.iter().position(|g| &g.uuid == uuid) {
+            return i;
+        }
+        // A device the broker itself cannot see (hidden from it, or it runs
+        // without a driver): arbitrate it all the same, by UUID.
+        let cfg = self.sched_cfg();
+        self.gpus.push(Gpu {
+            index: None,
+            uuid: *uuid,
+            uuid_str: uuid_string(uuid),
+            name: "unknown".into(),
+            total_mem: total,
+            sched: Scheduler::new(cfg),
+            mig: None,
+        });
+        self.gpus.len() - 1
+    }
+
+    /// MIG devices of the instances that exist now.
+    fn live_mig_uuids(&self) -> Vec<String> {
+        self.queue
+            .mig()
+            .status()
+            .into_iter()
+            .flat_map(|g| g.instances.into_iter().filter_map(|i| i.uuid))
+            .collect()
+    }
+
+    /// A MIG instance becomes a unit of arbitration, so that its processes
+    /// (registering with its MIG device UUID) are known. The entry of an
+    /// instance that is gone, and that no process names any more, is
+    /// reused: entries stay bounded by the instances a node can hold.
+    fn add_mig_unit(&mut self, parent: u32, gi: u32, uuid: &str, profile: &str, mem: u64) {
+        let Some(bytes) = wire::parse_uuid(uuid) else {
+            warn!(
+                gpu = parent,
+                gi,
+                "MIG device {uuid} has a UUID of the old form (driver before R470); its processes cannot register with the broker"
+            );
+            return;
+        };
+        if self.gpus.iter().any(|g| g.uuid == bytes) {
+            return;
+        }
+        let unit = Gpu {
+            index: Some(parent),
+            uuid: bytes,
+            uuid_str: uuid.to_owned(),
+            name: format!("MIG {profile} (GPU {parent}, GPU instance {gi})"),
+            total_mem: mem,
+            sched: Scheduler::new(self.sched_cfg()),
+            mig: Some((parent, gi)),
+        };
+        let live = self.live_mig_uuids();
+        let stale = (0..self.gpus.len()).find(|&i| {
+            self.gpus[i].mig.is_some()
+                && !live.contains(&self.gpus[i].uuid_str)
+                && !self
+                    .conns
+                    .values()
+                    .any(|c| c.devices.iter().any(|d| d.gpu == i))
+        });
+        match stale {
+            Some(i) => self.gpus[i] = unit,
+            None => self.gpus.push(unit),
+        }
+    }
+}

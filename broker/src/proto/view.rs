@@ -1,0 +1,318 @@
+//! Status: what `gpufrac status` shows and metrics are made from, paged so
+//! that a page fits a frame whatever the node holds.
+
+use std::collections::HashMap;
+
+use gpufrac_common::wire;
+
+use super::leases::describe;
+use super::{Broker, Nanos};
+use crate::jobs::Phase;
+use crate::mig::{self, Use};
+use crate::sched::{ClientState, Priority};
+use crate::status::{
+    GpuStatus, LeaseEntry, MigInstance, MigStatus, ProcStatus, QueueEntry, Status,
+};
+
+/// Processes listed per status page; a page's JSON stays far below the
+/// frame limit (a process entry is a few hundred bytes).
+const STATUS_PAGE: usize = 1000;
+
+impl Broker {
+    pub fn status(&self, now: Nanos) -> Status {
+        let now = now.max(self.now);
+        let leases = self.queue.leases();
+        // What each job's processes hold together, per GPU: summed once,
+        // not once per process.
+        let mut job_used: HashMap<(u64, usize), u64> = HashMap::new();
+        for c in self.conns.values() {
+            if let Some(t) = c.member_of {
+                for d in &c.devices {
+                    *job_used.entry((t, d.gpu)).or_insert(0) += d.used;
+                }
+            }
+        }
+        let mut gpus = Vec::new();
+        let mig_status = self.queue.mig().status();
+        let live: Vec<&str> = mig_status
+            .iter()
+            .flat_map(|g| g.instances.iter().filter_map(|i| i.uuid.as_deref()))
+            .collect();
+        for (gi, g) in self.gpus.iter().enumerate() {
+            // Entries of instances that are gone (kept for reuse) are not
+            // shown.
+            if g.mig.is_some() && !live.contains(&g.uuid_str.as_str()) {
+                continue;
+            }
+            let st = g.sched.status(now);
+            let driver_mem = self.telemetry.process_memory(&g.uuid_str);
+            let mut processes = Vec::new();
+            for (&id, c) in &self.conns {
+                let Some(d) = c.devices.iter().find(|d| d.gpu == gi) else {
+                    continue;
+                };
+                let s = st.iter().find(|s| s.client == id);
+                let job = c.member_of.and_then(|t| self.jobs.get(&t));
+                processes.push(ProcStatus {
+                    pid: c.peer.pid,
+                    command: c.command.clone(),
+                    ordinal: d.ordinal,
+                    mem_used: d.used,
+                    mem_peak: d.peak,
+                    mem_cap: (d.cap > 0).then_some(d.cap),
+                    sm_percent: self
+                        .cfg
+                        .mps_pipe
+                        .as_ref()
+                        .and_then(|_| job.and_then(|j| j.compute)),
+                    driver_mem: driver_mem
+                        .iter()
+                        .find(|(p, _)| *p == c.peer.pid)
+                        .map(|&(_, b)| b),
+                    ooms: d.ooms,
+                    share_target: s.map_or(0.0, |s| s.target),
+                    share_achieved: s.map_or(0.0, |s| s.achieved),
+                    limit: s.map_or(c.limit, |s| s.limit),
+                    uid: c.peer.uid,
+                    job: job.map(|j| j.pid),
+                    pod: job.and_then(|j| j.pod.clone()),
+                    job_mem_used: c
+                        .member_of
+                        .map(|t| job_used.get(&(t, gi)).copied().unwrap_or(0)),
+                    state: s.map_or("idle".into(), |s| match s.state {
+                        ClientState::Idle => "idle".into(),
+                        ClientState::Waiting => "waiting".into(),
+                        ClientState::Holding => "holding".into(),
+                        ClientState::Revoking if s.hung => "hung".into(),
+                        ClientState::Revoking => "revoking".into(),
+                    }),
+                    priority: s.map_or(Priority::Normal, |s| s.priority).as_str().into(),
+                    gpu_time_s: s.map_or(0.0, |s| s.gpu_time as f64 / 1e9),
+                    draining: s.is_some_and(|s| s.draining),
+                });
+            }
+            processes.sort_by_key(|p| p.pid);
+            let ls = g
+                .index
+                .filter(|_| g.mig.is_none())
+                .and_then(|i| leases.iter().find(|l| l.index == i));
+            // An instance in use is committed whole to its job.
+            let in_use = g.mig.is_some()
+                && mig_status.iter().any(|m| {
+                    m.instances.iter().any(|i| {
+                        i.uuid.as_deref() == Some(g.uuid_str.as_str())
+                            && matches!(i.use_, Use::Lease(_))
+                    })
+                });
+            gpus.push(GpuStatus {
+                index: g.index,
+                mode: if g.mig.is_some() {
+                    "mig-instance"
+                } else if self.cfg.mps_pipe.is_some() {
+                    "mps"
+                } else {
+                    "time-slicing"
+                }
+                .into(),
+                uuid: g.uuid_str.clone(),
+                name: g.name.clone(),
+                total_mem: g.total_mem,
+                slots_total: match g.mig {
+                    Some(_) => 1,
+                    None => ls.map_or(self.cfg.queue.overprovision.max(1), |l| l.slots_total),
+                },
+                slots_used: match g.mig {
+                    Some(_) => u32::from(in_use),
+                    None => ls.map_or(0, |l| l.slots_used),
+                },
+                committed_mem: match g.mig {
+                    Some(_) if in_use => g.total_mem,
+                    Some(_) => 0,
+                    None => ls.map_or(0, |l| l.committed_mem),
+                },
+                utilization: match g.mig {
+                    Some(_) => None,
+                    None => self.telemetry.utilization(&g.uuid_str),
+                },
+                holder: g
+                    .sched
+                    .holder()
+                    .and_then(|h| self.conns.get(&h))
+                    .map(|c| c.peer.pid),
+                processes,
+                mig: None,
+                mig_instance: g.mig.map(|(_, gi)| gi),
+            });
+        }
+        for m in &mig_status {
+            gpus.push(self.mig_gpu_status(now, m));
+        }
+        // GPUs by index (unknown ones last), each MIG GPU followed by its
+        // instances; the sort is stable, so nothing else moves.
+        gpus.sort_by_key(|g| {
+            (
+                g.index.is_none(),
+                g.index,
+                g.mig_instance.is_some(),
+                g.mig_instance,
+            )
+        });
+        let queue = self
+            .queue
+            .waiting(now)
+            .into_iter()
+            .map(|w| {
+                let job = self.jobs.get(&w.id);
+                QueueEntry {
+                    position: w.position as u32,
+                    pid: job.map_or(0, |j| j.pid),
+                    pod: job.and_then(|j| j.pod.clone()),
+                    command: w.label.clone(),
+                    wants: describe(&w.want),
+                    waiting_s: w.waited as f64 / 1e9,
+                    escalated: w.escalated,
+                }
+            })
+            .collect();
+        let leases = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| !matches!(j.phase, Phase::Queued { .. }))
+            .map(|(t, j)| LeaseEntry {
+                pid: j.pid,
+                pod: j.pod.clone(),
+                command: j.label.clone(),
+                gpus: self
+                    .queue
+                    .lease(*t)
+                    .map_or_else(Vec::new, |l| l.gpus.clone()),
+                mem_cap: j.mem_cap,
+                held_s: self
+                    .leased_at
+                    .get(t)
+                    .map_or(0.0, |&at| now.saturating_sub(at) as f64 / 1e9),
+                compute: j.compute,
+                limit: j.limit,
+                connected: self
+                    .job_conn
+                    .get(t)
+                    .is_some_and(|c| self.conns.contains_key(c)),
+            })
+            .collect();
+        Status {
+            version: env!("CARGO_PKG_VERSION").into(),
+            socket: self.cfg.socket.clone(),
+            timeslice_ms: self.cfg.sched.timeslice as f64 / 1e6,
+            inflight_us: self.cfg.sched.bound as f64 / 1e3,
+            overprovision: self.cfg.queue.overprovision.max(1),
+            gpus,
+            queue,
+            leases,
+            next: None,
+            truncated: false,
+            mps: self.mps.clone(),
+            recovery: self
+                .recovery
+                .as_ref()
+                .filter(|(until, _)| now < *until)
+                .map(|_| self.recovering_text(now)),
+        }
+    }
+
+    /// A GPU in MIG mode: its instances, who holds them, since when idle.
+    fn mig_gpu_status(&self, now: Nanos, m: &mig::GpuStatus) -> GpuStatus {
+        let instances = m
+            .instances
+            .iter()
+            .map(|i| {
+                let (state, job, idle_s) = match i.use_ {
+                    Use::Lease(_) if i.gi.is_none() => ("creating", None, None),
+                    Use::Lease(id) => ("in-use", self.jobs.get(&id).map(|j| j.pid), None),
+                    Use::Idle { since } => {
+                        ("idle", None, Some(now.saturating_sub(since) as f64 / 1e9))
+                    }
+                    Use::Foreign => ("foreign", None, None),
+                };
+                MigInstance {
+                    gi: i.gi,
+                    profile: i.profile.clone(),
+                    placement: i.placement.to_string(),
+                    mem: i.mem,
+                    uuid: i.uuid.clone(),
+                    state: state.into(),
+                    job,
+                    idle_s,
+                }
+            })
+            .collect();
+        GpuStatus {
+            index: Some(m.gpu.index),
+            mode: "mig".into(),
+            uuid: m.gpu.uuid.clone(),
+            name: m.gpu.name.clone(),
+            total_mem: m.gpu.total_mem,
+            slots_total: 0,
+            slots_used: 0,
+            committed_mem: self.queue.mig().committed(m.gpu.index),
+            // NVML does not report utilisation in MIG mode.
+            utilization: None,
+            holder: None,
+            processes: Vec::new(),
+            mig: Some(MigStatus {
+                instances,
+                created: m.created,
+                destroyed: m.destroyed,
+                failures: m.failures,
+            }),
+            mig_instance: None,
+        }
+    }
+
+    /// One page of status: every GPU, queue entry and lease, and processes
+    /// from the `from`-th (in GPU, then pid order) on, at most
+    /// `STATUS_PAGE`; `next` says where the following page starts. Each
+    /// page fits a frame whatever the node holds.
+    pub fn status_json(&self, now: Nanos, from: usize) -> String {
+        let mut st = self.status(now);
+        let mut seen = 0usize;
+        let mut next = None;
+        // Room for processes once the rest is written.
+        let mut room = (wire::MAX_STATUS_JSON / 2).saturating_sub(
+            serde_json::to_string(&st.queue).map_or(0, |j| j.len())
+                + serde_json::to_string(&st.leases).map_or(0, |j| j.len()),
+        );
+        let mut taken = 0;
+        for g in &mut st.gpus {
+            let procs = std::mem::take(&mut g.processes);
+            for p in procs {
+                if seen >= from && next.is_none() {
+                    let size = serde_json::to_string(&p).map_or(0, |j| j.len()) + 1;
+                    // At least one per page, so paging always advances.
+                    if taken < STATUS_PAGE && (size <= room || taken == 0) {
+                        room = room.saturating_sub(size);
+                        taken += 1;
+                        g.processes.push(p);
+                    } else {
+                        next = Some(seen as u32);
+                    }
+                }
+                seen += 1;
+            }
+        }
+        st.next = next;
+        // Lists other than processes are bounded by the per-user budgets;
+        // cut them too if a page would still not fit.
+        let mut json = serde_json::to_string(&st).unwrap_or_default();
+        while json.len() > wire::MAX_STATUS_JSON - 64
+            && (!st.queue.is_empty() || !st.leases.is_empty())
+        {
+            let q = st.queue.len() / 2;
+            st.queue.truncate(q);
+            let l = st.leases.len() / 2;
+            st.leases.truncate(l);
+            st.truncated = true;
+            json = serde_json::to_string(&st).unwrap_or_default();
+        }
+        json
+    }
+}

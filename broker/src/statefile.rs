@@ -1,0 +1,206 @@
+//! The state file: where leases and the queue outlive a broker crash.
+//!
+//! It may sit beside the socket in a directory other users can write (a
+//! sticky /tmp): it is written through a fresh temporary and a rename, and
+//! read back only if this user wrote it and nobody else could have
+//! (`common::files`). Each write keeps the copy it replaces as
+//! `<path>.prev`, the last good copy should the newest one ever be found
+//! corrupt. Whatever cannot be trusted is set aside, never deleted, and
+//! the broker is told that what it loaded may be less than what ran
+//! (`Loaded::suspect`): it then holds new placements until running jobs
+//! have had their grace to claim their leases back.
+
+use std::path::{Path, PathBuf};
+
+use gpufrac_common::files::{self, Untrusted};
+
+use crate::jobs::{self, Job};
+
+/// Larger than any state file the broker writes (its size is bounded by
+/// the per-user budgets of leases, queued requests and label length).
+const MAX_STATE: u64 = 64 << 20;
+
+pub struct StateFile {
+    path: PathBuf,
+}
+
+/// What a previous broker left.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub jobs: Vec<Job>,
+    /// What was wrong, for the log and status.
+    pub problem: Option<String>,
+    /// The newest copy could not be used: jobs that ran may be missing.
+    pub suspect: bool,
+}
+
+impl StateFile {
+    pub fn new(path: PathBuf) -> Self {
+        StateFile { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn previous(&self) -> PathBuf {
+        let mut p = self.path.as_os_str().to_owned();
+        p.push(".prev");
+        PathBuf::from(p)
+    }
+
+    /// The jobs a previous broker left: the newest copy if it can be
+    /// trusted and read, else the last good one (suspect), else none.
+    pub fn load(&self) -> Loaded {
+        let newest = match read(&self.path) {
+            Ok(jobs) => {
+                return Loaded {
+                    jobs,
+                    problem: None,
+                    suspect: false,
+                };
+            }
+            Err(Untrusted::Missing) if !self.previous().exists() => return Loaded::default(),
+            Err(Untrusted::Missing) => format!("{} is missing", self.path.display()),
+            Err(why) => files::set_aside(&self.path, &why.to_string()),
+        };
+        let prev = self.previous();
+        match read(&prev) {
+            Ok(jobs) => Loaded {
+                jobs,
+                problem: Some(format!(
+                    "{newest}; loaded the last good copy, {}, which may miss the newest leases",
+                    prev.display()
+                )),
+                suspect: true,
+            },
+            Err(Untrusted::Missing) => Loaded {
+                jobs: Vec::new(),
+                problem: Some(format!("{newest}; there is no earlier copy")),
+                suspect: true,
+            },
+            Err(why) => Loaded {
+                jobs: Vec::new(),
+                problem: Some(format!(
+                    "{newest}; {}",
+                    files::set_aside(&prev, &why.to_string())
+                )),
+                suspect: true,
+            },
+        }
+    }
+
+    /// Writes the state (`jobs::encode`'s bytes) whole, keeping the copy
+    /// it replaces as the last good one.
+    pub fn save(&self, bytes: &[u8]) -> std::io::Result<()> {
+        self.keep_previous();
+        files::write_private(&self.path, bytes, true)
+    }
+
+    /// Links the current file as `<path>.prev` (through a fresh name and a
+    /// rename, like every write here), only when it is this user's own.
+    fn keep_previous(&self) {
+        if files::read_private(&self.path, MAX_STATE).is_err() {
+            return;
+        }
+        let mut tmp = self.previous().into_os_string();
+        tmp.push(format!(
+            ".{:016x}.tmp",
+            gpufrac_common::wire::random_token()
+        ));
+        let tmp = PathBuf::from(tmp);
+        if std::fs::hard_link(&self.path, &tmp).is_ok()
+            && std::fs::rename(&tmp, self.previous()).is_err()
+        {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+
+    /// A clean stop ends every lease: nothing is left for a next broker.
+    pub fn remove(&self) {
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(self.previous());
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<Job>, Untrusted> {
+    let bytes = files::read_private(path, MAX_STATE)?;
+    jobs::decode(&bytes).map_err(|e| Untrusted::Foreign(format!("it cannot be read as state: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jobs::{Phase, encode};
+
+    fn job(token: u64) -> Job {
+        Job {
+            token,
+            pid: 1,
+            start_time: 1,
+            uid: 0,
+            want: None,
+            compute: None,
+            limit: None,
+            priority: None,
+            label: "x".into(),
+            mem_cap: None,
+            phase: Phase::Unplaced,
+            pin: Vec::new(),
+            pod: None,
+            privileged: false,
+        }
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("gpufrac-state-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_corrupt_newest_copy_falls_back_to_the_last_good_one_and_says_so() {
+        let d = dir("fallback");
+        let f = StateFile::new(d.join("b.sock.state"));
+        let l = f.load();
+        assert!(l.jobs.is_empty() && !l.suspect && l.problem.is_none());
+        f.save(&encode([job(1)].iter())).unwrap();
+        f.save(&encode([job(1), job(2)].iter())).unwrap();
+        let l = f.load();
+        assert_eq!((l.jobs.len(), l.suspect), (2, false));
+        // Truncated, as a disk that lost the end of a write leaves it.
+        let bytes = std::fs::read(f.path()).unwrap();
+        std::fs::write(f.path(), &bytes[..bytes.len() / 2]).unwrap();
+        let l = f.load();
+        assert_eq!(l.jobs, vec![job(1)], "the copy before the last write");
+        assert!(l.suspect);
+        let p = l.problem.unwrap();
+        assert!(p.contains("unusable") && p.contains(".prev"), "{p}");
+        assert!(d.join("b.sock.unreadable").exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn nothing_trustworthy_is_suspect_and_empty() {
+        let d = dir("none");
+        let f = StateFile::new(d.join("s"));
+        std::fs::write(f.path(), b"{ not json").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+        let l = f.load();
+        assert!(l.jobs.is_empty() && l.suspect);
+        assert!(l.problem.unwrap().contains("no earlier copy"));
+        // A clean stop leaves nothing.
+        f.save(&encode([job(3)].iter())).unwrap();
+        f.save(&encode([job(3)].iter())).unwrap();
+        f.remove();
+        let left: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n != "s.unreadable")
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
