@@ -514,19 +514,23 @@ fn half_sent_frames_cost_bounded_memory_and_are_dropped() {
 fn a_restarted_broker_keeps_running_leases_and_the_queue() {
     let b0 = Broker::start("16G", &[]);
     let mut b = b0;
-    // A holds the only GPU until told; B waits behind it.
+    // A holds the only GPU until told; B waits behind it. A holds it once
+    // its command runs: a lease is told to its run only when the state
+    // that books it is on disk.
     let mut a = b
-        .run(&["--gpus", "1", "--", "sh", "-c", "read x"])
+        .run(&["--gpus", "1", "--", "sh", "-c", "echo started; read x"])
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_until(20.0, "A's lease", || {
-        b.status()["leases"]
-            .as_array()
-            .is_some_and(|l| l.len() == 1)
-    });
+    let mut started = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(a.stdout.as_mut().unwrap()),
+        &mut started,
+    )
+    .unwrap();
+    assert_eq!(started, "started\n");
     let queued = b
         .run(&["--gpus", "1", "--", "true"])
         .stdout(Stdio::null())
