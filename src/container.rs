@@ -9,7 +9,7 @@
 use std::ffi::OsString;
 use std::path::Path;
 
-use gpufrac_common::config::{VAR_JOB_LEDGER, VAR_SOCKET};
+use gpufrac_common::config::{VAR_JOB, VAR_JOB_LEDGER, VAR_SOCKET};
 
 use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
 use crate::run::ChildEnv;
@@ -109,6 +109,10 @@ pub fn wrap(
                 );
                 ipc_host = true;
             }
+            // A secret: named only, so the engine's client takes the value
+            // from its own environment (run sets it there) and no command
+            // line, which every user can read in ps, ever carries it.
+            VAR_JOB => push("-e", VAR_JOB.to_owned()),
             _ => push("-e", format!("{k}={v}")),
         }
     }
@@ -269,7 +273,10 @@ mod tests {
             has("-e", "GPUFRAC_JOB_LEDGER=/run/gpufrac-job/books"),
             "{s:?}"
         );
-        assert!(has("-e", "GPUFRAC_JOB=00000000000000ff"), "{s:?}");
+        // The token is named, never written out: the engine's client has
+        // it in its environment.
+        assert!(has("-e", "GPUFRAC_JOB"), "{s:?}");
+        assert!(!s.iter().any(|a| a.contains("00000000000000ff")), "{s:?}");
 
         // With a CDI device, the spec mounts the shim and the socket.
         let s = wrapped(
@@ -282,9 +289,6 @@ mod tests {
             "{s:?}"
         );
         assert!(!s.iter().any(|a| a.starts_with("LD_PRELOAD")), "{s:?}");
-        assert!(
-            s.iter().any(|a| a == "GPUFRAC_JOB=00000000000000ff"),
-            "{s:?}"
-        );
+        assert!(s.iter().any(|a| a == "GPUFRAC_JOB"), "{s:?}");
     }
 }

@@ -15,7 +15,7 @@ use gpufrac_common::config::{
     VAR_JOB_LEDGER, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
 };
 use gpufrac_common::size::{self, format_size, parse_percent};
-use gpufrac_common::wire::ClientMsg;
+use gpufrac_common::wire::{ClientMsg, Pin};
 
 use crate::client::{Client, ConnectError, LeaseOutcome, QueueReport};
 
@@ -370,7 +370,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
 
     // Held until the child exits: the broker ends the lease when this
     // connection closes, which also happens when run is killed outright.
-    let mut held: Option<(Client, u64)> = None;
+    let mut held: Option<(Client, u64, Vec<Pin>)> = None;
     let mut mps_pipe = String::new();
     let placement = match Client::connect(&socket) {
         Err(ConnectError::NoBroker) => {
@@ -406,7 +406,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         // them, whatever their environment says.
         Ok(client) => {
             let (client, g) = lease(client, &args, &socket)?;
-            held = Some((client, g.token));
+            held = Some((client, g.token, g.held()));
             mps_pipe = g.mps_pipe;
             if wants_placement {
                 Placement::Leased {
@@ -440,7 +440,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         env.set
             .push((VAR_JOB_LEDGER.to_owned(), b.path.display().to_string()));
     }
-    if let Some((_, token)) = &held {
+    if let Some((_, token, _)) = &held {
         // Processes that do not descend from this run (a container's) join
         // the job by its token.
         env.set.push((VAR_JOB.to_owned(), format!("{token:016x}")));
@@ -456,8 +456,13 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         // SAFETY: prctl with integer arguments only.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
-    if let Some((client, token)) = held {
-        let req = lease_request(&args, token);
+    if let Some((client, token, pins)) = held {
+        // Claimed back with what it holds: a broker that lost its state
+        // (a corrupt file) books it again where it runs.
+        let mut req = lease_request(&args, token);
+        if let ClientMsg::Lease { pin, .. } = &mut req {
+            *pin = pins;
+        }
         std::thread::Builder::new()
             .name("lease-keeper".into())
             .spawn(move || keep_lease(client, req, socket))
@@ -563,11 +568,30 @@ fn keep_lease(mut client: Client, req: ClientMsg, socket: PathBuf) {
 /// What the broker granted.
 struct Granted {
     gpus: Vec<u32>,
+    uuids: Vec<[u8; 16]>,
     mem_cap: u64,
     token: u64,
     mps_pipe: String,
     /// `MIG-<uuid>` of a MIG lease; empty otherwise.
     mig: String,
+}
+
+impl Granted {
+    /// The GPUs (or the MIG device) it holds, as a claim names them.
+    fn held(&self) -> Vec<Pin> {
+        let mig = gpufrac_common::wire::parse_uuid(&self.mig);
+        let uuids = match mig {
+            Some(m) => vec![m],
+            None => self.uuids.clone(),
+        };
+        uuids
+            .into_iter()
+            .map(|uuid| Pin {
+                uuid,
+                mem: self.mem_cap,
+            })
+            .collect()
+    }
 }
 
 /// A broker running MPS: the child is an MPS client of its daemon, its
@@ -641,16 +665,17 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
         let lost = match outcome {
             Ok(LeaseOutcome::Leased {
                 gpus,
+                uuids,
                 mem_cap,
                 token,
                 mps_pipe,
                 mig,
-                ..
             }) => {
                 return Ok((
                     client,
                     Granted {
                         gpus,
+                        uuids,
                         mem_cap,
                         token,
                         mps_pipe,
