@@ -13,7 +13,7 @@
 //!   is bounded by its share of each window (the scheduler's rule).
 //! - A process joins a job by ancestry (the job's `gpufrac run`, pid and
 //!   start time) or by holding its token; by token only if it runs as the
-//!   job's user or as root, or the job was booked by root or the plugin
+//!   job's user or as root, or the job is a pod's, booked by the plugin
 //!   (a pod's processes run as whatever user the pod says).
 //! - Only the process that made a job reclaims it after a broker restart
 //!   (same pid, same start time).
@@ -117,7 +117,7 @@ impl Policy {
 
     /// Whether `p`, holding `job`'s token, may count in that job.
     pub fn may_join(&self, p: &Peer, job: &Job) -> bool {
-        job.privileged || p.uid == job.uid || p.uid == 0
+        job.plugin || p.uid == job.uid || p.uid == 0
     }
 
     /// Whether `p` may take `job` back after a broker restart: it is the
@@ -147,7 +147,7 @@ mod tests {
         }
     }
 
-    fn job(uid: u32, privileged: bool) -> Job {
+    fn job(uid: u32, plugin: bool) -> Job {
         Job {
             token: 7,
             pid: 100,
@@ -162,7 +162,7 @@ mod tests {
             phase: Phase::Unplaced,
             pin: Vec::new(),
             pod: None,
-            privileged,
+            plugin,
         }
     }
 
@@ -226,6 +226,8 @@ mod tests {
         assert!(!p.may_join(&peer(1001, 1000, &[1000]), &alice));
         let pod = job(0, true);
         assert!(p.may_join(&peer(1001, 1001, &[]), &pod));
+        // Root's own job (gpufrac run as root) is not a pod's.
+        assert!(!p.may_join(&peer(1001, 1001, &[]), &job(0, false)));
     }
 
     #[test]

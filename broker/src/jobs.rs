@@ -61,12 +61,13 @@ pub struct Job {
     /// plugin's for every pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
-    /// Booked by root or the device plugin's user: any process holding its
-    /// token joins it (a pod's processes run as whatever user the pod
-    /// says). A user's own job takes only that user's processes, and
+    /// Booked by the device plugin (root or its --plugin-user) under a
+    /// token of its choosing, for a pod: any process holding the token
+    /// joins it, since a pod's processes run as whatever user the pod
+    /// says. Any other job takes by token only its user's processes, and
     /// root's.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub privileged: bool,
+    pub plugin: bool,
 }
 
 impl Job {
@@ -156,7 +157,7 @@ mod tests {
             },
             pin: Vec::new(),
             pod: None,
-            privileged: false,
+            plugin: false,
         }
     }
 

@@ -138,9 +138,6 @@ pub fn bind(path: &std::path::Path, group: Option<&str>) -> Result<UnixListener,
     Ok(l)
 }
 
-/// Runs the broker until SIGTERM/SIGINT. Returns an error message meant for
-/// the user (e.g. the socket is already in use).
-
 /// The peer of a connection: pid, uid and gid from `SO_PEERCRED`,
 /// supplementary groups from `SO_PEERGROUPS` (Linux 4.13 and later; none
 /// where the kernel cannot say). None when the kernel gives nothing.

@@ -84,7 +84,7 @@ struct Loop {
     /// accept a connection to close it (else the listener stays readable
     /// and the backlog fills with clients who wait forever).
     reserve: Option<std::fs::File>,
-    saver: Option<Sender<(u64, Vec<u8>)>>,
+    saver: Option<Sender<Snapshot>>,
     mig: Option<Sender<Work>>,
     done: Receiver<Done>,
     metrics: Option<Arc<Mutex<String>>>,
@@ -170,14 +170,17 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     result
 }
 
+/// A state snapshot to write: its number and its bytes.
+type Snapshot = (u64, Vec<u8>);
+
 /// Writes state snapshots on a thread of its own: an fsync may take long
 /// on a busy disk, and grants must not wait for it.
 fn spawn_saver(
     state: StateFile,
     done: Sender<Done>,
     waker: Arc<Waker>,
-) -> Result<(Sender<(u64, Vec<u8>)>, std::thread::JoinHandle<()>), String> {
-    let (tx, rx) = channel::<(u64, Vec<u8>)>();
+) -> Result<(Sender<Snapshot>, std::thread::JoinHandle<()>), String> {
+    let (tx, rx) = channel::<Snapshot>();
     let t = std::thread::Builder::new()
         .name("state".into())
         .spawn(move || {

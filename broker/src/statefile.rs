@@ -148,7 +148,7 @@ mod tests {
             phase: Phase::Unplaced,
             pin: Vec::new(),
             pod: None,
-            privileged: false,
+            plugin: false,
         }
     }
 

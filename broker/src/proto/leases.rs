@@ -221,7 +221,8 @@ impl Broker {
             phase: Phase::Unplaced,
             pin,
             pod: None,
-            privileged: self.cfg.policy.privileged(&c.peer),
+            // Only the plugin may choose tokens (checked above).
+            plugin: a.token != 0,
         }
     }
 

@@ -105,6 +105,10 @@ pub enum Work {
     },
 }
 
+/// Why a MIG instance was not made, and the GPU's instances as the driver
+/// then reports them (when they could be read).
+pub type MigFailure = (String, Option<Vec<FoundInstance>>);
+
 /// What came of a `Work::Mig`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigDone {
@@ -114,7 +118,7 @@ pub struct MigDone {
     pub destroyed: Vec<u32>,
     /// The instance made (GPU instance id, MIG device UUID), or why not
     /// and the GPU's instances as the driver then reports them.
-    pub result: Result<(u32, String), (String, Option<Vec<FoundInstance>>)>,
+    pub result: Result<(u32, String), MigFailure>,
 }
 
 /// A GPU, or a MIG instance, as a unit of arbitration.

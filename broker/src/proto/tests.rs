@@ -711,7 +711,7 @@ fn restored_jobs_are_resumed_only_by_their_own_run() {
         },
         pin: Vec::new(),
         pod: None,
-        privileged: false,
+        plugin: false,
     };
     t.b.restore(
         t.now,
