@@ -18,11 +18,11 @@ Examples:
 Each GPU has a line and a table of its processes; then come the queue and
 the leases. A dash (-) means none, or not known.
 
-The GPU line: GPU INDEX NAME UUID, then
-  committed USED/TOTAL  memory promised to leases of gpufrac run
-                   (--gpu-memory, a slot's share) of the GPU's total: a
-                   booking, not memory in use
-  slots USED/TOTAL slots leased of the GPU's slots (1, or F under
+The GPU line: GPU INDEX NAME UUID, then (U/T: used of total)
+  committed U/T    memory promised to leases of gpufrac run (--gpu-memory,
+                   a slot's share) of the GPU's total: a booking, not
+                   memory in use
+  slots U/T        slots leased of the GPU's slots (1, or F under
                    gpufrac broker --overprovision F)
   allocated        what its processes have allocated through the shim,
                    together
