@@ -1,34 +1,166 @@
 #!/usr/bin/env bash
-# Builds gpufrac and runs a capped workload: a cudarc program that
-# allocates 256 MiB blocks until the driver says no — once as it is, once
-# under `gpufrac run --gpu-memory 4G`.
+# gpufrac in one command.
+#
+#   ./demo.sh          a memory cap: a program allocates 256 MiB blocks until
+#                      the driver says no, once as it is and once under
+#                      `gpufrac run --gpu-memory 4G` (on the GPU if there is
+#                      one, else on the simulated driver)
+#   ./demo.sh shares   compute shares and priority classes on a simulated GPU
+#                      (no GPU needed): two jobs at 70% and 30%, then an
+#                      interactive job at high beside a normal and a low one
+#   ./demo.sh env      builds the simulated driver and prints the exports that
+#                      put a shell on it:  eval "$(./demo.sh env)"
+#
+# GPUFRAC_DEMO_PROFILE=debug builds and runs the debug profile instead of
+# release (a quicker first build; the test suite runs the demo that way).
 set -euo pipefail
 cd "$(dirname "$0")"
-echo "== building (release)"
-cargo build --release --quiet
-cargo build --release --quiet --example cudarc_alloc
-# Where cargo put them (CARGO_TARGET_DIR, if set, is relative to here).
-rel=$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/release
-if ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
-  echo "== NVIDIA driver found: running on the real GPU"
-else
-  echo "== No NVIDIA driver (libcuda.so.1) on this machine, so there is no real GPU to cap."
-  echo "== Running the same program against gpufrac's simulated driver instead"
-  echo "   (the one the test suite uses: two devices of 16 GiB and 8 GiB, host bookkeeping only)."
-  cargo build --release --quiet -p gpufrac-sim
-  mkdir -p "$rel/sim-driver"
-  for n in libcuda.so.1 libcuda.so libnvidia-ml.so.1; do ln -sf ../libgpufrac_sim.so "$rel/sim-driver/$n"; done
-  export LD_LIBRARY_PATH="$rel/sim-driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export GPUFRAC_SIM_DEVICES=16G,8G
-  echo "== Simulated driver settings (README.md, \"Try it without a GPU\"):"
-  echo "   LD_LIBRARY_PATH=$rel/sim-driver (libcuda.so.1, libnvidia-ml.so.1 -> libgpufrac_sim.so)"
-  echo "   GPUFRAC_SIM_DEVICES=$GPUFRAC_SIM_DEVICES (device sizes)"
-  echo "   GPUFRAC_SIM_STATE=${GPUFRAC_SIM_STATE:-(unset: each process has an engine of its own, so processes never contend)}"
-  echo "   GPUFRAC_SIM_QUANTUM_US=${GPUFRAC_SIM_QUANTUM_US:-2000} GPUFRAC_SIM_SWITCH_US=${GPUFRAC_SIM_SWITCH_US:-100} GPUFRAC_SIM_DRIVER_VERSION=${GPUFRAC_SIM_DRIVER_VERSION:-13000}"
-fi
-echo
-echo "== without gpufrac (stops at 64 blocks = 16 GiB, or when the device is full):"
-"$rel/examples/cudarc_alloc" --block 256 --max 64
-echo
-echo "== gpufrac run --gpu-memory 4G (expect 16 blocks = 4 GiB, then CUDA_ERROR_OUT_OF_MEMORY, and a 4 GiB device):"
-"$rel/gpufrac" run --gpu-memory 4G -- "$rel/examples/cudarc_alloc" --block 256 --max 64
+
+what=${1:-cap}
+profile=${GPUFRAC_DEMO_PROFILE:-release}
+case $profile in
+  release) profile_flag=(--release) ;;
+  debug) profile_flag=() ;;
+  *) echo "GPUFRAC_DEMO_PROFILE=$profile: expected release or debug" >&2; exit 2 ;;
+esac
+cargo=${CARGO:-cargo}
+# Where cargo puts them (CARGO_TARGET_DIR, if set, is relative to here).
+mkdir -p "${CARGO_TARGET_DIR:-target}"
+bin=$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/$profile
+
+# Progress goes to stderr, so that `eval "$(./demo.sh env)"` reads only the
+# exports.
+say() { echo "$@" >&2; }
+
+# The shim, the simulated CUDA driver (sim/) and, given an example's name,
+# gpufrac and that example. Cargo shows what it compiles as it goes. The
+# simulated driver, libgpufrac_sim.so, goes where the dynamic loader looks
+# for libcuda.so.1 and libnvidia-ml.so.1.
+build() {
+  say "== Building ${1:+gpufrac, the $1 example, }the shim and the simulated driver ($profile;"
+  say "   about 2 minutes the first time, seconds after)"
+  # Two invocations, as the tests build them: a target filter such as
+  # --bins would apply to the libraries too.
+  "$cargo" build "${profile_flag[@]}" -p gpufrac-shim -p gpufrac-sim
+  if [ -n "${1:-}" ]; then
+    "$cargo" build "${profile_flag[@]}" -p gpufrac --bins --example "$1"
+  fi
+  mkdir -p "$bin/sim-driver"
+  for n in libcuda.so.1 libcuda.so libnvidia-ml.so.1; do
+    ln -sf ../libgpufrac_sim.so "$bin/sim-driver/$n"
+  done
+}
+
+# Puts this script on the simulated driver with devices of these sizes.
+use_sim() {
+  export LD_LIBRARY_PATH="$bin/sim-driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export GPUFRAC_SIM_DEVICES=$1
+}
+
+# GPU time (s) a `loadgen batch` printed.
+executed_s() { awk '/^batch /{for (i = 2; i <= NF; i++) if ($i ~ /^executed_ns=/) {sub(/^executed_ns=/, "", $i); printf "%.2f", $i / 1e9}}' "$1"; }
+# A field of a `loadgen interactive` line, in ms.
+latency_ms() { awk -v k="$2" '/^interactive /{for (i = 2; i <= NF; i++) if (index($i, k "=") == 1) {sub(/^[^=]*=/, "", $i); printf "%.2f", $i / 1000}}' "$1"; }
+percent() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", (a + b > 0) ? 100 * a / (a + b) : 0 }'; }
+
+cap() {
+  build cudarc_alloc
+  if ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1'; then
+    echo "== NVIDIA driver found: running on the real GPU"
+  else
+    echo "== No NVIDIA driver (libcuda.so.1) on this machine, so there is no real GPU to cap."
+    echo "== Running the same program against gpufrac's simulated driver instead"
+    echo "   (the one the test suite uses: two devices of 16 GiB and 8 GiB, host bookkeeping only)."
+    use_sim 16G,8G
+    echo "== Simulated driver settings (docs/simulator.md):"
+    echo "   LD_LIBRARY_PATH=$bin/sim-driver (libcuda.so.1, libnvidia-ml.so.1 -> libgpufrac_sim.so)"
+    echo "   GPUFRAC_SIM_DEVICES=$GPUFRAC_SIM_DEVICES (device sizes)"
+  fi
+  echo
+  echo "== without gpufrac (stops at 64 blocks = 16 GiB, or when the device is full):"
+  "$bin/examples/cudarc_alloc" --block 256 --max 64
+  echo
+  echo "== gpufrac run --gpu-memory 4G (expect 16 blocks = 4 GiB, then CUDA_ERROR_OUT_OF_MEMORY, and a 4 GiB device):"
+  "$bin/gpufrac" run --gpu-memory 4G -- "$bin/examples/cudarc_alloc" --block 256 --max 64
+}
+
+env_exports() {
+  build
+  printf 'export LD_LIBRARY_PATH=%q${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}\n' "$bin/sim-driver"
+  printf 'export GPUFRAC_SIM_DEVICES=16G,8G\n'
+  # One execution engine for every process of this shell, as on one GPU.
+  printf 'export GPUFRAC_SIM_STATE=%q\n' "$bin/sim-driver/state"
+  say "== The simulated driver: two GPUs of 16 GiB and 8 GiB (docs/simulator.md)."
+}
+
+shares() {
+  build loadgen
+  # Nothing from the caller's environment may change what the demo shows.
+  while read -r v; do unset "$v"; done < <(compgen -e | grep -E '^(GPU_|GPUFRAC_)' || true)
+  use_sim 16G
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
+  export GPUFRAC_SIM_STATE=$tmp/sim-state GPUFRAC_SOCKET=$tmp/broker.sock
+  local gpufrac=$bin/gpufrac loadgen=$bin/examples/loadgen
+  "$gpufrac" broker 2>"$tmp/broker.log" &
+  broker=$!
+  trap 'kill $broker 2>/dev/null; wait $broker 2>/dev/null; rm -rf "$tmp"' EXIT
+  until "$gpufrac" status >/dev/null 2>&1; do
+    if ! kill -0 "$broker" 2>/dev/null; then
+      cat "$tmp/broker.log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  echo "== A simulated 16 GiB GPU that time-slices processes like a real one, and a broker"
+  echo "   on $GPUFRAC_SOCKET (loadgen runs 1 ms kernels back to back; see docs/simulator.md)."
+  echo
+  echo "== 1. Shares: two jobs, each busy for 8 seconds"
+  echo "   gpufrac run --gpu-compute 70% -- loadgen batch 1000 +1 +9 &"
+  echo "   gpufrac run --gpu-compute 30% -- loadgen batch 1000 +1 +9 &"
+  "$gpufrac" run --gpu-compute 70% -- "$loadgen" batch 1000 +1 +9 >"$tmp/70" &
+  local a=$!
+  "$gpufrac" run --gpu-compute 30% -- "$loadgen" batch 1000 +1 +9 >"$tmp/30" &
+  local b=$!
+  sleep 5
+  echo "   gpufrac status, halfway:"
+  "$gpufrac" status | sed 's/^/   | /'
+  wait "$a" "$b"
+  local ta tb
+  ta=$(executed_s "$tmp/70")
+  tb=$(executed_s "$tmp/30")
+  echo "   asked 70%: got $(percent "$ta" "$tb")% of the GPU time ($ta s)"
+  echo "   asked 30%: got $(percent "$tb" "$ta")% of the GPU time ($tb s)"
+  echo "   (The same two without gpufrac split it about evenly, as a GPU's own time-slicer does.)"
+  echo
+  echo "== 2. Priorities: an interactive job (10 kernels of 50 us every 20 ms, a notebook or an"
+  echo "   inference server), first alone for 3 seconds, then at high beside two busy batch jobs,"
+  echo "   one at normal and a scavenger at low, for 6 seconds"
+  echo "   gpufrac run --priority high -- loadgen interactive 10 50 20000 +1 +7 &"
+  echo "   gpufrac run -- loadgen batch 1000 +1 +7 &"
+  echo "   gpufrac run --priority low -- loadgen batch 1000 +1 +7 &"
+  "$gpufrac" run --priority high -- "$loadgen" interactive 10 50 20000 +0.5 +3.5 >"$tmp/alone"
+  "$gpufrac" run --priority high -- "$loadgen" interactive 10 50 20000 +1 +7 >"$tmp/high" &
+  a=$!
+  "$gpufrac" run -- "$loadgen" batch 1000 +1 +7 >"$tmp/normal" &
+  b=$!
+  "$gpufrac" run --priority low -- "$loadgen" batch 1000 +1 +7 >"$tmp/low" &
+  local c=$!
+  wait "$a" "$b" "$c"
+  local tn tl
+  tn=$(executed_s "$tmp/normal")
+  tl=$(executed_s "$tmp/low")
+  echo "   high, interactive: p50 $(latency_ms "$tmp/high" p50_us) ms, p99 $(latency_ms "$tmp/high" p99_us) ms per request" \
+    "(alone: p50 $(latency_ms "$tmp/alone" p50_us) ms, p99 $(latency_ms "$tmp/alone" p99_us) ms)"
+  echo "   normal, batch: $tn s of GPU time in the 6 s"
+  echo "   low, batch: $tl s of GPU time in the 6 s (it runs only on time nobody else wants)"
+  echo
+  echo "== Figures measured with more care, against the GPU's own time-slicing: docs/benchmarks.md"
+}
+
+case $what in
+  cap) cap ;;
+  shares) shares ;;
+  env) env_exports ;;
+  -h|--help|help) sed -n '2,15s/^# \{0,1\}//p' "$0" ;;
+  *) echo "./demo.sh: unknown demo '$what'; expected cap (the default), shares or env" >&2; exit 2 ;;
+esac

@@ -326,12 +326,10 @@ fn seconds(d: Duration) -> String {
 
 fn connect_problem(socket: &Path, e: &io::Error) -> String {
     let hint = if e.kind() == io::ErrorKind::PermissionDenied {
-        let own = gpufrac_broker::user_socket();
         format!(
-            " (the socket is open only to the broker's --group: ask to be added to it, or use \
-             sudo; on a machine of your own, start a broker you can reach instead: gpufrac broker \
-             --socket {own}, and set GPUFRAC_SOCKET={own} or pass --socket {own})",
-            own = own.display()
+            "; the socket is open only to the broker's --group: ask to be added to it, or use \
+             sudo. On a machine of your own, start a broker you can reach instead:\n{}",
+            own_broker_lines()
         )
     } else {
         String::new()
@@ -342,25 +340,52 @@ fn connect_problem(socket: &Path, e: &io::Error) -> String {
     )
 }
 
+/// Indentation of a command in a hint: each such line pastes into a shell
+/// as it is.
+const CMD_INDENT: &str = "    ";
+
+/// This program as a hint should name it: the path it was started by
+/// when that has a directory (`target/release/gpufrac` right after a
+/// build, which `gpufrac` alone would not find), else `gpufrac`.
+pub fn self_command() -> String {
+    match std::env::args_os().next() {
+        Some(a) if a.to_string_lossy().contains('/') => {
+            crate::docker::sh_quote(&a.to_string_lossy())
+        }
+        _ => "gpufrac".into(),
+    }
+}
+
+/// The two lines that start a broker on a socket of this user's own and
+/// point every later command at it.
+fn own_broker_lines() -> String {
+    let own = gpufrac_broker::user_socket();
+    let own = crate::docker::sh_quote(&own.display().to_string());
+    format!(
+        "{CMD_INDENT}{} broker --socket {own} &\n{CMD_INDENT}export GPUFRAC_SOCKET={own}",
+        self_command()
+    )
+}
+
 /// How to start the broker a command looked for at `socket` and did not
-/// find. The default socket is in root's /run, so a user without root is
-/// pointed at a path of their own.
+/// find, as commands on lines of their own. The default socket is in
+/// root's /run, so a user without root is pointed at a path of their own.
 pub fn start_hint(socket: &Path) -> String {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
+    let me = self_command();
     if socket != Path::new(gpufrac_common::config::DEFAULT_SOCKET) {
         format!(
-            "start one with: gpufrac broker --socket {}",
-            socket.display()
+            "start one with:\n{CMD_INDENT}{me} broker --socket {}",
+            crate::docker::sh_quote(&socket.display().to_string())
         )
     } else if root {
-        "start one with: gpufrac broker".into()
+        format!("start one with:\n{CMD_INDENT}{me} broker")
     } else {
-        let own = gpufrac_broker::user_socket();
         format!(
-            "start one with: sudo gpufrac broker; or, without root, gpufrac broker --socket {own}, \
-             and set GPUFRAC_SOCKET={own}",
-            own = own.display()
+            "start one of your own with:\n{}\nor, as root, one for every user of the node \
+             (here, those of your group):\n{CMD_INDENT}sudo {me} broker --group \"$(id -gn)\"",
+            own_broker_lines()
         )
     }
 }
@@ -461,6 +486,13 @@ mod tests {
         }
     }
 
+    /// The lines of a hint that are commands to paste.
+    fn commands(hint: &str) -> Vec<&str> {
+        hint.lines()
+            .filter_map(|l| l.strip_prefix(CMD_INDENT))
+            .collect()
+    }
+
     #[test]
     fn no_permission_suggests_a_socket_of_ones_own() {
         let m = connect_problem(
@@ -469,9 +501,12 @@ mod tests {
         );
         let own = gpufrac_broker::user_socket();
         assert!(m.contains("--group"), "{m}");
-        assert!(
-            m.contains(&format!("gpufrac broker --socket {}", own.display()))
-                && m.contains(&format!("GPUFRAC_SOCKET={}", own.display())),
+        assert_eq!(
+            commands(&m),
+            [
+                format!("{} broker --socket {} &", self_command(), own.display()),
+                format!("export GPUFRAC_SOCKET={}", own.display())
+            ],
             "{m}"
         );
         let m = connect_problem(
@@ -483,17 +518,30 @@ mod tests {
 
     #[test]
     fn start_hint_names_the_socket_looked_at() {
+        let me = self_command();
+        // The test binary is started by its path.
+        assert!(me.contains('/'), "{me}");
         assert_eq!(
             start_hint(Path::new("/tmp/b.sock")),
-            "start one with: gpufrac broker --socket /tmp/b.sock"
+            format!("start one with:\n    {me} broker --socket /tmp/b.sock")
+        );
+        assert_eq!(
+            commands(&start_hint(Path::new("/tmp/a b.sock"))),
+            [format!("{me} broker --socket '/tmp/a b.sock'")]
         );
         let h = start_hint(Path::new(gpufrac_common::config::DEFAULT_SOCKET));
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } == 0 {
-            assert_eq!(h, "start one with: gpufrac broker");
+            assert_eq!(commands(&h), [format!("{me} broker")]);
         } else {
-            assert!(
-                h.contains("sudo gpufrac broker") && h.contains("GPUFRAC_SOCKET="),
+            let own = gpufrac_broker::user_socket();
+            assert_eq!(
+                commands(&h),
+                [
+                    format!("{me} broker --socket {} &", own.display()),
+                    format!("export GPUFRAC_SOCKET={}", own.display()),
+                    format!("sudo {me} broker --group \"$(id -gn)\""),
+                ],
                 "{h}"
             );
         }

@@ -283,7 +283,7 @@ pub(crate) fn absolute(p: &Path) -> Result<PathBuf, String> {
 }
 
 /// Single quotes unless the word is plainly safe, as POSIX shells read them.
-fn sh_quote(s: &str) -> String {
+pub(crate) fn sh_quote(s: &str) -> String {
     let safe = !s.is_empty()
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"@%+=:,./-_".contains(&b));

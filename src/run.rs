@@ -14,7 +14,7 @@ use gpufrac_common::config::{
     Priority, VAR_BROKER, VAR_COMPUTE_LIMIT, VAR_COMPUTE_PRIORITY, VAR_COMPUTE_SHARE, VAR_JOB,
     VAR_JOB_LEDGER, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
 };
-use gpufrac_common::size::{self, format_size, parse_percent};
+use gpufrac_common::size::{self, MEM_LIMIT_EXAMPLE, MemLimit, format_size, parse_percent};
 use gpufrac_common::wire::{ClientMsg, Pin};
 
 use crate::client::{Client, ConnectError, LeaseOutcome, QueueReport};
@@ -52,10 +52,10 @@ pub struct RunArgs {
     /// Wait for N whole GPUs (lowest free indices first).
     #[arg(long, value_name = "N", value_parser = gpu_count, conflicts_with = "gpu_memory")]
     pub gpus: Option<u32>,
-    /// Wait for a GPU with SIZE uncommitted memory (e.g. 4G, 512M) and cap the
-    /// command at SIZE.
+    /// Wait for a GPU with SIZE uncommitted memory and cap the command at
+    /// SIZE: 4G, 512M, 1.5G, or 25% (of the node's smallest GPU).
     #[arg(long, value_name = "SIZE", value_parser = gpu_memory)]
-    pub gpu_memory: Option<u64>,
+    pub gpu_memory: Option<MemLimit>,
     /// Share of GPU time when the GPU is contended (e.g. 30%); alone, the
     /// command still gets all of it.
     #[arg(long, value_name = "PCT", value_parser = parse_percent)]
@@ -102,14 +102,53 @@ fn gpu_count(s: &str) -> Result<u32, String> {
     }
 }
 
-fn gpu_memory(s: &str) -> Result<u64, String> {
-    match size::parse_size(s)? {
-        0 => Err(format!(
-            "--gpu-memory must be greater than 0; expected {}",
-            size::SIZE_EXAMPLE
-        )),
-        b => Ok(b),
+/// A size, or a percentage that [`resolve_gpu_memory`] turns into one once
+/// the GPUs are known. Zero is refused here, unlike in `GPU_MEM_LIMIT`
+/// where it means no cap: a job that asks for no memory cannot be placed.
+fn gpu_memory(s: &str) -> Result<MemLimit, String> {
+    let zero = || format!("--gpu-memory must be greater than 0; expected {MEM_LIMIT_EXAMPLE}");
+    if !s.trim().ends_with('%') && size::parse_size(s).is_ok_and(|b| b == 0) {
+        return Err(zero());
     }
+    match size::parse_mem_limit(s)? {
+        MemLimit::None => Err(zero()),
+        m => Ok(m),
+    }
+}
+
+/// `--gpu-memory` in bytes. A percentage is of the smallest of `totals`
+/// (the GPUs the broker, or without one the driver, reports), so that the
+/// request fits whichever GPU it is placed on; on a node of identical
+/// GPUs that is exactly the share asked for. `source` says where `totals`
+/// came from, for the message when there are none.
+fn resolve_gpu_memory(m: MemLimit, totals: &[u64], source: &str) -> Result<u64, String> {
+    let smallest = totals.iter().copied().min();
+    match (m, smallest) {
+        (MemLimit::Bytes(b), _) => Ok(b),
+        (MemLimit::Percent(p), Some(total)) => match m.resolve(total) {
+            Some(b) if b > 0 => Ok(b),
+            _ => Err(format!(
+                "--gpu-memory {p}% of the smallest GPU ({}) is 0 bytes; ask for more",
+                format_size(total)
+            )),
+        },
+        (MemLimit::Percent(p), None) => Err(format!(
+            "--gpu-memory {p}% is a share of a GPU, and {source}; give a size such as 4G instead"
+        )),
+        (MemLimit::None, _) => Err("--gpu-memory must be greater than 0".into()),
+    }
+}
+
+/// What a percentage is of: the GPUs the broker hands out, whole or as
+/// MIG instances (a MIG instance's own entry is not a GPU of the node).
+fn broker_totals(client: &mut Client) -> Result<Vec<u64>, String> {
+    let status = client.status()?;
+    Ok(status
+        .gpus
+        .iter()
+        .filter(|g| g.mode != "mig-instance")
+        .map(|g| g.total_mem)
+        .collect())
 }
 
 fn priority(s: &str) -> Result<Priority, String> {
@@ -372,14 +411,19 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     // connection closes, which also happens when run is killed outright.
     let mut held: Option<(Client, u64, Vec<Pin>)> = None;
     let mut mps_pipe = String::new();
+    let mut mem = args.gpu_memory.and_then(|m| match m {
+        MemLimit::Bytes(b) => Some(b),
+        _ => None,
+    });
     let placement = match Client::connect(&socket) {
         Err(ConnectError::NoBroker) => {
             if std::env::var(VAR_BROKER).is_ok_and(|v| v.trim().eq_ignore_ascii_case("required")) {
                 return Err(Fail::new(
                     1,
                     format!(
-                        "no broker at {} and {VAR_BROKER}=required (start one with: gpufrac broker)",
-                        socket.display()
+                        "no broker at {} and {VAR_BROKER}=required; {}",
+                        socket.display(),
+                        crate::client::start_hint(&socket)
                     ),
                 ));
             }
@@ -389,10 +433,28 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                 return Err(Fail::new(
                     1,
                     format!(
-                        "--gpus {n} needs the broker to book whole GPUs, and none answers at {} (start one with: gpufrac broker; --gpu-memory alone runs capped without it)",
-                        socket.display()
+                        "--gpus {n} needs the broker to book whole GPUs, and none answers at {} \
+                         (--gpu-memory alone runs capped without it); {}",
+                        socket.display(),
+                        crate::client::start_hint(&socket)
                     ),
                 ));
+            }
+            if let Some(m @ MemLimit::Percent(_)) = args.gpu_memory {
+                // The child sees the GPUs this process sees.
+                let totals = gpufrac_broker::inventory::discover()
+                    .map(|gpus| gpus.iter().map(|g| g.total_mem).collect::<Vec<_>>());
+                let source = match &totals {
+                    Ok(_) => "the CUDA driver lists no GPU".to_owned(),
+                    Err(e) => format!(
+                        "with no broker at {} the GPUs' size is unknown ({e})",
+                        socket.display()
+                    ),
+                };
+                mem = Some(
+                    resolve_gpu_memory(m, totals.as_deref().unwrap_or(&[]), &source)
+                        .map_err(|e| Fail::new(1, e))?,
+                );
             }
             eprintln!(
                 "gpufrac run: no broker at {}; running under the memory cap only (compute shares and queueing need: gpufrac broker)",
@@ -404,8 +466,13 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         // Every run with a broker is a job, placed or not: its processes
         // share one unit of fairness and the broker enforces its flags on
         // them, whatever their environment says.
-        Ok(client) => {
-            let (client, g) = lease(client, &args, &socket)?;
+        Ok(mut client) => {
+            if let Some(m @ MemLimit::Percent(_)) = args.gpu_memory {
+                let totals = broker_totals(&mut client).map_err(|e| Fail::new(1, e))?;
+                let source = format!("the broker at {} has no GPU", socket.display());
+                mem = Some(resolve_gpu_memory(m, &totals, &source).map_err(|e| Fail::new(1, e))?);
+            }
+            let (client, g) = lease(client, &args, mem, &socket)?;
             held = Some((client, g.token, g.held()));
             mps_pipe = g.mps_pipe;
             if wants_placement {
@@ -421,7 +488,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     };
 
     let flags = EnvFlags {
-        gpu_memory: args.gpu_memory,
+        gpu_memory: mem,
         compute: args.gpu_compute,
         limit: args.gpu_limit,
         priority: args.priority,
@@ -459,7 +526,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     if let Some((client, token, pins)) = held {
         // Claimed back with what it holds: a broker that lost its state
         // (a corrupt file) books it again where it runs.
-        let mut req = lease_request(&args, token);
+        let mut req = lease_request(&args, mem, token);
         if let ClientMsg::Lease { pin, .. } = &mut req {
             *pin = pins;
         }
@@ -614,7 +681,8 @@ fn mps_env(pipe: &str, flags: &EnvFlags) -> Vec<(String, String)> {
     v
 }
 
-fn lease_request(args: &RunArgs, resume: u64) -> ClientMsg {
+/// `mem`: `--gpu-memory` in bytes, a percentage resolved.
+fn lease_request(args: &RunArgs, mem: Option<u64>, resume: u64) -> ClientMsg {
     let command = args
         .command
         .iter()
@@ -623,7 +691,7 @@ fn lease_request(args: &RunArgs, resume: u64) -> ClientMsg {
         .join(" ");
     ClientMsg::Lease {
         want_gpus: args.gpus.unwrap_or(0),
-        want_mem: args.gpu_memory.unwrap_or(0),
+        want_mem: mem.unwrap_or(0),
         compute: args.gpu_compute,
         limit: args.gpu_limit,
         no_wait: args.no_wait,
@@ -642,9 +710,14 @@ const BROKER_RETURN: Duration = Duration::from_secs(60);
 /// Sends the lease request and waits for the answer, keeping a status line
 /// on the terminal. If the broker restarts meanwhile, reconnects and asks
 /// for the same place in the queue.
-fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, Granted), Fail> {
+fn lease(
+    mut client: Client,
+    args: &RunArgs,
+    mem: Option<u64>,
+    socket: &Path,
+) -> Result<(Client, Granted), Fail> {
     client
-        .request_lease(&lease_request(args, 0))
+        .request_lease(&lease_request(args, mem, 0))
         .map_err(|m| Fail::new(1, m))?;
 
     let start = Instant::now();
@@ -688,7 +761,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
                     // A restarted broker that lost its state: queue anew.
                     last_report = None;
                     client
-                        .request_lease(&lease_request(args, 0))
+                        .request_lease(&lease_request(args, mem, 0))
                         .map_err(|m| Fail::new(1, m))?;
                     continue;
                 }
@@ -701,10 +774,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
                         waiting_for,
                         ..
                     }) => (waiting_for, position.to_string()),
-                    None => (
-                        describe_want(args.gpus, args.gpu_memory),
-                        "unknown".to_owned(),
-                    ),
+                    None => (describe_want(args.gpus, mem), "unknown".to_owned()),
                 };
                 let text = args.timeout.as_ref().map_or("", |t| t.text.as_str());
                 return Err(Fail::new(
@@ -737,7 +807,7 @@ fn lease(mut client: Client, args: &RunArgs, socket: &Path) -> Result<(Client, G
             }
             std::thread::sleep(Duration::from_millis(200));
             if let Ok(mut c) = Client::connect(socket)
-                && c.request_lease(&lease_request(args, token)).is_ok()
+                && c.request_lease(&lease_request(args, mem, token)).is_ok()
             {
                 break c;
             }
@@ -946,12 +1016,42 @@ mod tests {
             "print(1)",
         ])
         .unwrap();
-        assert_eq!(a.gpu_memory, Some(4 << 30));
+        assert_eq!(a.gpu_memory, Some(MemLimit::Bytes(4 << 30)));
         assert_eq!(a.gpu_compute, Some(30.0));
         assert_eq!(a.gpu_limit, Some(50.0));
         assert!(a.no_wait);
         assert_eq!(a.timeout.unwrap().ns, 600_000_000_000);
         assert_eq!(a.command, ["python", "-c", "print(1)"]);
+    }
+
+    #[test]
+    fn gpu_memory_takes_a_percentage_of_the_smallest_gpu() {
+        let a = parse(&["--gpu-memory", "25%", "--", "true"]).unwrap();
+        assert_eq!(a.gpu_memory, Some(MemLimit::Percent(25.0)));
+        let m = a.gpu_memory.unwrap();
+        assert_eq!(resolve_gpu_memory(m, &[16 << 30], "-"), Ok(4 << 30));
+        // Placed on either GPU, the job fits.
+        assert_eq!(
+            resolve_gpu_memory(m, &[80 << 30, 16 << 30], "-"),
+            Ok(4 << 30)
+        );
+        // Rounded down, never past what was asked.
+        assert_eq!(
+            resolve_gpu_memory(MemLimit::Percent(33.3), &[1000], "-"),
+            Ok(333)
+        );
+        let e = resolve_gpu_memory(m, &[], "the broker at /s has no GPU").unwrap_err();
+        assert!(
+            e.contains("25%") && e.contains("the broker at /s has no GPU") && e.contains("4G"),
+            "{e}"
+        );
+        let e = resolve_gpu_memory(MemLimit::Percent(0.01), &[1000], "-").unwrap_err();
+        assert!(e.contains("0 bytes"), "{e}");
+        assert_eq!(
+            resolve_gpu_memory(MemLimit::Bytes(7), &[], "-"),
+            Ok(7),
+            "a size needs no GPU"
+        );
     }
 
     #[test]
@@ -985,8 +1085,12 @@ mod tests {
         assert!(e.contains("above 100%"), "{e}");
         let e = parse(&["--gpu-memory", "4X", "--", "true"]).unwrap_err();
         assert!(e.contains("unknown unit") && e.contains("4G"), "{e}");
-        let e = parse(&["--gpu-memory", "0", "--", "true"]).unwrap_err();
-        assert!(e.contains("greater than 0"), "{e}");
+        for zero in ["0", "0G", "0.1", "", "0%"] {
+            let e = parse(&["--gpu-memory", zero, "--", "true"]).unwrap_err();
+            assert!(e.contains("greater than 0"), "{zero:?}: {e}");
+        }
+        let e = parse(&["--gpu-memory", "120%", "--", "true"]).unwrap_err();
+        assert!(e.contains("above 100%"), "{e}");
         let e = parse(&["--timeout", "0s", "--", "true"]).unwrap_err();
         assert!(e.contains("--no-wait"), "{e}");
         let e = parse(&["--timeout", "30", "--", "true"]).unwrap_err();

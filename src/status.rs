@@ -15,29 +15,92 @@ Examples:
   gpufrac status
   gpufrac status --json | jq '.gpus[].processes[] | {pid, mem_used}'
 
-What the figures mean:
-  committed        (GPU line) memory promised to leases of gpufrac run
-                   (--gpu-memory, a slot's share), of the GPU's total; a
-                   promise, not memory in use
-  allocated        (GPU line) what its processes have allocated through the
-                   shim, together
-  ALLOCATED, CAP   a process's allocations through the shim and its memory
-                   cap (the driver's own context memory is not counted)
-  JOB (ALLOCATED)  the process's job (the pid of its gpufrac run, or `pod
-                   NAMESPACE/NAME` for a pod's under the Kubernetes device
-                   plugin) and what all of the job's processes have
-                   allocated on this GPU
-  JOB              (queue, leases) the pid of the gpufrac run, or the pod;
-                   messages such as a --no-wait refusal name leases by it
-  SHARE            the promised share of GPU time when contended
-  ACHIEVED         the share held over the last window
-  LIMIT            the GPU_COMPUTE_LIMIT ceiling
-  MIG instances    (gpufrac broker --mig dynamic) on a GPU in MIG mode: GPU
-                   instance, profile, placement (start:size in memory slices),
-                   memory, state (in-use, idle, foreign: not gpufrac's), the
-                   job holding it and how long it has been idle; each
-                   instance in use then has a line of its own with its
-                   processes";
+Each GPU has a line and a table of its processes; then come the queue and
+the leases. A dash (-) means none, or not known.
+
+The GPU line: GPU INDEX NAME UUID, then (U/T: used of total)
+  committed U/T    memory promised to leases of gpufrac run (--gpu-memory,
+                   a slot's share) of the GPU's total: a booking, not
+                   memory in use
+  slots U/T        slots leased of the GPU's slots (1, or F under
+                   gpufrac broker --overprovision F)
+  allocated        what its processes have allocated through the shim,
+                   together
+  util             GPU utilisation from NVML (- without NVML)
+
+The processes on it (those under the shim):
+  PID              the process id
+  COMMAND          its command line, the program without its directory,
+                   cut to 30 characters
+  ALLOCATED        what it has allocated through the shim (the driver's own
+                   context memory is not counted)
+  CAP              its memory cap on this GPU
+  JOB (ALLOCATED)  its job, the pid of its gpufrac run (or `pod NS/NAME`
+                   for a pod's under the Kubernetes device plugin), and
+                   what all of the job's processes have allocated on this
+                   GPU; - for a process outside any job (its user is then
+                   its unit of fairness)
+  SHARE            the share of GPU time it gets while it is busy and the
+                   GPU contended: its weight over the weights of the busy
+                   processes of the highest priority class that has work
+                   (0% while idle or outranked); under gpufrac broker --mps,
+                   the share of the GPU's SMs it may use (N% SMs)
+  ACHIEVED         the share of GPU time it held over the last second
+  LIMIT            its ceiling (GPU_COMPUTE_LIMIT, or its job's --gpu-limit)
+  PRIO             its priority class: high, normal or low
+  STATE            holding    it may launch work now (it holds the GPU)
+                   waiting    it has work and waits for its turn
+                   idle       it has no work waiting to launch
+                   revoking   told to hand the GPU over and not yet done:
+                              no longer the holder, still charged
+                   hung       revoking for over 200 ms (a hung kernel, a
+                              stopped process): passed over and charged
+                   (draining) after any state: work it queued before
+                              handing over still runs on the GPU
+
+queue: requests of gpufrac run waiting for GPUs, in the order they go
+  POS              the place in the queue (1 goes next)
+  JOB              the pid of the gpufrac run that asks (or the pod)
+  WANTS            N GPUs, or SIZE of GPU memory (on one GPU)
+  WAITING          how long it has waited
+  ESCALATED        yes once it has waited longer than the broker's
+                   --escalate-after: it then goes ahead of all younger ones
+  COMMAND          as above
+
+leases: jobs that hold GPUs or memory
+  JOB              the pid of the gpufrac run (or the pod); messages such as
+                   a --no-wait refusal name leases by it
+  GPUS             the GPU indices it holds (- for a job that asked for
+                   none: every gpufrac run is a job while a broker runs)
+  MEM CAP          the job's memory cap, shared by all of its processes
+  HELD             how long it has held them
+  COMMAND          as above
+
+Under gpufrac broker --mps a first line describes the MPS control daemon:
+its state (starting; running; failed: it would not start, or kept dying
+after five restarts; stopped), its pipe directory, pid and restarts.
+
+Under gpufrac broker --mig dynamic a GPU in MIG mode has a line of its own
+(instances, how many in use, committed, and the instances created,
+destroyed and steps that failed) and a table of its MIG instances:
+  GI               GPU instance id (- while it is being created)
+  PROFILE          the MIG profile, such as 1g.10gb
+  PLACEMENT        start:size in memory slices, as nvidia-smi prints it
+  MEMORY           the instance's memory
+  STATE            in-use (a job holds it), idle (kept for the next job that
+                   fits), creating, or foreign (not gpufrac's: made by hand)
+  JOB              the pid of the gpufrac run holding it
+  IDLE             how long it has been idle
+  MIG DEVICE       MIG-<uuid>: what the job gets in CUDA_VISIBLE_DEVICES
+and each instance in use has a line (name, MIG device, committed,
+allocated) and a process table of its own, as for a GPU.
+
+--json prints the broker's document, with what the tables leave out:
+each process's user (uid), peak memory (mem_peak), what the driver reports
+for it (driver_mem), refused allocations (ooms) and GPU time charged
+(gpu_time_s); each lease's compute, limit and whether its gpufrac run is
+connected (false for a lease restored after a broker restart until its
+run reconnects).";
 
 #[derive(Args, Debug)]
 #[command(after_help = STATUS_EXAMPLES)]
@@ -58,7 +121,7 @@ pub fn main(args: StatusArgs) -> u8 {
         Ok(mut c) => c.status(),
         Err(ConnectError::NoBroker) => {
             eprintln!(
-                "gpufrac status: no broker at {} ({})",
+                "gpufrac status: no broker at {}; {}",
                 socket.display(),
                 crate::client::start_hint(&socket)
             );
@@ -539,10 +602,9 @@ mod tests {
         assert_eq!(col(lines[1]), col(lines[3]));
     }
 
-    #[test]
-    fn mig_gpus_and_instances() {
+    fn mig_sample() -> Status {
         use gpufrac_broker::status::MigInstance;
-        let s = Status {
+        Status {
             gpus: vec![
                 GpuStatus {
                     index: Some(0),
@@ -599,7 +661,12 @@ mod tests {
                 },
             ],
             ..Status::default()
-        };
+        }
+    }
+
+    #[test]
+    fn mig_gpus_and_instances() {
+        let s = mig_sample();
         let t = render(&s);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
@@ -633,6 +700,64 @@ mod tests {
         let mut out = String::new();
         render_gpu(&mut out, &empty);
         assert!(out.ends_with("\n  no MIG instances\n"), "{out}");
+    }
+
+    /// `status --help` explains every column the tables print, every word
+    /// of the GPU line and every state the broker reports.
+    #[test]
+    fn help_explains_every_column_and_state() {
+        let tables = render(&sample()) + &render(&mig_sample());
+        let headers: Vec<&str> = tables
+            .lines()
+            .filter(|l| {
+                l.starts_with("  ")
+                    && !l
+                        .chars()
+                        .any(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+            })
+            .collect();
+        // The process, queue, lease and MIG instance tables.
+        assert!(headers.len() >= 4, "{tables}");
+        for h in headers {
+            for col in h.split("  ").map(str::trim).filter(|c| !c.is_empty()) {
+                assert!(
+                    STATUS_EXAMPLES.contains(&format!("\n  {col} ")),
+                    "status --help does not explain the column {col}"
+                );
+            }
+        }
+        let gpu_line = tables.lines().next().unwrap();
+        for word in gpu_line
+            .split_whitespace()
+            .filter(|w| w.chars().all(|c| c.is_ascii_lowercase()))
+        {
+            assert!(
+                STATUS_EXAMPLES.contains(&format!("\n  {word} ")),
+                "status --help does not explain {word} in the GPU line"
+            );
+        }
+        // Process states (broker/src/server.rs), MIG instance states and the
+        // MPS daemon's (broker/src/mps.rs).
+        for state in [
+            "holding",
+            "waiting",
+            "idle",
+            "revoking",
+            "hung",
+            "(draining)",
+            "in-use",
+            "creating",
+            "foreign",
+            "starting",
+            "running",
+            "failed",
+            "stopped",
+        ] {
+            assert!(
+                STATUS_EXAMPLES.contains(state),
+                "status --help does not explain the state {state}"
+            );
+        }
     }
 
     #[test]

@@ -1,7 +1,10 @@
 //! Error messages that say what to do next, from the real binary: a port
 //! where an address belongs, a socket the user may not create or reach,
-//! no broker at the socket asked for, and a busy GPU named by the job that
-//! holds it as `gpufrac status` shows it.
+//! no broker at the socket asked for, a request no GPU can hold, and a
+//! busy GPU named by the job that holds it as `gpufrac status` shows it.
+//! A hint that suggests a command is pasted into a shell here and run, as
+//! a user would; and `--gpu-memory` takes what `GPU_MEM_LIMIT` takes,
+//! percentages included.
 //!
 //! "May not" is real: run as root, the tests run gpufrac as `nobody`
 //! (root passes every permission check).
@@ -141,22 +144,151 @@ fn a_client_that_may_not_reach_the_socket_is_told_how_to_reach_a_broker() {
     assert!(own_socket_suggested(&err), "{err}");
 }
 
+/// The lines of a message that are commands to paste (hints indent them
+/// by four spaces).
+fn commands(message: &str) -> Vec<String> {
+    message
+        .lines()
+        .filter_map(|l| l.strip_prefix("    "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `sh -c LINE` against the simulated driver, as a user's shell would run
+/// a pasted line.
+fn shell(line: &str, devices: &str) -> Command {
+    let mut cmd = sim_command("sh", devices, false);
+    cmd.env_remove("GPUFRAC_BROKER").arg("-c").arg(line);
+    cmd
+}
+
 #[test]
-fn no_broker_at_a_socket_says_how_to_start_one_there() {
+fn no_broker_at_a_socket_says_how_to_start_one_there_and_that_command_starts_it() {
     let dir = Scratch::new("hint-none");
     let socket = dir.0.join("none.sock");
-    let o = sim_command(&artifacts().gpufrac, "16G", false)
-        .args(["status", "--socket"])
-        .arg(&socket)
+    let status = || {
+        sim_command(&artifacts().gpufrac, "16G", false)
+            .args(["status", "--socket"])
+            .arg(&socket)
+            .output()
+            .unwrap()
+    };
+    let o = status();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    // Named by the path it was started by: `gpufrac` alone may not be on
+    // PATH right after a build.
+    let start = format!(
+        "{} broker --socket {}",
+        artifacts().gpufrac.display(),
+        socket.display()
+    );
+    assert!(
+        err.starts_with(&format!(
+            "gpufrac status: no broker at {}; start one with:\n",
+            socket.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(commands(&err), std::slice::from_ref(&start), "{err}");
+
+    let _broker = KillOnDrop(
+        shell(&format!("exec {start}"), "16G")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until(20.0, "the pasted broker", || status().status.success());
+}
+
+#[test]
+fn a_request_no_gpu_can_hold_is_told_the_most_it_may_ask_and_that_runs() {
+    let b = Broker::start("16G,8G", &[]);
+    for (asked, hint) in [
+        (["--gpu-memory", "20G"], "--gpu-memory 16G"),
+        (["--gpus", "3"], "--gpus 2"),
+    ] {
+        let o = b
+            .run(&[asked[0], asked[1], "--no-wait", "--", "true"])
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        let said = err
+            .trim_end()
+            .rsplit_once("ask for at most ")
+            .map(|(_, flag)| flag)
+            .unwrap_or_else(|| panic!("no suggestion ending the message: {err}"));
+        assert_eq!(said, hint, "{err}");
+        let pasted = format!(
+            "{} run --socket {} --no-wait {said} -- true",
+            artifacts().gpufrac.display(),
+            b.socket.display()
+        );
+        let o = shell(&pasted, &b.devices)
+            .env("GPUFRAC_SIM_STATE", &b.state)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{pasted}: {}", stderr(&o));
+    }
+}
+
+/// What `GPU_MEM_LIMIT` the job's command was given.
+fn job_cap(cmd: &mut Command) -> String {
+    let o = cmd
+        .args(["--", "sh", "-c", "echo $GPU_MEM_LIMIT"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o).trim().to_owned()
+}
+
+#[test]
+fn gpu_memory_takes_a_percentage_of_the_smallest_gpu_with_a_broker_or_without() {
+    let b = Broker::start("16G,8G", &[]);
+    assert_eq!(
+        job_cap(&mut b.run(&["--gpu-memory", "25%"])),
+        (2 * GIB).to_string(),
+        "25% of the smaller GPU, 8 GiB"
+    );
+    // The broker booked that much, as status shows.
+    let o = b
+        .run(&["--gpu-memory", "100%", "--", "sh", "-c", "read _"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _holder = KillOnDrop(o);
+    wait_until(20.0, "the 100% lease", || {
+        b.status()["leases"][0]["mem_cap"].as_u64() == Some(8 * GIB)
+    });
+
+    let dir = Scratch::new("pct-none");
+    let none = dir.0.join("none.sock");
+    let without = || {
+        let mut cmd = sim_command(&artifacts().gpufrac, "16G,12G", false);
+        cmd.env_remove("GPUFRAC_BROKER")
+            .arg("run")
+            .arg("--socket")
+            .arg(&none);
+        cmd
+    };
+    // Learned from the driver: 50% of 12 GiB.
+    assert_eq!(
+        job_cap(without().args(["--gpu-memory", "50%"])),
+        (6 * GIB).to_string()
+    );
+    // No GPU to take a share of: said, with what to give instead.
+    let o = without()
+        .env("GPUFRAC_SIM_DEVICES", "")
+        .args(["--gpu-memory", "50%", "--", "true"])
         .output()
         .unwrap();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
-        err.contains(&format!(
-            "no broker at {0} (start one with: gpufrac broker --socket {0})",
-            socket.display()
-        )),
+        err.contains("--gpu-memory 50% is a share of a GPU") && err.contains("such as 4G"),
         "{err}"
     );
 }
@@ -212,13 +344,18 @@ fn a_busy_gpu_is_named_by_the_job_that_holds_it_as_status_shows_it() {
 
     // The job's token is its secret (only the job's processes may hold
     // it): neither the refusal nor status shows it.
-    let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(b.socket.with_extension("sock.state")).unwrap())
-            .unwrap();
-    let token = state["jobs"][0]["token"]
-        .as_u64()
-        .expect("the job's token in the state file")
-        .to_string();
+    // (The state file is written at most every 100 ms.)
+    let mut token = String::new();
+    wait_until(10.0, "the job's token in the state file", || {
+        let state: serde_json::Value = std::fs::read(b.socket.with_extension("sock.state"))
+            .ok()
+            .and_then(|s| serde_json::from_slice(&s).ok())
+            .unwrap_or_default();
+        token = state["jobs"][0]["token"]
+            .as_u64()
+            .map_or_else(String::new, |t| t.to_string());
+        !token.is_empty()
+    });
     assert!(
         !err.contains(&token) && !text.contains(&token),
         "{err}\n{text}"

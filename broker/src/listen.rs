@@ -12,9 +12,9 @@ pub fn no_permission(what: String, e: &std::io::Error) -> String {
     }
     let p = crate::user_socket();
     format!(
-        "{what}: {e}; run the broker as root, or give it a socket in a directory you can write: \
-         gpufrac broker --socket {p}, and set GPUFRAC_SOCKET={p} for gpufrac run, gpufrac status \
-         and the programs you start",
+        "{what}: {e}; run the broker as root, or give it a socket in a directory you can write, \
+         for gpufrac run, gpufrac status and the programs you start too:\n    \
+         gpufrac broker --socket {p} &\n    export GPUFRAC_SOCKET={p}",
         p = p.display()
     )
 }

@@ -42,6 +42,7 @@ use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::fmt;
 
+use gpufrac_common::size::format_size_arg;
 use serde::{Deserialize, Serialize};
 
 use crate::mig;
@@ -296,7 +297,7 @@ fn refuse(reason: impl Into<String>) -> Refusal {
 fn want_text(want: Want) -> String {
     match want {
         Want::Gpus(n) => format!("--gpus {n}"),
-        Want::Memory(b) => format!("--gpu-memory {}", fmt_bytes(b)),
+        Want::Memory(b) => format!("--gpu-memory {}", format_size_arg(b)),
     }
 }
 
@@ -708,10 +709,10 @@ impl Queue {
             Want::Gpus(0) => Err(refuse("requested 0 GPUs; ask for at least 1")),
             Want::Gpus(_) if self.gpus.is_empty() => Err(refuse(format!(
                 "--gpus needs whole GPUs, and every GPU of this node is in MIG mode ({}), \
-                 handed out only as MIG instances; ask for --gpu-memory SIZE{} instead",
+                 handed out only as MIG instances; ask for --gpu-memory instead{}",
                 self.mig_gpus_text(),
                 self.largest_profile_text()
-                    .map_or_else(String::new, |t| format!(" (at most {t})"))
+                    .map_or_else(String::new, |t| format!(", at most {t}"))
             ))),
             Want::Gpus(n) if n as usize > self.gpus.len() => {
                 let mut reason = format!(
@@ -723,12 +724,12 @@ impl Queue {
                 if self.cfg.overprovision > 1 {
                     reason.push_str(&format!(
                         "; with --overprovision {} a lease still takes at most one slot \
-                         per GPU, so ask for --gpus {} at most, or --gpu-memory",
+                         per GPU, so ask for --gpu-memory, or at most --gpus {}",
                         self.cfg.overprovision,
                         self.gpus.len()
                     ));
                 } else {
-                    reason.push_str(&format!("; ask for --gpus {} at most", self.gpus.len()));
+                    reason.push_str(&format!("; ask for at most --gpus {}", self.gpus.len()));
                 }
                 if !self.mig.is_empty() {
                     reason.push_str(&format!(
@@ -772,8 +773,8 @@ impl Queue {
                     None => reason.push_str(", and no GPU of this node is outside MIG mode"),
                 }
                 reason.push_str(&format!(
-                    "; ask for --gpu-memory {} at most",
-                    fmt_bytes(most)
+                    "; ask for at most --gpu-memory {}",
+                    format_size_arg(most)
                 ));
                 Err(refuse(reason))
             }
@@ -786,11 +787,11 @@ impl Queue {
                 if b > largest.info.total_mem {
                     Err(refuse(format!(
                         "requested {} but the largest GPU has {} (GPU {}); \
-                         ask for --gpu-memory {} at most",
+                         ask for at most --gpu-memory {}",
                         fmt_bytes(b),
                         fmt_bytes(largest.info.total_mem),
                         largest.info.index,
-                        fmt_bytes(largest.info.total_mem)
+                        format_size_arg(largest.info.total_mem)
                     )))
                 } else {
                     Ok(())
@@ -875,9 +876,13 @@ impl Queue {
     }
 
     fn largest_profile_text(&self) -> Option<String> {
-        self.mig
-            .largest()
-            .map(|(gpu, p)| format!("{}, the {} profile of GPU {gpu}", fmt_bytes(p.mem), p.name))
+        self.mig.largest().map(|(gpu, p)| {
+            format!(
+                "(the {} profile of GPU {gpu}): --gpu-memory {}",
+                p.name,
+                format_size_arg(p.mem)
+            )
+        })
     }
 
     /// Where `req` would go now, or None if it must wait: its pinned GPUs
@@ -1412,7 +1417,7 @@ mod tests {
         assert!(e.reason.contains("(job 102)"), "{e}");
         assert!(e.reason.contains("--no-wait"), "{e}");
         let e = q.try_now(0, 4, mem(60)).unwrap_err();
-        assert!(e.reason.contains("--gpu-memory 60.0 GiB"), "{e}");
+        assert!(e.reason.contains("--gpu-memory 60G"), "{e}");
         // Refused requests leave no trace.
         assert!(q.waiting(0).is_empty());
         assert_eq!(q.leases()[1].leases, vec![2]);
@@ -1703,7 +1708,7 @@ mod tests {
         assert!(
             e.reason.starts_with(
                 "requested 45.0 GiB but no MIG profile holds it: the largest is 7g.40gb (39.2 GiB, GPU 0), \
-                 and no GPU of this node is outside MIG mode; ask for --gpu-memory 39.2 GiB at most"
+                 and no GPU of this node is outside MIG mode; ask for at most --gpu-memory 39.25G"
             ),
             "{e}"
         );
@@ -1715,7 +1720,7 @@ mod tests {
         );
         assert!(
             e.reason
-                .contains("--gpu-memory SIZE (at most 39.2 GiB, the 7g.40gb profile of GPU 0)"),
+                .ends_with("ask for --gpu-memory instead, at most (the 7g.40gb profile of GPU 0): --gpu-memory 39.25G"),
             "{e}"
         );
         let mut q = with_mig();
@@ -1726,7 +1731,7 @@ mod tests {
             "{e}"
         );
         assert!(
-            e.reason.ends_with("ask for --gpu-memory 80.0 GiB at most"),
+            e.reason.ends_with("ask for at most --gpu-memory 80G"),
             "{e}"
         );
         let e = q.submit(0, 4, whole(2)).unwrap_err();

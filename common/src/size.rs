@@ -168,6 +168,25 @@ pub fn format_size(bytes: u64) -> String {
     format!("{}.{:02} {unit}", hundredths / 100, hundredths % 100)
 }
 
+/// Bytes as a value to paste into a command line, which [`parse_size`]
+/// reads back: the largest of T, G, M and K that fits, with at most two
+/// decimals, truncated so that it never says more than `bytes` ("16G",
+/// "39.25G", "512M", "1000"). Hints that suggest a `--gpu-memory` use it:
+/// "16.00 GiB", pasted, would be two words.
+pub fn format_size_arg(bytes: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [(TIB, "T"), (GIB, "G"), (MIB, "M"), (KIB, "K")];
+    let Some(&(mult, unit)) = UNITS.iter().find(|(m, _)| bytes >= *m) else {
+        return bytes.to_string();
+    };
+    let hundredths = u128::from(bytes) * 100 / u128::from(mult);
+    let (whole, frac) = (hundredths / 100, hundredths % 100);
+    match frac {
+        0 => format!("{whole}{unit}"),
+        f if f % 10 == 0 => format!("{whole}.{}{unit}", f / 10),
+        f => format!("{whole}.{f:02}{unit}"),
+    }
+}
+
 /// [`parse_size`] without the example. The flag is whether the number as
 /// written is non-zero, so that callers can tell "0" (a deliberate "no cap")
 /// from "0.1" (a tiny cap that rounds down to zero bytes).
@@ -667,6 +686,20 @@ mod tests {
         assert_eq!(format_size(u64::MAX), "15.99 EiB");
     }
 
+    #[test]
+    fn size_args_paste_back() {
+        assert_eq!(format_size_arg(0), "0");
+        assert_eq!(format_size_arg(1023), "1023");
+        assert_eq!(format_size_arg(1024), "1K");
+        assert_eq!(format_size_arg(512 * MIB), "512M");
+        assert_eq!(format_size_arg(16 * GIB), "16G");
+        assert_eq!(format_size_arg(40192 * MIB), "39.25G");
+        assert_eq!(format_size_arg(1_610_612_736), "1.5G");
+        assert_eq!(format_size_arg(GIB - 1), "1023.99M");
+        assert_eq!(format_size_arg(3 * TIB), "3T");
+        assert_eq!(format_size_arg(u64::MAX), "16777215.99T");
+    }
+
     proptest! {
         #[test]
         fn parsers_never_panic(s in any::<String>()) {
@@ -711,6 +744,16 @@ mod tests {
             prop_assert!(shown * mult <= u128::from(n) * 100);
             prop_assert!((shown + 1) * mult > u128::from(n) * 100);
             prop_assert!(whole.parse::<u128>().unwrap() < 1024);
+        }
+
+        #[test]
+        fn size_args_parse_back_to_at_most_the_value(n in any::<u64>()) {
+            let text = format_size_arg(n);
+            prop_assert!(!text.contains(' '), "{}", text);
+            let back = parse_size(&text).unwrap();
+            prop_assert!(back <= n, "{} reads back as {} > {}", text, back, n);
+            // Two decimals of the largest unit that fits: within 1%.
+            prop_assert!(u128::from(back) * 100 >= u128::from(n) * 99, "{} for {}", text, n);
         }
     }
 }

@@ -1,0 +1,111 @@
+//! `./demo.sh shares` and `./demo.sh env`, end to end, as a newcomer runs
+//! them: the script builds what it needs (nothing, after the test
+//! artifacts), sets up the simulated driver itself, starts and stops its
+//! own broker, and reports shares and priorities.
+
+mod support;
+use std::path::Path;
+use std::process::{Command, Output};
+use support::*;
+
+/// `./demo.sh ARGS` on the profile and target directory the tests use, in
+/// an environment without anything gpufrac reads.
+fn demo(args: &[&str]) -> Output {
+    let a = artifacts();
+    let profile = a.dir.file_name().unwrap().to_str().unwrap();
+    let mut cmd = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPU_")
+            || k.starts_with("GPUFRAC_")
+            || k == "LD_PRELOAD"
+            || k == "LD_LIBRARY_PATH"
+            || k == "CUDA_VISIBLE_DEVICES"
+        {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.args(args)
+        .env("GPUFRAC_DEMO_PROFILE", profile)
+        .env("CARGO", env!("CARGO"))
+        .env("CARGO_TARGET_DIR", a.dir.parent().unwrap())
+        .output()
+        .expect("running demo.sh")
+}
+
+/// The number after `key` on the line that has it, e.g. `got 69.7%`.
+fn figure(out: &str, line_has: &str, key: &str) -> f64 {
+    let line = out
+        .lines()
+        .find(|l| l.contains(line_has))
+        .unwrap_or_else(|| panic!("no line with {line_has:?} in:\n{out}"));
+    let after = line.split_once(key).map(|(_, r)| r).unwrap_or("");
+    let num: String = after
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    num.parse()
+        .unwrap_or_else(|_| panic!("no number after {key:?} in {line:?}"))
+}
+
+#[test]
+fn shares_demo_runs_on_the_simulated_gpu_and_cleans_up() {
+    let o = demo(&["shares"]);
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}\n{err}");
+    // It says what it builds before cargo's own progress.
+    assert!(
+        err.contains("== Building gpufrac, the loadgen example"),
+        "{err}"
+    );
+    // The status table, halfway, shows both jobs at their shares.
+    assert!(out.contains("| GPU 0 gpufrac-sim"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("loadgen batch") && l.contains(" 70% ")),
+        "{out}"
+    );
+    let (seventy, thirty) = (
+        figure(&out, "asked 70%", "got "),
+        figure(&out, "asked 30%", "got "),
+    );
+    assert!(seventy > thirty, "{out}");
+    assert!((seventy + thirty - 100.0).abs() < 0.5, "{out}");
+    let (normal, low) = (
+        figure(&out, "normal, batch", ": "),
+        figure(&out, "low, batch", ": "),
+    );
+    assert!(normal > low, "the low job outran the normal one:\n{out}");
+    figure(&out, "high, interactive", "p99 ");
+    figure(&out, "high, interactive", "(alone: p50 ");
+    // Its broker is gone with its socket directory.
+    let socket = out
+        .split_whitespace()
+        .find(|w| w.ends_with("/broker.sock"))
+        .unwrap_or_else(|| panic!("no socket named in:\n{out}"));
+    let dir = Path::new(socket).parent().unwrap();
+    assert!(!dir.exists(), "{} left behind", dir.display());
+}
+
+#[test]
+fn env_demo_puts_a_shell_on_the_simulated_driver() {
+    let o = demo(&["env"]);
+    let exports = stdout(&o);
+    assert!(o.status.success(), "{exports}\n{}", stderr(&o));
+    // A shell that evaluates the exports runs a CUDA program on two
+    // simulated GPUs, without anything else set.
+    let probe = format!(
+        "{} --block 256 --max 2",
+        artifacts().dir.join("examples/cudarc_alloc").display()
+    );
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!("{exports}\nexec {probe}"))
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("LD_PRELOAD")
+        .env_remove("GPUFRAC_SIM_DEVICES")
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("total=17179869184"), "{out}");
+}
