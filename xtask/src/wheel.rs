@@ -88,7 +88,11 @@ pub fn wheel(args: &[String]) -> Result<(), String> {
             0o644,
         ));
     }
-    files.push((format!("{info}/LICENSE"), read(&tree.join("LICENSE"))?, 0o644));
+    files.push((
+        format!("{info}/LICENSE"),
+        read(&tree.join("LICENSE"))?,
+        0o644,
+    ));
 
     fs::create_dir_all(&out_dir)
         .map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
@@ -108,7 +112,10 @@ fn tag() -> String {
 /// The crate's version as Python writes it; only plain releases (1.2.3)
 /// are the same in both.
 fn pep440(v: &str) -> Result<String, String> {
-    if !v.is_empty() && v.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+    if !v.is_empty()
+        && v.split('.')
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    {
         Ok(v.to_owned())
     } else {
         Err(format!(
@@ -128,8 +135,8 @@ fn package_files(dir: &Path) -> Result<Vec<(String, u32)>, String> {
     let mut out = Vec::new();
     let mut dirs = vec![PathBuf::new()];
     while let Some(rel) = dirs.pop() {
-        let entries =
-            fs::read_dir(dir.join(&rel)).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+        let entries = fs::read_dir(dir.join(&rel))
+            .map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
         for e in entries {
             let e = e.map_err(|e| e.to_string())?;
             let name = e.file_name().to_string_lossy().into_owned();
@@ -367,12 +374,17 @@ mod tests {
         let m = Metadata::read(&root.join(PY_DIR).join("pyproject.toml"), root).unwrap();
         assert_eq!(m.name, PACKAGE);
         assert_eq!(
-            m.entry_points["pytest11"].get("gpufrac").map(String::as_str),
+            m.entry_points["pytest11"]
+                .get("gpufrac")
+                .map(String::as_str),
             Some("gpufrac.pytest_plugin")
         );
         let text = m.metadata("0.1.0");
         assert!(text.starts_with("Metadata-Version: 2.1\nName: gpufrac\nVersion: 0.1.0\n"));
         assert!(text.contains("\nRequires-Python: >=3.8\n"), "{text}");
-        assert!(m.entry_points_txt().contains("[pytest11]\ngpufrac = gpufrac.pytest_plugin\n"));
+        assert!(
+            m.entry_points_txt()
+                .contains("[pytest11]\ngpufrac = gpufrac.pytest_plugin\n")
+        );
     }
 }
