@@ -646,7 +646,8 @@ fn plain_pytest_n_auto_splits_the_budget_among_as_many_workers_as_xdist_starts()
         .and_then(|l| l.split('/').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("xdist did not say how many workers it created:\n{text}"));
-    let cap = 6 * GIB / n >> 20 << 20;
+    // The plugin rounds a share down to whole MiB.
+    let cap = (6 * GIB / n) >> 20 << 20;
     let want = format!(
         "{n} workers capped at {} each",
         gpufrac_common::size::format_size(cap)
