@@ -184,7 +184,15 @@ impl Run {
     /// `venv/bin/python -m pytest ARGS` in the suite against a simulated
     /// 16 GiB GPU of its own, with no broker.
     fn pytest(&self, py: &Py, args: &[&str]) -> Command {
-        let mut c = sim_command(py.python(), "16G", false);
+        let mut c = self.command(py.python());
+        c.args(["-m", "pytest", "-p", "no:cacheprovider", "-rf"])
+            .args(args);
+        c
+    }
+
+    /// `program` in the suite's environment (see `pytest`).
+    fn command(&self, program: impl AsRef<Path>) -> Command {
+        let mut c = sim_command(program, "16G", false);
         // gpufrac run decides whether the shim looks for a broker.
         c.env_remove("GPUFRAC_BROKER")
             .env("GPUFRAC_SOCKET", self.scratch.0.join("no-broker.sock"))
@@ -194,9 +202,7 @@ impl Run {
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .env_remove("PYTEST_ADDOPTS")
             .env_remove("PYTHONPATH")
-            .current_dir(self.suite())
-            .args(["-m", "pytest", "-p", "no:cacheprovider", "-rf"])
-            .args(args);
+            .current_dir(self.suite());
         c
     }
 
@@ -485,21 +491,32 @@ fn report_lists_tests_by_peak_and_writes_them_as_json() {
         assert_eq!(w["cap_bytes"], 0, "{w}");
     }
 
-    // Without xdist: the one process, under a cap, in the text report.
+    // Without xdist: the one process, under a cap, in the text report
+    // and in JUnit XML.
     let r = Run::new("wheel-report-one");
+    let junit = r.scratch.0.join("junit.xml");
     let o = r
         .pytest(
             py,
-            &[
-                "--gpufrac-memory",
-                "1G",
-                "--gpufrac-report",
-                "test_report.py",
-            ],
+            &["--gpufrac-memory", "1G", "--gpufrac-report", "--junitxml"],
         )
+        .arg(&junit)
+        .arg("test_report.py")
         .output()
         .unwrap();
     passed(&o, "4 passed");
+    let xml = std::fs::read_to_string(&junit).unwrap();
+    let case = xml
+        .split("<testcase ")
+        .find(|c| c.contains("name=\"test_256m\""))
+        .unwrap_or_else(|| panic!("no test_256m in {xml}"));
+    assert!(
+        case.contains(&format!(
+            "<property name=\"gpufrac_peak_bytes\" value=\"{}\"",
+            256 * MIB
+        )),
+        "{case}"
+    );
     let text = stdout(&o);
     assert!(
         text.contains("gpufrac: GPU memory budget 1.00 GiB, one process"),
@@ -653,4 +670,35 @@ fn plain_pytest_n_auto_splits_the_budget_among_as_many_workers_as_xdist_starts()
         gpufrac_common::size::format_size(cap)
     );
     assert!(text.contains(&want), "{want:?} missing:\n{text}");
+}
+
+#[test]
+fn inside_a_gpufrac_run_job_the_plugin_splits_that_jobs_cap_instead_of_starting_another() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-in-job");
+    // A CI step that wraps the whole command, asking the plugin for more
+    // than the job has.
+    let o = r
+        .command(py.venv.join("bin/gpufrac"))
+        .arg("run")
+        .arg("--socket")
+        .arg(r.scratch.0.join("no-broker.sock"))
+        .args(["--gpu-memory", "4G", "--"])
+        .arg(py.python())
+        .args(["-m", "pytest", "-p", "no:cacheprovider", "-n", "2"])
+        .args(["--gpufrac-memory", "8G", "test_report.py"])
+        .output()
+        .unwrap();
+    passed(&o, "4 passed");
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: GPU memory budget 4.00 GiB, 2 workers capped at 2.00 GiB each; \
+             a gpufrac job without a broker"
+        ),
+        "{}",
+        out(&o)
+    );
+    for t in ["nothing", "64m", "192m", "256m"] {
+        assert_eq!(r.record(t)["cap_env"], (2 * GIB).to_string());
+    }
 }
