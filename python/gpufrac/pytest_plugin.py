@@ -160,7 +160,10 @@ def pytest_cmdline_main(config):
     o = config.option
     if not _active(w) or _in_job() or o.help or getattr(o, "version", 0) or o.collectonly:
         return None
-    exe = gpufrac.binary()
+    try:
+        exe = gpufrac.binary()
+    except FileNotFoundError as e:
+        raise pytest.UsageError(str(e))
     cmd = [exe, "run"]
     if w["budget"]:
         cmd += ["--gpu-memory", str(w["budget"])]
@@ -208,7 +211,8 @@ def _job_cap():
 
 def pytest_configure(config):
     if hasattr(config, "workerinput"):
-        settings = json.loads(os.environ.get(SETTINGS) or "null")
+        # Taken, not left for a pytest that a test runs in a subprocess.
+        settings = json.loads(os.environ.pop(SETTINGS, None) or "null")
         if settings:
             name = config.workerinput.get("workerid", "worker")
             config.pluginmanager.register(_Recorder(config, settings, name), "gpufrac-recorder")
@@ -241,7 +245,11 @@ def pytest_configure(config):
         # Inherited by the workers xdist starts after this hook.
         os.environ["GPU_MEM_LIMIT"] = str(cap)
     settings = dict(settings, budget=budget, cap=cap, workers=workers)
-    os.environ[SETTINGS] = json.dumps(settings)
+    if workers:
+        # For the workers, which take it.
+        os.environ[SETTINGS] = json.dumps(settings)
+    else:
+        os.environ.pop(SETTINGS, None)
     summary = _Summary(config, settings)
     config.pluginmanager.register(summary, "gpufrac-summary")
     if not workers:
