@@ -279,6 +279,20 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
     .collect();
     assert_eq!(names, want);
 
+    // pip builds it from the source tree too (pyproject.toml's backend
+    // runs cargo xtask wheel), byte for byte the same.
+    let built = Scratch::new("wheel-pip");
+    let python_dir = Path::new(ROOT).join("python");
+    pip(
+        &py.venv,
+        &["wheel", "--no-deps", "--wheel-dir"],
+        &[built.0.as_path(), python_dir.as_path()],
+    );
+    assert!(
+        std::fs::read(built.0.join(WHEEL)).unwrap() == std::fs::read(&py.wheel).unwrap(),
+        "pip wheel ./python made another wheel than cargo xtask wheel"
+    );
+
     // On the venv's PATH, where an activated venv (or a CI step naming
     // venv/bin) finds it.
     let bin = py.venv.join("bin/gpufrac");
