@@ -418,6 +418,32 @@ fn report_json(path: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
+/// The report's tests of test_report.py, checked for their peaks, largest
+/// first.
+fn exact_peaks(j: &serde_json::Value) -> &Vec<serde_json::Value> {
+    let tests = j["tests"].as_array().unwrap();
+    let peaks: Vec<(&str, u64)> = tests
+        .iter()
+        .map(|t| {
+            (
+                t["nodeid"].as_str().unwrap(),
+                t["peak_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        peaks,
+        [
+            ("test_report.py::test_256m", 256 * MIB),
+            ("test_report.py::test_two_blocks_192m", 192 * MIB),
+            ("test_report.py::test_64m", 64 * MIB),
+            ("test_report.py::test_nothing", 0),
+        ],
+        "{j}"
+    );
+    tests
+}
+
 #[test]
 fn report_lists_tests_by_peak_and_writes_them_as_json() {
     let Some(py) = py() else { return };
@@ -459,25 +485,7 @@ fn report_lists_tests_by_peak_and_writes_them_as_json() {
     let j = report_json(&json);
     assert_eq!(j["budget_bytes"], 0, "{j}");
     assert_eq!(j["workers"], 2, "{j}");
-    let tests = j["tests"].as_array().unwrap();
-    let peaks: Vec<(String, u64)> = tests
-        .iter()
-        .map(|t| {
-            (
-                t["nodeid"].as_str().unwrap().to_owned(),
-                t["peak_bytes"].as_u64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        peaks,
-        [
-            ("test_report.py::test_256m".to_owned(), 256 * MIB),
-            ("test_report.py::test_two_blocks_192m".to_owned(), 192 * MIB),
-            ("test_report.py::test_64m".to_owned(), 64 * MIB),
-            ("test_report.py::test_nothing".to_owned(), 0),
-        ]
-    );
+    let tests = exact_peaks(&j);
     for t in tests {
         assert_eq!(t["outcome"], "passed", "{t}");
         assert_eq!(t["end_bytes"], 0, "{t}");
@@ -505,20 +513,25 @@ fn report_lists_tests_by_peak_and_writes_them_as_json() {
         assert_eq!(w["cap_bytes"], 0, "{w}");
     }
 
-    // Without xdist: the one process, under a cap, in the text report
-    // and in JUnit XML.
+    // Without xdist: the one process, under a cap, its tests' peaks apart
+    // although they ran one after the other, largest first; in the text
+    // report and in JUnit XML.
     let r = Run::new("wheel-report-one");
-    let junit = r.scratch.0.join("junit.xml");
+    let (junit, json) = (r.scratch.0.join("junit.xml"), r.scratch.0.join("one.json"));
     let o = r
         .pytest(
             py,
             &["--gpufrac-memory", "1G", "--gpufrac-report", "--junitxml"],
         )
         .arg(&junit)
+        .arg("--gpufrac-report-json")
+        .arg(&json)
         .arg("test_report.py")
         .output()
         .unwrap();
     passed(&o, "4 passed");
+    let j = report_json(&json);
+    assert!(exact_peaks(&j).iter().all(|t| t["worker"] == "main"), "{j}");
     let xml = std::fs::read_to_string(&junit).unwrap();
     let case = xml
         .split("<testcase ")
