@@ -223,15 +223,13 @@ def pytest_configure(config):
         if not _active(w):
             return
         settings = w
-    if not gpufrac.shim_loaded():
-        if settings["budget"] and not config.option.collectonly:
-            # A session that was not started again under gpufrac run (it was
-            # already in a job, or pytest.main() ran it), and whose process
-            # has no shim: its workers still get one, but this process not.
-            sys.stderr.write(
-                "gpufrac: this pytest process runs without libgpufrac.so; "
-                "run it under gpufrac run, or as `pytest --gpufrac-memory SIZE`\n"
-            )
+    if not gpufrac.shim_loaded() and settings["budget"] and not config.option.collectonly:
+        # In a job whose environment lost LD_PRELOAD: said, since nothing
+        # would cap this run.
+        sys.stderr.write(
+            "gpufrac: libgpufrac.so is not loaded in this pytest process (LD_PRELOAD "
+            "does not name it), so nothing caps the run's GPU memory\n"
+        )
     budget = settings["budget"]
     job = _job_cap()
     if job and (not budget or job < budget):
