@@ -104,6 +104,7 @@ fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
         .args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
         .args(args)
         .args(more)
+        // Its cache, where it keeps one, under target/ and not in $HOME.
         .env("PIP_CACHE_DIR", &cache)
         .stdin(Stdio::null())
         .output()
@@ -143,7 +144,7 @@ fn venv() -> Option<PathBuf> {
     let o = o.expect("running python3 -m venv");
     assert!(o.status.success(), "python3 -m venv: {}", out(&o));
     tell(&format!(
-        "installing {} from PyPI into {} (about 25 MB of downloads, cached in {})",
+        "installing {} from PyPI into {} (about 11 MB of downloads; pip's cache, if it keeps one, in {})",
         FROM_PYPI.join(" "),
         venv.display(),
         cache.join("pip").display()
