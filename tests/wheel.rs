@@ -106,6 +106,9 @@ fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
         .args(more)
         // Its cache, where it keeps one, under target/ and not in $HOME.
         .env("PIP_CACHE_DIR", &cache)
+        // `pip wheel ./python` imports the build backend from the source
+        // tree, which is not the place for byte code.
+        .env("PYTHONDONTWRITEBYTECODE", "1")
         .stdin(Stdio::null())
         .output()
         .expect("running pip");
