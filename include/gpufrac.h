@@ -60,6 +60,11 @@ unsigned long long gpufrac_mem_used(int device);
 /* Highest usage seen on `device`. */
 unsigned long long gpufrac_mem_peak(int device);
 
+/* Starts a new peak on `device` at the usage charged now and returns the
+ * peak before it: call it before a test, and again after, for that test's
+ * peak. */
+unsigned long long gpufrac_mem_peak_reset(int device);
+
 /* Live allocations tracked by the shim, all devices. */
 unsigned long long gpufrac_live_allocations(void);
 

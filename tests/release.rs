@@ -10,6 +10,8 @@
 //! relinks what changed). cargo-zigbuild and zig are installed from PyPI
 //! into target/dist-tools when they are missing.
 
+#[path = "support/dist.rs"]
+mod dist;
 mod support;
 
 use std::os::unix::fs::PermissionsExt;
@@ -17,81 +19,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
+use dist::{ROOT, cannot, cargo, out, xtask_release};
 use support::*;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
-
-fn out(o: &Output) -> String {
-    format!("{}{}", stdout(o), stderr(o))
-}
-
-fn cargo() -> Command {
-    let mut c = Command::new(env!("CARGO"));
-    c.current_dir(ROOT);
-    c
-}
-
-/// The workspace's target directory, as xtask finds it.
-fn target_dir() -> PathBuf {
-    let o = cargo()
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .expect("running cargo metadata");
-    assert!(o.status.success(), "cargo metadata: {}", stderr(&o));
-    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    PathBuf::from(m["target_directory"].as_str().unwrap())
-}
-
-/// A prerequisite that could not be installed: loud, and a failure in CI,
-/// where the machine can always install it and a skipped release test
-/// would hide a broken release.
-fn cannot(what: &str) {
-    let msg = format!("SKIPPED: {what}");
-    if std::env::var_os("CI").is_some() {
-        panic!("{msg} (CI is set, so this is a failure)");
-    }
-    eprintln!("\n========\n{msg}\n========\n");
-}
-
-/// Installs cargo-zigbuild and zig into target/dist-tools, where xtask
-/// looks; Err says why it could not.
-fn install_zig_tools(target: &Path) -> Result<(), String> {
-    let tools = target.join("dist-tools");
-    std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
-    let _lock = MachineLock::at(&target.join("dist-tools.lock"));
-    let o = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--upgrade",
-            "--target",
-        ])
-        .arg(&tools)
-        .args(["ziglang", "cargo-zigbuild"])
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run python3 -m pip: {e}"))?;
-    if o.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "pip install ziglang cargo-zigbuild failed: {}",
-            out(&o)
-        ))
-    }
-}
-
-fn run_dist() -> Output {
-    cargo()
-        .args(["xtask", "dist"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("running cargo xtask dist")
-}
 
 /// The tarball `cargo xtask dist` made, once per run; None when its tools
 /// could not be had (said loudly).
@@ -99,16 +30,7 @@ fn tarball() -> Option<&'static Path> {
     static T: OnceLock<Option<PathBuf>> = OnceLock::new();
     T.get_or_init(|| {
         let t = std::time::Instant::now();
-        let mut o = run_dist();
-        if !o.status.success() && stderr(&o).contains("did not find both") {
-            if let Err(e) = install_zig_tools(&target_dir()) {
-                cannot(&format!(
-                    "the release tests need cargo-zigbuild and zig, and they could not be installed: {e}"
-                ));
-                return None;
-            }
-            o = run_dist();
-        }
+        let o = xtask_release("dist")?;
         assert!(o.status.success(), "cargo xtask dist failed:\n{}", out(&o));
         let path = PathBuf::from(stdout(&o).lines().last().unwrap_or_default().trim());
         let want = format!("gpufrac-{VERSION}-x86_64-unknown-linux-gnu.tar.gz");

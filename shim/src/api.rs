@@ -49,6 +49,23 @@ pub extern "C" fn gpufrac_mem_peak(device: c_int) -> u64 {
         .map_or(0, |l| l.peak.load(std::sync::atomic::Ordering::Relaxed))
 }
 
+/// Starts a new peak on `device` from what is charged now, and returns the
+/// peak before it: per-test peaks for a test runner.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_peak_reset(device: c_int) -> u64 {
+    if device < 0 {
+        return 0;
+    }
+    use std::sync::atomic::Ordering::{Acquire, Relaxed};
+    ledger::LEDGERS.get(device as usize).map_or(0, |l| {
+        let before = l.peak.swap(l.used.load(Acquire), Relaxed);
+        // A charge between the load and the swap raised `used` past the
+        // new peak; a charge after this load raises the peak itself.
+        l.peak.fetch_max(l.used.load(Acquire), Relaxed);
+        before
+    })
+}
+
 /// Number of live allocations tracked (all devices).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_live_allocations() -> u64 {

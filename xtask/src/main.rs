@@ -5,7 +5,9 @@
 //! - `install`: a native release build installed under a prefix by the same
 //!   `install.sh` the tarball carries;
 //! - `msrv-check`: no locked dependency needs a newer Rust than the
-//!   workspace's `rust-version` claims.
+//!   workspace's `rust-version` claims;
+//! - `wheel`: the Python package, the tarball's binaries in a manylinux
+//!   wheel (wheel.rs).
 
 use std::ffi::OsString;
 use std::fs;
@@ -14,6 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
 use serde_json::Value;
+
+mod wheel;
 
 const TARGET: &str = "x86_64-unknown-linux-gnu";
 /// The oldest glibc the release runs on (RHEL 8, Debian 10, Ubuntu 18.10).
@@ -35,6 +39,10 @@ usage: cargo xtask <TASK>
       Build natively in release mode and install under PREFIX (default
       /usr/local): bin/gpufrac, lib/libgpufrac.so, include/gpufrac.h, the
       systemd unit and the docs.
+  wheel [--out-dir DIR]
+      Build target/wheels/gpufrac-VERSION-py3-none-manylinux_2_28_x86_64.whl:
+      the binary, the shim and the pytest plugin (python/), for
+      pip install. Builds what dist builds, with the same tools.
   msrv-check
       Fail if a locked dependency declares a rust-version newer than the
       workspace's.";
@@ -45,6 +53,7 @@ fn main() -> ExitCode {
         Some("dist") => dist(&args[1..]),
         Some("install") => install(&args[1..]),
         Some("msrv-check") => msrv_check(&args[1..]),
+        Some("wheel") => wheel::wheel(&args[1..]),
         Some("-h" | "--help" | "help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

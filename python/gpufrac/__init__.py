@@ -1,0 +1,159 @@
+"""gpufrac: share one NVIDIA GPU among many processes.
+
+This package carries the ``gpufrac`` binary (installed on the environment's
+``PATH``), the ``libgpufrac.so`` shim beside it, and a pytest plugin
+(``--gpufrac-memory``, ``--gpufrac-report``; see ``gpufrac.pytest_plugin``).
+
+From Python, a process running under the shim can ask what it is allowed and
+what it holds::
+
+    import gpufrac
+    gpufrac.mem_limit(0), gpufrac.mem_used(0), gpufrac.mem_peak(0)
+
+Every function answers 0 (and ``shim_loaded()`` False) in a process that runs
+without the shim.
+"""
+
+import ctypes
+import os
+import shutil
+import sysconfig
+
+__all__ = [
+    "binary",
+    "format_size",
+    "mem_limit",
+    "mem_peak",
+    "mem_peak_reset",
+    "mem_used",
+    "parse_size",
+    "shim_loaded",
+]
+
+# Device ordinals the shim keeps books for (MAX_DEVICES in its source).
+MAX_DEVICES = 64
+
+
+def binary():
+    """The path of the ``gpufrac`` binary this package installed.
+
+    Looked up in the installed files first, so that it is found even when the
+    environment's ``bin`` directory is not on ``PATH`` (``venv/bin/pytest``
+    run without activating the venv, as CI scripts often do).
+    """
+    try:
+        from importlib.metadata import PackageNotFoundError, distribution
+
+        try:
+            files = distribution("gpufrac").files or []
+        except PackageNotFoundError:
+            files = []
+        for f in files:
+            if f.name == "gpufrac" and len(f.parts) > 1 and f.parts[-2] == "bin":
+                p = os.path.realpath(str(f.locate()))
+                if os.access(p, os.X_OK):
+                    return p
+    except ImportError:  # Python < 3.8
+        pass
+    p = os.path.join(sysconfig.get_path("scripts"), "gpufrac")
+    if os.access(p, os.X_OK):
+        return p
+    p = shutil.which("gpufrac")
+    if p:
+        return p
+    raise FileNotFoundError(
+        "cannot find the gpufrac binary: this package installs it in the "
+        "environment's bin directory (%s); reinstall it with "
+        "`python -m pip install --force-reinstall gpufrac`" % sysconfig.get_path("scripts")
+    )
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 1 << 10,
+    "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 1 << 20,
+    "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 1 << 30,
+    "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 1 << 40,
+}  # fmt: skip
+
+SIZE_EXAMPLE = "a size such as 4G, 512M, 1.5G or 4294967296"
+
+
+def parse_size(text):
+    """Bytes in ``text``, written as ``gpufrac run --gpu-memory`` takes it:
+    4G, 4GiB, 4GB, 512M, 1.5G or plain bytes; every unit is binary (x1024).
+    Raises ValueError naming what is wrong."""
+    s = str(text).strip()
+    i = 0
+    while i < len(s) and (s[i].isdigit() or s[i] == "."):
+        i += 1
+    number, unit = s[:i], s[i:].strip().lower()
+    if not number or number.count(".") > 1 or number == ".":
+        raise ValueError("%r is not a size; expected %s" % (text, SIZE_EXAMPLE))
+    if unit not in _UNITS:
+        raise ValueError("%r: unknown unit %r; expected %s" % (text, s[i:].strip(), SIZE_EXAMPLE))
+    return int(float(number) * _UNITS[unit])
+
+
+def format_size(n):
+    """``4.00 GiB``, ``768.00 MiB``, ``512 B``: sizes as ``gpufrac status`` writes them."""
+    n = int(n)
+    if n < 1024:
+        return "%d B" % n
+    units = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"]
+    shift, unit = 10, units[0]
+    for i, name in enumerate(units[1:], 1):
+        s = 10 * (i + 1)
+        if n >> s == 0:
+            break
+        shift, unit = s, name
+    hundredths = (n * 100) >> shift
+    return "%d.%02d %s" % (hundredths // 100, hundredths % 100, unit)
+
+
+def _shim_function(name):
+    """A function of the preloaded shim's C API (include/gpufrac.h), or None
+    without the shim. The lookup goes through the process's global scope,
+    where LD_PRELOAD put the library."""
+    try:
+        f = getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+    f.argtypes = [ctypes.c_int]
+    f.restype = ctypes.c_ulonglong
+    return f
+
+
+_limit = _shim_function("gpufrac_mem_limit")
+_used = _shim_function("gpufrac_mem_used")
+_peak = _shim_function("gpufrac_mem_peak")
+_peak_reset = _shim_function("gpufrac_mem_peak_reset")
+
+
+def shim_loaded():
+    """Whether this process runs under libgpufrac.so."""
+    return _used is not None
+
+
+def mem_limit(device=0):
+    """This process's cap in bytes on CUDA device ``device`` (0: none).
+    Initialises the shim (it reads its environment and loads the driver),
+    so call it once the process uses CUDA anyway."""
+    return _limit(device) if _limit else 0
+
+
+def mem_used(device=0):
+    """Bytes this process holds on ``device``, as the shim charges them."""
+    return _used(device) if _used else 0
+
+
+def mem_peak(device=0):
+    """The most this process has held on ``device`` since the last
+    ``mem_peak_reset`` (or since it started)."""
+    return _peak(device) if _peak else 0
+
+
+def mem_peak_reset(device=0):
+    """Starts a new peak on ``device`` at what is held now; returns the peak
+    before. None when the shim is too old to have it."""
+    return _peak_reset(device) if _peak_reset else None

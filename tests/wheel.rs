@@ -1,0 +1,735 @@
+//! The Python package as a CI user gets it: `cargo xtask wheel` builds a
+//! manylinux_2_28 wheel (auditwheel agrees); pip installs it into a fresh
+//! venv beside pytest, pytest-xdist and NVIDIA's own driver bindings
+//! (cuda-bindings) from PyPI; `gpufrac` lands on the venv's PATH and
+//! finds its shim; and the pytest suites of tests/fixtures/pytest run under
+//! the plugin against the simulated driver, the venv never activated (as CI
+//! scripts call `venv/bin/python -m pytest`):
+//!
+//! - `pytest -n 4 --gpufrac-memory 8G`: four workers at 2 GiB each, all
+//!   holding memory at once (a file barrier), each refused past its own cap
+//!   while the run's budget still has room;
+//! - `--gpufrac-split shared`: one worker takes more than half;
+//! - `--gpufrac-report` and `--gpufrac-report-json`: exact per-test peaks;
+//! - a worker out of memory fails that one test, naming cap and worker;
+//! - with a broker the run is one job that waits behind another for its
+//!   budget, then runs;
+//! - `pytest -n auto --gpufrac-memory SIZE`, the docs' plain recipe.
+//!
+//! The wheel shares its release build with tests/release.rs (target/dist);
+//! the venv, pip's cache and the downloads live in target/cache.
+
+#[path = "support/dist.rs"]
+mod dist;
+mod support;
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use dist::{ROOT, cannot, out, target_dir, xtask_release};
+use support::*;
+
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+const WHEEL: &str = "gpufrac-0.1.0-py3-none-manylinux_2_28_x86_64.whl";
+/// What the venv gets from PyPI: the test runner, its workers, a real CUDA
+/// binding, and auditwheel to check the manylinux claim. Pinned, so that a
+/// new release of any of them cannot change what the tests mean.
+const FROM_PYPI: [&str; 4] = [
+    "pytest==9.2.0",
+    "pytest-xdist==3.8.0",
+    "cuda-bindings==13.5.0",
+    "auditwheel==6.8.2",
+];
+
+/// Written straight to the process's stderr: libtest captures `eprintln!`
+/// of a passing test, and what is downloaded must be said before it is.
+fn tell(what: &str) {
+    let _ = writeln!(std::io::stderr(), "tests/wheel.rs: {what}");
+}
+
+struct Py {
+    wheel: PathBuf,
+    venv: PathBuf,
+}
+
+impl Py {
+    fn python(&self) -> PathBuf {
+        self.venv.join("bin/python")
+    }
+}
+
+/// The wheel, built once per run, installed in the venv; None when its
+/// tools could not be had (said loudly).
+fn py() -> Option<&'static Py> {
+    static P: OnceLock<Option<Py>> = OnceLock::new();
+    P.get_or_init(|| {
+        // The simulated driver and the debug build the suites need.
+        artifacts();
+        let t = std::time::Instant::now();
+        let o = xtask_release("wheel")?;
+        assert!(o.status.success(), "cargo xtask wheel failed:\n{}", out(&o));
+        let wheel = PathBuf::from(stdout(&o).lines().last().unwrap_or_default().trim());
+        assert_eq!(
+            wheel,
+            target_dir().join("wheels").join(WHEEL),
+            "{}",
+            out(&o)
+        );
+        tell(&format!(
+            "cargo xtask wheel took {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
+        let venv = venv()?;
+        tell(&format!(
+            "installing {} into {}",
+            wheel.display(),
+            venv.display()
+        ));
+        pip(
+            &venv,
+            &["install", "--no-deps", "--force-reinstall"],
+            &[wheel.as_path()],
+        );
+        Some(Py { wheel, venv })
+    })
+    .as_ref()
+}
+
+fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
+    let cache = target_dir().join("cache/pip");
+    let o = Command::new(venv.join("bin/python"))
+        .args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
+        .args(args)
+        .args(more)
+        // Its cache, where it keeps one, under target/ and not in $HOME.
+        .env("PIP_CACHE_DIR", &cache)
+        // `pip wheel ./python` imports the build backend from the source
+        // tree, which is not the place for byte code.
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("running pip");
+    assert!(o.status.success(), "pip {args:?} {more:?}:\n{}", out(&o));
+}
+
+/// target/cache/wheel-venv with FROM_PYPI installed; None (said loudly)
+/// where no venv can be made.
+fn venv() -> Option<PathBuf> {
+    let cache = target_dir().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let _lock = MachineLock::at(&cache.join("wheel-venv.lock"));
+    let venv = cache.join("wheel-venv");
+    let stamp = venv.join("gpufrac-test-requirements");
+    let want = FROM_PYPI.join("\n");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+        return Some(venv);
+    }
+    let make = || {
+        Command::new("python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv)
+            .stdin(Stdio::null())
+            .output()
+    };
+    let mut o = make();
+    if !o.as_ref().is_ok_and(|o| o.status.success()) {
+        // Debian's python3 keeps venv (with ensurepip) in its own package.
+        let has_venv = || make().is_ok_and(|o| o.status.success());
+        if let Err(why) = apt_install(&["python3-venv"], has_venv) {
+            cannot(&format!("python3 -m venv does not work here: {why}"));
+            return None;
+        }
+        o = make();
+    }
+    let o = o.expect("running python3 -m venv");
+    assert!(o.status.success(), "python3 -m venv: {}", out(&o));
+    tell(&format!(
+        "installing {} from PyPI into {} (about 11 MB of downloads; pip's cache, if it keeps one, in {})",
+        FROM_PYPI.join(" "),
+        venv.display(),
+        cache.join("pip").display()
+    ));
+    let mut args = vec!["install"];
+    args.extend(FROM_PYPI);
+    pip(&venv, &args, &[]);
+    std::fs::write(&stamp, want).unwrap();
+    Some(venv)
+}
+
+/// A scratch copy of the suites (so that nothing is written into the
+/// source tree) and a directory for what their tests record.
+struct Run {
+    scratch: Scratch,
+}
+
+impl Run {
+    fn new(name: &str) -> Run {
+        let scratch = Scratch::new(name);
+        let suite = scratch.0.join("suite");
+        std::fs::create_dir_all(&suite).unwrap();
+        std::fs::create_dir_all(scratch.0.join("records")).unwrap();
+        let fixtures = Path::new(ROOT).join("tests/fixtures/pytest");
+        for e in std::fs::read_dir(&fixtures).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "py") {
+                std::fs::copy(&p, suite.join(p.file_name().unwrap())).unwrap();
+            }
+        }
+        Run { scratch }
+    }
+
+    fn suite(&self) -> PathBuf {
+        self.scratch.0.join("suite")
+    }
+
+    /// `venv/bin/python -m pytest ARGS` in the suite against a simulated
+    /// 16 GiB GPU of its own, with no broker.
+    fn pytest(&self, py: &Py, args: &[&str]) -> Command {
+        let mut c = self.command(py.python());
+        c.args(["-m", "pytest", "-p", "no:cacheprovider", "-rf"])
+            .args(args);
+        c
+    }
+
+    /// `program` in the suite's environment (see `pytest`).
+    fn command(&self, program: impl AsRef<Path>) -> Command {
+        let mut c = sim_command(program, "16G", false);
+        // gpufrac run decides whether the shim looks for a broker.
+        c.env_remove("GPUFRAC_BROKER")
+            .env("GPUFRAC_SOCKET", self.scratch.0.join("no-broker.sock"))
+            .env("GPUFRAC_SIM_STATE", self.scratch.0.join("sim-state"))
+            .env("GPUFRAC_TEST_DIR", self.scratch.0.join("records"))
+            .env("COLUMNS", "200")
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("PYTEST_ADDOPTS")
+            .env_remove("PYTHONPATH")
+            .current_dir(self.suite());
+        c
+    }
+
+    /// What the suite's test `name` recorded (gpu.record).
+    fn record(&self, name: &str) -> serde_json::Value {
+        let p = self.scratch.0.join("records").join(format!("{name}.json"));
+        let text = std::fs::read_to_string(&p)
+            .unwrap_or_else(|e| panic!("test {name} left no record at {}: {e}", p.display()));
+        serde_json::from_str(&text).unwrap()
+    }
+
+    fn records(&self) -> usize {
+        std::fs::read_dir(self.scratch.0.join("records"))
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "json"))
+            })
+            .count()
+    }
+}
+
+fn passed(o: &Output, summary: &str) {
+    assert!(
+        o.status.success() && stdout(o).contains(summary),
+        "expected {summary:?}:\n{}",
+        out(o)
+    );
+}
+
+#[test]
+fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
+    let Some(py) = py() else { return };
+    let o = Command::new(py.venv.join("bin/auditwheel"))
+        .arg("show")
+        .arg(&py.wheel)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "auditwheel show: {}", out(&o));
+    // auditwheel wraps its lines.
+    let said = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        said.contains(&format!(
+            "{WHEEL} is consistent with the following platform tag: \"manylinux_2_28_x86_64\""
+        )),
+        "{said}"
+    );
+
+    let o = Command::new(py.python())
+        .args([
+            "-c",
+            "import sys, zipfile; print('\\n'.join(zipfile.ZipFile(sys.argv[1]).namelist()))",
+        ])
+        .arg(&py.wheel)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    let mut names: Vec<String> = stdout(&o).lines().map(str::to_owned).collect();
+    names.sort();
+    let want: Vec<String> = [
+        "gpufrac-0.1.0.data/data/include/gpufrac.h",
+        "gpufrac-0.1.0.data/data/lib/libgpufrac.so",
+        "gpufrac-0.1.0.data/scripts/gpufrac",
+        "gpufrac-0.1.0.dist-info/LICENSE",
+        "gpufrac-0.1.0.dist-info/METADATA",
+        "gpufrac-0.1.0.dist-info/RECORD",
+        "gpufrac-0.1.0.dist-info/WHEEL",
+        "gpufrac-0.1.0.dist-info/entry_points.txt",
+        "gpufrac/__init__.py",
+        "gpufrac/pytest_plugin.py",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    assert_eq!(names, want);
+
+    // pip builds it from the source tree too (pyproject.toml's backend
+    // runs cargo xtask wheel), byte for byte the same.
+    let built = Scratch::new("wheel-pip");
+    let python_dir = Path::new(ROOT).join("python");
+    pip(
+        &py.venv,
+        &["wheel", "--no-deps", "--wheel-dir"],
+        &[built.0.as_path(), python_dir.as_path()],
+    );
+    assert!(
+        std::fs::read(built.0.join(WHEEL)).unwrap() == std::fs::read(&py.wheel).unwrap(),
+        "pip wheel ./python made another wheel than cargo xtask wheel"
+    );
+
+    // On the venv's PATH, where an activated venv (or a CI step naming
+    // venv/bin) finds it.
+    let bin = py.venv.join("bin/gpufrac");
+    let o = Command::new(&bin).arg("--version").output().unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    assert_eq!(stdout(&o).trim(), format!("gpufrac {VERSION}"));
+
+    // gpufrac run preloads the shim the wheel put in the venv.
+    let s = Scratch::new("wheel-run");
+    let mut c = sim_command(&bin, "16G", false);
+    c.env_remove("GPUFRAC_BROKER")
+        .args(["run", "--socket"])
+        .arg(s.0.join("no-broker.sock"))
+        .args(["--gpu-memory", "1G", "--", "sh", "-c"])
+        .arg(format!(
+            "echo preload=$LD_PRELOAD; exec {} ctx info",
+            artifacts().probe.display()
+        ));
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    let shim = py.venv.join("lib/libgpufrac.so").canonicalize().unwrap();
+    assert!(
+        stdout(&o).contains(&format!("preload={}\n", shim.display())),
+        "{}",
+        out(&o)
+    );
+    assert_eq!(num(&line(&o, "info", 0), "total"), GIB, "{}", out(&o));
+
+    // The package knows where its binary is without PATH, and the plugin
+    // is registered by installing it.
+    let o = Command::new(py.python())
+        .args([
+            "-c",
+            "import gpufrac, importlib.metadata as m; print(gpufrac.binary()); \
+             print([e.value for e in m.entry_points(group='pytest11') if e.name == 'gpufrac'])",
+        ])
+        .env_remove("PYTHONPATH")
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    assert_eq!(
+        stdout(&o),
+        format!(
+            "{}\n['gpufrac.pytest_plugin']\n",
+            bin.canonicalize().unwrap().display()
+        )
+    );
+}
+
+#[test]
+fn four_workers_each_capped_at_a_quarter_hold_memory_at_the_same_time() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-quarters");
+    // The README's command.
+    let o = r
+        .pytest(
+            py,
+            &["-n", "4", "--gpufrac-memory", "8G", "test_quarters.py"],
+        )
+        .output()
+        .unwrap();
+    passed(&o, "4 passed");
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: GPU memory budget 8.00 GiB, 4 workers capped at 2.00 GiB each; \
+             a gpufrac job without a broker"
+        ),
+        "{}",
+        out(&o)
+    );
+    let mut workers = BTreeSet::new();
+    for n in 0..4 {
+        let rec = r.record(&format!("quarter-{n}"));
+        workers.insert(rec["worker"].as_str().unwrap().to_owned());
+        assert_eq!(rec["cap_env"], (2 * GIB).to_string(), "{rec}");
+        // What CUDA tells the worker: its own cap.
+        assert_eq!(rec["total"], 2 * GIB, "{rec}");
+        // Past the barrier all four held 1.5 GiB: 6 GiB on the device.
+        assert_eq!(rec["together"], 6 * GIB, "{rec}");
+        // 768 MiB more would fit the run's 8 GiB, not the worker's 2 GiB.
+        assert_eq!(rec["refused"], "CUDA_ERROR_OUT_OF_MEMORY", "{rec}");
+    }
+    assert_eq!(
+        workers,
+        ["gw0", "gw1", "gw2", "gw3"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    );
+}
+
+#[test]
+fn shared_split_lets_one_worker_take_more_than_its_share_of_one_budget() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-shared");
+    let args = [
+        "-n",
+        "2",
+        "--gpufrac-memory",
+        "2G",
+        "--gpufrac-split",
+        "shared",
+        "test_shared.py",
+    ];
+    let o = r.pytest(py, &args).output().unwrap();
+    passed(&o, "2 passed");
+    assert!(
+        stdout(&o).contains("gpufrac: GPU memory budget 2.00 GiB, shared by 2 workers"),
+        "{}",
+        out(&o)
+    );
+    let (big, small) = (r.record("big"), r.record("small"));
+    assert_ne!(big["worker"], small["worker"], "one worker ran both");
+    // Each worker may use the whole budget...
+    assert_eq!(big["cap_env"], (2 * GIB).to_string());
+    // ...which one took 1.5 GiB of: 1 GiB more is refused by the books
+    // they share, 512 MiB is not (test_shared.py).
+    assert_eq!(small["refused"], "CUDA_ERROR_OUT_OF_MEMORY", "{small}");
+}
+
+fn report_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The report's tests of test_report.py, checked for their peaks, largest
+/// first.
+fn exact_peaks(j: &serde_json::Value) -> &Vec<serde_json::Value> {
+    let tests = j["tests"].as_array().unwrap();
+    let peaks: Vec<(&str, u64)> = tests
+        .iter()
+        .map(|t| {
+            (
+                t["nodeid"].as_str().unwrap(),
+                t["peak_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        peaks,
+        [
+            ("test_report.py::test_256m", 256 * MIB),
+            ("test_report.py::test_two_blocks_192m", 192 * MIB),
+            ("test_report.py::test_64m", 64 * MIB),
+            ("test_report.py::test_nothing", 0),
+        ],
+        "{j}"
+    );
+    tests
+}
+
+#[test]
+fn report_lists_tests_by_peak_and_writes_them_as_json() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-report");
+    let json = r.scratch.0.join("gpu-mem.json");
+    // No budget: measuring only, to pick one.
+    let o = r
+        .pytest(
+            py,
+            &["-n", "2", "--gpufrac-report", "--gpufrac-report-json"],
+        )
+        .arg(&json)
+        .arg("test_report.py")
+        .output()
+        .unwrap();
+    passed(&o, "4 passed");
+    let text = stdout(&o);
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("test_report.py::"))
+        .collect();
+    let order: Vec<&str> = lines
+        .iter()
+        .map(|l| l.split("::").nth(1).unwrap().trim())
+        .collect();
+    assert_eq!(
+        order,
+        [
+            "test_256m",
+            "test_two_blocks_192m",
+            "test_64m",
+            "test_nothing"
+        ],
+        "{text}"
+    );
+    assert!(lines[0].trim_start().starts_with("256.00 MiB"), "{text}");
+    assert!(lines[1].trim_start().starts_with("192.00 MiB"), "{text}");
+
+    let j = report_json(&json);
+    assert_eq!(j["budget_bytes"], 0, "{j}");
+    assert_eq!(j["workers"], 2, "{j}");
+    let tests = exact_peaks(&j);
+    for t in tests {
+        assert_eq!(t["outcome"], "passed", "{t}");
+        assert_eq!(t["end_bytes"], 0, "{t}");
+        let worker = t["worker"].as_str().unwrap();
+        let recorded = match t["nodeid"].as_str().unwrap() {
+            "test_report.py::test_256m" => "256m",
+            "test_report.py::test_two_blocks_192m" => "192m",
+            "test_report.py::test_64m" => "64m",
+            _ => "nothing",
+        };
+        assert_eq!(r.record(recorded)["worker"], worker, "{t}");
+    }
+    // Each worker's peak is its largest test's.
+    let per_worker = j["per_worker"].as_array().unwrap();
+    assert_eq!(per_worker.len(), 2, "{j}");
+    for w in per_worker {
+        let name = w["worker"].as_str().unwrap();
+        let most = tests
+            .iter()
+            .filter(|t| t["worker"] == name)
+            .map(|t| t["peak_bytes"].as_u64().unwrap())
+            .max()
+            .unwrap_or(0);
+        assert_eq!(w["peak_bytes"], most, "{w}");
+        assert_eq!(w["cap_bytes"], 0, "{w}");
+    }
+
+    // Without xdist: the one process, under a cap, its tests' peaks apart
+    // although they ran one after the other, largest first; in the text
+    // report and in JUnit XML.
+    let r = Run::new("wheel-report-one");
+    let (junit, json) = (r.scratch.0.join("junit.xml"), r.scratch.0.join("one.json"));
+    let o = r
+        .pytest(
+            py,
+            &["--gpufrac-memory", "1G", "--gpufrac-report", "--junitxml"],
+        )
+        .arg(&junit)
+        .arg("--gpufrac-report-json")
+        .arg(&json)
+        .arg("test_report.py")
+        .output()
+        .unwrap();
+    passed(&o, "4 passed");
+    let j = report_json(&json);
+    assert!(exact_peaks(&j).iter().all(|t| t["worker"] == "main"), "{j}");
+    let xml = std::fs::read_to_string(&junit).unwrap();
+    let case = xml
+        .split("<testcase ")
+        .find(|c| c.contains("name=\"test_256m\""))
+        .unwrap_or_else(|| panic!("no test_256m in {xml}"));
+    assert!(
+        case.contains(&format!(
+            "<property name=\"gpufrac_peak_bytes\" value=\"{}\"",
+            256 * MIB
+        )),
+        "{case}"
+    );
+    let text = stdout(&o);
+    assert!(
+        text.contains("gpufrac: GPU memory budget 1.00 GiB, one process"),
+        "{text}"
+    );
+    let main = text
+        .lines()
+        .find(|l| l.starts_with("main "))
+        .unwrap_or_else(|| panic!("no per-worker line for the one process:\n{text}"));
+    let cols: Vec<&str> = main.split_whitespace().collect();
+    assert_eq!(
+        cols,
+        ["main", "1.00", "GiB", "256.00", "MiB", "4", "0"],
+        "{text}"
+    );
+}
+
+#[test]
+fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-oom");
+    let o = r
+        .pytest(py, &["-n", "2", "--gpufrac-memory", "2G", "test_oom.py"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", out(&o));
+    let text = stdout(&o);
+    assert!(text.contains("1 failed, 3 passed"), "{text}");
+    let worker = r.record("too-big")["worker"].as_str().unwrap().to_owned();
+    assert!(
+        text.contains(&format!(
+            "FAILED test_oom.py::test_too_big - [gpufrac: {worker} over its 1.00 GiB cap] \
+             gpu.CudaError: CUDA call failed: CUDA_ERROR_OUT_OF_MEMORY"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "This test ran out of GPU memory under worker {worker}'s cap of 1.00 GiB \
+             (--gpufrac-memory 2G split 2 ways)."
+        )),
+        "{text}"
+    );
+    for n in 0..3 {
+        r.record(&format!("fits-{n}"));
+    }
+}
+
+#[test]
+fn with_a_broker_the_run_waits_for_its_budget_behind_another_job_then_runs() {
+    let Some(py) = py() else { return };
+    let b = Broker::start("8G", &[]);
+    let r = Run::new("wheel-queue");
+    let d = r.scratch.0.clone();
+    // Another CI job on the same GPU: 6 of its 8 GiB, held until told.
+    let script = format!(
+        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/a.env.tmp && mv {d}/a.env.tmp {d}/a.env; \
+         while [ ! -e {d}/a.stop ]; do sleep 0.02; done",
+        d = d.display()
+    );
+    let mut a = sim_command(py.venv.join("bin/gpufrac"), &b.devices, false);
+    let a = a
+        .env_remove("GPUFRAC_BROKER")
+        .env("GPUFRAC_SIM_STATE", &b.state)
+        .arg("run")
+        .arg("--socket")
+        .arg(&b.socket)
+        .args(["--gpu-memory", "6G", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_started(&d, "a");
+
+    let json = d.join("gpu-mem.json");
+    let mut cmd = r.pytest(
+        py,
+        &["-n", "2", "--gpufrac-memory", "4G", "--gpufrac-report-json"],
+    );
+    let (log_out, log_err) = (d.join("pytest.out"), d.join("pytest.err"));
+    cmd.arg(&json)
+        .arg("test_report.py")
+        .env("GPUFRAC_SOCKET", &b.socket)
+        .env("GPUFRAC_SIM_STATE", &b.state)
+        .stdout(std::fs::File::create(&log_out).unwrap())
+        .stderr(std::fs::File::create(&log_err).unwrap());
+    let mut pytest = KillOnDrop(cmd.spawn().unwrap());
+    wait_until(60.0, "the test run to queue behind the other job", || {
+        b.status()["queue"].as_array().unwrap().len() == 1
+    });
+    let s = b.status();
+    assert_eq!(s["queue"][0]["wants"], "4.00 GiB of GPU memory", "{s:#}");
+    // Queued before anything ran: no test has started.
+    assert_eq!(r.records(), 0, "tests ran while the run was queued");
+
+    release(&d, "a", a);
+    let o = Output {
+        status: pytest.0.wait().unwrap(),
+        stdout: std::fs::read(&log_out).unwrap(),
+        stderr: std::fs::read(&log_err).unwrap(),
+    };
+    passed(&o, "4 passed");
+    assert!(
+        stderr(&o).contains("gpufrac: this run is a gpufrac job: it waits in the broker's queue"),
+        "{}",
+        out(&o)
+    );
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: GPU memory budget 4.00 GiB, 2 workers capped at 2.00 GiB each; \
+             a gpufrac job with the broker"
+        ),
+        "{}",
+        out(&o)
+    );
+    let j = report_json(&json);
+    assert_eq!(j["broker"], true, "{j}");
+    assert_eq!(j["budget_bytes"], 4 * GIB, "{j}");
+    assert_eq!(j["cap_bytes"], 2 * GIB, "{j}");
+    assert_eq!(j["tests"].as_array().unwrap().len(), 4, "{j}");
+    // The lease ended with the run.
+    wait_until(20.0, "the run's lease to end", || {
+        b.status()["leases"].as_array().is_none_or(|l| l.is_empty())
+    });
+}
+
+#[test]
+fn plain_pytest_n_auto_splits_the_budget_among_as_many_workers_as_xdist_starts() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-auto");
+    // docs/ci.md's plain recipe.
+    let o = r
+        .pytest(
+            py,
+            &["-n", "auto", "--gpufrac-memory", "6G", "test_report.py"],
+        )
+        .output()
+        .unwrap();
+    passed(&o, "4 passed");
+    let text = stdout(&o);
+    let n: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("created: "))
+        .and_then(|l| l.split('/').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("xdist did not say how many workers it created:\n{text}"));
+    // The plugin rounds a share down to whole MiB.
+    let cap = (6 * GIB / n) >> 20 << 20;
+    let want = format!(
+        "{n} workers capped at {} each",
+        gpufrac_common::size::format_size(cap)
+    );
+    assert!(text.contains(&want), "{want:?} missing:\n{text}");
+}
+
+#[test]
+fn inside_a_gpufrac_run_job_the_plugin_splits_that_jobs_cap_instead_of_starting_another() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-in-job");
+    // A CI step that wraps the whole command, asking the plugin for more
+    // than the job has.
+    let o = r
+        .command(py.venv.join("bin/gpufrac"))
+        .arg("run")
+        .arg("--socket")
+        .arg(r.scratch.0.join("no-broker.sock"))
+        .args(["--gpu-memory", "4G", "--"])
+        .arg(py.python())
+        .args(["-m", "pytest", "-p", "no:cacheprovider", "-n", "2"])
+        .args(["--gpufrac-memory", "8G", "test_report.py"])
+        .output()
+        .unwrap();
+    passed(&o, "4 passed");
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: GPU memory budget 4.00 GiB, 2 workers capped at 2.00 GiB each; \
+             a gpufrac job without a broker"
+        ),
+        "{}",
+        out(&o)
+    );
+    for t in ["nothing", "64m", "192m", "256m"] {
+        assert_eq!(r.record(t)["cap_env"], (2 * GIB).to_string());
+    }
+}
