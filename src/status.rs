@@ -76,6 +76,10 @@ leases: jobs that hold GPUs or memory
   HELD             how long it has held them
   COMMAND          as above
 
+A broker that started from a state file it could not trust (corrupt,
+truncated, another user's) first says so, and for how long more it holds
+new placements while running jobs claim their leases back.
+
 Under gpufrac broker --mps a first line describes the MPS control daemon:
 its state (starting; running; failed: it would not start, or kept dying
 after five restarts; stopped), its pipe directory, pid and restarts.
@@ -159,6 +163,9 @@ pub fn main(args: StatusArgs) -> u8 {
 /// The table view.
 pub fn render(s: &Status) -> String {
     let mut out = String::new();
+    if let Some(r) = &s.recovery {
+        let _ = writeln!(out, "RECOVERING: {r}\n");
+    }
     if let Some(m) = &s.mps {
         let _ = writeln!(
             out,
@@ -758,6 +765,18 @@ mod tests {
                 "status --help does not explain the state {state}"
             );
         }
+    }
+
+    #[test]
+    fn a_recovering_broker_says_so_first() {
+        let mut s = sample();
+        s.recovery = Some("the state file is unusable; 12 s more".into());
+        let t = render(&s);
+        assert!(
+            t.starts_with("RECOVERING: the state file is unusable; 12 s more\n"),
+            "{t}"
+        );
+        assert!(!render(&sample()).contains("RECOVERING"));
     }
 
     #[test]
