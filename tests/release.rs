@@ -7,8 +7,11 @@
 //!
 //! The tarball is a release build with cargo-zigbuild; it is made once per
 //! run of this file, in the workspace's target/dist (so a second run only
-//! relinks what changed). cargo-zigbuild and zig are installed from PyPI
-//! into target/dist-tools when they are missing.
+//! relinks what changed), and written there too (`--out-dir`), not to the
+//! repository's dist/. cargo-zigbuild and zig are installed from PyPI into
+//! the test cache when they are missing (docs/testing.md). These are
+//! engine tests: GPUFRAC_TEST_ENGINES=0 skips the ones that need the
+//! tarball.
 
 mod support;
 
@@ -32,34 +35,28 @@ fn cargo() -> Command {
     c
 }
 
-/// The workspace's target directory, as xtask finds it.
-fn target_dir() -> PathBuf {
-    let o = cargo()
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .expect("running cargo metadata");
-    assert!(o.status.success(), "cargo metadata: {}", stderr(&o));
-    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    PathBuf::from(m["target_directory"].as_str().unwrap())
+const WHAT: &str = "the release tests (cargo xtask dist with zig)";
+
+/// Where cargo-zigbuild and zig are installed for these tests: a
+/// `pip install --target` in the test cache, which touches no Python
+/// environment.
+fn zig_tools() -> PathBuf {
+    test_cache().join("zig")
 }
 
-/// A prerequisite that could not be installed: loud, and a failure in CI,
-/// where the machine can always install it and a skipped release test
-/// would hide a broken release.
-fn cannot(what: &str) {
-    let msg = format!("SKIPPED: {what}");
-    if std::env::var_os("CI").is_some() {
-        panic!("{msg} (CI is set, so this is a failure)");
+/// Installs cargo-zigbuild and zig into `zig_tools()`; Err says why it
+/// could not.
+fn install_zig_tools() -> Result<(), String> {
+    let tools = zig_tools();
+    let _lock = MachineLock::at(&test_cache().join("zig.lock"));
+    if tools.join("bin/cargo-zigbuild").exists() {
+        return Ok(());
     }
-    eprintln!("\n========\n{msg}\n========\n");
-}
-
-/// Installs cargo-zigbuild and zig into target/dist-tools, where xtask
-/// looks; Err says why it could not.
-fn install_zig_tools(target: &Path) -> Result<(), String> {
-    let tools = target.join("dist-tools");
-    std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
-    let _lock = MachineLock::at(&target.join("dist-tools.lock"));
+    say(&format!(
+        "downloading ziglang and cargo-zigbuild from PyPI (about 420 MB installed) into {}, \
+         for {WHAT}",
+        tools.display()
+    ));
     let o = Command::new("python3")
         .args([
             "-m",
@@ -85,26 +82,53 @@ fn install_zig_tools(target: &Path) -> Result<(), String> {
     }
 }
 
-fn run_dist() -> Output {
-    cargo()
-        .args(["xtask", "dist"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("running cargo xtask dist")
+/// Where the test's tarball goes: under target/, beside the objects xtask
+/// builds it from.
+fn out_dir() -> PathBuf {
+    target_dir().join("dist")
 }
 
-/// The tarball `cargo xtask dist` made, once per run; None when its tools
-/// could not be had (said loudly).
+/// `cargo xtask dist --out-dir …`, finding the cache's cargo-zigbuild on
+/// PATH and its zig through PYTHONPATH (cargo-zigbuild falls back to
+/// `python3 -m ziglang`) once they are installed there.
+fn run_dist() -> Output {
+    let mut c = cargo();
+    c.args(["xtask", "dist", "--out-dir"])
+        .arg(out_dir())
+        .stdin(Stdio::null());
+    let tools = zig_tools();
+    if tools.join("bin/cargo-zigbuild").exists() {
+        let mut path = std::ffi::OsString::from(tools.join("bin"));
+        if let Some(p) = std::env::var_os("PATH") {
+            path.push(":");
+            path.push(p);
+        }
+        let mut pythonpath = std::ffi::OsString::from(&tools);
+        if let Some(p) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+            pythonpath.push(":");
+            pythonpath.push(p);
+        }
+        c.env("PATH", path).env("PYTHONPATH", pythonpath);
+    }
+    c.output().expect("running cargo xtask dist")
+}
+
+/// The tarball `cargo xtask dist` made, once per run; None when the engine
+/// tests are skipped or its tools could not be had (said loudly).
 fn tarball() -> Option<&'static Path> {
     static T: OnceLock<Option<PathBuf>> = OnceLock::new();
     T.get_or_init(|| {
+        if !engines_wanted(WHAT) {
+            return None;
+        }
         let t = std::time::Instant::now();
         let mut o = run_dist();
         if !o.status.success() && stderr(&o).contains("did not find both") {
-            if let Err(e) = install_zig_tools(&target_dir()) {
-                cannot(&format!(
-                    "the release tests need cargo-zigbuild and zig, and they could not be installed: {e}"
-                ));
+            if let Err(e) = install_zig_tools() {
+                cannot(
+                    WHAT,
+                    &format!("cargo-zigbuild and zig could not be installed: {e}"),
+                );
                 return None;
             }
             o = run_dist();
@@ -118,9 +142,12 @@ fn tarball() -> Option<&'static Path> {
             "{}",
             out(&o)
         );
-        assert_eq!(path.parent(), Some(Path::new(ROOT).join("dist").as_path()));
+        assert_eq!(path.parent(), Some(out_dir().as_path()));
         assert!(path.is_file(), "{} is missing", path.display());
-        eprintln!("cargo xtask dist took {:.1} s", t.elapsed().as_secs_f64());
+        say(&format!(
+            "cargo xtask dist took {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
         Some(path)
     })
     .as_deref()
@@ -414,12 +441,9 @@ fn systemd_analyze() -> bool {
     if have() {
         return true;
     }
-    match apt_install(&["systemd"], have) {
+    match apt_install("systemd-analyze in the release tests", &["systemd"], have) {
         Ok(()) => true,
-        Err(why) => {
-            cannot(&format!("systemd-analyze is missing: {why}"));
-            false
-        }
+        Err(why) => cannot(WHAT, &format!("systemd-analyze is missing: {why}")),
     }
 }
 
