@@ -3,7 +3,7 @@
 //! non-blocking with its own bounded output buffer, so a slow or stuck
 //! client can only lose its own connection, never stall the others.
 
-use crate::inventory::{self, Nvml, uuid_string};
+use crate::inventory::{self, Nvml};
 use crate::jobs::{self, Job, Phase, StateFile};
 use crate::mig::{self, Step, Use};
 use crate::mig_nvml::{MigDriver, NvmlMig};
@@ -11,7 +11,9 @@ use crate::queue::{self, Pinned, Placement, Queue, QueueConfig, Want};
 use crate::sched::{Action, ClientState, GroupId, Priority, SchedConfig, Scheduler};
 use crate::status::{GpuStatus, LeaseEntry, ProcStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg, parse_uuid};
+use gpufrac_common::wire::{
+    self, ClientMsg, DecodeError, Role, ServerMsg, parse_uuid, uuid_string,
+};
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token};

@@ -258,7 +258,10 @@ pub fn ensure_docker() -> bool {
             return true;
         }
         if !is_root() {
-            return cannot("the Docker tests", "dockerd is not running and we are not root");
+            return cannot(
+                "the Docker tests",
+                "dockerd is not running and we are not root",
+            );
         }
         let host = docker_daemon();
         DOCKER_HOST.set(Some(host)).unwrap();

@@ -548,7 +548,11 @@ pub fn test_cache() -> PathBuf {
 /// machine cannot (not root, no apt-get); on a machine that can, a failed
 /// installation panics with what apt-get said, since a skip there would
 /// hide it.
-pub fn apt_install(what: &str, packages: &[&str], present: impl Fn() -> bool) -> Result<(), String> {
+pub fn apt_install(
+    what: &str,
+    packages: &[&str],
+    present: impl Fn() -> bool,
+) -> Result<(), String> {
     if present() {
         return Ok(());
     }

@@ -78,7 +78,7 @@ pub fn tools() -> Result<Tools, String> {
     apt_install("the Slurm test", &["slurm-wlm", "munge"], || {
         missing(&dirs).is_empty()
     })
-        .map_err(|why| format!("{} missing: {why}", missing(&dirs).join(", ")))?;
+    .map_err(|why| format!("{} missing: {why}", missing(&dirs).join(", ")))?;
     let still = missing(&dirs);
     assert!(
         still.is_empty(),
