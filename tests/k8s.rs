@@ -922,6 +922,17 @@ fn the_deploy_manifests_agree_with_the_plugin() {
 /// 1: `Ok(answered)` once the response headers and message came, or
 /// `Err(code)` of a RST_STREAM.
 fn call_with_authority(socket: &Path, authority: &str) -> Result<(), u32> {
+    call_with_authority_and_path(
+        socket,
+        authority,
+        "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+    )
+}
+
+const PROTOCOL_ERROR: u32 = 1;
+
+/// `call_with_authority` with any `:path`.
+fn call_with_authority_and_path(socket: &Path, authority: &str, path: &str) -> Result<(), u32> {
     use std::io::{Read, Write};
     const DATA: u8 = 0;
     const HEADERS: u8 = 1;
@@ -944,7 +955,7 @@ fn call_with_authority(socket: &Path, authority: &str) -> Result<(), u32> {
     for (name, value) in [
         (":method", "POST"),
         (":scheme", "http"),
-        (":path", "/v1beta1.DevicePlugin/GetDevicePluginOptions"),
+        (":path", path),
         (":authority", authority),
         ("content-type", "application/grpc"),
         ("te", "trailers"),
@@ -992,33 +1003,131 @@ fn call_with_authority(socket: &Path, authority: &str) -> Result<(), u32> {
     }
 }
 
-/// docs/k8s.md's limit, shown: the plugin's HTTP/2 server (hyper's h2)
-/// refuses a call whose `:authority` is the socket path before the plugin
-/// sees it (RST_STREAM, PROTOCOL_ERROR), and answers the same call with
-/// `localhost`, which the kubelet sends since 1.26 and grpcurl sends with
-/// `-authority localhost`. If this starts to answer the path, the limit is
-/// gone: say so in docs/k8s.md.
+/// Clients that name the socket's path as `:authority` (gRPC's C core:
+/// Python's grpcio, grpc-java, older grpcurl), which hyper's h2 alone would
+/// refuse with RST_STREAM PROTOCOL_ERROR, are answered like the kubelet,
+/// which sends `localhost`; and a client whose request is broken is still
+/// refused.
 #[test]
-fn a_client_naming_the_socket_path_as_authority_is_refused_localhost_answers() {
-    const PROTOCOL_ERROR: u32 = 1;
+fn a_client_naming_the_socket_path_as_authority_is_answered() {
     let mut kubelet = Kubelet::started();
     let plugin = Plugin::start(&kubelet, &[]);
     let r = kubelet.registration(&plugin);
     let socket = kubelet.path().join(&r.endpoint);
-    assert_eq!(call_with_authority(&socket, "localhost"), Ok(()));
     let path = socket.to_str().unwrap();
+    assert_eq!(call_with_authority(&socket, "localhost"), Ok(()));
     assert_eq!(
         call_with_authority(&socket, path),
-        Err(PROTOCOL_ERROR),
-        "the socket path as authority"
+        Ok(()),
+        "the socket path"
     );
     // As gRPC's C core spells it since 1.57.
     let encoded = path.replace('/', "%2F");
     assert_eq!(
         call_with_authority(&socket, &encoded),
-        Err(PROTOCOL_ERROR),
-        "the percent-encoded socket path as authority"
+        Ok(()),
+        "the percent-encoded socket path"
     );
-    // And the plugin is none the worse for it.
-    assert_eq!(call_with_authority(&socket, "localhost"), Ok(()));
+    // h2's own checks still apply: a request without :path is refused.
+    assert_eq!(
+        call_with_authority_and_path(&socket, path, ""),
+        Err(PROTOCOL_ERROR),
+        "an empty :path"
+    );
+}
+
+/// Python with grpcio (gRPC's C core) in a venv in the test cache,
+/// installed from PyPI on first use; None (said loudly) where it cannot be
+/// had or GPUFRAC_TEST_ENGINES=0.
+fn grpcio_python() -> Option<PathBuf> {
+    const WHAT: &str = "the grpcio client test of the device plugin";
+    if !engines_wanted(WHAT) {
+        return None;
+    }
+    let venv = test_cache().join("grpcio");
+    let python = venv.join("bin/python3");
+    let works = || {
+        Command::new(&python)
+            .args(["-c", "import grpc"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let _lock = MachineLock::at(&test_cache().join("grpcio.lock"));
+    if works() {
+        return Some(python);
+    }
+    say(&format!(
+        "downloading grpcio from PyPI (about 6 MB) into a venv at {}, for {WHAT}",
+        venv.display()
+    ));
+    let run = |cmd: &mut Command| -> Result<(), String> {
+        let o = cmd
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
+        if o.status.success() {
+            Ok(())
+        } else {
+            Err(format!("{cmd:?} failed: {}{}", stdout(&o), stderr(&o)))
+        }
+    };
+    let made = run(Command::new("python3").args(["-m", "venv"]).arg(&venv)).and_then(|()| {
+        run(Command::new(venv.join("bin/pip")).args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "grpcio",
+        ]))
+    });
+    match made {
+        Ok(()) if works() => Some(python),
+        Ok(()) => {
+            cannot(WHAT, "grpcio installed, but `import grpc` fails");
+            None
+        }
+        Err(e) => {
+            cannot(WHAT, &e);
+            None
+        }
+    }
+}
+
+/// The client the issue was about: Python's grpcio, which names the socket
+/// path as `:authority`, calls the plugin with its defaults and with the
+/// path set explicitly, and gets the plugin's options (field 2,
+/// get_preferred_allocation_available = true: bytes 10 01).
+#[test]
+fn python_grpcio_calls_the_plugin() {
+    let Some(python) = grpcio_python() else {
+        return;
+    };
+    let mut kubelet = Kubelet::started();
+    let plugin = Plugin::start(&kubelet, &[]);
+    let r = kubelet.registration(&plugin);
+    let socket = kubelet.path().join(&r.endpoint);
+    let script = r#"
+import sys, grpc
+path = sys.argv[1]
+for options in ([], [("grpc.default_authority", path)]):
+    with grpc.insecure_channel("unix:" + path, options=options) as ch:
+        call = ch.unary_unary("/v1beta1.DevicePlugin/GetDevicePluginOptions")
+        print("options", call(b"", timeout=20).hex())
+"#;
+    let o = Command::new(&python)
+        .args(["-c", script])
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "grpcio's call failed:\n{}{}\nthe plugin's log:\n{}",
+        stdout(&o),
+        stderr(&o),
+        plugin.log()
+    );
+    assert_eq!(stdout(&o), "options 1001\noptions 1001\n");
 }

@@ -15,10 +15,12 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::api;
+use crate::authority::FixAuthority;
 use crate::devices::{Inventory, Resource};
 use crate::leases::{Leases, list_pods};
 use crate::service::{Service, Shared, options};
@@ -300,9 +302,12 @@ impl Node {
         let task = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-                    let _ = until.wait_for(|s| *s).await;
-                }),
+                .serve_with_incoming_shutdown(
+                    UnixListenerStream::new(listener).map(|c| c.map(FixAuthority::new)),
+                    async move {
+                        let _ = until.wait_for(|s| *s).await;
+                    },
+                ),
         );
         Ok(Running { bound, stop, task })
     }
