@@ -33,7 +33,8 @@ const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
 /// What the server (h2's defaults, which the plugin keeps) accepts as a
-/// frame: SETTINGS_MAX_FRAME_SIZE.
+/// frame: SETTINGS_MAX_FRAME_SIZE. It also bounds what is held per
+/// connection.
 const MAX_FRAME: usize = 16_384;
 /// The largest dynamic table a client may ask for. The server advertises
 /// no SETTINGS_HEADER_TABLE_SIZE, so clients keep to the default 4096; a
@@ -122,6 +123,12 @@ impl<S> FixAuthority<S> {
                     let h = &self.input[..9];
                     let len =
                         (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+                    if len > MAX_FRAME {
+                        // The server refuses it (FRAME_SIZE_ERROR) and
+                        // closes: no need to hold up to 16 MiB for that.
+                        self.phase = Phase::Raw;
+                        continue;
+                    }
                     if self.input.len() < 9 + len {
                         return Ok(());
                     }
@@ -480,7 +487,16 @@ mod tests {
         padded.extend_from_slice(&[0, 0, 0]);
         let mut client = PREFACE.to_vec();
         client.extend(frame(HEADERS, PADDED | PRIORITY, 5, &padded));
-        client.extend(frame(CONTINUATION, END_HEADERS, 5, b));
+        let pieces: Vec<&[u8]> = b.chunks(MAX_FRAME).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            let last = i + 1 == pieces.len();
+            client.extend(frame(
+                CONTINUATION,
+                if last { END_HEADERS } else { 0 },
+                5,
+                piece,
+            ));
+        }
         let f = frames(&through(&client, 5).unwrap());
         assert_eq!(f.len(), 2, "HEADERS and one CONTINUATION");
         assert_eq!((f[0].0, f[0].1, f[0].2), (HEADERS, PRIORITY, 5));
@@ -496,6 +512,12 @@ mod tests {
     fn what_is_not_http2_passes_and_what_is_broken_closes() {
         let http1 = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
         assert_eq!(through(http1, 3).unwrap(), http1);
+        // A frame larger than the server takes goes on as it is, for the
+        // server to refuse, and so does everything after it.
+        let mut client = PREFACE.to_vec();
+        client.extend(frame(0x0, 0, 1, &vec![7; MAX_FRAME + 1]));
+        client.extend(frame(HEADERS, END_HEADERS, 1, &[0xff, 0x7f]));
+        assert_eq!(through(&client, 1000).unwrap(), client);
         // A truncated frame at the end reaches the server as it was sent.
         let mut client = PREFACE.to_vec();
         client.extend_from_slice(&frame(0x4, 0, 0, &[0; 6])[..12]);
