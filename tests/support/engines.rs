@@ -284,7 +284,7 @@ fn docker_daemon() -> String {
     let host = format!("unix://{}", socket.display());
     let _start = MachineLock::at(&run.join("dockerd-start.lock"));
     // Held until this process exits: leaked on purpose.
-    std::mem::forget(shared_lock(&run.join("dockerd-users.lock")));
+    std::mem::forget(MachineLock::shared_at(&run.join("dockerd-users.lock")));
     if docker_answers(Some(&host)) {
         return host;
     }
@@ -349,22 +349,6 @@ echo "gpufrac tests: dockerd stopped"
     // Not waited for: it outlives this process on purpose.
     std::mem::forget(child);
     host
-}
-
-/// A shared flock on `path`, opened close-on-exec so that no child (the
-/// shell that stops dockerd above all) inherits it.
-fn shared_lock(path: &Path) -> std::fs::File {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
-    // SAFETY: a valid descriptor; flock blocks until the lock is ours.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH) };
-    assert_eq!(rc, 0, "flock {}", path.display());
-    f
 }
 
 /// Podman installed (it has no daemon). False, after a loud message,

@@ -187,7 +187,7 @@ pub fn wait_until(secs: f64, what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-/// A scratch directory under target/, removed on drop.
+/// A scratch directory under the temp dir, removed on drop.
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
@@ -442,7 +442,18 @@ impl MachineLock {
 
     /// The lock on the file at `path`.
     pub fn at(path: &Path) -> MachineLock {
+        Self::flock(path, libc::LOCK_EX)
+    }
+
+    /// A shared lock on the file at `path`: many holders at once, none
+    /// while someone holds it exclusively.
+    pub fn shared_at(path: &Path) -> MachineLock {
+        Self::flock(path, libc::LOCK_SH)
+    }
+
+    fn flock(path: &Path, op: libc::c_int) -> MachineLock {
         use std::os::fd::AsRawFd;
+        // Opened close-on-exec (std's default): no child inherits the lock.
         let f = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -450,7 +461,7 @@ impl MachineLock {
             .open(path)
             .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
         // SAFETY: a valid descriptor; flock blocks until the lock is ours.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
         assert_eq!(rc, 0, "flock {}", path.display());
         MachineLock(f)
     }
