@@ -50,7 +50,6 @@ const REQUIRED_NODES: &[&str] = &["nvidiactl"];
 /// Nodes passed when the host has them: unified memory (which CUDA needs;
 /// the driver creates it on first use), its tools node and modeset.
 const OPTIONAL_NODES: &[&str] = &["nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"];
-/// Where the kernel module says which `/dev/nvidiaN` belongs to which GPU.
 
 const GENERATE_EXAMPLES: &str = "\
 Examples:
