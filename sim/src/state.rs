@@ -2,7 +2,7 @@
 //! per-process simulator singleton.
 //!
 //! The shared mapping holds only atomics. Its one lock, each device engine's
-//! (engine.rs), is taken over from a holder that died, so a process killed
+//! (engine/lock.rs), is taken over from a holder that died, so a process killed
 //! at any instruction cannot wedge the others. Each process owns a slot that
 //! mirrors its share of `used`; slots of dead processes are reaped (their
 //! memory returned) the way a real driver frees a dead process's memory.
