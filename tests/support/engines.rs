@@ -274,7 +274,7 @@ pub fn ensure_docker() -> bool {
 ///
 /// It is stopped when no test process needs it any more, however those
 /// processes end (a panic, ^C, SIGKILL): each one holds a shared lock on
-/// `users.lock` for as long as it lives (the kernel drops it with the
+/// `dockerd-users.lock` for as long as it lives (the kernel drops it with the
 /// process), and the shell that started dockerd waits for an exclusive lock
 /// on that file, then stops dockerd, holding the lock until it is gone so
 /// that a test process starting meanwhile waits and starts a new one.
