@@ -233,7 +233,7 @@ fn docker_answers(host: Option<&str>) -> bool {
 pub fn ensure_docker() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        if !engines_wanted("Docker tests") {
+        if !engines_wanted("the Docker tests") {
             return false;
         }
         // A machine where someone runs Docker (and a user in the docker
