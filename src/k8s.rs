@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use gpufrac_broker::inventory::{self, uuid_string};
+use gpufrac_broker::inventory;
 use gpufrac_common::size::parse_size;
+use gpufrac_common::wire::uuid_string;
 use gpufrac_k8s::devices::MAX_UNITS_PER_GPU;
 use gpufrac_k8s::leases::LeaseConfig;
 use gpufrac_k8s::{Config, Gpu, Injection, Lister, Mounts, Resource};
@@ -161,7 +162,7 @@ pub fn main(args: PluginArgs) -> u8 {
                 args: vec!["k8s-device-plugin".into(), "--list-gpus".into()],
                 timeout: Duration::from_secs(30),
             },
-            proc_gpus: "/proc/driver/nvidia/gpus".into(),
+            proc_gpus: gpufrac_common::minors::PROC_GPUS.into(),
         })
     });
     match result {

@@ -6,7 +6,8 @@
 //! and the host's broker see the same GPUs.
 //!
 //! The engines and the image are set up on first use (tests/support/
-//! engines.rs); where that is impossible a test says so loudly and passes.
+//! engines.rs), saying what they install and where; where that is
+//! impossible, or GPUFRAC_TEST_ENGINES=0, a test says so loudly and passes.
 
 #[path = "support/engines.rs"]
 mod engines;
@@ -454,7 +455,8 @@ fn a_containerised_job_queues_holds_a_lease_and_ends_with_the_container() {
 
     let name = engines::container_name();
     let mut cmd = b.run(&["--gpu-memory", CAP, "--", Engine::Docker.program()]);
-    cmd.args(Engine::run_args(&name))
+    cmd.envs(Engine::Docker.env())
+        .args(Engine::run_args(&name))
         .args(engines::sim_args(&b));
     cmd.arg(image)
         .arg(PROBE)

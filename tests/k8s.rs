@@ -914,3 +914,220 @@ fn the_deploy_manifests_agree_with_the_plugin() {
         "the pod's comment should say GPU_MEM_LIMIT={cap}"
     );
 }
+
+/// A gRPC call made by hand over HTTP/2 on the plugin's socket, with the
+/// `:authority` a client chooses: the kubelet (since 1.26) and grpc-go send
+/// `localhost`; gRPC's C core (Python grpcio, and grpc-java, old grpcurl)
+/// send the socket's path, plain or percent-encoded. What it got on stream
+/// 1: `Ok(answered)` once the response headers and message came, or
+/// `Err(code)` of a RST_STREAM.
+fn call_with_authority(socket: &Path, authority: &str) -> Result<(), u32> {
+    call_with_authority_and_path(
+        socket,
+        authority,
+        "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+    )
+}
+
+const PROTOCOL_ERROR: u32 = 1;
+
+/// `call_with_authority` with any `:path`.
+fn call_with_authority_and_path(socket: &Path, authority: &str, path: &str) -> Result<(), u32> {
+    use std::io::{Read, Write};
+    const DATA: u8 = 0;
+    const HEADERS: u8 = 1;
+    const RST_STREAM: u8 = 3;
+    const SETTINGS: u8 = 4;
+    const GOAWAY: u8 = 7;
+    const END_STREAM: u8 = 1;
+    const END_HEADERS: u8 = 4;
+    const ACK: u8 = 1;
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let n = payload.len() as u32;
+        let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+    // HPACK "literal header field without indexing, new name", no
+    // Huffman coding: every header spelled out, nothing to decode.
+    let mut block = Vec::new();
+    for (name, value) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ] {
+        assert!(value.len() < 127, "a one-byte HPACK length: {value}");
+        block.push(0);
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(SETTINGS, 0, 0, &[]));
+    out.extend(frame(HEADERS, END_HEADERS, 1, &block));
+    // One gRPC message: uncompressed, empty (api.Empty).
+    out.extend(frame(DATA, END_STREAM, 1, &[0, 0, 0, 0, 0]));
+    s.write_all(&out).unwrap();
+    let (mut headers, mut message) = (false, false);
+    loop {
+        let mut h = [0u8; 9];
+        s.read_exact(&mut h)
+            .unwrap_or_else(|e| panic!("reading a frame from the plugin ({authority}): {e}"));
+        let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+        let (kind, flags) = (h[3], h[4]);
+        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).unwrap();
+        match (kind, stream) {
+            (SETTINGS, 0) if flags & ACK == 0 => {
+                s.write_all(&frame(SETTINGS, ACK, 0, &[])).unwrap()
+            }
+            (RST_STREAM, 1) => {
+                return Err(u32::from_be_bytes(payload[..4].try_into().unwrap()));
+            }
+            (HEADERS, 1) => headers = true,
+            (DATA, 1) if !payload.is_empty() => message = true,
+            (GOAWAY, _) => panic!("the plugin closed the connection ({authority}): {payload:?}"),
+            _ => {}
+        }
+        if headers && message {
+            return Ok(());
+        }
+    }
+}
+
+/// Clients that name the socket's path as `:authority` (gRPC's C core:
+/// Python's grpcio, grpc-java, older grpcurl), which hyper's h2 alone would
+/// refuse with RST_STREAM PROTOCOL_ERROR, are answered like the kubelet,
+/// which sends `localhost`; and a client whose request is broken is still
+/// refused.
+#[test]
+fn a_client_naming_the_socket_path_as_authority_is_answered() {
+    let mut kubelet = Kubelet::started();
+    let plugin = Plugin::start(&kubelet, &[]);
+    let r = kubelet.registration(&plugin);
+    let socket = kubelet.path().join(&r.endpoint);
+    let path = socket.to_str().unwrap();
+    assert_eq!(call_with_authority(&socket, "localhost"), Ok(()));
+    assert_eq!(
+        call_with_authority(&socket, path),
+        Ok(()),
+        "the socket path"
+    );
+    // As gRPC's C core spells it since 1.57.
+    let encoded = path.replace('/', "%2F");
+    assert_eq!(
+        call_with_authority(&socket, &encoded),
+        Ok(()),
+        "the percent-encoded socket path"
+    );
+    // h2's own checks still apply: a request without :path is refused.
+    assert_eq!(
+        call_with_authority_and_path(&socket, path, ""),
+        Err(PROTOCOL_ERROR),
+        "an empty :path"
+    );
+}
+
+/// Python with grpcio (gRPC's C core) in a venv in the test cache,
+/// installed from PyPI on first use; None (said loudly) where it cannot be
+/// had or GPUFRAC_TEST_ENGINES=0.
+fn grpcio_python() -> Option<PathBuf> {
+    const WHAT: &str = "the grpcio client test of the device plugin";
+    if !engines_wanted(WHAT) {
+        return None;
+    }
+    let venv = test_cache().join("grpcio");
+    let python = venv.join("bin/python3");
+    let works = || {
+        Command::new(&python)
+            .args(["-c", "import grpc"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let _lock = MachineLock::at(&test_cache().join("grpcio.lock"));
+    if works() {
+        return Some(python);
+    }
+    say(&format!(
+        "downloading grpcio from PyPI (about 6 MB) into a venv at {}, for {WHAT}",
+        venv.display()
+    ));
+    let run = |cmd: &mut Command| -> Result<(), String> {
+        let o = cmd
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
+        if o.status.success() {
+            Ok(())
+        } else {
+            Err(format!("{cmd:?} failed: {}{}", stdout(&o), stderr(&o)))
+        }
+    };
+    let made = run(Command::new("python3").args(["-m", "venv"]).arg(&venv)).and_then(|()| {
+        run(Command::new(venv.join("bin/pip")).args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "grpcio",
+        ]))
+    });
+    match made {
+        Ok(()) if works() => Some(python),
+        Ok(()) => {
+            cannot(WHAT, "grpcio installed, but `import grpc` fails");
+            None
+        }
+        Err(e) => {
+            cannot(WHAT, &e);
+            None
+        }
+    }
+}
+
+/// The client the issue was about: Python's grpcio, which names the socket
+/// path as `:authority`, calls the plugin with its defaults and with the
+/// path set explicitly, and gets the plugin's options (field 2,
+/// get_preferred_allocation_available = true: bytes 10 01).
+#[test]
+fn python_grpcio_calls_the_plugin() {
+    let Some(python) = grpcio_python() else {
+        return;
+    };
+    let mut kubelet = Kubelet::started();
+    let plugin = Plugin::start(&kubelet, &[]);
+    let r = kubelet.registration(&plugin);
+    let socket = kubelet.path().join(&r.endpoint);
+    let script = r#"
+import sys, grpc
+path = sys.argv[1]
+for options in ([], [("grpc.default_authority", path)]):
+    with grpc.insecure_channel("unix:" + path, options=options) as ch:
+        call = ch.unary_unary("/v1beta1.DevicePlugin/GetDevicePluginOptions")
+        print("options", call(b"", timeout=20).hex())
+"#;
+    let o = Command::new(&python)
+        .args(["-c", script])
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "grpcio's call failed:\n{}{}\nthe plugin's log:\n{}",
+        stdout(&o),
+        stderr(&o),
+        plugin.log()
+    );
+    assert_eq!(stdout(&o), "options 1001\noptions 1001\n");
+}

@@ -7,8 +7,11 @@
 //!
 //! The tarball is a release build with cargo-zigbuild; it is made once per
 //! run of this file, in the workspace's target/dist (so a second run only
-//! relinks what changed). cargo-zigbuild and zig are installed from PyPI
-//! into target/dist-tools when they are missing.
+//! relinks what changed), and written there too (`--out-dir`), not to the
+//! repository's dist/. cargo-zigbuild and zig are installed from PyPI into
+//! the test cache when they are missing (docs/testing.md). These are
+//! engine tests: GPUFRAC_TEST_ENGINES=0 skips the ones that need the
+//! tarball.
 
 #[path = "support/dist.rs"]
 mod dist;
@@ -19,18 +22,26 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-use dist::{ROOT, cannot, cargo, out, xtask_release};
+use dist::{cargo, out, xtask_release};
 use support::*;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
+const WHAT: &str = "the release tests (cargo xtask dist with zig)";
 
-/// The tarball `cargo xtask dist` made, once per run; None when its tools
-/// could not be had (said loudly).
+/// Where the test's tarball goes: under target/, beside the objects xtask
+/// builds it from, not the repository's dist/.
+fn out_dir() -> PathBuf {
+    target_dir().join("dist")
+}
+
+/// The tarball `cargo xtask dist` made, once per run; None when the engine
+/// tests are skipped or its tools could not be had (said loudly).
 fn tarball() -> Option<&'static Path> {
     static T: OnceLock<Option<PathBuf>> = OnceLock::new();
     T.get_or_init(|| {
         let t = std::time::Instant::now();
-        let o = xtask_release("dist")?;
+        let dir = out_dir();
+        let o = xtask_release(WHAT, &["dist", "--out-dir", dir.to_str()?])?;
         assert!(o.status.success(), "cargo xtask dist failed:\n{}", out(&o));
         let path = PathBuf::from(stdout(&o).lines().last().unwrap_or_default().trim());
         let want = format!("gpufrac-{VERSION}-x86_64-unknown-linux-gnu.tar.gz");
@@ -40,9 +51,12 @@ fn tarball() -> Option<&'static Path> {
             "{}",
             out(&o)
         );
-        assert_eq!(path.parent(), Some(Path::new(ROOT).join("dist").as_path()));
+        assert_eq!(path.parent(), Some(out_dir().as_path()));
         assert!(path.is_file(), "{} is missing", path.display());
-        eprintln!("cargo xtask dist took {:.1} s", t.elapsed().as_secs_f64());
+        say(&format!(
+            "cargo xtask dist took {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
         Some(path)
     })
     .as_deref()
@@ -336,12 +350,9 @@ fn systemd_analyze() -> bool {
     if have() {
         return true;
     }
-    match apt_install(&["systemd"], have) {
+    match apt_install("systemd-analyze in the release tests", &["systemd"], have) {
         Ok(()) => true,
-        Err(why) => {
-            cannot(&format!("systemd-analyze is missing: {why}"));
-            false
-        }
+        Err(why) => cannot(WHAT, &format!("systemd-analyze is missing: {why}")),
     }
 }
 

@@ -191,17 +191,21 @@ const SHOW_ENV: &str = "echo \"env preload=${LD_PRELOAD-} mem=${GPU_MEM_LIMIT-} 
 
 #[test]
 fn srun_tasks_are_capped_by_their_shards() {
+    const WHAT: &str = "srun_tasks_are_capped_by_their_shards (a one-node Slurm)";
+    if !engines_wanted(WHAT) {
+        return;
+    }
     let tools = match slurm_support::tools() {
         Ok(t) => t,
         Err(why) => {
-            eprintln!("\n*** SKIPPED srun_tasks_are_capped_by_their_shards: {why} ***\n");
+            cannot(WHAT, &why);
             return;
         }
     };
     let cluster = match Cluster::start(tools) {
         Ok(c) => c,
         Err(slurm_support::Unable(why)) => {
-            eprintln!("\n*** SKIPPED srun_tasks_are_capped_by_their_shards: {why} ***\n");
+            cannot(WHAT, &why);
             return;
         }
     };

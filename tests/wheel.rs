@@ -16,23 +16,25 @@
 //!   budget, then runs;
 //! - `pytest -n auto --gpufrac-memory SIZE`, the docs' plain recipe.
 //!
-//! The wheel shares its release build with tests/release.rs (target/dist);
-//! the venv, pip's cache and the downloads live in target/cache.
+//! The wheel shares its release build with tests/release.rs; the venv,
+//! pip's cache and the downloads live in the test cache (docs/testing.md).
+//! These are engine tests: GPUFRAC_TEST_ENGINES=0 skips them.
 
 #[path = "support/dist.rs"]
 mod dist;
 mod support;
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-use dist::{ROOT, cannot, out, target_dir, xtask_release};
+use dist::{ROOT, out, xtask_release};
 use support::*;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
+const WHAT: &str =
+    "the wheel tests (cargo xtask wheel with zig, pytest and cuda-bindings from PyPI)";
 const WHEEL: &str = "gpufrac-0.1.0-py3-none-manylinux_2_28_x86_64.whl";
 /// What the venv gets from PyPI: the test runner, its workers, a real CUDA
 /// binding, and auditwheel to check the manylinux claim. Pinned, so that a
@@ -46,10 +48,6 @@ const FROM_PYPI: [&str; 4] = [
 
 /// Written straight to the process's stderr: libtest captures `eprintln!`
 /// of a passing test, and what is downloaded must be said before it is.
-fn tell(what: &str) {
-    let _ = writeln!(std::io::stderr(), "tests/wheel.rs: {what}");
-}
-
 struct Py {
     wheel: PathBuf,
     venv: PathBuf,
@@ -69,7 +67,7 @@ fn py() -> Option<&'static Py> {
         // The simulated driver and the debug build the suites need.
         artifacts();
         let t = std::time::Instant::now();
-        let o = xtask_release("wheel")?;
+        let o = xtask_release(WHAT, &["wheel"])?;
         assert!(o.status.success(), "cargo xtask wheel failed:\n{}", out(&o));
         let wheel = PathBuf::from(stdout(&o).lines().last().unwrap_or_default().trim());
         assert_eq!(
@@ -78,12 +76,12 @@ fn py() -> Option<&'static Py> {
             "{}",
             out(&o)
         );
-        tell(&format!(
+        say(&format!(
             "cargo xtask wheel took {:.1} s",
             t.elapsed().as_secs_f64()
         ));
         let venv = venv()?;
-        tell(&format!(
+        say(&format!(
             "installing {} into {}",
             wheel.display(),
             venv.display()
@@ -99,12 +97,12 @@ fn py() -> Option<&'static Py> {
 }
 
 fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
-    let cache = target_dir().join("cache/pip");
+    let cache = test_cache().join("pip");
     let o = Command::new(venv.join("bin/python"))
         .args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
         .args(args)
         .args(more)
-        // Its cache, where it keeps one, under target/ and not in $HOME.
+        // Its cache, where it keeps one, in the test cache, not in $HOME.
         .env("PIP_CACHE_DIR", &cache)
         // `pip wheel ./python` imports the build backend from the source
         // tree, which is not the place for byte code.
@@ -115,11 +113,10 @@ fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
     assert!(o.status.success(), "pip {args:?} {more:?}:\n{}", out(&o));
 }
 
-/// target/cache/wheel-venv with FROM_PYPI installed; None (said loudly)
+/// The test cache's wheel-venv with FROM_PYPI installed; None (said loudly)
 /// where no venv can be made.
 fn venv() -> Option<PathBuf> {
-    let cache = target_dir().join("cache");
-    std::fs::create_dir_all(&cache).unwrap();
+    let cache = test_cache();
     let _lock = MachineLock::at(&cache.join("wheel-venv.lock"));
     let venv = cache.join("wheel-venv");
     let stamp = venv.join("gpufrac-test-requirements");
@@ -138,15 +135,15 @@ fn venv() -> Option<PathBuf> {
     if !o.as_ref().is_ok_and(|o| o.status.success()) {
         // Debian's python3 keeps venv (with ensurepip) in its own package.
         let has_venv = || make().is_ok_and(|o| o.status.success());
-        if let Err(why) = apt_install(&["python3-venv"], has_venv) {
-            cannot(&format!("python3 -m venv does not work here: {why}"));
+        if let Err(why) = apt_install(WHAT, &["python3-venv"], has_venv) {
+            cannot(WHAT, &format!("python3 -m venv does not work here: {why}"));
             return None;
         }
         o = make();
     }
     let o = o.expect("running python3 -m venv");
     assert!(o.status.success(), "python3 -m venv: {}", out(&o));
-    tell(&format!(
+    say(&format!(
         "installing {} from PyPI into {} (about 11 MB of downloads; pip's cache, if it keeps one, in {})",
         FROM_PYPI.join(" "),
         venv.display(),

@@ -94,10 +94,3 @@ impl Nvml {
         dev.utilization_rates().ok().map(|u| u.gpu)
     }
 }
-
-pub fn uuid_string(u: &[u8; 16]) -> String {
-    let mut buf = [0u8; 40];
-    let n =
-        gpufrac_common::cuda::format_uuid(&gpufrac_common::cuda::CUuuid { bytes: *u }, &mut buf);
-    String::from_utf8_lossy(&buf[..n]).into_owned()
-}

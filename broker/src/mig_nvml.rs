@@ -2,7 +2,7 @@
 //! I/O half of `--mig dynamic`. [`MigDriver`] is the little the broker
 //! needs; [`NvmlMig`] implements it with the MIG calls of `nvml.h` through
 //! nvml-wrapper's bindings, against the real driver or, in tests, the
-//! simulated one (`sim/src/mig.rs`), which answers the same calls.
+//! simulated one (`sim/src/mig/`), which answers the same calls.
 //!
 //! MIG mode is only ever read (`nvmlDeviceGetMigMode`): enabling it resets
 //! the GPU and is the administrator's decision, never the broker's.

@@ -9,7 +9,7 @@ use gpufrac_common::size::format_size;
 use tracing::{info, warn};
 
 use crate::authority::{Allow, Policy};
-use crate::inventory::{self, Nvml, uuid_string};
+use crate::inventory::{self, Nvml};
 use crate::mig;
 use crate::mig_nvml::{MigDriver, NvmlMig};
 use crate::procs::LiveProcs;
@@ -17,6 +17,7 @@ use crate::proto::{self, Broker, Budgets};
 use crate::queue::{Placement, QueueConfig};
 use crate::sched::SchedConfig;
 use crate::statefile::StateFile;
+use gpufrac_common::wire::uuid_string;
 
 #[derive(Clone, Debug)]
 pub struct BrokerOptions {

@@ -147,6 +147,14 @@ pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
+/// `GPU-…` (lower-case hex, 8-4-4-4-12), the form nvidia-smi prints and
+/// `parse_uuid` reads back.
+pub fn uuid_string(u: &[u8; 16]) -> String {
+    let mut buf = [0u8; 40];
+    let n = crate::cuda::format_uuid(&crate::cuda::CUuuid { bytes: *u }, &mut buf);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
 /// Memory on one given GPU, for a lease whose GPUs are already chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pin {
@@ -1158,6 +1166,15 @@ mod tests {
             parse_uuid("MIG-GPU-5a1e6f7a-c0de-4000-8000-000000000001/1/0"),
             None
         );
+    }
+
+    #[test]
+    fn uuid_string_is_what_parse_uuid_reads() {
+        let text = "GPU-5a1e6f7a-c0de-4000-8000-000000000001";
+        let u = parse_uuid(text).unwrap();
+        assert_eq!(uuid_string(&u), text);
+        let all: [u8; 16] = std::array::from_fn(|i| (i as u8) * 17);
+        assert_eq!(parse_uuid(&uuid_string(&all)), Some(all));
     }
 
     #[test]

@@ -638,36 +638,6 @@ fn human(bytes: u64) -> String {
     gpufrac_common::size::format_size(bytes)
 }
 
-/// `GPU UUID:` and `Device Minor:` of one GPU's
-/// /proc/driver/nvidia/gpus/*/information file.
-pub fn parse_information(text: &str) -> Option<(String, u32)> {
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-            .map(str::trim)
-    };
-    let uuid = field("GPU UUID")?.to_ascii_lowercase();
-    let minor = field("Device Minor")?.parse().ok()?;
-    Some((uuid, minor))
-}
-
-/// GPU UUID (lower case) → minor number, from the kernel module. Empty
-/// when it does not say (then GPU N is taken to be /dev/nvidiaN).
-pub fn read_minors(proc_gpus: &std::path::Path) -> BTreeMap<String, u32> {
-    let mut out = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir(proc_gpus) else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        if let Ok(text) = std::fs::read_to_string(entry.path().join("information"))
-            && let Some((uuid, minor)) = parse_information(&text)
-        {
-            out.insert(uuid, minor);
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1039,16 +1009,5 @@ mod tests {
         for s in ["25%", "33.33%", "12.5%", "100%"] {
             gpufrac_common::size::parse_percent(s).unwrap();
         }
-    }
-
-    #[test]
-    fn minors_from_the_kernel_module() {
-        let info = "Model: \t\t NVIDIA H100\nGPU UUID: \t GPU-5E1F0C4A-1B2C-3D4E-5F60-718293A4B5C6\n\
-                    Device Minor: \t 3\n";
-        assert_eq!(
-            parse_information(info),
-            Some(("gpu-5e1f0c4a-1b2c-3d4e-5f60-718293a4b5c6".into(), 3))
-        );
-        assert_eq!(parse_information("Model: x\n"), None);
     }
 }

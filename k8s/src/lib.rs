@@ -29,6 +29,7 @@ pub mod podresources {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1");
 }
+mod authority;
 pub mod devices;
 pub mod leases;
 mod node;

@@ -15,14 +15,17 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::api;
-use crate::devices::{Inventory, Resource, read_minors};
+use crate::authority::FixAuthority;
+use crate::devices::{Inventory, Resource};
 use crate::leases::{Leases, list_pods};
 use crate::service::{Service, Shared, options};
 use crate::{API_VERSION, Config, KUBELET_SOCKET, Lister};
+use gpufrac_common::minors::read_minors;
 
 /// How long the kubelet has to answer a registration.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -106,7 +109,7 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
         )
     })?;
     let mut inv = Inventory::new(resource, gpus)?;
-    inv.set_minors(&read_minors(&proc_gpus));
+    inv.set_minors(&read_minors(&proc_gpus).unwrap_or_default());
     for g in inv.present() {
         tracing::info!(
             "GPU {} {} ({}): {} devices of {}",
@@ -299,9 +302,12 @@ impl Node {
         let task = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(svc)
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-                    let _ = until.wait_for(|s| *s).await;
-                }),
+                .serve_with_incoming_shutdown(
+                    UnixListenerStream::new(listener).map(|c| c.map(FixAuthority::new)),
+                    async move {
+                        let _ = until.wait_for(|s| *s).await;
+                    },
+                ),
         );
         Ok(Running { bound, stop, task })
     }
@@ -407,7 +413,7 @@ async fn poll_gpus(lister: Lister, every: Duration, proc_gpus: PathBuf, shared: 
     loop {
         tick.tick().await;
         let listed = lister.list().await;
-        let minors = read_minors(&proc_gpus);
+        let minors = read_minors(&proc_gpus).unwrap_or_default();
         let changes = {
             let mut inv = shared.lock();
             let c = inv.update(listed);

@@ -5,14 +5,15 @@
 //! hooks. Memory is host bookkeeping only; kernels are work on one execution
 //! engine per device that every process sharing the state file
 //! (`GPUFRAC_SIM_STATE`) contends for, time-sliced between contexts the way
-//! a real GPU does it (`engine.rs`).
+//! a real GPU does it (`engine/`: the model in `model.rs`, the device lock
+//! and its crash handling in `lock.rs`).
 //!
 //! Environment (read once, at the first `cuInit`/`nvmlInit`):
 //! - `GPUFRAC_SIM_DEVICES`: device memory sizes, `16G,8G` (K/M/G/T binary,
 //!   optional `i`/`B`; plain bytes). Default one 16G device; empty: none.
 //!   An entry may instead name a MIG-capable model, `A100-40GB`,
 //!   `A100-80GB` or `H100-80GB` (its memory, SMs and MIG profiles), with
-//!   `:mig` when its MIG mode is on (`A100-40GB:mig`; see `mig.rs`). A GPU
+//!   `:mig` when its MIG mode is on (`A100-40GB:mig`; see `mig/`). A GPU
 //!   in MIG mode is no CUDA device of its own: its instances are, to a
 //!   process whose `CUDA_VISIBLE_DEVICES` starts with their `MIG-<uuid>`.
 //! - `GPUFRAC_SIM_STATE`: shared state file (created/sized as needed); unset:

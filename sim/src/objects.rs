@@ -69,7 +69,7 @@ pub struct Ctx {
     pub flags: AtomicU32,
     pub device: usize,
     pub primary: bool,
-    /// Work target (engine.rs) of the last kernel of any stream of this
+    /// Work target (engine/model.rs) of the last kernel of any stream of this
     /// context.
     pub tail: AtomicU64,
     /// Primary contexts: retain count.

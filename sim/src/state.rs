@@ -2,7 +2,7 @@
 //! per-process simulator singleton.
 //!
 //! The shared mapping holds only atomics. Its one lock, each device engine's
-//! (engine.rs), is taken over from a holder that died, so a process killed
+//! (engine/lock.rs), is taken over from a holder that died, so a process killed
 //! at any instruction cannot wedge the others. Each process owns a slot that
 //! mirrors its share of `used`; slots of dead processes are reaped (their
 //! memory returned) the way a real driver frees a dead process's memory.
@@ -216,7 +216,7 @@ fn cuda_view(shared: &'static Shared, fd: i32, cfg: &config::Config) -> (Vec<Cud
         return (devs, 0);
     };
     let _g = mig_lock(fd);
-    let m = Mig::new(shared, &cfg.devices);
+    let m = Mig::new(&shared.mig, &cfg.devices);
     match m.find_uuid(want) {
         Some(ci) => {
             let p = ci.gi.phys;
@@ -408,7 +408,7 @@ impl Sim {
         // description, whose lock the parent might hold: make it our own.
         self.my_slot();
         let g = mig_lock(self.fd.load(Acquire));
-        (g, Mig::new(self.shared, &self.phys))
+        (g, Mig::new(&self.shared.mig, &self.phys))
     }
 
     /// Whether a live process runs on the MIG compute instance `serial`.

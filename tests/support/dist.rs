@@ -1,15 +1,18 @@
 //! What tests of the release artifacts (`cargo xtask dist`, `cargo xtask
-//! wheel`) share: the workspace's target directory, cargo-zigbuild and zig
-//! installed from PyPI where xtask looks for them, and a loud skip that is a
-//! failure in CI.
+//! wheel`) share: cargo-zigbuild and zig, installed from PyPI into the test
+//! cache when missing (saying so first), and `cargo xtask` run with them.
+//! These are engine tests (docs/testing.md): `GPUFRAC_TEST_ENGINES=0`
+//! skips them, and a machine that cannot have their tools skips them
+//! loudly, or fails under `GPUFRAC_TEST_ENGINES=1`.
 //!
 //! Include it beside `support` with `#[path = "support/dist.rs"] mod dist;`.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::ffi::OsString;
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
-use crate::support::{MachineLock, stderr, stdout};
+use crate::support::{MachineLock, cannot, engines_wanted, say, stderr, stdout, test_cache};
 
 pub const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -23,34 +26,26 @@ pub fn cargo() -> Command {
     c
 }
 
-/// The workspace's target directory, as xtask finds it.
-pub fn target_dir() -> PathBuf {
-    let o = cargo()
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .expect("running cargo metadata");
-    assert!(o.status.success(), "cargo metadata: {}", stderr(&o));
-    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    PathBuf::from(m["target_directory"].as_str().unwrap())
+/// Where cargo-zigbuild and zig are installed for these tests: a
+/// `pip install --target` in the test cache, which touches no Python
+/// environment.
+fn zig_tools() -> PathBuf {
+    test_cache().join("zig")
 }
 
-/// A prerequisite that could not be installed: loud, and a failure in CI,
-/// where the machine can always install it and a skipped release test
-/// would hide a broken release.
-pub fn cannot(what: &str) {
-    let msg = format!("SKIPPED: {what}");
-    if std::env::var_os("CI").is_some() {
-        panic!("{msg} (CI is set, so this is a failure)");
+/// Installs cargo-zigbuild and zig into `zig_tools()`, for `what`; Err
+/// says why it could not.
+fn install_zig_tools(what: &str) -> Result<(), String> {
+    let tools = zig_tools();
+    let _lock = MachineLock::at(&test_cache().join("zig.lock"));
+    if tools.join("bin/cargo-zigbuild").exists() {
+        return Ok(());
     }
-    eprintln!("\n========\n{msg}\n========\n");
-}
-
-/// Installs cargo-zigbuild and zig into target/dist-tools, where xtask
-/// looks; Err says why it could not.
-pub fn install_zig_tools(target: &Path) -> Result<(), String> {
-    let tools = target.join("dist-tools");
-    std::fs::create_dir_all(target).map_err(|e| e.to_string())?;
-    let _lock = MachineLock::at(&target.join("dist-tools.lock"));
+    say(&format!(
+        "downloading ziglang and cargo-zigbuild from PyPI (about 420 MB installed) into {}, \
+         for {what}",
+        tools.display()
+    ));
     let o = Command::new("python3")
         .args([
             "-m",
@@ -58,6 +53,7 @@ pub fn install_zig_tools(target: &Path) -> Result<(), String> {
             "install",
             "--quiet",
             "--disable-pip-version-check",
+            "--no-cache-dir",
             "--upgrade",
             "--target",
         ])
@@ -76,25 +72,47 @@ pub fn install_zig_tools(target: &Path) -> Result<(), String> {
     }
 }
 
-/// `cargo xtask TASK`, with cargo-zigbuild and zig installed first when
-/// it says they are missing; None (said loudly) when they could not be.
-pub fn xtask_release(task: &str) -> Option<Output> {
-    let run = || {
-        cargo()
-            .args(["xtask", task])
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("running cargo xtask {task}: {e}"))
-    };
-    let mut o = run();
+/// `cargo xtask ARGS`, finding the cache's cargo-zigbuild on PATH and its
+/// zig through PYTHONPATH (cargo-zigbuild falls back to `python3 -m
+/// ziglang`) once they are installed there.
+fn xtask(args: &[&str]) -> Output {
+    let mut c = cargo();
+    c.arg("xtask").args(args).stdin(Stdio::null());
+    let tools = zig_tools();
+    if tools.join("bin/cargo-zigbuild").exists() {
+        let mut path = OsString::from(tools.join("bin"));
+        if let Some(p) = std::env::var_os("PATH") {
+            path.push(":");
+            path.push(p);
+        }
+        let mut pythonpath = OsString::from(&tools);
+        if let Some(p) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+            pythonpath.push(":");
+            pythonpath.push(p);
+        }
+        c.env("PATH", path).env("PYTHONPATH", pythonpath);
+    }
+    c.output()
+        .unwrap_or_else(|e| panic!("running cargo xtask {args:?}: {e}"))
+}
+
+/// `cargo xtask ARGS` for the tests of `what`, with cargo-zigbuild and zig
+/// installed first when it says they are missing; None (said loudly) when
+/// the engine tests are skipped or the tools could not be had.
+pub fn xtask_release(what: &str, args: &[&str]) -> Option<Output> {
+    if !engines_wanted(what) {
+        return None;
+    }
+    let mut o = xtask(args);
     if !o.status.success() && stderr(&o).contains("did not find both") {
-        if let Err(e) = install_zig_tools(&target_dir()) {
-            cannot(&format!(
-                "cargo xtask {task} needs cargo-zigbuild and zig, and they could not be installed: {e}"
-            ));
+        if let Err(e) = install_zig_tools(what) {
+            cannot(
+                what,
+                &format!("cargo-zigbuild and zig could not be installed: {e}"),
+            );
             return None;
         }
-        o = run();
+        o = xtask(args);
     }
     Some(o)
 }

@@ -1,5 +1,5 @@
 //! Real container engines for tests: Docker and Podman installed and
-//! answering, a sealed Debian image built once per machine, the arguments
+//! answering, a sealed Debian image built once per cache, the arguments
 //! that put the simulated driver and the test programs inside a container,
 //! and containers removed however a test ends.
 //!
@@ -7,9 +7,17 @@
 //! `#[path = "support/engines.rs"] mod engines;`.
 //!
 //! On a machine without the engines (a fresh Debian 12 CI runner) the
-//! helpers install them with apt-get and start dockerd; they give up, loudly,
-//! only where that is impossible (not root, no apt-get). Tests then return
-//! early: `if !engines::ensure_docker() { return; }`.
+//! helpers install them with apt-get, saying so first; they give up, loudly,
+//! only where that is impossible (not root, no apt-get) or where
+//! `GPUFRAC_TEST_ENGINES=0` says to. Tests then return early:
+//! `if !engines::ensure_docker() { return; }`.
+//!
+//! What they keep lives in the test cache (`support::test_cache()`): the
+//! image's root file system, the data root of the dockerd they start, and
+//! Podman's image store. A dockerd already answering on the default socket
+//! is used as it is and left alone; otherwise the tests start their own,
+//! on a socket of their own, and stop it when the last test process that
+//! used it has exited, however it exited (see `docker_daemon`).
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -23,8 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use crate::support::MachineLock;
-use crate::support::{Broker, apt_install, artifacts};
-
+use crate::support::{Broker, apt_install, artifacts, cannot, engines_wanted, say, test_cache};
 /// The sealed image: Debian bookworm's essential packages and nothing else
 /// (no CUDA, no gpufrac), imported from a tarball since no registry is
 /// reachable. The tag is ours; nothing else uses it.
@@ -43,15 +50,37 @@ const PODMAN: &str = "/usr/bin/podman";
 const MMDEBSTRAP: &str = "/usr/bin/mmdebstrap";
 const RUNC: &[&str] = &["/usr/sbin/runc", "/usr/bin/runc"];
 
-/// Podman's default ulimits (nofile 1048576) exceed the hard limit on many
-/// CI machines and containers fail to start; crun is not installed, runc is.
-const CONTAINERS_CONF: &str = "\
-[containers]
+/// Podman's settings in tests. Its default ulimits (nofile 1048576) exceed
+/// the hard limit on many CI machines and containers fail to start; crun is
+/// not installed, runc is. Its temporary files and event log go to the
+/// tests' run directory, and its image store (storage.conf) to the cache,
+/// so that it leaves nothing in the machine's own.
+fn containers_conf_text(run: &Path) -> String {
+    format!(
+        "[containers]
 default_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]
 
 [engine]
 runtime = \"runc\"
-";
+tmp_dir = \"{run}/podman-tmp\"
+events_logger = \"file\"
+events_logfile_path = \"{run}/podman-events.log\"
+",
+        run = run.display()
+    )
+}
+
+fn storage_conf_text(cache: &Path, run: &Path) -> String {
+    format!(
+        "[storage]
+driver = \"overlay\"
+graphroot = \"{}\"
+runroot = \"{}\"
+",
+        cache.join("podman").display(),
+        run.join("podman-run").display()
+    )
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Engine {
@@ -79,8 +108,17 @@ impl Engine {
     /// runs the engine itself (`gpufrac run -- podman run …`).
     pub fn env(self) -> Vec<(&'static str, PathBuf)> {
         match self {
-            Engine::Docker => Vec::new(),
-            Engine::Podman => vec![("CONTAINERS_CONF", containers_conf().to_path_buf())],
+            Engine::Docker => docker_host()
+                .map(|h| ("DOCKER_HOST", PathBuf::from(h)))
+                .into_iter()
+                .collect(),
+            Engine::Podman => {
+                let (conf, storage) = podman_conf();
+                vec![
+                    ("CONTAINERS_CONF", conf.to_path_buf()),
+                    ("CONTAINERS_STORAGE_CONF", storage.to_path_buf()),
+                ]
+            }
         }
     }
 
@@ -133,22 +171,6 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Straight to the process's stderr: libtest shows a passing test's
-/// `eprintln!` to nobody, and a skip or a minute of setup must be seen.
-fn say(msg: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("{msg}\n").as_bytes());
-}
-
-fn skip(what: &str, why: &str) -> bool {
-    say(&format!(
-        "\n################################################################\n\
-         SKIPPED: {what}: {why}\n\
-         ################################################################\n"
-    ));
-    false
-}
-
 /// Installs Debian packages so that every path in `need` exists; false
 /// (after saying why) where this machine cannot.
 fn install(what: &str, need: &[&[&str]], packages: &[&str]) -> bool {
@@ -156,66 +178,160 @@ fn install(what: &str, need: &[&[&str]], packages: &[&str]) -> bool {
         need.iter()
             .all(|alts| alts.iter().any(|p| Path::new(p).exists()))
     };
-    match apt_install(packages, present) {
+    match apt_install(what, packages, present) {
         Ok(()) => true,
-        Err(why) => skip(what, &why),
+        Err(why) => cannot(what, &why),
     }
 }
 
-/// Docker installed and its daemon answering. False, after a loud message,
-/// only where the machine cannot have it.
+/// A short directory of the tests' own under the temp dir for sockets and
+/// runtime state (a socket path must fit in 107 bytes, and containerd's
+/// under dockerd's exec root deeper still), one per test cache so that two
+/// checkouts' suites do not share a daemon.
+fn run_dir() -> &'static Path {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        test_cache().hash(&mut h);
+        let d = std::env::temp_dir().join(format!("gpufrac-test-{:08x}", h.finish() as u32));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    })
+}
+
+/// Where the tests' own dockerd listens.
+fn own_docker_socket() -> PathBuf {
+    run_dir().join("docker.sock")
+}
+
+/// DOCKER_HOST for the engine's CLI: None for the machine's own daemon,
+/// else the tests' dockerd. Decided once, by `ensure_docker`.
+static DOCKER_HOST: OnceLock<Option<String>> = OnceLock::new();
+
+fn docker_host() -> Option<String> {
+    DOCKER_HOST.get().cloned().flatten()
+}
+
+/// `docker info` succeeds against `host`, or None: the daemon the
+/// environment names (DOCKER_HOST, else the default socket).
+fn docker_answers(host: Option<&str>) -> bool {
+    let mut c = Command::new(DOCKER);
+    if let Some(h) = host {
+        c.env("DOCKER_HOST", h);
+    }
+    c.arg("info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Docker installed and a daemon answering. False, after a loud message,
+/// where the machine cannot have it or GPUFRAC_TEST_ENGINES=0.
 pub fn ensure_docker() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
-        // A machine where someone else runs Docker (and a user in the docker
+        if !engines_wanted("the Docker tests") {
+            return false;
+        }
+        // A machine where someone runs Docker (and a user in the docker
         // group) needs nothing more, unless the image is still to be built.
         if Path::new(DOCKER).exists()
-            && Engine::Docker.quiet_ok(&["info"])
-            && (Path::new(MMDEBSTRAP).exists() || image_exists(Engine::Docker))
+            && docker_answers(None)
+            && (Path::new(MMDEBSTRAP).exists() || image_exists_with(Engine::Docker, None))
         {
+            say("using the Docker daemon already running on this machine (left running)");
+            DOCKER_HOST.set(None).unwrap();
             return true;
         }
         if !install(
-            "Docker tests",
+            "the Docker tests",
             &[&[DOCKER], &[DOCKERD], RUNC, &[MMDEBSTRAP]],
             &["docker.io", "runc", "mmdebstrap"],
         ) {
             return false;
         }
-        if !is_root() {
-            return skip("Docker tests", "dockerd is not running and we are not root");
+        if docker_answers(None) {
+            DOCKER_HOST.set(None).unwrap();
+            return true;
         }
-        start_dockerd();
+        if !is_root() {
+            return cannot(
+                "the Docker tests",
+                "dockerd is not running and we are not root",
+            );
+        }
+        let host = docker_daemon();
+        DOCKER_HOST.set(Some(host)).unwrap();
         true
     })
 }
 
-/// Starts dockerd in the background, unless another test did meanwhile,
-/// and waits until it answers. It outlives the tests, like a system daemon.
-// Never waited for: it is meant to outlive this process.
-#[allow(clippy::zombie_processes)]
-fn start_dockerd() {
-    let _lock = MachineLock::take("dockerd");
-    if Engine::Docker.quiet_ok(&["info"]) {
-        return;
+/// The tests' own dockerd, started unless one is running for this cache,
+/// its DOCKER_HOST.
+///
+/// It is stopped when no test process needs it any more, however those
+/// processes end (a panic, ^C, SIGKILL): each one holds a shared lock on
+/// `dockerd-users.lock` for as long as it lives (the kernel drops it with the
+/// process), and the shell that started dockerd waits for an exclusive lock
+/// on that file, then stops dockerd, holding the lock until it is gone so
+/// that a test process starting meanwhile waits and starts a new one.
+fn docker_daemon() -> String {
+    let run = run_dir();
+    let socket = own_docker_socket();
+    let host = format!("unix://{}", socket.display());
+    let _start = MachineLock::at(&run.join("dockerd-start.lock"));
+    // Held until this process exits: leaked on purpose.
+    std::mem::forget(MachineLock::shared_at(&run.join("dockerd-users.lock")));
+    if docker_answers(Some(&host)) {
+        return host;
     }
-    let log_path = std::env::temp_dir().join("gpufrac-test-dockerd.log");
+    let data = test_cache().join("docker");
+    let log_path = run.join("dockerd.log");
+    say(&format!(
+        "starting a dockerd of the tests' own on {} (data root {}, log {}); it stops \
+         when the tests that use it have ended",
+        socket.display(),
+        data.display(),
+        log_path.display()
+    ));
+    std::fs::create_dir_all(&data).unwrap();
     let log = std::fs::File::create(&log_path).unwrap();
-    say(&format!("starting dockerd (log: {})", log_path.display()));
     // No iptables and no bridge: CI machines often lack netfilter, and the
-    // tests run with --network none.
-    let mut child = Command::new(DOCKERD)
-        .args(["--iptables=false", "--bridge=none"])
+    // tests run with --network none. Its own containerd namespace, in case
+    // the machine runs a containerd of its own that it would share.
+    let script = r#"
+"$DOCKERD" --iptables=false --bridge=none --data-root "$DATA" --exec-root "$RUN/docker-exec" \
+    --pidfile "$RUN/docker.pid" -H "unix://$RUN/docker.sock" \
+    --containerd-namespace gpufrac-test --containerd-plugins-namespace gpufrac-test-plugins &
+d=$!
+trap '' HUP INT
+exec 9<"$RUN/dockerd-users.lock"
+flock -x 9
+kill -TERM "$d" 2>/dev/null
+( sleep 60 & s=$!; trap 'kill $s; exit' TERM; wait $s; kill -KILL "$d" 2>/dev/null ) &
+k=$!
+if wait "$d"; then rm -rf --one-file-system "$RUN/docker-exec"; fi
+kill "$k" 2>/dev/null
+echo "gpufrac tests: dockerd stopped"
+"#;
+    let mut child = Command::new("/bin/sh")
+        .args(["-c", script])
+        .env("DOCKERD", DOCKERD)
+        .env("DATA", &data)
+        .env("RUN", run)
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
         .stderr(log)
-        // Its own process group: a ^C to cargo test must not take it down
-        // halfway through another test binary's container.
+        // Its own process group: a ^C to cargo test must not reach it; it
+        // stops dockerd itself once the test processes are gone.
         .process_group(0)
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {DOCKERD}: {e}"));
     let t = Instant::now();
-    while !Engine::Docker.quiet_ok(&["info"]) {
+    while !docker_answers(Some(&host)) {
         let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
         if let Ok(Some(st)) = child.try_wait() {
             panic!(
@@ -230,42 +346,53 @@ fn start_dockerd() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Not waited for: it outlives this process on purpose.
+    std::mem::forget(child);
+    host
 }
 
-/// Podman installed (it has no daemon). False, after a loud message, only
-/// where the machine cannot have it.
+/// Podman installed (it has no daemon). False, after a loud message,
+/// where the machine cannot have it or GPUFRAC_TEST_ENGINES=0.
 pub fn ensure_podman() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
+        if !engines_wanted("the Podman tests") {
+            return false;
+        }
         if !is_root() {
             // Rootless Podman keeps images elsewhere, and the CDI test
             // writes /var/run/cdi.
-            return skip("Podman tests", "they need root");
+            return cannot("the Podman tests", "they need root");
         }
         install(
-            "Podman tests",
+            "the Podman tests",
             &[&[PODMAN], RUNC, &[MMDEBSTRAP]],
             &["podman", "runc", "mmdebstrap"],
         )
     })
 }
 
-/// The containers.conf Podman runs with in tests: one file for every test
-/// process, written whole and renamed into place (its content never
-/// changes, so whichever process wrote it last does not matter).
-pub fn containers_conf() -> &'static Path {
-    static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| {
-        let dir = std::env::temp_dir();
-        let p = dir.join("gpufrac-test-containers.conf");
-        let tmp = dir.join(format!(
-            "gpufrac-test-containers.conf.{}",
-            std::process::id()
-        ));
-        std::fs::write(&tmp, CONTAINERS_CONF).unwrap();
-        std::fs::rename(&tmp, &p).unwrap();
-        p
-    })
+/// The containers.conf and storage.conf Podman runs with in tests: one
+/// pair for every test process, each written whole and renamed into place
+/// (their content never changes, so whichever process wrote last does not
+/// matter).
+pub fn podman_conf() -> (&'static Path, &'static Path) {
+    static P: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    let (c, s) = P.get_or_init(|| {
+        let run = run_dir();
+        let write = |name: &str, text: String| {
+            let p = run.join(name);
+            let tmp = run.join(format!("{name}.{}", std::process::id()));
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &p).unwrap();
+            p
+        };
+        (
+            write("containers.conf", containers_conf_text(run)),
+            write("storage.conf", storage_conf_text(&test_cache(), run)),
+        )
+    });
+    (c, s)
 }
 
 /// The sealed test image in `engine`'s store, built on first use on this
@@ -278,15 +405,21 @@ pub fn image(engine: Engine) -> &'static str {
         if image_exists(engine) {
             return;
         }
-        let _lock = MachineLock::take("image");
+        let _lock = MachineLock::at(&test_cache().join("image.lock"));
         if image_exists(engine) {
             return;
         }
         let tar = rootfs_tarball();
         say(&format!(
-            "importing {} into {} as {IMAGE}",
+            "importing {} into {} as {IMAGE} (its store: {})",
             tar.display(),
-            engine.name()
+            engine.name(),
+            match engine {
+                Engine::Docker if docker_host().is_some() => test_cache().join("docker"),
+                Engine::Docker => PathBuf::from("the machine's Docker daemon"),
+                Engine::Podman => test_cache().join("podman"),
+            }
+            .display()
         ));
         engine.run_ok(&["import", tar.to_str().unwrap(), IMAGE]);
     });
@@ -300,17 +433,36 @@ fn image_exists(engine: Engine) -> bool {
     }
 }
 
+/// Whether the Docker daemon at `host` (None: the default one) has the
+/// image, before `ensure_docker` has chosen a daemon.
+fn image_exists_with(engine: Engine, host: Option<&str>) -> bool {
+    debug_assert_eq!(engine, Engine::Docker);
+    let mut c = Command::new(DOCKER);
+    if let Some(h) = host {
+        c.env("DOCKER_HOST", h);
+    }
+    c.args(["image", "inspect", IMAGE])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Called with the image lock held.
 fn rootfs_tarball() -> PathBuf {
-    let dir = Path::new("/var/cache/gpufrac-test");
+    let dir = test_cache();
     let tar = dir.join("bookworm-essential.tar");
     if tar.exists() {
         return tar;
     }
-    std::fs::create_dir_all(dir).unwrap();
     // Renamed once whole, so an interrupted build is not taken for one.
     let part = dir.join("bookworm-essential.part.tar");
-    say("building the test image's root with mmdebstrap (once per machine)");
+    say(&format!(
+        "downloading Debian bookworm's essential packages (about 140 MB) with mmdebstrap \
+         into {}, the test image's root (once per test cache)",
+        tar.display()
+    ));
     let st = Command::new(MMDEBSTRAP)
         .args(["--variant=essential", "--format=tar", "bookworm"])
         .arg(&part)

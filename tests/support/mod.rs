@@ -187,7 +187,7 @@ pub fn wait_until(secs: f64, what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-/// A scratch directory under target/, removed on drop.
+/// A scratch directory under the temp dir, removed on drop.
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
@@ -442,7 +442,18 @@ impl MachineLock {
 
     /// The lock on the file at `path`.
     pub fn at(path: &Path) -> MachineLock {
+        Self::flock(path, libc::LOCK_EX)
+    }
+
+    /// A shared lock on the file at `path`: many holders at once, none
+    /// while someone holds it exclusively.
+    pub fn shared_at(path: &Path) -> MachineLock {
+        Self::flock(path, libc::LOCK_SH)
+    }
+
+    fn flock(path: &Path, op: libc::c_int) -> MachineLock {
         use std::os::fd::AsRawFd;
+        // Opened close-on-exec (std's default): no child inherits the lock.
         let f = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -450,38 +461,135 @@ impl MachineLock {
             .open(path)
             .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
         // SAFETY: a valid descriptor; flock blocks until the lock is ours.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
         assert_eq!(rc, 0, "flock {}", path.display());
         MachineLock(f)
     }
 }
 
+/// Straight to the process's stderr: libtest shows a passing test's
+/// `eprintln!` to nobody, and what the suite installs, starts or skips must
+/// be seen.
+pub fn say(msg: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("gpufrac tests: {msg}\n").as_bytes());
+}
+
+/// What `GPUFRAC_TEST_ENGINES` asks of the engine tests (Docker, Podman,
+/// Slurm, the release built with zig): the tests that install packages,
+/// download into the cache and start daemons (docs/testing.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineTests {
+    /// `0`: skipped, each saying so.
+    Skip,
+    /// Unset: run where the machine can have the engines (root, apt-get),
+    /// skipped loudly where it cannot.
+    Auto,
+    /// `1`: run, and a machine that cannot have them fails (CI).
+    Required,
+}
+
+pub fn engine_tests() -> EngineTests {
+    match std::env::var("GPUFRAC_TEST_ENGINES").as_deref() {
+        Err(_) | Ok("") => EngineTests::Auto,
+        Ok("0") => EngineTests::Skip,
+        Ok("1") => EngineTests::Required,
+        Ok(other) => panic!(
+            "GPUFRAC_TEST_ENGINES={other:?}: expected 0 (skip the engine tests) or 1 \
+             (run them, failing where they cannot run); unset runs them where possible"
+        ),
+    }
+}
+
+fn skip_banner(what: &str, why: &str) {
+    say(&format!(
+        "\n################################################################\n\
+         SKIPPED: {what}: {why}\n\
+         ################################################################"
+    ));
+}
+
+/// False, after saying so, when `GPUFRAC_TEST_ENGINES=0` skips the engine
+/// test `what`.
+pub fn engines_wanted(what: &str) -> bool {
+    if engine_tests() == EngineTests::Skip {
+        skip_banner(what, "GPUFRAC_TEST_ENGINES=0");
+        return false;
+    }
+    true
+}
+
+/// The engine test `what` cannot run on this machine, for `why`: skipped
+/// loudly, or a failure under `GPUFRAC_TEST_ENGINES=1`, where a skip would
+/// hide a broken integration. Returns false, for `if !…{ return }`.
+pub fn cannot(what: &str, why: &str) -> bool {
+    if engine_tests() == EngineTests::Required {
+        panic!("{what} cannot run: {why} (GPUFRAC_TEST_ENGINES=1, so this is a failure)");
+    }
+    skip_banner(what, why);
+    false
+}
+
+/// The workspace's target directory: the test executable is
+/// target/<profile>/deps/<test>-<hash>.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.ancestors()
+        .nth(3)
+        .expect("the test executable lies in target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// The one directory the test suite downloads into and keeps state in
+/// between runs: `GPUFRAC_TEST_CACHE`, else target/test-cache.
+pub fn test_cache() -> PathBuf {
+    let dir = match std::env::var_os("GPUFRAC_TEST_CACHE") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => target_dir().join("test-cache"),
+    };
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|e| panic!("cannot create the test cache {}: {e}", dir.display()));
+    dir
+}
+
 /// Installs Debian `packages` with apt-get, one installer at a time on the
 /// machine, unless `present()` already holds (checked again once the lock
-/// is ours: another test may have installed them meanwhile). Err says why
-/// this machine cannot (not root, no apt-get); on a machine that can, a
-/// failed installation panics with what apt-get said, since a skip there
-/// would hide it.
-pub fn apt_install(packages: &[&str], present: impl Fn() -> bool) -> Result<(), String> {
+/// is ours: another test may have installed them meanwhile). Says first
+/// what it installs and for which tests (`what`). Err says why this
+/// machine cannot (not root, no apt-get); on a machine that can, a failed
+/// installation panics with what apt-get said, since a skip there would
+/// hide it.
+pub fn apt_install(
+    what: &str,
+    packages: &[&str],
+    present: impl Fn() -> bool,
+) -> Result<(), String> {
     if present() {
         return Ok(());
     }
     // SAFETY: geteuid cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         return Err(format!(
-            "{packages:?} are not installed and installing them needs root"
+            "{} not installed, and installing it needs root",
+            packages.join(" ")
         ));
     }
     if !Path::new("/usr/bin/apt-get").exists() {
         return Err(format!(
-            "{packages:?} are not installed and there is no apt-get"
+            "{} not installed, and there is no apt-get",
+            packages.join(" ")
         ));
     }
     let _lock = MachineLock::take("apt");
     if present() {
         return Ok(());
     }
-    eprintln!("installing {packages:?} with apt-get");
+    say(&format!(
+        "installing the Debian packages {} system-wide with apt-get, for {what} \
+         (they stay installed; GPUFRAC_TEST_ENGINES=0 skips these tests)",
+        packages.join(" ")
+    ));
+    let units = services::Units::before_install();
     let apt = |args: &[&str]| {
         let o = Command::new("/usr/bin/apt-get")
             .args(["-o", "DPkg::Lock::Timeout=600", "-qq"])
@@ -502,11 +610,71 @@ pub fn apt_install(packages: &[&str], present: impl Fn() -> bool) -> Result<(), 
     let mut args = vec!["install", "-y"];
     args.extend_from_slice(packages);
     apt(&args);
+    units.stop_the_ones_started();
     assert!(
         present(),
         "installed {packages:?}, but what they provide is still missing"
     );
     Ok(())
+}
+
+/// Services a package's installation starts by itself on a machine run by
+/// systemd (docker.io starts dockerd and containerd, munge munged): the
+/// tests start their own, so these are stopped again. Their packages stay
+/// installed and enabled, as apt left them.
+mod services {
+    use std::path::Path;
+    use std::process::{Command, Stdio};
+
+    const UNITS: &[&str] = &[
+        "docker.socket",
+        "docker.service",
+        "containerd.service",
+        "munge.service",
+        "slurmctld.service",
+        "slurmd.service",
+        "podman.socket",
+    ];
+
+    pub struct Units(Vec<&'static str>);
+
+    fn active(unit: &str) -> bool {
+        Command::new("systemctl")
+            .args(["is-active", "--quiet", unit])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    impl Units {
+        /// The units running before the installation (none where systemd
+        /// does not run the machine: nothing starts them there).
+        pub fn before_install() -> Units {
+            if !Path::new("/run/systemd/system").exists() {
+                return Units(UNITS.to_vec());
+            }
+            Units(UNITS.iter().copied().filter(|u| active(u)).collect())
+        }
+
+        pub fn stop_the_ones_started(self) {
+            if !Path::new("/run/systemd/system").exists() {
+                return;
+            }
+            for unit in UNITS.iter().filter(|u| !self.0.contains(u)) {
+                if active(unit) {
+                    super::say(&format!(
+                        "stopping {unit}, which installing its package started"
+                    ));
+                    let _ = Command::new("systemctl")
+                        .args(["stop", unit])
+                        .stdin(Stdio::null())
+                        .status();
+                }
+            }
+        }
+    }
 }
 
 /// A queued job's script writes `DIR/NAME.env` ("CUDA_VISIBLE_DEVICES

@@ -1,7 +1,9 @@
 //! A one-node Slurm cluster in a temporary directory: its own munged (key,
 //! socket), slurmctld and slurmd in the foreground as children of the test,
 //! on free ports, with the gpufrac lines of deploy/slurm/ in its
-//! configuration. Everything it started is killed on drop.
+//! configuration. Everything it started is killed on drop, and the daemons
+//! also die with the test's thread if the test process is killed before
+//! that (PR_SET_PDEATHSIG), so that no munged or slurmd outlives the tests.
 #![allow(dead_code)]
 
 use std::ffi::OsString;
@@ -73,8 +75,10 @@ pub fn tools() -> Result<Tools, String> {
     if missing(&dirs).is_empty() {
         return Ok(Tools { dir: dirs });
     }
-    apt_install(&["slurm-wlm", "munge"], || missing(&dirs).is_empty())
-        .map_err(|why| format!("{} missing: {why}", missing(&dirs).join(", ")))?;
+    apt_install("the Slurm test", &["slurm-wlm", "munge"], || {
+        missing(&dirs).is_empty()
+    })
+    .map_err(|why| format!("{} missing: {why}", missing(&dirs).join(", ")))?;
     let still = missing(&dirs);
     assert!(
         still.is_empty(),
@@ -282,6 +286,17 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             .stdout(out.try_clone().unwrap())
             .stderr(out)
             .process_group(0);
+        // SAFETY: prctl is async-signal-safe. The signal comes when the
+        // thread that spawned the daemon ends: the test's, which owns the
+        // cluster and drops it (killing the daemons) before it ends anyway.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("starting {}: {e}", program.display()));

@@ -6,9 +6,9 @@ use tracing::{debug, info};
 
 use super::conn::{ClientDev, Conn};
 use super::{Broker, ConnId, MAX_UNKNOWN_GPUS, Nanos};
-use crate::inventory::uuid_string;
 use crate::procs::ancestry;
 use crate::sched::GroupId;
+use gpufrac_common::wire::uuid_string;
 
 /// Fairness units: a job's is its token, a user's its uid (tagged).
 const UID_UNIT: GroupId = 1 << 63;

@@ -9,11 +9,11 @@ use tracing::{debug, info, warn};
 
 use super::clients::lower_caps;
 use super::{Broker, ConnId, MigDone, Nanos, Work, clip};
-use crate::inventory::uuid_string;
 use crate::jobs::{self, Job, Phase};
 use crate::mig;
 use crate::queue::{self, Pinned, Want};
 use crate::statefile::Loaded;
+use gpufrac_common::wire::uuid_string;
 
 /// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
 const MAX_POD: usize = 320;

@@ -26,13 +26,13 @@ use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 use tracing::warn;
 
 use crate::authority::{Peer, Policy};
-use crate::inventory::uuid_string;
 use crate::jobs::Job;
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
 use crate::queue::{self, Queue, QueueConfig};
 use crate::sched::{Action, SchedConfig, Scheduler};
 use crate::status::MpsStatus;
+use gpufrac_common::wire::uuid_string;
 
 pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, clip};
 use conn::{Conn, Held};
