@@ -28,9 +28,9 @@
 //! together): a process can always lie about its own job, as it can unset
 //! `LD_PRELOAD`; that is the threat model (SECURITY.md), not a defect.
 //!
-//! No allocation on the charge path; the only system calls are the futex of
-//! a contended lock and, when a charge would be refused, a look at
-//! `/proc` for dead processes.
+//! No allocation on the charge path; the only system calls are an `fstat`
+//! (is the file still whole?), the futex of a contended lock and, when a
+//! charge would be refused, a look at `/proc` for dead processes.
 
 use std::ffi::CString;
 use std::fmt;
@@ -528,6 +528,21 @@ impl JobLedger {
     /// Takes the lock (waiting at most [`LOCK_WAIT`]) and checks the
     /// header; the caller checks what else it reads.
     fn lock(&self) -> Result<Locked<'_>, BooksError> {
+        // A file cut short under the mapping would fault (SIGBUS) where the
+        // books are read past its end: its length is checked first, for the
+        // price of one fstat per operation (the charge of a job's process,
+        // not a launch). A cut made between this check and the reads still
+        // faults, stopping that process: it gets no memory either way.
+        // SAFETY: a stat of ours, our descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(self.fd, &mut st) } != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        if (st.st_size as u64) < layout::LEN as u64 {
+            return Err(BooksError::Short {
+                len: st.st_size as u64,
+            });
+        }
         let p = self.shared;
         // SAFETY: the mapping lives as long as self; the magic is atomic.
         if unsafe { &(*p).magic }.load(Ordering::Acquire) != MAGIC {
@@ -1007,7 +1022,9 @@ mod tests {
         f.set_len(100).unwrap();
         let e = JobLedger::open(&p).err().unwrap().to_string();
         assert!(e.contains("100 bytes long"), "{e}");
-        drop((a, s, g));
+        // Mapped before it was cut: refused, not faulting.
+        let e = a.reserve(s, g, 1).unwrap_err().to_string();
+        assert!(e.contains("100 bytes long"), "{e}");
         std::fs::remove_file(&p).unwrap();
 
         let (p, a, s, g) = charged("garbage");
