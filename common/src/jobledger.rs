@@ -141,7 +141,7 @@ pub enum BooksError {
     Lost(&'static str),
     /// The lock's type word has been overwritten: it is no lock any more.
     LockDamaged,
-    /// Nobody let go of the lock within [`LOCK_WAIT`].
+    /// Nobody let go of the lock within the wait allowed (2 s).
     LockTimeout,
     /// Locking failed with this error number.
     Lock(i32),

@@ -64,17 +64,13 @@ impl fmt::Display for Where {
 /// the allocation is refused.
 #[inline(always)]
 pub fn fail_closed<F: FnOnce() -> u32>(name: &str, told: &AtomicBool, body: F) -> u32 {
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(rc) => rc,
-        Err(_) => {
-            tell(
-                name,
-                told,
-                "the allocation is refused with CUDA_ERROR_OUT_OF_MEMORY (an entry point that hands out memory never bypasses the cap)",
-            );
-            CUDA_ERROR_OUT_OF_MEMORY
-        }
-    }
+    contain(
+        name,
+        told,
+        body,
+        "the allocation is refused with CUDA_ERROR_OUT_OF_MEMORY (an entry point that hands out memory never bypasses the cap)",
+        || CUDA_ERROR_OUT_OF_MEMORY,
+    )
 }
 
 /// Runs the body of an entry point that hands out no memory; if it
@@ -86,15 +82,30 @@ pub fn pass_through<F: FnOnce() -> u32, G: FnOnce() -> u32>(
     body: F,
     forward: G,
 ) -> u32 {
+    contain(
+        name,
+        told,
+        body,
+        "the call goes to the driver as the application made it (this entry point hands out no memory)",
+        forward,
+    )
+}
+
+/// Runs `body`; on a panic, says `what` is done (once per `told`) and
+/// does it.
+#[inline(always)]
+fn contain<F: FnOnce() -> u32, G: FnOnce() -> u32>(
+    name: &str,
+    told: &AtomicBool,
+    body: F,
+    what: &str,
+    instead: G,
+) -> u32 {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(rc) => rc,
         Err(_) => {
-            tell(
-                name,
-                told,
-                "the call goes to the driver as the application made it (this entry point hands out no memory)",
-            );
-            forward()
+            tell(name, told, what);
+            instead()
         }
     }
 }

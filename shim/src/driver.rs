@@ -40,9 +40,14 @@ pub struct Slot {
 
 impl Slot {
     pub fn name_str(&self) -> &'static str {
-        // Built from stringify!, so always ASCII.
-        std::str::from_utf8(&self.name[..self.name.len() - 1]).unwrap_or("?")
+        name_str(self.name)
     }
+}
+
+/// A NUL-terminated name from the hook list as text.
+pub fn name_str(name: &'static [u8]) -> &'static str {
+    // Built from stringify!, so always ASCII.
+    std::str::from_utf8(name.strip_suffix(b"\0").unwrap_or(name)).unwrap_or("?")
 }
 
 macro_rules! define_slots {

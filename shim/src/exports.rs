@@ -32,8 +32,7 @@ unsafe impl Sync for HookEntry {}
 
 impl HookEntry {
     pub fn name_str(&self) -> &'static str {
-        // Built from stringify!, so always ASCII.
-        std::str::from_utf8(&self.name[..self.name.len() - 1]).unwrap_or("?")
+        driver::name_str(self.name)
     }
 }
 
