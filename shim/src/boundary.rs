@@ -18,17 +18,22 @@ use gpufrac_common::cuda::CUDA_ERROR_OUT_OF_MEMORY;
 use std::cell::Cell;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 thread_local! {
     // Const-initialised and destructor-free: safe to touch from any hook,
     // even one that fires while the thread is being torn down.
     static IN_HOOK: Cell<bool> = const { Cell::new(false) };
-    static PANIC_AT: Cell<Where> = const { Cell::new(Where::UNKNOWN) };
 }
 
-/// Where the last panic on this thread happened: kept by the panic hook
-/// (which must not allocate or print) for the line the catcher prints.
+/// Where the last panic happened: kept by the panic hook (which must not
+/// allocate or print) for the line the catcher prints. One for the
+/// process, not per thread: panics are rare, and a thread-local of this
+/// size would sit in every thread's block beside the launch gate's.
+static PANIC_AT: Mutex<Where> = Mutex::new(Where::UNKNOWN);
+
+/// Where a panic happened.
 #[derive(Clone, Copy)]
 pub struct Where {
     file: [u8; 96],
@@ -43,11 +48,10 @@ impl Where {
         line: 0,
     };
 
-    /// The location of this thread's last panic, forgotten once taken.
+    /// The location of the last panic, forgotten once taken.
     pub fn take() -> Where {
-        PANIC_AT
-            .try_with(|c| c.replace(Where::UNKNOWN))
-            .unwrap_or(Where::UNKNOWN)
+        let mut at = PANIC_AT.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *at, Where::UNKNOWN)
     }
 }
 
@@ -158,7 +162,10 @@ pub fn install_panic_hook() {
             w.len = keep.len() as u8;
             w.line = loc.line();
         }
-        let _ = PANIC_AT.try_with(|c| c.set(w));
+        // Never waits: a panic elsewhere at this very moment keeps its own.
+        if let Ok(mut at) = PANIC_AT.try_lock() {
+            *at = w;
+        }
     }));
 }
 

@@ -67,6 +67,10 @@ macro_rules! define_exports {
                             boundary::fault(stringify!($pname));
                             unsafe { $pimp($($parg),*) }
                         },
+                        // Inlined into the unwinding path, as it was when
+                        // the boundary took it directly: an outlined
+                        // closure makes every call spill its arguments.
+                        #[inline(always)]
                         move || {
                             ensure_family(Family::$pfam);
                             unsafe { driver::call::$pname($($parg),*) }
@@ -136,23 +140,24 @@ static REVERSE: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
 /// Maps a real driver function address to our hook for the same versioned
 /// symbol; None when we do not hook it, or the driver is not loaded yet.
 pub fn hook_for_real(p: usize) -> Option<usize> {
-    if !config::ready() {
+    let rev = match REVERSE.get() {
+        Some(rev) => rev,
         // The slots are still being filled (a lookup made from inside the
         // driver's own initialisation): nothing to build the map from yet.
-        return None;
-    }
-    let rev = REVERSE.get_or_init(|| {
-        let mut rev: Vec<(usize, usize)> = TABLE
-            .iter()
-            .filter(|e| e.family == Family::Cuda)
-            .filter_map(|e| {
-                let r = e.real.load(Ordering::Acquire);
-                (r != 0).then_some((r, e.hook as usize))
-            })
-            .collect();
-        rev.sort_unstable();
-        rev
-    });
+        None if !config::ready() => return None,
+        None => REVERSE.get_or_init(|| {
+            let mut rev: Vec<(usize, usize)> = TABLE
+                .iter()
+                .filter(|e| e.family == Family::Cuda)
+                .filter_map(|e| {
+                    let r = e.real.load(Ordering::Acquire);
+                    (r != 0).then_some((r, e.hook as usize))
+                })
+                .collect();
+            rev.sort_unstable();
+            rev
+        }),
+    };
     rev.binary_search_by_key(&p, |&(r, _)| r)
         .ok()
         .map(|i| rev[i].1)

@@ -209,6 +209,9 @@ impl Job {
         Ok((slot, g as usize))
     }
 
+    // Kept out of line: the charge of a process outside any job (nearly
+    // every allocation) must not carry the job's code.
+    #[inline(never)]
     fn charge(&self, dev: usize, size: u64) -> Result<(), Refusal> {
         let (slot, g) = self.place(dev)?;
         match self.books.reserve(slot, g, size) {
@@ -224,6 +227,7 @@ impl Job {
         }
     }
 
+    #[inline(never)]
     fn uncharge(&self, dev: usize, size: u64) {
         // Books that cannot be charged keep what they hold: the job is
         // over-charged, never under.
@@ -446,10 +450,16 @@ fn records() -> &'static Records {
 
 /// Records a live allocation. If the key was already present, the stale
 /// charge is returned.
+#[inline]
 pub fn insert(kind: Kind, key: u64, e: Entry) {
     if let Some(old) = records().insert(kind, key, e) {
-        unreserve(old.dev as usize, old.size);
+        stale(old);
     }
+}
+
+#[cold]
+fn stale(old: Entry) {
+    unreserve(old.dev as usize, old.size);
 }
 
 pub fn remove(kind: Kind, key: u64) -> Option<Entry> {
