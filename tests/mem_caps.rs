@@ -712,32 +712,113 @@ fn a_forked_child_starts_with_clean_books() {
     );
 }
 
+/// How many stderr lines report an internal error in `hook`.
+fn internal_errors(o: &std::process::Output, hook: &str) -> Vec<String> {
+    stderr(o)
+        .lines()
+        .filter(|l| l.contains(&format!("internal error in {hook} (")))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A panic in an entry point that hands out memory refuses the allocation
+/// (it never reaches the driver uncapped), at the entry of the hook and
+/// in the middle of a charge alike; the process keeps running, the other
+/// entry points keep working, and stderr says why once. Debug builds of
+/// the shim panic on purpose at the point `GPUFRAC_TEST_PANIC` names.
 #[test]
-fn a_panic_inside_a_hook_is_contained_and_the_call_still_reaches_the_driver() {
-    // Debug builds of the shim panic on purpose inside the named hook.
+fn a_panic_where_memory_is_handed_out_refuses_the_allocation() {
+    // (where, what the books hold after the refusals)
+    for (point, held) in [
+        ("cuMemAlloc_v2", 0),
+        // After the driver allocated and before the record: the driver
+        // holds each block (its pointer is lost with the panic), and so
+        // the books keep charging both.
+        ("charge", 8 * MIB),
+    ] {
+        let o = probe(
+            "16G",
+            &[("GPU_MEM_LIMIT", CAP), ("GPUFRAC_TEST_PANIC", point)],
+            &[
+                "ctx",
+                "alloc",
+                "alloc",
+                "4M",
+                "alloc",
+                "alloc",
+                "4M",
+                "alloc",
+                "vmm",
+                "4M",
+                "info",
+                "limit-api",
+            ],
+        );
+        assert!(
+            o.status.success(),
+            "{point}: the process survives: {}",
+            stderr(&o)
+        );
+        assert_eq!(
+            num(&line(&o, "alloc", 0), "rc"),
+            2,
+            "{point}: CUDA_ERROR_OUT_OF_MEMORY, not the driver's allocation"
+        );
+        assert_eq!(num(&line(&o, "alloc", 1), "rc"), 2, "{point}");
+        // Another way to allocate, through another hook: unaffected.
+        assert_eq!(num(&line(&o, "alloc", 2), "rc"), 0, "{point}");
+        let info = line(&o, "info", 0);
+        assert_eq!(num(&info, "rc"), 0, "{point}: other hooks still work");
+        assert_eq!(num(&info, "total"), CAP_BYTES, "{point}");
+        assert_eq!(
+            num(&info, "free"),
+            CAP_BYTES - 4 * MIB - held,
+            "{point}: the books hold the VMM block and what the driver kept"
+        );
+        assert_eq!(num(&line(&o, "limit-api", 0), "used"), 4 * MIB + held);
+        let said = internal_errors(&o, "cuMemAlloc_v2");
+        assert_eq!(said.len(), 1, "{point}: said once: {}", stderr(&o));
+        assert!(
+            said[0].contains("refused with CUDA_ERROR_OUT_OF_MEMORY")
+                && said[0].contains("panic at"),
+            "{point}: {}",
+            said[0]
+        );
+    }
+}
+
+/// A panic in an entry point that hands out no memory is contained and the
+/// application's call still reaches the driver.
+#[test]
+fn a_panic_elsewhere_is_contained_and_the_call_still_reaches_the_driver() {
     let o = probe(
         "16G",
         &[
             ("GPU_MEM_LIMIT", CAP),
-            ("GPUFRAC_TEST_PANIC", "cuMemAlloc_v2"),
+            ("GPUFRAC_TEST_PANIC", "cuMemGetInfo_v2"),
         ],
-        &["ctx", "alloc", "alloc", "4M", "info"],
+        &[
+            "ctx", "info", "info", "alloc", "alloc", "4M", "launch", "1", "0",
+        ],
     );
     assert!(o.status.success(), "the process survives: {}", stderr(&o));
-    assert_eq!(
-        num(&line(&o, "alloc", 0), "rc"),
-        0,
-        "the driver still allocated"
-    );
-    assert_eq!(
-        num(&line(&o, "info", 0), "total"),
-        CAP_BYTES,
-        "other hooks unaffected"
-    );
-    let err = stderr(&o);
+    for n in 0..2 {
+        let info = line(&o, "info", n);
+        assert_eq!(num(&info, "rc"), 0, "the driver answered");
+        assert_eq!(
+            num(&info, "total"),
+            16 * GIB,
+            "the driver's own figure, unchanged"
+        );
+        assert_eq!(num(&info, "devtotal"), CAP_BYTES, "other hooks unaffected");
+    }
+    assert_eq!(num(&line(&o, "alloc", 0), "rc"), 0);
+    assert_eq!(num(&line(&o, "launch", 0), "rc"), 0);
+    let said = internal_errors(&o, "cuMemGetInfo_v2");
+    assert_eq!(said.len(), 1, "said once: {}", stderr(&o));
     assert!(
-        err.contains("internal error in cuMemAlloc_v2")
-            && err.contains("passing the call to the driver"),
-        "{err}"
+        said[0].contains("goes to the driver as the application made it"),
+        "{}",
+        said[0]
     );
 }

@@ -1,8 +1,10 @@
-//! The small C API of `include/gpufrac.h`, for applications that want to
-//! know their cap and usage. Reached with `dlsym(RTLD_DEFAULT, …)` or by
-//! linking; returns 0 when there is nothing to report.
+//! The small C query API of `include/gpufrac.h`, for applications that want
+//! to know their cap and usage: every `gpufrac_*` export lives here.
+//! Reached with `dlsym(RTLD_DEFAULT, …)` or by linking; returns 0 when
+//! there is nothing to report. Like the other exports, compiled into the
+//! library only.
 
-use crate::{devices, init, ledger};
+use crate::{config, devices, ledger};
 use std::ffi::{c_char, c_int};
 use std::panic::catch_unwind;
 
@@ -11,7 +13,7 @@ use std::panic::catch_unwind;
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_mem_limit(device: c_int) -> u64 {
     catch_unwind(|| {
-        let Ok(cfg) = init::config() else { return 0 };
+        let Ok(cfg) = config::config() else { return 0 };
         if device < 0 {
             return 0;
         }
@@ -44,9 +46,7 @@ pub extern "C" fn gpufrac_mem_peak(device: c_int) -> u64 {
     if device < 0 {
         return 0;
     }
-    ledger::LEDGERS
-        .get(device as usize)
-        .map_or(0, |l| l.peak.load(std::sync::atomic::Ordering::Relaxed))
+    ledger::peak(device as usize)
 }
 
 /// Starts a new peak on `device` from what is charged now, and returns the
@@ -56,14 +56,7 @@ pub extern "C" fn gpufrac_mem_peak_reset(device: c_int) -> u64 {
     if device < 0 {
         return 0;
     }
-    use std::sync::atomic::Ordering::{Acquire, Relaxed};
-    ledger::LEDGERS.get(device as usize).map_or(0, |l| {
-        let before = l.peak.swap(l.used.load(Acquire), Relaxed);
-        // A charge between the load and the swap raised `used` past the
-        // new peak; a charge after this load raises the peak itself.
-        l.peak.fetch_max(l.used.load(Acquire), Relaxed);
-        before
-    })
+    ledger::reset_peak(device as usize)
 }
 
 /// Number of live allocations tracked (all devices).

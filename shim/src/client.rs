@@ -18,9 +18,10 @@
 //! handshake have a deadline, and a broker that stops answering (SIGSTOP,
 //! wedged) while this process waits on it is treated as gone.
 
+use crate::driver::call;
 use crate::ledger::{LEDGERS, NO_LIMIT};
-use crate::table::call;
-use crate::{devices, init, mem};
+use crate::watch::{self, STALL_NS, Verdict, Watch};
+use crate::{boundary, config, contexts, devices};
 use gpufrac_common::config::{BrokerMode, MAX_DEVICES, ShimConfig};
 use gpufrac_common::cuda::*;
 use gpufrac_common::net;
@@ -112,18 +113,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// The same for the one attempt `GPUFRAC_BROKER=required` makes in cuInit,
 /// whose failure fails the process: more patience with a busy broker.
 const REQUIRED_TIMEOUT: Duration = Duration::from_secs(5);
-/// A broker that says nothing for this long while this process waits on it
-/// is deemed stalled. Far above any legitimate silence: a timeslice is tens
-/// of ms, a waiter's turn comes within a few slices, and a process parked
-/// by GPU_COMPUTE_LIMIT waits at most its window (1 s) plus a slice. Other
-/// waits can be longer (a `low` process behind busy `normal` ones), which
-/// is why silence is broken by a probe (`PROBE_NS`) that a live broker
-/// answers whatever its scheduler decides.
-const STALL_NS: u64 = 3_000_000_000;
-/// After this much silence while waiting, ask the broker for its status: a
-/// request it answers at once if it is alive, so that only a broker that
-/// answers nothing for `STALL_NS` is deemed stalled.
-const PROBE_NS: u64 = 1_000_000_000;
 /// Largest device count registered (bounded by MAX_DEVICES).
 static NDEV: AtomicU32 = AtomicU32::new(0);
 
@@ -407,14 +396,20 @@ fn send_locked(_held: &std::sync::MutexGuard<'_, ()>, msg: &ClientMsg) -> bool {
 }
 
 pub fn on_context_created() {
-    let Ok(cfg) = init::config() else { return };
+    let Ok(cfg) = config::config() else { return };
     if cfg.broker == BrokerMode::Off {
         return;
     }
     if STARTED.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+        static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registering a plain extern "C" callback, once (a forked
+        // child inherits it).
+        FORK_HANDLER.call_once(|| unsafe {
+            libc::pthread_atfork(None, None, Some(after_fork_child));
+        });
         let spawned = std::thread::Builder::new()
             .name("gpufrac-client".into())
-            .spawn(move || client_thread(cfg));
+            .spawn(move || contained("broker session", || client_thread(cfg)));
         if spawned.is_err() {
             warn!("could not start the broker client thread; compute is not arbitrated");
             return;
@@ -546,18 +541,6 @@ fn connect(cfg: &ShimConfig, timeout: Duration) -> Result<UnixStream, ConnectFai
     Ok(s)
 }
 
-fn command_line() -> String {
-    std::fs::read("/proc/self/cmdline")
-        .map(|b| {
-            b.split(|&c| c == 0)
-                .filter(|s| !s.is_empty())
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
-}
-
 fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
     let devs: Vec<DeviceReg> = devices::all()
         .iter()
@@ -581,7 +564,7 @@ fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
     }
     wire::encode_client(
         &ClientMsg::Register {
-            command: command_line(),
+            command: gpufrac_common::procfs::cmdline(None),
             devices: devs,
             share: cfg.compute_share,
             limit: cfg.compute_limit,
@@ -592,11 +575,42 @@ fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
     s.write_all(&buf)
 }
 
+/// Runs one of the shim's own threads. A panic ends it, and with it
+/// arbitration: the gates open (launches hand out no memory, so they pass
+/// through, as every entry point that hands out none does), and stderr
+/// says so once. Memory caps do not depend on these threads.
+fn contained(what: &str, body: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_err() {
+        let at = boundary::Where::take();
+        GATED.store(false, SeqCst);
+        close_gates();
+        wake_all();
+        crate::log::write_line(format_args!(
+            "internal error in the {what} thread ({at}); compute is not arbitrated from now on, memory caps still hold"
+        ));
+    }
+}
+
+/// How long the broker may stay silent now (see `watch.rs`).
+fn allowance() -> Option<u64> {
+    let open = OPEN.load(SeqCst);
+    let waiting = REQUESTED.load(SeqCst) & !open != 0;
+    let held = CONTENDED.load(SeqCst) & open;
+    let slice = (held != 0).then(|| {
+        (0..MAX_DEVICES)
+            .filter(|d| held & (1 << d) != 0)
+            .map(|d| SLICE_NS[d].load(Relaxed))
+            .max()
+            .unwrap_or(0)
+    });
+    watch::allowance(waiting, slice)
+}
+
 fn client_thread(cfg: &'static ShimConfig) {
     register_membarrier();
     if std::thread::Builder::new()
         .name("gpufrac-drain".into())
-        .spawn(drain_thread)
+        .spawn(|| contained("drain", drain_thread))
         .is_err()
     {
         warn!(
@@ -642,99 +656,6 @@ fn client_thread(cfg: &'static ShimConfig) {
 /// is told when they do not hold; others only at GPUFRAC_LOG=warn.
 fn asks_arbitration(cfg: &ShimConfig) -> bool {
     cfg.compute_share.is_some() || cfg.compute_limit.is_some() || cfg.broker == BrokerMode::Required
-}
-
-/// How the client thread bounds this process's waits on a broker that has
-/// stopped answering (SIGSTOP, wedged) while the connection stays open —
-/// unlike a dead broker, which closes it and is noticed at once.
-///
-/// The process waits on the broker while it has asked for a device and
-/// holds no grant there (launches blocked in `wait_for_grant`), and while
-/// it holds a timesliced grant: the broker must end that slice, and until
-/// it does everyone else waits on this process. Silence is measured from
-/// the later of the last message received and the start of that wait, so
-/// a long quiet spell before the process asked does not count. After
-/// `PROBE_NS` of silence the thread asks for a status; only a broker that
-/// answers nothing at all is deemed stalled, after `STALL_NS` (waiting for
-/// a grant) or the slice plus `STALL_NS` (holding one: the holder enforces
-/// its own slice end, with the same margin).
-///
-/// A stalled broker is then treated as gone: in optional mode the session
-/// ends and the gates open, so launches go ahead unarbitrated, as they
-/// would on a GPU without gpufrac; the existing reconnect loop registers
-/// afresh once the broker answers again, which restores arbitration with
-/// the broker's own state (it sees this connection close and frees its
-/// grant). Keeping the session instead would leave grants and requests on
-/// both sides to reconcile. With GPUFRAC_BROKER=required the user asked to
-/// wait for the broker: launches keep waiting, and the user is told once.
-struct Watch {
-    last_heard: u64,
-    /// Start of the current wait on the broker (0: none).
-    since: u64,
-    probed: bool,
-    told: bool,
-}
-
-/// What to do about the broker's silence.
-enum Verdict {
-    Fine,
-    Probe,
-    Stalled,
-}
-
-impl Watch {
-    fn new(now: u64) -> Watch {
-        Watch {
-            last_heard: now,
-            since: 0,
-            probed: false,
-            told: false,
-        }
-    }
-
-    fn heard(&mut self, now: u64) {
-        self.last_heard = now;
-        self.probed = false;
-        self.told = false;
-    }
-
-    /// How long the broker may stay silent now, or None when nothing here
-    /// waits on it.
-    fn allowance() -> Option<u64> {
-        let open = OPEN.load(SeqCst);
-        if REQUESTED.load(SeqCst) & !open != 0 {
-            return Some(STALL_NS);
-        }
-        let held = CONTENDED.load(SeqCst) & open;
-        if held == 0 {
-            return None;
-        }
-        let slice = (0..MAX_DEVICES)
-            .filter(|d| held & (1 << d) != 0)
-            .map(|d| SLICE_NS[d].load(Relaxed))
-            .max()
-            .unwrap_or(0);
-        Some(STALL_NS.saturating_add(slice))
-    }
-
-    fn check(&mut self, now: u64, allowance: Option<u64>) -> Verdict {
-        let Some(allow) = allowance else {
-            self.since = 0;
-            return Verdict::Fine;
-        };
-        if self.since == 0 {
-            self.since = now;
-        }
-        let quiet = now.saturating_sub(self.last_heard.max(self.since));
-        if quiet >= allow {
-            Verdict::Stalled
-        } else if quiet >= PROBE_NS && !self.probed {
-            self.probed = true;
-            Verdict::Probe
-        } else {
-            Verdict::Fine
-        }
-    }
 }
 
 /// How a session ended.
@@ -817,7 +738,7 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) -> bool {
             last_report = now;
             report_usage(&mut reported);
         }
-        match watch.check(now, Watch::allowance()) {
+        match watch.check(now, allowance()) {
             Verdict::Fine => {}
             // Answered by a Pong, which on_message ignores: what
             // counts is that something arrives.
@@ -1041,7 +962,7 @@ fn drain_thread() {
             if req & (1 << d) == 0 {
                 continue;
             }
-            for ctx in mem::contexts_of(d) {
+            for ctx in contexts::of_device(d) {
                 unsafe {
                     if call::cuCtxPushCurrent_v2(ctx as CUcontext) == CUDA_SUCCESS {
                         call::cuCtxSynchronize();
@@ -1140,12 +1061,9 @@ fn report_usage(reported: &mut [(u64, u64, u64); MAX_DEVICES]) {
     }
 }
 
-/// Usage is picked up by the client thread's periodic report (every ~100
-/// ms, only when something changed); nothing to do on the hot path.
-#[inline(always)]
-pub fn usage_changed() {}
-
-pub fn reset_after_fork() {
+/// The child of a fork has no client thread and must not share the
+/// parent's connection.
+extern "C" fn after_fork_child() {
     // The child has no client thread and must not share the parent's
     // connection: close it and start afresh at its own first context.
     let fd = CONN_FD.swap(-1, SeqCst);

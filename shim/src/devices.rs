@@ -2,9 +2,9 @@
 //! size, UUID (to match NVML's view and to register with the broker) and the
 //! resolved cap. Learned once, right after the real `cuInit` succeeds.
 
-use crate::init;
-use crate::ledger::{LEDGERS, NO_LIMIT};
-use crate::table::call;
+use crate::config;
+use crate::driver::call;
+use crate::ledger::{self, LEDGERS, NO_LIMIT};
 use gpufrac_common::config::MAX_DEVICES;
 use gpufrac_common::cuda::*;
 use gpufrac_common::size::format_size;
@@ -34,7 +34,7 @@ pub fn ensure() -> Result<(), u32> {
 
 #[cold]
 fn slow_ensure() -> Result<(), u32> {
-    let cfg = init::config()?;
+    let cfg = config::config()?;
     let _g = SETUP.lock().unwrap_or_else(|e| e.into_inner());
     if READY.load(Ordering::Acquire) == 1 {
         return Ok(());
@@ -83,19 +83,10 @@ fn slow_ensure() -> Result<(), u32> {
             uuid,
         });
     }
-    if let Some(path) = &cfg.job_ledger {
-        // The job's books (gpufrac run --gpu-memory): joined before any
-        // charge, so the first allocation already counts against the job.
-        let uuids: Vec<[u8; 16]> = devs.iter().map(|d| d.uuid.bytes).collect();
-        let joined = gpufrac_common::jobledger::JobLedger::open(path)
-            .map_err(|e| e.to_string())
-            .and_then(|b| crate::ledger::join_job(b, &uuids).map_err(str::to_owned));
-        if let Err(e) = joined {
-            crate::log::write_line(format_args!(
-                "cannot use the job's memory books at {path} ({e}); this process is capped on its own"
-            ));
-        }
-    }
+    // The job's books (gpufrac run --gpu-memory), opened at initialisation,
+    // are joined before any charge, so the first allocation already counts
+    // against the job.
+    ledger::join_job(&devs.iter().map(|d| d.uuid.bytes).collect::<Vec<_>>());
     let _ = DEVICES.set(devs);
     READY.store(1, Ordering::Release);
     Ok(())

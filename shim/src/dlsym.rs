@@ -10,55 +10,19 @@
 //! nor locks) and, for names we do not hook, tail-jumps into the real
 //! `dlsym` with the caller's return address still on the stack.
 
-use crate::table;
+use crate::driver::{self, GPUFRAC_REAL_DLSYM, real_dlsym};
+use crate::exports;
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// glibc's own dlsym, found with dlvsym so our export is never returned.
-/// Not exported: the trampoline addresses it PC-relative.
-static GPUFRAC_REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
-
-type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
-
-fn resolve_real() -> usize {
-    let cur = GPUFRAC_REAL_DLSYM.load(Ordering::Acquire);
-    if cur != 0 {
-        return cur;
-    }
-    // dlsym moved into libc in glibc 2.34; older systems only have the
-    // 2.2.5 version. Either is the real one.
-    for ver in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
-        // SAFETY: dlvsym with constant strings.
-        let p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), ver.as_ptr()) };
-        if !p.is_null() {
-            GPUFRAC_REAL_DLSYM.store(p as usize, Ordering::Release);
-            return p as usize;
-        }
-    }
-    0
-}
-
-/// Calls glibc's dlsym from our own code (so `RTLD_NEXT` here means "after
-/// libgpufrac", which is what the shim itself wants).
-pub unsafe fn real_dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
-    let p = resolve_real();
-    if p == 0 {
-        return std::ptr::null_mut();
-    }
-    // SAFETY: p is glibc's dlsym.
-    let f: DlsymFn = unsafe { std::mem::transmute(p) };
-    unsafe { f(handle, name) }
-}
 
 /// Returns the hook to hand out, or 0 to let the real dlsym answer.
 extern "C" fn gpufrac_dlsym_decide(handle: *mut c_void, name: *const c_char) -> *mut c_void {
-    resolve_real();
+    driver::resolve_real_dlsym();
     if name.is_null() {
         return std::ptr::null_mut();
     }
     // SAFETY: dlsym's contract: name is a NUL-terminated string.
     let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
-    let Some(entry) = table::find(bytes) else {
+    let Some(entry) = exports::find(bytes) else {
         return std::ptr::null_mut();
     };
     // A lookup in one specific library that does not define the name must

@@ -7,22 +7,18 @@
 //! The shim cannot see kernel durations, so it measures them from its own
 //! completions: every launch on a bounded device is followed by an event on
 //! the same stream, and the time between consecutive completions (the
-//! events' elapsed time) estimates the GPU time per launch. The number of
-//! launches allowed in flight is then `bound / estimate` — at least two for
-//! short kernels, so the GPU always has the next one queued, and one for
-//! kernels longer than the bound.
+//! events' elapsed time) feeds the estimate of `estimate.rs`, which says
+//! how many launches may be in flight.
 //!
 //! Only the launch slow lane (a bounded or contended grant) comes here; a
 //! process alone on its GPU never does.
 
-use crate::table::call;
+use crate::driver::call;
+use crate::estimate::{Estimate, MAX_IN_FLIGHT};
 use gpufrac_common::config::MAX_DEVICES;
 use gpufrac_common::cuda::*;
 use std::collections::VecDeque;
 use std::sync::Mutex;
-
-/// Most launches tracked at once per device, whatever the estimate.
-const MAX_IN_FLIGHT: usize = 64;
 
 struct Track {
     /// The context the events belong to (events record only on streams of
@@ -33,8 +29,8 @@ struct Track {
     free: Vec<usize>,
     /// The most recent completion, to time the next one against.
     last_done: Option<usize>,
-    /// Estimated GPU time per launch, ns (0: no sample yet).
-    est_ns: u64,
+    /// Estimated GPU time per launch.
+    est: Estimate,
 }
 
 impl Track {
@@ -44,7 +40,7 @@ impl Track {
             ring: VecDeque::new(),
             free: Vec::new(),
             last_done: None,
-            est_ns: 0,
+            est: Estimate::NONE,
         }
     }
 
@@ -72,7 +68,7 @@ impl Track {
             unsafe { call::cuEventDestroy_v2(ev as CUevent) };
         }
         self.ctx = ctx;
-        self.est_ns = 0;
+        self.est = Estimate::NONE;
     }
 
     /// Pops completed launches and learns from their timing.
@@ -84,16 +80,7 @@ impl Track {
             self.ring.pop_front();
             if let Some(prev) = self.last_done.replace(ev) {
                 if let Some(ns) = elapsed_ns(prev, ev) {
-                    // Down at once, up slowly: time-slicing against other
-                    // processes only ever stretches the gap between two
-                    // completions, and an estimate inflated that way would
-                    // split a short request into launches the GPU runs one
-                    // by one, switching away between them.
-                    self.est_ns = if self.est_ns == 0 || ns < self.est_ns {
-                        ns.max(1)
-                    } else {
-                        self.est_ns + (ns - self.est_ns) / 16
-                    };
+                    self.est.learn(ns);
                 }
                 self.recycle(prev);
             }
@@ -102,14 +89,6 @@ impl Track {
         // no kernel's duration.
         if let Some(prev) = self.last_done.take() {
             self.recycle(prev);
-        }
-    }
-
-    fn allowed(&self, bound: u64) -> usize {
-        match self.est_ns {
-            0 => 2,
-            e if e >= bound => 1,
-            e => ((bound / e) as usize).clamp(2, MAX_IN_FLIGHT),
         }
     }
 }
@@ -137,7 +116,7 @@ pub fn wait_room(d: usize, bound: u64) {
     let mut t = m.lock().unwrap_or_else(|e| e.into_inner());
     t.switch_to(current_ctx());
     t.reap();
-    let n = t.allowed(bound);
+    let n = t.est.allowed(bound);
     while t.ring.len() >= n {
         let Some(&oldest) = t.ring.front() else { break };
         // Not under the lock: a thread finishing a launch records its event

@@ -1,18 +1,26 @@
-//! Per-device memory books. `reserve` is a compare-and-swap loop, taken
+//! Per-device memory books. A reservation is a compare-and-swap loop, taken
 //! *before* the driver is called, so no interleaving of threads can take a
 //! process past its cap; a failed driver call gives the reservation back.
 //! Every live allocation is remembered with its size, device and context,
 //! so frees return exactly what was charged and a destroyed context returns
 //! everything it owned — the books never drift.
+//!
+//! A process of a job (`gpufrac run --gpu-memory`) also charges the job's
+//! shared books (`gpufrac_common::jobledger`), which another process can
+//! damage. Books that cannot be trusted refuse the charge: the reason is
+//! said once on stderr, and memory is handed out again only when they can
+//! be trusted again.
 
 use gpufrac_common::config::MAX_DEVICES;
-use gpufrac_common::jobledger::JobLedger;
+use gpufrac_common::jobledger::{BooksError, JobLedger, MAX_GPUS};
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
-pub const NO_LIMIT: u64 = u64::MAX;
+pub use crate::view::NO_LIMIT;
 
+/// One device's books for this process.
 pub struct Ledger {
     pub used: AtomicU64,
     pub limit: AtomicU64,
@@ -21,7 +29,19 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    const fn new() -> Self {
+    /// A new peak from what is charged now; the peak before it.
+    fn reset_peak(&self) -> u64 {
+        let before = self
+            .peak
+            .swap(self.used.load(Ordering::Acquire), Ordering::Relaxed);
+        // A charge between the load and the swap raised `used` past the
+        // new peak; a charge after this load raises the peak itself.
+        self.peak
+            .fetch_max(self.used.load(Ordering::Acquire), Ordering::Relaxed);
+        before
+    }
+
+    pub const fn new() -> Self {
         Ledger {
             used: AtomicU64::new(0),
             limit: AtomicU64::new(NO_LIMIT),
@@ -29,45 +49,107 @@ impl Ledger {
             ooms: AtomicU64::new(0),
         }
     }
+
+    /// Takes `size` bytes if they fit under the limit; the new total.
+    #[inline]
+    pub fn take(&self, size: u64) -> Option<u64> {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let mut cur = self.used.load(Ordering::Relaxed);
+        loop {
+            let new = cur.checked_add(size).filter(|&n| n <= limit)?;
+            match self
+                .used
+                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => return Some(new),
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    #[inline]
+    pub fn give(&self, size: u64) {
+        self.used.fetch_sub(size, Ordering::AcqRel);
+    }
+
+    #[inline]
+    fn note_peak(&self, total: u64) {
+        // Read first: a new peak is rare, a locked max on every allocation
+        // is not free.
+        if total > self.peak.load(Ordering::Relaxed) {
+            self.peak.fetch_max(total, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 pub static LEDGERS: [Ledger; MAX_DEVICES] = [const { Ledger::new() }; MAX_DEVICES];
 
-/// The job's shared books (`gpufrac run --gpu-memory`), when this process
-/// belongs to one: every charge must fit the job's cap as well as the
-/// process's own.
+/// Why a charge was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// It would pass this process's cap.
+    Process,
+    /// It would pass the job's cap.
+    Job,
+    /// The job's books cannot take it (damaged, locked by a process that
+    /// stopped, or full); said once on stderr.
+    Books,
+}
+
+/// The job's shared books, when this process belongs to one: every charge
+/// must fit the job's cap as well as the process's own.
 struct Job {
     books: JobLedger,
+    path: String,
     /// This process's slot; `NO_SLOT` until (re)attached, as after a fork.
     slot: AtomicUsize,
-    /// Local ordinal -> GPU index in the books (`NO_GPU`: not in the job).
+    /// Local ordinal -> GPU index in the books, `UNJOINED` until found.
     gpu: [AtomicU8; MAX_DEVICES],
+    /// The devices' UUIDs, by local ordinal (set when they are known).
+    uuids: OnceLock<Vec<[u8; 16]>>,
+    /// The user has been told that the books cannot be charged.
+    told: AtomicBool,
 }
 
 const NO_SLOT: usize = usize::MAX;
-const NO_GPU: u8 = u8::MAX;
+const UNJOINED: u8 = u8::MAX;
+const _: () = assert!(MAX_GPUS < UNJOINED as usize);
 
 static JOB: AtomicPtr<Job> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Joins the job's books with this process's devices (by UUID). Called
-/// once the devices are known.
-pub fn join_job(books: JobLedger, uuids: &[[u8; 16]]) -> Result<(), &'static str> {
-    let slot = books
-        .attach(std::process::id())
-        .ok_or("the job runs more processes than its books hold (256)")?;
+/// Opens the job's books at initialisation (before any charge): books that
+/// cannot be used fail it.
+pub fn open_job(path: &str) -> Result<(), BooksError> {
+    let books = JobLedger::open(path)?;
     let job = Box::new(Job {
         books,
-        slot: AtomicUsize::new(slot),
-        gpu: [const { AtomicU8::new(NO_GPU) }; MAX_DEVICES],
+        path: path.to_owned(),
+        slot: AtomicUsize::new(NO_SLOT),
+        gpu: [const { AtomicU8::new(UNJOINED) }; MAX_DEVICES],
+        uuids: OnceLock::new(),
+        told: AtomicBool::new(false),
     });
-    for (i, u) in uuids.iter().enumerate().take(MAX_DEVICES) {
-        if let Some(g) = job.books.gpu(u) {
-            job.gpu[i].store(g as u8, Ordering::Relaxed);
-        }
-    }
     // Never freed: a process belongs to one job for its life.
     JOB.store(Box::into_raw(job), Ordering::Release);
     Ok(())
+}
+
+/// Joins the job's books with this process's devices (by UUID), once they
+/// are known. What cannot be joined now is joined at the first charge, or
+/// that charge is refused.
+pub fn join_job(uuids: &[[u8; 16]]) {
+    if let Some(j) = job() {
+        let _ = j.uuids.set(uuids.to_vec());
+        for dev in 0..uuids.len().min(MAX_DEVICES) {
+            let _ = j.place(dev);
+        }
+    }
 }
 
 #[inline]
@@ -78,93 +160,152 @@ fn job() -> Option<&'static Job> {
 }
 
 impl Job {
-    /// (slot, gpu index) for a charge on `dev`, attaching a forked child
-    /// on its first charge.
-    fn place(&self, dev: usize) -> Option<(usize, usize)> {
-        let g = self.gpu.get(dev)?.load(Ordering::Relaxed);
-        if g == NO_GPU {
-            return None;
+    /// Says once why the books cannot be charged.
+    #[cold]
+    fn refuse(&self, why: fmt::Arguments<'_>) -> Refusal {
+        if !self.told.swap(true, Ordering::Relaxed) {
+            crate::log::write_line(format_args!(
+                "the job's memory books at {} cannot be charged: {why}; allocations are refused with CUDA_ERROR_OUT_OF_MEMORY until they can",
+                self.path
+            ));
+        }
+        Refusal::Books
+    }
+
+    fn distrust(&self, e: BooksError) -> Refusal {
+        self.refuse(format_args!("{e}"))
+    }
+
+    /// The books answered: a later failure is news again.
+    #[inline]
+    fn trusted(&self) {
+        if self.told.load(Ordering::Relaxed) {
+            self.told.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// (slot, GPU index) for a charge on `dev`: the GPU joined and a slot
+    /// taken (a forked child takes its own at its first charge).
+    fn place(&self, dev: usize) -> Result<(usize, usize), Refusal> {
+        let cell = self.gpu.get(dev).ok_or(Refusal::Books)?;
+        let mut g = cell.load(Ordering::Acquire);
+        if g == UNJOINED {
+            let Some(uuid) = self.uuids.get().and_then(|u| u.get(dev)) else {
+                return Err(self.refuse(format_args!("device {dev} is not known to it")));
+            };
+            match self.books.gpu(uuid) {
+                Ok(Some(i)) => g = i as u8,
+                Ok(None) => {
+                    return Err(self.refuse(format_args!(
+                        "the job uses more GPUs than its books hold ({MAX_GPUS})"
+                    )));
+                }
+                Err(e) => return Err(self.distrust(e)),
+            }
+            cell.store(g, Ordering::Release);
         }
         let mut slot = self.slot.load(Ordering::Acquire);
         if slot == NO_SLOT {
-            slot = self.books.attach(std::process::id())?;
+            slot = match self.books.attach(std::process::id()) {
+                Ok(Some(s)) => s,
+                Ok(None) => {
+                    return Err(self.refuse(format_args!(
+                        "the job runs more processes than its books hold ({})",
+                        gpufrac_common::jobledger::MAX_SLOTS
+                    )));
+                }
+                Err(e) => return Err(self.distrust(e)),
+            };
             self.slot.store(slot, Ordering::Release);
         }
-        Some((slot, g as usize))
+        Ok((slot, g as usize))
     }
-}
 
-/// Room left under the job's cap on `dev` (`NO_LIMIT` outside a job).
-pub fn job_room(dev: usize) -> u64 {
-    job()
-        .and_then(|j| {
-            let g = j.gpu.get(dev)?.load(Ordering::Relaxed);
-            // A process of the job that exited without freeing still has
-            // its slot: free memory must not be understated on its account.
-            (g != NO_GPU).then(|| {
-                j.books.reclaim_dead();
-                j.books.cap().saturating_sub(j.books.used(g as usize))
-            })
-        })
-        .unwrap_or(NO_LIMIT)
-}
-
-/// Charges `size` bytes to `dev`. Returns false (and counts an OOM) when
-/// that would exceed the device's cap.
-pub fn reserve(dev: usize, size: u64) -> bool {
-    let Some(l) = LEDGERS.get(dev) else {
-        return true;
-    };
-    let limit = l.limit.load(Ordering::Relaxed);
-    let mut cur = l.used.load(Ordering::Relaxed);
-    loop {
-        let Some(new) = cur.checked_add(size).filter(|&n| n <= limit) else {
-            l.ooms.fetch_add(1, Ordering::Relaxed);
-            return false;
-        };
-        match l
-            .used
-            .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Relaxed)
-        {
-            Ok(_) => {
-                if let Some(j) = job()
-                    && let Some((slot, g)) = j.place(dev)
-                    && !j.books.reserve(slot, g, size)
-                {
-                    l.used.fetch_sub(size, Ordering::AcqRel);
-                    l.ooms.fetch_add(1, Ordering::Relaxed);
-                    return false;
-                }
-                // Read first: a new peak is rare, a locked max on every
-                // allocation is not free.
-                if new > l.peak.load(Ordering::Relaxed) {
-                    l.peak.fetch_max(new, Ordering::Relaxed);
-                }
-                return true;
+    // Kept out of line: the charge of a process outside any job (nearly
+    // every allocation) must not carry the job's code.
+    #[inline(never)]
+    fn charge(&self, dev: usize, size: u64) -> Result<(), Refusal> {
+        let (slot, g) = self.place(dev)?;
+        match self.books.reserve(slot, g, size) {
+            Ok(true) => {
+                self.trusted();
+                Ok(())
             }
-            Err(actual) => cur = actual,
+            Ok(false) => {
+                self.trusted();
+                Err(Refusal::Job)
+            }
+            Err(e) => Err(self.distrust(e)),
         }
     }
+
+    #[inline(never)]
+    fn uncharge(&self, dev: usize, size: u64) {
+        // Books that cannot be charged keep what they hold: the job is
+        // over-charged, never under.
+        if let Ok((slot, g)) = self.place(dev)
+            && let Err(e) = self.books.unreserve(slot, g, size)
+        {
+            self.distrust(e);
+        }
+    }
+
+    fn room(&self, dev: usize) -> Result<u64, Refusal> {
+        let (_, g) = self.place(dev)?;
+        // A process of the job that exited without freeing still has its
+        // slot: free memory must not be understated on its account.
+        let used = self
+            .books
+            .reclaim_dead()
+            .and_then(|_| self.books.used(g))
+            .map_err(|e| self.distrust(e))?;
+        Ok(self.books.cap().saturating_sub(used))
+    }
+}
+
+/// Room left under the job's cap on `dev` (`NO_LIMIT` outside a job, 0
+/// when the job's books cannot be trusted).
+pub fn job_room(dev: usize) -> u64 {
+    job().map_or(NO_LIMIT, |j| j.room(dev).unwrap_or(0))
+}
+
+/// Charges `size` bytes to `dev`, under this process's cap and, in a job,
+/// the job's.
+pub fn reserve(dev: usize, size: u64) -> Result<(), Refusal> {
+    let Some(l) = LEDGERS.get(dev) else {
+        return Ok(());
+    };
+    let Some(total) = l.take(size) else {
+        l.ooms.fetch_add(1, Ordering::Relaxed);
+        return Err(Refusal::Process);
+    };
+    if let Some(j) = job()
+        && let Err(r) = j.charge(dev, size)
+    {
+        l.give(size);
+        l.ooms.fetch_add(1, Ordering::Relaxed);
+        return Err(r);
+    }
+    l.note_peak(total);
+    Ok(())
 }
 
 /// Charges memory the driver already holds (a graph pool's growth): past
 /// the cap if need be, so that nothing more is allocated until it goes.
 pub fn force(dev: usize, size: u64) {
-    if !reserve(dev, size)
+    if reserve(dev, size).is_err()
         && let Some(l) = LEDGERS.get(dev)
     {
         let new = l.used.fetch_add(size, Ordering::AcqRel) + size;
-        l.peak.fetch_max(new, Ordering::Relaxed);
+        l.note_peak(new);
     }
 }
 
 pub fn unreserve(dev: usize, size: u64) {
     if let Some(l) = LEDGERS.get(dev) {
-        l.used.fetch_sub(size, Ordering::AcqRel);
-        if let Some(j) = job()
-            && let Some((slot, g)) = j.place(dev)
-        {
-            j.books.unreserve(slot, g, size);
+        l.give(size);
+        if let Some(j) = job() {
+            j.uncharge(dev, size);
         }
     }
 }
@@ -181,8 +322,20 @@ pub fn limit(dev: usize) -> u64 {
         .map_or(NO_LIMIT, |l| l.limit.load(Ordering::Acquire))
 }
 
+pub fn peak(dev: usize) -> u64 {
+    LEDGERS
+        .get(dev)
+        .map_or(0, |l| l.peak.load(Ordering::Relaxed))
+}
+
+/// Starts a new peak on `dev` from what is charged now; returns the peak
+/// before it (per-test peaks for a test runner).
+pub fn reset_peak(dev: usize) -> u64 {
+    LEDGERS.get(dev).map_or(0, Ledger::reset_peak)
+}
+
 /// One live allocation.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub size: u64,
     pub dev: u32,
@@ -225,34 +378,85 @@ impl std::hash::Hasher for AddrHasher {
 
 type Map = HashMap<u64, Entry, std::hash::BuildHasherDefault<AddrHasher>>;
 
-struct Maps {
+/// The live allocations, sharded by key so that threads allocating at once
+/// rarely meet on a lock.
+pub struct Records {
     shards: [[Mutex<Map>; SHARDS]; 3],
 }
 
-impl Maps {
-    fn new() -> Box<Maps> {
-        Box::new(Maps {
+fn lock(m: &Mutex<Map>) -> std::sync::MutexGuard<'_, Map> {
+    // A poisoned shard only means a panic was contained elsewhere; the map
+    // itself is still consistent (every operation is a single insert/remove).
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Records {
+    pub fn new() -> Box<Records> {
+        Box::new(Records {
             shards: std::array::from_fn(|_| std::array::from_fn(|_| Mutex::new(Map::default()))),
         })
     }
+
+    #[inline]
+    fn shard(&self, kind: Kind, key: u64) -> &Mutex<Map> {
+        // Device pointers are aligned; mix the bits so shards fill evenly.
+        let h = (key ^ (key >> 17) ^ (key >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        &self.shards[kind as usize][(h >> 58) as usize % SHARDS]
+    }
+
+    /// Records a live allocation; the entry it replaces, if the key was
+    /// already there (the driver reused an address we never saw freed).
+    pub fn insert(&self, kind: Kind, key: u64, e: Entry) -> Option<Entry> {
+        lock(self.shard(kind, key)).insert(key, e)
+    }
+
+    pub fn remove(&self, kind: Kind, key: u64) -> Option<Entry> {
+        lock(self.shard(kind, key)).remove(&key)
+    }
+
+    /// Forgets every pointer and array of context `ctx`, handing each to
+    /// `gone`.
+    pub fn release_context(&self, ctx: usize, mut gone: impl FnMut(&Entry)) {
+        for kind in [Kind::Ptr, Kind::Array] {
+            for s in &self.shards[kind as usize] {
+                lock(s).retain(|_, e| {
+                    if e.ctx == ctx {
+                        gone(e);
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+        }
+    }
+
+    pub fn count(&self) -> usize {
+        self.shards
+            .iter()
+            .flat_map(|k| k.iter())
+            .map(|s| lock(s).len())
+            .sum()
+    }
 }
 
-static MAPS: AtomicPtr<Maps> = AtomicPtr::new(std::ptr::null_mut());
+static RECORDS: AtomicPtr<Records> = AtomicPtr::new(std::ptr::null_mut());
 
-fn maps() -> &'static Maps {
-    let p = MAPS.load(Ordering::Acquire);
+fn records() -> &'static Records {
+    let p = RECORDS.load(Ordering::Acquire);
     if !p.is_null() {
         // SAFETY: published once and never freed (a fork child replaces it
         // and leaks the old one on purpose).
         return unsafe { &*p };
     }
-    let fresh = Box::into_raw(Maps::new());
-    match MAPS.compare_exchange(
+    let fresh = Box::into_raw(Records::new());
+    match RECORDS.compare_exchange(
         std::ptr::null_mut(),
         fresh,
         Ordering::AcqRel,
         Ordering::Acquire,
     ) {
+        // SAFETY: just published, never freed.
         Ok(_) => unsafe { &*fresh },
         Err(winner) => {
             // SAFETY: we created `fresh` and nobody else saw it.
@@ -262,60 +466,32 @@ fn maps() -> &'static Maps {
     }
 }
 
+/// Records a live allocation. If the key was already present, the stale
+/// charge is returned.
 #[inline]
-fn shard(kind: Kind, key: u64) -> &'static Mutex<Map> {
-    // Device pointers are aligned; mix the bits so shards fill evenly.
-    let h = (key ^ (key >> 17) ^ (key >> 31)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    &maps().shards[kind as usize][(h >> 58) as usize % SHARDS]
-}
-
-fn lock(m: &Mutex<Map>) -> std::sync::MutexGuard<'_, Map> {
-    // A poisoned shard only means a panic was contained elsewhere; the map
-    // itself is still consistent (every operation is a single insert/remove).
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Records a live allocation. If the key was already present (the driver
-/// reused an address we never saw freed), the stale charge is returned.
 pub fn insert(kind: Kind, key: u64, e: Entry) {
-    let old = lock(shard(kind, key)).insert(key, e);
-    if let Some(old) = old {
-        unreserve(old.dev as usize, old.size);
+    if let Some(old) = records().insert(kind, key, e) {
+        stale(old);
     }
 }
 
+#[cold]
+fn stale(old: Entry) {
+    unreserve(old.dev as usize, old.size);
+}
+
 pub fn remove(kind: Kind, key: u64) -> Option<Entry> {
-    lock(shard(kind, key)).remove(&key)
+    records().remove(kind, key)
 }
 
 /// Returns every charge owned by a context that the driver has destroyed
 /// (its memory went with it).
-pub fn release_context(ctx: usize) -> u64 {
-    let mut freed = 0;
-    for kind in [Kind::Ptr, Kind::Array] {
-        for s in &maps().shards[kind as usize] {
-            let mut g = lock(s);
-            g.retain(|_, e| {
-                if e.ctx == ctx {
-                    unreserve(e.dev as usize, e.size);
-                    freed += e.size;
-                    false
-                } else {
-                    true
-                }
-            });
-        }
-    }
-    freed
+pub fn release_context(ctx: usize) {
+    records().release_context(ctx, |e| unreserve(e.dev as usize, e.size));
 }
 
 pub fn live_count() -> usize {
-    maps()
-        .shards
-        .iter()
-        .flat_map(|k| k.iter())
-        .map(|s| lock(s).len())
-        .sum()
+    records().count()
 }
 
 pub fn reset_after_fork() {
@@ -323,10 +499,91 @@ pub fn reset_after_fork() {
     if let Some(j) = job() {
         j.slot.store(NO_SLOT, Ordering::Release);
     }
-    MAPS.store(Box::into_raw(Maps::new()), Ordering::Release);
+    RECORDS.store(Box::into_raw(Records::new()), Ordering::Release);
     for l in &LEDGERS {
         l.used.store(0, Ordering::Relaxed);
         l.peak.store(0, Ordering::Relaxed);
         l.ooms.store(0, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn capped(limit: u64) -> Ledger {
+        let l = Ledger::new();
+        l.limit.store(limit, Ordering::Relaxed);
+        l
+    }
+
+    #[test]
+    fn takes_up_to_the_limit_and_no_further() {
+        let l = capped(100);
+        assert_eq!(l.take(60), Some(60));
+        assert_eq!(l.take(41), None);
+        assert_eq!(l.take(40), Some(100));
+        l.give(30);
+        assert_eq!(l.used.load(Ordering::Relaxed), 70);
+        // A size that would overflow is refused, not wrapped.
+        assert_eq!(l.take(u64::MAX), None);
+        assert_eq!(capped(NO_LIMIT).take(u64::MAX), Some(u64::MAX));
+    }
+
+    #[test]
+    fn a_peak_reset_starts_from_what_is_charged() {
+        let l = capped(100);
+        let t = l.take(80).unwrap();
+        l.note_peak(t);
+        l.give(50);
+        assert_eq!(l.reset_peak(), 80);
+        assert_eq!(l.peak.load(Ordering::Relaxed), 30);
+        let t = l.take(10).unwrap();
+        l.note_peak(t);
+        assert_eq!(l.reset_peak(), 40);
+    }
+
+    #[test]
+    fn racing_threads_never_overshoot() {
+        let l = capped(64);
+        let barrier = std::sync::Barrier::new(8);
+        let got: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        let mut n = 0;
+                        while l.take(1).is_some() {
+                            n += 1;
+                        }
+                        n
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(got, 64);
+        assert_eq!(l.used.load(Ordering::Relaxed), 64);
+    }
+
+    #[test]
+    fn records_return_what_was_charged() {
+        let r = Records::new();
+        let e = |size, ctx| Entry { size, dev: 0, ctx };
+        assert_eq!(r.insert(Kind::Ptr, 0x1000, e(10, 1)), None);
+        // The same number names different things in different maps.
+        assert_eq!(r.insert(Kind::Vmm, 0x1000, e(20, 0)), None);
+        assert_eq!(r.insert(Kind::Array, 0x2000, e(30, 1)), None);
+        assert_eq!(r.insert(Kind::Ptr, 0x3000, e(40, 2)), None);
+        // An address reused before we saw it freed: the stale entry comes
+        // back to be given back.
+        assert_eq!(r.insert(Kind::Ptr, 0x3000, e(50, 2)), Some(e(40, 2)));
+        assert_eq!(r.count(), 4);
+        let mut freed = 0;
+        r.release_context(1, |e| freed += e.size);
+        assert_eq!(freed, 40, "context 1's pointer and array, not its VMM");
+        assert_eq!(r.remove(Kind::Vmm, 0x1000), Some(e(20, 0)));
+        assert_eq!(r.remove(Kind::Ptr, 0x1000), None);
+        assert_eq!(r.count(), 1);
     }
 }

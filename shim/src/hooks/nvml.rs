@@ -3,16 +3,16 @@
 //! with `cuMemGetInfo`. NVML and CUDA number devices differently (NVML
 //! ignores CUDA_VISIBLE_DEVICES), so devices are matched by UUID.
 
-use crate::info::virtual_view;
+use crate::driver::{self, call};
 use crate::ledger::{self, NO_LIMIT};
-use crate::table::call;
-use crate::{devices, init};
+use crate::view::virtual_view;
+use crate::{config, devices};
 use gpufrac_common::cuda::*;
 use std::ffi::c_char;
 
 /// (cap, used) for an NVML device, or None when uncapped.
 fn view_for(dev: nvmlDevice_t, phys_total: u64) -> Option<(u64, u64)> {
-    let cfg = init::config().ok()?;
+    let cfg = config::config().ok()?;
     let mut buf = [0u8; 96];
     let rc = unsafe {
         call::nvmlDeviceGetUUID(dev, buf.as_mut_ptr().cast::<c_char>(), buf.len() as u32)
@@ -41,7 +41,7 @@ fn view_for(dev: nvmlDevice_t, phys_total: u64) -> Option<(u64, u64)> {
 }
 
 pub unsafe fn memory_info(dev: nvmlDevice_t, mem: *mut nvmlMemory_t) -> u32 {
-    init::ensure_nvml();
+    driver::ensure_nvml();
     let rc = unsafe { call::nvmlDeviceGetMemoryInfo(dev, mem) };
     if rc != NVML_SUCCESS || mem.is_null() {
         return rc;
@@ -58,7 +58,7 @@ pub unsafe fn memory_info(dev: nvmlDevice_t, mem: *mut nvmlMemory_t) -> u32 {
 }
 
 pub unsafe fn memory_info_v2(dev: nvmlDevice_t, mem: *mut nvmlMemory_v2_t) -> u32 {
-    init::ensure_nvml();
+    driver::ensure_nvml();
     let rc = unsafe { call::nvmlDeviceGetMemoryInfo_v2(dev, mem) };
     if rc != NVML_SUCCESS || mem.is_null() {
         return rc;

@@ -6,8 +6,9 @@
 // to choose.
 #![allow(clippy::too_many_arguments)]
 
+use super::graphmem;
 use crate::client;
-use crate::table::call;
+use crate::driver::call;
 use gpufrac_common::cuda::*;
 use std::ffi::{c_uint, c_void};
 
@@ -148,7 +149,7 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
 }
 
 pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
-    crate::graphmem::launch(exec, || {
+    graphmem::launch(exec, || {
         gated_launch(stream, false, || unsafe {
             call::cuGraphLaunch(exec, stream)
         })
@@ -156,7 +157,7 @@ pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
 }
 
 pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    crate::graphmem::launch(exec, || {
+    graphmem::launch(exec, || {
         gated_launch(stream, true, || unsafe {
             call::cuGraphLaunch_ptsz(exec, stream)
         })

@@ -1,118 +1,16 @@
-//! Allocation hooks. Each one charges the ledger before the driver sees the
-//! request and never lets a thread past the cap; the driver's own result
-//! code always comes back unchanged.
+//! Allocation hooks. Each one charges the books before the driver sees the
+//! request (`gate.rs`) and never lets a thread past the cap; the driver's
+//! own result code always comes back unchanged. Frees give back exactly
+//! what was charged.
 
 use crate::boundary::{HookGuard, reentered};
+use crate::devices;
+use crate::driver::call;
+use crate::gate::{Gate, charge, gate, refuse, reserve_then, uncharge};
 use crate::ledger::{self, Entry, Kind};
-use crate::table::call;
-use crate::{client, devices, init};
 use gpufrac_common::cuda::*;
-use gpufrac_common::size::format_size;
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_uint, c_void};
 use std::sync::Mutex;
-
-/// Why a hook should skip accounting and call the driver straight away.
-pub(crate) enum Gate {
-    /// Re-entered from the driver, or no context: pass through.
-    Pass,
-    /// Configuration broken or caps unknown: answer this code.
-    Refuse(u32),
-    Account,
-}
-
-#[inline]
-pub(crate) fn gate() -> Gate {
-    if reentered() {
-        return Gate::Pass;
-    }
-    if let Err(code) = init::config() {
-        return Gate::Refuse(code);
-    }
-    match devices::ensure() {
-        Ok(()) => Gate::Account,
-        // The driver is not initialised: let it say so itself.
-        Err(CUDA_ERROR_NOT_INITIALIZED) => Gate::Pass,
-        Err(code) => Gate::Refuse(code),
-    }
-}
-
-pub(crate) fn oom(dev: usize, size: u64) -> u32 {
-    info!(
-        "device {dev}: refused {} (used {} of cap {})",
-        format_size(size),
-        format_size(ledger::used(dev)),
-        format_size(ledger::limit(dev))
-    );
-    client::usage_changed();
-    CUDA_ERROR_OUT_OF_MEMORY
-}
-
-/// Reserves `size` on `dev` and calls the driver; on an out-of-memory
-/// refusal or a driver error the reservation is gone again and the code to
-/// answer comes back as `Err`.
-#[inline]
-fn reserve_then(dev: usize, size: u64, real: impl FnOnce() -> u32) -> Result<(), u32> {
-    if !ledger::reserve(dev, size) {
-        return Err(oom(dev, size));
-    }
-    let rc = real();
-    if rc != CUDA_SUCCESS {
-        ledger::unreserve(dev, size);
-        return Err(rc);
-    }
-    Ok(())
-}
-
-/// Reserve, call, record — or give the reservation back.
-#[inline]
-fn charge(
-    kind: Kind,
-    dev: usize,
-    ctx: usize,
-    size: u64,
-    real: impl FnOnce() -> u32,
-    key: impl FnOnce() -> u64,
-) -> u32 {
-    if size == 0 {
-        return real();
-    }
-    if let Err(rc) = reserve_then(dev, size, real) {
-        return rc;
-    }
-    ledger::insert(
-        kind,
-        key(),
-        Entry {
-            size,
-            dev: dev as u32,
-            ctx,
-        },
-    );
-    client::usage_changed();
-    CUDA_SUCCESS
-}
-
-/// Forget, call, give back — or restore the record if the driver refused.
-/// The record is removed *before* the driver frees, so no other thread can
-/// be handed the same address and have its record clobbered.
-#[inline]
-fn uncharge(kind: Kind, key: u64, real: impl FnOnce() -> u32) -> u32 {
-    if reentered() {
-        return real();
-    }
-    let _g = HookGuard::enter();
-    let entry = ledger::remove(kind, key);
-    let rc = real();
-    match entry {
-        Some(e) if rc == CUDA_SUCCESS => {
-            ledger::unreserve(e.dev as usize, e.size);
-            client::usage_changed();
-        }
-        Some(e) => ledger::insert(kind, key, e),
-        None => {}
-    }
-    rc
-}
 
 macro_rules! gated {
     ($pass:expr, |$dev:ident, $ctx:ident| $body:expr) => {
@@ -181,10 +79,12 @@ pub unsafe fn alloc_pitch(
         }
         let actual =
             unsafe { (pitch.read_unaligned() as u64).saturating_mul(height as u64) }.max(lower);
-        if actual > lower && !ledger::reserve(dev, actual - lower) {
+        if actual > lower
+            && let Err(why) = ledger::reserve(dev, actual - lower)
+        {
             unsafe { call::cuMemFree_v2(dptr.read_unaligned()) };
             ledger::unreserve(dev, lower);
-            return oom(dev, actual);
+            return refuse(dev, actual, why);
         }
         ledger::insert(
             Kind::Ptr,
@@ -195,7 +95,6 @@ pub unsafe fn alloc_pitch(
                 ctx,
             },
         );
-        client::usage_changed();
         CUDA_SUCCESS
     })
 }
@@ -213,13 +112,13 @@ fn captured_alloc(
         return None;
     }
     let dev = on.or_else(|| devices::current().map(|d| d.0))?;
-    if !crate::graphmem::capturing(stream) {
+    if !super::graphmem::capturing(stream) {
         return None;
     }
     let _g = HookGuard::enter();
     let rc = real();
     if rc == CUDA_SUCCESS {
-        crate::graphmem::captured(stream, dev, size as u64);
+        super::graphmem::captured(stream, dev, size as u64);
     }
     Some(rc)
 }
@@ -360,7 +259,7 @@ pub unsafe fn create(
             if size == 0 {
                 return real();
             }
-            crate::vmm::create(handle, loc.id as usize, size as u64, real)
+            super::vmm::create(handle, loc.id as usize, size as u64, real)
         }
     }
 }
@@ -386,10 +285,10 @@ fn charge_array(
     let mut size = estimate;
     if let Some(real_size) = exact(h).filter(|&s| s > 0) {
         if real_size > estimate {
-            if !ledger::reserve(dev, real_size - estimate) {
+            if let Err(why) = ledger::reserve(dev, real_size - estimate) {
                 destroy(h);
                 ledger::unreserve(dev, estimate);
-                return oom(dev, real_size);
+                return refuse(dev, real_size, why);
             }
         } else {
             ledger::unreserve(dev, estimate - real_size);
@@ -405,7 +304,6 @@ fn charge_array(
             ctx,
         },
     );
-    client::usage_changed();
     CUDA_SUCCESS
 }
 
@@ -504,141 +402,4 @@ pub unsafe fn mipmap_destroy(arr: CUmipmappedArray) -> u32 {
     uncharge(Kind::Array, arr as u64, || unsafe {
         call::cuMipmappedArrayDestroy(arr)
     })
-}
-
-// Contexts: creating one is when a process becomes a GPU user (the broker
-// connection starts then, never earlier); destroying one frees everything
-// it owned, so its charges are returned.
-
-/// Contexts by device, so a revoked timeslice can drain exactly this
-/// process's work on that device.
-static CONTEXTS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
-
-pub fn contexts_of(dev: usize) -> Vec<usize> {
-    let g = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
-    g.iter()
-        .filter(|(d, _)| *d == dev)
-        .map(|&(_, c)| c)
-        .collect()
-}
-
-fn forget_context(ctx: usize) {
-    CONTEXTS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|&(_, c)| c != ctx);
-}
-
-fn created(rc: u32, pctx: *mut CUcontext, dev: CUdevice) -> u32 {
-    if rc == CUDA_SUCCESS && !pctx.is_null() && dev >= 0 {
-        let ctx = unsafe { pctx.read_unaligned() } as usize;
-        let mut g = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
-        if !g.contains(&(dev as usize, ctx)) {
-            g.push((dev as usize, ctx));
-        }
-        drop(g);
-        client::on_context_created();
-    }
-    rc
-}
-
-pub unsafe fn ctx_create_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> u32 {
-    if let Err(code) = init::config() {
-        return code;
-    }
-    created(unsafe { call::cuCtxCreate_v2(pctx, flags, dev) }, pctx, dev)
-}
-
-pub unsafe fn ctx_create_v3(
-    pctx: *mut CUcontext,
-    params: *mut c_void,
-    n: c_int,
-    flags: c_uint,
-    dev: CUdevice,
-) -> u32 {
-    if let Err(code) = init::config() {
-        return code;
-    }
-    created(
-        unsafe { call::cuCtxCreate_v3(pctx, params, n, flags, dev) },
-        pctx,
-        dev,
-    )
-}
-
-pub unsafe fn ctx_create_v4(
-    pctx: *mut CUcontext,
-    params: *mut c_void,
-    flags: c_uint,
-    dev: CUdevice,
-) -> u32 {
-    if let Err(code) = init::config() {
-        return code;
-    }
-    created(
-        unsafe { call::cuCtxCreate_v4(pctx, params, flags, dev) },
-        pctx,
-        dev,
-    )
-}
-
-/// Primary contexts by device, so a release that drops the last reference
-/// (and with it the context and its memory) returns the right charges.
-static PRIMARY: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
-
-fn primary_of(dev: CUdevice) -> Option<usize> {
-    let g = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
-    g.iter().find(|(d, _)| *d == dev as usize).map(|&(_, c)| c)
-}
-
-pub unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> u32 {
-    if let Err(code) = init::config() {
-        return code;
-    }
-    let rc = unsafe { call::cuDevicePrimaryCtxRetain(pctx, dev) };
-    if rc == CUDA_SUCCESS && !pctx.is_null() && dev >= 0 {
-        let ctx = unsafe { pctx.read_unaligned() } as usize;
-        let mut g = PRIMARY.lock().unwrap_or_else(|e| e.into_inner());
-        g.retain(|(d, _)| *d != dev as usize);
-        g.push((dev as usize, ctx));
-    }
-    created(rc, pctx, dev)
-}
-
-pub unsafe fn ctx_destroy(ctx: CUcontext) -> u32 {
-    let rc = unsafe { call::cuCtxDestroy_v2(ctx) };
-    if rc == CUDA_SUCCESS {
-        ledger::release_context(ctx as usize);
-        forget_context(ctx as usize);
-        client::usage_changed();
-    }
-    rc
-}
-
-pub unsafe fn primary_release(dev: CUdevice) -> u32 {
-    let rc = unsafe { call::cuDevicePrimaryCtxRelease_v2(dev) };
-    if rc == CUDA_SUCCESS {
-        let (mut flags, mut active) = (0u32, 1i32);
-        let st = unsafe { call::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
-        if st == CUDA_SUCCESS
-            && active == 0
-            && let Some(ctx) = primary_of(dev)
-        {
-            ledger::release_context(ctx);
-            forget_context(ctx);
-            client::usage_changed();
-        }
-    }
-    rc
-}
-
-pub unsafe fn primary_reset(dev: CUdevice) -> u32 {
-    let rc = unsafe { call::cuDevicePrimaryCtxReset_v2(dev) };
-    if rc == CUDA_SUCCESS
-        && let Some(ctx) = primary_of(dev)
-    {
-        ledger::release_context(ctx);
-        client::usage_changed();
-    }
-    rc
 }

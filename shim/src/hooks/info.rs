@@ -1,22 +1,12 @@
-//! What the process sees of memory: a GPU the size of its cap.
-//! total = min(cap, physical); free = min(physical free, cap − used).
+//! What the process sees of memory through CUDA: a GPU the size of its cap
+//! (`view.rs`), and in a job no more free than the job has left.
 
+use crate::driver::call;
+use crate::gate::{Gate, gate};
 use crate::ledger::{self, NO_LIMIT};
-use crate::mem::{Gate, gate};
-use crate::table::call;
-use crate::{devices, init};
+use crate::view::virtual_view;
+use crate::{config, devices};
 use gpufrac_common::cuda::*;
-
-/// The virtual (total, free) for a device with `cap` and `used` bytes
-/// charged, given the physical figures.
-pub fn virtual_view(phys_total: u64, phys_free: u64, cap: u64, used: u64) -> (u64, u64) {
-    if cap == NO_LIMIT {
-        return (phys_total, phys_free);
-    }
-    let total = cap.min(phys_total);
-    let free = phys_free.min(cap.saturating_sub(used)).min(total);
-    (total, free)
-}
 
 pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
     let real = || unsafe { call::cuMemGetInfo_v2(free, total) };
@@ -61,7 +51,7 @@ pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
 }
 
 pub unsafe fn device_total_mem(bytes: *mut usize, dev: CUdevice) -> u32 {
-    if let Err(code) = init::config() {
+    if let Err(code) = config::config() {
         return code;
     }
     let rc = unsafe { call::cuDeviceTotalMem_v2(bytes, dev) };

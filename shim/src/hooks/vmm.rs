@@ -12,10 +12,9 @@
 //! (allocator growth), never on a launch path.
 
 use crate::boundary::{HookGuard, reentered};
-use crate::client;
+use crate::driver::call;
+use crate::gate::{Gate, gate, refuse};
 use crate::ledger::{self, Entry, Kind};
-use crate::mem::{Gate, gate};
-use crate::table::call;
 use gpufrac_common::cuda::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -55,7 +54,11 @@ fn tables() -> MutexGuard<'static, Tables> {
             Ordering::AcqRel,
             Ordering::Acquire,
         ) {
-            Ok(_) => f,
+            Ok(_) => {
+                // SAFETY: registering a plain extern "C" callback, once.
+                unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+                f
+            }
             Err(winner) => {
                 // SAFETY: ours, never published.
                 drop(unsafe { Box::from_raw(f) });
@@ -76,7 +79,6 @@ fn settle(t: &mut Tables, h: CUmemGenericAllocationHandle) {
         t.handles.remove(&h);
         if let Some(e) = ledger::remove(Kind::Vmm, h) {
             ledger::unreserve(e.dev as usize, e.size);
-            client::usage_changed();
         }
     }
 }
@@ -89,8 +91,8 @@ pub fn create(
     real: impl FnOnce() -> u32,
 ) -> u32 {
     let mut t = tables();
-    if !ledger::reserve(dev, size) {
-        return crate::mem::oom(dev, size);
+    if let Err(why) = ledger::reserve(dev, size) {
+        return refuse(dev, size, why);
     }
     let rc = real();
     if rc != CUDA_SUCCESS {
@@ -109,7 +111,6 @@ pub fn create(
         },
     );
     t.handles.insert(h, Handle { refs: 1, maps: 0 });
-    client::usage_changed();
     CUDA_SUCCESS
 }
 
@@ -200,6 +201,6 @@ pub unsafe fn unmap(ptr: CUdeviceptr, size: usize) -> u32 {
 }
 
 /// A forked child starts with its own (empty) books, as the ledger does.
-pub fn reset_after_fork() {
+extern "C" fn after_fork_child() {
     TABLES.store(fresh(), Ordering::Release);
 }

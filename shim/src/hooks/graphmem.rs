@@ -17,9 +17,9 @@
 
 use crate::boundary::{HookGuard, reentered};
 use crate::devices;
+use crate::driver::call;
+use crate::gate::{Gate, gate, refuse};
 use crate::ledger;
-use crate::mem::{Gate, gate};
-use crate::table::call;
 use gpufrac_common::config::MAX_DEVICES;
 use gpufrac_common::cuda::*;
 use std::collections::HashMap;
@@ -94,7 +94,6 @@ fn sync(dev: usize) {
     } else if was > held {
         ledger::unreserve(dev, was - held);
     }
-    crate::client::usage_changed();
 }
 
 pub unsafe fn end_capture(stream: CUstream, graph: *mut *mut c_void) -> u32 {
@@ -206,8 +205,8 @@ pub fn launch(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     );
     let grow = used.saturating_add(n.bytes).saturating_sub(reserved);
     if grow > 0 {
-        if !ledger::reserve(n.dev, grow) {
-            return crate::mem::oom(n.dev, grow);
+        if let Err(why) = ledger::reserve(n.dev, grow) {
+            return refuse(n.dev, grow, why);
         }
         CHARGED[n.dev.min(MAX_DEVICES - 1)].fetch_add(grow, Ordering::AcqRel);
     }
