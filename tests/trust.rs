@@ -213,8 +213,11 @@ fn an_idle_high_grant_of_another_user_stops_no_one() {
     }
     let _s = serial();
     let b = open_broker("16G", &["--timeslice", "20ms"]);
+    // A starved victim would wait for its grant forever: it is given 20 s.
     let victim = |start: u64| {
-        b.client(&artifacts().probe)
+        b.client("timeout")
+            .arg("20")
+            .arg(&artifacts().probe)
             .args(spin_args(start, start + 3000 * MS))
             .output()
             .unwrap()
