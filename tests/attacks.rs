@@ -105,30 +105,9 @@ fn ten_processes_of_one_job_get_one_share_between_them() {
 
 #[test]
 fn outside_jobs_a_user_with_ten_processes_gets_one_share() {
-    if !is_root() {
-        eprintln!("skipped: needs root to run the victim as nobody");
-        return;
-    }
     // The victim runs the probe, the shim and the simulated driver from
-    // this checkout: skip where nobody cannot reach them (a clone under
-    // /root, say).
-    let a = artifacts();
-    let reachable = Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "sh",
-            "-c",
-        ])
-        .arg("test -x \"$0\" && test -r \"$1\" && test -r \"$2/libcuda.so.1\"")
-        .arg(&a.probe)
-        .arg(&a.shim)
-        .arg(&a.simdir)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !reachable {
-        eprintln!("skipped: user nobody cannot reach the test programs in this checkout");
+    // this checkout as nobody.
+    if !can_be_nobody() {
         return;
     }
     let _s = serial();
@@ -153,19 +132,7 @@ fn outside_jobs_a_user_with_ten_processes_gets_one_share() {
     // 2924).
     let attackers: Vec<Child> = (0..10).map(|_| spinner("100").spawn().unwrap()).collect();
     let mut v = spinner("100");
-    // SAFETY: setgid/setuid in the child before exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut v, || {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(65534) != 0
-                || libc::setuid(65534) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let victim = v.spawn().unwrap();
+    let victim = as_user(&mut v, NOBODY).spawn().unwrap();
     let a: Vec<u64> = attackers
         .into_iter()
         .map(|c| {
@@ -453,15 +420,6 @@ fn out_of_file_descriptors_the_broker_sheds_connections_and_recovers() {
     assert_eq!(closed, format!("closed {n}"));
     f.wait().unwrap();
     assert!(broker.0.try_wait().unwrap().is_none(), "the broker died");
-}
-
-fn rss_kb(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap()
 }
 
 #[test]

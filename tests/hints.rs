@@ -33,18 +33,7 @@ fn unprivileged(cmd: &mut Command) {
     if unsafe { libc::geteuid() } != 0 {
         return;
     }
-    // SAFETY: setgroups/setgid/setuid in the child before exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(cmd, || {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(65534) != 0
-                || libc::setuid(65534) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    as_user(cmd, NOBODY);
 }
 
 fn own_socket_suggested(err: &str) -> bool {

@@ -13,7 +13,6 @@ mod support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
@@ -22,42 +21,12 @@ use support::*;
 
 const MS: u64 = 1_000_000;
 const GIB: u64 = 1 << 30;
-const NOBODY: u32 = 65534;
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// These tests measure GPU time or flood the broker: one at a time.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Root, and `nobody` can reach the test programs (not so for a checkout
-/// under /root, say): else the test says why it is skipped.
-fn can_be_nobody() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to run the attacker as another user");
-        return false;
-    }
-    let a = artifacts();
-    let ok = Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "sh",
-            "-c",
-        ])
-        .arg("test -x \"$0\" && test -r \"$1\" && test -r \"$2/libcuda.so.1\"")
-        .arg(&a.probe)
-        .arg(&a.shim)
-        .arg(&a.simdir)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("skipped: user nobody cannot reach the test programs in this checkout");
-    }
-    ok
 }
 
 /// A broker other users can talk to: its socket's group is nogroup, its
@@ -69,21 +38,6 @@ fn open_broker(devices: &str, args: &[&str]) -> Broker {
     std::fs::set_permissions(b.socket.parent().unwrap(), PermissionsExt::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&b.state, PermissionsExt::from_mode(0o666)).unwrap();
     b
-}
-
-fn as_user(cmd: &mut Command, uid: u32) -> &mut Command {
-    // SAFETY: setgroups/setgid/setuid in the child before exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(uid) != 0
-                || libc::setuid(uid) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    }
 }
 
 fn frames(msgs: &[ClientMsg]) -> Vec<u8> {
@@ -603,15 +557,6 @@ fn one_users_half_frames_close_none_of_anothers_connections() {
     // 16 MiB of half frames at most: the rest of its 64 MiB is refused.
     assert!(closed >= 128, "{closed}");
     let _ = a.wait();
-}
-
-fn rss_kb(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap()
 }
 
 /// Once, 250 connections asking for status and never reading took the

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-use dist::{ROOT, out, xtask_release};
+use dist::{ROOT, out, with_zig, xtask_release};
 use support::*;
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -98,7 +98,8 @@ fn py() -> Option<&'static Py> {
 
 fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
     let cache = test_cache().join("pip");
-    let o = Command::new(venv.join("bin/python"))
+    // `pip wheel ./python` runs cargo xtask wheel, with the cache's zig.
+    let o = with_zig(&mut Command::new(venv.join("bin/python")))
         .args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
         .args(args)
         .args(more)

@@ -8,7 +8,6 @@
 //! Include it beside `support` with `#[path = "support/dist.rs"] mod dist;`.
 #![allow(dead_code)]
 
-use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
@@ -78,22 +77,16 @@ fn install_zig_tools(what: &str) -> Result<(), String> {
 fn xtask(args: &[&str]) -> Output {
     let mut c = cargo();
     c.arg("xtask").args(args).stdin(Stdio::null());
-    let tools = zig_tools();
-    if tools.join("bin/cargo-zigbuild").exists() {
-        let mut path = OsString::from(tools.join("bin"));
-        if let Some(p) = std::env::var_os("PATH") {
-            path.push(":");
-            path.push(p);
-        }
-        let mut pythonpath = OsString::from(&tools);
-        if let Some(p) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
-            pythonpath.push(":");
-            pythonpath.push(p);
-        }
-        c.env("PATH", path).env("PYTHONPATH", pythonpath);
-    }
-    c.output()
+    with_zig(&mut c)
+        .output()
         .unwrap_or_else(|e| panic!("running cargo xtask {args:?}: {e}"))
+}
+
+/// `cmd` (one that runs `cargo xtask dist` or `wheel`, perhaps through
+/// another program, such as pip building ./python) pointed at the cache's
+/// cargo-zigbuild and zig: xtask looks in `GPUFRAC_DIST_TOOLS`.
+pub fn with_zig(cmd: &mut Command) -> &mut Command {
+    cmd.env("GPUFRAC_DIST_TOOLS", zig_tools())
 }
 
 /// `cargo xtask ARGS` for the tests of `what`, with cargo-zigbuild and zig

@@ -175,6 +175,65 @@ pub const GIB: u64 = 1 << 30;
 /// by every process on the machine.
 pub use gpufrac_common::clock::mono_ns;
 
+/// The uid that attacks and victims of another user run as.
+pub const NOBODY: u32 = 65534;
+
+/// Makes `cmd` run as `uid` (groups dropped), set in the child before exec.
+pub fn as_user(cmd: &mut Command, uid: u32) -> &mut Command {
+    // SAFETY: setgroups/setgid/setuid in the child before exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, move || {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(uid) != 0
+                || libc::setuid(uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Root, and `nobody` can reach the test programs, the shim and the
+/// simulated driver (not so for a checkout under /root, say): else says
+/// why the calling test is skipped, and false.
+pub fn can_be_nobody() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a process as another user");
+        return false;
+    }
+    let a = artifacts();
+    let ok = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+        ])
+        .arg("test -x \"$0\" && test -r \"$1\" && test -r \"$2/libcuda.so.1\"")
+        .arg(&a.probe)
+        .arg(&a.shim)
+        .arg(&a.simdir)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipped: user nobody cannot reach the test programs in this checkout");
+    }
+    ok
+}
+
+/// Resident memory of `pid`, KiB.
+pub fn rss_kb(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
 /// Waits for `cond`, checking every few ms, up to `secs`.
 pub fn wait_until(secs: f64, what: &str, mut cond: impl FnMut() -> bool) {
     let t = std::time::Instant::now();

@@ -163,11 +163,14 @@ fn works(cmd: &mut Command) -> bool {
 }
 
 /// How to run cargo-zigbuild: from PATH, else from `target/dist-tools`
-/// (with zig found there through PYTHONPATH, as cargo-zigbuild falls back
-/// to `python3 -m ziglang`). Says exactly what to install when neither has
-/// both tools.
+/// or the directory `GPUFRAC_DIST_TOOLS` names (a `pip install --target`
+/// of both; the test suite keeps them in its cache), with zig found there
+/// through PYTHONPATH, as cargo-zigbuild falls back to `python3 -m
+/// ziglang`. Says exactly what to install when neither has both tools.
 fn zigbuild(ws: &Workspace) -> Result<Command, String> {
-    let tools = ws.target.join(TOOLS_DIR);
+    let tools = std::env::var_os("GPUFRAC_DIST_TOOLS")
+        .filter(|d| !d.is_empty())
+        .map_or_else(|| ws.target.join(TOOLS_DIR), PathBuf::from);
     let pythonpath = match std::env::var_os("PYTHONPATH") {
         Some(p) if !p.is_empty() => {
             let mut v = OsString::from(&tools);
