@@ -136,7 +136,6 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::Phase;
 
     fn peer(uid: u32, gid: u32, groups: &[u32]) -> Peer {
         Peer {
@@ -149,20 +148,11 @@ mod tests {
 
     fn job(uid: u32, plugin: bool) -> Job {
         Job {
-            token: 7,
             pid: 100,
             start_time: 5,
             uid,
-            want: None,
-            compute: None,
-            limit: None,
-            priority: None,
-            label: String::new(),
-            mem_cap: None,
-            phase: Phase::Unplaced,
-            pin: Vec::new(),
-            pod: None,
             plugin,
+            ..crate::jobs::sample(7)
         }
     }
 

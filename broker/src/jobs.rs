@@ -135,30 +135,37 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Job>, String> {
 
 pub use gpufrac_common::wire::random_token as new_token;
 
+/// A job for tests: a running lease of one GPU, alice's, to vary with
+/// `..sample(token)`.
+#[cfg(test)]
+pub(crate) fn sample(token: u64) -> Job {
+    Job {
+        token,
+        pid: 4242,
+        start_time: 99,
+        uid: 1000,
+        want: Some(Want::Gpus(1)),
+        compute: Some(30.0),
+        limit: None,
+        priority: Some(Priority::Low),
+        label: "train.py".into(),
+        mem_cap: None,
+        phase: Phase::Running {
+            gpus: vec![0],
+            mig: None,
+        },
+        pin: Vec::new(),
+        pod: None,
+        plugin: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    pub(crate) fn job(token: u64) -> Job {
-        Job {
-            token,
-            pid: 4242,
-            start_time: 99,
-            uid: 1000,
-            want: Some(Want::Gpus(1)),
-            compute: Some(30.0),
-            limit: None,
-            priority: Some(Priority::Low),
-            label: "train.py".into(),
-            mem_cap: None,
-            phase: Phase::Running {
-                gpus: vec![0],
-                mig: None,
-            },
-            pin: Vec::new(),
-            pod: None,
-            plugin: false,
-        }
+    fn job(token: u64) -> Job {
+        sample(token)
     }
 
     #[test]

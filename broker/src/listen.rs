@@ -80,7 +80,8 @@ pub fn raise_nofile() -> u64 {
     rl.rlim_cur
 }
 
-pub fn bind(path: &std::path::Path, group: Option<&str>) -> Result<UnixListener, String> {
+/// Listens on `path` (mode 0660, group `group` with its gid when given).
+pub fn bind(path: &std::path::Path, group: Option<(&str, u32)>) -> Result<UnixListener, String> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         if !dir.exists() {
             use std::os::unix::fs::DirBuilderExt;
@@ -116,14 +117,7 @@ pub fn bind(path: &std::path::Path, group: Option<&str>) -> Result<UnixListener,
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
         .map_err(|e| format!("chmod {}: {e}", path.display()))?;
-    if let Some(group) = group {
-        let cname = std::ffi::CString::new(group).map_err(|_| "bad group name".to_string())?;
-        // SAFETY: getgrnam with a valid C string; we copy gr_gid at once.
-        let gr = unsafe { libc::getgrnam(cname.as_ptr()) };
-        if gr.is_null() {
-            return Err(format!("--group {group}: no such group"));
-        }
-        let gid = unsafe { (*gr).gr_gid };
+    if let Some((group, gid)) = group {
         let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| "bad socket path")?;
         // SAFETY: chown of our own socket file; -1 keeps the owner.

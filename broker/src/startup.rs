@@ -112,30 +112,32 @@ impl Default for BrokerOptions {
 
 /// A user's uid: a number as it is, a name through the user database.
 fn uid_of(name: &str) -> Result<u32, String> {
-    if let Ok(n) = name.parse() {
-        return Ok(n);
-    }
-    let c = std::ffi::CString::new(name).map_err(|_| format!("bad user name {name:?}"))?;
-    // SAFETY: getpwnam with a valid C string; pw_uid is copied at once.
-    let pw = unsafe { libc::getpwnam(c.as_ptr()) };
-    if pw.is_null() {
-        return Err(format!("no such user: {name}"));
-    }
-    Ok(unsafe { (*pw).pw_uid })
+    id_of(name, "user", |c| {
+        // SAFETY: getpwnam with a valid C string; pw_uid is copied at once.
+        let pw = unsafe { libc::getpwnam(c.as_ptr()) };
+        (!pw.is_null()).then(|| unsafe { (*pw).pw_uid })
+    })
 }
 
 /// A group's gid: a number as it is, a name through the group database.
 fn gid_of(name: &str) -> Result<u32, String> {
+    id_of(name, "group", |c| {
+        // SAFETY: getgrnam with a valid C string; gr_gid is copied at once.
+        let gr = unsafe { libc::getgrnam(c.as_ptr()) };
+        (!gr.is_null()).then(|| unsafe { (*gr).gr_gid })
+    })
+}
+
+fn id_of(
+    name: &str,
+    what: &str,
+    lookup: impl Fn(&std::ffi::CStr) -> Option<u32>,
+) -> Result<u32, String> {
     if let Ok(n) = name.parse() {
         return Ok(n);
     }
-    let c = std::ffi::CString::new(name).map_err(|_| format!("bad group name {name:?}"))?;
-    // SAFETY: getgrnam with a valid C string; gr_gid is copied at once.
-    let gr = unsafe { libc::getgrnam(c.as_ptr()) };
-    if gr.is_null() {
-        return Err(format!("no such group: {name}"));
-    }
-    Ok(unsafe { (*gr).gr_gid })
+    let c = std::ffi::CString::new(name).map_err(|_| format!("bad {what} name {name:?}"))?;
+    lookup(&c).ok_or_else(|| format!("no such {what}: {name}"))
 }
 
 /// The rule set's lists, names resolved once at start.
@@ -197,9 +199,13 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
                 .into(),
         );
     }
-    if let Some(group) = &opts.group {
-        gid_of(group).map_err(|e| format!("--group {group}: {e}"))?;
-    }
+    let group = match &opts.group {
+        Some(g) => Some((
+            g.as_str(),
+            gid_of(g).map_err(|e| format!("--group {g}: {e}"))?,
+        )),
+        None => None,
+    };
     let policy = policy(&opts)?;
     if let Some(addr) = &opts.metrics
         && addr.parse::<std::net::SocketAddr>().is_err()
@@ -248,7 +254,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         }
         None => None,
     };
-    let listener = crate::listen::bind(&opts.socket, opts.group.as_deref())?;
+    let listener = crate::listen::bind(&opts.socket, group)?;
     info!(nofile, "file limit");
     let mps = if opts.mps {
         let dir = opts

@@ -131,25 +131,10 @@ fn read(path: &Path) -> Result<Vec<Job>, Untrusted> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::{Phase, encode};
+    use crate::jobs::encode;
 
     fn job(token: u64) -> Job {
-        Job {
-            token,
-            pid: 1,
-            start_time: 1,
-            uid: 0,
-            want: None,
-            compute: None,
-            limit: None,
-            priority: None,
-            label: "x".into(),
-            mem_cap: None,
-            phase: Phase::Unplaced,
-            pin: Vec::new(),
-            pod: None,
-            plugin: false,
-        }
+        crate::jobs::sample(token)
     }
 
     fn dir(name: &str) -> PathBuf {

@@ -695,24 +695,12 @@ fn restored_jobs_are_resumed_only_by_their_own_run() {
     let run = t.spawn(1);
     let start = t.procs.borrow()[&run].1;
     let job = Job {
-        token: 77,
         pid: run,
         start_time: start,
         uid: ALICE,
-        want: Some(crate::queue::Want::Gpus(1)),
-        compute: None,
-        limit: None,
-        priority: None,
-        label: "train".into(),
-        mem_cap: None,
-        phase: Phase::Running {
-            gpus: vec![0],
-            mig: None,
-        },
-        pin: Vec::new(),
-        pod: None,
-        plugin: false,
+        ..crate::jobs::sample(77)
     };
+
     t.b.restore(
         t.now,
         Loaded {
