@@ -507,8 +507,10 @@ impl Broker {
             .values()
             .any(|c| !c.dead && (c.role.is_none() || c.partial_since.is_some()))
             || self.jobs.keys().any(|k| !self.job_conn.contains_key(k));
+        // From the last sweep, not from now: a busy broker, whose loop
+        // never sleeps a whole tick, must still sweep.
         if sweep {
-            at(self.last_sweep.max(now) + SWEEP_TICK);
+            at(self.last_sweep + SWEEP_TICK);
         }
         if let Some((until, _)) = &self.recovery {
             at(*until);
