@@ -518,7 +518,9 @@ impl Broker {
         if let Some(s) = self.save_due() {
             at(s);
         }
-        t.map(|x| x.max(now + 1))
+        // Overdue stays overdue: the shell then calls `handle_timeout` at
+        // once (each overdue timer is one it clears).
+        t
     }
 
     /// Work for the shell, in order.
