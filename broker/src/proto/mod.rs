@@ -6,7 +6,7 @@
 //! and the queue, MIG as requests to the shell, the state to persist and
 //! status. /proc and NVML are behind traits (`procs`). The shell
 //! (`server.rs`) only moves bytes, arms timers and runs the work it is
-//! given, so everything here is tested in virtual time (`tests.rs`).
+//! given, so everything here is tested in virtual time (`tests/`).
 //!
 //! Rooms: `conn` (a connection, its budgets), `clients` (processes:
 //! registration, membership, arbitration), `leases` (jobs: leases, the

@@ -51,25 +51,28 @@
 //! - After a `release`, the client reports `drained` once its queued work
 //!   has finished; until then it is charged as on the GPU (at most
 //!   `drain_timeout`).
+//!
+//! Rooms: `types` (configuration, actions, what status shows), `grants`
+//! (who holds the GPU: the step loop, grants and revokes), `limits`
+//! (ceilings: a client's, its unit's, the `high` class's share), `meter`
+//! (time on the GPU in a window), `status`; this file holds the state and
+//! the entry points.
 
+mod grants;
+mod limits;
 mod meter;
+mod status;
+mod types;
 
 use std::collections::{BTreeMap, VecDeque};
 
-use meter::{Meter, budget};
+use meter::Meter;
 
 pub use gpufrac_common::config::Priority;
-use serde::{Deserialize, Serialize};
-
-/// Monotonic nanoseconds, chosen by the caller.
-pub type Nanos = u64;
-/// One connected process.
-pub type ClientId = u64;
-/// Identifies one grant, so late updates and revokes can be told apart from a
-/// new grant by the client.
-pub type GrantId = u64;
-/// A unit of fairness (a job or a user); chosen by the caller.
-pub type GroupId = u64;
+pub use types::{
+    Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig,
+    priority_name,
+};
 
 /// Units whose members all left, remembered while their virtual time is
 /// still ahead of the class clock: at most this many.
@@ -88,122 +91,6 @@ const MS: Nanos = 1_000_000;
 const US: Nanos = 1_000;
 /// How many bounds of work a burst grant may keep queued.
 const BURST_BOUND: Nanos = 8;
-
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct SchedConfig {
-    /// Contended slice between busy clients of one class (`--timeslice`).
-    pub timeslice: Nanos,
-    /// Sliding window for `GPU_COMPUTE_LIMIT` and for achieved share.
-    pub window: Nanos,
-    /// A revoked holder that has not released after this is reported hung.
-    /// The GPU has already moved on at the revoke; it is charged either way.
-    pub grace: Nanos,
-    /// Most unfinished work a holder may keep queued while others share the
-    /// GPU (`--inflight`); 0: no bound. It is what a newcomer may have to
-    /// wait for beyond the time-slicer's own quantum, and what a handover
-    /// leaves running.
-    pub bound: Nanos,
-    /// Longest a released client is charged for its queued work without
-    /// saying it has drained.
-    pub drain_timeout: Nanos,
-    /// Longest a client that wakes up waits for a holder of its class,
-    /// when it is not behind enough to take the GPU at once: about the
-    /// GPU's own time-slice quantum.
-    pub wake: Nanos,
-    /// While clients of lower classes are active, the most of each window
-    /// the `high` class may hold the GPU (Linux's real-time throttling):
-    /// an interactive process still gets the GPU at once, but a busy or
-    /// stuck `high` client cannot starve everyone else. 1.0: unbounded.
-    pub high_share: f64,
-}
-
-impl Default for SchedConfig {
-    /// 20 ms slices (a handover costs about a round trip and a hardware
-    /// context switch, so 20 ms keeps switching under 1%), a 1 s window, a
-    /// 200 ms grace, 250 µs of queued work, 5 s to drain, and at most half
-    /// of each window for `high` while others wait.
-    fn default() -> Self {
-        SchedConfig {
-            timeslice: 20 * MS,
-            window: 1000 * MS,
-            grace: 200 * MS,
-            bound: 250 * US,
-            drain_timeout: 5000 * MS,
-            wake: 2 * MS,
-            high_share: 0.5,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Action {
-    /// `slice: None` is open-ended (uncontended, unlimited). A grant id the
-    /// client already holds makes this an update of that grant. `bound` is
-    /// the most unfinished work it may keep queued (0: none).
-    Grant {
-        client: ClientId,
-        grant: GrantId,
-        slice: Option<Nanos>,
-        bound: Nanos,
-        /// Someone else (of any class) wants the GPU: an idle holder hands
-        /// it back early.
-        waiters: bool,
-    },
-    /// Stop launching, then `release` (without waiting for queued work).
-    Revoke { client: ClientId, grant: GrantId },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ClientState {
-    Idle,
-    Waiting,
-    Holding,
-    /// Revoked and not yet released (then `hung` past the grace). It is
-    /// no longer the holder, but still charged.
-    Revoking,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ClientStatus {
-    pub client: ClientId,
-    pub weight: f64,
-    pub limit: Option<f64>,
-    #[serde(with = "priority_name")]
-    pub priority: Priority,
-    pub state: ClientState,
-    /// Fraction of the last window (or of its lifetime, if younger) during
-    /// which the client was on the GPU (holding, or its work draining).
-    pub achieved: f64,
-    /// weight / sum of weights of active clients of the highest active
-    /// class; 0 for an idle client or one of a lower class.
-    pub target: f64,
-    /// Time on the GPU (holding or draining), wall clock.
-    pub total_held: Nanos,
-    /// GPU time charged: wall time on the GPU, split evenly while several
-    /// clients' work shared it.
-    pub gpu_time: Nanos,
-    /// Released, with queued work still running.
-    pub draining: bool,
-    /// Revoked, past its grace, still not released.
-    pub hung: bool,
-}
-
-/// Priorities by name in status JSON (`"high"`), as users spell them.
-pub mod priority_name {
-    use super::Priority;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(p: &Priority, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(p.as_str())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Priority, D::Error> {
-        let s = String::deserialize(d)?;
-        Priority::parse(&s)
-            .ok_or_else(|| serde::de::Error::custom(format!("unknown priority {s:?}")))
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Outstanding {
@@ -332,34 +219,6 @@ impl Client {
     fn credit(&self, cfg: &SchedConfig) -> f64 {
         cfg.timeslice as f64 / self.weight
     }
-}
-
-/// One ceiling on a client's time on the GPU in the window.
-struct Ceiling<'a> {
-    budget: Nanos,
-    /// The least worth granting against it: without a floor, a client
-    /// hovering at its budget would get a stream of nanosecond grants.
-    quantum: Nanos,
-    meter: &'a Meter,
-}
-
-impl Ceiling<'_> {
-    fn remaining(&self, window: Nanos, now: Nanos) -> Nanos {
-        self.budget.saturating_sub(self.meter.usage(window, now))
-    }
-
-    fn fits(&self, window: Nanos, now: Nanos) -> bool {
-        self.remaining(window, now) >= self.quantum
-    }
-}
-
-/// The waiter that would be picked: highest class, then least virtual time,
-/// then FIFO.
-#[derive(Clone, Copy, Debug)]
-struct Candidate {
-    id: ClientId,
-    class: Priority,
-    vtime: f64,
 }
 
 impl Scheduler {
@@ -672,65 +531,6 @@ impl Scheduler {
         self.reschedule(now);
     }
 
-    pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
-        let now = now.max(self.now);
-        let top = self
-            .clients
-            .values()
-            .filter(|c| c.is_active())
-            .map(|c| c.class)
-            .max();
-        let active_weight: f64 = self
-            .clients
-            .values()
-            .filter(|c| c.is_active() && Some(c.class) == top)
-            .map(|c| c.weight)
-            .sum();
-        // Charges since the last settle, as settle would make them.
-        let n = self.clients.values().filter(|c| c.on_gpu()).count().max(1);
-        let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
-        self.clients
-            .iter()
-            .map(|(&id, c)| {
-                let span = self.cfg.window.min(now - c.added_at);
-                let achieved = if span == 0 {
-                    0.0
-                } else {
-                    (c.meter.usage(self.cfg.window, now) as f64 / span as f64).min(1.0)
-                };
-                let charged = c.charged + if c.on_gpu() { pending } else { 0.0 };
-                ClientStatus {
-                    client: id,
-                    weight: c.weight,
-                    limit: c
-                        .limit
-                        .or_else(|| self.units.get(&c.group).and_then(|u| u.limit)),
-                    priority: c.class,
-                    state: c.state,
-                    achieved,
-                    target: if c.is_active() && Some(c.class) == top {
-                        c.weight / active_weight
-                    } else {
-                        0.0
-                    },
-                    total_held: c.meter.total(now),
-                    gpu_time: charged as Nanos,
-                    draining: c.draining_since.is_some(),
-                    hung: c.grant.as_ref().is_some_and(|g| g.hung),
-                }
-            })
-            .collect()
-    }
-
-    /// The client that may launch now.
-    pub fn holder(&self) -> Option<ClientId> {
-        self.holder
-    }
-
-    pub fn state(&self, id: ClientId) -> Option<ClientState> {
-        self.clients.get(&id).map(|c| c.state)
-    }
-
     fn clock(&mut self, now: Nanos) -> Nanos {
         self.now = self.now.max(now);
         self.now
@@ -742,8 +542,6 @@ impl Scheduler {
             .and_then(|c| c.grant.as_ref())
     }
 
-    /// Charges everyone on the GPU up to `now` (the time-slicer splits the
-    /// GPU evenly among those with work) and advances the virtual clocks.
     /// Splits each unit's weight among its active members in proportion
     /// to their own weights; an inactive member is weighed as if it were
     /// about to join (so its wake-up credit is what it would get).
@@ -765,6 +563,8 @@ impl Scheduler {
         }
     }
 
+    /// Charges everyone on the GPU up to `now` (the time-slicer splits the
+    /// GPU evenly among those with work) and advances the virtual clocks.
     fn settle(&mut self, now: Nanos) {
         self.reweigh();
         let dt = now.saturating_sub(self.settled_at);
@@ -798,348 +598,6 @@ impl Scheduler {
         self.departed.retain(|&(_, class), d| {
             d.history.retain(|&(_, e)| e > lo);
             d.vtime > vclock[class] || !d.history.is_empty()
-        });
-    }
-
-    /// Opens and closes the meters of units and of the `high` class after
-    /// clients went on or off the GPU at `now` (every change within one
-    /// call happens at the same instant, so doing it once per call is
-    /// exact).
-    fn sync_meters(&mut self, now: Nanos) {
-        let high_on = self
-            .clients
-            .values()
-            .any(|c| c.class == Priority::High && c.on_gpu());
-        self.high.set(high_on, now);
-        let clients = &self.clients;
-        for (g, u) in self.units.iter_mut() {
-            let on = clients.values().any(|c| c.group == *g && c.on_gpu());
-            u.meter.set(on, now);
-        }
-        // A unit nobody belongs to any more is kept only while the window
-        // still sees its time.
-        self.units
-            .retain(|g, u| !u.meter.is_empty() || clients.values().any(|c| c.group == *g));
-    }
-
-    /// Whether the `high` class is held to its share of the window now:
-    /// some client of a lower class could use the GPU (holds it, or waits
-    /// within its own ceilings). Work-conserving: alone, `high` is not
-    /// bounded.
-    fn high_bounded(&self, now: Nanos) -> bool {
-        self.cfg.high_share < 1.0
-            && self.clients.values().any(|c| {
-                c.class < Priority::High
-                    && (c.state == ClientState::Holding
-                        || (c.state == ClientState::Waiting && self.fits(c, now, false)))
-            })
-    }
-
-    /// The ceilings on a client's time in the window: its own limit, its
-    /// unit's, and, for a `high` client while the class is `bounded`, the
-    /// class's share. The class's grants are no smaller than a timeslice,
-    /// so that `high` and the others take turns in slices, not in slivers.
-    fn ceilings<'a>(&'a self, c: &'a Client, bounded: bool) -> impl Iterator<Item = Ceiling<'a>> {
-        let cfg = &self.cfg;
-        let limited = |fraction: f64, meter: &'a Meter| {
-            let budget = budget(fraction, cfg.window);
-            Ceiling {
-                budget,
-                quantum: (budget.min(cfg.timeslice) / 5).max(1),
-                meter,
-            }
-        };
-        let own = c.limit.map(|l| limited(l, &c.meter));
-        let unit = self
-            .units
-            .get(&c.group)
-            .and_then(|u| u.limit.map(|l| limited(l, &u.meter)));
-        let class = (bounded && c.class == Priority::High).then(|| {
-            let budget = budget(cfg.high_share, cfg.window);
-            Ceiling {
-                budget,
-                quantum: budget.min(cfg.timeslice),
-                meter: &self.high,
-            }
-        });
-        [own, unit, class].into_iter().flatten()
-    }
-
-    /// Whether `c` may be granted now, as far as its ceilings go.
-    fn fits(&self, c: &Client, now: Nanos, bounded: bool) -> bool {
-        let w = self.cfg.window;
-        self.ceilings(c, bounded).all(|x| x.fits(w, now))
-    }
-
-    /// What the tightest of `c`'s ceilings leaves it; None: unbounded.
-    fn remaining(&self, c: &Client, now: Nanos, bounded: bool) -> Option<Nanos> {
-        let w = self.cfg.window;
-        self.ceilings(c, bounded).map(|x| x.remaining(w, now)).min()
-    }
-
-    /// Earliest instant at which a waiting client that does not fit its
-    /// ceilings will, computed with the same integer arithmetic as `fits`
-    /// so that a timer armed for it never fires early. None when it fits,
-    /// or while a meter in its way still runs (an event comes first).
-    fn fits_at(&self, c: &Client, now: Nanos, bounded: bool) -> Option<Nanos> {
-        let w = self.cfg.window;
-        let mut at = None;
-        for x in self.ceilings(c, bounded).filter(|x| !x.fits(w, now)) {
-            let t = x.meter.down_to_at(w, now, x.budget - x.quantum)?;
-            at = Some(at.map_or(t, |a: Nanos| a.max(t)));
-        }
-        at
-    }
-
-    /// The eligible waiter that would be picked, other than `except`.
-    fn best_waiter(&self, now: Nanos, except: Option<ClientId>) -> Option<Candidate> {
-        let bounded = self.high_bounded(now);
-        self.clients
-            .iter()
-            .filter(|&(&id, c)| {
-                Some(id) != except && c.state == ClientState::Waiting && self.fits(c, now, bounded)
-            })
-            .min_by(|a, b| {
-                b.1.class
-                    .cmp(&a.1.class)
-                    .then(a.1.vtime.total_cmp(&b.1.vtime))
-                    .then(a.1.seq.cmp(&b.1.seq))
-            })
-            .map(|(&id, c)| Candidate {
-                id,
-                class: c.class,
-                vtime: c.vtime,
-            })
-    }
-
-    /// The bound `id` gets as holder: only while someone who could take the
-    /// GPU from it or follow it is registered (a client of its class or
-    /// higher); during the first slice of a burst, eight times as much (a
-    /// request of many short kernels is queued whole, while a batch job that
-    /// wakes up still cannot queue seconds of work).
-    fn bound_for(&self, now: Nanos, id: ClientId) -> Nanos {
-        let Some(c) = self.clients.get(&id) else {
-            return 0;
-        };
-        let in_burst = c
-            .grant
-            .as_ref()
-            .is_some_and(|g| g.burst && now < g.start.saturating_add(self.cfg.timeslice));
-        let others = self
-            .clients
-            .iter()
-            .any(|(&o, oc)| o != id && oc.class >= c.class);
-        match (others, in_burst) {
-            (false, _) => 0,
-            (true, false) => self.cfg.bound,
-            (true, true) => self.cfg.bound.saturating_mul(BURST_BOUND),
-        }
-    }
-
-    /// Brings the state to a fixed point for `now`; every step either makes
-    /// progress or stops, so the loop is short.
-    fn reschedule(&mut self, now: Nanos) {
-        self.settle(now);
-        self.sync_meters(now);
-        let cfg = self.cfg;
-        for c in self.clients.values_mut() {
-            if let Some(g) = c.grant.as_mut()
-                && let Some(r) = g.revoked_at
-                && r.saturating_add(cfg.grace) <= now
-            {
-                g.hung = true;
-            }
-            if c.draining_since.is_some() && c.drain_until <= now {
-                c.draining_since = None;
-                c.refresh_run(now);
-            }
-        }
-        self.sync_meters(now);
-        for _ in 0..self.clients.len() * 2 + 4 {
-            if !self.step(now) {
-                break;
-            }
-        }
-        self.woke = None;
-        self.sync_meters(now);
-        self.reweigh();
-    }
-
-    fn revoke(&mut self, now: Nanos, h: ClientId) {
-        let c = self.clients.get_mut(&h).expect("holder is registered");
-        let g = c.grant.as_mut().expect("holder has a grant");
-        g.revoked_at = Some(now);
-        g.deadline = None;
-        c.state = ClientState::Revoking;
-        let gid = g.id;
-        self.holder = None;
-        self.actions.push_back(Action::Revoke {
-            client: h,
-            grant: gid,
-        });
-    }
-
-    fn step(&mut self, now: Nanos) -> bool {
-        let Some(h) = self.holder else {
-            return match self.best_waiter(now, None) {
-                Some(next) => {
-                    self.grant_to(now, next.id);
-                    true
-                }
-                None => false,
-            };
-        };
-        let cfg = self.cfg;
-        let bound = self.bound_for(now, h);
-        let best = self.best_waiter(now, Some(h));
-        // Anyone at all waiting (any class): an idle holder hands back.
-        let waiters = best.is_some();
-        let woke = self.woke.take();
-        let c = self.clients.get(&h).expect("holder is registered");
-        let (class, vtime, weight) = (c.class, c.vtime, c.weight);
-        // A waiter of a higher class takes the GPU at once; one that just
-        // woke up behind the holder in virtual time does too.
-        // (Behind by more than a quarter slice of the holder's time, so that
-        // two clients waking together do not take the GPU from each other.)
-        let gran = cfg.timeslice as f64 / 4.0 / weight;
-        if let Some(w) = best
-            && (w.class > class
-                || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
-        {
-            self.revoke(now, h);
-            return true;
-        }
-        // One that woke up without being behind waits no longer than the
-        // GPU's own time-slicer would make it wait: the holder's slice ends
-        // within `wake`, and the usual order decides then.
-        let bounded = self.high_bounded(now);
-        let woke_here = woke.is_some_and(|id| {
-            self.clients.get(&id).is_some_and(|w| {
-                w.class == class && w.state == ClientState::Waiting && self.fits(w, now, bounded)
-            })
-        });
-        let wake_by = now.saturating_add(cfg.wake);
-        // Lower classes do not contend with the holder.
-        let best = best.filter(|w| w.class == class);
-        let contended = best.is_some();
-        let remaining = self.remaining(c, now, bounded);
-        let fits = self.fits(c, now, bounded);
-        let g = c.grant.as_ref().expect("holder has a grant");
-        let (gid, start, deadline) = (g.id, g.start, g.deadline);
-        let unchanged = g.bound == bound && g.waiters == waiters;
-        // What to do: Some(slice) grants (or updates) with that slice,
-        // None revokes.
-        let action: Option<Option<Nanos>> = match deadline {
-            Some(d) if d <= now => {
-                // A holder still behind the best waiter keeps the GPU for
-                // the real time that brings it level (at least a fifth of a
-                // slice, so a small deficit does not cost a switch).
-                let ext = best.map(|b| {
-                    (((b.vtime - vtime).max(0.0) * weight) as Nanos)
-                        .clamp(cfg.timeslice / 5, cfg.timeslice)
-                });
-                if best.is_some_and(|b| vtime >= b.vtime) {
-                    None
-                } else if let Some(r) = remaining {
-                    fits.then(|| Some(r.min(cfg.timeslice).min(ext.unwrap_or(Nanos::MAX))))
-                } else if contended {
-                    Some(Some(ext.unwrap_or(cfg.timeslice)))
-                } else {
-                    Some(None)
-                }
-            }
-            Some(d) if woke_here && d > wake_by => Some(Some(cfg.wake)),
-            Some(d) => {
-                if unchanged {
-                    return false;
-                }
-                Some(Some(d - now))
-            }
-            None if contended || remaining.is_some() => {
-                // A newcomer waits for the holder's first timeslice to run
-                // out, counted from its grant; a holder that already had that
-                // much is revoked now: its solo run is paid for. A holder
-                // only its ceilings cut short gets a slice from now.
-                let mut d = start.saturating_add(cfg.timeslice).max(now);
-                if !contended && d == now {
-                    d = now + cfg.timeslice;
-                }
-                let d = match remaining {
-                    Some(r) => d.min(now + r),
-                    None => d,
-                };
-                let d = if woke_here { d.min(wake_by) } else { d };
-                (d > now).then_some(Some(d - now))
-            }
-            None => {
-                if unchanged {
-                    return false;
-                }
-                Some(None)
-            }
-        };
-        match action {
-            Some(slice) => {
-                let c = self.clients.get_mut(&h).expect("holder is registered");
-                let g = c.grant.as_mut().expect("holder has a grant");
-                g.deadline = slice.map(|s| now + s);
-                g.bound = bound;
-                g.waiters = waiters;
-                self.actions.push_back(Action::Grant {
-                    client: h,
-                    grant: gid,
-                    slice,
-                    bound,
-                    waiters,
-                });
-            }
-            None => self.revoke(now, h),
-        }
-        true
-    }
-
-    fn grant_to(&mut self, now: Nanos, id: ClientId) {
-        let cfg = self.cfg;
-        let burst = self.waking.remove(&id);
-        let class = self.clients[&id].class;
-        let best = self.best_waiter(now, Some(id));
-        let contended = best.is_some_and(|w| w.class >= class);
-        let waiters = best.is_some();
-        let gid = self.next_grant;
-        self.next_grant += 1;
-        let bounded = self.high_bounded(now);
-        let remaining = self.remaining(&self.clients[&id], now, bounded);
-        let c = self.clients.get_mut(&id).expect("picked client exists");
-        let slice = match remaining {
-            Some(r) => Some(r.min(cfg.timeslice)),
-            None => contended.then_some(cfg.timeslice),
-        };
-        c.state = ClientState::Holding;
-        c.grant = Some(Outstanding {
-            id: gid,
-            start: now,
-            deadline: slice.map(|s| now + s),
-            revoked_at: None,
-            hung: false,
-            bound: 0,
-            waiters: false,
-            burst,
-        });
-        // Its own earlier work now counts as part of the holding.
-        c.draining_since = None;
-        c.refresh_run(now);
-        self.holder = Some(id);
-        let bound = self.bound_for(now, id);
-        if let Some(g) = self.clients.get_mut(&id).and_then(|c| c.grant.as_mut()) {
-            g.bound = bound;
-            g.waiters = waiters;
-        }
-        self.actions.push_back(Action::Grant {
-            client: id,
-            grant: gid,
-            slice,
-            bound,
-            waiters,
         });
     }
 }

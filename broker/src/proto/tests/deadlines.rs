@@ -1,0 +1,62 @@
+//! Connection deadlines: stalled connections are closed on time, even
+//! while a busy broker's loop never sleeps a whole sweep tick.
+
+use super::*;
+
+#[test]
+fn stalled_connections_are_closed_at_their_deadlines() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let p = t.spawn(1);
+    let silent = t.next;
+    t.next += 1;
+    t.b.connect(
+        t.now,
+        silent,
+        Peer {
+            pid: p,
+            uid: BOB,
+            gid: BOB,
+            groups: Vec::new(),
+        },
+    )
+    .unwrap();
+    let trickle = t.connect_as(p, BOB);
+    t.b.input(t.now, trickle, &[10, 0]);
+    t.advance(HELLO_DEADLINE + SWEEP_TICK);
+    assert!(t.b.is_dead(silent) || !t.b.conns.contains_key(&silent));
+    assert!(!t.b.is_dead(trickle) && t.b.conns.contains_key(&trickle));
+    t.advance(FRAME_DEADLINE);
+    assert!(!t.b.conns.contains_key(&trickle));
+}
+
+/// The shell asks for the core's timers after each batch of events; a
+/// broker busy with one client's pings every 100 ms (its loop never
+/// sleeps a whole sweep tick) still closes a connection that never said
+/// hello.
+#[test]
+fn a_busy_broker_still_closes_silent_connections() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let p = t.spawn(1);
+    let busy = t.connect_as(p, ALICE);
+    let silent = t.next;
+    t.next += 1;
+    let peer = Peer {
+        pid: p,
+        uid: BOB,
+        gid: BOB,
+        groups: Vec::new(),
+    };
+    t.b.connect(t.now, silent, peer).unwrap();
+    for _ in 0..40 {
+        t.now += SEC / 10;
+        t.send(busy, &ClientMsg::Ping);
+        if t.b.next_timeout().is_some_and(|x| x <= t.now) {
+            t.b.handle_timeout(t.now);
+        }
+        assert!(matches!(t.recv(busy)[..], [ServerMsg::Pong]));
+    }
+    assert!(
+        t.b.is_dead(silent),
+        "a silent connection outlived its deadline"
+    );
+}

@@ -1,0 +1,276 @@
+//! The core in virtual time: a stand-in for /proc, connections as ids,
+//! frames in and out. Each attack a hostile local user made on the broker
+//! has a test in one of these rooms, by topic (and one with real processes
+//! in tests/attacks.rs). This file holds what they share: `T`, a broker
+//! with its stand-ins, and builders and readers of messages.
+
+mod budgets;
+mod classes;
+mod deadlines;
+mod identity;
+mod mig_instances;
+mod restarts;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use gpufrac_common::wire::{self, ClientMsg, DeviceReg, Pin, Role, ServerMsg};
+
+use super::*;
+use crate::authority::{Allow, Peer, Policy};
+use crate::jobs::{Job, Phase};
+use crate::procs::{NoTelemetry, Procs};
+use crate::sched::Priority;
+use crate::statefile::Loaded;
+
+const SEC: Nanos = 1_000_000_000;
+const GIB: u64 = 1 << 30;
+const ALICE: u32 = 1000;
+const BOB: u32 = 1001;
+const PLUGIN: u32 = 990;
+
+/// pid -> (parent, start time).
+type Table = Rc<RefCell<HashMap<u32, (u32, u64)>>>;
+
+struct FakeProcs(Table);
+
+impl Procs for FakeProcs {
+    fn start_time(&self, pid: u32) -> Option<u64> {
+        self.0.borrow().get(&pid).map(|p| p.1)
+    }
+
+    fn parent(&self, pid: u32) -> Option<u32> {
+        self.0.borrow().get(&pid).map(|p| p.0)
+    }
+
+    fn cmdline(&self, pid: u32) -> String {
+        format!("proc-{pid}")
+    }
+}
+
+struct T {
+    b: Broker,
+    now: Nanos,
+    procs: Table,
+    next: ConnId,
+    pids: u32,
+}
+
+fn uuid(i: u8) -> [u8; 16] {
+    [i; 16]
+}
+
+fn cfg() -> Config {
+    Config {
+        policy: Policy {
+            plugin: Allow {
+                uids: vec![PLUGIN],
+                gids: vec![],
+            },
+            high: None,
+        },
+        ..Config::default()
+    }
+}
+
+impl T {
+    /// A broker with GPUs of these sizes.
+    fn new(cfg: Config, gpus: &[u64]) -> T {
+        T::with_mig(cfg, gpus, crate::mig::Planner::default())
+    }
+
+    fn with_mig(cfg: Config, gpus: &[u64], planner: crate::mig::Planner) -> T {
+        let procs: Table = Rc::default();
+        let gpus = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, &total_mem)| crate::inventory::GpuInfo {
+                index: i as u32,
+                uuid: uuid(i as u8 + 1),
+                name: format!("gpu{i}"),
+                total_mem,
+            })
+            .collect();
+        let b = Broker::new(
+            cfg,
+            gpus,
+            planner,
+            true,
+            Box::new(FakeProcs(procs.clone())),
+            Box::new(NoTelemetry),
+            SEC,
+        );
+        T {
+            b,
+            now: SEC,
+            procs,
+            next: 10,
+            pids: 100,
+        }
+    }
+
+    /// A new process, child of `parent` (1: none of ours).
+    fn spawn(&mut self, parent: u32) -> u32 {
+        self.pids += 1;
+        let pid = self.pids;
+        self.procs
+            .borrow_mut()
+            .insert(pid, (parent, 1000 + pid as u64));
+        pid
+    }
+
+    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+        let id = self.next;
+        self.next += 1;
+        let peer = Peer {
+            pid,
+            uid,
+            gid: uid,
+            groups: Vec::new(),
+        };
+        self.b
+            .connect(self.now, id, peer)
+            .expect("connection accepted");
+        self.send(id, &ClientMsg::hello(pid, Role::Cli));
+        assert!(matches!(self.recv(id)[..], [ServerMsg::HelloOk { .. }]));
+        id
+    }
+
+    fn send(&mut self, id: ConnId, m: &ClientMsg) {
+        let mut bytes = Vec::new();
+        wire::encode_client(m, &mut bytes);
+        self.b.input(self.now, id, &bytes);
+    }
+
+    /// Everything sent to `id` since the last look.
+    fn recv(&mut self, id: ConnId) -> Vec<ServerMsg> {
+        let mut out = Vec::new();
+        let mut buf = self.b.output(id).to_vec();
+        self.b.consumed(id, buf.len());
+        while !buf.is_empty() {
+            let (m, n) = wire::decode_server(&buf).expect("a whole frame");
+            out.push(m);
+            buf.drain(..n);
+        }
+        out
+    }
+
+    /// What the shell does: writes the state, closes dead connections.
+    fn turn(&mut self) {
+        while let Some((seq, _)) = self.b.take_state(self.now) {
+            self.b.state_saved(self.now, seq, Ok(()));
+        }
+        for id in self.b.dead() {
+            self.b.remove(self.now, id);
+        }
+    }
+
+    fn advance(&mut self, dt: Nanos) {
+        let end = self.now + dt;
+        loop {
+            self.turn();
+            match self.b.next_timeout() {
+                Some(t) if t <= end => {
+                    self.now = t.max(self.now);
+                    self.b.handle_timeout(self.now);
+                }
+                _ => break,
+            }
+        }
+        self.now = end;
+        self.b.handle_timeout(end);
+        self.turn();
+    }
+
+    /// A shim process registered on GPU 0.
+    fn register(&mut self, id: ConnId, priority: Priority) {
+        self.send(
+            id,
+            &ClientMsg::Register {
+                command: String::new(),
+                devices: vec![DeviceReg {
+                    uuid: uuid(1),
+                    ordinal: 0,
+                    mem_cap: 0,
+                    mem_total: 16 * GIB,
+                }],
+                share: None,
+                limit: None,
+                priority,
+            },
+        );
+        assert!(
+            self.recv(id)
+                .iter()
+                .any(|m| matches!(m, ServerMsg::Registered { .. }))
+        );
+    }
+
+    fn lease(&mut self, id: ConnId, gpus: u32, mem: u64, no_wait: bool) {
+        self.send(id, &lease(gpus, mem, no_wait).m());
+    }
+
+    fn status(&self) -> crate::status::Status {
+        self.b.status(self.now)
+    }
+}
+
+/// A `Lease` message, built field by field.
+#[derive(Clone, Default)]
+struct L {
+    want_gpus: u32,
+    want_mem: u64,
+    compute: Option<f64>,
+    limit: Option<f64>,
+    no_wait: bool,
+    command: String,
+    priority: Option<Priority>,
+    resume: u64,
+    token: u64,
+    pin: Vec<Pin>,
+}
+
+impl L {
+    fn m(self) -> ClientMsg {
+        ClientMsg::Lease {
+            want_gpus: self.want_gpus,
+            want_mem: self.want_mem,
+            compute: self.compute,
+            limit: self.limit,
+            no_wait: self.no_wait,
+            command: self.command,
+            priority: self.priority,
+            resume: self.resume,
+            token: self.token,
+            pin: self.pin,
+        }
+    }
+}
+
+fn lease(gpus: u32, mem: u64, no_wait: bool) -> L {
+    L {
+        want_gpus: gpus,
+        want_mem: mem,
+        no_wait,
+        ..L::default()
+    }
+}
+
+fn leased(ms: &[ServerMsg]) -> Option<u64> {
+    ms.iter().find_map(|m| match m {
+        ServerMsg::Leased { token, .. } => Some(*token),
+        _ => None,
+    })
+}
+
+fn refused(ms: &[ServerMsg]) -> Option<String> {
+    ms.iter().find_map(|m| match m {
+        ServerMsg::Refused { reason } => Some(reason.clone()),
+        _ => None,
+    })
+}
+
+fn granted(ms: &[ServerMsg]) -> bool {
+    ms.iter().any(|m| matches!(m, ServerMsg::Grant { .. }))
+}

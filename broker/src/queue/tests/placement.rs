@@ -1,0 +1,133 @@
+//! Placement: memory fractions best-fit or spread, waiting until they
+//! fit, whole GPUs and fractions exclusive without `--overprovision`, and
+//! slots and `--overcommit` with it.
+
+use super::*;
+
+#[test]
+fn memory_best_fit_packs() {
+    let mut q = Queue::new(gpus(&[80 * GIB, 40 * GIB]), QueueConfig::default());
+    q.submit(0, 1, mem(10)).unwrap();
+    q.submit(0, 2, mem(35)).unwrap();
+    q.submit(0, 3, mem(30)).unwrap();
+    q.submit(0, 4, mem(50)).unwrap();
+    let l = q.poll(0);
+    // 10 → the smaller GPU; 35 no longer fits there; 30 fills it
+    // exactly; 50 fits neither (45 left on GPU 0) and waits.
+    assert_eq!(placed(&l), vec![(1, vec![1]), (2, vec![0]), (3, vec![1])]);
+    assert_eq!(l[0].mem_cap, Some(10 * GIB));
+    assert_eq!(q.waiting(0)[0].id, 4);
+    let st = q.leases();
+    assert_eq!(st[0].committed_mem, 35 * GIB);
+    assert_eq!(st[1].committed_mem, 40 * GIB);
+    assert_eq!(st[1].leases, vec![1, 3]);
+    assert_eq!(st[1].slots_used, 0);
+    q.release(SEC, 2);
+    assert_eq!(placed(&q.poll(SEC)), vec![(4, vec![0])]);
+}
+
+#[test]
+fn memory_spread_spreads() {
+    let cfg = QueueConfig {
+        placement: Placement::Spread,
+        ..QueueConfig::default()
+    };
+    let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB, 40 * GIB]), cfg);
+    for id in 1..=4 {
+        q.submit(0, id, mem(10)).unwrap();
+    }
+    assert_eq!(
+        placed(&q.poll(0)),
+        vec![(1, vec![0]), (2, vec![1]), (3, vec![0]), (4, vec![1])]
+    );
+}
+
+#[test]
+fn memory_waits_when_nothing_fits_and_is_placed_after_release() {
+    let mut q = two_80g();
+    q.submit(0, 1, mem(70)).unwrap();
+    q.submit(0, 2, mem(70)).unwrap();
+    q.submit(0, 3, mem(20)).unwrap();
+    assert_eq!(q.poll(0).len(), 2);
+    assert_eq!(q.position(0, 3), Some(1));
+    assert!(q.poll(SEC).is_empty());
+    q.release(2 * SEC, 2);
+    assert_eq!(placed(&q.poll(2 * SEC)), vec![(3, vec![1])]);
+}
+
+#[test]
+fn whole_and_fractions_exclude_each_other_without_overprovision() {
+    let mut q = Queue::new(gpus(&[80 * GIB]), QueueConfig::default());
+    q.submit(0, 1, mem(1)).unwrap();
+    q.submit(0, 2, whole(1)).unwrap();
+    assert_eq!(placed(&q.poll(0)), vec![(1, vec![0])]);
+    q.release(SEC, 1);
+    assert_eq!(placed(&q.poll(SEC)), vec![(2, vec![0])]);
+    assert_eq!(q.leases()[0].committed_mem, 80 * GIB);
+    q.submit(SEC, 3, mem(1)).unwrap();
+    assert!(q.poll(SEC).is_empty());
+}
+
+#[test]
+fn overprovision_two_slots_per_gpu() {
+    let cfg = QueueConfig {
+        overprovision: 2,
+        ..QueueConfig::default()
+    };
+    let mut q = Queue::new(gpus(&[80 * GIB]), cfg);
+    for id in 1..=3 {
+        q.submit(0, id, whole(1)).unwrap();
+    }
+    let l = q.poll(0);
+    assert_eq!(placed(&l), vec![(1, vec![0]), (2, vec![0])]);
+    assert!(l.iter().all(|l| l.mem_cap == Some(40 * GIB)));
+    let st = &q.leases()[0];
+    assert_eq!((st.slots_used, st.slots_total), (2, 2));
+    assert_eq!(st.committed_mem, 80 * GIB);
+    assert_eq!(q.waiting(0)[0].id, 3);
+    // A lease still takes at most one slot per physical GPU.
+    assert!(q.submit(0, 4, whole(2)).is_err());
+    q.release(SEC, 1);
+    assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![0])]);
+}
+
+#[test]
+fn overprovision_mixes_slots_and_fractions_by_memory() {
+    let cfg = QueueConfig {
+        overprovision: 2,
+        ..QueueConfig::default()
+    };
+    let mut q = Queue::new(gpus(&[80 * GIB]), cfg);
+    q.submit(0, 1, whole(1)).unwrap();
+    q.submit(0, 2, mem(30)).unwrap();
+    q.submit(0, 3, whole(1)).unwrap();
+    // The fraction goes first and leaves 50 GiB; the slot lease takes
+    // 40 of it; the second slot would need 40 more and waits.
+    let l = q.poll(0);
+    assert_eq!(placed(&l), vec![(2, vec![0]), (1, vec![0])]);
+    assert_eq!(q.leases()[0].committed_mem, 70 * GIB);
+    assert_eq!(q.position(0, 3), Some(1));
+    q.release(SEC, 2);
+    assert_eq!(placed(&q.poll(SEC)), vec![(3, vec![0])]);
+}
+
+#[test]
+fn overcommit_lets_commitments_exceed_total() {
+    let cfg = QueueConfig {
+        overcommit: true,
+        ..QueueConfig::default()
+    };
+    let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB]), cfg);
+    for id in 1..=3 {
+        q.submit(0, id, mem(60)).unwrap();
+    }
+    // Where it still fits first, then the least overcommitted GPU.
+    assert_eq!(
+        placed(&q.poll(0)),
+        vec![(1, vec![0]), (2, vec![1]), (3, vec![0])]
+    );
+    assert_eq!(q.leases()[0].committed_mem, 120 * GIB);
+    // Whole GPUs are still exclusive.
+    q.submit(0, 4, whole(1)).unwrap();
+    assert!(q.poll(0).is_empty());
+}

@@ -1,0 +1,175 @@
+//! Property tests: random requests, pins, releases and cancels never
+//! overbook a GPU, the queue's books stay consistent, and after a poll
+//! nothing still waiting fits.
+
+use super::*;
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Submit(Want),
+    /// GiB on the GPU at this position (mod the count), and on the
+    /// next one too if the second is non-zero.
+    Pin(usize, u64, u64),
+    TryNow(Want),
+    Release(usize),
+    Cancel(usize),
+    Advance(Nanos),
+    Poll,
+}
+
+fn want() -> impl Strategy<Value = Want> {
+    prop_oneof![
+        (0..4u32).prop_map(Want::Gpus),
+        (0..90u64).prop_map(|g| Want::Memory(g * GIB + 7)),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => want().prop_map(Op::Submit),
+        1 => (any::<usize>(), 1..90u64, prop_oneof![Just(0u64), 1..30u64])
+            .prop_map(|(g, a, b)| Op::Pin(g, a, b)),
+        1 => want().prop_map(Op::TryNow),
+        2 => any::<usize>().prop_map(Op::Release),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        1 => (0..20 * SEC).prop_map(Op::Advance),
+        2 => Just(Op::Poll),
+    ]
+}
+
+fn config() -> impl Strategy<Value = (Vec<u64>, QueueConfig)> {
+    (
+        prop::collection::vec(
+            prop_oneof![Just(16 * GIB), Just(24 * GIB + 3), Just(80 * GIB)],
+            0..4,
+        ),
+        1..4u32,
+        prop_oneof![Just(Placement::BestFit), Just(Placement::Spread)],
+        0..30 * SEC,
+    )
+        .prop_map(|(totals, f, placement, escalate_after)| {
+            (
+                totals,
+                QueueConfig {
+                    escalate_after,
+                    overprovision: f,
+                    overcommit: false,
+                    placement,
+                },
+            )
+        })
+}
+
+fn check(q: &Queue, now: Nanos, just_polled: bool) {
+    let f = q.cfg.overprovision;
+    for (i, g) in q.gpus.iter().enumerate() {
+        assert!(g.committed <= g.info.total_mem, "GPU {i} overcommitted");
+        assert!(g.slots_used <= f);
+        if f == 1 && g.slots_used == 1 {
+            assert_eq!(g.leases.len(), 1, "whole GPU shared");
+        }
+        let (mut mem, mut slots, mut n) = (0, 0, 0);
+        for h in q.held.values() {
+            for s in h.shares.iter().filter(|s| s.gpu == i) {
+                mem += s.mem;
+                slots += u32::from(s.slot);
+                n += 1;
+            }
+        }
+        assert_eq!((g.committed, g.slots_used, g.leases.len()), (mem, slots, n));
+    }
+    for (id, h) in &q.held {
+        assert!(h.lease.gpus.windows(2).all(|w| w[0] < w[1]));
+        assert!(!q.waiting.iter().any(|w| w.id == *id));
+        match h.req.want {
+            Want::Memory(_) if !h.req.pin.is_empty() => {
+                assert_eq!(h.lease.gpus.len(), h.req.pin.len());
+                let cap = h.req.pin[0].mem;
+                assert_eq!(h.lease.mem_cap, (h.req.pin.len() == 1).then_some(cap));
+                for p in &h.req.pin {
+                    assert!(h.lease.uuids.contains(&p.uuid));
+                }
+            }
+            Want::Memory(b) => {
+                assert_eq!(h.lease.mem_cap, Some(b));
+                assert_eq!(h.lease.gpus.len(), 1);
+            }
+            Want::Gpus(n) => assert_eq!(h.lease.gpus.len(), n as usize),
+        }
+    }
+    if just_polled {
+        // Backfill is complete: up to the first blocked escalated
+        // request, nothing still waiting fits (but where pinned
+        // requests before it wait).
+        let mut reserved = Vec::new();
+        for i in q.order(now) {
+            let w = &q.waiting[i];
+            assert!(
+                q.plan(now, &w.req, &reserved).is_none(),
+                "request {} fits",
+                w.id
+            );
+            reserved.extend(w.req.pin.iter().filter_map(|p| q.gpu_of(&p.uuid)));
+            if q.is_escalated(now, w) {
+                break;
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    #[test]
+    fn commitments_stay_within_totals((totals, cfg) in config(), ops in prop::collection::vec(op(), 1..120)) {
+        let mut q = Queue::new(gpus(&totals), cfg);
+        let mut now = 0;
+        let mut next_id = 0;
+        let mut ids: Vec<RequestId> = Vec::new();
+        for op in ops {
+            let mut polled = false;
+            match op {
+                Op::Submit(w) => {
+                    next_id += 1;
+                    if q.submit(now, next_id, req(w)).is_ok() {
+                        ids.push(next_id);
+                    }
+                }
+                Op::Pin(g, a, b) if !totals.is_empty() => {
+                    let n = totals.len();
+                    let mut on = vec![((g % n) as u32, a)];
+                    if b > 0 && n > 1 {
+                        on.push((((g + 1) % n) as u32, b));
+                    }
+                    next_id += 1;
+                    if q.submit(now, next_id, pinned(&on)).is_ok() {
+                        ids.push(next_id);
+                    }
+                }
+                Op::TryNow(w) => {
+                    next_id += 1;
+                    if q.try_now(now, next_id, req(w)).is_ok() {
+                        ids.push(next_id);
+                    }
+                }
+                Op::Release(k) if !ids.is_empty() => {
+                    let id = ids.remove(k % ids.len());
+                    q.release(now, id);
+                }
+                Op::Cancel(k) if !ids.is_empty() => {
+                    let id = ids.remove(k % ids.len());
+                    q.cancel(now, id);
+                }
+                Op::Advance(dt) => now += dt,
+                Op::Poll => {
+                    q.poll(now);
+                    polled = true;
+                }
+                _ => {}
+            }
+            check(&q, now, polled);
+            let w = q.waiting(now);
+            prop_assert!(w.iter().enumerate().all(|(i, s)| s.position == i + 1));
+        }
+    }
+}

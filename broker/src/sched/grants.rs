@@ -1,0 +1,268 @@
+//! Who holds the GPU: the fixed-point loop that, after every event, picks
+//! the next holder, grants, updates or revokes, and sets the bound on what
+//! a holder may keep queued.
+
+use super::{Action, BURST_BOUND, ClientId, ClientState, Nanos, Outstanding, Priority, Scheduler};
+
+/// The waiter that would be picked: highest class, then least virtual time,
+/// then FIFO.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Candidate {
+    id: ClientId,
+    class: Priority,
+    vtime: f64,
+}
+
+impl Scheduler {
+    /// The eligible waiter that would be picked, other than `except`.
+    pub(super) fn best_waiter(&self, now: Nanos, except: Option<ClientId>) -> Option<Candidate> {
+        let bounded = self.high_bounded(now);
+        self.clients
+            .iter()
+            .filter(|&(&id, c)| {
+                Some(id) != except && c.state == ClientState::Waiting && self.fits(c, now, bounded)
+            })
+            .min_by(|a, b| {
+                b.1.class
+                    .cmp(&a.1.class)
+                    .then(a.1.vtime.total_cmp(&b.1.vtime))
+                    .then(a.1.seq.cmp(&b.1.seq))
+            })
+            .map(|(&id, c)| Candidate {
+                id,
+                class: c.class,
+                vtime: c.vtime,
+            })
+    }
+
+    /// The bound `id` gets as holder: only while someone who could take the
+    /// GPU from it or follow it is registered (a client of its class or
+    /// higher); during the first slice of a burst, eight times as much (a
+    /// request of many short kernels is queued whole, while a batch job that
+    /// wakes up still cannot queue seconds of work).
+    fn bound_for(&self, now: Nanos, id: ClientId) -> Nanos {
+        let Some(c) = self.clients.get(&id) else {
+            return 0;
+        };
+        let in_burst = c
+            .grant
+            .as_ref()
+            .is_some_and(|g| g.burst && now < g.start.saturating_add(self.cfg.timeslice));
+        let others = self
+            .clients
+            .iter()
+            .any(|(&o, oc)| o != id && oc.class >= c.class);
+        match (others, in_burst) {
+            (false, _) => 0,
+            (true, false) => self.cfg.bound,
+            (true, true) => self.cfg.bound.saturating_mul(BURST_BOUND),
+        }
+    }
+
+    /// Brings the state to a fixed point for `now`; every step either makes
+    /// progress or stops, so the loop is short.
+    pub(super) fn reschedule(&mut self, now: Nanos) {
+        self.settle(now);
+        self.sync_meters(now);
+        let cfg = self.cfg;
+        for c in self.clients.values_mut() {
+            if let Some(g) = c.grant.as_mut()
+                && let Some(r) = g.revoked_at
+                && r.saturating_add(cfg.grace) <= now
+            {
+                g.hung = true;
+            }
+            if c.draining_since.is_some() && c.drain_until <= now {
+                c.draining_since = None;
+                c.refresh_run(now);
+            }
+        }
+        self.sync_meters(now);
+        for _ in 0..self.clients.len() * 2 + 4 {
+            if !self.step(now) {
+                break;
+            }
+        }
+        self.woke = None;
+        self.sync_meters(now);
+        self.reweigh();
+    }
+
+    fn revoke(&mut self, now: Nanos, h: ClientId) {
+        let c = self.clients.get_mut(&h).expect("holder is registered");
+        let g = c.grant.as_mut().expect("holder has a grant");
+        g.revoked_at = Some(now);
+        g.deadline = None;
+        c.state = ClientState::Revoking;
+        let gid = g.id;
+        self.holder = None;
+        self.actions.push_back(Action::Revoke {
+            client: h,
+            grant: gid,
+        });
+    }
+
+    fn step(&mut self, now: Nanos) -> bool {
+        let Some(h) = self.holder else {
+            return match self.best_waiter(now, None) {
+                Some(next) => {
+                    self.grant_to(now, next.id);
+                    true
+                }
+                None => false,
+            };
+        };
+        let cfg = self.cfg;
+        let bound = self.bound_for(now, h);
+        let best = self.best_waiter(now, Some(h));
+        // Anyone at all waiting (any class): an idle holder hands back.
+        let waiters = best.is_some();
+        let woke = self.woke.take();
+        let c = self.clients.get(&h).expect("holder is registered");
+        let (class, vtime, weight) = (c.class, c.vtime, c.weight);
+        // A waiter of a higher class takes the GPU at once; one that just
+        // woke up behind the holder in virtual time does too.
+        // (Behind by more than a quarter slice of the holder's time, so that
+        // two clients waking together do not take the GPU from each other.)
+        let gran = cfg.timeslice as f64 / 4.0 / weight;
+        if let Some(w) = best
+            && (w.class > class
+                || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
+        {
+            self.revoke(now, h);
+            return true;
+        }
+        // One that woke up without being behind waits no longer than the
+        // GPU's own time-slicer would make it wait: the holder's slice ends
+        // within `wake`, and the usual order decides then.
+        let bounded = self.high_bounded(now);
+        let woke_here = woke.is_some_and(|id| {
+            self.clients.get(&id).is_some_and(|w| {
+                w.class == class && w.state == ClientState::Waiting && self.fits(w, now, bounded)
+            })
+        });
+        let wake_by = now.saturating_add(cfg.wake);
+        // Lower classes do not contend with the holder.
+        let best = best.filter(|w| w.class == class);
+        let contended = best.is_some();
+        let remaining = self.remaining(c, now, bounded);
+        let fits = self.fits(c, now, bounded);
+        let g = c.grant.as_ref().expect("holder has a grant");
+        let (gid, start, deadline) = (g.id, g.start, g.deadline);
+        let unchanged = g.bound == bound && g.waiters == waiters;
+        // What to do: Some(slice) grants (or updates) with that slice,
+        // None revokes.
+        let action: Option<Option<Nanos>> = match deadline {
+            Some(d) if d <= now => {
+                // A holder still behind the best waiter keeps the GPU for
+                // the real time that brings it level (at least a fifth of a
+                // slice, so a small deficit does not cost a switch).
+                let ext = best.map(|b| {
+                    (((b.vtime - vtime).max(0.0) * weight) as Nanos)
+                        .clamp(cfg.timeslice / 5, cfg.timeslice)
+                });
+                if best.is_some_and(|b| vtime >= b.vtime) {
+                    None
+                } else if let Some(r) = remaining {
+                    fits.then(|| Some(r.min(cfg.timeslice).min(ext.unwrap_or(Nanos::MAX))))
+                } else if contended {
+                    Some(Some(ext.unwrap_or(cfg.timeslice)))
+                } else {
+                    Some(None)
+                }
+            }
+            Some(d) if woke_here && d > wake_by => Some(Some(cfg.wake)),
+            Some(d) => {
+                if unchanged {
+                    return false;
+                }
+                Some(Some(d - now))
+            }
+            None if contended || remaining.is_some() => {
+                // A newcomer waits for the holder's first timeslice to run
+                // out, counted from its grant; a holder that already had that
+                // much is revoked now: its solo run is paid for. A holder
+                // only its ceilings cut short gets a slice from now.
+                let mut d = start.saturating_add(cfg.timeslice).max(now);
+                if !contended && d == now {
+                    d = now + cfg.timeslice;
+                }
+                let d = match remaining {
+                    Some(r) => d.min(now + r),
+                    None => d,
+                };
+                let d = if woke_here { d.min(wake_by) } else { d };
+                (d > now).then_some(Some(d - now))
+            }
+            None => {
+                if unchanged {
+                    return false;
+                }
+                Some(None)
+            }
+        };
+        match action {
+            Some(slice) => {
+                let c = self.clients.get_mut(&h).expect("holder is registered");
+                let g = c.grant.as_mut().expect("holder has a grant");
+                g.deadline = slice.map(|s| now + s);
+                g.bound = bound;
+                g.waiters = waiters;
+                self.actions.push_back(Action::Grant {
+                    client: h,
+                    grant: gid,
+                    slice,
+                    bound,
+                    waiters,
+                });
+            }
+            None => self.revoke(now, h),
+        }
+        true
+    }
+
+    fn grant_to(&mut self, now: Nanos, id: ClientId) {
+        let cfg = self.cfg;
+        let burst = self.waking.remove(&id);
+        let class = self.clients[&id].class;
+        let best = self.best_waiter(now, Some(id));
+        let contended = best.is_some_and(|w| w.class >= class);
+        let waiters = best.is_some();
+        let gid = self.next_grant;
+        self.next_grant += 1;
+        let bounded = self.high_bounded(now);
+        let remaining = self.remaining(&self.clients[&id], now, bounded);
+        let c = self.clients.get_mut(&id).expect("picked client exists");
+        let slice = match remaining {
+            Some(r) => Some(r.min(cfg.timeslice)),
+            None => contended.then_some(cfg.timeslice),
+        };
+        c.state = ClientState::Holding;
+        c.grant = Some(Outstanding {
+            id: gid,
+            start: now,
+            deadline: slice.map(|s| now + s),
+            revoked_at: None,
+            hung: false,
+            bound: 0,
+            waiters: false,
+            burst,
+        });
+        // Its own earlier work now counts as part of the holding.
+        c.draining_since = None;
+        c.refresh_run(now);
+        self.holder = Some(id);
+        let bound = self.bound_for(now, id);
+        if let Some(g) = self.clients.get_mut(&id).and_then(|c| c.grant.as_mut()) {
+            g.bound = bound;
+            g.waiters = waiters;
+        }
+        self.actions.push_back(Action::Grant {
+            client: id,
+            grant: gid,
+            slice,
+            bound,
+            waiters,
+        });
+    }
+}

@@ -1,0 +1,65 @@
+//! What the scheduler reports: each client's state, share and charges
+//! for status, and who holds the GPU.
+
+use super::{ClientId, ClientState, ClientStatus, Nanos, Scheduler};
+
+impl Scheduler {
+    pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
+        let now = now.max(self.now);
+        let top = self
+            .clients
+            .values()
+            .filter(|c| c.is_active())
+            .map(|c| c.class)
+            .max();
+        let active_weight: f64 = self
+            .clients
+            .values()
+            .filter(|c| c.is_active() && Some(c.class) == top)
+            .map(|c| c.weight)
+            .sum();
+        // Charges since the last settle, as settle would make them.
+        let n = self.clients.values().filter(|c| c.on_gpu()).count().max(1);
+        let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
+        self.clients
+            .iter()
+            .map(|(&id, c)| {
+                let span = self.cfg.window.min(now - c.added_at);
+                let achieved = if span == 0 {
+                    0.0
+                } else {
+                    (c.meter.usage(self.cfg.window, now) as f64 / span as f64).min(1.0)
+                };
+                let charged = c.charged + if c.on_gpu() { pending } else { 0.0 };
+                ClientStatus {
+                    client: id,
+                    weight: c.weight,
+                    limit: c
+                        .limit
+                        .or_else(|| self.units.get(&c.group).and_then(|u| u.limit)),
+                    priority: c.class,
+                    state: c.state,
+                    achieved,
+                    target: if c.is_active() && Some(c.class) == top {
+                        c.weight / active_weight
+                    } else {
+                        0.0
+                    },
+                    total_held: c.meter.total(now),
+                    gpu_time: charged as Nanos,
+                    draining: c.draining_since.is_some(),
+                    hung: c.grant.as_ref().is_some_and(|g| g.hung),
+                }
+            })
+            .collect()
+    }
+
+    /// The client that may launch now.
+    pub fn holder(&self) -> Option<ClientId> {
+        self.holder
+    }
+
+    pub fn state(&self, id: ClientId) -> Option<ClientState> {
+        self.clients.get(&id).map(|c| c.state)
+    }
+}

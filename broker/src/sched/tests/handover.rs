@@ -1,0 +1,251 @@
+//! Grants and handovers: open-ended grants alone, bounds once others are
+//! registered, handovers that never wait for queued work, wake-up
+//! preemption, early releases, disconnects, holders that never let go, and
+//! work never reported drained.
+
+use super::*;
+
+#[test]
+fn lone_client_gets_open_ended_unbounded_grant_and_is_never_revoked() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.add(1, 1.0, None);
+    sim.start(1);
+    sim.run_until(10 * SEC);
+    assert_eq!(sim.log, vec![(0, grant(1, 1, None, 0))]);
+    assert_eq!(sim.s.next_timeout(), None);
+    assert_eq!(sim.gpu(1), 10 * SEC);
+    let st = status_of(&sim.s, sim.now, 1);
+    assert!((st.achieved - 1.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_second_registered_client_bounds_the_holder_and_leaving_unbounds_it() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.acquire(0, 1);
+    assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
+    // Idle, but it could wake at any moment: keep the holder's queue
+    // short (a burst's bound first, then the bound).
+    s.add_client(MS, 2, 1.0, None, N);
+    assert_eq!(drain(&mut s), vec![grant(1, 1, None, BB)]);
+    assert_eq!(s.next_timeout(), Some(20 * MS));
+    s.handle_timeout(20 * MS);
+    assert_eq!(drain(&mut s), vec![grant(1, 1, None, B)]);
+    s.remove_client(30 * MS, 2);
+    assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
+    // A lower class cannot take the GPU from it: no bound for that.
+    s.add_client(40 * MS, 3, 1.0, None, Priority::Low);
+    assert!(drain(&mut s).is_empty());
+}
+
+#[test]
+fn handover_does_not_wait_for_the_old_holders_work() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.add_client(0, 2, 1.0, None, N);
+    s.acquire(0, 1);
+    assert_eq!(drain(&mut s), vec![grant(1, 1, None, BB)]);
+    s.handle_timeout(20 * MS);
+    assert_eq!(drain(&mut s), vec![grant(1, 1, None, B)]);
+    // 2 has used nothing and 1 has used 30 ms: 2 is behind and takes
+    // the GPU now, in the same step as the revoke. Its burst is not
+    // bounded.
+    s.acquire(30 * MS, 2);
+    assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, BB)]);
+    assert_eq!(s.state(1), Some(ClientState::Revoking));
+    assert_eq!(s.holder(), Some(2));
+    // 1's queued work drains alongside 2's: both are charged half.
+    s.release(30 * MS, 1);
+    assert!(status_of(&s, 30 * MS, 1).draining);
+    let before = (
+        status_of(&s, 30 * MS, 1).gpu_time,
+        status_of(&s, 30 * MS, 2).gpu_time,
+    );
+    s.drained(32 * MS, 1);
+    let after = (
+        status_of(&s, 32 * MS, 1).gpu_time,
+        status_of(&s, 32 * MS, 2).gpu_time,
+    );
+    assert_eq!(after.0 - before.0, MS);
+    assert_eq!(after.1 - before.1, MS);
+    assert!(!status_of(&s, 32 * MS, 1).draining);
+}
+
+#[test]
+fn newcomer_after_long_solo_run_takes_the_gpu_at_once() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.add_client(0, 2, 1.0, None, N);
+    s.acquire(0, 1);
+    drain(&mut s);
+    s.acquire(2 * SEC, 2);
+    assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, BB)]);
+    s.acquire(2 * SEC, 1);
+    s.release(2 * SEC, 1);
+    // 1 waits again: 2's grant becomes a contended slice.
+    assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), BB)]);
+    // Past its first slice, 2 is behind by 1's solo second: it keeps the
+    // GPU, now bounded.
+    s.handle_timeout(2 * SEC + 20 * MS);
+    assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), B)]);
+}
+
+#[test]
+fn an_interactive_client_preempts_a_busy_holder_on_every_wakeup() {
+    // A burst of 0.5 ms every 20 ms beside a busy batch client at equal
+    // weight: every burst gets the GPU the moment it asks.
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.add(1, 1.0, None);
+    sim.add(2, 1.0, None);
+    sim.residual.insert(1, B);
+    sim.start(1);
+    sim.run_until(100 * MS);
+    for k in 0..50u64 {
+        let t = 100 * MS + k * 20 * MS;
+        sim.run_until(t);
+        sim.s.acquire(t, 2);
+        sim.pump();
+        assert_eq!(sim.s.holder(), Some(2), "burst {k} waits");
+        sim.run_until(t + 500 * US);
+        sim.s.release(sim.now, 2);
+        sim.s.drained(sim.now, 2);
+        sim.pump();
+        assert_eq!(sim.s.holder(), Some(1), "batch resumes after burst {k}");
+    }
+    // The batch client keeps nearly all the rest.
+    let end = sim.now;
+    let batch = sim.gpu(1) as f64 / end as f64;
+    assert!(batch > 0.95, "batch {batch}");
+}
+
+#[test]
+fn a_waker_ahead_of_the_holder_waits_a_quantum_then_the_order_decides() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.add_client(0, 2, 1.0, None, N);
+    // 2 runs alone for a second, then 1 runs: 2 is far ahead.
+    s.acquire(0, 2);
+    s.release(SEC, 2);
+    s.drained(SEC, 2);
+    s.acquire(SEC, 1);
+    drain(&mut s);
+    s.acquire(SEC + MS, 2);
+    // Not preempted: 2's credit is one slice, and it is ahead by more.
+    // But it waits no longer than the GPU's quantum for its turn to be
+    // weighed (1 is still in its first burst: the burst's bound).
+    assert_eq!(drain(&mut s), vec![grant(1, 2, Some(2 * MS), BB)]);
+    assert_eq!(s.holder(), Some(1));
+    // Then 1, far behind, keeps the GPU for most of a slice more.
+    s.handle_timeout(SEC + 3 * MS);
+    let a = drain(&mut s);
+    assert!(
+        matches!(a[..], [Action::Grant { client: 1, grant: 2, slice: Some(s), .. }] if s >= 10 * MS),
+        "{a:?}"
+    );
+    assert_eq!(s.holder(), Some(1));
+}
+
+#[test]
+fn idle_early_release_hands_over_immediately() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.add_client(0, 2, 1.0, None, N);
+    s.acquire(0, 2);
+    s.release(SEC, 2);
+    s.drained(SEC, 2);
+    s.acquire(SEC, 1);
+    // 2 is ahead, so it waits for 1's slice...
+    s.acquire(SEC + MS, 2);
+    drain(&mut s);
+    assert_eq!(s.holder(), Some(1));
+    // ...unless 1 runs out of work first.
+    s.release(SEC + 5 * MS, 1);
+    assert_eq!(drain(&mut s), vec![grant(2, 3, None, BB)]);
+    assert_eq!(s.holder(), Some(2));
+    assert_eq!(s.state(1), Some(ClientState::Idle));
+    s.drained(SEC + 5 * MS, 1);
+    assert_eq!(status_of(&s, SEC + 5 * MS, 1).total_held, 5 * MS);
+}
+
+#[test]
+fn removing_holder_grants_next_at_once() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.add_client(0, 2, 1.0, None, N);
+    s.add_client(0, 3, 1.0, None, N);
+    s.acquire(0, 1);
+    s.acquire(0, 2);
+    s.acquire(0, 3);
+    assert_eq!(
+        drain(&mut s),
+        vec![grant(1, 1, None, BB), grant(1, 1, Some(2 * MS), BB)]
+    );
+    s.remove_client(10 * MS, 1);
+    // 3 is still waiting behind 2, so 2's grant is a contended slice.
+    assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), BB)]);
+    assert_eq!(s.holder(), Some(2));
+    assert_eq!(s.state(1), None);
+    // A waiting client that disconnects just leaves the queue; 2 now
+    // has nobody waiting.
+    s.remove_client(11 * MS, 3);
+    assert_eq!(
+        drain(&mut s),
+        vec![Action::Grant {
+            client: 2,
+            grant: 2,
+            slice: Some(19 * MS),
+            bound: 0,
+            waiters: false
+        }]
+    );
+    // 2 is alone: past its burst, still no bound.
+    s.handle_timeout(30 * MS);
+    assert_eq!(drain(&mut s), vec![grant(2, 2, None, 0)]);
+}
+
+#[test]
+fn stuck_holder_is_passed_over_at_once_marked_hung_and_charged() {
+    let cfg = SchedConfig::default();
+    let mut sim = Sim::new(cfg);
+    sim.add(1, 1.0, None);
+    sim.add(2, 1.0, None);
+    sim.stuck.insert(1);
+    sim.start(1);
+    sim.start(2);
+    sim.run_until(SEC);
+    // 2 woke beside it: revoked a quantum later; the GPU moved on then.
+    assert_eq!(sim.grants_to(2), vec![(2 * MS, None)]);
+    assert_eq!(sim.s.holder(), Some(2));
+    let st = status_of(&sim.s, sim.now, 1);
+    assert_eq!(st.state, ClientState::Revoking);
+    assert!(st.hung);
+    // Charged as on the GPU all along (half of it since the handover).
+    let want = 2 * MS + (SEC - 2 * MS) / 2;
+    assert!(st.gpu_time.abs_diff(want) < MS, "{} vs {want}", st.gpu_time);
+    // The hang ends: it still has work, so it re-queues.
+    sim.stuck.remove(&1);
+    sim.s.acquire(SEC, 1);
+    sim.s.release(SEC, 1);
+    sim.s.drained(SEC, 1);
+    sim.pump();
+    sim.run_until(3 * SEC);
+    let (g1, g2) = (sim.gpu(1), sim.gpu(2));
+    assert!(g1.abs_diff(g2) <= 60 * MS, "{g1} vs {g2}");
+}
+
+#[test]
+fn a_release_without_drained_is_charged_until_the_timeout() {
+    let cfg = SchedConfig {
+        drain_timeout: 100 * MS,
+        ..SchedConfig::default()
+    };
+    let mut s = Scheduler::new(cfg);
+    s.add_client(0, 1, 1.0, None, N);
+    s.acquire(0, 1);
+    s.release(10 * MS, 1);
+    assert_eq!(s.next_timeout(), Some(110 * MS));
+    s.handle_timeout(110 * MS);
+    let st = status_of(&s, 200 * MS, 1);
+    assert!(!st.draining);
+    assert_eq!(st.gpu_time, 110 * MS);
+}

@@ -1,0 +1,194 @@
+//! Scheduler unit tests, in virtual time, by topic. This file holds what
+//! they share: action builders, and `Sim`, a model of busy, idle and stuck
+//! shims.
+
+mod classes;
+mod handover;
+mod inputs;
+mod limits;
+mod props;
+mod shares;
+
+use super::*;
+use std::collections::{BTreeMap as Map, BTreeSet};
+
+const SEC: Nanos = 1000 * MS;
+const N: Priority = Priority::Normal;
+
+fn drain(s: &mut Scheduler) -> Vec<Action> {
+    std::iter::from_fn(|| s.poll_action()).collect()
+}
+
+fn grant(client: ClientId, grant: GrantId, slice: Option<Nanos>, bound: Nanos) -> Action {
+    Action::Grant {
+        client,
+        grant,
+        slice,
+        bound,
+        // A slice means a waiter of the holder's class.
+        waiters: slice.is_some(),
+    }
+}
+
+fn grant_w(client: ClientId, grant: GrantId, bound: Nanos) -> Action {
+    Action::Grant {
+        client,
+        grant,
+        slice: None,
+        bound,
+        waiters: true,
+    }
+}
+
+fn revoke(client: ClientId, grant: GrantId) -> Action {
+    Action::Revoke { client, grant }
+}
+
+fn status_of(s: &Scheduler, now: Nanos, id: ClientId) -> ClientStatus {
+    s.status(now)
+        .into_iter()
+        .find(|c| c.client == id)
+        .expect("known client")
+}
+
+const B: Nanos = 250 * US;
+/// The bound of a burst grant's first slice.
+const BB: Nanos = B * BURST_BOUND;
+
+/// Virtual-time model of shims: a busy client always has work, so on a
+/// revoke it asks again and releases at once; its queued work then
+/// drains for `residual` (its kernel length, or the in-flight bound);
+/// a stuck client ignores revokes.
+struct Sim {
+    s: Scheduler,
+    now: Nanos,
+    residual: Map<ClientId, Nanos>,
+    busy: BTreeSet<ClientId>,
+    stuck: BTreeSet<ClientId>,
+    drains: Vec<(Nanos, ClientId)>,
+    log: Vec<(Nanos, Action)>,
+}
+
+impl Sim {
+    fn new(cfg: SchedConfig) -> Self {
+        Sim {
+            s: Scheduler::new(cfg),
+            now: 0,
+            residual: Map::new(),
+            busy: BTreeSet::new(),
+            stuck: BTreeSet::new(),
+            drains: Vec::new(),
+            log: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, id: ClientId, weight: f64, limit: Option<f64>) {
+        self.add_class(id, weight, limit, N);
+    }
+
+    fn add_class(&mut self, id: ClientId, weight: f64, limit: Option<f64>, p: Priority) {
+        self.s.add_client(self.now, id, weight, limit, p);
+        self.pump();
+    }
+
+    fn start(&mut self, id: ClientId) {
+        self.busy.insert(id);
+        self.s.acquire(self.now, id);
+        // What it launched with its request has run.
+        self.s.drained(self.now, id);
+        self.pump();
+    }
+
+    fn pump(&mut self) {
+        while let Some(a) = self.s.poll_action() {
+            self.log.push((self.now, a));
+            if let Action::Revoke { client, .. } = a {
+                if self.stuck.contains(&client) {
+                    continue;
+                }
+                if self.busy.contains(&client) {
+                    self.s.acquire(self.now, client);
+                }
+                self.s.release(self.now, client);
+                let r = self.residual.get(&client).copied().unwrap_or(0);
+                self.drains.push((self.now + r, client));
+            }
+        }
+    }
+
+    fn run_until(&mut self, end: Nanos) {
+        for _ in 0..10_000_000 {
+            self.pump();
+            let ev = self.drains.iter().map(|e| e.0).min();
+            let t = [ev, self.s.next_timeout()].into_iter().flatten().min();
+            match t {
+                Some(t) if t <= end => {
+                    assert!(t >= self.now, "time went backwards");
+                    self.now = t;
+                    let (due, later): (Vec<_>, Vec<_>) = self.drains.iter().partition(|e| e.0 <= t);
+                    self.drains = later;
+                    for (_, c) in due {
+                        self.s.drained(t, c);
+                        self.pump();
+                    }
+                    if self.s.next_timeout().is_some_and(|x| x <= t) {
+                        self.s.handle_timeout(t);
+                    }
+                }
+                _ => {
+                    self.now = end;
+                    self.s.handle_timeout(end);
+                    self.pump();
+                    return;
+                }
+            }
+        }
+        panic!("simulation did not make progress");
+    }
+
+    fn gpu(&self, id: ClientId) -> Nanos {
+        status_of(&self.s, self.now, id).gpu_time
+    }
+
+    /// New grants (not updates) to `id`: time and initial slice.
+    fn grants_to(&self, id: ClientId) -> Vec<(Nanos, Option<Nanos>)> {
+        let mut seen = BTreeSet::new();
+        self.log
+            .iter()
+            .filter_map(|&(t, a)| match a {
+                Action::Grant {
+                    client,
+                    grant,
+                    slice,
+                    ..
+                } if client == id && seen.insert(grant) => Some((t, slice)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn assert_shares(weights: &[f64], residual: Nanos) {
+    let mut sim = Sim::new(SchedConfig::default());
+    for (i, &w) in weights.iter().enumerate() {
+        sim.add(i as ClientId, w, None);
+        sim.residual.insert(i as ClientId, residual);
+    }
+    for i in 0..weights.len() {
+        sim.start(i as ClientId);
+    }
+    let end = 20 * SEC;
+    sim.run_until(end);
+    let sum: f64 = weights.iter().sum();
+    for (i, &w) in weights.iter().enumerate() {
+        let share = sim.gpu(i as ClientId) as f64 / end as f64;
+        let want = w / sum;
+        assert!(
+            (share - want).abs() < 0.01,
+            "client {i}: share {share:.4}, want {want:.4} (weights {weights:?}, residual {residual})"
+        );
+    }
+    // The GPU never sat idle while everyone had work.
+    let total: Nanos = (0..weights.len()).map(|i| sim.gpu(i as ClientId)).sum();
+    assert!(total >= end - MS, "total charged {total}");
+}
