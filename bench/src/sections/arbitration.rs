@@ -321,7 +321,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         notes.push(format!(
             "Mean turns longer than the timeslice ({}): turns flip between one and two \
              timeslices. At a holder's deadline its virtual time often trails the waiter's by \
-             the waiter's last drain (~1 ms), so the scheduler (broker/src/sched.rs, `step`, \
+             the waiter's last drain (~1 ms), so the scheduler (broker/src/sched/grants.rs, `step`, \
              the `best.is_some_and(|b| vtime >= b)` test) extends the slice by a whole \
              timeslice instead of revoking. Shares stay fair; the wait a waiter sees doubles.",
             long_turns.join(", ")

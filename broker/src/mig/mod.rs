@@ -1,6 +1,6 @@
 //! Dynamic MIG planner (`gpufrac broker --mig dynamic`; docs/mig.md).
 //!
-//! A pure state machine, like `queue.rs`: no I/O, no clock. Time is a `u64`
+//! A pure state machine, like `queue/`: no I/O, no clock. Time is a `u64`
 //! of nanoseconds passed in. It knows each MIG-mode GPU's GPU-instance
 //! profiles (memory, compute slices, the placements the hardware allows)
 //! and its instances (in use by a lease, idle since when, or foreign), and

@@ -29,7 +29,7 @@
 //!   that jobs arriving later cannot keep a pod's memory from it.
 //!
 //! GPUs in MIG mode under `--mig dynamic` are not among these: the MIG
-//! planner (`mig.rs`) owns them. A memory request goes to a MIG instance
+//! planner (`mig/`) owns them. A memory request goes to a MIG instance
 //! whenever one can be had now (reused, created, or created after
 //! destroying idle ones), else to a fraction of a GPU outside MIG mode,
 //! else it waits for whichever frees first. Whole-GPU requests never go to
