@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use gpufrac_broker::status::Status;
 use gpufrac_common::net;
-use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, LeaseReq, Role, ServerMsg};
 
 /// A live broker answers at once; this only bounds how long a wedged one can
 /// hang `status` or the start of `run`.
@@ -178,7 +178,7 @@ impl Client {
 
     /// Sends a `Lease` request; follow with [`Client::wait_lease`].
     pub fn request_lease(&mut self, lease: &ClientMsg) -> Result<(), String> {
-        debug_assert!(matches!(lease, ClientMsg::Lease { .. }));
+        debug_assert!(matches!(lease, ClientMsg::Lease(LeaseReq { .. })));
         self.send(lease)
     }
 
@@ -683,7 +683,7 @@ mod tests {
             },
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
-        let req = ClientMsg::Lease {
+        let req = ClientMsg::Lease(LeaseReq {
             want_gpus: 1,
             want_mem: 0,
             compute: None,
@@ -694,7 +694,7 @@ mod tests {
             resume: 0,
             token: 0,
             pin: Vec::new(),
-        };
+        });
         c.request_lease(&req).unwrap();
         let mut seen = Vec::new();
         let out = c

@@ -15,7 +15,7 @@ use gpufrac_common::config::{
     VAR_JOB_LEDGER, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET,
 };
 use gpufrac_common::size::{self, MEM_LIMIT_EXAMPLE, MemLimit, format_size, parse_percent};
-use gpufrac_common::wire::{ClientMsg, Pin};
+use gpufrac_common::wire::{ClientMsg, LeaseReq, Pin};
 
 use crate::client::{Client, ConnectError, LeaseOutcome, QueueReport};
 
@@ -527,7 +527,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         // Claimed back with what it holds: a broker that lost its state
         // (a corrupt file) books it again where it runs.
         let mut req = lease_request(&args, mem, token);
-        if let ClientMsg::Lease { pin, .. } = &mut req {
+        if let ClientMsg::Lease(LeaseReq { pin, .. }) = &mut req {
             *pin = pins;
         }
         std::thread::Builder::new()
@@ -689,7 +689,7 @@ fn lease_request(args: &RunArgs, mem: Option<u64>, resume: u64) -> ClientMsg {
         .map(|a| a.to_string_lossy())
         .collect::<Vec<_>>()
         .join(" ");
-    ClientMsg::Lease {
+    ClientMsg::Lease(LeaseReq {
         want_gpus: args.gpus.unwrap_or(0),
         want_mem: mem.unwrap_or(0),
         compute: args.gpu_compute,
@@ -700,7 +700,7 @@ fn lease_request(args: &RunArgs, mem: Option<u64>, resume: u64) -> ClientMsg {
         resume,
         token: 0,
         pin: Vec::new(),
-    }
+    })
 }
 
 /// How long a queued `run` waits for a broker that went away to come back

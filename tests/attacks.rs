@@ -598,7 +598,7 @@ impl Rng {
 
 fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
     use gpufrac_common::config::Priority;
-    use gpufrac_common::wire::{ClientMsg, DeviceReg, Pin, encode_client};
+    use gpufrac_common::wire::{ClientMsg, DeviceReg, LeaseReq, Pin, encode_client};
     let uuid = if r.below(4) == 0 {
         [r.below(256) as u8; 16]
     } else {
@@ -641,7 +641,7 @@ fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
             from: r.below(3) as u32,
         },
         8 => ClientMsg::Ping,
-        9 => ClientMsg::Lease {
+        9 => ClientMsg::Lease(LeaseReq {
             want_gpus: r.below(3) as u32,
             want_mem: if r.below(2) == 0 {
                 0
@@ -663,7 +663,7 @@ fn random_msg(r: &mut Rng, real: [u8; 16]) -> Vec<u8> {
             } else {
                 Vec::new()
             },
-        },
+        }),
         10 => ClientMsg::Name {
             pod: "fuzz/pod".into(),
             label: "fuzz".into(),

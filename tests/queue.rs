@@ -459,7 +459,7 @@ fn an_unplaced_job_counts_its_time_held() {
 /// a GPU under a token the client chose, its name, and what is refused.
 #[test]
 fn pinned_leases_take_their_gpu_under_the_chosen_token() {
-    use gpufrac_common::wire::{ClientMsg, Pin, ServerMsg};
+    use gpufrac_common::wire::{ClientMsg, LeaseReq, Pin, ServerMsg};
     let b = Broker::start("16G,16G", &[]);
     let second = {
         let s = b.status();
@@ -471,17 +471,14 @@ fn pinned_leases_take_their_gpu_under_the_chosen_token() {
         *byte =
             u8::from_str_radix(std::str::from_utf8(&hex[2 * i..2 * i + 2]).unwrap(), 16).unwrap();
     }
-    let lease = |token: u64, pin: Vec<Pin>, want_mem: u64| ClientMsg::Lease {
-        want_gpus: 0,
-        want_mem,
-        compute: None,
-        limit: None,
-        no_wait: false,
-        command: "pod".into(),
-        priority: None,
-        resume: 0,
-        token,
-        pin,
+    let lease = |token: u64, pin: Vec<Pin>, want_mem: u64| {
+        ClientMsg::Lease(LeaseReq {
+            want_mem,
+            command: "pod".into(),
+            token,
+            pin,
+            ..Default::default()
+        })
     };
     let pin = || vec![Pin { uuid, mem: 4 << 30 }];
 

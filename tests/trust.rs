@@ -16,7 +16,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-use gpufrac_common::wire::{self, ClientMsg, DeviceReg, Pin, Role, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Pin, Role, ServerMsg};
 use support::*;
 
 const MS: u64 = 1_000_000;
@@ -255,21 +255,15 @@ fn the_plugins_messages_from_another_user_are_refused() {
     let uuid = b.first_gpu_uuid();
     let pin = frames(&[
         hello(),
-        ClientMsg::Lease {
-            want_gpus: 0,
-            want_mem: 0,
-            compute: None,
-            limit: None,
-            no_wait: false,
+        ClientMsg::Lease(LeaseReq {
             command: "not a pod".into(),
-            priority: None,
-            resume: 0,
             token: 0x5eed,
             pin: vec![Pin {
                 uuid,
                 mem: 16 * GIB,
             }],
-        },
+            ..Default::default()
+        }),
     ]);
     let (_frames, pin_file) = bytes_file(&pin);
     let mut a = raw(&b.socket, NOBODY, 1, &pin_file, 500);
@@ -292,18 +286,12 @@ fn the_plugins_messages_from_another_user_are_refused() {
     // Root (the device plugin's user) may.
     let mut c = RawClient::connect(&b.socket);
     c.hello();
-    c.send(&ClientMsg::Lease {
-        want_gpus: 0,
-        want_mem: 0,
-        compute: None,
-        limit: None,
-        no_wait: false,
+    c.send(&ClientMsg::Lease(LeaseReq {
         command: "pod".into(),
-        priority: None,
-        resume: 0,
         token: 0x5eed,
         pin: vec![Pin { uuid, mem: GIB }],
-    });
+        ..Default::default()
+    }));
     assert!(matches!(
         c.recv(),
         Some(ServerMsg::Leased { token: 0x5eed, .. })
@@ -437,18 +425,12 @@ fn a_reused_pid_does_not_put_a_victim_in_a_dead_runs_job() {
     // exits: its pid is free for someone else.
     let lease = frames(&[
         hello(),
-        ClientMsg::Lease {
-            want_gpus: 0,
+        ClientMsg::Lease(LeaseReq {
             want_mem: 1 << 20,
-            compute: None,
-            limit: None,
             no_wait: true,
             command: "trap".into(),
-            priority: None,
-            resume: 0,
-            token: 0,
-            pin: Vec::new(),
-        },
+            ..Default::default()
+        }),
     ]);
     let script = r#"
 import os, socket, sys, time
@@ -624,18 +606,11 @@ fn another_users_lease_churn_costs_bounded_io() {
     let label = "x".repeat(65_000);
     let churn = frames(&[
         hello(),
-        ClientMsg::Lease {
-            want_gpus: 0,
-            want_mem: 0,
+        ClientMsg::Lease(LeaseReq {
             compute: Some(10.0),
-            limit: None,
-            no_wait: false,
             command: label.clone(),
-            priority: None,
-            resume: 0,
-            token: 0,
-            pin: Vec::new(),
-        },
+            ..Default::default()
+        }),
         ClientMsg::Name {
             pod: String::new(),
             label,
@@ -694,18 +669,11 @@ fn one_user_queues_no_more_than_its_budget() {
         .unwrap();
     let queue = frames(&[
         hello(),
-        ClientMsg::Lease {
-            want_gpus: 0,
+        ClientMsg::Lease(LeaseReq {
             want_mem: GIB,
-            compute: None,
-            limit: None,
-            no_wait: false,
             command: "flood".into(),
-            priority: None,
-            resume: 0,
-            token: 0,
-            pin: Vec::new(),
-        },
+            ..Default::default()
+        }),
     ]);
     let (_frames, queue_file) = bytes_file(&queue);
     let mut a = raw(&b.socket, NOBODY, 247, &queue_file, 100);

@@ -155,6 +155,43 @@ pub fn uuid_string(u: &[u8; 16]) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
+/// What a `Lease` asks for (`gpufrac run`, the device plugin).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LeaseReq {
+    /// 0 when asking for memory.
+    pub want_gpus: u32,
+    /// 0 when asking for whole GPUs.
+    pub want_mem: u64,
+    /// Percent.
+    pub compute: Option<f64>,
+    /// Percent.
+    pub limit: Option<f64>,
+    pub no_wait: bool,
+    pub command: String,
+    /// `None`: the job's processes choose for themselves.
+    pub priority: Option<Priority>,
+    /// 0: a new request. Otherwise the token of a lease or queued
+    /// request this same process held before the broker restarted: the
+    /// broker gives back that lease, or that place in the queue.
+    pub resume: u64,
+    /// Non-zero: the token the new job is to have, chosen (at random)
+    /// by the client, which has already handed it to the job's
+    /// processes: the Kubernetes device plugin answers the kubelet
+    /// before the broker does, and books the same pod again under the
+    /// same token after either of them restarts. Refused if another
+    /// job holds it.
+    pub token: u64,
+    /// Non-empty: the GPUs are already chosen (the kubelet chose them
+    /// for a pod), and this is the memory on each; `want_*` are then 0.
+    pub pin: Vec<Pin>,
+}
+
+impl From<LeaseReq> for ClientMsg {
+    fn from(req: LeaseReq) -> Self {
+        ClientMsg::Lease(req)
+    }
+}
+
 /// Memory on one given GPU, for a lease whose GPUs are already chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pin {
@@ -252,34 +289,7 @@ pub enum ClientMsg {
     Status {
         from: u32,
     },
-    Lease {
-        /// 0 when asking for memory.
-        want_gpus: u32,
-        /// 0 when asking for whole GPUs.
-        want_mem: u64,
-        /// Percent.
-        compute: Option<f64>,
-        /// Percent.
-        limit: Option<f64>,
-        no_wait: bool,
-        command: String,
-        /// `None`: the job's processes choose for themselves.
-        priority: Option<Priority>,
-        /// 0: a new request. Otherwise the token of a lease or queued
-        /// request this same process held before the broker restarted: the
-        /// broker gives back that lease, or that place in the queue.
-        resume: u64,
-        /// Non-zero: the token the new job is to have, chosen (at random)
-        /// by the client, which has already handed it to the job's
-        /// processes: the Kubernetes device plugin answers the kubelet
-        /// before the broker does, and books the same pod again under the
-        /// same token after either of them restarts. Refused if another
-        /// job holds it.
-        token: u64,
-        /// Non-empty: the GPUs are already chosen (the kubelet chose them
-        /// for a pod), and this is the memory on each; `want_*` are then 0.
-        pin: Vec<Pin>,
-    },
+    Lease(LeaseReq),
     /// Names the job of this connection's lease for status: the pod it is
     /// (`namespace/name`) and a label in place of its command.
     Name {
@@ -487,7 +497,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             out.push(T_STATUS);
             put_u32(out, *from);
         }
-        ClientMsg::Lease {
+        ClientMsg::Lease(LeaseReq {
             want_gpus,
             want_mem,
             compute,
@@ -498,7 +508,7 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             resume,
             token,
             pin,
-        } => {
+        }) => {
             out.push(T_LEASE);
             put_u32(out, *want_gpus);
             put_u64(out, *want_mem);
@@ -662,7 +672,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
         T_STATUS => ClientMsg::Status { from: r.u32()? },
         T_PING => ClientMsg::Ping,
         T_JOIN => ClientMsg::Join { job: r.u64()? },
-        T_LEASE => ClientMsg::Lease {
+        T_LEASE => ClientMsg::Lease(LeaseReq {
             want_gpus: r.u32()?,
             want_mem: r.u64()?,
             compute: r.opt_f64()?,
@@ -689,7 +699,7 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
                 }
                 pin
             },
-        },
+        }),
         T_NAME => ClientMsg::Name {
             pod: r.str16()?,
             label: r.str16()?,
@@ -1011,7 +1021,7 @@ mod tests {
             ClientMsg::Status { from: 7 },
             ClientMsg::Ping,
             ClientMsg::Join { job: u64::MAX },
-            ClientMsg::Lease {
+            ClientMsg::Lease(LeaseReq {
                 want_gpus: 2,
                 want_mem: 0,
                 compute: None,
@@ -1022,8 +1032,8 @@ mod tests {
                 resume: 0,
                 token: 0,
                 pin: Vec::new(),
-            },
-            ClientMsg::Lease {
+            }),
+            ClientMsg::Lease(LeaseReq {
                 want_gpus: 0,
                 want_mem: 4 << 30,
                 compute: Some(30.0),
@@ -1034,8 +1044,8 @@ mod tests {
                 resume: u64::MAX,
                 token: 0,
                 pin: Vec::new(),
-            },
-            ClientMsg::Lease {
+            }),
+            ClientMsg::Lease(LeaseReq {
                 want_gpus: 0,
                 want_mem: 0,
                 compute: Some(25.0),
@@ -1055,7 +1065,7 @@ mod tests {
                         mem: 1,
                     },
                 ],
-            },
+            }),
             ClientMsg::Name {
                 pod: "default/infer-0".into(),
                 label: "k8s default/infer-0 (container main)".into(),
@@ -1213,7 +1223,7 @@ mod tests {
         want.extend_from_slice(&[0xcd; 16]);
         want.extend_from_slice(&(4u64 << 30).to_le_bytes());
         assert_eq!(
-            enc_c(&ClientMsg::Lease {
+            enc_c(&ClientMsg::Lease(LeaseReq {
                 want_gpus: 2,
                 want_mem: 0,
                 compute: Some(30.0),
@@ -1227,7 +1237,7 @@ mod tests {
                     uuid: [0xcd; 16],
                     mem: 4 << 30,
                 }],
-            }),
+            })),
             want
         );
         assert_eq!(
@@ -1521,7 +1531,7 @@ mod tests {
     fn oversized_fields_are_cut_to_fit() {
         // 3-byte characters, so the cut must step back to a boundary.
         let long = "€".repeat(30_000);
-        let m = ClientMsg::Lease {
+        let m = ClientMsg::Lease(LeaseReq {
             want_gpus: 1,
             want_mem: 0,
             compute: None,
@@ -1532,9 +1542,10 @@ mod tests {
             resume: 0,
             token: 0,
             pin: Vec::new(),
-        };
+        });
         let bytes = enc_c(&m);
-        let (ClientMsg::Lease { command, .. }, used) = decode_client(&bytes).unwrap() else {
+        let (ClientMsg::Lease(LeaseReq { command, .. }), used) = decode_client(&bytes).unwrap()
+        else {
             panic!()
         };
         assert_eq!(used, bytes.len());
@@ -1701,7 +1712,7 @@ mod tests {
                 any::<String>()
             )
                 .prop_map(|(want_gpus, want_mem, compute, limit, no_wait, command)| {
-                    ClientMsg::Lease {
+                    ClientMsg::Lease(LeaseReq {
                         want_gpus,
                         want_mem,
                         compute,
@@ -1719,7 +1730,7 @@ mod tests {
                                 mem: want_mem,
                             }]
                         },
-                    }
+                    })
                 }),
         ]
     }

@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, ClientMsg, DecodeError, Pin, Role, ServerMsg, parse_uuid};
+use gpufrac_common::wire::{
+    self, ClientMsg, DecodeError, LeaseReq, Pin, Role, ServerMsg, parse_uuid,
+};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -526,24 +528,26 @@ async fn session(
             })
         })
         .collect();
-    let lease = |resume: u64| ClientMsg::Lease {
-        want_gpus: 0,
-        want_mem: 0,
-        compute: booking.compute,
-        limit: None,
-        no_wait: false,
-        command: names.borrow().as_ref().map_or_else(
-            || "pod (not listed by the kubelet yet)".into(),
-            PodRef::label,
-        ),
-        priority: None,
-        resume,
-        token: if resume == 0 { token } else { 0 },
-        pin: if resume == 0 {
-            pins.clone()
-        } else {
-            Vec::new()
-        },
+    let lease = |resume: u64| {
+        ClientMsg::Lease(LeaseReq {
+            want_gpus: 0,
+            want_mem: 0,
+            compute: booking.compute,
+            limit: None,
+            no_wait: false,
+            command: names.borrow().as_ref().map_or_else(
+                || "pod (not listed by the kubelet yet)".into(),
+                PodRef::label,
+            ),
+            priority: None,
+            resume,
+            token: if resume == 0 { token } else { 0 },
+            pin: if resume == 0 {
+                pins.clone()
+            } else {
+                Vec::new()
+            },
+        })
     };
     // The same process after a broker restart: take the lease back where
     // it was. Otherwise (or if the broker lost it), book it anew under the

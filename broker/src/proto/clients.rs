@@ -131,33 +131,7 @@ impl Broker {
                 self.send(id, &ServerMsg::StatusReply { json });
             }
             ClientMsg::Name { pod, label } => self.name(id, pod, label),
-            ClientMsg::Lease {
-                want_gpus,
-                want_mem,
-                compute,
-                limit,
-                no_wait,
-                command,
-                priority,
-                resume,
-                token,
-                pin,
-            } => self.lease(
-                now,
-                id,
-                super::leases::Ask {
-                    want_gpus,
-                    want_mem,
-                    compute,
-                    limit,
-                    no_wait,
-                    command,
-                    priority,
-                    resume,
-                    token,
-                    pin,
-                },
-            ),
+            ClientMsg::Lease(ask) => self.lease(now, id, ask),
         }
     }
 

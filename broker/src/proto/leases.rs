@@ -4,7 +4,7 @@
 //! them.
 
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, ServerMsg};
+use gpufrac_common::wire::{self, LeaseReq, ServerMsg};
 use tracing::{debug, info, warn};
 
 use super::clients::lower_caps;
@@ -17,20 +17,6 @@ use gpufrac_common::wire::uuid_string;
 
 /// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
 const MAX_POD: usize = 320;
-
-/// A `Lease` message.
-pub(super) struct Ask {
-    pub want_gpus: u32,
-    pub want_mem: u64,
-    pub compute: Option<f64>,
-    pub limit: Option<f64>,
-    pub no_wait: bool,
-    pub command: String,
-    pub priority: Option<crate::sched::Priority>,
-    pub resume: u64,
-    pub token: u64,
-    pub pin: Vec<wire::Pin>,
-}
 
 /// A MIG lease whose instance is being made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +46,7 @@ impl Broker {
         );
     }
 
-    pub(super) fn lease(&mut self, now: Nanos, id: ConnId, a: Ask) {
+    pub(super) fn lease(&mut self, now: Nanos, id: ConnId, a: LeaseReq) {
         let Some(c) = self.conns.get(&id) else {
             return;
         };
@@ -179,7 +165,7 @@ impl Broker {
     }
 
     /// The job a `Lease` asks for, its values clamped and cut to size.
-    fn job_for(&self, id: ConnId, a: &Ask, token: u64, start_time: u64) -> Job {
+    fn job_for(&self, id: ConnId, a: &LeaseReq, token: u64, start_time: u64) -> Job {
         let c = &self.conns[&id];
         let pin: Vec<Pinned> = a
             .pin
@@ -315,7 +301,7 @@ impl Broker {
     /// process may claim its job back, and only while no live connection
     /// holds it. While a recovery holds placements, a job the state file
     /// lost is booked again where its run says it runs.
-    fn resume_job(&mut self, now: Nanos, id: ConnId, a: Ask) {
+    fn resume_job(&mut self, now: Nanos, id: ConnId, a: LeaseReq) {
         let token = a.resume;
         let Some(c) = self.conns.get(&id) else {
             return;

@@ -79,12 +79,12 @@ fn labels_are_cut_leases_bounded_and_state_writes_coalesced() {
         let c = t.connect_as(p, BOB);
         t.send(
             c,
-            &L {
+            &LeaseReq {
                 command: label.clone(),
                 compute: Some(10.0),
                 ..lease(0, 0, false)
             }
-            .m(),
+            .into(),
         );
         t.send(
             c,

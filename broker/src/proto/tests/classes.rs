@@ -62,11 +62,11 @@ fn high_outside_the_allow_list_is_normal() {
     let r = t.connect_as(run, BOB);
     t.send(
         r,
-        &L {
+        &LeaseReq {
             priority: Some(Priority::High),
             ..lease(1, 0, false)
         }
-        .m(),
+        .into(),
     );
     let why = refused(&t.recv(r)).expect("refused");
     assert!(why.contains("--high-allow"), "{why}");

@@ -8,7 +8,7 @@ use super::*;
 #[test]
 fn pins_and_chosen_tokens_only_from_root_or_the_plugin() {
     let mut t = T::new(cfg(), &[16 * GIB]);
-    let pin = L {
+    let pin = LeaseReq {
         want_gpus: 0,
         want_mem: 0,
         pin: vec![Pin {
@@ -18,14 +18,14 @@ fn pins_and_chosen_tokens_only_from_root_or_the_plugin() {
         token: 0x1234,
         ..lease(0, 0, false)
     };
-    let chosen = L {
+    let chosen = LeaseReq {
         token: 0x5678,
         ..lease(0, GIB, false)
     };
     for m in [&pin, &chosen] {
         let p = t.spawn(1);
         let c = t.connect_as(p, BOB);
-        t.send(c, &m.clone().m());
+        t.send(c, &m.clone().into());
         let why = refused(&t.recv(c)).expect("refused");
         assert!(why.contains("--plugin-user"), "{why}");
     }
@@ -35,11 +35,11 @@ fn pins_and_chosen_tokens_only_from_root_or_the_plugin() {
         let c = t.connect_as(p, uid);
         t.send(
             c,
-            &L {
+            &LeaseReq {
                 token: 0x1000 + u64::from(uid),
                 ..pin.clone()
             }
-            .m(),
+            .into(),
         );
         t.advance(SAVE_EVERY);
         let got = t.recv(c);
@@ -56,11 +56,11 @@ fn a_leaked_token_does_not_join_another_users_job() {
     let r = t.connect_as(run, ALICE);
     t.send(
         r,
-        &L {
+        &LeaseReq {
             limit: Some(80.0),
             ..lease(0, 4 * GIB, false)
         }
-        .m(),
+        .into(),
     );
     t.turn();
     let token = leased(&t.recv(r)).expect("leased");

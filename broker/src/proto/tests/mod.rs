@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use gpufrac_common::wire::{self, ClientMsg, DeviceReg, Pin, Role, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Pin, Role, ServerMsg};
 
 use super::*;
 use crate::authority::{Allow, Peer, Policy};
@@ -208,7 +208,7 @@ impl T {
     }
 
     fn lease(&mut self, id: ConnId, gpus: u32, mem: u64, no_wait: bool) {
-        self.send(id, &lease(gpus, mem, no_wait).m());
+        self.send(id, &lease(gpus, mem, no_wait).into());
     }
 
     fn status(&self) -> crate::status::Status {
@@ -216,44 +216,12 @@ impl T {
     }
 }
 
-/// A `Lease` message, built field by field.
-#[derive(Clone, Default)]
-struct L {
-    want_gpus: u32,
-    want_mem: u64,
-    compute: Option<f64>,
-    limit: Option<f64>,
-    no_wait: bool,
-    command: String,
-    priority: Option<Priority>,
-    resume: u64,
-    token: u64,
-    pin: Vec<Pin>,
-}
-
-impl L {
-    fn m(self) -> ClientMsg {
-        ClientMsg::Lease {
-            want_gpus: self.want_gpus,
-            want_mem: self.want_mem,
-            compute: self.compute,
-            limit: self.limit,
-            no_wait: self.no_wait,
-            command: self.command,
-            priority: self.priority,
-            resume: self.resume,
-            token: self.token,
-            pin: self.pin,
-        }
-    }
-}
-
-fn lease(gpus: u32, mem: u64, no_wait: bool) -> L {
-    L {
+fn lease(gpus: u32, mem: u64, no_wait: bool) -> LeaseReq {
+    LeaseReq {
         want_gpus: gpus,
         want_mem: mem,
         no_wait,
-        ..L::default()
+        ..LeaseReq::default()
     }
 }
 

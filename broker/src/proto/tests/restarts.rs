@@ -53,7 +53,7 @@ fn after_a_suspect_state_file_nothing_is_booked_twice() {
     let r = t.connect_as(run, ALICE);
     t.send(
         r,
-        &L {
+        &LeaseReq {
             resume: 0xabc,
             pin: vec![Pin {
                 uuid: uuid(1),
@@ -61,7 +61,7 @@ fn after_a_suspect_state_file_nothing_is_booked_twice() {
             }],
             ..lease(1, 0, false)
         }
-        .m(),
+        .into(),
     );
     t.turn();
     assert_eq!(leased(&t.recv(r)), Some(0xabc));
@@ -76,7 +76,7 @@ fn after_a_suspect_state_file_nothing_is_booked_twice() {
     let x = t.connect_as(p, BOB);
     t.send(
         x,
-        &L {
+        &LeaseReq {
             resume: 0xdef,
             pin: vec![Pin {
                 uuid: uuid(1),
@@ -84,7 +84,7 @@ fn after_a_suspect_state_file_nothing_is_booked_twice() {
             }],
             ..lease(1, 0, false)
         }
-        .m(),
+        .into(),
     );
     assert!(refused(&t.recv(x)).is_some());
 }
@@ -109,11 +109,11 @@ fn restored_jobs_are_resumed_only_by_their_own_run() {
             suspect: false,
         },
     );
-    let resume = L {
+    let resume = LeaseReq {
         resume: 77,
         ..lease(1, 0, false)
     }
-    .m();
+    .into();
     let other = t.spawn(1);
     let o = t.connect_as(other, ALICE);
     t.send(o, &resume);
