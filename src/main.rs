@@ -274,10 +274,8 @@ fn positive_duration(s: &str) -> Result<u64, String> {
 
 /// A share of the window, as a fraction in (0, 1].
 fn high_share(s: &str) -> Result<f64, String> {
-    match size::parse_percent(s)? {
-        p if p > 0.0 && p <= 100.0 => Ok(p / 100.0),
-        _ => Err("expected a percentage in (0, 100], e.g. 50%".into()),
-    }
+    // parse_percent refuses anything outside (0, 100].
+    size::parse_percent(s).map(|p| p / 100.0)
 }
 
 fn overprovision(s: &str) -> Result<u32, String> {

@@ -409,7 +409,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
 
     // Held until the child exits: the broker ends the lease when this
     // connection closes, which also happens when run is killed outright.
-    let mut held: Option<(Client, u64, Vec<Pin>)> = None;
+    let mut held: Option<(Client, u64, ClientMsg)> = None;
     let mut mps_pipe = String::new();
     let mut mem = args.gpu_memory.and_then(|m| match m {
         MemLimit::Bytes(b) => Some(b),
@@ -473,7 +473,10 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                 mem = Some(resolve_gpu_memory(m, &totals, &source).map_err(|e| Fail::new(1, e))?);
             }
             let (client, g) = lease(client, &args, mem, &socket)?;
-            held = Some((client, g.token, g.held()));
+            // Claimed back with what it holds: a broker that lost its
+            // state (a corrupt file) books it again where it runs.
+            let claim = lease_request(&args, mem, g.token, g.held());
+            held = Some((client, g.token, claim));
             mps_pipe = g.mps_pipe;
             if wants_placement {
                 Placement::Leased {
@@ -523,13 +526,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         // SAFETY: prctl with integer arguments only.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
-    if let Some((client, token, pins)) = held {
-        // Claimed back with what it holds: a broker that lost its state
-        // (a corrupt file) books it again where it runs.
-        let mut req = lease_request(&args, mem, token);
-        if let ClientMsg::Lease(LeaseReq { pin, .. }) = &mut req {
-            *pin = pins;
-        }
+    if let Some((client, _, req)) = held {
         std::thread::Builder::new()
             .name("lease-keeper".into())
             .spawn(move || keep_lease(client, req, socket))
@@ -681,8 +678,9 @@ fn mps_env(pipe: &str, flags: &EnvFlags) -> Vec<(String, String)> {
     v
 }
 
-/// `mem`: `--gpu-memory` in bytes, a percentage resolved.
-fn lease_request(args: &RunArgs, mem: Option<u64>, resume: u64) -> ClientMsg {
+/// `mem`: `--gpu-memory` in bytes, a percentage resolved; `pin`: the GPUs
+/// a lease being claimed back holds.
+fn lease_request(args: &RunArgs, mem: Option<u64>, resume: u64, pin: Vec<Pin>) -> ClientMsg {
     let command = args
         .command
         .iter()
@@ -699,7 +697,7 @@ fn lease_request(args: &RunArgs, mem: Option<u64>, resume: u64) -> ClientMsg {
         priority: args.priority,
         resume,
         token: 0,
-        pin: Vec::new(),
+        pin,
     })
 }
 
@@ -717,7 +715,7 @@ fn lease(
     socket: &Path,
 ) -> Result<(Client, Granted), Fail> {
     client
-        .request_lease(&lease_request(args, mem, 0))
+        .request_lease(&lease_request(args, mem, 0, Vec::new()))
         .map_err(|m| Fail::new(1, m))?;
 
     let start = Instant::now();
@@ -761,7 +759,7 @@ fn lease(
                     // A restarted broker that lost its state: queue anew.
                     last_report = None;
                     client
-                        .request_lease(&lease_request(args, mem, 0))
+                        .request_lease(&lease_request(args, mem, 0, Vec::new()))
                         .map_err(|m| Fail::new(1, m))?;
                     continue;
                 }
@@ -807,7 +805,8 @@ fn lease(
             }
             std::thread::sleep(Duration::from_millis(200));
             if let Ok(mut c) = Client::connect(socket)
-                && c.request_lease(&lease_request(args, mem, token)).is_ok()
+                && c.request_lease(&lease_request(args, mem, token, Vec::new()))
+                    .is_ok()
             {
                 break c;
             }

@@ -18,28 +18,9 @@ use support::*;
 const MS: u64 = 1_000_000;
 const KERNEL_NS: u64 = MS;
 
-static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// Tests that measure GPU time, or flood, run one at a time.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    TIMED.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-fn spin_args(start: u64, end: u64) -> Vec<String> {
-    [
-        "ctx".to_string(),
-        "spin".into(),
-        start.to_string(),
-        end.to_string(),
-        KERNEL_NS.to_string(),
-        "2".into(),
-    ]
-    .to_vec()
 }
 
 /// Kernels completed by each `spin` line in the output.
@@ -313,16 +294,6 @@ print("closed", closed, flush=True)
         .unwrap()
 }
 
-fn read_line(c: &mut Child) -> String {
-    let out = c.stdout.as_mut().unwrap();
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while out.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
-        line.push(b[0]);
-    }
-    String::from_utf8(line).unwrap()
-}
-
 #[test]
 fn an_idle_flood_from_another_user_neither_stops_the_broker_nor_outlives_itself() {
     if !is_root() {
@@ -482,13 +453,7 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut started = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(a.stdout.as_mut().unwrap()),
-        &mut started,
-    )
-    .unwrap();
-    assert_eq!(started, "started\n");
+    assert_eq!(read_line(&mut a), "started");
     let queued = b
         .run(&["--gpus", "1", "--", "true"])
         .stdout(Stdio::null())

@@ -291,10 +291,16 @@ fn every_variable_named_in_the_code_is_documented() {
     let documented =
         configuration_section() + &read("docs/simulator.md") + &read("CONTRIBUTING.md");
     let mut sources = Vec::new();
-    for dir in ["shim/src", "common/src", "src", "sim/src"] {
-        for e in std::fs::read_dir(root().join(dir)).unwrap() {
+    let mut dirs: Vec<_> = ["shim/src", "common/src", "src", "sim/src"]
+        .iter()
+        .map(|d| root().join(d))
+        .collect();
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
-            if p.extension().is_some_and(|x| x == "rs") {
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
                 sources.push(p);
             }
         }

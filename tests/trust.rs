@@ -11,7 +11,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -20,14 +20,6 @@ use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Pin, Role, Serv
 use support::*;
 
 const MS: u64 = 1_000_000;
-const GIB: u64 = 1 << 30;
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// These tests measure GPU time or flood the broker: one at a time.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A broker other users can talk to: its socket's group is nogroup, its
 /// directory traversable, the simulated GPU's state shared.
@@ -120,13 +112,6 @@ print("closed", closed, flush=True)
     c.spawn().unwrap()
 }
 
-fn next_line(c: &mut Child, reader: &mut Option<BufReader<std::process::ChildStdout>>) -> String {
-    let r = reader.get_or_insert_with(|| BufReader::new(c.stdout.take().unwrap()));
-    let mut l = String::new();
-    r.read_line(&mut l).unwrap();
-    l.trim_end().to_owned()
-}
-
 /// The broker's replies in a `got HEX` line.
 fn replies(line: &str) -> Vec<ServerMsg> {
     let hex = line.strip_prefix("got ").unwrap_or("").trim();
@@ -139,17 +124,6 @@ fn replies(line: &str) -> Vec<ServerMsg> {
         bytes.drain(..n);
     }
     out
-}
-
-fn spin_args(start: u64, end: u64) -> Vec<String> {
-    vec![
-        "ctx".into(),
-        "spin".into(),
-        start.to_string(),
-        end.to_string(),
-        MS.to_string(),
-        "2".into(),
-    ]
 }
 
 fn kernels(o: &std::process::Output) -> u64 {
@@ -196,9 +170,8 @@ fn an_idle_high_grant_of_another_user_stops_no_one() {
     ]);
     let (_frames, grab_file) = bytes_file(&grab);
     let mut a = raw(&b.socket, NOBODY, 1, &grab_file, 300);
-    let mut r = None;
-    assert_eq!(next_line(&mut a, &mut r), "sent 1");
-    let got = replies(&next_line(&mut a, &mut r));
+    assert_eq!(read_line(&mut a), "sent 1");
+    let got = replies(&read_line(&mut a));
     assert!(
         got.iter().any(|m| matches!(m, ServerMsg::Grant { .. })),
         "the attacker holds the GPU: {got:?}"
@@ -267,9 +240,8 @@ fn the_plugins_messages_from_another_user_are_refused() {
     ]);
     let (_frames, pin_file) = bytes_file(&pin);
     let mut a = raw(&b.socket, NOBODY, 1, &pin_file, 500);
-    let mut r = None;
-    next_line(&mut a, &mut r);
-    let got = replies(&next_line(&mut a, &mut r));
+    read_line(&mut a);
+    let got = replies(&read_line(&mut a));
     let refused = got.iter().find_map(|m| match m {
         ServerMsg::Refused { reason } => Some(reason.clone()),
         _ => None,
@@ -346,14 +318,21 @@ fn a_leaked_token_does_not_let_another_user_into_a_job() {
     }
     let _s = serial();
     let b = open_broker("16G", &[]);
-    let mut job = b
-        .run(&["--gpu-memory", "4G", "--gpu-limit", "80%", "--"])
-        .arg(&artifacts().probe)
-        .args(["ctx", "alloc", "alloc", "64M", "sleep-ms", "4000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
+    // The victim and the thieves outlive the checks, however slowly the
+    // thieves register; they are killed at the end.
+    let mut job = KillOnDrop(
+        b.run(&["--gpu-memory", "4G", "--gpu-limit", "80%", "--"])
+            .arg(&artifacts().probe)
+            .args(["ctx", "alloc", "alloc", "64M", "sleep-ms", "20000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let allocated = std::iter::repeat_with(|| read_line(&mut job.0))
+        .find(|l| l.starts_with("alloc") || l.is_empty())
         .unwrap();
+    assert!(allocated.starts_with("alloc rc=0 "), "{allocated:?}");
     let victim = wait_for_pid(&b, |p| p["job"].is_u64());
     // The token leaks (root reads it here, as if from a log or ps).
     let environ = std::fs::read(format!("/proc/{victim}/environ")).unwrap();
@@ -366,26 +345,29 @@ fn a_leaked_token_does_not_let_another_user_into_a_job() {
     for _ in 0..20 {
         let mut c = b.client(&artifacts().probe);
         c.env("GPUFRAC_JOB", &token)
-            .args(["ctx", "sleep-ms", "3000"])
+            .args(["ctx", "sleep-ms", "20000"])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        thieves.push(as_user(&mut c, NOBODY).spawn().unwrap());
+        thieves.push(KillOnDrop(as_user(&mut c, NOBODY).spawn().unwrap()));
     }
     wait_until(20.0, "the thieves to register", || {
         procs(&b).iter().filter(|p| p["uid"] == NOBODY).count() == 20
     });
+    let mut victim_seen = false;
     for p in procs(&b) {
         if p["uid"] == NOBODY {
             assert!(p["job"].is_null(), "another user's process joined: {p}");
             assert!(p["mem_cap"].is_null(), "it took the job's cap: {p}");
         } else if p["pid"] == victim {
             assert_eq!(p["limit"], serde_json::json!(0.8), "{p}");
+            victim_seen = true;
         }
     }
-    for mut t in thieves {
-        let _ = t.wait();
-    }
-    assert!(job.wait().unwrap().success());
+    assert!(victim_seen, "the victim is still registered");
+    drop(thieves);
+    // The probe itself, not only its run: it would sleep on otherwise.
+    // SAFETY: kill with a pid this test started and a plain signal.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
 }
 
 fn procs(b: &Broker) -> Vec<serde_json::Value> {
@@ -437,7 +419,18 @@ import os, socket, sys, time
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sys.argv[1])
 s.sendall(open(sys.argv[2], "rb").read())
-time.sleep(0.5)
+def recv_exact(n):
+    b = b""
+    while len(b) < n:
+        chunk = s.recv(n - len(b))
+        if not chunk:
+            sys.exit("the broker closed the connection before Leased")
+        b += chunk
+    return b
+# Frames (u32 length, then the type) until Leased (0x87): the trap is
+# booked under this pid while it lives.
+while recv_exact(int.from_bytes(recv_exact(4), "little"))[0] != 0x87:
+    pass
 print(os.getpid(), flush=True)
 if os.fork() == 0:
     os.setsid()
@@ -519,9 +512,8 @@ fn one_users_half_frames_close_none_of_anothers_connections() {
     half.extend(std::iter::repeat_n(0x06u8, 250 << 10));
     let (_frames, half_file) = bytes_file(&half);
     let mut a = raw(&b.socket, NOBODY, 256, &half_file, 100);
-    let mut r = None;
-    next_line(&mut a, &mut r);
-    next_line(&mut a, &mut r);
+    read_line(&mut a);
+    read_line(&mut a);
     // The victims finish their frames (a Ping) and are answered.
     for c in &mut victims {
         c.send_raw(&[0, 0x09]).unwrap();
@@ -531,7 +523,7 @@ fn one_users_half_frames_close_none_of_anothers_connections() {
         );
     }
     a.stdin.take().unwrap().write_all(b"\n").unwrap();
-    let closed: usize = next_line(&mut a, &mut r)
+    let closed: usize = read_line(&mut a)
         .strip_prefix("closed ")
         .and_then(|n| n.parse().ok())
         .unwrap();
@@ -573,9 +565,8 @@ fn another_users_unread_status_costs_bounded_memory() {
     ]);
     let (_frames, status_file) = bytes_file(&status);
     let mut a = raw(&b.socket, NOBODY, 250, &status_file, 0);
-    let mut r = None;
-    next_line(&mut a, &mut r);
-    next_line(&mut a, &mut r);
+    read_line(&mut a);
+    read_line(&mut a);
     // Everyone else is still served.
     assert!(status_cli(&b.socket)["gpus"].is_array());
     let grown = rss_kb(b.child.id()).saturating_sub(before) / 1024;
@@ -619,9 +610,8 @@ fn another_users_lease_churn_costs_bounded_io() {
     let before = written(b.child.id());
     let (_frames, churn_file) = bytes_file(&churn);
     let mut a = raw(&b.socket, NOBODY, 250, &churn_file, 200);
-    let mut r = None;
-    next_line(&mut a, &mut r);
-    next_line(&mut a, &mut r);
+    read_line(&mut a);
+    read_line(&mut a);
     let st = b.status();
     let leases = st["leases"].as_array().unwrap();
     assert_eq!(leases.len(), 64, "the per-user lease budget");
@@ -631,7 +621,7 @@ fn another_users_lease_churn_costs_bounded_io() {
             .all(|l| l["command"].as_str().unwrap().len() <= 256)
     );
     a.stdin.take().unwrap().write_all(b"\n").unwrap();
-    next_line(&mut a, &mut r);
+    read_line(&mut a);
     let _ = a.wait();
     // The leases end with their connections: more churn.
     wait_until(10.0, "the leases to end", || {
@@ -663,10 +653,7 @@ fn one_user_queues_no_more_than_its_budget() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut l = String::new();
-    BufReader::new(hold.stdout.as_mut().unwrap())
-        .read_line(&mut l)
-        .unwrap();
+    assert_eq!(read_line(&mut hold), "held");
     let queue = frames(&[
         hello(),
         ClientMsg::Lease(LeaseReq {
@@ -677,9 +664,8 @@ fn one_user_queues_no_more_than_its_budget() {
     ]);
     let (_frames, queue_file) = bytes_file(&queue);
     let mut a = raw(&b.socket, NOBODY, 247, &queue_file, 100);
-    let mut r = None;
-    next_line(&mut a, &mut r);
-    next_line(&mut a, &mut r);
+    read_line(&mut a);
+    read_line(&mut a);
     let queued = b.status()["queue"].as_array().unwrap().len();
     eprintln!("figure: one user's 247 requests, queued: {queued}");
     assert_eq!(queued, 32, "the per-user queue budget");
@@ -785,10 +771,7 @@ fn a_truncated_state_file_never_books_a_gpu_twice() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut l = String::new();
-    BufReader::new(a.stdout.as_mut().unwrap())
-        .read_line(&mut l)
-        .unwrap();
+    assert_eq!(read_line(&mut a), "started");
     b.kill();
     let state = b.socket.with_extension("sock.state");
     let bytes = std::fs::read(&state).unwrap();

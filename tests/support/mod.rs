@@ -478,6 +478,40 @@ pub fn status_cli(socket: &Path) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
+/// Tests that measure GPU time, or flood the broker, take this first: one
+/// at a time within a test binary.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The probe's arguments for 1 ms kernels, two in flight, from START to END
+/// (CLOCK_MONOTONIC ns).
+pub fn spin_args(start: u64, end: u64) -> Vec<String> {
+    let ms: u64 = 1_000_000;
+    vec![
+        "ctx".into(),
+        "spin".into(),
+        start.to_string(),
+        end.to_string(),
+        ms.to_string(),
+        "2".into(),
+    ]
+}
+
+/// The child's next line of output, without its newline. Unbuffered, so
+/// that the rest stays in the pipe for the next call.
+pub fn read_line(c: &mut std::process::Child) -> String {
+    use std::io::Read;
+    let out = c.stdout.as_mut().unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while out.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    String::from_utf8(line).unwrap()
+}
+
 /// A child process killed however the test ends.
 pub struct KillOnDrop(pub std::process::Child);
 
