@@ -377,10 +377,9 @@ impl Shared {
         Ok(())
     }
 
-    /// Every field: what operations that walk all slots (attach, reclaim,
-    /// totals) read.
-    fn check_all(&self, cap: u64) -> Result<(), BooksError> {
-        self.check_header(cap)?;
+    /// Every slot and total: what operations that walk all slots (attach,
+    /// reclaim, totals) read. The header is checked by `lock`, before.
+    fn check_slots(&self) -> Result<(), BooksError> {
         for g in 0..MAX_GPUS {
             self.check_gpu(g)?;
         }
@@ -472,7 +471,7 @@ impl JobLedger {
         l.cap = s.cap;
         {
             let g = l.lock()?;
-            g.s.check_all(l.cap)?;
+            g.s.check_slots()?;
         }
         Ok(l)
     }
@@ -586,7 +585,7 @@ impl JobLedger {
         let start = start_time(pid);
         let g = self.lock()?;
         let s = &mut *g.s;
-        s.check_all(self.cap)?;
+        s.check_slots()?;
         if let Some(i) = s
             .slots
             .iter()
@@ -643,7 +642,7 @@ impl JobLedger {
         let fits = |s: &Shared| s.used[gpu].checked_add(size).is_some_and(|n| n <= cap);
         if !fits(s) {
             // Memory of processes that died is the job's again.
-            s.check_all(cap)?;
+            s.check_slots()?;
             reclaim(self.fd, s);
             if !fits(s) {
                 return Ok(false);
@@ -683,7 +682,7 @@ impl JobLedger {
     pub fn detach(&self, slot: usize) -> Result<(), BooksError> {
         let g = self.lock()?;
         let s = &mut *g.s;
-        s.check_all(self.cap)?;
+        s.check_slots()?;
         let Some(mine) = s.slots.get_mut(slot) else {
             return Err(BooksError::Lost("this process's slot"));
         };
@@ -703,18 +702,24 @@ impl JobLedger {
         Ok(())
     }
 
-    /// Returns the slots of processes that have died; what they held.
-    pub fn reclaim_dead(&self) -> Result<u64, BooksError> {
+    /// Room left under the cap on GPU `gpu`, once the slots of processes
+    /// that died are the job's again (a process that exited without
+    /// freeing must not understate what is free), in one hold of the lock.
+    pub fn room(&self, gpu: usize) -> Result<u64, BooksError> {
         let g = self.lock()?;
-        g.s.check_all(self.cap)?;
-        Ok(reclaim(self.fd, g.s))
+        g.s.check_slots()?;
+        reclaim(self.fd, g.s);
+        if gpu >= MAX_GPUS || gpu as u64 >= g.s.ngpus {
+            return Err(BooksError::Lost("this process's GPU"));
+        }
+        Ok(self.cap.saturating_sub(g.s.used[gpu]))
     }
 
     /// Per GPU (UUID, used, peak), for status and tests.
     pub fn totals(&self) -> Result<Vec<([u8; 16], u64, u64)>, BooksError> {
         let g = self.lock()?;
         let s = &*g.s;
-        s.check_all(self.cap)?;
+        s.check_slots()?;
         Ok((0..s.ngpus as usize)
             .map(|i| (s.gpus[i], s.used[i], s.peak[i]))
             .collect())
@@ -742,7 +747,7 @@ fn realtime_after(d: Duration) -> libc::timespec {
     ts
 }
 
-/// Frees the slots of dead processes. Runs after `check_all`: the totals
+/// Frees the slots of dead processes. Runs after `check_slots`: the totals
 /// are the sums of the slots, so nothing here can underflow.
 fn reclaim(fd: libc::c_int, s: &mut Shared) -> u64 {
     let mut freed = 0u64;
@@ -773,7 +778,8 @@ fn rebuild(fd: libc::c_int, s: &mut Shared, cap: u64) -> Result<(), BooksError> 
         }
     }
     s.used = used;
-    s.check_all(cap)?;
+    s.check_header(cap)?;
+    s.check_slots()?;
     reclaim(fd, s);
     Ok(())
 }
@@ -845,6 +851,32 @@ mod tests {
         // The lock its holder died with is recovered, and so is its memory.
         assert!(a.reserve(me, g, 100).unwrap());
         assert_eq!(a.used(g).unwrap(), 100);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn room_counts_what_the_dead_held_as_free() {
+        let p = path("room");
+        let _ = std::fs::remove_file(&p);
+        let a = JobLedger::create(&p, 100).unwrap();
+        let g = a.gpu(&[3; 16]).unwrap().unwrap();
+        // A child takes memory and exits without giving it back.
+        // SAFETY: the child only calls into the ledger and _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let b = JobLedger::open(&p).unwrap();
+            let s = b.attach(std::process::id()).unwrap().unwrap();
+            let ok = b.reserve(s, g, 90).unwrap();
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(libc::WEXITSTATUS(status), 0);
+        assert_eq!(a.used(g).unwrap(), 90, "still booked to the dead child");
+        assert_eq!(a.room(g).unwrap(), 100);
+        assert_eq!(a.used(g).unwrap(), 0, "reclaimed by room");
+        assert!(matches!(a.room(MAX_GPUS), Err(BooksError::Lost(_))));
         std::fs::remove_file(&p).unwrap();
     }
 

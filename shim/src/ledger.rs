@@ -252,14 +252,7 @@ impl Job {
 
     fn room(&self, dev: usize) -> Result<u64, Refusal> {
         let (_, g) = self.place(dev)?;
-        // A process of the job that exited without freeing still has its
-        // slot: free memory must not be understated on its account.
-        let used = self
-            .books
-            .reclaim_dead()
-            .and_then(|_| self.books.used(g))
-            .map_err(|e| self.distrust(e))?;
-        Ok(self.books.cap().saturating_sub(used))
+        self.books.room(g).map_err(|e| self.distrust(e))
     }
 }
 
