@@ -47,10 +47,6 @@ impl Allow {
             || self.gids.contains(&p.gid)
             || p.groups.iter().any(|g| self.gids.contains(g))
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.uids.is_empty() && self.gids.is_empty()
-    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -7,6 +7,7 @@
 //! Only process management here; the socket layer decides what MPS mode
 //! means for arbitration.
 
+use crate::status::MpsStatus;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -25,6 +26,8 @@ pub struct Mps {
     pub restarts: u32,
     pub state: &'static str,
     last_check: Instant,
+    /// Whether the status last given had the daemon's pid.
+    pid_known: bool,
 }
 
 /// `nvidia-cuda-mps-control` as found on PATH.
@@ -65,6 +68,7 @@ impl Mps {
             restarts: 0,
             state: "starting",
             last_check: Instant::now(),
+            pid_known: false,
         };
         m.spawn()?;
         info!(pipe = %m.pipe_dir.display(), "MPS control daemon started");
@@ -121,15 +125,39 @@ impl Mps {
         }
     }
 
-    /// Restarts a daemon that died (at most `MAX_RESTARTS` times); called
-    /// from the broker's loop, checks at most every 500 ms.
-    pub fn supervise(&mut self) {
+    /// What status shows of the daemon.
+    pub fn status(&self) -> MpsStatus {
+        MpsStatus {
+            state: self.state.into(),
+            pipe_dir: self.pipe_dir.display().to_string(),
+            daemon_pid: self.daemon_pid(),
+            restarts: self.restarts,
+        }
+    }
+
+    /// Called from the broker's loop: supervises the daemon, and gives
+    /// what status should show of it when that may have changed (after
+    /// each look, and until a started daemon's pid file has appeared), so
+    /// that the loop, which turns far more often, does not read the pid
+    /// file each time.
+    pub fn poll(&mut self) -> Option<MpsStatus> {
+        if !self.supervise() && self.pid_known {
+            return None;
+        }
+        let st = self.status();
+        self.pid_known = st.daemon_pid.is_some();
+        Some(st)
+    }
+
+    /// Restarts a daemon that died (at most `MAX_RESTARTS` times); checks
+    /// at most every 500 ms. True when it looked.
+    fn supervise(&mut self) -> bool {
         if self.last_check.elapsed() < Duration::from_millis(500) || self.state == "failed" {
-            return;
+            return false;
         }
         self.last_check = Instant::now();
         if self.alive() {
-            return;
+            return true;
         }
         if self.restarts >= MAX_RESTARTS {
             self.state = "failed";
@@ -138,7 +166,7 @@ impl Mps {
                 self.restarts,
                 self.log_dir.display()
             );
-            return;
+            return true;
         }
         self.restarts += 1;
         warn!(
@@ -148,6 +176,7 @@ impl Mps {
         if let Err(e) = self.spawn() {
             warn!("{e}");
         }
+        true
     }
 
     /// Tells the daemon to quit (it stops its servers, then itself).

@@ -10,6 +10,10 @@ pub trait Procs {
     /// one process even after pids are reused. None: no such process.
     fn start_time(&self, pid: u32) -> Option<u64>;
     fn parent(&self, pid: u32) -> Option<u32>;
+    /// Both, as one look at the process (one read of /proc).
+    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+        (self.parent(pid), self.start_time(pid))
+    }
     /// The command line, arguments joined by spaces; empty when unknown
     /// (another pid namespace, a process already gone).
     fn cmdline(&self, pid: u32) -> String;
@@ -21,8 +25,9 @@ pub fn ancestry(procs: &dyn Procs, pid: u32) -> Vec<(u32, Option<u64>)> {
     let mut out = Vec::new();
     let mut p = pid;
     while p > 1 && out.len() < 64 {
-        out.push((p, procs.start_time(p)));
-        match procs.parent(p) {
+        let (parent, start) = procs.parent_and_start(p);
+        out.push((p, start));
+        match parent {
             Some(pp) if pp != p => p = pp,
             _ => break,
         }
@@ -40,6 +45,10 @@ impl Procs for LiveProcs {
 
     fn parent(&self, pid: u32) -> Option<u32> {
         gpufrac_common::procfs::parent(pid)
+    }
+
+    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+        gpufrac_common::procfs::parent_and_start(pid)
     }
 
     fn cmdline(&self, pid: u32) -> String {

@@ -23,9 +23,8 @@ use tracing::{debug, info, warn};
 
 use crate::mig::Step;
 use crate::mig_nvml::MigDriver;
-use crate::proto::{Broker, ConnId, MigDone, Nanos, Work};
+use crate::proto::{Broker, ConnId, MigDone, Nanos, RateLimit, WARN_EVERY, Work};
 use crate::statefile::StateFile;
-use crate::status::MpsStatus;
 
 pub use crate::proto::DEFAULT_MAX_CONNS_PER_USER;
 pub use crate::startup::{BrokerOptions, MigMode, run};
@@ -90,7 +89,8 @@ struct Loop {
     metrics: Option<Arc<Mutex<String>>>,
     last_metrics: Nanos,
     mps: Option<crate::mps::Mps>,
-    last_refusal_log: Option<Nanos>,
+    /// The warning that the broker is out of file descriptors.
+    out_of_fds: RateLimit,
 }
 
 fn reserve_fd() -> Option<std::fs::File> {
@@ -154,7 +154,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         metrics,
         last_metrics: 0,
         mps,
-        last_refusal_log: None,
+        out_of_fds: RateLimit::new(WARN_EVERY),
     };
     let result = l.run();
     if let Some(m) = l.mps.as_mut() {
@@ -298,14 +298,7 @@ impl Loop {
             if self.core.next_timeout().is_some_and(|t| t <= now()) {
                 self.core.handle_timeout(now());
             }
-            if let Some(m) = self.mps.as_mut() {
-                m.supervise();
-                let st = MpsStatus {
-                    state: m.state.into(),
-                    pipe_dir: m.pipe_dir.display().to_string(),
-                    daemon_pid: m.daemon_pid(),
-                    restarts: m.restarts,
-                };
+            if let Some(st) = self.mps.as_mut().and_then(|m| m.poll()) {
                 self.core.set_mps(Some(st));
             }
             self.settle();
@@ -423,12 +416,7 @@ impl Loop {
                     // Out of descriptors: free the reserve, take the
                     // connection off the backlog and close it, so the
                     // client hears "closed" instead of hanging.
-                    let t = now();
-                    if self
-                        .last_refusal_log
-                        .is_none_or(|l| t.saturating_sub(l) > 10_000 * MS)
-                    {
-                        self.last_refusal_log = Some(t);
+                    if self.out_of_fds.ready(now()) {
                         warn!(
                             "out of file descriptors ({e}); closing new connections until some close"
                         );

@@ -100,15 +100,11 @@ impl StateFile {
     /// Links the current file as `<path>.prev` (through a fresh name and a
     /// rename, like every write here), only when it is this user's own.
     fn keep_previous(&self) {
-        if files::read_private(&self.path, MAX_STATE).is_err() {
+        // Checked, not read: the state is written every 100 ms at most.
+        if files::open_private(&self.path, MAX_STATE).is_err() {
             return;
         }
-        let mut tmp = self.previous().into_os_string();
-        tmp.push(format!(
-            ".{:016x}.tmp",
-            gpufrac_common::wire::random_token()
-        ));
-        let tmp = PathBuf::from(tmp);
+        let tmp = files::temporary(&self.previous());
         if std::fs::hard_link(&self.path, &tmp).is_ok()
             && std::fs::rename(&tmp, self.previous()).is_err()
         {

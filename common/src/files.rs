@@ -41,7 +41,7 @@ pub fn write_private(path: &Path, bytes: &[u8], sync: bool) -> std::io::Result<(
 }
 
 /// `<path>.<random>.tmp`, beside `path`.
-fn temporary(path: &Path) -> PathBuf {
+pub fn temporary(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(format!(".{:016x}.tmp", crate::wire::random_token()));
     PathBuf::from(name)
@@ -77,6 +77,20 @@ impl std::fmt::Display for Untrusted {
 /// owned by this process's effective user, with no permission bits for
 /// group or others, of at most `max` bytes.
 pub fn read_private(path: &Path, max: u64) -> Result<Vec<u8>, Untrusted> {
+    let (f, len) = open_private(path, max)?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    f.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Untrusted::Unreadable(e.to_string()))?;
+    if bytes.len() as u64 > max {
+        return Err(Untrusted::TooLarge(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+/// `path` opened, and its length, if `read_private` would read it (the
+/// same checks, without reading).
+pub fn open_private(path: &Path, max: u64) -> Result<(std::fs::File, u64), Untrusted> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         // A FIFO planted in its place must not block the reader.
@@ -115,14 +129,7 @@ pub fn read_private(path: &Path, max: u64) -> Result<Vec<u8>, Untrusted> {
     if meta.len() > max {
         return Err(Untrusted::TooLarge(meta.len()));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    f.take(max + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| Untrusted::Unreadable(e.to_string()))?;
-    if bytes.len() as u64 > max {
-        return Err(Untrusted::TooLarge(bytes.len() as u64));
-    }
-    Ok(bytes)
+    Ok((f, meta.len()))
 }
 
 /// Moves an unusable state file to `<name>.unreadable` (kept for a person

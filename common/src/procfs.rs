@@ -5,6 +5,12 @@
 /// 19: the start time in clock ticks after boot), None if the process is
 /// gone or the field is not a number.
 pub fn stat_field(pid: u32, n: usize) -> Option<u64> {
+    stat_fields(pid, [n])[0]
+}
+
+/// Several fields, as `stat_field` numbers them, from one read of the file.
+pub fn stat_fields<const N: usize>(pid: u32, ns: [usize; N]) -> [Option<u64>; N] {
+    let mut out = [None; N];
     let mut path = [0u8; 32];
     let mut len = 0;
     let mut put = |b: &[u8]| {
@@ -31,22 +37,31 @@ pub fn stat_field(pid: u32, n: usize) -> Option<u64> {
     let got = unsafe {
         let fd = libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC);
         if fd < 0 {
-            return None;
+            return out;
         }
         let r = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
         libc::close(fd);
         r
     };
-    let text = buf.get(..usize::try_from(got).ok()?)?;
+    let Some(text) = usize::try_from(got).ok().and_then(|n| buf.get(..n)) else {
+        return out;
+    };
     // The command name may hold spaces and parentheses: fields start after
     // the last ')'.
-    let close = text.iter().rposition(|&c| c == b')')?;
-    text[close + 1..]
+    let Some(close) = text.iter().rposition(|&c| c == b')') else {
+        return out;
+    };
+    let fields = text[close + 1..]
         .split(|&c| c == b' ' || c == b'\n')
-        .filter(|f| !f.is_empty())
-        .nth(n)
-        .and_then(|f| std::str::from_utf8(f).ok())
-        .and_then(|f| f.parse().ok())
+        .filter(|f| !f.is_empty());
+    for (i, f) in fields.enumerate() {
+        for (o, &n) in out.iter_mut().zip(&ns) {
+            if n == i {
+                *o = std::str::from_utf8(f).ok().and_then(|f| f.parse().ok());
+            }
+        }
+    }
+    out
 }
 
 /// When the process started (clock ticks after boot): with the pid, it
@@ -57,6 +72,12 @@ pub fn start_time(pid: u32) -> Option<u64> {
 
 pub fn parent(pid: u32) -> Option<u32> {
     stat_field(pid, 1).and_then(|p| u32::try_from(p).ok())
+}
+
+/// `parent` and `start_time` from one read.
+pub fn parent_and_start(pid: u32) -> (Option<u32>, Option<u64>) {
+    let [parent, start] = stat_fields(pid, [1, 19]);
+    (parent.and_then(|p| u32::try_from(p).ok()), start)
 }
 
 /// The command line of `pid` (`None`: this process), arguments joined by
@@ -88,6 +109,13 @@ mod tests {
         // SAFETY: getppid has no preconditions.
         assert_eq!(parent(me), Some(unsafe { libc::getppid() } as u32));
         assert_eq!(start_time(u32::MAX), None);
+        assert_eq!(parent_and_start(me), (parent(me), start_time(me)));
+        assert_eq!(parent_and_start(u32::MAX), (None, None));
+        // Asked in any order, and twice.
+        assert_eq!(
+            stat_fields(me, [19, 1, 19]),
+            [start_time(me), parent(me).map(u64::from), start_time(me)]
+        );
         assert_eq!(cmdline(me), cmdline(None));
         assert!(cmdline(None).contains("gpufrac_common"));
         assert_eq!(cmdline(u32::MAX), "");

@@ -596,11 +596,9 @@ impl Broker {
                 if making.abandoned {
                     self.queue.cancel(now, done.lease);
                 } else if let Some(id) = making.no_wait {
-                    // The job of a refused `--no-wait` never was.
-                    self.jobs.remove(&done.lease);
-                    self.job_conn.remove(&done.lease);
-                    self.leased_at.remove(&done.lease);
-                    self.changed();
+                    // The job of a refused `--no-wait` never was (the
+                    // queue holds nothing of it any more).
+                    self.end_job(now, done.lease);
                     if let Some(c) = self.conns.get_mut(&id) {
                         c.job = None;
                     }

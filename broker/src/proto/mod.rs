@@ -57,9 +57,32 @@ const QUEUE_TICK: Nanos = 500 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
 /// Warnings a client can provoke are said at most this often.
-const WARN_EVERY: Nanos = 10_000 * MS;
+pub const WARN_EVERY: Nanos = 10_000 * MS;
 /// GPUs the broker arbitrates for clients when it found none itself.
 const MAX_UNKNOWN_GPUS: usize = 16;
+
+/// Something said at most once per period: warnings a client (or a flood
+/// of them) can provoke must not flood the log too.
+#[derive(Debug)]
+pub struct RateLimit {
+    every: Nanos,
+    last: Option<Nanos>,
+}
+
+impl RateLimit {
+    pub const fn new(every: Nanos) -> Self {
+        RateLimit { every, last: None }
+    }
+
+    /// True, once per period: say it now.
+    pub fn ready(&mut self, now: Nanos) -> bool {
+        let ready = self.last.is_none_or(|t| now.saturating_sub(t) > self.every);
+        if ready {
+            self.last = Some(now);
+        }
+        ready
+    }
+}
 
 /// Everything the core decides by.
 #[derive(Clone, Debug)]
@@ -167,7 +190,7 @@ pub struct Broker {
     /// After an untrusted state file: placements held until then, and why.
     recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
-    last_warning: Option<Nanos>,
+    warnings: RateLimit,
     now: Nanos,
 }
 
@@ -227,7 +250,7 @@ impl Broker {
             making: BTreeMap::new(),
             recovery: None,
             last_sweep: now,
-            last_warning: None,
+            warnings: RateLimit::new(WARN_EVERY),
             now,
         };
         // Instances found at start are units of arbitration from the
@@ -240,10 +263,6 @@ impl Broker {
             }
         }
         b
-    }
-
-    pub fn config(&self) -> &Config {
-        &self.cfg
     }
 
     /// The MPS control daemon's state (MPS mode), as the shell sees it.
@@ -259,12 +278,7 @@ impl Broker {
     /// A warning a client can provoke, at most every `WARN_EVERY`: a flood
     /// must not also flood the log.
     fn warn_limited(&mut self, msg: std::fmt::Arguments<'_>) {
-        let now = self.now;
-        if self
-            .last_warning
-            .is_none_or(|t| now.saturating_sub(t) > WARN_EVERY)
-        {
-            self.last_warning = Some(now);
+        if self.warnings.ready(self.now) {
             warn!("{msg}");
         }
     }
@@ -499,7 +513,7 @@ impl Broker {
             .filter_map(|g| g.sched.next_timeout())
             .min();
         let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
-        if !self.queue.waiting(now).is_empty() {
+        if self.queue.has_waiting() {
             at(now + QUEUE_TICK);
         }
         let sweep = self

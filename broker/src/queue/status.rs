@@ -4,6 +4,11 @@
 use super::{Lease, LeaseStatus, Nanos, Queue, Request, RequestId, WaitingStatus};
 
 impl Queue {
+    /// Whether any request waits (without ordering them, as `waiting` does).
+    pub fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
     pub fn waiting(&self, now: Nanos) -> Vec<WaitingStatus> {
         self.order(now)
             .into_iter()

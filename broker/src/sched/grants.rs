@@ -14,9 +14,14 @@ pub(super) struct Candidate {
 }
 
 impl Scheduler {
-    /// The eligible waiter that would be picked, other than `except`.
-    pub(super) fn best_waiter(&self, now: Nanos, except: Option<ClientId>) -> Option<Candidate> {
-        let bounded = self.high_bounded(now);
+    /// The eligible waiter that would be picked, other than `except`;
+    /// `bounded`: `high_bounded(now)`, which the callers need too.
+    pub(super) fn best_waiter(
+        &self,
+        now: Nanos,
+        except: Option<ClientId>,
+        bounded: bool,
+    ) -> Option<Candidate> {
         self.clients
             .iter()
             .filter(|&(&id, c)| {
@@ -103,8 +108,9 @@ impl Scheduler {
     }
 
     fn step(&mut self, now: Nanos) -> bool {
+        let bounded = self.high_bounded(now);
         let Some(h) = self.holder else {
-            return match self.best_waiter(now, None) {
+            return match self.best_waiter(now, None, bounded) {
                 Some(next) => {
                     self.grant_to(now, next.id);
                     true
@@ -114,7 +120,7 @@ impl Scheduler {
         };
         let cfg = self.cfg;
         let bound = self.bound_for(now, h);
-        let best = self.best_waiter(now, Some(h));
+        let best = self.best_waiter(now, Some(h), bounded);
         // Anyone at all waiting (any class): an idle holder hands back.
         let waiters = best.is_some();
         let woke = self.woke.take();
@@ -135,7 +141,6 @@ impl Scheduler {
         // One that woke up without being behind waits no longer than the
         // GPU's own time-slicer would make it wait: the holder's slice ends
         // within `wake`, and the usual order decides then.
-        let bounded = self.high_bounded(now);
         let woke_here = woke.is_some_and(|id| {
             self.clients.get(&id).is_some_and(|w| {
                 w.class == class && w.state == ClientState::Waiting && self.fits(w, now, bounded)
@@ -225,12 +230,12 @@ impl Scheduler {
         let cfg = self.cfg;
         let burst = self.waking.remove(&id);
         let class = self.clients[&id].class;
-        let best = self.best_waiter(now, Some(id));
+        let bounded = self.high_bounded(now);
+        let best = self.best_waiter(now, Some(id), bounded);
         let contended = best.is_some_and(|w| w.class >= class);
         let waiters = best.is_some();
         let gid = self.next_grant;
         self.next_grant += 1;
-        let bounded = self.high_bounded(now);
         let remaining = self.remaining(&self.clients[&id], now, bounded);
         let c = self.clients.get_mut(&id).expect("picked client exists");
         let slice = match remaining {
