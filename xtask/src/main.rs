@@ -306,9 +306,12 @@ fn source_date() -> String {
         .unwrap_or_else(|| "0".to_owned())
 }
 
-/// `tar | gzip -n` into `out`, through a temporary file so that a reader
-/// never sees half a tarball.
-fn tarball(stage_parent: &Path, name: &str, out: &Path) -> Result<(), String> {
+/// `tar | gzip -n` of `tree`, under its own name, into `out`, through a
+/// temporary file so that a reader never sees half a tarball.
+fn tarball(tree: &Path, out: &Path) -> Result<(), String> {
+    let (Some(parent), Some(name)) = (tree.parent(), tree.file_name()) else {
+        return Err(format!("{} is no directory to pack", tree.display()));
+    };
     let tmp = out.with_extension("tmp");
     let file =
         fs::File::create(&tmp).map_err(|e| format!("cannot create {}: {e}", tmp.display()))?;
@@ -322,8 +325,9 @@ fn tarball(stage_parent: &Path, name: &str, out: &Path) -> Result<(), String> {
         ])
         .arg(format!("--mtime=@{}", source_date()))
         .arg("-C")
-        .arg(stage_parent)
-        .args(["-cf", "-", name])
+        .arg(parent)
+        .args(["-cf", "-"])
+        .arg(name)
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run tar: {e}"))?;
@@ -344,11 +348,13 @@ fn tarball(stage_parent: &Path, name: &str, out: &Path) -> Result<(), String> {
     fs::rename(&tmp, out).map_err(|e| format!("cannot rename {}: {e}", tmp.display()))
 }
 
-fn dist(args: &[String]) -> Result<(), String> {
-    let [out_dir] = <[_; 1]>::try_from(options("dist", args, &["--out-dir"])?).unwrap();
-    let ws = workspace()?;
-    let out_dir = out_dir.map_or_else(|| ws.root.join("dist"), PathBuf::from);
-    let mut zb = zigbuild(&ws)?;
+/// Builds the release against glibc 2.28 and stages it in
+/// `target/dist/stage/gpufrac-VERSION`, whose path it returns: the tree the
+/// tarball packs and the wheel takes its binaries from, so that both carry
+/// the same bytes from one build. The stage does not depend on `dist
+/// --out-dir`, and each run lays it out afresh.
+fn release_tree(ws: &Workspace) -> Result<PathBuf, String> {
+    let mut zb = zigbuild(ws)?;
     // Its own target directory: the glibc-2.28 objects must not mix with
     // native ones, and a second run finds everything built.
     let target_dir = ws.target.join("dist");
@@ -358,17 +364,22 @@ fn dist(args: &[String]) -> Result<(), String> {
         .arg(format!("{TARGET}.{GLIBC}"))
         .args(["-p", "gpufrac", "-p", "gpufrac-shim", "--target-dir"])
         .arg(&target_dir))?;
-    let name = format!("gpufrac-{}", ws.version);
-    let stage_parent = target_dir.join("stage");
-    stage(
-        &ws,
-        &target_dir.join(TARGET).join("release"),
-        &stage_parent.join(&name),
-    )?;
+    let tree = target_dir
+        .join("stage")
+        .join(format!("gpufrac-{}", ws.version));
+    stage(ws, &target_dir.join(TARGET).join("release"), &tree)?;
+    Ok(tree)
+}
+
+fn dist(args: &[String]) -> Result<(), String> {
+    let [out_dir] = <[_; 1]>::try_from(options("dist", args, &["--out-dir"])?).unwrap();
+    let ws = workspace()?;
+    let out_dir = out_dir.map_or_else(|| ws.root.join("dist"), PathBuf::from);
+    let tree = release_tree(&ws)?;
     fs::create_dir_all(&out_dir)
         .map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
-    let out = out_dir.join(format!("{name}-{TARGET}.tar.gz"));
-    tarball(&stage_parent, &name, &out)?;
+    let out = out_dir.join(format!("gpufrac-{}-{TARGET}.tar.gz", ws.version));
+    tarball(&tree, &out)?;
     println!("{}", out.display());
     Ok(())
 }

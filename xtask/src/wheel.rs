@@ -5,21 +5,21 @@
 //! `include/gpufrac.h`, and the pure-Python package `gpufrac` with its
 //! pytest plugin.
 //!
-//! The binaries are the release tarball's, byte for byte: `dist` builds them
-//! once against glibc 2.28 and this task only repacks them, so a wheel after
-//! a tarball (or the other way round) costs seconds, not a second release
-//! build. The package metadata comes from python/pyproject.toml.
+//! The binaries are the release tarball's, byte for byte: this task takes
+//! them from the release tree that `dist` packs (`release_tree`), built once
+//! against glibc 2.28, so a wheel after a tarball (or the other way round)
+//! costs seconds, not a second release build. The package metadata comes
+//! from python/pyproject.toml.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use base64::Engine;
 use sha2::{Digest, Sha256};
 
-use super::{GLIBC, TARGET, dist, options, workspace};
+use super::{GLIBC, TARGET, options, release_tree, workspace};
 
 /// The Python project: pyproject.toml and the package beside it.
 const PY_DIR: &str = "python";
@@ -32,24 +32,7 @@ pub fn wheel(args: &[String]) -> Result<(), String> {
     let version = pep440(&ws.version)?;
     let meta = Metadata::read(&ws.root.join(PY_DIR).join("pyproject.toml"), &ws.root)?;
 
-    let work = ws.target.join("wheel-build");
-    dist(&["--out-dir".to_owned(), work.display().to_string()])?;
-    let tarball = work.join(format!("gpufrac-{}-{TARGET}.tar.gz", ws.version));
-    let unpacked = work.join("tree");
-    if unpacked.exists() {
-        fs::remove_dir_all(&unpacked)
-            .map_err(|e| format!("cannot remove {}: {e}", unpacked.display()))?;
-    }
-    fs::create_dir_all(&unpacked)
-        .map_err(|e| format!("cannot create {}: {e}", unpacked.display()))?;
-    super::run(
-        Command::new("tar")
-            .arg("-xzf")
-            .arg(&tarball)
-            .arg("-C")
-            .arg(&unpacked),
-    )?;
-    let tree = unpacked.join(format!("gpufrac-{}", ws.version));
+    let tree = release_tree(&ws)?;
 
     let name = meta.name.replace('-', "_");
     let data = format!("{name}-{version}.data");
