@@ -54,7 +54,8 @@ pub fn stat_fields<const N: usize>(pid: u32, ns: [usize; N]) -> [Option<u64>; N]
     let fields = text[close + 1..]
         .split(|&c| c == b' ' || c == b'\n')
         .filter(|f| !f.is_empty());
-    for (i, f) in fields.enumerate() {
+    let last = ns.iter().copied().max().unwrap_or(0);
+    for (i, f) in fields.enumerate().take(last + 1) {
         for (o, &n) in out.iter_mut().zip(&ns) {
             if n == i {
                 *o = std::str::from_utf8(f).ok().and_then(|f| f.parse().ok());
