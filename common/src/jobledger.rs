@@ -686,16 +686,7 @@ impl JobLedger {
         let Some(mine) = s.slots.get_mut(slot) else {
             return Err(BooksError::Lost("this process's slot"));
         };
-        let held = mine.used;
-        *mine = Slot {
-            pid: 0,
-            _pad: 0,
-            start: 0,
-            used: [0; MAX_GPUS],
-        };
-        for (total, u) in s.used.iter_mut().zip(held) {
-            *total -= u;
-        }
+        free_slot(&mut s.used, mine);
         let fl = flock_for(libc::F_UNLCK, slot);
         // SAFETY: as in attach.
         unsafe { libc::fcntl(self.fd, libc::F_SETLK, &fl) };
@@ -753,19 +744,27 @@ fn reclaim(fd: libc::c_int, s: &mut Shared) -> u64 {
     let mut freed = 0u64;
     for (i, slot) in s.slots.iter_mut().enumerate() {
         if slot.pid != 0 && !alive(fd, i, slot) {
-            for (total, u) in s.used.iter_mut().zip(slot.used) {
-                *total -= u;
-                freed = freed.saturating_add(u);
-            }
-            *slot = Slot {
-                pid: 0,
-                _pad: 0,
-                start: 0,
-                used: [0; MAX_GPUS],
-            };
+            freed = freed.saturating_add(free_slot(&mut s.used, slot));
         }
     }
     freed
+}
+
+/// Empties `slot`, taking what it held off the job's `totals` (which, after
+/// `check_slots`, include it); what it held, in all.
+fn free_slot(totals: &mut [u64; MAX_GPUS], slot: &mut Slot) -> u64 {
+    let mut held = 0u64;
+    for (total, u) in totals.iter_mut().zip(slot.used) {
+        *total -= u;
+        held = held.saturating_add(u);
+    }
+    *slot = Slot {
+        pid: 0,
+        _pad: 0,
+        start: 0,
+        used: [0; MAX_GPUS],
+    };
+    held
 }
 
 /// Recomputes the totals from the slots after a holder died mid-update,

@@ -8,7 +8,7 @@
 pub const MAX_IN_FLIGHT: usize = 64;
 
 /// Estimated GPU time per launch on one device.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Estimate {
     /// ns; 0: no sample yet.
     ns: u64,

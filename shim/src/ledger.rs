@@ -41,7 +41,7 @@ impl Ledger {
         before
     }
 
-    pub const fn new() -> Self {
+    const fn new() -> Self {
         Ledger {
             used: AtomicU64::new(0),
             limit: AtomicU64::new(NO_LIMIT),
@@ -79,12 +79,6 @@ impl Ledger {
         if total > self.peak.load(Ordering::Relaxed) {
             self.peak.fetch_max(total, Ordering::Relaxed);
         }
-    }
-}
-
-impl Default for Ledger {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
