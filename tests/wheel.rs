@@ -601,19 +601,12 @@ fn with_a_broker_the_run_waits_for_its_budget_behind_another_job_then_runs() {
     let r = Run::new("wheel-queue");
     let d = r.scratch.0.clone();
     // Another CI job on the same GPU: 6 of its 8 GiB, held until told.
-    let script = format!(
-        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/a.env.tmp && mv {d}/a.env.tmp {d}/a.env; \
-         while [ ! -e {d}/a.stop ]; do sleep 0.02; done",
-        d = d.display()
-    );
-    let mut a = sim_command(py.venv.join("bin/gpufrac"), &b.devices, false);
-    let a = a
-        .env_remove("GPUFRAC_BROKER")
-        .env("GPUFRAC_SIM_STATE", &b.state)
-        .arg("run")
-        .arg("--socket")
-        .arg(&b.socket)
-        .args(["--gpu-memory", "6G", "--", "sh", "-c", &script])
+    let script = job_script(&d, "a");
+    let a = b
+        .run_with(
+            py.venv.join("bin/gpufrac"),
+            &["--gpu-memory", "6G", "--", "sh", "-c", &script],
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

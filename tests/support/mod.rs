@@ -344,7 +344,13 @@ impl Broker {
 
     /// `gpufrac run` against this broker and its simulated devices.
     pub fn run(&self, args: &[&str]) -> Command {
-        let mut cmd = sim_command(&artifacts().gpufrac, &self.devices, false);
+        self.run_with(&artifacts().gpufrac, args)
+    }
+
+    /// `PROGRAM run` (another gpufrac binary: an installed one, the
+    /// wheel's) against this broker and its simulated devices.
+    pub fn run_with(&self, program: impl AsRef<Path>, args: &[&str]) -> Command {
+        let mut cmd = sim_command(program, &self.devices, false);
         cmd.env_remove("GPUFRAC_BROKER")
             .env("GPUFRAC_SIM_STATE", &self.state)
             .arg("run")
@@ -770,9 +776,34 @@ mod services {
     }
 }
 
-/// A queued job's script writes `DIR/NAME.env` ("CUDA_VISIBLE_DEVICES
-/// GPU_MEM_LIMIT") once it starts and runs until `DIR/NAME.stop` exists:
-/// what it was given, once it has started.
+/// The shell script of a queued job called `name`: once it starts it
+/// writes `DIR/NAME.env` ("CUDA_VISIBLE_DEVICES GPU_MEM_LIMIT", renamed
+/// into place whole), then runs until `DIR/NAME.stop` exists. Read with
+/// `started` and `wait_started`, ended with `release`.
+pub fn job_script(dir: &Path, name: &str) -> String {
+    job_script_parts(dir, name, None)
+}
+
+/// `job_script`, also running the shell command `meanwhile` in the
+/// background from the start; killed, and waited for, once told to stop.
+pub fn job_script_with(dir: &Path, name: &str, meanwhile: &str) -> String {
+    job_script_parts(dir, name, Some(meanwhile))
+}
+
+fn job_script_parts(dir: &Path, name: &str, meanwhile: Option<&str>) -> String {
+    let d = dir.display();
+    let record = format!(
+        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/{name}.env.tmp && \
+         mv {d}/{name}.env.tmp {d}/{name}.env"
+    );
+    let wait = format!("while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done");
+    match meanwhile {
+        None => format!("{record}; {wait}"),
+        Some(m) => format!("{record}; {m} & p=$!; {wait}; kill $p; wait $p; true"),
+    }
+}
+
+/// What the job `name` of `job_script` was given, once it has started.
 pub fn started(dir: &Path, name: &str) -> Option<(String, String)> {
     let s = std::fs::read_to_string(dir.join(format!("{name}.env"))).ok()?;
     let mut it = s.trim_end_matches('\n').splitn(2, ' ');
