@@ -80,7 +80,7 @@ fn py() -> Option<&'static Py> {
             "cargo xtask wheel took {:.1} s",
             t.elapsed().as_secs_f64()
         ));
-        let venv = venv()?;
+        let venv = venv("wheel-venv", WHAT, &FROM_PYPI, "about 11 MB")?;
         say(&format!(
             "installing {} into {}",
             wheel.display(),
@@ -97,64 +97,13 @@ fn py() -> Option<&'static Py> {
 }
 
 fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
-    let cache = test_cache().join("pip");
     // `pip wheel ./python` runs cargo xtask wheel, with the cache's zig.
-    let o = with_zig(&mut Command::new(venv.join("bin/python")))
-        .args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
+    let o = with_zig(&mut support::pip(venv))
         .args(args)
         .args(more)
-        // Its cache, where it keeps one, in the test cache, not in $HOME.
-        .env("PIP_CACHE_DIR", &cache)
-        // `pip wheel ./python` imports the build backend from the source
-        // tree, which is not the place for byte code.
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .stdin(Stdio::null())
         .output()
         .expect("running pip");
     assert!(o.status.success(), "pip {args:?} {more:?}:\n{}", out(&o));
-}
-
-/// The test cache's wheel-venv with FROM_PYPI installed; None (said loudly)
-/// where no venv can be made.
-fn venv() -> Option<PathBuf> {
-    let cache = test_cache();
-    let _lock = MachineLock::at(&cache.join("wheel-venv.lock"));
-    let venv = cache.join("wheel-venv");
-    let stamp = venv.join("gpufrac-test-requirements");
-    let want = FROM_PYPI.join("\n");
-    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
-        return Some(venv);
-    }
-    let make = || {
-        Command::new("python3")
-            .args(["-m", "venv", "--clear"])
-            .arg(&venv)
-            .stdin(Stdio::null())
-            .output()
-    };
-    let mut o = make();
-    if !o.as_ref().is_ok_and(|o| o.status.success()) {
-        // Debian's python3 keeps venv (with ensurepip) in its own package.
-        let has_venv = || make().is_ok_and(|o| o.status.success());
-        if let Err(why) = apt_install(WHAT, &["python3-venv"], has_venv) {
-            cannot(WHAT, &format!("python3 -m venv does not work here: {why}"));
-            return None;
-        }
-        o = make();
-    }
-    let o = o.expect("running python3 -m venv");
-    assert!(o.status.success(), "python3 -m venv: {}", out(&o));
-    say(&format!(
-        "installing {} from PyPI into {} (about 11 MB of downloads; pip's cache, if it keeps one, in {})",
-        FROM_PYPI.join(" "),
-        venv.display(),
-        cache.join("pip").display()
-    ));
-    let mut args = vec!["install"];
-    args.extend(FROM_PYPI);
-    pip(&venv, &args, &[]);
-    std::fs::write(&stamp, want).unwrap();
-    Some(venv)
 }
 
 /// A scratch copy of the suites (so that nothing is written into the

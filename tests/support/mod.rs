@@ -717,6 +717,85 @@ pub fn apt_install(
     Ok(())
 }
 
+/// A Python venv called `name` in the test cache with `packages` from PyPI,
+/// for the tests of `what`: made on first use, one maker at a time on the
+/// machine, and kept. A stamp file in it lists what was installed; a venv
+/// without it, or with other packages, is made again. Says first what it
+/// downloads (`size`, such as "about 6 MB"). Where `python3 -m venv` fails
+/// (Debian keeps venv, with ensurepip, in its own package) python3-venv is
+/// installed with apt-get first. None, said loudly, when
+/// `GPUFRAC_TEST_ENGINES=0` or no venv can be made here; a failed pip
+/// install panics with what pip said.
+pub fn venv(name: &str, what: &str, packages: &[&str], size: &str) -> Option<PathBuf> {
+    if !engines_wanted(what) {
+        return None;
+    }
+    let cache = test_cache();
+    let _lock = MachineLock::at(&cache.join(format!("{name}.lock")));
+    let venv = cache.join(name);
+    let stamp = venv.join("gpufrac-test-requirements");
+    let want = packages.join("\n");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+        return Some(venv);
+    }
+    let make = || {
+        Command::new("python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv)
+            .stdin(Stdio::null())
+            .output()
+    };
+    let mut o = make();
+    if !o.as_ref().is_ok_and(|o| o.status.success()) {
+        let has_venv = || make().is_ok_and(|o| o.status.success());
+        if let Err(why) = apt_install(what, &["python3-venv"], has_venv) {
+            cannot(what, &format!("python3 -m venv does not work here: {why}"));
+            return None;
+        }
+        o = make();
+    }
+    let o = o.expect("running python3 -m venv");
+    assert!(
+        o.status.success(),
+        "python3 -m venv: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    say(&format!(
+        "downloading {} from PyPI ({size}) into a venv at {}, for {what} (pip's cache, \
+         if it keeps one, in {})",
+        packages.join(" "),
+        venv.display(),
+        cache.join("pip").display()
+    ));
+    let o = pip(&venv)
+        .arg("install")
+        .args(packages)
+        .output()
+        .expect("running pip");
+    assert!(
+        o.status.success(),
+        "pip install {packages:?}:\n{}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    std::fs::write(&stamp, want).unwrap();
+    Some(venv)
+}
+
+/// `VENV/bin/python -m pip`, quiet, its cache (where it keeps one) in the
+/// test cache rather than in $HOME; ARGS to follow.
+pub fn pip(venv: &Path) -> Command {
+    let mut c = Command::new(venv.join("bin/python"));
+    c.args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
+        .env("PIP_CACHE_DIR", test_cache().join("pip"))
+        // A build backend imported from a source tree (`pip wheel
+        // ./python`) writes no byte code there.
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdin(Stdio::null());
+    c
+}
+
 /// Services a package's installation starts by itself on a machine run by
 /// systemd (docker.io starts dockerd and containerd, munge munged): the
 /// tests start their own, so these are stopped again. Their packages stay
