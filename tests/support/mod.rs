@@ -106,21 +106,31 @@ fn build_artifacts() -> Result<Artifacts, String> {
 pub fn sim_command(program: impl AsRef<Path>, devices: &str, shim: bool) -> Command {
     let a = artifacts();
     let mut cmd = Command::new(program.as_ref());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("GPU_")
-            || k.starts_with("GPUFRAC_")
-            || k == "LD_PRELOAD"
-            || k == "CUDA_VISIBLE_DEVICES"
-        {
-            cmd.env_remove(k);
-        }
-    }
+    scrub_env(&mut cmd);
     cmd.env("LD_LIBRARY_PATH", &a.simdir)
         .env("GPUFRAC_SIM_DEVICES", devices)
         .env("GPUFRAC_BROKER", "off")
         .stdin(Stdio::null());
     if shim {
         cmd.env("LD_PRELOAD", &a.shim);
+    }
+    cmd
+}
+
+/// Removes from `cmd`'s environment everything of this process's that
+/// gpufrac, the shim or the simulated driver reads (`GPU_*`, `GPUFRAC_*`,
+/// `CUDA_VISIBLE_DEVICES`) and what would load a library in their place
+/// (`LD_PRELOAD`, `LD_LIBRARY_PATH`), so that the host cannot leak in.
+pub fn scrub_env(cmd: &mut Command) -> &mut Command {
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPU_")
+            || k.starts_with("GPUFRAC_")
+            || k == "LD_PRELOAD"
+            || k == "LD_LIBRARY_PATH"
+            || k == "CUDA_VISIBLE_DEVICES"
+        {
+            cmd.env_remove(k);
+        }
     }
     cmd
 }
