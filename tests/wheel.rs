@@ -35,7 +35,11 @@ use support::*;
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const WHAT: &str =
     "the wheel tests (cargo xtask wheel with zig, pytest and cuda-bindings from PyPI)";
-const WHEEL: &str = "gpufrac-0.1.0-py3-none-manylinux_2_28_x86_64.whl";
+const WHEEL: &str = concat!(
+    "gpufrac-",
+    env!("CARGO_PKG_VERSION"),
+    "-py3-none-manylinux_2_28_x86_64.whl"
+);
 /// What the venv gets from PyPI: the test runner, its workers, a real CUDA
 /// binding, and auditwheel to check the manylinux claim. Pinned, so that a
 /// new release of any of them cannot change what the tests mean.
@@ -46,8 +50,7 @@ const FROM_PYPI: [&str; 4] = [
     "auditwheel==6.8.2",
 ];
 
-/// Written straight to the process's stderr: libtest captures `eprintln!`
-/// of a passing test, and what is downloaded must be said before it is.
+/// The wheel `cargo xtask wheel` built, and the venv it is installed in.
 struct Py {
     wheel: PathBuf,
     venv: PathBuf,
@@ -213,21 +216,20 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
     assert!(o.status.success(), "{}", out(&o));
     let mut names: Vec<String> = stdout(&o).lines().map(str::to_owned).collect();
     names.sort();
-    let want: Vec<String> = [
-        "gpufrac-0.1.0.data/data/include/gpufrac.h",
-        "gpufrac-0.1.0.data/data/lib/libgpufrac.so",
-        "gpufrac-0.1.0.data/scripts/gpufrac",
-        "gpufrac-0.1.0.dist-info/LICENSE",
-        "gpufrac-0.1.0.dist-info/METADATA",
-        "gpufrac-0.1.0.dist-info/RECORD",
-        "gpufrac-0.1.0.dist-info/WHEEL",
-        "gpufrac-0.1.0.dist-info/entry_points.txt",
-        "gpufrac/__init__.py",
-        "gpufrac/pytest_plugin.py",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let v = VERSION;
+    let mut want = vec![
+        format!("gpufrac-{v}.data/data/include/gpufrac.h"),
+        format!("gpufrac-{v}.data/data/lib/libgpufrac.so"),
+        format!("gpufrac-{v}.data/scripts/gpufrac"),
+        format!("gpufrac-{v}.dist-info/LICENSE"),
+        format!("gpufrac-{v}.dist-info/METADATA"),
+        format!("gpufrac-{v}.dist-info/RECORD"),
+        format!("gpufrac-{v}.dist-info/WHEEL"),
+        format!("gpufrac-{v}.dist-info/entry_points.txt"),
+        "gpufrac/__init__.py".to_owned(),
+        "gpufrac/pytest_plugin.py".to_owned(),
+    ];
+    want.sort();
     assert_eq!(names, want);
 
     // pip builds it from the source tree too (pyproject.toml's backend

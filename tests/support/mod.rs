@@ -135,6 +135,15 @@ pub fn scrub_env(cmd: &mut Command) -> &mut Command {
     cmd
 }
 
+/// `gpufrac run ARGS` on the simulated `devices`, with no broker to talk to.
+pub fn run_alone(devices: &str, args: &[&str]) -> Command {
+    let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .args(["run", "--socket", "/nonexistent/gpufrac.sock"])
+        .args(args);
+    cmd
+}
+
 /// Runs the probe with `env` and `args`, returning its output.
 pub fn probe(devices: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
     let mut cmd = sim_command(&artifacts().probe, devices, true);
