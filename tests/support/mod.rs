@@ -743,8 +743,8 @@ pub fn apt_install(
 /// downloads (`size`, such as "about 6 MB"). Where `python3 -m venv` fails
 /// (Debian keeps venv, with ensurepip, in its own package) python3-venv is
 /// installed with apt-get first. None, said loudly, when
-/// `GPUFRAC_TEST_ENGINES=0` or no venv can be made here; a failed pip
-/// install panics with what pip said.
+/// `GPUFRAC_TEST_ENGINES=0` or no venv can be made here (a failed pip
+/// install among them: a failure under `GPUFRAC_TEST_ENGINES=1`).
 pub fn venv(name: &str, what: &str, packages: &[&str], size: &str) -> Option<PathBuf> {
     if !engines_wanted(what) {
         return None;
@@ -792,12 +792,20 @@ pub fn venv(name: &str, what: &str, packages: &[&str], size: &str) -> Option<Pat
         .args(packages)
         .output()
         .expect("running pip");
-    assert!(
-        o.status.success(),
-        "pip install {packages:?}:\n{}{}",
-        stdout(&o),
-        stderr(&o)
-    );
+    if !o.status.success() {
+        // As for the release tools' download: no PyPI here is a machine
+        // the test cannot run on, a failure only where engines are required.
+        cannot(
+            what,
+            &format!(
+                "pip install {}: {}{}",
+                packages.join(" "),
+                stdout(&o),
+                stderr(&o)
+            ),
+        );
+        return None;
+    }
     std::fs::write(&stamp, want).unwrap();
     Some(venv)
 }
