@@ -14,17 +14,8 @@ fn demo(args: &[&str]) -> Output {
     let a = artifacts();
     let profile = a.dir.file_name().unwrap().to_str().unwrap();
     let mut cmd = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("GPU_")
-            || k.starts_with("GPUFRAC_")
-            || k == "LD_PRELOAD"
-            || k == "LD_LIBRARY_PATH"
-            || k == "CUDA_VISIBLE_DEVICES"
-        {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.args(args)
+    scrub_env(&mut cmd)
+        .args(args)
         .env("GPUFRAC_DEMO_PROFILE", profile)
         .env("CARGO", env!("CARGO"))
         .env("CARGO_TARGET_DIR", a.dir.parent().unwrap())

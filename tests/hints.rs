@@ -253,16 +253,7 @@ fn gpu_memory_takes_a_percentage_of_the_smallest_gpu_with_a_broker_or_without() 
         b.status()["leases"][0]["mem_cap"].as_u64() == Some(8 * GIB)
     });
 
-    let dir = Scratch::new("pct-none");
-    let none = dir.0.join("none.sock");
-    let without = || {
-        let mut cmd = sim_command(&artifacts().gpufrac, "16G,12G", false);
-        cmd.env_remove("GPUFRAC_BROKER")
-            .arg("run")
-            .arg("--socket")
-            .arg(&none);
-        cmd
-    };
+    let without = || run_alone("16G,12G", &[]);
     // Learned from the driver: 50% of 12 GiB.
     assert_eq!(
         job_cap(without().args(["--gpu-memory", "50%"])),

@@ -7,15 +7,6 @@ mod support;
 use std::process::{Command, Output, Stdio};
 use support::*;
 
-/// `gpufrac run` with no broker to talk to.
-fn run_alone(args: &[&str]) -> Command {
-    let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
-    cmd.env_remove("GPUFRAC_BROKER")
-        .args(["run", "--socket", "/nonexistent/gpufrac.sock"])
-        .args(args);
-    cmd
-}
-
 /// Kernel counts of every `fill` line in the output.
 fn fills(o: &Output) -> Vec<u64> {
     stdout(o)
@@ -40,7 +31,7 @@ fn three_fill(probe: &std::path::Path) -> String {
 
 #[test]
 fn a_job_without_a_broker_is_capped_as_a_whole() {
-    let o = run_alone(&["--gpu-memory", "1G", "--", "sh", "-c"])
+    let o = run_alone("16G", &["--gpu-memory", "1G", "--", "sh", "-c"])
         .arg(three_fill(&artifacts().probe))
         .output()
         .unwrap();
@@ -94,7 +85,7 @@ fn memory_of_a_killed_process_returns_to_the_job_at_once() {
          kill -9 $P; wait $P; cat {f}; {p} ctx fill alloc 64M",
         f = first.display()
     );
-    let o = run_alone(&["--gpu-memory", "1G", "--", "sh", "-c", &script])
+    let o = run_alone("16G", &["--gpu-memory", "1G", "--", "sh", "-c", &script])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
@@ -115,14 +106,17 @@ fn plain_gpu_mem_limit_stays_per_process() {
 
 #[test]
 fn the_jobs_books_are_removed_when_it_ends() {
-    let o = run_alone(&[
-        "--gpu-memory",
-        "1G",
-        "--",
-        "sh",
-        "-c",
-        "echo $GPUFRAC_JOB_LEDGER",
-    ])
+    let o = run_alone(
+        "16G",
+        &[
+            "--gpu-memory",
+            "1G",
+            "--",
+            "sh",
+            "-c",
+            "echo $GPUFRAC_JOB_LEDGER",
+        ],
+    )
     .output()
     .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
@@ -361,7 +355,7 @@ fn two_processes_of_a_job_started_at_one_instant_share_its_cap() {
             let mut s = Steps::start(if broker {
                 b.run(&args)
             } else {
-                run_alone(&args)
+                run_alone("16G", &args)
             });
             s.until("hold", 2);
             s.release();
@@ -398,14 +392,17 @@ struct Damaged {
 fn damaged_job(damage: impl FnOnce(&str)) -> Damaged {
     let first = steps("books init alloc 64M hold 0 fill 64M alloc 64M");
     let second = steps("init fill 64M");
-    let mut s = Steps::start(run_alone(&[
-        "--gpu-memory",
-        "1G",
-        "--",
-        "sh",
-        "-c",
-        &format!("{first}; {second}"),
-    ]));
+    let mut s = Steps::start(run_alone(
+        "16G",
+        &[
+            "--gpu-memory",
+            "1G",
+            "--",
+            "sh",
+            "-c",
+            &format!("{first}; {second}"),
+        ],
+    ));
     let books = s.until("books", 1)[0]
         .strip_prefix("books ")
         .unwrap()

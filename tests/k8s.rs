@@ -1041,58 +1041,19 @@ fn a_client_naming_the_socket_path_as_authority_is_answered() {
 /// had or GPUFRAC_TEST_ENGINES=0.
 fn grpcio_python() -> Option<PathBuf> {
     const WHAT: &str = "the grpcio client test of the device plugin";
-    if !engines_wanted(WHAT) {
+    let python = venv("grpcio", WHAT, &["grpcio"], "about 6 MB")?.join("bin/python3");
+    let works = Command::new(&python)
+        .args(["-c", "import grpc"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !works {
+        cannot(WHAT, "grpcio installed, but `import grpc` fails");
         return None;
     }
-    let venv = test_cache().join("grpcio");
-    let python = venv.join("bin/python3");
-    let works = || {
-        Command::new(&python)
-            .args(["-c", "import grpc"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    let _lock = MachineLock::at(&test_cache().join("grpcio.lock"));
-    if works() {
-        return Some(python);
-    }
-    say(&format!(
-        "downloading grpcio from PyPI (about 6 MB) into a venv at {}, for {WHAT}",
-        venv.display()
-    ));
-    let run = |cmd: &mut Command| -> Result<(), String> {
-        let o = cmd
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
-        if o.status.success() {
-            Ok(())
-        } else {
-            Err(format!("{cmd:?} failed: {}{}", stdout(&o), stderr(&o)))
-        }
-    };
-    let made = run(Command::new("python3").args(["-m", "venv"]).arg(&venv)).and_then(|()| {
-        run(Command::new(venv.join("bin/pip")).args([
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "grpcio",
-        ]))
-    });
-    match made {
-        Ok(()) if works() => Some(python),
-        Ok(()) => {
-            cannot(WHAT, "grpcio installed, but `import grpc` fails");
-            None
-        }
-        Err(e) => {
-            cannot(WHAT, &e);
-            None
-        }
-    }
+    Some(python)
 }
 
 /// The client the issue was about: Python's grpcio, which names the socket

@@ -26,13 +26,12 @@ fn scratch(name: &str) -> (Scratch, PathBuf) {
 /// with the broker and holds memory there), and holds its lease until
 /// `release(dir, name)`.
 fn job(b: &Broker, dir: &Path, name: &str, alloc: &str, args: &[&str]) -> Child {
-    let script = format!(
-        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/{name}.env.tmp && mv {d}/{name}.env.tmp {d}/{name}.env; \
-         {probe} ctx alloc alloc {alloc} sleep-ms 120000 > {d}/{name}.probe & p=$!; \
-         while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done; kill $p; wait $p; true",
-        d = dir.display(),
-        probe = artifacts().probe.display(),
+    let probe = format!(
+        "{} ctx alloc alloc {alloc} sleep-ms 120000 > {}/{name}.probe",
+        artifacts().probe.display(),
+        dir.display()
     );
+    let script = job_script_with(dir, name, &probe);
     let mut cmd = b.run(args);
     cmd.args(["--", "sh", "-c", &script])
         .stdout(Stdio::null())

@@ -7,15 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use support::*;
 
-/// A `gpufrac run` wired to this broker.
 /// A job that records what it was given, then holds its lease until
 /// `release(dir, name)`.
 fn job(b: &Broker, dir: &Path, name: &str, args: &[&str]) -> Child {
-    let script = format!(
-        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/{name}.env.tmp && mv {d}/{name}.env.tmp {d}/{name}.env; \
-         while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done",
-        d = dir.display()
-    );
+    let script = job_script(dir, name);
     let mut cmd = b.run(args);
     cmd.args(["--", "sh", "-c", &script])
         .stdout(Stdio::null())

@@ -35,7 +35,11 @@ use support::*;
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const WHAT: &str =
     "the wheel tests (cargo xtask wheel with zig, pytest and cuda-bindings from PyPI)";
-const WHEEL: &str = "gpufrac-0.1.0-py3-none-manylinux_2_28_x86_64.whl";
+const WHEEL: &str = concat!(
+    "gpufrac-",
+    env!("CARGO_PKG_VERSION"),
+    "-py3-none-manylinux_2_28_x86_64.whl"
+);
 /// What the venv gets from PyPI: the test runner, its workers, a real CUDA
 /// binding, and auditwheel to check the manylinux claim. Pinned, so that a
 /// new release of any of them cannot change what the tests mean.
@@ -46,8 +50,7 @@ const FROM_PYPI: [&str; 4] = [
     "auditwheel==6.8.2",
 ];
 
-/// Written straight to the process's stderr: libtest captures `eprintln!`
-/// of a passing test, and what is downloaded must be said before it is.
+/// The wheel `cargo xtask wheel` built, and the venv it is installed in.
 struct Py {
     wheel: PathBuf,
     venv: PathBuf,
@@ -80,7 +83,7 @@ fn py() -> Option<&'static Py> {
             "cargo xtask wheel took {:.1} s",
             t.elapsed().as_secs_f64()
         ));
-        let venv = venv()?;
+        let venv = venv("wheel-venv", WHAT, &FROM_PYPI, "about 11 MB")?;
         say(&format!(
             "installing {} into {}",
             wheel.display(),
@@ -97,64 +100,13 @@ fn py() -> Option<&'static Py> {
 }
 
 fn pip(venv: &Path, args: &[&str], more: &[&Path]) {
-    let cache = test_cache().join("pip");
     // `pip wheel ./python` runs cargo xtask wheel, with the cache's zig.
-    let o = with_zig(&mut Command::new(venv.join("bin/python")))
-        .args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
+    let o = with_zig(&mut support::pip(venv))
         .args(args)
         .args(more)
-        // Its cache, where it keeps one, in the test cache, not in $HOME.
-        .env("PIP_CACHE_DIR", &cache)
-        // `pip wheel ./python` imports the build backend from the source
-        // tree, which is not the place for byte code.
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .stdin(Stdio::null())
         .output()
         .expect("running pip");
     assert!(o.status.success(), "pip {args:?} {more:?}:\n{}", out(&o));
-}
-
-/// The test cache's wheel-venv with FROM_PYPI installed; None (said loudly)
-/// where no venv can be made.
-fn venv() -> Option<PathBuf> {
-    let cache = test_cache();
-    let _lock = MachineLock::at(&cache.join("wheel-venv.lock"));
-    let venv = cache.join("wheel-venv");
-    let stamp = venv.join("gpufrac-test-requirements");
-    let want = FROM_PYPI.join("\n");
-    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
-        return Some(venv);
-    }
-    let make = || {
-        Command::new("python3")
-            .args(["-m", "venv", "--clear"])
-            .arg(&venv)
-            .stdin(Stdio::null())
-            .output()
-    };
-    let mut o = make();
-    if !o.as_ref().is_ok_and(|o| o.status.success()) {
-        // Debian's python3 keeps venv (with ensurepip) in its own package.
-        let has_venv = || make().is_ok_and(|o| o.status.success());
-        if let Err(why) = apt_install(WHAT, &["python3-venv"], has_venv) {
-            cannot(WHAT, &format!("python3 -m venv does not work here: {why}"));
-            return None;
-        }
-        o = make();
-    }
-    let o = o.expect("running python3 -m venv");
-    assert!(o.status.success(), "python3 -m venv: {}", out(&o));
-    say(&format!(
-        "installing {} from PyPI into {} (about 11 MB of downloads; pip's cache, if it keeps one, in {})",
-        FROM_PYPI.join(" "),
-        venv.display(),
-        cache.join("pip").display()
-    ));
-    let mut args = vec!["install"];
-    args.extend(FROM_PYPI);
-    pip(&venv, &args, &[]);
-    std::fs::write(&stamp, want).unwrap();
-    Some(venv)
 }
 
 /// A scratch copy of the suites (so that nothing is written into the
@@ -264,21 +216,20 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
     assert!(o.status.success(), "{}", out(&o));
     let mut names: Vec<String> = stdout(&o).lines().map(str::to_owned).collect();
     names.sort();
-    let want: Vec<String> = [
-        "gpufrac-0.1.0.data/data/include/gpufrac.h",
-        "gpufrac-0.1.0.data/data/lib/libgpufrac.so",
-        "gpufrac-0.1.0.data/scripts/gpufrac",
-        "gpufrac-0.1.0.dist-info/LICENSE",
-        "gpufrac-0.1.0.dist-info/METADATA",
-        "gpufrac-0.1.0.dist-info/RECORD",
-        "gpufrac-0.1.0.dist-info/WHEEL",
-        "gpufrac-0.1.0.dist-info/entry_points.txt",
-        "gpufrac/__init__.py",
-        "gpufrac/pytest_plugin.py",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let v = VERSION;
+    let mut want = vec![
+        format!("gpufrac-{v}.data/data/include/gpufrac.h"),
+        format!("gpufrac-{v}.data/data/lib/libgpufrac.so"),
+        format!("gpufrac-{v}.data/scripts/gpufrac"),
+        format!("gpufrac-{v}.dist-info/LICENSE"),
+        format!("gpufrac-{v}.dist-info/METADATA"),
+        format!("gpufrac-{v}.dist-info/RECORD"),
+        format!("gpufrac-{v}.dist-info/WHEEL"),
+        format!("gpufrac-{v}.dist-info/entry_points.txt"),
+        "gpufrac/__init__.py".to_owned(),
+        "gpufrac/pytest_plugin.py".to_owned(),
+    ];
+    want.sort();
     assert_eq!(names, want);
 
     // pip builds it from the source tree too (pyproject.toml's backend
@@ -601,19 +552,12 @@ fn with_a_broker_the_run_waits_for_its_budget_behind_another_job_then_runs() {
     let r = Run::new("wheel-queue");
     let d = r.scratch.0.clone();
     // Another CI job on the same GPU: 6 of its 8 GiB, held until told.
-    let script = format!(
-        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/a.env.tmp && mv {d}/a.env.tmp {d}/a.env; \
-         while [ ! -e {d}/a.stop ]; do sleep 0.02; done",
-        d = d.display()
-    );
-    let mut a = sim_command(py.venv.join("bin/gpufrac"), &b.devices, false);
-    let a = a
-        .env_remove("GPUFRAC_BROKER")
-        .env("GPUFRAC_SIM_STATE", &b.state)
-        .arg("run")
-        .arg("--socket")
-        .arg(&b.socket)
-        .args(["--gpu-memory", "6G", "--", "sh", "-c", &script])
+    let script = job_script(&d, "a");
+    let a = b
+        .run_with(
+            py.venv.join("bin/gpufrac"),
+            &["--gpu-memory", "6G", "--", "sh", "-c", &script],
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -213,14 +213,11 @@ fn docker_host() -> Option<String> {
     DOCKER_HOST.get().cloned().flatten()
 }
 
-/// `docker info` succeeds against `host`, or None: the daemon the
-/// environment names (DOCKER_HOST, else the default socket).
-fn docker_answers(host: Option<&str>) -> bool {
-    let mut c = Command::new(DOCKER);
-    if let Some(h) = host {
-        c.env("DOCKER_HOST", h);
-    }
-    c.arg("info")
+/// `docker info` succeeds against the daemon at `host`.
+fn docker_answers(host: &str) -> bool {
+    Command::new(DOCKER)
+        .env("DOCKER_HOST", host)
+        .arg("info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -236,11 +233,15 @@ pub fn ensure_docker() -> bool {
         if !engines_wanted("the Docker tests") {
             return false;
         }
-        // A machine where someone runs Docker (and a user in the docker
-        // group) needs nothing more, unless the image is still to be built.
+        // Until DOCKER_HOST is set below, Engine::Docker's CLI talks to
+        // the daemon the environment names (DOCKER_HOST, else the default
+        // socket). A machine where someone runs Docker (and a user in the
+        // docker group) needs nothing more, unless the image is still to be
+        // built.
+        let answers = || Engine::Docker.quiet_ok(&["info"]);
         if Path::new(DOCKER).exists()
-            && docker_answers(None)
-            && (Path::new(MMDEBSTRAP).exists() || image_exists_with(Engine::Docker, None))
+            && answers()
+            && (Path::new(MMDEBSTRAP).exists() || image_exists(Engine::Docker))
         {
             say("using the Docker daemon already running on this machine (left running)");
             DOCKER_HOST.set(None).unwrap();
@@ -253,7 +254,7 @@ pub fn ensure_docker() -> bool {
         ) {
             return false;
         }
-        if docker_answers(None) {
+        if answers() {
             DOCKER_HOST.set(None).unwrap();
             return true;
         }
@@ -285,7 +286,7 @@ fn docker_daemon() -> String {
     let _start = MachineLock::at(&run.join("dockerd-start.lock"));
     // Held until this process exits: leaked on purpose.
     std::mem::forget(MachineLock::shared_at(&run.join("dockerd-users.lock")));
-    if docker_answers(Some(&host)) {
+    if docker_answers(&host) {
         return host;
     }
     let data = test_cache().join("docker");
@@ -331,7 +332,7 @@ echo "gpufrac tests: dockerd stopped"
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {DOCKERD}: {e}"));
     let t = Instant::now();
-    while !docker_answers(Some(&host)) {
+    while !docker_answers(&host) {
         let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
         if let Ok(Some(st)) = child.try_wait() {
             panic!(
@@ -431,22 +432,6 @@ fn image_exists(engine: Engine) -> bool {
         Engine::Docker => engine.quiet_ok(&["image", "inspect", IMAGE]),
         Engine::Podman => engine.quiet_ok(&["image", "exists", IMAGE]),
     }
-}
-
-/// Whether the Docker daemon at `host` (None: the default one) has the
-/// image, before `ensure_docker` has chosen a daemon.
-fn image_exists_with(engine: Engine, host: Option<&str>) -> bool {
-    debug_assert_eq!(engine, Engine::Docker);
-    let mut c = Command::new(DOCKER);
-    if let Some(h) = host {
-        c.env("DOCKER_HOST", h);
-    }
-    c.args(["image", "inspect", IMAGE])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// Called with the image lock held.

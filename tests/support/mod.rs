@@ -106,15 +106,7 @@ fn build_artifacts() -> Result<Artifacts, String> {
 pub fn sim_command(program: impl AsRef<Path>, devices: &str, shim: bool) -> Command {
     let a = artifacts();
     let mut cmd = Command::new(program.as_ref());
-    for (k, _) in std::env::vars() {
-        if k.starts_with("GPU_")
-            || k.starts_with("GPUFRAC_")
-            || k == "LD_PRELOAD"
-            || k == "CUDA_VISIBLE_DEVICES"
-        {
-            cmd.env_remove(k);
-        }
-    }
+    scrub_env(&mut cmd);
     cmd.env("LD_LIBRARY_PATH", &a.simdir)
         .env("GPUFRAC_SIM_DEVICES", devices)
         .env("GPUFRAC_BROKER", "off")
@@ -122,6 +114,33 @@ pub fn sim_command(program: impl AsRef<Path>, devices: &str, shim: bool) -> Comm
     if shim {
         cmd.env("LD_PRELOAD", &a.shim);
     }
+    cmd
+}
+
+/// Removes from `cmd`'s environment everything of this process's that
+/// gpufrac, the shim or the simulated driver reads (`GPU_*`, `GPUFRAC_*`,
+/// `CUDA_VISIBLE_DEVICES`) and what would load a library in their place
+/// (`LD_PRELOAD`, `LD_LIBRARY_PATH`), so that the host cannot leak in.
+pub fn scrub_env(cmd: &mut Command) -> &mut Command {
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPU_")
+            || k.starts_with("GPUFRAC_")
+            || k == "LD_PRELOAD"
+            || k == "LD_LIBRARY_PATH"
+            || k == "CUDA_VISIBLE_DEVICES"
+        {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// `gpufrac run ARGS` on the simulated `devices`, with no broker to talk to.
+pub fn run_alone(devices: &str, args: &[&str]) -> Command {
+    let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
+    cmd.env_remove("GPUFRAC_BROKER")
+        .args(["run", "--socket", "/nonexistent/gpufrac.sock"])
+        .args(args);
     cmd
 }
 
@@ -344,7 +363,13 @@ impl Broker {
 
     /// `gpufrac run` against this broker and its simulated devices.
     pub fn run(&self, args: &[&str]) -> Command {
-        let mut cmd = sim_command(&artifacts().gpufrac, &self.devices, false);
+        self.run_with(&artifacts().gpufrac, args)
+    }
+
+    /// `PROGRAM run` (another gpufrac binary: an installed one, the
+    /// wheel's) against this broker and its simulated devices.
+    pub fn run_with(&self, program: impl AsRef<Path>, args: &[&str]) -> Command {
+        let mut cmd = sim_command(program, &self.devices, false);
         cmd.env_remove("GPUFRAC_BROKER")
             .env("GPUFRAC_SIM_STATE", &self.state)
             .arg("run")
@@ -711,6 +736,93 @@ pub fn apt_install(
     Ok(())
 }
 
+/// A Python venv called `name` in the test cache with `packages` from PyPI,
+/// for the tests of `what`: made on first use, one maker at a time on the
+/// machine, and kept. A stamp file in it lists what was installed; a venv
+/// without it, or with other packages, is made again. Says first what it
+/// downloads (`size`, such as "about 6 MB"). Where `python3 -m venv` fails
+/// (Debian keeps venv, with ensurepip, in its own package) python3-venv is
+/// installed with apt-get first. None, said loudly, when
+/// `GPUFRAC_TEST_ENGINES=0` or no venv can be made here (a failed pip
+/// install among them: a failure under `GPUFRAC_TEST_ENGINES=1`).
+pub fn venv(name: &str, what: &str, packages: &[&str], size: &str) -> Option<PathBuf> {
+    if !engines_wanted(what) {
+        return None;
+    }
+    let cache = test_cache();
+    let _lock = MachineLock::at(&cache.join(format!("{name}.lock")));
+    let venv = cache.join(name);
+    let stamp = venv.join("gpufrac-test-requirements");
+    let want = packages.join("\n");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+        return Some(venv);
+    }
+    let make = || {
+        Command::new("python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv)
+            .stdin(Stdio::null())
+            .output()
+    };
+    let mut o = make();
+    if !o.as_ref().is_ok_and(|o| o.status.success()) {
+        let has_venv = || make().is_ok_and(|o| o.status.success());
+        if let Err(why) = apt_install(what, &["python3-venv"], has_venv) {
+            cannot(what, &format!("python3 -m venv does not work here: {why}"));
+            return None;
+        }
+        o = make();
+    }
+    let o = o.expect("running python3 -m venv");
+    assert!(
+        o.status.success(),
+        "python3 -m venv: {}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    say(&format!(
+        "downloading {} from PyPI ({size}) into a venv at {}, for {what} (pip's cache, \
+         if it keeps one, in {})",
+        packages.join(" "),
+        venv.display(),
+        cache.join("pip").display()
+    ));
+    let o = pip(&venv)
+        .arg("install")
+        .args(packages)
+        .output()
+        .expect("running pip");
+    if !o.status.success() {
+        // As for the release tools' download: no PyPI here is a machine
+        // the test cannot run on, a failure only where engines are required.
+        cannot(
+            what,
+            &format!(
+                "pip install {}: {}{}",
+                packages.join(" "),
+                stdout(&o),
+                stderr(&o)
+            ),
+        );
+        return None;
+    }
+    std::fs::write(&stamp, want).unwrap();
+    Some(venv)
+}
+
+/// `VENV/bin/python -m pip`, quiet, its cache (where it keeps one) in the
+/// test cache rather than in $HOME; ARGS to follow.
+pub fn pip(venv: &Path) -> Command {
+    let mut c = Command::new(venv.join("bin/python"));
+    c.args(["-m", "pip", "--disable-pip-version-check", "--quiet"])
+        .env("PIP_CACHE_DIR", test_cache().join("pip"))
+        // A build backend imported from a source tree (`pip wheel
+        // ./python`) writes no byte code there.
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdin(Stdio::null());
+    c
+}
+
 /// Services a package's installation starts by itself on a machine run by
 /// systemd (docker.io starts dockerd and containerd, munge munged): the
 /// tests start their own, so these are stopped again. Their packages stay
@@ -770,9 +882,34 @@ mod services {
     }
 }
 
-/// A queued job's script writes `DIR/NAME.env` ("CUDA_VISIBLE_DEVICES
-/// GPU_MEM_LIMIT") once it starts and runs until `DIR/NAME.stop` exists:
-/// what it was given, once it has started.
+/// The shell script of a queued job called `name`: once it starts it
+/// writes `DIR/NAME.env` ("CUDA_VISIBLE_DEVICES GPU_MEM_LIMIT", renamed
+/// into place whole), then runs until `DIR/NAME.stop` exists. Read with
+/// `started` and `wait_started`, ended with `release`.
+pub fn job_script(dir: &Path, name: &str) -> String {
+    job_script_parts(dir, name, None)
+}
+
+/// `job_script`, also running the shell command `meanwhile` in the
+/// background from the start; killed, and waited for, once told to stop.
+pub fn job_script_with(dir: &Path, name: &str, meanwhile: &str) -> String {
+    job_script_parts(dir, name, Some(meanwhile))
+}
+
+fn job_script_parts(dir: &Path, name: &str, meanwhile: Option<&str>) -> String {
+    let d = dir.display();
+    let record = format!(
+        "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/{name}.env.tmp && \
+         mv {d}/{name}.env.tmp {d}/{name}.env"
+    );
+    let wait = format!("while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done");
+    match meanwhile {
+        None => format!("{record}; {wait}"),
+        Some(m) => format!("{record}; {m} & p=$!; {wait}; kill $p; wait $p; true"),
+    }
+}
+
+/// What the job `name` of `job_script` was given, once it has started.
 pub fn started(dir: &Path, name: &str) -> Option<(String, String)> {
     let s = std::fs::read_to_string(dir.join(format!("{name}.env"))).ok()?;
     let mut it = s.trim_end_matches('\n').splitn(2, ' ');
