@@ -325,6 +325,13 @@ impl Loop {
     /// with, and hands out work, until nothing changes: closing one client
     /// can produce a grant for another, and sending can reveal a dead one.
     fn settle(&mut self) {
+        // A deadline passed while the client's bytes may still sit unread
+        // in its socket (this loop was busy elsewhere): read them, then let
+        // the core decide.
+        for id in self.core.take_overdue() {
+            self.read(Token(id as usize));
+            self.core.expire(now(), id);
+        }
         loop {
             for id in self.core.pending_output() {
                 self.flush(id);

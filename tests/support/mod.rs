@@ -494,13 +494,22 @@ impl RawClient {
 
 /// The whole status as `gpufrac status --json` prints it (all pages).
 pub fn status_cli(socket: &Path) -> serde_json::Value {
+    try_status_cli(socket).unwrap_or_else(|e| panic!("status failed: {e}"))
+}
+
+/// `gpufrac status --json`, or why it failed: for wait loops, which try
+/// again (a broker busy with what the test just did may not answer at
+/// once) and say the last failure if the wait runs out.
+pub fn try_status_cli(socket: &Path) -> Result<serde_json::Value, String> {
     let o = Command::new(&artifacts().gpufrac)
         .args(["status", "--json", "--socket"])
         .arg(socket)
         .output()
-        .unwrap();
-    assert!(o.status.success(), "status failed: {}", stderr(&o));
-    serde_json::from_slice(&o.stdout).unwrap()
+        .map_err(|e| format!("cannot run gpufrac status: {e}"))?;
+    if !o.status.success() {
+        return Err(stderr(&o));
+    }
+    serde_json::from_slice(&o.stdout).map_err(|e| format!("status --json is not JSON: {e}"))
 }
 
 /// Tests that measure GPU time, or flood the broker, take this first: one

@@ -190,6 +190,10 @@ pub struct Broker {
     /// After an untrusted state file: placements held until then, and why.
     recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
+    /// Connections past a deadline, for the shell to read once more before
+    /// `expire` decides: a deadline is the client's, not the time the
+    /// broker took to read what the client had already sent.
+    overdue: Vec<ConnId>,
     warnings: RateLimit,
     now: Nanos,
 }
@@ -250,6 +254,7 @@ impl Broker {
             making: BTreeMap::new(),
             recovery: None,
             last_sweep: now,
+            overdue: Vec::new(),
             warnings: RateLimit::new(WARN_EVERY),
             now,
         };
@@ -468,23 +473,42 @@ impl Broker {
         self.pump(now);
     }
 
-    /// Closes connections that never said hello or sat on half a frame,
-    /// and ends restored jobs whose run never came back.
+    /// Connections past a deadline: the shell reads each once more, then
+    /// calls `expire` for it.
+    pub fn take_overdue(&mut self) -> Vec<ConnId> {
+        std::mem::take(&mut self.overdue)
+    }
+
+    /// Closes `id` if, with everything its socket held now read, it is
+    /// still past its deadline.
+    pub fn expire(&mut self, now: Nanos, id: ConnId) {
+        let now = self.clock(now);
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if c.dead {
+            return;
+        }
+        if let Some(why) = stalled(c, now) {
+            tracing::debug!(
+                pid = c.peer.pid,
+                uid = c.peer.uid,
+                why,
+                "closing a stalled connection"
+            );
+            c.dead = true;
+        }
+    }
+
+    /// Finds connections that never said hello or sat on half a frame,
+    /// and ends restored jobs whose run never came back. A stalled
+    /// connection is not closed here: the shell first reads what its
+    /// socket holds (a busy broker may not have read a hello sent in
+    /// time), then calls `expire`.
     fn sweep(&mut self, now: Nanos) {
-        for c in self.conns.values_mut() {
-            let silent = c.role.is_none() && now.saturating_sub(c.opened) > HELLO_DEADLINE;
-            let stuck = c
-                .partial_since
-                .is_some_and(|t| now.saturating_sub(t) > FRAME_DEADLINE);
-            if (silent || stuck) && !c.dead {
-                tracing::debug!(
-                    pid = c.peer.pid,
-                    uid = c.peer.uid,
-                    silent,
-                    stuck,
-                    "closing a stalled connection"
-                );
-                c.dead = true;
+        for (&id, c) in &self.conns {
+            if !c.dead && stalled(c, now).is_some() && !self.overdue.contains(&id) {
+                self.overdue.push(id);
             }
         }
         let gone: Vec<(u64, u32)> = self
@@ -735,5 +759,20 @@ impl Broker {
             Some(i) => self.gpus[i] = unit,
             None => self.gpus.push(unit),
         }
+    }
+}
+
+/// Why `c` is past a deadline, if it is: it never said hello, or has sat
+/// on half a frame.
+fn stalled(c: &Conn, now: Nanos) -> Option<&'static str> {
+    if c.role.is_none() && now.saturating_sub(c.opened) > HELLO_DEADLINE {
+        Some("no hello")
+    } else if c
+        .partial_since
+        .is_some_and(|t| now.saturating_sub(t) > FRAME_DEADLINE)
+    {
+        Some("half a frame")
+    } else {
+        None
     }
 }

@@ -53,10 +53,55 @@ fn a_busy_broker_still_closes_silent_connections() {
         if t.b.next_timeout().is_some_and(|x| x <= t.now) {
             t.b.handle_timeout(t.now);
         }
+        t.turn();
         assert!(matches!(t.recv(busy)[..], [ServerMsg::Pong]));
     }
     assert!(
-        t.b.is_dead(silent),
+        !t.b.conns.contains_key(&silent),
         "a silent connection outlived its deadline"
     );
+}
+
+/// A broker busy elsewhere may read a connection only after its deadline:
+/// a hello the client sent in time, still unread in its socket, keeps the
+/// connection open (it was closed, and the client saw a reset, before).
+#[test]
+fn a_hello_sent_in_time_but_read_late_keeps_the_connection() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let p = t.spawn(1);
+    let late = t.next;
+    t.next += 1;
+    let peer = Peer {
+        pid: p,
+        uid: BOB,
+        gid: BOB,
+        groups: Vec::new(),
+    };
+    t.b.connect(t.now, late, peer).unwrap();
+    let mut hello = Vec::new();
+    wire::encode_client(&ClientMsg::hello(p, Role::Cli), &mut hello);
+    t.unread.insert(late, hello);
+    t.advance(HELLO_DEADLINE + SWEEP_TICK);
+    assert!(
+        t.b.conns.contains_key(&late),
+        "closed with its hello unread"
+    );
+    assert!(matches!(t.recv(late)[..], [ServerMsg::HelloOk { .. }]));
+    // Silent for real: closed at the next deadline check.
+    let silent = t.next;
+    t.next += 1;
+    t.b.connect(
+        t.now,
+        silent,
+        Peer {
+            pid: p,
+            uid: BOB,
+            gid: BOB,
+            groups: Vec::new(),
+        },
+    )
+    .unwrap();
+    t.advance(HELLO_DEADLINE + SWEEP_TICK);
+    assert!(!t.b.conns.contains_key(&silent));
+    assert!(t.b.conns.contains_key(&late));
 }

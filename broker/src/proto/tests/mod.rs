@@ -55,6 +55,8 @@ struct T {
     procs: Table,
     next: ConnId,
     pids: u32,
+    /// Bytes a client sent that the shell has not read yet.
+    unread: HashMap<ConnId, Vec<u8>>,
 }
 
 fn uuid(i: u8) -> [u8; 16] {
@@ -107,6 +109,7 @@ impl T {
             procs,
             next: 10,
             pids: 100,
+            unread: HashMap::new(),
         }
     }
 
@@ -156,8 +159,16 @@ impl T {
         out
     }
 
-    /// What the shell does: writes the state, closes dead connections.
+    /// What the shell does: reads what overdue connections still hold in
+    /// their sockets and lets the core decide, writes the state, closes
+    /// dead connections.
     fn turn(&mut self) {
+        for id in self.b.take_overdue() {
+            if let Some(bytes) = self.unread.remove(&id) {
+                self.b.input(self.now, id, &bytes);
+            }
+            self.b.expire(self.now, id);
+        }
         while let Some((seq, _)) = self.b.take_state(self.now) {
             self.b.state_saved(self.now, seq, Ok(()));
         }
