@@ -82,13 +82,25 @@ fn a_small_job_overtakes_a_big_one_until_the_big_one_escalates() {
     });
     let late = job(&b, &d, "late", &["--gpus", "1"]);
     wait_until(10.0, "the late job to queue", || queued(&b) == 2);
+    let small_run = small.id();
     release(&d, "small", small);
-    // GPU 0 is free, but the escalated 2-GPU job comes first.
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    assert!(
-        started(&d, "late").is_none(),
-        "a younger job must not take the GPU the escalated one waits for"
+    // GPU 0 is free, but the escalated 2-GPU job comes first. The broker
+    // places what it can in the turn that ends a lease, so once status no
+    // longer shows small's lease the decision is made: late still waits.
+    wait_until(10.0, "small's lease to end", || {
+        !b.status()["leases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["pid"] == small_run)
+    });
+    let s = b.status();
+    assert_eq!(
+        queued(&b),
+        2,
+        "a younger job must not take the GPU the escalated one waits for: {s}"
     );
+    assert!(started(&d, "late").is_none());
     release(&d, "x", x);
     let (cvd, _) = wait_started(&d, "big");
     assert_eq!(cvd, "0,1");
