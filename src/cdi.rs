@@ -18,7 +18,8 @@ use gpufrac_common::minors::{self, PROC_GPUS};
 use gpufrac_common::wire::uuid_string;
 use serde_json::{Value, json};
 
-use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR, InjectArgs, absolute};
+use crate::docker::{InjectArgs, absolute};
+use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
 
 pub const KIND: &str = "gpufrac.dev/gpu";
 /// The oldest version with everything used here: device names that start

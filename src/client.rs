@@ -350,7 +350,7 @@ const CMD_INDENT: &str = "    ";
 pub fn self_command() -> String {
     match std::env::args_os().next() {
         Some(a) if a.to_string_lossy().contains('/') => {
-            crate::docker::sh_quote(&a.to_string_lossy())
+            crate::inject::sh_quote(&a.to_string_lossy())
         }
         _ => "gpufrac".into(),
     }
@@ -360,7 +360,7 @@ pub fn self_command() -> String {
 /// point every later command at it.
 fn own_broker_lines() -> String {
     let own = gpufrac_broker::user_socket();
-    let own = crate::docker::sh_quote(&own.display().to_string());
+    let own = crate::inject::sh_quote(&own.display().to_string());
     format!(
         "{CMD_INDENT}{} broker --socket {own} &\n{CMD_INDENT}export GPUFRAC_SOCKET={own}",
         self_command()
@@ -377,7 +377,7 @@ pub fn start_hint(socket: &Path) -> String {
     if socket != Path::new(gpufrac_common::config::DEFAULT_SOCKET) {
         format!(
             "start one with:\n{CMD_INDENT}{me} broker --socket {}",
-            crate::docker::sh_quote(&socket.display().to_string())
+            crate::inject::sh_quote(&socket.display().to_string())
         )
     } else if root {
         format!("start one with:\n{CMD_INDENT}{me} broker")

@@ -11,8 +11,8 @@ use std::path::Path;
 
 use gpufrac_common::config::{VAR_JOB, VAR_JOB_LEDGER, VAR_SOCKET};
 
-use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
-use crate::run::ChildEnv;
+use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
+use crate::run::env::ChildEnv;
 
 /// Where the job's memory books appear inside the container (a path of
 /// our own: the image's /dev/shm is its own tmpfs).

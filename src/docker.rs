@@ -7,12 +7,7 @@ use clap::{Args, ValueEnum};
 use gpufrac_common::config::{VAR_COMPUTE_LIMIT, VAR_COMPUTE_SHARE, VAR_MEM_LIMIT, VAR_SOCKET};
 use gpufrac_common::size::{parse_mem_limit, parse_percent};
 
-use crate::run::find_shim;
-
-/// Where the shim appears inside the container.
-pub(crate) const CONTAINER_LIB: &str = "/usr/lib/gpufrac/libgpufrac.so";
-/// Where the broker's socket directory appears inside the container.
-pub(crate) const CONTAINER_SOCKET_DIR: &str = "/run/gpufrac";
+use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR, find_shim, sh_quote};
 
 const DOCKER_EXAMPLES: &str = "\
 Examples:
@@ -280,18 +275,6 @@ pub(crate) fn absolute(p: &Path) -> Result<PathBuf, String> {
     std::env::current_dir()
         .map(|d| d.join(p))
         .map_err(|e| format!("cannot make {} absolute: {e}", p.display()))
-}
-
-/// Single quotes unless the word is plainly safe, as POSIX shells read them.
-pub(crate) fn sh_quote(s: &str) -> String {
-    let safe = !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"@%+=:,./-_".contains(&b));
-    if safe {
-        s.to_owned()
-    } else {
-        format!("'{}'", s.replace('\'', r"'\''"))
-    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,8 @@ use gpufrac_k8s::devices::MAX_UNITS_PER_GPU;
 use gpufrac_k8s::leases::LeaseConfig;
 use gpufrac_k8s::{Config, Gpu, Injection, Lister, Mounts, Resource};
 
-use crate::docker::{CONTAINER_LIB, CONTAINER_SOCKET_DIR, InjectArgs};
+use crate::docker::InjectArgs;
+use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
 
 /// Test-only: a file whose content the GPU listing takes as
 /// `GPUFRAC_SIM_DEVICES`, so that a test can make a simulated GPU go and

@@ -5,6 +5,7 @@ mod cdi;
 mod client;
 mod container;
 mod docker;
+mod inject;
 mod k8s;
 mod run;
 mod slurm;

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use gpufrac_common::config::{VAR_COMPUTE_SHARE, VAR_MEM_LIMIT, VAR_MEM_LIMIT_PREFIX, VAR_SOCKET};
 
-use crate::run::SHIM_NAME;
+use crate::inject::SHIM_NAME;
 
 const PROLOG_EXAMPLES: &str = "\
 Examples:
@@ -371,7 +371,7 @@ pub fn main(args: PrologArgs) -> u8 {
             args.shards_per_gpu,
             args.socket.as_deref(),
             &env,
-            crate::run::find_shim,
+            crate::inject::find_shim,
         )
     });
     let plan = match decided {

@@ -276,7 +276,7 @@ fn the_configuration_table_names_every_variable_the_shim_reads() {
         );
     }
     // What `gpufrac` itself reads besides.
-    for var in var_constants("src/run.rs") {
+    for var in var_constants("src/inject.rs") {
         assert!(
             section.contains(&format!("`{var}`")),
             "README.md's Configuration does not mention {var}"
