@@ -14,84 +14,63 @@
 
 mod sections;
 
+use clap::{Parser, Subcommand};
 use gpufrac_bench::harness;
 use gpufrac_bench::report::{self, RunInfo, Section};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "\
-usage: gpufrac-bench [--quick] [--only SECTION[,SECTION…]] [--out FILE]
-
-  --quick         short runs (a smoke test; figures are noisy)
-  --only SECTION  hook | free | arbitration | scale | latency | accuracy (or
-                  1..6); a comma-separated list, or --only more than once,
-                  runs several
-  --out FILE      where to write the report [default: docs/benchmarks.md for a
-                  full run, target/<profile>/benchmarks-partial.md with --quick
-                  or --only, so a smoke test never overwrites the real figures]";
-
+/// The benchmark instrument: every section on the simulated driver, a
+/// table per section on stdout, and the report written as Markdown.
+#[derive(Parser, Debug)]
+#[command(name = "gpufrac-bench", args_conflicts_with_subcommands = true)]
 struct Opts {
+    /// Short runs (a smoke test; figures are noisy).
+    #[arg(long)]
     quick: bool,
-    /// Empty: every section.
+    /// hook | free | arbitration | scale | latency | accuracy (or 1..6); a
+    /// comma-separated list, or --only more than once, runs several.
+    #[arg(long, value_name = "SECTION", value_delimiter = ',', value_parser = section_key)]
     only: Vec<&'static str>,
+    /// Where to write the report [default: docs/benchmarks.md for a full
+    /// run, target/<profile>/benchmarks-partial.md with --quick or --only,
+    /// so a smoke test never overwrites the real figures].
+    #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
+    #[command(subcommand)]
+    internal: Option<Internal>,
 }
 
-fn section_key(s: &str) -> Option<&'static str> {
-    match s {
-        "1" | "hook" | "overhead" => Some("hook"),
-        "2" | "free" => Some("free"),
-        "3" | "arbitration" | "arb" => Some("arbitration"),
-        "4" | "scale" => Some("scale"),
-        "5" | "latency" => Some("latency"),
-        "6" | "accuracy" => Some("accuracy"),
-        _ => None,
-    }
+#[derive(Subcommand, Debug)]
+enum Internal {
+    /// The simulated shim of section 4 (started by the section itself).
+    #[command(hide = true)]
+    ScaleClient(sections::scale::ClientArgs),
 }
 
-fn parse(args: &[String]) -> Result<Opts, String> {
-    let mut o = Opts {
-        quick: false,
-        only: Vec::new(),
-        out: None,
-    };
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--quick" => o.quick = true,
-            "--only" => {
-                let v = it.next().ok_or("--only needs a section")?;
-                for part in v.split(',') {
-                    let k = section_key(part.trim())
-                        .ok_or_else(|| format!("unknown section {part:?}"))?;
-                    if !o.only.contains(&k) {
-                        o.only.push(k);
-                    }
-                }
-            }
-            "--out" => o.out = Some(it.next().ok_or("--out needs a file")?.into()),
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
+fn section_key(s: &str) -> Result<&'static str, String> {
+    match s.trim() {
+        "1" | "hook" | "overhead" => Ok("hook"),
+        "2" | "free" => Ok("free"),
+        "3" | "arbitration" | "arb" => Ok("arbitration"),
+        "4" | "scale" => Ok("scale"),
+        "5" | "latency" => Ok("latency"),
+        "6" | "accuracy" => Ok("accuracy"),
+        other => Err(format!(
+            "unknown section {other:?}; expected hook, free, arbitration, scale, latency, \
+             accuracy or 1..6"
+        )),
     }
-    Ok(o)
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("scale-client") {
-        return sections::scale::client_main(&args[1..]);
+    let mut opts = Opts::parse();
+    if let Some(Internal::ScaleClient(c)) = opts.internal {
+        return sections::scale::client_main(&c);
     }
-    let opts = match parse(&args) {
-        Ok(o) => o,
-        Err(e) => {
-            if !e.is_empty() {
-                eprintln!("gpufrac-bench: {e}");
-            }
-            eprintln!("{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    opts.only.sort_unstable();
+    opts.only.dedup();
     let t0 = std::time::Instant::now();
     let load0 = report::loadavg();
     let steal_start = report::cpu_steal();

@@ -19,7 +19,7 @@
 //!   (same pid, same start time).
 //!
 //! Budgets (how much of the broker one user may hold) are in
-//! `proto::budget`; the files the broker trusts in `statefile`.
+//! `proto::conn` (`Budgets`); the files the broker trusts in `statefile`.
 
 use crate::jobs::Job;
 use gpufrac_common::config::Priority;

@@ -1,4 +1,4 @@
-//! Carries out the MIG planner's decisions (`mig.rs`) through NVML: the
+//! Carries out the MIG planner's decisions (`mig/`) through NVML: the
 //! I/O half of `--mig dynamic`. [`MigDriver`] is the little the broker
 //! needs; [`NvmlMig`] implements it with the MIG calls of `nvml.h` through
 //! nvml-wrapper's bindings, against the real driver or, in tests, the

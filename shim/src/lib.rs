@@ -36,7 +36,7 @@
 //! and runs the unit tests of the layers below; were the exports in it,
 //! its own `dlsym` and `cu*` calls would resolve to the shim's hooks. The
 //! whole library is tested through real processes by the workspace's
-//! `tests/` (mem_caps.rs, jobs.rs, fail_closed.rs, ...).
+//! `tests/` (`tests/mem_caps.rs`, `tests/jobs.rs`, ...).
 
 // In the unit-test build the exports are absent, so what only they reach
 // is unused there.

@@ -12,8 +12,8 @@ use gpufrac_bench::report::{Check, Section, Table};
 use gpufrac_bench::stats::percentile_u64;
 use gpufrac_bench::wirec::{WireClient, parse_uuid};
 use gpufrac_common::config::Priority;
-use gpufrac_common::wire::{ClientMsg, DeviceReg, Role, ServerMsg};
-use std::path::Path;
+use gpufrac_common::wire::{ClientMsg, DeviceReg, LeaseReq, Role, ServerMsg};
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Duration;
 
@@ -27,10 +27,15 @@ const MAX_LOAD: f64 = 0.20;
 const MAX_PROCESSES: usize = 64;
 const PROCESSES_ABOVE: usize = 16;
 const P99_TARGET_NS: u64 = MS;
+/// Requests waiting in the queue in the deep-queue row.
+const QUEUED: usize = 1000;
+/// CPU per grant at 1,000 clients against 64: at most this (per-turn work
+/// follows what changed, not how many are connected).
+const FLAT_RATIO: f64 = 2.0;
 
 pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
     let window_ns = if quick { 1500 * MS } else { 4000 * MS };
-    let counts = [1usize, 16, 64, 256];
+    let counts = [1usize, 16, 64, 256, 1000];
     let mut t = Table::new(
         &format!(
             "{:.1} s window per row; each client: Acquire → Grant → hold {} us → Release, once per period",
@@ -54,65 +59,100 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
             "lock busy/GPU",
             "broker CPU",
             "CPU/grant",
+            "CPU/status",
             "broker RSS",
         ],
     );
     let mut checks = Vec::new();
     let mut notes = Vec::new();
-    for gpus in [1usize, 8] {
-        for &n in &counts {
-            let r = one(a, gpus, n, window_ns)?;
-            let mut lat = r.latencies;
-            let p50 = percentile_u64(&mut lat, 50.0).unwrap_or(0);
-            let p99 = percentile_u64(&mut lat, 99.0).unwrap_or(0);
-            let max = lat.last().copied().unwrap_or(0);
-            let grants_s = lat.len() as f64 / (window_ns as f64 / 1e9);
-            let load = r.held_ns as f64 / (window_ns as f64 * gpus as f64);
-            let mut free = r.free_latencies;
-            let queued = 1.0 - free.len() as f64 / lat.len().max(1) as f64;
-            let p99_free = percentile_u64(&mut free, 99.0).unwrap_or(0);
-            t.row(vec![
-                gpus.to_string(),
-                n.to_string(),
-                r.layout.clone(),
-                format!("{} ms", f(r.period_ns as f64 / 1e6, 0)),
-                format!("{}%", f(load * 100.0, 1)),
-                f(grants_s, 0),
-                format!("{} us", f(p50 as f64 / 1e3, 0)),
-                format!("{} us", f(p99 as f64 / 1e3, 0)),
-                format!("{} us", f(max as f64 / 1e3, 0)),
-                format!("{}%", f(queued * 100.0, 1)),
+    // CPU per grant at 64 clients, per GPU count: the baseline of the
+    // flatness check at 1,000.
+    let mut cpu_at_64 = [0.0f64; 9];
+    let rows = [1usize, 8]
+        .iter()
+        .flat_map(|&g| counts.iter().map(move |&n| (g, n, 0)))
+        .chain([(1, 64, QUEUED)]);
+    for (gpus, n, deep) in rows {
+        let r = one(a, gpus, n, window_ns, deep)?;
+        let mut lat = r.latencies;
+        let p50 = percentile_u64(&mut lat, 50.0).unwrap_or(0);
+        let p99 = percentile_u64(&mut lat, 99.0).unwrap_or(0);
+        let max = lat.last().copied().unwrap_or(0);
+        let grants_s = lat.len() as f64 / (window_ns as f64 / 1e9);
+        let load = r.held_ns as f64 / (window_ns as f64 * gpus as f64);
+        let mut free = r.free_latencies;
+        let queued = 1.0 - free.len() as f64 / lat.len().max(1) as f64;
+        let p99_free = percentile_u64(&mut free, 99.0).unwrap_or(0);
+        t.row(vec![
+            gpus.to_string(),
+            n.to_string(),
+            r.layout.clone(),
+            format!("{} ms", f(r.period_ns as f64 / 1e6, 0)),
+            format!("{}%", f(load * 100.0, 1)),
+            f(grants_s, 0),
+            format!("{} us", f(p50 as f64 / 1e3, 0)),
+            format!("{} us", f(p99 as f64 / 1e3, 0)),
+            format!("{} us", f(max as f64 / 1e3, 0)),
+            format!("{}%", f(queued * 100.0, 1)),
+            format!("{} us", f(p99_free as f64 / 1e3, 0)),
+            format!("{} us", f(r.hold_p99 as f64 / 1e3, 0)),
+            r.handoff_p50
+                .map_or("–".into(), |h| format!("{} us", f(h as f64 / 1e3, 0))),
+            r.handoff_p50.map_or("–".into(), |h| {
+                let per_gpu = grants_s / gpus as f64;
+                let hold_mean = r.held_ns as f64 / lat.len().max(1) as f64;
+                format!("{}%", f(per_gpu * (hold_mean + h as f64) / 1e9 * 100.0, 0))
+            }),
+            format!("{} ms/s", f(r.cpu_per_s * 1e3, 1)),
+            format!("{} us", f(r.cpu_per_s * 1e6 / grants_s.max(1e-9), 1)),
+            r.cpu_per_status
+                .map_or("–".into(), |c| format!("{} ms", f(c * 1e3, 2))),
+            format!("{} MiB", f(r.rss_kib as f64 / 1024.0, 1)),
+        ]);
+        let cpu_per_grant = r.cpu_per_s / grants_s.max(1e-9);
+        if n == 64 && deep == 0 {
+            cpu_at_64[gpus] = cpu_per_grant;
+        }
+        if n == 1000 {
+            checks.push(Check::new(
+                &format!("grant latency p99 with the GPU free, 1,000 clients, {gpus} GPU(s)"),
                 format!("{} us", f(p99_free as f64 / 1e3, 0)),
-                format!("{} us", f(r.hold_p99 as f64 / 1e3, 0)),
-                r.handoff_p50
-                    .map_or("–".into(), |h| format!("{} us", f(h as f64 / 1e3, 0))),
-                r.handoff_p50.map_or("–".into(), |h| {
-                    let per_gpu = grants_s / gpus as f64;
-                    let hold_mean = r.held_ns as f64 / lat.len().max(1) as f64;
-                    format!("{}%", f(per_gpu * (hold_mean + h as f64) / 1e9 * 100.0, 0))
-                }),
-                format!("{} ms/s", f(r.cpu_per_s * 1e3, 1)),
-                format!("{} us", f(r.cpu_per_s * 1e6 / grants_s.max(1e-9), 1)),
-                format!("{} MiB", f(r.rss_kib as f64 / 1024.0, 1)),
-            ]);
-            if n == 64 {
-                checks.push(Check::new(
-                    &format!("grant latency p99, 64 clients, {gpus} GPU(s)"),
-                    format!("{} us", f(p99 as f64 / 1e3, 0)),
-                    &format!(
-                        "< {} us (offered load {}%/GPU)",
-                        P99_TARGET_NS / 1000,
-                        f(load * 100.0, 0)
-                    ),
-                    p99 < P99_TARGET_NS,
-                ));
-            }
-            if r.errors > 0 {
-                notes.push(format!(
-                    "{gpus} GPU(s), {n} clients: {} client error(s)",
-                    r.errors
-                ));
-            }
+                &format!("< {} us", P99_TARGET_NS / 1000),
+                p99_free < P99_TARGET_NS,
+            ));
+            let ratio = cpu_per_grant / cpu_at_64[gpus].max(1e-12);
+            checks.push(Check::new(
+                &format!("broker CPU per grant, 1,000 against 64 clients, {gpus} GPU(s)"),
+                format!("{}×", f(ratio, 2)),
+                &format!("≤ {}× (flat)", f(FLAT_RATIO, 1)),
+                ratio <= FLAT_RATIO,
+            ));
+        }
+        if deep > 0 {
+            checks.push(Check::new(
+                &format!("grant latency p99, 64 clients beside {QUEUED} queued requests"),
+                format!("{} us", f(p99 as f64 / 1e3, 0)),
+                &format!("< {} us", P99_TARGET_NS / 1000),
+                p99 < P99_TARGET_NS,
+            ));
+        }
+        if n == 64 && deep == 0 {
+            checks.push(Check::new(
+                &format!("grant latency p99, 64 clients, {gpus} GPU(s)"),
+                format!("{} us", f(p99 as f64 / 1e3, 0)),
+                &format!(
+                    "< {} us (offered load {}%/GPU)",
+                    P99_TARGET_NS / 1000,
+                    f(load * 100.0, 0)
+                ),
+                p99 < P99_TARGET_NS,
+            ));
+        }
+        if r.errors > 0 {
+            notes.push(format!(
+                "{gpus} GPU(s), {n} clients: {} client error(s)",
+                r.errors
+            ));
         }
     }
     notes.push(
@@ -139,8 +179,8 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
          per flush and a 16 KiB buffer zeroed per read were found this way and removed: \
          server.rs now re-registers only when a client's write interest changes and reuses \
          one read buffer); most of the rest in scans of every client or connection on each \
-         event (sched.rs `settle`, `next_timeout`, `best_waiter`; server.rs `reap` and \
-         `settle`). It stays well under a core at these rates; CPU per grant rises only \
+         event (the scheduler's `settle`, `next_timeout` and `best_waiter`, in sched/; the \
+         shell's `settle`, in server.rs). It stays well under a core at these rates; CPU per grant rises only \
          mildly with clients per GPU (those scans)."
             .into(),
     );
@@ -201,14 +241,38 @@ struct RowResult {
     handoff_p50: Option<u64>,
     period_ns: u64,
     cpu_per_s: f64,
+    /// Broker CPU seconds per status request, all clients registered.
+    cpu_per_status: Option<f64>,
     rss_kib: u64,
     layout: String,
     errors: u64,
 }
 
-fn one(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<RowResult, String> {
+/// One row: `n` simulated shims on `gpus` GPUs for `window_ns`, with
+/// `queued` `gpufrac run` requests waiting in the queue meanwhile.
+fn one(
+    a: &Artifacts,
+    gpus: usize,
+    n: usize,
+    window_ns: u64,
+    queued: usize,
+) -> Result<RowResult, String> {
     let devices = vec!["16G"; gpus].join(",");
-    let broker = Broker::start(a, &devices, &["--timeslice", "50ms"])?;
+    // The bench is one user: its clients and requests are past the
+    // per-user limits that protect a shared node.
+    let broker = Broker::start(
+        a,
+        &devices,
+        &[
+            "--timeslice",
+            "50ms",
+            "--max-connections-per-user",
+            "4096",
+            "--max-queued-per-user",
+            "2048",
+        ],
+    )?;
+    let _waiting = deep_queue(&broker, queued)?;
     let st = broker.status()?;
     let uuids: Vec<String> = st["gpus"]
         .as_array()
@@ -231,11 +295,14 @@ fn one(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<RowResult
     } else {
         (PROCESSES_ABOVE, n.div_ceil(PROCESSES_ABOVE))
     };
-    let layout = if threads == 1 {
+    let mut layout = if threads == 1 {
         "processes".to_string()
     } else {
         format!("{procs}×{threads} threads")
     };
+    if queued > 0 {
+        layout.push_str(&format!(", {queued} queued"));
+    }
     let lead = 1000 * MS + n as u64 * 10 * MS;
     let start = mono_ns() + lead;
     let end = start + window_ns;
@@ -257,9 +324,13 @@ fn one(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<RowResult
         ]);
         kids.push(Kid::spawn(cmd, "gpufrac-bench scale-client")?);
     }
+    let pid = broker.pid();
+    // Status with every client registered, before the window: the clients
+    // sit idle until it starts.
+    sleep_until(start - lead / 4);
+    let cpu_per_status = status_cost(&broker, pid, n);
     // Broker CPU over the window, skipping its first 100 ms.
     sleep_until(start + 100 * MS);
-    let pid = broker.pid();
     let (c0, t0) = (
         cpu_seconds_precise(pid).ok_or("broker /proc/stat")?,
         mono_ns(),
@@ -315,10 +386,80 @@ fn one(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<RowResult
         handoff_p50,
         period_ns,
         cpu_per_s: (c1 - c0) / ((t1 - t0) as f64 / 1e9),
+        cpu_per_status,
         rss_kib,
         layout,
         errors,
     })
+}
+
+/// A lease holding 1 GiB of GPU 0, then `n` requests for 16 GiB that wait
+/// behind it (each could fit an empty GPU, so none is refused). Their
+/// connections are returned: the requests wait as long as they are open.
+fn deep_queue(broker: &Broker, n: usize) -> Result<Vec<WireClient>, String> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let ask = |mem: u64| {
+        ClientMsg::Lease(LeaseReq {
+            want_gpus: 0,
+            want_mem: mem,
+            compute: None,
+            limit: None,
+            no_wait: false,
+            command: "gpufrac-bench deep-queue".into(),
+            priority: None,
+            resume: 0,
+            token: 0,
+            pin: Vec::new(),
+        })
+    };
+    let mut held = Vec::with_capacity(n + 1);
+    let mut holder = WireClient::connect(&broker.socket, Role::Cli)?;
+    holder.send(&ask(1 << 30))?;
+    loop {
+        match holder.recv()? {
+            ServerMsg::Leased { .. } => break,
+            ServerMsg::Error { message, .. } => return Err(message),
+            _ => {}
+        }
+    }
+    held.push(holder);
+    for i in 0..n {
+        let mut c = WireClient::connect(&broker.socket, Role::Cli)?;
+        c.send(&ask(16 << 30))?;
+        match c.recv()? {
+            ServerMsg::Queued { .. } => {}
+            ServerMsg::Error { message, .. } => {
+                return Err(format!("queued request {i}: {message}"));
+            }
+            other => return Err(format!("queued request {i}: {other:?}")),
+        }
+        held.push(c);
+    }
+    Ok(held)
+}
+
+/// Broker CPU seconds per status request (its first page, which the
+/// broker builds from everything it knows), over a few requests; None if
+/// the broker's CPU time could not be read or a status failed.
+fn status_cost(broker: &Broker, pid: u32, n: usize) -> Option<f64> {
+    const ROUNDS: usize = 10;
+    let mut c = WireClient::connect(&broker.socket, Role::Cli).ok()?;
+    let c0 = cpu_seconds_precise(pid)?;
+    for _ in 0..ROUNDS {
+        let st = c.status().ok()?;
+        let listed: usize = st["gpus"]
+            .as_array()?
+            .iter()
+            .filter_map(|g| g["processes"].as_array().map(Vec::len))
+            .sum();
+        // Paged: the first page lists some; none means nobody registered.
+        if n > 0 && listed == 0 {
+            return None;
+        }
+    }
+    Some((cpu_seconds_precise(pid)? - c0) / ROUNDS as f64)
 }
 
 /// For each cycle that queued behind the previous holder of its GPU (its
@@ -379,18 +520,34 @@ fn broker_alive(b: &Broker) -> bool {
 /// FIRST TOTAL UUIDS`: THREADS simulated shims, clients FIRST.. of TOTAL,
 /// client i on GPU i mod len(UUIDS). Prints per client `c GPU` and the
 /// acquire, grant and release times of each cycle, or `err <message>`.
-pub fn client_main(args: &[String]) -> ExitCode {
-    let parse = |i: usize| -> u64 { args.get(i).and_then(|s| s.parse().ok()).unwrap_or(0) };
-    if args.len() != 9 {
-        eprintln!("scale-client: expected 9 arguments, got {}", args.len());
-        return ExitCode::from(2);
-    }
-    let socket = Path::new(&args[0]);
-    let (start, end, hold, period) = (parse(1), parse(2), parse(3), parse(4).max(1));
-    let (threads, first, total) = (parse(5) as usize, parse(6) as usize, parse(7) as usize);
-    let uuids: Vec<[u8; 16]> = args[8].split(',').filter_map(parse_uuid).collect();
+/// `gpufrac-bench scale-client`: the simulated shims of one process, in
+/// the order `one` passes them.
+#[derive(clap::Args, Debug)]
+pub struct ClientArgs {
+    socket: PathBuf,
+    /// CLOCK_MONOTONIC ns of the window's start and end.
+    start: u64,
+    end: u64,
+    /// ns each grant is held.
+    hold: u64,
+    /// ns between a client's cycles.
+    period: u64,
+    /// Clients (threads, a socket each) in this process.
+    threads: usize,
+    /// The first client's number, and the clients of all processes.
+    first: usize,
+    total: usize,
+    /// The GPUs' UUIDs, comma-separated: client i uses GPU i mod N.
+    uuids: String,
+}
+
+pub fn client_main(args: &ClientArgs) -> ExitCode {
+    let socket = args.socket.as_path();
+    let (start, end, hold, period) = (args.start, args.end, args.hold, args.period.max(1));
+    let (threads, first, total) = (args.threads, args.first, args.total);
+    let uuids: Vec<[u8; 16]> = args.uuids.split(',').filter_map(parse_uuid).collect();
     if uuids.is_empty() {
-        eprintln!("scale-client: no UUIDs");
+        eprintln!("scale-client: no UUIDs in {:?}", args.uuids);
         return ExitCode::from(2);
     }
     let results: Vec<(usize, ClientResult)> = std::thread::scope(|s| {
