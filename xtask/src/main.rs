@@ -15,6 +15,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
+use clap::Parser;
 use serde_json::Value;
 
 mod wheel;
@@ -28,38 +29,54 @@ const UNIT: &str = "gpufrac-broker.service";
 /// there touches no Python environment, and tests/release.rs installs there.
 const TOOLS_DIR: &str = "dist-tools";
 
-const USAGE: &str = "\
-usage: cargo xtask <TASK>
-
-  dist [--out-dir DIR]
-      Build dist/gpufrac-VERSION-x86_64-unknown-linux-gnu.tar.gz (release,
-      glibc 2.28 and newer). Needs cargo-zigbuild and zig:
-      python3 -m pip install ziglang cargo-zigbuild
-  install [--prefix PREFIX] [--destdir DIR] [--unitdir DIR]
-      Build natively in release mode and install under PREFIX (default
-      /usr/local): bin/gpufrac, lib/libgpufrac.so, include/gpufrac.h, the
-      systemd unit and the docs.
-  wheel [--out-dir DIR]
-      Build target/wheels/gpufrac-VERSION-py3-none-manylinux_2_28_x86_64.whl:
-      the binary, the shim and the pytest plugin (python/), for
-      pip install. Builds what dist builds, with the same tools.
-  msrv-check
-      Fail if a locked dependency declares a rust-version newer than the
-      workspace's.";
+/// Release tasks for gpufrac, run as `cargo xtask TASK`.
+#[derive(Parser, Debug)]
+#[command(name = "xtask", bin_name = "cargo xtask")]
+enum Task {
+    /// Build dist/gpufrac-VERSION-x86_64-unknown-linux-gnu.tar.gz (release,
+    /// glibc 2.28 and newer). Needs cargo-zigbuild and zig:
+    /// python3 -m pip install ziglang cargo-zigbuild
+    Dist {
+        /// Where to write the tarball [default: dist/ in the workspace].
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<PathBuf>,
+    },
+    /// Build natively in release mode and install under PREFIX: bin/gpufrac,
+    /// lib/libgpufrac.so, include/gpufrac.h, the systemd unit and the docs.
+    Install {
+        /// [default: /usr/local]
+        #[arg(long, value_name = "PREFIX", value_parser = absolute)]
+        prefix: Option<String>,
+        /// A staging root that the files go under (for packaging).
+        #[arg(long, value_name = "DIR")]
+        destdir: Option<String>,
+        /// Where the systemd unit goes [default: PREFIX/lib/systemd/system].
+        #[arg(long, value_name = "DIR", value_parser = absolute)]
+        unitdir: Option<String>,
+    },
+    /// Build target/wheels/gpufrac-VERSION-py3-none-manylinux_2_28_x86_64.whl:
+    /// the binary, the shim and the pytest plugin (python/), for pip
+    /// install. Builds what dist builds, with the same tools.
+    Wheel {
+        /// Where to write the wheel [default: target/wheels].
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<PathBuf>,
+    },
+    /// Fail if a locked dependency declares a rust-version newer than the
+    /// workspace's.
+    MsrvCheck,
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("dist") => dist(&args[1..]),
-        Some("install") => install(&args[1..]),
-        Some("msrv-check") => msrv_check(&args[1..]),
-        Some("wheel") => wheel::wheel(&args[1..]),
-        Some("-h" | "--help" | "help") => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Some(other) => Err(format!("unknown task {other:?}\n\n{USAGE}")),
-        None => Err(USAGE.to_owned()),
+    let result = match Task::parse() {
+        Task::Dist { out_dir } => dist(out_dir),
+        Task::Install {
+            prefix,
+            destdir,
+            unitdir,
+        } => install([prefix, destdir, unitdir]),
+        Task::Wheel { out_dir } => wheel::wheel(out_dir),
+        Task::MsrvCheck => msrv_check(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -70,34 +87,13 @@ fn main() -> ExitCode {
     }
 }
 
-/// `--name VALUE` and `--name=VALUE` options, each at most once; anything
-/// else is an error naming the task.
-fn options(task: &str, args: &[String], names: &[&str]) -> Result<Vec<Option<String>>, String> {
-    let mut values = vec![None; names.len()];
-    let mut i = 0;
-    while i < args.len() {
-        let (name, inline) = match args[i].split_once('=') {
-            Some((n, v)) => (n, Some(v.to_owned())),
-            None => (args[i].as_str(), None),
-        };
-        let Some(k) = names.iter().position(|n| *n == name) else {
-            return Err(format!("{task}: unknown argument {:?}\n\n{USAGE}", args[i]));
-        };
-        let value = match inline {
-            Some(v) => v,
-            None => {
-                i += 1;
-                args.get(i)
-                    .cloned()
-                    .ok_or_else(|| format!("{task}: {name} needs a value"))?
-            }
-        };
-        if values[k].replace(value).is_some() {
-            return Err(format!("{task}: {name} given twice"));
-        }
-        i += 1;
+/// A path that must not depend on where install.sh runs.
+fn absolute(v: &str) -> Result<String, String> {
+    if v.starts_with('/') {
+        Ok(v.to_owned())
+    } else {
+        Err(format!("{v}: must be an absolute path"))
     }
-    Ok(values)
 }
 
 fn cargo() -> Command {
@@ -371,10 +367,9 @@ fn release_tree(ws: &Workspace) -> Result<PathBuf, String> {
     Ok(tree)
 }
 
-fn dist(args: &[String]) -> Result<(), String> {
-    let [out_dir] = <[_; 1]>::try_from(options("dist", args, &["--out-dir"])?).unwrap();
+fn dist(out_dir: Option<PathBuf>) -> Result<(), String> {
     let ws = workspace()?;
-    let out_dir = out_dir.map_or_else(|| ws.root.join("dist"), PathBuf::from);
+    let out_dir = out_dir.unwrap_or_else(|| ws.root.join("dist"));
     let tree = release_tree(&ws)?;
     fs::create_dir_all(&out_dir)
         .map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
@@ -384,13 +379,8 @@ fn dist(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-fn install(args: &[String]) -> Result<(), String> {
-    let opts = options("install", args, &["--prefix", "--destdir", "--unitdir"])?;
-    for (name, value) in [("--prefix", &opts[0]), ("--unitdir", &opts[2])] {
-        if let Some(v) = value.as_deref().filter(|v| !v.starts_with('/')) {
-            return Err(format!("install: {name} {v}: must be an absolute path"));
-        }
-    }
+/// `opts`: --prefix, --destdir and --unitdir, passed on to install.sh.
+fn install(opts: [Option<String>; 3]) -> Result<(), String> {
     let ws = workspace()?;
     run(cargo().current_dir(&ws.root).args([
         "build",
@@ -439,8 +429,7 @@ fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
 /// member, dev-dependencies included, since the tests build at the MSRV
 /// too) against the workspace's rust-version. Clippy's incompatible_msrv
 /// lint checks our own use of std against the same number.
-fn msrv_check(args: &[String]) -> Result<(), String> {
-    options("msrv-check", args, &[])?;
+fn msrv_check() -> Result<(), String> {
     let ws = workspace()?;
     let ours = parse_version(&ws.rust_version).ok_or_else(|| {
         format!(
@@ -525,15 +514,18 @@ mod tests {
     }
 
     #[test]
-    fn option_parsing() {
-        let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let names = ["--prefix", "--destdir"];
-        assert_eq!(
-            options("t", &a(&["--prefix", "/p", "--destdir=/d"]), &names).unwrap(),
-            vec![Some("/p".into()), Some("/d".into())]
-        );
-        assert!(options("t", &a(&["--prefix"]), &names).is_err());
-        assert!(options("t", &a(&["--prefix=/a", "--prefix=/b"]), &names).is_err());
-        assert!(options("t", &a(&["--bogus=1"]), &names).is_err());
+    fn task_parsing() {
+        let p =
+            |v: &[&str]| Task::try_parse_from(std::iter::once("xtask").chain(v.iter().copied()));
+        assert!(matches!(
+            p(&["install", "--prefix", "/p", "--destdir=/d"]).unwrap(),
+            Task::Install { prefix: Some(ref a), destdir: Some(ref b), unitdir: None }
+                if a == "/p" && b == "/d"
+        ));
+        assert!(p(&["install", "--prefix"]).is_err());
+        assert!(p(&["install", "--prefix=/a", "--prefix=/b"]).is_err());
+        assert!(p(&["install", "--prefix", "relative"]).is_err());
+        assert!(p(&["dist", "--bogus=1"]).is_err());
+        assert!(p(&["msrv-check"]).is_ok());
     }
 }

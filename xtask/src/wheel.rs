@@ -19,16 +19,15 @@ use std::path::{Path, PathBuf};
 use base64::Engine;
 use sha2::{Digest, Sha256};
 
-use super::{GLIBC, TARGET, options, release_tree, workspace};
+use super::{GLIBC, TARGET, release_tree, workspace};
 
 /// The Python project: pyproject.toml and the package beside it.
 const PY_DIR: &str = "python";
 const PACKAGE: &str = "gpufrac";
 
-pub fn wheel(args: &[String]) -> Result<(), String> {
-    let [out_dir] = <[_; 1]>::try_from(options("wheel", args, &["--out-dir"])?).unwrap();
+pub fn wheel(out_dir: Option<PathBuf>) -> Result<(), String> {
     let ws = workspace()?;
-    let out_dir = out_dir.map_or_else(|| ws.target.join("wheels"), PathBuf::from);
+    let out_dir = out_dir.unwrap_or_else(|| ws.target.join("wheels"));
     let version = pep440(&ws.version)?;
     let meta = Metadata::read(&ws.root.join(PY_DIR).join("pyproject.toml"), &ws.root)?;
 
