@@ -796,6 +796,24 @@ fn main() {
                 }
                 println!("fork-used parent={parent} child={}", u64::from_le_bytes(v));
             }
+            // One cooperative launch over devices 0 and 1: a kernel of NS
+            // on a new stream of each device's primary context, then both
+            // streams synchronised; the context of --device is current again
+            // afterwards.
+            "coop-multi" => {
+                let ns: u64 = next(&mut i).parse().unwrap();
+                let (rc, sync_rc) = coop_multi(&probe.c, ns);
+                probe.set_current();
+                println!("coop-multi rc={rc} sync_rc={sync_rc}");
+            }
+            // Waits for PATH to exist: the test says when to go on.
+            "await-file" => {
+                let path = next(&mut i);
+                while !std::path::Path::new(&path).exists() {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                println!("await-file done=1");
+            }
             "sleep-ms" => {
                 let ms: u64 = next(&mut i).parse().unwrap();
                 std::thread::sleep(std::time::Duration::from_millis(ms));
@@ -914,6 +932,68 @@ fn charged_and_held(c: &Cuda, dev: c_int) -> String {
     let mut held = 0u64;
     unsafe { held_fn(dev, &mut held) };
     format!("{charged}/{held}")
+}
+
+/// `cuLaunchCooperativeKernelMultiDevice` of the spin kernel for `ns` on
+/// devices 0 and 1 (a stream of each one's primary context); its result
+/// and the streams' synchronisation's (the first failure).
+fn coop_multi(c: &Cuda, ns: u64) -> (R, R) {
+    let retain = f!(
+        c,
+        "cuDevicePrimaryCtxRetain",
+        "cuDevicePrimaryCtxRetain",
+        fn(*mut *mut c_void, c_int)
+    );
+    let set = f!(c, "cuCtxSetCurrent", "cuCtxSetCurrent", fn(*mut c_void));
+    let create = f!(
+        c,
+        "cuStreamCreate",
+        "cuStreamCreate",
+        fn(*mut *mut c_void, c_uint)
+    );
+    let mut d = ns;
+    let mut params = [(&mut d as *mut u64).cast::<c_void>()];
+    let mut list = Vec::new();
+    for dev in 0..2 {
+        let mut ctx = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        unsafe {
+            assert_eq!(retain(&mut ctx, dev), 0, "primary context of {dev}");
+            set(ctx);
+            assert_eq!(create(&mut stream, 1), 0, "stream on {dev}");
+        }
+        list.push(gpufrac_common::cuda::CUDA_LAUNCH_PARAMS {
+            function: Kernel::new(c, "cuLaunchKernel").func,
+            gridDimX: 1,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: 1,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream,
+            kernelParams: params.as_mut_ptr(),
+        });
+    }
+    let launch = f!(
+        c,
+        "cuLaunchCooperativeKernelMultiDevice",
+        "cuLaunchCooperativeKernelMultiDevice",
+        fn(*mut gpufrac_common::cuda::CUDA_LAUNCH_PARAMS, c_uint, c_uint)
+    );
+    let rc = unsafe { launch(list.as_mut_ptr(), list.len() as c_uint, 0) };
+    let sync = f!(
+        c,
+        "cuStreamSynchronize",
+        "cuStreamSynchronize",
+        fn(*mut c_void)
+    );
+    let sync_rc = list
+        .iter()
+        .map(|p| unsafe { sync(p.hStream) })
+        .find(|&r| r != 0)
+        .unwrap_or(0);
+    (rc, sync_rc)
 }
 
 /// Reserves a range of `size` bytes and maps `len` bytes of handle `h`
