@@ -806,6 +806,16 @@ fn main() {
                 probe.set_current();
                 println!("coop-multi rc={rc} sync_rc={sync_rc}");
             }
+            // Kernels the simulated engine of --device was given so far.
+            "kernels" => {
+                let p = unsafe { libc::dlsym(probe.c.lib, c"gpufracSimEngineStats".as_ptr()) };
+                assert!(!p.is_null(), "not the simulated driver");
+                let stats: unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> R =
+                    unsafe { std::mem::transmute(p) };
+                let (mut busy, mut n) = (0u64, 0u64);
+                let rc = unsafe { stats(probe.dev, &mut busy, &mut n) };
+                println!("kernels rc={rc} count={n}");
+            }
             // Waits for PATH to exist: the test says when to go on.
             "await-file" => {
                 let path = next(&mut i);

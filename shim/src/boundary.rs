@@ -298,10 +298,7 @@ mod tests {
             assert_eq!(rc, 7);
         }
         assert_eq!(forwarded.load(Ordering::Relaxed), 2);
-        assert_eq!(
-            pass_through("x", &told, &SLOT, || 3, || unreachable!()),
-            3
-        );
+        assert_eq!(pass_through("x", &told, &SLOT, || 3, || unreachable!()), 3);
     }
 
     #[test]
