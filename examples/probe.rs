@@ -964,6 +964,7 @@ fn coop_multi(c: &Cuda, ns: u64) -> (R, R) {
     let mut d = ns;
     let mut params = [(&mut d as *mut u64).cast::<c_void>()];
     let mut list = Vec::new();
+    let mut ctxs = Vec::new();
     for dev in 0..2 {
         let mut ctx = std::ptr::null_mut();
         let mut stream = std::ptr::null_mut();
@@ -972,6 +973,7 @@ fn coop_multi(c: &Cuda, ns: u64) -> (R, R) {
             set(ctx);
             assert_eq!(create(&mut stream, 1), 0, "stream on {dev}");
         }
+        ctxs.push(ctx);
         list.push(gpufrac_common::cuda::CUDA_LAUNCH_PARAMS {
             function: Kernel::new(c, "cuLaunchKernel").func,
             gridDimX: 1,
@@ -991,6 +993,9 @@ fn coop_multi(c: &Cuda, ns: u64) -> (R, R) {
         "cuLaunchCooperativeKernelMultiDevice",
         fn(*mut gpufrac_common::cuda::CUDA_LAUNCH_PARAMS, c_uint, c_uint)
     );
+    // Launched from device 0, as a program driving several GPUs from one
+    // thread usually is.
+    unsafe { set(ctxs[0]) };
     let rc = unsafe { launch(list.as_mut_ptr(), list.len() as c_uint, 0) };
     let sync = f!(
         c,
