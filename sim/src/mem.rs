@@ -80,6 +80,12 @@ fn alloc_va(size: u64, align: u64) -> Result<u64, CUresult> {
     start(prev).ok_or(CUDA_ERROR_OUT_OF_MEMORY)
 }
 
+/// An address for a graph allocation node: fixed for the graph's life,
+/// its memory taken from the graph pool at each launch.
+pub fn graph_va(size: u64) -> Result<u64, CUresult> {
+    alloc_va(size, 512)
+}
+
 /// Charges `size` on `dev` and registers a fresh address/handle for it.
 fn charge(s: &Sim, kind: Kind, dev: usize, size: u64, ctx: usize) -> Result<u64, CUresult> {
     s.reserve(dev, size)?;
@@ -155,7 +161,7 @@ unsafe fn alloc_async(
     }
     // Captured into a graph: an address now, memory at each launch.
     let va = alloc_va(size as u64, 512)?;
-    if let Some(va) = crate::graphs::capture_alloc(stream, size as u64, dev, va) {
+    if let Some(va) = crate::graphs::capture_alloc(stream, ptsz, size as u64, dev, va) {
         unsafe { *dptr = va };
         return Ok(());
     }
@@ -168,7 +174,7 @@ unsafe fn alloc_async(
 unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
     let s = cuda()?;
     unsafe { resolve_stream(stream, ptsz) }?;
-    if crate::graphs::free(stream, dptr)? {
+    if crate::graphs::free(stream, ptsz, dptr)? {
         return Ok(());
     }
     uncharge(s, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
