@@ -183,3 +183,297 @@ fn a_multi_device_cooperative_launch_then_a_hand_back_does_not_hang() {
     ok(&first);
     assert_eq!(num(&line(&first, "launch", 0), "rc"), 0);
 }
+
+// ---------------------------------------------------------------------------
+// Graph memory: every way to make a graph, charged before it can run.
+
+const G: u64 = GIB;
+
+/// "CHARGED/HELD" as numbers.
+fn pair(s: &str) -> (u64, u64) {
+    let (a, b) = s
+        .split_once('/')
+        .unwrap_or_else(|| panic!("not a pair: {s}"));
+    (a.parse().unwrap(), b.parse().unwrap())
+}
+
+fn now(o: &Output, step: &str, n: usize) -> (u64, u64) {
+    pair(&line(o, step, n)["now"])
+}
+
+/// The probe under the shim with `cap`, after the lookup flags `flags`.
+fn graph_probe(flags: &[&str], cap: Option<&str>, steps: &[&str]) -> Output {
+    let mut cmd = sim_command(&artifacts().probe, "16G", true);
+    if let Some(cap) = cap {
+        cmd.env("GPU_MEM_LIMIT", cap);
+    }
+    cmd.args(flags).args(steps);
+    let o = cmd.output().unwrap();
+    ok(&o);
+    o
+}
+
+/// Each way to get a graph with an allocation of 1 GiB and to make it
+/// runnable: (lookup flags, the steps).
+fn ways() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>)> {
+    vec![
+        (
+            "capture, cuGraphInstantiateWithFlags",
+            vec![],
+            vec!["g-capture", "1G", "g-instantiate", "flags"],
+        ),
+        (
+            "capture on the per-thread stream (_ptsz), cuGraphInstantiateWithParams_ptsz",
+            vec!["--ptsz"],
+            vec!["g-capture", "1G", "g-instantiate", "params"],
+        ),
+        (
+            "the same, found by dlsym",
+            vec!["--lookup", "dlsym", "--ptsz"],
+            vec!["g-capture", "1G", "g-instantiate", "params"],
+        ),
+        (
+            "cuGraphAddMemAllocNode, cuGraphInstantiate",
+            vec!["--lookup", "dlsym"],
+            vec!["g-node", "1G", "g-instantiate", "v1"],
+        ),
+        (
+            "cuGraphAddMemAllocNode, cuGraphInstantiate_v2",
+            vec!["--lookup", "dlsym"],
+            vec!["g-node", "1G", "g-instantiate", "v2"],
+        ),
+        (
+            "cuGraphAddMemAllocNode, cuGraphInstantiate by name (CUDA 12: WithFlags)",
+            vec![],
+            vec!["g-node", "1G", "g-instantiate", "v1"],
+        ),
+        (
+            "cuGraphClone, then an allocation node, cuGraphInstantiateWithParams",
+            vec![],
+            vec![
+                "g-create",
+                "g-clone",
+                "g-node",
+                "1G",
+                "g-instantiate",
+                "params",
+            ],
+        ),
+    ]
+}
+
+/// However the graph was made, nothing is charged or held before it runs;
+/// each launch takes 1 GiB from the graph pool, which the shim charges
+/// exactly as the driver holds it (freed between launches, the pool keeps
+/// it); a trim gives it back.
+#[test]
+fn every_way_to_make_a_graph_is_charged_as_the_driver_holds_it() {
+    for (what, flags, build) in ways() {
+        let mut steps = build.clone();
+        steps.extend(["g-launch", "3", "free", "g-trim"]);
+        let mut all = vec!["ctx"];
+        all.extend(&steps);
+        let o = graph_probe(&flags, Some("2G"), &all);
+        let inst = line(&o, "g-instantiate", 0);
+        assert_eq!(num(&inst, "rc"), 0, "{what}: {}", stdout(&o));
+        assert_eq!(pair(&inst["now"]), (0, 0), "{what}: nothing runs yet");
+        let l = line(&o, "g-launch", 0);
+        assert_eq!(l["rcs"], "0,0,0", "{what}: {}", stdout(&o));
+        for a in l["after"].split(',') {
+            assert_eq!(pair(a), (G, G), "{what}: charged/held after each launch");
+        }
+        assert_eq!(now(&o, "g-trim", 0), (0, 0), "{what}: trimmed");
+    }
+}
+
+/// The simulated driver holds graph memory as a real one does, with or
+/// without the shim.
+#[test]
+fn the_simulated_driver_holds_graph_memory_from_the_launch_to_the_trim() {
+    let o = {
+        let mut cmd = sim_command(&artifacts().probe, "16G", false);
+        cmd.args([
+            "ctx",
+            "g-node",
+            "1G",
+            "g-instantiate",
+            "flags",
+            "g-launch",
+            "2",
+            "free",
+            "g-trim",
+        ]);
+        cmd.output().unwrap()
+    };
+    ok(&o);
+    assert_eq!(now(&o, "g-instantiate", 0), (0, 0));
+    assert_eq!(line(&o, "g-launch", 0)["after"], format!("0/{G},0/{G}"));
+    assert_eq!(now(&o, "g-trim", 0), (0, 0));
+}
+
+/// A process with 1 GiB allocated under a 1.5 GiB cap: however the graph
+/// was made, its launch fails with CUDA_ERROR_OUT_OF_MEMORY before it runs,
+/// and the driver never holds more than the cap.
+#[test]
+fn a_graph_that_does_not_fit_never_runs_past_the_cap() {
+    for (what, flags, build) in ways() {
+        let mut all = vec!["ctx", "alloc", "alloc", "1G"];
+        all.extend(&build);
+        all.extend(["g-launch", "2", "free", "free-all", "g-launch", "1", "free"]);
+        let o = graph_probe(&flags, Some("1536M"), &all);
+        assert_eq!(num(&line(&o, "g-instantiate", 0), "rc"), 0, "{what}");
+        let l = line(&o, "g-launch", 0);
+        assert_eq!(l["rcs"], "2,2", "{what}: {}", stdout(&o));
+        for a in l["after"].split(',') {
+            assert_eq!(pair(a), (G, G), "{what}: the plain 1 GiB only");
+        }
+        // Room again: it runs.
+        let l = line(&o, "g-launch", 1);
+        assert_eq!(l["rcs"], "0", "{what}: {}", stdout(&o));
+        assert_eq!(pair(&l["after"]), (G, G), "{what}");
+    }
+}
+
+/// An instantiation that uploads the graph takes its memory then: it is
+/// charged then, and refused when it does not fit; so is cuGraphUpload.
+#[test]
+fn an_upload_is_charged_as_a_launch_is() {
+    // Room: charged at the instantiation, the launch takes nothing more.
+    for flags in [&[][..], &["--ptsz"][..]] {
+        let o = graph_probe(
+            flags,
+            Some("2G"),
+            &[
+                "ctx",
+                "g-node",
+                "1G",
+                "g-instantiate",
+                "params-upload",
+                "g-launch",
+                "1",
+                "free",
+            ],
+        );
+        let inst = line(&o, "g-instantiate", 0);
+        assert_eq!(num(&inst, "rc"), 0, "{}", stdout(&o));
+        assert_eq!(pair(&inst["now"]), (G, G), "uploaded: held and charged");
+        assert_eq!(line(&o, "g-launch", 0)["after"], format!("{G}/{G}"));
+    }
+    // No room: refused, nothing taken.
+    let o = graph_probe(
+        &[],
+        Some("1536M"),
+        &[
+            "ctx",
+            "alloc",
+            "alloc",
+            "1G",
+            "g-node",
+            "1G",
+            "g-instantiate",
+            "params-upload",
+        ],
+    );
+    let inst = line(&o, "g-instantiate", 0);
+    assert_eq!(num(&inst, "rc"), 2, "{}", stdout(&o));
+    assert_eq!(pair(&inst["now"]), (G, G));
+    // cuGraphUpload, with and without room.
+    for (cap, rc, after) in [("2G", 0, 2 * G), ("1536M", 2, G)] {
+        let o = graph_probe(
+            &[],
+            Some(cap),
+            &[
+                "ctx",
+                "alloc",
+                "alloc",
+                "1G",
+                "g-node",
+                "1G",
+                "g-instantiate",
+                "flags",
+                "g-upload",
+            ],
+        );
+        let up = line(&o, "g-upload", 0);
+        assert_eq!(num(&up, "rc"), rc, "cap {cap}: {}", stdout(&o));
+        assert_eq!(pair(&up["now"]), (after, after), "cap {cap}");
+    }
+}
+
+/// Relaunching a graph whose allocation is still outstanding: the driver
+/// refuses it (nothing more taken), unless the graph frees on relaunch.
+#[test]
+fn a_relaunch_with_the_allocation_outstanding() {
+    for (how, rcs) in [("flags", "0,1,1"), ("auto-free", "0,0,0")] {
+        let o = graph_probe(
+            &[],
+            Some("2G"),
+            &[
+                "ctx",
+                "g-capture",
+                "1G",
+                "g-instantiate",
+                how,
+                "g-launch",
+                "3",
+                "hold",
+            ],
+        );
+        let l = line(&o, "g-launch", 0);
+        assert_eq!(l["rcs"], rcs, "{how}: {}", stdout(&o));
+        for a in l["after"].split(',') {
+            assert_eq!(pair(a), (G, G), "{how}");
+        }
+    }
+}
+
+/// A graph with memory nodes cannot be cloned (the driver says so, with or
+/// without the shim); one without can, and what is added to the clone is
+/// charged (see `ways`).
+#[test]
+fn a_graph_with_memory_nodes_cannot_be_cloned() {
+    for shim in [true, false] {
+        let mut cmd = sim_command(&artifacts().probe, "16G", shim);
+        cmd.args(["ctx", "g-node", "1G", "g-clone", "g-create", "g-clone"]);
+        let o = cmd.output().unwrap();
+        ok(&o);
+        assert_eq!(num(&line(&o, "g-clone", 0), "rc"), 801, "shim={shim}");
+        assert_eq!(num(&line(&o, "g-clone", 1), "rc"), 0, "shim={shim}");
+    }
+}
+
+/// An executable graph the shim did not see instantiated may allocate
+/// anything: under a cap its launch is refused rather than charged after
+/// it ran; without one it runs.
+#[test]
+fn a_graph_the_shim_did_not_see_made_is_refused_under_a_cap() {
+    let o = graph_probe(&[], Some("2G"), &["ctx", "g-foreign", "1000"]);
+    assert_eq!(num(&line(&o, "g-foreign", 0), "rc"), 2);
+    let o = graph_probe(&[], None, &["ctx", "g-foreign", "1000"]);
+    assert_eq!(num(&line(&o, "g-foreign", 0), "rc"), 0);
+}
+
+/// Destroying the executable graph and the graph gives nothing back by
+/// itself (the pool keeps what it reserved, as the driver's does); the
+/// trim does.
+#[test]
+fn destroying_a_graph_leaves_its_pool_to_the_trim() {
+    let o = graph_probe(
+        &[],
+        Some("2G"),
+        &[
+            "ctx",
+            "g-capture",
+            "1G",
+            "g-instantiate",
+            "flags",
+            "g-launch",
+            "1",
+            "free",
+            "g-destroy",
+            "g-trim",
+        ],
+    );
+    assert_eq!(now(&o, "g-destroy", 0), (G, G));
+    assert_eq!(now(&o, "g-trim", 0), (0, 0));
+}
