@@ -570,6 +570,84 @@ fn main() {
                 out.push(stage());
                 println!("vmm-life stages={}", out.join(","));
             }
+            // A VMM allocation shared through a file descriptor: created
+            // exportable, mapped at A, exported and imported as a second
+            // handle; the first released and A unmapped; the second mapped
+            // at B, retained through B, released; B unmapped; the retained
+            // reference released. CHARGED/HELD after each stage.
+            "vmm-share" => {
+                let size = parse_size(&next(&mut i));
+                let c = &probe.c;
+                let stage = || charged_and_held(c, probe.dev);
+                let mut out = Vec::new();
+                let mut prop = [0u64; 4];
+                // Pinned, exportable as a POSIX file descriptor, on --device.
+                prop[0] = 1 | (1 << 32);
+                prop[1] = 1 | ((probe.dev as u32 as u64) << 32);
+                let mut h = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemCreate",
+                        "cuMemCreate",
+                        fn(*mut u64, usize, *const [u64; 4], u64)
+                    )(&mut h, size, &prop, 0)
+                };
+                assert_eq!(rc, 0, "cuMemCreate");
+                out.push(stage());
+                let a = vmm_map(c, h, size, 0, size).expect("map A");
+                let mut fd: c_int = -1;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemExportToShareableHandle",
+                        "cuMemExportToShareableHandle",
+                        fn(*mut c_int, u64, c_uint, u64)
+                    )(&mut fd, h, 1, 0)
+                };
+                assert_eq!(rc, 0, "export");
+                let mut h2 = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemImportFromShareableHandle",
+                        "cuMemImportFromShareableHandle",
+                        fn(*mut u64, *mut c_void, c_uint)
+                    )(&mut h2, fd as usize as *mut c_void, 1)
+                };
+                assert_eq!(rc, 0, "import");
+                assert_ne!(h2, h, "a handle of its own");
+                out.push(stage());
+                let release = f!(c, "cuMemRelease", "cuMemRelease", fn(u64));
+                let unmap = f!(c, "cuMemUnmap", "cuMemUnmap", fn(u64, usize));
+                assert_eq!(unsafe { release(h) }, 0);
+                assert_eq!(unsafe { unmap(a, size) }, 0);
+                out.push(stage());
+                // Whether as much again fits now (given back at once).
+                let mid = match probe.alloc("alloc", size) {
+                    Ok(held) => probe.free(held),
+                    Err(rc) => rc,
+                };
+                let b = vmm_map(c, h2, size, 0, size).expect("map B");
+                let mut h3 = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemRetainAllocationHandle",
+                        "cuMemRetainAllocationHandle",
+                        fn(*mut u64, u64)
+                    )(&mut h3, b)
+                };
+                assert_eq!((rc, h3), (0, h2), "retain");
+                assert_eq!(unsafe { release(h2) }, 0);
+                out.push(stage());
+                assert_eq!(unsafe { unmap(b, size) }, 0);
+                out.push(stage());
+                assert_eq!(unsafe { release(h3) }, 0);
+                out.push(stage());
+                unsafe { libc::close(fd) };
+                println!("vmm-share stages={} alloc_meanwhile={mid}", out.join(","));
+            }
             "info-null" => {
                 let mut total = 0usize;
                 let rc = unsafe {

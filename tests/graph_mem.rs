@@ -477,3 +477,49 @@ fn destroying_a_graph_leaves_its_pool_to_the_trim() {
     assert_eq!(now(&o, "g-destroy", 0), (G, G));
     assert_eq!(now(&o, "g-trim", 0), (0, 0));
 }
+
+// ---------------------------------------------------------------------------
+// Shared VMM handles.
+
+/// A VMM allocation exported as a file descriptor and imported as a second
+/// handle: releasing the handle that was charged (and unmapping it) frees
+/// nothing while the imported one lives, mapped or retained; the memory
+/// goes with the last reference. The shim charges exactly what the driver
+/// holds at every stage, and the simulated driver holds what a real one
+/// does.
+#[test]
+fn imported_memory_counts_while_any_handle_to_it_lives() {
+    const S: u64 = 256 * MIB;
+    let want = [S, S, S, S, S, 0];
+    for (shim, lookup) in [(true, "cudart"), (true, "dlsym"), (false, "cudart")] {
+        let mut cmd = sim_command(&artifacts().probe, "16G", shim);
+        cmd.env("GPU_MEM_LIMIT", "4G")
+            .args(["--lookup", lookup, "ctx", "vmm-share", "256M"]);
+        let o = cmd.output().unwrap();
+        ok(&o);
+        let stages = line(&o, "vmm-share", 0)["stages"].clone();
+        let pairs: Vec<(u64, u64)> = stages.split(',').map(pair).collect();
+        let held: Vec<u64> = pairs.iter().map(|p| p.1).collect();
+        assert_eq!(held, want, "driver (shim={shim}): {stages}");
+        if shim {
+            let charged: Vec<u64> = pairs.iter().map(|p| p.0).collect();
+            assert_eq!(charged, want, "shim ({lookup}): {stages}");
+        }
+    }
+}
+
+/// While only the imported handle holds the memory, the cap still counts
+/// it: as much again does not fit under a cap of 1.5 times it.
+#[test]
+fn imported_memory_holds_its_place_under_the_cap() {
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", "384M")],
+        &["ctx", "vmm-share", "256M", "alloc", "alloc", "256M"],
+    );
+    ok(&o);
+    let l = line(&o, "vmm-share", 0);
+    assert_eq!(num(&l, "alloc_meanwhile"), 2, "{}", stdout(&o));
+    // Everything released at the end: room again.
+    assert_eq!(num(&line(&o, "alloc", 0), "rc"), 0);
+}

@@ -30,6 +30,7 @@ macro_rules! with_hook_list {
                 Cuda fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool;
                 Cuda fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool_ptsz;
                 Cuda fn cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => mem::create;
+                Cuda fn cuMemImportFromShareableHandle(handle: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_uint) => vmm::import;
                 Cuda fn cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => mem::array_create;
                 Cuda fn cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => mem::array3d_create;
                 Cuda fn cuMipmappedArrayCreate(arr: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) => mem::mipmap_create;
@@ -53,6 +54,7 @@ macro_rules! with_hook_list {
                 Cuda fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => mem::free_async_ptsz;
                 Cuda fn cuMemRelease(handle: CUmemGenericAllocationHandle) => vmm::release;
                 Cuda fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain;
+                Cuda fn cuMemExportToShareableHandle(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, kind: c_uint, flags: u64) => vmm::export;
                 Cuda fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) => vmm::map;
                 Cuda fn cuMemUnmap(ptr: CUdeviceptr, size: usize) => vmm::unmap;
                 Cuda fn cuArrayDestroy(arr: CUarray) => mem::array_destroy;

@@ -90,6 +90,8 @@ pub fn table() -> &'static [Entry] {
             "cuMemMap" 10020 cuMemMap;
             "cuMemUnmap" 10020 cuMemUnmap;
             "cuMemRetainAllocationHandle" 11000 cuMemRetainAllocationHandle;
+            "cuMemExportToShareableHandle" 10020 cuMemExportToShareableHandle;
+            "cuMemImportFromShareableHandle" 10020 cuMemImportFromShareableHandle;
             "cuMemAddressReserve" 10020 cuMemAddressReserve;
             "cuMemAddressFree" 10020 cuMemAddressFree;
             "cuMemSetAccess" 10020 cuMemSetAccess;
