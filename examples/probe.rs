@@ -915,6 +915,38 @@ fn main() {
                 let (rcs, after) = g.launch(&probe.c, probe.dev, n, hold);
                 println!("g-launch rcs={} after={}", rcs.join(","), after.join(","));
             }
+            // g-race SIZE: two threads each capture and instantiate a
+            // graph allocating SIZE on a stream of their own, meet at a
+            // barrier, and launch at once. The launches' rcs (sorted) and
+            // CHARGED/HELD after both.
+            "g-race" => {
+                let size = parse_size(&next(&mut i));
+                let barrier = std::sync::Barrier::new(2);
+                let c = &probe.c;
+                let mut rcs: Vec<R> = std::thread::scope(|sc| {
+                    let hs: Vec<_> = (0..2)
+                        .map(|_| {
+                            sc.spawn(|| {
+                                probe.set_current();
+                                let mut mine = Graph::default();
+                                assert_eq!(mine.capture(c, size), 0);
+                                assert_eq!(mine.instantiate(c, "flags"), 0);
+                                barrier.wait();
+                                let (rcs, _) = mine.launch(c, probe.dev, 1, true);
+                                rcs[0].parse::<R>().unwrap()
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                rcs.sort_unstable();
+                let rcs: Vec<String> = rcs.iter().map(R::to_string).collect();
+                println!(
+                    "g-race rcs={} now={}",
+                    rcs.join(","),
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
             // g-foreign NS: an executable graph the shim never saw
             // instantiated (the simulated driver's test export), launched.
             "g-foreign" => {

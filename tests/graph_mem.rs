@@ -442,6 +442,19 @@ fn a_graph_with_memory_nodes_cannot_be_cloned() {
     }
 }
 
+/// Two threads launch graphs at once (forced to overlap by a barrier)
+/// under a cap that fits one: one runs, the other is refused with
+/// CUDA_ERROR_OUT_OF_MEMORY, and the driver never holds more than the cap.
+#[test]
+fn racing_graph_launches_never_pass_the_cap() {
+    for _ in 0..5 {
+        let o = graph_probe(&[], Some("1536M"), &["ctx", "g-race", "1G"]);
+        let l = line(&o, "g-race", 0);
+        assert_eq!(l["rcs"], "0,2", "{}", stdout(&o));
+        assert_eq!(pair(&l["now"]), (G, G));
+    }
+}
+
 /// An executable graph the shim did not see instantiated may allocate
 /// anything: under a cap its launch is refused rather than charged after
 /// it ran; without one it runs.
