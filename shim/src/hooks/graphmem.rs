@@ -42,6 +42,15 @@ const ATTR_RESERVED_CURRENT: i32 = 2;
 /// How deep child graphs are followed; deeper is no graph a program makes.
 const MAX_DEPTH: u32 = 16;
 
+/// The pool maps memory in pages of at least this much: each allocation is
+/// bounded by its size rounded up to it.
+const PAGE: u64 = 2 << 20;
+
+/// What one allocation node of `bytes` can take from a pool.
+pub fn page_rounded(bytes: u64) -> u64 {
+    bytes.div_ceil(PAGE).saturating_mul(PAGE)
+}
+
 /// Bytes an executable graph allocates, per device (a few entries).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Need(Vec<(usize, u64)>);
@@ -161,7 +170,7 @@ fn walk(graph: *mut c_void, depth: u32, need: &mut Need) -> Option<()> {
                     // Host or NUMA memory: no device's cap.
                     continue;
                 }
-                need.add(dev as usize, p.bytesize as u64);
+                need.add(dev as usize, page_rounded(p.bytesize as u64));
             }
             CU_GRAPH_NODE_TYPE_GRAPH => {
                 let mut child: *mut c_void = std::ptr::null_mut();
@@ -487,6 +496,15 @@ mod tests {
         // Outstanding allocations are not spare.
         assert_eq!(growth(1 << 30, 1 << 30, 1 << 30), 1 << 30);
         assert_eq!(growth(u64::MAX, 0, 1), u64::MAX);
+    }
+
+    #[test]
+    fn an_allocation_is_bounded_by_whole_pages() {
+        assert_eq!(page_rounded(0), 0);
+        assert_eq!(page_rounded(1), PAGE);
+        assert_eq!(page_rounded(PAGE), PAGE);
+        assert_eq!(page_rounded((1 << 30) + 1), (1 << 30) + PAGE);
+        assert_eq!(page_rounded(u64::MAX), u64::MAX);
     }
 
     #[test]
