@@ -363,6 +363,94 @@ mod tests {
         assert!(t.phys.is_empty() && t.handles.is_empty() && t.exported.is_empty());
     }
 
+    /// Random sequences of what a program may do with handles, against the
+    /// driver's rule: an allocation is charged while any handle to it holds
+    /// a reference or anything maps it, and uncharged exactly once, when
+    /// the last of those goes. (A property test in the style of the
+    /// broker's, on a small generator of its own: the shim takes no
+    /// dependencies.)
+    #[test]
+    fn charges_follow_references_and_mappings_in_any_order() {
+        // handle -> (allocation, references); mapping address -> allocation.
+        type Model = (BTreeMap<u64, (u64, u32)>, BTreeMap<u64, u64>);
+        fn alive(m: &Model, phys: u64) -> bool {
+            m.0.values().any(|&(p, r)| p == phys && r > 0) || m.1.values().any(|&p| p == phys)
+        }
+        for seed in 1..200u64 {
+            let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut next = |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            let mut t = Tables::default();
+            let mut m: Model = Default::default();
+            let mut charged: BTreeMap<u64, ()> = BTreeMap::new();
+            let (mut next_h, mut next_at) = (1u64, 0x1000u64);
+            for _ in 0..60 {
+                let handles: Vec<u64> = m.0.iter().filter(|e| e.1.1 > 0).map(|e| *e.0).collect();
+                let pick = |i: u64, v: &[u64]| v[(i % v.len() as u64) as usize];
+                match next(5) {
+                    0 => {
+                        t.created(next_h);
+                        m.0.insert(next_h, (next_h, 1));
+                        charged.insert(next_h, ());
+                        next_h += 1;
+                    }
+                    1 if !handles.is_empty() => {
+                        // An import of a live handle's allocation, or a
+                        // retain through one of its handles.
+                        let h = pick(next(64), &handles);
+                        let phys = m.0[&h].0;
+                        if next(2) == 0 {
+                            assert!(t.referenced(next_h, Some(phys)));
+                            m.0.insert(next_h, (phys, 1));
+                            next_h += 1;
+                        } else {
+                            assert!(t.referenced(h, None));
+                            m.0.get_mut(&h).unwrap().1 += 1;
+                        }
+                    }
+                    2 if !handles.is_empty() => {
+                        let h = pick(next(64), &handles);
+                        t.mapped(next_at, 0x100, h);
+                        m.1.insert(next_at, m.0[&h].0);
+                        next_at += 0x100;
+                    }
+                    3 if !handles.is_empty() => {
+                        let h = pick(next(64), &handles);
+                        let phys = m.0[&h].0;
+                        m.0.get_mut(&h).unwrap().1 -= 1;
+                        let freed = t.released(h);
+                        let gone = !alive(&m, phys);
+                        assert_eq!(freed, gone.then_some(phys), "seed {seed}");
+                        if gone {
+                            assert!(charged.remove(&phys).is_some(), "uncharged once");
+                            m.0.retain(|_, e| e.0 != phys);
+                        }
+                    }
+                    4 if !m.1.is_empty() => {
+                        let ats: Vec<u64> = m.1.keys().copied().collect();
+                        let at = pick(next(64), &ats);
+                        let phys = m.1.remove(&at).unwrap();
+                        let freed = t.unmapped(at, 0x100);
+                        let gone = !alive(&m, phys);
+                        assert_eq!(freed, gone.then_some(phys).into_iter().collect::<Vec<_>>());
+                        if gone {
+                            assert!(charged.remove(&phys).is_some(), "uncharged once");
+                            m.0.retain(|_, e| e.0 != phys);
+                        }
+                    }
+                    _ => {}
+                }
+                let live: Vec<u64> = t.phys.keys().copied().collect();
+                let want: Vec<u64> = charged.keys().copied().collect();
+                assert_eq!(live, want, "seed {seed}: charged allocations");
+            }
+        }
+    }
+
     #[test]
     fn a_range_unmaps_only_the_whole_mappings_inside_it() {
         let mut t = Tables::default();
