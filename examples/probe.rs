@@ -906,13 +906,14 @@ fn main() {
                     charged_and_held(&probe.c, probe.dev)
                 );
             }
-            // g-launch N free|hold: N launches; after each the allocation is
-            // freed with cuMemFreeAsync unless "hold". Every launch's rc,
-            // and CHARGED/HELD after each.
+            // g-launch N free|free-sync|hold: N launches; after each the
+            // allocation is freed with cuMemFreeAsync (cuMemFree with
+            // free-sync) unless "hold". Every launch's rc, and CHARGED/HELD
+            // after each.
             "g-launch" => {
                 let n: usize = next(&mut i).parse().unwrap();
-                let hold = next(&mut i) == "hold";
-                let (rcs, after) = g.launch(&probe.c, probe.dev, n, hold);
+                let how = next(&mut i);
+                let (rcs, after) = g.launch(&probe.c, probe.dev, n, &how);
                 println!("g-launch rcs={} after={}", rcs.join(","), after.join(","));
             }
             // g-race SIZE: two threads each capture and instantiate a
@@ -932,7 +933,7 @@ fn main() {
                                 assert_eq!(mine.capture(c, size), 0);
                                 assert_eq!(mine.instantiate(c, "flags"), 0);
                                 barrier.wait();
-                                let (rcs, _) = mine.launch(c, probe.dev, 1, true);
+                                let (rcs, _) = mine.launch(c, probe.dev, 1, "hold");
                                 rcs[0].parse::<R>().unwrap()
                             })
                         })
@@ -1374,7 +1375,7 @@ impl Graph {
         unsafe { f(self.exec, s) }
     }
 
-    fn launch(&mut self, c: &Cuda, dev: c_int, n: usize, hold: bool) -> (Vec<String>, Vec<String>) {
+    fn launch(&mut self, c: &Cuda, dev: c_int, n: usize, how: &str) -> (Vec<String>, Vec<String>) {
         let s = self.stream(c);
         let launch = f!(
             c,
@@ -1400,7 +1401,10 @@ impl Graph {
             rcs.push(rc.to_string());
             unsafe { sync(s) };
             after.push(charged_and_held(c, dev));
-            if rc == 0 && !hold {
+            if rc == 0 && how == "free-sync" {
+                let f = f!(c, "cuMemFree", "cuMemFree_v2", fn(u64));
+                assert_eq!(unsafe { f(self.ptr) }, 0, "cuMemFree");
+            } else if rc == 0 && how != "hold" {
                 unsafe {
                     free(self.ptr, s);
                     sync(s);

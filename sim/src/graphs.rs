@@ -13,7 +13,7 @@
 //! launches); its memory is taken from the device's graph pool when the
 //! graph is uploaded or launched, and goes back to the pool (not to the
 //! device) when freed, by a free node (of that graph or of another one
-//! launched later) or with `cuMemFreeAsync`; a graph cannot be launched
+//! launched later) or with `cuMemFreeAsync` or `cuMemFree`; a graph cannot be launched
 //! again while an allocation of its last launch is still outstanding
 //! (unless instantiated with `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`,
 //! which frees them first); a graph with memory nodes has at most one
@@ -196,6 +196,12 @@ pub fn free(stream: CUstream, ptsz: bool, va: u64) -> Result<bool, CUresult> {
         }
     }
     Ok(give_back(b, va))
+}
+
+/// `cuMemFree` of an outstanding graph allocation: back to its pool. False
+/// if `va` is none.
+pub fn give_back_outstanding(va: u64) -> bool {
+    give_back(&mut books(), va)
 }
 
 /// An outstanding graph allocation back to its pool; false if `va` is none.

@@ -296,7 +296,12 @@ cuda_exports! {
     }
 
     fn cuMemFree_v2(dptr: CUdeviceptr) {
-        uncharge(cuda()?, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
+        let s = cuda()?;
+        // A graph allocation left outstanding goes back to its graph pool.
+        if crate::graphs::give_back_outstanding(dptr) {
+            return Ok(());
+        }
+        uncharge(s, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
     }
 
     fn cuMemAllocPitch_v2(
