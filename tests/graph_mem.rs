@@ -16,10 +16,10 @@ fn output_within(cmd: &mut Command, secs: u64, what: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawning");
-    finish_within(child, secs, what)
+    finish_within(&mut KillOnDrop(child).0, secs, what)
 }
 
-fn finish_within(mut child: Child, secs: u64, what: &str) -> Output {
+fn finish_within(child: &mut Child, secs: u64, what: &str) -> Output {
     // Drained meanwhile: a full pipe must not pass for a hang.
     let mut out = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
@@ -156,8 +156,9 @@ fn a_multi_device_cooperative_launch_then_a_hand_back_does_not_hang() {
         .args(["launch", "1", "1000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut a = cmd.spawn().unwrap();
-    let pid = a.id();
+    // Killed however the test ends: it would wait for its file forever.
+    let mut a = KillOnDrop(cmd.spawn().unwrap());
+    let pid = a.0.id();
     // It holds device 0 (and only it) when it makes the launch.
     wait_until(30.0, "the first process to hold its GPU", || {
         holding(&b, pid)
@@ -165,9 +166,9 @@ fn a_multi_device_cooperative_launch_then_a_hand_back_does_not_hang() {
     std::fs::write(&go, "").unwrap();
     let mut l = String::new();
     while !l.starts_with("coop-multi") {
-        l = read_line(&mut a);
+        l = read_line(&mut a.0);
         assert!(
-            !l.is_empty() || a.try_wait().unwrap().is_none(),
+            !l.is_empty() || a.0.try_wait().unwrap().is_none(),
             "the first process ended early"
         );
     }
@@ -184,7 +185,7 @@ fn a_multi_device_cooperative_launch_then_a_hand_back_does_not_hang() {
     ok(&other);
     assert_eq!(num(&line(&other, "launch", 0), "rc"), 0);
     std::fs::write(&again, "").unwrap();
-    let first = finish_within(a, 60, "the first process, launching again");
+    let first = finish_within(&mut a.0, 60, "the first process, launching again");
     ok(&first);
     assert_eq!(num(&line(&first, "launch", 0), "rc"), 0);
 }
