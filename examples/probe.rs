@@ -79,7 +79,7 @@ impl Cuda {
 }
 
 macro_rules! f {
-    ($cuda:expr, $base:literal, $ver:literal, fn($($t:ty),*)) => {{
+    ($cuda:expr, $base:literal, $ver:expr, fn($($t:ty),* $(,)?)) => {{
         let p = $cuda.sym($base, $ver);
         unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($t),*) -> R>(p) }
     }};
@@ -382,6 +382,7 @@ fn main() {
         pool: Mutex::new(HashMap::new()),
     };
     let mut windows = Vec::new();
+    let mut g = Graph::default();
     let mut i = 0;
     let next = |i: &mut usize| {
         *i += 1;
@@ -568,6 +569,84 @@ fn main() {
                 assert_eq!(unsafe { unmap(b, size / 2) }, 0);
                 out.push(stage());
                 println!("vmm-life stages={}", out.join(","));
+            }
+            // A VMM allocation shared through a file descriptor: created
+            // exportable, mapped at A, exported and imported as a second
+            // handle; the first released and A unmapped; the second mapped
+            // at B, retained through B, released; B unmapped; the retained
+            // reference released. CHARGED/HELD after each stage.
+            "vmm-share" => {
+                let size = parse_size(&next(&mut i));
+                let c = &probe.c;
+                let stage = || charged_and_held(c, probe.dev);
+                let mut out = Vec::new();
+                let mut prop = [0u64; 4];
+                // Pinned, exportable as a POSIX file descriptor, on --device.
+                prop[0] = 1 | (1 << 32);
+                prop[1] = 1 | ((probe.dev as u32 as u64) << 32);
+                let mut h = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemCreate",
+                        "cuMemCreate",
+                        fn(*mut u64, usize, *const [u64; 4], u64)
+                    )(&mut h, size, &prop, 0)
+                };
+                assert_eq!(rc, 0, "cuMemCreate");
+                out.push(stage());
+                let a = vmm_map(c, h, size, 0, size).expect("map A");
+                let mut fd: c_int = -1;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemExportToShareableHandle",
+                        "cuMemExportToShareableHandle",
+                        fn(*mut c_int, u64, c_uint, u64)
+                    )(&mut fd, h, 1, 0)
+                };
+                assert_eq!(rc, 0, "export");
+                let mut h2 = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemImportFromShareableHandle",
+                        "cuMemImportFromShareableHandle",
+                        fn(*mut u64, *mut c_void, c_uint)
+                    )(&mut h2, fd as usize as *mut c_void, 1)
+                };
+                assert_eq!(rc, 0, "import");
+                assert_ne!(h2, h, "a handle of its own");
+                out.push(stage());
+                let release = f!(c, "cuMemRelease", "cuMemRelease", fn(u64));
+                let unmap = f!(c, "cuMemUnmap", "cuMemUnmap", fn(u64, usize));
+                assert_eq!(unsafe { release(h) }, 0);
+                assert_eq!(unsafe { unmap(a, size) }, 0);
+                out.push(stage());
+                // Whether as much again fits now (given back at once).
+                let mid = match probe.alloc("alloc", size) {
+                    Ok(held) => probe.free(held),
+                    Err(rc) => rc,
+                };
+                let b = vmm_map(c, h2, size, 0, size).expect("map B");
+                let mut h3 = 0u64;
+                let rc = unsafe {
+                    f!(
+                        c,
+                        "cuMemRetainAllocationHandle",
+                        "cuMemRetainAllocationHandle",
+                        fn(*mut u64, u64)
+                    )(&mut h3, b)
+                };
+                assert_eq!((rc, h3), (0, h2), "retain");
+                assert_eq!(unsafe { release(h2) }, 0);
+                out.push(stage());
+                assert_eq!(unsafe { unmap(b, size) }, 0);
+                out.push(stage());
+                assert_eq!(unsafe { release(h3) }, 0);
+                out.push(stage());
+                unsafe { libc::close(fd) };
+                println!("vmm-share stages={} alloc_meanwhile={mid}", out.join(","));
             }
             "info-null" => {
                 let mut total = 0usize;
@@ -773,6 +852,144 @@ fn main() {
                     stage()
                 );
             }
+            // CUDA graphs step by step (`g-*`): one graph, its executable
+            // graph and its allocation at a time. Each prints its rc and
+            // then CHARGED/HELD (what the shim charges, what the driver
+            // holds) on --device. With --ptsz, captures run on the
+            // per-thread default stream through the _ptsz entry points.
+            //
+            // g-capture SIZE: a cuMemAllocAsync of SIZE captured.
+            "g-capture" => {
+                let size = parse_size(&next(&mut i));
+                let rc = g.capture(&probe.c, size);
+                println!(
+                    "g-capture rc={rc} now={}",
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
+            // g-create: an empty graph (cuGraphCreate) with an empty node.
+            "g-create" => {
+                let rc = g.create(&probe.c);
+                println!("g-create rc={rc}");
+            }
+            // g-node SIZE: an allocation node of SIZE on --device added to
+            // the graph (cuGraphCreate first if there is none).
+            "g-node" => {
+                let size = parse_size(&next(&mut i));
+                let rc = g.node(&probe.c, size, probe.dev);
+                println!(
+                    "g-node rc={rc} now={}",
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
+            // g-clone: the graph replaced by its clone (cuGraphClone).
+            "g-clone" => {
+                let rc = g.clone_graph(&probe.c);
+                println!("g-clone rc={rc}");
+            }
+            // g-instantiate HOW: v1, v2, flags, auto-free, params or
+            // params-upload (cuGraphInstantiateWithParams, _ptsz with
+            // --ptsz; uploading on a new stream).
+            "g-instantiate" => {
+                let how = next(&mut i);
+                let rc = g.instantiate(&probe.c, &how);
+                println!(
+                    "g-instantiate rc={rc} now={}",
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
+            // g-upload: cuGraphUpload of the executable graph.
+            "g-upload" => {
+                let rc = g.upload(&probe.c);
+                println!(
+                    "g-upload rc={rc} now={}",
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
+            // g-launch N free|free-sync|hold: N launches; after each the
+            // allocation is freed with cuMemFreeAsync (cuMemFree with
+            // free-sync) unless "hold". Every launch's rc, and CHARGED/HELD
+            // after each.
+            "g-launch" => {
+                let n: usize = next(&mut i).parse().unwrap();
+                let how = next(&mut i);
+                let (rcs, after) = g.launch(&probe.c, probe.dev, n, &how);
+                println!("g-launch rcs={} after={}", rcs.join(","), after.join(","));
+            }
+            // g-race SIZE: two threads each capture and instantiate a
+            // graph allocating SIZE on a stream of their own, meet at a
+            // barrier, and launch at once. The launches' rcs (sorted) and
+            // CHARGED/HELD after both.
+            "g-race" => {
+                let size = parse_size(&next(&mut i));
+                let barrier = std::sync::Barrier::new(2);
+                let c = &probe.c;
+                let mut rcs: Vec<R> = std::thread::scope(|sc| {
+                    let hs: Vec<_> = (0..2)
+                        .map(|_| {
+                            sc.spawn(|| {
+                                probe.set_current();
+                                let mut mine = Graph::default();
+                                assert_eq!(mine.capture(c, size), 0);
+                                assert_eq!(mine.instantiate(c, "flags"), 0);
+                                barrier.wait();
+                                let (rcs, _) = mine.launch(c, probe.dev, 1, "hold");
+                                rcs[0].parse::<R>().unwrap()
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                rcs.sort_unstable();
+                let rcs: Vec<String> = rcs.iter().map(R::to_string).collect();
+                println!(
+                    "g-race rcs={} now={}",
+                    rcs.join(","),
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
+            // g-foreign NS: an executable graph the shim never saw
+            // instantiated (the simulated driver's test export), launched.
+            "g-foreign" => {
+                let ns: u64 = next(&mut i).parse().unwrap();
+                let p = unsafe { libc::dlsym(probe.c.lib, c"gpufracSimGraphCreate".as_ptr()) };
+                assert!(!p.is_null(), "not the simulated driver");
+                let create: unsafe extern "C" fn(*mut *mut c_void, u64) -> R =
+                    unsafe { std::mem::transmute(p) };
+                let mut e = std::ptr::null_mut();
+                assert_eq!(unsafe { create(&mut e, ns) }, 0);
+                let launch = f!(
+                    probe.c,
+                    "cuGraphLaunch",
+                    "cuGraphLaunch",
+                    fn(*mut c_void, *mut c_void)
+                );
+                let rc = unsafe { launch(e, std::ptr::null_mut()) };
+                println!("g-foreign rc={rc}");
+            }
+            // g-trim: cuDeviceGraphMemTrim of --device.
+            "g-trim" => {
+                let rc = unsafe {
+                    f!(
+                        probe.c,
+                        "cuDeviceGraphMemTrim",
+                        "cuDeviceGraphMemTrim",
+                        fn(c_int)
+                    )(probe.dev)
+                };
+                println!(
+                    "g-trim rc={rc} now={}",
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
+            // g-destroy: the executable graph and the graph destroyed.
+            "g-destroy" => {
+                let rc = g.destroy(&probe.c);
+                println!(
+                    "g-destroy rc={rc} now={}",
+                    charged_and_held(&probe.c, probe.dev)
+                );
+            }
             "fork-used" => {
                 // What the shim charges in a child forked after CUDA init.
                 let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
@@ -795,6 +1012,34 @@ fn main() {
                     libc::waitpid(pid, std::ptr::null_mut(), 0);
                 }
                 println!("fork-used parent={parent} child={}", u64::from_le_bytes(v));
+            }
+            // One cooperative launch over devices 0 and 1: a kernel of NS
+            // on a new stream of each device's primary context, then both
+            // streams synchronised; the context of --device is current again
+            // afterwards.
+            "coop-multi" => {
+                let ns: u64 = next(&mut i).parse().unwrap();
+                let (rc, sync_rc) = coop_multi(&probe.c, ns);
+                probe.set_current();
+                println!("coop-multi rc={rc} sync_rc={sync_rc}");
+            }
+            // Kernels the simulated engine of --device was given so far.
+            "kernels" => {
+                let p = unsafe { libc::dlsym(probe.c.lib, c"gpufracSimEngineStats".as_ptr()) };
+                assert!(!p.is_null(), "not the simulated driver");
+                let stats: unsafe extern "C" fn(c_int, *mut u64, *mut u64) -> R =
+                    unsafe { std::mem::transmute(p) };
+                let (mut busy, mut n) = (0u64, 0u64);
+                let rc = unsafe { stats(probe.dev, &mut busy, &mut n) };
+                println!("kernels rc={rc} count={n}");
+            }
+            // Waits for PATH to exist: the test says when to go on.
+            "await-file" => {
+                let path = next(&mut i);
+                while !std::path::Path::new(&path).exists() {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                println!("await-file done=1");
             }
             "sleep-ms" => {
                 let ms: u64 = next(&mut i).parse().unwrap();
@@ -914,6 +1159,344 @@ fn charged_and_held(c: &Cuda, dev: c_int) -> String {
     let mut held = 0u64;
     unsafe { held_fn(dev, &mut held) };
     format!("{charged}/{held}")
+}
+
+/// The probe's one graph (`g-*` steps).
+struct Graph {
+    stream: *mut c_void,
+    graph: *mut c_void,
+    exec: *mut c_void,
+    /// The graph's allocation.
+    ptr: u64,
+}
+
+impl Default for Graph {
+    fn default() -> Graph {
+        Graph {
+            stream: std::ptr::null_mut(),
+            graph: std::ptr::null_mut(),
+            exec: std::ptr::null_mut(),
+            ptr: 0,
+        }
+    }
+}
+
+impl Graph {
+    /// The stream captures and launches run on: a new one, or with --ptsz
+    /// the per-thread default stream (NULL to the _ptsz entry points).
+    fn stream(&mut self, c: &Cuda) -> *mut c_void {
+        if !c.ptsz && self.stream.is_null() {
+            let create = f!(
+                c,
+                "cuStreamCreate",
+                "cuStreamCreate",
+                fn(*mut *mut c_void, c_uint)
+            );
+            assert_eq!(unsafe { create(&mut self.stream, 1) }, 0);
+        }
+        self.stream
+    }
+
+    fn capture(&mut self, c: &Cuda, size: usize) -> R {
+        let s = self.stream(c);
+        let begin = f!(
+            c,
+            "cuStreamBeginCapture",
+            ptsz_name(c, "cuStreamBeginCapture_v2", "cuStreamBeginCapture_v2_ptsz"),
+            fn(*mut c_void, c_int)
+        );
+        let rc = unsafe { begin(s, 0) };
+        if rc != 0 {
+            return rc;
+        }
+        let alloc = f!(
+            c,
+            "cuMemAllocAsync",
+            ptsz_name(c, "cuMemAllocAsync", "cuMemAllocAsync_ptsz"),
+            fn(*mut u64, usize, *mut c_void)
+        );
+        let rc = unsafe { alloc(&mut self.ptr, size, s) };
+        if rc != 0 {
+            return rc;
+        }
+        let end = f!(
+            c,
+            "cuStreamEndCapture",
+            ptsz_name(c, "cuStreamEndCapture", "cuStreamEndCapture_ptsz"),
+            fn(*mut c_void, *mut *mut c_void)
+        );
+        unsafe { end(s, &mut self.graph) }
+    }
+
+    fn create(&mut self, c: &Cuda) -> R {
+        let create = f!(
+            c,
+            "cuGraphCreate",
+            "cuGraphCreate",
+            fn(*mut *mut c_void, c_uint)
+        );
+        let rc = unsafe { create(&mut self.graph, 0) };
+        if rc != 0 {
+            return rc;
+        }
+        let empty = f!(
+            c,
+            "cuGraphAddEmptyNode",
+            "cuGraphAddEmptyNode",
+            fn(*mut *mut c_void, *mut c_void, *const *mut c_void, usize)
+        );
+        let mut node = std::ptr::null_mut();
+        unsafe { empty(&mut node, self.graph, std::ptr::null(), 0) }
+    }
+
+    fn node(&mut self, c: &Cuda, size: usize, dev: c_int) -> R {
+        if self.graph.is_null() {
+            let rc = self.create(c);
+            if rc != 0 {
+                return rc;
+            }
+        }
+        let add = f!(
+            c,
+            "cuGraphAddMemAllocNode",
+            "cuGraphAddMemAllocNode",
+            fn(
+                *mut *mut c_void,
+                *mut c_void,
+                *const *mut c_void,
+                usize,
+                *mut gpufrac_common::cuda::CUDA_MEM_ALLOC_NODE_PARAMS,
+            )
+        );
+        let mut p = gpufrac_common::cuda::CUDA_MEM_ALLOC_NODE_PARAMS {
+            poolProps: gpufrac_common::cuda::CUmemPoolProps {
+                allocType: 1,
+                handleTypes: 0,
+                location: gpufrac_common::cuda::CUmemLocation { type_: 1, id: dev },
+                win32SecurityAttributes: std::ptr::null_mut(),
+                maxSize: 0,
+                usage: 0,
+                reserved: [0; 54],
+            },
+            accessDescs: std::ptr::null(),
+            accessDescCount: 0,
+            bytesize: size,
+            dptr: 0,
+        };
+        let mut node = std::ptr::null_mut();
+        let rc = unsafe { add(&mut node, self.graph, std::ptr::null(), 0, &mut p) };
+        self.ptr = p.dptr;
+        rc
+    }
+
+    fn clone_graph(&mut self, c: &Cuda) -> R {
+        let clone = f!(
+            c,
+            "cuGraphClone",
+            "cuGraphClone",
+            fn(*mut *mut c_void, *mut c_void)
+        );
+        let mut g = std::ptr::null_mut();
+        let rc = unsafe { clone(&mut g, self.graph) };
+        if rc == 0 {
+            self.graph = g;
+        }
+        rc
+    }
+
+    fn instantiate(&mut self, c: &Cuda, how: &str) -> R {
+        let g = self.graph;
+        let e = &mut self.exec as *mut *mut c_void;
+        match how {
+            "v1" | "v2" => {
+                let f = f!(
+                    c,
+                    "cuGraphInstantiate",
+                    if how == "v1" {
+                        "cuGraphInstantiate"
+                    } else {
+                        "cuGraphInstantiate_v2"
+                    },
+                    fn(*mut *mut c_void, *mut c_void, *mut *mut c_void, *mut c_char, usize)
+                );
+                let mut node = std::ptr::null_mut();
+                let mut log = [0 as c_char; 64];
+                unsafe { f(e, g, &mut node, log.as_mut_ptr(), log.len()) }
+            }
+            "flags" | "auto-free" => {
+                let f = f!(
+                    c,
+                    "cuGraphInstantiateWithFlags",
+                    "cuGraphInstantiateWithFlags",
+                    fn(*mut *mut c_void, *mut c_void, u64)
+                );
+                unsafe { f(e, g, u64::from(how == "auto-free")) }
+            }
+            "params" | "params-upload" => {
+                let f = f!(
+                    c,
+                    "cuGraphInstantiateWithParams",
+                    ptsz_name(
+                        c,
+                        "cuGraphInstantiateWithParams",
+                        "cuGraphInstantiateWithParams_ptsz"
+                    ),
+                    fn(
+                        *mut *mut c_void,
+                        *mut c_void,
+                        *mut gpufrac_common::cuda::CUDA_GRAPH_INSTANTIATE_PARAMS,
+                    )
+                );
+                let upload = how == "params-upload";
+                let mut p = gpufrac_common::cuda::CUDA_GRAPH_INSTANTIATE_PARAMS {
+                    flags: if upload { 2 } else { 0 },
+                    hUploadStream: if upload {
+                        self.stream(c)
+                    } else {
+                        std::ptr::null_mut()
+                    },
+                    hErrNode_out: std::ptr::null_mut(),
+                    result_out: -1,
+                };
+                unsafe { f(e, g, &mut p) }
+            }
+            other => panic!("g-instantiate: unknown {other}"),
+        }
+    }
+
+    fn upload(&mut self, c: &Cuda) -> R {
+        let s = self.stream(c);
+        let f = f!(
+            c,
+            "cuGraphUpload",
+            ptsz_name(c, "cuGraphUpload", "cuGraphUpload_ptsz"),
+            fn(*mut c_void, *mut c_void)
+        );
+        unsafe { f(self.exec, s) }
+    }
+
+    fn launch(&mut self, c: &Cuda, dev: c_int, n: usize, how: &str) -> (Vec<String>, Vec<String>) {
+        let s = self.stream(c);
+        let launch = f!(
+            c,
+            "cuGraphLaunch",
+            ptsz_name(c, "cuGraphLaunch", "cuGraphLaunch_ptsz"),
+            fn(*mut c_void, *mut c_void)
+        );
+        let sync = f!(
+            c,
+            "cuStreamSynchronize",
+            ptsz_name(c, "cuStreamSynchronize", "cuStreamSynchronize_ptsz"),
+            fn(*mut c_void)
+        );
+        let free = f!(
+            c,
+            "cuMemFreeAsync",
+            ptsz_name(c, "cuMemFreeAsync", "cuMemFreeAsync_ptsz"),
+            fn(u64, *mut c_void)
+        );
+        let (mut rcs, mut after) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            let rc = unsafe { launch(self.exec, s) };
+            rcs.push(rc.to_string());
+            unsafe { sync(s) };
+            after.push(charged_and_held(c, dev));
+            if rc == 0 && how == "free-sync" {
+                let f = f!(c, "cuMemFree", "cuMemFree_v2", fn(u64));
+                assert_eq!(unsafe { f(self.ptr) }, 0, "cuMemFree");
+            } else if rc == 0 && how != "hold" {
+                unsafe {
+                    free(self.ptr, s);
+                    sync(s);
+                }
+            }
+        }
+        (rcs, after)
+    }
+
+    fn destroy(&mut self, c: &Cuda) -> R {
+        let e = f!(
+            c,
+            "cuGraphExecDestroy",
+            "cuGraphExecDestroy",
+            fn(*mut c_void)
+        );
+        let d = f!(c, "cuGraphDestroy", "cuGraphDestroy", fn(*mut c_void));
+        let rc = unsafe { e(self.exec) };
+        let rc2 = unsafe { d(self.graph) };
+        *self = Graph {
+            stream: self.stream,
+            ..Graph::default()
+        };
+        if rc != 0 { rc } else { rc2 }
+    }
+}
+
+/// `cuLaunchCooperativeKernelMultiDevice` of the spin kernel for `ns` on
+/// devices 0 and 1 (a stream of each one's primary context); its result
+/// and the streams' synchronisation's (the first failure).
+fn coop_multi(c: &Cuda, ns: u64) -> (R, R) {
+    let retain = f!(
+        c,
+        "cuDevicePrimaryCtxRetain",
+        "cuDevicePrimaryCtxRetain",
+        fn(*mut *mut c_void, c_int)
+    );
+    let set = f!(c, "cuCtxSetCurrent", "cuCtxSetCurrent", fn(*mut c_void));
+    let create = f!(
+        c,
+        "cuStreamCreate",
+        "cuStreamCreate",
+        fn(*mut *mut c_void, c_uint)
+    );
+    let mut d = ns;
+    let mut params = [(&mut d as *mut u64).cast::<c_void>()];
+    let mut list = Vec::new();
+    let mut ctxs = Vec::new();
+    for dev in 0..2 {
+        let mut ctx = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        unsafe {
+            assert_eq!(retain(&mut ctx, dev), 0, "primary context of {dev}");
+            set(ctx);
+            assert_eq!(create(&mut stream, 1), 0, "stream on {dev}");
+        }
+        ctxs.push(ctx);
+        list.push(gpufrac_common::cuda::CUDA_LAUNCH_PARAMS {
+            function: Kernel::new(c, "cuLaunchKernel").func,
+            gridDimX: 1,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: 1,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: stream,
+            kernelParams: params.as_mut_ptr(),
+        });
+    }
+    let launch = f!(
+        c,
+        "cuLaunchCooperativeKernelMultiDevice",
+        "cuLaunchCooperativeKernelMultiDevice",
+        fn(*mut gpufrac_common::cuda::CUDA_LAUNCH_PARAMS, c_uint, c_uint)
+    );
+    // Launched from device 0, as a program driving several GPUs from one
+    // thread usually is.
+    unsafe { set(ctxs[0]) };
+    let rc = unsafe { launch(list.as_mut_ptr(), list.len() as c_uint, 0) };
+    let sync = f!(
+        c,
+        "cuStreamSynchronize",
+        "cuStreamSynchronize",
+        fn(*mut c_void)
+    );
+    let sync_rc = list
+        .iter()
+        .map(|p| unsafe { sync(p.hStream) })
+        .find(|&r| r != 0)
+        .unwrap_or(0);
+    (rc, sync_rc)
 }
 
 /// Reserves a range of `size` bytes and maps `len` bytes of handle `h`

@@ -19,6 +19,8 @@ pub type CUarray = *mut c_void;
 pub type CUmipmappedArray = *mut c_void;
 pub type CUmemoryPool = *mut c_void;
 pub type CUgraphExec = *mut c_void;
+pub type CUgraph = *mut c_void;
+pub type CUgraphNode = *mut c_void;
 pub type CUmemGenericAllocationHandle = u64;
 
 pub const CUDA_SUCCESS: CUresult = 0;
@@ -86,6 +88,54 @@ pub struct CUmemAllocationProp {
     pub win32HandleMetaData: *mut c_void,
     pub allocFlags: CUmemAllocationPropFlags,
 }
+
+/// `CUmemPoolProps` (88 bytes; `maxSize` and `usage` were reserved bytes
+/// before CUDA 12.2).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUmemPoolProps {
+    pub allocType: c_uint,
+    pub handleTypes: c_uint,
+    pub location: CUmemLocation,
+    pub win32SecurityAttributes: *mut c_void,
+    pub maxSize: usize,
+    pub usage: u16,
+    pub reserved: [u8; 54],
+}
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` (v1: what `cuGraphAddMemAllocNode` takes and
+/// `cuGraphMemAllocNodeGetParams` fills).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_MEM_ALLOC_NODE_PARAMS {
+    pub poolProps: CUmemPoolProps,
+    pub accessDescs: *const c_void,
+    pub accessDescCount: usize,
+    pub bytesize: usize,
+    pub dptr: CUdeviceptr,
+}
+
+/// `CUDA_GRAPH_INSTANTIATE_PARAMS`
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CUDA_GRAPH_INSTANTIATE_PARAMS {
+    pub flags: u64,
+    pub hUploadStream: CUstream,
+    pub hErrNode_out: CUgraphNode,
+    pub result_out: c_int,
+}
+
+/// `CUgraphInstantiate_flags`
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: u64 = 1;
+pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: u64 = 2;
+/// `CUgraphNodeType` values the shim and the simulated driver tell apart.
+pub const CU_GRAPH_NODE_TYPE_KERNEL: c_int = 0;
+pub const CU_GRAPH_NODE_TYPE_GRAPH: c_int = 4;
+pub const CU_GRAPH_NODE_TYPE_EMPTY: c_int = 5;
+pub const CU_GRAPH_NODE_TYPE_MEM_ALLOC: c_int = 10;
+pub const CU_GRAPH_NODE_TYPE_MEM_FREE: c_int = 11;
+/// `CUmemAllocationHandleType`
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_uint = 1;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -270,6 +320,17 @@ mod tests {
         assert_eq!(std::mem::size_of::<CUlaunchConfig>(), 56);
         assert_eq!(std::mem::offset_of!(CUDA_LAUNCH_PARAMS, hStream), 40);
         assert_eq!(std::mem::size_of::<nvmlMemory_v2_t>(), 40);
+        assert_eq!(std::mem::size_of::<CUmemPoolProps>(), 88);
+        assert_eq!(
+            std::mem::offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize),
+            104
+        );
+        assert_eq!(std::mem::size_of::<CUDA_MEM_ALLOC_NODE_PARAMS>(), 120);
+        assert_eq!(
+            std::mem::offset_of!(CUDA_GRAPH_INSTANTIATE_PARAMS, result_out),
+            24
+        );
+        assert_eq!(std::mem::size_of::<CUDA_GRAPH_INSTANTIATE_PARAMS>(), 32);
         assert_eq!(nvmlMemory_v2, 0x0200_0028);
     }
 

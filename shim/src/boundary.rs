@@ -9,7 +9,10 @@
 //!   a condition every CUDA program already handles.
 //! - [`pass_through`], for entry points that hand out none (lookups,
 //!   launches, frees, queries): an internal error forwards the call to the
-//!   driver as the application made it, so the program keeps working.
+//!   driver as the application made it, so the program keeps working —
+//!   unless the hook had already made that call before it failed: then the
+//!   driver's answer to it is the answer (a free or a launch made twice
+//!   would free someone else's memory or run a kernel twice).
 //!
 //! Either way one line on stderr, once per entry point, says which entry
 //! point failed, where the panic was, and what was done about it.
@@ -19,12 +22,29 @@ use std::cell::Cell;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 thread_local! {
     // Const-initialised and destructor-free: safe to touch from any hook,
     // even one that fires while the thread is being torn down.
     static IN_HOOK: Cell<bool> = const { Cell::new(false) };
+    // The real function the innermost pass-through boundary stands for (its
+    // slot's address, 0: none) and the driver's answer once it was called
+    // (NOT_REACHED: not yet).
+    static WATCHED: Cell<usize> = const { Cell::new(0) };
+    static ANSWER: Cell<u64> = const { Cell::new(NOT_REACHED) };
+}
+
+const NOT_REACHED: u64 = u64::MAX;
+
+/// Called by the driver layer after each real call of a pass-through entry
+/// point: when it is the one the innermost boundary stands for, that
+/// boundary must never call it again.
+#[inline(always)]
+pub fn answered(slot: usize, rc: u32) {
+    if WATCHED.with(|w| w.get()) == slot {
+        ANSWER.with(|a| a.set(u64::from(rc)));
+    }
 }
 
 /// Where the last panic happened: kept by the panic hook (which must not
@@ -77,22 +97,47 @@ pub fn fail_closed<F: FnOnce() -> u32>(name: &str, told: &AtomicBool, body: F) -
     )
 }
 
-/// Runs the body of an entry point that hands out no memory; if it
-/// panics, `forward` makes the application's call to the driver instead.
+/// Runs the body of an entry point that hands out no memory, whose real
+/// function lives in `slot`; if it panics, `forward` makes the
+/// application's call to the driver instead — or, when the body had
+/// already made it, the driver's answer to that call is returned.
 #[inline(always)]
 pub fn pass_through<F: FnOnce() -> u32, G: FnOnce() -> u32>(
     name: &str,
     told: &AtomicBool,
+    slot: &'static AtomicUsize,
     body: F,
     forward: G,
 ) -> u32 {
-    contain(
-        name,
-        told,
-        body,
-        "the call goes to the driver as the application made it (this entry point hands out no memory)",
-        forward,
-    )
+    let me = slot as *const AtomicUsize as usize;
+    // Saved and restored: a driver that calls back into another export
+    // from inside this one must not lose the outer boundary's watch.
+    let outer = (
+        WATCHED.with(|w| w.replace(me)),
+        ANSWER.with(|a| a.replace(NOT_REACHED)),
+    );
+    let r = catch_unwind(AssertUnwindSafe(body));
+    let answer = ANSWER.with(|a| a.replace(outer.1));
+    WATCHED.with(|w| w.set(outer.0));
+    match r {
+        Ok(rc) => rc,
+        Err(_) if answer != NOT_REACHED => {
+            tell(
+                name,
+                told,
+                "the driver's answer to the call the hook had already made is returned (it is not made twice)",
+            );
+            answer as u32
+        }
+        Err(_) => {
+            tell(
+                name,
+                told,
+                "the call goes to the driver as the application made it (this entry point hands out no memory)",
+            );
+            forward()
+        }
+    }
 }
 
 /// Runs `body`; on a panic, says `what` is done (once per `told`) and
@@ -172,22 +217,42 @@ pub fn install_panic_hook() {
 /// Fault injection for the tests, compiled into debug builds only (the
 /// tests run the debug library; a release build has no such variable):
 /// with `GPUFRAC_TEST_PANIC=<point>` the shim panics at `point`, which is
-/// an exported entry point's name (at the start of its boundary) or
-/// `charge` (in the middle of a charge: after the driver allocated, before
-/// the allocation is recorded — the worst place for the books).
+/// an exported entry point's name (at the start of its boundary),
+/// `after:` and a pass-through entry point's name (once its hook returned,
+/// the driver called), or `charge` (in the middle of a charge: after the
+/// driver allocated, before the allocation is recorded — the worst place
+/// for the books).
 #[inline(always)]
 #[track_caller]
 pub fn fault(point: &str) {
+    fault_at("", point);
+}
+
+/// Fault injection after a hook's body returned (its driver call made):
+/// `GPUFRAC_TEST_PANIC=after:<entry point>`.
+#[inline(always)]
+#[track_caller]
+pub fn fault_after(point: &str) {
+    fault_at("after:", point);
+}
+
+#[inline(always)]
+#[track_caller]
+fn fault_at(stage: &str, point: &str) {
     #[cfg(debug_assertions)]
     {
         static WHICH: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
         let which = WHICH.get_or_init(|| std::env::var("GPUFRAC_TEST_PANIC").ok());
-        if which.as_deref() == Some(point) {
-            panic!("GPUFRAC_TEST_PANIC={point}");
+        if which
+            .as_deref()
+            .and_then(|w| w.strip_prefix(stage))
+            .is_some_and(|w| w == point)
+        {
+            panic!("GPUFRAC_TEST_PANIC={stage}{point}");
         }
     }
     #[cfg(not(debug_assertions))]
-    let _ = point;
+    let _ = (stage, point);
 }
 
 #[cfg(test)]
@@ -204,15 +269,27 @@ mod tests {
         assert_eq!(fail_closed("cuMemAlloc_v2", &told, || 0), 0);
     }
 
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    static OTHER: AtomicUsize = AtomicUsize::new(0);
+
+    fn addr(s: &'static AtomicUsize) -> usize {
+        s as *const AtomicUsize as usize
+    }
+
     #[test]
-    fn a_panic_elsewhere_forwards_the_call_once() {
+    fn a_panic_before_the_driver_call_forwards_the_call_once() {
         let told = AtomicBool::new(false);
         let forwarded = AtomicU32::new(0);
         for _ in 0..2 {
             let rc = pass_through(
                 "cuMemGetInfo_v2",
                 &told,
-                || panic!("in the view"),
+                &SLOT,
+                || {
+                    // Another real function called: not the one forwarded.
+                    answered(addr(&OTHER), 0);
+                    panic!("in the view")
+                },
                 || {
                     forwarded.fetch_add(1, Ordering::Relaxed);
                     7
@@ -221,7 +298,52 @@ mod tests {
             assert_eq!(rc, 7);
         }
         assert_eq!(forwarded.load(Ordering::Relaxed), 2);
-        assert_eq!(pass_through("x", &told, || 3, || unreachable!()), 3);
+        assert_eq!(pass_through("x", &told, &SLOT, || 3, || unreachable!()), 3);
+    }
+
+    #[test]
+    fn a_panic_after_the_driver_call_returns_its_answer_without_calling_again() {
+        let told = AtomicBool::new(false);
+        let rc = pass_through(
+            "cuMemFree_v2",
+            &told,
+            &SLOT,
+            || {
+                answered(addr(&SLOT), 0);
+                panic!("after the free")
+            },
+            || unreachable!("a free made twice"),
+        );
+        assert_eq!(rc, 0);
+        // The watch ends with the boundary: a call made later is no answer.
+        answered(addr(&SLOT), 5);
+        let rc = pass_through(
+            "cuMemFree_v2",
+            &told,
+            &SLOT,
+            || panic!("before the free"),
+            || 9,
+        );
+        assert_eq!(rc, 9);
+    }
+
+    #[test]
+    fn an_inner_boundary_keeps_the_outer_ones_watch() {
+        let told = AtomicBool::new(false);
+        let rc = pass_through(
+            "cuLaunchKernel",
+            &told,
+            &SLOT,
+            || {
+                answered(addr(&SLOT), 4);
+                // The driver calls another export from inside this one.
+                let inner = pass_through("cuCtxGetDevice", &told, &OTHER, || 0, || 1);
+                assert_eq!(inner, 0);
+                panic!("after both")
+            },
+            || unreachable!("a launch made twice"),
+        );
+        assert_eq!(rc, 4);
     }
 
     #[test]

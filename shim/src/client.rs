@@ -170,12 +170,24 @@ pub fn may_launch(_stream: CUstream) -> Result<(), u32> {
     if !GATED.load(Acquire) {
         return Ok(());
     }
-    gate_slow()
+    // Waiting, it never gives up.
+    gate_slow(true).unwrap_or(Ok(()))
+}
+
+/// The gate without asking the broker or waiting for a grant: `None` when
+/// this launch would have to. For a thread that already holds a pass (see
+/// `take_pass`): asking takes the send lock, which a release of the device
+/// that pass counts against holds while it waits for that pass to end.
+pub fn may_launch_now(_stream: CUstream) -> Option<Result<(), u32>> {
+    if !GATED.load(Acquire) {
+        return Some(Ok(()));
+    }
+    gate_slow(false)
 }
 
 #[cold]
 #[inline(never)]
-fn gate_slow() -> Result<(), u32> {
+fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
     if MEMBARRIER.load(Relaxed) {
         let slot = my_slot();
         if slot >= 0 {
@@ -184,7 +196,7 @@ fn gate_slow() -> Result<(), u32> {
             std::sync::atomic::compiler_fence(SeqCst);
             if ALL_OPEN.load(Relaxed) {
                 PENDING.with(|p| p.set(SLOT_BASE - slot));
-                return Ok(());
+                return Some(Ok(()));
             }
             flag.store(0, Release);
         }
@@ -193,7 +205,7 @@ fn gate_slow() -> Result<(), u32> {
     GLOBAL_IN_FLIGHT.fetch_add(1, SeqCst);
     if ALL_OPEN.load(SeqCst) {
         PENDING.with(|p| p.set(ALL_LANE));
-        return Ok(());
+        return Some(Ok(()));
     }
     GLOBAL_IN_FLIGHT.fetch_sub(1, SeqCst);
     let mut dev: CUdevice = -1;
@@ -201,7 +213,7 @@ fn gate_slow() -> Result<(), u32> {
         || !(0..MAX_DEVICES as i32).contains(&dev)
     {
         // No context: the driver will refuse the launch itself.
-        return Ok(());
+        return Some(Ok(()));
     }
     let d = dev as usize;
     let bit = 1u64 << d;
@@ -222,13 +234,16 @@ fn gate_slow() -> Result<(), u32> {
             }
             PENDING.with(|p| p.set(dev));
             TRACK_DEV.with(|t| t.set(if bounded { dev } else { -1 }));
-            return Ok(());
+            return Some(Ok(()));
         }
         // Never send while counted in flight: a release in progress holds
         // the send lock while it waits for that count to drop.
         IN_FLIGHT[d].fetch_sub(1, SeqCst);
         if !GATED.load(Acquire) {
-            return Ok(());
+            return Some(Ok(()));
+        }
+        if !wait {
+            return None;
         }
         // Coming back from idle: ask, and launch meanwhile (once there is
         // room under the optimistic bound: next time round).
@@ -240,7 +255,7 @@ fn gate_slow() -> Result<(), u32> {
             // Not counted in flight: this process holds no grant that a
             // release would have to wait for.
             TRACK_DEV.with(|t| t.set(dev));
-            return Ok(());
+            return Some(Ok(()));
         }
         expire_optimism(d, now);
         wait_for_grant(d);
@@ -275,6 +290,33 @@ pub fn launched(rc: u32, stream: CUstream, ptsz: bool) {
     } else if d <= SLOT_BASE {
         SLOTS[(SLOT_BASE - d) as usize].0.store(0, Release);
     }
+}
+
+/// What one pass of the gate holds until its launch returns (see
+/// `take_pass`).
+#[must_use]
+pub struct Pass {
+    pending: i32,
+    track: i32,
+}
+
+/// Takes what the gate that just let this thread through holds off the
+/// thread, so that the thread can pass the gate again before launching: a
+/// launch that spans several streams passes once per stream and must give
+/// back every pass, not the last one only (a pass never given back is an
+/// in-flight count that a release waits for forever).
+pub fn take_pass() -> Pass {
+    Pass {
+        pending: PENDING.with(|p| p.replace(-1)),
+        track: TRACK_DEV.with(|t| t.replace(-1)),
+    }
+}
+
+/// `launched` for a pass taken with `take_pass`.
+pub fn launched_pass(pass: Pass, rc: u32, stream: CUstream, ptsz: bool) {
+    PENDING.with(|p| p.set(pass.pending));
+    TRACK_DEV.with(|t| t.set(pass.track));
+    launched(rc, stream, ptsz);
 }
 
 /// Re-derives ALL_OPEN after the client thread changed OPEN or CONTENDED.

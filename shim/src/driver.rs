@@ -69,7 +69,8 @@ macro_rules! define_slots {
         #[allow(non_snake_case, clippy::too_many_arguments, dead_code)]
         pub mod call {
             use super::*;
-            define_slots!(@callers $( $afam $aname ($($aarg: $aty),*) )* $( $pfam $pname ($($parg: $pty),*) )* $( $ifam $iname ($($iarg: $ity),*) )*);
+            define_slots!(@callers $( $afam $aname ($($aarg: $aty),*) )* $( $ifam $iname ($($iarg: $ity),*) )*);
+            define_slots!(@answering $( $pfam $pname ($($parg: $pty),*) )*);
         }
 
         /// Every slot, hooked or not.
@@ -78,6 +79,25 @@ macro_rules! define_slots {
             $( Slot { name: concat!(stringify!($pname), "\0").as_bytes(), family: Family::$pfam, real: &real::$pname }, )*
             $( Slot { name: concat!(stringify!($iname), "\0").as_bytes(), family: Family::$ifam, real: &real::$iname }, )*
         ];
+    };
+    // The real functions of pass-through entry points tell the boundary
+    // they were called (see boundary::pass_through).
+    (@answering $( $fam:ident $name:ident ($($arg:ident : $ty:ty),*) )*) => {
+        $(
+            #[inline(always)]
+            pub unsafe fn $name($($arg: $ty),*) -> u32 {
+                let p = real::$name.load(Ordering::Acquire);
+                if p == 0 {
+                    return Family::$fam.missing();
+                }
+                // SAFETY: the slot holds the address of the function of
+                // this exact name and C signature (see hooklist.rs).
+                let f: unsafe extern "C" fn($($ty),*) -> u32 = unsafe { std::mem::transmute(p) };
+                let rc = unsafe { f($($arg),*) };
+                crate::boundary::answered(&real::$name as *const AtomicUsize as usize, rc);
+                rc
+            }
+        )*
     };
     (@callers $( $fam:ident $name:ident ($($arg:ident : $ty:ty),*) )*) => {
         $(

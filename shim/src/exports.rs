@@ -63,9 +63,12 @@ macro_rules! define_exports {
                     boundary::pass_through(
                         stringify!($pname),
                         &TOLD,
+                        &real::$pname,
                         move || {
                             boundary::fault(stringify!($pname));
-                            unsafe { $pimp($($parg),*) }
+                            let rc = unsafe { $pimp($($parg),*) };
+                            boundary::fault_after(stringify!($pname));
+                            rc
                         },
                         // Inlined into the unwinding path, as it was when
                         // the boundary took it directly: an outlined

@@ -12,7 +12,7 @@
 //! The sections say what an entry point does when the shim fails inside it
 //! (a panic, see `boundary.rs`):
 //! - `fail_closed`: it hands out device memory (or, for a graph launch,
-//!   may grow a graph's memory pool). An internal error refuses it with
+//!   upload or instantiation, may grow a graph's memory pool). An internal error refuses it with
 //!   `CUDA_ERROR_OUT_OF_MEMORY`: a cap is never bypassed.
 //! - `pass_through`: it hands out none. An internal error forwards the call
 //!   to the driver as the application made it.
@@ -30,11 +30,19 @@ macro_rules! with_hook_list {
                 Cuda fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool;
                 Cuda fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool_ptsz;
                 Cuda fn cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => mem::create;
+                Cuda fn cuMemImportFromShareableHandle(handle: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_uint) => vmm::import;
                 Cuda fn cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => mem::array_create;
                 Cuda fn cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => mem::array3d_create;
                 Cuda fn cuMipmappedArrayCreate(arr: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) => mem::mipmap_create;
                 Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => launch::graph_launch;
                 Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => launch::graph_launch_ptsz;
+                Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) => graphmem::graph_upload;
+                Cuda fn cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) => graphmem::graph_upload_ptsz;
+                Cuda fn cuGraphInstantiate(exec: *mut CUgraphExec, graph: *mut c_void, err_node: *mut CUgraphNode, log: *mut c_char, log_size: usize) => graphmem::instantiate_v1;
+                Cuda fn cuGraphInstantiate_v2(exec: *mut CUgraphExec, graph: *mut c_void, err_node: *mut CUgraphNode, log: *mut c_char, log_size: usize) => graphmem::instantiate_v2;
+                Cuda fn cuGraphInstantiateWithFlags(exec: *mut CUgraphExec, graph: *mut c_void, flags: u64) => graphmem::instantiate_with_flags;
+                Cuda fn cuGraphInstantiateWithParams(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params;
+                Cuda fn cuGraphInstantiateWithParams_ptsz(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params_ptsz;
             }
             pass_through {
                 Cuda fn cuInit(flags: c_uint) => init::cu_init;
@@ -46,6 +54,7 @@ macro_rules! with_hook_list {
                 Cuda fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => mem::free_async_ptsz;
                 Cuda fn cuMemRelease(handle: CUmemGenericAllocationHandle) => vmm::release;
                 Cuda fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain;
+                Cuda fn cuMemExportToShareableHandle(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, kind: c_uint, flags: u64) => vmm::export;
                 Cuda fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) => vmm::map;
                 Cuda fn cuMemUnmap(ptr: CUdeviceptr, size: usize) => vmm::unmap;
                 Cuda fn cuArrayDestroy(arr: CUarray) => mem::array_destroy;
@@ -72,10 +81,6 @@ macro_rules! with_hook_list {
                 Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop;
                 Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop_ptsz;
                 Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) => launch::launch_coop_multi;
-                Cuda fn cuStreamEndCapture(stream: CUstream, graph: *mut *mut c_void) => graphmem::end_capture;
-                Cuda fn cuGraphInstantiateWithFlags(exec: *mut CUgraphExec, graph: *mut c_void, flags: u64) => graphmem::instantiate_with_flags;
-                Cuda fn cuGraphInstantiateWithParams(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params;
-                Cuda fn cuGraphDestroy(graph: *mut c_void) => graphmem::graph_destroy;
                 Cuda fn cuGraphExecDestroy(exec: CUgraphExec) => graphmem::exec_destroy;
                 Cuda fn cuDeviceGraphMemTrim(dev: CUdevice) => graphmem::trim;
 
@@ -115,6 +120,11 @@ macro_rules! with_hook_list {
                 Cuda fn cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent);
                 Cuda fn cuEventDestroy_v2(event: CUevent);
                 Cuda fn cuStreamIsCapturing(stream: CUstream, status: *mut c_int);
+                Cuda fn cuStreamIsCapturing_ptsz(stream: CUstream, status: *mut c_int);
+                Cuda fn cuGraphGetNodes(graph: *mut c_void, nodes: *mut CUgraphNode, num: *mut usize);
+                Cuda fn cuGraphNodeGetType(node: CUgraphNode, kind: *mut c_int);
+                Cuda fn cuGraphMemAllocNodeGetParams(node: CUgraphNode, params: *mut CUDA_MEM_ALLOC_NODE_PARAMS);
+                Cuda fn cuGraphChildGraphNodeGetGraph(node: CUgraphNode, graph: *mut *mut c_void);
                 Cuda fn cuDeviceGetGraphMemAttribute(dev: CUdevice, attr: c_int, value: *mut c_void);
                 Nvml fn nvmlDeviceGetUUID(dev: nvmlDevice_t, buf: *mut c_char, len: c_uint);
             }

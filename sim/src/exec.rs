@@ -354,12 +354,18 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let list = std::slice::from_raw_parts(list, n as usize);
-        // Validate everything before launching anything.
+        // Validate everything before launching anything: one entry per
+        // device, as the driver requires.
+        let mut devices = Vec::with_capacity(list.len());
         for p in list {
-            resolve_stream(p.hStream, false)?;
+            let t = resolve_stream(p.hStream, false)?;
             if p.function.is_null() {
                 return Err(CUDA_ERROR_INVALID_HANDLE);
             }
+            if devices.contains(&t.ctx.device) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            devices.push(t.ctx.device);
         }
         for p in list {
             let dims = [p.gridDimX, p.gridDimY, p.gridDimZ, p.blockDimX, p.blockDimY, p.blockDimZ];

@@ -39,11 +39,44 @@ struct Registry {
     reserved: BTreeMap<u64, u64>,
     /// VMM mappings: start -> (handle, size).
     mapped: BTreeMap<u64, (u64, u64)>,
-    /// VMM physical allocations: handle -> (references, mappings). The
-    /// memory lives until both are zero, as on a real driver: releasing a
-    /// mapped handle frees nothing.
-    vmm: BTreeMap<u64, (u32, u32)>,
+    /// VMM physical allocations, by the handle `cuMemCreate` returned (the
+    /// key of their charge). The memory lives until no handle to it holds
+    /// a reference and nothing maps it, as on a real driver: releasing a
+    /// mapped handle frees nothing, nor does releasing one handle while
+    /// another (imported) one lives.
+    vmm: BTreeMap<u64, Phys>,
+    /// Allocation handles: handle -> (its physical allocation, references
+    /// it holds). `cuMemCreate` and `cuMemImportFromShareableHandle` make
+    /// one, `cuMemRetainAllocationHandle` adds a reference.
+    handles: BTreeMap<u64, (u64, u32)>,
+    /// File descriptors exported (`cuMemExportToShareableHandle`), by inode:
+    /// the physical allocation each one stands for, in this process.
+    exported: BTreeMap<u64, u64>,
     host: BTreeSet<usize>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Phys {
+    /// References held by all of its handles.
+    refs: u32,
+    maps: u32,
+    /// `CUmemAllocationHandleType`s it may be exported as.
+    types: u32,
+}
+
+impl Registry {
+    /// Frees `phys` if nothing holds it any more: its handles and exports
+    /// are forgotten, and true tells the caller to uncharge it.
+    fn settle(&mut self, phys: u64) -> bool {
+        match self.vmm.get(&phys) {
+            Some(p) if p.refs == 0 && p.maps == 0 => {}
+            _ => return false,
+        }
+        self.vmm.remove(&phys);
+        self.handles.retain(|_, (p, _)| *p != phys);
+        self.exported.retain(|_, p| *p != phys);
+        true
+    }
 }
 
 static REG: Mutex<Registry> = Mutex::new(Registry {
@@ -51,6 +84,8 @@ static REG: Mutex<Registry> = Mutex::new(Registry {
     reserved: BTreeMap::new(),
     mapped: BTreeMap::new(),
     vmm: BTreeMap::new(),
+    handles: BTreeMap::new(),
+    exported: BTreeMap::new(),
     host: BTreeSet::new(),
 });
 
@@ -78,6 +113,19 @@ fn alloc_va(size: u64, align: u64) -> Result<u64, CUresult> {
         .fetch_update(AcqRel, Acquire, |cur| start(cur)?.checked_add(span))
         .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
     start(prev).ok_or(CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+/// The inode of an open file descriptor.
+fn inode(fd: c_int) -> Option<u64> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: an out-pointer to a local.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+}
+
+/// An address for a graph allocation node: fixed for the graph's life,
+/// its memory taken from the graph pool at each launch.
+pub fn graph_va(size: u64) -> Result<u64, CUresult> {
+    alloc_va(size, 512)
 }
 
 /// Charges `size` on `dev` and registers a fresh address/handle for it.
@@ -155,7 +203,7 @@ unsafe fn alloc_async(
     }
     // Captured into a graph: an address now, memory at each launch.
     let va = alloc_va(size as u64, 512)?;
-    if let Some(va) = crate::graphs::capture_alloc(stream, size as u64, dev, va) {
+    if let Some(va) = crate::graphs::capture_alloc(stream, ptsz, size as u64, dev, va) {
         unsafe { *dptr = va };
         return Ok(());
     }
@@ -168,7 +216,7 @@ unsafe fn alloc_async(
 unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream, ptsz: bool) -> Result<(), CUresult> {
     let s = cuda()?;
     unsafe { resolve_stream(stream, ptsz) }?;
-    if crate::graphs::free(stream, dptr)? {
+    if crate::graphs::free(stream, ptsz, dptr)? {
         return Ok(());
     }
     uncharge(s, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
@@ -248,7 +296,12 @@ cuda_exports! {
     }
 
     fn cuMemFree_v2(dptr: CUdeviceptr) {
-        uncharge(cuda()?, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
+        let s = cuda()?;
+        // A graph allocation left outstanding goes back to its graph pool.
+        if crate::graphs::give_back_outstanding(dptr) {
+            return Ok(());
+        }
+        uncharge(s, Kind::Dev, dptr, CUDA_ERROR_INVALID_VALUE)
     }
 
     fn cuMemAllocPitch_v2(
@@ -345,32 +398,43 @@ cuda_exports! {
         if handle.is_null() || prop.is_null() || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let loc = (*prop).location;
+        let p = prop.read_unaligned();
+        let loc = p.location;
         if loc.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let d = s.dev(loc.id)?;
         let h = charge(s, Kind::Vmm, d, size as u64, 0)?;
-        reg().vmm.insert(h, (1, 0));
+        let mut r = reg();
+        r.vmm.insert(h, Phys { refs: 1, maps: 0, types: p.requestedHandleTypes });
+        r.handles.insert(h, (h, 1));
         *handle = h;
         Ok(())
     }
 
     fn cuMemRelease(handle: CUmemGenericAllocationHandle) {
         let s = cuda()?;
-        let free = {
+        let (phys, free) = {
             let mut r = reg();
-            let e = r.vmm.get_mut(&handle).filter(|e| e.0 > 0).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-            e.0 -= 1;
-            *e == (0, 0)
+            let (phys, refs) = r
+                .handles
+                .get_mut(&handle)
+                .filter(|e| e.1 > 0)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            *refs -= 1;
+            let phys = *phys;
+            if let Some(p) = r.vmm.get_mut(&phys) {
+                p.refs -= 1;
+            }
+            (phys, r.settle(phys))
         };
         if free {
-            reg().vmm.remove(&handle);
-            uncharge(s, Kind::Vmm, handle, CUDA_ERROR_INVALID_VALUE)?;
+            uncharge(s, Kind::Vmm, phys, CUDA_ERROR_INVALID_VALUE)?;
         }
         Ok(())
     }
 
+    /// The handle that maps `addr`, with one more reference.
     fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) {
         cuda()?;
         if handle.is_null() {
@@ -385,7 +449,69 @@ cuda_exports! {
             .filter(|(start, (_, len))| a < *start + *len)
             .map(|(_, (h, _))| *h)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        r.vmm.get_mut(&h).ok_or(CUDA_ERROR_INVALID_VALUE)?.0 += 1;
+        let (phys, refs) = r.handles.get_mut(&h).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        *refs += 1;
+        let phys = *phys;
+        r.vmm.get_mut(&phys).ok_or(CUDA_ERROR_INVALID_VALUE)?.refs += 1;
+        *handle = h;
+        Ok(())
+    }
+
+    /// A file descriptor for the allocation (only
+    /// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, and only if `cuMemCreate`
+    /// asked for it). It holds no reference of its own.
+    fn cuMemExportToShareableHandle(
+        shareable: *mut c_void,
+        handle: CUmemGenericAllocationHandle,
+        kind: c_uint,
+        _flags: u64,
+    ) {
+        cuda()?;
+        if shareable.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut r = reg();
+        let phys = r
+            .handles
+            .get(&handle)
+            .filter(|e| e.1 > 0)
+            .map(|e| e.0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let types = r.vmm.get(&phys).ok_or(CUDA_ERROR_INVALID_VALUE)?.types;
+        if kind != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || types & kind == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let fd = libc::memfd_create(c"gpufrac-sim-vmm".as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let Some(ino) = inode(fd) else {
+            libc::close(fd);
+            return Err(CUDA_ERROR_UNKNOWN);
+        };
+        r.exported.insert(ino, phys);
+        shareable.cast::<c_int>().write_unaligned(fd);
+        Ok(())
+    }
+
+    /// A new handle, with one reference, to the allocation an exported file
+    /// descriptor stands for (exported by this process: another process's
+    /// allocations are not modelled).
+    fn cuMemImportFromShareableHandle(
+        handle: *mut CUmemGenericAllocationHandle,
+        os_handle: *mut c_void,
+        kind: c_uint,
+    ) {
+        cuda()?;
+        if handle.is_null() || kind != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let ino = inode(os_handle as usize as c_int).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let h = alloc_va(1, 512)?;
+        let mut r = reg();
+        let phys = *r.exported.get(&ino).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        r.vmm.get_mut(&phys).ok_or(CUDA_ERROR_INVALID_VALUE)?.refs += 1;
+        r.handles.insert(h, (phys, 1));
         *handle = h;
         Ok(())
     }
@@ -418,7 +544,10 @@ cuda_exports! {
         let mut r = reg();
         // A released handle cannot be mapped again, even while its memory
         // lives on in another mapping.
-        if r.vmm.get(&handle).is_none_or(|e| e.0 == 0) || size == 0 {
+        let Some(&(phys, refs)) = r.handles.get(&handle) else {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        };
+        if refs == 0 || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let inside = r
@@ -430,7 +559,7 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         r.mapped.insert(ptr, (handle, size as u64));
-        r.vmm.get_mut(&handle).expect("checked above").1 += 1;
+        r.vmm.get_mut(&phys).ok_or(CUDA_ERROR_INVALID_VALUE)?.maps += 1;
         Ok(())
     }
 
@@ -456,12 +585,14 @@ cuda_exports! {
             let mut freed = Vec::new();
             for (st, _) in inside {
                 let (h, _) = r.mapped.remove(&st).expect("listed above");
-                if let Some(e) = r.vmm.get_mut(&h) {
-                    e.1 -= 1;
-                    if *e == (0, 0) {
-                        r.vmm.remove(&h);
-                        freed.push(h);
-                    }
+                let Some(&(phys, _)) = r.handles.get(&h) else {
+                    continue;
+                };
+                if let Some(p) = r.vmm.get_mut(&phys) {
+                    p.maps -= 1;
+                }
+                if r.settle(phys) {
+                    freed.push(phys);
                 }
             }
             freed

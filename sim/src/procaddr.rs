@@ -90,6 +90,8 @@ pub fn table() -> &'static [Entry] {
             "cuMemMap" 10020 cuMemMap;
             "cuMemUnmap" 10020 cuMemUnmap;
             "cuMemRetainAllocationHandle" 11000 cuMemRetainAllocationHandle;
+            "cuMemExportToShareableHandle" 10020 cuMemExportToShareableHandle;
+            "cuMemImportFromShareableHandle" 10020 cuMemImportFromShareableHandle;
             "cuMemAddressReserve" 10020 cuMemAddressReserve;
             "cuMemAddressFree" 10020 cuMemAddressFree;
             "cuMemSetAccess" 10020 cuMemSetAccess;
@@ -158,10 +160,31 @@ pub fn table() -> &'static [Entry] {
             "cuGraphLaunch" 10000 cuGraphLaunch;
             "cuGraphLaunch" 10000 cuGraphLaunch_ptsz;
             "cuStreamBeginCapture" 10000 cuStreamBeginCapture;
+            "cuStreamBeginCapture" 10000 cuStreamBeginCapture_ptsz;
             "cuStreamBeginCapture" 10010 cuStreamBeginCapture_v2;
+            "cuStreamBeginCapture" 10010 cuStreamBeginCapture_v2_ptsz;
             "cuStreamEndCapture" 10000 cuStreamEndCapture;
+            "cuStreamEndCapture" 10000 cuStreamEndCapture_ptsz;
             "cuStreamIsCapturing" 10000 cuStreamIsCapturing;
+            "cuStreamIsCapturing" 10000 cuStreamIsCapturing_ptsz;
+            "cuGraphCreate" 10000 cuGraphCreate;
+            "cuGraphAddEmptyNode" 10000 cuGraphAddEmptyNode;
+            "cuGraphAddMemAllocNode" 11040 cuGraphAddMemAllocNode;
+            "cuGraphAddMemFreeNode" 11040 cuGraphAddMemFreeNode;
+            "cuGraphClone" 10000 cuGraphClone;
+            "cuGraphGetNodes" 10000 cuGraphGetNodes;
+            "cuGraphNodeGetType" 10000 cuGraphNodeGetType;
+            "cuGraphMemAllocNodeGetParams" 11040 cuGraphMemAllocNodeGetParams;
+            // cuda.h maps cuGraphInstantiate to _v2 in 11.x and to
+            // cuGraphInstantiateWithFlags from 12.0.
+            "cuGraphInstantiate" 10000 cuGraphInstantiate;
+            "cuGraphInstantiate" 11000 cuGraphInstantiate_v2;
+            "cuGraphInstantiate" 12000 cuGraphInstantiateWithFlags;
             "cuGraphInstantiateWithFlags" 11040 cuGraphInstantiateWithFlags;
+            "cuGraphInstantiateWithParams" 12000 cuGraphInstantiateWithParams;
+            "cuGraphInstantiateWithParams" 12000 cuGraphInstantiateWithParams_ptsz;
+            "cuGraphUpload" 11010 cuGraphUpload;
+            "cuGraphUpload" 11010 cuGraphUpload_ptsz;
             "cuGraphDestroy" 10000 cuGraphDestroy;
             "cuGraphExecDestroy" 10000 cuGraphExecDestroy;
             "cuDeviceGraphMemTrim" 11040 cuDeviceGraphMemTrim;

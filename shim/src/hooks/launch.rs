@@ -131,21 +131,74 @@ pub unsafe fn launch_coop_ptsz(
     })
 }
 
+/// One launch over several devices: each entry passes the gate of its own
+/// stream's device (its context made current for the pass), and every pass
+/// is given back when the launch returns. A thread holding passes never
+/// waits at a gate (a release of a device it holds a pass for would wait
+/// for it in turn): it gives them back, waits for that device alone, and
+/// starts over.
 pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) -> u32 {
-    if !list.is_null() {
-        for i in 0..n as usize {
-            gate!(unsafe { std::ptr::addr_of!((*list.add(i)).hStream).read_unaligned() });
-        }
-    }
-    let rc = unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) };
-    // Several streams: the first stands for the launch in the bound.
-    let first = if list.is_null() || n == 0 {
-        std::ptr::null_mut()
+    let streams: Vec<CUstream> = if list.is_null() {
+        Vec::new()
     } else {
-        unsafe { std::ptr::addr_of!((*list).hStream).read_unaligned() }
+        (0..n as usize)
+            .map(|i| unsafe { std::ptr::addr_of!((*list.add(i)).hStream).read_unaligned() })
+            .collect()
     };
-    client::launched(rc, first, false);
-    rc
+    let give_back = |passes: Vec<client::Pass>, rc: u32| {
+        for (p, s) in passes.into_iter().zip(&streams) {
+            client::launched_pass(p, rc, *s, false);
+        }
+    };
+    'again: loop {
+        let mut passes = Vec::with_capacity(streams.len());
+        for &stream in &streams {
+            let first = passes.is_empty();
+            let gated = on_streams_context(stream, || {
+                if first {
+                    Some(client::may_launch(stream))
+                } else {
+                    client::may_launch_now(stream)
+                }
+            });
+            match gated {
+                Some(Ok(())) => passes.push(client::take_pass()),
+                Some(Err(code)) => {
+                    give_back(passes, code);
+                    return code;
+                }
+                None => {
+                    give_back(passes, CUDA_ERROR_NOT_READY);
+                    match on_streams_context(stream, || client::may_launch(stream)) {
+                        Ok(()) => client::launched(CUDA_ERROR_NOT_READY, stream, false),
+                        Err(code) => return code,
+                    }
+                    continue 'again;
+                }
+            }
+        }
+        let rc = unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) };
+        give_back(passes, rc);
+        return rc;
+    }
+}
+
+/// Runs `f` with `stream`'s context current (the gate looks at the current
+/// device); as it is when the stream's context cannot be had.
+fn on_streams_context<T>(stream: CUstream, f: impl FnOnce() -> T) -> T {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: an out-pointer to a local.
+    let pushed = !stream.is_null()
+        && unsafe { call::cuStreamGetCtx(stream, &mut ctx) } == CUDA_SUCCESS
+        && !ctx.is_null()
+        && unsafe { call::cuCtxPushCurrent_v2(ctx) } == CUDA_SUCCESS;
+    let r = f();
+    if pushed {
+        let mut popped: CUcontext = std::ptr::null_mut();
+        // SAFETY: an out-pointer to a local; pops what was pushed above.
+        unsafe { call::cuCtxPopCurrent_v2(&mut popped) };
+    }
+    r
 }
 
 pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {

@@ -102,30 +102,20 @@ pub unsafe fn alloc_pitch(
 /// An asynchronous allocation on a stream being captured becomes a node of
 /// the graph: it holds no memory until the graph is launched, and is
 /// charged then, as graph memory (`graphmem`).
-fn captured_alloc(
-    stream: CUstream,
-    on: Option<usize>,
-    size: usize,
-    real: impl Fn() -> u32,
-) -> Option<u32> {
+fn captured_alloc(stream: CUstream, ptsz: bool, real: impl Fn() -> u32) -> Option<u32> {
     if reentered() || !matches!(gate(), Gate::Account) {
         return None;
     }
-    let dev = on.or_else(|| devices::current().map(|d| d.0))?;
-    if !super::graphmem::capturing(stream) {
+    if !super::graphmem::capturing(stream, ptsz) {
         return None;
     }
     let _g = HookGuard::enter();
-    let rc = real();
-    if rc == CUDA_SUCCESS {
-        super::graphmem::captured(stream, dev, size as u64);
-    }
-    Some(rc)
+    Some(real())
 }
 
 pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
     let real = || unsafe { call::cuMemAllocAsync(dptr, size, stream) };
-    if let Some(rc) = captured_alloc(stream, None, size, real) {
+    if let Some(rc) = captured_alloc(stream, false, real) {
         return rc;
     }
     alloc_ptr(dptr, size, None, real)
@@ -133,7 +123,7 @@ pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream)
 
 pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
     let real = || unsafe { call::cuMemAllocAsync_ptsz(dptr, size, stream) };
-    if let Some(rc) = captured_alloc(stream, None, size, real) {
+    if let Some(rc) = captured_alloc(stream, true, real) {
         return rc;
     }
     alloc_ptr(dptr, size, None, real)
@@ -160,7 +150,7 @@ pub unsafe fn alloc_pool(
     stream: CUstream,
 ) -> u32 {
     let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
-    if let Some(rc) = captured_alloc(stream, pool_device(pool), size, real) {
+    if let Some(rc) = captured_alloc(stream, false, real) {
         return rc;
     }
     alloc_ptr(dptr, size, pool_device(pool), real)
@@ -173,7 +163,7 @@ pub unsafe fn alloc_pool_ptsz(
     stream: CUstream,
 ) -> u32 {
     let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
-    if let Some(rc) = captured_alloc(stream, pool_device(pool), size, real) {
+    if let Some(rc) = captured_alloc(stream, true, real) {
         return rc;
     }
     alloc_ptr(dptr, size, pool_device(pool), real)
