@@ -1,9 +1,9 @@
 //! The state file: where leases and the queue outlive a broker crash.
 //!
-//! It may sit beside the socket in a directory other users can write (a
-//! sticky /tmp): it is written through a fresh temporary and a rename, and
-//! read back only if this user wrote it and nobody else could have
-//! (`common::files`). Each write keeps the copy it replaces as
+//! It lives in the broker's private directory (`--state-dir`, checked at
+//! start by `common::files::private_dir`), and is still written through a
+//! fresh temporary and a rename, and read back only if this user wrote it
+//! and nobody else could have (`common::files`). Each write keeps the copy it replaces as
 //! `<path>.prev`, the last good copy should the newest one ever be found
 //! corrupt. Whatever cannot be trusted is set aside, never deleted, and
 //! the broker is told that what it loaded may be less than what ran

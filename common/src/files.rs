@@ -2,12 +2,12 @@
 //! leases), written whole and read back only when nobody else could have
 //! written them.
 //!
-//! They may sit in a directory other users can write (a socket in a sticky
-//! /tmp puts the broker's state beside it): every file opened here is
-//! opened without following symbolic links, temporaries are created anew
-//! (`O_EXCL`) under a random name, and a file is trusted on load only when
-//! it is a regular file of this process's user with no access for anyone
-//! else.
+//! The broker keeps them in a directory only it can write
+//! ([`private_dir`] makes or checks one); the device plugin's may sit where
+//! its operator says. Either way every file opened here is opened without
+//! following symbolic links, temporaries are created anew (`O_EXCL`) under
+//! a random name, and a file is trusted on load only when it is a regular
+//! file of this process's user with no access for anyone else.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
