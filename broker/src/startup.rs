@@ -114,7 +114,8 @@ impl Default for BrokerOptions {
 
 /// Where a broker on `socket` keeps its private files when `--state-dir`
 /// does not say: as root `/run/gpufrac/state/KEY`, else
-/// `$XDG_RUNTIME_DIR/gpufrac/KEY` (or `/tmp/gpufrac-UID/KEY` without one),
+/// `$XDG_RUNTIME_DIR/gpufrac/KEY` (or `/tmp/gpufrac-UID/KEY` without one
+/// of this user's own),
 /// KEY naming the socket, so that brokers of different sockets (tests,
 /// CI) never share state. Never beside the socket: its directory may be a
 /// sticky one others can write.
@@ -124,8 +125,13 @@ pub fn default_state_dir(socket: &Path) -> PathBuf {
     let base = if uid == 0 {
         PathBuf::from("/run/gpufrac/state")
     } else {
+        // Only a runtime directory of this user's own: one inherited from
+        // another user's environment (su, sudo -u) is not.
+        use std::os::unix::fs::MetadataExt;
         match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
-            Some(d) if d.is_absolute() => d.join("gpufrac"),
+            Some(d) if d.is_absolute() && std::fs::metadata(&d).is_ok_and(|m| m.uid() == uid) => {
+                d.join("gpufrac")
+            }
             _ => PathBuf::from(format!("/tmp/gpufrac-{uid}")),
         }
     };
