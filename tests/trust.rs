@@ -747,6 +747,8 @@ fn a_state_file_planted_by_another_user_is_never_loaded() {
 
 /// Once, a truncated state file was set aside and the broker carried on
 /// as if nothing ran: 10 GiB was booked onto a GPU already holding 16 GiB.
+/// (The run here is root's, whose claim of a lease the state lost a
+/// recovery books; a user's is refused: see private_dirs.rs.)
 #[test]
 fn a_truncated_state_file_never_books_a_gpu_twice() {
     let _s = serial();

@@ -184,4 +184,21 @@ mod tests {
         assert!(left.is_empty(), "{left:?}");
         std::fs::remove_dir_all(&d).unwrap();
     }
+
+    /// A file someone else could have written puts the broker in recovery
+    /// but grants nothing: its jobs are never read, and it is set aside.
+    #[test]
+    fn a_suspect_file_is_never_read_whatever_it_holds() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir("suspect");
+        let f = StateFile::new(d.join("state"));
+        std::fs::write(f.path(), encode([job(7)].iter())).unwrap();
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let l = f.load();
+        assert!(l.jobs.is_empty() && l.suspect, "{l:?}");
+        assert!(l.problem.unwrap().contains("644"));
+        assert!(d.join("state.unreadable").exists());
+        assert!(!f.path().exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }
