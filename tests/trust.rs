@@ -741,7 +741,10 @@ fn a_state_file_planted_by_another_user_is_never_loaded() {
     unsafe { libc::kill(broker.id() as i32, libc::SIGTERM) };
     let out = broker.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!log.contains("gpufrac.sock.state"), "never read: {log}");
+    assert!(
+        log.contains("gpufrac.sock.state is left unread"),
+        "never read, and the log says so: {log}"
+    );
     assert!(state.exists(), "nor moved: it is not the broker's");
 }
 

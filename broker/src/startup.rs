@@ -191,6 +191,52 @@ fn state_dir(opts: &BrokerOptions) -> Result<PathBuf, String> {
     Ok(dir)
 }
 
+/// Releases before the private directory kept the state file beside the
+/// socket (`<socket>.state`, and `.prev`). After an upgrade that restarts
+/// a crashed broker, its leases are taken over from there, but only from a
+/// directory nobody else can write (root's or this user's, no write for
+/// group or others, sticky or not): what sits beside a socket in /tmp is
+/// anyone's and is never read.
+fn adopt_state_beside(socket: &Path, state: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let mut old = socket.as_os_str().to_owned();
+    old.push(".state");
+    let old = PathBuf::from(old);
+    if state.exists() || std::fs::symlink_metadata(&old).is_err() {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let dir = socket.parent().filter(|d| !d.as_os_str().is_empty());
+    let private = dir
+        .and_then(|d| std::fs::metadata(d).ok())
+        .is_some_and(|m| (m.uid() == 0 || m.uid() == me) && m.mode() & 0o022 == 0);
+    if !private {
+        warn!(
+            "{} is left unread: a state file beside a socket in a directory others can write could be \
+             anyone's; this broker keeps its state in {}",
+            old.display(),
+            state.display()
+        );
+        return;
+    }
+    let mut prev_new = state.as_os_str().to_owned();
+    prev_new.push(".prev");
+    let mut prev_old = old.as_os_str().to_owned();
+    prev_old.push(".prev");
+    let _ = std::fs::rename(&prev_old, &prev_new);
+    match std::fs::rename(&old, state) {
+        Ok(()) => {
+            info!(from = %old.display(), to = %state.display(), "took over the state file of an earlier release")
+        }
+        Err(e) => warn!(
+            "cannot move {} to {}: {e}; its leases are not restored",
+            old.display(),
+            state.display()
+        ),
+    }
+}
+
 /// A user's uid: a number as it is, a name through the user database.
 fn uid_of(name: &str) -> Result<u32, String> {
     id_of(name, "user", |c| {
@@ -351,6 +397,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         None
     };
     let state = StateFile::new(state_dir.join("state"));
+    adopt_state_beside(&opts.socket, state.path());
     let cfg = proto::Config {
         sched: SchedConfig {
             timeslice: opts.timeslice,
@@ -525,5 +572,33 @@ mod tests {
         if unsafe { libc::geteuid() } == 0 {
             assert!(a.starts_with("/run/gpufrac/state"), "{}", a.display());
         }
+    }
+
+    #[test]
+    fn an_earlier_releases_state_is_taken_over_only_from_a_private_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("gpufrac-adopt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        for (sub, mode, adopted) in [("private", 0o755, true), ("sticky", 0o1777, false)] {
+            let run = d.join(sub);
+            std::fs::create_dir_all(&run).unwrap();
+            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
+            let socket = run.join("b.sock");
+            std::fs::write(run.join("b.sock.state"), b"old").unwrap();
+            std::fs::write(run.join("b.sock.state.prev"), b"older").unwrap();
+            let state_dir = d.join(format!("{sub}-state"));
+            std::fs::create_dir_all(&state_dir).unwrap();
+            let state = state_dir.join("state");
+            adopt_state_beside(&socket, &state);
+            assert_eq!(state.exists(), adopted, "{sub}");
+            assert_eq!(run.join("b.sock.state").exists(), !adopted, "{sub}");
+            if adopted {
+                assert_eq!(
+                    std::fs::read(state_dir.join("state.prev")).unwrap(),
+                    b"older"
+                );
+            }
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }
