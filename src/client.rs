@@ -100,7 +100,13 @@ impl Client {
             .send(&ClientMsg::hello(pid, Role::Cli))
             .map_err(ConnectError::Other)?;
         match client.recv(Some(deadline)).map_err(ConnectError::Other)? {
-            Some(ServerMsg::HelloOk { .. }) => Ok(client),
+            Some(ServerMsg::HelloOk { version }) => match wire::accept_version(version) {
+                Ok(_) => Ok(client),
+                Err(why) => Err(ConnectError::Other(format!(
+                    "the broker at {}: {why}",
+                    socket.display()
+                ))),
+            },
             Some(ServerMsg::Error { message, .. }) => Err(ConnectError::Other(format!(
                 "the broker at {} refused the connection: {message}",
                 socket.display()
@@ -638,7 +644,9 @@ mod tests {
         };
         let json = serde_json::to_string(&status).unwrap();
         let (dir, h) = fake_broker(server_frames(&[
-            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::HelloOk {
+                version: wire::PROTOCOL_VERSION,
+            },
             ServerMsg::StatusReply { json },
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
@@ -662,7 +670,9 @@ mod tests {
     #[test]
     fn lease_reports_queue_then_grant() {
         let (dir, h) = fake_broker(server_frames(&[
-            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::HelloOk {
+                version: wire::PROTOCOL_VERSION,
+            },
             ServerMsg::Queued {
                 position: 2,
                 waiting_for: "1 GPU".into(),
@@ -723,7 +733,9 @@ mod tests {
     #[test]
     fn lease_times_out_with_last_position() {
         let (dir, h) = fake_broker(server_frames(&[
-            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::HelloOk {
+                version: wire::PROTOCOL_VERSION,
+            },
             ServerMsg::Queued {
                 position: 4,
                 waiting_for: "2 GPUs".into(),
@@ -763,7 +775,9 @@ mod tests {
             mig: String::new(),
         };
         let (dir, h) = fake_broker(server_frames(&[
-            ServerMsg::HelloOk { version: 1 },
+            ServerMsg::HelloOk {
+                version: wire::PROTOCOL_VERSION,
+            },
             ServerMsg::Queued {
                 position: 1,
                 waiting_for: "1 GPU".into(),
@@ -786,7 +800,9 @@ mod tests {
 
     #[test]
     fn closed_connection_is_an_error() {
-        let (dir, h) = fake_broker(server_frames(&[ServerMsg::HelloOk { version: 1 }]));
+        let (dir, h) = fake_broker(server_frames(&[ServerMsg::HelloOk {
+            version: wire::PROTOCOL_VERSION,
+        }]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
         // The fake broker only closes after we stop writing; shutting our
         // side down makes it finish.

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use gpufrac_common::config::{VAR_JOB, VAR_JOB_LEDGER, VAR_SOCKET};
 
-use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
+use crate::inject::{CONTAINER_LIB, CONTAINER_MPS_PIPE, CONTAINER_SOCKET_DIR};
 use crate::run::env::ChildEnv;
 
 /// Where the job's memory books appear inside the container (a path of
@@ -103,9 +103,10 @@ pub fn wrap(
                 push("-e", format!("{VAR_JOB_LEDGER}={CONTAINER_BOOKS}"));
             }
             "CUDA_MPS_PIPE_DIRECTORY" => {
+                push("-v", format!("{v}:{CONTAINER_MPS_PIPE}"));
                 push(
                     "-e",
-                    format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_SOCKET_DIR}/mps-pipe"),
+                    format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_MPS_PIPE}"),
                 );
                 ipc_host = true;
             }

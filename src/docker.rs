@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use gpufrac_common::config::{VAR_COMPUTE_LIMIT, VAR_COMPUTE_SHARE, VAR_MEM_LIMIT, VAR_SOCKET};
 use gpufrac_common::size::{parse_mem_limit, parse_percent};
 
-use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR, find_shim, sh_quote};
+use crate::inject::{CONTAINER_LIB, CONTAINER_MPS_PIPE, CONTAINER_SOCKET_DIR, find_shim, sh_quote};
 
 const DOCKER_EXAMPLES: &str = "\
 Examples:
@@ -178,30 +178,33 @@ pub fn docker_args(args: &DockerArgs) -> Result<Vec<String>, String> {
         args.gpu_limit.as_deref(),
         args.gpus.as_deref(),
     );
-    if broker_runs_mps(&socket) {
-        out.extend(mps_args(args.gpu_compute.as_deref()));
+    if let Some(pipe) = broker_mps_pipe(&socket) {
+        out.extend(mps_args(&pipe, args.gpu_compute.as_deref()));
     }
     Ok(out)
 }
 
-/// A broker started with `--mps` keeps its MPS pipe directory beside its
-/// socket, which the container already sees (the socket's directory is
-/// mounted); asked of the broker itself, so a stale directory does not
-/// count.
-fn broker_runs_mps(socket: &Path) -> bool {
+/// The MPS pipe directory of a broker started with `--mps`, asked of the
+/// broker itself (it is in the broker's private directory, not beside the
+/// socket), so a stale directory does not count.
+fn broker_mps_pipe(socket: &Path) -> Option<String> {
     crate::client::Client::connect(socket)
         .ok()
         .and_then(|mut c| c.status().ok())
-        .is_some_and(|s| s.mps.is_some())
+        .and_then(|s| s.mps)
+        .map(|m| m.pipe_dir)
 }
 
-/// The container's processes as MPS clients: the pipe directory as the
-/// container sees it, the host's IPC namespace (MPS clients and server
-/// share memory through it), and the compute share as an SM percentage.
-fn mps_args(compute: Option<&str>) -> Vec<String> {
+/// The container's processes as MPS clients: the pipe directory mounted
+/// where the container sees it, the host's IPC namespace (MPS clients and
+/// server share memory through it), and the compute share as an SM
+/// percentage.
+fn mps_args(pipe: &str, compute: Option<&str>) -> Vec<String> {
     let mut v = vec![
+        "-v".to_owned(),
+        format!("{pipe}:{CONTAINER_MPS_PIPE}"),
         "-e".to_owned(),
-        format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_SOCKET_DIR}/mps-pipe"),
+        format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_MPS_PIPE}"),
         "--ipc=host".to_owned(),
     ];
     if let Some(c) = compute {

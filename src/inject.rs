@@ -59,6 +59,10 @@ pub fn find_shim() -> Result<PathBuf, String> {
 pub const CONTAINER_LIB: &str = "/usr/lib/gpufrac/libgpufrac.so";
 /// Where the broker's socket directory appears inside the container.
 pub const CONTAINER_SOCKET_DIR: &str = "/run/gpufrac";
+/// Where a container sees the MPS pipe directory of a broker run with
+/// `--mps` (the broker keeps it in its private directory, which is not the
+/// socket's).
+pub const CONTAINER_MPS_PIPE: &str = "/run/gpufrac-mps";
 
 /// Single quotes unless the word is plainly safe, as POSIX shells read them.
 pub fn sh_quote(s: &str) -> String {

@@ -153,10 +153,14 @@ struct BrokerArgs {
     /// claim their leases back, so that no GPU is booked twice.
     #[arg(long, value_name = "DUR", default_value = "30s", value_parser = duration)]
     recovery_grace: u64,
-    /// File where leases and the queue are kept so that they survive a
-    /// broker crash [default: the socket path + ".state"].
-    #[arg(long, value_name = "PATH")]
-    state: Option<PathBuf>,
+    /// The broker's private directory: the state file (leases and the
+    /// queue, kept across a crash) and, with --mps, MPS's pipe and log
+    /// directories. Made if missing (mode 0700); refused if another user
+    /// owns it or group or others can write it [default: as root
+    /// /run/gpufrac/state/KEY, else $XDG_RUNTIME_DIR/gpufrac/KEY or
+    /// /tmp/gpufrac-UID/KEY, KEY naming the socket].
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
     /// Run NVIDIA MPS for the GPUs: jobs run side by side on the SMs
     /// (`--gpu-compute` becomes an SM percentage) instead of taking turns.
     #[arg(long)]
@@ -219,7 +223,7 @@ fn broker(args: BrokerArgs) -> u8 {
         high_share: args.high_share,
         high_allow: args.high_allow,
         recovery_grace: args.recovery_grace,
-        state: args.state,
+        state_dir: args.state_dir,
         mps: args.mps,
         mig: match args.mig {
             Some(MigArg::Dynamic) => gpufrac_broker::server::MigMode::Dynamic,
@@ -339,6 +343,8 @@ mod tests {
             "4",
             "--overcommit",
             "--spread",
+            "--state-dir",
+            "/var/lib/gpufrac/b",
         ])
         .unwrap()
         .cmd
@@ -352,6 +358,7 @@ mod tests {
         assert_eq!(b.metrics.as_deref(), Some("127.0.0.1:9400"));
         assert_eq!(b.socket, Some(PathBuf::from("/tmp/s.sock")));
         assert!(b.overcommit && b.spread);
+        assert_eq!(b.state_dir, Some(PathBuf::from("/var/lib/gpufrac/b")));
     }
 
     #[test]

@@ -278,6 +278,7 @@ fn bad_frames_close_only_the_offending_client() {
         version: 99,
         pid: 1,
         role: gpufrac_common::wire::Role::Cli,
+        max_version: 99,
     });
     match wrong_version.recv() {
         Some(gpufrac_common::wire::ServerMsg::Error { message, .. }) => {

@@ -327,7 +327,7 @@ fn a_busy_gpu_is_named_by_the_job_that_holds_it_as_status_shows_it() {
     // (The state file is written at most every 100 ms.)
     let mut token = String::new();
     wait_until(10.0, "the job's token in the state file", || {
-        let state: serde_json::Value = std::fs::read(b.socket.with_extension("sock.state"))
+        let state: serde_json::Value = std::fs::read(b.state_file())
             .ok()
             .and_then(|s| serde_json::from_slice(&s).ok())
             .unwrap_or_default();

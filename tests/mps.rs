@@ -57,6 +57,8 @@ fn broker(s: &Setup, path: &str, extra: &[(&str, &str)]) -> Command {
     let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
     cmd.args(["broker", "--mps", "--socket"])
         .arg(&s.socket)
+        .arg("--state-dir")
+        .arg(s.dir.0.join("state"))
         .env("PATH", path)
         .env("GPUFRAC_MPS_STANDIN_LOG", &s.log)
         .env("GPUFRAC_SIM_STATE", s.dir.0.join("sim"))
@@ -88,7 +90,8 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     wait_until(20.0, "the broker", || {
         std::os::unix::net::UnixStream::connect(&s.socket).is_ok()
     });
-    let run_dir = s.socket.parent().unwrap();
+    // In the broker's private directory, never beside the socket.
+    let run_dir = s.dir.0.join("state");
     wait_until(20.0, "the daemon started", || {
         status_cli(&s.socket)["mps"]["state"] == "running"
     });
@@ -141,8 +144,8 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     );
     assert_eq!(num(&line(&o, "launch", 0), "rc"), 0, "{}", stdout(&o));
 
-    // Containers too: docker-args passes the pipe as the container sees
-    // it (the socket's directory is mounted) and the host IPC namespace.
+    // Containers too: docker-args mounts the pipe directory and passes it
+    // as the container sees it, and the host IPC namespace.
     let o = Command::new(&artifacts().gpufrac)
         .args(["docker-args", "--socket"])
         .arg(&s.socket)
@@ -151,8 +154,10 @@ fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     let a = stdout(&o);
+    let mount = format!("{}:/run/gpufrac-mps", run_dir.join("mps-pipe").display());
     for want in [
-        "CUDA_MPS_PIPE_DIRECTORY=/run/gpufrac/mps-pipe",
+        mount.as_str(),
+        "CUDA_MPS_PIPE_DIRECTORY=/run/gpufrac-mps",
         "--ipc=host",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30",
     ] {

@@ -118,8 +118,26 @@ impl Policy {
 
     /// Whether `p` may take `job` back after a broker restart: it is the
     /// very process that made it (`start_time` is `p`'s, read from /proc).
+    /// A process that changed its user since (setuid) is not the job's
+    /// any more.
     pub fn may_resume(&self, p: &Peer, start_time: Option<u64>, job: &Job) -> bool {
-        job.pid == p.pid && start_time == Some(job.start_time)
+        job.pid == p.pid && start_time == Some(job.start_time) && p.uid == job.uid
+    }
+
+    /// Whether `p` may, during a recovery, claim a lease the trusted state
+    /// does not have (a token nothing can verify, on GPUs it names itself):
+    /// that is a pinned lease under a token of the client's choosing, so
+    /// the same rule as for those holds.
+    pub fn claim_unverified(&self, p: &Peer) -> Result<(), String> {
+        if self.privileged(p) {
+            return Ok(());
+        }
+        Err(format!(
+            "the broker is recovering and its trusted state has no such lease; a claim it cannot \
+             verify is accepted only from root or the broker's --plugin-user/--plugin-group \
+             (uid {} is neither); the command carries on unbooked, and a new gpufrac run queues anew",
+            p.uid
+        ))
     }
 
     /// Root and the plugin hold leases for others (one per pod): the

@@ -1,6 +1,6 @@
 //! `gpufrac broker --mps`: NVIDIA MPS run by the broker. The broker starts
 //! `nvidia-cuda-mps-control -d` with pipe and log directories of its own
-//! (under the socket's directory), restarts it if it dies, and tells it
+//! (in its private state directory), restarts it if it dies, and tells it
 //! `quit` on shutdown. Jobs then run as MPS clients, truly side by side on
 //! the GPU's SMs; the shim still caps their memory.
 //!
@@ -44,22 +44,25 @@ fn find_control() -> Option<PathBuf> {
 impl Mps {
     /// Starts the control daemon for the broker's GPUs. Refuses, saying
     /// why and what to do, when MPS is not there or will not start.
-    pub fn start(runtime_dir: &Path) -> Result<Mps, String> {
+    pub fn start(state_dir: &Path) -> Result<Mps, String> {
         let control = find_control().ok_or_else(|| {
             format!(
                 "--mps needs NVIDIA MPS, and {CONTROL} is not on PATH; install the NVIDIA driver's \
                  MPS utilities (or drop --mps to time-slice the GPUs instead)"
             )
         })?;
-        let pipe_dir = runtime_dir.join("mps-pipe");
-        let log_dir = runtime_dir.join("mps-log");
-        for d in [&pipe_dir, &log_dir] {
-            use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(d)
-                .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        // In the broker's private directory, never beside the socket: a
+        // directory planted there by another user would hold the pid file
+        // the daemon writes as root, and the pipe every job connects to.
+        let pipe_dir = state_dir.join("mps-pipe");
+        let log_dir = state_dir.join("mps-log");
+        for (d, what) in [
+            (&pipe_dir, "the MPS pipe directory"),
+            (&log_dir, "the MPS log directory"),
+        ] {
+            // 0755: MPS clients of every user reach the pipe; only the
+            // broker's user writes either.
+            gpufrac_common::files::private_dir(d, 0o755, what)?;
         }
         let mut m = Mps {
             pipe_dir,

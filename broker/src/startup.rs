@@ -1,8 +1,9 @@
 //! Starting the broker: its options checked before anything is created,
-//! the GPUs discovered (MIG ones through NVML), the socket bound, MPS
-//! started, the state file loaded, and the core handed to the event loop.
+//! its private directory made or checked, the GPUs discovered (MIG ones
+//! through NVML), the socket bound, MPS started, the state file loaded,
+//! and the core handed to the event loop.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use gpufrac_common::size::format_size;
@@ -46,9 +47,10 @@ pub struct BrokerOptions {
     pub max_queued_per_user: usize,
     /// Most leases (and queued requests) one user may hold.
     pub max_leases_per_user: usize,
-    /// Where leases and the queue are kept across restarts (default: next
-    /// to the socket, `<socket>.state`).
-    pub state: Option<PathBuf>,
+    /// The broker's private directory: the state file (leases and the
+    /// queue, kept across restarts) and, with `--mps`, MPS's pipe and log
+    /// directories. Default: [`default_state_dir`] of the socket.
+    pub state_dir: Option<PathBuf>,
     /// Run NVIDIA MPS for the GPUs: jobs share the SMs at once.
     pub mps: bool,
     /// What to do with GPUs in MIG mode.
@@ -98,7 +100,7 @@ impl Default for BrokerOptions {
             max_conns_per_user: budgets.connections,
             max_queued_per_user: budgets.queued,
             max_leases_per_user: budgets.leases,
-            state: None,
+            state_dir: None,
             mps: false,
             mig: MigMode::Off,
             plugin_users: Vec::new(),
@@ -107,6 +109,131 @@ impl Default for BrokerOptions {
             high_share: SchedConfig::default().high_share,
             recovery_grace: proto::Config::default().recovery_grace,
         }
+    }
+}
+
+/// Where a broker on `socket` keeps its private files when `--state-dir`
+/// does not say: as root `/run/gpufrac/state/KEY`, else
+/// `$XDG_RUNTIME_DIR/gpufrac/KEY` (or `/tmp/gpufrac-UID/KEY` without one
+/// of this user's own),
+/// KEY naming the socket, so that brokers of different sockets (tests,
+/// CI) never share state. Never beside the socket: its directory may be a
+/// sticky one others can write.
+pub fn default_state_dir(socket: &Path) -> PathBuf {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let base = if uid == 0 {
+        PathBuf::from("/run/gpufrac/state")
+    } else {
+        // Only a runtime directory of this user's own: one inherited from
+        // another user's environment (su, sudo -u) is not.
+        use std::os::unix::fs::MetadataExt;
+        match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+            Some(d) if d.is_absolute() && std::fs::metadata(&d).is_ok_and(|m| m.uid() == uid) => {
+                d.join("gpufrac")
+            }
+            _ => PathBuf::from(format!("/tmp/gpufrac-{uid}")),
+        }
+    };
+    base.join(socket_key(socket))
+}
+
+/// The socket's file name, cut to what is safe in a name, and a hash of
+/// its whole absolute path (FNV-1a: stable from one release to the next,
+/// so that a restarted broker finds its state).
+fn socket_key(socket: &Path) -> String {
+    let abs = std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in std::os::unix::ffi::OsStrExt::as_bytes(abs.as_os_str()) {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let name: String = abs
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    let name = name.trim_start_matches('.');
+    format!("{name}-{h:016x}")
+}
+
+/// The broker's private directory, made or checked (`files::private_dir`)
+/// before anything else is created. Traversable by others under `--mps`,
+/// whose clients of every user must reach the pipe directory in it.
+fn state_dir(opts: &BrokerOptions) -> Result<PathBuf, String> {
+    let dir = match &opts.state_dir {
+        Some(d) => {
+            std::path::absolute(d).map_err(|e| format!("--state-dir {}: {e}", d.display()))?
+        }
+        None => default_state_dir(&opts.socket),
+    };
+    let mode = if opts.mps { 0o711 } else { 0o700 };
+    gpufrac_common::files::private_dir(&dir, mode, "the state directory (--state-dir)")?;
+    if opts.mps {
+        use std::os::unix::fs::PermissionsExt;
+        let m = std::fs::metadata(&dir)
+            .map_err(|e| format!("cannot inspect {}: {e}", dir.display()))?
+            .permissions()
+            .mode();
+        if m & 0o011 != 0o011 {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode((m | 0o011) & 0o755))
+                .map_err(|e| format!("cannot let MPS clients reach {}: {e}", dir.display()))?;
+        }
+    }
+    Ok(dir)
+}
+
+/// Releases before the private directory kept the state file beside the
+/// socket (`<socket>.state`, and `.prev`). After an upgrade that restarts
+/// a crashed broker, its leases are taken over from there, but only from a
+/// directory nobody else can write (root's or this user's, no write for
+/// group or others, sticky or not): what sits beside a socket in /tmp is
+/// anyone's and is never read.
+fn adopt_state_beside(socket: &Path, state: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let mut old = socket.as_os_str().to_owned();
+    old.push(".state");
+    let old = PathBuf::from(old);
+    if state.exists() || std::fs::symlink_metadata(&old).is_err() {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let dir = socket.parent().filter(|d| !d.as_os_str().is_empty());
+    let private = dir
+        .and_then(|d| std::fs::metadata(d).ok())
+        .is_some_and(|m| (m.uid() == 0 || m.uid() == me) && m.mode() & 0o022 == 0);
+    if !private {
+        warn!(
+            "{} is left unread: a state file beside a socket in a directory others can write could be \
+             anyone's; this broker keeps its state in {}",
+            old.display(),
+            state.display()
+        );
+        return;
+    }
+    let mut prev_new = state.as_os_str().to_owned();
+    prev_new.push(".prev");
+    let mut prev_old = old.as_os_str().to_owned();
+    prev_old.push(".prev");
+    let _ = std::fs::rename(&prev_old, &prev_new);
+    match std::fs::rename(&old, state) {
+        Ok(()) => {
+            info!(from = %old.display(), to = %state.display(), "took over the state file of an earlier release")
+        }
+        Err(e) => warn!(
+            "cannot move {} to {}: {e}; its leases are not restored",
+            old.display(),
+            state.display()
+        ),
     }
 }
 
@@ -222,6 +349,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             }
         });
     }
+    let state_dir = state_dir(&opts)?;
     let nofile = crate::listen::raise_nofile();
     let found = match inventory::discover() {
         Ok(g) => g,
@@ -257,13 +385,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     let listener = crate::listen::bind(&opts.socket, group)?;
     info!(nofile, "file limit");
     let mps = if opts.mps {
-        let dir = opts
-            .socket
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."))
-            .to_path_buf();
-        match crate::mps::Mps::start(&dir) {
+        match crate::mps::Mps::start(&state_dir) {
             Ok(m) => Some(m),
             Err(e) => {
                 // Nothing left behind by a refused start.
@@ -274,11 +396,8 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     } else {
         None
     };
-    let state = StateFile::new(opts.state.clone().unwrap_or_else(|| {
-        let mut p = opts.socket.clone().into_os_string();
-        p.push(".state");
-        PathBuf::from(p)
-    }));
+    let state = StateFile::new(state_dir.join("state"));
+    adopt_state_beside(&opts.socket, state.path());
     let cfg = proto::Config {
         sched: SchedConfig {
             timeslice: opts.timeslice,
@@ -318,7 +437,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     );
     // What a previous broker left is booked before any client is heard.
     core.restore(gpufrac_common::clock::mono_ns(), state.load());
-    info!(socket = %opts.socket.display(), timeslice_ms = opts.timeslice as f64 / 1e6, "broker ready");
+    info!(socket = %opts.socket.display(), state_dir = %state_dir.display(), timeslice_ms = opts.timeslice as f64 / 1e6, "broker ready");
     crate::server::serve(crate::server::Shell {
         core,
         listener,
@@ -427,5 +546,59 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.contains("--high-allow") && e.contains("@group"), "{e}");
+    }
+
+    #[test]
+    fn each_socket_has_a_state_directory_of_its_own() {
+        let a = default_state_dir(Path::new("/tmp/ci-1/gpufrac.sock"));
+        let b = default_state_dir(Path::new("/tmp/ci-2/gpufrac.sock"));
+        assert_ne!(a, b);
+        let name = a.file_name().unwrap().to_str().unwrap();
+        assert!(
+            name.starts_with("gpufrac.sock-") && name.len() == 13 + 16,
+            "{name}"
+        );
+        // Stable: a restarted broker finds what its predecessor left.
+        assert_eq!(a, default_state_dir(Path::new("/tmp/ci-1/gpufrac.sock")));
+        // Never beside the socket, whatever the socket's directory.
+        assert!(!a.starts_with("/tmp/ci-1"), "{}", a.display());
+        // A name that would not be one stays one.
+        let odd = socket_key(Path::new("/x/..hidden sock\n"));
+        assert!(
+            odd.starts_with("hidden_sock_-") && !odd.contains('/'),
+            "{odd}"
+        );
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            assert!(a.starts_with("/run/gpufrac/state"), "{}", a.display());
+        }
+    }
+
+    #[test]
+    fn an_earlier_releases_state_is_taken_over_only_from_a_private_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("gpufrac-adopt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        for (sub, mode, adopted) in [("private", 0o755, true), ("sticky", 0o1777, false)] {
+            let run = d.join(sub);
+            std::fs::create_dir_all(&run).unwrap();
+            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
+            let socket = run.join("b.sock");
+            std::fs::write(run.join("b.sock.state"), b"old").unwrap();
+            std::fs::write(run.join("b.sock.state.prev"), b"older").unwrap();
+            let state_dir = d.join(format!("{sub}-state"));
+            std::fs::create_dir_all(&state_dir).unwrap();
+            let state = state_dir.join("state");
+            adopt_state_beside(&socket, &state);
+            assert_eq!(state.exists(), adopted, "{sub}");
+            assert_eq!(run.join("b.sock.state").exists(), !adopted, "{sub}");
+            if adopted {
+                assert_eq!(
+                    std::fs::read(state_dir.join("state.prev")).unwrap(),
+                    b"older"
+                );
+            }
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

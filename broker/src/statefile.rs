@@ -1,9 +1,9 @@
 //! The state file: where leases and the queue outlive a broker crash.
 //!
-//! It may sit beside the socket in a directory other users can write (a
-//! sticky /tmp): it is written through a fresh temporary and a rename, and
-//! read back only if this user wrote it and nobody else could have
-//! (`common::files`). Each write keeps the copy it replaces as
+//! It lives in the broker's private directory (`--state-dir`, checked at
+//! start by `common::files::private_dir`), and is still written through a
+//! fresh temporary and a rename, and read back only if this user wrote it
+//! and nobody else could have (`common::files`). Each write keeps the copy it replaces as
 //! `<path>.prev`, the last good copy should the newest one ever be found
 //! corrupt. Whatever cannot be trusted is set aside, never deleted, and
 //! the broker is told that what it loaded may be less than what ran
@@ -182,6 +182,23 @@ mod tests {
             .filter(|n| n != "s.unreadable")
             .collect();
         assert!(left.is_empty(), "{left:?}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A file someone else could have written puts the broker in recovery
+    /// but grants nothing: its jobs are never read, and it is set aside.
+    #[test]
+    fn a_suspect_file_is_never_read_whatever_it_holds() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir("suspect");
+        let f = StateFile::new(d.join("state"));
+        std::fs::write(f.path(), encode([job(7)].iter())).unwrap();
+        std::fs::set_permissions(f.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let l = f.load();
+        assert!(l.jobs.is_empty() && l.suspect, "{l:?}");
+        assert!(l.problem.unwrap().contains("644"));
+        assert!(d.join("state.unreadable").exists());
+        assert!(!f.path().exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

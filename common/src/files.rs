@@ -2,12 +2,12 @@
 //! leases), written whole and read back only when nobody else could have
 //! written them.
 //!
-//! They may sit in a directory other users can write (a socket in a sticky
-//! /tmp puts the broker's state beside it): every file opened here is
-//! opened without following symbolic links, temporaries are created anew
-//! (`O_EXCL`) under a random name, and a file is trusted on load only when
-//! it is a regular file of this process's user with no access for anyone
-//! else.
+//! The broker keeps them in a directory only it can write
+//! ([`private_dir`] makes or checks one); the device plugin's may sit where
+//! its operator says. Either way every file opened here is opened without
+//! following symbolic links, temporaries are created anew (`O_EXCL`) under
+//! a random name, and a file is trusted on load only when it is a regular
+//! file of this process's user with no access for anyone else.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -152,6 +152,128 @@ pub fn set_aside(path: &Path, why: &str) -> String {
     }
 }
 
+/// Makes sure `path` is a directory for private files: this process's
+/// user owns it and nobody else can write it (mode `mode` when it is made
+/// here, parents 0755), and every directory above it is root's or this
+/// user's and writable by nobody else but for sticky ones (like /tmp,
+/// where others cannot rename what is not theirs). Symbolic links are
+/// followed only when root or this user made them (a link planted in a
+/// sticky directory is its planter's). An existing directory of another
+/// owner, or one group or others can write, is refused, never reused: the
+/// error names it, its owner and mode, and what is expected. `what` names
+/// the directory for the message ("the state directory").
+pub fn private_dir(path: &Path, mode: u32, what: &str) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::path::Component;
+    if !path.is_absolute() {
+        return Err(format!(
+            "{what} {} is not an absolute path; name it from /",
+            path.display()
+        ));
+    }
+    if path.components().any(|c| c == Component::ParentDir) {
+        return Err(format!(
+            "{what} {} has a '..' in it; name it without one",
+            path.display()
+        ));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    let trusted = |uid: u32| uid == 0 || uid == me;
+    let parts: Vec<_> = path.components().collect();
+    let mut at = PathBuf::from("/");
+    for (i, part) in parts.iter().enumerate().skip(1) {
+        let leaf = i + 1 == parts.len();
+        at.push(part);
+        let meta = match std::fs::symlink_metadata(&at) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Made anew: mkdir fails on anything planted meanwhile,
+                // which is then checked below like any existing entry.
+                let made = std::fs::DirBuilder::new()
+                    .mode(if leaf { mode } else { 0o755 })
+                    .create(&at);
+                match made {
+                    Ok(()) => {
+                        // The umask must not decide who can read it.
+                        use std::os::unix::fs::PermissionsExt;
+                        std::fs::set_permissions(
+                            &at,
+                            std::fs::Permissions::from_mode(if leaf { mode } else { 0o755 }),
+                        )
+                        .map_err(|e| format!("cannot set the mode of {}: {e}", at.display()))?;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                    Err(e) => {
+                        return Err(format!("cannot create {what} {}: {e}", at.display()));
+                    }
+                }
+                std::fs::symlink_metadata(&at)
+                    .map_err(|e| format!("cannot inspect {}: {e}", at.display()))?
+            }
+            Err(e) => return Err(format!("cannot inspect {}: {e}", at.display())),
+        };
+        if meta.file_type().is_symlink() {
+            if leaf || !trusted(meta.uid()) {
+                return Err(format!(
+                    "{what} {}: {} is a symbolic link (of uid {}), which is never followed \
+                     there; expected a directory of uid {me} that only it can write: remove the \
+                     link, or choose another directory",
+                    path.display(),
+                    at.display(),
+                    meta.uid()
+                ));
+            }
+            // A link of root's (/var/run -> /run): checked where it leads.
+            at = std::fs::canonicalize(&at)
+                .map_err(|e| format!("cannot resolve {}: {e}", at.display()))?;
+        }
+        let meta =
+            std::fs::metadata(&at).map_err(|e| format!("cannot inspect {}: {e}", at.display()))?;
+        let m = meta.mode() & 0o7777;
+        let sticky = m & 0o1000 != 0;
+        let expected = if leaf {
+            format!("a directory of uid {me} that group and others cannot write")
+        } else {
+            format!(
+                "directories above it of root or uid {me} that group and others cannot write \
+                 (or sticky, like /tmp)"
+            )
+        };
+        let wrong = if !meta.is_dir() {
+            Some("is not a directory".to_owned())
+        } else if (leaf && meta.uid() != me) || !trusted(meta.uid()) {
+            Some(format!("belongs to uid {} (mode {m:o})", meta.uid()))
+        } else if m & 0o022 != 0 && (leaf || !sticky) {
+            Some(format!(
+                "is writable by {} (mode {m:o}, owner uid {})",
+                if m & 0o002 != 0 {
+                    "everyone"
+                } else {
+                    "its group"
+                },
+                meta.uid()
+            ))
+        } else {
+            None
+        };
+        if let Some(wrong) = wrong {
+            let fix = if leaf {
+                "remove it (another user could have planted what is in it), or choose another directory"
+                    .to_owned()
+            } else {
+                "choose a directory elsewhere".to_owned()
+            };
+            return Err(format!(
+                "{what} {}: {} {wrong}; expected {expected}: {fix}",
+                path.display(),
+                at.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +342,78 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
         std::fs::create_dir(&p).unwrap();
         assert!(matches!(read_private(&p, 100), Err(Untrusted::Foreign(_))));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn private_dirs_are_made_private_and_foreign_ones_refused() {
+        let d = dir("private");
+        let p = d.join("a/b");
+        private_dir(&p, 0o700, "the state directory").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&p), 0o700, "the umask does not decide");
+        assert_eq!(mode(&d.join("a")), 0o755);
+        private_dir(&p, 0o700, "the state directory").unwrap();
+
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = private_dir(&p, 0o700, "the state directory").unwrap_err();
+        assert!(
+            e.contains(&p.display().to_string())
+                && e.contains("mode 777")
+                && e.contains("writable by everyone")
+                && e.contains("expected a directory of uid"),
+            "{e}"
+        );
+        // A sticky directory is a parent others cannot rename things in,
+        // but never a private directory itself.
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        assert!(private_dir(&p, 0o700, "x").is_err());
+        private_dir(&p.join("c"), 0o700, "x").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = private_dir(&p.join("c"), 0o700, "x").unwrap_err();
+        assert!(e.contains("directories above it"), "{e}");
+
+        let e = private_dir(Path::new("rel/dir"), 0o700, "x").unwrap_err();
+        assert!(e.contains("absolute"), "{e}");
+        let e = private_dir(&d.join("a/../b"), 0o700, "x").unwrap_err();
+        assert!(e.contains(".."), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn links_and_other_users_directories_are_never_used() {
+        let d = dir("planted");
+        let target = d.join("elsewhere");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let link = d.join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = private_dir(&link, 0o700, "the state directory").unwrap_err();
+        assert!(e.contains("symbolic link"), "{e}");
+        // Through a link of this user's own, as /var/run -> /run is root's.
+        private_dir(&link.join("sub"), 0o700, "x").unwrap();
+        assert!(target.join("sub").is_dir());
+        std::fs::write(d.join("file"), b"").unwrap();
+        let e = private_dir(&d.join("file"), 0o700, "x").unwrap_err();
+        assert!(e.contains("not a directory"), "{e}");
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let theirs = d.join("theirs");
+            std::fs::create_dir(&theirs).unwrap();
+            std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+            let e = private_dir(&theirs, 0o700, "the state directory").unwrap_err();
+            assert!(
+                e.contains("belongs to uid 65534") && e.contains("mode 700"),
+                "{e}"
+            );
+            let e = private_dir(&theirs.join("x"), 0o700, "x").unwrap_err();
+            assert!(e.contains("belongs to uid 65534"), "{e}");
+            // A link planted by another user is not followed.
+            std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).unwrap();
+            let e = private_dir(&link.join("sub"), 0o700, "x").unwrap_err();
+            assert!(e.contains("symbolic link (of uid 65534)"), "{e}");
+        }
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -31,13 +31,22 @@
 //!
 //! # Handshake
 //!
-//! The client's first message is `Hello` with [`MAGIC`] and the
-//! [`PROTOCOL_VERSION`] it speaks. The broker answers `HelloOk` with its own
-//! version, or, when the version differs, `Error` with code
-//! [`ERR_VERSION`] and "protocol version X not supported; this broker speaks
-//! 1", and closes the connection; a wrong magic or any other first message
-//! gets `Error` code [`ERR_BAD_FRAME`] and the same. [`hello_reply`] makes the
-//! broker's answer.
+//! The client's first message is `Hello` with [`MAGIC`] and the range of
+//! versions it speaks: `version`, the lowest (the field that versions up to
+//! 4 filled with the one version they spoke), then, appended in version 5,
+//! `max_version`, the highest (absent: the same). The broker answers
+//! `HelloOk` with the highest version both speak ([`hello_reply`]), and the
+//! connection speaks that version from then on; with none in common it
+//! answers `Error` with code [`ERR_VERSION`] and one line naming both
+//! ranges and what to do, and closes the connection; a wrong magic or any
+//! other first message gets `Error` code [`ERR_BAD_FRAME`] and the same. A
+//! client checks the version it was given ([`accept_version`]).
+//!
+//! So a restarted broker of a newer release keeps serving the shims of
+//! processes that were running (they reconnect and register again with
+//! the version they speak), and a client of a newer release still talks
+//! to an older broker: its `version` is its lowest, which an older broker
+//! checks as the one version it knows.
 //!
 //! So that brokers and clients of any two versions can still tell each other
 //! that they differ, `Hello`, `HelloOk` and `Error` are frozen: later versions
@@ -63,7 +72,12 @@ use crate::config::Priority;
 /// device of a lease (`Leased.mig`, `gpufrac broker --mig dynamic`),
 /// leases pinned to GPUs under a token the client chose (`Lease.pin`,
 /// `Lease.token`: the Kubernetes device plugin's pods), and `Name`.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 5: version ranges (`Hello.max_version`); every other frame as in 4.
+pub const PROTOCOL_VERSION: u16 = 5;
+/// The oldest version this build still speaks: a broker serves clients of
+/// versions from here to [`PROTOCOL_VERSION`], which is what lets shims of
+/// processes started before an upgrade register with the new broker.
+pub const MIN_PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -241,9 +255,14 @@ pub struct DeviceReg {
 pub enum ClientMsg {
     Hello {
         magic: [u8; 4],
+        /// The lowest version the client speaks (up to version 4: the
+        /// only one).
         version: u16,
         pid: u32,
         role: Role,
+        /// The highest it speaks; appended in version 5, and left off the
+        /// wire when it equals `version`, as versions up to 4 sent it.
+        max_version: u16,
     },
     Register {
         command: String,
@@ -303,9 +322,10 @@ impl ClientMsg {
     pub fn hello(pid: u32, role: Role) -> Self {
         ClientMsg::Hello {
             magic: MAGIC,
-            version: PROTOCOL_VERSION,
+            version: MIN_PROTOCOL_VERSION,
             pid,
             role,
+            max_version: PROTOCOL_VERSION,
         }
     }
 }
@@ -376,26 +396,63 @@ pub enum ServerMsg {
     },
 }
 
-/// The broker's answer to a client's `Hello`: `HelloOk`, or the `Error` to
-/// send before closing the connection.
-pub fn hello_reply(magic: [u8; 4], version: u16) -> ServerMsg {
+/// `version 4`, or `versions 4 to 5`.
+fn versions(lo: u16, hi: u16) -> String {
+    if lo == hi {
+        format!("version {lo}")
+    } else {
+        format!("versions {lo} to {hi}")
+    }
+}
+
+/// The broker's answer to a client's `Hello` speaking versions `min` to
+/// `max`: `HelloOk` with the highest version both speak, or the `Error` to
+/// send before closing the connection, one line naming both ranges and
+/// what to do.
+pub fn hello_reply(magic: [u8; 4], min: u16, max: u16) -> ServerMsg {
+    // A range given backwards is read as its lowest version alone.
+    let max = max.max(min);
+    let common = max.min(PROTOCOL_VERSION);
     if magic != MAGIC {
         ServerMsg::Error {
             code: ERR_BAD_FRAME,
             message: "not a gpufrac client (bad magic)".to_owned(),
         }
-    } else if version != PROTOCOL_VERSION {
+    } else if common < min.max(MIN_PROTOCOL_VERSION) {
+        let todo = if max < MIN_PROTOCOL_VERSION {
+            "the client is older than this broker still serves: run it with this node's gpufrac \
+             and libgpufrac.so"
+        } else {
+            "the client is newer than this broker: upgrade gpufrac on this node and restart the \
+             broker, or run the client with the broker's release"
+        };
         ServerMsg::Error {
             code: ERR_VERSION,
             message: format!(
-                "protocol version {version} not supported; this broker speaks {PROTOCOL_VERSION}"
+                "protocol {} not supported; this broker (gpufrac {}) speaks {}: {todo}",
+                versions(min, max),
+                env!("CARGO_PKG_VERSION"),
+                versions(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
             ),
         }
     } else {
-        ServerMsg::HelloOk {
-            version: PROTOCOL_VERSION,
-        }
+        ServerMsg::HelloOk { version: common }
     }
+}
+
+/// Checks the version a broker chose in `HelloOk`: one this build speaks,
+/// else why not, in one line naming both and what to do.
+pub fn accept_version(version: u16) -> Result<u16, String> {
+    if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) {
+        return Ok(version);
+    }
+    Err(format!(
+        "the broker chose protocol version {version}, and this gpufrac ({}) speaks {}: run this \
+         program with the broker's release of gpufrac and libgpufrac.so, or restart the broker on \
+         this one",
+        env!("CARGO_PKG_VERSION"),
+        versions(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
+    ))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -435,12 +492,17 @@ pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
             version,
             pid,
             role,
+            max_version,
         } => {
             out.push(T_HELLO);
             out.extend_from_slice(magic);
             put_u16(out, *version);
             put_u32(out, *pid);
             out.push(role.to_wire());
+            // As versions up to 4 wrote it when the range is one version.
+            if max_version != version {
+                put_u16(out, *max_version);
+            }
         }
         ClientMsg::Register {
             command,
@@ -627,11 +689,15 @@ pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
     let mut r = Reader(payload);
     let msg = match ty {
         T_HELLO => {
+            let magic = r.array()?;
+            let version = r.u16()?;
             let msg = ClientMsg::Hello {
-                magic: r.array()?,
-                version: r.u16()?,
+                magic,
+                version,
                 pid: r.u32()?,
                 role: Role::from_wire(r.u8()?).ok_or(DecodeError::Malformed("unknown role"))?,
+                // Absent before version 5: the one version it speaks.
+                max_version: r.u16().unwrap_or(version),
             };
             // Frozen and extensible: later versions may append fields.
             return Ok((msg, used));
@@ -1193,6 +1259,19 @@ mod tests {
         assert_eq!(
             enc_c(&ClientMsg::hello(0x0102_0304, Role::Shim)),
             [
+                14, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 4, 0, 4, 3, 2, 1, 1, 5, 0
+            ]
+        );
+        // A range of one version is written as versions up to 4 wrote it.
+        assert_eq!(
+            enc_c(&ClientMsg::Hello {
+                magic: MAGIC,
+                version: 4,
+                pid: 0x0102_0304,
+                role: Role::Shim,
+                max_version: 4,
+            }),
+            [
                 12, 0, 0, 0, 0x01, b'G', b'P', b'F', b'R', 4, 0, 4, 3, 2, 1, 1
             ]
         );
@@ -1276,6 +1355,7 @@ mod tests {
         payload.extend_from_slice(&7u16.to_le_bytes());
         payload.extend_from_slice(&42u32.to_le_bytes());
         payload.push(2);
+        payload.extend_from_slice(&9u16.to_le_bytes());
         payload.extend_from_slice(b"fields of version 7");
         let bytes = frame(T_HELLO, &payload);
         let (msg, used) = decode_client(&bytes).unwrap();
@@ -1285,20 +1365,30 @@ mod tests {
             version,
             pid,
             role,
+            max_version,
         } = msg
         else {
             panic!("{msg:?}");
         };
-        assert_eq!((magic, version, pid, role), (MAGIC, 7, 42, Role::Cli));
         assert_eq!(
-            hello_reply(magic, version),
-            ServerMsg::Error {
-                code: ERR_VERSION,
-                message: format!(
-                    "protocol version 7 not supported; this broker speaks {PROTOCOL_VERSION}"
-                )
-            }
+            (magic, version, pid, role, max_version),
+            (MAGIC, 7, 42, Role::Cli, 9)
         );
+        let ServerMsg::Error { code, message } = hello_reply(magic, version, max_version) else {
+            panic!()
+        };
+        assert_eq!(code, ERR_VERSION);
+        assert_eq!(
+            message,
+            format!(
+                "protocol versions 7 to 9 not supported; this broker (gpufrac {}) speaks versions \
+                 {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}: the client is newer than this broker: \
+                 upgrade gpufrac on this node and restart the broker, or run the client with the \
+                 broker's release",
+                env!("CARGO_PKG_VERSION")
+            )
+        );
+        assert!(!message.contains('\n'));
 
         let bytes = frame(T_HELLO_OK, &[7, 0, 9, 9, 9]);
         assert_eq!(
@@ -1318,28 +1408,81 @@ mod tests {
         );
     }
 
+    /// Versions up to 4 sent one version, in the field that now holds the
+    /// lowest: read as a range of one.
+    #[test]
+    fn hello_of_version_4_is_read_as_it_was_meant() {
+        let bytes = frame(T_HELLO, b"GPFR\x04\x00\x2a\x00\x00\x00\x01");
+        let (msg, used) = decode_client(&bytes).unwrap();
+        assert_eq!(used, bytes.len());
+        assert!(matches!(
+            msg,
+            ClientMsg::Hello {
+                version: 4,
+                max_version: 4,
+                pid: 42,
+                role: Role::Shim,
+                ..
+            }
+        ));
+        assert_eq!(hello_reply(MAGIC, 4, 4), ServerMsg::HelloOk { version: 4 });
+    }
+
     #[test]
     fn hello_replies() {
+        // The highest version both speak.
         assert_eq!(
-            hello_reply(MAGIC, PROTOCOL_VERSION),
+            hello_reply(MAGIC, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION),
+            ServerMsg::HelloOk {
+                version: PROTOCOL_VERSION
+            }
+        );
+        assert_eq!(
+            hello_reply(MAGIC, 1, PROTOCOL_VERSION + 3),
+            ServerMsg::HelloOk {
+                version: PROTOCOL_VERSION
+            }
+        );
+        assert_eq!(
+            hello_reply(MAGIC, PROTOCOL_VERSION, PROTOCOL_VERSION + 3),
             ServerMsg::HelloOk {
                 version: PROTOCOL_VERSION
             }
         );
         assert!(matches!(
-            hello_reply(*b"HTTP", PROTOCOL_VERSION),
+            hello_reply(*b"HTTP", PROTOCOL_VERSION, PROTOCOL_VERSION),
             ServerMsg::Error {
                 code: ERR_BAD_FRAME,
                 ..
             }
         ));
+        let ServerMsg::Error { code, message } = hello_reply(MAGIC, 1, 3) else {
+            panic!()
+        };
+        assert_eq!(code, ERR_VERSION);
+        assert!(
+            message.starts_with("protocol versions 1 to 3 not supported")
+                && message.contains("the client is older"),
+            "{message}"
+        );
         assert!(matches!(
-            hello_reply(MAGIC, 0),
+            hello_reply(MAGIC, 0, 0),
             ServerMsg::Error {
                 code: ERR_VERSION,
                 ..
             }
         ));
+        assert_eq!(accept_version(PROTOCOL_VERSION), Ok(PROTOCOL_VERSION));
+        assert_eq!(
+            accept_version(MIN_PROTOCOL_VERSION),
+            Ok(MIN_PROTOCOL_VERSION)
+        );
+        let e = accept_version(PROTOCOL_VERSION + 1).unwrap_err();
+        assert!(
+            e.contains(&format!("protocol version {}", PROTOCOL_VERSION + 1))
+                && e.contains("restart the broker"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1662,14 +1805,22 @@ mod tests {
 
     fn client_msg() -> impl Strategy<Value = ClientMsg> {
         prop_oneof![
-            (any::<[u8; 4]>(), any::<u16>(), any::<u32>(), role()).prop_map(
-                |(magic, version, pid, role)| ClientMsg::Hello {
-                    magic,
-                    version,
-                    pid,
-                    role
-                }
-            ),
+            (
+                any::<[u8; 4]>(),
+                any::<u16>(),
+                any::<u32>(),
+                role(),
+                any::<u16>()
+            )
+                .prop_map(|(magic, version, pid, role, max_version)| {
+                    ClientMsg::Hello {
+                        magic,
+                        version,
+                        pid,
+                        role,
+                        max_version,
+                    }
+                }),
             (
                 any::<String>(),
                 vec(device(), 0..6),
@@ -1816,6 +1967,34 @@ mod tests {
             check_sane(&frame(ty, &payload));
             let t = if ty & 1 == 0 { T_REGISTER } else { T_LEASED };
             check_sane(&frame(t, &payload));
+            // Hello of any version, with anything appended.
+            let mut hello = b"GPFR".to_vec();
+            hello.extend_from_slice(&payload);
+            check_sane(&frame(T_HELLO, &hello));
+        }
+
+        /// Negotiation: the broker's answer is the highest version in both
+        /// ranges, and a refusal (one line) comes only when there is none.
+        #[test]
+        fn hello_picks_the_highest_common_version(min in 0u16..12, span in 0u16..6, wide in any::<u16>()) {
+            let (lo, hi) = (min, min + span);
+            let ours = MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION;
+            let best = (lo..=hi).rev().find(|v| ours.contains(v));
+            match hello_reply(MAGIC, lo, hi) {
+                ServerMsg::HelloOk { version } => {
+                    prop_assert_eq!(Some(version), best);
+                    prop_assert_eq!(accept_version(version), Ok(version));
+                }
+                ServerMsg::Error { code, message } => {
+                    prop_assert_eq!(best, None);
+                    prop_assert_eq!(code, ERR_VERSION);
+                    prop_assert!(!message.contains('\n'));
+                    prop_assert!(message.contains(&lo.to_string()) && message.contains(&hi.to_string()));
+                }
+                other => prop_assert!(false, "{:?}", other),
+            }
+            // Whatever a client sends, the broker answers without panicking.
+            let _ = hello_reply(MAGIC, wide, wide.wrapping_mul(7));
         }
 
         #[test]

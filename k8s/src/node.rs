@@ -289,7 +289,11 @@ impl Node {
             }
             Err(_) => {}
         }
-        let listener = tokio::net::UnixListener::bind(path)
+        let listener = bind_private(path)
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                tokio::net::UnixListener::from_std(l)
+            })
             .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
         let bound = file_id(path)
             .ok_or_else(|| format!("{} vanished right after it was made", path.display()))?;
@@ -424,5 +428,52 @@ async fn poll_gpus(lister: Lister, every: Duration, proc_gpus: PathBuf, shared: 
             tracing::warn!("{c}");
         }
         shared.publish();
+    }
+}
+
+/// Only the kubelet (root) connects to the plugin: the socket is made mode
+/// 0600 whatever the umask, under a fresh name, and renamed into place
+/// only then, so that it is never reachable with a looser mode.
+fn bind_private(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = gpufrac_common::files::temporary(path);
+    let l = std::os::unix::net::UnixListener::bind(&tmp)?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok(l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plugin_socket_is_private_whatever_the_umask() {
+        let d = std::env::temp_dir().join(format!("gpufrac-k8s-sock-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("gpufrac.sock");
+        // SAFETY: umask is process-wide; this test binary binds no other
+        // socket meanwhile, and the old mask is put back.
+        let old = unsafe { libc_umask(0) };
+        let l = bind_private(&p);
+        unsafe { libc_umask(old) };
+        let _l = l.unwrap();
+        let meta = std::fs::symlink_metadata(&p).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        let left: Vec<_> = std::fs::read_dir(&d).unwrap().collect();
+        assert_eq!(left.len(), 1, "no temporary left: {left:?}");
+        std::os::unix::net::UnixStream::connect(&p).unwrap();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    unsafe extern "C" {
+        #[link_name = "umask"]
+        fn libc_umask(mask: u32) -> u32;
     }
 }

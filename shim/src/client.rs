@@ -560,7 +560,10 @@ fn connect(cfg: &ShimConfig, timeout: Duration) -> Result<UnixStream, ConnectFai
     let mut inbuf = Vec::new();
     loop {
         match wire::decode_server(&inbuf) {
-            Ok((ServerMsg::HelloOk { .. }, _)) => break,
+            Ok((ServerMsg::HelloOk { version }, _)) => match wire::accept_version(version) {
+                Ok(_) => break,
+                Err(why) => return Err(ConnectFail::Other(why)),
+            },
             Ok((ServerMsg::Error { message, .. }, _)) => return Err(ConnectFail::Other(message)),
             Ok((other, _)) => {
                 return Err(ConnectFail::Other(format!("unexpected answer {other:?}")));

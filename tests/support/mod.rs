@@ -394,6 +394,11 @@ impl Broker {
         uuid
     }
 
+    /// The state file (unless the test named its own `--state-dir`).
+    pub fn state_file(&self) -> PathBuf {
+        state_dir(&self.socket).join("state")
+    }
+
     /// pids registered on any GPU.
     pub fn registered(&self) -> Vec<u64> {
         let s = self.status();
@@ -415,13 +420,20 @@ impl Broker {
     }
 }
 
+/// Where `Broker` keeps a broker's private files: beside its socket, in
+/// the scratch directory only root can write.
+fn state_dir(socket: &Path) -> PathBuf {
+    socket.with_file_name("state")
+}
+
 fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
     let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
-    cmd.arg("broker")
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .env("GPUFRAC_SIM_STATE", state)
+    cmd.arg("broker").arg("--socket").arg(socket).args(args);
+    if !args.contains(&"--state-dir") {
+        // Its private files in its scratch directory, not under /run.
+        cmd.arg("--state-dir").arg(state_dir(socket));
+    }
+    cmd.env("GPUFRAC_SIM_STATE", state)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());

@@ -27,9 +27,10 @@ impl Broker {
                     magic,
                     version,
                     role,
+                    max_version,
                     ..
                 } => {
-                    let reply = wire::hello_reply(magic, version);
+                    let reply = wire::hello_reply(magic, version, max_version);
                     if matches!(reply, ServerMsg::HelloOk { .. }) {
                         c.role = Some(role);
                     } else {

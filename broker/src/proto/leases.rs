@@ -298,23 +298,43 @@ impl Broker {
     }
 
     /// A `gpufrac run` reconnecting after a broker restart: only the same
-    /// process may claim its job back, and only while no live connection
-    /// holds it. While a recovery holds placements, a job the state file
-    /// lost is booked again where its run says it runs.
+    /// process (pid, start time and uid) may claim its job back, and only
+    /// while no live connection holds it. A token the broker does not know
+    /// is a claim nothing can verify: during a recovery only root or the
+    /// device plugin may book one (where its pins say), within budget;
+    /// anyone else's is refused, whatever GPUs it names.
     fn resume_job(&mut self, now: Nanos, id: ConnId, a: LeaseReq) {
         let token = a.resume;
         let Some(c) = self.conns.get(&id) else {
             return;
         };
-        let start = self.procs.start_time(c.peer.pid);
+        let peer = c.peer.clone();
+        let start = self.procs.start_time(peer.pid);
         let taken = self
             .job_conn
             .get(&token)
             .is_some_and(|t| self.conns.contains_key(t));
+        const NO_SUCH: &str = "this broker has no such lease to resume (it was started without the state file, or the lease ended)";
         match self.jobs.get(&token) {
-            Some(j) if !taken && self.cfg.policy.may_resume(&c.peer, start, j) => {}
-            None if !self.placing(now) && !a.pin.is_empty() && start.is_some() => {
-                let job = self.job_for(id, &a, token, start.unwrap_or(0));
+            Some(j) if !taken && self.cfg.policy.may_resume(&peer, start, j) => {}
+            Some(_) => return self.refuse(id, NO_SUCH),
+            None if self.placing(now) || a.pin.is_empty() => return self.refuse(id, NO_SUCH),
+            None => {
+                // Counted before anything is booked for it.
+                if let Err(reason) = self.within_budget(&peer, false) {
+                    return self.refuse(id, reason);
+                }
+                if let Err(reason) = self.cfg.policy.claim_unverified(&peer) {
+                    self.warn_limited(format_args!(
+                        "recovery: refused a claim for a lease the trusted state does not have, from pid {} (uid {})",
+                        peer.pid, peer.uid
+                    ));
+                    return self.refuse(id, reason);
+                }
+                let Some(start) = start else {
+                    return self.refuse(id, "cannot identify the requesting process");
+                };
+                let job = self.job_for(id, &a, token, start);
                 // What it held, not what it pins: a job of `--gpus` or
                 // `--gpu-memory`, on the GPUs it names.
                 let job = Job {
@@ -328,14 +348,8 @@ impl Broker {
                 let held: Vec<[u8; 16]> = a.pin.iter().map(|p| p.uuid).collect();
                 return self.claim(now, id, job, &held);
             }
-            _ => {
-                return self.refuse(
-                    id,
-                    "this broker has no such lease to resume (it was started without the state file, or the lease ended)",
-                );
-            }
         }
-        let pid = c.peer.pid;
+        let pid = peer.pid;
         self.job_conn.insert(token, id);
         let (phase, label) = {
             let j = &self.jobs[&token];

@@ -1,6 +1,11 @@
 //! State on disk and restarts: a lease is told only once it is durable,
-//! a suspect state file books nothing twice, and restored jobs are resumed
-//! only by their own run.
+//! a suspect state file books nothing twice, restored jobs are resumed
+//! only by their own run, and a recovery accepts only claims it can
+//! verify (SPEC §2, invariant 5).
+
+use proptest::prelude::*;
+
+const NOBODY: u32 = 65534;
 
 use super::*;
 
@@ -49,20 +54,16 @@ fn after_a_suspect_state_file_nothing_is_booked_twice() {
     t.lease(q, 0, 10 * GIB, false);
     t.advance(SEC);
     assert!(leased(&t.recv(q)).is_none(), "held while recovering");
-    // ...while the running job claims its GPU back.
+    // A claim nothing can verify, from a user, books nothing...
     let r = t.connect_as(run, ALICE);
-    t.send(
-        r,
-        &LeaseReq {
-            resume: 0xabc,
-            pin: vec![Pin {
-                uuid: uuid(1),
-                mem: 16 * GIB,
-            }],
-            ..lease(1, 0, false)
-        }
-        .into(),
-    );
+    t.send(r, &claim(0xabc, &[1]).into());
+    t.turn();
+    let why = refused(&t.recv(r)).expect("an unverifiable claim is refused");
+    assert!(why.contains("trusted state has no such lease"), "{why}");
+    // ...while root's running job (or the device plugin's) claims its GPU
+    // back.
+    let r = t.connect_as(run, 0);
+    t.send(r, &claim(0xabc, &[1]).into());
     t.turn();
     assert_eq!(leased(&t.recv(r)), Some(0xabc));
     // After the grace the queue moves again, around what was claimed.
@@ -121,4 +122,175 @@ fn restored_jobs_are_resumed_only_by_their_own_run() {
     let r = t.connect_as(run, ALICE);
     t.send(r, &resume);
     assert_eq!(leased(&t.recv(r)), Some(77));
+}
+
+/// A resume naming `token` and claiming these GPUs (by number from 1, as
+/// `uuid` makes them) whole.
+fn claim(token: u64, gpus: &[u8]) -> LeaseReq {
+    LeaseReq {
+        resume: token,
+        pin: gpus
+            .iter()
+            .map(|&g| Pin {
+                uuid: uuid(g),
+                mem: 16 * GIB,
+            })
+            .collect(),
+        ..lease(gpus.len() as u32, 0, false)
+    }
+}
+
+/// A broker of two 16 GiB GPUs restarted on a suspect state file whose
+/// last good copy has alice's job 77 on GPU 0; returns its run's pid.
+fn recovering() -> (T, u32) {
+    let mut t = T::new(cfg(), &[16 * GIB, 16 * GIB]);
+    let run = t.spawn(1);
+    let start = t.procs.borrow()[&run].1;
+    let job = Job {
+        pid: run,
+        start_time: start,
+        uid: ALICE,
+        ..crate::jobs::sample(77)
+    };
+    t.b.restore(
+        t.now,
+        Loaded {
+            jobs: vec![job],
+            problem: Some("planted".into()),
+            suspect: true,
+        },
+    );
+    assert!(t.status().recovery.is_some());
+    (t, run)
+}
+
+/// The attack: a planted state file and a restart put the broker in
+/// recovery, and during the grace uid 65534 claimed GPUs 0 and 1 whole
+/// with resume + pin under a made-up token, and kept them; the victim's
+/// 1 GiB request then timed out.
+#[test]
+fn a_made_up_claim_during_recovery_books_nothing() {
+    let (mut t, _) = recovering();
+    let p = t.spawn(1);
+    let x = t.connect_as(p, NOBODY);
+    t.send(x, &claim(0x5eed, &[1, 2]).into());
+    t.turn();
+    let why = refused(&t.recv(x)).expect("refused");
+    assert!(
+        why.contains("uid 65534") && why.contains("root or the broker's --plugin-user"),
+        "{why}"
+    );
+    assert_eq!(t.status().gpus[1].committed_mem, 0);
+    t.advance(Config::default().recovery_grace);
+    let p = t.spawn(1);
+    let v = t.connect_as(p, BOB);
+    t.lease(v, 0, GIB, false);
+    t.advance(SEC);
+    assert!(leased(&t.recv(v)).is_some(), "the victim is placed");
+}
+
+/// A lease of the trusted state is taken back only by its own run, as its
+/// own user: not by a process of another uid under the same pid and start
+/// time (a setuid since), and not twice.
+#[test]
+fn a_restored_lease_is_resumed_only_by_its_run_as_its_user() {
+    let (mut t, run) = recovering();
+    let o = t.connect_as(run, NOBODY);
+    t.send(o, &claim(77, &[1]).into());
+    t.turn();
+    assert!(refused(&t.recv(o)).is_some(), "another uid");
+    let r = t.connect_as(run, ALICE);
+    t.send(r, &claim(77, &[1]).into());
+    t.turn();
+    assert_eq!(leased(&t.recv(r)), Some(77));
+    let again = t.connect_as(run, ALICE);
+    t.send(again, &claim(77, &[1]).into());
+    t.turn();
+    assert!(
+        refused(&t.recv(again)).is_some(),
+        "held by a live connection"
+    );
+}
+
+/// A user at their lease limit still takes their own lease back: the
+/// restored job is already counted, not counted twice.
+#[test]
+fn a_user_at_the_budget_resumes_their_own_lease() {
+    let (mut t, run) = recovering();
+    t.b.cfg.budgets.leases = 1;
+    let r = t.connect_as(run, ALICE);
+    t.send(r, &claim(77, &[1]).into());
+    t.turn();
+    assert_eq!(leased(&t.recv(r)), Some(77));
+    let p = t.spawn(1);
+    let n = t.connect_as(p, ALICE);
+    t.lease(n, 1, 0, false);
+    let why = refused(&t.recv(n)).expect("a second lease is over the budget");
+    assert!(why.contains("per-user limit"), "{why}");
+}
+
+#[derive(Debug, Clone)]
+enum Attack {
+    /// A resume under a token (a small set, which includes the victim's
+    /// real one) claiming GPUs (a bit mask over two).
+    Claim { token: u64, gpus: u8 },
+    /// Time passes, in tenths of the grace.
+    Wait(u8),
+}
+
+fn attack() -> impl Strategy<Value = Attack> {
+    prop_oneof![
+        (
+            prop::sample::select(vec![1u64, 2, 77, 0x5eed, u64::MAX]),
+            0u8..4
+        )
+            .prop_map(|(token, gpus)| Attack::Claim { token, gpus }),
+        (1u8..4).prop_map(Attack::Wait),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+    /// Invariant 5, recovery: whatever a user of another uid sends while a
+    /// restarted broker recovers, it is booked nothing, the run of the
+    /// trusted state's lease gets it back, and once the grace is over the
+    /// victim's request is placed.
+    #[test]
+    fn recovery_grants_an_attacker_nothing(
+        attacks in prop::collection::vec(attack(), 1..24),
+        victim_at in 0usize..24,
+    ) {
+        let (mut t, run) = recovering();
+        let grace = Config::default().recovery_grace;
+        let mut attackers = Vec::new();
+        for (i, a) in attacks.iter().enumerate() {
+            if i == victim_at {
+                let r = t.connect_as(run, ALICE);
+                t.send(r, &claim(77, &[1]).into());
+                t.turn();
+                prop_assert_eq!(leased(&t.recv(r)), Some(77));
+            }
+            match *a {
+                Attack::Claim { token, gpus } => {
+                    let on: Vec<u8> = (1..=2).filter(|g| gpus & (1 << (g - 1)) != 0).collect();
+                    let p = t.spawn(1);
+                    let x = t.connect_as(p, NOBODY);
+                    t.send(x, &claim(token, &on).into());
+                    t.turn();
+                    attackers.push(x);
+                }
+                Attack::Wait(tenths) => t.advance(grace / 10 * u64::from(tenths)),
+            }
+            for &x in &attackers {
+                prop_assert!(leased(&t.recv(x)).is_none(), "an attacker was booked");
+            }
+            prop_assert!(t.b.jobs.values().all(|j| j.uid != NOBODY));
+        }
+        t.advance(grace);
+        let p = t.spawn(1);
+        let v = t.connect_as(p, BOB);
+        t.lease(v, 0, GIB, false);
+        t.advance(SEC);
+        prop_assert!(leased(&t.recv(v)).is_some(), "the victim is placed");
+    }
 }
