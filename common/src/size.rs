@@ -168,6 +168,37 @@ pub fn format_size(bytes: u64) -> String {
     format!("{}.{:02} {unit}", hundredths / 100, hundredths % 100)
 }
 
+/// Bytes for a one-line message, formatted without allocating (the shim
+/// prints it on its refusal path): like [`format_size`], with the fraction
+/// left out when it is zero ("256 MiB", "4 GiB", "3.75 GiB", "1023 B").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Short(pub u64);
+
+impl fmt::Display for Short {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+        let bytes = self.0;
+        if bytes < KIB {
+            return write!(f, "{bytes} B");
+        }
+        let mut shift = 10u32;
+        let mut unit = UNITS[0];
+        for (i, name) in UNITS.iter().enumerate().skip(1) {
+            let s = 10 * (i as u32 + 1);
+            if bytes >> s == 0 {
+                break;
+            }
+            shift = s;
+            unit = name;
+        }
+        let hundredths = (u128::from(bytes) * 100) >> shift;
+        match hundredths % 100 {
+            0 => write!(f, "{} {unit}", hundredths / 100),
+            h => write!(f, "{}.{h:02} {unit}", hundredths / 100),
+        }
+    }
+}
+
 /// Bytes as a value to paste into a command line, which [`parse_size`]
 /// reads back: the largest of T, G, M and K that fits, with at most two
 /// decimals, truncated so that it never says more than `bytes` ("16G",
@@ -687,6 +718,18 @@ mod tests {
     }
 
     #[test]
+    fn short_sizes() {
+        let short = |b| Short(b).to_string();
+        assert_eq!(short(0), "0 B");
+        assert_eq!(short(1023), "1023 B");
+        assert_eq!(short(256 * MIB), "256 MiB");
+        assert_eq!(short(4 * GIB), "4 GiB");
+        assert_eq!(short(3 * GIB + 768 * MIB), "3.75 GiB");
+        assert_eq!(short(GIB - 1), "1023.99 MiB");
+        assert_eq!(short(512 * 1024), "512 KiB");
+    }
+
+    #[test]
     fn size_args_paste_back() {
         assert_eq!(format_size_arg(0), "0");
         assert_eq!(format_size_arg(1023), "1023");
@@ -715,6 +758,12 @@ mod tests {
             let _ = parse_mem_limit(&s);
             let _ = parse_percent(&s);
             let _ = parse_duration(&s);
+        }
+
+        #[test]
+        fn short_sizes_are_format_size_without_a_zero_fraction(n in any::<u64>()) {
+            let long = format_size(n);
+            prop_assert_eq!(Short(n).to_string(), long.replacen(".00 ", " ", 1));
         }
 
         #[test]
