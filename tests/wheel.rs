@@ -514,17 +514,33 @@ fn report_lists_tests_by_peak_and_writes_them_as_json() {
     );
 }
 
+/// Which tests ran out of memory is the shim's count of refusals read
+/// around each test, not the failure's text: a refused test is named
+/// whatever its error says, one that failed after its allocation succeeded
+/// is not, whatever its error says, and one that expected the refusal
+/// passes.
 #[test]
 fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
     let Some(py) = py() else { return };
     let r = Run::new("wheel-oom");
     let o = r
-        .pytest(py, &["-n", "2", "--gpufrac-memory", "2G", "test_oom.py"])
+        .pytest(
+            py,
+            &[
+                "-n",
+                "2",
+                "--gpufrac-memory",
+                "2G",
+                "--gpufrac-report-json",
+                "oom.json",
+                "test_oom.py",
+            ],
+        )
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", out(&o));
     let text = stdout(&o);
-    assert!(text.contains("1 failed, 3 passed"), "{text}");
+    assert!(text.contains("3 failed, 4 passed"), "{text}");
     let worker = r.record("too-big")["worker"].as_str().unwrap().to_owned();
     assert!(
         text.contains(&format!(
@@ -540,9 +556,42 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
         )),
         "{text}"
     );
+    let other = r.record("did-not-fit")["worker"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        text.contains(&format!(
+            "FAILED test_oom.py::test_did_not_fit - [gpufrac: {other} over its 1.00 GiB cap] \
+             AssertionError: the model did not fit"
+        )),
+        "refused, though its words say nothing of memory: {text}"
+    );
+    assert!(
+        text.contains(
+            "FAILED test_oom.py::test_wrong_answer - AssertionError: expected \
+             CUDA_ERROR_OUT_OF_MEMORY: out of memory"
+        ),
+        "its allocation succeeded: no note, whatever its words: {text}"
+    );
+    assert_eq!(
+        text.matches("This test ran out of GPU memory").count(),
+        2,
+        "{text}"
+    );
+    let j = report_json(&r.suite().join("oom.json"));
+    let ooms: u64 = j["per_worker"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["out_of_memory"].as_u64().unwrap())
+        .sum();
+    assert_eq!(ooms, 2, "{j}");
     for n in 0..3 {
         r.record(&format!("fits-{n}"));
     }
+    r.record("wrong-answer");
+    r.record("refusal-expected");
 }
 
 #[test]
