@@ -233,14 +233,29 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
     assert_eq!(names, want);
 
     // pip builds it from the source tree too (pyproject.toml's backend
-    // runs cargo xtask wheel), byte for byte the same.
+    // runs cargo xtask wheel), byte for byte the same, on a machine with
+    // Rust and Python only: zig and cargo-zigbuild come from PyPI as the
+    // build's requirements (pip's cache keeps them), none on PATH and none
+    // where xtask would look.
     let built = Scratch::new("wheel-pip");
     let python_dir = Path::new(ROOT).join("python");
-    pip(
-        &py.venv,
-        &["wheel", "--no-deps", "--wheel-dir"],
-        &[built.0.as_path(), python_dir.as_path()],
-    );
+    let path = std::env::var("PATH").unwrap_or_default();
+    let path: Vec<&str> = path
+        .split(':')
+        .filter(|d| {
+            !Path::new(d).join("zig").exists() && !Path::new(d).join("cargo-zigbuild").exists()
+        })
+        .collect();
+    let o = support::pip(&py.venv)
+        .args(["wheel", "--no-deps", "--wheel-dir"])
+        .arg(&built.0)
+        .arg(&python_dir)
+        .env("PATH", path.join(":"))
+        .env("GPUFRAC_DIST_TOOLS", built.0.join("no-tools-here"))
+        .env_remove("CARGO_ZIGBUILD_PYTHON_PATH")
+        .output()
+        .expect("running pip");
+    assert!(o.status.success(), "pip wheel ./python:\n{}", out(&o));
     assert!(
         std::fs::read(built.0.join(WHEEL)).unwrap() == std::fs::read(&py.wheel).unwrap(),
         "pip wheel ./python made another wheel than cargo xtask wheel"
