@@ -456,6 +456,8 @@ fn malformed_values_fail_closed_with_a_clear_message() {
         ("GPU_MEM_LIMIT", "abc"),
         ("GPU_MEM_LIMIT", "1.2.3G"),
         ("GPU_MEM_LIMIT", "150%"),
+        // Beyond any GPU: a slip of the unit, never taken as "no cap".
+        ("GPU_MEM_LIMIT", "99999T"),
         ("GPU_MEM_LIMIT_1", "lots"),
         ("GPU_MEM_LIMIT_X", "4G"),
         ("GPU_COMPUTE_SHARE", "200%"),

@@ -70,6 +70,10 @@ const DURATION_UNITS: &[(&str, u64)] = &[
     ("d", NS_PER_D),
 ];
 
+/// The largest memory cap accepted: about a hundred times the memory of
+/// the largest GPUs, so no real cap is refused and a slip of the unit is.
+pub const MAX_MEM_LIMIT: u64 = 16 * TIB;
+
 /// A memory cap as written in `GPU_MEM_LIMIT`; a percentage can only be
 /// turned into bytes once the device's physical total is known.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -255,6 +259,15 @@ pub(crate) fn mem_limit_problem(s: &str) -> Result<MemLimit, String> {
         (0, true) => Err(format!(
             "{} rounds down to 0 bytes; use 0 or leave the variable unset for no cap",
             excerpt(s, 32)
+        )),
+        // A cap above the device's memory is the whole device, so a bigger
+        // figure changes nothing there: a value beyond any GPU is a slip
+        // (99999T for 99999M) that would silently cap nothing.
+        (bytes, true) if bytes > MAX_MEM_LIMIT => Err(format!(
+            "{} is more memory than any GPU has: a cap is at most {} (16T); \
+             use 0 or leave the variable unset for no cap",
+            excerpt(s, 32),
+            format_size(MAX_MEM_LIMIT)
         )),
         (bytes, true) => Ok(MemLimit::Bytes(bytes)),
     }
@@ -570,6 +583,15 @@ mod tests {
         assert!(err("25%%").contains("unexpected '%'"));
         assert!(err("0.5").contains("rounds down to 0 bytes"));
         assert!(err("0.0001K").contains("rounds down to 0 bytes"));
+        for huge in ["99999T", "16.01T", "17592186044417", "16777215T"] {
+            let e = err(huge);
+            assert!(
+                e.contains("more memory than any GPU") && e.contains("16.00 TiB"),
+                "{e}"
+            );
+        }
+        assert!(err("99999999999T").contains("too large"));
+        assert_eq!(parse_mem_limit("16T"), Ok(MemLimit::Bytes(MAX_MEM_LIMIT)));
         for bad in [
             "G", "-1G", "1.2.3", "4 G G", "nan%", "inf", "25%G", "G25%", "1e2%",
         ] {

@@ -240,6 +240,8 @@ def pytest_configure(config):
     cap = budget
     if workers and budget and settings["split"] == "worker":
         cap = budget // workers
+        # Whole MiB reads better in every report; a share under 1 MiB would
+        # round to no cap at all, so it stays exact (docs/ci.md says so).
         if cap >= 1 << 20:
             cap = cap >> 20 << 20
         # Inherited by the workers xdist starts after this hook.
