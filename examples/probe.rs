@@ -844,10 +844,12 @@ fn main() {
                 println!("fork-used parent={parent} child={}", u64::from_le_bytes(v));
             }
             // Holds everything until PATH exists, so that a test can look
-            // at this process from outside while it holds memory.
+            // at this process from outside while it holds memory; or until
+            // PATH's directory is gone (a test that failed has removed it).
             "wait-file" => {
                 let path = next(&mut i);
-                while !std::path::Path::new(&path).exists() {
+                let path = std::path::Path::new(&path);
+                while !path.exists() && path.parent().is_none_or(|d| d.exists()) {
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
                 println!("wait-file done=1");

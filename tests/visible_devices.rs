@@ -148,20 +148,24 @@ fn nvml_lists_a_process_only_on_the_gpu_it_used() {
 fn a_job_placed_on_gpu_1_runs_there() {
     let b = Broker::start(DEVICES, &[]);
     let dir = Scratch::new("visible-devices");
-    let first = b
-        .run(&[
-            "--gpus",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            &job_script(&dir.0, "first"),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert_eq!(wait_started(&dir.0, "first").0, "0");
+    // Both jobs end when told to, or when the scratch directory goes with a
+    // failed test, so that none outlives it.
+    let first = format!(
+        "echo $CUDA_VISIBLE_DEVICES > {d}/first.tmp && mv {d}/first.tmp {d}/first.env; \
+         while [ -d {d} ] && [ ! -e {d}/first.stop ]; do sleep 0.02; done",
+        d = dir.0.display()
+    );
+    let mut first = KillOnDrop(
+        b.run(&["--gpus", "1", "--", "sh", "-c", &first])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until(20.0, "the first job to start", || {
+        dir.0.join("first.env").exists()
+    });
+    let cvd = std::fs::read_to_string(dir.0.join("first.env")).unwrap();
+    assert_eq!(cvd, "0\n");
 
     let out = dir.0.join("second.out");
     let stop = dir.0.join("second.stop");
@@ -172,12 +176,12 @@ fn a_job_placed_on_gpu_1_runs_there() {
         probe = artifacts().probe.display(),
         stop = stop.display(),
     );
-    let second = b
-        .run(&["--gpus", "1", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut second = KillOnDrop(
+        b.run(&["--gpus", "1", "--", "sh", "-c", &script])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let mut text = String::new();
     wait_until(
         20.0,
@@ -222,7 +226,7 @@ fn a_job_placed_on_gpu_1_runs_there() {
     assert!(!on(&s, 0).contains(&pid), "status: {s}");
 
     std::fs::write(&stop, "").unwrap();
-    let o = second.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    release(&dir.0, "first", first);
+    assert!(second.0.wait().unwrap().success());
+    std::fs::write(dir.0.join("first.stop"), "").unwrap();
+    assert!(first.0.wait().unwrap().success());
 }
