@@ -361,12 +361,8 @@ pub fn refused(dev: usize, size: u64, why: Refusal) {
     if let Some(l) = LEDGERS.get(dev) {
         l.refusals.fetch_add(1, Ordering::Relaxed);
     }
-    let said = match why {
-        // The books said why, once, when they could not be charged.
-        Refusal::Books => return,
-        _ => !may_say(&LAST_SAID, gpufrac_common::clock::mono_ns()),
-    };
-    if said {
+    // The books said why, once, when they could not be charged.
+    if why == Refusal::Books || !may_say(&LAST_SAID, gpufrac_common::clock::mono_ns()) {
         return;
     }
     match why {
