@@ -383,6 +383,60 @@ mod tests {
         );
     }
 
+    /// Every list of up to four entries over a small alphabet: the devices
+    /// shown are the list's valid prefix, in its order, each once, and the
+    /// first invalid entry hides everything after it.
+    #[test]
+    fn visible_lists_exhaustively() {
+        let devs = [
+            DevSpec::plain(16 << 30),
+            DevSpec::plain(8 << 30),
+            parse_device("A100-40GB:mig").unwrap(),
+        ];
+        let uuids: Vec<String> = ["gpu-aa01", "gpu-aa02", "gpu-bb03"]
+            .map(String::from)
+            .to_vec();
+        let alphabet = [
+            "0", "1", "2", "3", "-1", "GPU-aa01", "GPU-aa", "GPU-b", "MIG-x", "",
+        ];
+        let named = |e: &str| -> Option<usize> {
+            match e {
+                "0" | "GPU-aa01" => Some(0),
+                "1" => Some(1),
+                "2" | "GPU-b" => Some(2),
+                _ => None,
+            }
+        };
+        let mut lists: Vec<Vec<&str>> = vec![vec![]];
+        for _ in 0..4 {
+            let longer: Vec<Vec<&str>> = lists
+                .iter()
+                .filter(|l| l.len() == lists.last().unwrap().len())
+                .flat_map(|l| {
+                    alphabet.iter().map(move |a| {
+                        let mut l = l.clone();
+                        l.push(a);
+                        l
+                    })
+                })
+                .collect();
+            lists.extend(longer);
+        }
+        assert!(lists.len() > 10_000);
+        for l in lists {
+            let v = l.join(",");
+            let got = select_visible(&devs, &uuids, Some(&parse_visible(&v)));
+            let mut want = Vec::new();
+            for e in &l {
+                match named(e) {
+                    Some(i) if !devs[i].mig && !want.contains(&i) => want.push(i),
+                    _ => break,
+                }
+            }
+            assert_eq!(got, want, "CUDA_VISIBLE_DEVICES={v:?}");
+        }
+    }
+
     #[test]
     fn microseconds() {
         assert_eq!(parse_us("Q", " 2000 ", 1), Ok(2000));
