@@ -23,7 +23,8 @@
  *   GPUFRAC_SOCKET       Broker socket (default /run/gpufrac/broker.sock).
  *   GPUFRAC_BROKER       optional (default) | required | off.
  *   GPUFRAC_LOG          error (default) | warn | info | debug; lines on
- *                        stderr prefixed "gpufrac: ".
+ *                        stderr prefixed "gpufrac: ". Refusals by a cap
+ *                        are said at every level (see Errors).
  *
  * Errors:
  *
