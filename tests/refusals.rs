@@ -102,3 +102,33 @@ fn a_refusal_by_the_jobs_cap_names_the_job() {
         "{err}"
     );
 }
+
+/// Without a broker, `gpufrac run` says which cap still holds, and says
+/// there is none when none was asked.
+#[test]
+fn run_without_a_broker_says_which_cap_holds() {
+    let said = |args: &[&str], env: &[(&str, &str)]| {
+        let o = run_alone("16G", args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stderr(&o)
+    };
+    let none = said(&["--", "true"], &[]);
+    assert!(
+        none.contains("no cap: none was asked (--gpu-memory SIZE asks for one)")
+            && !none.contains("cap only"),
+        "{none}"
+    );
+    let job = said(&["--gpu-memory", "4G", "--", "true"], &[]);
+    assert!(
+        job.contains("running under the memory cap only (4.00 GiB for the whole job)"),
+        "{job}"
+    );
+    let env = said(&["--", "true"], &[("GPU_MEM_LIMIT", "2G")]);
+    assert!(
+        env.contains("(GPU_MEM_LIMIT=2G for each process, from the environment)"),
+        "{env}"
+    );
+}
