@@ -38,7 +38,8 @@ say() { echo "$@" >&2; }
 # for libcuda.so.1 and libnvidia-ml.so.1.
 build() {
   say "== Building ${1:+gpufrac, the $1 example, }the shim and the simulated driver ($profile;"
-  say "   about 2 minutes the first time, seconds after)"
+  say "   the first build compiles gpufrac and its dependencies, which takes what the CPU has:"
+  say "   about 2 minutes on 8 idle cores, 8 or more on 2 busy ones; seconds after)"
   # Two invocations, as the tests build them: a target filter such as
   # --bins would apply to the libraries too.
   "$cargo" build "${profile_flag[@]}" -p gpufrac-shim -p gpufrac-sim

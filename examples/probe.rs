@@ -661,6 +661,53 @@ fn main() {
                 println!("info-null rc={rc} total={total}");
             }
             "nvml" => nvml_report(),
+            // Every device CUDA shows, by ordinal: its UUID and memory.
+            "devices" => {
+                let count = f!(
+                    probe.c,
+                    "cuDeviceGetCount",
+                    "cuDeviceGetCount",
+                    fn(*mut c_int)
+                );
+                let get = f!(probe.c, "cuDeviceGet", "cuDeviceGet", fn(*mut c_int, c_int));
+                let uuid = f!(
+                    probe.c,
+                    "cuDeviceGetUuid",
+                    "cuDeviceGetUuid_v2",
+                    fn(*mut [u8; 16], c_int)
+                );
+                let total = f!(
+                    probe.c,
+                    "cuDeviceTotalMem",
+                    "cuDeviceTotalMem_v2",
+                    fn(*mut usize, c_int)
+                );
+                let mut n = 0;
+                let rc = unsafe { count(&mut n) };
+                println!("devices rc={rc} count={n}");
+                for o in 0..n {
+                    let (mut d, mut u, mut t) = (0, [0u8; 16], 0usize);
+                    unsafe {
+                        get(&mut d, o);
+                        uuid(&mut u, d);
+                        total(&mut t, d);
+                    }
+                    println!("device ordinal={o} uuid={} total={t}", uuid_string(&u));
+                }
+            }
+            // The processes NVML lists on each device.
+            "nvml-procs" => nvml_procs(),
+            // gpufrac_mem_refusals(device) of the shim, when it is there.
+            "refusals" => {
+                let p =
+                    unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_refusals".as_ptr()) };
+                if p.is_null() {
+                    println!("refusals present=0");
+                } else {
+                    let f: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(p) };
+                    println!("refusals present=1 count={}", f(probe.dev));
+                }
+            }
             "limit-api" => {
                 let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_limit".as_ptr()) };
                 let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };
@@ -1040,6 +1087,17 @@ fn main() {
                     std::thread::sleep(std::time::Duration::from_millis(2));
                 }
                 println!("await-file done=1");
+            }
+            // Holds everything until PATH exists, so that a test can look
+            // at this process from outside while it holds memory; or until
+            // PATH's directory is gone (a test that failed has removed it).
+            "wait-file" => {
+                let path = next(&mut i);
+                let path = std::path::Path::new(&path);
+                while !path.exists() && path.parent().is_none_or(|d| d.exists()) {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                println!("wait-file done=1");
             }
             "sleep-ms" => {
                 let ms: u64 = next(&mut i).parse().unwrap();
@@ -1614,6 +1672,61 @@ fn spin(c: &Cuda, start: u64, end: u64, ns: u64, batch: usize) -> (u64, R) {
         // Count only work that finished inside the window.
         if mono_ns() <= end {
             done += batch as u64;
+        }
+    }
+}
+
+fn uuid_string(u: &[u8; 16]) -> String {
+    let mut s = String::from("GPU-");
+    for (i, b) in u.iter().enumerate() {
+        if matches!(i, 4 | 6 | 8 | 10) {
+            s.push('-');
+        }
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// `nvml-procs index=I uuid=U pids=P,Q` for each NVML device.
+fn nvml_procs() {
+    let lib = unsafe { libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW) };
+    assert!(!lib.is_null(), "dlopen libnvidia-ml.so.1");
+    let sym = |n: &CStr| {
+        let p = unsafe { libc::dlsym(lib, n.as_ptr()) };
+        assert!(!p.is_null(), "{n:?}");
+        p
+    };
+    unsafe {
+        let init: unsafe extern "C" fn() -> R = std::mem::transmute(sym(c"nvmlInit_v2"));
+        assert_eq!(init(), 0);
+        let count: unsafe extern "C" fn(*mut c_uint) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetCount_v2"));
+        let handle: unsafe extern "C" fn(c_uint, *mut *mut c_void) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetHandleByIndex_v2"));
+        let uuid: unsafe extern "C" fn(*mut c_void, *mut c_char, c_uint) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetUUID"));
+        // nvmlProcessInfo_t: pid, usedGpuMemory, gpuInstanceId, computeInstanceId.
+        let procs: unsafe extern "C" fn(*mut c_void, *mut c_uint, *mut [u64; 3]) -> R =
+            std::mem::transmute(sym(c"nvmlDeviceGetComputeRunningProcesses_v3"));
+        let mut n = 0;
+        count(&mut n);
+        for i in 0..n {
+            let mut h = std::ptr::null_mut();
+            handle(i, &mut h);
+            let mut buf = [0 as c_char; 96];
+            uuid(h, buf.as_mut_ptr(), buf.len() as c_uint);
+            let mut infos = [[0u64; 3]; 64];
+            let mut k = infos.len() as c_uint;
+            let rc = procs(h, &mut k, infos.as_mut_ptr());
+            let pids: Vec<String> = infos[..(k as usize).min(infos.len())]
+                .iter()
+                .map(|p| (p[0] as u32).to_string())
+                .collect();
+            println!(
+                "nvml-procs index={i} rc={rc} uuid={} pids={}",
+                CStr::from_ptr(buf.as_ptr()).to_string_lossy(),
+                pids.join(",")
+            );
         }
     }
 }

@@ -23,7 +23,8 @@
  *   GPUFRAC_SOCKET       Broker socket (default /run/gpufrac/broker.sock).
  *   GPUFRAC_BROKER       optional (default) | required | off.
  *   GPUFRAC_LOG          error (default) | warn | info | debug; lines on
- *                        stderr prefixed "gpufrac: ".
+ *                        stderr prefixed "gpufrac: ". Refusals by a cap
+ *                        are said at every level (see Errors).
  *
  * Errors:
  *
@@ -32,7 +33,10 @@
  *     names the variable, the bad value and a good example.
  *   - An allocation that would take the process past its cap on a device
  *     returns CUDA_ERROR_OUT_OF_MEMORY (2) without calling the driver; the
- *     process carries on, and frees make room again.
+ *     process carries on, and frees make room again. The first refusal
+ *     says so on stderr whatever GPUFRAC_LOG says, then at most one a
+ *     second: "gpufrac: device 0: refused 256 MiB: cap 4 GiB reached
+ *     (4 GiB in use)".
  *   - GPUFRAC_BROKER=required with no broker answering: cuInit returns
  *     CUDA_ERROR_SYSTEM_NOT_READY (802) with a message on stderr.
  *   - Every other driver result code is passed through unchanged.
@@ -64,6 +68,13 @@ unsigned long long gpufrac_mem_peak(int device);
  * peak before it: call it before a test, and again after, for that test's
  * peak. */
 unsigned long long gpufrac_mem_peak_reset(int device);
+
+/* Allocations the shim refused on `device` with CUDA_ERROR_OUT_OF_MEMORY
+ * (the process's cap, the job's cap, or job books it could not trust),
+ * counted from the start of the process (a forked child starts at 0).
+ * Read it before and after a piece of work: a difference means the work
+ * ran into its cap, whatever the application made of the error. */
+unsigned long long gpufrac_mem_refusals(int device);
 
 /* Live allocations tracked by the shim, all devices. */
 unsigned long long gpufrac_live_allocations(void);

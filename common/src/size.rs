@@ -70,6 +70,10 @@ const DURATION_UNITS: &[(&str, u64)] = &[
     ("d", NS_PER_D),
 ];
 
+/// The largest memory cap accepted: about a hundred times the memory of
+/// the largest GPUs, so no real cap is refused and a slip of the unit is.
+pub const MAX_MEM_LIMIT: u64 = 16 * TIB;
+
 /// A memory cap as written in `GPU_MEM_LIMIT`; a percentage can only be
 /// turned into bytes once the device's physical total is known.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -168,6 +172,37 @@ pub fn format_size(bytes: u64) -> String {
     format!("{}.{:02} {unit}", hundredths / 100, hundredths % 100)
 }
 
+/// Bytes for a one-line message, formatted without allocating (the shim
+/// prints it on its refusal path): like [`format_size`], with the fraction
+/// left out when it is zero ("256 MiB", "4 GiB", "3.75 GiB", "1023 B").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Short(pub u64);
+
+impl fmt::Display for Short {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+        let bytes = self.0;
+        if bytes < KIB {
+            return write!(f, "{bytes} B");
+        }
+        let mut shift = 10u32;
+        let mut unit = UNITS[0];
+        for (i, name) in UNITS.iter().enumerate().skip(1) {
+            let s = 10 * (i as u32 + 1);
+            if bytes >> s == 0 {
+                break;
+            }
+            shift = s;
+            unit = name;
+        }
+        let hundredths = (u128::from(bytes) * 100) >> shift;
+        match hundredths % 100 {
+            0 => write!(f, "{} {unit}", hundredths / 100),
+            h => write!(f, "{}.{h:02} {unit}", hundredths / 100),
+        }
+    }
+}
+
 /// Bytes as a value to paste into a command line, which [`parse_size`]
 /// reads back: the largest of T, G, M and K that fits, with at most two
 /// decimals, truncated so that it never says more than `bytes` ("16G",
@@ -224,6 +259,15 @@ pub(crate) fn mem_limit_problem(s: &str) -> Result<MemLimit, String> {
         (0, true) => Err(format!(
             "{} rounds down to 0 bytes; use 0 or leave the variable unset for no cap",
             excerpt(s, 32)
+        )),
+        // A cap above the device's memory is the whole device, so a bigger
+        // figure changes nothing there: a value beyond any GPU is a slip
+        // (99999T for 99999M) that would silently cap nothing.
+        (bytes, true) if bytes > MAX_MEM_LIMIT => Err(format!(
+            "{} is more memory than any GPU has: a cap is at most {} (16T); \
+             use 0 or leave the variable unset for no cap",
+            excerpt(s, 32),
+            format_size(MAX_MEM_LIMIT)
         )),
         (bytes, true) => Ok(MemLimit::Bytes(bytes)),
     }
@@ -539,6 +583,15 @@ mod tests {
         assert!(err("25%%").contains("unexpected '%'"));
         assert!(err("0.5").contains("rounds down to 0 bytes"));
         assert!(err("0.0001K").contains("rounds down to 0 bytes"));
+        for huge in ["99999T", "16.01T", "17592186044417", "16777215T"] {
+            let e = err(huge);
+            assert!(
+                e.contains("more memory than any GPU") && e.contains("16.00 TiB"),
+                "{e}"
+            );
+        }
+        assert!(err("99999999999T").contains("too large"));
+        assert_eq!(parse_mem_limit("16T"), Ok(MemLimit::Bytes(MAX_MEM_LIMIT)));
         for bad in [
             "G", "-1G", "1.2.3", "4 G G", "nan%", "inf", "25%G", "G25%", "1e2%",
         ] {
@@ -687,6 +740,18 @@ mod tests {
     }
 
     #[test]
+    fn short_sizes() {
+        let short = |b| Short(b).to_string();
+        assert_eq!(short(0), "0 B");
+        assert_eq!(short(1023), "1023 B");
+        assert_eq!(short(256 * MIB), "256 MiB");
+        assert_eq!(short(4 * GIB), "4 GiB");
+        assert_eq!(short(3 * GIB + 768 * MIB), "3.75 GiB");
+        assert_eq!(short(GIB - 1), "1023.99 MiB");
+        assert_eq!(short(512 * 1024), "512 KiB");
+    }
+
+    #[test]
     fn size_args_paste_back() {
         assert_eq!(format_size_arg(0), "0");
         assert_eq!(format_size_arg(1023), "1023");
@@ -715,6 +780,12 @@ mod tests {
             let _ = parse_mem_limit(&s);
             let _ = parse_percent(&s);
             let _ = parse_duration(&s);
+        }
+
+        #[test]
+        fn short_sizes_are_format_size_without_a_zero_fraction(n in any::<u64>()) {
+            let long = format_size(n);
+            prop_assert_eq!(Short(n).to_string(), long.replacen(".00 ", " ", 1));
         }
 
         #[test]

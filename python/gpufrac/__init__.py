@@ -128,6 +128,7 @@ _limit = _shim_function("gpufrac_mem_limit")
 _used = _shim_function("gpufrac_mem_used")
 _peak = _shim_function("gpufrac_mem_peak")
 _peak_reset = _shim_function("gpufrac_mem_peak_reset")
+_refusals = _shim_function("gpufrac_mem_refusals")
 
 
 def shim_loaded():
@@ -157,3 +158,11 @@ def mem_peak_reset(device=0):
     """Starts a new peak on ``device`` at what is held now; returns the peak
     before. None when the shim is too old to have it."""
     return _peak_reset(device) if _peak_reset else None
+
+
+def mem_refusals(device=0):
+    """Allocations the shim refused on ``device`` since the process started
+    (its cap, or the job's): read before and after a piece of work, a
+    difference means the work ran into its cap. None when the shim is too
+    old to count them."""
+    return _refusals(device) if _refusals else None

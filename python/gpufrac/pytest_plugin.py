@@ -15,7 +15,9 @@ worker's own cap and to the job's books, so no worker takes more than its
 share and the run never more than SIZE. An allocation past a cap fails in
 that test only (CUDA_ERROR_OUT_OF_MEMORY; cupy and PyTorch raise their
 out-of-memory errors), and the plugin adds to its failure which cap it hit,
-in which worker.
+in which worker. It knows from the shim's count of refusals
+(``gpufrac_mem_refusals``) read around each test, never from the failure's
+text.
 
 Per-test peaks come from the shim's query API (``gpufrac_mem_peak_reset``):
 what the test's process held at most while the test ran, setup and teardown
@@ -238,6 +240,8 @@ def pytest_configure(config):
     cap = budget
     if workers and budget and settings["split"] == "worker":
         cap = budget // workers
+        # Whole MiB reads better in every report; a share under 1 MiB would
+        # round to no cap at all, so it stays exact (docs/ci.md says so).
         if cap >= 1 << 20:
             cap = cap >> 20 << 20
         # Inherited by the workers xdist starts after this hook.
@@ -293,16 +297,6 @@ def _cap_short(settings, worker):
     return "over the %s cap" % gpufrac.format_size(b)
 
 
-_OOM_MARKS = ("out of memory", "out_of_memory", "outofmemory", "cudaerrormemoryallocation")
-
-
-def _crash_text(report):
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        return crash.message
-    return str(report.longrepr)
-
-
 class _Recorder:
     """In a process that runs tests (an xdist worker, or the one process):
     per-test peaks, and the note on a test that ran out of memory."""
@@ -316,6 +310,12 @@ class _Recorder:
         self.ooms = 0
         self.tests = 0
         self.measures = gpufrac.shim_loaded() and gpufrac.mem_peak_reset(0) is not None
+        # Whether a test ran out of memory by its cap is the shim's count of
+        # refusals, read around the test; never the failure's text, which a
+        # test that merely mentions memory would match and an application
+        # that words its error otherwise would not.
+        self.counts_refusals = gpufrac.shim_loaded() and gpufrac.mem_refusals(0) is not None
+        self.refusals = {}
 
     def _reset(self):
         """Starts new peaks on every device; folds the old ones into the
@@ -325,7 +325,20 @@ class _Recorder:
             if before:
                 self.run_peak[d] = max(self.run_peak.get(d, 0), before)
 
+    def _refusals_now(self):
+        return {d: gpufrac.mem_refusals(d) for d in range(gpufrac.MAX_DEVICES)}
+
+    def _refused_since(self):
+        """Whether the shim refused an allocation since the last look, which
+        it then becomes."""
+        now = self._refusals_now()
+        refused = any(n > self.refusals.get(d, 0) for d, n in now.items())
+        self.refusals = now
+        return refused
+
     def pytest_runtest_logstart(self, nodeid, location):
+        if self.counts_refusals:
+            self.refusals = self._refusals_now()
         if self.measures:
             self._reset()
             self.start = {d: gpufrac.mem_used(d) for d in range(gpufrac.MAX_DEVICES)}
@@ -333,9 +346,9 @@ class _Recorder:
     # tryfirst: before xdist sends the report to the controller.
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report):
-        if report.failed and report.when in ("setup", "call") and self.settings["budget"]:
-            text = _crash_text(report)
-            if any(m in text.lower() for m in _OOM_MARKS):
+        if report.when in ("setup", "call") and self.counts_refusals:
+            refused = self._refused_since()
+            if report.failed and refused and self.settings["budget"]:
                 self.ooms += 1
                 self._annotate(report)
         if report.when != "teardown" or not self.measures:

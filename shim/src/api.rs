@@ -59,6 +59,18 @@ pub extern "C" fn gpufrac_mem_peak_reset(device: c_int) -> u64 {
     ledger::reset_peak(device as usize)
 }
 
+/// Allocations the shim refused on `device` (its cap, the job's cap, or
+/// books it could not trust) since the process started: read before and
+/// after a piece of work, it says whether that work ran out of memory by
+/// its cap, whatever the application made of the error.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_refusals(device: c_int) -> u64 {
+    if device < 0 {
+        return 0;
+    }
+    ledger::refusals(device as usize)
+}
+
 /// Number of live allocations tracked (all devices).
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_live_allocations() -> u64 {

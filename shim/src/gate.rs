@@ -7,7 +7,6 @@ use crate::boundary::{HookGuard, reentered};
 use crate::ledger::{self, Entry, Kind, Refusal};
 use crate::{config, devices};
 use gpufrac_common::cuda::*;
-use gpufrac_common::size::format_size;
 
 /// What a memory hook does with this call.
 pub enum Gate {
@@ -34,23 +33,11 @@ pub fn gate() -> Gate {
     }
 }
 
-/// The answer to a refused charge of `size` on `dev`.
+/// The answer to a refused charge of `size` on `dev`: counted, and said
+/// by the ledger.
 #[cold]
 pub fn refuse(dev: usize, size: u64, why: Refusal) -> u32 {
-    match why {
-        Refusal::Process => info!(
-            "device {dev}: refused {} (used {} of cap {})",
-            format_size(size),
-            format_size(ledger::used(dev)),
-            format_size(ledger::limit(dev))
-        ),
-        Refusal::Job => info!(
-            "device {dev}: refused {} (the job's cap is reached)",
-            format_size(size)
-        ),
-        // The ledger has said why, once.
-        Refusal::Books => {}
-    }
+    ledger::refused(dev, size, why);
     CUDA_ERROR_OUT_OF_MEMORY
 }
 

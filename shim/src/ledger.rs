@@ -26,6 +26,10 @@ pub struct Ledger {
     pub limit: AtomicU64,
     pub peak: AtomicU64,
     pub ooms: AtomicU64,
+    /// Allocations refused by the shim on this device
+    /// (`gpufrac_mem_refusals`): what a test runner reads around a test to
+    /// know it ran out of memory by its cap.
+    pub refusals: AtomicU64,
 }
 
 impl Ledger {
@@ -47,6 +51,7 @@ impl Ledger {
             limit: AtomicU64::new(NO_LIMIT),
             peak: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
         }
     }
 
@@ -321,6 +326,71 @@ pub fn reset_peak(dev: usize) -> u64 {
     LEDGERS.get(dev).map_or(0, Ledger::reset_peak)
 }
 
+/// Allocations refused on `dev` so far (0 for a device past the books).
+pub fn refusals(dev: usize) -> u64 {
+    LEDGERS
+        .get(dev)
+        .map_or(0, |l| l.refusals.load(Ordering::Relaxed))
+}
+
+/// When the last refusal line was written (CLOCK_MONOTONIC ns + 1; 0:
+/// never), process-wide.
+static LAST_SAID: AtomicU64 = AtomicU64::new(0);
+const SAY_EVERY_NS: u64 = 1_000_000_000;
+
+/// Whether a refusal at `now` (ns) may be said, given when the last one
+/// was: the first always, then at most one a second. One thread wins a
+/// second's turn.
+fn may_say(last: &AtomicU64, now: u64) -> bool {
+    let stamp = now.saturating_add(1);
+    let prev = last.load(Ordering::Relaxed);
+    if prev != 0 && stamp < prev.saturating_add(SAY_EVERY_NS) {
+        return false;
+    }
+    last.compare_exchange(prev, stamp, Ordering::Relaxed, Ordering::Relaxed)
+        .is_ok()
+}
+
+/// Counts a refused allocation of `size` on `dev` and says so on stderr,
+/// at any log level: the first refusal of the process, then at most one a
+/// second, so that a cap is never taken for a full GPU. Runs only on a
+/// refusal; allocates nothing.
+#[cold]
+pub fn refused(dev: usize, size: u64, why: Refusal) {
+    use gpufrac_common::size::Short;
+    if let Some(l) = LEDGERS.get(dev) {
+        l.refusals.fetch_add(1, Ordering::Relaxed);
+    }
+    // The books said why, once, when they could not be charged.
+    if why == Refusal::Books || !may_say(&LAST_SAID, gpufrac_common::clock::mono_ns()) {
+        return;
+    }
+    match why {
+        Refusal::Process => crate::log::write_line(format_args!(
+            "device {dev}: refused {}: cap {} reached ({} in use)",
+            Short(size),
+            Short(limit(dev)),
+            Short(used(dev))
+        )),
+        _ => {
+            let (cap, used) = job().map_or((0, 0), |j| {
+                let used = j
+                    .place(dev)
+                    .ok()
+                    .and_then(|(_, g)| j.books.used(g).ok())
+                    .unwrap_or(0);
+                (j.books.cap(), used)
+            });
+            crate::log::write_line(format_args!(
+                "device {dev}: refused {}: the job's cap {} reached ({} in use by the job)",
+                Short(size),
+                Short(cap),
+                Short(used)
+            ))
+        }
+    }
+}
+
 /// One live allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -491,7 +561,10 @@ pub fn reset_after_fork() {
         l.used.store(0, Ordering::Relaxed);
         l.peak.store(0, Ordering::Relaxed);
         l.ooms.store(0, Ordering::Relaxed);
+        l.refusals.store(0, Ordering::Relaxed);
     }
+    // The child has said nothing yet.
+    LAST_SAID.store(0, Ordering::Relaxed);
 }
 
 #[cfg(test)]
@@ -551,6 +624,52 @@ mod tests {
         });
         assert_eq!(got, 64);
         assert_eq!(l.used.load(Ordering::Relaxed), 64);
+    }
+
+    #[test]
+    fn refusals_are_said_first_then_at_most_once_a_second() {
+        const S: u64 = SAY_EVERY_NS;
+        let last = AtomicU64::new(0);
+        // The first, even at the clock's origin.
+        assert!(may_say(&last, 0));
+        assert!(!may_say(&last, 0));
+        assert!(!may_say(&last, S - 1));
+        assert!(may_say(&last, S));
+        assert!(!may_say(&last, S + S / 2));
+        // A quiet spell: the next one is said at once.
+        assert!(may_say(&last, 10 * S + 7));
+        assert!(!may_say(&last, 11 * S + 6));
+        assert!(may_say(&last, 11 * S + 7));
+        // Never more than one per second over any run of refusals.
+        let last = AtomicU64::new(0);
+        let said: Vec<u64> = (0..5000u64)
+            .map(|i| i * 1_900_037 % (7 * S))
+            .scan(0, |t, step| {
+                *t += step / 13;
+                Some(*t)
+            })
+            .filter(|&t| may_say(&last, t))
+            .collect();
+        assert!(said.len() > 1);
+        assert!(said.windows(2).all(|w| w[1] - w[0] >= S), "{said:?}");
+    }
+
+    #[test]
+    fn racing_refusals_say_one_line() {
+        let last = AtomicU64::new(0);
+        let barrier = std::sync::Barrier::new(8);
+        let said: usize = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        usize::from(may_say(&last, 5 * SAY_EVERY_NS))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(said, 1);
     }
 
     #[test]

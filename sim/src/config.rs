@@ -10,9 +10,8 @@ pub const VAR_STATE: &str = "GPUFRAC_SIM_STATE";
 pub const VAR_DRIVER_VERSION: &str = "GPUFRAC_SIM_DRIVER_VERSION";
 pub const VAR_QUANTUM_US: &str = "GPUFRAC_SIM_QUANTUM_US";
 pub const VAR_SWITCH_US: &str = "GPUFRAC_SIM_SWITCH_US";
-/// Read for one thing only: a first entry `MIG-<uuid>` makes the process
-/// see that MIG device alone, as the real driver does. Other lists are not
-/// honoured (see the crate's known gap).
+/// Which devices CUDA shows, in which order, as the real driver reads it
+/// (see `Visible`).
 pub const VAR_VISIBLE: &str = "CUDA_VISIBLE_DEVICES";
 
 pub const DEFAULT_DRIVER_VERSION: i32 = 13000;
@@ -44,10 +43,26 @@ impl DevSpec {
     }
 }
 
+/// One entry of `CUDA_VISIBLE_DEVICES`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Visible {
+    /// A device index as nvidia-smi numbers the GPUs (what `gpufrac run`
+    /// hands out, with `CUDA_DEVICE_ORDER=PCI_BUS_ID`).
+    Index(usize),
+    /// `GPU-<uuid>` or any prefix of it, as the driver accepts.
+    Uuid(String),
+    /// `MIG-<uuid>`: counts only as the first entry (CUDA then shows that
+    /// MIG device alone).
+    Mig(String),
+    /// Anything else (`-1`, `foo`): the driver shows the devices named
+    /// before it and none after.
+    Invalid,
+}
+
 pub struct Config {
     pub devices: Vec<DevSpec>,
-    /// `CUDA_VISIBLE_DEVICES`' first entry when it names a MIG device.
-    pub visible_mig: Option<String>,
+    /// `CUDA_VISIBLE_DEVICES`, parsed; None when unset (every device).
+    pub visible: Option<Vec<Visible>>,
     pub state_path: Option<CString>,
     pub quantum_ns: u64,
     pub switch_ns: u64,
@@ -144,11 +159,61 @@ fn env_us(var: &str, default: u64, min: u64) -> Result<u64, String> {
     }
 }
 
-/// The MIG device a `CUDA_VISIBLE_DEVICES` value selects: its first entry,
-/// when that is `MIG-...` (CUDA enumerates one MIG device per process).
-pub fn visible_mig(s: &str) -> Option<String> {
-    let first = s.split(',').next()?.trim();
-    first.starts_with("MIG-").then(|| first.to_owned())
+/// Parses a `CUDA_VISIBLE_DEVICES` value. An empty value is an empty list
+/// (no device), as with the driver.
+pub fn parse_visible(s: &str) -> Vec<Visible> {
+    if s.trim().is_empty() {
+        return Vec::new();
+    }
+    s.split(',')
+        .map(|e| {
+            let e = e.trim();
+            if e.len() > 4 && e[..4].eq_ignore_ascii_case("GPU-") {
+                Visible::Uuid(e.to_ascii_lowercase())
+            } else if e.starts_with("MIG-") {
+                Visible::Mig(e.to_owned())
+            } else if !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()) {
+                e.parse().map_or(Visible::Invalid, Visible::Index)
+            } else {
+                Visible::Invalid
+            }
+        })
+        .collect()
+}
+
+/// The physical devices CUDA shows, in CUDA order, given the UUID string
+/// (`GPU-…`, lower case) of each. As the real driver does: the list ends
+/// at the first entry that names no device, names one ambiguously (a UUID
+/// prefix two devices share), names one already listed, or names a GPU in
+/// MIG mode (not a CUDA device of its own); a MIG entry past the first
+/// ends it too. Unset: every device not in MIG mode.
+pub fn select_visible(
+    devices: &[DevSpec],
+    uuids: &[String],
+    visible: Option<&[Visible]>,
+) -> Vec<usize> {
+    let Some(visible) = visible else {
+        return (0..devices.len()).filter(|&i| !devices[i].mig).collect();
+    };
+    let mut out: Vec<usize> = Vec::new();
+    for v in visible {
+        let found = match v {
+            Visible::Index(i) => Some(*i).filter(|&i| i < devices.len()),
+            Visible::Uuid(prefix) => {
+                let mut m = (0..uuids.len()).filter(|&i| uuids[i].starts_with(prefix.as_str()));
+                match (m.next(), m.next()) {
+                    (Some(i), None) => Some(i),
+                    _ => None,
+                }
+            }
+            Visible::Mig(_) | Visible::Invalid => None,
+        };
+        match found {
+            Some(i) if !devices[i].mig && !out.contains(&i) => out.push(i),
+            _ => break,
+        }
+    }
+    out
 }
 
 pub fn load() -> Result<Config, String> {
@@ -160,9 +225,13 @@ pub fn load() -> Result<Config, String> {
         Err(std::env::VarError::NotPresent) => vec![DevSpec::plain(DEFAULT_DEVICE_BYTES)],
         Err(e) => return Err(format!("{VAR_DEVICES}: {e}")),
     };
-    let visible_mig = std::env::var(VAR_VISIBLE)
-        .ok()
-        .and_then(|v| visible_mig(&v));
+    let visible = match std::env::var(VAR_VISIBLE) {
+        Ok(v) => Some(parse_visible(&v)),
+        Err(std::env::VarError::NotPresent) => None,
+        // The driver would find no device it can name in bytes that are not
+        // UTF-8 either.
+        Err(std::env::VarError::NotUnicode(_)) => Some(vec![Visible::Invalid]),
+    };
     let state_path = match std::env::var_os(VAR_STATE) {
         Some(p) if !p.is_empty() => Some(to_cstring(p)?),
         _ => None,
@@ -173,7 +242,7 @@ pub fn load() -> Result<Config, String> {
     let switch_ns = env_us(VAR_SWITCH_US, DEFAULT_SWITCH_US, 0)? * 1000;
     Ok(Config {
         devices,
-        visible_mig,
+        visible,
         state_path,
         quantum_ns,
         switch_ns,
@@ -244,10 +313,128 @@ mod tests {
         assert!(e.contains(":mig"), "{e}");
         let e = parse_device("V100").unwrap_err();
         assert!(e.contains("H100-80GB"), "{e}");
-        assert_eq!(visible_mig("MIG-abc,GPU-x"), Some("MIG-abc".into()));
-        assert_eq!(visible_mig(" MIG-abc"), Some("MIG-abc".into()));
-        assert_eq!(visible_mig("0,MIG-abc"), None);
-        assert_eq!(visible_mig(""), None);
+        assert_eq!(
+            parse_visible("MIG-abc,GPU-x"),
+            vec![
+                Visible::Mig("MIG-abc".into()),
+                Visible::Uuid("gpu-x".into())
+            ]
+        );
+        assert_eq!(parse_visible(" MIG-abc")[0], Visible::Mig("MIG-abc".into()));
+        assert_eq!(parse_visible(""), vec![]);
+    }
+
+    #[test]
+    fn visible_devices_as_the_driver_reads_them() {
+        use Visible::*;
+        assert_eq!(
+            parse_visible(" 1, 0 ,GPU-5A1E,-1,x,,gpu-"),
+            vec![
+                Index(1),
+                Index(0),
+                Uuid("gpu-5a1e".into()),
+                Invalid,
+                Invalid,
+                Invalid,
+                Invalid
+            ]
+        );
+        let devs = [
+            DevSpec::plain(16 << 30),
+            DevSpec::plain(8 << 30),
+            DevSpec::plain(4 << 30),
+        ];
+        let uuids: Vec<String> = ["gpu-aa01", "gpu-aa02", "gpu-bb03"]
+            .map(String::from)
+            .to_vec();
+        let sel = |v: &str| select_visible(&devs, &uuids, Some(&parse_visible(v)));
+        assert_eq!(select_visible(&devs, &uuids, None), vec![0, 1, 2]);
+        assert_eq!(sel("1"), vec![1]);
+        assert_eq!(sel("2,0"), vec![2, 0]);
+        assert_eq!(
+            sel("0,2,-1,1"),
+            vec![0, 2],
+            "an invalid entry ends the list"
+        );
+        assert_eq!(
+            sel("0,7,1"),
+            vec![0],
+            "so does an index past the last device"
+        );
+        assert_eq!(sel("GPU-bb"), vec![2], "a unique prefix names a device");
+        assert_eq!(
+            sel("GPU-AA02,GPU-aa"),
+            vec![1],
+            "an ambiguous one ends the list"
+        );
+        assert_eq!(sel("1,GPU-aa02,0"), vec![1], "a device is listed once");
+        assert_eq!(sel("1,MIG-x"), vec![1]);
+        assert_eq!(sel(""), Vec::<usize>::new());
+        let mig = [
+            DevSpec::plain(16 << 30),
+            parse_device("A100-40GB:mig").unwrap(),
+        ];
+        let uuids = &uuids[..2];
+        assert_eq!(select_visible(&mig, uuids, None), vec![0]);
+        assert_eq!(
+            select_visible(&mig, uuids, Some(&parse_visible("1,0"))),
+            Vec::<usize>::new(),
+            "a GPU in MIG mode is no CUDA device"
+        );
+    }
+
+    /// Every list of up to four entries over a small alphabet: the devices
+    /// shown are the list's valid prefix, in its order, each once, and the
+    /// first invalid entry hides everything after it.
+    #[test]
+    fn visible_lists_exhaustively() {
+        let devs = [
+            DevSpec::plain(16 << 30),
+            DevSpec::plain(8 << 30),
+            parse_device("A100-40GB:mig").unwrap(),
+        ];
+        let uuids: Vec<String> = ["gpu-aa01", "gpu-aa02", "gpu-bb03"]
+            .map(String::from)
+            .to_vec();
+        let alphabet = [
+            "0", "1", "2", "3", "-1", "GPU-aa01", "GPU-aa", "GPU-b", "MIG-x", "",
+        ];
+        let named = |e: &str| -> Option<usize> {
+            match e {
+                "0" | "GPU-aa01" => Some(0),
+                "1" => Some(1),
+                "2" | "GPU-b" => Some(2),
+                _ => None,
+            }
+        };
+        let mut lists: Vec<Vec<&str>> = vec![vec![]];
+        for _ in 0..4 {
+            let longer: Vec<Vec<&str>> = lists
+                .iter()
+                .filter(|l| l.len() == lists.last().unwrap().len())
+                .flat_map(|l| {
+                    alphabet.iter().map(move |a| {
+                        let mut l = l.clone();
+                        l.push(a);
+                        l
+                    })
+                })
+                .collect();
+            lists.extend(longer);
+        }
+        assert!(lists.len() > 10_000);
+        for l in lists {
+            let v = l.join(",");
+            let got = select_visible(&devs, &uuids, Some(&parse_visible(&v)));
+            let mut want = Vec::new();
+            for e in &l {
+                match named(e) {
+                    Some(i) if !devs[i].mig && !want.contains(&i) => want.push(i),
+                    _ => break,
+                }
+            }
+            assert_eq!(got, want, "CUDA_VISIBLE_DEVICES={v:?}");
+        }
     }
 
     #[test]

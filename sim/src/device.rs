@@ -91,6 +91,11 @@ const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
         c"CUDA_ERROR_INVALID_HANDLE",
         c"invalid resource handle",
     ),
+    (
+        401,
+        c"CUDA_ERROR_ILLEGAL_STATE",
+        c"the operation cannot be performed in the present state",
+    ),
     (500, c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
     (600, c"CUDA_ERROR_NOT_READY", c"device not ready"),
     (
@@ -119,6 +124,22 @@ const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
         c"unspecified launch failure",
     ),
     (801, c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+    // What the shim answers when GPUFRAC_BROKER=required finds no broker.
+    (
+        802,
+        c"CUDA_ERROR_SYSTEM_NOT_READY",
+        c"system not yet initialized",
+    ),
+    (
+        803,
+        c"CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+        c"system has unsupported display driver / cuda driver combination",
+    ),
+    (
+        900,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        c"operation not permitted when stream is capturing",
+    ),
     (999, c"CUDA_ERROR_UNKNOWN", c"unknown error"),
 ];
 
@@ -228,6 +249,66 @@ cuda_exports! {
                 *pstr = std::ptr::null();
                 Err(e)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code the simulator's sources return, and what the shim
+    /// returns of its own (802), has a name and a description, as with the
+    /// real driver: `cuGetErrorName` never fails on them.
+    #[test]
+    fn every_code_the_simulator_returns_has_a_name() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut names = std::collections::BTreeSet::new();
+        let mut stack = vec![dir];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    for (i, _) in text.match_indices("CUDA_ERROR_") {
+                        let name: String = text[i..]
+                            .chars()
+                            .take_while(|c| c.is_ascii_uppercase() || *c == '_')
+                            .collect();
+                        if !name.ends_with('_') {
+                            names.insert(name);
+                        }
+                    }
+                }
+            }
+        }
+        names.insert("CUDA_ERROR_SYSTEM_NOT_READY".into());
+        assert!(names.len() > 10, "{names:?}");
+        for n in &names {
+            assert!(
+                ERRORS
+                    .iter()
+                    .any(|(_, name, _)| name.to_str() == Ok(n.as_str())),
+                "{n} has no entry in ERRORS"
+            );
+        }
+        assert_eq!(
+            error_entry(CUDA_ERROR_SYSTEM_NOT_READY).map(|e| e.1),
+            Ok(c"CUDA_ERROR_SYSTEM_NOT_READY")
+        );
+        // The table agrees with the constants the shim and simulator use.
+        for (code, name) in [
+            (CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE"),
+            (CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"),
+            (
+                CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+            ),
+            (CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"),
+        ] {
+            assert_eq!(error_entry(code).map(|e| e.1.to_str().unwrap()), Ok(name));
         }
     }
 }

@@ -35,11 +35,11 @@
 //! (fault injection).
 //! Kernel duration convention: `kernelParams[0]` points to a u64 of ns.
 //!
-//! Known gap: `CUDA_VISIBLE_DEVICES` is not honoured — every process sees
-//! every simulated device not in MIG mode, in configuration order (a real
-//! driver renumbers the visible ones from 0) — except that a first entry
-//! `MIG-<uuid>` shows that MIG device alone, as the driver does. Tests of `gpufrac run` therefore check the
-//! placement it hands the child, not where the child's kernels land.
+//! `CUDA_VISIBLE_DEVICES` is read as the real driver reads it
+//! (`config::select_visible`): indices (nvidia-smi's numbering) and `GPU-`
+//! UUIDs or unique prefixes, renumbered from 0 in the list's order, the list
+//! ending at the first entry that names no device; a first entry
+//! `MIG-<uuid>` shows that MIG device alone. NVML ignores it, as NVML does.
 //!
 //! Rules kept throughout:
 //! - an exported function never calls another exported function (the shim in

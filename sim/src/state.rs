@@ -18,7 +18,7 @@ use std::sync::{Mutex, OnceLock};
 use gpufrac_common::cuda::*;
 
 use crate::config::{self, DevSpec};
-use crate::device::{phys_name, uuid};
+use crate::device::{phys_name, uuid, uuid_string};
 use crate::engine::{self, Engine, Params, now_ns};
 use crate::mig::{Mig, MigShared};
 use crate::objects::{Ctx, Pool, leak};
@@ -193,27 +193,38 @@ pub fn init() -> Result<&'static Sim, String> {
 
 /// What CUDA shows this process: the MIG device named first in
 /// `CUDA_VISIBLE_DEVICES` (none if no such instance exists, as with the
-/// real driver), else every physical device not in MIG mode. (The real
-/// driver would show a MIG-mode GPU's first MIG device instead; the
-/// simulator shows MIG devices only to processes pointed at them.)
+/// real driver), else the physical devices it lists, renumbered from 0 in
+/// its order (`config::select_visible`), or every one not in MIG mode when
+/// it is unset. (The real driver would show a MIG-mode GPU's first MIG
+/// device instead; the simulator shows MIG devices only to processes
+/// pointed at them.)
 fn cuda_view(shared: &'static Shared, fd: i32, cfg: &config::Config) -> (Vec<CudaDev>, u32) {
-    let Some(want) = &cfg.visible_mig else {
-        let devs = cfg
-            .devices
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| !d.mig)
-            .map(|(i, d)| CudaDev {
-                total: d.total,
-                slot: i,
-                phys: i,
-                uuid: uuid(i),
-                uuid_v1: uuid(i),
-                name: phys_name(i, d),
-                sms: d.model.map_or(132, |m| m.info().sms as i32),
-            })
-            .collect();
-        return (devs, 0);
+    let want = match cfg.visible.as_deref() {
+        Some([config::Visible::Mig(m), ..]) => m,
+        visible => {
+            let uuids: Vec<String> = (0..cfg.devices.len())
+                .map(|i| {
+                    let (b, n) = uuid_string(i);
+                    String::from_utf8_lossy(&b[..n]).to_ascii_lowercase()
+                })
+                .collect();
+            let devs = config::select_visible(&cfg.devices, &uuids, visible)
+                .into_iter()
+                .map(|i| {
+                    let d = &cfg.devices[i];
+                    CudaDev {
+                        total: d.total,
+                        slot: i,
+                        phys: i,
+                        uuid: uuid(i),
+                        uuid_v1: uuid(i),
+                        name: phys_name(i, d),
+                        sms: d.model.map_or(132, |m| m.info().sms as i32),
+                    }
+                })
+                .collect();
+            return (devs, 0);
+        }
     };
     let _g = mig_lock(fd);
     let m = Mig::new(&shared.mig, &cfg.devices);

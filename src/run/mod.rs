@@ -13,7 +13,7 @@ pub(crate) mod env;
 mod fail;
 mod lease;
 
-use gpufrac_common::config::{VAR_BROKER, VAR_JOB, VAR_JOB_LEDGER};
+use gpufrac_common::config::{VAR_BROKER, VAR_JOB, VAR_JOB_LEDGER, VAR_MEM_LIMIT};
 use gpufrac_common::size::{MemLimit, format_size};
 use gpufrac_common::wire::ClientMsg;
 
@@ -72,6 +72,25 @@ fn broker_totals(client: &mut Client) -> Result<Vec<u64>, String> {
         .collect())
 }
 
+/// What a run without a broker still enforces: the job's `--gpu-memory`
+/// cap (`mem`, in bytes once resolved), else the per-process
+/// `GPU_MEM_LIMIT` the command inherits, else nothing.
+fn no_broker_cap(mem: Option<u64>, env_limit: Option<&str>) -> String {
+    match (mem, env_limit.map(str::trim).filter(|v| !v.is_empty() && *v != "0")) {
+        (Some(b), _) => format!(
+            "running under the memory cap only ({} for the whole job)",
+            format_size(b)
+        ),
+        (None, Some(v)) => format!(
+            "running under the memory cap only ({VAR_MEM_LIMIT}={v} for each process, from the environment)"
+        ),
+        (None, None) => {
+            "running the command as it is, with the shim preloaded but no cap: none was asked (--gpu-memory SIZE asks for one)"
+                .to_owned()
+        }
+    }
+}
+
 fn run(args: RunArgs) -> Result<u8, Fail> {
     let shim = find_shim().map_err(|m| Fail::new(1, m))?;
     let socket = crate::socket_path(args.socket.clone());
@@ -127,8 +146,9 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                 );
             }
             eprintln!(
-                "gpufrac run: no broker at {}; running under the memory cap only (compute shares and queueing need: gpufrac broker)",
-                socket.display()
+                "gpufrac run: no broker at {}; {} (compute shares and queueing need: gpufrac broker)",
+                socket.display(),
+                no_broker_cap(mem, std::env::var(VAR_MEM_LIMIT).ok().as_deref())
             );
             Placement::NoBroker
         }
@@ -221,6 +241,25 @@ mod tests {
     struct T {
         #[command(flatten)]
         run: RunArgs,
+    }
+
+    #[test]
+    fn without_a_broker_run_says_which_cap_holds_if_any() {
+        assert_eq!(
+            no_broker_cap(Some(4 << 30), Some("1G")),
+            "running under the memory cap only (4.00 GiB for the whole job)"
+        );
+        assert_eq!(
+            no_broker_cap(None, Some(" 2G ")),
+            "running under the memory cap only (GPU_MEM_LIMIT=2G for each process, from the environment)"
+        );
+        for none in [None, Some(""), Some("0")] {
+            let said = no_broker_cap(None, none);
+            assert!(
+                !said.contains("cap only") && said.contains("no cap"),
+                "{none:?}: {said}"
+            );
+        }
     }
 
     fn parse(args: &[&str]) -> Result<RunArgs, String> {

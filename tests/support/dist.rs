@@ -37,12 +37,16 @@ fn zig_tools() -> PathBuf {
 fn install_zig_tools(what: &str) -> Result<(), String> {
     let tools = zig_tools();
     let _lock = MachineLock::at(&test_cache().join("zig.lock"));
-    if tools.join("bin/cargo-zigbuild").exists() {
+    let pins = build_requirements();
+    let stamp = tools.join("gpufrac-test-requirements");
+    if tools.join("bin/cargo-zigbuild").exists()
+        && std::fs::read_to_string(&stamp).is_ok_and(|s| s == pins.join("\n"))
+    {
         return Ok(());
     }
     say(&format!(
-        "downloading ziglang and cargo-zigbuild from PyPI (about 420 MB installed) into {}, \
-         for {what}",
+        "downloading {} from PyPI (about 420 MB installed) into {}, for {what}",
+        pins.join(" "),
         tools.display()
     ));
     let o = Command::new("python3")
@@ -57,18 +61,42 @@ fn install_zig_tools(what: &str) -> Result<(), String> {
             "--target",
         ])
         .arg(&tools)
-        .args(["ziglang", "cargo-zigbuild"])
+        .args(&pins)
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("cannot run python3 -m pip: {e}"))?;
     if o.status.success() {
-        Ok(())
+        std::fs::write(&stamp, pins.join("\n")).map_err(|e| format!("{}: {e}", stamp.display()))
     } else {
         Err(format!(
             "pip install ziglang cargo-zigbuild failed: {}",
             out(&o)
         ))
     }
+}
+
+/// The versions of zig and cargo-zigbuild that `pip install ./python`
+/// builds with (python/pyproject.toml's build requirements): the tests
+/// build with the same, so that both ways make the same wheel.
+pub fn build_requirements() -> Vec<String> {
+    let toml = std::fs::read_to_string(format!("{ROOT}/python/pyproject.toml"))
+        .expect("reading python/pyproject.toml");
+    let line = toml
+        .lines()
+        .find(|l| l.starts_with("requires = ["))
+        .expect("python/pyproject.toml names its build requirements");
+    let pins: Vec<String> = line
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        pins.iter().any(|p| p.starts_with("ziglang=="))
+            && pins.iter().any(|p| p.starts_with("cargo-zigbuild==")),
+        "python/pyproject.toml pins ziglang and cargo-zigbuild: {line}"
+    );
+    pins
 }
 
 /// `cargo xtask ARGS`, finding the cache's cargo-zigbuild on PATH and its
@@ -94,6 +122,19 @@ pub fn with_zig(cmd: &mut Command) -> &mut Command {
 /// the engine tests are skipped or the tools could not be had.
 pub fn xtask_release(what: &str, args: &[&str]) -> Option<Output> {
     if !engines_wanted(what) {
+        return None;
+    }
+    let tools = zig_tools();
+    if tools.join("bin/cargo-zigbuild").exists()
+        && std::fs::read_to_string(tools.join("gpufrac-test-requirements"))
+            .ok()
+            .is_none_or(|s| s != build_requirements().join("\n"))
+        && let Err(e) = install_zig_tools(what)
+    {
+        cannot(
+            what,
+            &format!("cargo-zigbuild and zig could not be updated: {e}"),
+        );
         return None;
     }
     let mut o = xtask(args);

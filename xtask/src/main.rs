@@ -176,8 +176,13 @@ fn zigbuild(ws: &Workspace) -> Result<Command, String> {
         }
         _ => tools.clone().into(),
     };
+    // cargo-zigbuild runs `$CARGO_ZIGBUILD_PYTHON_PATH -m ziglang` (pip's
+    // build environment of python/ points it at its own interpreter).
+    let python = std::env::var_os("CARGO_ZIGBUILD_PYTHON_PATH")
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".into());
     let zig_ok = |pp: Option<&OsString>| {
-        let mut py = Command::new("python3");
+        let mut py = Command::new(&python);
         py.args(["-m", "ziglang", "version"]);
         if let Some(pp) = pp {
             py.env("PYTHONPATH", pp);
