@@ -85,9 +85,12 @@ impl Broker {
         if let Err(reason) = self.within_budget(&peer, will_wait) {
             return self.refuse(id, reason);
         }
-        let Some(start_time) = self.procs.start_time(peer.pid) else {
+        // The process as it was at accept: the pid may name another
+        // process by now, whose job this must never become.
+        let Some(start_time) = peer.start_time else {
             return self.refuse(id, "cannot identify the requesting process");
         };
+        self.look_up_command(id);
         let token = match a.token {
             0 => jobs::new_token(),
             t => t,
@@ -306,13 +309,13 @@ impl Broker {
         let Some(c) = self.conns.get(&id) else {
             return;
         };
-        let start = self.procs.start_time(c.peer.pid);
+        let start = c.peer.start_time;
         let taken = self
             .job_conn
             .get(&token)
             .is_some_and(|t| self.conns.contains_key(t));
         match self.jobs.get(&token) {
-            Some(j) if !taken && self.cfg.policy.may_resume(&c.peer, start, j) => {}
+            Some(j) if !taken && self.cfg.policy.may_resume(&c.peer, j) => {}
             None if !self.placing(now) && !a.pin.is_empty() && start.is_some() => {
                 let job = self.job_for(id, &a, token, start.unwrap_or(0));
                 // What it held, not what it pins: a job of `--gpus` or

@@ -128,6 +128,7 @@ impl T {
             uid,
             gid: uid,
             groups: Vec::new(),
+            start_time: self.procs.borrow().get(&pid).map(|p| p.1),
         };
         self.b
             .connect(self.now, id, peer)
@@ -156,8 +157,21 @@ impl T {
         out
     }
 
-    /// What the shell does: writes the state, closes dead connections.
+    /// What the shell does: serves connections with frames left (a turn
+    /// each, round and round), writes the state, closes dead connections.
     fn turn(&mut self) {
+        loop {
+            let mut ids = self.b.take_unblocked();
+            ids.extend(self.b.conns.keys().filter(|&&id| self.b.has_frames(id)));
+            ids.sort_unstable();
+            ids.dedup();
+            if ids.is_empty() {
+                break;
+            }
+            for id in ids {
+                self.b.serve(self.now, id);
+            }
+        }
         while let Some((seq, _)) = self.b.take_state(self.now) {
             self.b.state_saved(self.now, seq, Ok(()));
         }
