@@ -10,6 +10,7 @@ mod deadlines;
 mod identity;
 mod mig_instances;
 mod restarts;
+mod service_props;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
