@@ -654,3 +654,61 @@ impl Loop {
         *m.lock().unwrap_or_else(|e| e.into_inner()) = text;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn each_ready_connection_gets_one_turn_in_order() {
+        let mut t = Turns::default();
+        assert!(!t.busy());
+        t.push(1);
+        t.push(2);
+        t.push(1);
+        assert!(t.busy());
+        assert_eq!(t.take(), [1, 2]);
+        assert!(!t.busy());
+        // Pushed again during its turn (it has more), it comes after
+        // those that became ready meanwhile.
+        t.push(3);
+        t.push(1);
+        assert_eq!(t.take(), [3, 1]);
+        t.listener = true;
+        assert!(t.busy());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// However many connections always have more to do, one that
+        /// becomes ready is served in the next turn, and no connection is
+        /// served twice in a turn.
+        #[test]
+        fn a_connection_that_becomes_ready_is_served_next_turn(
+            flooders in 1..50u64,
+            steps in prop::collection::vec(any::<bool>(), 1..100),
+        ) {
+            let mut t = Turns::default();
+            for f in 0..flooders {
+                t.push(f);
+            }
+            let victim = 1000;
+            for ready in steps {
+                if ready {
+                    t.push(victim);
+                }
+                let turn = t.take();
+                let mut seen = std::collections::HashSet::new();
+                prop_assert!(turn.iter().all(|id| seen.insert(*id)));
+                prop_assert_eq!(turn.contains(&victim), ready);
+                for id in turn {
+                    if id != victim {
+                        t.push(id);
+                    }
+                }
+            }
+        }
+    }
+}

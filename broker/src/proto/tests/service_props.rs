@@ -185,10 +185,10 @@ proptest! {
                     }
                 }
                 Op::Bytes(i, bytes) => {
-                    if let Some(&(id, _)) = attackers.get(i % attackers.len().max(1)) {
-                        if let Some(s) = w.sockets.get_mut(&id) {
-                            s.extend_from_slice(&bytes);
-                        }
+                    if let Some(&(id, _)) = attackers.get(i % attackers.len().max(1))
+                        && let Some(s) = w.sockets.get_mut(&id)
+                    {
+                        s.extend_from_slice(&bytes);
                     }
                 }
                 Op::Frames(i, k, n) => {
