@@ -33,13 +33,6 @@ use tracing::{debug, info, warn};
 use crate::mig::Step;
 use crate::mig_nvml::MigDriver;
 use crate::proto::{Broker, ConnId, MigDone, Nanos, RateLimit, WARN_EVERY, Work};
-
-/// Connections accepted per turn, before ready connections are served.
-pub const ACCEPTS_PER_TURN: usize = 64;
-/// Bytes read from one connection per turn.
-pub const READ_PER_TURN: usize = 64 << 10;
-/// A client's pidfd is registered under its token with this bit set.
-const PIDFD: usize = 1 << (usize::BITS - 2);
 use crate::statefile::StateFile;
 
 pub use crate::proto::DEFAULT_MAX_CONNS_PER_USER;
@@ -49,6 +42,12 @@ const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const WAKER: Token = Token(2);
 const FIRST_CLIENT: usize = 3;
+/// Connections accepted per turn, before ready connections are served.
+pub const ACCEPTS_PER_TURN: usize = 64;
+/// Bytes read from one connection per turn.
+pub const READ_PER_TURN: usize = 64 << 10;
+/// A client's pidfd is registered under its token with this bit set.
+const PIDFD: usize = 1 << (usize::BITS - 2);
 const MS: Nanos = 1_000_000;
 
 static SIGNAL_PIPE: AtomicI32 = AtomicI32::new(-1);
