@@ -750,10 +750,9 @@ impl Broker {
         }
         // A held status request: when its user's budget next refills.
         for c in self.conns.values().filter(|c| !c.dead) {
-            if c.status_wait.is_some()
-                && let Some(v) = self.voices.get(&c.peer.uid)
-            {
-                at(v.status.next(STATUS_EVERY));
+            if c.status_wait.is_some() {
+                let v = self.voices.get(&c.peer.uid);
+                at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
             }
         }
         if let Some(s) = self.save_due() {
