@@ -448,12 +448,15 @@ if os.fork() == 0:
         .stdout(Stdio::piped());
     let o = as_user(&mut c, NOBODY).output().unwrap();
     let dead: i32 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap();
-    assert!(
+    // The process that booked the trap is gone: the broker closes its
+    // connection, though a child still holds it, and the trap ends with
+    // it (identity is fixed at accept; SECURITY.md). What follows shows
+    // that a victim under the reused pid is not capped either way.
+    wait_until(10.0, "the dead process's lease to end", || {
         b.status()["leases"]
             .as_array()
-            .is_some_and(|l| l.len() == 1),
-        "the trap is booked"
-    );
+            .is_some_and(|l| l.is_empty())
+    });
     // The victim's shell gets that pid (the kernel hands out the next pid
     // after ns_last_pid; others may take it first, so try a few times).
     let script = format!("{} ctx fill alloc 64M; true", artifacts().probe.display());

@@ -24,7 +24,10 @@
 use crate::jobs::Job;
 use gpufrac_common::config::Priority;
 
-/// A connected process as the kernel describes it.
+/// A connected process as the kernel describes it, fixed when the
+/// connection is accepted: every later decision about the connection
+/// uses this, never a fresh look at the pid (which another process may
+/// hold by then).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Peer {
     pub pid: u32,
@@ -32,6 +35,12 @@ pub struct Peer {
     pub gid: u32,
     /// Supplementary groups.
     pub groups: Vec<u32>,
+    /// When the process started (clock ticks after boot), read at accept
+    /// while a pidfd held the process: with the pid it names this process
+    /// and no later holder of the pid. None: unknown (then nothing that
+    /// needs to know which process it is, a lease or a job's membership,
+    /// is granted).
+    pub start_time: Option<u64>,
 }
 
 /// Users and groups named by an option.
@@ -117,11 +126,11 @@ impl Policy {
     }
 
     /// Whether `p` may take `job` back after a broker restart: it is the
-    /// very process that made it (`start_time` is `p`'s, read from /proc).
-    /// A process that changed its user since (setuid) is not the job's
-    /// any more.
-    pub fn may_resume(&self, p: &Peer, start_time: Option<u64>, job: &Job) -> bool {
-        job.pid == p.pid && start_time == Some(job.start_time) && p.uid == job.uid
+    /// very process that made it (`p`'s pid and start time, fixed at
+    /// accept). A process that changed its user since (setuid) is not the
+    /// job's any more.
+    pub fn may_resume(&self, p: &Peer, job: &Job) -> bool {
+        job.pid == p.pid && p.start_time == Some(job.start_time) && p.uid == job.uid
     }
 
     /// Whether `p` may, during a recovery, claim a lease the trusted state
@@ -157,6 +166,7 @@ mod tests {
             uid,
             gid,
             groups: groups.to_vec(),
+            start_time: Some(5),
         }
     }
 
@@ -238,11 +248,20 @@ mod tests {
     fn only_the_same_process_resumes() {
         let p = Policy::default();
         let j = job(1000, false);
-        assert!(p.may_resume(&peer(1000, 1000, &[]), Some(5), &j));
+        assert!(p.may_resume(&peer(1000, 1000, &[]), &j));
         // The same pid, reused by another process.
-        assert!(!p.may_resume(&peer(1000, 1000, &[]), Some(6), &j));
+        let reused = Peer {
+            start_time: Some(6),
+            ..peer(1000, 1000, &[])
+        };
+        assert!(!p.may_resume(&reused, &j));
+        let unknown = Peer {
+            start_time: None,
+            ..peer(1000, 1000, &[])
+        };
+        assert!(!p.may_resume(&unknown, &j));
         let mut other = peer(1000, 1000, &[]);
         other.pid = 101;
-        assert!(!p.may_resume(&other, Some(5), &j));
+        assert!(!p.may_resume(&other, &j));
     }
 }

@@ -1,6 +1,8 @@
 //! The socket: where it may be created, created safely, and who is on the
 //! other end of a connection (as the kernel says).
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
 use mio::net::UnixListener;
 
 use crate::authority::Peer;
@@ -132,10 +134,27 @@ pub fn bind(path: &std::path::Path, group: Option<(&str, u32)>) -> Result<UnixLi
     Ok(l)
 }
 
-/// The peer of a connection: pid, uid and gid from `SO_PEERCRED`,
-/// supplementary groups from `SO_PEERGROUPS` (Linux 4.13 and later; none
-/// where the kernel cannot say). None when the kernel gives nothing.
-pub fn peer(fd: i32) -> Option<Peer> {
+/// A connection's peer as found at accept, and a pidfd that says when its
+/// process exits (None on a kernel without pidfds).
+pub struct Accepted {
+    pub peer: Peer,
+    pub pidfd: Option<OwnedFd>,
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd for the process that connected,
+/// taken by the kernel at connect, so no pid reuse can come between.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The peer of a connection, fixed now for the connection's life: pid,
+/// uid and gid from `SO_PEERCRED`, supplementary groups from
+/// `SO_PEERGROUPS` (Linux 4.13 and later; none where the kernel cannot
+/// say), and the process's start time, read while a pidfd holds the
+/// process (`SO_PEERPIDFD`, else `pidfd_open` of the pid) and trusted
+/// only if the process is still alive after the read: then the pid was
+/// still its own. None when the kernel gives nothing, or the process has
+/// already exited (nothing it sent could be told from what the next
+/// holder of its pid sends).
+pub fn peer(fd: i32) -> Option<Accepted> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -155,6 +174,75 @@ pub fn peer(fd: i32) -> Option<Peer> {
     if rc != 0 || cred.pid <= 0 {
         return None;
     }
+    let pid = cred.pid as u32;
+    let pidfd = match pidfd_of(fd, cred.pid) {
+        Ok(p) => p,
+        Err(()) => return None,
+    };
+    let start = gpufrac_common::procfs::start_time(pid)?;
+    if pidfd.as_ref().is_some_and(exited) {
+        return None;
+    }
+    Some(Accepted {
+        peer: Peer {
+            pid,
+            uid: cred.uid,
+            gid: cred.gid,
+            groups: peer_groups(fd),
+            start_time: Some(start),
+        },
+        pidfd,
+    })
+}
+
+/// A pidfd for the peer of `fd` (pid `pid`): Ok(None) where the kernel
+/// has none to give, Err when the process is gone.
+fn pidfd_of(fd: i32, pid: libc::pid_t) -> Result<Option<OwnedFd>, ()> {
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into an int of its size.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 && pidfd >= 0 {
+        // SAFETY: the kernel just gave us this descriptor.
+        return Ok(Some(unsafe { OwnedFd::from_raw_fd(pidfd) }));
+    }
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return Err(());
+    }
+    // An older kernel: the pid, which the start time read below checks.
+    // SAFETY: pidfd_open takes a pid and flags and returns a descriptor.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if r >= 0 {
+        // SAFETY: as above.
+        return Ok(Some(unsafe { OwnedFd::from_raw_fd(r as i32) }));
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::ESRCH) => Err(()),
+        _ => Ok(None),
+    }
+}
+
+/// Whether the process of `pidfd` has exited (it is readable then).
+pub fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll of one pollfd, without waiting.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n != 0
+}
+
+fn peer_groups(fd: i32) -> Vec<u32> {
     let mut groups = vec![0u32; 64];
     loop {
         let mut len = (groups.len() * std::mem::size_of::<u32>()) as libc::socklen_t;
@@ -171,22 +259,15 @@ pub fn peer(fd: i32) -> Option<Peer> {
         let n = len as usize / std::mem::size_of::<u32>();
         if rc == 0 {
             groups.truncate(n);
-            break;
+            return groups;
         }
         let e = std::io::Error::last_os_error().raw_os_error();
         if e == Some(libc::ERANGE) && n > groups.len() && n <= 1 << 16 {
             groups.resize(n, 0);
             continue;
         }
-        groups.clear();
-        break;
+        return Vec::new();
     }
-    Some(Peer {
-        pid: cred.pid as u32,
-        uid: cred.uid,
-        gid: cred.gid,
-        groups,
-    })
 }
 
 #[cfg(test)]
@@ -195,14 +276,58 @@ mod tests {
 
     #[test]
     fn the_peer_of_a_socket_pair_is_this_process() {
-        use std::os::fd::AsRawFd;
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let p = peer(a.as_raw_fd()).unwrap();
+        let got = peer(a.as_raw_fd()).unwrap();
+        let p = got.peer;
         assert_eq!(p.pid, std::process::id());
         // SAFETY: getuid/getgid have no preconditions.
         assert_eq!((p.uid, p.gid), unsafe { (libc::getuid(), libc::getgid()) });
         // SAFETY: getgroups with a zero size only counts.
         let n = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
         assert_eq!(p.groups.len(), n as usize);
+        assert_eq!(
+            p.start_time,
+            gpufrac_common::procfs::start_time(std::process::id())
+        );
+        let pidfd = got.pidfd.expect("this kernel has pidfds");
+        assert!(!exited(&pidfd));
+    }
+
+    /// The attack this stops: a process connects, dies, and its pid goes
+    /// to a victim before the broker looks; the connection must not be
+    /// taken for the victim's.
+    #[test]
+    fn a_connection_whose_process_has_exited_is_refused_at_accept() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-listen-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s");
+        let _ = std::fs::remove_file(&path);
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in addr.sun_path.iter_mut().zip(c.as_bytes()) {
+            *d = *s as libc::c_char;
+        }
+        // SAFETY: the child makes only async-signal-safe calls (socket,
+        // connect, _exit) before it exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            unsafe {
+                let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                libc::connect(
+                    s,
+                    (&addr as *const libc::sockaddr_un).cast(),
+                    std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+                );
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        let (s, _) = l.accept().unwrap();
+        assert!(peer(s.as_raw_fd()).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

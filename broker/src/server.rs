@@ -6,10 +6,19 @@
 //! It never interprets a frame. Every socket is non-blocking; output waits
 //! in the core, charged to its user, so a slow or stuck client can only
 //! lose its own connection.
+//!
+//! Service is in bounded turns (SECURITY.md, invariant 1): each turn
+//! accepts at most `ACCEPTS_PER_TURN` connections and gives each ready
+//! connection at most `READ_PER_TURN` bytes and the core's
+//! `FRAMES_PER_TURN` frames, then moves on; a connection with more waits
+//! for the next turn on the ready list (`Turns`), since the edge-triggered
+//! poll will not say again what it already said. So no connection, and no
+//! flood of connections, keeps the others from an answer for more than a
+//! turn's worth of work.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -33,6 +42,12 @@ const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const WAKER: Token = Token(2);
 const FIRST_CLIENT: usize = 3;
+/// Connections accepted per turn, before ready connections are served.
+pub const ACCEPTS_PER_TURN: usize = 64;
+/// Bytes read from one connection per turn.
+pub const READ_PER_TURN: usize = 64 << 10;
+/// A client's pidfd is registered under its token with this bit set.
+const PIDFD: usize = 1 << (usize::BITS - 2);
 const MS: Nanos = 1_000_000;
 
 static SIGNAL_PIPE: AtomicI32 = AtomicI32::new(-1);
@@ -70,6 +85,44 @@ struct Client {
     stream: UnixStream,
     /// Registered for writability (output pending).
     want_write: bool,
+    /// The poll said readable and a read has not yet found it empty.
+    readable: bool,
+    /// Readable when the process exits (None: a kernel without pidfds).
+    pidfd: Option<OwnedFd>,
+}
+
+/// Which connections get a turn next: round-robin over those with
+/// something to do, each once per turn; the shell's scheduling, kept
+/// apart from sockets so that its rule is tested on its own.
+#[derive(Debug, Default)]
+pub struct Turns {
+    ready: VecDeque<ConnId>,
+    queued: HashSet<ConnId>,
+    /// The listener may have connections waiting in its backlog.
+    pub listener: bool,
+}
+
+impl Turns {
+    /// `id` has something to do: it gets a turn (once, however often
+    /// this is said before its turn comes).
+    pub fn push(&mut self, id: ConnId) {
+        if self.queued.insert(id) {
+            self.ready.push_back(id);
+        }
+    }
+
+    /// The connections whose turn it is now, in order; those that still
+    /// have something to do afterwards are pushed again and come after
+    /// every other, next turn.
+    pub fn take(&mut self) -> Vec<ConnId> {
+        self.queued.clear();
+        self.ready.drain(..).collect()
+    }
+
+    /// Whether another turn is due at once (no waiting in poll).
+    pub fn busy(&self) -> bool {
+        self.listener || !self.ready.is_empty()
+    }
 }
 
 struct Loop {
@@ -78,6 +131,7 @@ struct Loop {
     listener: UnixListener,
     clients: HashMap<Token, Client>,
     next_token: usize,
+    turns: Turns,
     readbuf: Vec<u8>,
     /// Held open so that, out of file descriptors, the broker can still
     /// accept a connection to close it (else the listener stays readable
@@ -146,6 +200,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         listener,
         clients: HashMap::new(),
         next_token: FIRST_CLIENT,
+        turns: Turns::default(),
         readbuf: Vec::new(),
         reserve: reserve_fd(),
         saver: Some(saver),
@@ -273,15 +328,19 @@ impl Loop {
             }
             for ev in events.iter() {
                 match ev.token() {
-                    LISTENER => self.accept(),
+                    LISTENER => self.turns.listener = true,
                     SIGNALS => {
                         info!("shutting down");
                         return Ok(());
                     }
                     WAKER => {}
+                    Token(t) if t & PIDFD != 0 => self.core.exited((t & !PIDFD) as ConnId),
                     tok => {
-                        if ev.is_readable() || ev.is_read_closed() {
-                            self.read(tok);
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            if let Some(c) = self.clients.get_mut(&tok) {
+                                c.readable = true;
+                            }
+                            self.turns.push(tok.0 as ConnId);
                         }
                         if ev.is_writable() {
                             self.flush(tok.0 as ConnId);
@@ -289,6 +348,7 @@ impl Loop {
                     }
                 }
             }
+            self.turn();
             while let Ok(d) = self.done.try_recv() {
                 match d {
                     Done::Saved(seq, r) => self.core.state_saved(now(), seq, r),
@@ -297,6 +357,9 @@ impl Loop {
             }
             if self.core.next_timeout().is_some_and(|t| t <= now()) {
                 self.core.handle_timeout(now());
+            }
+            for id in self.core.take_unblocked() {
+                self.turns.push(id);
             }
             if let Some(st) = self.mps.as_mut().and_then(|m| m.poll()) {
                 self.core.set_mps(Some(st));
@@ -309,6 +372,9 @@ impl Loop {
     /// Until the core's next timer, the MPS daemon's next look, or the
     /// next metrics refresh.
     fn timeout(&self) -> Option<Duration> {
+        if self.turns.busy() {
+            return Some(Duration::ZERO);
+        }
         let t = now();
         let mut next = self.core.next_timeout();
         let mut at = |x: Nanos| next = Some(next.map_or(x, |n: Nanos| n.min(x)));
@@ -329,6 +395,11 @@ impl Loop {
         // in its socket (this loop was busy elsewhere): read them, then let
         // the core decide.
         for id in self.core.take_overdue() {
+            // Frames the core held back to keep turns bounded come first;
+            // then what the socket holds.
+            while self.core.has_frames(id) {
+                self.core.serve(now(), id);
+            }
             self.read(Token(id as usize));
             self.core.expire(now(), id);
         }
@@ -345,13 +416,19 @@ impl Loop {
                 self.flush(id);
                 if let Some(mut c) = self.clients.remove(&Token(id as usize)) {
                     let _ = self.poll.registry().deregister(&mut c.stream);
+                    if let Some(p) = &c.pidfd {
+                        let _ = self
+                            .poll
+                            .registry()
+                            .deregister(&mut SourceFd(&p.as_raw_fd()));
+                    }
                 }
                 self.core.remove(now(), id);
             }
             // The descriptors just closed make room for connections still
             // waiting in the backlog, which the edge-triggered listener
-            // will not report again.
-            self.accept();
+            // will not report again: the next turn accepts them.
+            self.turns.listener = true;
         }
         while let Some(w) = self.core.poll_work() {
             match &self.mig {
@@ -382,12 +459,30 @@ impl Loop {
         }
     }
 
-    fn accept(&mut self) {
-        loop {
+    /// One turn: a bounded number of accepts, then each connection whose
+    /// turn it is served within its budget.
+    fn turn(&mut self) {
+        if self.turns.listener {
+            self.turns.listener = self.accept();
+        }
+        for id in self.turns.take() {
+            if self.serve(id) {
+                self.turns.push(id);
+            }
+        }
+    }
+
+    /// Accepts up to `ACCEPTS_PER_TURN` connections; true if the backlog
+    /// may hold more.
+    fn accept(&mut self) -> bool {
+        for _ in 0..ACCEPTS_PER_TURN {
             match self.listener.accept() {
                 Ok((mut stream, _)) => {
-                    let Some(peer) = crate::listen::peer(stream.as_raw_fd()) else {
-                        // The kernel cannot say who it is: nobody to trust.
+                    let Some(crate::listen::Accepted { peer, pidfd }) =
+                        crate::listen::peer(stream.as_raw_fd())
+                    else {
+                        // The kernel cannot say who it is, or it has
+                        // exited already: nobody to trust.
                         continue;
                     };
                     let tok = Token(self.next_token);
@@ -409,15 +504,30 @@ impl Loop {
                         self.core.hangup(id);
                         continue;
                     }
+                    if let Some(p) = &pidfd
+                        && let Err(e) = self.poll.registry().register(
+                            &mut SourceFd(&p.as_raw_fd()),
+                            Token(tok.0 | PIDFD),
+                            Interest::READABLE,
+                        )
+                    {
+                        warn!("register a client's pidfd: {e}");
+                        self.core.hangup(id);
+                    }
                     self.clients.insert(
                         tok,
                         Client {
                             stream,
                             want_write: false,
+                            // Whatever it sent before the accept: the
+                            // poll may not say so again.
+                            readable: true,
+                            pidfd,
                         },
                     );
+                    self.turns.push(id);
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
                     // Out of descriptors: free the reserve, take the
@@ -431,22 +541,38 @@ impl Loop {
                     if self.reserve.take().is_none() {
                         // Nothing to free; the loop retries after the next
                         // sweep has closed stale connections.
-                        return;
+                        return false;
                     }
                     let shed = self.listener.accept();
                     self.reserve = reserve_fd();
                     match shed {
                         Ok((stream, _)) => drop(stream),
-                        Err(_) => return,
+                        Err(_) => return false,
                     }
-                    // The listener is edge-triggered: drain the backlog.
+                    // The listener is edge-triggered: drain the backlog,
+                    // a turn at a time.
                 }
                 Err(e) => {
                     warn!("accept: {e}");
-                    return;
+                    return false;
                 }
             }
         }
+        true
+    }
+
+    /// `id`'s turn: frames the core held back, or else at most
+    /// `READ_PER_TURN` bytes from its socket. True if it has more to do
+    /// (it then waits for the next turn, behind every other).
+    fn serve(&mut self, id: ConnId) -> bool {
+        let tok = Token(id as usize);
+        if self.core.has_frames(id) {
+            self.core.serve(now(), id);
+        } else {
+            self.read(tok);
+        }
+        let readable = self.clients.get(&tok).is_some_and(|c| c.readable);
+        self.core.has_frames(id) || (readable && self.core.wants_input(id))
     }
 
     fn read(&mut self, tok: Token) {
@@ -454,21 +580,29 @@ impl Loop {
         // One buffer for the whole loop, not a zeroed 16 KiB per read.
         let mut buf = std::mem::take(&mut self.readbuf);
         buf.resize(16 * 1024, 0);
-        while let Some(c) = self.clients.get_mut(&tok) {
-            match c.stream.read(&mut buf) {
+        let mut left = READ_PER_TURN;
+        while left > 0 && self.core.wants_input(id) {
+            let Some(c) = self.clients.get_mut(&tok) else {
+                break;
+            };
+            let want = left.min(buf.len());
+            match c.stream.read(&mut buf[..want]) {
                 Ok(0) => {
+                    c.readable = false;
                     self.core.hangup(id);
                     break;
                 }
                 Ok(n) => {
+                    left -= n;
                     self.core.input(now(), id, &buf[..n]);
-                    if self.core.is_dead(id) {
-                        break;
-                    }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    c.readable = false;
+                    break;
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => {
+                    c.readable = false;
                     self.core.hangup(id);
                     break;
                 }
@@ -529,5 +663,63 @@ impl Loop {
         self.last_metrics = t;
         let text = crate::metrics::render_metrics(&self.core.status(t));
         *m.lock().unwrap_or_else(|e| e.into_inner()) = text;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn each_ready_connection_gets_one_turn_in_order() {
+        let mut t = Turns::default();
+        assert!(!t.busy());
+        t.push(1);
+        t.push(2);
+        t.push(1);
+        assert!(t.busy());
+        assert_eq!(t.take(), [1, 2]);
+        assert!(!t.busy());
+        // Pushed again during its turn (it has more), it comes after
+        // those that became ready meanwhile.
+        t.push(3);
+        t.push(1);
+        assert_eq!(t.take(), [3, 1]);
+        t.listener = true;
+        assert!(t.busy());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// However many connections always have more to do, one that
+        /// becomes ready is served in the next turn, and no connection is
+        /// served twice in a turn.
+        #[test]
+        fn a_connection_that_becomes_ready_is_served_next_turn(
+            flooders in 1..50u64,
+            steps in prop::collection::vec(any::<bool>(), 1..100),
+        ) {
+            let mut t = Turns::default();
+            for f in 0..flooders {
+                t.push(f);
+            }
+            let victim = 1000;
+            for ready in steps {
+                if ready {
+                    t.push(victim);
+                }
+                let turn = t.take();
+                let mut seen = std::collections::HashSet::new();
+                prop_assert!(turn.iter().all(|id| seen.insert(*id)));
+                prop_assert_eq!(turn.contains(&victim), ready);
+                for id in turn {
+                    if id != victim {
+                        t.push(id);
+                    }
+                }
+            }
+        }
     }
 }

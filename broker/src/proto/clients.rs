@@ -34,12 +34,16 @@ impl Broker {
                     if matches!(reply, ServerMsg::HelloOk { .. }) {
                         c.role = Some(role);
                     } else {
-                        tracing::warn!(
-                            pid = c.peer.pid,
-                            version,
-                            "refusing client with another protocol version"
-                        );
+                        let (pid, uid) = (c.peer.pid, c.peer.uid);
                         c.dead = true;
+                        if self.may_log(uid) {
+                            tracing::warn!(
+                                pid,
+                                uid,
+                                version,
+                                "refusing client with another protocol version"
+                            );
+                        }
                     }
                     reply
                 }
@@ -52,6 +56,9 @@ impl Broker {
                 }
             };
             // Said even to a connection that is being closed.
+            let Some(c) = self.conns.get_mut(&id) else {
+                return;
+            };
             let was_dead = std::mem::replace(&mut c.dead, false);
             self.send(id, &reply);
             if was_dead {
@@ -127,10 +134,7 @@ impl Broker {
                 // container can outlive its run.
                 c.claimed_job = Some(job);
             }
-            ClientMsg::Status { from } => {
-                let json = self.status_json(now, from as usize);
-                self.send(id, &ServerMsg::StatusReply { json });
-            }
+            ClientMsg::Status { from } => self.ask_status(now, id, from),
             ClientMsg::Name { pod, label } => self.name(id, pod, label),
             ClientMsg::Lease(ask) => self.lease(now, id, ask),
         }
@@ -209,6 +213,10 @@ impl Broker {
             self.kill(id);
             return;
         }
+        self.look_up_command(id);
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
         let priority = self.cfg.policy.priority(&c.peer, priority);
         let job = self.job_of(c);
         let label = self.cfg.budgets.label;
@@ -248,9 +256,14 @@ impl Broker {
         let mem_cap = j.and_then(|j| j.mem_cap).unwrap_or(0);
         let job_pid = j.map(|j| j.pid);
         lower_caps(&mut devs, mem_cap);
+        let uid = self.conns[&id].peer.uid;
+        let log = self.may_log(uid);
         let c = self.conns.get_mut(&id).expect("looked up above");
-        // A job is named by its run's pid: the token is a secret.
-        info!(pid = c.peer.pid, uid = c.peer.uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
+        // A job is named by its run's pid: the token is a secret. The
+        // command is escaped (`clip`): it cannot forge a line.
+        if log {
+            info!(pid = c.peer.pid, uid = c.peer.uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
+        }
         c.devices = devs;
         c.registered = true;
         self.send(id, &ServerMsg::Registered { mem_cap });
@@ -263,14 +276,18 @@ impl Broker {
     /// is not the run), whatever its environment says; else the job whose
     /// token it holds, if the rules let it join by token.
     fn job_of(&self, c: &Conn) -> Option<u64> {
-        let by_ancestry = ancestry(self.procs.as_ref(), c.peer.pid)
-            .into_iter()
-            .find_map(|(p, start)| {
-                self.jobs
-                    .iter()
-                    .find(|(_, j)| j.pid == p && Some(j.start_time) == start)
-                    .map(|(&t, _)| t)
-            });
+        let chain = ancestry(self.procs.as_ref(), c.peer.pid);
+        // The pid's ancestry is the connection's only while the pid still
+        // names the process accepted: after it died, the pid (and so the
+        // ancestry) may be a victim's, whose job this is not.
+        let same = c.peer.start_time.is_some()
+            && chain.first().map(|&(_, s)| s) == Some(c.peer.start_time);
+        let by_ancestry = chain.into_iter().filter(|_| same).find_map(|(p, start)| {
+            self.jobs
+                .iter()
+                .find(|(_, j)| j.pid == p && Some(j.start_time) == start)
+                .map(|(&t, _)| t)
+        });
         // The token is random and only in the job's environment, so
         // holding it is the proof; the rules say whose processes may use
         // it (a leaked token does not hand another user's job to anyone).
@@ -324,7 +341,7 @@ impl Broker {
         {
             self.end_job(now, t);
         }
-        if !c.devices.is_empty() || c.job.is_some() {
+        if (!c.devices.is_empty() || c.job.is_some()) && self.may_log(c.peer.uid) {
             info!(pid = c.peer.pid, command = %c.command, "client gone");
         }
     }

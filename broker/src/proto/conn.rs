@@ -88,6 +88,16 @@ pub(super) struct Conn {
     pub registered: bool,
     /// Queue position last told to a waiting `gpufrac run`.
     pub queued: Option<u32>,
+    /// The command line was looked up (once, when first needed: an
+    /// accept must not cost a read of /proc/PID/cmdline).
+    pub command_read: bool,
+    /// Input handling stopped at its per-turn frame budget with whole
+    /// frames possibly left in `inbuf`: served again next turn.
+    pub more: bool,
+    /// A `Status` request waiting for its user's status budget (the page
+    /// asked for). Nothing after it on this connection is handled until
+    /// it is answered: replies keep their order.
+    pub status_wait: Option<u32>,
     pub dead: bool,
 }
 
@@ -110,16 +120,21 @@ impl Conn {
             claimed_job: None,
             registered: false,
             queued: None,
+            command_read: false,
+            more: false,
+            status_wait: None,
             dead: false,
         }
     }
 }
 
-/// `s` cut to at most `max` bytes at a character boundary, with an
-/// ellipsis when cut.
+/// `s` escaped (`escape`), then cut to at most `max` bytes at a
+/// character boundary, with an ellipsis when cut: what a user sends is
+/// kept, shown and logged only in this form.
 pub fn clip(s: &str, max: usize) -> String {
+    let s = escape(s);
     if s.len() <= max {
-        return s.to_owned();
+        return s;
     }
     let mut end = max.saturating_sub('…'.len_utf8());
     while !s.is_char_boundary(end) {
@@ -128,9 +143,115 @@ pub fn clip(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
+/// `s` with nothing in it that could forge or disguise a line of a log or
+/// of status: newline, carriage return and tab become the two characters
+/// `\n`, `\r`, `\t`; other ASCII controls and DEL `\xNN`; C1 controls
+/// and the bidirectional overrides that reorder what a terminal shows
+/// `\u{NNNN}`; a backslash is doubled, so that an escape cannot be
+/// typed in. Everything a user sends that reaches a log line or status
+/// text goes through it (SECURITY.md, invariant 6).
+pub fn escape(s: &str) -> String {
+    if !s.chars().any(needs_escape) {
+        return s.to_owned();
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_ascii_control() => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if needs_escape(c) => out.push_str(&format!("\\u{{{:04x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn needs_escape(c: char) -> bool {
+    c == '\\'
+        || c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// A token bucket in virtual time: `cap` at once, then one per `every`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Bucket {
+    tokens: u32,
+    at: Nanos,
+}
+
+impl Bucket {
+    pub fn full(cap: u32, now: Nanos) -> Bucket {
+        Bucket {
+            tokens: cap,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Nanos, cap: u32, every: Nanos) {
+        let n = now.saturating_sub(self.at) / every.max(1);
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.tokens = self.tokens.saturating_add(n).min(cap);
+        if self.tokens == cap {
+            self.at = now;
+        } else {
+            self.at += u64::from(n) * every;
+        }
+    }
+
+    /// Takes one if there is one.
+    pub fn take(&mut self, now: Nanos, cap: u32, every: Nanos) -> bool {
+        self.refill(now, cap, every);
+        if self.tokens == 0 {
+            return false;
+        }
+        self.tokens -= 1;
+        true
+    }
+
+    /// Whether it is full at `now` (then it can be forgotten).
+    pub fn is_full(&self, now: Nanos, cap: u32, every: Nanos) -> bool {
+        let mut b = *self;
+        b.refill(now, cap, every);
+        b.tokens == cap
+    }
+
+    /// When the next token comes.
+    pub fn next(&self, every: Nanos) -> Nanos {
+        self.at + every
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn escaped_text_holds_no_control_character() {
+        assert_eq!(escape("python train.py"), "python train.py");
+        assert_eq!(
+            escape("a\nINFO forged\r\t\\x\u{1b}[31m\u{7f}"),
+            "a\\nINFO forged\\r\\t\\\\x\\x1b[31m\\x7f"
+        );
+        assert_eq!(escape("\u{202e}gpj.exe\u{85}"), "\\u{202e}gpj.exe\\u{0085}");
+        assert_eq!(escape("é ü 日本"), "é ü 日本");
+        // Clipping never cuts an escape into a control character.
+        let c = clip(&"\n".repeat(300), 256);
+        assert!(c.len() <= 256 && !c.contains('\n'), "{c}");
+    }
+
+    #[test]
+    fn a_bucket_gives_its_burst_then_one_per_period() {
+        let mut b = Bucket::full(3, 0);
+        assert!((0..3).all(|_| b.take(0, 3, 10)));
+        assert!(!b.take(5, 3, 10));
+        assert_eq!(b.next(10), 10);
+        assert!(b.take(10, 3, 10));
+        assert!(!b.take(19, 3, 10));
+        assert!(b.is_full(1000, 3, 10));
+    }
 
     #[test]
     fn clipped_labels_stay_within_their_budget() {

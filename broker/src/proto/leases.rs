@@ -85,9 +85,12 @@ impl Broker {
         if let Err(reason) = self.within_budget(&peer, will_wait) {
             return self.refuse(id, reason);
         }
-        let Some(start_time) = self.procs.start_time(peer.pid) else {
+        // The process as it was at accept: the pid may name another
+        // process by now, whose job this must never become.
+        let Some(start_time) = peer.start_time else {
             return self.refuse(id, "cannot identify the requesting process");
         };
+        self.look_up_command(id);
         let token = match a.token {
             0 => jobs::new_token(),
             t => t,
@@ -309,14 +312,14 @@ impl Broker {
             return;
         };
         let peer = c.peer.clone();
-        let start = self.procs.start_time(peer.pid);
+        let start = peer.start_time;
         let taken = self
             .job_conn
             .get(&token)
             .is_some_and(|t| self.conns.contains_key(t));
         const NO_SUCH: &str = "this broker has no such lease to resume (it was started without the state file, or the lease ended)";
         match self.jobs.get(&token) {
-            Some(j) if !taken && self.cfg.policy.may_resume(&peer, start, j) => {}
+            Some(j) if !taken && self.cfg.policy.may_resume(&peer, j) => {}
             Some(_) => return self.refuse(id, NO_SUCH),
             None if self.placing(now) || a.pin.is_empty() => return self.refuse(id, NO_SUCH),
             None => {
@@ -325,10 +328,13 @@ impl Broker {
                     return self.refuse(id, reason);
                 }
                 if let Err(reason) = self.cfg.policy.claim_unverified(&peer) {
-                    self.warn_limited(format_args!(
-                        "recovery: refused a claim for a lease the trusted state does not have, from pid {} (uid {})",
-                        peer.pid, peer.uid
-                    ));
+                    self.warn_uid(
+                        peer.uid,
+                        format_args!(
+                            "recovery: refused a claim for a lease the trusted state does not have, from pid {} (uid {})",
+                            peer.pid, peer.uid
+                        ),
+                    );
                     return self.refuse(id, reason);
                 }
                 let Some(start) = start else {

@@ -34,8 +34,8 @@ use crate::sched::{Action, SchedConfig, Scheduler};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
-pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, clip};
-use conn::{Conn, Held};
+use conn::{Bucket, Conn, Held};
+pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, clip, escape};
 
 /// Monotonic nanoseconds (`CLOCK_MONOTONIC`, which a broker restart does
 /// not reset, so queue ages survive one).
@@ -60,6 +60,53 @@ const SWEEP_TICK: Nanos = 250 * MS;
 pub const WARN_EVERY: Nanos = 10_000 * MS;
 /// GPUs the broker arbitrates for clients when it found none itself.
 const MAX_UNKNOWN_GPUS: usize = 16;
+/// Frames handled per connection per turn: a connection with more waits
+/// for the next turn, after every other ready connection has had its own.
+pub const FRAMES_PER_TURN: usize = 64;
+/// Status pages built for one user: this many at once, then one per
+/// `STATUS_EVERY`. A page costs a walk over every connection; a user
+/// asking faster waits (its other requests too, so replies keep their
+/// order), and nobody else does.
+const STATUS_BURST: u32 = 16;
+const STATUS_EVERY: Nanos = 20 * MS;
+/// Log lines one user's connections can cause: this many at once, then
+/// one per `LOG_EVERY`; what is held back is counted and said.
+const LOG_BURST: u32 = 64;
+const LOG_EVERY: Nanos = 100 * MS;
+
+/// What one user may still make the broker say and build: its log lines
+/// and warnings, its status pages. Kept apart from `Held` (which goes
+/// with the user's last connection) so that connecting anew does not
+/// refill it.
+#[derive(Debug)]
+struct Voice {
+    lines: Bucket,
+    held_back: u64,
+    warning: RateLimit,
+    status: Bucket,
+}
+
+impl Voice {
+    fn new(now: Nanos) -> Voice {
+        Voice {
+            lines: Bucket::full(LOG_BURST, now),
+            held_back: 0,
+            warning: RateLimit::new(WARN_EVERY),
+            status: Bucket::full(STATUS_BURST, now),
+        }
+    }
+
+    /// Nothing to remember: a fresh one would be the same.
+    fn idle(&self, now: Nanos) -> bool {
+        self.held_back == 0
+            && self
+                .warning
+                .last
+                .is_none_or(|t| now.saturating_sub(t) > WARN_EVERY)
+            && self.lines.is_full(now, LOG_BURST, LOG_EVERY)
+            && self.status.is_full(now, STATUS_BURST, STATUS_EVERY)
+    }
+}
 
 /// Something said at most once per period: warnings a client (or a flood
 /// of them) can provoke must not flood the log too.
@@ -195,6 +242,11 @@ pub struct Broker {
     /// broker took to read what the client had already sent.
     overdue: Vec<ConnId>,
     warnings: RateLimit,
+    /// Per user: log lines, warnings and status pages it may still cause.
+    voices: HashMap<u32, Voice>,
+    /// Connections whose held-back input may be handled again (a status
+    /// reply they waited for went out): the shell serves them next turn.
+    unblocked: Vec<ConnId>,
     now: Nanos,
 }
 
@@ -256,6 +308,8 @@ impl Broker {
             last_sweep: now,
             overdue: Vec::new(),
             warnings: RateLimit::new(WARN_EVERY),
+            voices: HashMap::new(),
+            unblocked: Vec::new(),
             now,
         };
         // Instances found at start are units of arbitration from the
@@ -288,8 +342,66 @@ impl Broker {
         }
     }
 
-    /// A new connection from `peer`. Refused, with the frame to say why,
-    /// past its user's connection budget.
+    fn voice(&mut self, uid: u32) -> &mut Voice {
+        let now = self.now;
+        self.voices.entry(uid).or_insert_with(|| Voice::new(now))
+    }
+
+    /// A warning user `uid`'s connections provoked, at most every
+    /// `WARN_EVERY` per user: one user's flood neither floods the log nor
+    /// silences the warnings about anyone else.
+    pub(super) fn warn_uid(&mut self, uid: u32, msg: std::fmt::Arguments<'_>) {
+        let now = self.now;
+        if self.voice(uid).warning.ready(now) {
+            warn!("{msg}");
+        }
+    }
+
+    /// Whether a log line user `uid`'s connections caused may be written
+    /// now (its per-user line budget); lines held back are counted and
+    /// said with the next line let through.
+    pub(super) fn may_log(&mut self, uid: u32) -> bool {
+        let now = self.now;
+        let v = self.voice(uid);
+        if !v.lines.take(now, LOG_BURST, LOG_EVERY) {
+            v.held_back += 1;
+            return false;
+        }
+        let held = std::mem::take(&mut v.held_back);
+        if held > 0 {
+            tracing::info!(
+                "{held} log lines about uid {uid}'s connections were left out (its log budget)"
+            );
+        }
+        true
+    }
+
+    /// The command line of `id`'s process, looked up once, when first
+    /// needed (a registration, a lease), never at accept. Kept only if the
+    /// process still is the one accepted: else the pid is another's.
+    pub(super) fn look_up_command(&mut self, id: ConnId) {
+        let Some(c) = self.conns.get(&id) else {
+            return;
+        };
+        if c.command_read || !c.command.is_empty() {
+            return;
+        }
+        let (pid, start) = (c.peer.pid, c.peer.start_time);
+        let command = self.procs.cmdline(pid);
+        let same = start.is_some() && self.procs.start_time(pid) == start;
+        let label = self.cfg.budgets.label;
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.command_read = true;
+            if same {
+                c.command = clip(&command, label);
+            }
+        }
+    }
+
+    /// A new connection from `peer`, as the shell found it at accept (its
+    /// start time read while a pidfd held the process). It counts against
+    /// its user's connection budget from now on. Refused, with the frame to
+    /// say why, past that budget.
     pub fn connect(&mut self, now: Nanos, id: ConnId, peer: Peer) -> Result<(), Vec<u8>> {
         let now = self.clock(now);
         let count = self.held.get(&peer.uid).map_or(0, |h| h.conns);
@@ -306,22 +418,36 @@ impl Broker {
                 },
                 &mut out,
             );
-            self.warn_limited(format_args!(
-                "refusing a connection from uid {} (pid {}): {count} open, the per-user limit",
-                peer.uid, peer.pid
-            ));
+            self.warn_uid(
+                peer.uid,
+                format_args!(
+                    "refusing a connection from uid {} (pid {}): {count} open, the per-user limit",
+                    peer.uid, peer.pid
+                ),
+            );
             return Err(out);
         }
         self.held.entry(peer.uid).or_default().conns += 1;
-        let command = self.procs.cmdline(peer.pid);
-        let command = clip(&command, self.cfg.budgets.label);
         tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
-        self.conns.insert(id, Conn::new(peer, now, command));
+        self.conns.insert(id, Conn::new(peer, now, String::new()));
         Ok(())
     }
 
-    /// Bytes that arrived on `id`. Frames are handled as they complete;
-    /// what is left of an unfinished one counts against its user's input
+    /// The process of `id` has exited (its pidfd said so): the connection
+    /// is closed even if another process still holds its socket, so that
+    /// nothing sent on it is taken for the process that gets the pid next.
+    pub fn exited(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.get(&id)
+            && !c.dead
+        {
+            tracing::debug!(pid = c.peer.pid, "the process of a connection exited");
+        }
+        self.kill(id);
+    }
+
+    /// Bytes that arrived on `id`. Frames are handled as they complete,
+    /// at most `FRAMES_PER_TURN` now (`serve` handles the rest, next
+    /// turn); what is left unhandled counts against its user's input
     /// budget, and a user past it loses the connection that went over.
     pub fn input(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
         let now = self.clock(now);
@@ -336,21 +462,70 @@ impl Broker {
         if h.input + bytes.len() > self.cfg.budgets.input {
             let pid = c.peer.pid;
             c.dead = true;
-            self.warn_limited(format_args!(
-                "user {uid}'s input budget is exhausted; closing the connection of pid {pid} that went over"
-            ));
+            self.warn_uid(
+                uid,
+                format_args!(
+                    "user {uid}'s input budget is exhausted; closing the connection of pid {pid} that went over"
+                ),
+            );
             return;
         }
         h.input += bytes.len();
         c.inbuf.extend_from_slice(bytes);
+        self.frames(now, id);
+        self.pump(now);
+    }
+
+    /// Handles up to `FRAMES_PER_TURN` more of the frames `id` has sent
+    /// (after `input` or `serve` stopped at that budget, or a status reply
+    /// it waited for went out).
+    pub fn serve(&mut self, now: Nanos, id: ConnId) {
+        let now = self.clock(now);
+        self.frames(now, id);
+        self.pump(now);
+    }
+
+    /// Whether the shell should read more from `id`: everything it sent is
+    /// handled (or waits as half a frame). While it is not, the socket is
+    /// left alone, so the kernel's buffer, not the broker, holds the rest.
+    pub fn wants_input(&self, id: ConnId) -> bool {
+        self.conns
+            .get(&id)
+            .is_some_and(|c| !c.dead && !c.more && c.status_wait.is_none())
+    }
+
+    /// Whether `id` has frames to handle now (`serve`).
+    pub fn has_frames(&self, id: ConnId) -> bool {
+        self.conns
+            .get(&id)
+            .is_some_and(|c| !c.dead && c.more && c.status_wait.is_none())
+    }
+
+    /// Connections that waited for a status reply and got it: their input
+    /// may be handled again.
+    pub fn take_unblocked(&mut self) -> Vec<ConnId> {
+        std::mem::take(&mut self.unblocked)
+    }
+
+    fn frames(&mut self, now: Nanos, id: ConnId) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let uid = c.peer.uid;
+        c.more = false;
+        let mut handled = 0;
         loop {
             let Some(c) = self.conns.get_mut(&id) else {
                 return;
             };
-            if c.dead || c.inbuf.is_empty() {
-                if let Some(c) = self.conns.get_mut(&id) {
+            if c.dead || c.inbuf.is_empty() || c.status_wait.is_some() {
+                if c.inbuf.is_empty() {
                     c.partial_since = None;
                 }
+                break;
+            }
+            if handled == FRAMES_PER_TURN {
+                c.more = true;
                 break;
             }
             match wire::decode_client(&c.inbuf) {
@@ -363,6 +538,7 @@ impl Broker {
                     if let Some(h) = self.held.get_mut(&uid) {
                         h.input = h.input.saturating_sub(used);
                     }
+                    handled += 1;
                     self.handle(now, id, msg);
                 }
                 Err(DecodeError::Incomplete) => {
@@ -371,9 +547,10 @@ impl Broker {
                 }
                 Err(e) => {
                     let pid = c.peer.pid;
-                    self.warn_limited(format_args!(
-                        "bad frame from pid {pid} ({e}); closing that client"
-                    ));
+                    self.warn_uid(
+                        uid,
+                        format_args!("bad frame from pid {pid} ({e}); closing that client"),
+                    );
                     self.send(
                         id,
                         &ServerMsg::Error {
@@ -386,7 +563,46 @@ impl Broker {
                 }
             }
         }
-        self.pump(now);
+    }
+
+    /// A `Status` request: answered now if its user's status budget
+    /// allows, else held (with everything after it on the connection)
+    /// until the budget refills (`handle_timeout`).
+    pub(super) fn ask_status(&mut self, now: Nanos, id: ConnId, from: u32) {
+        let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
+            return;
+        };
+        if self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
+            let json = self.status_json(now, from as usize);
+            self.send(id, &ServerMsg::StatusReply { json });
+        } else if let Some(c) = self.conns.get_mut(&id) {
+            c.status_wait = Some(from);
+        }
+    }
+
+    /// Answers held status requests whose users' budgets have refilled,
+    /// one connection after another from where the last round stopped.
+    fn answer_held_status(&mut self, now: Nanos) {
+        let waiting: Vec<(ConnId, u32, u32)> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| !c.dead)
+            .filter_map(|(&id, c)| c.status_wait.map(|f| (id, c.peer.uid, f)))
+            .collect();
+        for (id, uid, from) in waiting {
+            if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
+                continue;
+            }
+            let json = self.status_json(now, from as usize);
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.status_wait = None;
+                // What it sent after the request is handled next turn,
+                // within the turn's budget.
+                c.more = true;
+            }
+            self.send(id, &ServerMsg::StatusReply { json });
+            self.unblocked.push(id);
+        }
     }
 
     /// The peer hung up, or its socket failed.
@@ -465,6 +681,7 @@ impl Broker {
     /// the end of a recovery, the schedulers' and the queue's clocks.
     pub fn handle_timeout(&mut self, now: Nanos) {
         let now = self.clock(now);
+        self.answer_held_status(now);
         if now.saturating_sub(self.last_sweep) >= SWEEP_TICK {
             self.last_sweep = now;
             self.sweep(now);
@@ -511,6 +728,7 @@ impl Broker {
                 self.overdue.push(id);
             }
         }
+        self.voices.retain(|_, v| !v.idle(now));
         let gone: Vec<(u64, u32)> = self
             .jobs
             .iter()
@@ -544,7 +762,8 @@ impl Broker {
             .conns
             .values()
             .any(|c| !c.dead && (c.role.is_none() || c.partial_since.is_some()))
-            || self.jobs.keys().any(|k| !self.job_conn.contains_key(k));
+            || self.jobs.keys().any(|k| !self.job_conn.contains_key(k))
+            || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
         // never sleeps a whole tick, must still sweep.
         if sweep {
@@ -552,6 +771,13 @@ impl Broker {
         }
         if let Some((until, _)) = &self.recovery {
             at(*until);
+        }
+        // A held status request: when its user's budget next refills.
+        for c in self.conns.values().filter(|c| !c.dead) {
+            if c.status_wait.is_some() {
+                let v = self.voices.get(&c.peer.uid);
+                at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
+            }
         }
         if let Some(s) = self.save_due() {
             at(s);
@@ -581,15 +807,21 @@ impl Broker {
         let (pid, uid) = (c.peer.pid, c.peer.uid);
         if c.outbuf.len() > MAX_OUTBUF {
             c.dead = true;
-            self.warn_limited(format_args!(
-                "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
-            ));
+            self.warn_uid(
+                uid,
+                format_args!(
+                    "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
+                ),
+            );
         } else if h.output > self.cfg.budgets.output {
             c.dead = true;
-            self.warn_limited(format_args!(
-                "user {uid}'s output budget is exhausted (its connections are not reading); \
-                 closing the connection of pid {pid} that went over"
-            ));
+            self.warn_uid(
+                uid,
+                format_args!(
+                    "user {uid}'s output budget is exhausted (its connections are not reading); \
+                     closing the connection of pid {pid} that went over"
+                ),
+            );
         }
     }
 

@@ -17,6 +17,7 @@ fn stalled_connections_are_closed_at_their_deadlines() {
             uid: BOB,
             gid: BOB,
             groups: Vec::new(),
+            start_time: None,
         },
     )
     .unwrap();
@@ -45,6 +46,7 @@ fn a_busy_broker_still_closes_silent_connections() {
         uid: BOB,
         gid: BOB,
         groups: Vec::new(),
+        start_time: None,
     };
     t.b.connect(t.now, silent, peer).unwrap();
     for _ in 0..40 {
@@ -76,6 +78,7 @@ fn a_hello_sent_in_time_but_read_late_keeps_the_connection() {
         uid: BOB,
         gid: BOB,
         groups: Vec::new(),
+        start_time: None,
     };
     t.b.connect(t.now, late, peer).unwrap();
     let mut hello = Vec::new();
@@ -98,6 +101,7 @@ fn a_hello_sent_in_time_but_read_late_keeps_the_connection() {
             uid: BOB,
             gid: BOB,
             groups: Vec::new(),
+            start_time: None,
         },
     )
     .unwrap();

@@ -10,6 +10,7 @@ mod deadlines;
 mod identity;
 mod mig_instances;
 mod restarts;
+mod service_props;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -131,6 +132,7 @@ impl T {
             uid,
             gid: uid,
             groups: Vec::new(),
+            start_time: self.procs.borrow().get(&pid).map(|p| p.1),
         };
         self.b
             .connect(self.now, id, peer)
@@ -160,14 +162,27 @@ impl T {
     }
 
     /// What the shell does: reads what overdue connections still hold in
-    /// their sockets and lets the core decide, writes the state, closes
-    /// dead connections.
+    /// their sockets and lets the core decide, serves connections with
+    /// frames left (a turn each, round and round), writes the state,
+    /// closes dead connections.
     fn turn(&mut self) {
         for id in self.b.take_overdue() {
             if let Some(bytes) = self.unread.remove(&id) {
                 self.b.input(self.now, id, &bytes);
             }
             self.b.expire(self.now, id);
+        }
+        loop {
+            let mut ids = self.b.take_unblocked();
+            ids.extend(self.b.conns.keys().filter(|&&id| self.b.has_frames(id)));
+            ids.sort_unstable();
+            ids.dedup();
+            if ids.is_empty() {
+                break;
+            }
+            for id in ids {
+                self.b.serve(self.now, id);
+            }
         }
         while let Some((seq, _)) = self.b.take_state(self.now) {
             self.b.state_saved(self.now, seq, Ok(()));
