@@ -89,14 +89,9 @@ fn ptsz_name(c: &Cuda, plain: &'static str, ptsz: &'static str) -> &'static str 
     if c.ptsz { ptsz } else { plain }
 }
 
+/// A size argument as `GPU_MEM_LIMIT` spells one ("4M", "1.5G", "512").
 fn parse_size(s: &str) -> usize {
-    let (num, mul) = match s.chars().last().unwrap() {
-        'K' | 'k' => (&s[..s.len() - 1], 1usize << 10),
-        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
-        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>().expect("size") * mul
+    gpufrac_common::size::parse_size(s).unwrap_or_else(|e| panic!("size {s:?}: {e}")) as usize
 }
 
 #[derive(Clone, Copy)]

@@ -122,7 +122,7 @@ struct BrokerArgs {
     spread: bool,
     /// Most connections one user may hold open (each process under the shim
     /// holds one): a user cannot exhaust the broker's file descriptors.
-    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::server::DEFAULT_MAX_CONNS_PER_USER)]
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::DEFAULT_MAX_CONNS_PER_USER)]
     max_connections_per_user: usize,
     /// Most requests one user may have waiting in the queue at once.
     #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::Budgets::default().queued)]
@@ -205,7 +205,7 @@ fn broker(args: BrokerArgs) -> u8 {
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(filter)
         .init();
-    let opts = gpufrac_broker::server::BrokerOptions {
+    let opts = gpufrac_broker::startup::BrokerOptions {
         socket: socket_path(args.socket),
         timeslice: args.timeslice,
         inflight: args.inflight,
@@ -226,11 +226,11 @@ fn broker(args: BrokerArgs) -> u8 {
         state_dir: args.state_dir,
         mps: args.mps,
         mig: match args.mig {
-            Some(MigArg::Dynamic) => gpufrac_broker::server::MigMode::Dynamic,
-            None => gpufrac_broker::server::MigMode::Off,
+            Some(MigArg::Dynamic) => gpufrac_broker::startup::MigMode::Dynamic,
+            None => gpufrac_broker::startup::MigMode::Off,
         },
     };
-    match gpufrac_broker::server::run(opts) {
+    match gpufrac_broker::startup::run(opts) {
         Ok(()) => 0,
         Err(msg) => {
             eprintln!("gpufrac broker: {msg}");

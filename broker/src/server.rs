@@ -35,9 +35,6 @@ use crate::mig_nvml::MigDriver;
 use crate::proto::{Broker, ConnId, MigDone, Nanos, RateLimit, WARN_EVERY, Work};
 use crate::statefile::StateFile;
 
-pub use crate::proto::DEFAULT_MAX_CONNS_PER_USER;
-pub use crate::startup::{BrokerOptions, MigMode, run};
-
 const LISTENER: Token = Token(0);
 const SIGNALS: Token = Token(1);
 const WAKER: Token = Token(2);

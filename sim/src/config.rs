@@ -3,6 +3,9 @@
 use std::ffi::{CString, OsString};
 use std::sync::OnceLock;
 
+use gpufrac_common::cuda::{CUuuid, format_uuid};
+use gpufrac_common::size::parse_size;
+
 pub use crate::mig::Model;
 
 pub const VAR_DEVICES: &str = "GPUFRAC_SIM_DEVICES";
@@ -68,29 +71,6 @@ pub struct Config {
     pub switch_ns: u64,
 }
 
-/// Parses `16G`, `512M`, `1024`, `8GiB`, `8GB` (all binary units).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
-    if digits == 0 {
-        return Err(format!("bad size {s:?}"));
-    }
-    let n: u64 = t[..digits].parse().map_err(|_| format!("bad size {s:?}"))?;
-    let unit = t[digits..].trim().to_ascii_uppercase();
-    let unit = unit.strip_suffix('B').unwrap_or(&unit);
-    let unit = unit.strip_suffix('I').unwrap_or(unit);
-    let shift = match unit {
-        "" => 0,
-        "K" => 10,
-        "M" => 20,
-        "G" => 30,
-        "T" => 40,
-        _ => return Err(format!("bad size unit in {s:?}")),
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size {s:?} overflows"))
-}
-
 /// One entry: a size, or `MODEL` / `MODEL:mig` for a MIG-capable model.
 pub fn parse_device(s: &str) -> Result<DevSpec, String> {
     let t = s.trim();
@@ -130,11 +110,8 @@ pub fn parse_devices(s: &str) -> Result<Vec<DevSpec>, String> {
         .split(',')
         .map(parse_device)
         .collect::<Result<Vec<_>, _>>()?;
-    if v.len() > crate::state::MAX_DEV {
-        return Err(format!(
-            "{VAR_DEVICES}: at most {} devices",
-            crate::state::MAX_DEV
-        ));
+    if v.len() > MAX_DEV {
+        return Err(format!("{VAR_DEVICES}: at most {} devices", MAX_DEV));
     }
     Ok(v)
 }
@@ -264,6 +241,33 @@ pub fn driver_version() -> i32 {
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(DEFAULT_DRIVER_VERSION)
     })
+}
+
+/// Physical devices the simulated machine can have.
+pub const MAX_DEV: usize = 64;
+
+/// Deterministic UUID of device `i`, the same for CUDA and NVML.
+pub fn uuid(i: usize) -> CUuuid {
+    let mut bytes = [
+        0x5a, 0x1e, 0x6f, 0x7a, 0xc0, 0xde, 0x40, 0x00, 0x80, 0x00, 0, 0, 0, 0, 0, 0,
+    ];
+    bytes[14] = (i >> 8) as u8;
+    bytes[15] = i as u8;
+    CUuuid { bytes }
+}
+
+pub fn uuid_string(i: usize) -> ([u8; 40], usize) {
+    let mut buf = [0u8; 40];
+    let n = format_uuid(&uuid(i), &mut buf);
+    (buf, n)
+}
+
+/// Name of physical device `i` (NVML's, and CUDA's when CUDA shows it).
+pub fn phys_name(i: usize, d: &DevSpec) -> String {
+    match d.model {
+        Some(m) => format!("gpufrac-sim {} (GPU {i})", m.info().name),
+        None => format!("gpufrac-sim GPU {i}"),
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,9 @@ use std::sync::atomic::Ordering::*;
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::{self, Work};
+use crate::engine;
 use crate::mem::free_ctx_allocs;
+use crate::objects::Work;
 use crate::objects::{self, Ctx, Handle, leak, resolve_stream};
 use crate::out;
 use crate::state::{Sim, cuda};

@@ -4,33 +4,9 @@ use std::ffi::{c_char, c_int, c_uint};
 
 use gpufrac_common::cuda::*;
 
-use crate::config::{DevSpec, driver_version};
+use crate::config::driver_version;
 use crate::state::{CudaDev, cuda, cuda_init};
 use crate::{out, write_cstr};
-
-/// Deterministic UUID of device `i`, the same for CUDA and NVML.
-pub fn uuid(i: usize) -> CUuuid {
-    let mut bytes = [
-        0x5a, 0x1e, 0x6f, 0x7a, 0xc0, 0xde, 0x40, 0x00, 0x80, 0x00, 0, 0, 0, 0, 0, 0,
-    ];
-    bytes[14] = (i >> 8) as u8;
-    bytes[15] = i as u8;
-    CUuuid { bytes }
-}
-
-pub fn uuid_string(i: usize) -> ([u8; 40], usize) {
-    let mut buf = [0u8; 40];
-    let n = format_uuid(&uuid(i), &mut buf);
-    (buf, n)
-}
-
-/// Name of physical device `i` (NVML's, and CUDA's when CUDA shows it).
-pub fn phys_name(i: usize, d: &DevSpec) -> String {
-    match d.model {
-        Some(m) => format!("gpufrac-sim {} (GPU {i})", m.info().name),
-        None => format!("gpufrac-sim GPU {i}"),
-    }
-}
 
 fn attribute(attr: c_int, dev: &CudaDev) -> c_int {
     match attr {

@@ -4,7 +4,8 @@ use std::ffi::{c_char, c_float, c_int, c_uint, c_void};
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::{self, Work, duration_from_params, launch, now_ns};
+use crate::engine::{self, duration_from_params, launch, now_ns};
+use crate::objects::Work;
 use crate::objects::{self, Event, Func, GraphExec, Handle, Module, Stream, leak, resolve_stream};
 use crate::out;
 use crate::state::{Sim, cuda};

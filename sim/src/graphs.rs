@@ -561,7 +561,7 @@ cuda_exports! {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let dev = s.dev(p.poolProps.location.id)?;
-        let va = crate::mem::graph_va(p.bytesize as u64)?;
+        let va = crate::va::graph_va(p.bytesize as u64)?;
         add(node, graph, Node::Alloc { va, size: p.bytesize as u64, dev })?;
         std::ptr::addr_of_mut!((*params).dptr).write_unaligned(va);
         Ok(())

@@ -112,6 +112,7 @@ mod objects;
 mod procaddr;
 mod state;
 mod testing;
+mod va;
 
 thread_local! {
     static LAST_VARIANT: std::cell::Cell<&'static CStr> = const { std::cell::Cell::new(c"") };

@@ -1,14 +1,15 @@
 //! Memory: bookkeeping only. Physical use is charged to the shared state;
 //! this process remembers what each pointer/handle charged.
 
+use crate::va::{alloc_va, round_up};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::sync::{Mutex, MutexGuard};
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::{self, Work};
+use crate::engine;
+use crate::objects::Work;
 use crate::objects::{self, Handle, Pool, resolve_stream};
 use crate::out;
 use crate::state::{Sim, cuda};
@@ -93,39 +94,11 @@ fn reg() -> MutexGuard<'static, Registry> {
     REG.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn round_up(v: u64, a: u64) -> Option<u64> {
-    v.checked_add(a - 1).map(|x| x / a * a)
-}
-
-static NEXT_VA: AtomicU64 = AtomicU64::new(0);
-
-/// A fresh fake device address range: unique in this process, non-zero,
-/// aligned to `align` (at least 512), never dereferenced.
-fn alloc_va(size: u64, align: u64) -> Result<u64, CUresult> {
-    let align = align.max(512);
-    let span = round_up(size.max(1), 512)
-        .and_then(|s| s.checked_add(512))
-        .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-    // SAFETY: no preconditions.
-    let first = 0x7f00_0000_0000u64 + ((unsafe { libc::getpid() } as u64) << 32);
-    let start = |cur: u64| round_up(if cur == 0 { first } else { cur }, align);
-    let prev = NEXT_VA
-        .fetch_update(AcqRel, Acquire, |cur| start(cur)?.checked_add(span))
-        .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-    start(prev).ok_or(CUDA_ERROR_OUT_OF_MEMORY)
-}
-
 /// The inode of an open file descriptor.
 fn inode(fd: c_int) -> Option<u64> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: an out-pointer to a local.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
-}
-
-/// An address for a graph allocation node: fixed for the graph's life,
-/// its memory taken from the graph pool at each launch.
-pub fn graph_va(size: u64) -> Result<u64, CUresult> {
-    alloc_va(size, 512)
 }
 
 /// Charges `size` on `dev` and registers a fresh address/handle for it.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering::*};
 use gpufrac_common::cuda::*;
 
 use crate::config::driver_version;
-use crate::device::{phys_name, uuid_string};
+use crate::config::{phys_name, uuid_string};
 use crate::mig::{self, mig_handle};
 use crate::state::{MAX_DEV, Sim, init, sim};
 use crate::{out, write_cstr};

@@ -13,8 +13,6 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 
 use gpufrac_common::cuda::*;
 
-use crate::engine::Work;
-
 const DEAD: u32 = 0xdead_dead;
 
 pub trait Handle: Sized + 'static {
@@ -372,4 +370,52 @@ pub unsafe fn resolve_stream(stream: CUstream, ptsz: bool) -> Result<Target, CUr
             &ctx.tail
         },
     })
+}
+
+#[inline(always)]
+pub(crate) fn fetch_max(a: &AtomicU64, v: u64) {
+    // Skip the read-modify-write when it would change nothing (common for
+    // the context tail).
+    if a.load(Relaxed) < v {
+        a.fetch_max(v, AcqRel);
+    }
+}
+
+/// A point in one context's work: done once its executed work reaches `x`.
+#[derive(Clone, Copy, Debug)]
+pub struct Work {
+    pub dev: usize,
+    /// The context object (process-local identity).
+    pub ctx: usize,
+    /// Its entry binding when captured; 0: it never had work.
+    pub(crate) bind: u64,
+    pub(crate) x: u64,
+}
+
+impl Work {
+    /// All work submitted so far to `t`'s stream.
+    pub fn of(t: Target) -> Work {
+        Work {
+            dev: t.ctx.device,
+            ctx: t.ctx.id(),
+            bind: t.ctx.ent.load(Acquire),
+            x: t.tail.load(Acquire),
+        }
+    }
+
+    /// All work submitted so far to `c`.
+    pub fn ctx(c: &'static Ctx) -> Work {
+        Work {
+            dev: c.device,
+            ctx: c.id(),
+            bind: c.ent.load(Acquire),
+            x: c.tail.load(Acquire),
+        }
+    }
+
+    /// Orders `t`'s later work after this point, which must be of the same
+    /// context (one FIFO: raising the stream's target is all it takes).
+    pub fn order_before(&self, t: Target) {
+        fetch_max(t.tail, self.x);
+    }
 }

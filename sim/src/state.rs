@@ -17,13 +17,12 @@ use std::sync::{Mutex, OnceLock};
 
 use gpufrac_common::cuda::*;
 
-use crate::config::{self, DevSpec};
-use crate::device::{phys_name, uuid, uuid_string};
+use crate::config::{self, DevSpec, phys_name, uuid, uuid_string};
 use crate::engine::{self, Engine, Params, now_ns};
 use crate::mig::{Mig, MigShared};
 use crate::objects::{Ctx, Pool, leak};
 
-pub const MAX_DEV: usize = 64;
+pub use crate::config::MAX_DEV;
 pub const MAX_SLOTS: usize = 256;
 /// Memory and engines of MIG GPU instances, machine-wide (a GPU has at most
 /// 7): `devs[MAX_DEV + k]` backs the instance holding MIG slot k.
@@ -696,4 +695,28 @@ impl Sim {
 
 fn sub_sat(a: &AtomicU64, n: u64) {
     let _ = a.fetch_update(AcqRel, Acquire, |v| Some(v.saturating_sub(n)));
+}
+
+impl engine::Host for Sim {
+    fn engine(&self, dev: usize) -> &Engine {
+        Sim::engine(self, dev)
+    }
+    fn slot_engine(&self, slot: usize) -> &Engine {
+        Sim::slot_engine(self, slot)
+    }
+    fn token(&self) -> u64 {
+        Sim::token(self)
+    }
+    fn alive(&self, token: u64) -> bool {
+        Sim::alive(self, token)
+    }
+    fn params(&self) -> Params {
+        Sim::params(self)
+    }
+    fn private(&self) -> bool {
+        Sim::private(self)
+    }
+    fn retire(&self, dev: usize, ns: u64) {
+        Sim::retire(self, dev, ns)
+    }
 }

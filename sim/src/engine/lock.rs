@@ -4,8 +4,9 @@
 //! and test-only fault injection kills the process at the points where a
 //! crash is hardest to survive.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicU64, Ordering::*};
 
+use super::crash::{CRASH_HOLDING_LOCK, crash_point};
 use super::model::Engine;
 
 pub(super) struct Guard<'a>(&'a AtomicU64);
@@ -54,23 +55,4 @@ pub(super) fn lock<'a>(eng: &'a Engine, me: u64, alive: impl Fn(u64) -> bool) ->
     }
     crash_point(CRASH_HOLDING_LOCK);
     Guard(&eng.lock)
-}
-
-// ---------------------------------------------------------------------------
-// Test-only fault injection: die with SIGKILL at a chosen point.
-
-pub const CRASH_HOLDING_LOCK: u32 = 1;
-pub const CRASH_BEFORE_COMMIT: u32 = 2;
-static CRASH: AtomicU32 = AtomicU32::new(0);
-
-pub fn arm_crash(at: u32) {
-    CRASH.store(at, Relaxed);
-}
-
-#[inline(always)]
-pub(super) fn crash_point(at: u32) {
-    if CRASH.load(Relaxed) == at {
-        // SAFETY: plain syscalls.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    }
 }

@@ -33,21 +33,21 @@
 //! `model.rs` is the pure model, `lock.rs` the device lock with its
 //! crash handling; this file is what the driver entry points call.
 
+mod crash;
 mod lock;
 mod model;
 
 use std::ffi::c_void;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
 
 use gpufrac_common::cuda::CUresult;
 
-use crate::objects::{Ctx, Event, Handle, Target};
-use crate::state::Sim;
+use crate::objects::{Ctx, Event, Handle, Target, Work, fetch_max};
 
+pub use crash::{CRASH_BEFORE_COMMIT, CRASH_HOLDING_LOCK, arm_crash};
 pub use gpufrac_common::clock::{mono_ns as now_ns, sleep_until};
 use lock::lock;
-pub use lock::{CRASH_BEFORE_COMMIT, CRASH_HOLDING_LOCK, arm_crash};
 pub use model::{Engine, MAX_CTX, Params};
 use model::{Model, idx};
 
@@ -77,17 +77,38 @@ pub unsafe fn duration_from_params(params: *mut *mut c_void) -> u64 {
     }
 }
 
+/// What the engine needs of the machine's shared state (`state::Sim`,
+/// which holds the engines): a device's engine, this process's token and
+/// whether another's is alive, the timing parameters, and where to put the
+/// time of retired contexts. A trait, so that the engine sits below the
+/// state that holds it.
+pub trait Host {
+    fn engine(&self, dev: usize) -> &Engine;
+    fn slot_engine(&self, slot: usize) -> &Engine;
+    fn token(&self) -> u64;
+    fn alive(&self, token: u64) -> bool;
+    fn params(&self) -> Params;
+    /// No state file: nobody else shares these engines.
+    fn private(&self) -> bool;
+    fn retire(&self, dev: usize, ns: u64);
+}
+
 /// Runs `f` on the model of device `dev` advanced to `now`, under the lock.
 #[inline(always)]
-fn with_model<R>(sim: &Sim, dev: usize, now: u64, f: impl FnOnce(&mut Model) -> R) -> R {
+fn with_model<H: Host + ?Sized, R>(
+    sim: &H,
+    dev: usize,
+    now: u64,
+    f: impl FnOnce(&mut Model) -> R,
+) -> R {
     with_engine(sim, sim.engine(dev), Some(dev), now, f)
 }
 
 /// `with_model` on any engine; `dev` (the CUDA device, if the engine is
 /// one of this process's) dates the events watched on it.
 #[inline(always)]
-fn with_engine<R>(
-    sim: &Sim,
+fn with_engine<H: Host + ?Sized, R>(
+    sim: &H,
     eng: &Engine,
     dev: Option<usize>,
     now: u64,
@@ -147,12 +168,12 @@ fn date_events(m: &Model, dev: usize, now: u64) {
 /// `REAP_EVERY_NS` per device over all processes (it costs a system call
 /// per other process).
 #[inline(always)]
-fn maybe_reap(sim: &Sim, dev: usize, now: u64) {
+fn maybe_reap<H: Host + ?Sized>(sim: &H, dev: usize, now: u64) {
     maybe_reap_engine(sim, sim.engine(dev), now);
 }
 
 #[inline(always)]
-fn maybe_reap_engine(sim: &Sim, eng: &Engine, now: u64) {
+fn maybe_reap_engine<H: Host + ?Sized>(sim: &H, eng: &Engine, now: u64) {
     let due = eng.next_reap.load(Relaxed);
     if now < due || sim.private() {
         return;
@@ -166,11 +187,11 @@ fn maybe_reap_engine(sim: &Sim, eng: &Engine, now: u64) {
     }
 }
 
-fn reap(sim: &Sim, dev: usize, now: u64) {
+fn reap<H: Host + ?Sized>(sim: &H, dev: usize, now: u64) {
     reap_engine(sim, sim.engine(dev), now);
 }
 
-fn reap_engine(sim: &Sim, eng: &Engine, now: u64) {
+fn reap_engine<H: Host + ?Sized>(sim: &H, eng: &Engine, now: u64) {
     let me = sim.token();
     // Liveness costs a system call: ask outside the lock, once per owner.
     let mut seen = [(0u64, true); 16];
@@ -217,7 +238,7 @@ fn reap_engine(sim: &Sim, eng: &Engine, now: u64) {
 
 /// Queues a kernel of `d` ns on `t`'s stream.
 #[inline(always)]
-pub fn launch(sim: &Sim, t: Target, d: u64) -> Result<(), CUresult> {
+pub fn launch<H: Host + ?Sized>(sim: &H, t: Target, d: u64) -> Result<(), CUresult> {
     let dev = t.ctx.device;
     let now = now_ns();
     maybe_reap(sim, dev, now);
@@ -248,56 +269,8 @@ pub fn launch(sim: &Sim, t: Target, d: u64) -> Result<(), CUresult> {
     Ok(())
 }
 
-#[inline(always)]
-fn fetch_max(a: &AtomicU64, v: u64) {
-    // Skip the read-modify-write when it would change nothing (common for
-    // the context tail).
-    if a.load(Relaxed) < v {
-        a.fetch_max(v, AcqRel);
-    }
-}
-
-/// A point in one context's work: done once its executed work reaches `x`.
-#[derive(Clone, Copy, Debug)]
-pub struct Work {
-    pub dev: usize,
-    /// The context object (process-local identity).
-    pub ctx: usize,
-    /// Its entry binding when captured; 0: it never had work.
-    bind: u64,
-    x: u64,
-}
-
-impl Work {
-    /// All work submitted so far to `t`'s stream.
-    pub fn of(t: Target) -> Work {
-        Work {
-            dev: t.ctx.device,
-            ctx: t.ctx.id(),
-            bind: t.ctx.ent.load(Acquire),
-            x: t.tail.load(Acquire),
-        }
-    }
-
-    /// All work submitted so far to `c`.
-    pub fn ctx(c: &'static Ctx) -> Work {
-        Work {
-            dev: c.device,
-            ctx: c.id(),
-            bind: c.ent.load(Acquire),
-            x: c.tail.load(Acquire),
-        }
-    }
-
-    /// Orders `t`'s later work after this point, which must be of the same
-    /// context (one FIFO: raising the stream's target is all it takes).
-    pub fn order_before(&self, t: Target) {
-        fetch_max(t.tail, self.x);
-    }
-}
-
 /// None when `w` is done, else when to look again.
-fn poll(sim: &Sim, w: Work, now: u64, project: bool) -> Option<u64> {
+fn poll<H: Host + ?Sized>(sim: &H, w: Work, now: u64, project: bool) -> Option<u64> {
     if w.bind == 0 {
         return None;
     }
@@ -314,12 +287,12 @@ fn poll(sim: &Sim, w: Work, now: u64, project: bool) -> Option<u64> {
     })
 }
 
-pub fn is_done(sim: &Sim, w: Work) -> bool {
+pub fn is_done<H: Host + ?Sized>(sim: &H, w: Work) -> bool {
     poll(sim, w, now_ns(), false).is_none()
 }
 
 /// Blocks until `w` is done, sleeping (never spinning) between looks.
-pub fn wait(sim: &Sim, w: Work) {
+pub fn wait<H: Host + ?Sized>(sim: &H, w: Work) {
     loop {
         let now = now_ns();
         match poll(sim, w, now, true) {
@@ -331,7 +304,7 @@ pub fn wait(sim: &Sim, w: Work) {
 
 /// When `w` was done, if it is: the instant its context's executed work
 /// reached it (`now` if its context was dropped meanwhile).
-pub fn done_at(sim: &Sim, w: Work) -> Option<u64> {
+pub fn done_at<H: Host + ?Sized>(sim: &H, w: Work) -> Option<u64> {
     if w.bind == 0 {
         return Some(0);
     }
@@ -344,7 +317,7 @@ pub fn done_at(sim: &Sim, w: Work) -> Option<u64> {
 }
 
 /// Drops the pending work of `c` (destroyed, or its primary context reset).
-pub fn drop_ctx(sim: &Sim, c: &Ctx) {
+pub fn drop_ctx<H: Host + ?Sized>(sim: &H, c: &Ctx) {
     let b = c.ent.swap(0, AcqRel);
     if b == 0 {
         return;
@@ -362,7 +335,7 @@ pub fn drop_ctx(sim: &Sim, c: &Ctx) {
 }
 
 /// Kernel ns executed so far on `dev` by this process's live contexts.
-pub fn executed_by_me(sim: &Sim, dev: usize) -> u64 {
+pub fn executed_by_me<H: Host + ?Sized>(sim: &H, dev: usize) -> u64 {
     let me = sim.token();
     let now = now_ns();
     maybe_reap(sim, dev, now);
@@ -381,17 +354,17 @@ pub struct Stats {
     pub running: bool,
 }
 
-pub fn stats(sim: &Sim, dev: usize) -> Stats {
+pub fn stats<H: Host + ?Sized>(sim: &H, dev: usize) -> Stats {
     stats_engine(sim, sim.engine(dev), Some(dev))
 }
 
 /// `stats` of a physical device or MIG instance (`Shared::devs` index),
 /// whether or not CUDA shows it to this process (NVML asks).
-pub fn stats_slot(sim: &Sim, slot: usize) -> Stats {
+pub fn stats_slot<H: Host + ?Sized>(sim: &H, slot: usize) -> Stats {
     stats_engine(sim, sim.slot_engine(slot), None)
 }
 
-fn stats_engine(sim: &Sim, eng: &Engine, dev: Option<usize>) -> Stats {
+fn stats_engine<H: Host + ?Sized>(sim: &H, eng: &Engine, dev: Option<usize>) -> Stats {
     let now = now_ns();
     maybe_reap_engine(sim, eng, now);
     let (busy_ns, switches, running) = with_engine(sim, eng, dev, now, |m| {

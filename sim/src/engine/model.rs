@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::*};
 
-use super::lock::{CRASH_BEFORE_COMMIT, crash_point};
+use super::crash::{CRASH_BEFORE_COMMIT, crash_point};
 
 /// Contexts with work per device, over all processes.
 pub const MAX_CTX: usize = 256;
