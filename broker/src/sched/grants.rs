@@ -40,6 +40,21 @@ impl Scheduler {
             })
     }
 
+    /// Who gets an idle GPU. A class whose holder was recalled keeps the
+    /// GPU until that holder answers (or is found hung): a busy one asks
+    /// again and is granted at once, and a lower class gets no sliver
+    /// in between.
+    pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
+        let recalled = self
+            .clients
+            .values()
+            .filter(|c| c.grant.as_ref().is_some_and(|g| g.recall && !g.hung))
+            .map(|c| c.class)
+            .max();
+        self.best_waiter(now, None, bounded)
+            .filter(|w| recalled.is_none_or(|r| w.class >= r))
+    }
+
     /// The bound `id` gets as holder: only while someone who could take the
     /// GPU from it or follow it is registered (a client of its class or
     /// higher); during the first slice of a burst, eight times as much (a
@@ -93,10 +108,11 @@ impl Scheduler {
         self.reweigh();
     }
 
-    fn revoke(&mut self, now: Nanos, h: ClientId) {
+    fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
         let c = self.clients.get_mut(&h).expect("holder is registered");
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);
+        g.recall = recall;
         g.deadline = None;
         c.state = ClientState::Revoking;
         let gid = g.id;
@@ -110,7 +126,7 @@ impl Scheduler {
     fn step(&mut self, now: Nanos) -> bool {
         let bounded = self.high_bounded(now);
         let Some(h) = self.holder else {
-            return match self.best_waiter(now, None, bounded) {
+            return match self.next_grantee(now, bounded) {
                 Some(next) => {
                     self.grant_to(now, next.id);
                     true
@@ -135,7 +151,7 @@ impl Scheduler {
             && (w.class > class
                 || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
         {
-            self.revoke(now, h);
+            self.revoke(now, h, false);
             return true;
         }
         // One that woke up without being behind waits no longer than the
@@ -155,9 +171,19 @@ impl Scheduler {
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
         let unchanged = g.bound == bound && g.waiters == waiters;
+        // Liveness: while anyone of a lower class waits, a holder's grant
+        // is never open-ended; at its end the holder is recalled, since
+        // the broker cannot see whether it still launches (a client that
+        // holds the GPU without using it once kept a `low` waiter out
+        // forever).
+        let mut recall = false;
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
+            Some(d) if d <= now && !contended && waiters => {
+                recall = true;
+                None
+            }
             Some(d) if d <= now => {
                 // A holder still behind the best waiter keeps the GPU for
                 // the real time that brings it level (at least a fifth of a
@@ -183,7 +209,7 @@ impl Scheduler {
                 }
                 Some(Some(d - now))
             }
-            None if contended || remaining.is_some() => {
+            None if contended || waiters || remaining.is_some() => {
                 // A newcomer waits for the holder's first timeslice to run
                 // out, counted from its grant; a holder that already had that
                 // much is revoked now: its solo run is paid for. A holder
@@ -221,7 +247,7 @@ impl Scheduler {
                     waiters,
                 });
             }
-            None => self.revoke(now, h),
+            None => self.revoke(now, h, recall),
         }
         true
     }
@@ -240,7 +266,7 @@ impl Scheduler {
         let c = self.clients.get_mut(&id).expect("picked client exists");
         let slice = match remaining {
             Some(r) => Some(r.min(cfg.timeslice)),
-            None => contended.then_some(cfg.timeslice),
+            None => (contended || waiters).then_some(cfg.timeslice),
         };
         c.state = ClientState::Holding;
         c.grant = Some(Outstanding {
@@ -249,6 +275,7 @@ impl Scheduler {
             deadline: slice.map(|s| now + s),
             revoked_at: None,
             hung: false,
+            recall: false,
             bound: 0,
             waiters: false,
             burst,

@@ -14,6 +14,8 @@ pub type ClientId = u64;
 pub type GrantId = u64;
 /// A unit of fairness (a job or a user); chosen by the caller.
 pub type GroupId = u64;
+/// A user, the top level of fairness; chosen by the caller.
+pub type UserId = u64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SchedConfig {

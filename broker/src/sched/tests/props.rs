@@ -86,7 +86,7 @@ fn check(s: &Scheduler, now: Nanos) {
     assert_eq!(s.holder(), holding.first().copied());
     // Nobody waits on an idle GPU for nothing.
     if s.holder().is_none() {
-        assert!(s.best_waiter(s.now, None, s.high_bounded(s.now)).is_none());
+        assert!(s.next_grantee(s.now, s.high_bounded(s.now)).is_none());
     }
     for c in &st {
         assert!((0.0..=1.0 + 1e-9).contains(&c.achieved), "{c:?}");
