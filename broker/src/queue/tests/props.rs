@@ -99,9 +99,8 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
         }
     }
     if just_polled {
-        // Backfill is complete: up to the first blocked escalated
-        // request, nothing still waiting fits (but where pinned
-        // requests before it wait).
+        // Backfill is complete: nothing still waiting fits, but where
+        // pinned or escalated requests before it wait.
         let mut reserved = Vec::new();
         for i in q.order(now) {
             let w = &q.waiting[i];
@@ -110,10 +109,8 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
                 "request {} fits",
                 w.id
             );
-            reserved.extend(w.req.pin.iter().filter_map(|p| q.gpu_of(&p.uuid)));
-            if q.is_escalated(now, w) {
-                break;
-            }
+            let held = q.held_back(now, w, &reserved);
+            reserved.extend(held);
         }
     }
 }
