@@ -82,7 +82,7 @@ use meter::Meter;
 pub use gpufrac_common::config::Priority;
 pub use types::{
     Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig, UserId,
-    priority_name,
+    Weights, parse_weight, priority_name,
 };
 
 /// Units whose members all left, remembered while their virtual time is
@@ -639,14 +639,27 @@ impl Scheduler {
                 .or_default()
                 .add(c);
         }
-        let mut users: BTreeMap<(usize, UserKey), f64> = BTreeMap::new();
+        // Per user: its units' weights, and its weight (the largest its
+        // active processes were given: one user, one weight, whichever
+        // of its groups a process runs with).
+        let mut users: BTreeMap<(usize, UserKey), (f64, f64)> = BTreeMap::new();
         for (&(k, u, _), unit) in &units {
-            *users.entry((k, u)).or_default() += unit.weight();
+            users.entry((k, u)).or_default().0 += unit.weight();
+        }
+        for c in self
+            .clients
+            .values()
+            .filter(|c| c.is_active() || c.on_gpu())
+        {
+            if let Some((_, w)) = c.user {
+                let e = users.entry((c.class.index(), c.user_key())).or_default();
+                e.1 = e.1.max(w);
+            }
         }
         for c in self.clients.values_mut() {
             let (k, u) = (c.class.index(), c.user_key());
             let unit = units.get(&(k, u, c.group)).copied().unwrap_or_default();
-            let users_sum = users.get(&(k, u)).copied().unwrap_or(0.0);
+            let (users_sum, user_w) = users.get(&(k, u)).copied().unwrap_or((0.0, 0.0));
             let (unit_j, users_sum) = if c.is_active() || c.on_gpu() {
                 (unit, users_sum)
             } else {
@@ -657,7 +670,7 @@ impl Scheduler {
             let unit_w = unit_j.weight();
             let in_unit = c.own / unit_j.own_sum;
             let w = match c.user {
-                Some((_, uw)) => USER_SCALE * uw * unit_w / users_sum * in_unit,
+                Some((_, own_w)) => USER_SCALE * user_w.max(own_w) * unit_w / users_sum * in_unit,
                 None => unit_w * in_unit,
             };
             c.weight = sanitize_weight(w);
