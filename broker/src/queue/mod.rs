@@ -55,6 +55,7 @@ mod types;
 use std::collections::BTreeMap;
 
 use refusals::{plural, refuse, want_text};
+use reserve::{Hold, closed_to};
 
 use crate::mig;
 
@@ -223,17 +224,17 @@ impl Queue {
     /// other GPU it may have.
     pub fn try_now(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<Lease, Refusal> {
         self.check(id, &req)?;
-        let mut reserved = Vec::new();
+        let mut holds = Vec::new();
         let mut escalated = 0u64;
         for i in self.order(now) {
             let w = &self.waiting[i];
-            let held = self.held_back(now, w, &reserved);
-            if self.is_escalated(now, w) && !held.is_empty() {
+            let held = self.held_back(now, w, &closed_to(&holds, w.req.uid));
+            if self.is_escalated(now, w) && !closed_to(&held, req.uid).is_empty() {
                 escalated += 1;
             }
-            reserved.extend(held);
+            holds.extend(held);
         }
-        match self.plan(now, &req, &reserved) {
+        match self.plan(now, &req, &closed_to(&holds, req.uid)) {
             Some(plan) => Ok(self.commit_placed(id, req, plan, None)),
             None if escalated > 0 && self.plan(now, &req, &[]).is_some() => Err(refuse(format!(
                 "the GPUs free now are held for {} that waited longer than the escalation \
@@ -250,7 +251,7 @@ impl Queue {
 
     /// The GPUs a waiting request that does not fit holds back from those
     /// behind it: an escalated one's reservation, a pinned one's GPUs.
-    fn held_back(&self, now: Nanos, w: &Waiter, reserved: &[usize]) -> Vec<usize> {
+    fn held_back(&self, now: Nanos, w: &Waiter, reserved: &[usize]) -> Vec<Hold> {
         if self.is_escalated(now, w) && w.req.pin.is_empty() {
             self.reservation(&w.req, reserved)
         } else {
@@ -258,6 +259,7 @@ impl Queue {
                 .pin
                 .iter()
                 .filter_map(|p| self.gpu_of(&p.uuid))
+                .map(|gpu| Hold { gpu, only: None })
                 .collect()
         }
     }
@@ -305,9 +307,10 @@ impl Queue {
         // GPUs that requests ahead wait for (pinned ones, which come
         // before every unescalated request, and escalated ones): nobody
         // after them may take room there.
-        let mut reserved = Vec::new();
+        let mut holds = Vec::new();
         for i in self.order(now) {
             let w = &self.waiting[i];
+            let reserved = closed_to(&holds, w.req.uid);
             match self.plan(now, &w.req, &reserved) {
                 Some(plan) => {
                     let (id, req, origin) = (w.id, w.req.clone(), (w.since, w.seq));
@@ -316,7 +319,7 @@ impl Queue {
                 }
                 None => {
                     let held = self.held_back(now, w, &reserved);
-                    reserved.extend(held);
+                    holds.extend(held);
                 }
             }
         }

@@ -8,9 +8,10 @@
 //! preferring those free now; for `--gpu-memory B`, the one such GPU
 //! closest to fitting it. Nobody younger is placed on a reserved GPU, so
 //! those drain towards it; every other GPU stays open to the rest of the
-//! queue. A request its own user's leases block reserves nothing: that
-//! user decides when those end, and a 1-byte lease held forever beside an
-//! escalated `--gpus 2` once kept every other request off an idle GPU.
+//! queue. A request its own user's leases block holds GPUs back from that
+//! user's younger requests only: that user decides when those leases end,
+//! and a 1-byte lease held forever beside an escalated `--gpus 2` once
+//! kept every other user's request off an idle GPU.
 
 use std::cmp::Reverse;
 
@@ -50,41 +51,74 @@ impl Queue {
     }
 
     /// The GPUs (positions in `gpus`) an escalated request that does not
-    /// fit holds back; empty when its own user's leases block it, or when
-    /// it could never fit here (MIG instances are the planner's, and a
-    /// request of GPUs never goes there).
-    pub(super) fn reservation(&self, req: &Request, reserved: &[usize]) -> Vec<usize> {
+    /// fit holds back, and from whom: from everyone, or, while its own
+    /// user's leases block it, from that user's younger requests only.
+    /// Empty when it could never fit here (MIG instances are the
+    /// planner's, and a request of GPUs never goes there).
+    pub(super) fn reservation(&self, req: &Request, reserved: &[usize]) -> Vec<Hold> {
         if !req.pin.is_empty() {
             return Vec::new();
         }
-        let usable = || {
-            self.gpus
-                .iter()
-                .enumerate()
-                .filter(|(i, g)| self.could_hold(*i, g, req))
-        };
-        match req.want {
+        let mut c: Vec<(usize, &GpuState, bool)> = self
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (i, g, self.could_hold(i, g, req)))
+            .filter(|&(_, g, _)| match req.want {
+                Want::Gpus(_) => true,
+                Want::Memory(b) => self.cfg.overcommit || g.info.total_mem >= b,
+            })
+            .collect();
+        let (n, blocked) = match req.want {
             Want::Gpus(n) => {
-                let mut c: Vec<(usize, &GpuState)> = usable().collect();
-                if c.len() < n as usize {
-                    return Vec::new();
-                }
-                // Free ones first, then those not held back for an earlier
-                // escalated request, then the fewest leases to wait for.
-                c.sort_by_key(|&(i, g)| {
+                // Those it could have first; among them free ones, then
+                // those not held back for an earlier escalated request,
+                // then the fewest leases to wait for.
+                c.sort_by_key(|&(i, g, could)| {
                     (
+                        !could,
                         !g.leases.is_empty(),
                         reserved.contains(&i),
                         g.leases.len(),
                         i,
                     )
                 });
-                c.into_iter().take(n as usize).map(|(i, _)| i).collect()
+                let could = c.iter().filter(|x| x.2).count();
+                (n as usize, could < n as usize)
             }
-            Want::Memory(_) => usable()
-                .min_by_key(|&(i, g)| (reserved.contains(&i), Reverse(g.uncommitted()), i))
-                .map(|(i, _)| vec![i])
-                .unwrap_or_default(),
+            Want::Memory(_) => {
+                c.sort_by_key(|&(i, g, could)| {
+                    (!could, reserved.contains(&i), Reverse(g.uncommitted()), i)
+                });
+                (1, !c.first().is_some_and(|x| x.2))
+            }
+        };
+        if c.len() < n {
+            return Vec::new();
         }
+        let only = blocked.then_some(req.uid);
+        c.into_iter()
+            .take(n)
+            .map(|(gpu, _, _)| Hold { gpu, only })
+            .collect()
     }
+}
+
+/// A GPU held back for a request ahead in the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Hold {
+    pub gpu: usize,
+    /// Held back only from this user's requests (an escalated request its
+    /// own user's leases block: that user's younger requests still wait
+    /// behind it, nobody else's); None: from everyone's.
+    pub only: Option<u32>,
+}
+
+/// The GPUs `holds` close to a request of `uid`.
+pub(super) fn closed_to(holds: &[Hold], uid: u32) -> Vec<usize> {
+    holds
+        .iter()
+        .filter(|h| h.only.is_none_or(|u| u == uid))
+        .map(|h| h.gpu)
+        .collect()
 }

@@ -101,16 +101,16 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
     if just_polled {
         // Backfill is complete: nothing still waiting fits, but where
         // pinned or escalated requests before it wait.
-        let mut reserved = Vec::new();
+        let mut holds = Vec::new();
         for i in q.order(now) {
             let w = &q.waiting[i];
+            let reserved = closed_to(&holds, w.req.uid);
             assert!(
                 q.plan(now, &w.req, &reserved).is_none(),
                 "request {} fits",
                 w.id
             );
-            let held = q.held_back(now, w, &reserved);
-            reserved.extend(held);
+            holds.extend(q.held_back(now, w, &reserved));
         }
     }
 }

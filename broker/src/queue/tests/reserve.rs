@@ -24,7 +24,11 @@ fn a_users_own_lease_never_freezes_the_queue_for_others() {
     assert!(q.poll(0).is_empty());
     let w = q.waiting(20 * SEC);
     assert!(w[0].escalated);
-    // Another user's job still gets the idle GPU, queued or not.
+    // Its own user's younger request still waits behind it...
+    q.submit(20 * SEC, 6, by(65534, whole(1))).unwrap();
+    assert!(q.poll(20 * SEC).is_empty());
+    q.cancel(20 * SEC, 6);
+    // ...but another user's job gets the idle GPU, queued or not.
     q.submit(20 * SEC, 3, by(0, whole(1))).unwrap();
     assert_eq!(placed(&q.poll(20 * SEC)), vec![(3, vec![1])]);
     q.release(21 * SEC, 3);
@@ -117,15 +121,17 @@ fn need(r: &Request) -> usize {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
     /// No idle GPU while a request it could serve waits. A GPU is *idle*
-    /// when no lease holds any of it. A waiting request *could serve* on
-    /// an idle GPU g when it could be placed now on idle GPUs including
-    /// g, reservations aside: a fraction of B when g holds at least B, a
-    /// request of N whole GPUs when at least N GPUs are idle. After a
-    /// poll, the idle GPUs some waiting request could serve are at most
-    /// what escalated requests not blocked by their own user's leases
-    /// need (N for N GPUs, one for a fraction); none when there are no
-    /// such requests. A request is *blocked by its own user* when, every
-    /// other user's lease gone, it still could not be placed.
+    /// when no lease holds any of it. A waiting request W *could serve*
+    /// on an idle GPU g when it could be placed now on idle GPUs
+    /// including g, reservations aside: a fraction of B when g holds at
+    /// least B, a request of N whole GPUs when at least N GPUs are idle.
+    /// After a poll, the idle GPUs W could serve are at most what the
+    /// other escalated requests that may hold GPUs back from W need (N
+    /// for N GPUs, one for a fraction), and none when there are no such
+    /// requests. An escalated request may hold GPUs back from everyone
+    /// unless it is *blocked by its own user* (every other user's lease
+    /// gone, it still could not be placed); then only from its own
+    /// user's requests.
     #[test]
     fn no_idle_gpu_while_a_request_it_could_serve_waits(
         totals in prop::collection::vec(prop_oneof![Just(16 * GIB), Just(80 * GIB)], 1..5),
@@ -156,10 +162,6 @@ proptest! {
                 Want::Gpus(n) => idle.len() >= n as usize,
                 Want::Memory(b) => q.gpus[g].info.total_mem >= b,
             };
-            let wanted = idle
-                .iter()
-                .filter(|&&g| q.waiting.iter().any(|w| serves(&w.req, g)))
-                .count();
             let blocked_by_own = |r: &Request| {
                 let mut alone = Queue::new(gpus(&totals), QueueConfig::default());
                 for (id, h) in q.held.iter().filter(|(_, h)| h.req.uid == r.uid) {
@@ -168,16 +170,23 @@ proptest! {
                 }
                 alone.plan(now, r, &[]).is_none()
             };
-            let owed: usize = q
-                .waiting
-                .iter()
-                .filter(|w| q.is_escalated(now, w) && !blocked_by_own(&w.req))
-                .map(|w| need(&w.req))
-                .sum();
-            prop_assert!(
-                wanted <= owed,
-                "{wanted} idle GPUs could serve waiting requests, escalated ones need {owed}"
-            );
+            for w in &q.waiting {
+                let wanted = idle.iter().filter(|&&g| serves(&w.req, g)).count();
+                let owed: usize = q
+                    .waiting
+                    .iter()
+                    .filter(|e| e.id != w.id && q.is_escalated(now, e))
+                    .filter(|e| e.req.uid == w.req.uid || !blocked_by_own(&e.req))
+                    .map(|e| need(&e.req))
+                    .sum();
+                prop_assert!(
+                    wanted <= owed,
+                    "{wanted} idle GPUs could serve request {} (user {}), escalated ones \
+                     that may hold GPUs back from it need {owed}",
+                    w.id,
+                    w.req.uid
+                );
+            }
         }
     }
 }
