@@ -3,9 +3,9 @@
 //! A pure state machine: no I/O, no clock. The socket layer submits requests,
 //! reports ends of leases, and calls [`Queue::poll`] after every change
 //! (submit, cancel, release) to learn which waiting requests were placed.
-//! Escalation needs no timer of its own: it only reorders the queue, and
-//! reordering never makes a request fit that did not fit before, so the next
-//! event's `poll` is always soon enough.
+//! Escalation needs no timer of its own: it only reorders the queue and
+//! holds GPUs back (`reserve`), and neither ever makes a request fit that
+//! did not fit before, so the next event's `poll` is always soon enough.
 //!
 //! Placement rules, per physical GPU with `F = overprovision` slots:
 //! - A whole-GPU (`--gpus N`) lease takes one slot on each of N distinct GPUs,
