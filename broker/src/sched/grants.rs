@@ -98,6 +98,10 @@ impl Scheduler {
             }
         }
         self.sync_meters(now);
+        // Once per event, after everything that can change who is active
+        // (steps only move clients between active states): the weights
+        // then hold until the next event, whose `settle` charges by them.
+        self.reweigh();
         for _ in 0..self.clients.len() * 2 + 4 {
             if !self.step(now) {
                 break;
@@ -105,7 +109,6 @@ impl Scheduler {
         }
         self.woke = None;
         self.sync_meters(now);
-        self.reweigh();
     }
 
     fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {

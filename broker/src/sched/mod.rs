@@ -678,9 +678,9 @@ impl Scheduler {
     }
 
     /// Charges everyone on the GPU up to `now` (the time-slicer splits the
-    /// GPU evenly among those with work) and advances the virtual clocks.
+    /// GPU evenly among those with work, each by the weight the last event
+    /// left it) and advances the virtual clocks.
     fn settle(&mut self, now: Nanos) {
-        self.reweigh();
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
         let n = self.clients.values().filter(|c| c.on_gpu()).count();
