@@ -310,8 +310,14 @@ impl Broker {
                 c.limit,
                 job_prio.unwrap_or(c.priority),
             );
-            sched.set_group(now, id, group, unit_weight, unit_limit);
-            sched.set_user(now, id, UserId::from(user), user_weight);
+            sched.set_unit(
+                now,
+                id,
+                group,
+                unit_weight,
+                unit_limit,
+                Some((UserId::from(user), user_weight)),
+            );
         }
     }
 
@@ -323,7 +329,7 @@ impl Broker {
             .member_of
             .and_then(|t| self.jobs.get(&t))
             .map_or(c.peer.uid, |j| j.uid);
-        let weight = if user == c.peer.uid {
+        let weight = if user == c.peer.uid && !self.cfg.weights.groups.is_empty() {
             let gids: Vec<u32> = std::iter::once(c.peer.gid)
                 .chain(c.peer.groups.iter().copied())
                 .collect();

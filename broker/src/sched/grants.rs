@@ -45,14 +45,14 @@ impl Scheduler {
     /// again and is granted at once, and a lower class gets no sliver
     /// in between.
     pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
+        let w = self.best_waiter(now, None, bounded)?;
         let recalled = self
             .clients
             .values()
             .filter(|c| c.grant.as_ref().is_some_and(|g| g.recall && !g.hung))
             .map(|c| c.class)
             .max();
-        self.best_waiter(now, None, bounded)
-            .filter(|w| recalled.is_none_or(|r| w.class >= r))
+        recalled.is_none_or(|r| w.class >= r).then_some(w)
     }
 
     /// The bound `id` gets as holder: only while someone who could take the

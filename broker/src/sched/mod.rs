@@ -378,12 +378,28 @@ impl Scheduler {
         unit_weight: Option<f64>,
         unit_limit: Option<f64>,
     ) {
+        let user = self.clients.get(&id).and_then(|c| c.user);
+        self.set_unit(now, id, group, unit_weight, unit_limit, user);
+    }
+
+    /// `set_group` and `set_user` in one event: the unit, and the user it
+    /// belongs to (None: the unit stands for itself).
+    pub fn set_unit(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        group: GroupId,
+        unit_weight: Option<f64>,
+        unit_limit: Option<f64>,
+        user: Option<(UserId, f64)>,
+    ) {
         if !self.clients.contains_key(&id) {
             return;
         }
         let now = self.clock(now);
         self.settle(now);
         let c = self.clients.get_mut(&id).expect("checked above");
+        c.user = user.map(|(u, w)| (u, sanitize_weight(w)));
         c.group = group;
         c.unit_weight = unit_weight.map(sanitize_weight);
         if let Some(d) = self.departed.remove(&(group, c.class.index())) {
