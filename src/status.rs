@@ -601,7 +601,7 @@ mod tests {
                             share_target: 0.3,
                             share_achieved: 0.28,
                             gpu_time_s: 12.5,
-                            processes: vec![42],
+                            processes: 1,
                         }],
                     },
                     UserShare {
@@ -613,7 +613,7 @@ mod tests {
                             pod: Some("ml/infer-0".into()),
                             weight: 50.0,
                             share_target: 0.7,
-                            processes: vec![7],
+                            processes: 1,
                             ..JobShare::default()
                         }],
                         ..UserShare::default()

@@ -150,6 +150,46 @@ fn four_jobs_of_one_user_get_one_users_share() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Status shows the levels: two users, one with four jobs.
+    let mut s = serde_json::Value::Null;
+    wait_until(20.0, "five processes registered", || {
+        s = status_cli(&b.socket);
+        s["gpus"][0]["processes"].as_array().unwrap().len() == 5
+    });
+    let users = s["gpus"][0]["users"].as_array().unwrap();
+    let jobs = |uid: u32| {
+        users
+            .iter()
+            .find(|u| u["uid"] == uid)
+            .unwrap_or_else(|| panic!("no user {uid} in {users:?}"))["jobs"]
+            .as_array()
+            .unwrap()
+            .clone()
+    };
+    let theirs = jobs(NOBODY);
+    assert_eq!(theirs.len(), 4, "{users:?}");
+    assert!(
+        theirs
+            .iter()
+            .all(|j| j["weight"] == 100.0 && j["job"].is_u64())
+    );
+    assert!(jobs(0)[0]["job"].is_null(), "{users:?}");
+    let table = Command::new(&artifacts().gpufrac)
+        .args(["status", "--socket"])
+        .arg(&b.socket)
+        .output()
+        .unwrap();
+    let text = stdout(&table);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  USER ") && l.contains(" WEIGHT ")),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines().filter(|l| l.contains(" 100 ")).count(),
+        4,
+        "one row per job: {text}"
+    );
     let a: Vec<u64> = attackers
         .into_iter()
         .map(|c| {

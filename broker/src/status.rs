@@ -202,8 +202,9 @@ pub struct JobShare {
     pub share_target: f64,
     pub share_achieved: f64,
     pub gpu_time_s: f64,
-    /// pids of its processes on this GPU.
-    pub processes: Vec<u32>,
+    /// How many of its processes are on this GPU (each process's entry
+    /// names its job and user).
+    pub processes: u32,
 }
 
 fn time_slicing() -> String {

@@ -284,7 +284,7 @@ impl Broker {
             j.share_target += p.share_target;
             j.share_achieved += p.share_achieved;
             j.gpu_time_s += p.gpu_time_s;
-            j.processes.push(p.pid);
+            j.processes += 1;
         }
         let mut users: Vec<UserShare> = users.into_values().collect();
         for u in &mut users {

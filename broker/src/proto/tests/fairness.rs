@@ -67,7 +67,7 @@ fn a_users_jobs_share_one_users_part_and_status_shows_each_level() {
     assert!(
         bob.jobs
             .iter()
-            .all(|j| j.job.is_some() && j.weight == 100.0)
+            .all(|j| j.job.is_some() && j.weight == 100.0 && j.processes == 1)
     );
     assert_eq!(g.users[0].jobs[0].job, None, "alice's process is in no job");
 }
