@@ -184,3 +184,41 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    /// However a user splits its work (k jobs of the largest weight, or k
+    /// processes of one job or of none), it gets no more than one user's
+    /// part beside another user's single process.
+    #[test]
+    fn splitting_never_buys_more_than_one_users_part(
+        k in 1..10u64,
+        mode in 0..3u8,
+        victim_share in prop_oneof![Just(1.0), Just(50.0), Just(100.0)],
+    ) {
+        let mut sim = Sim::new(SchedConfig::default());
+        for id in 1..=k {
+            sim.add(id, 100.0, None);
+            let (unit, imposed) = match mode {
+                0 => (100 + id, Some(100.0)),
+                1 => (100, Some(100.0)),
+                _ => (100, None),
+            };
+            sim.s.set_unit(0, id, unit, imposed, None, Some((1, 1.0)));
+            sim.residual.insert(id, B);
+        }
+        sim.add(0, victim_share, None);
+        sim.s.set_unit(0, 0, 900, None, None, Some((2, 1.0)));
+        sim.residual.insert(0, B);
+        for id in 0..=k {
+            sim.start(id);
+        }
+        let end = 10 * SEC;
+        sim.run_until(end);
+        let attacker: Nanos = (1..=k).map(|id| sim.gpu(id)).sum();
+        let share = attacker as f64 / end as f64;
+        prop_assert!(share < 0.52, "{k} x mode {mode}: {share:.3}");
+        let victim = sim.gpu(0) as f64 / end as f64;
+        prop_assert!(victim > 0.48, "victim {victim:.3}");
+    }
+}
