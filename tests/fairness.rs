@@ -276,3 +276,56 @@ fn a_hung_high_holder_does_not_starve_a_high_victim() {
     eprintln!("figure: a high victim beside a hung high holder: {ratio:.2} of its kernels alone");
     assert!(ratio > 0.7, "{beside} kernels beside, {alone} alone");
 }
+
+/// `--user-weight` and `--group-weight` reach the scheduler (status shows
+/// a user's weight), and a malformed one stops the broker before it
+/// starts, saying what would be right.
+#[test]
+fn user_weights_are_options_of_the_broker() {
+    if !can_be_nobody() {
+        return;
+    }
+    let bad = sim_command(&artifacts().gpufrac, "16G", false)
+        .args(["broker", "--socket", "/nonexistent/gpufrac.sock"])
+        .args(["--user-weight", "nobody"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("--user-weight \"nobody\"") && stderr(&bad).contains("NAME=WEIGHT"),
+        "{}",
+        stderr(&bad)
+    );
+    let b = open_broker(
+        "16G",
+        &["--user-weight", "nobody=3", "--group-weight", "root=2"],
+    );
+    let start = mono_ns() + 60_000 * MS;
+    let spinner = |uid: Option<u32>| {
+        let mut c = b.client(&artifacts().probe);
+        c.args(spin_args(start, start + MS))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(u) = uid {
+            as_user(&mut c, u);
+        }
+        KillOnDrop(c.spawn().unwrap())
+    };
+    let _procs = [spinner(Some(NOBODY)), spinner(None)];
+    let mut s = serde_json::Value::Null;
+    wait_until(20.0, "both processes registered", || {
+        s = status_cli(&b.socket);
+        s["gpus"][0]["users"].as_array().unwrap().len() == 2
+    });
+    let weight = |uid: u32| {
+        s["gpus"][0]["users"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|u| u["uid"] == uid)
+            .unwrap()["weight"]
+            .as_f64()
+    };
+    assert_eq!(weight(NOBODY), Some(3.0));
+    assert_eq!(weight(0), Some(2.0), "root's group's weight");
+}
