@@ -41,18 +41,31 @@ impl Scheduler {
     }
 
     /// Who gets an idle GPU. A class whose holder was recalled keeps the
-    /// GPU until that holder answers (or is found hung): a busy one asks
-    /// again and is granted at once, and a lower class gets no sliver
-    /// in between.
+    /// GPU for a moment (`recall_hold`) or until that holder answers: a
+    /// busy one asks again and is granted at once, and a lower class gets
+    /// no sliver in between. One that does not answer by then leaves the
+    /// GPU to the lower class (it is found hung later, at the grace).
     pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
         let w = self.best_waiter(now, None, bounded)?;
+        let hold = self.recall_hold();
         let recalled = self
             .clients
             .values()
-            .filter(|c| c.grant.as_ref().is_some_and(|g| g.recall && !g.hung))
+            .filter(|c| {
+                c.grant.as_ref().is_some_and(|g| {
+                    g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
+                })
+            })
             .map(|c| c.class)
             .max();
         recalled.is_none_or(|r| w.class >= r).then_some(w)
+    }
+
+    /// How long a recalled holder's class keeps the GPU waiting for its
+    /// answer: two wake periods (a busy shim answers within a round trip
+    /// and its bounded queued work), never more than the grace.
+    pub(super) fn recall_hold(&self) -> Nanos {
+        self.cfg.wake.saturating_mul(2).min(self.cfg.grace).max(1)
     }
 
     /// The bound `id` gets as holder: only while someone who could take the

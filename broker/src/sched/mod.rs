@@ -42,10 +42,11 @@
 //! - **Liveness**: the broker cannot see whether a holder still launches,
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
 //!   out is recalled even when only lower classes wait (a busy one asks
-//!   again and is granted back at once; meanwhile the GPU stays with its
-//!   class), and one that does not answer within `grace` is hung and passed
-//!   over. The `high` class's share is charged only while one of its
-//!   clients holds the GPU, never for a revoked or hung one.
+//!   again and is granted back at once; for two wake periods meanwhile the
+//!   GPU stays with its class), and one that does not answer is passed
+//!   over (and shown hung after `grace`). The `high` class's share is
+//!   charged only while one of its clients holds the GPU, never for a
+//!   revoked or hung one.
 //! - Between busy clients of one class, slices of `timeslice` (extended
 //!   while the holder is still behind), so switches stay rare.
 //! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
@@ -116,7 +117,8 @@ struct Outstanding {
     waiters: bool,
     /// Revoked only because its slice ran out while lower classes waited
     /// (liveness): the GPU stays with its class until it releases (a busy
-    /// holder asks again and is granted at once) or is found hung.
+    /// holder asks again and is granted at once), for `recall_hold` at
+    /// most.
     recall: bool,
     /// Granted to a client that had been idle: its first slice is a burst
     /// (a request, a notebook cell) that must be queued whole, or the GPU's
@@ -591,12 +593,16 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .map(|c| c.class);
+        let hold = self.recall_hold();
         for c in self.clients.values() {
             if let Some(g) = &c.grant
                 && let Some(r) = g.revoked_at
                 && !g.hung
             {
                 consider(r.saturating_add(self.cfg.grace));
+                if g.recall {
+                    consider(r.saturating_add(hold));
+                }
             }
             if c.draining_since.is_some() {
                 consider(c.drain_until);

@@ -19,14 +19,16 @@ fn an_idle_normal_holder_does_not_keep_low_off_the_gpu() {
     sim.residual.insert(2, B);
     sim.start(2);
     let cfg = *sim.s.config();
-    // Recalled at the end of a slice, then hung after the grace.
-    sim.run_until(cfg.timeslice + cfg.grace);
+    // Recalled at the end of a slice; passed over once it has not
+    // answered for two wake periods, and shown hung after the grace.
+    sim.run_until(cfg.timeslice + 2 * cfg.wake);
     assert_eq!(sim.s.holder(), Some(2));
+    sim.run_until(cfg.timeslice + cfg.grace);
     assert!(status_of(&sim.s, sim.now, 1).hung);
     sim.run_until(10 * SEC);
     let held = status_of(&sim.s, sim.now, 2).total_held;
     assert!(
-        held >= 10 * SEC - cfg.timeslice - cfg.grace,
+        held >= 10 * SEC - cfg.timeslice - 2 * cfg.wake,
         "low held {held} ns of 10 s"
     );
 }
@@ -114,9 +116,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     /// Whatever class each attacker asks for and whenever it does, a
     /// client holding a grant without ever using or releasing it costs a
-    /// busy victim of any class at most one slice and one grace (and a
-    /// `high` victim the rest of one window that a lower class is owed):
-    /// after that it is passed over for good.
+    /// busy victim of any class at most one slice and two wake periods
+    /// (and a `high` victim the rest of one window that a lower class is
+    /// owed): after that it is passed over for good.
     #[test]
     fn holders_that_never_let_go_cost_a_victim_a_bounded_time(
         victim in proptest::sample::select(Priority::ALL.to_vec()),
@@ -151,7 +153,7 @@ proptest! {
                 } else {
                     0
                 };
-                cfg.timeslice + cfg.grace + cfg.wake + throttled
+                cfg.timeslice + 2 * cfg.wake + throttled
             })
             .sum::<Nanos>()
             + MS;
