@@ -148,6 +148,15 @@ struct BrokerArgs {
     /// for it get `normal`. Repeatable. Default: everyone.
     #[arg(long, value_name = "USER|@GROUP")]
     high_allow: Vec<String>,
+    /// A user's (name or uid) weight among users with work on a GPU
+    /// (default 1): `alice=2` gets twice what a user of weight 1 gets.
+    /// Repeatable.
+    #[arg(long, value_name = "USER=W")]
+    user_weight: Vec<String>,
+    /// The weight of a group's (name or gid) members, for users with no
+    /// --user-weight of their own (the largest of their groups'). Repeatable.
+    #[arg(long, value_name = "GROUP=W")]
+    group_weight: Vec<String>,
     /// When the state file cannot be trusted at start (corrupt, truncated,
     /// another user's), new placements wait this long while running jobs
     /// claim their leases back, so that no GPU is booked twice.
@@ -222,6 +231,8 @@ fn broker(args: BrokerArgs) -> u8 {
         plugin_groups: args.plugin_group,
         high_share: args.high_share,
         high_allow: args.high_allow,
+        user_weights: args.user_weight,
+        group_weights: args.group_weight,
         recovery_grace: args.recovery_grace,
         state_dir: args.state_dir,
         mps: args.mps,

@@ -58,6 +58,22 @@ The processes on it (those under the shim):
                    (draining) after any state: work it queued before
                               handing over still runs on the GPU
 
+Where more than one user or job has processes on a GPU, a second table
+shows how its time is divided before it reaches processes: users with work
+share the GPU by their weights, each user's part goes to its jobs (and its
+processes outside any job) by their --gpu-compute, and a job's part to its
+processes by their GPU_COMPUTE_SHARE:
+  USER             the uid every process counted here runs for (a job's
+                   processes are its user's); its first row, job `all`,
+                   is the user's part as a whole
+  WEIGHT           the user's weight among users (gpufrac broker
+                   --user-weight, --group-weight; 1 by default), or the
+                   job's among the user's jobs (its --gpu-compute, else the
+                   largest GPU_COMPUTE_SHARE among its processes)
+  GPU TIME         GPU time charged to its processes so far
+and JOB (- or `no job`: the user's processes outside any job), SHARE and
+ACHIEVED as above, summed over its processes.
+
 queue: requests of gpufrac run waiting for GPUs, in the order they go
   POS              the place in the queue (1 goes next)
   JOB              the pid of the gpufrac run that asks (or the pod)
@@ -99,7 +115,9 @@ destroyed and steps that failed) and a table of its MIG instances:
 and each instance in use has a line (name, MIG device, committed,
 allocated) and a process table of its own, as for a GPU.
 
---json prints the broker's document, with what the tables leave out:
+--json prints the broker's document, with what the tables leave out (and
+each GPU's `users`, with their `jobs`, even where the table would not show
+them):
 each process's user (uid), peak memory (mem_peak), what the driver reports
 for it (driver_mem), refused allocations (ooms) and GPU time charged
 (gpu_time_s); each lease's compute, limit and whether its gpufrac run is
@@ -265,6 +283,62 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
         ]);
     }
     table(out, &rows);
+    render_levels(out, g);
+}
+
+/// Users, then their jobs: how the GPU's time is divided before it
+/// reaches processes. Shown once more than one unit shares the GPU.
+fn render_levels(out: &mut String, g: &GpuStatus) {
+    let units: usize = g.users.iter().map(|u| u.jobs.len()).sum();
+    if units < 2 || g.processes.iter().any(|p| p.sm_percent.is_some()) {
+        return;
+    }
+    let mut rows = vec![[
+        "USER".to_owned(),
+        "JOB".to_owned(),
+        "WEIGHT".to_owned(),
+        "SHARE".to_owned(),
+        "ACHIEVED".to_owned(),
+        "GPU TIME".to_owned(),
+    ]];
+    for u in &g.users {
+        rows.push([
+            u.uid.to_string(),
+            "all".to_owned(),
+            weight(u.weight),
+            percent(u.share_target),
+            percent(u.share_achieved),
+            gpu_seconds(u.gpu_time_s),
+        ]);
+        for j in &u.jobs {
+            rows.push([
+                String::new(),
+                job_name(j.job, &j.pod).unwrap_or_else(|| "no job".to_owned()),
+                weight(j.weight),
+                percent(j.share_target),
+                percent(j.share_achieved),
+                gpu_seconds(j.gpu_time_s),
+            ]);
+        }
+    }
+    table(out, &rows);
+}
+
+/// GPU time: tenths of a second count while it is short.
+fn gpu_seconds(s: f64) -> String {
+    if s.is_finite() && (0.0..60.0).contains(&s) {
+        format!("{s:.1}s")
+    } else {
+        seconds(s)
+    }
+}
+
+fn weight(w: f64) -> String {
+    if w.fract() == 0.0 {
+        format!("{w:.0}")
+    } else {
+        format!("{w:.2}")
+    }
 }
 
 /// A GPU in MIG mode: its line, then its instances.
@@ -458,7 +532,7 @@ fn truncate(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpufrac_broker::status::ProcStatus;
+    use gpufrac_broker::status::{JobShare, ProcStatus, UserShare};
 
     fn sample() -> Status {
         Status {
@@ -511,6 +585,38 @@ mod tests {
                         job: Some(5),
                         pod: Some("ml/infer-0".into()),
                         ..ProcStatus::default()
+                    },
+                ],
+                users: vec![
+                    UserShare {
+                        uid: 1000,
+                        weight: 1.0,
+                        share_target: 0.3,
+                        share_achieved: 0.28,
+                        gpu_time_s: 12.5,
+                        jobs: vec![JobShare {
+                            job: Some(41),
+                            pod: None,
+                            weight: 30.0,
+                            share_target: 0.3,
+                            share_achieved: 0.28,
+                            gpu_time_s: 12.5,
+                            processes: 1,
+                        }],
+                    },
+                    UserShare {
+                        uid: 0,
+                        weight: 2.0,
+                        share_target: 0.7,
+                        jobs: vec![JobShare {
+                            job: Some(5),
+                            pod: Some("ml/infer-0".into()),
+                            weight: 50.0,
+                            share_target: 0.7,
+                            processes: 1,
+                            ..JobShare::default()
+                        }],
+                        ..UserShare::default()
                     },
                 ],
                 mig: None,
@@ -607,6 +713,17 @@ mod tests {
         };
         assert_eq!(col(lines[1]), col(lines[2]));
         assert_eq!(col(lines[1]), col(lines[3]));
+        // Then users and their jobs: each user's part, then its jobs'.
+        assert!(lines[4].starts_with("  USER  JOB "), "{t}");
+        assert!(
+            lines[4].contains(" WEIGHT ") && lines[4].ends_with("GPU TIME"),
+            "{t}"
+        );
+        let row = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(row(lines[5]), "1000 all 1 30% 28% 12.5s");
+        assert_eq!(row(lines[6]), "41 30 30% 28% 12.5s");
+        assert_eq!(row(lines[7]), "0 all 2 70% 0% 0.0s");
+        assert_eq!(row(lines[8]), "pod ml/infer-0 50 70% 0% 0.0s");
     }
 
     fn mig_sample() -> Status {

@@ -554,3 +554,44 @@ fn pinned_leases_take_their_gpu_under_the_chosen_token() {
         Some(ServerMsg::Leased { token: 0xfeed, .. })
     ));
 }
+
+/// Once, an escalated `--gpus 2` request beside its own user's 1-byte
+/// lease on GPU 0 stopped placement for everyone: another user's request
+/// timed out with GPU 1 idle, and `--no-wait` was refused. Its own user's
+/// lease blocks it, so it holds nothing back from other users.
+#[test]
+fn a_users_own_lease_never_freezes_the_queue_for_others() {
+    if !can_be_nobody() {
+        return;
+    }
+    let b = Broker::start("16G,16G", &["--escalate-after", "1s", "--group", "nogroup"]);
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(b.socket.parent().unwrap(), PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&b.state, PermissionsExt::from_mode(0o666)).unwrap();
+    let (_s, d) = scratch("freeze");
+    std::fs::set_permissions(&d, PermissionsExt::from_mode(0o777)).unwrap();
+    let as_nobody = |name: &str, args: &[&str]| {
+        let script = job_script(&d, name);
+        let mut cmd = b.run(args);
+        cmd.args(["--", "sh", "-c", &script])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        as_user(&mut cmd, NOBODY).spawn().unwrap()
+    };
+    let byte = as_nobody("byte", &["--gpu-memory", "1"]);
+    assert_eq!(wait_started(&d, "byte").0, "0");
+    let big = KillOnDrop(as_nobody("big", &["--gpus", "2"]));
+    wait_until(10.0, "the 2-GPU request to escalate", || {
+        b.status()["queue"][0]["escalated"] == true
+    });
+    // Another user: at once with --no-wait, and from the queue.
+    let now = job(&b, &d, "now", &["--gpus", "1", "--no-wait"]);
+    assert_eq!(wait_started(&d, "now").0, "1", "GPU 1 was idle");
+    release(&d, "now", now);
+    let queued_job = job(&b, &d, "queued", &["--gpus", "1"]);
+    assert_eq!(wait_started(&d, "queued").0, "1");
+    release(&d, "queued", queued_job);
+    assert!(started(&d, "big").is_none());
+    drop(big);
+    release(&d, "byte", byte);
+}

@@ -78,6 +78,7 @@ impl Job {
             limit: self.limit,
             label: self.label.clone(),
             job: self.pid,
+            uid: self.uid,
             pin: self.pin.clone(),
             pod: self.pod.clone(),
         })

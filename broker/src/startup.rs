@@ -16,7 +16,7 @@ use crate::mig_nvml::{MigDriver, NvmlMig};
 use crate::procs::LiveProcs;
 use crate::proto::{self, Broker, Budgets};
 use crate::queue::{Placement, QueueConfig};
-use crate::sched::SchedConfig;
+use crate::sched::{SchedConfig, Weights, parse_weight};
 use crate::statefile::StateFile;
 use gpufrac_common::wire::uuid_string;
 
@@ -65,6 +65,9 @@ pub struct BrokerOptions {
     /// The most of each window the `high` class holds while lower classes
     /// wait, a fraction in (0, 1].
     pub high_share: f64,
+    /// `--user-weight USER=W` and `--group-weight GROUP=W`, as given.
+    pub user_weights: Vec<String>,
+    pub group_weights: Vec<String>,
     /// After an untrusted state file, how long running jobs have to claim
     /// their leases back before new placements resume, ns.
     pub recovery_grace: u64,
@@ -107,6 +110,8 @@ impl Default for BrokerOptions {
             plugin_groups: Vec::new(),
             high_allow: Vec::new(),
             high_share: SchedConfig::default().high_share,
+            user_weights: Vec::new(),
+            group_weights: Vec::new(),
             recovery_grace: proto::Config::default().recovery_grace,
         }
     }
@@ -334,6 +339,15 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         None => None,
     };
     let policy = policy(&opts)?;
+    let mut weights = Weights::default();
+    for a in &opts.user_weights {
+        let (u, w) = parse_weight("--user-weight", a, uid_of)?;
+        weights.users.insert(u, w);
+    }
+    for a in &opts.group_weights {
+        let (g, w) = parse_weight("--group-weight", a, gid_of)?;
+        weights.groups.insert(g, w);
+    }
     if let Some(addr) = &opts.metrics
         && addr.parse::<std::net::SocketAddr>().is_err()
         && std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()).is_err()
@@ -416,6 +430,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
             },
         },
         policy,
+        weights,
         budgets: Budgets {
             connections: opts.max_conns_per_user,
             queued: opts.max_queued_per_user,

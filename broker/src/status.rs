@@ -66,6 +66,11 @@ pub struct GpuStatus {
     /// pid of the process holding the compute timeslice.
     pub holder: Option<u32>,
     pub processes: Vec<ProcStatus>,
+    /// The levels of fairness on this GPU: each user with processes here,
+    /// and under it its jobs (and its processes outside any job), with
+    /// the share each gets and used. Every page carries all of them.
+    #[serde(default)]
+    pub users: Vec<UserShare>,
     /// A GPU in MIG mode: its instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigStatus>,
@@ -158,6 +163,48 @@ pub struct ProcStatus {
     /// process under the Kubernetes device plugin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+}
+
+/// A user's part of a GPU: users with work share it by their weights
+/// first, then each user's part goes to its jobs.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct UserShare {
+    /// The user every process here is counted for: a job's processes are
+    /// its user's, whoever runs them.
+    pub uid: u32,
+    /// Its weight among users (`--user-weight`, `--group-weight`; 1 by
+    /// default).
+    pub weight: f64,
+    /// What its processes here together get while they are busy and the
+    /// GPU contended, 0..1 (the sum of their `share_target`).
+    pub share_target: f64,
+    /// What they together held over the last window, 0..1.
+    pub share_achieved: f64,
+    /// GPU time charged to them so far, seconds.
+    pub gpu_time_s: f64,
+    /// Its jobs here, and its processes outside any job (`job` None).
+    pub jobs: Vec<JobShare>,
+}
+
+/// A job's part of its user's part, or that of the user's processes
+/// outside any job; its processes share it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct JobShare {
+    /// pid of the job's `gpufrac run`; None: the user's processes outside
+    /// any job.
+    pub job: Option<u32>,
+    /// A pod's job: `namespace/name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// Its weight among the user's jobs: its `--gpu-compute`, else the
+    /// largest `GPU_COMPUTE_SHARE` among its processes (50 unset).
+    pub weight: f64,
+    pub share_target: f64,
+    pub share_achieved: f64,
+    pub gpu_time_s: f64,
+    /// How many of its processes are on this GPU (each process's entry
+    /// names its job and user).
+    pub processes: u32,
 }
 
 fn time_slicing() -> String {

@@ -7,7 +7,7 @@ use tracing::{debug, info};
 use super::conn::{ClientDev, Conn};
 use super::{Broker, ConnId, MAX_UNKNOWN_GPUS, Nanos};
 use crate::procs::ancestry;
-use crate::sched::GroupId;
+use crate::sched::{GroupId, UserId};
 use gpufrac_common::wire::uuid_string;
 
 /// Fairness units: a job's is its token, a user's its uid (tagged).
@@ -304,7 +304,8 @@ impl Broker {
     /// settings: a job's `--gpu-compute` is the unit's weight, its
     /// `--gpu-limit` a ceiling for all its processes together on each
     /// GPU, its `--priority` every process's class. Outside a job, a
-    /// user's processes form the unit.
+    /// user's processes form the unit. Above units, users share the GPU
+    /// by their weights.
     pub(super) fn enforce(&mut self, now: Nanos, id: ConnId) {
         let Some(c) = self.conns.get(&id) else {
             return;
@@ -317,6 +318,7 @@ impl Broker {
         };
         let (unit_weight, unit_limit, job_prio) =
             j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
+        let (user, user_weight) = self.user_of(c);
         for d in &c.devices {
             let sched = &mut self.gpus[d.gpu].sched;
             sched.add_client(
@@ -326,8 +328,34 @@ impl Broker {
                 c.limit,
                 job_prio.unwrap_or(c.priority),
             );
-            sched.set_group(now, id, group, unit_weight, unit_limit);
+            sched.set_unit(
+                now,
+                id,
+                group,
+                unit_weight,
+                unit_limit,
+                Some((UserId::from(user), user_weight)),
+            );
         }
+    }
+
+    /// The user a process's GPU time counts for, and that user's weight.
+    /// A job's processes are its user's, whoever runs them (a pod's, a
+    /// root helper joined by token): one user, one part of the GPU.
+    pub(super) fn user_of(&self, c: &Conn) -> (u32, f64) {
+        let user = c
+            .member_of
+            .and_then(|t| self.jobs.get(&t))
+            .map_or(c.peer.uid, |j| j.uid);
+        let weight = if user == c.peer.uid && !self.cfg.weights.groups.is_empty() {
+            let gids: Vec<u32> = std::iter::once(c.peer.gid)
+                .chain(c.peer.groups.iter().copied())
+                .collect();
+            self.cfg.weights.of(user, &gids)
+        } else {
+            self.cfg.weights.of(user, &[])
+        };
+        (user, weight)
     }
 
     /// A closed connection: its process leaves every scheduler, and a

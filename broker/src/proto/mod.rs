@@ -30,7 +30,7 @@ use crate::jobs::Job;
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
 use crate::queue::{self, Queue, QueueConfig};
-use crate::sched::{Action, SchedConfig, Scheduler};
+use crate::sched::{Action, SchedConfig, Scheduler, Weights};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
@@ -137,6 +137,8 @@ pub struct Config {
     pub sched: SchedConfig,
     pub queue: QueueConfig,
     pub policy: Policy,
+    /// Users' weights (`--user-weight`, `--group-weight`).
+    pub weights: Weights,
     pub budgets: Budgets,
     /// For status.
     pub socket: String,
@@ -153,6 +155,7 @@ impl Default for Config {
             sched: SchedConfig::default(),
             queue: QueueConfig::default(),
             policy: Policy::default(),
+            weights: Weights::default(),
             budgets: Budgets::default(),
             socket: String::new(),
             mps_pipe: None,

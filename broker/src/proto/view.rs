@@ -1,18 +1,30 @@
 //! Status: what `gpufrac status` shows and metrics are made from, paged so
 //! that a page fits a frame whatever the node holds.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use gpufrac_common::wire;
 
+use super::clients::DEFAULT_WEIGHT;
 use super::leases::describe;
 use super::{Broker, Nanos};
 use crate::jobs::Phase;
 use crate::mig::{self, Use};
 use crate::sched::{ClientState, Priority};
 use crate::status::{
-    GpuStatus, LeaseEntry, MigInstance, MigStatus, ProcStatus, QueueEntry, Status,
+    GpuStatus, JobShare, LeaseEntry, MigInstance, MigStatus, ProcStatus, QueueEntry, Status,
+    UserShare,
 };
+
+/// Where a process stands in the levels of fairness.
+struct Unit {
+    uid: u32,
+    weight: f64,
+    /// Its job's token.
+    job: Option<u64>,
+    /// Its own weight (`GPU_COMPUTE_SHARE`).
+    own: f64,
+}
 
 /// Processes listed per status page; a page's JSON stays far below the
 /// frame limit (a process entry is a few hundred bytes).
@@ -47,12 +59,23 @@ impl Broker {
             let st = g.sched.status(now);
             let driver_mem = self.telemetry.process_memory(&g.uuid_str);
             let mut processes = Vec::new();
+            let mut units: HashMap<u32, Unit> = HashMap::new();
             for (&id, c) in &self.conns {
                 let Some(d) = c.devices.iter().find(|d| d.gpu == gi) else {
                     continue;
                 };
                 let s = st.iter().find(|s| s.client == id);
                 let job = c.member_of.and_then(|t| self.jobs.get(&t));
+                let (uid, weight) = self.user_of(c);
+                units.insert(
+                    c.peer.pid,
+                    Unit {
+                        uid,
+                        weight,
+                        job: c.member_of,
+                        own: c.share.unwrap_or(DEFAULT_WEIGHT),
+                    },
+                );
                 processes.push(ProcStatus {
                     pid: c.peer.pid,
                     command: c.command.clone(),
@@ -92,6 +115,7 @@ impl Broker {
                 });
             }
             processes.sort_by_key(|p| p.pid);
+            let users = self.levels(&processes, &units);
             let ls = g
                 .index
                 .filter(|_| g.mig.is_none())
@@ -140,6 +164,7 @@ impl Broker {
                     .and_then(|h| self.conns.get(&h))
                     .map(|c| c.peer.pid),
                 processes,
+                users,
                 mig: None,
                 mig_instance: g.mig.map(|(_, gi)| gi),
             });
@@ -219,6 +244,60 @@ impl Broker {
         }
     }
 
+    /// The levels of fairness over one GPU's processes: per user (the
+    /// scheduler's: a job's processes are its user's), per job.
+    fn levels(&self, processes: &[ProcStatus], units: &HashMap<u32, Unit>) -> Vec<UserShare> {
+        let mut users: BTreeMap<u32, UserShare> = BTreeMap::new();
+        for p in processes {
+            let Some(unit) = units.get(&p.pid) else {
+                continue;
+            };
+            let job = unit.job.and_then(|t| self.jobs.get(&t));
+            let (uid, weight) = (unit.uid, unit.weight);
+            let u = users.entry(uid).or_insert_with(|| UserShare {
+                uid,
+                weight,
+                ..UserShare::default()
+            });
+            u.weight = u.weight.max(weight);
+            u.share_target += p.share_target;
+            u.share_achieved += p.share_achieved;
+            u.gpu_time_s += p.gpu_time_s;
+            let own = unit.own;
+            let pid = job.map(|j| j.pid);
+            let at = match u.jobs.iter().position(|j| j.job == pid) {
+                Some(i) => i,
+                None => {
+                    u.jobs.push(JobShare {
+                        job: pid,
+                        pod: job.and_then(|j| j.pod.clone()),
+                        weight: job.and_then(|j| j.compute).unwrap_or(0.0),
+                        ..JobShare::default()
+                    });
+                    u.jobs.len() - 1
+                }
+            };
+            let j = &mut u.jobs[at];
+            if job.and_then(|j| j.compute).is_none() {
+                j.weight = j.weight.max(own);
+            }
+            j.share_target += p.share_target;
+            j.share_achieved += p.share_achieved;
+            j.gpu_time_s += p.gpu_time_s;
+            j.processes += 1;
+        }
+        let mut users: Vec<UserShare> = users.into_values().collect();
+        for u in &mut users {
+            // Meters overlap while work drains beside a holder's.
+            u.share_achieved = u.share_achieved.min(1.0);
+            u.jobs.sort_by_key(|j| j.job);
+            for j in &mut u.jobs {
+                j.share_achieved = j.share_achieved.min(1.0);
+            }
+        }
+        users
+    }
+
     /// A GPU in MIG mode: its instances, who holds them, since when idle.
     fn mig_gpu_status(&self, now: Nanos, m: &mig::GpuStatus) -> GpuStatus {
         let instances = m
@@ -258,6 +337,7 @@ impl Broker {
             utilization: None,
             holder: None,
             processes: Vec::new(),
+            users: Vec::new(),
             mig: Some(MigStatus {
                 instances,
                 created: m.created,
@@ -279,7 +359,11 @@ impl Broker {
         // Room for processes once the rest is written.
         let mut room = (wire::MAX_STATUS_JSON / 2).saturating_sub(
             serde_json::to_string(&st.queue).map_or(0, |j| j.len())
-                + serde_json::to_string(&st.leases).map_or(0, |j| j.len()),
+                + serde_json::to_string(&st.leases).map_or(0, |j| j.len())
+                + st.gpus
+                    .iter()
+                    .map(|g| serde_json::to_string(&g.users).map_or(0, |j| j.len()))
+                    .sum::<usize>(),
         );
         let mut taken = 0;
         for g in &mut st.gpus {

@@ -3,9 +3,9 @@
 //! A pure state machine: no I/O, no clock. The socket layer submits requests,
 //! reports ends of leases, and calls [`Queue::poll`] after every change
 //! (submit, cancel, release) to learn which waiting requests were placed.
-//! Escalation needs no timer of its own: it only reorders the queue, and
-//! reordering never makes a request fit that did not fit before, so the next
-//! event's `poll` is always soon enough.
+//! Escalation needs no timer of its own: it only reorders the queue and
+//! holds GPUs back (`reserve`), and neither ever makes a request fit that
+//! did not fit before, so the next event's `poll` is always soon enough.
 //!
 //! Placement rules, per physical GPU with `F = overprovision` slots:
 //! - A whole-GPU (`--gpus N`) lease takes one slot on each of N distinct GPUs,
@@ -48,12 +48,14 @@ mod mig_leases;
 mod pinned;
 mod placement;
 mod refusals;
+mod reserve;
 mod status;
 mod types;
 
 use std::collections::BTreeMap;
 
 use refusals::{plural, refuse, want_text};
+use reserve::{Hold, closed_to};
 
 use crate::mig;
 
@@ -217,40 +219,48 @@ impl Queue {
     }
 
     /// `--no-wait`: a lease now, or a refusal saying what is busy. Never
-    /// jumps an escalated request, which by then has priority over everyone
-    /// younger, this one included.
+    /// takes a GPU that an escalated or pinned request waits for, which by
+    /// then have priority over everyone younger, this one included; any
+    /// other GPU it may have.
     pub fn try_now(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<Lease, Refusal> {
         self.check(id, &req)?;
-        let escalated = self
-            .waiting
-            .iter()
-            .filter(|w| self.is_escalated(now, w))
-            .count();
-        if escalated > 0 {
-            return Err(refuse(format!(
-                "{} waited longer than the escalation limit and must be placed first; \
-                 retry later or drop --no-wait to queue",
-                plural(
-                    escalated as u64,
-                    "queued request has",
-                    "queued requests have"
-                )
-            )));
+        let mut holds = Vec::new();
+        let mut escalated = 0u64;
+        for i in self.order(now) {
+            let w = &self.waiting[i];
+            let held = self.held_back(now, w, &closed_to(&holds, w.req.uid));
+            if self.is_escalated(now, w) && !closed_to(&held, req.uid).is_empty() {
+                escalated += 1;
+            }
+            holds.extend(held);
         }
-        // Every GPU a pinned request waits for is taken: they are first.
-        let reserved: Vec<usize> = self
-            .waiting
-            .iter()
-            .flat_map(|w| &w.req.pin)
-            .filter_map(|p| self.gpu_of(&p.uuid))
-            .collect();
-        match self.plan(now, &req, &reserved) {
+        match self.plan(now, &req, &closed_to(&holds, req.uid)) {
             Some(plan) => Ok(self.commit_placed(id, req, plan, None)),
+            None if escalated > 0 && self.plan(now, &req, &[]).is_some() => Err(refuse(format!(
+                "the GPUs free now are held for {} that waited longer than the escalation \
+                 limit and must be placed first; retry later or drop --no-wait to queue",
+                plural(escalated, "a queued request", "queued requests")
+            ))),
             None => Err(refuse(format!(
                 "no room now for {}: {}; drop --no-wait to queue",
                 want_text(req.want),
                 self.busy_summary()
             ))),
+        }
+    }
+
+    /// The GPUs a waiting request that does not fit holds back from those
+    /// behind it: an escalated one's reservation, a pinned one's GPUs.
+    fn held_back(&self, now: Nanos, w: &Waiter, reserved: &[usize]) -> Vec<Hold> {
+        if self.is_escalated(now, w) && w.req.pin.is_empty() {
+            self.reservation(&w.req, reserved)
+        } else {
+            w.req
+                .pin
+                .iter()
+                .filter_map(|p| self.gpu_of(&p.uuid))
+                .map(|gpu| Hold { gpu, only: None })
+                .collect()
         }
     }
 
@@ -287,26 +297,30 @@ impl Queue {
     }
 
     /// Places whatever can be placed now, in queue order, backfilling
-    /// smaller requests into holes; but once an escalated request does not
-    /// fit, nothing behind it is placed, so the resources it waits for drain
-    /// towards it instead of being taken by a stream of small jobs.
+    /// smaller requests into holes; but an escalated request that does not
+    /// fit holds back the GPUs it waits for (`reserve`), so that they drain
+    /// towards it instead of being taken by a stream of small jobs, while
+    /// every other GPU stays open to the rest of the queue.
     pub fn poll(&mut self, now: Nanos) -> Vec<Lease> {
         let mut placed = Vec::new();
         let mut taken = Vec::new();
-        // GPUs of pinned requests that did not fit: nobody after them may
-        // take room there (they come before every unescalated request).
-        let mut reserved = Vec::new();
+        // GPUs that requests ahead wait for (pinned ones, which come
+        // before every unescalated request, and escalated ones): nobody
+        // after them may take room there.
+        let mut holds = Vec::new();
         for i in self.order(now) {
             let w = &self.waiting[i];
-            let escalated = self.is_escalated(now, w);
+            let reserved = closed_to(&holds, w.req.uid);
             match self.plan(now, &w.req, &reserved) {
                 Some(plan) => {
                     let (id, req, origin) = (w.id, w.req.clone(), (w.since, w.seq));
                     placed.push(self.commit_placed(id, req, plan, Some(origin)));
                     taken.push(i);
                 }
-                None if escalated => break,
-                None => reserved.extend(w.req.pin.iter().filter_map(|p| self.gpu_of(&p.uuid))),
+                None => {
+                    let held = self.held_back(now, w, &reserved);
+                    holds.extend(held);
+                }
             }
         }
         taken.sort_unstable();

@@ -80,6 +80,11 @@ pub struct Request {
     /// status shows it. (The request id is the job's secret token.)
     #[serde(default)]
     pub job: u32,
+    /// The job's user: an escalated request never waits for its own
+    /// user's leases with GPUs held for it (that user could hold them
+    /// forever and so freeze the queue for everyone).
+    #[serde(default)]
+    pub uid: u32,
     /// Non-empty: the GPUs are already chosen, with the memory on each;
     /// `want` is then `Memory` of their sum.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -40,6 +40,34 @@ impl Scheduler {
             })
     }
 
+    /// Who gets an idle GPU. A class whose holder was recalled keeps the
+    /// GPU for a moment (`recall_hold`) or until that holder answers: a
+    /// busy one asks again and is granted at once, and a lower class gets
+    /// no sliver in between. One that does not answer by then leaves the
+    /// GPU to the lower class (it is found hung later, at the grace).
+    pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
+        let w = self.best_waiter(now, None, bounded)?;
+        let hold = self.recall_hold();
+        let recalled = self
+            .clients
+            .values()
+            .filter(|c| {
+                c.grant.as_ref().is_some_and(|g| {
+                    g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
+                })
+            })
+            .map(|c| c.class)
+            .max();
+        recalled.is_none_or(|r| w.class >= r).then_some(w)
+    }
+
+    /// How long a recalled holder's class keeps the GPU waiting for its
+    /// answer: two wake periods (a busy shim answers within a round trip
+    /// and its bounded queued work), never more than the grace.
+    pub(super) fn recall_hold(&self) -> Nanos {
+        self.cfg.wake.saturating_mul(2).min(self.cfg.grace).max(1)
+    }
+
     /// The bound `id` gets as holder: only while someone who could take the
     /// GPU from it or follow it is registered (a client of its class or
     /// higher); during the first slice of a burst, eight times as much (a
@@ -83,6 +111,10 @@ impl Scheduler {
             }
         }
         self.sync_meters(now);
+        // Once per event, after everything that can change who is active
+        // (steps only move clients between active states): the weights
+        // then hold until the next event, whose `settle` charges by them.
+        self.reweigh();
         for _ in 0..self.clients.len() * 2 + 4 {
             if !self.step(now) {
                 break;
@@ -90,13 +122,13 @@ impl Scheduler {
         }
         self.woke = None;
         self.sync_meters(now);
-        self.reweigh();
     }
 
-    fn revoke(&mut self, now: Nanos, h: ClientId) {
+    fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
         let c = self.clients.get_mut(&h).expect("holder is registered");
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);
+        g.recall = recall;
         g.deadline = None;
         c.state = ClientState::Revoking;
         let gid = g.id;
@@ -110,7 +142,7 @@ impl Scheduler {
     fn step(&mut self, now: Nanos) -> bool {
         let bounded = self.high_bounded(now);
         let Some(h) = self.holder else {
-            return match self.best_waiter(now, None, bounded) {
+            return match self.next_grantee(now, bounded) {
                 Some(next) => {
                     self.grant_to(now, next.id);
                     true
@@ -135,7 +167,7 @@ impl Scheduler {
             && (w.class > class
                 || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
         {
-            self.revoke(now, h);
+            self.revoke(now, h, false);
             return true;
         }
         // One that woke up without being behind waits no longer than the
@@ -155,9 +187,19 @@ impl Scheduler {
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
         let unchanged = g.bound == bound && g.waiters == waiters;
+        // Liveness: while anyone of a lower class waits, a holder's grant
+        // is never open-ended; at its end the holder is recalled, since
+        // the broker cannot see whether it still launches (a client that
+        // holds the GPU without using it once kept a `low` waiter out
+        // forever).
+        let mut recall = false;
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
+            Some(d) if d <= now && !contended && waiters => {
+                recall = true;
+                None
+            }
             Some(d) if d <= now => {
                 // A holder still behind the best waiter keeps the GPU for
                 // the real time that brings it level (at least a fifth of a
@@ -183,7 +225,7 @@ impl Scheduler {
                 }
                 Some(Some(d - now))
             }
-            None if contended || remaining.is_some() => {
+            None if contended || waiters || remaining.is_some() => {
                 // A newcomer waits for the holder's first timeslice to run
                 // out, counted from its grant; a holder that already had that
                 // much is revoked now: its solo run is paid for. A holder
@@ -221,7 +263,7 @@ impl Scheduler {
                     waiters,
                 });
             }
-            None => self.revoke(now, h),
+            None => self.revoke(now, h, recall),
         }
         true
     }
@@ -240,7 +282,7 @@ impl Scheduler {
         let c = self.clients.get_mut(&id).expect("picked client exists");
         let slice = match remaining {
             Some(r) => Some(r.min(cfg.timeslice)),
-            None => contended.then_some(cfg.timeslice),
+            None => (contended || waiters).then_some(cfg.timeslice),
         };
         c.state = ClientState::Holding;
         c.grant = Some(Outstanding {
@@ -249,6 +291,7 @@ impl Scheduler {
             deadline: slice.map(|s| now + s),
             revoked_at: None,
             hung: false,
+            recall: false,
             bound: 0,
             waiters: false,
             burst,

@@ -31,10 +31,15 @@ impl Scheduler {
     /// call happens at the same instant, so doing it once per call is
     /// exact).
     pub(super) fn sync_meters(&mut self, now: Nanos) {
+        // The class's share is charged only while one of its clients
+        // holds the GPU: a revoked or hung holder, or work a client says
+        // is still draining, is its own charge and nobody else's (a hung
+        // `high` client once used up the class's share for every other
+        // `high` client, leaving the GPU idle).
         let high_on = self
             .clients
             .values()
-            .any(|c| c.class == Priority::High && c.on_gpu());
+            .any(|c| c.class == Priority::High && c.state == ClientState::Holding);
         self.high.set(high_on, now);
         let clients = &self.clients;
         for (g, u) in self.units.iter_mut() {

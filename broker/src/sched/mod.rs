@@ -35,6 +35,18 @@
 //!   had used), so an interactive process that used less than its share
 //!   takes the GPU at once instead of waiting for the holder's slice to end.
 //!   A busy newcomer gets the same one-time credit, which is bounded.
+//! - **Fair among users first**, then among a user's units (its jobs, and
+//!   its processes outside any job), then among a unit's processes
+//!   (`set_user`, `set_group`, `reweigh`): ten jobs or ten processes of one
+//!   user still get one user's part.
+//! - **Liveness**: the broker cannot see whether a holder still launches,
+//!   so while anyone waits no grant is open-ended: a holder whose slice ran
+//!   out is recalled even when only lower classes wait (a busy one asks
+//!   again and is granted back at once; for two wake periods meanwhile the
+//!   GPU stays with its class), and one that does not answer is passed
+//!   over (and shown hung after `grace`). The `high` class's share is
+//!   charged only while one of its clients holds the GPU, never for a
+//!   revoked or hung one.
 //! - Between busy clients of one class, slices of `timeslice` (extended
 //!   while the holder is still behind), so switches stay rare.
 //! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
@@ -70,8 +82,8 @@ use meter::Meter;
 
 pub use gpufrac_common::config::Priority;
 pub use types::{
-    Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig,
-    priority_name,
+    Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig, UserId,
+    Weights, parse_weight, priority_name,
 };
 
 /// Units whose members all left, remembered while their virtual time is
@@ -103,6 +115,11 @@ struct Outstanding {
     bound: Nanos,
     /// `waiters` last sent with this grant.
     waiters: bool,
+    /// Revoked only because its slice ran out while lower classes waited
+    /// (liveness): the GPU stays with its class until it releases (a busy
+    /// holder asks again and is granted at once), for `recall_hold` at
+    /// most.
+    recall: bool,
     /// Granted to a client that had been idle: its first slice is a burst
     /// (a request, a notebook cell) that must be queued whole, or the GPU's
     /// time-slicer would switch to others' leftover work at every gap.
@@ -122,6 +139,10 @@ struct Client {
     /// The unit's weight when imposed (a lease's `--gpu-compute`); else
     /// the largest `own` among its active members.
     unit_weight: Option<f64>,
+    /// The user the unit belongs to, and the user's weight; None: the
+    /// unit stands for itself (weighed by its own unit weight), as a
+    /// caller that knows no users has it.
+    user: Option<(UserId, f64)>,
     limit: Option<f64>,
     class: Priority,
     state: ClientState,
@@ -200,7 +221,51 @@ fn sanitize_limit(limit: Option<f64>) -> Option<f64> {
     limit.filter(|l| l.is_finite() && *l > 0.0 && *l < 1.0)
 }
 
+/// Whose part a unit shares: an explicit user, or the unit itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum UserKey {
+    User(UserId),
+    Unit(GroupId),
+}
+
+/// A user's part, as a weight: a user of weight 1 weighs as a unit of
+/// 100 (a lease of `--gpu-compute 100%`), so that callers that know no
+/// users and those that do give weights of the same size.
+const USER_SCALE: f64 = 100.0;
+
+/// A unit's active members, for its weight and their split of it.
+#[derive(Debug, Clone, Copy, Default)]
+struct UnitSum {
+    own_sum: f64,
+    own_max: f64,
+    imposed: Option<f64>,
+}
+
+impl UnitSum {
+    fn add(&mut self, c: &Client) {
+        self.own_sum += c.own;
+        self.own_max = self.own_max.max(c.own);
+        self.imposed = self.imposed.or(c.unit_weight);
+    }
+
+    /// The unit's weight among its user's units; 0 while it has no one.
+    fn weight(&self) -> f64 {
+        if self.own_sum > 0.0 {
+            self.imposed.unwrap_or(self.own_max)
+        } else {
+            0.0
+        }
+    }
+}
+
 impl Client {
+    fn user_key(&self) -> UserKey {
+        match self.user {
+            Some((u, _)) => UserKey::User(u),
+            None => UserKey::Unit(self.group),
+        }
+    }
+
     fn on_gpu(&self) -> bool {
         matches!(self.state, ClientState::Holding | ClientState::Revoking)
             || self.draining_since.is_some()
@@ -282,6 +347,7 @@ impl Scheduler {
                     own: weight,
                     group: id,
                     unit_weight: None,
+                    user: None,
                     limit,
                     class,
                     state: ClientState::Idle,
@@ -314,12 +380,28 @@ impl Scheduler {
         unit_weight: Option<f64>,
         unit_limit: Option<f64>,
     ) {
+        let user = self.clients.get(&id).and_then(|c| c.user);
+        self.set_unit(now, id, group, unit_weight, unit_limit, user);
+    }
+
+    /// `set_group` and `set_user` in one event: the unit, and the user it
+    /// belongs to (None: the unit stands for itself).
+    pub fn set_unit(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        group: GroupId,
+        unit_weight: Option<f64>,
+        unit_limit: Option<f64>,
+        user: Option<(UserId, f64)>,
+    ) {
         if !self.clients.contains_key(&id) {
             return;
         }
         let now = self.clock(now);
         self.settle(now);
         let c = self.clients.get_mut(&id).expect("checked above");
+        c.user = user.map(|(u, w)| (u, sanitize_weight(w)));
         c.group = group;
         c.unit_weight = unit_weight.map(sanitize_weight);
         if let Some(d) = self.departed.remove(&(group, c.class.index())) {
@@ -340,6 +422,22 @@ impl Scheduler {
             }
             None => {}
         }
+        self.reschedule(now);
+    }
+
+    /// Puts a client's unit under a user: users with work share the GPU
+    /// by `weight` (within each class), then each user's units share the
+    /// user's part by their unit weights, then a unit's members share the
+    /// unit's part by their own weights. A user who splits work into many
+    /// units or many processes still gets one user's part.
+    pub fn set_user(&mut self, now: Nanos, id: ClientId, user: UserId, weight: f64) {
+        if !self.clients.contains_key(&id) {
+            return;
+        }
+        let now = self.clock(now);
+        self.settle(now);
+        let c = self.clients.get_mut(&id).expect("checked above");
+        c.user = Some((user, sanitize_weight(weight)));
         self.reschedule(now);
     }
 
@@ -495,12 +593,16 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .map(|c| c.class);
+        let hold = self.recall_hold();
         for c in self.clients.values() {
             if let Some(g) = &c.grant
                 && let Some(r) = g.revoked_at
                 && !g.hung
             {
                 consider(r.saturating_add(self.cfg.grace));
+                if g.recall {
+                    consider(r.saturating_add(hold));
+                }
             }
             if c.draining_since.is_some() {
                 consider(c.drain_until);
@@ -542,31 +644,65 @@ impl Scheduler {
             .and_then(|c| c.grant.as_ref())
     }
 
-    /// Splits each unit's weight among its active members in proportion
-    /// to their own weights; an inactive member is weighed as if it were
-    /// about to join (so its wake-up credit is what it would get).
+    /// Sets each client's effective weight from the hierarchy, within its
+    /// class: its user's weight, times its unit's part of that user's units,
+    /// times its own part of its unit's members (all among those active).
+    /// An inactive client is weighed as if it were about to join, so its
+    /// wake-up credit is what it would get.
     fn reweigh(&mut self) {
-        let mut units: BTreeMap<GroupId, (f64, f64)> = BTreeMap::new();
-        for c in self.clients.values() {
-            if c.is_active() || c.on_gpu() {
-                let u = units.entry(c.group).or_insert((0.0, 0.0));
-                u.0 += c.own;
-                u.1 = u.1.max(c.own);
+        let mut units: BTreeMap<(usize, UserKey, GroupId), UnitSum> = BTreeMap::new();
+        for c in self
+            .clients
+            .values()
+            .filter(|c| c.is_active() || c.on_gpu())
+        {
+            units
+                .entry((c.class.index(), c.user_key(), c.group))
+                .or_default()
+                .add(c);
+        }
+        // Per user: its units' weights, and its weight (the largest its
+        // active processes were given: one user, one weight, whichever
+        // of its groups a process runs with).
+        let mut users: BTreeMap<(usize, UserKey), (f64, f64)> = BTreeMap::new();
+        for (&(k, u, _), unit) in &units {
+            users.entry((k, u)).or_default().0 += unit.weight();
+        }
+        for c in self
+            .clients
+            .values()
+            .filter(|c| c.is_active() || c.on_gpu())
+        {
+            if let Some((_, w)) = c.user {
+                let e = users.entry((c.class.index(), c.user_key())).or_default();
+                e.1 = e.1.max(w);
             }
         }
         for c in self.clients.values_mut() {
-            let active = c.is_active() || c.on_gpu();
-            let (sum, max) = units.get(&c.group).copied().unwrap_or((0.0, 0.0));
-            let sum = if active { sum } else { sum + c.own };
-            let unit = c.unit_weight.unwrap_or(max.max(c.own));
-            c.weight = sanitize_weight(unit * c.own / sum);
+            let (k, u) = (c.class.index(), c.user_key());
+            let unit = units.get(&(k, u, c.group)).copied().unwrap_or_default();
+            let (users_sum, user_w) = users.get(&(k, u)).copied().unwrap_or((0.0, 0.0));
+            let (unit_j, users_sum) = if c.is_active() || c.on_gpu() {
+                (unit, users_sum)
+            } else {
+                let mut joined = unit;
+                joined.add(c);
+                (joined, users_sum - unit.weight() + joined.weight())
+            };
+            let unit_w = unit_j.weight();
+            let in_unit = c.own / unit_j.own_sum;
+            let w = match c.user {
+                Some((_, own_w)) => USER_SCALE * user_w.max(own_w) * unit_w / users_sum * in_unit,
+                None => unit_w * in_unit,
+            };
+            c.weight = sanitize_weight(w);
         }
     }
 
     /// Charges everyone on the GPU up to `now` (the time-slicer splits the
-    /// GPU evenly among those with work) and advances the virtual clocks.
+    /// GPU evenly among those with work, each by the weight the last event
+    /// left it) and advances the virtual clocks.
     fn settle(&mut self, now: Nanos) {
-        self.reweigh();
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
         let n = self.clients.values().filter(|c| c.on_gpu()).count();

@@ -1,6 +1,8 @@
 //! The scheduler's public types: its configuration, the actions it asks
 //! the socket layer to carry out, and what status reports of each client.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::{MS, Priority, US};
@@ -14,6 +16,8 @@ pub type ClientId = u64;
 pub type GrantId = u64;
 /// A unit of fairness (a job or a user); chosen by the caller.
 pub type GroupId = u64;
+/// A user, the top level of fairness; chosen by the caller.
+pub type UserId = u64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SchedConfig {
@@ -129,4 +133,47 @@ pub mod priority_name {
         Priority::parse(&s)
             .ok_or_else(|| serde::de::Error::custom(format!("unknown priority {s:?}")))
     }
+}
+
+/// Users' weights, the top level of fairness (`--user-weight`,
+/// `--group-weight`): a user with work gets a part of each GPU in
+/// proportion to it (1 unless configured).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Weights {
+    /// By uid.
+    pub users: BTreeMap<u32, f64>,
+    /// By gid.
+    pub groups: BTreeMap<u32, f64>,
+}
+
+impl Weights {
+    /// `uid`'s weight: its own if configured, else the largest of its
+    /// groups' (`gids`: those its process runs with), else 1.
+    pub fn of(&self, uid: u32, gids: &[u32]) -> f64 {
+        if let Some(&w) = self.users.get(&uid) {
+            return w;
+        }
+        gids.iter()
+            .filter_map(|g| self.groups.get(g).copied())
+            .max_by(f64::total_cmp)
+            .unwrap_or(1.0)
+    }
+}
+
+/// Parses one `NAME=WEIGHT` of `--user-weight` or `--group-weight`:
+/// `resolve` turns the name (or number) into an id.
+pub fn parse_weight(
+    flag: &str,
+    arg: &str,
+    resolve: impl Fn(&str) -> Result<u32, String>,
+) -> Result<(u32, f64), String> {
+    let example = format!("{flag} alice=2");
+    let (name, w) = arg
+        .split_once('=')
+        .ok_or_else(|| format!("{flag} {arg:?}: expected NAME=WEIGHT, e.g. {example}"))?;
+    let id = resolve(name.trim()).map_err(|e| format!("{flag} {arg}: {e}"))?;
+    let w: f64 = w.trim().parse().ok().filter(|w: &f64| w.is_finite() && *w > 0.0).ok_or_else(|| {
+        format!("{flag} {arg}: the weight must be a number above 0 (1 is the default), e.g. {example}")
+    })?;
+    Ok((id, w))
 }

@@ -7,6 +7,7 @@
 mod budgets;
 mod classes;
 mod deadlines;
+mod fairness;
 mod identity;
 mod mig_instances;
 mod restarts;

@@ -8,6 +8,7 @@ mod pinned;
 mod placement;
 mod props;
 mod requests;
+mod reserve;
 
 use super::*;
 
@@ -33,6 +34,7 @@ fn req(want: Want) -> Request {
         limit: None,
         label: format!("job {want:?}"),
         job: 0,
+        uid: 0,
         pin: Vec::new(),
         pod: None,
     }
@@ -54,6 +56,11 @@ fn pinned(on: &[(u32, u64)]) -> Request {
         pin,
         ..req(Want::Gpus(1))
     }
+}
+
+/// `r`, as `uid`'s.
+fn by(uid: u32, r: Request) -> Request {
+    Request { uid, ..r }
 }
 
 fn whole(n: u32) -> Request {

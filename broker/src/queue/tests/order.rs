@@ -1,6 +1,6 @@
 //! Queue order: whole GPUs lowest first, smaller requests before bigger
-//! ones, and a request past the escalation limit first of all, blocking
-//! younger ones until it fits.
+//! ones, and a request past the escalation limit first of all, holding
+//! the GPUs it waits for back from younger ones until it fits.
 
 use super::*;
 
@@ -46,8 +46,9 @@ fn escalation_lets_big_through_and_blocks_younger_small_ones() {
         ..QueueConfig::default()
     };
     let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB]), cfg);
-    q.submit(0, 1, whole(1)).unwrap();
-    q.submit(0, 2, whole(1)).unwrap();
+    // Other users' jobs, which end in their own time.
+    q.submit(0, 1, by(1000, whole(1))).unwrap();
+    q.submit(0, 2, by(1001, whole(1))).unwrap();
     assert_eq!(q.poll(0).len(), 2);
     q.submit(SEC, 10, whole(2)).unwrap();
     q.submit(2 * SEC, 3, whole(1)).unwrap();
@@ -65,7 +66,7 @@ fn escalation_lets_big_through_and_blocks_younger_small_ones() {
     q.release(20 * SEC, 3);
     assert!(q.poll(20 * SEC).is_empty());
     let err = q.try_now(20 * SEC, 6, mem(1)).unwrap_err();
-    assert!(err.reason.contains("escalation"), "{err}");
+    assert!(err.reason.contains("escalation limit"), "{err}");
     q.release(21 * SEC, 2);
     assert_eq!(placed(&q.poll(21 * SEC)), vec![(10, vec![0, 1])]);
     let w: Vec<_> = q.waiting(21 * SEC).iter().map(|w| w.id).collect();

@@ -99,21 +99,18 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
         }
     }
     if just_polled {
-        // Backfill is complete: up to the first blocked escalated
-        // request, nothing still waiting fits (but where pinned
-        // requests before it wait).
-        let mut reserved = Vec::new();
+        // Backfill is complete: nothing still waiting fits, but where
+        // pinned or escalated requests before it wait.
+        let mut holds = Vec::new();
         for i in q.order(now) {
             let w = &q.waiting[i];
+            let reserved = closed_to(&holds, w.req.uid);
             assert!(
                 q.plan(now, &w.req, &reserved).is_none(),
                 "request {} fits",
                 w.id
             );
-            reserved.extend(w.req.pin.iter().filter_map(|p| q.gpu_of(&p.uuid)));
-            if q.is_escalated(now, w) {
-                break;
-            }
+            holds.extend(q.held_back(now, w, &reserved));
         }
     }
 }

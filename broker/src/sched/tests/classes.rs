@@ -23,14 +23,21 @@ fn high_takes_the_gpu_at_once_and_keeps_it_while_it_has_work() {
     assert_eq!(drain(&mut s), vec![revoke(1, 1), grant(2, 2, None, 0)]);
     s.acquire(5 * SEC, 1);
     s.release(5 * SEC, 1);
-    // A normal waiter does not contend with a high holder: open-ended,
-    // but it is told someone waits, so it hands back when idle.
-    assert_eq!(drain(&mut s), vec![grant_w(2, 2, 0)]);
-    s.handle_timeout(10 * SEC);
-    assert!(drain(&mut s).is_empty());
-    assert_eq!(s.holder(), Some(2));
-    s.release(10 * SEC, 2);
-    assert_eq!(drain(&mut s), vec![grant(1, 3, None, B)]);
+    // A normal waiter does not contend with a high holder, but it is told
+    // someone waits (so it hands back when idle), and its grant is no
+    // longer open-ended: at the slice's end it is recalled.
+    assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), 0)]);
+    let t = 5 * SEC + 20 * MS;
+    s.handle_timeout(t);
+    // The GPU stays with the class until the holder answers.
+    assert_eq!(drain(&mut s), vec![revoke(2, 2)]);
+    assert_eq!(s.holder(), None);
+    // Still busy: it asks again and has the GPU back at once.
+    s.acquire(t, 2);
+    s.release(t, 2);
+    assert_eq!(drain(&mut s), vec![grant(2, 3, Some(20 * MS), 0)]);
+    s.release(t + MS, 2);
+    assert_eq!(drain(&mut s), vec![grant(1, 4, None, B)]);
 }
 
 /// Linux's real-time throttling, for the GPU: while a lower class waits,

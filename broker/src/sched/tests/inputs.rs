@@ -67,3 +67,41 @@ fn earlier_now_is_clamped() {
     s.drained(0, 1);
     assert_eq!(status_of(&s, 0, 1).total_held, 0);
 }
+
+#[test]
+fn weight_options_are_parsed_or_refused_with_an_example() {
+    let ids = |n: &str| match n {
+        "alice" => Ok(1000),
+        n => n.parse().map_err(|_| format!("no such user: {n}")),
+    };
+    assert_eq!(
+        parse_weight("--user-weight", "alice=2", ids),
+        Ok((1000, 2.0))
+    );
+    assert_eq!(parse_weight("--user-weight", "7=0.5", ids), Ok((7, 0.5)));
+    for (bad, says) in [
+        ("alice", "expected NAME=WEIGHT"),
+        ("alice=0", "above 0"),
+        ("alice=-1", "above 0"),
+        ("alice=NaN", "above 0"),
+        ("alice=lots", "above 0"),
+        ("bob=2", "no such user: bob"),
+    ] {
+        let e = parse_weight("--user-weight", bad, ids).unwrap_err();
+        assert!(
+            e.contains(says) && e.contains("--user-weight"),
+            "{bad}: {e}"
+        );
+    }
+    let w = Weights {
+        users: [(1000, 2.0)].into(),
+        groups: [(50, 3.0), (60, 4.0)].into(),
+    };
+    assert_eq!(w.of(1000, &[60]), 2.0, "a user's own weight wins");
+    assert_eq!(
+        w.of(1001, &[50, 60]),
+        4.0,
+        "else the largest of its groups'"
+    );
+    assert_eq!(w.of(1002, &[70]), 1.0);
+}

@@ -4,8 +4,10 @@
 
 mod classes;
 mod handover;
+mod hierarchy;
 mod inputs;
 mod limits;
+mod liveness;
 mod props;
 mod shares;
 
@@ -27,16 +29,6 @@ fn grant(client: ClientId, grant: GrantId, slice: Option<Nanos>, bound: Nanos) -
         bound,
         // A slice means a waiter of the holder's class.
         waiters: slice.is_some(),
-    }
-}
-
-fn grant_w(client: ClientId, grant: GrantId, bound: Nanos) -> Action {
-    Action::Grant {
-        client,
-        grant,
-        slice: None,
-        bound,
-        waiters: true,
     }
 }
 
@@ -148,6 +140,11 @@ impl Sim {
 
     fn gpu(&self, id: ClientId) -> Nanos {
         status_of(&self.s, self.now, id).gpu_time
+    }
+
+    /// Wall time on the GPU (not split with hung clients' deemed work).
+    fn gpu_held(&self, id: ClientId) -> Nanos {
+        status_of(&self.s, self.now, id).total_held
     }
 
     /// New grants (not updates) to `id`: time and initial slice.

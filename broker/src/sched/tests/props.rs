@@ -12,6 +12,7 @@ enum Op {
     Release(ClientId),
     Drained(ClientId),
     Group(ClientId, GroupId, Option<f64>, Option<f64>),
+    User(ClientId, UserId, f64),
     Advance(Nanos),
     Timeout,
 }
@@ -47,6 +48,12 @@ fn op() -> impl Strategy<Value = Op> {
             ],
         )
             .prop_map(|(i, g, w, l)| Op::Group(i, g, w, l)),
+        (
+            id.clone(),
+            0..3u64,
+            prop_oneof![Just(1.0), Just(3.0), Just(0.0), Just(f64::NAN)],
+        )
+            .prop_map(|(i, u, w)| Op::User(i, u, w)),
         (0..120 * MS).prop_map(Op::Advance),
         Just(Op::Timeout),
     ]
@@ -86,7 +93,7 @@ fn check(s: &Scheduler, now: Nanos) {
     assert_eq!(s.holder(), holding.first().copied());
     // Nobody waits on an idle GPU for nothing.
     if s.holder().is_none() {
-        assert!(s.best_waiter(s.now, None, s.high_bounded(s.now)).is_none());
+        assert!(s.next_grantee(s.now, s.high_bounded(s.now)).is_none());
     }
     for c in &st {
         assert!((0.0..=1.0 + 1e-9).contains(&c.achieved), "{c:?}");
@@ -114,6 +121,7 @@ proptest! {
                 Op::Release(i) => s.release(now, i),
                 Op::Drained(i) => s.drained(now, i),
                 Op::Group(i, g, w, l) => s.set_group(now, i, g, w, l),
+                Op::User(i, u, w) => s.set_user(now, i, u, w),
                 Op::Advance(dt) => now += dt,
                 Op::Timeout => s.handle_timeout(now),
             }
