@@ -10,6 +10,17 @@
 #                      interactive job at high beside a normal and a low one
 #   ./demo.sh env      builds the simulated driver and prints the exports that
 #                      put a shell on it:  eval "$(./demo.sh env)"
+#   ./demo.sh container
+#                      the memory cap on a sealed container image, with Podman
+#                      or Docker, on the simulated driver (no GPU, no NVIDIA
+#                      container toolkit): the same program in a Debian image,
+#                      as it is and under `gpufrac docker-args --gpu-memory 4G`
+#
+# GPUFRAC_DEMO_IMAGE=IMAGE runs the container demo in a local image of yours
+# (one with glibc 2.28 or newer); without it the demo makes one, once, with
+# mmdebstrap (Debian's essential packages, about 140 MB from a mirror).
+# GPUFRAC_DEMO_ENGINE=podman|docker chooses the engine (default: podman when
+# it is installed, else docker).
 #
 # GPUFRAC_DEMO_PROFILE=debug builds and runs the debug profile instead of
 # release (a quicker first build; the test suite runs the demo that way).
@@ -158,10 +169,84 @@ shares() {
   echo "== Figures measured with more care, against the GPU's own time-slicing: docs/benchmarks.md"
 }
 
+# The memory cap on a sealed image: nothing of gpufrac's is in the image; the
+# shim comes in by the flags `gpufrac docker-args` prints, and the simulated
+# driver (in place of a GPU and NVIDIA's container toolkit) and the program
+# by read-only mounts.
+container() {
+  local engine=${GPUFRAC_DEMO_ENGINE:-}
+  if [ -z "$engine" ]; then
+    if command -v podman >/dev/null 2>&1; then
+      engine=podman
+    elif command -v docker >/dev/null 2>&1; then
+      engine=docker
+    else
+      echo "./demo.sh container needs Podman or Docker (apt-get install podman)" >&2
+      exit 1
+    fi
+  fi
+  case $engine in
+    podman | docker) ;;
+    *) echo "GPUFRAC_DEMO_ENGINE=$engine: expected podman or docker" >&2; exit 2 ;;
+  esac
+  if ! "$engine" info >/dev/null 2>&1; then
+    echo "./demo.sh container: '$engine info' fails; is its daemon running (for Docker:" >&2
+    echo "systemctl start docker), or choose the other with GPUFRAC_DEMO_ENGINE=podman|docker?" >&2
+    exit 1
+  fi
+  build cudarc_alloc
+  local image=${GPUFRAC_DEMO_IMAGE:-gpufrac-demo:bookworm}
+  if [ -z "${GPUFRAC_DEMO_IMAGE:-}" ] && ! "$engine" image inspect "$image" >/dev/null 2>&1; then
+    if ! command -v mmdebstrap >/dev/null 2>&1; then
+      echo "./demo.sh container: no image $image yet, and mmdebstrap (which makes one) is" >&2
+      echo "not installed: apt-get install mmdebstrap, or GPUFRAC_DEMO_IMAGE=IMAGE for one of yours" >&2
+      exit 1
+    fi
+    local tar=$bin/demo-bookworm.tar
+    if [ ! -f "$tar" ]; then
+      echo "== Making the image once: Debian bookworm's essential packages with mmdebstrap"
+      echo "   (about 140 MB from a Debian mirror) into $tar"
+      mmdebstrap --variant=essential --format=tar bookworm "$tar.part" >&2
+      mv "$tar.part" "$tar"
+    fi
+    "$engine" import "$tar" "$image" >/dev/null
+  fi
+  use_sim 16G,8G
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  # The simulated GPUs are the host's: one state file, mounted at its path.
+  local sim=(
+    -v "$bin/libgpufrac_sim.so:/gpufrac-demo/lib/libcuda.so.1:ro"
+    -v "$bin/libgpufrac_sim.so:/gpufrac-demo/lib/libnvidia-ml.so.1:ro"
+    -e LD_LIBRARY_PATH=/gpufrac-demo/lib
+    -e GPUFRAC_SIM_DEVICES=16G,8G
+    -v "$tmp:$tmp" -e "GPUFRAC_SIM_STATE=$tmp/sim-state"
+    -v "$bin/examples/cudarc_alloc:/gpufrac-demo/alloc:ro"
+  )
+  # Podman's default limits (1048576 files) are above the hard limits of
+  # many machines, where its containers then fail to start; the program
+  # needs few.
+  local run=(run --rm --ulimit nofile=1024:1024 --ulimit nproc=1024:1024)
+  local flags
+  mapfile -t flags < <("$bin/gpufrac" docker-args --gpu-memory 4G --socket "$tmp/broker.sock")
+  echo "== $engine, image $image (nothing of gpufrac's in it); the simulated driver and the"
+  echo "   program mounted in, as a GPU and NVIDIA's container toolkit would be."
+  echo
+  echo "== $engine run IMAGE alloc (stops at 64 blocks = 16 GiB):"
+  "$engine" "${run[@]}" "${sim[@]}" "$image" /gpufrac-demo/alloc --block 256 --max 64
+  echo
+  echo "== $engine run \$(gpufrac docker-args --gpu-memory 4G) IMAGE alloc (expect 16 blocks = 4 GiB):"
+  printf '   gpufrac docker-args said:'
+  printf ' %s' "${flags[@]}"
+  echo
+  "$engine" "${run[@]}" "${flags[@]}" "${sim[@]}" "$image" /gpufrac-demo/alloc --block 256 --max 64
+}
+
 case $what in
   cap) cap ;;
   shares) shares ;;
   env) env_exports ;;
-  -h|--help|help) sed -n '2,15s/^# \{0,1\}//p' "$0" ;;
-  *) echo "./demo.sh: unknown demo '$what'; expected cap (the default), shares or env" >&2; exit 2 ;;
+  container) container ;;
+  -h|--help|help) sed -n '2,27s/^# \{0,1\}//p' "$0" ;;
+  *) echo "./demo.sh: unknown demo '$what'; expected cap (the default), shares, env or container" >&2; exit 2 ;;
 esac

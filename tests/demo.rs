@@ -1,8 +1,11 @@
-//! `./demo.sh shares` and `./demo.sh env`, end to end, as a newcomer runs
-//! them: the script builds what it needs (nothing, after the test
-//! artifacts), sets up the simulated driver itself, starts and stops its
-//! own broker, and reports shares and priorities.
+//! `./demo.sh shares`, `./demo.sh env` and `./demo.sh container`, end to
+//! end, as a newcomer runs them: the script builds what it needs (nothing,
+//! after the test artifacts), sets up the simulated driver itself, starts
+//! and stops its own broker, and reports shares and priorities, or a
+//! sealed image's memory cap under Podman.
 
+#[path = "support/engines.rs"]
+mod engines;
 mod support;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -11,6 +14,11 @@ use support::*;
 /// `./demo.sh ARGS` on the profile and target directory the tests use, in
 /// an environment without anything gpufrac reads.
 fn demo(args: &[&str]) -> Output {
+    demo_with(args, &[])
+}
+
+/// `demo` with these variables set too.
+fn demo_with(args: &[&str], vars: &[(&str, &std::ffi::OsStr)]) -> Output {
     let a = artifacts();
     let profile = a.dir.file_name().unwrap().to_str().unwrap();
     let mut cmd = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"));
@@ -19,6 +27,7 @@ fn demo(args: &[&str]) -> Output {
         .env("GPUFRAC_DEMO_PROFILE", profile)
         .env("CARGO", env!("CARGO"))
         .env("CARGO_TARGET_DIR", a.dir.parent().unwrap())
+        .envs(vars.iter().copied())
         .output()
         .expect("running demo.sh")
 }
@@ -99,4 +108,44 @@ fn env_demo_puts_a_shell_on_the_simulated_driver() {
     let out = stdout(&o);
     assert!(o.status.success(), "{out}\n{}", stderr(&o));
     assert!(out.contains("total=17179869184"), "{out}");
+}
+
+/// The memory cap on a sealed image with Podman, as `./demo.sh container`
+/// shows it: the same program stops at 64 blocks of 256 MiB alone and at 16
+/// under the flags `gpufrac docker-args --gpu-memory 4G` prints, in the
+/// tests' image and store (the demo makes its own image where none is
+/// named).
+#[test]
+fn container_demo_caps_a_sealed_image() {
+    if !engines::ensure_podman() {
+        return;
+    }
+    let image = engines::image(engines::Engine::Podman);
+    let mut vars: Vec<(&str, std::ffi::OsString)> = vec![
+        ("GPUFRAC_DEMO_ENGINE", "podman".into()),
+        ("GPUFRAC_DEMO_IMAGE", image.into()),
+    ];
+    vars.extend(
+        engines::Engine::Podman
+            .env()
+            .into_iter()
+            .map(|(k, v)| (k, v.into_os_string())),
+    );
+    let vars: Vec<(&str, &std::ffi::OsStr)> =
+        vars.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
+    let o = demo_with(&["container"], &vars);
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}\n{err}");
+    let counts: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("cudarc mode=result"))
+        .collect();
+    assert_eq!(counts.len(), 2, "{out}");
+    assert!(counts[0].contains("count=64"), "alone: {out}");
+    assert!(
+        counts[1].contains("count=16") && counts[1].contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "capped: {out}"
+    );
+    assert!(out.contains("cudarc info free=0 total=4294967296"), "{out}");
+    assert!(out.contains("gpufrac docker-args said: -v "), "{out}");
 }
