@@ -16,6 +16,22 @@ pub fn virtual_view(phys_total: u64, phys_free: u64, cap: u64, used: u64) -> (u6
     (total, free)
 }
 
+/// Whether a UUID as CUDA's devices are formatted (`GPU-…`) and one as NVML
+/// names a device (`GPU-…` for a GPU, `MIG-…` for a MIG instance, whose
+/// hex is CUDA's UUID for that instance) name the same device: the hex
+/// after the prefix decides, so that a MIG instance's NVML handle finds its
+/// CUDA device (and its cap) instead of falling back to the global cap.
+pub fn same_uuid(cuda: &[u8], nvml: &[u8]) -> bool {
+    fn hex(u: &[u8]) -> &[u8] {
+        match u {
+            [b'G', b'P', b'U', b'-', rest @ ..] | [b'M', b'I', b'G', b'-', rest @ ..] => rest,
+            _ => u,
+        }
+    }
+    let (a, b) = (hex(cuda), hex(nvml));
+    !a.is_empty() && a.eq_ignore_ascii_case(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,5 +60,17 @@ mod tests {
     #[test]
     fn uncapped_is_physical() {
         assert_eq!(virtual_view(80 * G, 7, NO_LIMIT, 123), (80 * G, 7));
+    }
+
+    #[test]
+    fn a_mig_instance_is_found_by_its_hex() {
+        let cuda = b"GPU-5a1e6f7a-c0de-4000-8000-000000000001";
+        assert!(same_uuid(cuda, b"GPU-5a1e6f7a-c0de-4000-8000-000000000001"));
+        assert!(same_uuid(cuda, b"MIG-5a1e6f7a-c0de-4000-8000-000000000001"));
+        assert!(!same_uuid(
+            cuda,
+            b"MIG-5a1e6f7a-c0de-4000-8000-000000000002"
+        ));
+        assert!(!same_uuid(b"", b""));
     }
 }

@@ -5,7 +5,7 @@
 
 use crate::driver::{self, call};
 use crate::ledger::{self, NO_LIMIT};
-use crate::view::virtual_view;
+use crate::view::{same_uuid, virtual_view};
 use crate::{config, devices};
 use gpufrac_common::cuda::*;
 use std::ffi::c_char;
@@ -28,7 +28,7 @@ fn view_for(dev: nvmlDevice_t, phys_total: u64) -> Option<(u64, u64)> {
             for (i, d) in devices::all().iter().enumerate() {
                 let mut s = [0u8; 40];
                 let n = format_uuid(&d.uuid, &mut s);
-                if s[..n] == buf[..len] {
+                if same_uuid(&s[..n], &buf[..len]) {
                     let cap = ledger::limit(i);
                     return (cap != NO_LIMIT).then(|| (cap, ledger::used(i)));
                 }
