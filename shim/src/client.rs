@@ -20,7 +20,7 @@
 
 use crate::driver::call;
 use crate::ledger::{LEDGERS, NO_LIMIT};
-use crate::watch::{self, STALL_NS, Verdict, Watch};
+use crate::session::{Action, Event, Gauges, Note, STALL_S, Session};
 use crate::{boundary, config, contexts, devices};
 use gpufrac_common::config::{BrokerMode, MAX_DEVICES, ShimConfig};
 use gpufrac_common::cuda::*;
@@ -85,13 +85,6 @@ const OPTIMISTIC_NS: u64 = 1_000_000;
 const OPTIMISTIC_BOUND_NS: u64 = 2_000_000;
 static IN_FLIGHT: [AtomicU32; MAX_DEVICES] = [const { AtomicU32::new(0) }; MAX_DEVICES];
 static LAST_LAUNCH: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
-static GRANTED_AT: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
-/// Id of the grant held (or last released) per device: only the client
-/// thread touches these.
-static GRANT_ID: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
-static RELEASED_ID: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
-/// Slice of the grant held per device (0: open-ended); client thread only.
-static SLICE_NS: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 
 static STARTED: AtomicU8 = AtomicU8::new(0);
 /// Raw fd of the live connection (-1 none), for app threads sending
@@ -99,11 +92,6 @@ static STARTED: AtomicU8 = AtomicU8::new(0);
 static CONN_FD: AtomicI32 = AtomicI32::new(-1);
 static SEND: Mutex<()> = Mutex::new(());
 static WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
-
-/// Without launches for this long while others wait (or could), the GPU is
-/// handed back: a returning holder asks again, which costs a round trip.
-const IDLE_HANDBACK_NS: u64 = 500_000;
-const REPORT_EVERY_NS: u64 = 100_000_000;
 
 /// Connecting and the handshake, per attempt of the client thread (which
 /// retries every ~0.5 s anyway). A live broker answers in microseconds; a
@@ -317,16 +305,6 @@ pub fn launched_pass(pass: Pass, rc: u32, stream: CUstream, ptsz: bool) {
     PENDING.with(|p| p.set(pass.pending));
     TRACK_DEV.with(|t| t.set(pass.track));
     launched(rc, stream, ptsz);
-}
-
-/// Re-derives ALL_OPEN after the client thread changed OPEN or CONTENDED.
-fn update_all_open() {
-    let n = NDEV.load(Relaxed).min(MAX_DEVICES as u32);
-    let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
-    let open = n > 0
-        && OPEN.load(SeqCst) & all == all
-        && (CONTENDED.load(SeqCst) | BOUNDED.load(SeqCst)) & all == 0;
-    ALL_OPEN.store(open, SeqCst);
 }
 
 /// Sends `Acquire` for `d` unless one is outstanding; true if it did. With
@@ -586,40 +564,6 @@ fn connect(cfg: &ShimConfig, timeout: Duration) -> Result<UnixStream, ConnectFai
     Ok(s)
 }
 
-fn register(s: &mut UnixStream, cfg: &ShimConfig) -> std::io::Result<()> {
-    let devs: Vec<DeviceReg> = devices::all()
-        .iter()
-        .enumerate()
-        .take(MAX_DEVICES)
-        .map(|(i, d)| {
-            let cap = LEDGERS[i].limit.load(Relaxed);
-            DeviceReg {
-                uuid: d.uuid.bytes,
-                ordinal: i as u32,
-                mem_cap: if cap == NO_LIMIT { 0 } else { cap },
-                mem_total: d.total,
-            }
-        })
-        .collect();
-    NDEV.store(devs.len() as u32, Relaxed);
-    let mut buf = Vec::new();
-    if cfg.job != 0 {
-        // Before Register, which is where the broker settles the job.
-        wire::encode_client(&ClientMsg::Join { job: cfg.job }, &mut buf);
-    }
-    wire::encode_client(
-        &ClientMsg::Register {
-            command: gpufrac_common::procfs::cmdline(None),
-            devices: devs,
-            share: cfg.compute_share,
-            limit: cfg.compute_limit,
-            priority: cfg.compute_priority,
-        },
-        &mut buf,
-    );
-    s.write_all(&buf)
-}
-
 /// Runs one of the shim's own threads. A panic ends it, and with it
 /// arbitration: the gates open (launches hand out no memory, so they pass
 /// through, as every entry point that hands out none does), and stderr
@@ -634,21 +578,6 @@ fn contained(what: &str, body: impl FnOnce()) {
             "internal error in the {what} thread ({at}); compute is not arbitrated from now on, memory caps still hold"
         ));
     }
-}
-
-/// How long the broker may stay silent now (see `watch.rs`).
-fn allowance() -> Option<u64> {
-    let open = OPEN.load(SeqCst);
-    let waiting = REQUESTED.load(SeqCst) & !open != 0;
-    let held = CONTENDED.load(SeqCst) & open;
-    let slice = (held != 0).then(|| {
-        (0..MAX_DEVICES)
-            .filter(|d| held & (1 << d) != 0)
-            .map(|d| SLICE_NS[d].load(Relaxed))
-            .max()
-            .unwrap_or(0)
-    });
-    watch::allowance(waiting, slice)
 }
 
 fn client_thread(cfg: &'static ShimConfig) {
@@ -666,77 +595,131 @@ fn client_thread(cfg: &'static ShimConfig) {
     while devices::ensure().is_err() {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut warned = false;
+    let mut session = Session::new(cfg);
+    let mut out = Vec::new();
     loop {
         match connect(cfg, CONNECT_TIMEOUT) {
-            // A session that ended with a stall has said so already; the
-            // retries that follow while the broker is still stopped do not
-            // repeat it.
-            Ok(s) => warned = serve(s, cfg),
+            Ok(s) => serve(s, cfg, &mut session, &mut out),
             Err(e) => {
-                first_registration_done();
-                if !warned {
-                    warned = true;
-                    let what = e.what(&cfg.socket);
-                    if asks_arbitration(cfg) {
-                        crate::log::write_line(format_args!(
-                            "{what}; memory caps are enforced, compute shares and limits are not until it returns"
-                        ));
-                    } else {
-                        warn!("{what}; memory caps are enforced, compute is not arbitrated");
-                    }
+                session.on(
+                    now_ns(),
+                    Event::ConnectFailed(e.what(&cfg.socket)),
+                    &mut out,
+                );
+                let mut none = None;
+                for a in out.drain(..) {
+                    apply(a, &mut none, cfg);
                 }
             }
         }
-        // Lost or never had a broker: optional mode runs unarbitrated,
-        // required mode blocks launches until it is back.
-        close_gates();
-        GATED.store(cfg.broker == BrokerMode::Required, Release);
-        wake_all();
         std::thread::sleep(Duration::from_millis(500));
     }
 }
 
-/// A user who asked for compute shares or limits, or for the broker itself,
-/// is told when they do not hold; others only at GPUFRAC_LOG=warn.
-fn asks_arbitration(cfg: &ShimConfig) -> bool {
-    cfg.compute_share.is_some() || cfg.compute_limit.is_some() || cfg.broker == BrokerMode::Required
+/// The connection of a session, as the actions see it.
+struct Conn {
+    s: UnixStream,
+    /// Application threads may send on it (registration is on the wire).
+    published: bool,
+    /// Closed: the session is over.
+    ended: bool,
+    /// A write of the client thread's own that did not go out.
+    failed: Option<String>,
 }
 
-/// How a session ended.
-enum End {
-    Lost(String),
-    Stalled,
+/// What this process registers: its devices, with their caps as they are
+/// now.
+fn registration() -> Vec<DeviceReg> {
+    let devs: Vec<DeviceReg> = devices::all()
+        .iter()
+        .enumerate()
+        .take(MAX_DEVICES)
+        .map(|(i, d)| {
+            let cap = LEDGERS[i].limit.load(Relaxed);
+            DeviceReg {
+                uuid: d.uuid.bytes,
+                ordinal: i as u32,
+                mem_cap: if cap == NO_LIMIT { 0 } else { cap },
+                mem_total: d.total,
+            }
+        })
+        .collect();
+    NDEV.store(devs.len() as u32, Relaxed);
+    devs
 }
 
-/// One connected session; returns when the connection is lost or the
-/// broker stalls, true if the user has been told already.
-fn serve(mut s: UnixStream, cfg: &ShimConfig) -> bool {
-    if register(&mut s, cfg).is_err() {
-        return false;
+/// The gate's state, read for a tick of the session. Syncing is read
+/// first: a thread that stops waiting for its own work stamps its last
+/// launch after, so the stamp is seen with it or the wait is.
+fn gauges() -> Gauges {
+    let mut g = Gauges {
+        requested: REQUESTED.load(SeqCst),
+        syncing: SYNCING.load(SeqCst) > 0,
+        ..Gauges::default()
+    };
+    let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
+    for d in 0..n {
+        if IN_FLIGHT[d].load(Relaxed) != 0 {
+            g.in_flight |= 1 << d;
+        }
+        g.last_launch[d] = LAST_LAUNCH[d].load(Relaxed);
+        let l = &LEDGERS[d];
+        g.usage[d] = (
+            l.used.load(Relaxed),
+            l.peak.load(Relaxed),
+            l.ooms.load(Relaxed),
+        );
     }
+    for (g, o) in g.optimistic_until.iter_mut().zip(&OPTIMISTIC_UNTIL) {
+        *g = o.load(Relaxed);
+    }
+    g
+}
+
+/// Hands `event` to the session and applies what it decides.
+fn feed(
+    session: &mut Session,
+    event: Event<'_>,
+    conn: &mut Option<Conn>,
+    cfg: &ShimConfig,
+    out: &mut Vec<Action>,
+) {
+    session.on(now_ns(), event, out);
+    for a in out.drain(..) {
+        apply(a, conn, cfg);
+    }
+    if let Some(why) = conn.as_mut().and_then(|c| c.failed.take()) {
+        feed(session, Event::Lost(why), conn, cfg, out);
+    }
+}
+
+/// One connected session; returns when the session ends (the connection
+/// lost, or the broker stalled).
+fn serve(s: UnixStream, cfg: &ShimConfig, session: &mut Session, out: &mut Vec<Action>) {
     let fd = {
         use std::os::fd::AsRawFd;
         s.as_raw_fd()
     };
-    close_gates();
-    CONN_FD.store(fd, Release);
-    GATED.store(true, Release);
-    wake_all();
-    info!("registered with the broker at {}", cfg.socket);
+    let mut conn = Some(Conn {
+        s,
+        published: false,
+        ended: false,
+        failed: None,
+    });
+    let devices = registration();
+    let command = gpufrac_common::procfs::cmdline(None);
+    feed(
+        session,
+        Event::Connected { devices, command },
+        &mut conn,
+        cfg,
+        out,
+    );
     let mut inbuf = Vec::new();
-    let mut reported = [(u64::MAX, u64::MAX, u64::MAX); MAX_DEVICES];
-    let mut last_report = 0u64;
-    let mut watch = Watch::new(now_ns());
-    let result: Result<(), End> = (|| loop {
-        // Idle hand-back is checked on this tick: fine while others share
-        // the GPU, coarse (for usage reports) while alone.
+    let ended = |c: &Option<Conn>| c.as_ref().is_none_or(|c| c.ended);
+    while !ended(&conn) {
         let optimistic = OPTIMISTIC_UNTIL.iter().any(|o| o.load(Relaxed) != 0);
-        let tick = if shared() & OPEN.load(Relaxed) != 0 || optimistic {
-            IDLE_HANDBACK_NS / 2
-        } else {
-            100_000_000
-        };
+        let tick = session.tick_ns(optimistic);
         // ppoll, not a socket timeout: SO_RCVTIMEO counts in scheduler
         // ticks (4 ms at HZ=250), far coarser than the hand-back.
         let ts = libc::timespec {
@@ -752,172 +735,194 @@ fn serve(mut s: UnixStream, cfg: &ShimConfig) -> bool {
         let ready = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
         if ready > 0 {
             let mut tmp = [0u8; 4096];
-            match s.read(&mut tmp) {
-                Ok(0) => return Err(End::Lost("broker closed the connection".into())),
+            let read = match conn.as_mut() {
+                Some(c) => c.s.read(&mut tmp),
+                None => break,
+            };
+            let event = match read {
+                Ok(0) => Some(Event::Lost("broker closed the connection".into())),
                 Ok(n) => {
                     inbuf.extend_from_slice(&tmp[..n]);
-                    watch.heard(now_ns());
+                    Some(Event::Heard)
                 }
                 Err(e)
                     if matches!(
                         e.kind(),
                         ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
-                Err(e) => return Err(End::Lost(e.to_string())),
+                    ) =>
+                {
+                    None
+                }
+                Err(e) => Some(Event::Lost(e.to_string())),
+            };
+            if let Some(event) = event {
+                feed(session, event, &mut conn, cfg, out);
             }
         }
-        loop {
+        while !ended(&conn) {
             match wire::decode_server(&inbuf) {
                 Ok((m, n)) => {
                     inbuf.drain(..n);
-                    on_message(m);
+                    feed(session, Event::Message(m), &mut conn, cfg, out);
                 }
                 Err(wire::DecodeError::Incomplete) => break,
-                Err(e) => return Err(End::Lost(format!("bad frame from broker: {e}"))),
-            }
-        }
-        idle_handback();
-        end_optimism();
-        let now = now_ns();
-        if now.saturating_sub(last_report) >= REPORT_EVERY_NS {
-            last_report = now;
-            report_usage(&mut reported);
-        }
-        match watch.check(now, allowance()) {
-            Verdict::Fine => {}
-            // Answered by a Pong, which on_message ignores: what
-            // counts is that something arrives.
-            Verdict::Probe => {
-                send(&ClientMsg::Ping);
-            }
-            Verdict::Stalled if cfg.broker == BrokerMode::Required => {
-                if !watch.told {
-                    watch.told = true;
-                    crate::log::write_line(format_args!(
-                        "broker at {} has not answered for {} s; launches wait for it (GPUFRAC_BROKER=required)",
-                        cfg.socket,
-                        STALL_NS / 1_000_000_000
-                    ));
+                Err(e) => {
+                    let why = format!("bad frame from broker: {e}");
+                    feed(session, Event::Lost(why), &mut conn, cfg, out);
                 }
             }
-            Verdict::Stalled => {
-                if asks_arbitration(cfg) {
-                    crate::log::write_line(format_args!(
-                        "broker at {} has not answered for {} s; launching unarbitrated until it answers again",
-                        cfg.socket,
-                        STALL_NS / 1_000_000_000
-                    ));
-                } else {
-                    warn!(
-                        "broker at {} has not answered for {} s; launching unarbitrated until it answers again",
-                        cfg.socket,
-                        STALL_NS / 1_000_000_000
-                    );
-                }
-                return Err(End::Stalled);
-            }
         }
-    })();
-    CONN_FD.store(-1, Release);
-    // Wake any thread blocked sending to a broker that stopped reading,
-    // and let a send in progress finish before the descriptor is closed
-    // (and its number reused).
-    let _ = s.shutdown(std::net::Shutdown::Both);
-    drop(SEND.lock().unwrap_or_else(|e| e.into_inner()));
-    drop(s);
-    match result {
-        Err(End::Lost(e)) => {
-            warn!("lost the broker ({e}); retrying");
-            false
+        if !ended(&conn) {
+            let g = gauges();
+            feed(session, Event::Tick(&g), &mut conn, cfg, out);
         }
-        Err(End::Stalled) => true,
-        Ok(()) => false,
     }
 }
 
-fn ordinal_of(uuid: &[u8; 16]) -> Option<usize> {
-    devices::all()
-        .iter()
-        .position(|d| &d.uuid.bytes == uuid)
-        .filter(|&i| i < MAX_DEVICES)
-}
-
-fn on_message(m: ServerMsg) {
-    match m {
-        ServerMsg::Grant {
-            uuid,
-            grant,
-            slice_ns,
-            bound_ns,
-            waiters,
-        } => {
-            let Some(d) = ordinal_of(&uuid) else { return };
-            let bit = 1u64 << d;
-            if grant == RELEASED_ID[d].load(Relaxed) {
-                // An update that crossed our release on the wire.
+/// Does what the session decided.
+fn apply(a: Action, conn: &mut Option<Conn>, cfg: &ShimConfig) {
+    match a {
+        Action::Send(m) => match conn {
+            Some(c) if !c.published => {
+                // Registration, before application threads may send: the
+                // client thread writes alone.
+                let mut buf = Vec::new();
+                wire::encode_client(&m, &mut buf);
+                if let Err(e) = c.s.write_all(&buf) {
+                    c.failed = Some(e.to_string());
+                }
+            }
+            // A send that fails on a published connection is a connection
+            // lost, which its read says.
+            _ => {
+                send(&m);
+            }
+        },
+        Action::Arbitrate => {
+            let Some(c) = conn else { return };
+            if c.failed.is_some() {
                 return;
             }
-            GRANT_ID[d].store(grant, Relaxed);
-            BOUND_NS[d].store(bound_ns, Relaxed);
-            SLICE_NS[d].store(slice_ns, Relaxed);
-            if bound_ns == 0 {
-                BOUNDED.fetch_and(!bit, SeqCst);
-            } else {
-                ALL_OPEN.store(false, SeqCst);
-                LAST_LAUNCH[d].store(now_ns(), Relaxed);
-                BOUNDED.fetch_or(bit, SeqCst);
-            }
-            OPTIMISTIC_UNTIL[d].store(0, Relaxed);
-            if slice_ns == 0 && !waiters {
-                CONTENDED.fetch_and(!bit, SeqCst);
-            } else {
-                // Contention starts now: give the holder a fresh idle window,
-                // and send launches back through the lane that stamps it.
-                ALL_OPEN.store(false, SeqCst);
-                LAST_LAUNCH[d].store(now_ns(), Relaxed);
-                CONTENDED.fetch_or(bit, SeqCst);
-            }
-            if OPEN.fetch_or(bit, SeqCst) & bit == 0 {
-                GRANTED_AT[d].store(now_ns(), Relaxed);
-            }
-            REQUESTED.fetch_and(!bit, SeqCst);
-            update_all_open();
-            debug!(
-                "device {d}: granted ({})",
-                if slice_ns == 0 {
-                    "open-ended"
-                } else {
-                    "timeslice"
-                }
-            );
+            use std::os::fd::AsRawFd;
+            close_gates();
+            CONN_FD.store(c.s.as_raw_fd(), Release);
+            c.published = true;
+            GATED.store(true, Release);
             wake_all();
         }
-        ServerMsg::Revoke { uuid, grant } => {
-            // Revoked while busy: this process still has work (see release).
-            if let Some(d) = ordinal_of(&uuid)
-                && grant == GRANT_ID[d].load(Relaxed)
+        Action::Open {
+            dev,
+            contended,
+            bound_ns,
+            stamp,
+            all_open,
+        } => open(dev, contended, bound_ns, stamp, all_open),
+        Action::Release {
+            dev,
+            ask_again,
+            release: msg,
+        } => release(dev, ask_again, &msg),
+        Action::Drain { dev } => request_drain(dev),
+        Action::EndOptimism { dev, until } => {
+            // An application thread may have closed it first (and drained),
+            // or opened a new one.
+            if OPTIMISTIC_UNTIL[dev]
+                .compare_exchange(until, 0, Relaxed, Relaxed)
+                .is_ok()
             {
-                release(d, true);
+                request_drain(dev);
             }
         }
-        ServerMsg::Registered { mem_cap } => {
-            apply_job_cap(mem_cap);
-            first_registration_done();
+        Action::ApplyCap(cap) => apply_job_cap(cap),
+        Action::FirstRegistrationDone => first_registration_done(),
+        Action::Say(note) => say(note, cfg),
+        Action::End => {
+            let Some(c) = conn else { return };
+            CONN_FD.store(-1, Release);
+            // Wake any thread blocked sending to a broker that stopped
+            // reading, and let a send in progress finish before the
+            // descriptor is closed (and its number reused) with `c`.
+            let _ = c.s.shutdown(std::net::Shutdown::Both);
+            drop(SEND.lock().unwrap_or_else(|e| e.into_inner()));
+            c.ended = true;
         }
-        ServerMsg::Error { message, .. } => {
-            crate::log::write_line(format_args!("the broker refused this process: {message}"));
-            first_registration_done();
+        Action::Unarbitrated { gated } => {
+            close_gates();
+            GATED.store(gated, Release);
+            wake_all();
         }
-        _ => {}
     }
+}
+
+fn say(note: Note, cfg: &ShimConfig) {
+    let socket = &cfg.socket;
+    match note {
+        Note::Registered => info!("registered with the broker at {socket}"),
+        Note::Refused(message) => {
+            crate::log::write_line(format_args!("the broker refused this process: {message}"))
+        }
+        Note::StalledWaiting => crate::log::write_line(format_args!(
+            "broker at {socket} has not answered for {STALL_S} s; launches wait for it (GPUFRAC_BROKER=required)"
+        )),
+        Note::StalledUnarbitrated { loud: true } => crate::log::write_line(format_args!(
+            "broker at {socket} has not answered for {STALL_S} s; launching unarbitrated until it answers again"
+        )),
+        Note::StalledUnarbitrated { loud: false } => warn!(
+            "broker at {socket} has not answered for {STALL_S} s; launching unarbitrated until it answers again"
+        ),
+        Note::Lost(e) => warn!("lost the broker ({e}); retrying"),
+        Note::NoBroker { what, loud: true } => crate::log::write_line(format_args!(
+            "{what}; memory caps are enforced, compute shares and limits are not until it returns"
+        )),
+        Note::NoBroker { what, loud: false } => {
+            warn!("{what}; memory caps are enforced, compute is not arbitrated")
+        }
+        Note::Granted { dev, open_ended } => debug!(
+            "device {dev}: granted ({})",
+            if open_ended {
+                "open-ended"
+            } else {
+                "timeslice"
+            }
+        ),
+        Note::Released { dev, held_ns } => {
+            debug!("device {dev}: released after {} us", held_ns / 1000)
+        }
+    }
+}
+
+/// Opens `dev` under a grant (see `Action::Open`).
+fn open(d: usize, contended: bool, bound_ns: u64, stamp: Option<u64>, all_open: bool) {
+    let bit = 1u64 << d;
+    BOUND_NS[d].store(bound_ns, Relaxed);
+    if contended || bound_ns != 0 {
+        // Launches go back through the lane that stamps their time before
+        // the stamp that starts the idle window.
+        ALL_OPEN.store(false, SeqCst);
+    }
+    if let Some(t) = stamp {
+        LAST_LAUNCH[d].store(t, Relaxed);
+    }
+    if bound_ns == 0 {
+        BOUNDED.fetch_and(!bit, SeqCst);
+    } else {
+        BOUNDED.fetch_or(bit, SeqCst);
+    }
+    OPTIMISTIC_UNTIL[d].store(0, Relaxed);
+    if contended {
+        CONTENDED.fetch_or(bit, SeqCst);
+    } else {
+        CONTENDED.fetch_and(!bit, SeqCst);
+    }
+    OPEN.fetch_or(bit, SeqCst);
+    REQUESTED.fetch_and(!bit, SeqCst);
+    ALL_OPEN.store(all_open, SeqCst);
+    wake_all();
 }
 
 /// The job's cap, from its lease: it holds even if the process's
 /// environment lost or raised GPU_MEM_LIMIT.
 fn apply_job_cap(mem_cap: u64) {
-    if mem_cap == 0 {
-        return;
-    }
     let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
     let mut lowered = false;
     for l in &LEDGERS[..n] {
@@ -928,9 +933,9 @@ fn apply_job_cap(mem_cap: u64) {
     }
 }
 
-/// Stops launching on `d`, waits for launches already past the gate, drains
-/// this process's work there and tells the broker.
-fn release(d: usize, wants_again: bool) {
+/// Stops launching on `d`, waits for launches already past the gate and
+/// tells the broker (`ask_again` first).
+fn release(d: usize, ask_again: Option<ClientMsg>, msg: &ClientMsg) {
     let bit = 1u64 << d;
     // Held until the Release is on the wire: an application thread that
     // finds the gate closed and asks again must be heard *after* this
@@ -945,16 +950,16 @@ fn release(d: usize, wants_again: bool) {
         unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) };
     }
     if OPEN.fetch_and(!bit, SeqCst) & bit == 0 {
+        // Closed under the session by a contained panic: nothing to hand
+        // back.
         return;
     }
-    RELEASED_ID[d].store(GRANT_ID[d].load(Relaxed), Relaxed);
-    let uuid = devices::all().get(d).map(|dev| dev.uuid.bytes);
     OPTIMISTIC_UNTIL[d].store(0, Relaxed);
-    if let (true, Some(uuid)) = (wants_again, uuid) {
+    if let Some(acquire) = ask_again {
         // Still busy: ask again *before* releasing, to keep this process's
         // place in the fair queue instead of going idle.
         REQUESTED.fetch_or(bit, SeqCst);
-        send_locked(&sending, &ClientMsg::Acquire { uuid });
+        send_locked(&sending, &acquire);
     }
     let slots = (SLOTS_USED.load(Acquire) as usize).min(NSLOT);
     while IN_FLIGHT[d].load(SeqCst) > 0
@@ -963,24 +968,9 @@ fn release(d: usize, wants_again: bool) {
     {
         std::thread::yield_now();
     }
-    // No drain here: the next holder starts now, and the GPU's time-slicer
-    // interleaves what this process still has queued (kept short by the
-    // in-flight bound). The drain thread reports when it has finished.
     CONTENDED.fetch_and(!bit, SeqCst);
     BOUNDED.fetch_and(!bit, SeqCst);
-    let held = now_ns().saturating_sub(GRANTED_AT[d].load(Relaxed));
-    if let Some(uuid) = uuid {
-        send_locked(
-            &sending,
-            &ClientMsg::Release {
-                uuid,
-                held_ns: held,
-            },
-        );
-    }
-    drop(sending);
-    request_drain(d);
-    debug!("device {d}: released after {} us", held / 1000);
+    send_locked(&sending, msg);
 }
 
 fn request_drain(d: usize) {
@@ -1042,19 +1032,6 @@ pub fn syncing<F: FnOnce() -> u32>(f: F) -> u32 {
     rc
 }
 
-/// A process whose launches went out ahead of a grant that has not come
-/// within the window reports that work once it has run, whether or not it
-/// launches again: the broker charges it until then.
-fn end_optimism() {
-    let now = now_ns();
-    let open = OPEN.load(Relaxed);
-    for d in 0..MAX_DEVICES {
-        if open & (1 << d) == 0 {
-            expire_optimism(d, now);
-        }
-    }
-}
-
 /// Closes `d`'s optimistic window if it has run out without a grant; what
 /// went out meanwhile is charged until it has run, so ask for that report.
 fn expire_optimism(d: usize, now: u64) {
@@ -1062,47 +1039,6 @@ fn expire_optimism(d: usize, now: u64) {
     let until = o.load(Relaxed);
     if until != 0 && now >= until && o.swap(0, Relaxed) != 0 {
         request_drain(d);
-    }
-}
-
-fn idle_handback() {
-    let contended = shared() & OPEN.load(Relaxed);
-    if contended == 0 || SYNCING.load(SeqCst) > 0 {
-        return;
-    }
-    let now = now_ns();
-    for d in 0..MAX_DEVICES {
-        if contended & (1 << d) != 0
-            && IN_FLIGHT[d].load(Relaxed) == 0
-            && now.saturating_sub(LAST_LAUNCH[d].load(Relaxed)) >= IDLE_HANDBACK_NS
-        {
-            release(d, false);
-        }
-    }
-}
-
-/// Sends the figures of every device whose (used, peak, ooms) changed since
-/// they were last sent: comparing values costs the allocation path nothing.
-fn report_usage(reported: &mut [(u64, u64, u64); MAX_DEVICES]) {
-    let n = (NDEV.load(Relaxed) as usize).min(MAX_DEVICES);
-    for (d, dev) in devices::all().iter().enumerate().take(n) {
-        let l = &LEDGERS[d];
-        let now = (
-            l.used.load(Relaxed),
-            l.peak.load(Relaxed),
-            l.ooms.load(Relaxed),
-        );
-        if reported[d] == now {
-            continue;
-        }
-        if send(&ClientMsg::Usage {
-            uuid: dev.uuid.bytes,
-            used: now.0,
-            peak: now.1,
-            ooms: now.2,
-        }) {
-            reported[d] = now;
-        }
     }
 }
 

@@ -49,6 +49,7 @@ mod driver;
 mod hooklist;
 
 mod estimate;
+mod session;
 mod view;
 mod watch;
 
