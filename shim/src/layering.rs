@@ -11,7 +11,7 @@ const LAYERS: &[&[&str]] = &[
     &["log", "boundary", "hooklist", "driver"],
     &["view", "estimate", "watch", "session", "session::tests"],
     &["config", "ledger", "devices", "contexts"],
-    &["gate", "inflight", "client"],
+    &["gate", "inflight", "client", "client::compute"],
     &[
         "hooks",
         "hooks::ctx",
