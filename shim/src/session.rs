@@ -179,6 +179,8 @@ struct Device {
     reported: Option<Usage>,
 }
 
+/// This process's session with the broker, across reconnections: one per
+/// client thread.
 pub struct Session {
     job: u64,
     share: Option<f64>,

@@ -210,6 +210,30 @@ fn a_revoke_of_the_current_grant_releases_asking_again_then_drains() {
 }
 
 #[test]
+fn a_grant_is_held_from_its_first_message_not_its_updates() {
+    let mut s = session(1);
+    run(&mut s, T0, grant(0, 7, 0, 0, false));
+    // Someone asks: the same grant, now contended.
+    let a = run(&mut s, T0 + 5 * MS, grant(0, 7, 20 * MS, 0, true));
+    assert!(matches!(
+        a[0],
+        Action::Open {
+            dev: 0,
+            contended: true,
+            ..
+        }
+    ));
+    let a = run(&mut s, T0 + 25 * MS, revoke(0, 7));
+    assert!(matches!(
+        a[0],
+        Action::Release {
+            release: ClientMsg::Release { held_ns, .. },
+            ..
+        } if held_ns == 25 * MS
+    ));
+}
+
+#[test]
 fn a_revoke_of_another_grant_or_of_a_released_one_is_ignored() {
     let mut s = session(1);
     run(&mut s, T0, grant(0, 7, 20 * MS, 0, false));
