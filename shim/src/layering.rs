@@ -9,9 +9,9 @@ use std::path::Path;
 /// Bottom to top, as lib.rs describes them.
 const LAYERS: &[&[&str]] = &[
     &["log", "boundary", "hooklist", "driver"],
-    &["view", "estimate", "watch"],
+    &["view", "estimate", "watch", "session", "session::tests"],
     &["config", "ledger", "devices", "contexts"],
-    &["gate", "inflight", "client"],
+    &["gate", "inflight", "client", "client::compute"],
     &[
         "hooks",
         "hooks::ctx",

@@ -18,13 +18,15 @@
 //!    loading of libcuda, NVML and cudart).
 //! 1. **Pure logic**, no driver and no global state: `view` (the virtual
 //!    memory view), `estimate` (the in-flight estimate), `watch` (when a
-//!    silent broker counts as gone).
+//!    silent broker counts as gone), `session` (the broker session's
+//!    decisions, a state machine in virtual time).
 //! 2. **Process state**: `config` (staged initialisation), `ledger` (the
 //!    books, the process's and the job's), `devices` (sizes, UUIDs, caps),
 //!    `contexts`.
 //! 3. **Gates**: `gate` (the memory gate and the charge), `inflight` (the
-//!    in-flight bound's driver events), `client` (the compute gate and the
-//!    broker session).
+//!    in-flight bound's driver events), `client` (the client thread: the
+//!    broker connection, applying the session's decisions) and
+//!    `client::compute` (the compute gate that launches pass).
 //! 4. **Hooks**: `hooks::*`, what each exported entry point does.
 //! 5. **Exports**: `exports` (the list expanded into exported symbols, the
 //!    table that lookups hand out, and `cuGetProcAddress`'s hooks, which
@@ -49,6 +51,7 @@ mod driver;
 mod hooklist;
 
 mod estimate;
+mod session;
 mod view;
 mod watch;
 
