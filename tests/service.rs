@@ -83,17 +83,7 @@ impl Logged {
     }
 
     fn first_gpu_uuid(&self) -> [u8; 16] {
-        let s = self.status();
-        let hex: String = s["gpus"][0]["uuid"]
-            .as_str()
-            .unwrap()
-            .trim_start_matches("GPU-")
-            .replace('-', "");
-        let mut uuid = [0u8; 16];
-        for (i, byte) in uuid.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-        }
-        uuid
+        first_gpu_uuid_in(&self.status())
     }
 
     /// `gpufrac run ARGS` against this broker.

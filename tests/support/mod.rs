@@ -381,17 +381,7 @@ impl Broker {
 
     /// The first GPU's UUID as the wire carries it.
     pub fn first_gpu_uuid(&self) -> [u8; 16] {
-        let s = self.status();
-        let hex: String = s["gpus"][0]["uuid"]
-            .as_str()
-            .unwrap()
-            .trim_start_matches("GPU-")
-            .replace('-', "");
-        let mut uuid = [0u8; 16];
-        for (i, byte) in uuid.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
-        }
-        uuid
+        first_gpu_uuid_in(&self.status())
     }
 
     /// The state file (unless the test named its own `--state-dir`).
@@ -444,6 +434,12 @@ impl Drop for Broker {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The first GPU's UUID in a status document, as the wire carries it.
+pub fn first_gpu_uuid_in(status: &serde_json::Value) -> [u8; 16] {
+    let text = status["gpus"][0]["uuid"].as_str().expect("a GPU in status");
+    gpufrac_common::wire::parse_uuid(text).expect("a GPU-… UUID")
 }
 
 /// A protocol-level client for poking the broker directly.
