@@ -9,7 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::clients::lower_caps;
 use super::{Broker, ConnId, MigDone, Nanos, Work, clip};
-use crate::jobs::{self, Job, Phase};
+use crate::jobs::{Job, Phase};
 use crate::mig;
 use crate::queue::{self, Pinned, Want};
 use crate::statefile::Loaded;
@@ -92,7 +92,7 @@ impl Broker {
         };
         self.look_up_command(id);
         let token = match a.token {
-            0 => jobs::new_token(),
+            0 => self.new_token(),
             t => t,
         };
         let job = self.job_for(id, &a, token, start_time);

@@ -29,6 +29,11 @@ use crate::authority::{Peer, Policy};
 use crate::jobs::Job;
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
+
+/// Where job tokens come from: random in the broker (`jobs::new_token`),
+/// a fixed sequence in tests. A token names a job on the wire, so a real
+/// source must be unguessable.
+pub type Tokens = Box<dyn FnMut() -> u64>;
 use crate::queue::{self, Queue, QueueConfig};
 use crate::sched::{Action, SchedConfig, Scheduler, Weights};
 use crate::status::MpsStatus;
@@ -221,7 +226,9 @@ pub struct Broker {
     job_conn: HashMap<u64, ConnId>,
     leased_at: HashMap<u64, Nanos>,
     procs: Box<dyn Procs>,
-    telemetry: Box<dyn Telemetry>,
+    tokens: Tokens,
+    /// The driver's view, as the shell last sampled it (`telemetry`).
+    telemetry: Telemetry,
     mps: Option<MpsStatus>,
     /// State: changes counted, the last count handed out to be written
     /// and the last known written, and when the last write was handed out.
@@ -263,7 +270,7 @@ impl Broker {
         planner: mig::Planner,
         discovered: bool,
         procs: Box<dyn Procs>,
-        telemetry: Box<dyn Telemetry>,
+        tokens: Tokens,
         now: Nanos,
     ) -> Broker {
         let qgpus = gpus
@@ -298,7 +305,8 @@ impl Broker {
             job_conn: HashMap::new(),
             leased_at: HashMap::new(),
             procs,
-            telemetry,
+            tokens,
+            telemetry: Telemetry::default(),
             mps: None,
             state_seq: 0,
             saving: None,
@@ -330,6 +338,36 @@ impl Broker {
     /// The MPS control daemon's state (MPS mode), as the shell sees it.
     pub fn set_mps(&mut self, mps: Option<MpsStatus>) {
         self.mps = mps;
+    }
+
+    /// What the driver said of each GPU, sampled by the shell (NVML is
+    /// never asked from inside the core: a slow driver must not stall
+    /// grants). Status shows it until the next sample.
+    pub fn telemetry(&mut self, now: Nanos, snapshot: Telemetry) {
+        self.clock(now);
+        self.telemetry = snapshot;
+    }
+
+    /// The UUIDs the shell's sampler asks the driver about: every GPU and
+    /// MIG instance status shows utilisation or driver memory for.
+    pub fn telemetry_uuids(&self) -> Vec<String> {
+        let live = self.live_mig_uuids();
+        self.gpus
+            .iter()
+            .filter(|g| g.mig.is_none() || live.contains(&g.uuid_str))
+            .map(|g| g.uuid_str.clone())
+            .collect()
+    }
+
+    /// A token for a new job: never 0 (which means "none" on the wire) nor
+    /// another job's.
+    fn new_token(&mut self) -> u64 {
+        loop {
+            let t = (self.tokens)();
+            if t != 0 && !self.jobs.contains_key(&t) {
+                return t;
+            }
+        }
     }
 
     fn clock(&mut self, now: Nanos) -> Nanos {
