@@ -109,7 +109,7 @@ impl Broker {
                 let why = self.recovering_text(now);
                 self.refuse(id, format!("no room now: {why}; drop --no-wait to queue"));
             }
-            Some(req) if a.no_wait => match self.queue.try_now(now, token, req) {
+            Some(req) if a.no_wait => match self.queue_mut().try_now(now, token, req) {
                 Ok(lease) => {
                     let mut job = job;
                     job.phase = Phase::Running {
@@ -121,7 +121,7 @@ impl Broker {
                 }
                 Err(r) => self.refuse(id, r.reason),
             },
-            Some(req) => match self.queue.submit(now, token, req) {
+            Some(req) => match self.queue_mut().submit(now, token, req) {
                 Ok(()) => {
                     let mut job = job;
                     job.phase = Phase::Queued { since: now };
@@ -231,7 +231,7 @@ impl Broker {
         if let Some(c) = self.conns.get_mut(&id) {
             c.command = label.clone();
         }
-        self.queue.relabel(t, &label, pod.as_deref());
+        self.queue_mut().relabel(t, &label, pod.as_deref());
         if let Some(j) = self.jobs.get_mut(&t) {
             j.label = label;
             j.pod = pod;
@@ -259,6 +259,8 @@ impl Broker {
         let t = job.token;
         self.jobs.insert(t, job);
         self.job_conn.insert(t, id);
+        // Its run is told its position at the next pump.
+        self.queue_dirty = true;
         if let Some(c) = self.conns.get_mut(&id) {
             c.job = Some(t);
         }
@@ -357,6 +359,7 @@ impl Broker {
         }
         let pid = peer.pid;
         self.job_conn.insert(token, id);
+        self.queue_dirty = true;
         let (phase, label) = {
             let j = &self.jobs[&token];
             (j.phase.clone(), j.label.clone())
@@ -405,7 +408,9 @@ impl Broker {
                     .filter(|g| named(&g.uuid))
                     .map(|g| g.index)
                     .collect();
-                self.queue.restore(job.token, req, &gpus).map(|l| (l, None))
+                self.queue_mut()
+                    .restore(job.token, req, &gpus)
+                    .map(|l| (l, None))
             }
         };
         match restored {
@@ -443,8 +448,8 @@ impl Broker {
                     "the job's MIG instance is idle; kept for the next job until its room is needed"
                 );
             }
-            self.queue.cancel(now, token);
-            self.queue.release(now, token);
+            self.queue_mut().cancel(now, token);
+            self.queue_mut().release(now, token);
         }
         self.undelivered.retain(|&(_, t)| t != token);
         self.leased_at.remove(&token);
@@ -580,7 +585,7 @@ impl Broker {
             abandoned: true,
         });
         for &gi in &done.destroyed {
-            self.queue.mig_destroyed(done.gpu, gi);
+            self.queue_mut().mig_destroyed(done.gpu, gi);
             info!(
                 gpu = done.gpu,
                 gi, "destroyed an idle MIG instance to make room"
@@ -594,15 +599,17 @@ impl Broker {
                     .map_or((String::new(), 0), |a| (a.profile_name.clone(), a.mem));
                 info!(gpu = done.gpu, gi, %profile, %uuid, "created a MIG instance");
                 self.add_mig_unit(done.gpu, gi, &uuid, &profile, mem);
-                let lease = self.queue.mig_created(done.lease, gi, uuid);
+                let lease = self.queue_mut().mig_created(done.lease, gi, uuid);
                 match lease {
-                    Some(_) if making.abandoned => self.queue.release(now, done.lease),
+                    Some(_) if making.abandoned => self.queue_mut().release(now, done.lease),
                     Some(lease) => self.granted(now, lease),
                     None => {}
                 }
             }
             Err((e, found)) => {
-                let requeued = self.queue.mig_failed(now, done.lease, found.as_deref());
+                let requeued = self
+                    .queue_mut()
+                    .mig_failed(now, done.lease, found.as_deref());
                 if let Some(a) = &a {
                     warn!(
                         gpu = a.gpu,
@@ -614,7 +621,7 @@ impl Broker {
                     );
                 }
                 if making.abandoned {
-                    self.queue.cancel(now, done.lease);
+                    self.queue_mut().cancel(now, done.lease);
                 } else if let Some(id) = making.no_wait {
                     // The job of a refused `--no-wait` never was (the
                     // queue holds nothing of it any more).
@@ -665,7 +672,7 @@ impl Broker {
                     Some(req),
                 ) => match gpus
                     .first()
-                    .map(|&ix| self.queue.restore_mig(j.token, req, ix, uuid))
+                    .map(|&ix| self.queue_mut().restore_mig(j.token, req, ix, uuid))
                 {
                     Some(Ok(_)) => true,
                     Some(Err(r)) => {
@@ -675,7 +682,7 @@ impl Broker {
                     None => false,
                 },
                 (Phase::Running { gpus, mig: None }, Some(req)) => {
-                    match self.queue.restore(j.token, req, gpus) {
+                    match self.queue_mut().restore(j.token, req, gpus) {
                         Ok(_) => true,
                         Err(r) => {
                             warn!(pid = j.pid, "cannot restore a lease: {}", r.reason);
@@ -731,6 +738,7 @@ impl Broker {
             .is_some_and(|(until, _)| now >= *until)
         {
             self.recovery = None;
+            self.queue_dirty = true;
             info!(
                 jobs = self.jobs.len(),
                 "recovery over: placing new leases again"

@@ -20,7 +20,7 @@ mod view;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 use tracing::warn;
@@ -257,6 +257,19 @@ pub struct Broker {
     /// Connections whose held-back input may be handled again (a status
     /// reply they waited for went out): the shell serves them next turn.
     unblocked: Vec<ConnId>,
+    /// What changed, kept as it changes so that each turn's work is
+    /// proportional to it, not to every connection: connections closed
+    /// (`dead`), with output waiting (`pending_output`), and holding a
+    /// status request back (`answer_held_status`).
+    closing: BTreeSet<ConnId>,
+    unsent: BTreeSet<ConnId>,
+    status_held: BTreeSet<ConnId>,
+    /// The queue changed since it was last polled (a request, a release, a
+    /// run attached to its job, the end of a recovery): `pump` polls it
+    /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
+    /// idle MIG instances change with time alone).
+    queue_dirty: bool,
+    queue_polled: Nanos,
     now: Nanos,
 }
 
@@ -321,6 +334,11 @@ impl Broker {
             warnings: RateLimit::new(WARN_EVERY),
             voices: HashMap::new(),
             unblocked: Vec::new(),
+            closing: BTreeSet::new(),
+            unsent: BTreeSet::new(),
+            status_held: BTreeSet::new(),
+            queue_dirty: true,
+            queue_polled: now,
             now,
         };
         // Instances found at start are units of arbitration from the
@@ -503,6 +521,7 @@ impl Broker {
         if h.input + bytes.len() > self.cfg.budgets.input {
             let pid = c.peer.pid;
             c.dead = true;
+            self.closing.insert(id);
             self.warn_uid(
                 uid,
                 format_args!(
@@ -618,6 +637,7 @@ impl Broker {
             self.send(id, &ServerMsg::StatusReply { json });
         } else if let Some(c) = self.conns.get_mut(&id) {
             c.status_wait = Some(from);
+            self.status_held.insert(id);
         }
     }
 
@@ -625,10 +645,11 @@ impl Broker {
     /// one connection after another from where the last round stopped.
     fn answer_held_status(&mut self, now: Nanos) {
         let waiting: Vec<(ConnId, u32, u32)> = self
-            .conns
+            .status_held
             .iter()
+            .filter_map(|id| self.conns.get(id).map(|c| (*id, c)))
             .filter(|(_, c)| !c.dead)
-            .filter_map(|(&id, c)| c.status_wait.map(|f| (id, c.peer.uid, f)))
+            .filter_map(|(id, c)| c.status_wait.map(|f| (id, c.peer.uid, f)))
             .collect();
         for (id, uid, from) in waiting {
             if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
@@ -637,6 +658,7 @@ impl Broker {
             let json = self.status_json(now, from as usize);
             if let Some(c) = self.conns.get_mut(&id) {
                 c.status_wait = None;
+                self.status_held.remove(&id);
                 // What it sent after the request is handled next turn,
                 // within the turn's budget.
                 c.more = true;
@@ -654,6 +676,7 @@ impl Broker {
     fn kill(&mut self, id: ConnId) {
         if let Some(c) = self.conns.get_mut(&id) {
             c.dead = true;
+            self.closing.insert(id);
         }
     }
 
@@ -667,8 +690,11 @@ impl Broker {
         if let Some(c) = self.conns.get_mut(&id) {
             let n = n.min(c.outbuf.len());
             c.outbuf.drain(..n);
-            if c.outbuf.is_empty() && c.outbuf.capacity() > 64 << 10 {
-                c.outbuf = Vec::new();
+            if c.outbuf.is_empty() {
+                self.unsent.remove(&id);
+                if c.outbuf.capacity() > 64 << 10 {
+                    c.outbuf = Vec::new();
+                }
             }
             if let Some(h) = self.held.get_mut(&c.peer.uid) {
                 h.output = h.output.saturating_sub(n);
@@ -678,21 +704,13 @@ impl Broker {
 
     /// Connections with output waiting.
     pub fn pending_output(&self) -> Vec<ConnId> {
-        self.conns
-            .iter()
-            .filter(|(_, c)| !c.outbuf.is_empty())
-            .map(|(&id, _)| id)
-            .collect()
+        self.unsent.iter().copied().collect()
     }
 
     /// Connections the core is done with: the shell writes what it still
     /// can of their output, closes them and calls `remove`.
     pub fn dead(&self) -> Vec<ConnId> {
-        self.conns
-            .iter()
-            .filter(|(_, c)| c.dead)
-            .map(|(&id, _)| id)
-            .collect()
+        self.closing.iter().copied().collect()
     }
 
     pub fn is_dead(&self, id: ConnId) -> bool {
@@ -706,6 +724,9 @@ impl Broker {
         let Some(c) = self.conns.remove(&id) else {
             return;
         };
+        self.closing.remove(&id);
+        self.unsent.remove(&id);
+        self.status_held.remove(&id);
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
             h.conns = h.conns.saturating_sub(1);
             h.input = h.input.saturating_sub(c.inbuf.len());
@@ -755,6 +776,7 @@ impl Broker {
                 "closing a stalled connection"
             );
             c.dead = true;
+            self.closing.insert(id);
         }
     }
 
@@ -797,7 +819,11 @@ impl Broker {
             .min();
         let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
         if self.queue.has_waiting() {
-            at(now + QUEUE_TICK);
+            at(if self.queue_dirty {
+                now
+            } else {
+                self.queue_polled + QUEUE_TICK
+            });
         }
         let sweep = self
             .conns
@@ -814,8 +840,8 @@ impl Broker {
             at(*until);
         }
         // A held status request: when its user's budget next refills.
-        for c in self.conns.values().filter(|c| !c.dead) {
-            if c.status_wait.is_some() {
+        for c in self.status_held.iter().filter_map(|id| self.conns.get(id)) {
+            if !c.dead && c.status_wait.is_some() {
                 let v = self.voices.get(&c.peer.uid);
                 at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
             }
@@ -843,11 +869,15 @@ impl Broker {
         let before = c.outbuf.len();
         wire::encode_server(msg, &mut c.outbuf);
         let added = c.outbuf.len() - before;
+        if added > 0 {
+            self.unsent.insert(id);
+        }
         let h = self.held.entry(c.peer.uid).or_default();
         h.output += added;
         let (pid, uid) = (c.peer.pid, c.peer.uid);
         if c.outbuf.len() > MAX_OUTBUF {
             c.dead = true;
+            self.closing.insert(id);
             self.warn_uid(
                 uid,
                 format_args!(
@@ -856,6 +886,7 @@ impl Broker {
             );
         } else if h.output > self.cfg.budgets.output {
             c.dead = true;
+            self.closing.insert(id);
             self.warn_uid(
                 uid,
                 format_args!(
@@ -898,12 +929,25 @@ impl Broker {
                 }
             }
         }
-        if self.placing(now) {
-            for lease in self.queue.poll(now) {
-                self.placed(now, lease, None);
+        // The queue is sorted and walked only when something changed, or
+        // once a tick while time alone may change its order.
+        let due = self.queue_dirty || now >= self.queue_polled + QUEUE_TICK;
+        if due {
+            self.queue_dirty = false;
+            self.queue_polled = now;
+            if self.placing(now) {
+                for lease in self.queue.poll(now) {
+                    self.placed(now, lease, None);
+                }
             }
+            self.tell_positions(now);
         }
-        self.tell_positions(now);
+    }
+
+    /// The queue, to change it: it is polled again at the next `pump`.
+    fn queue_mut(&mut self) -> &mut Queue {
+        self.queue_dirty = true;
+        &mut self.queue
     }
 
     /// The state to write, if it changed and a write is due: (its number,

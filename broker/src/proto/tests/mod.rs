@@ -7,6 +7,7 @@
 mod budgets;
 mod classes;
 mod deadlines;
+mod dirty_sets;
 mod fairness;
 mod identity;
 mod mig_instances;
