@@ -243,7 +243,7 @@ impl Broker {
     /// the MPS pipe, in MPS mode).
     fn send_unplaced(&mut self, now: Nanos, id: ConnId, token: u64) {
         // Held from now, as a placed lease is from its grant (status's HELD).
-        self.leased_at.entry(token).or_insert(now);
+        self.jobs.leased(token, now);
         let msg = ServerMsg::Leased {
             gpus: Vec::new(),
             uuids: Vec::new(),
@@ -257,8 +257,8 @@ impl Broker {
 
     fn attach_job(&mut self, now: Nanos, id: ConnId, job: Job) {
         let t = job.token;
-        self.jobs.insert(t, job);
-        self.job_conn.insert(t, id);
+        self.jobs.insert(job);
+        self.jobs.set_run(t, id);
         // Its run is told its position at the next pump.
         self.queue_dirty = true;
         if let Some(c) = self.conns.get_mut(&id) {
@@ -293,6 +293,7 @@ impl Broker {
         for t in who {
             if let Some(c) = self.conns.get_mut(&t) {
                 c.member_of = Some(token);
+                self.jobs.join(token, t);
                 lower_caps(&mut c.devices, mem_cap);
             }
             if mem_cap > 0 {
@@ -316,9 +317,9 @@ impl Broker {
         let peer = c.peer.clone();
         let start = peer.start_time;
         let taken = self
-            .job_conn
-            .get(&token)
-            .is_some_and(|t| self.conns.contains_key(t));
+            .jobs
+            .run(&token)
+            .is_some_and(|t| self.conns.contains_key(&t));
         const NO_SUCH: &str = "this broker has no such lease to resume (it was started without the state file, or the lease ended)";
         match self.jobs.get(&token) {
             Some(j) if !taken && self.cfg.policy.may_resume(&peer, j) => {}
@@ -358,11 +359,14 @@ impl Broker {
             }
         }
         let pid = peer.pid;
-        self.job_conn.insert(token, id);
+        self.jobs.set_run(token, id);
         self.queue_dirty = true;
-        let (phase, label) = {
-            let j = &self.jobs[&token];
-            (j.phase.clone(), j.label.clone())
+        let Some((phase, label)) = self
+            .jobs
+            .get(&token)
+            .map(|j| (j.phase.clone(), j.label.clone()))
+        else {
+            return;
         };
         info!(pid, "gpufrac run reclaimed its job");
         if let Some(c) = self.conns.get_mut(&id) {
@@ -375,7 +379,7 @@ impl Broker {
         match phase {
             Phase::Queued { .. } => {}
             Phase::Unplaced => self.send_unplaced(now, id, token),
-            Phase::Running { .. } if self.undelivered.iter().any(|&(_, t)| t == token) => {}
+            Phase::Running { .. } if self.jobs.undelivered(&token) => {}
             Phase::Running { .. } => self.tell_lease(token),
         }
     }
@@ -451,18 +455,10 @@ impl Broker {
             self.queue_mut().cancel(now, token);
             self.queue_mut().release(now, token);
         }
-        self.undelivered.retain(|&(_, t)| t != token);
-        self.leased_at.remove(&token);
-        self.job_conn.remove(&token);
-        if let Some(j) = self.jobs.remove(&token) {
+        if let Some(e) = self.jobs.end(token) {
+            let j = e.job;
             self.changed();
-            let members: Vec<ConnId> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.member_of == Some(token))
-                .map(|(&t, _)| t)
-                .collect();
-            for t in members {
+            for t in e.members {
                 if let Some(c) = self.conns.get_mut(&t) {
                     c.member_of = None;
                 }
@@ -506,13 +502,13 @@ impl Broker {
         }
         self.changed();
         self.rejoin(now, lease.id);
-        self.leased_at.entry(lease.id).or_insert(now);
-        if let Some(&id) = self.job_conn.get(&lease.id)
+        self.jobs.leased(lease.id, now);
+        if let Some(id) = self.jobs.run(&lease.id)
             && let Some(c) = self.conns.get_mut(&id)
         {
             c.queued = None;
         }
-        self.undelivered.push((self.state_seq, lease.id));
+        self.jobs.hold_until_saved(lease.id, self.state_seq);
     }
 
     /// `Leased` to the job's run.
@@ -520,7 +516,7 @@ impl Broker {
         let Some(lease) = self.queue.lease(token).cloned() else {
             return;
         };
-        let Some(&id) = self.job_conn.get(&token) else {
+        let Some(id) = self.jobs.run(&token) else {
             return;
         };
         let uuids: Vec<[u8; 16]> = lease
@@ -557,7 +553,7 @@ impl Broker {
     pub(super) fn tell_positions(&mut self, now: Nanos) {
         for w in self.queue.waiting(now) {
             let pos = w.position as u32;
-            let Some(&id) = self.job_conn.get(&w.id) else {
+            let Some(id) = self.jobs.run(&w.id) else {
                 continue;
             };
             let changed = self.conns.get(&id).is_some_and(|c| c.queued != Some(pos));
@@ -698,10 +694,11 @@ impl Broker {
             };
             if ok {
                 kept += 1;
-                if matches!(j.phase, Phase::Running { .. }) {
-                    self.leased_at.insert(j.token, now);
+                let (token, running) = (j.token, matches!(j.phase, Phase::Running { .. }));
+                self.jobs.insert(j);
+                if running {
+                    self.jobs.leased(token, now);
                 }
-                self.jobs.insert(j.token, j);
             } else {
                 dropped += 1;
             }

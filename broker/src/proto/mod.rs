@@ -14,6 +14,7 @@
 
 mod clients;
 mod conn;
+mod jobtable;
 mod leases;
 mod view;
 
@@ -221,10 +222,8 @@ pub struct Broker {
     /// The broker found GPUs itself: a client naming another is refused.
     discovered: bool,
     queue: Queue,
-    /// Every job, by token.
-    jobs: BTreeMap<u64, Job>,
-    job_conn: HashMap<u64, ConnId>,
-    leased_at: HashMap<u64, Nanos>,
+    /// Every job, by token, with everything kept of it.
+    jobs: jobtable::Jobs,
     procs: Box<dyn Procs>,
     tokens: Tokens,
     /// The driver's view, as the shell last sampled it (`telemetry`).
@@ -236,10 +235,6 @@ pub struct Broker {
     saving: Option<u64>,
     saved_seq: u64,
     last_save: Option<Nanos>,
-    /// Leases granted but not yet durable: told to their run once the
-    /// state that books them is on disk, so that a crash never forgets a
-    /// lease a job already holds.
-    undelivered: Vec<(u64, u64)>,
     work: VecDeque<Work>,
     /// MIG leases being made: the connection of a `--no-wait` request,
     /// which is answered either way.
@@ -314,9 +309,7 @@ impl Broker {
             held: HashMap::new(),
             discovered,
             queue,
-            jobs: BTreeMap::new(),
-            job_conn: HashMap::new(),
-            leased_at: HashMap::new(),
+            jobs: jobtable::Jobs::default(),
             procs,
             tokens,
             telemetry: Telemetry::default(),
@@ -325,7 +318,6 @@ impl Broker {
             saving: None,
             saved_seq: 0,
             last_save: None,
-            undelivered: Vec::new(),
             work: VecDeque::new(),
             making: BTreeMap::new(),
             recovery: None,
@@ -727,6 +719,9 @@ impl Broker {
         self.closing.remove(&id);
         self.unsent.remove(&id);
         self.status_held.remove(&id);
+        if let Some(t) = c.member_of {
+            self.jobs.leave(t, id);
+        }
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
             h.conns = h.conns.saturating_sub(1);
             h.input = h.input.saturating_sub(c.inbuf.len());
@@ -794,8 +789,8 @@ impl Broker {
         self.voices.retain(|_, v| !v.idle(now));
         let gone: Vec<(u64, u32)> = self
             .jobs
-            .iter()
-            .filter(|(t, j)| !self.job_conn.contains_key(t) && !self.alive(j))
+            .without_run()
+            .filter(|(_, j)| !self.alive(j))
             .map(|(t, j)| (*t, j.pid))
             .collect();
         // Named by the run's pid, as status names leases: the token is a
@@ -829,7 +824,7 @@ impl Broker {
             .conns
             .values()
             .any(|c| !c.dead && (c.role.is_none() || c.partial_since.is_some()))
-            || self.jobs.keys().any(|k| !self.job_conn.contains_key(k))
+            || self.jobs.without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
         // never sleeps a whole tick, must still sweep.
@@ -983,14 +978,10 @@ impl Broker {
                 "cannot write the state file: {e}; leases will not survive a restart"
             )),
         }
-        let ready: Vec<u64> = self
-            .undelivered
-            .iter()
-            .filter(|&&(s, _)| s <= seq)
-            .map(|&(_, t)| t)
-            .collect();
-        self.undelivered.retain(|&(s, _)| s > seq);
-        for t in ready {
+        // Leases granted but not yet durable are told to their run once
+        // the state that books them is on disk, so that a crash never
+        // forgets a lease a job already holds.
+        for t in self.jobs.saved(seq) {
             self.tell_lease(t);
         }
         self.pump(now);

@@ -209,15 +209,15 @@ impl Broker {
                     .map_or_else(Vec::new, |l| l.gpus.clone()),
                 mem_cap: j.mem_cap,
                 held_s: self
-                    .leased_at
-                    .get(t)
-                    .map_or(0.0, |&at| now.saturating_sub(at) as f64 / 1e9),
+                    .jobs
+                    .leased_at(t)
+                    .map_or(0.0, |at| now.saturating_sub(at) as f64 / 1e9),
                 compute: j.compute,
                 limit: j.limit,
                 connected: self
-                    .job_conn
-                    .get(t)
-                    .is_some_and(|c| self.conns.contains_key(c)),
+                    .jobs
+                    .run(t)
+                    .is_some_and(|c| self.conns.contains_key(&c)),
             })
             .collect();
         Status {

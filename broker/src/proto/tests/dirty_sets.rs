@@ -1,8 +1,9 @@
 //! What the core keeps as things change, so that a turn's work follows
 //! what changed rather than the number of connections: the sets it hands
 //! the shell (`dead`, `pending_output`), the held status requests, and the
-//! queue walked only when it changed. After any sequence of operations
-//! each must be exactly what a full scan would find.
+//! queue walked only when it changed, each job's members. After any
+//! sequence of operations each must be exactly what a full scan would
+//! find.
 
 use std::collections::BTreeSet;
 
@@ -70,10 +71,26 @@ fn check(t: &mut T) {
         scan(&|c| c.status_wait.is_some()),
         "held status requests"
     );
+    // Each job's members are the connections that say they are its.
+    for (token, _) in b.jobs.iter() {
+        let e = b.jobs.entry(token).expect("listed");
+        assert_eq!(
+            e.members,
+            scan(&|c| c.member_of == Some(*token)),
+            "members of a job"
+        );
+    }
+    let orphans: BTreeSet<ConnId> = b
+        .conns
+        .iter()
+        .filter(|(_, c)| c.member_of.is_some_and(|t| !b.jobs.contains_key(&t)))
+        .map(|(&id, _)| id)
+        .collect();
+    assert!(orphans.is_empty(), "members of ended jobs: {orphans:?}");
     if !t.b.queue_dirty {
         let at = t.b.queue_polled;
         for w in t.b.queue.waiting(at) {
-            if let Some(c) = t.b.job_conn.get(&w.id).and_then(|id| t.b.conns.get(id)) {
+            if let Some(c) = t.b.jobs.run(&w.id).and_then(|id| t.b.conns.get(&id)) {
                 assert_eq!(c.queued, Some(w.position as u32), "position told");
             }
         }
