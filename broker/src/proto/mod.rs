@@ -4,13 +4,16 @@
 //! protocol (framing, handshake, dispatch), who may do what
 //! (`authority`), each user's budgets, jobs and their membership, leases
 //! and the queue, MIG as requests to the shell, the state to persist and
-//! status. /proc and NVML are behind traits (`procs`). The shell
+//! status. /proc is behind a trait (`procs`). The shell
 //! (`server.rs`) only moves bytes, arms timers and runs the work it is
 //! given, so everything here is tested in virtual time (`tests/`).
 //!
 //! Rooms: `conn` (a connection, its budgets), `clients` (processes:
-//! registration, membership, arbitration), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status).
+//! registration, membership, arbitration), `jobtable` (each job and all
+//! that is kept of it, ended in one place), `leases` (jobs: leases, the
+//! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in
+//! as a snapshot the shell sampled (`telemetry`), job tokens from a source
+//! given at construction.
 
 mod clients;
 mod conn;

@@ -10,6 +10,7 @@ mod deadlines;
 mod dirty_sets;
 mod fairness;
 mod identity;
+mod messages;
 mod mig_instances;
 mod restarts;
 mod service_props;
