@@ -262,6 +262,9 @@ pub struct Broker {
     closing: BTreeSet<ConnId>,
     unsent: BTreeSet<ConnId>,
     status_held: BTreeSet<ConnId>,
+    /// Connections that have not said hello or sit on half a frame: those
+    /// the sweep looks at for deadlines.
+    unsettled: BTreeSet<ConnId>,
     /// The queue changed since it was last polled (a request, a release, a
     /// run attached to its job, the end of a recovery): `pump` polls it
     /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
@@ -332,6 +335,7 @@ impl Broker {
             closing: BTreeSet::new(),
             unsent: BTreeSet::new(),
             status_held: BTreeSet::new(),
+            unsettled: BTreeSet::new(),
             queue_dirty: true,
             queue_polled: now,
             now,
@@ -484,6 +488,7 @@ impl Broker {
         self.held.entry(peer.uid).or_default().conns += 1;
         tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
         self.conns.insert(id, Conn::new(peer, now, String::new()));
+        self.unsettled.insert(id);
         Ok(())
     }
 
@@ -562,7 +567,21 @@ impl Broker {
         std::mem::take(&mut self.unblocked)
     }
 
+    /// Handles `id`'s frames; a connection's hello and half frames change
+    /// only here, so its place in `unsettled` is settled here too.
     fn frames(&mut self, now: Nanos, id: ConnId) {
+        self.handle_frames(now, id);
+        match self.conns.get(&id) {
+            Some(c) if c.role.is_none() || c.partial_since.is_some() => {
+                self.unsettled.insert(id);
+            }
+            _ => {
+                self.unsettled.remove(&id);
+            }
+        }
+    }
+
+    fn handle_frames(&mut self, now: Nanos, id: ConnId) {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
@@ -722,6 +741,7 @@ impl Broker {
         self.closing.remove(&id);
         self.unsent.remove(&id);
         self.status_held.remove(&id);
+        self.unsettled.remove(&id);
         if let Some(t) = c.member_of {
             self.jobs.leave(t, id);
         }
@@ -784,7 +804,10 @@ impl Broker {
     /// socket holds (a busy broker may not have read a hello sent in
     /// time), then calls `expire`.
     fn sweep(&mut self, now: Nanos) {
-        for (&id, c) in &self.conns {
+        for &id in &self.unsettled {
+            let Some(c) = self.conns.get(&id) else {
+                continue;
+            };
             if !c.dead && stalled(c, now).is_some() && !self.overdue.contains(&id) {
                 self.overdue.push(id);
             }
@@ -824,9 +847,9 @@ impl Broker {
             });
         }
         let sweep = self
-            .conns
-            .values()
-            .any(|c| !c.dead && (c.role.is_none() || c.partial_since.is_some()))
+            .unsettled
+            .iter()
+            .any(|id| self.conns.get(id).is_some_and(|c| !c.dead))
             || self.jobs.without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop

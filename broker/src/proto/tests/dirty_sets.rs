@@ -1,6 +1,7 @@
 //! What the core keeps as things change, so that a turn's work follows
 //! what changed rather than the number of connections: the sets it hands
-//! the shell (`dead`, `pending_output`), the held status requests, and the
+//! the shell (`dead`, `pending_output`), the held status requests, the
+//! connections the sweep looks at for deadlines, and the
 //! queue walked only when it changed, each job's members. After any
 //! sequence of operations each must be exactly what a full scan would
 //! find.
@@ -15,6 +16,8 @@ use super::*;
 enum Op {
     /// A new connection, from a new process of one of three users.
     Connect(u8),
+    /// A connection that says nothing yet.
+    ConnectSilent(u8),
     /// Raw bytes on a connection (by index among the open ones).
     Bytes(usize, Vec<u8>),
     Register(usize),
@@ -35,6 +38,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0..3u8).prop_map(Op::Connect),
+        1 => (0..3u8).prop_map(Op::ConnectSilent),
         1 => (0..8usize, prop::collection::vec(any::<u8>(), 0..40)).prop_map(|(i, b)| Op::Bytes(i, b)),
         2 => (0..8usize).prop_map(Op::Register),
         2 => (0..8usize).prop_map(Op::Acquire),
@@ -70,6 +74,11 @@ fn check(t: &mut T) {
         b.status_held,
         scan(&|c| c.status_wait.is_some()),
         "held status requests"
+    );
+    assert_eq!(
+        b.unsettled,
+        scan(&|c| c.role.is_none() || c.partial_since.is_some()),
+        "connections without hello or with half a frame"
     );
     // Each job's members are the connections that say they are its.
     for (token, _) in b.jobs.iter() {
@@ -112,6 +121,21 @@ fn run(ops: Vec<Op>) {
             Op::Connect(u) => {
                 let pid = t.spawn(1);
                 open.push(t.connect_as(pid, users[u as usize]));
+            }
+            Op::ConnectSilent(u) => {
+                let pid = t.spawn(1);
+                let id = t.next;
+                t.next += 1;
+                let peer = Peer {
+                    pid,
+                    uid: users[u as usize],
+                    gid: users[u as usize],
+                    groups: Vec::new(),
+                    start_time: t.procs.borrow().get(&pid).map(|p| p.1),
+                };
+                if t.b.connect(t.now, id, peer).is_ok() {
+                    open.push(id);
+                }
             }
             Op::Bytes(i, bytes) => {
                 if let Some(id) = pick(i) {
