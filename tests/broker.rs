@@ -492,3 +492,25 @@ fn a_socket_path_that_names_a_file_is_refused_and_the_file_kept() {
     assert!(stderr(&o).contains("is not a socket"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
 }
+
+/// Utilisation comes from NVML (the simulator's here), sampled by the
+/// broker on a thread of its own: status shows it once sampled, and it
+/// follows a process that keeps the GPU busy.
+#[test]
+fn status_shows_utilisation_as_the_broker_sampled_it() {
+    let _serial = timed();
+    let b = Broker::start("16G", &[]);
+    let util = |b: &Broker| b.status()["gpus"][0]["utilization"].as_u64();
+    wait_until(20.0, "status shows the GPU's utilisation", || {
+        util(&b).is_some()
+    });
+    let start = mono_ns() + 200 * MS;
+    let mut spinner = spawn_spinner(&b, None, start, start + 30_000 * MS);
+    wait_until(
+        25.0,
+        "utilisation rises while a process keeps the GPU busy",
+        || util(&b).is_some_and(|u| u > 0),
+    );
+    let _ = spinner.kill();
+    let _ = spinner.wait();
+}

@@ -67,6 +67,11 @@ impl Nvml {
         Nvml(nvml_wrapper::Nvml::init().ok())
     }
 
+    /// Whether NVML was found: without it there is nothing to sample.
+    pub fn is_open(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// Memory per process on this GPU as the driver accounts it (context and
     /// module overhead included), by pid.
     pub fn process_memory(&self, uuid: &str) -> Vec<(u32, u64)> {

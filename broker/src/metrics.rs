@@ -3,6 +3,7 @@
 //! own so that no scrape, slow or idle, touches the broker's loop.
 
 use std::io::{Read, Write};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -177,11 +178,15 @@ const METRICS_CONNS: usize = 32;
 
 /// Serves each connection on its own short-lived thread with a short read
 /// deadline, so idle or slow connections (ten once delayed a scrape by
-/// 20 s) cannot hold up a scrape.
-pub fn serve_metrics(addr: &str, text: Arc<Mutex<String>>) -> Result<(), String> {
+/// 20 s) cannot hold up a scrape. Returns the address bound (a port of 0
+/// is chosen by the kernel).
+pub fn serve_metrics(addr: &str, text: Arc<Mutex<String>>) -> Result<SocketAddr, String> {
     let l =
         std::net::TcpListener::bind(addr).map_err(|e| format!("metrics address {addr}: {e}"))?;
-    info!(%addr, "serving Prometheus metrics at /metrics");
+    let bound = l
+        .local_addr()
+        .map_err(|e| format!("metrics address {addr}: {e}"))?;
+    info!(%bound, "serving Prometheus metrics at /metrics");
     let busy = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("metrics".into())
@@ -213,7 +218,7 @@ pub fn serve_metrics(addr: &str, text: Arc<Mutex<String>>) -> Result<(), String>
             }
         })
         .map_err(|e| e.to_string())?;
-    Ok(())
+    Ok(bound)
 }
 
 fn answer_scrape(s: &mut std::net::TcpStream, text: &Mutex<String>) {
@@ -231,7 +236,9 @@ fn answer_scrape(s: &mut std::net::TcpStream, text: &Mutex<String>) {
             break;
         }
     }
-    let path_ok = req.starts_with(b"GET /metrics");
+    // `/metrics`, with or without a query; not `/metricsfoo`.
+    let path_ok = req.starts_with(b"GET /metrics")
+        && matches!(req.get(12), Some(b' ' | b'?' | b'\r' | b'\n'));
     let body = if path_ok {
         text.lock().unwrap_or_else(|e| e.into_inner()).clone()
     } else {
@@ -243,4 +250,117 @@ fn answer_scrape(s: &mut std::net::TcpStream, text: &Mutex<String>) {
         "HTTP/1.1 {head}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::{GpuStatus, ProcStatus, QueueEntry};
+
+    fn status() -> Status {
+        Status {
+            gpus: vec![GpuStatus {
+                uuid: "GPU-1".into(),
+                total_mem: 16 << 30,
+                committed_mem: 4 << 30,
+                processes: vec![ProcStatus {
+                    pid: 42,
+                    mem_used: 1 << 30,
+                    share_target: 0.5,
+                    share_achieved: 0.25,
+                    ooms: 3,
+                    gpu_time_s: 1.5,
+                    priority: "normal".into(),
+                    ..ProcStatus::default()
+                }],
+                ..GpuStatus::default()
+            }],
+            queue: vec![QueueEntry::default(), QueueEntry::default()],
+            ..Status::default()
+        }
+    }
+
+    #[test]
+    fn each_gauge_and_counter_of_the_status_is_rendered() {
+        let text = render_metrics(&status());
+        for line in [
+            "# TYPE gpufrac_gpu_memory_total_bytes gauge",
+            "gpufrac_gpu_memory_total_bytes{uuid=\"GPU-1\"} 17179869184",
+            "gpufrac_gpu_memory_committed_bytes{uuid=\"GPU-1\"} 4294967296",
+            "gpufrac_gpu_processes{uuid=\"GPU-1\"} 1",
+            "# TYPE gpufrac_process_ooms_total counter",
+            "gpufrac_process_memory_used_bytes{uuid=\"GPU-1\",pid=\"42\",priority=\"normal\"} 1073741824",
+            "gpufrac_process_share_target{uuid=\"GPU-1\",pid=\"42\",priority=\"normal\"} 0.5",
+            "gpufrac_process_share_achieved{uuid=\"GPU-1\",pid=\"42\",priority=\"normal\"} 0.25",
+            "gpufrac_process_ooms_total{uuid=\"GPU-1\",pid=\"42\",priority=\"normal\"} 3",
+            "gpufrac_process_gpu_seconds_total{uuid=\"GPU-1\",pid=\"42\",priority=\"normal\"} 1.5",
+            "gpufrac_queue_waiting 2",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        // Without MIG or MPS, neither is mentioned.
+        assert!(!text.contains("gpufrac_mig_") && !text.contains("gpufrac_mps_"));
+        // Every sample line is NAME{labels} VALUE or NAME VALUE.
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            let (_, v) = l.rsplit_once(' ').expect("a value");
+            assert!(v.parse::<f64>().is_ok(), "not a number in {l:?}");
+        }
+    }
+
+    /// One request over a real loopback socket, as Prometheus sends it.
+    fn get(addr: SocketAddr, request: &str) -> (String, String) {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.write_all(request.as_bytes()).expect("send");
+        let mut reply = String::new();
+        s.read_to_string(&mut reply).expect("read until closed");
+        let (head, body) = reply.split_once("\r\n\r\n").expect("a head and a body");
+        (head.to_owned(), body.to_owned())
+    }
+
+    #[test]
+    fn a_scrape_over_http_gets_the_latest_text() {
+        let text = Arc::new(Mutex::new(render_metrics(&status())));
+        let addr = serve_metrics("127.0.0.1:0", text.clone()).expect("bound");
+        let (head, body) = get(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: text/plain\r\n\r\n",
+        );
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.contains("Content-Type: text/plain; version=0.0.4"));
+        assert!(head.contains(&format!("Content-Length: {}", body.len())));
+        assert_eq!(body, *text.lock().unwrap());
+        // What the loop renders next is what the next scrape gets.
+        *text.lock().unwrap() = "gpufrac_queue_waiting 7\n".into();
+        let (_, body) = get(addr, "GET /metrics?x=1 HTTP/1.0\r\n\r\n");
+        assert_eq!(body, "gpufrac_queue_waiting 7\n");
+    }
+
+    #[test]
+    fn other_paths_and_methods_are_not_found() {
+        let text = Arc::new(Mutex::new("gpufrac_queue_waiting 1\n".into()));
+        let addr = serve_metrics("127.0.0.1:0", text).expect("bound");
+        for req in [
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET /metricsfoo HTTP/1.1\r\n\r\n",
+            "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+        ] {
+            let (head, body) = get(addr, req);
+            assert!(
+                head.starts_with("HTTP/1.1 404 Not Found"),
+                "{req:?}: {head}"
+            );
+            assert!(body.is_empty());
+        }
+    }
+
+    #[test]
+    fn an_address_in_use_is_refused_naming_it() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap().to_string();
+        let e = serve_metrics(&addr, Arc::default()).unwrap_err();
+        assert!(e.starts_with(&format!("metrics address {addr}: ")), "{e}");
+    }
 }

@@ -1,6 +1,9 @@
 //! What the broker core reads of the host, behind traits so that the core
 //! runs in tests without /proc or a GPU: processes (ancestry, start times,
-//! command lines) and NVML's view of each GPU.
+//! command lines); and NVML's view of each GPU, which the shell samples
+//! and hands to the core as a `Telemetry` snapshot.
+
+use std::collections::HashMap;
 
 use crate::inventory::Nvml;
 
@@ -56,34 +59,60 @@ impl Procs for LiveProcs {
     }
 }
 
-/// What the driver says of a GPU, for status.
-pub trait Telemetry {
-    /// (pid, bytes) of each process on the GPU with this UUID.
-    fn process_memory(&self, uuid: &str) -> Vec<(u32, u64)>;
-    /// Utilisation in percent.
-    fn utilization(&self, uuid: &str) -> Option<u32>;
+/// What the driver said of each GPU at one moment, by UUID: the shell
+/// samples it on its own timer, off the event loop (an NVML call can take
+/// milliseconds, more on a busy driver), and hands it to the core, whose
+/// status reads only this.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Telemetry {
+    pub gpus: HashMap<String, GpuSample>,
 }
 
-impl Telemetry for Nvml {
-    fn process_memory(&self, uuid: &str) -> Vec<(u32, u64)> {
-        Nvml::process_memory(self, uuid)
+/// One GPU as the driver saw it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuSample {
+    /// Utilisation in percent (None: not reported, as in MIG mode).
+    pub utilization: Option<u32>,
+    /// (pid, bytes) of each process on the GPU, as the driver accounts
+    /// them (context and module overhead included).
+    pub processes: Vec<(u32, u64)>,
+}
+
+impl Telemetry {
+    pub fn utilization(&self, uuid: &str) -> Option<u32> {
+        self.gpus.get(uuid).and_then(|g| g.utilization)
     }
 
-    fn utilization(&self, uuid: &str) -> Option<u32> {
-        Nvml::utilization(self, uuid)
+    pub fn process_memory(&self, uuid: &str, pid: u32) -> Option<u64> {
+        self.gpus
+            .get(uuid)?
+            .processes
+            .iter()
+            .find(|&&(p, _)| p == pid)
+            .map(|&(_, b)| b)
     }
 }
 
-/// No driver to ask.
-pub struct NoTelemetry;
+/// The driver, asked by the shell's sampler.
+pub trait Sampler {
+    /// The GPUs with these UUIDs, now.
+    fn sample(&self, uuids: &[String]) -> Telemetry;
+}
 
-impl Telemetry for NoTelemetry {
-    fn process_memory(&self, _: &str) -> Vec<(u32, u64)> {
-        Vec::new()
-    }
-
-    fn utilization(&self, _: &str) -> Option<u32> {
-        None
+impl Sampler for Nvml {
+    fn sample(&self, uuids: &[String]) -> Telemetry {
+        Telemetry {
+            gpus: uuids
+                .iter()
+                .map(|u| {
+                    let s = GpuSample {
+                        utilization: self.utilization(u),
+                        processes: self.process_memory(u),
+                    };
+                    (u.clone(), s)
+                })
+                .collect(),
+        }
     }
 }
 

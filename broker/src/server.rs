@@ -32,6 +32,7 @@ use tracing::{debug, info, warn};
 
 use crate::mig::Step;
 use crate::mig_nvml::MigDriver;
+use crate::procs::{Sampler, Telemetry};
 use crate::proto::{Broker, ConnId, MigDone, Nanos, RateLimit, WARN_EVERY, Work};
 use crate::statefile::StateFile;
 
@@ -70,12 +71,19 @@ pub struct Shell {
     pub metrics: Option<Arc<Mutex<String>>>,
     pub mps: Option<crate::mps::Mps>,
     pub mig_driver: Option<Box<dyn MigDriver + Send>>,
+    /// The driver, for status's utilisation and per-process memory (None:
+    /// no NVML).
+    pub sampler: Option<Box<dyn Sampler + Send>>,
 }
+
+/// The driver is sampled this often, for status and metrics.
+const SAMPLE_EVERY: Nanos = 500 * MS;
 
 /// What the helper threads report.
 enum Done {
     Saved(u64, Result<(), String>),
     Mig(MigDone),
+    Sampled(Telemetry),
 }
 
 struct Client {
@@ -139,6 +147,11 @@ struct Loop {
     done: Receiver<Done>,
     metrics: Option<Arc<Mutex<String>>>,
     last_metrics: Nanos,
+    /// The sampler thread, asked with the UUIDs to sample; whether a
+    /// sample is being taken, and when the last was asked for.
+    sampler: Option<Sender<Vec<String>>>,
+    sampling: bool,
+    last_sample: Nanos,
     mps: Option<crate::mps::Mps>,
     /// The warning that the broker is out of file descriptors.
     out_of_fds: RateLimit,
@@ -176,6 +189,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         metrics,
         mps,
         mig_driver,
+        sampler,
     } = shell;
     poll.registry()
         .register(&mut listener, LISTENER, Interest::READABLE)
@@ -187,6 +201,10 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     let (done_tx, done) = channel();
     let state_path = state.path().to_path_buf();
     let (saver, saver_thread) = spawn_saver(state, done_tx.clone(), waker.clone())?;
+    let sampler = match sampler {
+        Some(s) => Some(spawn_sampler(s, done_tx.clone(), waker.clone())?),
+        None => None,
+    };
     let mig = match mig_driver {
         Some(d) => Some(spawn_mig(d, done_tx, waker)?),
         None => None,
@@ -205,6 +223,9 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         done,
         metrics,
         last_metrics: 0,
+        sampler,
+        sampling: false,
+        last_sample: 0,
         mps,
         out_of_fds: RateLimit::new(WARN_EVERY),
     };
@@ -248,6 +269,28 @@ fn spawn_saver(
         })
         .map_err(|e| format!("cannot start the state writer: {e}"))?;
     Ok((tx, t))
+}
+
+/// Asks the driver on a thread of its own: an NVML call may take long on a
+/// busy driver, and the loop must not wait for it.
+fn spawn_sampler(
+    sampler: Box<dyn Sampler + Send>,
+    done: Sender<Done>,
+    waker: Arc<Waker>,
+) -> Result<Sender<Vec<String>>, String> {
+    let (tx, rx) = channel::<Vec<String>>();
+    std::thread::Builder::new()
+        .name("telemetry".into())
+        .spawn(move || {
+            for uuids in rx {
+                if done.send(Done::Sampled(sampler.sample(&uuids))).is_err() {
+                    return;
+                }
+                let _ = waker.wake();
+            }
+        })
+        .map_err(|e| format!("cannot start the telemetry sampler: {e}"))?;
+    Ok(tx)
 }
 
 /// Carries out MIG steps on a thread of its own, one lease at a time.
@@ -350,8 +393,13 @@ impl Loop {
                 match d {
                     Done::Saved(seq, r) => self.core.state_saved(now(), seq, r),
                     Done::Mig(m) => self.core.mig_done(now(), m),
+                    Done::Sampled(t) => {
+                        self.sampling = false;
+                        self.core.telemetry(now(), t);
+                    }
                 }
             }
+            self.sample();
             if self.core.next_timeout().is_some_and(|t| t <= now()) {
                 self.core.handle_timeout(now());
             }
@@ -380,6 +428,9 @@ impl Loop {
         }
         if self.metrics.is_some() {
             at(self.last_metrics + 500 * MS);
+        }
+        if self.sampler.is_some() && !self.sampling {
+            at(self.last_sample + SAMPLE_EVERY);
         }
         next.map(|n| Duration::from_nanos(n.saturating_sub(t)))
     }
@@ -646,6 +697,23 @@ impl Loop {
             if let Err(e) = self.poll.registry().reregister(&mut c.stream, tok, want) {
                 debug!("reregister client: {e}");
             }
+        }
+    }
+
+    /// Asks the sampler for the driver's view, every `SAMPLE_EVERY`, one
+    /// sample at a time.
+    fn sample(&mut self) {
+        let Some(tx) = &self.sampler else {
+            return;
+        };
+        let t = now();
+        if self.sampling || t.saturating_sub(self.last_sample) < SAMPLE_EVERY {
+            return;
+        }
+        self.last_sample = t;
+        self.sampling = tx.send(self.core.telemetry_uuids()).is_ok();
+        if !self.sampling {
+            self.sampler = None;
         }
     }
 

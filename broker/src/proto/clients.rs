@@ -230,7 +230,15 @@ impl Broker {
         c.share = share;
         c.limit = limit;
         c.priority = priority;
-        c.member_of = job;
+        let old = std::mem::replace(&mut c.member_of, job);
+        if old != job {
+            if let Some(o) = old {
+                self.jobs.leave(o, id);
+            }
+            if let Some(n) = job {
+                self.jobs.join(n, id);
+            }
+        }
         let old: Vec<usize> = c.devices.drain(..).map(|d| d.gpu).collect();
         for g in old {
             self.gpus[g].sched.remove_client(now, id);
@@ -365,7 +373,7 @@ impl Broker {
             self.gpus[d.gpu].sched.remove_client(now, id);
         }
         if let Some(t) = c.job
-            && self.job_conn.get(&t) == Some(&id)
+            && self.jobs.run(&t) == Some(id)
         {
             self.end_job(now, t);
         }

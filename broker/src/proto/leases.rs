@@ -9,7 +9,7 @@ use tracing::{debug, info, warn};
 
 use super::clients::lower_caps;
 use super::{Broker, ConnId, MigDone, Nanos, Work, clip};
-use crate::jobs::{self, Job, Phase};
+use crate::jobs::{Job, Phase};
 use crate::mig;
 use crate::queue::{self, Pinned, Want};
 use crate::statefile::Loaded;
@@ -92,7 +92,7 @@ impl Broker {
         };
         self.look_up_command(id);
         let token = match a.token {
-            0 => jobs::new_token(),
+            0 => self.new_token(),
             t => t,
         };
         let job = self.job_for(id, &a, token, start_time);
@@ -109,7 +109,7 @@ impl Broker {
                 let why = self.recovering_text(now);
                 self.refuse(id, format!("no room now: {why}; drop --no-wait to queue"));
             }
-            Some(req) if a.no_wait => match self.queue.try_now(now, token, req) {
+            Some(req) if a.no_wait => match self.queue_mut().try_now(now, token, req) {
                 Ok(lease) => {
                     let mut job = job;
                     job.phase = Phase::Running {
@@ -121,7 +121,7 @@ impl Broker {
                 }
                 Err(r) => self.refuse(id, r.reason),
             },
-            Some(req) => match self.queue.submit(now, token, req) {
+            Some(req) => match self.queue_mut().submit(now, token, req) {
                 Ok(()) => {
                     let mut job = job;
                     job.phase = Phase::Queued { since: now };
@@ -231,7 +231,7 @@ impl Broker {
         if let Some(c) = self.conns.get_mut(&id) {
             c.command = label.clone();
         }
-        self.queue.relabel(t, &label, pod.as_deref());
+        self.queue_mut().relabel(t, &label, pod.as_deref());
         if let Some(j) = self.jobs.get_mut(&t) {
             j.label = label;
             j.pod = pod;
@@ -243,7 +243,7 @@ impl Broker {
     /// the MPS pipe, in MPS mode).
     fn send_unplaced(&mut self, now: Nanos, id: ConnId, token: u64) {
         // Held from now, as a placed lease is from its grant (status's HELD).
-        self.leased_at.entry(token).or_insert(now);
+        self.jobs.leased(token, now);
         let msg = ServerMsg::Leased {
             gpus: Vec::new(),
             uuids: Vec::new(),
@@ -257,8 +257,10 @@ impl Broker {
 
     fn attach_job(&mut self, now: Nanos, id: ConnId, job: Job) {
         let t = job.token;
-        self.jobs.insert(t, job);
-        self.job_conn.insert(t, id);
+        self.jobs.insert(job);
+        self.jobs.set_run(t, id);
+        // Its run is told its position at the next pump.
+        self.queue_dirty = true;
         if let Some(c) = self.conns.get_mut(&id) {
             c.job = Some(t);
         }
@@ -291,6 +293,7 @@ impl Broker {
         for t in who {
             if let Some(c) = self.conns.get_mut(&t) {
                 c.member_of = Some(token);
+                self.jobs.join(token, t);
                 lower_caps(&mut c.devices, mem_cap);
             }
             if mem_cap > 0 {
@@ -314,9 +317,9 @@ impl Broker {
         let peer = c.peer.clone();
         let start = peer.start_time;
         let taken = self
-            .job_conn
-            .get(&token)
-            .is_some_and(|t| self.conns.contains_key(t));
+            .jobs
+            .run(&token)
+            .is_some_and(|t| self.conns.contains_key(&t));
         const NO_SUCH: &str = "this broker has no such lease to resume (it was started without the state file, or the lease ended)";
         match self.jobs.get(&token) {
             Some(j) if !taken && self.cfg.policy.may_resume(&peer, j) => {}
@@ -356,10 +359,14 @@ impl Broker {
             }
         }
         let pid = peer.pid;
-        self.job_conn.insert(token, id);
-        let (phase, label) = {
-            let j = &self.jobs[&token];
-            (j.phase.clone(), j.label.clone())
+        self.jobs.set_run(token, id);
+        self.queue_dirty = true;
+        let Some((phase, label)) = self
+            .jobs
+            .get(&token)
+            .map(|j| (j.phase.clone(), j.label.clone()))
+        else {
+            return;
         };
         info!(pid, "gpufrac run reclaimed its job");
         if let Some(c) = self.conns.get_mut(&id) {
@@ -372,7 +379,7 @@ impl Broker {
         match phase {
             Phase::Queued { .. } => {}
             Phase::Unplaced => self.send_unplaced(now, id, token),
-            Phase::Running { .. } if self.undelivered.iter().any(|&(_, t)| t == token) => {}
+            Phase::Running { .. } if self.jobs.undelivered(&token) => {}
             Phase::Running { .. } => self.tell_lease(token),
         }
     }
@@ -405,7 +412,9 @@ impl Broker {
                     .filter(|g| named(&g.uuid))
                     .map(|g| g.index)
                     .collect();
-                self.queue.restore(job.token, req, &gpus).map(|l| (l, None))
+                self.queue_mut()
+                    .restore(job.token, req, &gpus)
+                    .map(|l| (l, None))
             }
         };
         match restored {
@@ -443,21 +452,13 @@ impl Broker {
                     "the job's MIG instance is idle; kept for the next job until its room is needed"
                 );
             }
-            self.queue.cancel(now, token);
-            self.queue.release(now, token);
+            self.queue_mut().cancel(now, token);
+            self.queue_mut().release(now, token);
         }
-        self.undelivered.retain(|&(_, t)| t != token);
-        self.leased_at.remove(&token);
-        self.job_conn.remove(&token);
-        if let Some(j) = self.jobs.remove(&token) {
+        if let Some(e) = self.jobs.end(token) {
+            let j = e.job;
             self.changed();
-            let members: Vec<ConnId> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.member_of == Some(token))
-                .map(|(&t, _)| t)
-                .collect();
-            for t in members {
+            for t in e.members {
                 if let Some(c) = self.conns.get_mut(&t) {
                     c.member_of = None;
                 }
@@ -501,13 +502,13 @@ impl Broker {
         }
         self.changed();
         self.rejoin(now, lease.id);
-        self.leased_at.entry(lease.id).or_insert(now);
-        if let Some(&id) = self.job_conn.get(&lease.id)
+        self.jobs.leased(lease.id, now);
+        if let Some(id) = self.jobs.run(&lease.id)
             && let Some(c) = self.conns.get_mut(&id)
         {
             c.queued = None;
         }
-        self.undelivered.push((self.state_seq, lease.id));
+        self.jobs.hold_until_saved(lease.id, self.state_seq);
     }
 
     /// `Leased` to the job's run.
@@ -515,7 +516,7 @@ impl Broker {
         let Some(lease) = self.queue.lease(token).cloned() else {
             return;
         };
-        let Some(&id) = self.job_conn.get(&token) else {
+        let Some(id) = self.jobs.run(&token) else {
             return;
         };
         let uuids: Vec<[u8; 16]> = lease
@@ -552,7 +553,7 @@ impl Broker {
     pub(super) fn tell_positions(&mut self, now: Nanos) {
         for w in self.queue.waiting(now) {
             let pos = w.position as u32;
-            let Some(&id) = self.job_conn.get(&w.id) else {
+            let Some(id) = self.jobs.run(&w.id) else {
                 continue;
             };
             let changed = self.conns.get(&id).is_some_and(|c| c.queued != Some(pos));
@@ -580,7 +581,7 @@ impl Broker {
             abandoned: true,
         });
         for &gi in &done.destroyed {
-            self.queue.mig_destroyed(done.gpu, gi);
+            self.queue_mut().mig_destroyed(done.gpu, gi);
             info!(
                 gpu = done.gpu,
                 gi, "destroyed an idle MIG instance to make room"
@@ -594,15 +595,17 @@ impl Broker {
                     .map_or((String::new(), 0), |a| (a.profile_name.clone(), a.mem));
                 info!(gpu = done.gpu, gi, %profile, %uuid, "created a MIG instance");
                 self.add_mig_unit(done.gpu, gi, &uuid, &profile, mem);
-                let lease = self.queue.mig_created(done.lease, gi, uuid);
+                let lease = self.queue_mut().mig_created(done.lease, gi, uuid);
                 match lease {
-                    Some(_) if making.abandoned => self.queue.release(now, done.lease),
+                    Some(_) if making.abandoned => self.queue_mut().release(now, done.lease),
                     Some(lease) => self.granted(now, lease),
                     None => {}
                 }
             }
             Err((e, found)) => {
-                let requeued = self.queue.mig_failed(now, done.lease, found.as_deref());
+                let requeued = self
+                    .queue_mut()
+                    .mig_failed(now, done.lease, found.as_deref());
                 if let Some(a) = &a {
                     warn!(
                         gpu = a.gpu,
@@ -614,7 +617,7 @@ impl Broker {
                     );
                 }
                 if making.abandoned {
-                    self.queue.cancel(now, done.lease);
+                    self.queue_mut().cancel(now, done.lease);
                 } else if let Some(id) = making.no_wait {
                     // The job of a refused `--no-wait` never was (the
                     // queue holds nothing of it any more).
@@ -665,7 +668,7 @@ impl Broker {
                     Some(req),
                 ) => match gpus
                     .first()
-                    .map(|&ix| self.queue.restore_mig(j.token, req, ix, uuid))
+                    .map(|&ix| self.queue_mut().restore_mig(j.token, req, ix, uuid))
                 {
                     Some(Ok(_)) => true,
                     Some(Err(r)) => {
@@ -675,7 +678,7 @@ impl Broker {
                     None => false,
                 },
                 (Phase::Running { gpus, mig: None }, Some(req)) => {
-                    match self.queue.restore(j.token, req, gpus) {
+                    match self.queue_mut().restore(j.token, req, gpus) {
                         Ok(_) => true,
                         Err(r) => {
                             warn!(pid = j.pid, "cannot restore a lease: {}", r.reason);
@@ -691,10 +694,11 @@ impl Broker {
             };
             if ok {
                 kept += 1;
-                if matches!(j.phase, Phase::Running { .. }) {
-                    self.leased_at.insert(j.token, now);
+                let (token, running) = (j.token, matches!(j.phase, Phase::Running { .. }));
+                self.jobs.insert(j);
+                if running {
+                    self.jobs.leased(token, now);
                 }
-                self.jobs.insert(j.token, j);
             } else {
                 dropped += 1;
             }
@@ -731,6 +735,7 @@ impl Broker {
             .is_some_and(|(until, _)| now >= *until)
         {
             self.recovery = None;
+            self.queue_dirty = true;
             info!(
                 jobs = self.jobs.len(),
                 "recovery over: placing new leases again"

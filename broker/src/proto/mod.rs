@@ -4,23 +4,27 @@
 //! protocol (framing, handshake, dispatch), who may do what
 //! (`authority`), each user's budgets, jobs and their membership, leases
 //! and the queue, MIG as requests to the shell, the state to persist and
-//! status. /proc and NVML are behind traits (`procs`). The shell
+//! status. /proc is behind a trait (`procs`). The shell
 //! (`server.rs`) only moves bytes, arms timers and runs the work it is
 //! given, so everything here is tested in virtual time (`tests/`).
 //!
 //! Rooms: `conn` (a connection, its budgets), `clients` (processes:
-//! registration, membership, arbitration), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status).
+//! registration, membership, arbitration), `jobtable` (each job and all
+//! that is kept of it, ended in one place), `leases` (jobs: leases, the
+//! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in
+//! as a snapshot the shell sampled (`telemetry`), job tokens from a source
+//! given at construction.
 
 mod clients;
 mod conn;
+mod jobtable;
 mod leases;
 mod view;
 
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 use tracing::warn;
@@ -29,6 +33,11 @@ use crate::authority::{Peer, Policy};
 use crate::jobs::Job;
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
+
+/// Where job tokens come from: random in the broker (`jobs::new_token`),
+/// a fixed sequence in tests. A token names a job on the wire, so a real
+/// source must be unguessable.
+pub type Tokens = Box<dyn FnMut() -> u64>;
 use crate::queue::{self, Queue, QueueConfig};
 use crate::sched::{Action, SchedConfig, Scheduler, Weights};
 use crate::status::MpsStatus;
@@ -216,12 +225,12 @@ pub struct Broker {
     /// The broker found GPUs itself: a client naming another is refused.
     discovered: bool,
     queue: Queue,
-    /// Every job, by token.
-    jobs: BTreeMap<u64, Job>,
-    job_conn: HashMap<u64, ConnId>,
-    leased_at: HashMap<u64, Nanos>,
+    /// Every job, by token, with everything kept of it.
+    jobs: jobtable::Jobs,
     procs: Box<dyn Procs>,
-    telemetry: Box<dyn Telemetry>,
+    tokens: Tokens,
+    /// The driver's view, as the shell last sampled it (`telemetry`).
+    telemetry: Telemetry,
     mps: Option<MpsStatus>,
     /// State: changes counted, the last count handed out to be written
     /// and the last known written, and when the last write was handed out.
@@ -229,10 +238,6 @@ pub struct Broker {
     saving: Option<u64>,
     saved_seq: u64,
     last_save: Option<Nanos>,
-    /// Leases granted but not yet durable: told to their run once the
-    /// state that books them is on disk, so that a crash never forgets a
-    /// lease a job already holds.
-    undelivered: Vec<(u64, u64)>,
     work: VecDeque<Work>,
     /// MIG leases being made: the connection of a `--no-wait` request,
     /// which is answered either way.
@@ -250,6 +255,22 @@ pub struct Broker {
     /// Connections whose held-back input may be handled again (a status
     /// reply they waited for went out): the shell serves them next turn.
     unblocked: Vec<ConnId>,
+    /// What changed, kept as it changes so that each turn's work is
+    /// proportional to it, not to every connection: connections closed
+    /// (`dead`), with output waiting (`pending_output`), and holding a
+    /// status request back (`answer_held_status`).
+    closing: BTreeSet<ConnId>,
+    unsent: BTreeSet<ConnId>,
+    status_held: BTreeSet<ConnId>,
+    /// Connections that have not said hello or sit on half a frame: those
+    /// the sweep looks at for deadlines.
+    unsettled: BTreeSet<ConnId>,
+    /// The queue changed since it was last polled (a request, a release, a
+    /// run attached to its job, the end of a recovery): `pump` polls it
+    /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
+    /// idle MIG instances change with time alone).
+    queue_dirty: bool,
+    queue_polled: Nanos,
     now: Nanos,
 }
 
@@ -263,7 +284,7 @@ impl Broker {
         planner: mig::Planner,
         discovered: bool,
         procs: Box<dyn Procs>,
-        telemetry: Box<dyn Telemetry>,
+        tokens: Tokens,
         now: Nanos,
     ) -> Broker {
         let qgpus = gpus
@@ -294,17 +315,15 @@ impl Broker {
             held: HashMap::new(),
             discovered,
             queue,
-            jobs: BTreeMap::new(),
-            job_conn: HashMap::new(),
-            leased_at: HashMap::new(),
+            jobs: jobtable::Jobs::default(),
             procs,
-            telemetry,
+            tokens,
+            telemetry: Telemetry::default(),
             mps: None,
             state_seq: 0,
             saving: None,
             saved_seq: 0,
             last_save: None,
-            undelivered: Vec::new(),
             work: VecDeque::new(),
             making: BTreeMap::new(),
             recovery: None,
@@ -313,6 +332,12 @@ impl Broker {
             warnings: RateLimit::new(WARN_EVERY),
             voices: HashMap::new(),
             unblocked: Vec::new(),
+            closing: BTreeSet::new(),
+            unsent: BTreeSet::new(),
+            status_held: BTreeSet::new(),
+            unsettled: BTreeSet::new(),
+            queue_dirty: true,
+            queue_polled: now,
             now,
         };
         // Instances found at start are units of arbitration from the
@@ -330,6 +355,36 @@ impl Broker {
     /// The MPS control daemon's state (MPS mode), as the shell sees it.
     pub fn set_mps(&mut self, mps: Option<MpsStatus>) {
         self.mps = mps;
+    }
+
+    /// What the driver said of each GPU, sampled by the shell (NVML is
+    /// never asked from inside the core: a slow driver must not stall
+    /// grants). Status shows it until the next sample.
+    pub fn telemetry(&mut self, now: Nanos, snapshot: Telemetry) {
+        self.clock(now);
+        self.telemetry = snapshot;
+    }
+
+    /// The UUIDs the shell's sampler asks the driver about: every GPU and
+    /// MIG instance status shows utilisation or driver memory for.
+    pub fn telemetry_uuids(&self) -> Vec<String> {
+        let live = self.live_mig_uuids();
+        self.gpus
+            .iter()
+            .filter(|g| g.mig.is_none() || live.contains(&g.uuid_str))
+            .map(|g| g.uuid_str.clone())
+            .collect()
+    }
+
+    /// A token for a new job: never 0 (which means "none" on the wire) nor
+    /// another job's.
+    fn new_token(&mut self) -> u64 {
+        loop {
+            let t = (self.tokens)();
+            if t != 0 && !self.jobs.contains_key(&t) {
+                return t;
+            }
+        }
     }
 
     fn clock(&mut self, now: Nanos) -> Nanos {
@@ -433,6 +488,7 @@ impl Broker {
         self.held.entry(peer.uid).or_default().conns += 1;
         tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
         self.conns.insert(id, Conn::new(peer, now, String::new()));
+        self.unsettled.insert(id);
         Ok(())
     }
 
@@ -465,6 +521,7 @@ impl Broker {
         if h.input + bytes.len() > self.cfg.budgets.input {
             let pid = c.peer.pid;
             c.dead = true;
+            self.closing.insert(id);
             self.warn_uid(
                 uid,
                 format_args!(
@@ -510,7 +567,21 @@ impl Broker {
         std::mem::take(&mut self.unblocked)
     }
 
+    /// Handles `id`'s frames; a connection's hello and half frames change
+    /// only here, so its place in `unsettled` is settled here too.
     fn frames(&mut self, now: Nanos, id: ConnId) {
+        self.handle_frames(now, id);
+        match self.conns.get(&id) {
+            Some(c) if c.role.is_none() || c.partial_since.is_some() => {
+                self.unsettled.insert(id);
+            }
+            _ => {
+                self.unsettled.remove(&id);
+            }
+        }
+    }
+
+    fn handle_frames(&mut self, now: Nanos, id: ConnId) {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
@@ -580,6 +651,7 @@ impl Broker {
             self.send(id, &ServerMsg::StatusReply { json });
         } else if let Some(c) = self.conns.get_mut(&id) {
             c.status_wait = Some(from);
+            self.status_held.insert(id);
         }
     }
 
@@ -587,10 +659,11 @@ impl Broker {
     /// one connection after another from where the last round stopped.
     fn answer_held_status(&mut self, now: Nanos) {
         let waiting: Vec<(ConnId, u32, u32)> = self
-            .conns
+            .status_held
             .iter()
+            .filter_map(|id| self.conns.get(id).map(|c| (*id, c)))
             .filter(|(_, c)| !c.dead)
-            .filter_map(|(&id, c)| c.status_wait.map(|f| (id, c.peer.uid, f)))
+            .filter_map(|(id, c)| c.status_wait.map(|f| (id, c.peer.uid, f)))
             .collect();
         for (id, uid, from) in waiting {
             if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
@@ -599,6 +672,7 @@ impl Broker {
             let json = self.status_json(now, from as usize);
             if let Some(c) = self.conns.get_mut(&id) {
                 c.status_wait = None;
+                self.status_held.remove(&id);
                 // What it sent after the request is handled next turn,
                 // within the turn's budget.
                 c.more = true;
@@ -616,6 +690,7 @@ impl Broker {
     fn kill(&mut self, id: ConnId) {
         if let Some(c) = self.conns.get_mut(&id) {
             c.dead = true;
+            self.closing.insert(id);
         }
     }
 
@@ -629,8 +704,11 @@ impl Broker {
         if let Some(c) = self.conns.get_mut(&id) {
             let n = n.min(c.outbuf.len());
             c.outbuf.drain(..n);
-            if c.outbuf.is_empty() && c.outbuf.capacity() > 64 << 10 {
-                c.outbuf = Vec::new();
+            if c.outbuf.is_empty() {
+                self.unsent.remove(&id);
+                if c.outbuf.capacity() > 64 << 10 {
+                    c.outbuf = Vec::new();
+                }
             }
             if let Some(h) = self.held.get_mut(&c.peer.uid) {
                 h.output = h.output.saturating_sub(n);
@@ -640,21 +718,13 @@ impl Broker {
 
     /// Connections with output waiting.
     pub fn pending_output(&self) -> Vec<ConnId> {
-        self.conns
-            .iter()
-            .filter(|(_, c)| !c.outbuf.is_empty())
-            .map(|(&id, _)| id)
-            .collect()
+        self.unsent.iter().copied().collect()
     }
 
     /// Connections the core is done with: the shell writes what it still
     /// can of their output, closes them and calls `remove`.
     pub fn dead(&self) -> Vec<ConnId> {
-        self.conns
-            .iter()
-            .filter(|(_, c)| c.dead)
-            .map(|(&id, _)| id)
-            .collect()
+        self.closing.iter().copied().collect()
     }
 
     pub fn is_dead(&self, id: ConnId) -> bool {
@@ -668,6 +738,13 @@ impl Broker {
         let Some(c) = self.conns.remove(&id) else {
             return;
         };
+        self.closing.remove(&id);
+        self.unsent.remove(&id);
+        self.status_held.remove(&id);
+        self.unsettled.remove(&id);
+        if let Some(t) = c.member_of {
+            self.jobs.leave(t, id);
+        }
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
             h.conns = h.conns.saturating_sub(1);
             h.input = h.input.saturating_sub(c.inbuf.len());
@@ -717,6 +794,7 @@ impl Broker {
                 "closing a stalled connection"
             );
             c.dead = true;
+            self.closing.insert(id);
         }
     }
 
@@ -726,7 +804,10 @@ impl Broker {
     /// socket holds (a busy broker may not have read a hello sent in
     /// time), then calls `expire`.
     fn sweep(&mut self, now: Nanos) {
-        for (&id, c) in &self.conns {
+        for &id in &self.unsettled {
+            let Some(c) = self.conns.get(&id) else {
+                continue;
+            };
             if !c.dead && stalled(c, now).is_some() && !self.overdue.contains(&id) {
                 self.overdue.push(id);
             }
@@ -734,8 +815,8 @@ impl Broker {
         self.voices.retain(|_, v| !v.idle(now));
         let gone: Vec<(u64, u32)> = self
             .jobs
-            .iter()
-            .filter(|(t, j)| !self.job_conn.contains_key(t) && !self.alive(j))
+            .without_run()
+            .filter(|(_, j)| !self.alive(j))
             .map(|(t, j)| (*t, j.pid))
             .collect();
         // Named by the run's pid, as status names leases: the token is a
@@ -759,13 +840,17 @@ impl Broker {
             .min();
         let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
         if self.queue.has_waiting() {
-            at(now + QUEUE_TICK);
+            at(if self.queue_dirty {
+                now
+            } else {
+                self.queue_polled + QUEUE_TICK
+            });
         }
         let sweep = self
-            .conns
-            .values()
-            .any(|c| !c.dead && (c.role.is_none() || c.partial_since.is_some()))
-            || self.jobs.keys().any(|k| !self.job_conn.contains_key(k))
+            .unsettled
+            .iter()
+            .any(|id| self.conns.get(id).is_some_and(|c| !c.dead))
+            || self.jobs.without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
         // never sleeps a whole tick, must still sweep.
@@ -776,8 +861,8 @@ impl Broker {
             at(*until);
         }
         // A held status request: when its user's budget next refills.
-        for c in self.conns.values().filter(|c| !c.dead) {
-            if c.status_wait.is_some() {
+        for c in self.status_held.iter().filter_map(|id| self.conns.get(id)) {
+            if !c.dead && c.status_wait.is_some() {
                 let v = self.voices.get(&c.peer.uid);
                 at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
             }
@@ -805,11 +890,15 @@ impl Broker {
         let before = c.outbuf.len();
         wire::encode_server(msg, &mut c.outbuf);
         let added = c.outbuf.len() - before;
+        if added > 0 {
+            self.unsent.insert(id);
+        }
         let h = self.held.entry(c.peer.uid).or_default();
         h.output += added;
         let (pid, uid) = (c.peer.pid, c.peer.uid);
         if c.outbuf.len() > MAX_OUTBUF {
             c.dead = true;
+            self.closing.insert(id);
             self.warn_uid(
                 uid,
                 format_args!(
@@ -818,6 +907,7 @@ impl Broker {
             );
         } else if h.output > self.cfg.budgets.output {
             c.dead = true;
+            self.closing.insert(id);
             self.warn_uid(
                 uid,
                 format_args!(
@@ -860,12 +950,25 @@ impl Broker {
                 }
             }
         }
-        if self.placing(now) {
-            for lease in self.queue.poll(now) {
-                self.placed(now, lease, None);
+        // The queue is sorted and walked only when something changed, or
+        // once a tick while time alone may change its order.
+        let due = self.queue_dirty || now >= self.queue_polled + QUEUE_TICK;
+        if due {
+            self.queue_dirty = false;
+            self.queue_polled = now;
+            if self.placing(now) {
+                for lease in self.queue.poll(now) {
+                    self.placed(now, lease, None);
+                }
             }
+            self.tell_positions(now);
         }
-        self.tell_positions(now);
+    }
+
+    /// The queue, to change it: it is polled again at the next `pump`.
+    fn queue_mut(&mut self) -> &mut Queue {
+        self.queue_dirty = true;
+        &mut self.queue
     }
 
     /// The state to write, if it changed and a write is due: (its number,
@@ -901,14 +1004,10 @@ impl Broker {
                 "cannot write the state file: {e}; leases will not survive a restart"
             )),
         }
-        let ready: Vec<u64> = self
-            .undelivered
-            .iter()
-            .filter(|&&(s, _)| s <= seq)
-            .map(|&(_, t)| t)
-            .collect();
-        self.undelivered.retain(|&(s, _)| s > seq);
-        for t in ready {
+        // Leases granted but not yet durable are told to their run once
+        // the state that books them is on disk, so that a crash never
+        // forgets a lease a job already holds.
+        for t in self.jobs.saved(seq) {
             self.tell_lease(t);
         }
         self.pump(now);

@@ -57,7 +57,6 @@ impl Broker {
                 continue;
             }
             let st = g.sched.status(now);
-            let driver_mem = self.telemetry.process_memory(&g.uuid_str);
             let mut processes = Vec::new();
             let mut units: HashMap<u32, Unit> = HashMap::new();
             for (&id, c) in &self.conns {
@@ -88,10 +87,7 @@ impl Broker {
                         .mps_pipe
                         .as_ref()
                         .and_then(|_| job.and_then(|j| j.compute)),
-                    driver_mem: driver_mem
-                        .iter()
-                        .find(|(p, _)| *p == c.peer.pid)
-                        .map(|&(_, b)| b),
+                    driver_mem: self.telemetry.process_memory(&g.uuid_str, c.peer.pid),
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),
@@ -213,15 +209,15 @@ impl Broker {
                     .map_or_else(Vec::new, |l| l.gpus.clone()),
                 mem_cap: j.mem_cap,
                 held_s: self
-                    .leased_at
-                    .get(t)
-                    .map_or(0.0, |&at| now.saturating_sub(at) as f64 / 1e9),
+                    .jobs
+                    .leased_at(t)
+                    .map_or(0.0, |at| now.saturating_sub(at) as f64 / 1e9),
                 compute: j.compute,
                 limit: j.limit,
                 connected: self
-                    .job_conn
-                    .get(t)
-                    .is_some_and(|c| self.conns.contains_key(c)),
+                    .jobs
+                    .run(t)
+                    .is_some_and(|c| self.conns.contains_key(&c)),
             })
             .collect();
         Status {

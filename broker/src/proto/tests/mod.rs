@@ -7,11 +7,14 @@
 mod budgets;
 mod classes;
 mod deadlines;
+mod dirty_sets;
 mod fairness;
 mod identity;
+mod messages;
 mod mig_instances;
 mod restarts;
 mod service_props;
+mod telemetry;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -22,7 +25,7 @@ use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Pin, Role, Serv
 use super::*;
 use crate::authority::{Allow, Peer, Policy};
 use crate::jobs::{Job, Phase};
-use crate::procs::{NoTelemetry, Procs};
+use crate::procs::Procs;
 use crate::sched::Priority;
 use crate::statefile::Loaded;
 
@@ -61,6 +64,20 @@ struct T {
     unread: HashMap<ConnId, Vec<u8>>,
 }
 
+/// Job tokens as a fixed sequence (splitmix64): the same in every run, yet
+/// spread over all of u64 as random ones are, so that a test guessing
+/// small tokens guesses no job's.
+fn tokens() -> Tokens {
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    Box::new(move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    })
+}
+
 fn uuid(i: u8) -> [u8; 16] {
     [i; 16]
 }
@@ -85,6 +102,10 @@ impl T {
     }
 
     fn with_mig(cfg: Config, gpus: &[u64], planner: crate::mig::Planner) -> T {
+        T::build(cfg, gpus, planner, tokens())
+    }
+
+    fn build(cfg: Config, gpus: &[u64], planner: crate::mig::Planner, tokens: Tokens) -> T {
         let procs: Table = Rc::default();
         let gpus = gpus
             .iter()
@@ -102,7 +123,7 @@ impl T {
             planner,
             true,
             Box::new(FakeProcs(procs.clone())),
-            Box::new(NoTelemetry),
+            tokens,
             SEC,
         );
         T {

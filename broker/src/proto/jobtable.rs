@@ -1,0 +1,154 @@
+//! The job table: each job's record (what the state file keeps) with
+//! everything the core knows of it beside: the connection of its `gpufrac
+//! run` (or the device plugin's), when its lease was granted, the state
+//! number that must be durable before its run is told, and its member
+//! processes. A job ends in one place, `end`, which takes all of it.
+//!
+//! A MIG instance being made for a job is not here: it outlives a job that
+//! ends meanwhile (the instance is released once made), so it is kept by
+//! lease in `Broker::making`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{ConnId, Nanos};
+use crate::jobs::Job;
+
+/// One job and what the core keeps of it.
+#[derive(Debug)]
+pub(super) struct Entry {
+    pub job: Job,
+    /// The connection whose lease it is (None: restored from the state
+    /// file and not yet resumed).
+    pub run: Option<ConnId>,
+    /// Its lease was granted then (status's HELD).
+    pub leased_at: Option<Nanos>,
+    /// Its lease is told to its run once state number this is written.
+    pub undelivered: Option<u64>,
+    /// Connections of its processes (`Conn::member_of` says the same from
+    /// the other side).
+    pub members: BTreeSet<ConnId>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Jobs {
+    entries: BTreeMap<u64, Entry>,
+}
+
+impl Jobs {
+    /// A new job, with nothing else known of it yet.
+    pub fn insert(&mut self, job: Job) {
+        let token = job.token;
+        self.entries.insert(
+            token,
+            Entry {
+                job,
+                run: None,
+                leased_at: None,
+                undelivered: None,
+                members: BTreeSet::new(),
+            },
+        );
+    }
+
+    /// The job is over: everything kept of it, gone at once.
+    pub fn end(&mut self, token: u64) -> Option<Entry> {
+        self.entries.remove(&token)
+    }
+
+    pub fn get(&self, token: &u64) -> Option<&Job> {
+        self.entries.get(token).map(|e| &e.job)
+    }
+
+    pub fn get_mut(&mut self, token: &u64) -> Option<&mut Job> {
+        self.entries.get_mut(token).map(|e| &mut e.job)
+    }
+
+    #[cfg(test)]
+    pub fn entry(&self, token: &u64) -> Option<&Entry> {
+        self.entries.get(token)
+    }
+
+    pub fn contains_key(&self, token: &u64) -> bool {
+        self.entries.contains_key(token)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Every job, by token.
+    pub fn iter(&self) -> impl Iterator<Item = (&u64, &Job)> {
+        self.entries.iter().map(|(t, e)| (t, &e.job))
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &Job> {
+        self.entries.values().map(|e| &e.job)
+    }
+
+    /// The connection of the job's run, if it has one.
+    pub fn run(&self, token: &u64) -> Option<ConnId> {
+        self.entries.get(token).and_then(|e| e.run)
+    }
+
+    pub fn set_run(&mut self, token: u64, id: ConnId) {
+        if let Some(e) = self.entries.get_mut(&token) {
+            e.run = Some(id);
+        }
+    }
+
+    /// Jobs no connection has claimed (restored, their run not back).
+    pub fn without_run(&self) -> impl Iterator<Item = (&u64, &Job)> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.run.is_none())
+            .map(|(t, e)| (t, &e.job))
+    }
+
+    pub fn leased_at(&self, token: &u64) -> Option<Nanos> {
+        self.entries.get(token).and_then(|e| e.leased_at)
+    }
+
+    /// Its lease is held from `now`, unless it already was.
+    pub fn leased(&mut self, token: u64, now: Nanos) {
+        if let Some(e) = self.entries.get_mut(&token) {
+            e.leased_at.get_or_insert(now);
+        }
+    }
+
+    /// Its lease is told once state `seq` is written.
+    pub fn hold_until_saved(&mut self, token: u64, seq: u64) {
+        if let Some(e) = self.entries.get_mut(&token) {
+            e.undelivered = Some(seq);
+        }
+    }
+
+    pub fn undelivered(&self, token: &u64) -> bool {
+        self.entries
+            .get(token)
+            .is_some_and(|e| e.undelivered.is_some())
+    }
+
+    /// The jobs whose leases state `seq` made durable, no longer held.
+    pub fn saved(&mut self, seq: u64) -> Vec<u64> {
+        let mut ready: Vec<(u64, u64)> = Vec::new();
+        for (&t, e) in &mut self.entries {
+            if e.undelivered.is_some_and(|s| s <= seq) {
+                ready.push((e.undelivered.take().unwrap_or(0), t));
+            }
+        }
+        ready.sort_unstable();
+        ready.into_iter().map(|(_, t)| t).collect()
+    }
+
+    pub fn join(&mut self, token: u64, id: ConnId) {
+        if let Some(e) = self.entries.get_mut(&token) {
+            e.members.insert(id);
+        }
+    }
+
+    pub fn leave(&mut self, token: u64, id: ConnId) {
+        if let Some(e) = self.entries.get_mut(&token) {
+            e.members.remove(&id);
+        }
+    }
+}

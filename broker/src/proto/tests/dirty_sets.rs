@@ -1,0 +1,241 @@
+//! What the core keeps as things change, so that a turn's work follows
+//! what changed rather than the number of connections: the sets it hands
+//! the shell (`dead`, `pending_output`), the held status requests, the
+//! connections the sweep looks at for deadlines, and the
+//! queue walked only when it changed, each job's members. After any
+//! sequence of operations each must be exactly what a full scan would
+//! find.
+
+use std::collections::BTreeSet;
+
+use proptest::prelude::*;
+
+use super::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A new connection, from a new process of one of three users.
+    Connect(u8),
+    /// A connection that says nothing yet.
+    ConnectSilent(u8),
+    /// Raw bytes on a connection (by index among the open ones).
+    Bytes(usize, Vec<u8>),
+    Register(usize),
+    Acquire(usize),
+    /// A lease of GPUs (0: memory only), waiting or not.
+    Lease(usize, u8, bool),
+    /// A burst of status requests (over the user's budget, some wait).
+    Status(usize, u8),
+    /// The shell writes this many bytes of the connection's output.
+    Write(usize, u16),
+    Hangup(usize),
+    Exit(usize),
+    /// The shell's turn: overdue connections expired, dead ones removed.
+    Turn,
+    Advance(Nanos),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..3u8).prop_map(Op::Connect),
+        1 => (0..3u8).prop_map(Op::ConnectSilent),
+        1 => (0..8usize, prop::collection::vec(any::<u8>(), 0..40)).prop_map(|(i, b)| Op::Bytes(i, b)),
+        2 => (0..8usize).prop_map(Op::Register),
+        2 => (0..8usize).prop_map(Op::Acquire),
+        3 => (0..8usize, 0..3u8, any::<bool>()).prop_map(|(i, g, w)| Op::Lease(i, g, w)),
+        2 => (0..8usize, 1..40u8).prop_map(|(i, n)| Op::Status(i, n)),
+        3 => (0..8usize, any::<u16>()).prop_map(|(i, n)| Op::Write(i, n)),
+        1 => (0..8usize).prop_map(Op::Hangup),
+        1 => (0..8usize).prop_map(Op::Exit),
+        2 => Just(Op::Turn),
+        2 => (0..3_000_000_000u64).prop_map(Op::Advance),
+    ]
+}
+
+/// Every set equals its scan; a queue not marked changed has nothing to
+/// place and has told each waiting run its position.
+fn check(t: &mut T) {
+    let b = &t.b;
+    let scan = |f: &dyn Fn(&Conn) -> bool| -> BTreeSet<ConnId> {
+        b.conns
+            .iter()
+            .filter(|(_, c)| f(c))
+            .map(|(&id, _)| id)
+            .collect()
+    };
+    let set = |v: Vec<ConnId>| v.into_iter().collect::<BTreeSet<_>>();
+    assert_eq!(set(b.dead()), scan(&|c| c.dead), "dead");
+    assert_eq!(
+        set(b.pending_output()),
+        scan(&|c| !c.outbuf.is_empty()),
+        "pending output"
+    );
+    assert_eq!(
+        b.status_held,
+        scan(&|c| c.status_wait.is_some()),
+        "held status requests"
+    );
+    assert_eq!(
+        b.unsettled,
+        scan(&|c| c.role.is_none() || c.partial_since.is_some()),
+        "connections without hello or with half a frame"
+    );
+    // Each job's members are the connections that say they are its.
+    for (token, _) in b.jobs.iter() {
+        let e = b.jobs.entry(token).expect("listed");
+        assert_eq!(
+            e.members,
+            scan(&|c| c.member_of == Some(*token)),
+            "members of a job"
+        );
+    }
+    let orphans: BTreeSet<ConnId> = b
+        .conns
+        .iter()
+        .filter(|(_, c)| c.member_of.is_some_and(|t| !b.jobs.contains_key(&t)))
+        .map(|(&id, _)| id)
+        .collect();
+    assert!(orphans.is_empty(), "members of ended jobs: {orphans:?}");
+    if !t.b.queue_dirty {
+        let at = t.b.queue_polled;
+        for w in t.b.queue.waiting(at) {
+            if let Some(c) = t.b.jobs.run(&w.id).and_then(|id| t.b.conns.get(&id)) {
+                assert_eq!(c.queued, Some(w.position as u32), "position told");
+            }
+        }
+        assert!(
+            t.b.queue.poll(at).is_empty(),
+            "the queue was not polled after it changed"
+        );
+    }
+}
+
+fn run(ops: Vec<Op>) {
+    let mut t = T::new(cfg(), &[16 * GIB, 16 * GIB]);
+    let mut open: Vec<ConnId> = Vec::new();
+    let users = [ALICE, BOB, PLUGIN];
+    for op in ops {
+        open.retain(|id| t.b.conns.contains_key(id));
+        let pick = |i: usize| (!open.is_empty()).then(|| open[i % open.len()]);
+        match op {
+            Op::Connect(u) => {
+                let pid = t.spawn(1);
+                open.push(t.connect_as(pid, users[u as usize]));
+            }
+            Op::ConnectSilent(u) => {
+                let pid = t.spawn(1);
+                let id = t.next;
+                t.next += 1;
+                let peer = Peer {
+                    pid,
+                    uid: users[u as usize],
+                    gid: users[u as usize],
+                    groups: Vec::new(),
+                    start_time: t.procs.borrow().get(&pid).map(|p| p.1),
+                };
+                if t.b.connect(t.now, id, peer).is_ok() {
+                    open.push(id);
+                }
+            }
+            Op::Bytes(i, bytes) => {
+                if let Some(id) = pick(i) {
+                    t.b.input(t.now, id, &bytes);
+                }
+            }
+            Op::Register(i) => {
+                if let Some(id) = pick(i) {
+                    t.send(
+                        id,
+                        &ClientMsg::Register {
+                            command: String::new(),
+                            devices: vec![DeviceReg {
+                                uuid: uuid(1),
+                                ordinal: 0,
+                                mem_cap: 0,
+                                mem_total: 16 * GIB,
+                            }],
+                            share: None,
+                            limit: None,
+                            priority: Priority::Normal,
+                        },
+                    );
+                }
+            }
+            Op::Acquire(i) => {
+                if let Some(id) = pick(i) {
+                    t.send(id, &ClientMsg::Acquire { uuid: uuid(1) });
+                }
+            }
+            Op::Lease(i, gpus, no_wait) => {
+                if let Some(id) = pick(i) {
+                    let mem = if gpus == 0 { 4 * GIB } else { 0 };
+                    t.lease(id, u32::from(gpus), mem, no_wait);
+                }
+            }
+            Op::Status(i, n) => {
+                if let Some(id) = pick(i) {
+                    for _ in 0..n {
+                        t.send(id, &ClientMsg::Status { from: 0 });
+                    }
+                }
+            }
+            Op::Write(i, n) => {
+                if let Some(id) = pick(i) {
+                    let n = usize::from(n).min(t.b.output(id).len());
+                    t.b.consumed(id, n);
+                }
+            }
+            Op::Hangup(i) => {
+                if let Some(id) = pick(i) {
+                    t.b.hangup(id);
+                }
+            }
+            Op::Exit(i) => {
+                if let Some(id) = pick(i) {
+                    t.b.exited(id);
+                }
+            }
+            Op::Turn => t.turn(),
+            Op::Advance(dt) => t.advance(dt),
+        }
+        check(&mut t);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn what_the_core_keeps_equals_a_full_scan(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops);
+    }
+}
+
+/// A request that waits is told its position once, and the queue is not
+/// walked again until something changes or a tick passes.
+#[test]
+fn an_unchanged_queue_is_not_walked_again() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let (p1, p2) = (t.spawn(1), t.spawn(1));
+    let holder = t.connect_as(p1, ALICE);
+    t.lease(holder, 1, 0, false);
+    t.advance(SEC);
+    assert!(leased(&t.recv(holder)).is_some());
+    let waiter = t.connect_as(p2, BOB);
+    t.lease(waiter, 1, 0, false);
+    t.turn();
+    assert!(
+        t.recv(waiter)
+            .iter()
+            .any(|m| matches!(m, ServerMsg::Queued { position: 1, .. }))
+    );
+    let polled = t.b.queue_polled;
+    assert!(!t.b.queue_dirty);
+    // Unrelated traffic: the queue stays as it was, and is not walked.
+    t.send(holder, &ClientMsg::Ping);
+    assert_eq!(t.b.queue_polled, polled);
+    // Its holder gone, the GPU goes to the waiter in the same turn.
+    t.b.hangup(holder);
+    t.advance(SEC);
+    assert!(leased(&t.recv(waiter)).is_some());
+}
