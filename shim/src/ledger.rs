@@ -30,6 +30,9 @@ pub struct Ledger {
     /// (`gpufrac_mem_refusals`): what a test runner reads around a test to
     /// know it ran out of memory by its cap.
     pub refusals: AtomicU64,
+    /// The cap the process started with, kept once `set_limit` first moves
+    /// the cap (0 until then): what a later `set_limit` may never pass.
+    ceiling: AtomicU64,
 }
 
 impl Ledger {
@@ -52,6 +55,7 @@ impl Ledger {
             peak: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
+            ceiling: AtomicU64::new(0),
         }
     }
 
@@ -312,6 +316,34 @@ pub fn limit(dev: usize) -> u64 {
     LEDGERS
         .get(dev)
         .map_or(NO_LIMIT, |l| l.limit.load(Ordering::Acquire))
+}
+
+/// Moves this process's own cap on `dev` to `bytes` (0: back to the cap
+/// it started with), never above the cap it started with: a test runner
+/// narrows a worker to one test's budget and widens it again, and nothing
+/// that calls this gets more than its environment gave it. The job's books,
+/// when there are any, still bind. Returns the cap now in force.
+pub fn set_limit(dev: usize, bytes: u64) -> u64 {
+    let Some(l) = LEDGERS.get(dev) else {
+        return NO_LIMIT;
+    };
+    // The first call keeps the cap from the environment; 0 is never a
+    // stored cap (a zero-byte cap is refused when the environment is read).
+    let start = l.limit.load(Ordering::Acquire);
+    let ceiling = match l
+        .ceiling
+        .compare_exchange(0, start, Ordering::AcqRel, Ordering::Acquire)
+    {
+        Ok(_) => start,
+        Err(kept) => kept,
+    };
+    let cap = if bytes == 0 {
+        ceiling
+    } else {
+        bytes.min(ceiling)
+    };
+    l.limit.store(cap, Ordering::Release);
+    cap
 }
 
 pub fn peak(dev: usize) -> u64 {
@@ -575,6 +607,24 @@ mod tests {
         let l = Ledger::new();
         l.limit.store(limit, Ordering::Relaxed);
         l
+    }
+
+    #[test]
+    fn set_limit_narrows_and_widens_but_never_past_the_starting_cap() {
+        // A device of its own, so that no other test's books move under it.
+        let dev = MAX_DEVICES - 1;
+        LEDGERS[dev].limit.store(8 << 30, Ordering::Release);
+        assert_eq!(set_limit(dev, 1 << 30), 1 << 30);
+        assert!(
+            LEDGERS[dev].take(2 << 30).is_none(),
+            "over the narrowed cap"
+        );
+        assert_eq!(set_limit(dev, 16 << 30), 8 << 30, "never past the start");
+        assert_eq!(set_limit(dev, 2 << 30), 2 << 30);
+        assert_eq!(set_limit(dev, 0), 8 << 30, "0 restores the start");
+        assert_eq!(limit(dev), 8 << 30);
+        assert_eq!(LEDGERS[dev].take(2 << 30), Some(2 << 30));
+        LEDGERS[dev].give(2 << 30);
     }
 
     #[test]
