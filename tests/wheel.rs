@@ -1003,6 +1003,23 @@ fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
         "{line}"
     );
 
+    // -n auto by what was learned: 3 GiB holds two 1.25 GiB tests, though
+    // xdist's auto (told 8 CPUs here) would start eight workers.
+    let mut cmd = r.pytest_cached(py, &["-n", "auto", "--gpufrac-memory", "3G"]);
+    cmd.env("PYTEST_XDIST_AUTO_NUM_WORKERS", "8")
+        .arg("test_learn.py");
+    let o = output_within(cmd, 300.0, "the -n auto run", &r.scratch.0);
+    passed(&o, "2 passed");
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: -n auto: 2 workers: the budget holds 2 tests of the median learned \
+             budget (1.25 GiB) at once, and the CPUs allow 8"
+        ),
+        "{}",
+        out(&o)
+    );
+    assert!(stdout(&o).contains("created: 2/2 workers"), "{}", out(&o));
+
     // Outgrown: 2 GiB against its 1.25 GiB.
     let mut cmd = r.pytest_cached(py, &args);
     cmd.env("GPUFRAC_TEST_GROW", "1").arg("--gpufrac-learn");

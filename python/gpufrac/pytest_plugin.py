@@ -263,6 +263,48 @@ def pytest_cmdline_main(config):
         raise pytest.UsageError("cannot run %s: %s" % (exe, e))
 
 
+def _learned_on_disk(config):
+    """What --gpufrac-learn kept, read before pytest's cache plugin is
+    configured (xdist decides -n auto first)."""
+    try:
+        path = os.path.join(str(config.rootpath), config.getini("cache_dir"),
+                            "v", *LEARNED_KEY.split("/"))
+        with open(path) as f:
+            return json.load(f) or {}
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """-n auto under budgets: no more workers than the run's budget holds
+    tests of the median learned budget at once, and never more than xdist's
+    own auto (one per CPU)."""
+    if hasattr(config, "workerinput"):
+        return None
+    settings = json.loads(os.environ.get(SETTINGS) or "null")
+    if not settings or settings.get("split", "test") != "test":
+        return None
+    budget = settings["budget"]
+    job = _job_cap()
+    if job and (not budget or job < budget):
+        budget = job
+    try:
+        from xdist import plugin as xdist_plugin
+
+        auto = xdist_plugin.pytest_xdist_auto_num_workers(config)
+    except (ImportError, AttributeError):
+        return None
+    learned = sorted(v["budget"] for v in _learned_on_disk(config).values() if v.get("budget"))
+    if not budget or not learned or not auto:
+        config._gpufrac_auto = (auto, auto, None)
+        return None
+    typical = learned[len(learned) // 2]
+    n = max(1, min(auto, budget // typical))
+    config._gpufrac_auto = (n, auto, typical)
+    return n
+
+
 def _xdist_workers(config):
     """How many xdist workers this session starts (0: none). Read after
     xdist's own pytest_cmdline_main has turned -n N / auto into --tx specs."""
@@ -348,6 +390,17 @@ def pytest_configure(config):
         os.environ[SETTINGS] = json.dumps(settings)
     else:
         os.environ.pop(SETTINGS, None)
+    auto = getattr(config, "_gpufrac_auto", None)
+    if auto is not None and workers:
+        n, cpus, typical = auto
+        if typical is None:
+            settings["auto"] = "-n auto: %d workers, one per CPU (nothing learned yet to " \
+                "size them by)" % cpus
+        else:
+            settings["auto"] = (
+                "-n auto: %d workers: the budget holds %d tests of the median learned "
+                "budget (%s) at once, and the CPUs allow %d" % (
+                    n, budget // typical, gpufrac.format_size(typical), cpus))
     summary = _Summary(config, settings, learned)
     config.pluginmanager.register(summary, "gpufrac-summary")
     if not workers:
@@ -761,7 +814,10 @@ class _Summary:
         self.broker = bool(os.environ.get("GPUFRAC_JOB"))
 
     def pytest_report_header(self, config):
-        return [_describe(self.settings, self.broker)]
+        lines = [_describe(self.settings, self.broker)]
+        if self.settings.get("auto"):
+            lines.append("gpufrac: " + self.settings["auto"])
+        return lines
 
     def pytest_runtest_logreport(self, report):
         g = getattr(report, "gpufrac", None)
@@ -830,6 +886,9 @@ class _Summary:
         learned = dict(self.learned)
         run = self.settings["budget"]
         for t in self.tests:
+            # A skipped test measured nothing worth keeping.
+            if self.outcomes.get(t["nodeid"]) not in ("passed", "failed"):
+                continue
             peak = t["peak"]
             budget = _with_headroom(peak)
             old = learned.get(t["nodeid"]) or {}
