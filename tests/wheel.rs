@@ -1123,8 +1123,8 @@ fn sizes_take_the_clis_rules_percentages_included() {
     );
     for (flag, bad, said) in [
         ("--gpufrac-memory", "101%", "'101%' is above 100%"),
-        ("--gpufrac-memory", ".5G", "write a leading zero, as in 0.5"),
-        ("--gpufrac-default-memory", "4X", "unknown unit 'X'"),
+        ("--gpufrac-memory", ".5G", "'.5G': write a leading zero, as in 0.5"),
+        ("--gpufrac-default-memory", "4X", "'4X': unknown unit 'X'"),
     ] {
         let o = r
             .pytest(py, &["--gpufrac-memory", "1G", flag, bad, "test_report.py"])
