@@ -951,13 +951,14 @@ fn tests_reserve_their_declared_budgets_and_pack_where_splitting_by_worker_fails
 fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     let Some(py) = py() else { return };
     let r = Run::new("wheel-learn");
-    let json = r.scratch.0.join("learn.json");
+    // In the suite: a path outside it that exists would move pytest's
+    // rootdir, and with it the test ids the figures are kept by.
+    let json = r.suite().join("learn.json");
     let args = ["-n", "2", "--gpufrac-memory", "3G", "test_learn.py"];
 
     let mut cmd = r.pytest_cached(py, &args);
     cmd.arg("--gpufrac-learn")
-        .arg("--gpufrac-report-json")
-        .arg(&json);
+        .args(["--gpufrac-report-json", "learn.json"]);
     let o = output_within(cmd, 300.0, "the learning run", &r.scratch.0);
     passed(&o, "2 passed");
     for t in ["learn-a", "learn-b"] {
@@ -978,8 +979,7 @@ fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     let mut cmd = r.pytest_cached(py, &args);
     cmd.env("GPUFRAC_TEST_PAIR", "1")
         .arg("--gpufrac-report")
-        .arg("--gpufrac-report-json")
-        .arg(&json);
+        .args(["--gpufrac-report-json", "learn.json"]);
     let o = output_within(cmd, 300.0, "the packed run", &r.scratch.0);
     passed(&o, "2 passed");
     for t in ["learn-a", "learn-b"] {
@@ -1123,7 +1123,11 @@ fn sizes_take_the_clis_rules_percentages_included() {
     );
     for (flag, bad, said) in [
         ("--gpufrac-memory", "101%", "'101%' is above 100%"),
-        ("--gpufrac-memory", ".5G", "'.5G': write a leading zero, as in 0.5"),
+        (
+            "--gpufrac-memory",
+            ".5G",
+            "'.5G': write a leading zero, as in 0.5",
+        ),
         ("--gpufrac-default-memory", "4X", "'4X': unknown unit 'X'"),
     ] {
         let o = r

@@ -39,13 +39,20 @@ pub extern "C" fn gpufrac_mem_limit(device: c_int) -> u64 {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_mem_limit_set(device: c_int, bytes: u64) -> u64 {
     catch_unwind(|| {
-        if device < 0 || config::config().is_err() || devices::ensure().is_err() {
+        let Ok(cfg) = config::config() else { return 0 };
+        if device < 0 {
             return 0;
         }
-        match ledger::set_limit(device as usize, bytes) {
-            ledger::NO_LIMIT => 0,
-            cap => cap,
+        let i = device as usize;
+        let mut cap = ledger::set_limit(i, bytes);
+        // Before CUDA is initialised the environment's cap is not in the
+        // books yet; a byte cap is known all the same.
+        if let gpufrac_common::size::MemLimit::Bytes(b) = cfg.limit_for(i)
+            && b > 0
+        {
+            cap = cap.min(b);
         }
+        if cap == ledger::NO_LIMIT { 0 } else { cap }
     })
     .unwrap_or(0)
 }
