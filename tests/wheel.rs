@@ -1078,14 +1078,24 @@ fn a_crashed_workers_reservation_is_reclaimed_and_a_test_bigger_than_the_run_is_
 
 /// Between tests the plugin empties the caching allocator's pool (a
 /// stand-in for cupy's), so the next test starts with nothing charged;
-/// --gpufrac-keep-pools leaves it, and the report's "at start" says so.
+/// --gpufrac-keep-pools leaves it, and the report's "at start" says so;
+/// the next test runs capped at its reservation plus what was kept. The
+/// report lists a declaration far above its test's peak.
 #[test]
 fn pools_are_emptied_between_tests_unless_kept() {
     let Some(py) = py() else { return };
     for (keep, start, blocks) in [(false, 0, 0), (true, 512 * MIB, 1)] {
         let r = Run::new("wheel-pools");
         let json = r.scratch.0.join("pools.json");
-        let mut cmd = r.pytest(py, &["--gpufrac-memory", "2G", "--gpufrac-report-json"]);
+        let mut cmd = r.pytest(
+            py,
+            &[
+                "--gpufrac-memory",
+                "2G",
+                "--gpufrac-report",
+                "--gpufrac-report-json",
+            ],
+        );
         cmd.arg(&json).arg("test_pools.py");
         if keep {
             cmd.arg("--gpufrac-keep-pools");
@@ -1097,9 +1107,13 @@ fn pools_are_emptied_between_tests_unless_kept() {
         let next = test_entry(&j, "test_pools.py::test_next");
         assert_eq!(next["start_bytes"], start, "{next}");
         assert_eq!(next["peak_bytes"], start + 256 * MIB, "{next}");
-        // Its reservation is the whole budget, which also bounds what it
-        // held before.
-        assert_eq!(next["cap_bytes"], 2 * GIB, "{next}");
+        // Capped at its reservation and what its worker held before it.
+        assert_eq!(next["cap_bytes"], GIB + start, "{next}");
+        assert_eq!(next["declared_bytes"], GIB, "{next}");
+        // 1 GiB declared, 256 MiB used: four times its peak, listed; with
+        // the pool kept its peak is 768 MiB, and it is not.
+        let far = "test_pools.py::test_next declares 1.00 GiB, peaked at 256.00 MiB";
+        assert_eq!(stdout(&o).contains(far), !keep, "{}", out(&o));
     }
 }
 
