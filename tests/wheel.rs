@@ -6,7 +6,8 @@
 //! the plugin against the simulated driver, the venv never activated (as CI
 //! scripts call `venv/bin/python -m pytest`):
 //!
-//! - `pytest -n 4 --gpufrac-memory 8G`: four workers at 2 GiB each, all
+//! - `pytest -n 4 --gpufrac-memory 8G --gpufrac-split worker`: four
+//!   workers at 2 GiB each, all
 //!   holding memory at once (a file barrier), each refused past its own cap
 //!   while the run's budget still has room;
 //! - `--gpufrac-split shared`: one worker takes more than half;
@@ -14,7 +15,12 @@
 //! - a worker out of memory fails that one test, naming cap and worker;
 //! - with a broker the run is one job that waits behind another for its
 //!   budget, then runs;
-//! - `pytest -n auto --gpufrac-memory SIZE`, the docs' plain recipe.
+//! - `pytest -n auto --gpufrac-memory SIZE`, the docs' plain recipe;
+//! - budgets per test (the default split): declared with
+//!   `@pytest.mark.gpu_memory`, learned with `--gpufrac-learn`, reserved in
+//!   the run's books in arrival order, each test capped at its reservation
+//!   (`gpufrac_mem_limit_set`); a crashed worker's reservation reclaimed;
+//!   pools emptied between tests; sizes as the CLI takes them.
 //!
 //! The wheel shares its release build with tests/release.rs; the venv,
 //! pip's cache and the downloads live in the test cache (docs/testing.md).
