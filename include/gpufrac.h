@@ -58,6 +58,14 @@ extern "C" {
  * succeeded. */
 unsigned long long gpufrac_mem_limit(int device);
 
+/* Sets this process's own cap on `device` to `bytes` (0: back to the cap
+ * it started with) and returns the cap now in force (0: none). Never
+ * raises the cap above the one the process started with (GPU_MEM_LIMIT),
+ * and a job's shared cap still binds: a test runner narrows a worker to
+ * one test's budget, then widens it again. Memory already held past a new
+ * cap stays held; the next allocation is refused. */
+unsigned long long gpufrac_mem_limit_set(int device, unsigned long long bytes);
+
 /* Bytes currently charged to this process on `device`. */
 unsigned long long gpufrac_mem_used(int device);
 

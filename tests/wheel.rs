@@ -6,7 +6,8 @@
 //! the plugin against the simulated driver, the venv never activated (as CI
 //! scripts call `venv/bin/python -m pytest`):
 //!
-//! - `pytest -n 4 --gpufrac-memory 8G`: four workers at 2 GiB each, all
+//! - `pytest -n 4 --gpufrac-memory 8G --gpufrac-split worker`: four
+//!   workers at 2 GiB each, all
 //!   holding memory at once (a file barrier), each refused past its own cap
 //!   while the run's budget still has room;
 //! - `--gpufrac-split shared`: one worker takes more than half;
@@ -14,7 +15,12 @@
 //! - a worker out of memory fails that one test, naming cap and worker;
 //! - with a broker the run is one job that waits behind another for its
 //!   budget, then runs;
-//! - `pytest -n auto --gpufrac-memory SIZE`, the docs' plain recipe.
+//! - `pytest -n auto --gpufrac-memory SIZE`, the docs' plain recipe;
+//! - budgets per test (the default split): declared with
+//!   `@pytest.mark.gpu_memory`, learned with `--gpufrac-learn`, reserved in
+//!   the run's books in arrival order, each test capped at its reservation
+//!   (`gpufrac_mem_limit_set`); a crashed worker's reservation reclaimed;
+//!   pools emptied between tests; sizes as the CLI takes them.
 //!
 //! The wheel shares its release build with tests/release.rs; the venv,
 //! pip's cache and the downloads live in the test cache (docs/testing.md).
@@ -142,6 +148,24 @@ impl Run {
         c.args(["-m", "pytest", "-p", "no:cacheprovider", "-rf"])
             .args(args);
         c
+    }
+
+    /// `pytest` with pytest's cache, where --gpufrac-learn keeps what it
+    /// learned (.pytest_cache in the suite).
+    fn pytest_cached(&self, py: &Py, args: &[&str]) -> Command {
+        let mut c = self.command(py.python());
+        c.args(["-m", "pytest", "-rfs"]).args(args);
+        c
+    }
+
+    /// What --gpufrac-learn keeps in pytest's cache.
+    fn learned(&self) -> serde_json::Value {
+        let p = self.suite().join(".pytest_cache/v/gpufrac/learned");
+        serde_json::from_str(
+            &std::fs::read_to_string(&p)
+                .unwrap_or_else(|e| panic!("nothing learned at {}: {e}", p.display())),
+        )
+        .unwrap()
     }
 
     /// `program` in the suite's environment (see `pytest`).
@@ -338,7 +362,15 @@ fn four_workers_each_capped_at_a_quarter_hold_memory_at_the_same_time() {
     let o = r
         .pytest(
             py,
-            &["-n", "4", "--gpufrac-memory", "8G", "test_quarters.py"],
+            &[
+                "-n",
+                "4",
+                "--gpufrac-memory",
+                "8G",
+                "--gpufrac-split",
+                "worker",
+                "test_quarters.py",
+            ],
         )
         .output()
         .unwrap();
@@ -565,6 +597,8 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
                 "2",
                 "--gpufrac-memory",
                 "2G",
+                "--gpufrac-split",
+                "worker",
                 "--gpufrac-report-json",
                 "oom.json",
                 "test_oom.py",
@@ -650,7 +684,15 @@ fn with_a_broker_the_run_waits_for_its_budget_behind_another_job_then_runs() {
     let json = d.join("gpu-mem.json");
     let mut cmd = r.pytest(
         py,
-        &["-n", "2", "--gpufrac-memory", "4G", "--gpufrac-report-json"],
+        &[
+            "-n",
+            "2",
+            "--gpufrac-memory",
+            "4G",
+            "--gpufrac-split",
+            "worker",
+            "--gpufrac-report-json",
+        ],
     );
     let (log_out, log_err) = (d.join("pytest.out"), d.join("pytest.err"));
     cmd.arg(&json)
@@ -707,7 +749,15 @@ fn plain_pytest_n_auto_splits_the_budget_among_as_many_workers_as_xdist_starts()
     let o = r
         .pytest(
             py,
-            &["-n", "auto", "--gpufrac-memory", "6G", "test_report.py"],
+            &[
+                "-n",
+                "auto",
+                "--gpufrac-memory",
+                "6G",
+                "--gpufrac-split",
+                "worker",
+                "test_report.py",
+            ],
         )
         .output()
         .unwrap();
@@ -742,7 +792,8 @@ fn inside_a_gpufrac_run_job_the_plugin_splits_that_jobs_cap_instead_of_starting_
         .args(["--gpu-memory", "4G", "--"])
         .arg(py.python())
         .args(["-m", "pytest", "-p", "no:cacheprovider", "-n", "2"])
-        .args(["--gpufrac-memory", "8G", "test_report.py"])
+        .args(["--gpufrac-memory", "8G", "--gpufrac-split", "worker"])
+        .arg("test_report.py")
         .output()
         .unwrap();
     passed(&o, "4 passed");
@@ -756,5 +807,358 @@ fn inside_a_gpufrac_run_job_the_plugin_splits_that_jobs_cap_instead_of_starting_
     );
     for t in ["nothing", "64m", "192m", "256m"] {
         assert_eq!(r.record(t)["cap_env"], (2 * GIB).to_string());
+    }
+}
+
+/// `cmd`'s output, or a failure naming `what` when it has not ended in
+/// `secs`: a test that waits forever for a reservation is a bug to report,
+/// not a hang of the suite.
+fn output_within(mut cmd: Command, secs: f64, what: &str, dir: &Path) -> Output {
+    let (o, e) = (dir.join("pytest.out"), dir.join("pytest.err"));
+    cmd.stdout(std::fs::File::create(&o).unwrap())
+        .stderr(std::fs::File::create(&e).unwrap());
+    let mut child = KillOnDrop(cmd.spawn().unwrap());
+    let mut status = None;
+    let mut done = || {
+        status = child.0.try_wait().unwrap();
+        status.is_some()
+    };
+    let finished = {
+        let t = std::time::Instant::now();
+        loop {
+            if done() {
+                break true;
+            }
+            if t.elapsed().as_secs_f64() > secs {
+                break false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let text = format!(
+        "{}{}",
+        std::fs::read_to_string(&o).unwrap_or_default(),
+        std::fs::read_to_string(&e).unwrap_or_default()
+    );
+    assert!(finished, "{what}: still running after {secs} s:\n{text}");
+    Output {
+        status: status.unwrap(),
+        stdout: std::fs::read(&o).unwrap(),
+        stderr: std::fs::read(&e).unwrap(),
+    }
+}
+
+fn test_entry<'a>(j: &'a serde_json::Value, nodeid: &str) -> &'a serde_json::Value {
+    j["tests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["nodeid"] == nodeid)
+        .unwrap_or_else(|| panic!("no {nodeid} in {j}"))
+}
+
+/// The issue's suite: a 5 GiB test and twelve 1 GiB tests on four
+/// workers under 7 GiB. Reserving each test's declared budget, it passes;
+/// split into quarters the big test never fits; sharing one budget, the big
+/// test fails whenever three small ones hold memory as it starts (the
+/// suite forces that overlap with a barrier).
+#[test]
+fn tests_reserve_their_declared_budgets_and_pack_where_splitting_by_worker_fails() {
+    let Some(py) = py() else { return };
+    let seven = 7 * GIB;
+
+    let r = Run::new("wheel-budgets");
+    let json = r.scratch.0.join("budgets.json");
+    let mut cmd = r.pytest(py, &["-n", "4", "--gpufrac-memory", "7G"]);
+    cmd.arg("--gpufrac-report-json")
+        .arg(&json)
+        .arg("test_budgets.py");
+    let o = output_within(cmd, 300.0, "the reserved run", &r.scratch.0);
+    passed(&o, "13 passed");
+    assert!(
+        stdout(&o)
+            .contains("gpufrac: GPU memory budget 7.00 GiB, reserved test by test by 4 workers"),
+        "{}",
+        out(&o)
+    );
+    assert!(r.record("big")["refused"].is_null());
+    // The books kept what the tests held together within the run's budget.
+    let mut most = r.record("big")["together"].as_u64().unwrap();
+    for n in 0..12 {
+        most = most.max(
+            r.record(&format!("small-{n}"))["together"]
+                .as_u64()
+                .unwrap(),
+        );
+    }
+    assert!(most <= seven, "{most} bytes held at once, over 7 GiB");
+    let j = report_json(&json);
+    let big = test_entry(&j, "test_budgets.py::test_big");
+    assert_eq!(big["budget_source"], "declared", "{big}");
+    assert_eq!(big["budget_bytes"], 5 * GIB, "{big}");
+    assert_eq!(big["declared_bytes"], 5 * GIB, "{big}");
+    // Nothing held before it: capped at exactly its reservation.
+    assert_eq!(big["cap_bytes"], 5 * GIB, "{big}");
+    assert_eq!(big["peak_bytes"], 5 * GIB, "{big}");
+    let small = test_entry(&j, "test_budgets.py::test_small[0]");
+    assert_eq!(small["budget_bytes"], GIB, "{small}");
+    assert_eq!(small["peak_bytes"], GIB, "{small}");
+
+    // A quarter each: the big test never fits its worker.
+    let r = Run::new("wheel-budgets-worker");
+    let args = [
+        "-n",
+        "4",
+        "--gpufrac-memory",
+        "7G",
+        "--gpufrac-split",
+        "worker",
+        "test_budgets.py",
+    ];
+    let o = output_within(r.pytest(py, &args), 300.0, "the worker split", &r.scratch.0);
+    assert!(stdout(&o).contains("1 failed, 12 passed"), "{}", out(&o));
+    assert_eq!(
+        r.record("big")["refused"],
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "{}",
+        out(&o)
+    );
+    assert!(stdout(&o).contains("over its 1.75 GiB cap]"), "{}", out(&o));
+
+    // One shared budget: three small tests hold 3 GiB when the big one
+    // starts, and 5 GiB more is 1 GiB over.
+    let r = Run::new("wheel-budgets-shared");
+    let mut cmd = r.pytest(
+        py,
+        &[
+            "-n",
+            "4",
+            "--gpufrac-memory",
+            "7G",
+            "--gpufrac-split",
+            "shared",
+            "test_budgets.py",
+        ],
+    );
+    cmd.env("GPUFRAC_TEST_OVERLAP", "1");
+    let o = output_within(cmd, 300.0, "the shared split", &r.scratch.0);
+    assert!(stdout(&o).contains("1 failed, 12 passed"), "{}", out(&o));
+    let big = r.record("big");
+    assert_eq!(big["refused"], "CUDA_ERROR_OUT_OF_MEMORY", "{big}");
+    assert_eq!(big["together"], 3 * GIB, "{big}");
+}
+
+/// --gpufrac-learn: unknown tests run alone and are measured; the next
+/// run packs them by what was learned (two 1 GiB tests, each learned at
+/// 1.25 GiB, hold memory at once in 3 GiB, which they could not if either
+/// still had the whole budget); a test that outgrows its figure fails
+/// naming both, and its figure grows.
+#[test]
+fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-learn");
+    // In the suite: a path outside it that exists would move pytest's
+    // rootdir, and with it the test ids the figures are kept by.
+    let json = r.suite().join("learn.json");
+    let args = ["-n", "2", "--gpufrac-memory", "3G", "test_learn.py"];
+
+    let mut cmd = r.pytest_cached(py, &args);
+    cmd.arg("--gpufrac-learn")
+        .args(["--gpufrac-report-json", "learn.json"]);
+    let o = output_within(cmd, 300.0, "the learning run", &r.scratch.0);
+    passed(&o, "2 passed");
+    for t in ["learn-a", "learn-b"] {
+        // Each ran alone: the whole budget was its.
+        assert_eq!(r.record(t)["together"], GIB, "{}", out(&o));
+    }
+    let j = report_json(&json);
+    let a = test_entry(&j, "test_learn.py::test_learn_a");
+    assert_eq!(a["budget_source"], "whole", "{a}");
+    assert_eq!(a["budget_bytes"], 3 * GIB, "{a}");
+    let learned = r.learned();
+    for t in ["test_learn.py::test_learn_a", "test_learn.py::test_learn_b"] {
+        assert_eq!(learned[t]["peak"], GIB, "{learned}");
+        assert_eq!(learned[t]["budget"], 1280 * MIB, "{learned}");
+    }
+
+    // Packed by what was learned: both hold their 1 GiB at once.
+    let mut cmd = r.pytest_cached(py, &args);
+    cmd.env("GPUFRAC_TEST_PAIR", "1")
+        .arg("--gpufrac-report")
+        .args(["--gpufrac-report-json", "learn.json"]);
+    let o = output_within(cmd, 300.0, "the packed run", &r.scratch.0);
+    passed(&o, "2 passed");
+    for t in ["learn-a", "learn-b"] {
+        assert_eq!(r.record(t)["together"], 2 * GIB, "{}", out(&o));
+    }
+    let j = report_json(&json);
+    let a = test_entry(&j, "test_learn.py::test_learn_a");
+    assert_eq!(a["budget_source"], "learned", "{a}");
+    assert_eq!(a["budget_bytes"], 1280 * MIB, "{a}");
+    assert_eq!(a["learned_bytes"], 1280 * MIB, "{a}");
+    // Declared, learned and measured side by side.
+    let line = stdout(&o)
+        .lines()
+        .find(|l| l.ends_with("test_learn.py::test_learn_a"))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("test_learn_a not in the report:\n{}", out(&o)));
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        cols[..7],
+        ["1.00", "GiB", "0", "B", "-", "1.25", "GiB"],
+        "{line}"
+    );
+
+    // -n auto by what was learned: 3 GiB holds two 1.25 GiB tests, though
+    // xdist's auto (told 8 CPUs here) would start eight workers.
+    let mut cmd = r.pytest_cached(py, &["-n", "auto", "--gpufrac-memory", "3G"]);
+    cmd.env("PYTEST_XDIST_AUTO_NUM_WORKERS", "8")
+        .arg("test_learn.py");
+    let o = output_within(cmd, 300.0, "the -n auto run", &r.scratch.0);
+    passed(&o, "2 passed");
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: -n auto: 2 workers: the budget holds 2 tests of the median learned \
+             budget (1.25 GiB) at once, and the CPUs allow 8"
+        ),
+        "{}",
+        out(&o)
+    );
+    assert!(stdout(&o).contains("created: 2/2 workers"), "{}", out(&o));
+
+    // Outgrown: 2 GiB against its 1.25 GiB.
+    let mut cmd = r.pytest_cached(py, &args);
+    cmd.env("GPUFRAC_TEST_GROW", "1").arg("--gpufrac-learn");
+    let o = output_within(cmd, 300.0, "the outgrowing run", &r.scratch.0);
+    assert!(stdout(&o).contains("1 failed, 1 passed"), "{}", out(&o));
+    assert!(
+        stdout(&o).contains(
+            "This test ran out of GPU memory under its reservation of 1.25 GiB (learned: \
+             its peak of 1.00 GiB in an earlier run and 25% headroom), in the run's budget \
+             of 3.00 GiB."
+        ),
+        "{}",
+        out(&o)
+    );
+    assert_eq!(
+        r.learned()["test_learn.py::test_learn_a"]["budget"],
+        2560 * MIB,
+        "{}",
+        out(&o)
+    );
+    let mut cmd = r.pytest_cached(py, &args);
+    cmd.env("GPUFRAC_TEST_GROW", "1");
+    let o = output_within(cmd, 300.0, "the grown run", &r.scratch.0);
+    passed(&o, "2 passed");
+}
+
+/// A worker that dies holding 2 of the run's 3 GiB: its replacement's
+/// next test, which needs 2 GiB, runs once the dead worker's reservation
+/// is reclaimed (it would wait forever otherwise); a test that needs more
+/// than the run has is skipped, saying why.
+#[test]
+fn a_crashed_workers_reservation_is_reclaimed_and_a_test_bigger_than_the_run_is_skipped() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-crash");
+    let cmd = r.pytest(
+        py,
+        &["-n", "1", "-rfs", "--gpufrac-memory", "3G", "test_crash.py"],
+    );
+    let o = output_within(cmd, 300.0, "the run with a crash", &r.scratch.0);
+    assert!(
+        stdout(&o).contains("1 failed, 1 passed, 1 skipped"),
+        "{}",
+        out(&o)
+    );
+    assert_ne!(r.record("dies")["pid"], r.record("after")["pid"]);
+    assert!(
+        stdout(&o).contains(
+            "gpufrac: this test needs 64.00 GiB of GPU memory (declared: gpu_memory('64G')), \
+             more than the run's budget of 3.00 GiB (--gpufrac-memory)"
+        ),
+        "{}",
+        out(&o)
+    );
+    assert_eq!(r.records(), 2, "the skipped test ran");
+}
+
+/// Between tests the plugin empties the caching allocator's pool (a
+/// stand-in for cupy's), so the next test starts with nothing charged;
+/// --gpufrac-keep-pools leaves it, and the report's "at start" says so;
+/// the next test runs capped at its reservation plus what was kept. The
+/// report lists a declaration far above its test's peak.
+#[test]
+fn pools_are_emptied_between_tests_unless_kept() {
+    let Some(py) = py() else { return };
+    for (keep, start, blocks) in [(false, 0, 0), (true, 512 * MIB, 1)] {
+        let r = Run::new("wheel-pools");
+        let json = r.scratch.0.join("pools.json");
+        let mut cmd = r.pytest(
+            py,
+            &[
+                "--gpufrac-memory",
+                "2G",
+                "--gpufrac-report",
+                "--gpufrac-report-json",
+            ],
+        );
+        cmd.arg(&json).arg("test_pools.py");
+        if keep {
+            cmd.arg("--gpufrac-keep-pools");
+        }
+        let o = output_within(cmd, 300.0, "the pools run", &r.scratch.0);
+        passed(&o, "2 passed");
+        assert_eq!(r.record("next")["pool_blocks"], blocks, "{}", out(&o));
+        let j = report_json(&json);
+        let next = test_entry(&j, "test_pools.py::test_next");
+        assert_eq!(next["start_bytes"], start, "{next}");
+        assert_eq!(next["peak_bytes"], start + 256 * MIB, "{next}");
+        // Capped at its reservation and what its worker held before it.
+        assert_eq!(next["cap_bytes"], GIB + start, "{next}");
+        assert_eq!(next["declared_bytes"], GIB, "{next}");
+        // 1 GiB declared, 256 MiB used: four times its peak, listed; with
+        // the pool kept its peak is 768 MiB, and it is not.
+        let far = "test_pools.py::test_next declares 1.00 GiB, peaked at 256.00 MiB";
+        assert_eq!(stdout(&o).contains(far), !keep, "{}", out(&o));
+    }
+}
+
+/// Sizes as the CLI takes them, a percentage included: the run's budget
+/// as 25% of the simulated 16 GiB GPU, a mark as a share of that.
+#[test]
+fn sizes_take_the_clis_rules_percentages_included() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-sizes");
+    let o = output_within(
+        r.pytest(py, &["--gpufrac-memory", "25%", "test_report.py"]),
+        300.0,
+        "the 25% run",
+        &r.scratch.0,
+    );
+    passed(&o, "4 passed");
+    assert!(
+        stdout(&o).contains("gpufrac: GPU memory budget 4.00 GiB, one process"),
+        "{}",
+        out(&o)
+    );
+    for (flag, bad, said) in [
+        ("--gpufrac-memory", "101%", "'101%' is above 100%"),
+        (
+            "--gpufrac-memory",
+            ".5G",
+            "'.5G': write a leading zero, as in 0.5",
+        ),
+        ("--gpufrac-default-memory", "4X", "'4X': unknown unit 'X'"),
+    ] {
+        let o = r
+            .pytest(py, &["--gpufrac-memory", "1G", flag, bad, "test_report.py"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(4), "{}", out(&o));
+        assert!(
+            stderr(&o).contains(&format!("{flag} {said}; expected a size such as 4G")),
+            "{}",
+            out(&o)
+        );
     }
 }

@@ -23,9 +23,11 @@ __all__ = [
     "binary",
     "format_size",
     "mem_limit",
+    "mem_limit_set",
     "mem_peak",
     "mem_peak_reset",
     "mem_used",
+    "parse_budget",
     "parse_size",
     "shim_loaded",
 ]
@@ -77,22 +79,93 @@ _UNITS = {
 }  # fmt: skip
 
 SIZE_EXAMPLE = "a size such as 4G, 512M, 1.5G or 4294967296"
+BUDGET_EXAMPLE = "a size such as 4G, 512M, 1.5G, 4294967296 or a percentage such as 25%"
+
+
+def _split_decimal(text, s):
+    """(digits before the point, digits after it, the rest) of ``s``, by
+    the rules of the gpufrac CLI's parser (common/src/size.rs)."""
+    i = 0
+    while i < len(s) and s[i] in "0123456789":
+        i += 1
+    if i == 0:
+        if s.startswith("-"):
+            raise ValueError("%r: negative values are not allowed" % text)
+        if s.startswith("."):
+            raise ValueError("%r: write a leading zero, as in 0.5" % text)
+        raise ValueError("%r does not start with a number" % text)
+    whole, rest, frac = s[:i], s[i:], ""
+    if rest.startswith("."):
+        j = 1
+        while j < len(rest) and rest[j] in "0123456789":
+            j += 1
+        if j == 1:
+            raise ValueError("%r: no digits after the decimal point" % text)
+        frac, rest = rest[1:j], rest[j:]
+    if rest.startswith("."):
+        raise ValueError("%r is a malformed number" % text)
+    return whole, frac, rest
+
+
+def _size(text):
+    s = str(text).strip()
+    if not s:
+        raise ValueError("empty size")
+    whole, frac, rest = _split_decimal(text, s)
+    unit = rest.strip().lower()
+    if unit not in _UNITS:
+        raise ValueError("%r: unknown unit %r" % (text, rest.strip()))
+    mult = _UNITS[unit]
+    # Exact like the CLI: whole bytes, fractions rounded down.
+    n = int(whole) * mult + (int(frac) * mult // 10 ** len(frac) if frac else 0)
+    if n >= 1 << 64:
+        raise ValueError("%r is too large: sizes are limited to just under 16 EiB" % text)
+    return n
 
 
 def parse_size(text):
     """Bytes in ``text``, written as ``gpufrac run --gpu-memory`` takes it:
     4G, 4GiB, 4GB, 512M, 1.5G or plain bytes; every unit is binary (x1024).
     Raises ValueError naming what is wrong."""
+    try:
+        return _size(text)
+    except ValueError as e:
+        raise ValueError("%s; expected %s" % (e, SIZE_EXAMPLE))
+
+
+def parse_budget(text):
+    """A memory budget as ``gpufrac run --gpu-memory`` takes it: a size
+    (``parse_size``) or a percentage of the GPU (``25%``, ``12.5%``, in
+    (0, 100]). Returns ``("bytes", n)`` or ``("percent", p)``; raises
+    ValueError naming what is wrong."""
     s = str(text).strip()
-    i = 0
-    while i < len(s) and (s[i].isdigit() or s[i] == "."):
-        i += 1
-    number, unit = s[:i], s[i:].strip().lower()
-    if not number or number.count(".") > 1 or number == ".":
-        raise ValueError("%r is not a size; expected %s" % (text, SIZE_EXAMPLE))
-    if unit not in _UNITS:
-        raise ValueError("%r: unknown unit %r; expected %s" % (text, s[i:].strip(), SIZE_EXAMPLE))
-    return int(float(number) * _UNITS[unit])
+    if not s.endswith("%"):
+        try:
+            return ("bytes", _size(s))
+        except ValueError as e:
+            raise ValueError("%s; expected %s" % (e, BUDGET_EXAMPLE))
+    digits = s[:-1].rstrip()
+    try:
+        whole, frac, rest = _split_decimal(text, digits)
+        if rest:
+            raise ValueError("%r: unexpected %r after the number" % (text, rest.strip()))
+    except ValueError as e:
+        raise ValueError("%s; expected %s" % (e, BUDGET_EXAMPLE))
+    value = float(digits)
+    if value <= 0:
+        raise ValueError("%r: a percentage must be greater than 0; expected %s" % (text, BUDGET_EXAMPLE))
+    if value > 100:
+        raise ValueError("%r is above 100%%; expected %s" % (text, BUDGET_EXAMPLE))
+    return ("percent", value)
+
+
+def resolve_budget(parsed, total):
+    """Bytes of a ``parse_budget`` result, a percentage taken of ``total``
+    and rounded down as the CLI does."""
+    kind, v = parsed
+    if kind == "bytes":
+        return v
+    return min(total, int(total * v / 100.0))
 
 
 def format_size(n):
@@ -125,6 +198,9 @@ def _shim_function(name):
 
 
 _limit = _shim_function("gpufrac_mem_limit")
+_limit_set = _shim_function("gpufrac_mem_limit_set")
+if _limit_set is not None:
+    _limit_set.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
 _used = _shim_function("gpufrac_mem_used")
 _peak = _shim_function("gpufrac_mem_peak")
 _peak_reset = _shim_function("gpufrac_mem_peak_reset")
@@ -141,6 +217,14 @@ def mem_limit(device=0):
     Initialises the shim (it reads its environment and loads the driver),
     so call it once the process uses CUDA anyway."""
     return _limit(device) if _limit else 0
+
+
+def mem_limit_set(device, nbytes):
+    """Sets this process's own cap on ``device`` to ``nbytes`` (0: back to
+    the cap it started with), never above the cap it started with; returns
+    the cap now in force (0: none). None when the shim is too old to have
+    it."""
+    return _limit_set(device, int(nbytes)) if _limit_set else None
 
 
 def mem_used(device=0):

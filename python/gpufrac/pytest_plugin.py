@@ -1,9 +1,24 @@
-"""pytest plugin: a GPU memory budget for a test run, split among pytest-xdist
-workers, and the peak GPU memory of every test.
+"""pytest plugin: a GPU memory budget for a test run, shared among
+pytest-xdist workers test by test, and the peak GPU memory of every test.
 
-    pytest -n 4 --gpufrac-memory 8G            # each of 4 workers capped at 2 GiB
+    pytest -n 4 --gpufrac-memory 8G            # each test reserves its budget
+    pytest -n 4 --gpufrac-memory 8G --gpufrac-learn   # ... and learns it
+    pytest -n 4 --gpufrac-memory 8G --gpufrac-split worker   # 2 GiB per worker
     pytest -n 4 --gpufrac-memory 8G --gpufrac-split shared   # one 8 GiB pool
     pytest --gpufrac-report --gpufrac-report-json gpu-mem.json
+
+Under ``--gpufrac-split test`` (the default) every test has a budget: its
+``@pytest.mark.gpu_memory("5G")`` (function, class or module), else the
+figure ``--gpufrac-learn`` measured in an earlier run (pytest's cache), else
+``--gpufrac-default-memory``, else the whole run's budget. Before its setup
+the worker reserves that budget in the run's books (a file under the run's
+temporary directory, locked with fcntl) and waits, in arrival order across
+workers, until the reservations in force leave room for it; the test then
+runs with the worker's own cap narrowed to its reservation plus what the
+worker already held (``gpufrac_mem_limit_set``), and the reservation is
+released after its teardown. Entries are keyed by the worker's pid and
+start time: those of a worker that died are dropped by the next worker
+that reads the books.
 
 How it works: the session starts itself again as one ``gpufrac run`` job
 (``gpufrac run --gpu-memory SIZE -- <this pytest command>``), so the whole run
@@ -26,9 +41,15 @@ a test's peak includes what the pool kept from earlier tests: that is what
 counts against the cap.
 """
 
+import contextlib
+import fcntl
 import json
+import math
 import os
+import shutil
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -56,10 +77,31 @@ def pytest_addoption(parser):
     )
     g.addoption(
         "--gpufrac-split",
-        choices=("worker", "shared"),
-        default="worker",
-        help="worker (default): each xdist worker gets SIZE/N as its own cap; "
+        choices=("test", "worker", "shared"),
+        default="test",
+        help="test (default): each test reserves its budget (@pytest.mark.gpu_memory, "
+        "learned, --gpufrac-default-memory, else all of SIZE) and waits for room; "
+        "worker: each xdist worker gets SIZE/N as its own cap; "
         "shared: the workers draw on one budget of SIZE",
+    )
+    g.addoption(
+        "--gpufrac-default-memory",
+        metavar="SIZE",
+        help="the budget of a test with neither a gpu_memory mark nor a learned "
+        "figure (default: the whole run's budget, so it runs alone); also the "
+        "gpufrac_default_memory ini option",
+    )
+    g.addoption(
+        "--gpufrac-learn",
+        action="store_true",
+        help="record each test's peak, plus 25%% headroom, in pytest's cache as its "
+        "budget for later runs (tests without a gpu_memory mark)",
+    )
+    g.addoption(
+        "--gpufrac-keep-pools",
+        action="store_true",
+        help="leave cupy's and PyTorch's memory pools alone between tests (by "
+        "default they are emptied, so that one test's pool is not charged to the next)",
     )
     g.addoption(
         "--gpufrac-timeout",
@@ -86,6 +128,12 @@ def pytest_addoption(parser):
         help="write every test's peak GPU memory and each worker's peak to PATH "
         "as JSON",
     )
+    parser.addini(
+        "gpufrac_default_memory",
+        "the budget of a test with neither a gpu_memory mark nor a learned figure "
+        "(as --gpufrac-default-memory)",
+        default=None,
+    )
 
 
 def _opt(config, name):
@@ -98,13 +146,29 @@ def _wanted(config):
     budget = 0
     if memory is not None:
         try:
-            budget = gpufrac.parse_size(memory)
+            kind, value = gpufrac.parse_budget(memory)
         except ValueError as e:
             raise pytest.UsageError("--gpufrac-memory %s" % e)
-        if budget == 0:
+        if kind == "bytes" and value == 0:
             raise pytest.UsageError(
-                "--gpufrac-memory must be greater than 0; expected %s" % gpufrac.SIZE_EXAMPLE
+                "--gpufrac-memory must be greater than 0; expected %s" % gpufrac.BUDGET_EXAMPLE
             )
+        # A percentage is of the GPU gpufrac run places the job on: it
+        # resolves it, and the job's cap (GPU_MEM_LIMIT) is the budget.
+        budget = value if kind == "bytes" else 0
+    default = _opt(config, "gpufrac_default_memory")
+    where = "--gpufrac-default-memory"
+    if default is None:
+        default = config.getini("gpufrac_default_memory") or None
+        where = "the gpufrac_default_memory ini option"
+    if default is not None:
+        try:
+            kind, value = gpufrac.parse_budget(default)
+        except ValueError as e:
+            raise pytest.UsageError("%s %s" % (where, e))
+        if kind == "bytes" and value == 0:
+            raise pytest.UsageError(
+                "%s must be greater than 0; expected %s" % (where, gpufrac.BUDGET_EXAMPLE))
     compute = _opt(config, "gpufrac_compute")
     if compute is not None:
         c = compute.strip().rstrip("%").strip()
@@ -127,11 +191,14 @@ def _wanted(config):
         "split": _opt(config, "gpufrac_split") or "worker",
         "timeout": _opt(config, "gpufrac_timeout"),
         "report": bool(_opt(config, "gpufrac_report") or _opt(config, "gpufrac_report_json")),
+        "default": default,
+        "learn": bool(_opt(config, "gpufrac_learn")),
+        "keep_pools": bool(_opt(config, "gpufrac_keep_pools")),
     }
 
 
 def _active(w):
-    return bool(w["budget"] or w["compute"] or w["report"])
+    return bool(w["memory"] or w["compute"] or w["report"] or w["learn"])
 
 
 def _in_job():
@@ -169,6 +236,8 @@ def pytest_cmdline_main(config):
     cmd = [exe, "run"]
     if w["budget"]:
         cmd += ["--gpu-memory", str(w["budget"])]
+    elif w["memory"]:
+        cmd += ["--gpu-memory", w["memory"].strip()]
     if w["compute"]:
         cmd += ["--gpu-compute", w["compute"]]
     if w["timeout"]:
@@ -178,7 +247,9 @@ def pytest_cmdline_main(config):
     env[SETTINGS] = json.dumps(w)
     socket = os.environ.get("GPUFRAC_SOCKET") or "/run/gpufrac/broker.sock"
     if os.path.exists(socket):
-        what = "%s of GPU memory" % gpufrac.format_size(w["budget"]) if w["budget"] else "a GPU"
+        what = "%s of GPU memory" % (
+            gpufrac.format_size(w["budget"]) if w["budget"] else w["memory"].strip()
+        ) if w["memory"] else "a GPU"
         sys.stderr.write(
             "gpufrac: this run is a gpufrac job: it waits in the broker's queue at %s for %s "
             "when the GPUs are busy (`gpufrac status` shows the queue)\n" % (socket, what)
@@ -190,6 +261,48 @@ def pytest_cmdline_main(config):
         os.execve(exe, cmd, env)
     except OSError as e:
         raise pytest.UsageError("cannot run %s: %s" % (exe, e))
+
+
+def _learned_on_disk(config):
+    """What --gpufrac-learn kept, read before pytest's cache plugin is
+    configured (xdist decides -n auto first)."""
+    try:
+        path = os.path.join(str(config.rootpath), config.getini("cache_dir"),
+                            "v", *LEARNED_KEY.split("/"))
+        with open(path) as f:
+            return json.load(f) or {}
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    """-n auto under budgets: no more workers than the run's budget holds
+    tests of the median learned budget at once, and never more than xdist's
+    own auto (one per CPU)."""
+    if hasattr(config, "workerinput"):
+        return None
+    settings = json.loads(os.environ.get(SETTINGS) or "null")
+    if not settings or settings.get("split", "test") != "test":
+        return None
+    budget = settings["budget"]
+    job = _job_cap()
+    if job and (not budget or job < budget):
+        budget = job
+    try:
+        from xdist import plugin as xdist_plugin
+
+        auto = xdist_plugin.pytest_xdist_auto_num_workers(config)
+    except (ImportError, AttributeError):
+        return None
+    learned = sorted(v["budget"] for v in _learned_on_disk(config).values() if v.get("budget"))
+    if not budget or not learned or not auto:
+        config._gpufrac_auto = (auto, auto, None)
+        return None
+    typical = learned[len(learned) // 2]
+    n = max(1, min(auto, budget // typical))
+    config._gpufrac_auto = (n, auto, typical)
+    return n
 
 
 def _xdist_workers(config):
@@ -211,7 +324,20 @@ def _job_cap():
     return int(v) if v.isdigit() else 0
 
 
+LEARNED_KEY = "gpufrac/learned"
+# What --gpufrac-learn adds to a measured peak: a test's use varies a little
+# from run to run (allocator rounding, data), and a budget that is exactly
+# last run's peak would fail the next run that needs one block more.
+HEADROOM = 0.25
+
+
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "gpu_memory(size): the GPU memory this test needs (4G, 512M, 25%% of the run's "
+        "budget); under --gpufrac-memory it waits until the run has that much room "
+        "and runs capped at it",
+    )
     if hasattr(config, "workerinput"):
         # Taken, not left for a pytest that a test runs in a subprocess.
         settings = json.loads(os.environ.pop(SETTINGS, None) or "null")
@@ -225,7 +351,7 @@ def pytest_configure(config):
         if not _active(w):
             return
         settings = w
-    if not gpufrac.shim_loaded() and settings["budget"] and not config.option.collectonly:
+    if not gpufrac.shim_loaded() and settings["memory"] and not config.option.collectonly:
         # In a job whose environment lost LD_PRELOAD: said, since nothing
         # would cap this run.
         sys.stderr.write(
@@ -246,17 +372,151 @@ def pytest_configure(config):
             cap = cap >> 20 << 20
         # Inherited by the workers xdist starts after this hook.
         os.environ["GPU_MEM_LIMIT"] = str(cap)
-    settings = dict(settings, budget=budget, cap=cap, workers=workers)
+    cache = getattr(config, "cache", None)
+    if settings["learn"] and cache is None:
+        raise pytest.UsageError(
+            "--gpufrac-learn keeps what it learns in pytest's cache, which is off "
+            "(-p no:cacheprovider); enable it or drop --gpufrac-learn"
+        )
+    learned = (cache.get(LEARNED_KEY, {}) if cache is not None else {}) or {}
+    books = None
+    if budget and settings["split"] == "test":
+        books = tempfile.mkdtemp(prefix="gpufrac-pytest-")
+        with open(os.path.join(books, "learned.json"), "w") as f:
+            json.dump(learned, f)
+    settings = dict(settings, budget=budget, cap=cap, workers=workers, books=books)
     if workers:
         # For the workers, which take it.
         os.environ[SETTINGS] = json.dumps(settings)
     else:
         os.environ.pop(SETTINGS, None)
-    summary = _Summary(config, settings)
+    auto = getattr(config, "_gpufrac_auto", None)
+    if auto is not None and workers:
+        n, cpus, typical = auto
+        if typical is None:
+            settings["auto"] = "-n auto: %d workers, one per CPU (nothing learned yet to " \
+                "size them by)" % cpus
+        else:
+            settings["auto"] = (
+                "-n auto: %d workers: the budget holds %d tests of the median learned "
+                "budget (%s) at once, and the CPUs allow %d" % (
+                    n, budget // typical, gpufrac.format_size(typical), cpus))
+    summary = _Summary(config, settings, learned)
     config.pluginmanager.register(summary, "gpufrac-summary")
     if not workers:
         summary.local = _Recorder(config, settings, "main")
         config.pluginmanager.register(summary.local, "gpufrac-recorder")
+
+
+def _proc_start(pid):
+    """The start time of process ``pid`` (clock ticks since boot), or None
+    when it is gone or a zombie: with the pid, what names one process
+    even after the pid is reused."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+class _Books:
+    """The run's reservations, shared by its workers: ``books.json`` in the
+    run's temporary directory, read and written under an fcntl lock. Each
+    entry is one test's reservation, keyed by its worker's pid and start
+    time, with a ticket: a test is granted its reservation when every
+    earlier ticket has been and the granted ones leave room for it, so
+    tests are served in the order they asked, across workers, and a big one
+    is never passed over by a stream of small ones."""
+
+    def __init__(self, directory, budget):
+        self.path = os.path.join(directory, "books.json")
+        self.budget = budget
+        self.me = (os.getpid(), _proc_start(os.getpid()))
+
+    @contextlib.contextmanager
+    def _locked(self):
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            text = b""
+            while True:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                text += chunk
+            books = json.loads(text) if text else {"next": 0, "entries": []}
+            # Whoever reads the books reclaims what dead workers held.
+            books["entries"] = [
+                e for e in books["entries"] if _proc_start(e["pid"]) == e["start"]
+            ]
+            yield books
+            data = json.dumps(books).encode()
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.ftruncate(fd, 0)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def reserve(self, nbytes, test, worker):
+        """Blocks until ``nbytes`` are granted; returns the ticket."""
+        with self._locked() as b:
+            ticket = b["next"]
+            b["next"] += 1
+            b["entries"].append({
+                "ticket": ticket, "pid": self.me[0], "start": self.me[1],
+                "bytes": nbytes, "granted": False, "test": test, "worker": worker,
+            })
+        pause = 0.002
+        try:
+            while True:
+                with self._locked() as b:
+                    mine = [e for e in b["entries"] if e["ticket"] == ticket]
+                    if not mine:
+                        # Only a reader that took this process for dead
+                        # drops its entries: its start time moved.
+                        raise RuntimeError("gpufrac: this worker's reservation left the books")
+                    waiting = min(
+                        (e for e in b["entries"] if not e["granted"]),
+                        key=lambda e: e["ticket"],
+                    )
+                    held = sum(e["bytes"] for e in b["entries"] if e["granted"])
+                    if waiting is mine[0] and held + nbytes <= self.budget:
+                        mine[0]["granted"] = True
+                        return ticket
+                # Polled, the lock released in between: a worker that dies
+                # holding it gives it up with its file descriptors.
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        except BaseException:
+            self.release(ticket)
+            raise
+
+    def release(self, ticket):
+        with self._locked() as b:
+            b["entries"] = [e for e in b["entries"] if e["ticket"] != ticket]
+
+
+def _release_pools():
+    """Empties the pools of the caching allocators this process imported,
+    so that what one test kept is not charged to the next."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        with contextlib.suppress(Exception):
+            cupy.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+
+def _with_headroom(peak):
+    """A learned budget: the peak and its headroom, in whole MiB (at least 1)."""
+    return max(1, math.ceil(peak * (1 + HEADROOM) / (1 << 20))) << 20
 
 
 def _describe(settings, broker):
@@ -267,6 +527,9 @@ def _describe(settings, broker):
         return "gpufrac: no memory budget (measuring only), %s" % where
     if n and settings["split"] == "worker":
         how = "%d workers capped at %s each" % (n, gpufrac.format_size(cap))
+    elif n and settings["split"] == "test":
+        how = "reserved test by test by %d workers (its gpu_memory mark, else its " \
+              "learned figure, else %s)" % (n, _default_phrase(settings))
     elif n:
         how = "shared by %d workers" % n
     else:
@@ -274,9 +537,21 @@ def _describe(settings, broker):
     return "gpufrac: GPU memory budget %s, %s; %s" % (gpufrac.format_size(b), how, where)
 
 
-def _cap_phrase(settings, worker):
+def _default_phrase(settings):
+    d = settings.get("default")
+    return "%s" % d.strip() if d else "the whole budget"
+
+
+def _cap_phrase(settings, worker, current=None):
     """Which cap a worker's allocation ran into, in words."""
     b, n, cap = settings["budget"], settings["workers"], settings["cap"]
+    if current is not None:
+        phrase = "its reservation of %s (%s)" % (
+            gpufrac.format_size(current["budget"]), _source_phrase(current))
+        if current["start"]:
+            phrase += " and the %s its worker %s held before it started" % (
+                gpufrac.format_size(current["start"]), worker)
+        return phrase + ", in the run's budget of %s" % gpufrac.format_size(b)
     typed = settings.get("memory") or gpufrac.format_size(b)
     if n and settings["split"] == "worker":
         return "worker %s's cap of %s (--gpufrac-memory %s split %d ways)" % (
@@ -287,9 +562,23 @@ def _cap_phrase(settings, worker):
     return "the run's cap of %s (--gpufrac-memory %s)" % (gpufrac.format_size(b), typed)
 
 
-def _cap_short(settings, worker):
+def _source_phrase(current):
+    src = current["source"]
+    if src == "declared":
+        return "declared: gpu_memory(%r)" % current["declared_text"]
+    if src == "learned":
+        return "learned: its peak of %s in an earlier run and %d%% headroom" % (
+            gpufrac.format_size(current["learned_peak"]), int(HEADROOM * 100))
+    if src == "default":
+        return "the default for unmarked tests, %s" % current["declared_text"]
+    return "the whole budget: it has neither a gpu_memory mark nor a learned figure"
+
+
+def _cap_short(settings, worker, current=None):
     """The same, for the one-line summary of a failure."""
     b, n, cap = settings["budget"], settings["workers"], settings["cap"]
+    if current is not None:
+        return "%s over its %s reservation" % (worker, gpufrac.format_size(current["budget"]))
     if n and settings["split"] == "worker":
         return "%s over its %s cap" % (worker, gpufrac.format_size(cap))
     if n:
@@ -316,6 +605,18 @@ class _Recorder:
         # that words its error otherwise would not.
         self.counts_refusals = gpufrac.shim_loaded() and gpufrac.mem_refusals(0) is not None
         self.refusals = {}
+        # Under --gpufrac-split test: the run's books, what was learned, and
+        # the reservation of the test running now.
+        self.books = None
+        self.learned = {}
+        if settings.get("books"):
+            self.books = _Books(settings["books"], settings["budget"])
+            with open(os.path.join(settings["books"], "learned.json")) as f:
+                self.learned = json.load(f)
+        self.current = None
+        self.refused = False
+        # Asked only under budgets: the call initialises CUDA in the worker.
+        self.caps = self.books is not None and gpufrac.mem_limit_set(0, 0) is not None
 
     def _reset(self):
         """Starts new peaks on every device; folds the old ones into the
@@ -337,18 +638,88 @@ class _Recorder:
         return refused
 
     def pytest_runtest_logstart(self, nodeid, location):
+        self.refused = False
+        if self.books is not None and not self.settings.get("keep_pools"):
+            _release_pools()
         if self.counts_refusals:
             self.refusals = self._refusals_now()
         if self.measures:
             self._reset()
             self.start = {d: gpufrac.mem_used(d) for d in range(gpufrac.MAX_DEVICES)}
 
+    def _budget_of(self, item):
+        """(bytes, how it was set) for ``item``: its closest gpu_memory
+        mark, else its learned figure, else the default, else the whole
+        budget."""
+        run = self.settings["budget"]
+        how = {"declared_text": None, "learned_peak": None}
+        mark = item.get_closest_marker("gpu_memory")
+        text = None
+        if mark is not None:
+            text = mark.args[0] if mark.args else mark.kwargs.get("size")
+            how.update(source="declared", declared_text=text)
+        learned = self.learned.get(item.nodeid)
+        if text is None and learned:
+            how.update(source="learned", learned_peak=learned["peak"])
+            return learned["budget"], how
+        if text is None and self.settings.get("default"):
+            text = self.settings["default"]
+            how.update(source="default", declared_text=text)
+        if text is None:
+            how.update(source="whole")
+            return run, how
+        try:
+            parsed = gpufrac.parse_budget(text)
+        except ValueError as e:
+            where = "--gpufrac-default-memory" if how["source"] == "default" else \
+                "@pytest.mark.gpu_memory"
+            pytest.fail("%s: %s" % (where, e), pytrace=False)
+        # A percentage in a mark is of the run's budget, which is what the
+        # test shares.
+        return gpufrac.resolve_budget(parsed, run), how
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        if self.books is None:
+            return
+        nbytes, how = self._budget_of(item)
+        run = self.settings["budget"]
+        if nbytes > run:
+            pytest.skip(
+                "gpufrac: this test needs %s of GPU memory (%s), more than the run's "
+                "budget of %s (--gpufrac-memory)" % (
+                    gpufrac.format_size(nbytes),
+                    _source_phrase(dict(how, budget=nbytes)), gpufrac.format_size(run)))
+        start = max(gpufrac.mem_used(d) for d in range(gpufrac.MAX_DEVICES))
+        t0 = time.monotonic()
+        ticket = self.books.reserve(nbytes, item.nodeid, self.name)
+        waited = time.monotonic() - t0
+        # What the worker holds already (a pool kept with --gpufrac-keep-pools,
+        # a module's fixture) is not this test's to give back: it is charged
+        # on top, and the worker's own cap from the run still bounds both.
+        cap = nbytes + start
+        if self.caps:
+            caps = [gpufrac.mem_limit_set(d, max(cap, 1)) for d in range(gpufrac.MAX_DEVICES)]
+            cap = caps[0] or cap
+        self.current = dict(how, ticket=ticket, budget=nbytes, start=start, cap=cap,
+                            waited=waited)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        if self.current is None:
+            return
+        current, self.current = self.current, None
+        if self.caps:
+            for d in range(gpufrac.MAX_DEVICES):
+                gpufrac.mem_limit_set(d, 0)
+        self.books.release(current["ticket"])
+
     # tryfirst: before xdist sends the report to the controller.
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report):
-        if report.when in ("setup", "call") and self.counts_refusals:
+        if report.when in ("setup", "call", "teardown") and self.counts_refusals:
             refused = self._refused_since()
-            if report.failed and refused and self.settings["budget"]:
+            self.refused = self.refused or refused
+            if report.when != "teardown" and report.failed and refused and self.settings["budget"]:
                 self.ooms += 1
                 self._annotate(report)
         if report.when != "teardown" or not self.measures:
@@ -367,11 +738,23 @@ class _Recorder:
             "start": self.start.get(dev, 0),
             "end": gpufrac.mem_used(dev),
             "devices": {str(d): p for d, p in peaks.items()},
+            "refused": self.refused,
         }
+        c = self.current
+        if c is not None:
+            report.gpufrac.update(
+                budget=c["budget"], source=c["source"], cap=c["cap"], waited=c["waited"],
+                declared=c["budget"] if c["source"] in ("declared", "default") else None,
+                learned=(self.learned.get(report.nodeid) or {}).get("budget"),
+                learned_peak=c["learned_peak"])
+        else:
+            learned = self.learned.get(report.nodeid) or {}
+            report.gpufrac.update(budget=None, source=None, cap=None, waited=0.0, declared=None,
+                                  learned=learned.get("budget"), learned_peak=learned.get("peak"))
         report.user_properties.append(("gpufrac_peak_bytes", peaks.get(dev, 0)))
 
     def _annotate(self, report):
-        cap = _cap_phrase(self.settings, self.name)
+        cap = _cap_phrase(self.settings, self.name, self.current)
         peaks = [gpufrac.mem_peak(d) for d in range(gpufrac.MAX_DEVICES)] if self.measures else []
         held = max(peaks) if peaks else 0
         note = "This test ran out of GPU memory under %s." % cap
@@ -380,14 +763,23 @@ class _Recorder:
                 gpufrac.format_size(held))
         crash = getattr(report.longrepr, "reprcrash", None)
         if crash is not None:
-            crash.message = "[gpufrac: %s] %s" % (_cap_short(self.settings, self.name), crash.message)
+            crash.message = "[gpufrac: %s] %s" % (
+                _cap_short(self.settings, self.name, self.current), crash.message)
+        if self.current is not None:
+            advice = {
+                "declared": "Raise its gpu_memory mark",
+                "default": "Mark it with gpu_memory (or raise --gpufrac-default-memory)",
+                "learned": "Run with --gpufrac-learn, which raises its learned budget "
+                           "(it grows each time a test outgrows it), or mark it with gpu_memory",
+                "whole": "Raise --gpufrac-memory",
+            }[self.current["source"]]
+            advice += "; --gpufrac-report shows what each test needs."
+        else:
+            advice = ("The other tests and workers carry on. Raise --gpufrac-memory, "
+                      "run fewer workers (-n), or use --gpufrac-split shared to let one worker "
+                      "take more than its share; --gpufrac-report shows what each test needs.")
         if hasattr(report.longrepr, "addsection"):
-            report.longrepr.addsection(
-                "gpufrac",
-                note + "\nThe other tests and workers carry on. Raise --gpufrac-memory, "
-                "run fewer workers (-n), or use --gpufrac-split shared to let one worker "
-                "take more than its share; --gpufrac-report shows what each test needs.",
-            )
+            report.longrepr.addsection("gpufrac", note + "\n" + advice)
 
     def result(self):
         if self.measures:
@@ -410,9 +802,10 @@ class _Recorder:
 class _Summary:
     """In the controller: the budget in the header, and the report."""
 
-    def __init__(self, config, settings):
+    def __init__(self, config, settings, learned):
         self.config = config
         self.settings = settings
+        self.learned = learned
         self.tests = []
         self.outcomes = {}
         self.workers = {}
@@ -421,7 +814,10 @@ class _Summary:
         self.broker = bool(os.environ.get("GPUFRAC_JOB"))
 
     def pytest_report_header(self, config):
-        return [_describe(self.settings, self.broker)]
+        lines = [_describe(self.settings, self.broker)]
+        if self.settings.get("auto"):
+            lines.append("gpufrac: " + self.settings["auto"])
+        return lines
 
     def pytest_runtest_logreport(self, report):
         g = getattr(report, "gpufrac", None)
@@ -471,15 +867,62 @@ class _Summary:
                     "start_bytes": t["start"],
                     "end_bytes": t["end"],
                     "devices": t["devices"],
+                    "refused": t.get("refused", False),
+                    "budget_bytes": t.get("budget"),
+                    "budget_source": t.get("source"),
+                    "cap_bytes": t.get("cap"),
+                    "declared_bytes": t.get("declared"),
+                    "learned_bytes": t.get("learned"),
+                    "waited_s": round(t.get("waited") or 0.0, 3),
                 }
                 for t in self._ranked()
             ],
         }
 
+    def _learn(self):
+        """Each measured test's budget for later runs: its peak and the
+        headroom; a test refused under its learned budget gets at least
+        twice that budget, since its peak stopped at the cap."""
+        learned = dict(self.learned)
+        run = self.settings["budget"]
+        for t in self.tests:
+            # A skipped test measured nothing worth keeping.
+            if self.outcomes.get(t["nodeid"]) not in ("passed", "failed"):
+                continue
+            peak = t["peak"]
+            budget = _with_headroom(peak)
+            old = learned.get(t["nodeid"]) or {}
+            if t.get("refused") and t.get("source") == "learned" and old:
+                budget = max(budget, 2 * old["budget"])
+            if run:
+                budget = min(budget, run)
+            learned[t["nodeid"]] = {"budget": budget, "peak": peak}
+        self.config.cache.set(LEARNED_KEY, learned)
+
+    def _outgrew(self):
+        """Tests refused under their learned budget."""
+        return [t for t in self.tests if t.get("refused") and t.get("source") == "learned"]
+
+    def _far_above(self):
+        """Tests whose declaration is four times their peak or more (and
+        at least 256 MiB above it): room the run could pack others into."""
+        return [
+            t for t in self._ranked()
+            if t.get("declared") and t["declared"] >= 4 * t["peak"]
+            and t["declared"] - t["peak"] >= 256 << 20
+        ]
+
+    def pytest_unconfigure(self, config):
+        books = self.settings.get("books")
+        if books:
+            shutil.rmtree(books, ignore_errors=True)
+
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session):
         if self.local is not None:
             self.workers[self.local.name] = self.local.result()
+        if self.settings.get("learn"):
+            self._learn()
         path = _opt(self.config, "gpufrac_report_json")
         if path:
             path = os.path.join(str(self.config.invocation_params.dir), path)
@@ -510,17 +953,37 @@ class _Summary:
                 "tests by peak (held at most during the test; 'at start' was held "
                 "before it, by earlier tests or caching allocators):"
             )
-            tr.write_line("%12s %12s  %-8s %s" % ("peak", "at start", "worker", "test"))
+            tr.write_line("%12s %12s %12s %12s  %-8s %s" % (
+                "peak", "at start", "declared", "learned", "worker", "test"))
+
+            def size(n):
+                return gpufrac.format_size(n) if n is not None else "-"
+
             for t in shown:
                 tr.write_line(
-                    "%12s %12s  %-8s %s"
+                    "%12s %12s %12s %12s  %-8s %s"
                     % (gpufrac.format_size(t["peak"]), gpufrac.format_size(t["start"]),
+                       size(t.get("declared")), size(t.get("learned")),
                        t["worker"], t["nodeid"])
                 )
             if len(ranked) > len(shown):
                 tr.write_line(
                     "(%d more; --gpufrac-report-top 0 lists all)" % (len(ranked) - len(shown))
                 )
+        far = self._far_above()
+        if far:
+            tr.write_line("")
+            tr.write_line("declared far above their peak (lower the mark to pack more tests):")
+            for t in far:
+                tr.write_line("  %s declares %s, peaked at %s" % (
+                    t["nodeid"], gpufrac.format_size(t["declared"]),
+                    gpufrac.format_size(t["peak"])))
+        for t in self._outgrew():
+            tr.write_line("")
+            tr.write_line("%s outgrew its learned budget of %s (peak %s when refused)%s" % (
+                t["nodeid"], gpufrac.format_size(t["budget"]), gpufrac.format_size(t["peak"]),
+                "; its budget grows next time" if self.settings.get("learn")
+                else "; --gpufrac-learn raises it"))
         if self.workers:
             tr.write_line("")
             tr.write_line("%-8s %12s %12s %7s %14s" % ("worker", "cap", "peak", "tests", "out of memory"))

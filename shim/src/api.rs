@@ -30,6 +30,33 @@ pub extern "C" fn gpufrac_mem_limit(device: c_int) -> u64 {
     .unwrap_or(0)
 }
 
+/// Sets this process's own cap on `device` to `bytes` (0: back to the cap
+/// it started with), never above the cap it started with (`GPU_MEM_LIMIT`;
+/// none: any), and returns the cap now in force (0: none, or no such
+/// device). A test runner narrows a worker to one test's reservation and
+/// widens it after. An allocation already held past the new cap stays;
+/// the next one is refused.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_limit_set(device: c_int, bytes: u64) -> u64 {
+    catch_unwind(|| {
+        let Ok(cfg) = config::config() else { return 0 };
+        if device < 0 {
+            return 0;
+        }
+        let i = device as usize;
+        let mut cap = ledger::set_limit(i, bytes);
+        // Before CUDA is initialised the environment's cap is not in the
+        // books yet; a byte cap is known all the same.
+        if let gpufrac_common::size::MemLimit::Bytes(b) = cfg.limit_for(i)
+            && b > 0
+        {
+            cap = cap.min(b);
+        }
+        if cap == ledger::NO_LIMIT { 0 } else { cap }
+    })
+    .unwrap_or(0)
+}
+
 /// Bytes currently charged to this process on `device`.
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_mem_used(device: c_int) -> u64 {

@@ -30,6 +30,11 @@ pub struct Ledger {
     /// (`gpufrac_mem_refusals`): what a test runner reads around a test to
     /// know it ran out of memory by its cap.
     pub refusals: AtomicU64,
+    /// A narrower cap the process set on itself (`set_limit`; `NO_LIMIT`:
+    /// none). Kept apart from `limit`, which the environment's cap fills
+    /// when CUDA is initialised, possibly after this was set: what binds
+    /// is the smaller of the two, so it can never widen the cap.
+    narrow: AtomicU64,
 }
 
 impl Ledger {
@@ -52,13 +57,14 @@ impl Ledger {
             peak: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
+            narrow: AtomicU64::new(NO_LIMIT),
         }
     }
 
     /// Takes `size` bytes if they fit under the limit; the new total.
     #[inline]
     pub fn take(&self, size: u64) -> Option<u64> {
-        let limit = self.limit.load(Ordering::Relaxed);
+        let limit = self.effective_limit();
         let mut cur = self.used.load(Ordering::Relaxed);
         loop {
             let new = cur.checked_add(size).filter(|&n| n <= limit)?;
@@ -70,6 +76,15 @@ impl Ledger {
                 Err(actual) => cur = actual,
             }
         }
+    }
+
+    /// The cap that binds: the environment's, or the narrower one the
+    /// process set on itself.
+    #[inline]
+    pub fn effective_limit(&self) -> u64 {
+        self.limit
+            .load(Ordering::Acquire)
+            .min(self.narrow.load(Ordering::Acquire))
     }
 
     #[inline]
@@ -309,9 +324,22 @@ pub fn used(dev: usize) -> u64 {
 }
 
 pub fn limit(dev: usize) -> u64 {
-    LEDGERS
-        .get(dev)
-        .map_or(NO_LIMIT, |l| l.limit.load(Ordering::Acquire))
+    LEDGERS.get(dev).map_or(NO_LIMIT, Ledger::effective_limit)
+}
+
+/// Narrows this process's own cap on `dev` to `bytes` (0: back to the cap
+/// from the environment), never above that cap, whenever CUDA is
+/// initialised: a test runner narrows a worker to one test's budget and
+/// widens it again, and nothing that calls this gets more than its
+/// environment gave it. The job's books, when there are any, still bind.
+/// Returns the cap now in force (`NO_LIMIT`: none yet).
+pub fn set_limit(dev: usize, bytes: u64) -> u64 {
+    let Some(l) = LEDGERS.get(dev) else {
+        return NO_LIMIT;
+    };
+    l.narrow
+        .store(if bytes == 0 { NO_LIMIT } else { bytes }, Ordering::Release);
+    l.effective_limit()
 }
 
 pub fn peak(dev: usize) -> u64 {
@@ -575,6 +603,27 @@ mod tests {
         let l = Ledger::new();
         l.limit.store(limit, Ordering::Relaxed);
         l
+    }
+
+    #[test]
+    fn set_limit_narrows_and_widens_but_never_past_the_environments_cap() {
+        // A device of its own, so that no other test's books move under it.
+        let dev = MAX_DEVICES - 1;
+        // Narrowed before CUDA is initialised, which then sets the cap
+        // from the environment: the narrower one still binds.
+        assert_eq!(set_limit(dev, 1 << 30), 1 << 30);
+        LEDGERS[dev].limit.store(8 << 30, Ordering::Release);
+        assert_eq!(limit(dev), 1 << 30);
+        assert!(
+            LEDGERS[dev].take(2 << 30).is_none(),
+            "over the narrowed cap"
+        );
+        assert_eq!(set_limit(dev, 16 << 30), 8 << 30, "never past the start");
+        assert_eq!(set_limit(dev, 2 << 30), 2 << 30);
+        assert_eq!(set_limit(dev, 0), 8 << 30, "0 restores the start");
+        assert_eq!(limit(dev), 8 << 30);
+        assert_eq!(LEDGERS[dev].take(2 << 30), Some(2 << 30));
+        LEDGERS[dev].give(2 << 30);
     }
 
     #[test]
