@@ -30,9 +30,10 @@ thread_local! {
     static IN_HOOK: Cell<bool> = const { Cell::new(false) };
     // The real function the innermost pass-through boundary stands for (its
     // slot's address, 0: none) and the driver's answer once it was called
-    // (NOT_REACHED: not yet).
-    static WATCHED: Cell<usize> = const { Cell::new(0) };
-    static ANSWER: Cell<u64> = const { Cell::new(NOT_REACHED) };
+    // (NOT_REACHED: not yet). One cell, not two: in a preloaded library
+    // every thread-local access is a call (__tls_get_addr), and this one is
+    // on every launch's path.
+    static WATCH: Cell<(usize, u64)> = const { Cell::new((0, NOT_REACHED)) };
 }
 
 const NOT_REACHED: u64 = u64::MAX;
@@ -42,9 +43,11 @@ const NOT_REACHED: u64 = u64::MAX;
 /// boundary must never call it again.
 #[inline(always)]
 pub fn answered(slot: usize, rc: u32) {
-    if WATCHED.with(|w| w.get()) == slot {
-        ANSWER.with(|a| a.set(u64::from(rc)));
-    }
+    WATCH.with(|w| {
+        if w.get().0 == slot {
+            w.set((slot, u64::from(rc)));
+        }
+    });
 }
 
 /// Where the last panic happened: kept by the panic hook (which must not
@@ -112,13 +115,9 @@ pub fn pass_through<F: FnOnce() -> u32, G: FnOnce() -> u32>(
     let me = slot as *const AtomicUsize as usize;
     // Saved and restored: a driver that calls back into another export
     // from inside this one must not lose the outer boundary's watch.
-    let outer = (
-        WATCHED.with(|w| w.replace(me)),
-        ANSWER.with(|a| a.replace(NOT_REACHED)),
-    );
+    let outer = WATCH.with(|w| w.replace((me, NOT_REACHED)));
     let r = catch_unwind(AssertUnwindSafe(body));
-    let answer = ANSWER.with(|a| a.replace(outer.1));
-    WATCHED.with(|w| w.set(outer.0));
+    let (_, answer) = WATCH.with(|w| w.replace(outer));
     match r {
         Ok(rc) => rc,
         Err(_) if answer != NOT_REACHED => {
