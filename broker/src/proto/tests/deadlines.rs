@@ -7,20 +7,7 @@ use super::*;
 fn stalled_connections_are_closed_at_their_deadlines() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let p = t.spawn(1);
-    let silent = t.next;
-    t.next += 1;
-    t.b.connect(
-        t.now,
-        silent,
-        Peer {
-            pid: p,
-            uid: BOB,
-            gid: BOB,
-            groups: Vec::new(),
-            start_time: None,
-        },
-    )
-    .unwrap();
+    let silent = t.connect_raw(p, BOB);
     let trickle = t.connect_as(p, BOB);
     t.b.input(t.now, trickle, &[10, 0]);
     t.advance(HELLO_DEADLINE + SWEEP_TICK);
@@ -39,16 +26,7 @@ fn a_busy_broker_still_closes_silent_connections() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let p = t.spawn(1);
     let busy = t.connect_as(p, ALICE);
-    let silent = t.next;
-    t.next += 1;
-    let peer = Peer {
-        pid: p,
-        uid: BOB,
-        gid: BOB,
-        groups: Vec::new(),
-        start_time: None,
-    };
-    t.b.connect(t.now, silent, peer).unwrap();
+    let silent = t.connect_raw(p, BOB);
     for _ in 0..40 {
         t.now += SEC / 10;
         t.send(busy, &ClientMsg::Ping);
@@ -71,16 +49,7 @@ fn a_busy_broker_still_closes_silent_connections() {
 fn a_hello_sent_in_time_but_read_late_keeps_the_connection() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let p = t.spawn(1);
-    let late = t.next;
-    t.next += 1;
-    let peer = Peer {
-        pid: p,
-        uid: BOB,
-        gid: BOB,
-        groups: Vec::new(),
-        start_time: None,
-    };
-    t.b.connect(t.now, late, peer).unwrap();
+    let late = t.connect_raw(p, BOB);
     let mut hello = Vec::new();
     wire::encode_client(&ClientMsg::hello(p, Role::Cli), &mut hello);
     t.unread.insert(late, hello);
@@ -91,20 +60,7 @@ fn a_hello_sent_in_time_but_read_late_keeps_the_connection() {
     );
     assert!(matches!(t.recv(late)[..], [ServerMsg::HelloOk { .. }]));
     // Silent for real: closed at the next deadline check.
-    let silent = t.next;
-    t.next += 1;
-    t.b.connect(
-        t.now,
-        silent,
-        Peer {
-            pid: p,
-            uid: BOB,
-            gid: BOB,
-            groups: Vec::new(),
-            start_time: None,
-        },
-    )
-    .unwrap();
+    let silent = t.connect_raw(p, BOB);
     t.advance(HELLO_DEADLINE + SWEEP_TICK);
     assert!(!t.b.conns.contains_key(&silent));
     assert!(t.b.conns.contains_key(&late));

@@ -124,18 +124,7 @@ fn run(ops: Vec<Op>) {
             }
             Op::ConnectSilent(u) => {
                 let pid = t.spawn(1);
-                let id = t.next;
-                t.next += 1;
-                let peer = Peer {
-                    pid,
-                    uid: users[u as usize],
-                    gid: users[u as usize],
-                    groups: Vec::new(),
-                    start_time: t.procs.borrow().get(&pid).map(|p| p.1),
-                };
-                if t.b.connect(t.now, id, peer).is_ok() {
-                    open.push(id);
-                }
+                open.extend(t.try_connect(pid, users[u as usize]));
             }
             Op::Bytes(i, bytes) => {
                 if let Some(id) = pick(i) {

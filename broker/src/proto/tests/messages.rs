@@ -4,20 +4,6 @@
 
 use super::*;
 
-fn connect_raw(t: &mut T, pid: u32, uid: u32) -> ConnId {
-    let id = t.next;
-    t.next += 1;
-    let peer = Peer {
-        pid,
-        uid,
-        gid: uid,
-        groups: Vec::new(),
-        start_time: t.procs.borrow().get(&pid).map(|p| p.1),
-    };
-    t.b.connect(t.now, id, peer).expect("accepted");
-    id
-}
-
 fn proc_of(st: &crate::status::Status, pid: u32) -> crate::status::ProcStatus {
     st.gpus
         .iter()
@@ -43,7 +29,7 @@ fn hello_is_answered_and_a_second_one_changes_nothing() {
 fn hello_of_another_version_is_refused_and_closed() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let pid = t.spawn(1);
-    let c = connect_raw(&mut t, pid, ALICE);
+    let c = t.connect_raw(pid, ALICE);
     t.send(
         c,
         &ClientMsg::Hello {
@@ -66,7 +52,7 @@ fn hello_of_another_version_is_refused_and_closed() {
 fn anything_before_hello_is_refused_and_closed() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let pid = t.spawn(1);
-    let c = connect_raw(&mut t, pid, ALICE);
+    let c = t.connect_raw(pid, ALICE);
     t.send(c, &ClientMsg::Ping);
     match &t.recv(c)[..] {
         [ServerMsg::Error { message, .. }] => assert!(message.contains("Hello first")),

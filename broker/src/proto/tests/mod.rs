@@ -146,7 +146,9 @@ impl T {
         pid
     }
 
-    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+    /// A connection from `pid` as `uid`, silent (no hello); None if the
+    /// broker refused it.
+    fn try_connect(&mut self, pid: u32, uid: u32) -> Option<ConnId> {
         let id = self.next;
         self.next += 1;
         let peer = Peer {
@@ -156,9 +158,16 @@ impl T {
             groups: Vec::new(),
             start_time: self.procs.borrow().get(&pid).map(|p| p.1),
         };
-        self.b
-            .connect(self.now, id, peer)
-            .expect("connection accepted");
+        self.b.connect(self.now, id, peer).ok().map(|()| id)
+    }
+
+    /// A connection from `pid` as `uid`, accepted but silent: no hello.
+    fn connect_raw(&mut self, pid: u32, uid: u32) -> ConnId {
+        self.try_connect(pid, uid).expect("connection accepted")
+    }
+
+    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+        let id = self.connect_raw(pid, uid);
         self.send(id, &ClientMsg::hello(pid, Role::Cli));
         assert!(matches!(self.recv(id)[..], [ServerMsg::HelloOk { .. }]));
         id

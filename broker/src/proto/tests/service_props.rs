@@ -84,16 +84,7 @@ struct World {
 
 impl World {
     fn connect(&mut self, pid: u32, uid: u32) -> Option<ConnId> {
-        let id = self.t.next;
-        self.t.next += 1;
-        let peer = Peer {
-            pid,
-            uid,
-            gid: uid,
-            groups: Vec::new(),
-            start_time: self.t.procs.borrow().get(&pid).map(|p| p.1),
-        };
-        self.t.b.connect(self.t.now, id, peer).ok()?;
+        let id = self.t.try_connect(pid, uid)?;
         self.sockets.insert(id, Vec::new());
         self.write(id, &ClientMsg::hello(pid, Role::Shim));
         Some(id)
