@@ -228,7 +228,7 @@ impl Queue {
         let mut escalated = 0u64;
         for i in self.order(now) {
             let w = &self.waiting[i];
-            let held = self.held_back(now, w, &closed_to(&holds, w.req.uid));
+            let held = self.held_back(now, w, &holds);
             if self.is_escalated(now, w) && !closed_to(&held, req.uid).is_empty() {
                 escalated += 1;
             }
@@ -251,9 +251,10 @@ impl Queue {
 
     /// The GPUs a waiting request that does not fit holds back from those
     /// behind it: an escalated one's reservation, a pinned one's GPUs.
-    fn held_back(&self, now: Nanos, w: &Waiter, reserved: &[usize]) -> Vec<Hold> {
+    /// `holds`: what the requests ahead of it hold back.
+    fn held_back(&self, now: Nanos, w: &Waiter, holds: &[Hold]) -> Vec<Hold> {
         if self.is_escalated(now, w) && w.req.pin.is_empty() {
-            self.reservation(&w.req, reserved)
+            self.reservation(&w.req, holds)
         } else {
             w.req
                 .pin
@@ -318,7 +319,7 @@ impl Queue {
                     taken.push(i);
                 }
                 None => {
-                    let held = self.held_back(now, w, &reserved);
+                    let held = self.held_back(now, w, &holds);
                     holds.extend(held);
                 }
             }

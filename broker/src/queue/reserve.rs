@@ -8,10 +8,14 @@
 //! preferring those free now; for `--gpu-memory B`, the one such GPU
 //! closest to fitting it. Nobody younger is placed on a reserved GPU, so
 //! those drain towards it; every other GPU stays open to the rest of the
-//! queue. A request its own user's leases block holds GPUs back from that
-//! user's younger requests only: that user decides when those leases end,
-//! and a 1-byte lease held forever beside an escalated `--gpus 2` once
-//! kept every other user's request off an idle GPU.
+//! queue. A request its own user blocks holds GPUs back from that user's
+//! younger requests only: that user decides when its leases end, and a
+//! 1-byte lease held forever beside an escalated `--gpus 2` once kept every
+//! other user's request off an idle GPU. Its own user blocks it through
+//! that user's leases and through the GPUs held back, from that user only,
+//! for that user's earlier requests: otherwise a younger request stuck
+//! behind its own user's older one would hold an idle GPU against everyone
+//! while it could not take the GPU itself, and nobody could.
 
 use std::cmp::Reverse;
 
@@ -28,8 +32,15 @@ impl Queue {
     }
 
     /// Whether `g` could take `req`'s share of it once every lease of
-    /// other users on it had ended.
-    fn could_hold(&self, gpu: usize, g: &GpuState, req: &Request) -> bool {
+    /// other users on it had ended and nothing held it back for other
+    /// users' requests.
+    fn could_hold(&self, gpu: usize, g: &GpuState, req: &Request, holds: &[Hold]) -> bool {
+        if holds
+            .iter()
+            .any(|h| h.gpu == gpu && h.only == Some(req.uid))
+        {
+            return false;
+        }
         let (own_slots, own_mem) = self.own_on(gpu, req.uid);
         let own_leases = g
             .leases
@@ -52,18 +63,20 @@ impl Queue {
 
     /// The GPUs (positions in `gpus`) an escalated request that does not
     /// fit holds back, and from whom: from everyone, or, while its own
-    /// user's leases block it, from that user's younger requests only.
-    /// Empty when it could never fit here (MIG instances are the
-    /// planner's, and a request of GPUs never goes there).
-    pub(super) fn reservation(&self, req: &Request, reserved: &[usize]) -> Vec<Hold> {
+    /// user blocks it, from that user's younger requests only. `holds`:
+    /// what the requests ahead of it hold back. Empty when it could never
+    /// fit here (MIG instances are the planner's, and a request of GPUs
+    /// never goes there).
+    pub(super) fn reservation(&self, req: &Request, holds: &[Hold]) -> Vec<Hold> {
         if !req.pin.is_empty() {
             return Vec::new();
         }
+        let reserved = closed_to(holds, req.uid);
         let mut c: Vec<(usize, &GpuState, bool)> = self
             .gpus
             .iter()
             .enumerate()
-            .map(|(i, g)| (i, g, self.could_hold(i, g, req)))
+            .map(|(i, g)| (i, g, self.could_hold(i, g, req, holds)))
             .filter(|&(_, g, _)| match req.want {
                 Want::Gpus(_) => true,
                 Want::Memory(b) => self.cfg.overcommit || g.info.total_mem >= b,

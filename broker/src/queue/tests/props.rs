@@ -110,7 +110,7 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
                 "request {} fits",
                 w.id
             );
-            holds.extend(q.held_back(now, w, &reserved));
+            holds.extend(q.held_back(now, w, &holds));
         }
     }
 }

@@ -43,6 +43,28 @@ fn a_users_own_lease_never_freezes_the_queue_for_others() {
     assert_eq!(placed(&q.poll(23 * SEC)), vec![(2, vec![0, 1])]);
 }
 
+/// The freeze the property test found: a request stuck behind its own
+/// user's older escalated one (which that user's own lease blocks) held
+/// an idle GPU back from everyone, though it could not take the GPU
+/// itself; another user's `--gpus 1` waited beside two idle GPUs.
+#[test]
+fn a_request_stuck_behind_its_own_users_never_holds_gpus_from_others() {
+    let mut q = Queue::new(gpus(&[80 * GIB, 80 * GIB]), escalating());
+    q.submit(0, 1, by(65534, req(Want::Memory(1)))).unwrap();
+    assert_eq!(placed(&q.poll(0)), vec![(1, vec![0])]);
+    q.submit(0, 2, by(65534, whole(2))).unwrap();
+    assert!(q.poll(0).is_empty());
+    q.submit(10 * SEC, 3, by(65534, mem(10))).unwrap();
+    assert!(
+        q.poll(10 * SEC).is_empty(),
+        "behind its own user's request 2"
+    );
+    let w = q.waiting(20 * SEC);
+    assert!(w.iter().all(|w| w.escalated));
+    q.submit(20 * SEC, 4, by(0, whole(1))).unwrap();
+    assert_eq!(placed(&q.poll(20 * SEC)), vec![(4, vec![1])]);
+}
+
 /// An escalated request holds back as many GPUs as it needs, free ones
 /// first; the others stay open to younger requests.
 #[test]
