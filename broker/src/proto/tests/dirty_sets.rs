@@ -72,12 +72,12 @@ fn check(t: &mut T) {
     );
     assert_eq!(
         b.status_held,
-        scan(&|c| c.status_wait.is_some()),
+        scan(&|c| c.status_wait().is_some()),
         "held status requests"
     );
     assert_eq!(
         b.unsettled,
-        scan(&|c| c.role.is_none() || c.partial_since.is_some()),
+        scan(&|c| c.role().is_none() || c.partial_since.is_some()),
         "connections without hello or with half a frame"
     );
     // Each job's members are the connections that say they are its.
@@ -85,14 +85,14 @@ fn check(t: &mut T) {
         let e = b.jobs.entry(token).expect("listed");
         assert_eq!(
             e.members,
-            scan(&|c| c.member_of == Some(*token)),
+            scan(&|c| c.member_of() == Some(*token)),
             "members of a job"
         );
     }
     let orphans: BTreeSet<ConnId> = b
         .conns
         .iter()
-        .filter(|(_, c)| c.member_of.is_some_and(|t| !b.jobs.contains_key(&t)))
+        .filter(|(_, c)| c.member_of().is_some_and(|t| !b.jobs.contains_key(&t)))
         .map(|(&id, _)| id)
         .collect();
     assert!(orphans.is_empty(), "members of ended jobs: {orphans:?}");
@@ -100,7 +100,11 @@ fn check(t: &mut T) {
         let at = t.b.queue_polled;
         for w in t.b.queue.waiting(at) {
             if let Some(c) = t.b.jobs.run(&w.id).and_then(|id| t.b.conns.get(&id)) {
-                assert_eq!(c.queued, Some(w.position as u32), "position told");
+                assert_eq!(
+                    c.cli().and_then(|c| c.queued),
+                    Some(w.position as u32),
+                    "position told"
+                );
             }
         }
         assert!(

@@ -166,11 +166,22 @@ impl T {
         self.try_connect(pid, uid).expect("connection accepted")
     }
 
-    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+    /// A connection from `pid` as `uid` that said hello as `role`.
+    fn connect_role(&mut self, pid: u32, uid: u32, role: Role) -> ConnId {
         let id = self.connect_raw(pid, uid);
-        self.send(id, &ClientMsg::hello(pid, Role::Cli));
+        self.send(id, &ClientMsg::hello(pid, role));
         assert!(matches!(self.recv(id)[..], [ServerMsg::HelloOk { .. }]));
         id
+    }
+
+    /// A CLI client's connection (`gpufrac run`, `status`, the plugin).
+    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+        self.connect_role(pid, uid, Role::Cli)
+    }
+
+    /// A process's shim's connection.
+    fn connect_shim(&mut self, pid: u32, uid: u32) -> ConnId {
+        self.connect_role(pid, uid, Role::Shim)
     }
 
     fn send(&mut self, id: ConnId, m: &ClientMsg) {
