@@ -13,6 +13,7 @@ mod identity;
 mod messages;
 mod mig_instances;
 mod restarts;
+mod roles;
 mod service_props;
 mod telemetry;
 
