@@ -8,7 +8,8 @@
 //! (`server.rs`) only moves bytes, arms timers and runs the work it is
 //! given, so everything here is tested in virtual time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its budgets), `clients` (processes:
+//! Rooms: `conn` (a connection, its role's state, its budgets), `roles`
+//! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
 //! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in

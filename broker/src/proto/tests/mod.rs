@@ -254,21 +254,7 @@ impl T {
 
     /// A shim process registered on GPU 0.
     fn register(&mut self, id: ConnId, priority: Priority) {
-        self.send(
-            id,
-            &ClientMsg::Register {
-                command: String::new(),
-                devices: vec![DeviceReg {
-                    uuid: uuid(1),
-                    ordinal: 0,
-                    mem_cap: 0,
-                    mem_total: 16 * GIB,
-                }],
-                share: None,
-                limit: None,
-                priority,
-            },
-        );
+        self.send(id, &register(priority));
         assert!(
             self.recv(id)
                 .iter()
@@ -282,6 +268,22 @@ impl T {
 
     fn status(&self) -> crate::status::Status {
         self.b.status(self.now)
+    }
+}
+
+/// A shim's registration on GPU 0.
+fn register(priority: Priority) -> ClientMsg {
+    ClientMsg::Register {
+        command: String::new(),
+        devices: vec![DeviceReg {
+            uuid: uuid(1),
+            ordinal: 0,
+            mem_cap: 0,
+            mem_total: 16 * GIB,
+        }],
+        share: None,
+        limit: None,
+        priority,
     }
 }
 
