@@ -146,27 +146,26 @@ impl Broker {
                     d.ooms = ooms;
                 }
             }
-            ClientMsg::Acquire { uuid } if self.cfg.mps_pipe.is_some() => {
-                // MPS runs every client's kernels side by side: nothing to
-                // take turns at. The grant is open-ended and never revoked.
-                if s.devices.iter().any(|d| self.gpus[d.gpu].uuid == uuid) {
-                    self.send(
-                        id,
-                        &ServerMsg::Grant {
-                            uuid,
-                            grant: 1,
-                            slice_ns: 0,
-                            bound_ns: 0,
-                            waiters: false,
-                        },
-                    );
-                }
-            }
             ClientMsg::Acquire { uuid } => {
                 debug!(pid, "acquire");
-                if let Some(g) = self.device_of(id, &uuid) {
-                    self.gpus[g].sched.acquire(now, id);
+                let Some(g) = self.device_of(id, &uuid) else {
+                    return;
+                };
+                if self.cfg.mps_pipe.is_none() {
+                    return self.gpus[g].sched.acquire(now, id);
                 }
+                // MPS runs every client's kernels side by side: nothing to
+                // take turns at. The grant is open-ended and never revoked.
+                self.send(
+                    id,
+                    &ServerMsg::Grant {
+                        uuid,
+                        grant: 1,
+                        slice_ns: 0,
+                        bound_ns: 0,
+                        waiters: false,
+                    },
+                );
             }
             ClientMsg::Release { uuid, held_ns } => {
                 debug!(pid, held_us = held_ns / 1000, "release");

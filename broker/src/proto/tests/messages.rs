@@ -238,3 +238,32 @@ fn join_makes_a_process_its_jobs_member_only_with_the_right_token() {
     t.turn();
     assert_eq!(proc_of(&t.status(), p1).job, None);
 }
+
+#[test]
+fn under_mps_acquire_of_a_registered_gpu_is_an_open_ended_grant() {
+    let mut t = T::new(
+        Config {
+            mps_pipe: Some("/run/mps".into()),
+            ..cfg()
+        },
+        &[16 * GIB, 16 * GIB],
+    );
+    let pid = t.spawn(1);
+    let c = t.connect_shim(pid, ALICE);
+    t.register(c, Priority::Normal);
+    t.send(c, &ClientMsg::Acquire { uuid: uuid(2) });
+    assert!(t.recv(c).is_empty(), "not registered there");
+    t.send(c, &ClientMsg::Acquire { uuid: uuid(1) });
+    assert_eq!(
+        t.recv(c),
+        [ServerMsg::Grant {
+            uuid: uuid(1),
+            grant: 1,
+            slice_ns: 0,
+            bound_ns: 0,
+            waiters: false,
+        }]
+    );
+    // Nobody takes turns: the scheduler holds no grant.
+    assert_eq!(t.status().gpus[0].holder, None);
+}
