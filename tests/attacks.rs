@@ -212,6 +212,79 @@ fn invented_gpus_are_refused_and_status_stays_whole() {
     assert_eq!(s["gpus"].as_array().unwrap().len(), 1, "{s}");
 }
 
+/// A connection that said it is a CLI client cannot register and take
+/// the GPU's turns as a process, nor a shim ask for a lease: each is told
+/// which role sends the message and closed, holding nothing, and the
+/// broker serves everyone else as before.
+#[test]
+fn a_connection_cannot_act_outside_its_hello_role() {
+    use gpufrac_common::wire::{ClientMsg, DeviceReg, LeaseReq, Role, ServerMsg};
+    let b = Broker::start("16G", &[]);
+    let uuid = b.first_gpu_uuid();
+    let register = ClientMsg::Register {
+        command: "posing as a process".into(),
+        devices: vec![DeviceReg {
+            uuid,
+            ordinal: 0,
+            mem_cap: 0,
+            mem_total: 16 << 30,
+        }],
+        share: Some(100.0),
+        limit: None,
+        priority: gpufrac_common::config::Priority::Normal,
+    };
+    let mut cli = RawClient::connect(&b.socket);
+    cli.hello_as(Role::Cli);
+    cli.send(&register);
+    cli.send(&ClientMsg::Acquire { uuid });
+    match cli.recv() {
+        Some(ServerMsg::Error { message, .. }) => assert_eq!(
+            message,
+            "Register is a shim's message (libgpufrac.so in a process); this connection said it \
+             is a CLI client (Hello role 2); open another connection with role Shim"
+        ),
+        other => panic!("a CLI connection registered: {other:?}"),
+    }
+    assert_eq!(cli.recv(), None, "closed after the refusal");
+
+    let mut shim = RawClient::connect(&b.socket);
+    shim.hello_as(Role::Shim);
+    shim.send(&register);
+    assert!(matches!(shim.recv(), Some(ServerMsg::Registered { .. })));
+    shim.send(&ClientMsg::Lease(LeaseReq {
+        want_mem: 1 << 30,
+        ..Default::default()
+    }));
+    match shim.recv() {
+        Some(ServerMsg::Error { message, .. }) => {
+            assert!(
+                message.starts_with("Lease is a CLI client's message"),
+                "{message}"
+            );
+            assert!(message.contains("with role Cli"), "{message}");
+        }
+        other => panic!("a shim asked for a lease: {other:?}"),
+    }
+    assert_eq!(shim.recv(), None, "closed after the refusal");
+
+    // Nothing of either is held, and others are served.
+    wait_until(10.0, "the closed shim gone from status", || {
+        status_cli(&b.socket)["gpus"][0]["processes"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    });
+    let s = status_cli(&b.socket);
+    assert!(s["leases"].as_array().unwrap().is_empty(), "{s}");
+    assert!(s["queue"].as_array().unwrap().is_empty(), "{s}");
+    let mut other = RawClient::connect(&b.socket);
+    other.hello_as(Role::Shim);
+    other.send(&register);
+    assert!(matches!(other.recv(), Some(ServerMsg::Registered { .. })));
+    other.send(&ClientMsg::Acquire { uuid });
+    assert!(matches!(other.recv(), Some(ServerMsg::Grant { .. })));
+}
+
 #[test]
 fn status_pages_through_more_processes_than_one_frame_holds() {
     let b = Broker::start("16G", &["--max-connections-per-user", "3000"]);

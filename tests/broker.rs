@@ -422,7 +422,7 @@ fn declared_shares_and_usage_are_bounded_by_the_gpu() {
     let uuid = b.first_gpu_uuid();
     let join = |command: &str, share: f64| {
         let mut c = RawClient::connect(&b.socket);
-        c.hello();
+        c.hello_as(gpufrac_common::wire::Role::Shim);
         c.send(&ClientMsg::Register {
             command: command.into(),
             devices: vec![DeviceReg {

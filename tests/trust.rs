@@ -153,7 +153,7 @@ fn an_idle_high_grant_of_another_user_stops_no_one() {
     let alone = kernels(&victim(mono_ns() + 1000 * MS));
     let uuid = b.first_gpu_uuid();
     let grab = frames(&[
-        hello(),
+        ClientMsg::hello(1, Role::Shim),
         ClientMsg::Register {
             command: "attacker".into(),
             devices: vec![DeviceReg {

@@ -61,6 +61,28 @@
 //! (answered by `Queued` any number of times, then `Leased` or `Refused`).
 //! `Error` may answer anything. Values inside messages (percentages, sizes)
 //! are carried as sent; checking them is the receiver's business.
+//!
+//! # Roles
+//!
+//! The `Hello`'s role fixes what the connection may send, for good:
+//!
+//! | role | messages |
+//! |------|----------|
+//! | [`Role::Shim`] (1): `libgpufrac.so` in a process | `Join`, `Register`, `Usage`, `Acquire`, `Release`, `Drained` |
+//! | [`Role::Cli`] (2): `gpufrac run`, `gpufrac status`, the device plugin | `Status`, `Lease`, `Name` |
+//! | either | `Hello` (of the same role; ignored), `Ping` |
+//!
+//! A message of the other role, or a later `Hello` naming the other role,
+//! is a protocol error, answered as one before `Hello` is: `Error` code
+//! [`ERR_BAD_FRAME`], one line naming the message, the role the
+//! connection said and the role to open another connection with, e.g.
+//! `Register is a shim's message (libgpufrac.so in a process); this
+//! connection said it is a CLI client (Hello role 2); open another
+//! connection with role Shim`; then the broker closes the connection,
+//! handling nothing it sent after. A process that is both (`gpufrac run`
+//! is a CLI client; the processes of its job are shims) opens a
+//! connection per role. Versions 4 and 5 are the same here: a client of
+//! either that sends only its role's messages is served as before.
 
 use std::fmt;
 
@@ -218,7 +240,7 @@ pub struct Pin {
 pub enum Role {
     /// `libgpufrac.so` inside an application.
     Shim,
-    /// `gpufrac run` / `gpufrac status`.
+    /// `gpufrac run`, `gpufrac status`, the device plugin.
     Cli,
 }
 

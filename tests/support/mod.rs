@@ -456,10 +456,15 @@ impl RawClient {
         RawClient { s, buf: Vec::new() }
     }
 
+    /// Says hello as a CLI client (`gpufrac status`, `gpufrac run`).
     pub fn hello(&mut self) {
+        self.hello_as(gpufrac_common::wire::Role::Cli);
+    }
+
+    pub fn hello_as(&mut self, role: gpufrac_common::wire::Role) {
         self.send(&gpufrac_common::wire::ClientMsg::hello(
             std::process::id(),
-            gpufrac_common::wire::Role::Cli,
+            role,
         ));
         match self.recv() {
             Some(gpufrac_common::wire::ServerMsg::HelloOk { .. }) => {}

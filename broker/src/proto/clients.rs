@@ -4,7 +4,8 @@
 use gpufrac_common::wire::{self, ClientMsg, ServerMsg};
 use tracing::{debug, info};
 
-use super::conn::{ClientDev, Conn};
+use super::conn::{ClientDev, Conn, RoleState};
+use super::roles;
 use super::{Broker, ConnId, MAX_UNKNOWN_GPUS, Nanos};
 use crate::procs::ancestry;
 use crate::sched::{GroupId, UserId};
@@ -21,53 +22,105 @@ impl Broker {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if c.role.is_none() {
-            let reply = match msg {
-                ClientMsg::Hello {
-                    magic,
-                    version,
-                    role,
-                    max_version,
-                    ..
-                } => {
-                    let reply = wire::hello_reply(magic, version, max_version);
-                    if matches!(reply, ServerMsg::HelloOk { .. }) {
-                        c.role = Some(role);
-                    } else {
-                        let (pid, uid) = (c.peer.pid, c.peer.uid);
-                        c.dead = true;
-                        if self.may_log(uid) {
-                            tracing::warn!(
-                                pid,
-                                uid,
-                                version,
-                                "refusing client with another protocol version"
-                            );
-                        }
-                    }
-                    reply
-                }
-                _ => {
-                    c.dead = true;
-                    ServerMsg::Error {
-                        code: wire::ERR_BAD_FRAME,
-                        message: "expected Hello first".into(),
-                    }
-                }
-            };
-            // Said even to a connection that is being closed.
-            let Some(c) = self.conns.get_mut(&id) else {
-                return;
-            };
-            let was_dead = std::mem::replace(&mut c.dead, false);
-            self.send(id, &reply);
-            if was_dead {
-                self.kill(id);
+        let Some(role) = c.role() else {
+            return self.hello(id, msg);
+        };
+        // A message outside the connection's role is a protocol error, as
+        // one before Hello is: the client is told which role sends it,
+        // and closed.
+        let wrong = match &msg {
+            ClientMsg::Hello { role: asked, .. } if *asked != role => {
+                Some(roles::second_hello(*asked, role))
             }
-            return;
+            m => roles::sender(m)
+                .filter(|&r| r != role)
+                .map(|r| roles::refusal(m, r, role)),
+        };
+        if let Some(message) = wrong {
+            let (pid, uid) = (c.peer.pid, c.peer.uid);
+            self.warn_uid(
+                uid,
+                format_args!("closing the connection of pid {pid} (uid {uid}): {message}"),
+            );
+            self.send(
+                id,
+                &ServerMsg::Error {
+                    code: wire::ERR_BAD_FRAME,
+                    message,
+                },
+            );
+            return self.kill(id);
         }
         match msg {
             ClientMsg::Hello { .. } => {}
+            ClientMsg::Ping => self.send(id, &ServerMsg::Pong),
+            ClientMsg::Status { from } => self.ask_status(now, id, from),
+            ClientMsg::Name { pod, label } => self.name(id, pod, label),
+            ClientMsg::Lease(ask) => self.lease(now, id, ask),
+            m => self.shim_message(now, id, m),
+        }
+    }
+
+    /// The first message: `Hello` fixes the connection's role; anything
+    /// else, or a version in common with none, closes it.
+    fn hello(&mut self, id: ConnId, msg: ClientMsg) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let reply = match msg {
+            ClientMsg::Hello {
+                magic,
+                version,
+                role,
+                max_version,
+                ..
+            } => {
+                let reply = wire::hello_reply(magic, version, max_version);
+                if matches!(reply, ServerMsg::HelloOk { .. }) {
+                    c.role = RoleState::new(role);
+                } else {
+                    let (pid, uid) = (c.peer.pid, c.peer.uid);
+                    c.dead = true;
+                    if self.may_log(uid) {
+                        tracing::warn!(
+                            pid,
+                            uid,
+                            version,
+                            "refusing client with another protocol version"
+                        );
+                    }
+                }
+                reply
+            }
+            _ => {
+                c.dead = true;
+                ServerMsg::Error {
+                    code: wire::ERR_BAD_FRAME,
+                    message: "expected Hello first".into(),
+                }
+            }
+        };
+        // Said even to a connection that is being closed.
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let was_dead = std::mem::replace(&mut c.dead, false);
+        self.send(id, &reply);
+        if was_dead {
+            self.kill(id);
+        }
+    }
+
+    /// A message of a shim's (checked by `handle`).
+    fn shim_message(&mut self, now: Nanos, id: ConnId, msg: ClientMsg) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let pid = c.peer.pid;
+        let Some(s) = c.shim_mut() else {
+            return;
+        };
+        match msg {
             ClientMsg::Register {
                 command,
                 devices,
@@ -82,7 +135,7 @@ impl Broker {
                 ooms,
             } => {
                 let gpus = &self.gpus;
-                if let Some(d) = c.devices.iter_mut().find(|d| gpus[d.gpu].uuid == uuid) {
+                if let Some(d) = s.devices.iter_mut().find(|d| gpus[d.gpu].uuid == uuid) {
                     // Reports are the client's word: never more than the
                     // GPU holds (a claim of 4 EiB used would skew status
                     // and every sum made from it).
@@ -93,50 +146,46 @@ impl Broker {
                     d.ooms = ooms;
                 }
             }
-            ClientMsg::Acquire { uuid } if self.cfg.mps_pipe.is_some() => {
+            ClientMsg::Acquire { uuid } => {
+                debug!(pid, "acquire");
+                let Some(g) = self.device_of(id, &uuid) else {
+                    return;
+                };
+                if self.cfg.mps_pipe.is_none() {
+                    return self.gpus[g].sched.acquire(now, id);
+                }
                 // MPS runs every client's kernels side by side: nothing to
                 // take turns at. The grant is open-ended and never revoked.
-                if c.devices.iter().any(|d| self.gpus[d.gpu].uuid == uuid) {
-                    self.send(
-                        id,
-                        &ServerMsg::Grant {
-                            uuid,
-                            grant: 1,
-                            slice_ns: 0,
-                            bound_ns: 0,
-                            waiters: false,
-                        },
-                    );
-                }
-            }
-            ClientMsg::Acquire { uuid } => {
-                debug!(pid = c.peer.pid, "acquire");
-                if let Some(g) = self.device_of(id, &uuid) {
-                    self.gpus[g].sched.acquire(now, id);
-                }
+                self.send(
+                    id,
+                    &ServerMsg::Grant {
+                        uuid,
+                        grant: 1,
+                        slice_ns: 0,
+                        bound_ns: 0,
+                        waiters: false,
+                    },
+                );
             }
             ClientMsg::Release { uuid, held_ns } => {
-                debug!(pid = c.peer.pid, held_us = held_ns / 1000, "release");
+                debug!(pid, held_us = held_ns / 1000, "release");
                 if let Some(g) = self.device_of(id, &uuid) {
                     self.gpus[g].sched.release(now, id);
                 }
             }
             ClientMsg::Drained { uuid } => {
-                debug!(pid = c.peer.pid, "drained");
+                debug!(pid, "drained");
                 if let Some(g) = self.device_of(id, &uuid) {
                     self.gpus[g].sched.drained(now, id);
                 }
             }
-            ClientMsg::Ping => self.send(id, &ServerMsg::Pong),
             ClientMsg::Join { job } => {
                 // Settled at Register; a token no job holds is ignored
                 // there (the process is its user's), not refused: a
                 // container can outlive its run.
-                c.claimed_job = Some(job);
+                s.claimed_job = Some(job);
             }
-            ClientMsg::Status { from } => self.ask_status(now, id, from),
-            ClientMsg::Name { pod, label } => self.name(id, pod, label),
-            ClientMsg::Lease(ask) => self.lease(now, id, ask),
+            _ => {}
         }
     }
 
@@ -144,7 +193,7 @@ impl Broker {
     fn device_of(&self, id: ConnId, uuid: &[u8; 16]) -> Option<usize> {
         self.conns
             .get(&id)?
-            .devices
+            .devices()
             .iter()
             .find(|d| &self.gpus[d.gpu].uuid == uuid)
             .map(|d| d.gpu)
@@ -227,10 +276,14 @@ impl Broker {
         if c.command.is_empty() && !command.is_empty() {
             c.command = super::clip(&command, label);
         }
-        c.share = share;
-        c.limit = limit;
-        c.priority = priority;
-        let old = std::mem::replace(&mut c.member_of, job);
+        let Some(s) = c.shim_mut() else {
+            return;
+        };
+        s.share = share;
+        s.limit = limit;
+        s.priority = priority;
+        let old = std::mem::replace(&mut s.member_of, job);
+        let old_devs: Vec<usize> = s.devices.drain(..).map(|d| d.gpu).collect();
         if old != job {
             if let Some(o) = old {
                 self.jobs.leave(o, id);
@@ -239,8 +292,7 @@ impl Broker {
                 self.jobs.join(n, id);
             }
         }
-        let old: Vec<usize> = c.devices.drain(..).map(|d| d.gpu).collect();
-        for g in old {
+        for g in old_devs {
             self.gpus[g].sched.remove_client(now, id);
         }
         let mut devs: Vec<ClientDev> = Vec::new();
@@ -272,8 +324,10 @@ impl Broker {
         if log {
             info!(pid = c.peer.pid, uid = c.peer.uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
         }
-        c.devices = devs;
-        c.registered = true;
+        if let Some(s) = c.shim_mut() {
+            s.devices = devs;
+            s.registered = true;
+        }
         self.send(id, &ServerMsg::Registered { mem_cap });
         self.enforce(now, id);
     }
@@ -300,7 +354,7 @@ impl Broker {
         // holding it is the proof; the rules say whose processes may use
         // it (a leaked token does not hand another user's job to anyone).
         by_ancestry.or_else(|| {
-            c.claimed_job.filter(|t| {
+            c.shim().and_then(|s| s.claimed_job).filter(|t| {
                 self.jobs
                     .get(t)
                     .is_some_and(|j| self.cfg.policy.may_join(&c.peer, j))
@@ -318,7 +372,10 @@ impl Broker {
         let Some(c) = self.conns.get(&id) else {
             return;
         };
-        let job = c.member_of;
+        let Some(s) = c.shim() else {
+            return;
+        };
+        let job = s.member_of;
         let j = job.and_then(|t| self.jobs.get(&t));
         let group = match job {
             Some(t) => t & !UID_UNIT,
@@ -327,14 +384,14 @@ impl Broker {
         let (unit_weight, unit_limit, job_prio) =
             j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
         let (user, user_weight) = self.user_of(c);
-        for d in &c.devices {
+        for d in &s.devices {
             let sched = &mut self.gpus[d.gpu].sched;
             sched.add_client(
                 now,
                 id,
-                c.share.unwrap_or(DEFAULT_WEIGHT),
-                c.limit,
-                job_prio.unwrap_or(c.priority),
+                s.share.unwrap_or(DEFAULT_WEIGHT),
+                s.limit,
+                job_prio.unwrap_or(s.priority),
             );
             sched.set_unit(
                 now,
@@ -352,7 +409,7 @@ impl Broker {
     /// root helper joined by token): one user, one part of the GPU.
     pub(super) fn user_of(&self, c: &Conn) -> (u32, f64) {
         let user = c
-            .member_of
+            .member_of()
             .and_then(|t| self.jobs.get(&t))
             .map_or(c.peer.uid, |j| j.uid);
         let weight = if user == c.peer.uid && !self.cfg.weights.groups.is_empty() {
@@ -369,15 +426,15 @@ impl Broker {
     /// A closed connection: its process leaves every scheduler, and a
     /// run's job ends.
     pub(super) fn forget_client(&mut self, now: Nanos, id: ConnId, c: Conn) {
-        for d in &c.devices {
+        for d in c.devices() {
             self.gpus[d.gpu].sched.remove_client(now, id);
         }
-        if let Some(t) = c.job
+        if let Some(t) = c.job()
             && self.jobs.run(&t) == Some(id)
         {
             self.end_job(now, t);
         }
-        if (!c.devices.is_empty() || c.job.is_some()) && self.may_log(c.peer.uid) {
+        if (!c.devices().is_empty() || c.job().is_some()) && self.may_log(c.peer.uid) {
             info!(pid = c.peer.pid, command = %c.command, "client gone");
         }
     }

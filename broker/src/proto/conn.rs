@@ -62,6 +62,9 @@ pub(super) struct ClientDev {
     pub ooms: u64,
 }
 
+/// Every connection's part: who is on the other end, its bytes, its
+/// deadlines and its place in its user's budgets. What it may send and
+/// hold is its role's (`role`).
 #[derive(Debug)]
 pub(super) struct Conn {
     pub peer: Peer,
@@ -70,14 +73,38 @@ pub(super) struct Conn {
     pub partial_since: Option<Nanos>,
     pub inbuf: Vec<u8>,
     pub outbuf: Vec<u8>,
-    pub role: Option<Role>,
+    /// Fixed by the first `Hello`: a connection never changes role, so
+    /// a CLI connection never holds a process's state and a shim's never
+    /// holds a lease.
+    pub role: RoleState,
+    /// The process's command line (a shim's), or its job's label (a
+    /// CLI's lease), escaped and cut to the label budget.
     pub command: String,
+    /// The command line was looked up (once, when first needed: an
+    /// accept must not cost a read of /proc/PID/cmdline).
+    pub command_read: bool,
+    /// Input handling stopped at its per-turn frame budget with whole
+    /// frames possibly left in `inbuf`: served again next turn.
+    pub more: bool,
+    pub dead: bool,
+}
+
+#[derive(Debug)]
+pub(super) enum RoleState {
+    /// No `Hello` yet: only a `Hello` is taken.
+    Greeting,
+    Shim(ShimConn),
+    Cli(CliConn),
+}
+
+/// A process's connection (`libgpufrac.so`): its devices and settings,
+/// the job it belongs to, its place in the GPUs' schedulers.
+#[derive(Debug)]
+pub(super) struct ShimConn {
     pub devices: Vec<ClientDev>,
     pub share: Option<f64>,
     pub limit: Option<f64>,
     pub priority: Priority,
-    /// The job (token) this connection is the `gpufrac run` of.
-    pub job: Option<u64>,
     /// The job this process belongs to (it descends from the job's run, or
     /// holds its token).
     pub member_of: Option<u64>,
@@ -86,19 +113,37 @@ pub(super) struct Conn {
     pub claimed_job: Option<u64>,
     /// It has sent `Register` (and been answered).
     pub registered: bool,
+}
+
+/// A `gpufrac run`, `gpufrac status` or device plugin connection: at most
+/// one lease, its place in the queue, a status page it waits for.
+#[derive(Debug, Default)]
+pub(super) struct CliConn {
+    /// The job (token) this connection is the `gpufrac run` of.
+    pub job: Option<u64>,
     /// Queue position last told to a waiting `gpufrac run`.
     pub queued: Option<u32>,
-    /// The command line was looked up (once, when first needed: an
-    /// accept must not cost a read of /proc/PID/cmdline).
-    pub command_read: bool,
-    /// Input handling stopped at its per-turn frame budget with whole
-    /// frames possibly left in `inbuf`: served again next turn.
-    pub more: bool,
     /// A `Status` request waiting for its user's status budget (the page
     /// asked for). Nothing after it on this connection is handled until
     /// it is answered: replies keep their order.
     pub status_wait: Option<u32>,
-    pub dead: bool,
+}
+
+impl RoleState {
+    pub fn new(role: Role) -> RoleState {
+        match role {
+            Role::Shim => RoleState::Shim(ShimConn {
+                devices: Vec::new(),
+                share: None,
+                limit: None,
+                priority: Priority::Normal,
+                member_of: None,
+                claimed_job: None,
+                registered: false,
+            }),
+            Role::Cli => RoleState::Cli(CliConn::default()),
+        }
+    }
 }
 
 impl Conn {
@@ -109,22 +154,69 @@ impl Conn {
             partial_since: None,
             inbuf: Vec::new(),
             outbuf: Vec::new(),
-            role: None,
+            role: RoleState::Greeting,
             command,
-            devices: Vec::new(),
-            share: None,
-            limit: None,
-            priority: Priority::Normal,
-            job: None,
-            member_of: None,
-            claimed_job: None,
-            registered: false,
-            queued: None,
             command_read: false,
             more: false,
-            status_wait: None,
             dead: false,
         }
+    }
+
+    /// The role its `Hello` said; None before it.
+    pub fn role(&self) -> Option<Role> {
+        match self.role {
+            RoleState::Greeting => None,
+            RoleState::Shim(_) => Some(Role::Shim),
+            RoleState::Cli(_) => Some(Role::Cli),
+        }
+    }
+
+    pub fn shim(&self) -> Option<&ShimConn> {
+        match &self.role {
+            RoleState::Shim(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn shim_mut(&mut self) -> Option<&mut ShimConn> {
+        match &mut self.role {
+            RoleState::Shim(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn cli(&self) -> Option<&CliConn> {
+        match &self.role {
+            RoleState::Cli(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    pub fn cli_mut(&mut self) -> Option<&mut CliConn> {
+        match &mut self.role {
+            RoleState::Cli(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// A shim's devices; none for any other connection.
+    pub fn devices(&self) -> &[ClientDev] {
+        self.shim().map_or(&[], |s| &s.devices)
+    }
+
+    /// The job a shim's process belongs to.
+    pub fn member_of(&self) -> Option<u64> {
+        self.shim().and_then(|s| s.member_of)
+    }
+
+    /// The job a CLI connection holds the lease of.
+    pub fn job(&self) -> Option<u64> {
+        self.cli().and_then(|c| c.job)
+    }
+
+    /// The status page a CLI connection waits for.
+    pub fn status_wait(&self) -> Option<u32> {
+        self.cli().and_then(|c| c.status_wait)
     }
 }
 

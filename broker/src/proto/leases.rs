@@ -50,7 +50,7 @@ impl Broker {
         let Some(c) = self.conns.get(&id) else {
             return;
         };
-        if c.job.is_some() {
+        if c.job().is_some() {
             return self.refuse(id, "one lease per connection");
         }
         let peer = c.peer.clone();
@@ -126,7 +126,7 @@ impl Broker {
                     let mut job = job;
                     job.phase = Phase::Queued { since: now };
                     self.attach_job(now, id, job);
-                    if let Some(c) = self.conns.get_mut(&id) {
+                    if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
                         c.queued = Some(0);
                     }
                 }
@@ -216,7 +216,7 @@ impl Broker {
     }
 
     pub(super) fn name(&mut self, id: ConnId, pod: String, label: String) {
-        let Some(t) = self.conns.get(&id).and_then(|c| c.job) else {
+        let Some(t) = self.conns.get(&id).and_then(|c| c.job()) else {
             return self.send(
                 id,
                 &ServerMsg::Error {
@@ -261,7 +261,7 @@ impl Broker {
         self.jobs.set_run(t, id);
         // Its run is told its position at the next pump.
         self.queue_dirty = true;
-        if let Some(c) = self.conns.get_mut(&id) {
+        if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
             c.job = Some(t);
         }
         self.changed();
@@ -282,19 +282,21 @@ impl Broker {
             .conns
             .iter()
             .filter(|(_, c)| {
-                c.registered
-                    && (c.member_of == Some(token)
-                        || (c.member_of.is_none()
-                            && c.claimed_job == Some(token)
-                            && policy.may_join(&c.peer, j)))
+                c.shim().is_some_and(|s| {
+                    s.registered
+                        && (s.member_of == Some(token)
+                            || (s.member_of.is_none()
+                                && s.claimed_job == Some(token)
+                                && policy.may_join(&c.peer, j)))
+                })
             })
             .map(|(&t, _)| t)
             .collect();
         for t in who {
-            if let Some(c) = self.conns.get_mut(&t) {
-                c.member_of = Some(token);
+            if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
+                s.member_of = Some(token);
                 self.jobs.join(token, t);
-                lower_caps(&mut c.devices, mem_cap);
+                lower_caps(&mut s.devices, mem_cap);
             }
             if mem_cap > 0 {
                 self.send(t, &ServerMsg::Registered { mem_cap });
@@ -370,10 +372,12 @@ impl Broker {
         };
         info!(pid, "gpufrac run reclaimed its job");
         if let Some(c) = self.conns.get_mut(&id) {
-            c.job = Some(token);
             c.command = label;
-            if matches!(phase, Phase::Queued { .. }) {
-                c.queued = Some(0);
+            if let Some(cli) = c.cli_mut() {
+                cli.job = Some(token);
+                if matches!(phase, Phase::Queued { .. }) {
+                    cli.queued = Some(0);
+                }
             }
         }
         match phase {
@@ -459,8 +463,8 @@ impl Broker {
             let j = e.job;
             self.changed();
             for t in e.members {
-                if let Some(c) = self.conns.get_mut(&t) {
-                    c.member_of = None;
+                if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
+                    s.member_of = None;
                 }
                 self.enforce(now, t);
             }
@@ -504,7 +508,7 @@ impl Broker {
         self.rejoin(now, lease.id);
         self.jobs.leased(lease.id, now);
         if let Some(id) = self.jobs.run(&lease.id)
-            && let Some(c) = self.conns.get_mut(&id)
+            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
         {
             c.queued = None;
         }
@@ -556,11 +560,11 @@ impl Broker {
             let Some(id) = self.jobs.run(&w.id) else {
                 continue;
             };
-            let changed = self.conns.get(&id).is_some_and(|c| c.queued != Some(pos));
-            if changed {
-                if let Some(c) = self.conns.get_mut(&id) {
-                    c.queued = Some(pos);
-                }
+            let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) else {
+                continue;
+            };
+            if c.queued != Some(pos) {
+                c.queued = Some(pos);
                 self.send(
                     id,
                     &ServerMsg::Queued {
@@ -622,7 +626,7 @@ impl Broker {
                     // The job of a refused `--no-wait` never was (the
                     // queue holds nothing of it any more).
                     self.end_job(now, done.lease);
-                    if let Some(c) = self.conns.get_mut(&id) {
+                    if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
                         c.job = None;
                     }
                     self.refuse(

@@ -8,7 +8,8 @@
 //! (`server.rs`) only moves bytes, arms timers and runs the work it is
 //! given, so everything here is tested in virtual time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its budgets), `clients` (processes:
+//! Rooms: `conn` (a connection, its role's state, its budgets), `roles`
+//! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
 //! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in
@@ -19,6 +20,7 @@ mod clients;
 mod conn;
 mod jobtable;
 mod leases;
+mod roles;
 mod view;
 
 #[cfg(test)]
@@ -551,14 +553,14 @@ impl Broker {
     pub fn wants_input(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
-            .is_some_and(|c| !c.dead && !c.more && c.status_wait.is_none())
+            .is_some_and(|c| !c.dead && !c.more && c.status_wait().is_none())
     }
 
     /// Whether `id` has frames to handle now (`serve`).
     pub fn has_frames(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
-            .is_some_and(|c| !c.dead && c.more && c.status_wait.is_none())
+            .is_some_and(|c| !c.dead && c.more && c.status_wait().is_none())
     }
 
     /// Connections that waited for a status reply and got it: their input
@@ -572,7 +574,7 @@ impl Broker {
     fn frames(&mut self, now: Nanos, id: ConnId) {
         self.handle_frames(now, id);
         match self.conns.get(&id) {
-            Some(c) if c.role.is_none() || c.partial_since.is_some() => {
+            Some(c) if c.role().is_none() || c.partial_since.is_some() => {
                 self.unsettled.insert(id);
             }
             _ => {
@@ -592,7 +594,7 @@ impl Broker {
             let Some(c) = self.conns.get_mut(&id) else {
                 return;
             };
-            if c.dead || c.inbuf.is_empty() || c.status_wait.is_some() {
+            if c.dead || c.inbuf.is_empty() || c.status_wait().is_some() {
                 if c.inbuf.is_empty() {
                     c.partial_since = None;
                 }
@@ -649,7 +651,7 @@ impl Broker {
         if self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
             let json = self.status_json(now, from as usize);
             self.send(id, &ServerMsg::StatusReply { json });
-        } else if let Some(c) = self.conns.get_mut(&id) {
+        } else if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
             c.status_wait = Some(from);
             self.status_held.insert(id);
         }
@@ -663,7 +665,7 @@ impl Broker {
             .iter()
             .filter_map(|id| self.conns.get(id).map(|c| (*id, c)))
             .filter(|(_, c)| !c.dead)
-            .filter_map(|(id, c)| c.status_wait.map(|f| (id, c.peer.uid, f)))
+            .filter_map(|(id, c)| c.status_wait().map(|f| (id, c.peer.uid, f)))
             .collect();
         for (id, uid, from) in waiting {
             if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
@@ -671,7 +673,9 @@ impl Broker {
             }
             let json = self.status_json(now, from as usize);
             if let Some(c) = self.conns.get_mut(&id) {
-                c.status_wait = None;
+                if let Some(cli) = c.cli_mut() {
+                    cli.status_wait = None;
+                }
                 self.status_held.remove(&id);
                 // What it sent after the request is handled next turn,
                 // within the turn's budget.
@@ -742,7 +746,7 @@ impl Broker {
         self.unsent.remove(&id);
         self.status_held.remove(&id);
         self.unsettled.remove(&id);
-        if let Some(t) = c.member_of {
+        if let Some(t) = c.member_of() {
             self.jobs.leave(t, id);
         }
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
@@ -862,7 +866,7 @@ impl Broker {
         }
         // A held status request: when its user's budget next refills.
         for c in self.status_held.iter().filter_map(|id| self.conns.get(id)) {
-            if !c.dead && c.status_wait.is_some() {
+            if !c.dead && c.status_wait().is_some() {
                 let v = self.voices.get(&c.peer.uid);
                 at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
             }
@@ -1087,7 +1091,7 @@ impl Broker {
                 && !self
                     .conns
                     .values()
-                    .any(|c| c.devices.iter().any(|d| d.gpu == i))
+                    .any(|c| c.devices().iter().any(|d| d.gpu == i))
         });
         match stale {
             Some(i) => self.gpus[i] = unit,
@@ -1099,7 +1103,7 @@ impl Broker {
 /// Why `c` is past a deadline, if it is: it never said hello, or has sat
 /// on half a frame.
 fn stalled(c: &Conn, now: Nanos) -> Option<&'static str> {
-    if c.role.is_none() && now.saturating_sub(c.opened) > HELLO_DEADLINE {
+    if c.role().is_none() && now.saturating_sub(c.opened) > HELLO_DEADLINE {
         Some("no hello")
     } else if c
         .partial_since

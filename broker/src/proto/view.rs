@@ -38,8 +38,10 @@ impl Broker {
         // not once per process.
         let mut job_used: HashMap<(u64, usize), u64> = HashMap::new();
         for c in self.conns.values() {
-            if let Some(t) = c.member_of {
-                for d in &c.devices {
+            if let Some(s) = c.shim()
+                && let Some(t) = s.member_of
+            {
+                for d in &s.devices {
                     *job_used.entry((t, d.gpu)).or_insert(0) += d.used;
                 }
             }
@@ -60,19 +62,22 @@ impl Broker {
             let mut processes = Vec::new();
             let mut units: HashMap<u32, Unit> = HashMap::new();
             for (&id, c) in &self.conns {
-                let Some(d) = c.devices.iter().find(|d| d.gpu == gi) else {
+                let Some(sh) = c.shim() else {
+                    continue;
+                };
+                let Some(d) = sh.devices.iter().find(|d| d.gpu == gi) else {
                     continue;
                 };
                 let s = st.iter().find(|s| s.client == id);
-                let job = c.member_of.and_then(|t| self.jobs.get(&t));
+                let job = sh.member_of.and_then(|t| self.jobs.get(&t));
                 let (uid, weight) = self.user_of(c);
                 units.insert(
                     c.peer.pid,
                     Unit {
                         uid,
                         weight,
-                        job: c.member_of,
-                        own: c.share.unwrap_or(DEFAULT_WEIGHT),
+                        job: sh.member_of,
+                        own: sh.share.unwrap_or(DEFAULT_WEIGHT),
                     },
                 );
                 processes.push(ProcStatus {
@@ -91,11 +96,11 @@ impl Broker {
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),
-                    limit: s.map_or(c.limit, |s| s.limit),
+                    limit: s.map_or(sh.limit, |s| s.limit),
                     uid: c.peer.uid,
                     job: job.map(|j| j.pid),
                     pod: job.and_then(|j| j.pod.clone()),
-                    job_mem_used: c
+                    job_mem_used: sh
                         .member_of
                         .map(|t| job_used.get(&(t, gi)).copied().unwrap_or(0)),
                     state: s.map_or("idle".into(), |s| match s.state {

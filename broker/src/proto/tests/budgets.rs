@@ -45,7 +45,7 @@ fn unread_output_is_bounded_per_user() {
     // Enough processes for a status page of real size.
     for _ in 0..200 {
         let p = t.spawn(1);
-        let c = t.connect_as(p, ALICE);
+        let c = t.connect_shim(p, ALICE);
         t.register(c, Priority::Normal);
     }
     let mut greedy = Vec::new();

@@ -10,12 +10,12 @@ use super::*;
 fn an_idle_high_grant_is_revoked_and_passed_over() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let (p1, p2) = (t.spawn(1), t.spawn(1));
-    let attacker = t.connect_as(p1, BOB);
+    let attacker = t.connect_shim(p1, BOB);
     t.register(attacker, Priority::High);
     t.send(attacker, &ClientMsg::Acquire { uuid: uuid(1) });
     assert!(granted(&t.recv(attacker)));
     t.advance(5 * SEC);
-    let victim = t.connect_as(p2, ALICE);
+    let victim = t.connect_shim(p2, ALICE);
     t.register(victim, Priority::Normal);
     t.send(victim, &ClientMsg::Acquire { uuid: uuid(1) });
     t.advance(SEC);
@@ -43,9 +43,9 @@ fn high_outside_the_allow_list_is_normal() {
     });
     let mut t = T::new(c, &[16 * GIB]);
     let (p1, p2) = (t.spawn(1), t.spawn(1));
-    let a = t.connect_as(p1, ALICE);
+    let a = t.connect_shim(p1, ALICE);
     t.register(a, Priority::High);
-    let b = t.connect_as(p2, BOB);
+    let b = t.connect_shim(p2, BOB);
     t.register(b, Priority::High);
     let st = t.status();
     let prio = |pid| {

@@ -14,8 +14,9 @@ use super::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// A new connection, from a new process of one of three users.
-    Connect(u8),
+    /// A new connection, from a new process of one of three users, in a
+    /// role (a message of the other role closes it).
+    Connect(u8, Role),
     /// A connection that says nothing yet.
     ConnectSilent(u8),
     /// Raw bytes on a connection (by index among the open ones).
@@ -37,7 +38,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0..3u8).prop_map(Op::Connect),
+        3 => (0..3u8, prop_oneof![Just(Role::Shim), Just(Role::Cli)])
+            .prop_map(|(u, r)| Op::Connect(u, r)),
         1 => (0..3u8).prop_map(Op::ConnectSilent),
         1 => (0..8usize, prop::collection::vec(any::<u8>(), 0..40)).prop_map(|(i, b)| Op::Bytes(i, b)),
         2 => (0..8usize).prop_map(Op::Register),
@@ -72,12 +74,12 @@ fn check(t: &mut T) {
     );
     assert_eq!(
         b.status_held,
-        scan(&|c| c.status_wait.is_some()),
+        scan(&|c| c.status_wait().is_some()),
         "held status requests"
     );
     assert_eq!(
         b.unsettled,
-        scan(&|c| c.role.is_none() || c.partial_since.is_some()),
+        scan(&|c| c.role().is_none() || c.partial_since.is_some()),
         "connections without hello or with half a frame"
     );
     // Each job's members are the connections that say they are its.
@@ -85,14 +87,14 @@ fn check(t: &mut T) {
         let e = b.jobs.entry(token).expect("listed");
         assert_eq!(
             e.members,
-            scan(&|c| c.member_of == Some(*token)),
+            scan(&|c| c.member_of() == Some(*token)),
             "members of a job"
         );
     }
     let orphans: BTreeSet<ConnId> = b
         .conns
         .iter()
-        .filter(|(_, c)| c.member_of.is_some_and(|t| !b.jobs.contains_key(&t)))
+        .filter(|(_, c)| c.member_of().is_some_and(|t| !b.jobs.contains_key(&t)))
         .map(|(&id, _)| id)
         .collect();
     assert!(orphans.is_empty(), "members of ended jobs: {orphans:?}");
@@ -100,7 +102,11 @@ fn check(t: &mut T) {
         let at = t.b.queue_polled;
         for w in t.b.queue.waiting(at) {
             if let Some(c) = t.b.jobs.run(&w.id).and_then(|id| t.b.conns.get(&id)) {
-                assert_eq!(c.queued, Some(w.position as u32), "position told");
+                assert_eq!(
+                    c.cli().and_then(|c| c.queued),
+                    Some(w.position as u32),
+                    "position told"
+                );
             }
         }
         assert!(
@@ -118,9 +124,9 @@ fn run(ops: Vec<Op>) {
         open.retain(|id| t.b.conns.contains_key(id));
         let pick = |i: usize| (!open.is_empty()).then(|| open[i % open.len()]);
         match op {
-            Op::Connect(u) => {
+            Op::Connect(u, role) => {
                 let pid = t.spawn(1);
-                open.push(t.connect_as(pid, users[u as usize]));
+                open.push(t.connect_role(pid, users[u as usize], role));
             }
             Op::ConnectSilent(u) => {
                 let pid = t.spawn(1);
@@ -133,21 +139,7 @@ fn run(ops: Vec<Op>) {
             }
             Op::Register(i) => {
                 if let Some(id) = pick(i) {
-                    t.send(
-                        id,
-                        &ClientMsg::Register {
-                            command: String::new(),
-                            devices: vec![DeviceReg {
-                                uuid: uuid(1),
-                                ordinal: 0,
-                                mem_cap: 0,
-                                mem_total: 16 * GIB,
-                            }],
-                            share: None,
-                            limit: None,
-                            priority: Priority::Normal,
-                        },
-                    );
+                    t.send(id, &register(Priority::Normal));
                 }
             }
             Op::Acquire(i) => {

@@ -22,13 +22,13 @@ fn four_jobs_beside_one(weights: Weights) -> (T, u32, Vec<u32>) {
         );
         assert!(leased(&t.recv(r)).is_some());
         let p = t.spawn(run);
-        let c = t.connect_as(p, BOB);
+        let c = t.connect_shim(p, BOB);
         t.register(c, Priority::Normal);
         t.send(c, &ClientMsg::Acquire { uuid: uuid(1) });
         bobs.push(p);
     }
     let a = t.spawn(1);
-    let c = t.connect_as(a, ALICE);
+    let c = t.connect_shim(a, ALICE);
     t.register(c, Priority::Normal);
     t.send(c, &ClientMsg::Acquire { uuid: uuid(1) });
     t.advance(SEC);

@@ -68,7 +68,7 @@ fn a_leaked_token_does_not_join_another_users_job() {
     let mut bobs = Vec::new();
     for _ in 0..20 {
         let p = t.spawn(1);
-        let c = t.connect_as(p, BOB);
+        let c = t.connect_shim(p, BOB);
         t.send(c, &ClientMsg::Join { job: token });
         t.register(c, Priority::Normal);
         bobs.push(p);
@@ -76,7 +76,7 @@ fn a_leaked_token_does_not_join_another_users_job() {
     // Root (a container's process) and Alice's own do join.
     let (pr, pa) = (t.spawn(1), t.spawn(1));
     for (p, uid) in [(pr, 0), (pa, ALICE)] {
-        let c = t.connect_as(p, uid);
+        let c = t.connect_shim(p, uid);
         t.send(c, &ClientMsg::Join { job: token });
         t.register(c, Priority::Normal);
     }
@@ -116,7 +116,7 @@ fn a_reused_pid_is_not_the_jobs_run() {
     // process); its pid now names the victim's shell.
     t.procs.borrow_mut().insert(run, (1, 999_999));
     let child = t.spawn(run);
-    let v = t.connect_as(child, ALICE);
+    let v = t.connect_shim(child, ALICE);
     t.register(v, Priority::Normal);
     let st = t.status();
     let p = st.gpus[0]
@@ -128,7 +128,7 @@ fn a_reused_pid_is_not_the_jobs_run() {
     // The true run's child is in the job.
     t.procs.borrow_mut().insert(run, (1, 1000 + run as u64));
     let c2 = t.spawn(run);
-    let c = t.connect_as(c2, BOB);
+    let c = t.connect_shim(c2, BOB);
     t.register(c, Priority::Normal);
     let st = t.status();
     let p = st.gpus[0].processes.iter().find(|p| p.pid == c2).unwrap();

@@ -16,11 +16,11 @@ fn proc_of(st: &crate::status::Status, pid: u32) -> crate::status::ProcStatus {
 // Hello
 
 #[test]
-fn hello_is_answered_and_a_second_one_changes_nothing() {
+fn hello_is_answered_and_a_second_of_the_same_role_changes_nothing() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let pid = t.spawn(1);
     let c = t.connect_as(pid, ALICE);
-    t.send(c, &ClientMsg::hello(pid, Role::Shim));
+    t.send(c, &ClientMsg::hello(pid, Role::Cli));
     assert!(t.recv(c).is_empty());
     assert!(!t.b.is_dead(c));
 }
@@ -78,8 +78,9 @@ fn ping_is_answered_with_pong() {
 fn status_replies_with_a_page_of_json() {
     let mut t = T::new(cfg(), &[16 * GIB, 8 * GIB]);
     let pid = t.spawn(1);
+    let shim = t.connect_shim(pid, ALICE);
+    t.register(shim, Priority::Normal);
     let c = t.connect_as(pid, ALICE);
-    t.register(c, Priority::Normal);
     t.send(c, &ClientMsg::Status { from: 0 });
     let json = match &t.recv(c)[..] {
         [ServerMsg::StatusReply { json }] => json.clone(),
@@ -104,7 +105,7 @@ fn status_replies_with_a_page_of_json() {
 fn register_books_the_process_and_usage_is_shown_within_the_gpu() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let pid = t.spawn(1);
-    let c = t.connect_as(pid, ALICE);
+    let c = t.connect_shim(pid, ALICE);
     t.register(c, Priority::Normal);
     let p = proc_of(&t.status(), pid);
     assert_eq!((p.mem_used, p.state.as_str()), (0, "idle"));
@@ -139,7 +140,7 @@ fn register_books_the_process_and_usage_is_shown_within_the_gpu() {
 fn acquire_release_and_drained_hand_the_gpu_over() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let (p1, p2) = (t.spawn(1), t.spawn(1));
-    let (a, b) = (t.connect_as(p1, ALICE), t.connect_as(p2, BOB));
+    let (a, b) = (t.connect_shim(p1, ALICE), t.connect_shim(p2, BOB));
     t.register(a, Priority::Normal);
     t.register(b, Priority::Normal);
     t.send(a, &ClientMsg::Acquire { uuid: uuid(1) });
@@ -166,7 +167,7 @@ fn acquire_release_and_drained_hand_the_gpu_over() {
 fn acquire_of_a_gpu_not_registered_grants_nothing() {
     let mut t = T::new(cfg(), &[16 * GIB, 16 * GIB]);
     let pid = t.spawn(1);
-    let c = t.connect_as(pid, ALICE);
+    let c = t.connect_shim(pid, ALICE);
     t.register(c, Priority::Normal);
     t.send(c, &ClientMsg::Acquire { uuid: uuid(2) });
     assert!(!granted(&t.recv(c)));
@@ -218,7 +219,7 @@ fn join_makes_a_process_its_jobs_member_only_with_the_right_token() {
     let token = leased(&t.recv(run)).expect("a job without placement");
     // Not a descendant of the run (a container's process).
     let (p1, p2) = (t.spawn(1), t.spawn(1));
-    let (member, other) = (t.connect_as(p1, ALICE), t.connect_as(p2, ALICE));
+    let (member, other) = (t.connect_shim(p1, ALICE), t.connect_shim(p2, ALICE));
     t.send(member, &ClientMsg::Join { job: token });
     t.send(other, &ClientMsg::Join { job: token ^ 1 });
     t.register(member, Priority::Normal);
@@ -228,7 +229,7 @@ fn join_makes_a_process_its_jobs_member_only_with_the_right_token() {
     assert_eq!(proc_of(&st, p2).job, None);
     // Another user's process holding the token does not join it.
     let p3 = t.spawn(1);
-    let bob = t.connect_as(p3, BOB);
+    let bob = t.connect_shim(p3, BOB);
     t.send(bob, &ClientMsg::Join { job: token });
     t.register(bob, Priority::Normal);
     assert_eq!(proc_of(&t.status(), p3).job, None);
@@ -236,4 +237,33 @@ fn join_makes_a_process_its_jobs_member_only_with_the_right_token() {
     t.b.hangup(run);
     t.turn();
     assert_eq!(proc_of(&t.status(), p1).job, None);
+}
+
+#[test]
+fn under_mps_acquire_of_a_registered_gpu_is_an_open_ended_grant() {
+    let mut t = T::new(
+        Config {
+            mps_pipe: Some("/run/mps".into()),
+            ..cfg()
+        },
+        &[16 * GIB, 16 * GIB],
+    );
+    let pid = t.spawn(1);
+    let c = t.connect_shim(pid, ALICE);
+    t.register(c, Priority::Normal);
+    t.send(c, &ClientMsg::Acquire { uuid: uuid(2) });
+    assert!(t.recv(c).is_empty(), "not registered there");
+    t.send(c, &ClientMsg::Acquire { uuid: uuid(1) });
+    assert_eq!(
+        t.recv(c),
+        [ServerMsg::Grant {
+            uuid: uuid(1),
+            grant: 1,
+            slice_ns: 0,
+            bound_ns: 0,
+            waiters: false,
+        }]
+    );
+    // Nobody takes turns: the scheduler holds no grant.
+    assert_eq!(t.status().gpus[0].holder, None);
 }

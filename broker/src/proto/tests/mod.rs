@@ -13,6 +13,7 @@ mod identity;
 mod messages;
 mod mig_instances;
 mod restarts;
+mod roles;
 mod service_props;
 mod telemetry;
 
@@ -166,11 +167,22 @@ impl T {
         self.try_connect(pid, uid).expect("connection accepted")
     }
 
-    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+    /// A connection from `pid` as `uid` that said hello as `role`.
+    fn connect_role(&mut self, pid: u32, uid: u32, role: Role) -> ConnId {
         let id = self.connect_raw(pid, uid);
-        self.send(id, &ClientMsg::hello(pid, Role::Cli));
+        self.send(id, &ClientMsg::hello(pid, role));
         assert!(matches!(self.recv(id)[..], [ServerMsg::HelloOk { .. }]));
         id
+    }
+
+    /// A CLI client's connection (`gpufrac run`, `status`, the plugin).
+    fn connect_as(&mut self, pid: u32, uid: u32) -> ConnId {
+        self.connect_role(pid, uid, Role::Cli)
+    }
+
+    /// A process's shim's connection.
+    fn connect_shim(&mut self, pid: u32, uid: u32) -> ConnId {
+        self.connect_role(pid, uid, Role::Shim)
     }
 
     fn send(&mut self, id: ConnId, m: &ClientMsg) {
@@ -242,21 +254,7 @@ impl T {
 
     /// A shim process registered on GPU 0.
     fn register(&mut self, id: ConnId, priority: Priority) {
-        self.send(
-            id,
-            &ClientMsg::Register {
-                command: String::new(),
-                devices: vec![DeviceReg {
-                    uuid: uuid(1),
-                    ordinal: 0,
-                    mem_cap: 0,
-                    mem_total: 16 * GIB,
-                }],
-                share: None,
-                limit: None,
-                priority,
-            },
-        );
+        self.send(id, &register(priority));
         assert!(
             self.recv(id)
                 .iter()
@@ -270,6 +268,22 @@ impl T {
 
     fn status(&self) -> crate::status::Status {
         self.b.status(self.now)
+    }
+}
+
+/// A shim's registration on GPU 0.
+fn register(priority: Priority) -> ClientMsg {
+    ClientMsg::Register {
+        command: String::new(),
+        devices: vec![DeviceReg {
+            uuid: uuid(1),
+            ordinal: 0,
+            mem_cap: 0,
+            mem_total: 16 * GIB,
+        }],
+        share: None,
+        limit: None,
+        priority,
     }
 }
 

@@ -14,8 +14,8 @@ use crate::server::READ_PER_TURN;
 /// What the attacker does in one step.
 #[derive(Debug, Clone)]
 enum Op {
-    /// A new connection, from a process of its own.
-    Connect,
+    /// A new connection, from a process of its own, saying it is this.
+    Connect(Role),
     /// Raw bytes written on a connection (by index among its open ones).
     Bytes(usize, Vec<u8>),
     /// A burst of whole frames of one kind.
@@ -43,7 +43,7 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Kind::Lease)
     ];
     prop_oneof![
-        2 => Just(Op::Connect),
+        2 => prop_oneof![Just(Role::Shim), Just(Role::Cli)].prop_map(Op::Connect),
         2 => (0..8usize, prop::collection::vec(any::<u8>(), 0..300)).prop_map(|(i, b)| Op::Bytes(i, b)),
         4 => (0..8usize, kind, 1..600usize).prop_map(|(i, k, n)| Op::Frames(i, k, n)),
         1 => (0..8usize).prop_map(Op::Close),
@@ -83,10 +83,10 @@ struct World {
 }
 
 impl World {
-    fn connect(&mut self, pid: u32, uid: u32) -> Option<ConnId> {
+    fn connect(&mut self, pid: u32, uid: u32, role: Role) -> Option<ConnId> {
         let id = self.t.try_connect(pid, uid)?;
         self.sockets.insert(id, Vec::new());
-        self.write(id, &ClientMsg::hello(pid, Role::Shim));
+        self.write(id, &ClientMsg::hello(pid, role));
         Some(id)
     }
 
@@ -164,14 +164,14 @@ proptest! {
     fn an_attacker_never_keeps_the_victim_from_an_answer(ops in prop::collection::vec(op(), 1..40)) {
         let mut w = World { t: T::new(cfg(), &[16 * GIB]), sockets: BTreeMap::new() };
         let vp = w.t.spawn(1);
-        let v = w.connect(vp, ALICE).expect("the victim connects");
+        let v = w.connect(vp, ALICE, Role::Cli).expect("the victim connects");
         let mut attackers: Vec<(ConnId, u32)> = Vec::new();
         let mut status_asked: Option<usize> = None;
         for (step, op) in ops.into_iter().enumerate() {
             match op {
-                Op::Connect => {
+                Op::Connect(role) => {
                     let p = w.t.spawn(1);
-                    if let Some(id) = w.connect(p, BOB) {
+                    if let Some(id) = w.connect(p, BOB, role) {
                         attackers.push((id, p));
                     }
                 }
@@ -248,7 +248,9 @@ proptest! {
     ) {
         let mut t = T::new(cfg(), &[16 * GIB]);
         let ap = t.spawn(1);
+        // Its `gpufrac run` and its shim: two connections of one process.
         let a = t.connect_as(ap, BOB);
+        let ash = t.connect_shim(ap, BOB);
         let attacker_start = t.procs.borrow()[&ap].1;
         if lease_before {
             t.lease(a, 0, GIB, true);
@@ -258,6 +260,7 @@ proptest! {
         t.procs.borrow_mut().insert(ap, (1, 9_999_999));
         if told {
             t.b.exited(a);
+            t.b.exited(ash);
         }
         let mut victim_job = None;
         if victim_runs {
@@ -271,7 +274,7 @@ proptest! {
             t.lease(a, 0, GIB, true);
         }
         if register_after {
-            t.send(a, &ClientMsg::Register {
+            t.send(ash, &ClientMsg::Register {
                 command: String::new(),
                 devices: vec![DeviceReg { uuid: uuid(1), ordinal: 0, mem_cap: 0, mem_total: 16 * GIB }],
                 share: None,
@@ -282,20 +285,20 @@ proptest! {
         t.turn();
         // The victim's child, below the pid.
         let vc = t.spawn(ap);
-        let c = t.connect_as(vc, ALICE);
+        let c = t.connect_shim(vc, ALICE);
         t.register(c, Priority::Normal);
         for (token, j) in t.b.jobs.iter() {
             if j.uid == BOB {
                 prop_assert_eq!(j.start_time, attacker_start);
-                let member = t.b.conns.get(&c).and_then(|c| c.member_of);
+                let member = t.b.conns.get(&c).and_then(|c| c.member_of());
                 prop_assert_ne!(member, Some(*token), "the victim's process is in the attacker's job");
             }
         }
-        if let Some(conn) = t.b.conns.get(&a) {
-            prop_assert!(conn.member_of.is_none() || conn.member_of != victim_job);
+        if let Some(conn) = t.b.conns.get(&ash) {
+            prop_assert!(conn.member_of().is_none() || conn.member_of() != victim_job);
         }
         if let Some(vj) = victim_job {
-            prop_assert_eq!(t.b.conns[&c].member_of, Some(vj));
+            prop_assert_eq!(t.b.conns[&c].member_of(), Some(vj));
         }
     }
 
@@ -313,7 +316,7 @@ proptest! {
         // namespace): the broker then keeps the command the client sends.
         let p = 50_000;
         let id = if hello {
-            t.connect_as(p, BOB)
+            t.connect_shim(p, BOB)
         } else {
             let id = t.next;
             t.next += 1;

@@ -26,7 +26,7 @@ fn sample(uuid: &str, utilization: Option<u32>, processes: &[(u32, u64)]) -> Tel
 fn status_shows_the_last_sample() {
     let mut t = T::new(cfg(), &[16 * GIB, 16 * GIB]);
     let pid = t.spawn(1);
-    let c = t.connect_as(pid, ALICE);
+    let c = t.connect_shim(pid, ALICE);
     t.register(c, Priority::Normal);
     let st = t.status();
     assert_eq!(st.gpus[0].utilization, None);
