@@ -16,9 +16,7 @@
 
 mod compute;
 
-pub use self::compute::{
-    Pass, launched, launched_pass, may_launch, may_launch_now, syncing, take_pass,
-};
+pub use self::compute::{Pass, launched, may_launch, may_launch_now, syncing};
 use self::compute::{device_count, now_ns};
 use crate::driver::call;
 use crate::ledger::{LEDGERS, NO_LIMIT};

@@ -85,15 +85,8 @@ static WAIT: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
 static NDEV: AtomicU32 = AtomicU32::new(0);
 
 thread_local! {
-    // What this thread's current launch holds: a device's IN_FLIGHT (>= 0),
-    // nothing (-1), the ALL_OPEN counter (ALL_LANE), or a slot
-    // (SLOT_BASE - slot).
-    static PENDING: Cell<i32> = const { Cell::new(-1) };
     // This thread's slot: -1 not yet assigned, -3 none left.
     static MY_SLOT: Cell<i32> = const { Cell::new(-1) };
-    // The device whose in-flight bound the current launch counts against
-    // (-1: none).
-    static TRACK_DEV: Cell<i32> = const { Cell::new(-1) };
 }
 
 const SLOT_BASE: i32 = -100;
@@ -132,30 +125,52 @@ pub fn register_membarrier() {
 // the coarse clock ticks every few milliseconds.
 pub use gpufrac_common::clock::mono_ns as now_ns;
 
-/// The compute gate. `Ok` means launch now; `launched` must follow.
+/// What one pass of the gate holds until its launch returns, handed back
+/// to `launched`. Returned, not kept in a thread-local: in a preloaded
+/// library each thread-local access is a call, and a launch would pay two.
+#[must_use]
+#[derive(Clone, Copy)]
+pub struct Pass {
+    /// A device's IN_FLIGHT (>= 0), nothing (-1), the ALL_OPEN counter
+    /// (ALL_LANE), or a slot (SLOT_BASE - slot).
+    pending: i32,
+    /// The device whose in-flight bound the launch counts against (-1:
+    /// none).
+    track: i32,
+}
+
+impl Pass {
+    const FREE: Pass = Pass {
+        pending: -1,
+        track: -1,
+    };
+}
+
+/// The compute gate. `Ok` means launch now; `launched` must follow with
+/// the pass.
 #[inline(always)]
-pub fn may_launch(_stream: CUstream) -> Result<(), u32> {
+pub fn may_launch(_stream: CUstream) -> Result<Pass, u32> {
     if !GATED.load(Acquire) {
-        return Ok(());
+        return Ok(Pass::FREE);
     }
     // Waiting, it never gives up.
-    gate_slow(true).unwrap_or(Ok(()))
+    gate_slow(true).unwrap_or(Ok(Pass::FREE))
 }
 
 /// The gate without asking the broker or waiting for a grant: `None` when
-/// this launch would have to. For a thread that already holds a pass (see
-/// `take_pass`): asking takes the send lock, which a release of the device
-/// that pass counts against holds while it waits for that pass to end.
-pub fn may_launch_now(_stream: CUstream) -> Option<Result<(), u32>> {
+/// this launch would have to. For a thread that already holds a pass:
+/// asking takes the send lock, which a release of the device that pass
+/// counts against holds while it waits for that pass to end.
+pub fn may_launch_now(_stream: CUstream) -> Option<Result<Pass, u32>> {
     if !GATED.load(Acquire) {
-        return Some(Ok(()));
+        return Some(Ok(Pass::FREE));
     }
     gate_slow(false)
 }
 
 #[cold]
 #[inline(never)]
-fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
+fn gate_slow(wait: bool) -> Option<Result<Pass, u32>> {
     if MEMBARRIER.load(Relaxed) {
         let slot = my_slot();
         if slot >= 0 {
@@ -163,8 +178,10 @@ fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
             flag.store(1, Relaxed);
             std::sync::atomic::compiler_fence(SeqCst);
             if ALL_OPEN.load(Relaxed) {
-                PENDING.with(|p| p.set(SLOT_BASE - slot));
-                return Some(Ok(()));
+                return Some(Ok(Pass {
+                    pending: SLOT_BASE - slot,
+                    track: -1,
+                }));
             }
             flag.store(0, Release);
         }
@@ -172,8 +189,10 @@ fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
     // Same Dekker handshake as the per-device lane below, on one counter.
     GLOBAL_IN_FLIGHT.fetch_add(1, SeqCst);
     if ALL_OPEN.load(SeqCst) {
-        PENDING.with(|p| p.set(ALL_LANE));
-        return Some(Ok(()));
+        return Some(Ok(Pass {
+            pending: ALL_LANE,
+            track: -1,
+        }));
     }
     GLOBAL_IN_FLIGHT.fetch_sub(1, SeqCst);
     let mut dev: CUdevice = -1;
@@ -181,7 +200,7 @@ fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
         || !(0..MAX_DEVICES as i32).contains(&dev)
     {
         // No context: the driver will refuse the launch itself.
-        return Some(Ok(()));
+        return Some(Ok(Pass::FREE));
     }
     let d = dev as usize;
     let bit = 1u64 << d;
@@ -200,15 +219,16 @@ fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
             if shared() & bit != 0 {
                 LAST_LAUNCH[d].store(now_ns(), Relaxed);
             }
-            PENDING.with(|p| p.set(dev));
-            TRACK_DEV.with(|t| t.set(if bounded { dev } else { -1 }));
-            return Some(Ok(()));
+            return Some(Ok(Pass {
+                pending: dev,
+                track: if bounded { dev } else { -1 },
+            }));
         }
         // Never send while counted in flight: a release in progress holds
         // the send lock while it waits for that count to drop.
         IN_FLIGHT[d].fetch_sub(1, SeqCst);
         if !GATED.load(Acquire) {
-            return Some(Ok(()));
+            return Some(Ok(Pass::FREE));
         }
         if !wait {
             return None;
@@ -222,8 +242,10 @@ fn gate_slow(wait: bool) -> Option<Result<(), u32>> {
         if optimistic && now < OPTIMISTIC_UNTIL[d].load(Relaxed) {
             // Not counted in flight: this process holds no grant that a
             // release would have to wait for.
-            TRACK_DEV.with(|t| t.set(dev));
-            return Some(Ok(()));
+            return Some(Ok(Pass {
+                pending: -1,
+                track: dev,
+            }));
         }
         expire_optimism(d, now);
         wait_for_grant(d);
@@ -239,18 +261,21 @@ fn wait_room(d: usize, bound: u64) {
     LAST_LAUNCH[d].store(now_ns(), Relaxed);
 }
 
-/// PENDING value of a launch that went through the ALL_OPEN lane.
+/// `Pass::pending` of a launch that went through the ALL_OPEN lane.
 const ALL_LANE: i32 = -2;
 
-/// After the driver call of a launch that `may_launch` let through, on
-/// `stream` (`ptsz`: with per-thread default stream semantics).
+/// After the driver call of a launch that `may_launch` let through with
+/// `pass`, on `stream` (`ptsz`: with per-thread default stream
+/// semantics). A launch that spans several streams passes once per stream
+/// and gives back every pass (a pass never given back is an in-flight
+/// count that a release waits for forever).
 #[inline(always)]
-pub fn launched(rc: u32, stream: CUstream, ptsz: bool) {
-    let t = TRACK_DEV.with(|t| t.replace(-1));
+pub fn launched(pass: Pass, rc: u32, stream: CUstream, ptsz: bool) {
+    let t = pass.track;
     if t >= 0 && rc == CUDA_SUCCESS {
         crate::inflight::record(t as usize, stream, ptsz);
     }
-    let d = PENDING.with(|p| p.replace(-1));
+    let d = pass.pending;
     if d >= 0 {
         IN_FLIGHT[d as usize].fetch_sub(1, SeqCst);
     } else if d == ALL_LANE {
@@ -258,33 +283,6 @@ pub fn launched(rc: u32, stream: CUstream, ptsz: bool) {
     } else if d <= SLOT_BASE {
         SLOTS[(SLOT_BASE - d) as usize].0.store(0, Release);
     }
-}
-
-/// What one pass of the gate holds until its launch returns (see
-/// `take_pass`).
-#[must_use]
-pub struct Pass {
-    pending: i32,
-    track: i32,
-}
-
-/// Takes what the gate that just let this thread through holds off the
-/// thread, so that the thread can pass the gate again before launching: a
-/// launch that spans several streams passes once per stream and must give
-/// back every pass, not the last one only (a pass never given back is an
-/// in-flight count that a release waits for forever).
-pub fn take_pass() -> Pass {
-    Pass {
-        pending: PENDING.with(|p| p.replace(-1)),
-        track: TRACK_DEV.with(|t| t.replace(-1)),
-    }
-}
-
-/// `launched` for a pass taken with `take_pass`.
-pub fn launched_pass(pass: Pass, rc: u32, stream: CUstream, ptsz: bool) {
-    PENDING.with(|p| p.set(pass.pending));
-    TRACK_DEV.with(|t| t.set(pass.track));
-    launched(rc, stream, ptsz);
 }
 
 /// Sends `Acquire` for `d` unless one is outstanding; true if it did. With
