@@ -13,6 +13,12 @@
 //!   unless the hook had already made that call before it failed: then the
 //!   driver's answer to it is the answer (a free or a launch made twice
 //!   would free someone else's memory or run a kernel twice).
+//! - [`pass_through_settled`], the same policy for the launches, whose
+//!   hooks settle their own driver call ([`Answer::then`]): a panic after
+//!   it unwinds carrying the driver's answer, so no record is kept on the
+//!   way. [`pass_through`] keeps its record in a thread-local, and in a
+//!   preloaded library every thread-local access is a call
+//!   (`__tls_get_addr`): two of them were most of what a launch added.
 //!
 //! Either way one line on stderr, once per entry point, says which entry
 //! point failed, where the panic was, and what was done about it.
@@ -121,23 +127,88 @@ pub fn pass_through<F: FnOnce() -> u32, G: FnOnce() -> u32>(
     match r {
         Ok(rc) => rc,
         Err(_) if answer != NOT_REACHED => {
-            tell(
-                name,
-                told,
-                "the driver's answer to the call the hook had already made is returned (it is not made twice)",
-            );
+            tell(name, told, NOT_TWICE);
             answer as u32
         }
         Err(_) => {
-            tell(
-                name,
-                told,
-                "the call goes to the driver as the application made it (this entry point hands out no memory)",
-            );
+            tell(name, told, FORWARDED);
             forward()
         }
     }
 }
+
+/// The driver's answer to the call a settled hook made, carried by the
+/// panic that followed it (see [`Answer::then`]).
+struct Reached(u32);
+
+/// A settled entry point's driver call, made: its answer, which the hook
+/// hands back through [`Answer::then`] (the driver layer's callers of the
+/// `pass_through_settled` section return it).
+#[must_use = "a settled call is handed back with `then`"]
+pub struct Answer {
+    rc: u32,
+    name: &'static str,
+}
+
+impl Answer {
+    #[inline(always)]
+    pub fn new(rc: u32, name: &'static str) -> Self {
+        Answer { rc, name }
+    }
+
+    /// Runs `after`, what the hook does once the driver answered, and
+    /// returns the answer. A panic in `after` goes on unwinding carrying
+    /// the answer, which the boundary returns instead of calling the
+    /// driver a second time.
+    #[inline(always)]
+    pub fn then(self, after: impl FnOnce(u32)) -> u32 {
+        let Answer { rc, name } = self;
+        let done = catch_unwind(AssertUnwindSafe(|| {
+            after(rc);
+            fault_after(name);
+        }));
+        if done.is_err() {
+            carry(rc);
+        }
+        rc
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn carry(rc: u32) -> ! {
+    std::panic::resume_unwind(Box::new(Reached(rc)))
+}
+
+/// [`pass_through`] for an entry point whose hook settles its driver call
+/// (see [`Answer`]): a panic that carries the driver's answer returns it,
+/// any other forwards the call.
+#[inline(always)]
+pub fn pass_through_settled<F: FnOnce() -> u32, G: FnOnce() -> u32>(
+    name: &str,
+    told: &AtomicBool,
+    body: F,
+    forward: G,
+) -> u32 {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(rc) => rc,
+        Err(payload) => match payload.downcast::<Reached>() {
+            Ok(reached) => {
+                tell(name, told, NOT_TWICE);
+                reached.0
+            }
+            Err(_) => {
+                tell(name, told, FORWARDED);
+                forward()
+            }
+        },
+    }
+}
+
+const NOT_TWICE: &str =
+    "the driver's answer to the call the hook had already made is returned (it is not made twice)";
+const FORWARDED: &str =
+    "the call goes to the driver as the application made it (this entry point hands out no memory)";
 
 /// Runs `body`; on a panic, says `what` is done (once per `told`) and
 /// does it.
@@ -218,7 +289,8 @@ pub fn install_panic_hook() {
 /// with `GPUFRAC_TEST_PANIC=<point>` the shim panics at `point`, which is
 /// an exported entry point's name (at the start of its boundary),
 /// `after:` and a pass-through entry point's name (once its hook returned,
-/// the driver called), or `charge` (in the middle of a charge: after the
+/// the driver called; for a settled one, at the end of the step its hook
+/// settles the call with), or `charge` (in the middle of a charge: after the
 /// driver allocated, before the allocation is recorded — the worst place
 /// for the books).
 #[inline(always)]
@@ -343,6 +415,48 @@ mod tests {
             || unreachable!("a launch made twice"),
         );
         assert_eq!(rc, 4);
+    }
+
+    #[test]
+    fn a_settled_call_is_not_made_again_after_a_panic() {
+        let told = AtomicBool::new(false);
+        let made = AtomicU32::new(0);
+        let call = || {
+            made.fetch_add(1, Ordering::Relaxed);
+            Answer::new(4, "cuLaunchKernel")
+        };
+        let rc = pass_through_settled(
+            "cuLaunchKernel",
+            &told,
+            || call().then(|_| panic!("after the launch")),
+            || unreachable!("a launch made twice"),
+        );
+        assert_eq!((rc, made.load(Ordering::Relaxed)), (4, 1));
+        assert!(told.load(Ordering::Relaxed), "said");
+        // Before the call: forwarded.
+        let rc = pass_through_settled("cuLaunchKernel", &told, || panic!("in the gate"), || 9);
+        assert_eq!(rc, 9);
+        // An inner settled boundary's answer stays inside it.
+        let rc = pass_through_settled(
+            "cuLaunchKernel",
+            &told,
+            || {
+                let inner = pass_through_settled(
+                    "cuLaunchKernel_ptsz",
+                    &told,
+                    || call().then(|_| panic!("inner")),
+                    || unreachable!(),
+                );
+                assert_eq!(inner, 4);
+                panic!("before the outer call")
+            },
+            || 11,
+        );
+        assert_eq!(rc, 11);
+        assert_eq!(
+            pass_through_settled("x", &told, || call().then(|_| {}), || 0),
+            4
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The contexts this process has, by device: a revoked timeslice drains
-//! exactly this process's work on that device (`client.rs`), and a primary
+//! exactly this process's work on that device (`client/drain.rs`), and a primary
 //! context released for the last time returns the charges of what it owned
 //! (`hooks/ctx.rs`).
 

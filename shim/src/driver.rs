@@ -54,6 +54,7 @@ macro_rules! define_slots {
     (
         fail_closed { $( $afam:ident fn $aname:ident ( $($aarg:ident : $aty:ty),* $(,)? ) => $aimp:path; )* }
         pass_through { $( $pfam:ident fn $pname:ident ( $($parg:ident : $pty:ty),* $(,)? ) => $pimp:path; )* }
+        pass_through_settled { $( $sfam:ident fn $sname:ident ( $($sarg:ident : $sty:ty),* $(,)? ) => $simp:path; )* }
         internal { $( $ifam:ident fn $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ); )* }
     ) => {
         /// Slots for the real functions, filled when their library is loaded.
@@ -62,6 +63,7 @@ macro_rules! define_slots {
             use std::sync::atomic::AtomicUsize;
             $( pub static $aname: AtomicUsize = AtomicUsize::new(0); )*
             $( pub static $pname: AtomicUsize = AtomicUsize::new(0); )*
+            $( pub static $sname: AtomicUsize = AtomicUsize::new(0); )*
             $( pub static $iname: AtomicUsize = AtomicUsize::new(0); )*
         }
 
@@ -71,12 +73,22 @@ macro_rules! define_slots {
             use super::*;
             define_slots!(@callers $( $afam $aname ($($aarg: $aty),*) )* $( $ifam $iname ($($iarg: $ity),*) )*);
             define_slots!(@answering $( $pfam $pname ($($parg: $pty),*) )*);
+            define_slots!(@settled $( $sfam $sname ($($sarg: $sty),*) )*);
+        }
+
+        /// The settled entry points' real functions, called as they are:
+        /// for the boundary to forward a call the hook never made.
+        #[allow(non_snake_case, clippy::too_many_arguments, dead_code)]
+        pub mod forward {
+            use super::*;
+            define_slots!(@callers $( $sfam $sname ($($sarg: $sty),*) )*);
         }
 
         /// Every slot, hooked or not.
         pub static SLOTS: &[Slot] = &[
             $( Slot { name: concat!(stringify!($aname), "\0").as_bytes(), family: Family::$afam, real: &real::$aname }, )*
             $( Slot { name: concat!(stringify!($pname), "\0").as_bytes(), family: Family::$pfam, real: &real::$pname }, )*
+            $( Slot { name: concat!(stringify!($sname), "\0").as_bytes(), family: Family::$sfam, real: &real::$sname }, )*
             $( Slot { name: concat!(stringify!($iname), "\0").as_bytes(), family: Family::$ifam, real: &real::$iname }, )*
         ];
     };
@@ -96,6 +108,17 @@ macro_rules! define_slots {
                 let rc = unsafe { f($($arg),*) };
                 crate::boundary::answered(&real::$name as *const AtomicUsize as usize, rc);
                 rc
+            }
+        )*
+    };
+    // The real functions of settled entry points hand their answer to the
+    // hook, which settles it (see boundary::Answer).
+    (@settled $( $fam:ident $name:ident ($($arg:ident : $ty:ty),*) )*) => {
+        $(
+            #[inline(always)]
+            pub unsafe fn $name($($arg: $ty),*) -> crate::boundary::Answer {
+                let rc = unsafe { super::forward::$name($($arg),*) };
+                crate::boundary::Answer::new(rc, stringify!($name))
             }
         )*
     };

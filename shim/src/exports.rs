@@ -40,6 +40,7 @@ macro_rules! define_exports {
     (
         fail_closed { $( $afam:ident fn $aname:ident ( $($aarg:ident : $aty:ty),* $(,)? ) => $aimp:path; )* }
         pass_through { $( $pfam:ident fn $pname:ident ( $($parg:ident : $pty:ty),* $(,)? ) => $pimp:path; )* }
+        pass_through_settled { $( $sfam:ident fn $sname:ident ( $($sarg:ident : $sty:ty),* $(,)? ) => $simp:path; )* }
         internal { $( $ifam:ident fn $iname:ident ( $($iarg:ident : $ity:ty),* $(,)? ); )* }
     ) => {
         /// The exported hooks: each one is a boundary around its policy.
@@ -81,6 +82,25 @@ macro_rules! define_exports {
                     )
                 }
             )*
+            $(
+                #[unsafe(no_mangle)]
+                pub unsafe extern "C" fn $sname($($sarg: $sty),*) -> u32 {
+                    static TOLD: AtomicBool = AtomicBool::new(false);
+                    boundary::pass_through_settled(
+                        stringify!($sname),
+                        &TOLD,
+                        move || {
+                            boundary::fault(stringify!($sname));
+                            unsafe { $simp($($sarg),*) }
+                        },
+                        #[inline(always)]
+                        move || {
+                            ensure_family(Family::$sfam);
+                            unsafe { driver::forward::$sname($($sarg),*) }
+                        },
+                    )
+                }
+            )*
         }
 
         /// Every exported hook.
@@ -96,6 +116,12 @@ macro_rules! define_exports {
                 family: Family::$pfam,
                 hook: symbols::$pname as *const (),
                 real: &real::$pname,
+            }, )*
+            $( HookEntry {
+                name: concat!(stringify!($sname), "\0").as_bytes(),
+                family: Family::$sfam,
+                hook: symbols::$sname as *const (),
+                real: &real::$sname,
             }, )*
         ];
     };

@@ -15,7 +15,11 @@
 //!   upload or instantiation, may grow a graph's memory pool). An internal error refuses it with
 //!   `CUDA_ERROR_OUT_OF_MEMORY`: a cap is never bypassed.
 //! - `pass_through`: it hands out none. An internal error forwards the call
-//!   to the driver as the application made it.
+//!   to the driver as the application made it, or, once the hook made that
+//!   call, returns the driver's answer (a thread-local records it).
+//! - `pass_through_settled`: the same, for the launches, whose hooks hand
+//!   the driver's answer back themselves (`boundary::Answer`): their
+//!   typed callers return one, and no thread-local is touched on the way.
 //! - `internal`: real functions the shim calls but does not export.
 
 macro_rules! with_hook_list {
@@ -74,13 +78,6 @@ macro_rules! with_hook_list {
                 Cuda fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) => ctx::primary_release;
                 Cuda fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) => ctx::primary_reset;
 
-                Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel;
-                Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ptsz;
-                Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex;
-                Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex_ptsz;
-                Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop;
-                Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop_ptsz;
-                Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) => launch::launch_coop_multi;
                 Cuda fn cuGraphExecDestroy(exec: CUgraphExec) => graphmem::exec_destroy;
                 Cuda fn cuDeviceGraphMemTrim(dev: CUdevice) => graphmem::trim;
 
@@ -97,6 +94,15 @@ macro_rules! with_hook_list {
                 Cudart fn cudaGetDriverEntryPoint_ptsz(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_ptsz;
                 Cudart fn cudaGetDriverEntryPointByVersion(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_uint, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_by_version;
                 Cudart fn cudaGetDriverEntryPointByVersion_ptsz(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_uint, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_by_version_ptsz;
+            }
+            pass_through_settled {
+                Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel;
+                Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ptsz;
+                Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex;
+                Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex_ptsz;
+                Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop;
+                Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop_ptsz;
+                Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) => launch::launch_coop_multi;
             }
             internal {
                 Cuda fn cuCtxGetDevice(dev: *mut CUdevice);

@@ -25,8 +25,10 @@
 //!    `contexts`.
 //! 3. **Gates**: `gate` (the memory gate and the charge), `inflight` (the
 //!    in-flight bound's driver events), `client` (the client thread: the
-//!    broker connection, applying the session's decisions) and
-//!    `client::compute` (the compute gate that launches pass).
+//!    broker connection, applying the session's decisions),
+//!    `client::compute` (the compute gate that launches pass) and the
+//!    rooms the two share (`client::send`, `asking`, `optimism`, `idle`,
+//!    `slots`, `drain`, `connect`, `registration`, `notes`).
 //! 4. **Hooks**: `hooks::*`, what each exported entry point does.
 //! 5. **Exports**: `exports` (the list expanded into exported symbols, the
 //!    table that lookups hand out, and `cuGetProcAddress`'s hooks, which

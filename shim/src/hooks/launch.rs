@@ -1,32 +1,41 @@
 //! Kernel launch hooks: every way to put work on the GPU passes the compute
-//! gate first (see client.rs). When this process holds its timeslice, or no
-//! arbitration is active, the gate is one atomic load.
+//! gate first (see client/compute.rs). When this process holds its
+//! timeslice, or no arbitration is active, the gate is one atomic load.
+//! The launches are settled entry points (hooklist.rs): each hands its
+//! driver call's answer back through `Answer::then`, with the gate's
+//! bookkeeping as the step after it.
 
 // The launch signatures are the driver's; their argument counts are not ours
 // to choose.
 #![allow(clippy::too_many_arguments)]
 
 use super::graphmem;
+use crate::boundary::Answer;
 use crate::client;
 use crate::driver::call;
 use gpufrac_common::cuda::*;
 use std::ffi::{c_uint, c_void};
 
-macro_rules! gate {
-    ($stream:expr) => {
-        if let Err(code) = client::may_launch($stream) {
-            return code;
-        }
-    };
-}
-
 /// Every launch: the compute gate, the driver call, the gate's bookkeeping.
 #[inline(always)]
-fn gated_launch(stream: CUstream, ptsz: bool, real: impl FnOnce() -> u32) -> u32 {
-    gate!(stream);
-    let rc = real();
-    client::launched(rc, stream, ptsz);
-    rc
+fn gated_launch(stream: CUstream, ptsz: bool, real: impl FnOnce() -> Answer) -> u32 {
+    match client::may_launch(stream) {
+        Ok(pass) => real().then(|rc| client::launched(pass, rc, stream, ptsz)),
+        Err(code) => code,
+    }
+}
+
+/// The same for a graph launch, which fails closed (it may grow a graph's
+/// memory pool): a panic refuses it whether or not the driver was called.
+fn gated_graph_launch(stream: CUstream, ptsz: bool, real: impl FnOnce() -> u32) -> u32 {
+    match client::may_launch(stream) {
+        Ok(pass) => {
+            let rc = real();
+            client::launched(pass, rc, stream, ptsz);
+            rc
+        }
+        Err(code) => code,
+    }
 }
 
 pub unsafe fn launch_kernel(
@@ -147,7 +156,7 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
     };
     let give_back = |passes: Vec<client::Pass>, rc: u32| {
         for (p, s) in passes.into_iter().zip(&streams) {
-            client::launched_pass(p, rc, *s, false);
+            client::launched(p, rc, *s, false);
         }
     };
     'again: loop {
@@ -162,7 +171,7 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
                 }
             });
             match gated {
-                Some(Ok(())) => passes.push(client::take_pass()),
+                Some(Ok(pass)) => passes.push(pass),
                 Some(Err(code)) => {
                     give_back(passes, code);
                     return code;
@@ -170,16 +179,15 @@ pub unsafe fn launch_coop_multi(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags:
                 None => {
                     give_back(passes, CUDA_ERROR_NOT_READY);
                     match on_streams_context(stream, || client::may_launch(stream)) {
-                        Ok(()) => client::launched(CUDA_ERROR_NOT_READY, stream, false),
+                        Ok(pass) => client::launched(pass, CUDA_ERROR_NOT_READY, stream, false),
                         Err(code) => return code,
                     }
                     continue 'again;
                 }
             }
         }
-        let rc = unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) };
-        give_back(passes, rc);
-        return rc;
+        return unsafe { call::cuLaunchCooperativeKernelMultiDevice(list, n, flags) }
+            .then(|rc| give_back(passes, rc));
     }
 }
 
@@ -203,7 +211,7 @@ fn on_streams_context<T>(stream: CUstream, f: impl FnOnce() -> T) -> T {
 
 pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
     graphmem::launch(exec, || {
-        gated_launch(stream, false, || unsafe {
+        gated_graph_launch(stream, false, || unsafe {
             call::cuGraphLaunch(exec, stream)
         })
     })
@@ -211,7 +219,7 @@ pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
 
 pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
     graphmem::launch(exec, || {
-        gated_launch(stream, true, || unsafe {
+        gated_graph_launch(stream, true, || unsafe {
             call::cuGraphLaunch_ptsz(exec, stream)
         })
     })

@@ -1,0 +1,76 @@
+//! The connection's sending side, shared by the client thread and
+//! application threads (an `Acquire` from a launch, `Drained` from the
+//! drain thread): the descriptor they send on and the lock that orders
+//! their frames.
+
+use gpufrac_common::wire::{self, ClientMsg};
+use std::io::ErrorKind;
+use std::sync::atomic::{AtomicI32, Ordering::*};
+use std::sync::{Mutex, MutexGuard};
+
+/// Raw fd of the live connection (-1 none), for app threads sending
+/// Acquire and for a fork child to close.
+static CONN_FD: AtomicI32 = AtomicI32::new(-1);
+static SEND: Mutex<()> = Mutex::new(());
+
+/// Sends one frame on the live connection (any thread).
+pub fn send(msg: &ClientMsg) -> bool {
+    send_locked(&lock(), msg)
+}
+
+/// The send lock, held by a release until its frame is on the wire.
+pub fn lock() -> MutexGuard<'static, ()> {
+    SEND.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends with the send lock already held (the lock orders an application
+/// thread's Acquire after a release in progress).
+pub fn send_locked(_held: &MutexGuard<'_, ()>, msg: &ClientMsg) -> bool {
+    let mut buf = Vec::with_capacity(64);
+    wire::encode_client(msg, &mut buf);
+    let fd = CONN_FD.load(Acquire);
+    if fd < 0 {
+        return false;
+    }
+    let mut off = 0;
+    while off < buf.len() {
+        // SAFETY: writing our buffer to our socket; MSG_NOSIGNAL so a dead
+        // broker does not kill the application with SIGPIPE.
+        let n = unsafe {
+            libc::send(
+                fd,
+                buf[off..].as_ptr().cast(),
+                buf.len() - off,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n <= 0 {
+            if n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return false;
+        }
+        off += n as usize;
+    }
+    true
+}
+
+/// A registered connection: any thread may send on `fd` from now on.
+pub fn publish(fd: i32) {
+    CONN_FD.store(fd, Release);
+}
+
+/// The connection is going: no thread sends on it from now on.
+pub fn unpublish() {
+    CONN_FD.store(-1, Release);
+}
+
+/// Returns once a send in progress has finished.
+pub fn wait_for_senders() {
+    drop(lock());
+}
+
+/// The connection's descriptor, for a fork child to close (-1: none).
+pub fn take_fd() -> i32 {
+    CONN_FD.swap(-1, SeqCst)
+}
