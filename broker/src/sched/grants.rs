@@ -8,7 +8,7 @@ use super::{Action, BURST_BOUND, ClientId, ClientState, Nanos, Outstanding, Prio
 /// then FIFO.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Candidate {
-    id: ClientId,
+    pub(super) id: ClientId,
     class: Priority,
     vtime: f64,
 }
@@ -22,18 +22,13 @@ impl Scheduler {
         except: Option<ClientId>,
         bounded: bool,
     ) -> Option<Candidate> {
-        self.clients
+        // The index holds the waiters in that order: the first that fits.
+        self.ix
+            .waiting
             .iter()
-            .filter(|&(&id, c)| {
-                Some(id) != except && c.state == ClientState::Waiting && self.fits(c, now, bounded)
-            })
-            .min_by(|a, b| {
-                b.1.class
-                    .cmp(&a.1.class)
-                    .then(a.1.vtime.total_cmp(&b.1.vtime))
-                    .then(a.1.seq.cmp(&b.1.seq))
-            })
-            .map(|(&id, c)| Candidate {
+            .map(|&(_, _, _, id)| (id, &self.clients[&id]))
+            .find(|&(id, c)| Some(id) != except && self.fits(c, now, bounded))
+            .map(|(id, c)| Candidate {
                 id,
                 class: c.class,
                 vtime: c.vtime,
@@ -49,8 +44,10 @@ impl Scheduler {
         let w = self.best_waiter(now, None, bounded)?;
         let hold = self.recall_hold();
         let recalled = self
-            .clients
-            .values()
+            .ix
+            .granted
+            .iter()
+            .map(|id| &self.clients[id])
             .filter(|c| {
                 c.grant.as_ref().is_some_and(|g| {
                     g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
@@ -81,10 +78,8 @@ impl Scheduler {
             .grant
             .as_ref()
             .is_some_and(|g| g.burst && now < g.start.saturating_add(self.cfg.timeslice));
-        let others = self
-            .clients
-            .iter()
-            .any(|(&o, oc)| o != id && oc.class >= c.class);
+        // Itself among them.
+        let others = self.ix.at_or_above(c.class) > 1;
         match (others, in_burst) {
             (false, _) => 0,
             (true, false) => self.cfg.bound,
@@ -98,22 +93,40 @@ impl Scheduler {
         self.settle(now);
         self.sync_meters(now);
         let cfg = self.cfg;
-        for c in self.clients.values_mut() {
+        for id in &self.ix.granted {
+            let c = self
+                .clients
+                .get_mut(id)
+                .expect("granted clients are registered");
             if let Some(g) = c.grant.as_mut()
                 && let Some(r) = g.revoked_at
                 && r.saturating_add(cfg.grace) <= now
             {
                 g.hung = true;
             }
-            if c.draining_since.is_some() && c.drain_until <= now {
-                c.draining_since = None;
-                c.refresh_run(now);
-            }
+        }
+        let drained: Vec<ClientId> = self
+            .ix
+            .on_gpu
+            .iter()
+            .copied()
+            .filter(|id| {
+                let c = &self.clients[id];
+                c.draining_since.is_some() && c.drain_until <= now
+            })
+            .collect();
+        for id in drained {
+            let c = self
+                .clients
+                .get_mut(&id)
+                .expect("on the GPU means registered");
+            c.draining_since = None;
+            c.refresh_run(now);
+            self.reindex(id);
         }
         self.sync_meters(now);
         // Once per event, after everything that can change who is active
-        // (steps only move clients between active states): the weights
-        // then hold until the next event, whose `settle` charges by them.
+        // (steps only move clients between active states).
         self.reweigh();
         for _ in 0..self.clients.len() * 2 + 4 {
             if !self.step(now) {
@@ -133,6 +146,7 @@ impl Scheduler {
         c.state = ClientState::Revoking;
         let gid = g.id;
         self.holder = None;
+        self.reindex(h);
         self.actions.push_back(Action::Revoke {
             client: h,
             grant: gid,
@@ -157,7 +171,7 @@ impl Scheduler {
         let waiters = best.is_some();
         let woke = self.woke.take();
         let c = self.clients.get(&h).expect("holder is registered");
-        let (class, vtime, weight) = (c.class, c.vtime, c.weight);
+        let (class, vtime, weight) = (c.class, c.vtime, self.weight(c));
         // A waiter of a higher class takes the GPU at once; one that just
         // woke up behind the holder in virtual time does too.
         // (Behind by more than a quarter slice of the holder's time, so that
@@ -300,6 +314,7 @@ impl Scheduler {
         c.draining_since = None;
         c.refresh_run(now);
         self.holder = Some(id);
+        self.reindex(id);
         let bound = self.bound_for(now, id);
         if let Some(g) = self.clients.get_mut(&id).and_then(|c| c.grant.as_mut()) {
             g.bound = bound;

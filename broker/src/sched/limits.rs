@@ -36,20 +36,24 @@ impl Scheduler {
         // is still draining, is its own charge and nobody else's (a hung
         // `high` client once used up the class's share for every other
         // `high` client, leaving the GPU idle).
+        // Only the holder holds.
         let high_on = self
-            .clients
-            .values()
-            .any(|c| c.class == Priority::High && c.state == ClientState::Holding);
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .is_some_and(|c| c.class == Priority::High && c.state == ClientState::Holding);
         self.high.set(high_on, now);
-        let clients = &self.clients;
+        if self.units.is_empty() {
+            return;
+        }
+        let (clients, ix) = (&self.clients, &self.ix);
         for (g, u) in self.units.iter_mut() {
-            let on = clients.values().any(|c| c.group == *g && c.on_gpu());
+            let on = ix.on_gpu.iter().any(|id| clients[id].group == *g);
             u.meter.set(on, now);
         }
         // A unit nobody belongs to any more is kept only while the window
         // still sees its time.
         self.units
-            .retain(|g, u| !u.meter.is_empty() || clients.values().any(|c| c.group == *g));
+            .retain(|g, u| !u.meter.is_empty() || ix.has_members(*g));
     }
 
     /// Whether the `high` class is held to its share of the window now:
@@ -57,12 +61,17 @@ impl Scheduler {
     /// within its own ceilings). Work-conserving: alone, `high` is not
     /// bounded.
     pub(super) fn high_bounded(&self, now: Nanos) -> bool {
+        let holds = |c: &Client| c.class < Priority::High && c.state == ClientState::Holding;
         self.cfg.high_share < 1.0
-            && self.clients.values().any(|c| {
-                c.class < Priority::High
-                    && (c.state == ClientState::Holding
-                        || (c.state == ClientState::Waiting && self.fits(c, now, false)))
-            })
+            && (self
+                .holder
+                .and_then(|h| self.clients.get(&h))
+                .is_some_and(holds)
+                || [Priority::Normal, Priority::Low].into_iter().any(|k| {
+                    self.ix
+                        .waiting_in(k)
+                        .any(|w| self.fits(&self.clients[&w.3], now, false))
+                }))
     }
 
     /// The ceilings on a client's time in the window: its own limit, its

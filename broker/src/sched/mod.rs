@@ -71,6 +71,7 @@
 //! the entry points.
 
 mod grants;
+mod index;
 mod limits;
 mod meter;
 mod status;
@@ -78,6 +79,7 @@ mod types;
 
 use std::collections::{BTreeMap, VecDeque};
 
+use index::{Index, Indexed};
 use meter::Meter;
 
 pub use gpufrac_common::config::Priority;
@@ -128,9 +130,6 @@ struct Outstanding {
 
 #[derive(Debug, Clone)]
 struct Client {
-    /// Effective weight: the unit's weight split among its active members
-    /// in proportion to `own` (see `reweigh`).
-    weight: f64,
     /// The weight the client declared (or was given).
     own: f64,
     /// The unit that holds a share: a job (lease) or a user. Defaults to
@@ -162,6 +161,8 @@ struct Client {
     meter: Meter,
     /// GPU time charged so far, ns.
     charged: f64,
+    /// What it has put in the scheduler's index.
+    idx: Indexed,
 }
 
 /// A unit with a ceiling of its own (a job's `--gpu-limit`): all its
@@ -202,6 +203,7 @@ pub struct Scheduler {
     /// Latest time seen; earlier `now` arguments are clamped to it so a
     /// caller's clock hiccup cannot make durations underflow.
     now: Nanos,
+    ix: Index,
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -279,11 +281,6 @@ impl Client {
     fn is_active(&self) -> bool {
         !matches!(self.state, ClientState::Idle)
     }
-
-    /// One timeslice of this client's GPU time, in virtual time.
-    fn credit(&self, cfg: &SchedConfig) -> f64 {
-        cfg.timeslice as f64 / self.weight
-    }
 }
 
 impl Scheduler {
@@ -312,6 +309,7 @@ impl Scheduler {
             actions: VecDeque::new(),
             settled_at: 0,
             now: 0,
+            ix: Index::default(),
         }
     }
 
@@ -343,7 +341,6 @@ impl Scheduler {
             self.clients.insert(
                 id,
                 Client {
-                    weight,
                     own: weight,
                     group: id,
                     unit_weight: None,
@@ -360,9 +357,11 @@ impl Scheduler {
                     drain_until: 0,
                     meter: Meter::default(),
                     charged: 0.0,
+                    idx: Indexed::default(),
                 },
             );
         }
+        self.reindex(id);
         self.reschedule(now);
     }
 
@@ -422,6 +421,7 @@ impl Scheduler {
             }
             None => {}
         }
+        self.reindex(id);
         self.reschedule(now);
     }
 
@@ -438,6 +438,7 @@ impl Scheduler {
         self.settle(now);
         let c = self.clients.get_mut(&id).expect("checked above");
         c.user = Some((user, sanitize_weight(weight)));
+        self.reindex(id);
         self.reschedule(now);
     }
 
@@ -450,6 +451,7 @@ impl Scheduler {
         let now = self.clock(now);
         self.settle(now);
         if let Some(mut c) = self.clients.remove(&id) {
+            self.unindex(id, &c);
             c.meter.set(false, now);
             let ahead = c.vtime > self.vclock[c.class.index()];
             let used = c.meter.usage(self.cfg.window, now) > 0;
@@ -487,10 +489,12 @@ impl Scheduler {
         self.settle(now);
         let seq = self.next_seq;
         let cfg = self.cfg;
+        // One timeslice of its GPU time, in virtual time.
+        let credit = cfg.timeslice as f64 / self.weight(&self.clients[&id]);
         let c = self.clients.get_mut(&id).expect("checked above");
         match c.state {
             ClientState::Idle => {
-                let floor = self.vclock[c.class.index()] - c.credit(&cfg);
+                let floor = self.vclock[c.class.index()] - credit;
                 c.vtime = c.vtime.max(floor);
                 c.state = ClientState::Waiting;
                 // A shim launches a little with its request, before any
@@ -511,6 +515,7 @@ impl Scheduler {
             ClientState::Revoking => c.wants_again = true,
             ClientState::Waiting | ClientState::Holding => {}
         }
+        self.reindex(id);
         self.reschedule(now);
     }
 
@@ -548,6 +553,7 @@ impl Scheduler {
                 }
             }
         }
+        self.reindex(id);
         self.reschedule(now);
     }
 
@@ -561,6 +567,7 @@ impl Scheduler {
         let c = self.clients.get_mut(&id).expect("checked above");
         c.draining_since = None;
         c.refresh_run(now);
+        self.reindex(id);
         self.reschedule(now);
     }
 
@@ -594,7 +601,7 @@ impl Scheduler {
             .and_then(|h| self.clients.get(&h))
             .map(|c| c.class);
         let hold = self.recall_hold();
-        for c in self.clients.values() {
+        for c in self.ix.granted.iter().map(|id| &self.clients[id]) {
             if let Some(g) = &c.grant
                 && let Some(r) = g.revoked_at
                 && !g.hung
@@ -604,14 +611,18 @@ impl Scheduler {
                     consider(r.saturating_add(hold));
                 }
             }
+        }
+        for c in self.ix.on_gpu.iter().map(|id| &self.clients[id]) {
             if c.draining_since.is_some() {
                 consider(c.drain_until);
             }
-            // Only an idle GPU, an open-ended holder or a holder of a lower
-            // class reacts to a waiter's budget coming back; a pending
-            // deadline re-evaluates anyway.
+        }
+        // Only an idle GPU, an open-ended holder or a holder of a lower
+        // class reacts to a waiter's budget coming back; a pending
+        // deadline re-evaluates anyway.
+        for &(_, _, _, id) in &self.ix.waiting {
+            let c = &self.clients[&id];
             if (waiter_times_matter || holder_class.is_some_and(|h| c.class > h))
-                && c.state == ClientState::Waiting
                 && let Some(t) = self.fits_at(c, now, bounded)
             {
                 consider(t);
@@ -623,9 +634,15 @@ impl Scheduler {
     pub fn handle_timeout(&mut self, now: Nanos) {
         let now = self.clock(now);
         let w = self.cfg.window;
-        for c in self.clients.values_mut() {
-            c.meter.prune(w, now);
-        }
+        let clients = &mut self.clients;
+        self.ix.metered.retain(|id| {
+            let m = &mut clients
+                .get_mut(id)
+                .expect("metered clients are registered")
+                .meter;
+            m.prune(w, now);
+            !m.is_empty()
+        });
         for u in self.units.values_mut() {
             u.meter.prune(w, now);
         }
@@ -644,85 +661,38 @@ impl Scheduler {
             .and_then(|c| c.grant.as_ref())
     }
 
-    /// Sets each client's effective weight from the hierarchy, within its
-    /// class: its user's weight, times its unit's part of that user's units,
-    /// times its own part of its unit's members (all among those active).
-    /// An inactive client is weighed as if it were about to join, so its
-    /// wake-up credit is what it would get.
-    fn reweigh(&mut self) {
-        let mut units: BTreeMap<(usize, UserKey, GroupId), UnitSum> = BTreeMap::new();
-        for c in self
-            .clients
-            .values()
-            .filter(|c| c.is_active() || c.on_gpu())
-        {
-            units
-                .entry((c.class.index(), c.user_key(), c.group))
-                .or_default()
-                .add(c);
-        }
-        // Per user: its units' weights, and its weight (the largest its
-        // active processes were given: one user, one weight, whichever
-        // of its groups a process runs with).
-        let mut users: BTreeMap<(usize, UserKey), (f64, f64)> = BTreeMap::new();
-        for (&(k, u, _), unit) in &units {
-            users.entry((k, u)).or_default().0 += unit.weight();
-        }
-        for c in self
-            .clients
-            .values()
-            .filter(|c| c.is_active() || c.on_gpu())
-        {
-            if let Some((_, w)) = c.user {
-                let e = users.entry((c.class.index(), c.user_key())).or_default();
-                e.1 = e.1.max(w);
-            }
-        }
-        for c in self.clients.values_mut() {
-            let (k, u) = (c.class.index(), c.user_key());
-            let unit = units.get(&(k, u, c.group)).copied().unwrap_or_default();
-            let (users_sum, user_w) = users.get(&(k, u)).copied().unwrap_or((0.0, 0.0));
-            let (unit_j, users_sum) = if c.is_active() || c.on_gpu() {
-                (unit, users_sum)
-            } else {
-                let mut joined = unit;
-                joined.add(c);
-                (joined, users_sum - unit.weight() + joined.weight())
-            };
-            let unit_w = unit_j.weight();
-            let in_unit = c.own / unit_j.own_sum;
-            let w = match c.user {
-                Some((_, own_w)) => USER_SCALE * user_w.max(own_w) * unit_w / users_sum * in_unit,
-                None => unit_w * in_unit,
-            };
-            c.weight = sanitize_weight(w);
-        }
-    }
-
     /// Charges everyone on the GPU up to `now` (the time-slicer splits the
     /// GPU evenly among those with work, each by the weight the last event
     /// left it) and advances the virtual clocks.
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
-        let n = self.clients.values().filter(|c| c.on_gpu()).count();
+        let n = self.ix.on_gpu.len();
         if dt > 0 && n > 0 {
             let share = dt as f64 / n as f64;
-            for c in self.clients.values_mut().filter(|c| c.on_gpu()) {
-                c.vtime += share / c.weight;
+            let on: Vec<ClientId> = self.ix.on_gpu.iter().copied().collect();
+            for id in on {
+                let w = self.weight(&self.clients[&id]);
+                let c = self
+                    .clients
+                    .get_mut(&id)
+                    .expect("on the GPU means registered");
+                c.vtime += share / w;
                 c.charged += share;
+                self.reindex(id);
             }
         }
+        let holder = self.holder.map(|h| &self.clients[&h]);
         for class in Priority::ALL {
             // Revoking clients are left out: they are off the GPU's books
             // as far as the order goes and must not hold the clock back.
             let min_active = self
-                .clients
-                .iter()
-                .filter(|&(&id, c)| {
-                    c.class == class && (c.state == ClientState::Waiting || Some(id) == self.holder)
-                })
-                .map(|(_, c)| c.vtime)
+                .ix
+                .waiting_in(class)
+                .next()
+                .map(|k| k.1.0)
+                .into_iter()
+                .chain(holder.filter(|c| c.class == class).map(|c| c.vtime))
                 .min_by(f64::total_cmp);
             if let Some(m) = min_active {
                 let v = &mut self.vclock[class.index()];

@@ -16,7 +16,7 @@ impl Scheduler {
             .clients
             .values()
             .filter(|c| c.is_active() && Some(c.class) == top)
-            .map(|c| c.weight)
+            .map(|c| self.weight(c))
             .sum();
         // Charges since the last settle, as settle would make them.
         let n = self.clients.values().filter(|c| c.on_gpu()).count().max(1);
@@ -24,6 +24,7 @@ impl Scheduler {
         self.clients
             .iter()
             .map(|(&id, c)| {
+                let weight = self.weight(c);
                 let span = self.cfg.window.min(now - c.added_at);
                 let achieved = if span == 0 {
                     0.0
@@ -33,7 +34,7 @@ impl Scheduler {
                 let charged = c.charged + if c.on_gpu() { pending } else { 0.0 };
                 ClientStatus {
                     client: id,
-                    weight: c.weight,
+                    weight,
                     limit: c
                         .limit
                         .or_else(|| self.units.get(&c.group).and_then(|u| u.limit)),
@@ -41,7 +42,7 @@ impl Scheduler {
                     state: c.state,
                     achieved,
                     target: if c.is_active() && Some(c.class) == top {
-                        c.weight / active_weight
+                        weight / active_weight
                     } else {
                         0.0
                     },

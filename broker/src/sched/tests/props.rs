@@ -107,24 +107,51 @@ fn check(s: &Scheduler, now: Nanos) {
     }
 }
 
+fn apply(s: &mut Scheduler, now: &mut Nanos, op: Op) {
+    let now = match op {
+        Op::Advance(dt) => {
+            *now += dt;
+            return;
+        }
+        _ => *now,
+    };
+    match op {
+        Op::Add(i, w, l, p) => s.add_client(now, i, w, l, p),
+        Op::Remove(i) => s.remove_client(now, i),
+        Op::Acquire(i) => s.acquire(now, i),
+        Op::Release(i) => s.release(now, i),
+        Op::Drained(i) => s.drained(now, i),
+        Op::Group(i, g, w, l) => s.set_group(now, i, g, w, l),
+        Op::User(i, u, w) => s.set_user(now, i, u, w),
+        Op::Advance(_) => {}
+        Op::Timeout => s.handle_timeout(now),
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
+    /// The index follows every event: what the scheduler finds through it
+    /// is what a scan of all clients finds, in virtual time.
+    #[test]
+    fn the_index_matches_a_scan_of_every_client(
+        cfg in config(),
+        ops in prop::collection::vec(op(), 1..200),
+    ) {
+        let mut s = Scheduler::new(cfg);
+        let mut now = 0;
+        for op in ops {
+            apply(&mut s, &mut now, op);
+            while s.poll_action().is_some() {}
+            super::incremental::check_index(&s);
+        }
+    }
+
     #[test]
     fn never_two_holders_never_panics(cfg in config(), ops in prop::collection::vec(op(), 1..200)) {
         let mut s = Scheduler::new(cfg);
         let mut now = 0;
         for op in ops {
-            match op {
-                Op::Add(i, w, l, p) => s.add_client(now, i, w, l, p),
-                Op::Remove(i) => s.remove_client(now, i),
-                Op::Acquire(i) => s.acquire(now, i),
-                Op::Release(i) => s.release(now, i),
-                Op::Drained(i) => s.drained(now, i),
-                Op::Group(i, g, w, l) => s.set_group(now, i, g, w, l),
-                Op::User(i, u, w) => s.set_user(now, i, u, w),
-                Op::Advance(dt) => now += dt,
-                Op::Timeout => s.handle_timeout(now),
-            }
+            apply(&mut s, &mut now, op);
             while let Some(a) = s.poll_action() {
                 if let Action::Grant { client, .. } = a {
                     prop_assert!(s.state(client).is_some());
