@@ -114,7 +114,7 @@ impl Client {
             Some(other) => Err(ConnectError::Other(format!(
                 "the broker at {} answered the handshake with {}",
                 socket.display(),
-                msg_name(&other)
+                other.name()
             ))),
             None => Err(silent()),
         }
@@ -393,21 +393,6 @@ pub fn start_hint(socket: &Path) -> String {
              (here, those of your group):\n{CMD_INDENT}sudo {me} broker --group \"$(id -gn)\"",
             own_broker_lines()
         )
-    }
-}
-
-fn msg_name(m: &ServerMsg) -> &'static str {
-    match m {
-        ServerMsg::HelloOk { .. } => "HelloOk",
-        ServerMsg::Error { .. } => "Error",
-        ServerMsg::Grant { .. } => "Grant",
-        ServerMsg::Revoke { .. } => "Revoke",
-        ServerMsg::StatusReply { .. } => "StatusReply",
-        ServerMsg::Queued { .. } => "Queued",
-        ServerMsg::Leased { .. } => "Leased",
-        ServerMsg::Refused { .. } => "Refused",
-        ServerMsg::Registered { .. } => "Registered",
-        ServerMsg::Pong => "Pong",
     }
 }
 

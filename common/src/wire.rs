@@ -350,6 +350,23 @@ impl ClientMsg {
             max_version: PROTOCOL_VERSION,
         }
     }
+
+    /// The message's name in this specification, for errors that name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ClientMsg::Hello { .. } => "Hello",
+            ClientMsg::Register { .. } => "Register",
+            ClientMsg::Usage { .. } => "Usage",
+            ClientMsg::Acquire { .. } => "Acquire",
+            ClientMsg::Release { .. } => "Release",
+            ClientMsg::Drained { .. } => "Drained",
+            ClientMsg::Ping => "Ping",
+            ClientMsg::Join { .. } => "Join",
+            ClientMsg::Status { .. } => "Status",
+            ClientMsg::Lease(_) => "Lease",
+            ClientMsg::Name { .. } => "Name",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -416,6 +433,24 @@ pub enum ServerMsg {
         /// Memory cap on every registered device; 0 = none imposed.
         mem_cap: u64,
     },
+}
+
+impl ServerMsg {
+    /// The message's name in this specification, for errors that name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ServerMsg::HelloOk { .. } => "HelloOk",
+            ServerMsg::Error { .. } => "Error",
+            ServerMsg::Grant { .. } => "Grant",
+            ServerMsg::Revoke { .. } => "Revoke",
+            ServerMsg::StatusReply { .. } => "StatusReply",
+            ServerMsg::Queued { .. } => "Queued",
+            ServerMsg::Leased { .. } => "Leased",
+            ServerMsg::Refused { .. } => "Refused",
+            ServerMsg::Registered { .. } => "Registered",
+            ServerMsg::Pong => "Pong",
+        }
+    }
 }
 
 /// `version 4`, or `versions 4 to 5`.
@@ -1228,6 +1263,19 @@ mod tests {
                 reason: "no GPU on this node has 200 GiB".into(),
             },
         ]
+    }
+
+    /// Errors name messages as this specification does: a name is the
+    /// variant's, so it cannot drift from the code.
+    #[test]
+    fn every_message_is_named_as_its_variant() {
+        let debug = |d: String| d.split([' ', '(', '{']).next().unwrap_or("").to_string();
+        for m in samples_client() {
+            assert_eq!(m.name(), debug(format!("{m:?}")));
+        }
+        for m in samples_server() {
+            assert_eq!(m.name(), debug(format!("{m:?}")));
+        }
     }
 
     #[test]

@@ -23,23 +23,6 @@ pub(super) fn sender(msg: &ClientMsg) -> Option<Role> {
     }
 }
 
-/// The message's name on the wire, for errors.
-pub(super) fn name(msg: &ClientMsg) -> &'static str {
-    match msg {
-        ClientMsg::Hello { .. } => "Hello",
-        ClientMsg::Register { .. } => "Register",
-        ClientMsg::Usage { .. } => "Usage",
-        ClientMsg::Acquire { .. } => "Acquire",
-        ClientMsg::Release { .. } => "Release",
-        ClientMsg::Drained { .. } => "Drained",
-        ClientMsg::Ping => "Ping",
-        ClientMsg::Join { .. } => "Join",
-        ClientMsg::Status { .. } => "Status",
-        ClientMsg::Lease(_) => "Lease",
-        ClientMsg::Name { .. } => "Name",
-    }
-}
-
 /// `Role::Shim` is 1 on the wire, `Role::Cli` 2: the number a client's
 /// author finds in their `Hello`.
 fn said(role: Role) -> &'static str {
@@ -68,7 +51,7 @@ fn named(role: Role) -> &'static str {
 pub(super) fn refusal(msg: &ClientMsg, right: Role, conn: Role) -> String {
     format!(
         "{} is {}; this connection said it is {}; open another connection with role {}",
-        name(msg),
+        msg.name(),
         owner(right),
         said(conn),
         named(right)

@@ -347,7 +347,7 @@ proptest! {
                     if outside(role, &m) {
                         prop_assert!(t.b.is_dead(id), "{m:?} on a {role:?} connection left it open");
                         let why = refusal.unwrap_or_default();
-                        let name = super::super::roles::name(&wire_msg);
+                        let name = wire_msg.name();
                         prop_assert!(why.starts_with(name) || why.starts_with("Hello with role"), "{why}");
                     } else {
                         prop_assert!(refusal.is_none(), "{m:?} on a {role:?} connection: {refusal:?}");
