@@ -304,6 +304,25 @@ impl Queue {
     /// every other GPU stays open to the rest of the queue.
     pub fn poll(&mut self, now: Nanos) -> Vec<Lease> {
         let mut placed = Vec::new();
+        // What a waiting request holds back depends on the leases of the
+        // moment (free GPUs first, the fewest leases to wait for), and a
+        // pass places requests after the holds before them were worked
+        // out. So while a pass both placed something and held something
+        // back, the next pass works the holds out again from the new
+        // leases; otherwise a request could be left waiting behind a hold
+        // that, by the end of the poll, no longer covers the GPU it fits
+        // on. Without holds one pass is enough: placing only takes room.
+        loop {
+            let (n, held_any) = self.pass(now, &mut placed);
+            if n == 0 || !held_any {
+                return placed;
+            }
+        }
+    }
+
+    /// One walk of the queue in order, placing what fits: (how many were
+    /// placed, whether anything was held back).
+    fn pass(&mut self, now: Nanos, placed: &mut Vec<Lease>) -> (usize, bool) {
         let mut taken = Vec::new();
         // GPUs that requests ahead wait for (pinned ones, which come
         // before every unescalated request, and escalated ones): nobody
@@ -324,11 +343,12 @@ impl Queue {
                 }
             }
         }
+        let n = taken.len();
         taken.sort_unstable();
         for i in taken.into_iter().rev() {
             self.waiting.remove(i);
         }
-        placed
+        (n, !holds.is_empty())
     }
 
     fn is_escalated(&self, now: Nanos, w: &Waiter) -> bool {

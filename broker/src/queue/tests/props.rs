@@ -115,58 +115,100 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
     }
 }
 
+/// Applies `ops` to a queue of `totals` under `cfg`, checking the books
+/// after each.
+fn run(totals: &[u64], cfg: QueueConfig, ops: Vec<Op>) {
+    let mut q = Queue::new(gpus(totals), cfg);
+    let mut now = 0;
+    let mut next_id = 0;
+    let mut ids: Vec<RequestId> = Vec::new();
+    for op in ops {
+        let mut polled = false;
+        match op {
+            Op::Submit(w) => {
+                next_id += 1;
+                if q.submit(now, next_id, req(w)).is_ok() {
+                    ids.push(next_id);
+                }
+            }
+            Op::Pin(g, a, b) if !totals.is_empty() => {
+                let n = totals.len();
+                let mut on = vec![((g % n) as u32, a)];
+                if b > 0 && n > 1 {
+                    on.push((((g + 1) % n) as u32, b));
+                }
+                next_id += 1;
+                if q.submit(now, next_id, pinned(&on)).is_ok() {
+                    ids.push(next_id);
+                }
+            }
+            Op::TryNow(w) => {
+                next_id += 1;
+                if q.try_now(now, next_id, req(w)).is_ok() {
+                    ids.push(next_id);
+                }
+            }
+            Op::Release(k) if !ids.is_empty() => {
+                let id = ids.remove(k % ids.len());
+                q.release(now, id);
+            }
+            Op::Cancel(k) if !ids.is_empty() => {
+                let id = ids.remove(k % ids.len());
+                q.cancel(now, id);
+            }
+            Op::Advance(dt) => now += dt,
+            Op::Poll => {
+                q.poll(now);
+                polled = true;
+            }
+            _ => {}
+        }
+        check(&q, now, polled);
+        let w = q.waiting(now);
+        assert!(w.iter().enumerate().all(|(i, s)| s.position == i + 1));
+    }
+}
+
+/// What the property once found: a poll placed a pinned request on a
+/// GPU after an escalated request had worked out its holds; with that
+/// lease there, the escalated request would hold other GPUs, and a
+/// younger request that fitted on the first one was left waiting behind
+/// a hold that no longer covered it. A poll now works the holds out again
+/// after a pass that placed something while holding something back.
+#[test]
+fn a_hold_that_moves_within_a_poll_leaves_nothing_waiting_that_fits() {
+    let cfg = QueueConfig {
+        escalate_after: 1,
+        overprovision: 2,
+        overcommit: false,
+        placement: Placement::BestFit,
+    };
+    use Op::*;
+    use Want::*;
+    let ops = vec![
+        Submit(Gpus(1)),
+        Submit(Gpus(1)),
+        Release(0),
+        TryNow(Memory(40802189319)),
+        Submit(Gpus(1)),
+        Submit(Memory(8589934599)),
+        Submit(Gpus(1)),
+        Submit(Gpus(2)),
+        Release(4086322829594593932),
+        Submit(Gpus(1)),
+        Release(13921695089917625),
+        Advance(1),
+        Pin(5550170350759773395, 1, 0),
+        Submit(Memory(2147483655)),
+        Poll,
+    ];
+    run(&[80 * GIB, 16 * GIB, 80 * GIB], cfg, ops);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
     #[test]
     fn commitments_stay_within_totals((totals, cfg) in config(), ops in prop::collection::vec(op(), 1..120)) {
-        let mut q = Queue::new(gpus(&totals), cfg);
-        let mut now = 0;
-        let mut next_id = 0;
-        let mut ids: Vec<RequestId> = Vec::new();
-        for op in ops {
-            let mut polled = false;
-            match op {
-                Op::Submit(w) => {
-                    next_id += 1;
-                    if q.submit(now, next_id, req(w)).is_ok() {
-                        ids.push(next_id);
-                    }
-                }
-                Op::Pin(g, a, b) if !totals.is_empty() => {
-                    let n = totals.len();
-                    let mut on = vec![((g % n) as u32, a)];
-                    if b > 0 && n > 1 {
-                        on.push((((g + 1) % n) as u32, b));
-                    }
-                    next_id += 1;
-                    if q.submit(now, next_id, pinned(&on)).is_ok() {
-                        ids.push(next_id);
-                    }
-                }
-                Op::TryNow(w) => {
-                    next_id += 1;
-                    if q.try_now(now, next_id, req(w)).is_ok() {
-                        ids.push(next_id);
-                    }
-                }
-                Op::Release(k) if !ids.is_empty() => {
-                    let id = ids.remove(k % ids.len());
-                    q.release(now, id);
-                }
-                Op::Cancel(k) if !ids.is_empty() => {
-                    let id = ids.remove(k % ids.len());
-                    q.cancel(now, id);
-                }
-                Op::Advance(dt) => now += dt,
-                Op::Poll => {
-                    q.poll(now);
-                    polled = true;
-                }
-                _ => {}
-            }
-            check(&q, now, polled);
-            let w = q.waiting(now);
-            prop_assert!(w.iter().enumerate().all(|(i, s)| s.position == i + 1));
-        }
+        run(&totals, cfg, ops);
     }
 }
