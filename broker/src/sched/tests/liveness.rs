@@ -116,9 +116,14 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     /// Whatever class each attacker asks for and whenever it does, a
     /// client holding a grant without ever using or releasing it costs a
-    /// busy victim of any class at most one slice and two wake periods
-    /// (and a `high` victim the rest of one window that a lower class is
-    /// owed): after that it is passed over for good.
+    /// busy victim of any class at most one slice and two wake periods,
+    /// and what a real client in its place would be owed: one more slice
+    /// when it is of the victim's class (the catch-up credit a client
+    /// waking up gets), and beside a `high` victim the rest of one window
+    /// that a lower class is owed, rounded up to a slice (the class comes
+    /// back when a whole slice fits its share). The broker cannot tell an
+    /// attacker from a real client until that is spent; after that it is
+    /// passed over for good.
     #[test]
     fn holders_that_never_let_go_cost_a_victim_a_bounded_time(
         victim in proptest::sample::select(Priority::ALL.to_vec()),
@@ -144,16 +149,18 @@ proptest! {
         let held = sim.gpu_held(0);
         // A lower class waiting beside a `high` victim is owed the rest
         // of a window once (real-time throttling: the broker cannot tell
-        // an attacker's request from a real one until it is granted).
+        // an attacker's request from a real one until it is granted), and
+        // one of the victim's class its catch-up credit.
         let lost: Nanos = attackers
             .iter()
             .map(|a| {
                 let throttled = if victim == Priority::High && a.class < victim {
-                    ((1.0 - high_share) * cfg.window as f64) as Nanos
+                    ((1.0 - high_share) * cfg.window as f64) as Nanos + cfg.timeslice
                 } else {
                     0
                 };
-                cfg.timeslice + 2 * cfg.wake + throttled
+                let credit = if a.class == victim { cfg.timeslice } else { 0 };
+                cfg.timeslice + 2 * cfg.wake + throttled + credit
             })
             .sum::<Nanos>()
             + MS;
