@@ -289,8 +289,9 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     if stopped_at + 4000 * MS < end {
         assert!(
             said.iter().all(|&s| s),
-            "{:?}",
-            procs.iter().map(|p| p.err()).collect::<Vec<_>>()
+            "stopped {} ms before the end: {:?}",
+            (end - stopped_at) / MS,
+            procs.iter().map(|p| (p.out(), p.err())).collect::<Vec<_>>()
         );
     }
 
