@@ -16,7 +16,7 @@
 //! flood of connections, keeps the others from an answer for more than a
 //! turn's worth of work.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -94,39 +94,92 @@ struct Client {
     readable: bool,
     /// Readable when the process exits (None: a kernel without pidfds).
     pidfd: Option<OwnedFd>,
+    /// The peer's uid, from the kernel at accept: whose turn it shares.
+    uid: u32,
 }
 
-/// Which connections get a turn next: round-robin over those with
-/// something to do, each once per turn; the shell's scheduling, kept
-/// apart from sockets so that its rule is tested on its own.
+/// How many frames of one user a turn handles, over all its connections:
+/// as many as one connection may send in a turn. A user's share of a
+/// turn, not a connection's, is what bounds everyone else's wait: with a
+/// budget per connection only, a user holding 128 connections that
+/// churned Acquire and Release made every turn 128 connections' work
+/// long, each grant after a revoke waited that long, and another user's
+/// busy process lost two thirds of its GPU time. Counting frames, not
+/// connections, keeps a user with many quiet processes (one frame each)
+/// served as quickly as before.
+pub const FRAMES_PER_USER_TURN: usize = crate::proto::FRAMES_PER_TURN;
+
+/// What serving a connection once did: the frames handled (a read that
+/// handled none still counts as one), and whether it has more to do.
+#[derive(Debug, Clone, Copy)]
+pub struct Served {
+    pub frames: usize,
+    pub more: bool,
+}
+
+/// Which connections get a turn next: round-robin over the users with
+/// something to do, and within each user over its ready connections until
+/// the user's `FRAMES_PER_USER_TURN` are spent. The shell's scheduling,
+/// kept apart from sockets so that its rule is tested on its own.
 #[derive(Debug, Default)]
 pub struct Turns {
-    ready: VecDeque<ConnId>,
-    queued: HashSet<ConnId>,
+    /// Each user's ready connections, in the order they are served.
+    users: HashMap<u32, VecDeque<ConnId>>,
+    /// Users with a ready connection, in the order they are served.
+    order: VecDeque<u32>,
+    /// Each ready connection's user.
+    queued: HashMap<ConnId, u32>,
     /// The listener may have connections waiting in its backlog.
     pub listener: bool,
 }
 
 impl Turns {
-    /// `id` has something to do: it gets a turn (once, however often
-    /// this is said before its turn comes).
-    pub fn push(&mut self, id: ConnId) {
-        if self.queued.insert(id) {
-            self.ready.push_back(id);
+    /// `id`, a connection of `uid`, has something to do: it gets a turn
+    /// (once, however often this is said before its turn comes).
+    pub fn push(&mut self, id: ConnId, uid: u32) {
+        if self.queued.insert(id, uid).is_some() {
+            return;
         }
+        let q = self.users.entry(uid).or_default();
+        if q.is_empty() {
+            self.order.push_back(uid);
+        }
+        q.push_back(id);
     }
 
-    /// The connections whose turn it is now, in order; those that still
-    /// have something to do afterwards are pushed again and come after
-    /// every other, next turn.
-    pub fn take(&mut self) -> Vec<ConnId> {
-        self.queued.clear();
-        self.ready.drain(..).collect()
+    /// One turn: each user with a ready connection, in order, has its
+    /// connections served (`serve`) from the front of its line until its
+    /// frames for the turn are spent or none is left. A connection with
+    /// more to do goes to the back of its user's line; a user with
+    /// connections left waits for the next turn, behind every other.
+    pub fn run(&mut self, mut serve: impl FnMut(ConnId) -> Served) {
+        for _ in 0..self.order.len() {
+            let Some(uid) = self.order.pop_front() else {
+                break;
+            };
+            let mut left = FRAMES_PER_USER_TURN;
+            while left > 0 {
+                let Some(id) = self.users.get_mut(&uid).and_then(|q| q.pop_front()) else {
+                    break;
+                };
+                self.queued.remove(&id);
+                let s = serve(id);
+                left = left.saturating_sub(s.frames.max(1));
+                if s.more && self.queued.insert(id, uid).is_none() {
+                    self.users.entry(uid).or_default().push_back(id);
+                }
+            }
+            if self.users.get(&uid).is_some_and(|q| !q.is_empty()) {
+                self.order.push_back(uid);
+            } else {
+                self.users.remove(&uid);
+            }
+        }
     }
 
     /// Whether another turn is due at once (no waiting in poll).
     pub fn busy(&self) -> bool {
-        self.listener || !self.ready.is_empty()
+        self.listener || !self.order.is_empty()
     }
 }
 
@@ -380,7 +433,7 @@ impl Loop {
                             if let Some(c) = self.clients.get_mut(&tok) {
                                 c.readable = true;
                             }
-                            self.turns.push(tok.0 as ConnId);
+                            self.ready(tok.0 as ConnId);
                         }
                         if ev.is_writable() {
                             self.flush(tok.0 as ConnId);
@@ -404,7 +457,7 @@ impl Loop {
                 self.core.handle_timeout(now());
             }
             for id in self.core.take_unblocked() {
-                self.turns.push(id);
+                self.ready(id);
             }
             if let Some(st) = self.mps.as_mut().and_then(|m| m.poll()) {
                 self.core.set_mps(Some(st));
@@ -507,16 +560,32 @@ impl Loop {
         }
     }
 
-    /// One turn: a bounded number of accepts, then each connection whose
-    /// turn it is served within its budget.
+    /// One turn: a bounded number of accepts, then each user's ready
+    /// connections served within the user's budget.
     fn turn(&mut self) {
         if self.turns.listener {
             self.turns.listener = self.accept();
         }
-        for id in self.turns.take() {
-            if self.serve(id) {
-                self.turns.push(id);
+        let mut turns = std::mem::take(&mut self.turns);
+        turns.run(|id| {
+            let before = self.core.frames_handled();
+            let more = self.serve(id);
+            Served {
+                frames: (self.core.frames_handled() - before) as usize,
+                more,
             }
+        });
+        // Serving queues nothing itself: the loop's events do, outside
+        // the turn.
+        debug_assert!(!self.turns.busy());
+        self.turns = turns;
+    }
+
+    /// `id` has something to do: it is queued for a turn in its user's
+    /// line (a connection already closed has nothing more to do).
+    fn ready(&mut self, id: ConnId) {
+        if let Some(c) = self.clients.get(&Token(id as usize)) {
+            self.turns.push(id, c.uid);
         }
     }
 
@@ -536,6 +605,7 @@ impl Loop {
                     let tok = Token(self.next_token);
                     self.next_token += 1;
                     let id = tok.0 as ConnId;
+                    let uid = peer.uid;
                     if let Err(frame) = self.core.connect(now(), id, peer) {
                         // Said and closed at once, without buffering: the
                         // write of one small frame to a fresh socket does
@@ -571,9 +641,10 @@ impl Loop {
                             // poll may not say so again.
                             readable: true,
                             pidfd,
+                            uid,
                         },
                     );
-                    self.turns.push(id);
+                    self.turns.push(id, uid);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -736,53 +807,139 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// One turn in which every connection served handles `frames` and
+    /// has more to do as `more` says; the order they were served in.
+    fn turn(
+        t: &mut Turns,
+        frames: impl Fn(ConnId) -> usize,
+        more: impl Fn(ConnId) -> bool,
+    ) -> Vec<ConnId> {
+        let mut served = Vec::new();
+        t.run(|id| {
+            served.push(id);
+            Served {
+                frames: frames(id),
+                more: more(id),
+            }
+        });
+        served
+    }
+
     #[test]
     fn each_ready_connection_gets_one_turn_in_order() {
         let mut t = Turns::default();
         assert!(!t.busy());
-        t.push(1);
-        t.push(2);
-        t.push(1);
+        t.push(1, 10);
+        t.push(2, 20);
+        t.push(1, 10);
         assert!(t.busy());
-        assert_eq!(t.take(), [1, 2]);
+        assert_eq!(turn(&mut t, |_| 1, |_| false), [1, 2]);
         assert!(!t.busy());
-        // Pushed again during its turn (it has more), it comes after
-        // those that became ready meanwhile.
-        t.push(3);
-        t.push(1);
-        assert_eq!(t.take(), [3, 1]);
+        // With more to do after its turn, it comes after those that
+        // became ready meanwhile.
+        assert!(turn(&mut t, |_| 1, |_| false).is_empty());
+        t.push(1, 10);
+        assert_eq!(turn(&mut t, |_| FRAMES_PER_USER_TURN, |id| id == 1), [1]);
+        t.push(3, 30);
+        assert_eq!(turn(&mut t, |_| 1, |_| false), [1, 3]);
         t.listener = true;
         assert!(t.busy());
+    }
+
+    #[test]
+    fn a_user_with_many_busy_connections_gets_one_users_part_of_a_turn() {
+        let mut t = Turns::default();
+        for id in 100..228 {
+            t.push(id, 65534);
+        }
+        t.push(1, 5001);
+        // Each of the flood's connections has a full turn's frames: one
+        // of them is served a turn, the victim every turn it is ready.
+        let full = |id| if id >= 100 { FRAMES_PER_TURN_OF_ONE } else { 1 };
+        assert_eq!(turn(&mut t, full, |id| id >= 100), [100, 1]);
+        t.push(1, 5001);
+        assert_eq!(turn(&mut t, full, |id| id >= 100), [101, 1]);
+        assert_eq!(turn(&mut t, full, |id| id >= 100), [102]);
+    }
+
+    const FRAMES_PER_TURN_OF_ONE: usize = crate::proto::FRAMES_PER_TURN;
+
+    #[test]
+    fn a_user_with_many_quiet_connections_is_served_as_many_a_turn_as_its_frames_allow() {
+        let mut t = Turns::default();
+        for id in 0..200 {
+            t.push(id, 0);
+        }
+        let first = turn(&mut t, |_| 1, |_| false);
+        assert_eq!(
+            first,
+            (0..FRAMES_PER_USER_TURN as ConnId).collect::<Vec<_>>()
+        );
+        // A read that handled no frame (half a frame) still costs one.
+        let second = turn(&mut t, |_| 0, |_| false);
+        assert_eq!(second.len(), FRAMES_PER_USER_TURN);
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
-        /// However many connections always have more to do, one that
-        /// becomes ready is served in the next turn, and no connection is
-        /// served twice in a turn.
+        /// However many users hold however many connections, each
+        /// handling whatever it may per serve and having more to do or
+        /// not: a user's turn is charged at most its budget plus one
+        /// connection's frames; a user with one connection is served in
+        /// every turn it is ready; and every ready connection is served
+        /// within as many turns as its user has connections.
         #[test]
-        fn a_connection_that_becomes_ready_is_served_next_turn(
-            flooders in 1..50u64,
-            steps in prop::collection::vec(any::<bool>(), 1..100),
+        fn a_connection_waits_for_its_own_users_others_only(
+            users in prop::collection::vec(1..40u64, 1..6),
+            load in prop::collection::vec((0..=64usize, any::<bool>()), 1..300),
+            steps in prop::collection::vec((any::<bool>(), any::<u64>()), 1..60),
         ) {
             let mut t = Turns::default();
-            for f in 0..flooders {
-                t.push(f);
-            }
-            let victim = 1000;
-            for ready in steps {
-                if ready {
-                    t.push(victim);
+            // Connection ids: user u's are u * 1000 ..; the victim's 1.
+            let uid_of = |id: ConnId| (id / 1000) as u32;
+            let victim = 1;
+            let mut waited: HashMap<ConnId, usize> = HashMap::new();
+            for (u, &n) in users.iter().enumerate() {
+                for k in 0..n {
+                    let id = (u as u64 + 1) * 1000 + k;
+                    t.push(id, uid_of(id));
+                    waited.insert(id, 0);
                 }
-                let turn = t.take();
-                let mut seen = std::collections::HashSet::new();
-                prop_assert!(turn.iter().all(|id| seen.insert(*id)));
-                prop_assert_eq!(turn.contains(&victim), ready);
-                for id in turn {
-                    if id != victim {
-                        t.push(id);
+            }
+            let frames = |id: ConnId, salt: u64| load[((id ^ salt) as usize) % load.len()];
+            for (ready, salt) in steps {
+                if ready && !waited.contains_key(&victim) {
+                    t.push(victim, uid_of(victim));
+                    waited.insert(victim, 0);
+                }
+                let mut charged: HashMap<u32, usize> = HashMap::new();
+                let mut served = Vec::new();
+                t.run(|id| {
+                    let (f, more) = frames(id, salt);
+                    *charged.entry(uid_of(id)).or_default() += f.max(1);
+                    served.push((id, more));
+                    Served { frames: f, more: more && id != victim }
+                });
+                for (&uid, &c) in &charged {
+                    prop_assert!(
+                        c < FRAMES_PER_USER_TURN + FRAMES_PER_TURN_OF_ONE,
+                        "user {} charged {} frames in a turn", uid, c
+                    );
+                }
+                if waited.contains_key(&victim) {
+                    prop_assert!(served.iter().any(|&(id, _)| id == victim));
+                }
+                for (id, more) in served {
+                    waited.remove(&id);
+                    if more && id != victim {
+                        waited.insert(id, 0);
                     }
+                }
+                for (&id, w) in waited.iter_mut() {
+                    *w += 1;
+                    let line = users.get((id / 1000) as usize - 1).copied().unwrap_or(1);
+                    prop_assert!(*w <= line as usize, "connection {} waited {} turns", id, w);
                 }
             }
         }

@@ -272,6 +272,8 @@ pub struct Broker {
     /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
     /// idle MIG instances change with time alone).
     queue_dirty: bool,
+    /// Frames handled so far (`frames_handled`).
+    frames_handled: u64,
     queue_polled: Nanos,
     now: Nanos,
 }
@@ -339,6 +341,7 @@ impl Broker {
             status_held: BTreeSet::new(),
             unsettled: BTreeSet::new(),
             queue_dirty: true,
+            frames_handled: 0,
             queue_polled: now,
             now,
         };
@@ -556,6 +559,12 @@ impl Broker {
             .is_some_and(|c| !c.dead && !c.more && c.status_wait().is_none())
     }
 
+    /// Frames handled since the broker started: what the shell charges a
+    /// user's turn with.
+    pub fn frames_handled(&self) -> u64 {
+        self.frames_handled
+    }
+
     /// Whether `id` has frames to handle now (`serve`).
     pub fn has_frames(&self, id: ConnId) -> bool {
         self.conns
@@ -615,6 +624,7 @@ impl Broker {
                         h.input = h.input.saturating_sub(used);
                     }
                     handled += 1;
+                    self.frames_handled += 1;
                     self.handle(now, id, msg);
                 }
                 Err(DecodeError::Incomplete) => {
