@@ -1,15 +1,15 @@
 //! The service and identity invariants (SECURITY.md, 1, 2 and 6) as
 //! properties of the core in virtual time: an attacker (uid `BOB`) does
 //! whatever proptest makes up beside a scripted victim (`ALICE`), and the
-//! shell's turns are modelled as server.rs runs them (each connection
-//! `READ_PER_TURN` bytes or one `serve` per turn).
+//! shell's turns are run by server.rs's own `Turns` (each user its frames,
+//! each connection `READ_PER_TURN` bytes or one `serve` when served).
 
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 
 use super::*;
-use crate::server::READ_PER_TURN;
+use crate::server::{FRAMES_PER_USER_TURN, READ_PER_TURN, Served, Turns};
 
 /// What the attacker does in one step.
 #[derive(Debug, Clone)]
@@ -80,6 +80,7 @@ struct World {
     t: T,
     /// What each connection's client wrote that the broker has not read.
     sockets: BTreeMap<ConnId, Vec<u8>>,
+    turns: Turns,
 }
 
 impl World {
@@ -96,29 +97,43 @@ impl World {
         }
     }
 
-    /// One turn of server.rs: each connection its budget, then timers,
-    /// then the dead closed.
+    /// One turn of server.rs: the connections with something to do are
+    /// ready (as epoll says), each user served within its budget, then
+    /// timers, then the dead closed.
     fn turn(&mut self) {
         let now = self.t.now;
-        let ids: Vec<ConnId> = self.sockets.keys().copied().collect();
-        for id in ids {
-            let b = &mut self.t.b;
-            if b.has_frames(id) {
-                b.serve(now, id);
-                continue;
-            }
-            let mut left = READ_PER_TURN;
-            while left > 0 && b.wants_input(id) {
-                let s = self.sockets.get_mut(&id).expect("open");
-                if s.is_empty() {
-                    break;
-                }
-                let n = s.len().min(left).min(16 << 10);
-                let chunk: Vec<u8> = s.drain(..n).collect();
-                left -= n;
-                b.input(now, id, &chunk);
+        for (&id, s) in &self.sockets {
+            if (!s.is_empty() || self.t.b.has_frames(id))
+                && let Some(c) = self.t.b.conns.get(&id)
+            {
+                self.turns.push(id, c.peer.uid);
             }
         }
+        let (b, sockets) = (&mut self.t.b, &mut self.sockets);
+        self.turns.run(|id| {
+            let Some(s) = sockets.get_mut(&id) else {
+                return Served {
+                    frames: 0,
+                    more: false,
+                };
+            };
+            let before = b.frames_handled();
+            if b.has_frames(id) {
+                b.serve(now, id);
+            } else {
+                let mut left = READ_PER_TURN;
+                while left > 0 && b.wants_input(id) && !s.is_empty() {
+                    let n = s.len().min(left).min(16 << 10);
+                    let chunk: Vec<u8> = s.drain(..n).collect();
+                    left -= n;
+                    b.input(now, id, &chunk);
+                }
+            }
+            Served {
+                frames: (b.frames_handled() - before) as usize,
+                more: b.has_frames(id) || (!s.is_empty() && b.wants_input(id)),
+            }
+        });
         if self.t.b.next_timeout().is_some_and(|x| x <= now) {
             self.t.b.handle_timeout(now);
         }
@@ -159,10 +174,11 @@ proptest! {
     /// Whatever the attacker does, the victim's ping is answered in the
     /// turn it is sent, its status page within a few turns, and the
     /// attacker holds no more than its budgets; no connection gets more
-    /// than `FRAMES_PER_TURN` frames handled in a turn.
+    /// than `FRAMES_PER_TURN` frames handled in a turn, nor the attacker
+    /// more than its user's part over all its connections.
     #[test]
     fn an_attacker_never_keeps_the_victim_from_an_answer(ops in prop::collection::vec(op(), 1..40)) {
-        let mut w = World { t: T::new(cfg(), &[16 * GIB]), sockets: BTreeMap::new() };
+        let mut w = World { t: T::new(cfg(), &[16 * GIB]), sockets: BTreeMap::new(), turns: Turns::default() };
         let vp = w.t.spawn(1);
         let v = w.connect(vp, ALICE, Role::Cli).expect("the victim connects");
         let mut attackers: Vec<(ConnId, u32)> = Vec::new();
@@ -223,12 +239,19 @@ proptest! {
                 status_asked = None;
             }
             prop_assert!(status_asked.is_none_or(|s| step - s < 3), "the victim's status waits");
+            let mut all = 0;
             for &(id, _) in &attackers {
                 if w.t.b.conns.contains_key(&id) {
                     let pongs = w.t.recv(id).iter().filter(|m| matches!(m, ServerMsg::Pong)).count();
                     prop_assert!(pongs <= FRAMES_PER_TURN, "{pongs} frames handled in one turn");
+                    all += pongs;
                 }
             }
+            // Over all its connections, the attacker's part of a turn.
+            prop_assert!(
+                all < FRAMES_PER_USER_TURN + FRAMES_PER_TURN,
+                "{all} of the attacker's frames handled in one turn"
+            );
             w.check_budgets(BOB);
             attackers.retain(|(id, _)| w.sockets.contains_key(id));
         }
