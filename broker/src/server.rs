@@ -148,16 +148,20 @@ impl Turns {
     }
 
     /// One turn: each user with a ready connection, in order, has its
-    /// connections served (`serve`) from the front of its line until its
-    /// frames for the turn are spent or none is left. A connection with
-    /// more to do goes to the back of its user's line; a user with
-    /// connections left waits for the next turn, behind every other.
+    /// connections served (`serve`), each once, from the front of its
+    /// line until its frames for the turn are spent or none is left. A
+    /// connection with more to do goes to the back of its user's line; a
+    /// user with connections left waits for the next turn, behind every
+    /// other.
     pub fn run(&mut self, mut serve: impl FnMut(ConnId) -> Served) {
         for _ in 0..self.order.len() {
             let Some(uid) = self.order.pop_front() else {
                 break;
             };
             let mut left = FRAMES_PER_USER_TURN;
+            // Served once a turn at most: those with more wait behind the
+            // rest of their user's line.
+            let mut again = Vec::new();
             while left > 0 {
                 let Some(id) = self.users.get_mut(&uid).and_then(|q| q.pop_front()) else {
                     break;
@@ -165,7 +169,12 @@ impl Turns {
                 self.queued.remove(&id);
                 let s = serve(id);
                 left = left.saturating_sub(s.frames.max(1));
-                if s.more && self.queued.insert(id, uid).is_none() {
+                if s.more {
+                    again.push(id);
+                }
+            }
+            for id in again {
+                if self.queued.insert(id, uid).is_none() {
                     self.users.entry(uid).or_default().push_back(id);
                 }
             }
@@ -885,8 +894,9 @@ mod tests {
 
         /// However many users hold however many connections, each
         /// handling whatever it may per serve and having more to do or
-        /// not: a user's turn is charged at most its budget plus one
-        /// connection's frames; a user with one connection is served in
+        /// not: a connection is served once a turn at most, a user's turn
+        /// is charged at most its budget plus one connection's frames; a
+        /// user with one connection is served in
         /// every turn it is ready; and every ready connection is served
         /// within as many turns as its user has connections.
         #[test]
@@ -927,6 +937,8 @@ mod tests {
                         "user {} charged {} frames in a turn", uid, c
                     );
                 }
+                let mut once = std::collections::HashSet::new();
+                prop_assert!(served.iter().all(|&(id, _)| once.insert(id)), "served twice in a turn");
                 if waited.contains_key(&victim) {
                     prop_assert!(served.iter().any(|&(id, _)| id == victim));
                 }
