@@ -8,13 +8,14 @@
 //! lose its own connection.
 //!
 //! Service is in bounded turns (SECURITY.md, invariant 1): each turn
-//! accepts at most `ACCEPTS_PER_TURN` connections and gives each ready
-//! connection at most `READ_PER_TURN` bytes and the core's
-//! `FRAMES_PER_TURN` frames, then moves on; a connection with more waits
-//! for the next turn on the ready list (`Turns`), since the edge-triggered
-//! poll will not say again what it already said. So no connection, and no
-//! flood of connections, keeps the others from an answer for more than a
-//! turn's worth of work.
+//! accepts at most `ACCEPTS_PER_TURN` connections and gives each user with
+//! a ready connection its part: its connections in turn, each at most
+//! `READ_PER_TURN` bytes and the core's `FRAMES_PER_TURN` frames, until
+//! the user's `FRAMES_PER_USER_TURN` are spent; a connection with more
+//! waits for the next turn on the ready lists (`Turns`), since the
+//! edge-triggered poll will not say again what it already said. So no
+//! connection, and no user however many connections it holds, keeps
+//! another user from an answer for more than one user's part of a turn.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
