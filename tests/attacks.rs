@@ -297,18 +297,11 @@ fn status_pages_through_more_processes_than_one_frame_holds() {
             std::process::id(),
             gpufrac_common::wire::Role::Shim,
         ));
-        c.send(&gpufrac_common::wire::ClientMsg::Register {
-            command: long.clone(),
-            devices: vec![gpufrac_common::wire::DeviceReg {
-                uuid,
-                ordinal: 0,
-                mem_cap: 0,
-                mem_total: 16 << 30,
-            }],
-            share: None,
-            limit: None,
-            priority: gpufrac_common::config::Priority::Normal,
-        });
+        c.send(&register_msg(
+            uuid,
+            &long,
+            gpufrac_common::config::Priority::Normal,
+        ));
         held.push(c);
     }
     // 1200 processes with 2 KB command lines are 2.4 MB of JSON: more

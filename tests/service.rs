@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
-use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Role, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, LeaseReq, Role, ServerMsg};
 use support::*;
 
 /// The per-uid log budget: its burst, and lines per second after it
@@ -217,18 +217,7 @@ fn a_register_flood_from_one_connection_leaves_others_served() {
     let _s = serial();
     let b = Logged::start();
     let uuid = b.first_gpu_uuid();
-    let register = ClientMsg::Register {
-        command: "flood".into(),
-        devices: vec![DeviceReg {
-            uuid,
-            ordinal: 0,
-            mem_cap: 0,
-            mem_total: 16 << 30,
-        }],
-        share: None,
-        limit: None,
-        priority: gpufrac_common::config::Priority::Normal,
-    };
+    let register = register_msg(uuid, "flood", gpufrac_common::config::Priority::Normal);
     let hello = b.file("hello", &frames(&[ClientMsg::hello(1, Role::Shim)]));
     let burst = b.file("burst", &frames(&vec![register; 500]));
     let mut f = KillOnDrop(nobody_python(
@@ -445,18 +434,11 @@ fn a_newline_in_a_command_line_is_escaped_in_the_log_and_status() {
     let uuid = b.first_gpu_uuid();
     let msgs = hex(&frames(&[
         ClientMsg::hello(1, Role::Shim),
-        ClientMsg::Register {
-            command: "from\nthe client".into(),
-            devices: vec![DeviceReg {
-                uuid,
-                ordinal: 0,
-                mem_cap: 0,
-                mem_total: 16 << 30,
-            }],
-            share: None,
-            limit: None,
-            priority: gpufrac_common::config::Priority::Normal,
-        },
+        register_msg(
+            uuid,
+            "from\nthe client",
+            gpufrac_common::config::Priority::Normal,
+        ),
     ]));
     let forged = "x\nFORGED-LINE ERROR gpufrac_broker: root's job was killed";
     // A script file, so that the command line the broker reads (and
@@ -526,18 +508,7 @@ fn grant_churn_on_many_connections_leaves_another_users_busy_process_its_gpu() {
     let _s = serial();
     let b = Logged::start();
     let uuid = b.first_gpu_uuid();
-    let register = ClientMsg::Register {
-        command: "churn".into(),
-        devices: vec![DeviceReg {
-            uuid,
-            ordinal: 0,
-            mem_cap: 0,
-            mem_total: 16 << 30,
-        }],
-        share: None,
-        limit: None,
-        priority: gpufrac_common::config::Priority::Low,
-    };
+    let register = register_msg(uuid, "churn", gpufrac_common::config::Priority::Low);
     let hello = b.file(
         "hello",
         &frames(&[ClientMsg::hello(1, Role::Shim), register]),

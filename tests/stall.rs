@@ -221,12 +221,44 @@ fn spin(b: &Broker, start: u64, end: u64) -> Command {
     cmd
 }
 
+/// The spinners' window, from 1.5 s to 8 s from now: time to start and
+/// register before it, and a stop inside it still leaves the stall bound
+/// (3 s) to run out before its end.
+fn window() -> (u64, u64) {
+    let t0 = mono_ns();
+    (t0 + 1500 * MS, t0 + 8000 * MS)
+}
+
+/// Whether any process `b`'s status lists on GPU 0 is as `f` says.
+fn any_process(b: &Broker, f: impl Fn(&serde_json::Value) -> bool) -> bool {
+    b.status()["gpus"][0]["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(f)
+}
+
+/// Whether `p` said it launches unarbitrated because `b` stopped
+/// answering.
+fn said_unarbitrated(b: &Broker, p: &Watched) -> bool {
+    p.err().contains(&format!(
+        "broker at {} has not answered for 3 s; launching unarbitrated",
+        b.socket.display()
+    ))
+}
+
+/// `p` spun its whole window without an error and is still alive.
+fn spun_its_window(p: &mut Watched) {
+    let out = p.out();
+    let spin = out.lines().find(|l| l.starts_with("spin ")).unwrap();
+    assert!(spin.contains(" rc=0 "), "{out}{}", p.err());
+    assert!(p.alive(), "{out}{}", p.err());
+}
+
 #[test]
 fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
-    let t0 = mono_ns();
-    let start = t0 + 1500 * MS;
-    let end = t0 + 8000 * MS;
+    let (start, end) = window();
     let spinner = || {
         let mut cmd = spin(&b, start, end);
         // Still alive when the broker comes back: it must re-register.
@@ -242,11 +274,7 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     // Stop the broker while one spinner holds the GPU and the other waits
     // for it: without a bound, the waiter would wait as long as the stop.
     wait_until(15.0, "one spinner waiting for the GPU", || {
-        b.status()["gpus"][0]["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|p| p["state"] == "waiting")
+        any_process(&b, |p| p["state"] == "waiting")
     });
     signal(&b, libc::SIGSTOP);
     let stopped_at = mono_ns();
@@ -265,20 +293,8 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
         || procs.iter().all(|p| p.out().contains("spin kernels=")),
     );
     for p in procs.iter_mut() {
-        let out = p.out();
-        let spin = out.lines().find(|l| l.starts_with("spin ")).unwrap();
-        assert!(spin.contains(" rc=0 "), "{out}{}", p.err());
-        assert!(p.alive(), "{out}{}", p.err());
+        spun_its_window(p);
     }
-    let said: Vec<bool> = procs
-        .iter()
-        .map(|p| {
-            p.err().contains(&format!(
-                "broker at {} has not answered for 3 s; launching unarbitrated",
-                b.socket.display()
-            ))
-        })
-        .collect();
     // The waiter at the stop says it. The holder says it too when the
     // broker had told it of the waiter (its grant then has a slice to end),
     // but a hand-over can race the stop: the waiter hands back after an
@@ -289,7 +305,7 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     // a process that waits on the broker whatever the moment of the stop
     // (one under a compute limit) is tested below.
     assert!(
-        said.iter().any(|&s| s),
+        procs.iter().any(|p| said_unarbitrated(&b, p)),
         "nobody said why it launched unarbitrated: {:?}",
         procs.iter().map(|p| p.err()).collect::<Vec<_>>()
     );
@@ -323,9 +339,7 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
 #[test]
 fn a_stopped_broker_does_not_hold_back_a_process_under_a_compute_limit() {
     let b = Broker::start("16G", &["--timeslice", "20ms"]);
-    let t0 = mono_ns();
-    let start = t0 + 1500 * MS;
-    let end = t0 + 8000 * MS;
+    let (start, end) = window();
     let mut cmd = spin(&b, start, end);
     cmd.env("GPU_COMPUTE_LIMIT", "50")
         .env("GPUFRAC_LOG", "warn")
@@ -333,11 +347,7 @@ fn a_stopped_broker_does_not_hold_back_a_process_under_a_compute_limit() {
     let mut p = Watched::spawn(cmd);
     let pid = p.pid();
     wait_until(15.0, "the spinner to hold a grant", || {
-        b.status()["gpus"][0]["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["pid"] == pid && c["state"] == "holding")
+        any_process(&b, |c| c["pid"] == pid && c["state"] == "holding")
     });
     signal(&b, libc::SIGSTOP);
     let stopped_at = mono_ns();
@@ -352,17 +362,12 @@ fn a_stopped_broker_does_not_hold_back_a_process_under_a_compute_limit() {
         "the spinner to finish while the broker is stopped",
         || p.out().contains("spin kernels="),
     );
-    let out = p.out();
-    let spin = out.lines().find(|l| l.starts_with("spin ")).unwrap();
-    assert!(spin.contains(" rc=0 "), "{out}{}", p.err());
-    assert!(p.alive(), "{out}{}", p.err());
+    spun_its_window(&mut p);
     assert!(
-        p.err().contains(&format!(
-            "broker at {} has not answered for 3 s; launching unarbitrated",
-            b.socket.display()
-        )),
-        "stopped {} ms before the end: {out}{}",
+        said_unarbitrated(&b, &p),
+        "stopped {} ms before the end: {}{}",
         (end - stopped_at) / MS,
+        p.out(),
         p.err()
     );
     drop(cont);
@@ -391,11 +396,7 @@ fn a_stopped_broker_keeps_blocking_launches_with_broker_required() {
         pids.iter().all(|p| r.contains(p))
     });
     wait_until(15.0, "one spinner waiting for the GPU", || {
-        b.status()["gpus"][0]["processes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|p| p["state"] == "waiting")
+        any_process(&b, |p| p["state"] == "waiting")
     });
     signal(&b, libc::SIGSTOP);
     let cont = Continue(&b);

@@ -11,7 +11,7 @@ use std::os::unix::net::UnixListener;
 use std::process::Command;
 
 use gpufrac_common::wire::{
-    self, ClientMsg, DeviceReg, ERR_VERSION, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerMsg,
+    self, ClientMsg, ERR_VERSION, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerMsg,
 };
 use support::*;
 
@@ -38,18 +38,11 @@ fn a_client_of_the_previous_version_is_served() {
     let mut old = RawClient::connect(&b.socket);
     old.send_raw(&hello_v4(1)).unwrap();
     assert_eq!(old.recv(), Some(ServerMsg::HelloOk { version: 4 }));
-    old.send(&ClientMsg::Register {
-        command: "old shim".into(),
-        devices: vec![DeviceReg {
-            uuid,
-            ordinal: 0,
-            mem_cap: 0,
-            mem_total: 16 << 30,
-        }],
-        share: None,
-        limit: None,
-        priority: gpufrac_common::config::Priority::Normal,
-    });
+    old.send(&register_msg(
+        uuid,
+        "old shim",
+        gpufrac_common::config::Priority::Normal,
+    ));
     old.send(&ClientMsg::Ping);
     loop {
         match old.recv() {

@@ -194,6 +194,27 @@ pub const GIB: u64 = 1 << 30;
 /// by every process on the machine.
 pub use gpufrac_common::clock::mono_ns;
 
+/// What a shim sends to register `command` at `priority`: one 16 GiB
+/// device, `uuid`, at ordinal 0, no cap, share or limit of its own.
+pub fn register_msg(
+    uuid: [u8; 16],
+    command: &str,
+    priority: gpufrac_common::config::Priority,
+) -> gpufrac_common::wire::ClientMsg {
+    gpufrac_common::wire::ClientMsg::Register {
+        command: command.into(),
+        devices: vec![gpufrac_common::wire::DeviceReg {
+            uuid,
+            ordinal: 0,
+            mem_cap: 0,
+            mem_total: 16 << 30,
+        }],
+        share: None,
+        limit: None,
+        priority,
+    }
+}
+
 /// The uid that attacks and victims of another user run as.
 pub const NOBODY: u32 = 65534;
 
