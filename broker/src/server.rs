@@ -17,7 +17,7 @@
 //! connection, and no user however many connections it holds, keeps
 //! another user from an answer for more than one user's part of a turn.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -128,8 +128,8 @@ pub struct Turns {
     users: HashMap<u32, VecDeque<ConnId>>,
     /// Users with a ready connection, in the order they are served.
     order: VecDeque<u32>,
-    /// Each ready connection's user.
-    queued: HashMap<ConnId, u32>,
+    /// The ready connections (each in its user's line once).
+    queued: HashSet<ConnId>,
     /// The listener may have connections waiting in its backlog.
     pub listener: bool,
 }
@@ -138,7 +138,7 @@ impl Turns {
     /// `id`, a connection of `uid`, has something to do: it gets a turn
     /// (once, however often this is said before its turn comes).
     pub fn push(&mut self, id: ConnId, uid: u32) {
-        if self.queued.insert(id, uid).is_some() {
+        if !self.queued.insert(id) {
             return;
         }
         let q = self.users.entry(uid).or_default();
@@ -175,7 +175,7 @@ impl Turns {
                 }
             }
             for id in again {
-                if self.queued.insert(id, uid).is_none() {
+                if self.queued.insert(id) {
                     self.users.entry(uid).or_default().push_back(id);
                 }
             }
