@@ -104,7 +104,9 @@ struct BrokerArgs {
     /// Group allowed to use the socket (mode 0660); default: the broker's own.
     #[arg(long, value_name = "GROUP")]
     group: Option<String>,
-    /// Serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9400.
+    /// Serve Prometheus metrics over HTTP at /metrics on ADDR: a port alone
+    /// (9400) is 127.0.0.1:9400, loopback only; HOST:PORT as given
+    /// (0.0.0.0:9400 serves every interface).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// A queued request waiting this long goes ahead of all younger ones.

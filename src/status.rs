@@ -634,6 +634,7 @@ mod tests {
             leases: vec![
                 LeaseEntry {
                     pid: 41,
+                    uid: 0,
                     pod: None,
                     command: "python train.py".into(),
                     gpus: vec![0],
@@ -645,6 +646,7 @@ mod tests {
                 },
                 LeaseEntry {
                     pid: 5,
+                    uid: 0,
                     pod: Some("ml/infer-0".into()),
                     command: "container server".into(),
                     gpus: vec![0],

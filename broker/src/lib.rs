@@ -2,7 +2,8 @@
 //! downward only:
 //!
 //! - pure policy in virtual time: `sched` (compute), `queue` and `mig`
-//!   (placement), `authority` (who may do what), `jobs` (what a job is);
+//!   (placement), `authority` (who may do what), `jobs` (what a job is),
+//!   `stats` (what metrics count as it happens);
 //! - `proto`, the sans-I/O core: connections, budgets, membership,
 //!   leases, recovery and status, over `procs` (the host, behind traits);
 //! - I/O: `server` (the event loop), `listen` (the socket), `statefile`,
@@ -24,6 +25,7 @@ pub mod sched;
 pub mod server;
 pub mod startup;
 pub mod statefile;
+pub mod stats;
 pub mod status;
 
 /// A socket path this user can create, for hints when the default (root's

@@ -21,9 +21,9 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mio::net::{UnixListener, UnixStream};
@@ -69,7 +69,7 @@ pub struct Shell {
     pub listener: UnixListener,
     pub socket: PathBuf,
     pub state: StateFile,
-    pub metrics: Option<Arc<Mutex<String>>>,
+    pub metrics: Option<crate::metrics::Feed>,
     pub mps: Option<crate::mps::Mps>,
     pub mig_driver: Option<Box<dyn MigDriver + Send>>,
     /// The driver, for status's utilisation and per-process memory (None:
@@ -208,7 +208,7 @@ struct Loop {
     saver: Option<Sender<Snapshot>>,
     mig: Option<Sender<Work>>,
     done: Receiver<Done>,
-    metrics: Option<Arc<Mutex<String>>>,
+    metrics: Option<crate::metrics::Feed>,
     last_metrics: Nanos,
     /// The sampler thread, asked with the UUIDs to sample; whether a
     /// sample is being taken, and when the last was asked for.
@@ -798,8 +798,10 @@ impl Loop {
         }
     }
 
+    /// Hands the metrics thread a snapshot; it renders and serves it
+    /// without the loop.
     fn refresh_metrics(&mut self) {
-        let Some(m) = self.metrics.clone() else {
+        let Some(m) = &self.metrics else {
             return;
         };
         let t = now();
@@ -807,8 +809,7 @@ impl Loop {
             return;
         }
         self.last_metrics = t;
-        let text = crate::metrics::render_metrics(&self.core.status(t));
-        *m.lock().unwrap_or_else(|e| e.into_inner()) = text;
+        m.publish(t, self.core.status(t), self.core.stats().counters());
     }
 }
 

@@ -4,7 +4,6 @@
 //! and the core handed to the event loop.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use gpufrac_common::size::format_size;
 use tracing::{info, warn};
@@ -31,7 +30,8 @@ pub struct BrokerOptions {
     pub inflight: u64,
     /// Group that may use the socket (mode 0660).
     pub group: Option<String>,
-    /// Address for Prometheus metrics over HTTP, e.g. 127.0.0.1:9400.
+    /// Address for Prometheus metrics over HTTP: HOST:PORT, or a port
+    /// alone for 127.0.0.1:PORT.
     pub metrics: Option<String>,
     /// Queue escalation age, ns (default 1 h).
     pub escalate_after: u64,
@@ -348,21 +348,11 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         let (g, w) = parse_weight("--group-weight", a, gid_of)?;
         weights.groups.insert(g, w);
     }
-    if let Some(addr) = &opts.metrics
-        && addr.parse::<std::net::SocketAddr>().is_err()
-        && std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()).is_err()
-    {
-        // `--metrics 9400` (or `:9400`) is the likely slip: a port alone.
-        return Err(match addr.trim_start_matches(':').parse::<u16>() {
-            Ok(port) => format!(
-                "--metrics {addr}: needs an address, not only a port; \
-                 use --metrics 127.0.0.1:{port} (or 0.0.0.0:{port} to serve every interface)"
-            ),
-            Err(_) => {
-                format!("--metrics {addr}: not an address; use HOST:PORT, e.g. 127.0.0.1:9400")
-            }
-        });
-    }
+    let metrics_addr = opts
+        .metrics
+        .as_deref()
+        .map(crate::metrics::address)
+        .transpose()?;
     let state_dir = state_dir(&opts)?;
     let nofile = crate::listen::raise_nofile();
     let found = match inventory::discover() {
@@ -388,12 +378,8 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     }
     // Bound before the socket: a metrics address in use must not leave a
     // socket behind.
-    let metrics = match &opts.metrics {
-        Some(addr) => {
-            let m = Arc::new(Mutex::new(String::new()));
-            crate::metrics::serve_metrics(addr, m.clone())?;
-            Some(m)
-        }
+    let metrics = match &metrics_addr {
+        Some(addr) => Some(crate::metrics::serve(addr)?.1),
         None => None,
     };
     let listener = crate::listen::bind(&opts.socket, group)?;

@@ -232,6 +232,10 @@ pub struct QueueEntry {
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct LeaseEntry {
     pub pid: u32,
+    /// The user the job is counted for (its `gpufrac run`'s, or the
+    /// device plugin's for a pod).
+    #[serde(default)]
+    pub uid: u32,
     /// A pod's lease (`namespace/name`): `pid` is then the device plugin's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,

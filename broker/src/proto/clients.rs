@@ -148,12 +148,15 @@ impl Broker {
             }
             ClientMsg::Acquire { uuid } => {
                 debug!(pid, "acquire");
+                let class = s.priority;
                 let Some(g) = self.device_of(id, &uuid) else {
                     return;
                 };
+                self.stats.acquired(now, id, g, class);
                 if self.cfg.mps_pipe.is_none() {
                     return self.gpus[g].sched.acquire(now, id);
                 }
+                self.stats.granted(now, id, g);
                 // MPS runs every client's kernels side by side: nothing to
                 // take turns at. The grant is open-ended and never revoked.
                 self.send(
@@ -170,6 +173,7 @@ impl Broker {
             ClientMsg::Release { uuid, held_ns } => {
                 debug!(pid, held_us = held_ns / 1000, "release");
                 if let Some(g) = self.device_of(id, &uuid) {
+                    self.stats.released(id, g);
                     self.gpus[g].sched.release(now, id);
                 }
             }
@@ -248,6 +252,7 @@ impl Broker {
                     known.join(", ")
                 }
             );
+            self.stats.refused(crate::stats::Refusal::UnknownGpu);
             self.warn_limited(format_args!(
                 "refusing a registration from pid {pid} for GPUs this node does not have: {}",
                 unknown.join(", ")

@@ -13,6 +13,7 @@ use crate::jobs::{Job, Phase};
 use crate::mig;
 use crate::queue::{self, Pinned, Want};
 use crate::statefile::Loaded;
+use crate::stats::Refusal;
 use gpufrac_common::wire::uuid_string;
 
 /// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
@@ -38,6 +39,12 @@ pub(super) fn describe(w: &Want) -> String {
 
 impl Broker {
     fn refuse(&mut self, id: ConnId, reason: impl Into<String>) {
+        self.refuse_as(id, Refusal::Other, reason);
+    }
+
+    /// A refusal, counted by `why` for metrics.
+    fn refuse_as(&mut self, id: ConnId, why: Refusal, reason: impl Into<String>) {
+        self.stats.refused(why);
         self.send(
             id,
             &ServerMsg::Refused {
@@ -64,7 +71,7 @@ impl Broker {
                 "refused a lease from pid {} (uid {}): {reason}",
                 peer.pid, peer.uid
             ));
-            return self.refuse(id, reason);
+            return self.refuse_as(id, Refusal::NotAllowed, reason);
         }
         if a.resume != 0 {
             return self.resume_job(now, id, a);
@@ -83,7 +90,7 @@ impl Broker {
         }
         let will_wait = !a.no_wait && (a.want_gpus, a.want_mem, pinned) != (0, 0, false);
         if let Err(reason) = self.within_budget(&peer, will_wait) {
-            return self.refuse(id, reason);
+            return self.refuse_as(id, Refusal::LeaseLimit, reason);
         }
         // The process as it was at accept: the pid may name another
         // process by now, whose job this must never become.
@@ -107,7 +114,11 @@ impl Broker {
             Some(_) if pinned && !self.placing(now) => self.claim(now, id, job, &[]),
             Some(_) if a.no_wait && !self.placing(now) => {
                 let why = self.recovering_text(now);
-                self.refuse(id, format!("no room now: {why}; drop --no-wait to queue"));
+                self.refuse_as(
+                    id,
+                    Refusal::NoRoom,
+                    format!("no room now: {why}; drop --no-wait to queue"),
+                );
             }
             Some(req) if a.no_wait => match self.queue_mut().try_now(now, token, req) {
                 Ok(lease) => {
@@ -119,7 +130,7 @@ impl Broker {
                     self.attach_job(now, id, job);
                     self.placed(now, lease, Some(id));
                 }
-                Err(r) => self.refuse(id, r.reason),
+                Err(r) => self.refuse_as(id, Refusal::NoRoom, r.reason),
             },
             Some(req) => match self.queue_mut().submit(now, token, req) {
                 Ok(()) => {
@@ -130,7 +141,7 @@ impl Broker {
                         c.queued = Some(0);
                     }
                 }
-                Err(r) => self.refuse(id, r.reason),
+                Err(r) => self.refuse_as(id, Refusal::Unsatisfiable, r.reason),
             },
         }
     }
@@ -498,6 +509,9 @@ impl Broker {
     fn granted(&mut self, now: Nanos, lease: queue::Lease) {
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
         if let Some(j) = self.jobs.get_mut(&lease.id) {
+            if let Phase::Queued { since } = j.phase {
+                self.stats.queue_waited(now.saturating_sub(since));
+            }
             j.phase = Phase::Running {
                 gpus: lease.gpus.clone(),
                 mig,
@@ -629,8 +643,9 @@ impl Broker {
                     if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
                         c.job = None;
                     }
-                    self.refuse(
+                    self.refuse_as(
                         id,
+                        Refusal::NoRoom,
                         format!(
                             "no room now: the MIG instance could not be made ({e}); drop --no-wait to queue"
                         ),

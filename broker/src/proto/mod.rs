@@ -42,6 +42,7 @@ use crate::procs::{Procs, Telemetry};
 pub type Tokens = Box<dyn FnMut() -> u64>;
 use crate::queue::{self, Queue, QueueConfig};
 use crate::sched::{Action, SchedConfig, Scheduler, Weights};
+use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
@@ -274,6 +275,8 @@ pub struct Broker {
     queue_dirty: bool,
     /// Frames handled so far (`frames_handled`).
     frames_handled: u64,
+    /// What metrics count as it happens (`stats`).
+    stats: Stats,
     queue_polled: Nanos,
     now: Nanos,
 }
@@ -342,6 +345,7 @@ impl Broker {
             unsettled: BTreeSet::new(),
             queue_dirty: true,
             frames_handled: 0,
+            stats: Stats::default(),
             queue_polled: now,
             now,
         };
@@ -481,6 +485,7 @@ impl Broker {
                 },
                 &mut out,
             );
+            self.stats.refused(Refusal::ConnectionLimit);
             self.warn_uid(
                 peer.uid,
                 format_args!(
@@ -563,6 +568,11 @@ impl Broker {
     /// user's turn with.
     pub fn frames_handled(&self) -> u64 {
         self.frames_handled
+    }
+
+    /// Grant latencies, queue waits and refusals so far, for metrics.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
     }
 
     /// Whether `id` has frames to handle now (`serve`).
@@ -756,6 +766,7 @@ impl Broker {
         self.unsent.remove(&id);
         self.status_held.remove(&id);
         self.unsettled.remove(&id);
+        self.stats.forget(id);
         if let Some(t) = c.member_of() {
             self.jobs.leave(t, id);
         }
@@ -948,16 +959,19 @@ impl Broker {
                         slice,
                         bound,
                         waiters,
-                    } => self.send(
-                        client,
-                        &ServerMsg::Grant {
-                            uuid,
-                            grant,
-                            slice_ns: slice.unwrap_or(0),
-                            bound_ns: bound,
-                            waiters,
-                        },
-                    ),
+                    } => {
+                        self.stats.granted(now, client, g);
+                        self.send(
+                            client,
+                            &ServerMsg::Grant {
+                                uuid,
+                                grant,
+                                slice_ns: slice.unwrap_or(0),
+                                bound_ns: bound,
+                                waiters,
+                            },
+                        )
+                    }
                     Action::Revoke { client, grant } => {
                         self.send(client, &ServerMsg::Revoke { uuid, grant })
                     }

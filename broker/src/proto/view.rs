@@ -206,6 +206,7 @@ impl Broker {
             .filter(|(_, j)| !matches!(j.phase, Phase::Queued { .. }))
             .map(|(t, j)| LeaseEntry {
                 pid: j.pid,
+                uid: j.uid,
                 pod: j.pod.clone(),
                 command: j.label.clone(),
                 gpus: self

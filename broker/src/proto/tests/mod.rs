@@ -15,6 +15,7 @@ mod mig_instances;
 mod restarts;
 mod roles;
 mod service_props;
+mod stats;
 mod telemetry;
 
 use std::cell::RefCell;

@@ -1,0 +1,560 @@
+//! Every metric family the broker exports, made from a snapshot (the
+//! status and the core's counters) and what the tally kept of earlier
+//! ones. docs/metrics.md lists them; a test checks the list against what
+//! a broker serves.
+
+use std::collections::HashMap;
+
+use gpufrac_common::config::Priority;
+
+use super::tally::{JobKey, Tally, owner};
+use super::text::{Family, Kind, Labels};
+use crate::stats::{Refusal, Stats};
+use crate::status::{GpuStatus, Status};
+
+/// What the event loop hands the metrics room, at most twice a second.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Monotonic nanoseconds, when it was taken.
+    pub at: u64,
+    pub status: Status,
+    pub stats: Stats,
+}
+
+/// A process's states, as status names them.
+const STATES: [&str; 5] = ["holding", "waiting", "idle", "revoking", "hung"];
+/// A MIG instance's states.
+const MIG_STATES: [&str; 4] = ["in-use", "idle", "creating", "foreign"];
+
+fn gpu(g: &GpuStatus) -> Labels {
+    vec![
+        ("gpu", g.index.map_or_else(String::new, |i| i.to_string())),
+        ("uuid", g.uuid.clone()),
+    ]
+}
+
+fn with(mut l: Labels, more: &[(&'static str, String)]) -> Labels {
+    l.extend_from_slice(more);
+    l
+}
+
+/// A family of one sample per GPU (MIG GPUs, whose instances are GPUs of
+/// their own, left out where `devices_only`).
+fn per_gpu(
+    s: &Status,
+    name: &'static str,
+    help: &'static str,
+    devices_only: bool,
+    v: impl Fn(&GpuStatus) -> Option<f64>,
+) -> Family {
+    let mut f = Family::new(name, Kind::Gauge, help);
+    for g in s.gpus.iter().filter(|g| !devices_only || g.mig.is_none()) {
+        if let Some(x) = v(g) {
+            f.add(gpu(g), x);
+        }
+    }
+    f
+}
+
+pub fn families(snap: &Snapshot, t: &Tally) -> Vec<Family> {
+    let s = &snap.status;
+    let mut out = vec![build_info()];
+    out.extend(gpus(s));
+    out.extend(users(s, t));
+    out.extend(jobs(s, t));
+    out.extend(processes(s, t));
+    out.extend(queue(s, &snap.stats));
+    out.extend(mps_mig(s));
+    out
+}
+
+fn build_info() -> Family {
+    let mut f = Family::new(
+        "gpufrac_build_info",
+        Kind::Gauge,
+        "The broker's version (always 1).",
+    );
+    f.add(vec![("version", env!("CARGO_PKG_VERSION").into())], 1.0);
+    f
+}
+
+fn gpus(s: &Status) -> Vec<Family> {
+    let mut info = Family::new(
+        "gpufrac_gpu_info",
+        Kind::Gauge,
+        "A GPU or MIG instance the broker arbitrates (always 1): its name and how it is \
+         shared (time-slicing, mps, mig for a GPU in MIG mode, mig-instance).",
+    );
+    for g in &s.gpus {
+        info.add(
+            with(
+                gpu(g),
+                &[("name", g.name.clone()), ("mode", g.mode.clone())],
+            ),
+            1.0,
+        );
+    }
+    let mut states = Family::new(
+        "gpufrac_gpu_processes",
+        Kind::Gauge,
+        "Processes registered on the GPU, by state (holding the compute timeslice, waiting \
+         for it, idle, revoking, hung).",
+    );
+    let mut waiting = Family::new(
+        "gpufrac_gpu_waiting_processes",
+        Kind::Gauge,
+        "Processes waiting for the GPU's compute timeslice, by priority class: the compute \
+         queue's length.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        for st in STATES {
+            let n = g.processes.iter().filter(|p| p.state == st).count();
+            states.add(with(gpu(g), &[("state", st.into())]), n as f64);
+        }
+        for class in Priority::ALL {
+            let n = g
+                .processes
+                .iter()
+                .filter(|p| p.state == "waiting" && p.priority == class.as_str())
+                .count();
+            waiting.add(with(gpu(g), &[("class", class.as_str().into())]), n as f64);
+        }
+    }
+    vec![
+        info,
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_total_bytes",
+            "Memory of the GPU or MIG instance.",
+            false,
+            |g| Some(g.total_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_committed_bytes",
+            "Memory promised to leases of gpufrac run on the GPU.",
+            false,
+            |g| Some(g.committed_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_used_bytes",
+            "Memory the shims of the GPU's processes hold, as they charge it to their caps.",
+            true,
+            |g| Some(g.processes.iter().map(|p| p.mem_used as f64).sum()),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_utilization_ratio",
+            "Time the GPU was busy over NVML's last sample period (0 to 1), where NVML \
+             reports it.",
+            true,
+            |g| g.utilization.map(|u| f64::from(u) / 100.0),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_slots",
+            "Leases of --gpus 1 the GPU holds at once (--overprovision).",
+            true,
+            |g| Some(f64::from(g.slots_total)),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_slots_used",
+            "Slots of the GPU held by leases.",
+            true,
+            |g| Some(f64::from(g.slots_used)),
+        ),
+        states,
+        waiting,
+    ]
+}
+
+fn users(s: &Status, t: &Tally) -> Vec<Family> {
+    let mut target = Family::new(
+        "gpufrac_user_share_target_ratio",
+        Kind::Gauge,
+        "The part of the GPU a user's processes get together while they are busy and the \
+         GPU contended (0 to 1).",
+    );
+    let mut achieved = Family::new(
+        "gpufrac_user_share_achieved_ratio",
+        Kind::Gauge,
+        "The part of the GPU a user's processes held over the last window (0 to 1).",
+    );
+    let mut seconds = Family::new(
+        "gpufrac_user_gpu_seconds_total",
+        Kind::Counter,
+        "GPU time charged to a user's processes, those gone included, seconds.",
+    );
+    let mut used = Family::new(
+        "gpufrac_user_memory_used_bytes",
+        Kind::Gauge,
+        "Memory a user's processes hold on the GPU, as their shims charge it.",
+    );
+    let mut refusals = Family::new(
+        "gpufrac_user_memory_refusals_total",
+        Kind::Counter,
+        "Allocations the memory caps refused to a user's processes, those gone included.",
+    );
+    for g in &s.gpus {
+        for u in &g.users {
+            let l = with(gpu(g), &[("user", t.user(u.uid))]);
+            target.add(l.clone(), u.share_target);
+            achieved.add(l.clone(), u.share_achieved);
+            seconds.add(l, u.gpu_time_s);
+        }
+        for p in &g.processes {
+            let l = with(gpu(g), &[("user", t.user(owner(g, p)))]);
+            used.add(l.clone(), p.mem_used as f64);
+            refusals.add(l, p.ooms as f64);
+        }
+    }
+    let by_uuid: HashMap<&str, &GpuStatus> = s.gpus.iter().map(|g| (g.uuid.as_str(), g)).collect();
+    for (uuid, user, gone) in t.gone_users() {
+        if let Some(g) = by_uuid.get(uuid) {
+            let l = with(gpu(g), &[("user", user)]);
+            seconds.add(l.clone(), gone.gpu_s);
+            refusals.add(l, gone.refusals as f64);
+        }
+    }
+    vec![target, achieved, seconds, used, refusals]
+}
+
+fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
+    let mut info = Family::new(
+        "gpufrac_job_info",
+        Kind::Gauge,
+        "A job (a lease of gpufrac run or a pod's) and its command (always 1).",
+    );
+    let mut cap = Family::new(
+        "gpufrac_job_memory_cap_bytes",
+        Kind::Gauge,
+        "The memory cap of a job started with --gpu-memory, shared by all its processes.",
+    );
+    let mut held = Family::new(
+        "gpufrac_job_held_seconds",
+        Kind::Gauge,
+        "How long a job has held its lease.",
+    );
+    for l in &s.leases {
+        let job = JobKey::of(Some(l.pid), l.pod.as_deref());
+        let labels: Labels = vec![("user", t.user(l.uid)), ("job_id", t.job(l.uid, &job))];
+        info.add(with(labels.clone(), &[("command", l.command.clone())]), 1.0);
+        if let Some(c) = l.mem_cap {
+            cap.add(labels.clone(), c as f64);
+        }
+        held.add(labels, l.held_s);
+    }
+    let mut target = Family::new(
+        "gpufrac_job_share_target_ratio",
+        Kind::Gauge,
+        "The part of the GPU a job's processes get together while they are busy and the \
+         GPU contended (0 to 1); job_id \"none\" is a user's processes outside any job.",
+    );
+    let mut achieved = Family::new(
+        "gpufrac_job_share_achieved_ratio",
+        Kind::Gauge,
+        "The part of the GPU a job's processes held over the last window (0 to 1).",
+    );
+    let mut seconds = Family::new(
+        "gpufrac_job_gpu_seconds_total",
+        Kind::Counter,
+        "GPU time charged to a job's processes, those gone included, seconds.",
+    );
+    let mut used = Family::new(
+        "gpufrac_job_memory_used_bytes",
+        Kind::Gauge,
+        "Memory a job's processes hold on the GPU, as their shims charge it.",
+    );
+    let mut refusals = Family::new(
+        "gpufrac_job_memory_refusals_total",
+        Kind::Counter,
+        "Allocations the memory caps refused to a job's processes, those gone included.",
+    );
+    for g in &s.gpus {
+        for u in &g.users {
+            for j in &u.jobs {
+                let job = t.job(u.uid, &JobKey::of(j.job, j.pod.as_deref()));
+                let l = with(gpu(g), &[("user", t.user(u.uid)), ("job_id", job)]);
+                target.add(l.clone(), j.share_target);
+                achieved.add(l.clone(), j.share_achieved);
+                seconds.add(l, j.gpu_time_s);
+            }
+        }
+        for p in &g.processes {
+            let uid = owner(g, p);
+            let job = t.job(uid, &JobKey::of(p.job, p.pod.as_deref()));
+            let l = with(gpu(g), &[("user", t.user(uid)), ("job_id", job)]);
+            used.add(l.clone(), p.mem_used as f64);
+            refusals.add(l, p.ooms as f64);
+        }
+    }
+    let by_uuid: HashMap<&str, &GpuStatus> = s.gpus.iter().map(|g| (g.uuid.as_str(), g)).collect();
+    for (uuid, user, job, gone) in t.gone_jobs() {
+        if let Some(g) = by_uuid.get(uuid) {
+            let l = with(gpu(g), &[("user", user), ("job_id", job)]);
+            seconds.add(l.clone(), gone.gpu_s);
+            refusals.add(l, gone.refusals as f64);
+        }
+    }
+    vec![info, cap, held, target, achieved, seconds, used, refusals]
+}
+
+fn processes(s: &Status, t: &Tally) -> Vec<Family> {
+    let mut fams = [
+        (
+            "gpufrac_process_memory_used_bytes",
+            Kind::Gauge,
+            "Memory the process holds on the GPU, as its shim charges it to its cap.",
+        ),
+        (
+            "gpufrac_process_memory_peak_bytes",
+            Kind::Gauge,
+            "The most memory the process has held on the GPU.",
+        ),
+        (
+            "gpufrac_process_memory_cap_bytes",
+            Kind::Gauge,
+            "The process's memory cap on the GPU (GPU_MEM_LIMIT, or its job's), where it has one.",
+        ),
+        (
+            "gpufrac_process_driver_memory_bytes",
+            Kind::Gauge,
+            "Memory the driver reports for the process (NVML: its allocations and the \
+             driver's own context and modules), where NVML reports it.",
+        ),
+        (
+            "gpufrac_process_memory_refusals_total",
+            Kind::Counter,
+            "Allocations the process's memory cap refused.",
+        ),
+        (
+            "gpufrac_process_share_target_ratio",
+            Kind::Gauge,
+            "The part of the GPU the process gets while it is busy and the GPU contended (0 to 1).",
+        ),
+        (
+            "gpufrac_process_share_achieved_ratio",
+            Kind::Gauge,
+            "The part of the GPU the process held over the last window (0 to 1).",
+        ),
+        (
+            "gpufrac_process_gpu_seconds_total",
+            Kind::Counter,
+            "GPU time charged to the process (split evenly while work of several shared the \
+             GPU), seconds.",
+        ),
+        (
+            "gpufrac_process_mps_thread_ratio",
+            Kind::Gauge,
+            "Under --mps, the part of the GPU's SMs the process may use \
+             (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE from its job's --gpu-compute, 0 to 1).",
+        ),
+    ]
+    .map(|(n, k, h)| Family::new(n, k, h));
+    let mut unlisted = Family::new(
+        "gpufrac_processes_unlisted",
+        Kind::Gauge,
+        "Processes on the GPU past the bound of per-process series: counted in their \
+         user's and job's series only.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        let mut left_out = 0;
+        for p in &g.processes {
+            if !t.listed(&g.uuid, p.pid) {
+                left_out += 1;
+                continue;
+            }
+            let uid = owner(g, p);
+            let l = with(
+                gpu(g),
+                &[
+                    ("pid", p.pid.to_string()),
+                    ("user", t.user(uid)),
+                    ("job_id", t.job(uid, &JobKey::of(p.job, p.pod.as_deref()))),
+                    ("class", p.priority.clone()),
+                ],
+            );
+            let values = [
+                Some(p.mem_used as f64),
+                Some(p.mem_peak as f64),
+                p.mem_cap.map(|c| c as f64),
+                p.driver_mem.map(|m| m as f64),
+                Some(p.ooms as f64),
+                Some(p.share_target),
+                Some(p.share_achieved),
+                Some(p.gpu_time_s),
+                p.sm_percent.map(|pct| pct / 100.0),
+            ];
+            for (f, v) in fams.iter_mut().zip(values) {
+                if let Some(v) = v {
+                    f.add(l.clone(), v);
+                }
+            }
+        }
+        unlisted.add(gpu(g), f64::from(left_out));
+    }
+    let mut out: Vec<Family> = fams.into();
+    out.push(unlisted);
+    out
+}
+
+fn queue(s: &Status, stats: &Stats) -> Vec<Family> {
+    let mut requests = Family::new(
+        "gpufrac_queue_requests",
+        Kind::Gauge,
+        "Requests of gpufrac run waiting in the queue for GPUs or memory; escalated: \
+         waiting longer than --escalate-after, placed ahead of younger ones.",
+    );
+    for escalated in [false, true] {
+        let n = s.queue.iter().filter(|q| q.escalated == escalated).count();
+        requests.add(vec![("escalated", escalated.to_string())], n as f64);
+    }
+    let mut longest = Family::new(
+        "gpufrac_queue_longest_wait_seconds",
+        Kind::Gauge,
+        "How long the request that has waited longest so far has waited (0: none waits).",
+    );
+    longest.add(
+        vec![],
+        s.queue.iter().map(|q| q.waiting_s).fold(0.0, f64::max),
+    );
+    let mut wait = Family::new(
+        "gpufrac_queue_wait_seconds",
+        Kind::Histogram,
+        "How long queued requests waited for their lease (those placed since the broker \
+         started).",
+    );
+    wait.histogram(vec![], &stats.queue_wait);
+    let mut leases = Family::new(
+        "gpufrac_leases",
+        Kind::Gauge,
+        "Leases held: jobs of gpufrac run placed or without placement, and pods' leases.",
+    );
+    leases.add(vec![], s.leases.len() as f64);
+    let mut grant = Family::new(
+        "gpufrac_grant_latency_seconds",
+        Kind::Histogram,
+        "How long a process that asked for the GPU's compute timeslice (Acquire) waited \
+         for it (Grant), by priority class.",
+    );
+    for class in Priority::ALL {
+        grant.histogram(
+            vec![("class", class.as_str().into())],
+            &stats.grant_latency[class.index()],
+        );
+    }
+    let mut refusals = Family::new(
+        "gpufrac_refusals_total",
+        Kind::Counter,
+        "Requests the broker refused, by reason (connection_limit, lease_limit, \
+         not_allowed, unknown_gpu, no_room, unsatisfiable, other).",
+    );
+    for (r, n) in Refusal::ALL.iter().zip(stats.refusals) {
+        refusals.add(vec![("reason", r.as_str().into())], n as f64);
+    }
+    let mut recovering = Family::new(
+        "gpufrac_recovering",
+        Kind::Gauge,
+        "1 while new placements are held after a state file that could not be trusted, \
+         so that running jobs claim their leases back first.",
+    );
+    recovering.add(vec![], if s.recovery.is_some() { 1.0 } else { 0.0 });
+    vec![requests, longest, wait, leases, grant, refusals, recovering]
+}
+
+fn mps_mig(s: &Status) -> Vec<Family> {
+    let mut out = Vec::new();
+    if let Some(m) = &s.mps {
+        let mut up = Family::new(
+            "gpufrac_mps_up",
+            Kind::Gauge,
+            "The MPS control daemon the broker runs (--mps) is up (1) or not (0).",
+        );
+        up.add(vec![], if m.state == "running" { 1.0 } else { 0.0 });
+        let mut restarts = Family::new(
+            "gpufrac_mps_restarts_total",
+            Kind::Counter,
+            "Times the broker started the MPS control daemon again after it stopped.",
+        );
+        restarts.add(vec![], f64::from(m.restarts));
+        out.extend([up, restarts]);
+    }
+    if !s.gpus.iter().any(|g| g.mig.is_some()) {
+        return out;
+    }
+    let mut info = Family::new(
+        "gpufrac_mig_instance_info",
+        Kind::Gauge,
+        "A MIG instance on a GPU under --mig dynamic (always 1): its profile, placement \
+         (start:size in memory slices), state and the job holding it.",
+    );
+    let mut idle = Family::new(
+        "gpufrac_mig_instance_idle_seconds",
+        Kind::Gauge,
+        "How long an idle MIG instance has had no job.",
+    );
+    let mut states = Family::new(
+        "gpufrac_mig_instances",
+        Kind::Gauge,
+        "MIG instances on the GPU, by state (in-use, idle, creating, foreign: made by hand).",
+    );
+    let counters = [
+        (
+            "gpufrac_mig_instances_created_total",
+            "MIG instances this broker created.",
+        ),
+        (
+            "gpufrac_mig_instances_destroyed_total",
+            "Idle MIG instances this broker destroyed to make room.",
+        ),
+        (
+            "gpufrac_mig_failures_total",
+            "MIG instances that could not be made or destroyed.",
+        ),
+    ];
+    let mut counts: Vec<Family> = counters
+        .iter()
+        .map(|(n, h)| Family::new(n, Kind::Counter, h))
+        .collect();
+    for g in s.gpus.iter() {
+        let Some(m) = &g.mig else {
+            continue;
+        };
+        for i in &m.instances {
+            let mig = i.uuid.clone().unwrap_or_default();
+            info.add(
+                with(
+                    gpu(g),
+                    &[
+                        ("mig_uuid", mig.clone()),
+                        ("gi", i.gi.map_or_else(String::new, |v| v.to_string())),
+                        ("profile", i.profile.clone()),
+                        ("placement", i.placement.clone()),
+                        ("state", i.state.clone()),
+                        (
+                            "job_id",
+                            i.job.map_or_else(|| "none".into(), |v| v.to_string()),
+                        ),
+                    ],
+                ),
+                1.0,
+            );
+            if let Some(secs) = i.idle_s {
+                let l = with(gpu(g), &[("mig_uuid", mig), ("profile", i.profile.clone())]);
+                idle.add(l, secs);
+            }
+        }
+        for st in MIG_STATES {
+            let n = m.instances.iter().filter(|i| i.state == st).count();
+            states.add(with(gpu(g), &[("state", st.into())]), n as f64);
+        }
+        for (f, v) in counts.iter_mut().zip([m.created, m.destroyed, m.failures]) {
+            f.add(gpu(g), v as f64);
+        }
+    }
+    out.extend([info, idle, states]);
+    out.extend(counts);
+    out
+}

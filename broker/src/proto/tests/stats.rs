@@ -1,0 +1,157 @@
+//! What the core counts for metrics as it happens: grant latency from an
+//! Acquire to its Grant, a queued request's wait for its lease, refusals
+//! by reason.
+
+use super::*;
+use crate::stats::Refusal;
+
+const MS: Nanos = 1_000_000;
+
+fn refusals(t: &T, why: Refusal) -> u64 {
+    let i = Refusal::ALL.iter().position(|r| *r == why).unwrap();
+    t.b.stats().refusals[i]
+}
+
+/// The GPU free, a grant comes at once; held by another, it comes when
+/// the holder gives the GPU back after its revoke: that wait is observed,
+/// in the class of the process that waited.
+#[test]
+fn grant_latency_runs_from_the_acquire_to_the_grant() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let (p1, p2) = (t.spawn(1), t.spawn(1));
+    let holder = t.connect_shim(p1, ALICE);
+    t.register(holder, Priority::Normal);
+    t.send(holder, &ClientMsg::Acquire { uuid: uuid(1) });
+    assert!(granted(&t.recv(holder)));
+    let waiter = t.connect_shim(p2, BOB);
+    t.register(waiter, Priority::Low);
+    let asked = t.now;
+    t.send(waiter, &ClientMsg::Acquire { uuid: uuid(1) });
+    assert!(!granted(&t.recv(waiter)), "the GPU is held");
+    // The holder is revoked at the end of its timeslice and gives the GPU
+    // back; the waiter's grant is looked for every millisecond.
+    loop {
+        assert!(t.now - asked < 10 * SEC, "never granted");
+        t.advance(MS);
+        if t.recv(holder)
+            .iter()
+            .any(|m| matches!(m, ServerMsg::Revoke { .. }))
+        {
+            t.send(
+                holder,
+                &ClientMsg::Release {
+                    uuid: uuid(1),
+                    held_ns: 0,
+                },
+            );
+            t.turn();
+        }
+        if granted(&t.recv(waiter)) {
+            break;
+        }
+    }
+    let waited = (t.now - asked) as f64 / 1e9;
+    let s = t.b.stats();
+    let normal = &s.grant_latency[Priority::Normal.index()];
+    let low = &s.grant_latency[Priority::Low.index()];
+    assert_eq!((normal.count(), normal.sum_seconds()), (1, 0.0));
+    assert_eq!(low.count(), 1);
+    // Granted within the last millisecond looked at.
+    let got = low.sum_seconds();
+    assert!(got <= waited && got > waited - 0.001, "{got} {waited}");
+    assert_eq!(s.waiting(), 0);
+}
+
+/// A process that withdraws its request, or goes, leaves nothing waiting
+/// behind it.
+#[test]
+fn a_request_withdrawn_or_gone_is_not_waited_for() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let (p1, p2, p3) = (t.spawn(1), t.spawn(1), t.spawn(1));
+    let holder = t.connect_shim(p1, ALICE);
+    t.register(holder, Priority::Normal);
+    t.send(holder, &ClientMsg::Acquire { uuid: uuid(1) });
+    for (pid, uid) in [(p2, BOB), (p3, BOB)] {
+        let c = t.connect_shim(pid, uid);
+        t.register(c, Priority::Normal);
+        t.send(c, &ClientMsg::Acquire { uuid: uuid(1) });
+        assert_eq!(t.b.stats().waiting(), 1);
+        if pid == p2 {
+            t.send(
+                c,
+                &ClientMsg::Release {
+                    uuid: uuid(1),
+                    held_ns: 0,
+                },
+            );
+        } else {
+            t.b.hangup(c);
+            t.turn();
+        }
+        assert_eq!(t.b.stats().waiting(), 0);
+    }
+    assert_eq!(
+        t.b.stats().grant_latency[Priority::Normal.index()].count(),
+        1,
+        "the holder's own grant only"
+    );
+}
+
+#[test]
+fn a_queued_requests_wait_is_observed_when_it_is_placed() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let (p1, p2) = (t.spawn(1), t.spawn(1));
+    let first = t.connect_as(p1, ALICE);
+    t.lease(first, 1, 0, false);
+    t.advance(SEC);
+    assert!(leased(&t.recv(first)).is_some());
+    let second = t.connect_as(p2, BOB);
+    t.lease(second, 1, 0, false);
+    t.advance(10 * SEC);
+    assert!(leased(&t.recv(second)).is_none(), "waits for the GPU");
+    t.b.hangup(first);
+    t.advance(SEC);
+    assert!(leased(&t.recv(second)).is_some());
+    let w = &t.b.stats().queue_wait;
+    assert_eq!(w.count(), 2);
+    // The first was placed at once; the second when the first went.
+    assert_eq!(w.sum_seconds(), 10.0);
+}
+
+#[test]
+fn refusals_are_counted_by_their_reason() {
+    let mut c = cfg();
+    c.budgets.connections = 3;
+    let mut t = T::new(c, &[16 * GIB]);
+    let pids: Vec<u32> = (0..6).map(|_| t.spawn(1)).collect();
+    // Held, so a --no-wait request finds no room.
+    let holder = t.connect_as(pids[0], ALICE);
+    t.lease(holder, 1, 0, false);
+    t.advance(SEC);
+    let c = t.connect_as(pids[1], BOB);
+    t.lease(c, 1, 0, true);
+    t.turn();
+    assert!(refused(&t.recv(c)).is_some());
+    assert_eq!(refusals(&t, Refusal::NoRoom), 1);
+    // More GPUs than the node has: never satisfiable.
+    let c = t.connect_as(pids[2], BOB);
+    t.lease(c, 4, 0, false);
+    t.turn();
+    assert!(refused(&t.recv(c)).is_some());
+    assert_eq!(refusals(&t, Refusal::Unsatisfiable), 1);
+    // A GPU this node does not have.
+    let c = t.connect_shim(pids[3], BOB);
+    let mut reg = register(Priority::Normal);
+    if let ClientMsg::Register { devices, .. } = &mut reg {
+        devices[0].uuid = uuid(99);
+    }
+    t.send(c, &reg);
+    t.turn();
+    assert_eq!(refusals(&t, Refusal::UnknownGpu), 1);
+    // Past the user's connections (three open: the refused ones closed
+    // by their clients or not).
+    while t.try_connect(pids[4], BOB).is_some() {}
+    assert_eq!(refusals(&t, Refusal::ConnectionLimit), 1);
+    let total: u64 = t.b.stats().refusals.iter().sum();
+    assert_eq!(total, 4, "nothing else counted");
+}
