@@ -366,7 +366,7 @@ fn metrics_are_served_over_http() {
         s.read_to_string(&mut body).unwrap();
         body
     };
-    let want = "gpufrac_process_memory_used_bytes{uuid=\"GPU-";
+    let want = "gpufrac_process_memory_used_bytes{gpu=\"0\",uuid=\"GPU-";
     wait_until(10.0, "the process's usage in /metrics", || {
         let m = get();
         m.lines().any(|l| {
@@ -382,7 +382,7 @@ fn metrics_are_served_over_http() {
         m.lines()
             .any(|l| l.starts_with("gpufrac_process_gpu_seconds_total{")
                 && l.contains(&format!("pid=\"{pid}\""))
-                && l.contains("priority=\"normal\"")),
+                && l.contains("class=\"normal\"")),
         "{m}"
     );
     let _ = child.wait();

@@ -315,13 +315,13 @@ fn metrics_show_instances() {
         body
     };
     let want = format!(
-        "mig_uuid=\"{cvd}\",gi=\"1\",profile=\"1g.5gb\",placement=\"6:1\",state=\"in-use\",job=\"{}\"}} 1",
+        "mig_uuid=\"{cvd}\",gi=\"1\",profile=\"1g.5gb\",placement=\"6:1\",state=\"in-use\",job_id=\"{}\"}} 1",
         a.id()
     );
     wait_until(10.0, "the instance in /metrics", || get().contains(&want));
     let m = get();
     assert!(
-        m.contains("gpufrac_mig_instances_created_total{uuid=\"GPU-"),
+        m.contains("gpufrac_mig_instances_created_total{gpu=\"0\",uuid=\"GPU-"),
         "{m}"
     );
     release(&d, "a", a);
