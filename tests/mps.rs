@@ -7,26 +7,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use support::*;
 
-const STANDIN: &str = r#"#!/bin/sh
-log="$GPUFRAC_MPS_STANDIN_LOG"
-echo "call $* pipe=$CUDA_MPS_PIPE_DIRECTORY logdir=$CUDA_MPS_LOG_DIRECTORY cvd=${CUDA_VISIBLE_DEVICES-unset}" >> "$log"
-if [ "$1" = "-d" ]; then
-  if [ -n "$GPUFRAC_MPS_STANDIN_FAIL" ]; then
-    echo "MPS is not supported on this GPU" >&2
-    exit 1
-  fi
-  sleep 1000000 </dev/null >/dev/null 2>&1 &
-  echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
-  exit 0
-fi
-while read cmd; do
-  echo "cmd $cmd" >> "$log"
-  if [ "$cmd" = quit ]; then
-    kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
-  fi
-done
-"#;
-
 struct Setup {
     dir: Scratch,
     socket: PathBuf,
@@ -36,13 +16,7 @@ struct Setup {
 
 fn setup(name: &str) -> Setup {
     let dir = Scratch::new(name);
-    let bin = dir.0.join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    let standin = bin.join("nvidia-cuda-mps-control");
-    std::fs::write(&standin, STANDIN).unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&standin, PermissionsExt::from_mode(0o755)).unwrap();
-    let path = format!("{}:/usr/bin:/bin", bin.display());
+    let path = mps_standin(&dir.0);
     let run = dir.0.join("run");
     std::fs::create_dir(&run).unwrap();
     Setup {

@@ -264,6 +264,42 @@ pub fn can_be_nobody() -> bool {
     ok
 }
 
+/// A stand-in `nvidia-cuda-mps-control` (MPS itself needs a GPU; gpu/
+/// checks the real one): `-d` starts a daemon that sleeps, and writes its
+/// pid in the pipe directory; on stdin, `quit` stops it. What it is called
+/// with and told goes to `$GPUFRAC_MPS_STANDIN_LOG`.
+pub const MPS_STANDIN: &str = r#"#!/bin/sh
+log="$GPUFRAC_MPS_STANDIN_LOG"
+echo "call $* pipe=$CUDA_MPS_PIPE_DIRECTORY logdir=$CUDA_MPS_LOG_DIRECTORY cvd=${CUDA_VISIBLE_DEVICES-unset}" >> "$log"
+if [ "$1" = "-d" ]; then
+  if [ -n "$GPUFRAC_MPS_STANDIN_FAIL" ]; then
+    echo "MPS is not supported on this GPU" >&2
+    exit 1
+  fi
+  sleep 1000000 </dev/null >/dev/null 2>&1 &
+  echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+  exit 0
+fi
+while read cmd; do
+  echo "cmd $cmd" >> "$log"
+  if [ "$cmd" = quit ]; then
+    kill "$(cat "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid")"
+  fi
+done
+"#;
+
+/// Puts the stand-in MPS control daemon in `dir/bin`; returns a PATH that
+/// finds it first.
+pub fn mps_standin(dir: &Path) -> String {
+    let bin = dir.join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let standin = bin.join("nvidia-cuda-mps-control");
+    std::fs::write(&standin, MPS_STANDIN).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&standin, PermissionsExt::from_mode(0o755)).unwrap();
+    format!("{}:/usr/bin:/bin", bin.display())
+}
+
 /// Resident memory of `pid`, KiB.
 pub fn rss_kb(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -882,6 +918,8 @@ mod services {
         "slurmctld.service",
         "slurmd.service",
         "podman.socket",
+        "prometheus.service",
+        "prometheus-node-exporter.service",
     ];
 
     pub struct Units(Vec<&'static str>);
