@@ -407,40 +407,30 @@ impl Node {
             .output()
             .unwrap();
         assert!(!o.status.success(), "{}", stderr(&o));
-        // Under MPS: a job with an SM share.
+        // A process of a job that holds a little memory until the node
+        // stops: under MPS, with an SM share; under --mig dynamic, on an
+        // instance made for it.
+        let stop_path = stop.display().to_string();
+        let holder = [
+            &*probe,
+            "ctx",
+            "alloc",
+            "alloc",
+            "64M",
+            "wait-file",
+            &*stop_path,
+        ];
         let mut c = sim_command(&a.gpufrac, "16G", false);
         c.env_remove("GPUFRAC_BROKER")
             .env("GPUFRAC_SIM_STATE", node.dir.0.join("mps-sim"))
             .args(["run", "--socket"])
             .arg(&node.mps_socket)
-            .args([
-                "--gpu-memory",
-                "1G",
-                "--gpu-compute",
-                "30%",
-                "--",
-                &probe,
-                "ctx",
-                "alloc",
-                "alloc",
-                "64M",
-            ])
-            .args(hold.split(' '))
-            .stdout(Stdio::null());
-        node.procs.push(KillOnDrop(c.spawn().unwrap()));
-        // Under --mig dynamic: a job on an instance made for it.
-        let mut c = node.mig.run(&[
-            "--gpu-memory",
-            "4G",
-            "--",
-            &probe,
-            "ctx",
-            "alloc",
-            "alloc",
-            "64M",
-        ]);
-        c.args(hold.split(' ')).stdout(Stdio::null());
-        node.procs.push(KillOnDrop(c.spawn().unwrap()));
+            .args(["--gpu-memory", "1G", "--gpu-compute", "30%", "--"]);
+        let mig = node.mig.run(&["--gpu-memory", "4G", "--"]);
+        for mut c in [c, mig] {
+            c.args(holder).stdout(Stdio::null());
+            node.procs.push(KillOnDrop(c.spawn().unwrap()));
+        }
         node
     }
 

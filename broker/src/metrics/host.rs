@@ -41,52 +41,52 @@ pub fn process_families() -> Vec<Family> {
         .rsplit_once(") ")
         .map_or(Vec::new(), |(_, r)| r.split(' ').collect());
     let field = |n: usize| rest.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+    let one = |name: &str, kind, help: &str, v: f64| {
+        let mut f = Family::new(name, kind, help);
+        f.add(vec![], v);
+        f
+    };
     if let (Some(u), Some(s)) = (field(14), field(15)) {
-        let mut f = Family::new(
+        out.push(one(
             "process_cpu_seconds_total",
             Kind::Counter,
             "CPU time the broker used, user and system, seconds.",
-        );
-        f.add(vec![], (u + s) / tick);
-        out.push(f);
+            (u + s) / tick,
+        ));
     }
     if let Some(start) = field(22)
         && let Some(boot) = boot_time()
     {
-        let mut f = Family::new(
+        out.push(one(
             "process_start_time_seconds",
             Kind::Gauge,
             "When the broker started, seconds since the Unix epoch.",
-        );
-        f.add(vec![], boot + start / tick);
-        out.push(f);
+            boot + start / tick,
+        ));
     }
     if let Some(v) = field(23) {
-        let mut f = Family::new(
+        out.push(one(
             "process_virtual_memory_bytes",
             Kind::Gauge,
             "The broker's virtual memory size.",
-        );
-        f.add(vec![], v);
-        out.push(f);
+            v,
+        ));
     }
     if let Some(r) = field(24) {
-        let mut f = Family::new(
+        out.push(one(
             "process_resident_memory_bytes",
             Kind::Gauge,
             "The broker's resident memory.",
-        );
-        f.add(vec![], r * page);
-        out.push(f);
+            r * page,
+        ));
     }
     if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
-        let mut f = Family::new(
+        out.push(one(
             "process_open_fds",
             Kind::Gauge,
             "File descriptors the broker has open.",
-        );
-        f.add(vec![], d.count() as f64);
-        out.push(f);
+            d.count() as f64,
+        ));
     }
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -94,13 +94,12 @@ pub fn process_families() -> Vec<Family> {
     };
     // SAFETY: getrlimit writes into the struct given.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
-        let mut f = Family::new(
+        out.push(one(
             "process_max_fds",
             Kind::Gauge,
             "The broker's limit on open file descriptors.",
-        );
-        f.add(vec![], lim.rlim_cur as f64);
-        out.push(f);
+            lim.rlim_cur as f64,
+        ));
     }
     out
 }

@@ -7,10 +7,10 @@ use std::collections::HashMap;
 
 use gpufrac_common::config::Priority;
 
-use super::tally::{JobKey, Tally, owner};
+use super::tally::{JobKey, Tally, Totals, owner};
 use super::text::{Family, Kind, Labels};
 use crate::stats::{Refusal, Stats};
-use crate::status::{GpuStatus, Status};
+use crate::status::{GpuStatus, ProcStatus, Status};
 
 /// What the event loop hands the metrics room, at most twice a second.
 #[derive(Clone, Debug, Default)]
@@ -170,55 +170,105 @@ fn gpus(s: &Status) -> Vec<Family> {
     ]
 }
 
+/// The families of a level of fairness, users or jobs: its share of the
+/// GPU (target and achieved), its GPU time, the memory its processes hold
+/// and the allocations refused them.
+struct Level {
+    target: Family,
+    achieved: Family,
+    seconds: Family,
+    used: Family,
+    refusals: Family,
+}
+
+impl Level {
+    /// `level`: `user` or `job`; `whose`: "a user's"; `note`: said of its
+    /// target.
+    fn new(level: &str, whose: &str, note: &str) -> Level {
+        let f = |what: &str, kind, help: String| {
+            Family::new(format!("gpufrac_{level}_{what}"), kind, help)
+        };
+        Level {
+            target: f(
+                "share_target_ratio",
+                Kind::Gauge,
+                format!(
+                    "The part of the GPU {whose} processes get together while they are busy \
+                     and the GPU contended (0 to 1){note}."
+                ),
+            ),
+            achieved: f(
+                "share_achieved_ratio",
+                Kind::Gauge,
+                format!(
+                    "The part of the GPU {whose} processes held over the last window (0 to 1)."
+                ),
+            ),
+            seconds: f(
+                "gpu_seconds_total",
+                Kind::Counter,
+                format!("GPU time charged to {whose} processes, those gone included, seconds."),
+            ),
+            used: f(
+                "memory_used_bytes",
+                Kind::Gauge,
+                format!("Memory {whose} processes hold on the GPU, as their shims charge it."),
+            ),
+            refusals: f(
+                "memory_refusals_total",
+                Kind::Counter,
+                format!(
+                    "Allocations the memory caps refused to {whose} processes, those gone included."
+                ),
+            ),
+        }
+    }
+
+    fn share(&mut self, l: Labels, target: f64, achieved: f64, gpu_s: f64) {
+        self.target.add(l.clone(), target);
+        self.achieved.add(l.clone(), achieved);
+        self.seconds.add(l, gpu_s);
+    }
+
+    fn process(&mut self, l: Labels, p: &ProcStatus) {
+        self.used.add(l.clone(), p.mem_used as f64);
+        self.refusals.add(l, p.ooms as f64);
+    }
+
+    fn gone(&mut self, l: Labels, t: Totals) {
+        self.seconds.add(l.clone(), t.gpu_s);
+        self.refusals.add(l, t.refusals as f64);
+    }
+
+    fn families(self) -> [Family; 5] {
+        [
+            self.target,
+            self.achieved,
+            self.seconds,
+            self.used,
+            self.refusals,
+        ]
+    }
+}
+
 fn users(s: &Status, t: &Tally) -> Vec<Family> {
-    let mut target = Family::new(
-        "gpufrac_user_share_target_ratio",
-        Kind::Gauge,
-        "The part of the GPU a user's processes get together while they are busy and the \
-         GPU contended (0 to 1).",
-    );
-    let mut achieved = Family::new(
-        "gpufrac_user_share_achieved_ratio",
-        Kind::Gauge,
-        "The part of the GPU a user's processes held over the last window (0 to 1).",
-    );
-    let mut seconds = Family::new(
-        "gpufrac_user_gpu_seconds_total",
-        Kind::Counter,
-        "GPU time charged to a user's processes, those gone included, seconds.",
-    );
-    let mut used = Family::new(
-        "gpufrac_user_memory_used_bytes",
-        Kind::Gauge,
-        "Memory a user's processes hold on the GPU, as their shims charge it.",
-    );
-    let mut refusals = Family::new(
-        "gpufrac_user_memory_refusals_total",
-        Kind::Counter,
-        "Allocations the memory caps refused to a user's processes, those gone included.",
-    );
+    let mut level = Level::new("user", "a user's", "");
     for g in &s.gpus {
         for u in &g.users {
             let l = with(gpu(g), &[("user", t.user(u.uid))]);
-            target.add(l.clone(), u.share_target);
-            achieved.add(l.clone(), u.share_achieved);
-            seconds.add(l, u.gpu_time_s);
+            level.share(l, u.share_target, u.share_achieved, u.gpu_time_s);
         }
         for p in &g.processes {
-            let l = with(gpu(g), &[("user", t.user(owner(g, p)))]);
-            used.add(l.clone(), p.mem_used as f64);
-            refusals.add(l, p.ooms as f64);
+            level.process(with(gpu(g), &[("user", t.user(owner(g, p)))]), p);
         }
     }
     let by_uuid: HashMap<&str, &GpuStatus> = s.gpus.iter().map(|g| (g.uuid.as_str(), g)).collect();
     for (uuid, user, gone) in t.gone_users() {
         if let Some(g) = by_uuid.get(uuid) {
-            let l = with(gpu(g), &[("user", user)]);
-            seconds.add(l.clone(), gone.gpu_s);
-            refusals.add(l, gone.refusals as f64);
+            level.gone(with(gpu(g), &[("user", user)]), gone);
         }
     }
-    vec![target, achieved, seconds, used, refusals]
+    level.families().into()
 }
 
 fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
@@ -246,59 +296,34 @@ fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
         }
         held.add(labels, l.held_s);
     }
-    let mut target = Family::new(
-        "gpufrac_job_share_target_ratio",
-        Kind::Gauge,
-        "The part of the GPU a job's processes get together while they are busy and the \
-         GPU contended (0 to 1); job_id \"none\" is a user's processes outside any job.",
-    );
-    let mut achieved = Family::new(
-        "gpufrac_job_share_achieved_ratio",
-        Kind::Gauge,
-        "The part of the GPU a job's processes held over the last window (0 to 1).",
-    );
-    let mut seconds = Family::new(
-        "gpufrac_job_gpu_seconds_total",
-        Kind::Counter,
-        "GPU time charged to a job's processes, those gone included, seconds.",
-    );
-    let mut used = Family::new(
-        "gpufrac_job_memory_used_bytes",
-        Kind::Gauge,
-        "Memory a job's processes hold on the GPU, as their shims charge it.",
-    );
-    let mut refusals = Family::new(
-        "gpufrac_job_memory_refusals_total",
-        Kind::Counter,
-        "Allocations the memory caps refused to a job's processes, those gone included.",
+    let mut level = Level::new(
+        "job",
+        "a job's",
+        "; job_id \"none\" is a user's processes outside any job",
     );
     for g in &s.gpus {
         for u in &g.users {
             for j in &u.jobs {
                 let job = t.job(u.uid, &JobKey::of(j.job, j.pod.as_deref()));
                 let l = with(gpu(g), &[("user", t.user(u.uid)), ("job_id", job)]);
-                target.add(l.clone(), j.share_target);
-                achieved.add(l.clone(), j.share_achieved);
-                seconds.add(l, j.gpu_time_s);
+                level.share(l, j.share_target, j.share_achieved, j.gpu_time_s);
             }
         }
         for p in &g.processes {
             let uid = owner(g, p);
             let job = t.job(uid, &JobKey::of(p.job, p.pod.as_deref()));
-            let l = with(gpu(g), &[("user", t.user(uid)), ("job_id", job)]);
-            used.add(l.clone(), p.mem_used as f64);
-            refusals.add(l, p.ooms as f64);
+            level.process(with(gpu(g), &[("user", t.user(uid)), ("job_id", job)]), p);
         }
     }
     let by_uuid: HashMap<&str, &GpuStatus> = s.gpus.iter().map(|g| (g.uuid.as_str(), g)).collect();
     for (uuid, user, job, gone) in t.gone_jobs() {
         if let Some(g) = by_uuid.get(uuid) {
-            let l = with(gpu(g), &[("user", user), ("job_id", job)]);
-            seconds.add(l.clone(), gone.gpu_s);
-            refusals.add(l, gone.refusals as f64);
+            level.gone(with(gpu(g), &[("user", user), ("job_id", job)]), gone);
         }
     }
-    vec![info, cap, held, target, achieved, seconds, used, refusals]
+    let mut out = vec![info, cap, held];
+    out.extend(level.families());
+    out
 }
 
 fn processes(s: &Status, t: &Tally) -> Vec<Family> {
@@ -516,7 +541,7 @@ fn mps_mig(s: &Status) -> Vec<Family> {
     ];
     let mut counts: Vec<Family> = counters
         .iter()
-        .map(|(n, h)| Family::new(n, Kind::Counter, h))
+        .map(|&(n, h)| Family::new(n, Kind::Counter, h))
         .collect();
     for g in s.gpus.iter() {
         let Some(m) = &g.mig else {

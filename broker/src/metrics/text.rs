@@ -29,19 +29,19 @@ impl Kind {
 pub type Labels = Vec<(&'static str, String)>;
 
 pub struct Family {
-    pub name: &'static str,
+    pub name: String,
     kind: Kind,
-    help: &'static str,
+    help: String,
     samples: BTreeMap<Labels, f64>,
     histograms: Vec<(Labels, Histogram)>,
 }
 
 impl Family {
-    pub fn new(name: &'static str, kind: Kind, help: &'static str) -> Family {
+    pub fn new(name: impl Into<String>, kind: Kind, help: impl Into<String>) -> Family {
         Family {
-            name,
+            name: name.into(),
             kind,
-            help,
+            help: help.into(),
             samples: BTreeMap::new(),
             histograms: Vec::new(),
         }
@@ -57,7 +57,7 @@ impl Family {
     }
 
     pub fn write(&self, o: &mut String) {
-        let (name, kind) = (self.name, self.kind.as_str());
+        let (name, kind) = (self.name.as_str(), self.kind.as_str());
         let _ = writeln!(o, "# HELP {name} {}", self.help);
         let _ = writeln!(o, "# TYPE {name} {kind}");
         for (labels, v) in &self.samples {
