@@ -151,7 +151,7 @@ pub async fn accept(listener: tokio::net::TcpListener, board: Arc<Mutex<Board>>)
                 continue;
             }
         };
-        let peer = addr.ip().to_canonical();
+        let peer = peer(addr.ip());
         let ticket = {
             let mut b = lock(&board);
             lock(&conns).admit(peer, &mut b.closed)
@@ -183,6 +183,19 @@ pub async fn accept(listener: tokio::net::TcpListener, board: Arc<Mutex<Board>>)
             }
             lock(&conns).remove(peer, id);
         });
+    }
+}
+
+/// Who a connection counts against: its IPv4 address, or its IPv6 /64
+/// (one host commonly holds a whole /64, and would otherwise have 2^64
+/// limits of its own).
+fn peer(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::from([s[0], s[1], s[2], s[3], 0, 0, 0, 0])
+        }
+        v4 => v4,
     }
 }
 
@@ -312,6 +325,18 @@ mod tests {
             .filter_map(|(p, t)| t.evicted.try_recv().is_ok().then_some(*p))
             .collect();
         assert_eq!(evicted, [3]);
+    }
+
+    #[test]
+    fn a_peer_is_an_ipv4_address_or_an_ipv6_slash_64() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:bbbb::7".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(peer(a), peer(b));
+        assert_ne!(peer(a), peer(c));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(peer(mapped), ip(1));
+        assert_ne!(peer(ip(1)), peer(ip(2)));
     }
 
     #[test]
