@@ -2,7 +2,8 @@
 //! downward only:
 //!
 //! - pure policy in virtual time: `sched` (compute), `queue` and `mig`
-//!   (placement), `authority` (who may do what), `jobs` (what a job is);
+//!   (placement), `authority` (who may do what), `jobs` (what a job is),
+//!   `history` (the ring of recent status samples);
 //! - `proto`, the sans-I/O core: connections, budgets, membership,
 //!   leases, recovery and status, over `procs` (the host, behind traits);
 //! - I/O: `server` (the event loop), `listen` (the socket), `statefile`,
@@ -10,6 +11,7 @@
 //! - `startup`, which puts them together.
 
 pub mod authority;
+pub mod history;
 pub mod inventory;
 pub mod jobs;
 pub mod listen;
