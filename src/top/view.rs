@@ -1050,7 +1050,10 @@ fn detail(model: &Model, d: &Detail, width: usize) -> (String, Vec<Line<'static>
 
 fn draw_popup(f: &mut Frame, area: Rect, title: &str, lines: Vec<Line<'static>>) {
     let w = area.width.saturating_sub(4).min(110);
-    let h = (lines.len() as u16 + 2)
+    // Lines as wrapped inside the borders.
+    let inner = usize::from(w.saturating_sub(2)).max(1);
+    let wrapped: usize = lines.iter().map(|l| l.width().max(1).div_ceil(inner)).sum();
+    let h = (wrapped as u16 + 2)
         .min(area.height.saturating_sub(2))
         .max(3.min(area.height));
     let [_, mid, _] = Layout::vertical([
