@@ -25,17 +25,26 @@ fn a_sample_a_second_whoever_watches() {
             utilization: Some(util),
             processes: Vec::new(),
         };
-        t.b.telemetry(t.now, Telemetry {
-            gpus: [(gpu0.clone(), sample)].into(),
-        });
+        t.b.telemetry(
+            t.now,
+            Telemetry {
+                gpus: [(gpu0.clone(), sample)].into(),
+            },
+        );
         t.advance(SEC);
     }
     // Nobody asked for status meanwhile; the ring has a sample a second.
-    let h = page(&t, 0).history.expect("the first page carries the ring");
+    let h = page(&t, 0)
+        .history
+        .expect("the first page carries the ring");
     assert!((5..=7).contains(&h.samples), "{}", h.samples);
     assert_eq!(h.every_s, 1.0);
     assert_eq!(h.queue.len(), h.samples as usize);
-    let g = h.gpus.iter().find(|g| g.uuid == gpu0).expect("GPU 0's series");
+    let g = h
+        .gpus
+        .iter()
+        .find(|g| g.uuid == gpu0)
+        .expect("GPU 0's series");
     let util: Vec<u32> = g.utilization.iter().flatten().copied().collect();
     assert!(util.ends_with(&[20, 30, 40, 50]), "{util:?}");
     // Each user's part, and its processes outside any job.
