@@ -610,7 +610,11 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
                 ),
                 (
                     "SHARE",
-                    share_text(p.share_target, p.share_achieved, is_off),
+                    // Under MPS: the SMs it may use, side by side.
+                    match p.sm_percent {
+                        Some(sm) => format!("{sm:.0}% SMs"),
+                        None => share_text(p.share_target, p.share_achieved, is_off),
+                    },
                     if is_off { off } else { Style::new() },
                 ),
                 ("HISTORY", spark(&achieved, 10, 1.0), Style::new().cyan()),
