@@ -292,12 +292,22 @@ fn live_view_under_tmux_takes_keys_and_gives_the_terminal_back() {
     let tmux = Tmux(format!("gpufrac-test-{}", std::process::id()));
     // The shell says what the terminal is like once top has given it
     // back: canonical mode and echo on.
-    let script = format!(
-        "printf 'BEFORE\\n'; {} top --socket {}; echo \"top exited $?\"; \
-         stty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e echo -e -icanon -e -echo | tr '\\n' ' '; \
-         echo; sleep 120",
+    // It runs top twice: the first is left with `q`, the second killed.
+    let modes = "stty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e echo -e -icanon -e -echo \
+                 | tr '\\n' ' '; echo";
+    let top_cmd = format!(
+        "{} top --socket {}",
         artifacts().gpufrac.display(),
         n.broker.socket.display()
+    );
+    // The second starts once the test has read the screen the first left.
+    let dir = Scratch::new("top-tmux");
+    let go = dir.0.join("go");
+    let script = format!(
+        "printf 'BEFORE\\n'; {top_cmd}; echo \"top exited $?\"; {modes}; \
+         while [ ! -e {go} ]; do sleep 0.05; done; \
+         {top_cmd}; echo \"top ended with $?\"; {modes}; sleep 120",
+        go = go.display()
     );
     let ok = tmux
         .cmd()
@@ -356,6 +366,29 @@ fn live_view_under_tmux_takes_keys_and_gives_the_terminal_back() {
     let modes = line_with(&screen, "icanon");
     assert_eq!(
         modes.split_whitespace().collect::<Vec<_>>(),
+        ["icanon", "echo"],
+        "{screen}"
+    );
+    // The second: SIGTERM gives the terminal back as well.
+    std::fs::write(&go, "").unwrap();
+    tmux.wait_for(&format!("▾ job {a}"));
+    let shell = stdout(
+        &tmux
+            .cmd()
+            .args(["display-message", "-p", "-t", "top", "#{pane_pid}"])
+            .output()
+            .unwrap(),
+    );
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", shell.trim())).unwrap();
+    let top_pid: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    // SAFETY: kill with the pid of the pane's top.
+    assert_eq!(unsafe { libc::kill(top_pid, libc::SIGTERM) }, 0);
+    tmux.wait_for("top ended with 0");
+    let screen = tmux.wait_until("say its modes twice", |s| s.matches("icanon").count() == 2);
+    let modes: Vec<&str> = screen.lines().filter(|l| l.contains("icanon")).collect();
+    assert_eq!(
+        modes[1].split_whitespace().collect::<Vec<_>>(),
         ["icanon", "echo"],
         "{screen}"
     );

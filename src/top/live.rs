@@ -5,6 +5,7 @@
 //! every way out: `q`, Esc, Ctrl-C, an error, a panic.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,14 @@ use super::model::Model;
 /// How often the broker is asked.
 const EVERY: Duration = Duration::from_secs(1);
 
+/// Set by SIGTERM, SIGHUP or SIGINT: the loop leaves as on `q`, so that a
+/// `kill` gives the terminal back too (in raw mode Ctrl-C is a key).
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    SIGNALLED.store(true, Ordering::Relaxed);
+}
+
 pub fn run(socket: &Path, mut app: App) -> Result<(), String> {
     let (tx, rx) = mpsc::channel();
     let (stop, stopped) = mpsc::channel::<()>();
@@ -25,6 +34,10 @@ pub fn run(socket: &Path, mut app: App) -> Result<(), String> {
         .name("status".into())
         .spawn(move || ask(&socket, &tx, &stopped))
         .map_err(|e| format!("cannot start the status thread: {e}"))?;
+    for sig in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
+        // SAFETY: the handler only stores to an atomic.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
     // Raw mode and the alternate screen, with a panic hook that restores
     // both before the panic is printed.
     let mut term = ratatui::try_init().map_err(|e| format!("cannot set up the terminal: {e}"))?;
@@ -72,7 +85,7 @@ fn view_loop(
                 _ => {}
             }
         }
-        if app.quit {
+        if app.quit || SIGNALLED.load(Ordering::Relaxed) {
             return Ok(());
         }
     }
