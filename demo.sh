@@ -8,6 +8,9 @@
 #   ./demo.sh shares   compute shares and priority classes on a simulated GPU
 #                      (no GPU needed): two jobs at 70% and 30%, then an
 #                      interactive job at high beside a normal and a low one
+#   ./demo.sh top      gpufrac top on a simulated GPU (no GPU needed): two jobs
+#                      at 70% and 30% converging to their shares, and a third,
+#                      queued behind them, that starts when the first ends
 #   ./demo.sh env      builds the simulated driver and prints the exports that
 #                      put a shell on it:  eval "$(./demo.sh env)"
 #   ./demo.sh container
@@ -169,6 +172,65 @@ shares() {
   echo "== Figures measured with more care, against the GPU's own time-slicing: docs/benchmarks.md"
 }
 
+# gpufrac top, live when this runs in a terminal (q leaves it), else a
+# frame printed at two moments.
+top() {
+  build loadgen
+  "$cargo" build "${profile_flag[@]}" -p gpufrac --example probe
+  while read -r v; do unset "$v"; done < <(compgen -e | grep -E '^(GPU_|GPUFRAC_)' || true)
+  use_sim 16G
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
+  export GPUFRAC_SIM_STATE=$tmp/sim-state GPUFRAC_SOCKET=$tmp/broker.sock
+  local gpufrac=$bin/gpufrac loadgen=$bin/examples/loadgen probe=$bin/examples/probe
+  "$gpufrac" broker 2>"$tmp/broker.log" &
+  broker=$!
+  jobs_pids=()
+  # Each step may find its process gone already: none may stop the rest
+  # (set -e holds in a trap too). The jobs' processes that outlive their
+  # run end with the directory their stop files are in.
+  trap 'kill "${jobs_pids[@]}" 2>/dev/null || true; wait "${jobs_pids[@]}" 2>/dev/null || true
+        kill $broker 2>/dev/null || true; wait $broker 2>/dev/null || true; rm -rf "$tmp"' EXIT
+  until "$gpufrac" status >/dev/null 2>&1; do
+    if ! kill -0 "$broker" 2>/dev/null; then
+      cat "$tmp/broker.log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  # Each job: a process holding memory and one keeping the GPU busy
+  # (1 ms kernels back to back) for SECONDS; the job ends with the latter.
+  job() {
+    local mem=$1 held=$2 seconds=$3
+    shift 3
+    "$gpufrac" run --gpu-memory "$mem" "$@" -- sh -c '
+      "$1" ctx alloc alloc "$2" wait-file "$4.$$" >/dev/null &
+      "$3" batch 1000 +1 "+$5" >/dev/null
+      touch "$4.$$"; wait' job "$probe" "$held" "$loadgen" "$tmp/stop" "$seconds" >/dev/null 2>&1 &
+    jobs_pids+=($!)
+  }
+  echo "== A simulated 16 GiB GPU and a broker on $GPUFRAC_SOCKET (docs/simulator.md)."
+  echo "   gpufrac run --gpu-memory 6G --gpu-compute 70% -- (2 GiB held, 16 s busy) &"
+  echo "   gpufrac run --gpu-memory 8G --gpu-compute 30% -- (1 GiB held, 32 s busy) &"
+  echo "   gpufrac run --gpu-memory 8G -- (512 MiB held, 16 s busy)   # queued: 14 GiB are committed"
+  job 6G 2G 16 --gpu-compute 70%
+  job 8G 1G 32 --gpu-compute 30%
+  sleep 0.5
+  job 8G 512M 16
+  if [ -t 0 ] && [ -t 1 ]; then
+    echo "== gpufrac top: the two jobs converge to 70% and 30%; when the first ends (16 s),"
+    echo "   the queued one starts. Keys: ? help, t flat, Tab queue, Enter detail, q quit."
+    sleep 3
+    "$gpufrac" top
+  else
+    sleep 8
+    echo "== gpufrac top --once, 8 s in: the two jobs at their shares, the third queued"
+    "$gpufrac" top --once --size 100x24
+    sleep 14
+    echo "== gpufrac top --once, 22 s in: the first job is done, the queued one runs"
+    "$gpufrac" top --once --size 100x24
+  fi
+}
+
 # The memory cap on a sealed image: nothing of gpufrac's is in the image; the
 # shim comes in by the flags `gpufrac docker-args` prints, and the simulated
 # driver (in place of a GPU and NVIDIA's container toolkit) and the program
@@ -245,8 +307,9 @@ container() {
 case $what in
   cap) cap ;;
   shares) shares ;;
+  top) top ;;
   env) env_exports ;;
   container) container ;;
-  -h|--help|help) sed -n '2,27s/^# \{0,1\}//p' "$0" ;;
-  *) echo "./demo.sh: unknown demo '$what'; expected cap (the default), shares, env or container" >&2; exit 2 ;;
+  -h|--help|help) sed -n '2,30s/^# \{0,1\}//p' "$0" ;;
+  *) echo "./demo.sh: unknown demo '$what'; expected cap (the default), shares, top, env or container" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-//! The `gpufrac` command: the broker daemon, `run`, `status` and
+//! The `gpufrac` command: the broker daemon, `run`, `status`, `top` and
 //! `docker-args`.
 
 mod cdi;
@@ -7,9 +7,11 @@ mod container;
 mod docker;
 mod inject;
 mod k8s;
+mod names;
 mod run;
 mod slurm;
 mod status;
+mod top;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -35,6 +37,7 @@ Examples:
   gpufrac run --gpu-memory 4G --gpu-compute 30% -- python train.py
   gpufrac run --gpus 2 -- torchrun --nproc_per_node=2 train.py
   gpufrac status
+  gpufrac top                                              watch it live
   docker run $(gpufrac docker-args --gpu-memory 8G --gpus 0) IMAGE
 
 Environment:
@@ -64,6 +67,8 @@ enum Cmd {
     Run(run::RunArgs),
     /// Show GPUs, processes, shares, the queue and leases.
     Status(status::StatusArgs),
+    /// Watch GPUs, shares, processes and the queue live (read-only).
+    Top(top::TopArgs),
     /// Print `docker run` flags that put a sealed image under gpufrac.
     DockerArgs(docker::DockerArgs),
     /// Container Device Interface specs for Podman and Docker ≥ 25.
@@ -196,6 +201,7 @@ fn main() -> ExitCode {
         Cmd::Broker(args) => broker(args),
         Cmd::Run(args) => run::main(args),
         Cmd::Status(args) => status::main(args),
+        Cmd::Top(args) => top::main(args),
         Cmd::DockerArgs(args) => docker::main(args),
         Cmd::Cdi(args) => cdi::main(args),
         Cmd::SlurmTaskProlog(args) => slurm::main(args),

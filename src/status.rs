@@ -9,11 +9,13 @@ use gpufrac_broker::status::{GpuStatus, LeaseEntry, MigStatus, QueueEntry, Statu
 use gpufrac_common::size::format_size;
 
 use crate::client::{Client, ConnectError};
+use crate::names;
 
 const STATUS_EXAMPLES: &str = "\
 Examples:
   gpufrac status
   gpufrac status --json | jq '.gpus[].processes[] | {pid, mem_used}'
+  gpufrac top                   the same, live
 
 Each GPU has a line and a table of its processes; then come the queue and
 the leases. A dash (-) means none, or not known.
@@ -30,8 +32,8 @@ The GPU line: GPU INDEX NAME UUID, then (U/T: used of total)
 
 The processes on it (those under the shim):
   PID              the process id
-  COMMAND          its command line, the program without its directory,
-                   cut to 30 characters
+  USER             the user it runs as (its uid where this node has no
+                   name for it)
   ALLOCATED        what it has allocated through the shim (the driver's own
                    context memory is not counted)
   CAP              its memory cap on this GPU
@@ -57,15 +59,18 @@ The processes on it (those under the shim):
                               stopped process): passed over and charged
                    (draining) after any state: work it queued before
                               handing over still runs on the GPU
+  COMMAND          its command line, the program without its directory,
+                   cut to fit the terminal's width (whole when the output
+                   is not a terminal and COLUMNS is unset)
 
 Where more than one user or job has processes on a GPU, a second table
 shows how its time is divided before it reaches processes: users with work
 share the GPU by their weights, each user's part goes to its jobs (and its
 processes outside any job) by their --gpu-compute, and a job's part to its
 processes by their GPU_COMPUTE_SHARE:
-  USER             the uid every process counted here runs for (a job's
-                   processes are its user's); its first row, job `all`,
-                   is the user's part as a whole
+  USER             the user every process counted here runs for (a
+                   job's processes are its user's); its first row, job
+                   `all`, is the user's part as a whole
   WEIGHT           the user's weight among users (gpufrac broker
                    --user-weight, --group-weight; 1 by default), or the
                    job's among the user's jobs (its --gpu-compute, else the
@@ -77,15 +82,20 @@ ACHIEVED as above, summed over its processes.
 queue: requests of gpufrac run waiting for GPUs, in the order they go
   POS              the place in the queue (1 goes next)
   JOB              the pid of the gpufrac run that asks (or the pod)
+  USER             the job's user
   WANTS            N GPUs, or SIZE of GPU memory (on one GPU)
   WAITING          how long it has waited
   ESCALATED        yes once it has waited longer than the broker's
                    --escalate-after: it then goes ahead of all younger ones
   COMMAND          as above
+  and under each request, why it waits: what it needs, what each GPU it
+  could use has free and which jobs hold the rest, or which requests
+  ahead of it the GPUs it would fit on are held for
 
 leases: jobs that hold GPUs or memory
   JOB              the pid of the gpufrac run (or the pod); messages such as
                    a --no-wait refusal name leases by it
+  USER             the job's user
   GPUS             the GPU indices it holds (- for a job that asked for
                    none: every gpufrac run is a job while a broker runs)
   MEM CAP          the job's memory cap, shared by all of its processes
@@ -117,12 +127,15 @@ allocated) and a process table of its own, as for a GPU.
 
 --json prints the broker's document, with what the tables leave out (and
 each GPU's `users`, with their `jobs`, even where the table would not show
-them):
+them), users as uids and every size in bytes:
 each process's user (uid), peak memory (mem_peak), what the driver reports
 for it (driver_mem), refused allocations (ooms) and GPU time charged
-(gpu_time_s); each lease's compute, limit and whether its gpufrac run is
-connected (false for a lease restored after a broker restart until its
-run reconnects).";
+(gpu_time_s); each queued request's want_gpus or want_mem (bytes), why it
+waits (why) and the GPUs it waits for (waits_for); each lease's compute,
+limit and whether its gpufrac run is connected (false for a lease
+restored after a broker restart until its run reconnects). With
+--history, also the broker's ring of recent samples (history), which
+gpufrac top draws from.";
 
 #[derive(Args, Debug)]
 #[command(after_help = STATUS_EXAMPLES)]
@@ -130,12 +143,15 @@ pub struct StatusArgs {
     /// Print the broker's status document as JSON.
     #[arg(long)]
     pub json: bool,
+    /// With --json: keep the broker's ring of recent samples (`history`:
+    /// a value a second for the last few minutes, per GPU, user and job),
+    /// which is left out otherwise.
+    #[arg(long, requires = "json")]
+    pub history: bool,
     /// Broker socket [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
 }
-
-const COMMAND_WIDTH: usize = 30;
 
 pub fn main(args: StatusArgs) -> u8 {
     let socket = crate::socket_path(args.socket);
@@ -158,6 +174,10 @@ pub fn main(args: StatusArgs) -> u8 {
             return 1;
         }
     };
+    let mut status = status;
+    if !args.history {
+        status.history = None;
+    }
     let text = if args.json {
         match serde_json::to_string_pretty(&status) {
             Ok(j) => j + "\n",
@@ -167,7 +187,7 @@ pub fn main(args: StatusArgs) -> u8 {
             }
         }
     } else {
-        render(&status)
+        render(&status, terminal_width())
     };
     match crate::print_stdout(&text) {
         Ok(()) => 0,
@@ -178,8 +198,24 @@ pub fn main(args: StatusArgs) -> u8 {
     }
 }
 
-/// The table view.
-pub fn render(s: &Status) -> String {
+/// The width commands are cut to: the terminal's, else `$COLUMNS`; None
+/// (whole commands) when stdout is neither, as in a script's pipe.
+pub fn terminal_width() -> Option<usize> {
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: TIOCGWINSZ fills a winsize; on a non-terminal it fails and
+    // leaves it alone.
+    let rc = unsafe { libc::ioctl(libc::STDOUT_FILENO, libc::TIOCGWINSZ, &mut ws) };
+    if rc == 0 && ws.ws_col > 0 {
+        return Some(ws.ws_col.into());
+    }
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.trim().parse::<usize>().ok())
+        .filter(|&c| c > 0)
+}
+
+/// The table view, commands cut to fit `width` columns (None: whole).
+pub fn render(s: &Status, width: Option<usize>) -> String {
     let mut out = String::new();
     if let Some(r) = &s.recovery {
         let _ = writeln!(out, "RECOVERING: {r}\n");
@@ -201,16 +237,16 @@ pub fn render(s: &Status) -> String {
         if i > 0 {
             out.push('\n');
         }
-        render_gpu(&mut out, g);
+        render_gpu(&mut out, g, width);
     }
     out.push('\n');
-    render_queue(&mut out, &s.queue);
+    render_queue(&mut out, &s.queue, width);
     out.push('\n');
-    render_leases(&mut out, &s.leases);
+    render_leases(&mut out, &s.leases, width);
     out
 }
 
-fn render_gpu(out: &mut String, g: &GpuStatus) {
+fn render_gpu(out: &mut String, g: &GpuStatus, width: Option<usize>) {
     let index = g.index.map_or("?".to_owned(), |i| i.to_string());
     let util = g.utilization.map_or("-".to_owned(), |u| format!("{u}%"));
     let allocated: u64 = g.processes.iter().map(|p| p.mem_used).sum();
@@ -247,7 +283,7 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
     }
     let mut rows = vec![[
         "PID".to_owned(),
-        "COMMAND".to_owned(),
+        "USER".to_owned(),
         "ALLOCATED".to_owned(),
         "CAP".to_owned(),
         "JOB (ALLOCATED)".to_owned(),
@@ -256,11 +292,12 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
         "LIMIT".to_owned(),
         "PRIO".to_owned(),
         "STATE".to_owned(),
+        "COMMAND".to_owned(),
     ]];
     for p in &g.processes {
         rows.push([
             p.pid.to_string(),
-            command(&p.command),
+            names::user(p.uid),
             format_size(p.mem_used),
             p.mem_cap.map_or("-".to_owned(), format_size),
             match (job_name(p.job, &p.pod), p.job_mem_used) {
@@ -280,9 +317,10 @@ fn render_gpu(out: &mut String, g: &GpuStatus) {
             } else {
                 p.state.clone()
             },
+            command(&p.command),
         ]);
     }
-    table(out, &rows);
+    table(out, &rows, width);
     render_levels(out, g);
 }
 
@@ -303,7 +341,7 @@ fn render_levels(out: &mut String, g: &GpuStatus) {
     ]];
     for u in &g.users {
         rows.push([
-            u.uid.to_string(),
+            names::user(u.uid),
             "all".to_owned(),
             weight(u.weight),
             percent(u.share_target),
@@ -321,11 +359,11 @@ fn render_levels(out: &mut String, g: &GpuStatus) {
             ]);
         }
     }
-    table(out, &rows);
+    table(out, &rows, None);
 }
 
 /// GPU time: tenths of a second count while it is short.
-fn gpu_seconds(s: f64) -> String {
+pub(crate) fn gpu_seconds(s: f64) -> String {
     if s.is_finite() && (0.0..60.0).contains(&s) {
         format!("{s:.1}s")
     } else {
@@ -333,7 +371,7 @@ fn gpu_seconds(s: f64) -> String {
     }
 }
 
-fn weight(w: f64) -> String {
+pub(crate) fn weight(w: f64) -> String {
     if w.fract() == 0.0 {
         format!("{w:.0}")
     } else {
@@ -383,10 +421,10 @@ fn render_mig_gpu(out: &mut String, index: &str, g: &GpuStatus, m: &MigStatus) {
             i.uuid.clone().unwrap_or_else(|| "-".to_owned()),
         ]);
     }
-    table(out, &rows);
+    table(out, &rows, None);
 }
 
-fn render_queue(out: &mut String, q: &[QueueEntry]) {
+fn render_queue(out: &mut String, q: &[QueueEntry], width: Option<usize>) {
     if q.is_empty() {
         out.push_str("queue: empty\n");
         return;
@@ -395,6 +433,7 @@ fn render_queue(out: &mut String, q: &[QueueEntry]) {
     let mut rows = vec![[
         "POS".to_owned(),
         "JOB".to_owned(),
+        "USER".to_owned(),
         "WANTS".to_owned(),
         "WAITING".to_owned(),
         "ESCALATED".to_owned(),
@@ -404,16 +443,31 @@ fn render_queue(out: &mut String, q: &[QueueEntry]) {
         rows.push([
             e.position.to_string(),
             job_name(Some(e.pid), &e.pod).unwrap_or_default(),
+            names::user(e.uid),
             e.wants.clone(),
             seconds(e.waiting_s),
             if e.escalated { "yes" } else { "no" }.to_owned(),
             command(&e.command),
         ]);
     }
-    table(out, &rows);
+    let mut lines = String::new();
+    table(&mut lines, &rows, width);
+    // Each request's row, then why it waits, under it.
+    for (i, line) in lines.lines().enumerate() {
+        out.push_str(line);
+        out.push('\n');
+        if let Some(e) = i.checked_sub(1).and_then(|i| q.get(i))
+            && !e.why.is_empty()
+        {
+            for l in wrap(&format!("waits: {}", clean(&e.why)), width, 7) {
+                out.push_str(&l);
+                out.push('\n');
+            }
+        }
+    }
 }
 
-fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
+fn render_leases(out: &mut String, leases: &[LeaseEntry], width: Option<usize>) {
     if leases.is_empty() {
         out.push_str("leases: none\n");
         return;
@@ -421,6 +475,7 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
     out.push_str("leases:\n");
     let mut rows = vec![[
         "JOB".to_owned(),
+        "USER".to_owned(),
         "GPUS".to_owned(),
         "MEM CAP".to_owned(),
         "HELD".to_owned(),
@@ -430,6 +485,7 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
         let gpus: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
         rows.push([
             job_name(Some(l.pid), &l.pod).unwrap_or_default(),
+            names::user(l.uid),
             if gpus.is_empty() {
                 "-".to_owned()
             } else {
@@ -440,13 +496,13 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry]) {
             command(&l.command),
         ]);
     }
-    table(out, &rows);
+    table(out, &rows, width);
 }
 
 /// A job as the JOB columns name it: its pod if it is one (every pod's
 /// lease is asked for by the one device plugin, so its pid tells them
 /// apart from nothing), else its run's pid.
-fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String> {
+pub(crate) fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String> {
     match pod {
         Some(p) => Some(format!("pod {p}")),
         None => pid.map(|p| p.to_string()),
@@ -454,22 +510,29 @@ fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String> {
 }
 
 /// Left-aligned columns two spaces apart, indented under their heading; the
-/// last column is not padded so lines carry no trailing blanks.
-fn table<const N: usize>(out: &mut String, rows: &[[String; N]]) {
+/// last column is not padded so lines carry no trailing blanks. Given a
+/// `width`, the last column (a command) is cut to what is left of it, but
+/// to no fewer than `MIN_LAST` characters.
+fn table<const N: usize>(out: &mut String, rows: &[[String; N]], width: Option<usize>) {
     let mut widths = [0usize; N];
     for r in rows {
         for (w, cell) in widths.iter_mut().zip(r) {
             *w = (*w).max(cell.chars().count());
         }
     }
+    // Two of indent, then each column and two of gap.
+    let before_last: usize = 2 + widths[..N - 1].iter().map(|w| w + 2).sum::<usize>();
+    let last = width.map(|w| w.saturating_sub(before_last).max(MIN_LAST));
     for r in rows {
         let mut line = String::from(" ");
         for (i, cell) in r.iter().enumerate() {
             line.push(' ');
-            line.push_str(cell);
             if i + 1 < N {
+                line.push_str(cell);
                 let pad = widths[i] - cell.chars().count() + 1;
                 line.extend(std::iter::repeat_n(' ', pad));
+            } else {
+                line.push_str(&truncate(cell, last.unwrap_or(usize::MAX)));
             }
         }
         out.push_str(line.trim_end());
@@ -477,9 +540,37 @@ fn table<const N: usize>(out: &mut String, rows: &[[String; N]]) {
     }
 }
 
+/// A command column is never cut shorter than this, however narrow the
+/// terminal: the line wraps instead.
+const MIN_LAST: usize = 20;
+
+/// `text` in lines of at most `width` columns (None: one line), broken
+/// at spaces, each indented by `indent`.
+fn wrap(text: &str, width: Option<usize>, indent: usize) -> Vec<String> {
+    let pad = " ".repeat(indent);
+    let room = width.map_or(usize::MAX, |w| w.saturating_sub(indent).max(MIN_LAST));
+    let mut lines = Vec::new();
+    let mut line = String::new();
+    for word in text.split(' ').filter(|w| !w.is_empty()) {
+        let len = line.chars().count();
+        if len > 0 && len + 1 + word.chars().count() > room {
+            lines.push(format!("{pad}{line}"));
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        lines.push(format!("{pad}{line}"));
+    }
+    lines
+}
+
 /// A 0..1 fraction as a whole percentage; NaN and negatives (which only a
 /// confused broker would send) print as they are rather than as 0%.
-fn percent(f: f64) -> String {
+pub(crate) fn percent(f: f64) -> String {
     let p = f * 100.0;
     if p.is_finite() && p > 0.0 && p < 1.0 {
         format!("{p:.1}%")
@@ -489,7 +580,7 @@ fn percent(f: f64) -> String {
 }
 
 /// "45s", "3m04s", "2h05m".
-fn seconds(s: f64) -> String {
+pub(crate) fn seconds(s: f64) -> String {
     if !s.is_finite() || s < 0.0 {
         return "-".to_owned();
     }
@@ -502,8 +593,9 @@ fn seconds(s: f64) -> String {
 }
 
 /// A command for a table cell: the program without its directory (a long
-/// path would use up the whole width), then as much as fits.
-fn command(s: &str) -> String {
+/// path would use up the whole width), then the rest; `table` cuts it to
+/// the width.
+pub fn command(s: &str) -> String {
     let s = s.trim_start();
     let (program, rest) = s.split_at(s.find(' ').unwrap_or(s.len()));
     let program = program
@@ -511,16 +603,20 @@ fn command(s: &str) -> String {
         .next()
         .filter(|p| !p.is_empty())
         .unwrap_or(program);
-    truncate(&format!("{program}{rest}"), COMMAND_WIDTH)
+    clean(&format!("{program}{rest}"))
 }
 
-/// One table cell: control characters (a command line may hold newlines)
-/// become spaces, and anything past `max` characters becomes an ellipsis.
-fn truncate(s: &str, max: usize) -> String {
-    let clean: String = s
-        .chars()
+/// Control characters (a command line may hold newlines) become spaces.
+pub fn clean(s: &str) -> String {
+    s.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
+        .collect()
+}
+
+/// One table cell of at most `max` characters: anything past it becomes
+/// an ellipsis.
+pub fn truncate(s: &str, max: usize) -> String {
+    let clean = clean(s);
     if clean.chars().count() <= max {
         return clean;
     }
@@ -569,7 +665,7 @@ mod tests {
                         priority: "high".into(),
                         gpu_time_s: 12.5,
                         draining: false,
-                        uid: 1000,
+                        uid: 65534,
                         job: Some(41),
                         job_mem_used: Some(3 << 30),
                         sm_percent: None,
@@ -589,7 +685,7 @@ mod tests {
                 ],
                 users: vec![
                     UserShare {
-                        uid: 1000,
+                        uid: 65534,
                         weight: 1.0,
                         share_target: 0.3,
                         share_achieved: 0.28,
@@ -626,16 +722,21 @@ mod tests {
                 position: 1,
                 pid: 99,
                 pod: None,
+                uid: 4_000_000_123,
                 command: "torchrun x".into(),
                 wants: "2 GPUs".into(),
+                want_gpus: Some(2),
+                want_mem: None,
                 waiting_s: 184.2,
                 escalated: true,
+                why: "needs 2 whole GPUs; 0 free; GPU 0: held whole by job 41".into(),
+                waits_for: vec![0],
             }],
             leases: vec![
                 LeaseEntry {
                     pid: 41,
-                    uid: 0,
                     pod: None,
+                    uid: 65534,
                     command: "python train.py".into(),
                     gpus: vec![0],
                     mem_cap: Some(4 << 30),
@@ -646,8 +747,8 @@ mod tests {
                 },
                 LeaseEntry {
                     pid: 5,
-                    uid: 0,
                     pod: Some("ml/infer-0".into()),
+                    uid: 0,
                     command: "container server".into(),
                     gpus: vec![0],
                     mem_cap: Some(2 << 30),
@@ -661,51 +762,71 @@ mod tests {
             truncated: false,
             mps: None,
             recovery: None,
+            history: None,
         }
     }
 
     #[test]
     fn table_view() {
-        let t = render(&sample());
+        let t = render(&sample(), Some(120));
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
             "GPU 0 NVIDIA H100 GPU-0000 committed 4.00 GiB/80.00 GiB slots 1/1 \
              allocated 1.00 GiB util 37%"
         );
-        assert!(lines[1].starts_with("  PID  COMMAND"), "{t}");
+        assert!(lines[1].starts_with("  PID  USER    ALLOCATED"), "{t}");
         assert!(
-            lines[1].contains(" ALLOCATED ") && lines[1].contains(" JOB (ALLOCATED) "),
+            lines[1].contains(" ALLOCATED ")
+                && lines[1].contains(" JOB (ALLOCATED) ")
+                && lines[1].ends_with(" STATE    COMMAND"),
             "{t}"
         );
+        // Users by name.
+        assert!(lines[2].starts_with("  42   nobody  1.00 GiB"), "{t}");
+        assert!(lines[3].starts_with("  7    root    0 B"), "{t}");
         assert!(lines[2].contains("41 (3.00 GiB)"), "{t}");
+        // The command fills the rest of the 120 columns, no more.
         assert!(
-            lines[2].contains("python train.py --epochs 100 \u{2026}"),
+            lines[2].ends_with("holding  python train.py --epochs 10\u{2026}"),
             "{t}"
         );
+        assert_eq!(lines[2].chars().count(), 120, "{t}");
         assert!(
             lines[2].contains("1.00 GiB") && lines[2].contains("4.00 GiB"),
             "{t}"
         );
         assert!(lines[2].contains("30%") && lines[2].contains("28%"), "{t}");
-        assert!(lines[2].ends_with("holding"), "{t}");
+        assert!(lines[2].contains(" holding "), "{t}");
         assert!(lines[3].contains("70%") && lines[3].contains("50%"), "{t}");
-        assert!(lines[3].ends_with("idle"), "{t}");
+        assert!(lines[3].ends_with("idle     sleep"), "{t}");
         // A pod's process and lease are named by the pod, not by the
         // plugin's pid that all pods share.
         assert!(lines[3].contains(" pod ml/infer-0 "), "{t}");
-        assert!(t.contains("\n  pod ml/infer-0  0     2.00 GiB"), "{t}");
+        assert!(
+            t.contains("\n  pod ml/infer-0  root    0     2.00 GiB"),
+            "{t}"
+        );
         assert!(t.contains("queue:\n"), "{t}");
         assert!(
             t.contains("3m04s") && t.contains("yes") && t.contains("2 GPUs"),
             "{t}"
         );
+        // A uid this node has no name for stays a number; why the request
+        // waits is under it.
+        assert!(
+            t.contains(
+                "\n  1    99   4000000123  2 GPUs  3m04s    yes        torchrun x\n       \
+                 waits: needs 2 whole GPUs; 0 free; GPU 0: held whole by job 41\n"
+            ),
+            "{t}"
+        );
         assert!(t.contains("leases:\n") && t.contains("2h05m"), "{t}");
         // Queue and leases are named by the job's run pid, as messages name
         // them.
-        assert!(t.contains("queue:\n  POS  JOB  WANTS"), "{t}");
-        assert!(t.contains("leases:\n  JOB "), "{t}");
-        assert!(t.contains("\n  41              0"), "{t}");
+        assert!(t.contains("queue:\n  POS  JOB  USER        WANTS"), "{t}");
+        assert!(t.contains("leases:\n  JOB             USER "), "{t}");
+        assert!(t.contains("\n  41              nobody  0"), "{t}");
         assert!(t.lines().all(|l| l == l.trim_end()), "{t}");
         // Columns line up.
         let col = |l: &str| {
@@ -716,16 +837,54 @@ mod tests {
         assert_eq!(col(lines[1]), col(lines[2]));
         assert_eq!(col(lines[1]), col(lines[3]));
         // Then users and their jobs: each user's part, then its jobs'.
-        assert!(lines[4].starts_with("  USER  JOB "), "{t}");
+        assert!(lines[4].starts_with("  USER    JOB "), "{t}");
         assert!(
             lines[4].contains(" WEIGHT ") && lines[4].ends_with("GPU TIME"),
             "{t}"
         );
         let row = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
-        assert_eq!(row(lines[5]), "1000 all 1 30% 28% 12.5s");
+        assert_eq!(row(lines[5]), "nobody all 1 30% 28% 12.5s");
         assert_eq!(row(lines[6]), "41 30 30% 28% 12.5s");
-        assert_eq!(row(lines[7]), "0 all 2 70% 0% 0.0s");
+        assert_eq!(row(lines[7]), "root all 2 70% 0% 0.0s");
         assert_eq!(row(lines[8]), "pod ml/infer-0 50 70% 0% 0.0s");
+    }
+
+    /// Commands fit the width they are given, whole without one, and never
+    /// shorter than a readable minimum; why a request waits wraps.
+    #[test]
+    fn commands_fit_the_width() {
+        let mut s = sample();
+        s.gpus[0].processes[0].command = format!("/usr/bin/python3 {}", "x".repeat(300));
+        let whole = render(&s, None);
+        assert!(
+            whole.contains(&format!("python3 {}\n", "x".repeat(300))),
+            "{whole}"
+        );
+        for width in [120, 132, 200] {
+            let t = render(&s, Some(width));
+            let line = t.lines().find(|l| l.contains("python3")).unwrap();
+            assert_eq!(line.chars().count(), width, "{t}");
+            assert!(line.ends_with('\u{2026}'), "{t}");
+            for l in t.lines().filter(|l| l.trim_start().starts_with("waits:")) {
+                assert!(l.chars().count() <= width, "{l}");
+            }
+        }
+        let narrow = render(&s, Some(30));
+        let line = narrow.lines().find(|l| l.contains("python3")).unwrap();
+        assert!(
+            line.ends_with(&format!("python3 {}\u{2026}", "x".repeat(11))),
+            "{line}"
+        );
+        let waits: Vec<&str> = narrow
+            .lines()
+            .skip_while(|l| !l.contains("waits:"))
+            .take_while(|l| l.starts_with("       "))
+            .collect();
+        assert!(waits.len() > 2, "{narrow}");
+        assert_eq!(
+            waits.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" "),
+            "waits: needs 2 whole GPUs; 0 free; GPU 0: held whole by job 41"
+        );
     }
 
     fn mig_sample() -> Status {
@@ -793,7 +952,7 @@ mod tests {
     #[test]
     fn mig_gpus_and_instances() {
         let s = mig_sample();
-        let t = render(&s);
+        let t = render(&s, Some(200));
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
@@ -816,15 +975,15 @@ mod tests {
             lines[5],
             "MIG 1g.5gb (GPU 0, GPU instance 1) MIG-aaaa committed 4.75 GiB/4.75 GiB allocated 1.00 GiB"
         );
-        assert!(lines[6].starts_with("  PID  COMMAND"), "{t}");
+        assert!(lines[6].starts_with("  PID  USER  ALLOCATED"), "{t}");
         assert!(
-            lines[7].contains("probe") && lines[7].ends_with("holding"),
+            lines[7].contains("root") && lines[7].ends_with("holding  probe"),
             "{t}"
         );
         let mut empty = s.gpus[0].clone();
         empty.mig.as_mut().unwrap().instances.clear();
         let mut out = String::new();
-        render_gpu(&mut out, &empty);
+        render_gpu(&mut out, &empty, None);
         assert!(out.ends_with("\n  no MIG instances\n"), "{out}");
     }
 
@@ -832,7 +991,7 @@ mod tests {
     /// of the GPU line and every state the broker reports.
     #[test]
     fn help_explains_every_column_and_state() {
-        let tables = render(&sample()) + &render(&mig_sample());
+        let tables = render(&sample(), None) + &render(&mig_sample(), None);
         let headers: Vec<&str> = tables
             .lines()
             .filter(|l| {
@@ -890,17 +1049,17 @@ mod tests {
     fn a_recovering_broker_says_so_first() {
         let mut s = sample();
         s.recovery = Some("the state file is unusable; 12 s more".into());
-        let t = render(&s);
+        let t = render(&s, Some(200));
         assert!(
             t.starts_with("RECOVERING: the state file is unusable; 12 s more\n"),
             "{t}"
         );
-        assert!(!render(&sample()).contains("RECOVERING"));
+        assert!(!render(&sample(), None).contains("RECOVERING"));
     }
 
     #[test]
     fn empty_broker() {
-        let t = render(&Status::default());
+        let t = render(&Status::default(), None);
         assert_eq!(t, "no GPUs\n\nqueue: empty\n\nleases: none\n");
     }
 
@@ -909,7 +1068,7 @@ mod tests {
         let mut s = sample();
         s.gpus[0].index = None;
         s.gpus[0].utilization = None;
-        let t = render(&s);
+        let t = render(&s, Some(200));
         assert!(t.starts_with("GPU ? NVIDIA H100"), "{t}");
         assert!(t.lines().next().unwrap().ends_with("util -"), "{t}");
     }

@@ -149,3 +149,51 @@ fn container_demo_caps_a_sealed_image() {
     assert!(out.contains("cudarc info free=0 total=4294967296"), "{out}");
     assert!(out.contains("gpufrac docker-args said: -v "), "{out}");
 }
+
+/// `./demo.sh top` without a terminal: a frame while two jobs share the
+/// GPU at 70% and 30% and a third waits, a frame once the third runs; and
+/// nothing of it left after.
+#[test]
+fn top_demo_shows_the_jobs_converge_and_the_queued_one_start() {
+    let o = demo(&["top"]);
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}\n{err}");
+    let (first, second) = out
+        .split_once("22 s in")
+        .unwrap_or_else(|| panic!("two frames:\n{out}"));
+    let jobs: Vec<&str> = first.lines().filter(|l| l.contains("▾ job")).collect();
+    assert_eq!(jobs.len(), 2, "{out}");
+    assert!(
+        jobs[0].contains("2G/6G") && jobs[0].contains("70/"),
+        "{out}"
+    );
+    assert!(
+        jobs[1].contains("1G/8G") && jobs[1].contains("30/"),
+        "{out}"
+    );
+    assert!(first.contains("needs 8.00 GiB on one GPU"), "{out}");
+    assert!(second.contains("queue: empty"), "{out}");
+    assert!(
+        second
+            .lines()
+            .any(|l| l.contains("▾ job") && l.contains("512M/8G")),
+        "the queued job runs:\n{out}"
+    );
+    let socket = out
+        .split_whitespace()
+        .find(|w| w.ends_with("/broker.sock"))
+        .unwrap_or_else(|| panic!("no socket named in:\n{out}"));
+    let dir = Path::new(socket).parent().unwrap();
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    // Its broker and the jobs' processes are gone with it.
+    let mine = dir.to_string_lossy().into_owned();
+    wait_until(10.0, "the demo's processes to end", || {
+        std::fs::read_dir("/proc").unwrap().flatten().all(|p| {
+            ["cmdline", "environ"].iter().all(|f| {
+                std::fs::read(p.path().join(f))
+                    .map(|c| !String::from_utf8_lossy(&c).contains(&mine))
+                    .unwrap_or(true)
+            })
+        })
+    });
+}

@@ -3,7 +3,8 @@
 //!
 //! - pure policy in virtual time: `sched` (compute), `queue` and `mig`
 //!   (placement), `authority` (who may do what), `jobs` (what a job is),
-//!   `stats` (what metrics count as it happens);
+//!   `stats` (what metrics count as it happens),
+//!   `history` (the ring of recent status samples);
 //! - `proto`, the sans-I/O core: connections, budgets, membership,
 //!   leases, recovery and status, over `procs` (the host, behind traits);
 //! - I/O: `server` (the event loop), `listen` (the socket), `statefile`,
@@ -11,6 +12,7 @@
 //! - `startup`, which puts them together.
 
 pub mod authority;
+pub mod history;
 pub mod inventory;
 pub mod jobs;
 pub mod listen;

@@ -31,6 +31,66 @@ pub struct Status {
     /// for how long more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery: Option<String>,
+    /// Recent samples of the GPUs and of each user's and job's share, so
+    /// that a view opened now (`gpufrac top`) has history from the start.
+    /// On the first page only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<History>,
+}
+
+/// The broker's ring of recent samples (`history.rs`), one every
+/// `every_s`, oldest first: every series has `samples` values, `null`
+/// where its GPU, user or job was not there at that moment.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct History {
+    pub every_s: f64,
+    /// Values per series.
+    pub samples: u32,
+    /// Seconds from the newest sample to this status.
+    pub age_s: f64,
+    /// Requests waiting in the queue.
+    pub queue: Vec<u32>,
+    pub gpus: Vec<GpuHistory>,
+    /// Each user's part of a GPU, and each of its jobs' (and its
+    /// processes' outside any job).
+    pub shares: Vec<ShareHistory>,
+    /// Series left out to keep the ring within its bounds (per user per
+    /// GPU, and in all): they have no history here.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dropped: u32,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuHistory {
+    /// As in [`GpuStatus::uuid`].
+    pub uuid: String,
+    /// NVML utilisation, percent.
+    pub utilization: Vec<Option<u32>>,
+    /// What its processes had allocated through the shim, together, bytes.
+    pub allocated: Vec<Option<u64>>,
+    /// Memory promised to leases, bytes.
+    pub committed: Vec<Option<u64>>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ShareHistory {
+    /// The GPU's UUID.
+    pub gpu: String,
+    pub uid: u32,
+    /// `user`: the user's part as a whole; `job`: one of its jobs (`job`
+    /// None: its processes outside any job).
+    pub level: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// As in [`UserShare`] and [`JobShare`], 0..1.
+    pub target: Vec<Option<f32>>,
+    pub achieved: Vec<Option<f32>>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -222,23 +282,37 @@ pub struct QueueEntry {
     /// A pod's lease (`namespace/name`): `pid` is then the device plugin's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// The job's user.
+    #[serde(default)]
+    pub uid: u32,
     pub command: String,
     /// Human description: "2 GPUs", "4.00 GiB".
     pub wants: String,
+    /// What `wants` says: whole GPUs (`--gpus N`), or bytes of memory on
+    /// one GPU (`--gpu-memory`; a pod's, the sum of its pins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub want_gpus: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub want_mem: Option<u64>,
     pub waiting_s: f64,
     pub escalated: bool,
+    /// Why it waits: what it needs, what is free, who holds the rest.
+    #[serde(default)]
+    pub why: String,
+    /// The GPUs (indices) it waits for.
+    #[serde(default)]
+    pub waits_for: Vec<u32>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct LeaseEntry {
     pub pid: u32,
-    /// The user the job is counted for (its `gpufrac run`'s, or the
-    /// device plugin's for a pod).
-    #[serde(default)]
-    pub uid: u32,
     /// A pod's lease (`namespace/name`): `pid` is then the device plugin's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// The job's user.
+    #[serde(default)]
+    pub uid: u32,
     pub command: String,
     pub gpus: Vec<u32>,
     pub mem_cap: Option<u64>,

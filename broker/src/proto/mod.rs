@@ -32,6 +32,7 @@ use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 use tracing::warn;
 
 use crate::authority::{Peer, Policy};
+use crate::history;
 use crate::jobs::Job;
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
@@ -278,6 +279,8 @@ pub struct Broker {
     /// What metrics count as it happens (`stats`).
     stats: Stats,
     queue_polled: Nanos,
+    /// Recent samples of status, served with it (`history.rs`).
+    history: history::Ring,
     now: Nanos,
 }
 
@@ -304,6 +307,9 @@ impl Broker {
             .collect();
         let mut queue = Queue::new(qgpus, cfg.queue);
         queue.set_mig(planner);
+        // A user's series on a GPU: its part, its processes outside any
+        // job, and a job per lease it may hold.
+        let cfg_leases = cfg.budgets.leases;
         let mut b = Broker {
             gpus: gpus
                 .iter()
@@ -347,6 +353,7 @@ impl Broker {
             frames_handled: 0,
             stats: Stats::default(),
             queue_polled: now,
+            history: history::Ring::new(cfg_leases + 2),
             now,
         };
         // Instances found at start are units of arbitration from the
@@ -793,6 +800,10 @@ impl Broker {
         }
         self.end_recovery(now);
         self.pump(now);
+        if now >= self.history.due() {
+            let st = self.status(now);
+            self.history.record(now, &st);
+        }
     }
 
     /// Connections past a deadline: the shell reads each once more, then
@@ -895,6 +906,7 @@ impl Broker {
         if let Some(s) = self.save_due() {
             at(s);
         }
+        at(self.history.due());
         // Overdue stays overdue: the shell then calls `handle_timeout` at
         // once (each overdue timer is one it clears).
         t

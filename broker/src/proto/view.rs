@@ -10,6 +10,7 @@ use super::leases::describe;
 use super::{Broker, Nanos};
 use crate::jobs::Phase;
 use crate::mig::{self, Use};
+use crate::queue::{Want, Why};
 use crate::sched::{ClientState, Priority};
 use crate::status::{
     GpuStatus, JobShare, LeaseEntry, MigInstance, MigStatus, ProcStatus, QueueEntry, Status,
@@ -25,6 +26,10 @@ struct Unit {
     /// Its own weight (`GPU_COMPUTE_SHARE`).
     own: f64,
 }
+
+/// The most of a status page the history may take: beyond, it is served
+/// with fewer samples.
+const HISTORY_ROOM: usize = wire::MAX_STATUS_JSON / 4;
 
 /// Processes listed per status page; a page's JSON stays far below the
 /// frame limit (a process entry is a few hundred bytes).
@@ -183,20 +188,37 @@ impl Broker {
                 g.mig_instance,
             )
         });
+        let mut why: HashMap<u64, Why> = self.queue.why(now).into_iter().collect();
         let queue = self
             .queue
             .waiting(now)
             .into_iter()
             .map(|w| {
                 let job = self.jobs.get(&w.id);
+                let why = why.remove(&w.id).unwrap_or_default();
                 QueueEntry {
                     position: w.position as u32,
                     pid: job.map_or(0, |j| j.pid),
                     pod: job.and_then(|j| j.pod.clone()),
+                    uid: job.map_or(0, |j| j.uid),
                     command: w.label.clone(),
                     wants: describe(&w.want),
+                    want_gpus: match w.want {
+                        Want::Gpus(n) => Some(n),
+                        Want::Memory(_) => None,
+                    },
+                    want_mem: match w.want {
+                        Want::Memory(b) => Some(b),
+                        Want::Gpus(_) => None,
+                    },
                     waiting_s: w.waited as f64 / 1e9,
                     escalated: w.escalated,
+                    why: if self.placing(now) {
+                        why.text
+                    } else {
+                        format!("{}; {}", self.recovering_text(now), why.text)
+                    },
+                    waits_for: why.gpus,
                 }
             })
             .collect();
@@ -243,6 +265,7 @@ impl Broker {
                 .as_ref()
                 .filter(|(until, _)| now < *until)
                 .map(|_| self.recovering_text(now)),
+            history: None,
         }
     }
 
@@ -356,11 +379,15 @@ impl Broker {
     /// page fits a frame whatever the node holds.
     pub fn status_json(&self, now: Nanos, from: usize) -> String {
         let mut st = self.status(now);
+        if from == 0 {
+            st.history = Some(self.history_within(now, HISTORY_ROOM));
+        }
         let mut seen = 0usize;
         let mut next = None;
         // Room for processes once the rest is written.
         let mut room = (wire::MAX_STATUS_JSON / 2).saturating_sub(
-            serde_json::to_string(&st.queue).map_or(0, |j| j.len())
+            serde_json::to_string(&st.history).map_or(0, |j| j.len())
+                + serde_json::to_string(&st.queue).map_or(0, |j| j.len())
                 + serde_json::to_string(&st.leases).map_or(0, |j| j.len())
                 + st.gpus
                     .iter()
@@ -400,5 +427,20 @@ impl Broker {
             json = serde_json::to_string(&st).unwrap_or_default();
         }
         json
+    }
+}
+
+impl Broker {
+    /// The ring of recent samples, with as many of the newest samples as
+    /// fit in `room` bytes of JSON.
+    fn history_within(&self, now: Nanos, room: usize) -> crate::status::History {
+        let mut samples = self.history.len();
+        loop {
+            let h = self.history.view(now, samples);
+            if samples <= 1 || serde_json::to_string(&h).map_or(0, |j| j.len()) <= room {
+                return h;
+            }
+            samples /= 2;
+        }
     }
 }

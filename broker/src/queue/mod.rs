@@ -41,7 +41,8 @@
 //! Rooms: `types` (requests, leases, what status shows), `placement`
 //! (where a request goes, and booking it), `pinned` (the device plugin's
 //! pods), `mig_leases` (leases on MIG instances), `refusals` (what is
-//! refused, in words), `status`; this file holds the books, the queue
+//! refused, in words), `status`, `why` (why a waiting request waits,
+//! in words); this file holds the books, the queue
 //! order and the entry points.
 
 mod mig_leases;
@@ -51,6 +52,7 @@ mod refusals;
 mod reserve;
 mod status;
 mod types;
+mod why;
 
 use std::collections::BTreeMap;
 
@@ -64,6 +66,7 @@ pub use types::{
     GpuInfo, Lease, LeaseStatus, Nanos, Pinned, Placement, QueueConfig, Refusal, Request,
     RequestId, WaitingStatus, Want,
 };
+pub use why::Why;
 
 #[derive(Debug, Clone)]
 struct Waiter {

@@ -20,7 +20,7 @@ impl Queue {
         g.info.total_mem / u64::from(self.cfg.overprovision)
     }
 
-    fn fits_whole(&self, g: &GpuState) -> bool {
+    pub(super) fn fits_whole(&self, g: &GpuState) -> bool {
         if g.slots_used >= self.cfg.overprovision {
             return false;
         }

@@ -6,7 +6,7 @@ use std::cmp::Reverse;
 
 use gpufrac_common::size::format_size_arg;
 
-use super::{Queue, Refusal, Request, RequestId, Want};
+use super::{GpuState, Queue, Refusal, Request, RequestId, Want};
 
 pub(super) fn fmt_bytes(b: u64) -> String {
     const K: f64 = 1024.0;
@@ -193,6 +193,31 @@ impl Queue {
         })
     }
 
+    /// The jobs holding leases on `g`: "job 41", "jobs 41, pod ns/p".
+    pub(super) fn owners(&self, g: &GpuState) -> String {
+        // A pod's lease is named by its pod: the plugin that asked for it
+        // has one pid for all of them.
+        let mut jobs: Vec<(u32, Option<&str>)> = g
+            .leases
+            .iter()
+            .filter_map(|l| self.held.get(l))
+            .map(|h| (h.req.job, h.req.pod.as_deref()))
+            .collect();
+        jobs.sort_unstable();
+        let ids: Vec<String> = jobs
+            .iter()
+            .map(|(j, pod)| match pod {
+                Some(p) => format!("pod {p}"),
+                None => j.to_string(),
+            })
+            .collect();
+        format!(
+            "{} {}",
+            if ids.len() == 1 { "job" } else { "jobs" },
+            ids.join(", ")
+        )
+    }
+
     pub(super) fn busy_summary(&self) -> String {
         let f = self.cfg.overprovision;
         let parts: Vec<String> = self
@@ -202,27 +227,7 @@ impl Queue {
                 if g.leases.is_empty() {
                     return format!("GPU {}: free", g.info.index);
                 }
-                // A pod's lease is named by its pod: the plugin that asked
-                // for it has one pid for all of them.
-                let mut jobs: Vec<(u32, Option<&str>)> = g
-                    .leases
-                    .iter()
-                    .filter_map(|l| self.held.get(l))
-                    .map(|h| (h.req.job, h.req.pod.as_deref()))
-                    .collect();
-                jobs.sort_unstable();
-                let ids: Vec<String> = jobs
-                    .iter()
-                    .map(|(j, pod)| match pod {
-                        Some(p) => format!("pod {p}"),
-                        None => j.to_string(),
-                    })
-                    .collect();
-                let owners = format!(
-                    "{} {}",
-                    if ids.len() == 1 { "job" } else { "jobs" },
-                    ids.join(", ")
-                );
+                let owners = self.owners(g);
                 if f == 1 && g.slots_used == 1 {
                     format!("GPU {}: held whole by {owners}", g.info.index)
                 } else {

@@ -9,6 +9,7 @@ mod classes;
 mod deadlines;
 mod dirty_sets;
 mod fairness;
+mod history;
 mod identity;
 mod messages;
 mod mig_instances;

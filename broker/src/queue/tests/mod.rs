@@ -9,6 +9,7 @@ mod placement;
 mod props;
 mod requests;
 mod reserve;
+mod why;
 
 use super::*;
 

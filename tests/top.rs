@@ -1,0 +1,395 @@
+//! `gpufrac top` against a real broker on the simulated driver: two jobs
+//! busy at 70% and 30% with memory under their caps and a third queued
+//! behind them. `--once` draws a frame with ratatui's test backend (as
+//! root, as `nobody`, small); the live view runs under a real terminal,
+//! tmux's, takes keys and gives the terminal back on `q`.
+
+mod support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+use support::*;
+
+/// A `gpufrac run` job ended with SIGTERM (which run forwards to its
+/// child) however the test ends, so that no probe outlives it.
+struct Job(Child);
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // SAFETY: kill with a pid of a child of ours.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let t = std::time::Instant::now();
+        while t.elapsed().as_secs() < 10 {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The node of the demo: a 16 GiB GPU, job A (`--gpu-memory 4G
+/// --gpu-compute 70%`, 1 GiB allocated) and job B (`8G`, `30%`, 512 MiB)
+/// busy on it, job C (`8G`) queued: 4 GiB are left uncommitted.
+struct Node {
+    // Fields drop in order: the jobs end before their broker.
+    a: Job,
+    b: Job,
+    _c: Job,
+    broker: Broker,
+}
+
+fn busy_job(b: &Broker, mem: &str, compute: &str, alloc: &str) -> Job {
+    let start = mono_ns() + 300_000_000;
+    let end = start + 120_000_000_000;
+    let mut cmd = b.run(&["--gpu-memory", mem, "--gpu-compute", compute, "--"]);
+    cmd.arg(&artifacts().probe)
+        .args(["ctx", "alloc", "alloc", alloc])
+        .args(spin_args(start, end))
+        .stdout(Stdio::null());
+    Job(cmd.spawn().unwrap())
+}
+
+fn node() -> Node {
+    // The socket's group and directory let `nobody` ask for status.
+    let broker = Broker::start("16G", &["--group", "nogroup"]);
+    std::fs::set_permissions(
+        broker.socket.parent().unwrap(),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let a = busy_job(&broker, "4G", "70%", "1G");
+    let b = busy_job(&broker, "8G", "30%", "512M");
+    wait_until(30.0, "both jobs busy with their memory", || {
+        let st = broker.status();
+        let procs = st["gpus"][0]["processes"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        procs.len() == 2
+            && procs
+                .iter()
+                .all(|p| p["mem_used"].as_u64() >= Some(512 << 20))
+    });
+    let mut c = broker.run(&["--gpu-memory", "8G", "--"]);
+    c.arg(&artifacts().probe)
+        .arg("ctx")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let c = Job(c.spawn().unwrap());
+    wait_until(30.0, "the third job queued", || {
+        broker.status()["queue"]
+            .as_array()
+            .is_some_and(|q| q.len() == 1)
+    });
+    Node {
+        a,
+        b,
+        _c: c,
+        broker,
+    }
+}
+
+/// `gpufrac top ARGS` against `socket`, as `uid` (None: this user).
+fn top(socket: &Path, args: &[&str], uid: Option<u32>) -> (String, String, bool) {
+    let mut cmd = Command::new(&artifacts().gpufrac);
+    scrub_env(&mut cmd);
+    cmd.arg("top")
+        .args(args)
+        .arg("--socket")
+        .arg(socket)
+        .stdin(Stdio::null());
+    if let Some(uid) = uid {
+        as_user(&mut cmd, uid);
+    }
+    let o = cmd.output().unwrap();
+    (stdout(&o), stderr(&o), o.status.success())
+}
+
+fn line_with<'a>(frame: &'a str, what: &str) -> &'a str {
+    frame
+        .lines()
+        .find(|l| l.contains(what))
+        .unwrap_or_else(|| panic!("no line with {what:?} in\n{frame}"))
+}
+
+#[test]
+fn once_shows_caps_shares_users_jobs_and_the_queue() {
+    let _serial = serial();
+    let n = node();
+    let (a, b) = (n.a.0.id(), n.b.0.id());
+    // A few samples of the broker's ring, so that history shows.
+    wait_until(30.0, "three samples of history", || {
+        let (t, _, _) = top(&n.broker.socket, &["--once", "--size", "100x30"], None);
+        line_with(&t, &format!("▾ job {a}"))
+            .matches(['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'])
+            .count()
+            >= 3
+    });
+    let (t, err, ok) = top(&n.broker.socket, &["--once", "--size", "100x30"], None);
+    assert!(ok, "{err}");
+    assert_eq!(t.lines().count(), 30, "{t}");
+    let header = t.lines().next().unwrap();
+    for what in ["mode plain", "1 GPU", "2 processes", "queue 1", "2 leases"] {
+        assert!(header.contains(what), "{what}: {header}");
+    }
+    // The GPU: 1.5 GiB allocated, 12 GiB committed with both caps marked.
+    let gpu = line_with(&t, "GPU 0");
+    assert!(gpu.contains("alloc 1.5G commit 12G free 4G of 16G"), "{t}");
+    assert_eq!(gpu.matches('┃').count(), 2, "{t}");
+    assert!(t.contains("  util "), "{t}");
+    // The tree: the user, each job with its cap and target share, each
+    // process under its job with what it allocated.
+    assert!(line_with(&t, "▾ root").contains("1.5G"), "{t}");
+    let job_a = line_with(&t, &format!("▾ job {a}"));
+    assert!(job_a.contains("1G/4G") && job_a.contains("70/"), "{t}");
+    let job_b = line_with(&t, &format!("▾ job {b}"));
+    assert!(job_b.contains("512M/8G") && job_b.contains("30/"), "{t}");
+    let rows: Vec<&str> = t.lines().collect();
+    let at = |what: &str| rows.iter().position(|l| l.contains(what)).unwrap();
+    let pa = at(&format!("▾ job {a}")) + 1;
+    assert!(
+        rows[pa].contains("probe ctx alloc") && rows[pa].contains("1G/4G"),
+        "{t}"
+    );
+    // The queue: the third job, what it wants and why it waits.
+    let q = line_with(&t, "needs 8.00 GiB");
+    assert!(q.contains("root") && q.contains("8G"), "{t}");
+    assert!(t.contains("GPU 0: 4.00 GiB free of 16.00 GiB"), "{t}");
+
+    // Flat, by memory: A's process (1 GiB) before B's (512 MiB).
+    let (flat, _, _) = top(
+        &n.broker.socket,
+        &["--once", "--size", "132x30", "--flat", "--sort", "mem"],
+        None,
+    );
+    let first = flat.lines().position(|l| l.contains("1G/4G")).expect(&flat);
+    let second = flat
+        .lines()
+        .position(|l| l.contains("512M/8G"))
+        .expect(&flat);
+    assert!(first < second, "{flat}");
+    assert!(line_with(&flat, "PID").contains("CONTAINER"), "{flat}");
+
+    // Small: nothing past 40 columns, the user still there.
+    let (small, _, _) = top(&n.broker.socket, &["--once", "--size", "40x12"], None);
+    assert!(small.lines().all(|l| l.chars().count() <= 40), "{small}");
+    assert!(small.contains("▾ root"), "{small}");
+
+    // `nobody` sees what status lets it see: the same processes, jobs and
+    // request.
+    if can_be_nobody() {
+        let (theirs, err, ok) = top(
+            &n.broker.socket,
+            &["--once", "--size", "100x30"],
+            Some(NOBODY),
+        );
+        assert!(ok, "{err}");
+        for what in [
+            format!("▾ job {a}"),
+            format!("▾ job {b}"),
+            "needs 8.00 GiB".into(),
+        ] {
+            assert!(theirs.contains(&what), "{what}:\n{theirs}");
+        }
+        let (none, _, _) = top(&n.broker.socket, &["--once", "--mine"], Some(NOBODY));
+        assert!(
+            none.contains("no process matches") && none.contains("queue: 1 waiting, none matching"),
+            "{none}"
+        );
+    }
+}
+
+#[test]
+fn without_a_terminal_it_says_to_use_once() {
+    let b = Broker::start("16G", &[]);
+    let (out, err, ok) = top(&b.socket, &[], None);
+    assert!(!ok && out.is_empty(), "{out}");
+    assert!(
+        err.contains("needs a terminal") && err.contains("gpufrac top --once"),
+        "{err}"
+    );
+    let (_, err, ok) = top(&b.socket.with_extension("nowhere"), &["--once"], None);
+    assert!(!ok && err.contains("no broker at"), "{err}");
+}
+
+/// A tmux server of the test's own, killed however the test ends.
+struct Tmux(String);
+
+impl Tmux {
+    fn cmd(&self) -> Command {
+        let mut c = Command::new("tmux");
+        c.args(["-L", &self.0, "-f", "/dev/null"]);
+        c
+    }
+
+    fn capture(&self) -> String {
+        let o = self
+            .cmd()
+            .args(["capture-pane", "-p", "-t", "top"])
+            .output()
+            .unwrap();
+        stdout(&o)
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        let ok = self
+            .cmd()
+            .args(["send-keys", "-t", "top"])
+            .args(keys)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Waits for the screen to hold `what`.
+    fn wait_for(&self, what: &str) -> String {
+        self.wait_until(&format!("show {what:?}"), |s| s.contains(what))
+    }
+
+    /// Waits for `what` to leave the screen.
+    fn wait_gone(&self, what: &str) -> String {
+        self.wait_until(&format!("lose {what:?}"), |s| !s.contains(what))
+    }
+
+    fn wait_until(&self, what: &str, cond: impl Fn(&str) -> bool) -> String {
+        let mut screen = String::new();
+        let t = std::time::Instant::now();
+        while t.elapsed().as_secs() < 30 {
+            screen = self.capture();
+            if cond(&screen) {
+                return screen;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        panic!("the screen did not {what}:\n{screen}");
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.cmd().arg("kill-server").stderr(Stdio::null()).status();
+    }
+}
+
+#[test]
+fn live_view_under_tmux_takes_keys_and_gives_the_terminal_back() {
+    const WHAT: &str = "the live view of gpufrac top under tmux";
+    if !engines_wanted(WHAT) {
+        return;
+    }
+    if let Err(why) = apt_install(WHAT, &["tmux"], || Path::new("/usr/bin/tmux").exists()) {
+        cannot(WHAT, &why);
+        return;
+    }
+    let _serial = serial();
+    let n = node();
+    let a = n.a.0.id();
+    let tmux = Tmux(format!("gpufrac-test-{}", std::process::id()));
+    // The shell says what the terminal is like once top has given it
+    // back: canonical mode and echo on.
+    // It runs top twice: the first is left with `q`, the second killed.
+    let modes = "stty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e echo -e -icanon -e -echo \
+                 | tr '\\n' ' '; echo";
+    let top_cmd = format!(
+        "{} top --socket {}",
+        artifacts().gpufrac.display(),
+        n.broker.socket.display()
+    );
+    // The second starts once the test has read the screen the first left.
+    let dir = Scratch::new("top-tmux");
+    let go = dir.0.join("go");
+    let script = format!(
+        "printf 'BEFORE\\n'; {top_cmd}; echo \"top exited $?\"; {modes}; \
+         while [ ! -e {go} ]; do sleep 0.05; done; \
+         {top_cmd}; echo \"top ended with $?\"; {modes}; sleep 120",
+        go = go.display()
+    );
+    let ok = tmux
+        .cmd()
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            "top",
+            "-x",
+            "120",
+            "-y",
+            "32",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let screen = tmux.wait_for(&format!("▾ job {a}"));
+    assert!(screen.starts_with("gpufrac top"), "{screen}");
+    assert!(
+        !screen.contains("BEFORE"),
+        "the alternate screen:\n{screen}"
+    );
+    // The history grows while it is open.
+    tmux.wait_for("needs 8.00 GiB");
+    // t: the flat table; ?: help; Esc closes it.
+    tmux.keys(&["t"]);
+    tmux.wait_for("Processes (2)");
+    tmux.keys(&["?"]);
+    tmux.wait_for("only your processes and requests");
+    tmux.keys(&["Escape"]);
+    let screen = tmux.wait_gone("only your processes and requests");
+    assert!(screen.contains("Processes (2)"), "{screen}");
+    // /: a filter typed and applied.
+    tmux.keys(&["/", "job:", &a.to_string(), "Enter"]);
+    let screen = tmux.wait_for(&format!("filter: job:{a}"));
+    tmux.wait_for("Processes (1)");
+    assert!(screen.contains("PID"), "{screen}");
+    // Enter: the process's detail, with its history.
+    tmux.keys(&["Enter"]);
+    let screen = tmux.wait_for("its job");
+    assert!(screen.contains("1G used, cap 4G"), "{screen}");
+    tmux.keys(&["Escape"]);
+    tmux.wait_gone("its job");
+    // q: gone, and the terminal as it was.
+    tmux.keys(&["q"]);
+    tmux.wait_for("top exited 0");
+    let screen = tmux.wait_for("icanon");
+    assert!(
+        screen.contains("BEFORE"),
+        "the normal screen is back:\n{screen}"
+    );
+    assert!(!screen.contains("gpufrac top"), "{screen}");
+    let modes = line_with(&screen, "icanon");
+    assert_eq!(
+        modes.split_whitespace().collect::<Vec<_>>(),
+        ["icanon", "echo"],
+        "{screen}"
+    );
+    // The second: SIGTERM gives the terminal back as well.
+    std::fs::write(&go, "").unwrap();
+    tmux.wait_for(&format!("▾ job {a}"));
+    let shell = stdout(
+        &tmux
+            .cmd()
+            .args(["display-message", "-p", "-t", "top", "#{pane_pid}"])
+            .output()
+            .unwrap(),
+    );
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", shell.trim())).unwrap();
+    let top_pid: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    // SAFETY: kill with the pid of the pane's top.
+    assert_eq!(unsafe { libc::kill(top_pid, libc::SIGTERM) }, 0);
+    tmux.wait_for("top ended with 0");
+    let screen = tmux.wait_until("say its modes twice", |s| s.matches("icanon").count() == 2);
+    let modes: Vec<&str> = screen.lines().filter(|l| l.contains("icanon")).collect();
+    assert_eq!(
+        modes[1].split_whitespace().collect::<Vec<_>>(),
+        ["icanon", "echo"],
+        "{screen}"
+    );
+}
