@@ -642,14 +642,54 @@ fn spun_s(o: &std::process::Output) -> f64 {
     ns as f64 / 1e9
 }
 
-/// Root's busy process on the GPU from `start` to `end`.
-fn busy_victim(b: &Open, start: u64, end: u64) -> Child {
+/// Root's busy process at `priority` on the GPU from `start` to `end`.
+fn busy_victim(b: &Open, priority: &str, start: u64, end: u64) -> Child {
     b.shim(&artifacts().probe, "optional")
+        .env("GPU_COMPUTE_PRIORITY", priority)
         .args(spin_args(start, end))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// Root's busy process at `priority` runs for 6 s beside the raw
+/// attacker `a` (whose grants are idle GPU time), which must still run
+/// after, and keeps at least 0.3 of the GPU: `beside` says what it ran
+/// beside, for the figure and the failure.
+fn victim_keeps_its_gpu(b: &Open, a: &mut KillOnDrop, priority: &str, beside: &str) {
+    let window = 6.0;
+    let start = mono_ns() + 500 * MS;
+    let v = busy_victim(b, priority, start, start + (window * 1e9) as u64);
+    let got = spun_s(&v.wait_with_output().unwrap());
+    assert!(a.0.try_wait().unwrap().is_none(), "the attacker stopped");
+    eprintln!("figure: a busy {priority} process beside {beside}: {got:.2} s of GPU in {window} s");
+    assert!(
+        got >= 0.3 * window,
+        "a busy {priority} process beside {beside} got {got:.2} s of GPU in {window} s"
+    );
+}
+
+/// Root's busy process runs from `start` to `end` beside the `attackers`
+/// (busy `probe spin` runs of another user) and gets at least 0.4 of the
+/// GPU time they all got (its fair part: half): `beside` says what they
+/// are, for the figure and the failure.
+fn victim_gets_half(b: &Open, attackers: Vec<Child>, start: u64, end: u64, beside: &str) {
+    let v = busy_victim(b, "normal", start, end);
+    let theirs: Vec<f64> = attackers
+        .into_iter()
+        .map(|c| spun_s(&c.wait_with_output().unwrap()))
+        .collect();
+    let mine = spun_s(&v.wait_with_output().unwrap());
+    let share = mine / (mine + theirs.iter().sum::<f64>());
+    eprintln!(
+        "figure: a busy process beside {beside}: {mine:.2} s of GPU against their {:.2} s ({share:.2} of the GPU)",
+        theirs.iter().sum::<f64>()
+    );
+    assert!(
+        share >= 0.4,
+        "a busy process beside {beside} got {mine:.2} s of GPU against their {theirs:.2?} ({share:.2}; its fair part: half)"
+    );
 }
 
 /// The attack: sixteen connections of one user, registered on the GPU,
@@ -706,20 +746,13 @@ while True:
         &["16"],
     );
     started_saying(&mut a, "attacking");
-    let start = mono_ns() + 500 * MS;
-    let window = 6.0;
-    let v = busy_victim(&b, start, start + (window * 1e9) as u64);
-    let got = spun_s(&v.wait_with_output().unwrap());
-    assert!(a.0.try_wait().unwrap().is_none(), "the attacker stopped");
-    eprintln!(
-        "figure: beside 16 connections of another user taking turns, a busy process got {got:.2} s of GPU in {window} s"
-    );
-    // Its fair part is half, and the attacker's grants are idle time: on
-    // a loaded machine one connection doing the same left it 0.39 to 0.46
-    // of the window.
-    assert!(
-        got >= 0.3 * window,
-        "beside 16 connections of another user taking turns, a busy process got {got:.2} s of GPU in {window} s (its fair part: half)"
+    // Its fair part is half: on a loaded machine one connection doing the
+    // same left it 0.39 to 0.46 of the window.
+    victim_keeps_its_gpu(
+        &b,
+        &mut a,
+        "normal",
+        "16 connections of another user taking turns",
     );
 }
 
@@ -752,20 +785,13 @@ fn processes_taking_turns_do_not_multiply_a_users_share() {
             as_user(&mut c, NOBODY).spawn().unwrap()
         })
         .collect();
-    let v = busy_victim(&b, start, end);
-    let theirs: f64 = attackers
-        .into_iter()
-        .map(|c| spun_s(&c.wait_with_output().unwrap()))
-        .sum();
-    let mine = spun_s(&v.wait_with_output().unwrap());
-    let share = mine / (mine + theirs);
-    eprintln!(
-        "figure: beside 16 processes of another user taking turns: {mine:.2} s against their {theirs:.2} s ({share:.2} of the GPU)"
-    );
     // One process doing the same work left it 0.53 to 0.56.
-    assert!(
-        share >= 0.4,
-        "beside 16 processes of another user taking turns, a busy process got {mine:.2} s of GPU against their {theirs:.2} s ({share:.2}; its fair part: half)"
+    victim_gets_half(
+        &b,
+        attackers,
+        start,
+        end,
+        "16 processes of another user taking turns",
     );
 }
 
@@ -818,27 +844,14 @@ while True:
         &[],
     );
     started_saying(&mut a, "attacking");
-    let start = mono_ns() + 500 * MS;
-    let window = 6.0;
-    let v = b
-        .shim(&artifacts().probe, "optional")
-        .env("GPU_COMPUTE_PRIORITY", "low")
-        .args(spin_args(start, start + (window * 1e9) as u64))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let got = spun_s(&v.wait_with_output().unwrap());
-    assert!(a.0.try_wait().unwrap().is_none(), "the attacker stopped");
-    eprintln!(
-        "figure: a low process beside a holder that answers recalls by asking again: {got:.2} s of GPU in {window} s"
-    );
-    // The GPU is otherwise idle: alone the victim would have nearly all
-    // of it (5.13 s beside a holder that only lets go), and half of it
-    // even if the holder took every other slice.
-    assert!(
-        got >= 0.3 * window,
-        "a low process beside another user's holder that answers each recall by asking again got {got:.2} s of GPU in {window} s, the GPU idle otherwise"
+    // The GPU is otherwise idle: the victim would have nearly all of it
+    // (5.13 s beside a holder that only lets go), and half of it even if
+    // the holder took every other slice.
+    victim_keeps_its_gpu(
+        &b,
+        &mut a,
+        "low",
+        "another user's holder that answers each recall by asking again",
     );
 }
 
@@ -868,20 +881,13 @@ fn high_beside_normal_does_not_buy_a_user_more_than_its_part() {
             as_user(&mut c, NOBODY).spawn().unwrap()
         })
         .collect();
-    let v = busy_victim(&b, start, end);
-    let theirs: Vec<f64> = attackers
-        .into_iter()
-        .map(|c| spun_s(&c.wait_with_output().unwrap()))
-        .collect();
-    let mine = spun_s(&v.wait_with_output().unwrap());
-    let share = mine / (mine + theirs.iter().sum::<f64>());
-    eprintln!(
-        "figure: beside another user's high and normal processes: {mine:.2} s against their {:.2} s + {:.2} s ({share:.2} of the GPU)",
-        theirs[0], theirs[1]
-    );
-    assert!(
-        share >= 0.4,
-        "beside another user's busy high and normal processes, a busy normal process got {mine:.2} s of GPU against their {theirs:.2?} ({share:.2}; its fair part: half)"
+    // Two normal processes of one user left it 0.50.
+    victim_gets_half(
+        &b,
+        attackers,
+        start,
+        end,
+        "another user's busy high and normal processes",
     );
 }
 
@@ -895,22 +901,6 @@ fn names_number(line: &str, n: u64) -> bool {
         let after = line[i + n.len()..].chars().next();
         !before.is_some_and(|c| c.is_ascii_digit()) && !after.is_some_and(|c| c.is_ascii_digit())
     })
-}
-
-/// Makes `cmd` run as `uid` with `gid` its only group.
-fn as_user_in_group(cmd: &mut Command, uid: u32, gid: u32) -> &mut Command {
-    // SAFETY: setgroups/setgid/setuid in the child before exec.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(cmd, move || {
-            if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(gid) != 0
-                || libc::setuid(uid) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    }
 }
 
 /// A third user, the victim of the log attacks: `daemon`, in the socket's
