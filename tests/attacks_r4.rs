@@ -1112,6 +1112,27 @@ fn fields(line: &str) -> Vec<(String, String)> {
     }
 }
 
+/// `fields` reads a record as a log shipper does: a quoted value whole,
+/// whatever it holds, so the check above tells a quoted command from an
+/// unquoted one.
+#[test]
+fn the_field_reader_takes_a_quoted_value_whole() {
+    let quoted = r#"2026-11-27T03:01:11Z INFO x: registered pid=5 uid=65534 command="a uid=0 \"pid=1\"\nFORGED" devices=1"#;
+    assert_eq!(
+        fields(quoted),
+        [
+            ("pid", "5"),
+            ("uid", "65534"),
+            ("command", "a uid=0 \"pid=1\"nFORGED"),
+            ("devices", "1"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+    );
+    let bare = "registered pid=5 uid=65534 command=a uid=0 pid=1";
+    let uids = fields(bare).into_iter().filter(|(k, _)| k == "uid").count();
+    assert_eq!(uids, 2);
+}
+
 /// The attack: `nobody` registers a process whose command line holds
 /// ` uid=0 pid=1` and a newline. The command was logged unquoted, so
 /// `uid=0 pid=1` became fields of the root broker's own record of the
