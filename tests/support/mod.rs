@@ -220,11 +220,17 @@ pub const NOBODY: u32 = 65534;
 
 /// Makes `cmd` run as `uid` (groups dropped), set in the child before exec.
 pub fn as_user(cmd: &mut Command, uid: u32) -> &mut Command {
+    as_user_in_group(cmd, uid, uid)
+}
+
+/// Makes `cmd` run as `uid` with `gid` its only group (a user in the
+/// broker socket's group, say).
+pub fn as_user_in_group(cmd: &mut Command, uid: u32, gid: u32) -> &mut Command {
     // SAFETY: setgroups/setgid/setuid in the child before exec.
     unsafe {
         std::os::unix::process::CommandExt::pre_exec(cmd, move || {
             if libc::setgroups(0, std::ptr::null()) != 0
-                || libc::setgid(uid) != 0
+                || libc::setgid(gid) != 0
                 || libc::setuid(uid) != 0
             {
                 return Err(std::io::Error::last_os_error());

@@ -358,9 +358,31 @@ impl Queue {
         now.saturating_sub(w.since) >= self.cfg.escalate_after
     }
 
+    /// How many whole GPUs `want` needs, for its place in the queue: a
+    /// fraction counts as zero, but a memory request is a fraction only
+    /// where some GPU would have room to spare beside it. One for all of
+    /// the biggest GPU's memory needs that GPU as much as `--gpus 1` does,
+    /// so it waits its turn among whole-GPU requests instead of jumping
+    /// an earlier `--gpus 1` as a "small" request.
+    fn gpus_needed(&self, want: Want) -> u32 {
+        match want {
+            Want::Gpus(n) => n,
+            Want::Memory(b) => {
+                let biggest = self
+                    .gpus
+                    .iter()
+                    .map(|g| g.info.total_mem)
+                    .chain(self.mig.gpus().map(|g| g.total_mem))
+                    .max()
+                    .unwrap_or(0);
+                u32::from(b >= biggest)
+            }
+        }
+    }
+
     /// Indices into `waiting`, in queue order: escalated first (FIFO), then
-    /// pinned (FIFO), then by GPUs needed (a fraction counts as zero), FIFO
-    /// among equals.
+    /// pinned (FIFO), then by whole GPUs needed (`gpus_needed`), FIFO among
+    /// equals.
     fn order(&self, now: Nanos) -> Vec<usize> {
         let mut idx: Vec<usize> = (0..self.waiting.len()).collect();
         idx.sort_by_key(|&i| {
@@ -370,11 +392,7 @@ impl Queue {
             } else if !w.req.pin.is_empty() {
                 (1, 0, w.seq)
             } else {
-                let size = match w.req.want {
-                    Want::Memory(_) => 0,
-                    Want::Gpus(n) => n,
-                };
-                (2, size, w.seq)
+                (2, self.gpus_needed(w.req.want), w.seq)
             }
         });
         idx

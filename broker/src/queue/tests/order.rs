@@ -29,7 +29,7 @@ fn small_overtakes_big() {
     q.submit(2, 3, whole(1)).unwrap();
     q.submit(3, 4, mem(10)).unwrap();
     let w: Vec<_> = q.waiting(3).iter().map(|w| (w.id, w.position)).collect();
-    // Fractions first, then by GPUs needed; the big one is last.
+    // Fractions first, then by whole GPUs needed; the big one is last.
     assert_eq!(w, vec![(4, 1), (3, 2), (2, 3)]);
     // Only GPU 1 is free: the fraction takes it first, so the 1-GPU job
     // (which needs it whole) waits, and so does the big one.
@@ -37,6 +37,47 @@ fn small_overtakes_big() {
     q.release(4, 1);
     assert_eq!(placed(&q.poll(4)), vec![(3, vec![0])]);
     assert_eq!(q.position(4, 2), Some(1));
+}
+
+/// The attack: `--gpu-memory 16G` on a 16 GiB GPU was ordered as a
+/// fraction, so it went ahead of an earlier `--gpus 1` and took the GPU
+/// whole (the `--gpus 1` job waited 5.6 s behind it on a real broker, and
+/// would wait for as long as such requests keep coming, up to the
+/// escalation limit). A request for all of a GPU's memory needs the GPU
+/// as much as `--gpus 1` does, and waits its turn among whole-GPU
+/// requests.
+#[test]
+fn a_request_for_a_whole_gpus_memory_does_not_jump_an_earlier_whole_gpu() {
+    let mut q = Queue::new(gpus(&[16 * GIB]), QueueConfig::default());
+    q.submit(0, 1, whole(1)).unwrap();
+    assert_eq!(q.poll(0).len(), 1);
+    q.submit(SEC, 2, whole(1)).unwrap();
+    q.submit(2 * SEC, 3, mem(16)).unwrap();
+    let w: Vec<_> = q
+        .waiting(2 * SEC)
+        .iter()
+        .map(|w| (w.id, w.position))
+        .collect();
+    assert_eq!(w, vec![(2, 1), (3, 2)], "FIFO among whole-GPU requests");
+    q.release(3 * SEC, 1);
+    assert_eq!(placed(&q.poll(3 * SEC)), vec![(2, vec![0])]);
+    q.release(4 * SEC, 2);
+    assert_eq!(placed(&q.poll(4 * SEC)), vec![(3, vec![0])]);
+}
+
+/// What counts is the part of a GPU a request needs: with a 16 GiB and
+/// an 8 GiB GPU, 8 GiB is half of the bigger one (a fraction, which goes
+/// ahead of an earlier `--gpus 1`), 16 GiB all of it (which does not).
+#[test]
+fn memory_is_a_whole_gpu_only_where_no_gpu_would_have_room_to_spare() {
+    let mut q = Queue::new(gpus(&[16 * GIB, 8 * GIB]), QueueConfig::default());
+    q.submit(0, 1, whole(2)).unwrap();
+    assert_eq!(q.poll(0).len(), 1);
+    q.submit(SEC, 2, whole(1)).unwrap();
+    q.submit(2 * SEC, 3, mem(16)).unwrap();
+    q.submit(3 * SEC, 4, mem(8)).unwrap();
+    let w: Vec<_> = q.waiting(3 * SEC).iter().map(|w| w.id).collect();
+    assert_eq!(w, vec![4, 2, 3]);
 }
 
 #[test]
