@@ -1,5 +1,8 @@
-//! Section results, the compact terminal tables and docs/benchmarks.md.
+//! Section results, the compact terminal tables, docs/benchmarks.md, and
+//! docs/benchmarks.json: the same figures with the raw series behind them,
+//! which `cargo xtask plots` draws.
 
+use serde_json::{Value, json};
 use std::fmt::Write as _;
 
 /// Everything after this line in docs/benchmarks.md is kept when the
@@ -106,6 +109,17 @@ fn verdict(pass: bool) -> &'static str {
     if pass { "PASS" } else { "MISS" }
 }
 
+/// A figure drawn from a section's data by `cargo xtask plots`.
+#[derive(Clone, Debug)]
+pub struct Plot {
+    /// Which drawing xtask makes of the section's data.
+    pub kind: &'static str,
+    /// Where, relative to the report (docs/): `plots/NAME.svg`.
+    pub file: &'static str,
+    /// What it shows, as the report's image text.
+    pub title: String,
+}
+
 /// What one section found.
 #[derive(Clone, Debug, Default)]
 pub struct Section {
@@ -120,9 +134,30 @@ pub struct Section {
     pub error: Option<String>,
     /// CPU time stolen by the hypervisor while the section ran, %.
     pub steal_pct: Option<f64>,
+    /// The raw series its plots are drawn from (JSON only).
+    pub data: Option<Value>,
+    /// Its plots, shown in the report under its tables.
+    pub plots: Vec<Plot>,
 }
 
 impl Section {
+    /// The section as docs/benchmarks.json holds it.
+    pub fn json(&self) -> Value {
+        json!({
+            "key": self.key,
+            "title": self.title,
+            "error": self.error,
+            "steal_pct": self.steal_pct,
+            "checks": self.checks.iter().map(|c| json!({
+                "what": c.what, "value": c.value, "target": c.target, "pass": c.pass,
+            })).collect::<Vec<_>>(),
+            "plots": self.plots.iter().map(|p| json!({
+                "kind": p.kind, "file": p.file, "title": p.title,
+            })).collect::<Vec<_>>(),
+            "data": self.data,
+        })
+    }
+
     pub fn text(&self) -> String {
         let mut o = String::new();
         let _ = writeln!(o, "\n== {} ==", self.title);
@@ -180,6 +215,9 @@ impl Section {
         for t in &self.tables {
             o.push_str(&t.markdown());
             o.push('\n');
+        }
+        for p in &self.plots {
+            let _ = writeln!(o, "![{}]({})\n", p.title, p.file);
         }
         for n in &self.notes {
             let _ = writeln!(o, "- {n}");
@@ -294,6 +332,29 @@ pub struct RunInfo {
     pub only: Option<String>,
     pub wall_s: f64,
     pub command: String,
+}
+
+/// docs/benchmarks.json: the run's header, and every section's checks,
+/// plots and raw data.
+pub fn document_json(info: &RunInfo, sections: &[Section]) -> Value {
+    json!({
+        "version": 1,
+        "generated_by": info.command,
+        "date": info.date,
+        "machine": {
+            "cpu": info.machine.cpu,
+            "nproc": info.machine.nproc,
+            "kernel": info.machine.kernel,
+        },
+        "driver": "simulated",
+        "profile": info.profile,
+        "quick": info.quick,
+        "only": info.only,
+        "load": [info.load.0, info.load.1],
+        "steal_pct": info.steal_pct,
+        "wall_s": info.wall_s,
+        "sections": sections.iter().map(Section::json).collect::<Vec<_>>(),
+    })
 }
 
 pub fn document(info: &RunInfo, sections: &[Section]) -> String {
