@@ -20,14 +20,17 @@ const BUSY_TARGET: f64 = 0.95;
 /// over time.
 const TRACE_POINTS: u64 = 40;
 
+/// How a pair's GPU time grew over the window: the step in ms, and each
+/// job's GPU time from the window's start to every step.
+type Trace = (u64, [Vec<u64>; 2]);
+
 /// One round of one kernel length.
 #[derive(Clone, Debug)]
 struct Round {
     /// GPU time of the 70% and the 30% job, ns.
     pair: [u64; 2],
-    /// Their GPU time from the window's start to every step of the trace
-    /// (step in ms, then each job's samples).
-    trace: (u64, [Vec<u64>; 2]),
+    /// How their GPU time grew over the window.
+    trace: Trace,
     /// GPU time of one job alone, ns.
     alone: u64,
     window_ns: u64,
@@ -60,11 +63,7 @@ fn window_ns(kernel_us: u64, quick: bool) -> u64 {
 
 /// The 70/30 pair through a fresh broker; their GPU times, and how they
 /// grew over the window.
-fn pair(
-    a: &Artifacts,
-    kernel_us: u64,
-    window: u64,
-) -> Result<([u64; 2], (u64, [Vec<u64>; 2])), String> {
+fn pair(a: &Artifacts, kernel_us: u64, window: u64) -> Result<([u64; 2], Trace), String> {
     let place = Place::gpufrac(a)?;
     let start = mono_ns() + LEAD_NS;
     let end = start + window;
