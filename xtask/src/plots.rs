@@ -18,6 +18,7 @@
 use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use serde_json::Value;
 
@@ -209,6 +210,119 @@ fn mark(color: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
     move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
 }
 
+/// A panel's chart on `area`: its caption, room for the axes' labels,
+/// and its coordinates.
+fn chart<'a, 'b, X: AsRangedCoord, Y: AsRangedCoord>(
+    area: &'a Area<'b>,
+    caption: Option<&str>,
+    x: X,
+    y: Y,
+) -> Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<X::CoordDescType, Y::CoordDescType>>, String>
+{
+    let mut b = ChartBuilder::on(area);
+    b.margin(8).x_label_area_size(36).y_label_area_size(64);
+    if let Some(c) = caption {
+        b.caption(c, (FONT, 13));
+    }
+    b.build_cartesian_2d(x, y).map_err(e2s)
+}
+
+type Chart<'a, 'b, X, Y> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<X, Y>>;
+type Fmt<'f> = &'f dyn Fn(&f64) -> String;
+
+/// The axes: what they measure, their labels as `xf` and `yf` write
+/// them, and a light grid at the labels only.
+fn axes<X, Y>(
+    c: &mut Chart<'_, '_, X, Y>,
+    (x_desc, xf): (&str, Fmt),
+    (y_desc, yf): (&str, Fmt),
+) -> Result<(), String>
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    c.configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(xf)
+        .y_label_formatter(yf)
+        .x_labels(8)
+        .max_light_lines(0)
+        .bold_line_style(GRID)
+        .draw()
+        .map_err(e2s)
+}
+
+/// A dashed level across the chart from `x.0` to `x.1` at `y` (a target),
+/// named in the legend when `label` is.
+fn level<X, Y>(
+    c: &mut Chart<'_, '_, X, Y>,
+    x: (f64, f64),
+    y: f64,
+    color: RGBAColor,
+    label: Option<(String, RGBColor)>,
+) -> Result<(), String>
+where
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
+    let s = c
+        .draw_series(DashedLineSeries::new(
+            [(x.0, y), (x.1, y)],
+            6,
+            4,
+            color.stroke_width(1),
+        ))
+        .map_err(e2s)?;
+    if let Some((l, mark_color)) = label {
+        s.label(l).legend(mark(mark_color));
+    }
+    Ok(())
+}
+
+/// A solid line of `points`, named in the legend when `label` is.
+fn line<X, Y>(
+    c: &mut Chart<'_, '_, X, Y>,
+    points: Vec<(f64, f64)>,
+    color: RGBColor,
+    width: u32,
+    label: Option<String>,
+) -> Result<(), String>
+where
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
+    let s = c
+        .draw_series(LineSeries::new(points, color.stroke_width(width)))
+        .map_err(e2s)?;
+    if let Some(l) = label {
+        s.label(l).legend(mark(color));
+    }
+    Ok(())
+}
+
+/// The legend, boxed, at `at`.
+fn legend<'a, 'b: 'a, X, Y>(
+    c: &mut Chart<'a, 'b, X, Y>,
+    at: SeriesLabelPosition,
+) -> Result<(), String>
+where
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
+    c.configure_series_labels()
+        .position(at)
+        .label_font((FONT, 11))
+        .background_style(WHITE.mix(0.85))
+        .border_style(TARGET)
+        .draw()
+        .map_err(e2s)
+}
+
+fn plain(v: &f64) -> String {
+    trim(*v)
+}
+
 fn shares(area: &Area, data: &Value) -> Result<(), String> {
     let targets = nums(&data["targets"], "targets")?;
     let kernels = list(&data["kernels"], "kernels")?;
@@ -216,36 +330,17 @@ fn shares(area: &Area, data: &Value) -> Result<(), String> {
     for (k, panel) in kernels.iter().zip(&panels) {
         let window = num(&k["window_s"], "window_s")?;
         let label = k["label"].as_str().unwrap_or("?");
-        let mut chart = ChartBuilder::on(panel)
-            .caption(format!("{label} kernels"), (FONT, 13))
-            .margin(8)
-            .x_label_area_size(34)
-            .y_label_area_size(44)
-            .build_cartesian_2d(0f64..window, 0f64..1f64)
-            .map_err(e2s)?;
-        chart
-            .configure_mesh()
-            .x_desc("time since the window opened (s)")
-            .y_desc("share of the pair's GPU time")
-            .x_label_formatter(&|v| trim(*v))
-            .y_label_formatter(&|v| trim(*v))
-            .max_light_lines(0)
-            .bold_line_style(GRID)
-            .draw()
-            .map_err(e2s)?;
+        let caption = format!("{label} kernels");
+        let mut c = chart(panel, Some(&caption), 0f64..window, 0f64..1f64)?;
+        axes(
+            &mut c,
+            ("time since the window opened (s)", &plain),
+            ("share of the pair's GPU time", &plain),
+        )?;
         for (i, &t) in targets.iter().enumerate() {
             let color = if i == 0 { FIRST } else { SECOND };
-            let s = chart
-                .draw_series(DashedLineSeries::new(
-                    [(0.0, t), (window, t)],
-                    6,
-                    4,
-                    color.mix(0.6).stroke_width(1),
-                ))
-                .map_err(e2s)?;
-            if i == 0 {
-                s.label("targets (dashed)").legend(mark(TARGET));
-            }
+            let label = (i == 0).then(|| ("targets (dashed)".to_owned(), TARGET));
+            level(&mut c, (0.0, window), t, color.mix(0.6), label)?;
         }
         for (r, round) in list(&k["rounds"], "rounds")?.iter().enumerate() {
             let step = num(&round["trace_step_ms"], "trace_step_ms")? / 1e3;
@@ -264,22 +359,11 @@ fn shares(area: &Area, data: &Value) -> Result<(), String> {
                     .collect()
             };
             for (mine, color, name) in [(&a, FIRST, "70% job"), (&b, SECOND, "30% job")] {
-                let s = chart
-                    .draw_series(LineSeries::new(points(mine), color.stroke_width(1)))
-                    .map_err(e2s)?;
-                if r == 0 {
-                    s.label(format!("{name}, each round")).legend(mark(color));
-                }
+                let label = (r == 0).then(|| format!("{name}, each round"));
+                line(&mut c, points(mine), color, 1, label)?;
             }
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::MiddleRight)
-            .label_font((FONT, 11))
-            .background_style(WHITE.mix(0.85))
-            .border_style(TARGET)
-            .draw()
-            .map_err(e2s)?;
+        legend(&mut c, SeriesLabelPosition::MiddleRight)?;
     }
     Ok(())
 }
@@ -302,50 +386,21 @@ fn share_error(area: &Area, data: &Value) -> Result<(), String> {
         .map(|p| p.1)
         .fold(target, f64::max)
         * 1.25;
-    let mut chart = ChartBuilder::on(area)
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d((20f64..300_000f64).log_scale(), 0f64..top)
-        .map_err(e2s)?;
-    chart
-        .configure_mesh()
-        .x_desc("kernel length (log scale)")
-        .y_desc("split error (percentage points)")
-        .x_label_formatter(&us_label)
-        .y_label_formatter(&|v| trim(*v))
-        .light_line_style(WHITE)
-        .draw()
-        .map_err(e2s)?;
-    chart
-        .draw_series(DashedLineSeries::new(
-            [(20.0, target), (300_000.0, target)],
-            6,
-            4,
-            NATIVE.mix(0.7).stroke_width(1),
-        ))
-        .map_err(e2s)?
-        .label(format!("target: {target} pp"))
-        .legend(mark(NATIVE));
-    chart
-        .draw_series(LineSeries::new(pooled.clone(), FIRST.stroke_width(2)))
-        .map_err(e2s)?
-        .label("rounds pooled")
-        .legend(mark(FIRST));
-    chart
-        .draw_series(rounds.iter().map(|&p| Circle::new(p, 3, SECOND.filled())))
+    let xs = (20.0, 300_000.0);
+    let mut c = chart(area, None, (xs.0..xs.1).log_scale(), 0f64..top)?;
+    axes(
+        &mut c,
+        ("kernel length (log scale)", &us_label),
+        ("split error (percentage points)", &plain),
+    )?;
+    let label = Some((format!("target: {target} pp"), NATIVE));
+    level(&mut c, xs, target, NATIVE.mix(0.7), label)?;
+    line(&mut c, pooled, FIRST, 2, Some("rounds pooled".into()))?;
+    c.draw_series(rounds.iter().map(|&p| Circle::new(p, 3, SECOND.filled())))
         .map_err(e2s)?
         .label("each round")
         .legend(mark(SECOND));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .label_font((FONT, 11))
-        .background_style(WHITE.mix(0.85))
-        .border_style(TARGET)
-        .draw()
-        .map_err(e2s)?;
-    Ok(())
+    legend(&mut c, SeriesLabelPosition::UpperLeft)
 }
 
 /// The colour of a latency series by its setting.
@@ -407,15 +462,14 @@ fn ccdf(area: &Area, data: &Value) -> Result<(), String> {
     }
     let panels = body.split_evenly((1, neighbours.len().max(1)));
     for (&n, panel) in neighbours.iter().zip(&panels) {
-        let mine: Vec<&Value> = series
-            .iter()
-            .filter(|s| s["neighbour_us"].as_u64() == Some(n))
-            .collect();
         let mut lines: Vec<(String, RGBColor, Vec<f64>)> = Vec::new();
         if let Some(a) = &alone {
             lines.push(("alone".into(), ALONE, a.clone()));
         }
-        for s in &mine {
+        for s in series
+            .iter()
+            .filter(|s| s["neighbour_us"].as_u64() == Some(n))
+        {
             let setting = s["setting"].as_str().unwrap_or("?");
             let label = s["label"].as_str().unwrap_or(setting).to_owned();
             lines.push((
@@ -429,50 +483,28 @@ fn ccdf(area: &Area, data: &Value) -> Result<(), String> {
         let x_max = all().fold(1.0f64, f64::max) / 1e3 * 1.3;
         let x_min = all().fold(f64::INFINITY, f64::min).min(x_max * 1e3 / 2.0) / 1e3 / 1.3;
         let y_min = 1.0 / n_max as f64 / 2.0;
-        let neighbour = if n >= 1000 {
-            format!("{} ms", n / 1000)
-        } else {
-            format!("{n} us")
-        };
-        let mut chart = ChartBuilder::on(panel)
-            .caption(format!("beside {neighbour} kernels"), (FONT, 13))
-            .margin(8)
-            .x_label_area_size(34)
-            .y_label_area_size(64)
-            .build_cartesian_2d((x_min..x_max).log_scale(), (y_min..1f64).log_scale())
-            .map_err(e2s)?;
-        chart
-            .configure_mesh()
-            .x_desc("request latency (ms, log scale)")
-            .x_labels(8)
-            .y_desc("P(latency >= x)")
-            .x_label_formatter(&|v| trim(*v))
-            .y_label_formatter(&|v| trim(*v))
-            .max_light_lines(0)
-            .bold_line_style(GRID)
-            .draw()
-            .map_err(e2s)?;
-        for (label, color, v) in &lines {
-            let mut sorted = v.clone();
+        let caption = format!("beside {} kernels", us_label(&(n as f64)));
+        let mut c = chart(
+            panel,
+            Some(&caption),
+            (x_min..x_max).log_scale(),
+            (y_min..1f64).log_scale(),
+        )?;
+        axes(
+            &mut c,
+            ("request latency (ms, log scale)", &plain),
+            ("P(latency >= x)", &plain),
+        )?;
+        for (label, color, v) in lines {
+            let mut sorted = v;
             sorted.sort_by(f64::total_cmp);
-            let pts: Vec<(f64, f64)> = ccdf_points(&sorted)
+            let pts = ccdf_points(&sorted)
                 .into_iter()
                 .map(|(x, p)| (x / 1e3, p))
                 .collect();
-            chart
-                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-                .map_err(e2s)?
-                .label(label.clone())
-                .legend(mark(*color));
+            line(&mut c, pts, color, 2, Some(label))?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerLeft)
-            .label_font((FONT, 11))
-            .background_style(WHITE.mix(0.85))
-            .border_style(TARGET)
-            .draw()
-            .map_err(e2s)?;
+        legend(&mut c, SeriesLabelPosition::LowerLeft)?;
     }
     Ok(())
 }
@@ -499,125 +531,65 @@ fn scale(area: &Area, data: &Value) -> Result<(), String> {
             None => by_gpus.push((g, vec![p])),
         }
     }
-    let clients_max = by_gpus
-        .iter()
-        .flat_map(|(_, v)| v.iter().map(|p| p[0]))
-        .fold(2.0f64, f64::max)
-        * 1.5;
+    let points = || by_gpus.iter().flat_map(|(_, v)| v.iter());
+    let xs = (0.8, points().map(|p| p[0]).fold(2.0f64, f64::max) * 1.5);
     let panels = area.split_evenly((1, 2));
     let colors = [FIRST, SECOND, HIGH, MPS];
     // Left: grant p99 (solid) and its GPU-free p99 (dashed).
-    let p99s = || {
-        by_gpus
-            .iter()
-            .flat_map(|(_, v)| v.iter().map(|p| p[1].min(p[2])))
-    };
-    let p99_max = by_gpus
-        .iter()
-        .flat_map(|(_, v)| v.iter().map(|p| p[1].max(p[2])))
-        .fold(target, f64::max)
-        * 2.0;
-    let p99_min = p99s().fold(target, f64::min) / 2.0;
-    let mut chart = ChartBuilder::on(&panels[0])
-        .caption("grant latency p99", (FONT, 13))
-        .margin(8)
-        .x_label_area_size(34)
-        .y_label_area_size(52)
-        .build_cartesian_2d(
-            (0.8f64..clients_max).log_scale(),
-            (p99_min..p99_max).log_scale(),
-        )
-        .map_err(e2s)?;
-    chart
-        .configure_mesh()
-        .x_desc("clients connected (log scale)")
-        .y_desc("grant latency p99 (log scale)")
-        .x_label_formatter(&|v| trim(*v))
-        .y_label_formatter(&us_label)
-        .light_line_style(WHITE)
-        .draw()
-        .map_err(e2s)?;
-    chart
-        .draw_series(DashedLineSeries::new(
-            [(0.8, target), (clients_max, target)],
-            6,
-            4,
-            NATIVE.mix(0.7).stroke_width(1),
+    let p99_max = points().map(|p| p[1].max(p[2])).fold(target, f64::max) * 2.0;
+    let p99_min = points().map(|p| p[1].min(p[2])).fold(target, f64::min) / 2.0;
+    let mut c = chart(
+        &panels[0],
+        Some("grant latency p99"),
+        (xs.0..xs.1).log_scale(),
+        (p99_min..p99_max).log_scale(),
+    )?;
+    axes(
+        &mut c,
+        ("clients connected (log scale)", &plain),
+        ("grant latency p99 (log scale)", &us_label),
+    )?;
+    let label = Some((format!("target: {target:.0} us"), NATIVE));
+    level(&mut c, xs, target, NATIVE.mix(0.7), label)?;
+    for (i, (g, v)) in by_gpus.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        let p99 = v.iter().map(|p| (p[0], p[1])).collect();
+        line(&mut c, p99, color, 2, Some(format!("{g} GPU(s)")))?;
+        c.draw_series(DashedLineSeries::new(
+            v.iter().map(|p| (p[0], p[2])),
+            5,
+            3,
+            color.stroke_width(1),
         ))
         .map_err(e2s)?
-        .label(format!("target: {target:.0} us"))
-        .legend(mark(NATIVE));
-    for (i, (g, v)) in by_gpus.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        chart
-            .draw_series(LineSeries::new(
-                v.iter().map(|p| (p[0], p[1])),
-                c.stroke_width(2),
-            ))
-            .map_err(e2s)?
-            .label(format!("{g} GPU(s)"))
-            .legend(mark(c));
-        chart
-            .draw_series(DashedLineSeries::new(
-                v.iter().map(|p| (p[0], p[2])),
-                5,
-                3,
-                c.stroke_width(1),
-            ))
-            .map_err(e2s)?
-            .label(format!("{g} GPU(s), GPU free"))
-            .legend(mark(c));
+        .label(format!("{g} GPU(s), GPU free"))
+        .legend(mark(color));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .label_font((FONT, 11))
-        .background_style(WHITE.mix(0.85))
-        .border_style(TARGET)
-        .draw()
-        .map_err(e2s)?;
+    legend(&mut c, SeriesLabelPosition::UpperLeft)?;
     // Right: broker CPU per grant.
-    let cpu_max = by_gpus
-        .iter()
-        .flat_map(|(_, v)| v.iter().map(|p| p[3]))
-        .fold(1.0f64, f64::max)
-        * 1.15;
-    let mut chart = ChartBuilder::on(&panels[1])
-        .caption("broker CPU per grant", (FONT, 13))
-        .margin(8)
-        .x_label_area_size(34)
-        .y_label_area_size(52)
-        .build_cartesian_2d((0.8f64..clients_max).log_scale(), 0f64..cpu_max)
-        .map_err(e2s)?;
-    chart
-        .configure_mesh()
-        .x_desc("clients connected (log scale)")
-        .y_desc("broker CPU per grant (us)")
-        .x_label_formatter(&|v| trim(*v))
-        .y_label_formatter(&|v| trim(*v))
-        .light_line_style(WHITE)
-        .draw()
-        .map_err(e2s)?;
+    let cpu_max = points().map(|p| p[3]).fold(1.0f64, f64::max) * 1.15;
+    let mut c = chart(
+        &panels[1],
+        Some("broker CPU per grant"),
+        (xs.0..xs.1).log_scale(),
+        0f64..cpu_max,
+    )?;
+    axes(
+        &mut c,
+        ("clients connected (log scale)", &plain),
+        ("broker CPU per grant (us)", &plain),
+    )?;
     for (i, (g, v)) in by_gpus.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        chart
-            .draw_series(LineSeries::new(
-                v.iter().map(|p| (p[0], p[3])),
-                c.stroke_width(2),
-            ))
-            .map_err(e2s)?
-            .label(format!("{g} GPU(s)"))
-            .legend(mark(c));
+        let cpu = v.iter().map(|p| (p[0], p[3])).collect();
+        line(
+            &mut c,
+            cpu,
+            colors[i % colors.len()],
+            2,
+            Some(format!("{g} GPU(s)")),
+        )?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font((FONT, 11))
-        .background_style(WHITE.mix(0.85))
-        .border_style(TARGET)
-        .draw()
-        .map_err(e2s)?;
-    Ok(())
+    legend(&mut c, SeriesLabelPosition::UpperRight)
 }
 
 #[cfg(test)]
