@@ -217,8 +217,7 @@ fn chart<'a, 'b, X: AsRangedCoord, Y: AsRangedCoord>(
     caption: Option<&str>,
     x: X,
     y: Y,
-) -> Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<X::CoordDescType, Y::CoordDescType>>, String>
-{
+) -> Result<Chart<'a, 'b, X::CoordDescType, Y::CoordDescType>, String> {
     let mut b = ChartBuilder::on(area);
     b.margin(8).x_label_area_size(36).y_label_area_size(64);
     if let Some(c) = caption {
