@@ -63,7 +63,7 @@ build() {
   if needs_build "${1:-}"; then
     say "== Building ${1:+gpufrac, the $1 example, }the shim and the simulated driver ($profile;"
     say "   the first build compiles gpufrac and its dependencies, which takes what the CPU has:"
-    say "   about 2 minutes on 8 idle cores, 8 or more on 2 busy ones; seconds after)"
+    say "   under 2 minutes on an idle machine, 14 or more on 2 cores busy with other work)"
   fi
   # Two invocations, as the tests build them: a target filter such as
   # --bins would apply to the libraries too.
