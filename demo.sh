@@ -46,14 +46,28 @@ bin=$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/$profile
 # exports.
 say() { echo "$@" >&2; }
 
+# Whether this is a first build: an output missing. Only then does build
+# say what a build costs; a later one is incremental, and cargo shows what
+# it compiles, if anything.
+needs_build() {
+  local outs=("$bin/libgpufrac.so" "$bin/libgpufrac_sim.so") o
+  if [ -n "${1:-}" ]; then outs+=("$bin/gpufrac" "$bin/examples/$1"); fi
+  for o in "${outs[@]}"; do
+    [ -e "$o" ] || return 0
+  done
+  return 1
+}
+
 # The shim, the simulated CUDA driver (sim/) and, given an example's name,
 # gpufrac and that example. Cargo shows what it compiles as it goes. The
 # simulated driver, libgpufrac_sim.so, goes where the dynamic loader looks
 # for libcuda.so.1 and libnvidia-ml.so.1.
 build() {
-  say "== Building ${1:+gpufrac, the $1 example, }the shim and the simulated driver ($profile;"
-  say "   the first build compiles gpufrac and its dependencies, which takes what the CPU has:"
-  say "   about 2 minutes on 8 idle cores, 8 or more on 2 busy ones; seconds after)"
+  if needs_build "${1:-}"; then
+    say "== Building ${1:+gpufrac, the $1 example, }the shim and the simulated driver ($profile;"
+    say "   the first build compiles gpufrac and its dependencies, which takes what the CPU has:"
+    say "   under 2 minutes on an idle machine, 14 or more on 2 cores busy with other work)"
+  fi
   # Two invocations, as the tests build them: a target filter such as
   # --bins would apply to the libraries too.
   "$cargo" build "${profile_flag[@]}" -p gpufrac-shim -p gpufrac-sim

@@ -2,8 +2,8 @@
 //! two kinds of neighbour users put side by side on one GPU.
 //!
 //! ```text
-//! loadgen batch       KERNEL_US START END [DEPTH]
-//! loadgen interactive KERNELS KERNEL_US PERIOD_US START END
+//! loadgen batch       KERNEL_US START END [DEPTH [TRACE_MS]]
+//! loadgen interactive KERNELS KERNEL_US PERIOD_US START END [samples]
 //! ```
 //!
 //! START and END are CLOCK_MONOTONIC instants in ns (the tests give every
@@ -13,13 +13,17 @@
 //! `batch` keeps DEPTH (default 4) kernels of KERNEL_US queued from START to
 //! END and prints `batch kernels=N executed_ns=T`, T being the GPU time the
 //! driver ran for this process inside the window when it can tell (the
-//! simulated driver's test export), else N × KERNEL_US.
+//! simulated driver's test export), else N × KERNEL_US. With TRACE_MS (and
+//! that export) it also prints `trace step_ms=S executed_ns=A,B,…`: the GPU
+//! time run from START to START + S, + 2S, …, up to END (the bench plots
+//! shares over time from it).
 //!
 //! `interactive` sends a request every PERIOD_US: KERNELS kernels of
 //! KERNEL_US queued at once, then a stream synchronize; a request's latency
 //! runs from its first launch to the synchronize's return. It prints
 //! `interactive requests=N p50_us=… p95_us=… p99_us=… max_us=… missed=M`, M being the
-//! requests that took longer than the period.
+//! requests that took longer than the period. With `samples`, it also
+//! prints `latencies us=L1,L2,…`, every request's latency in the order sent.
 //!
 //! It finds the driver as cudarc does (dlopen + dlsym) and uses the
 //! simulated driver's kernel convention: the first kernel parameter is the
@@ -162,16 +166,29 @@ fn batch(args: &[String], base: u64) {
         instant(args, 2, "END", base),
     );
     let depth = args.get(3).map_or(4, |_| arg::<usize>(args, 3, "DEPTH"));
+    let trace_ns = args
+        .get(4)
+        .map(|_| arg::<u64>(args, 4, "TRACE_MS") * 1_000_000)
+        .filter(|&t| t > 0);
     let gpu = Gpu::open();
     gpu.sync();
-    // The GPU time ran inside the window is sampled at its edges by a
-    // thread of its own: the launching thread is usually blocked in a
-    // synchronize when the window closes.
+    // The GPU time ran inside the window is sampled at its edges (and, for
+    // a trace, at every step between) by a thread of its own: the
+    // launching thread is usually blocked in a synchronize when the window
+    // closes.
     let lib = gpu.lib as usize;
     let sampler = std::thread::spawn(move || {
-        let g = Gpu::executed_at(lib, start);
-        let h = Gpu::executed_at(lib, end);
-        g.zip(h).map(|(a, b)| b - a)
+        let g = Gpu::executed_at(lib, start)?;
+        let mut trace = Vec::new();
+        if let Some(step) = trace_ns {
+            let mut t = start + step;
+            while t <= end {
+                trace.push(Gpu::executed_at(lib, t)? - g);
+                t += step;
+            }
+        }
+        let h = Gpu::executed_at(lib, end)?;
+        Some((h - g, trace))
     });
     sleep_until(start);
     let mut done = 0u64;
@@ -184,8 +201,17 @@ fn batch(args: &[String], base: u64) {
             done += depth as u64;
         }
     }
-    let executed = sampler.join().ok().flatten().unwrap_or(done * kernel_ns);
+    let sampled = sampler.join().ok().flatten();
+    let executed = sampled.as_ref().map_or(done * kernel_ns, |s| s.0);
     println!("batch kernels={done} executed_ns={executed}");
+    if let (Some(step), Some((_, trace))) = (trace_ns, sampled) {
+        let list: Vec<String> = trace.iter().map(u64::to_string).collect();
+        println!(
+            "trace step_ms={} executed_ns={}",
+            step / 1_000_000,
+            list.join(",")
+        );
+    }
 }
 
 fn interactive(args: &[String], base: u64) {
@@ -196,6 +222,14 @@ fn interactive(args: &[String], base: u64) {
         instant(args, 3, "START", base),
         instant(args, 4, "END", base),
     );
+    let samples = match args.get(5).map(String::as_str) {
+        None => false,
+        Some("samples") => true,
+        Some(other) => {
+            eprintln!("loadgen: argument 5: expected `samples` or nothing, got {other:?}");
+            std::process::exit(2)
+        }
+    };
     let gpu = Gpu::open();
     // One warm-up request, outside the measurement, as a server makes
     // before it takes traffic (late enough to go through the broker, which
@@ -222,6 +256,10 @@ fn interactive(args: &[String], base: u64) {
             next += period;
         }
     }
+    if samples {
+        let list: Vec<String> = lat.iter().map(|l| (l / 1000).to_string()).collect();
+        println!("latencies us={}", list.join(","));
+    }
     lat.sort_unstable();
     let pct = |p: f64| {
         let i = ((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len().max(1)) - 1;
@@ -247,7 +285,7 @@ fn main() {
         Some("interactive") => interactive(&args[1..], base),
         _ => {
             eprintln!(
-                "usage: loadgen batch KERNEL_US START END [DEPTH]\n       loadgen interactive KERNELS KERNEL_US PERIOD_US START END\n\
+                "usage: loadgen batch KERNEL_US START END [DEPTH [TRACE_MS]]\n       loadgen interactive KERNELS KERNEL_US PERIOD_US START END [samples]\n\
                  START, END: CLOCK_MONOTONIC ns, or +SECONDS from now (e.g. +1 +11)"
             );
             std::process::exit(2);

@@ -703,6 +703,23 @@ fn main() {
                     println!("refusals present=1 count={}", f(probe.dev));
                 }
             }
+            // gpufrac_mem_wanted and gpufrac_mem_peak: what the process
+            // asked to hold at most, refused requests included, and held.
+            "wanted" => {
+                let w = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_wanted".as_ptr()) };
+                let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_peak".as_ptr()) };
+                if w.is_null() || p.is_null() {
+                    println!("wanted present=0");
+                } else {
+                    let wanted: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(w) };
+                    let peak: extern "C" fn(c_int) -> u64 = unsafe { std::mem::transmute(p) };
+                    println!(
+                        "wanted present=1 wanted={} peak={}",
+                        wanted(probe.dev),
+                        peak(probe.dev)
+                    );
+                }
+            }
             "limit-api" => {
                 let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_limit".as_ptr()) };
                 let q = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"gpufrac_mem_used".as_ptr()) };

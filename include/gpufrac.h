@@ -36,7 +36,9 @@
  *     process carries on, and frees make room again. The first refusal
  *     says so on stderr whatever GPUFRAC_LOG says, then at most one a
  *     second: "gpufrac: device 0: refused 256 MiB: cap 4 GiB reached
- *     (4 GiB in use)".
+ *     (4 GiB in use)", or, for a request larger than the cap itself,
+ *     "refused 6 GiB: the request alone exceeds the cap of 4 GiB (0 B in
+ *     use)".
  *   - GPUFRAC_BROKER=required with no broker answering: cuInit returns
  *     CUDA_ERROR_SYSTEM_NOT_READY (802) with a message on stderr.
  *   - Every other driver result code is passed through unchanged.
@@ -76,6 +78,12 @@ unsigned long long gpufrac_mem_peak(int device);
  * peak before it: call it before a test, and again after, for that test's
  * peak. */
 unsigned long long gpufrac_mem_peak_reset(int device);
+
+/* The most this process asked to hold on `device` since its peak was last
+ * reset: its peak, or what it held when an allocation was refused plus the
+ * refused request, whichever is more. What a piece of work needed, even
+ * when its first allocation was refused (its peak is then 0). */
+unsigned long long gpufrac_mem_wanted(int device);
 
 /* Allocations the shim refused on `device` with CUDA_ERROR_OUT_OF_MEMORY
  * (the process's cap, the job's cap, or job books it could not trust),

@@ -374,7 +374,7 @@ fn docker_args_inject_the_shim_into_a_sealed_image() {
 }
 
 #[test]
-fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_stays_quiet() {
+fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_lines_only() {
     let b = Broker::start("16G", &[]);
     let (_s, d) = scratch("tty");
     let a = job(&b, &d, "a", &["--gpus", "1"]);
@@ -394,15 +394,76 @@ fn waiting_on_a_terminal_shows_a_status_line_and_off_a_terminal_stays_quiet() {
         out.contains("waiting for 1 GPU") && out.contains("position 1"),
         "{out:?}"
     );
-    // Not a terminal: only the final message.
+    // Not a terminal: lines only, no status line drawn over itself.
     let o = b
         .run(&["--gpus", "1", "--timeout", "500ms", "--", "true"])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(124));
-    assert!(!stderr(&o).contains("position 1 —"), "{}", stderr(&o));
-    assert_eq!(stderr(&o).lines().count(), 1, "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        !err.contains("position 1 —") && !err.contains('\r'),
+        "{err}"
+    );
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(
+        lines[0].starts_with("gpufrac run: waiting for 1 GPU, position 1 in the queue: "),
+        "{err}"
+    );
+    assert!(lines[1].contains("gave up after 500ms"), "{err}");
     release(&d, "a", a);
+}
+
+/// Off a terminal (every CI log), a queued run says that it waits, its
+/// place and why: what each GPU has left, who holds it, what the run
+/// needs; and once placed, where and after how long.
+#[test]
+fn a_queued_run_says_why_it_waits_and_when_it_is_placed() {
+    let b = Broker::start("16G,16G", &[]);
+    let (_s, d) = scratch("why");
+    let a = job(&b, &d, "a", &["--gpu-memory", "12G"]);
+    wait_started(&d, "a");
+    let x = job(&b, &d, "x", &["--gpu-memory", "12G"]);
+    wait_started(&d, "x");
+    let log = d.join("w.stderr");
+    let mut cmd = b.run(&["--gpu-memory", "8G"]);
+    cmd.args(["--", "sh", "-c", &job_script(&d, "w")])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let w = cmd.spawn().unwrap();
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    wait_until(10.0, "the waiting line", || said().contains("waiting for"));
+    let first = said();
+    let first = first.lines().next().unwrap().to_owned();
+    assert!(
+        first.starts_with(
+            "gpufrac run: waiting for 8.00 GiB of GPU memory, position 1 in the queue: GPU 0 \
+             has 4.00 GiB of 16.00 GiB uncommitted (12.00 GiB held by pid "
+        ),
+        "{first}"
+    );
+    for pid in [a.id(), x.id()] {
+        assert!(
+            first.contains(&format!("held by pid {pid} (sh -c ")),
+            "{first}"
+        );
+    }
+    assert!(first.ends_with("; it needs 8.00 GiB on one GPU"), "{first}");
+    release(&d, "a", a);
+    wait_started(&d, "w");
+    release(&d, "x", x);
+    std::fs::write(d.join("w.stop"), "").unwrap();
+    let mut w = w;
+    assert!(w.wait().unwrap().success(), "{}", said());
+    let all = said();
+    let placed: Vec<&str> = all.lines().filter(|l| l.contains("placed on")).collect();
+    assert_eq!(placed.len(), 1, "{all}");
+    assert!(
+        placed[0].starts_with("gpufrac run: placed on GPU ")
+            && placed[0].contains(" after waiting "),
+        "{all}"
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! A refusal by the cap is never mistaken for a full GPU: the shim counts
 //! its refusals (`gpufrac_mem_refusals`) and says the first one on stderr at
-//! the default log level, naming the device, the cap and what is in use,
-//! then at most one a second.
+//! the default log level, naming the device, the cap and what is in use
+//! (or that the request alone exceeds the cap), then at most one a second.
 
 mod support;
 use std::time::Instant;
@@ -34,6 +34,38 @@ fn the_first_refusal_is_said_in_one_line_and_counted() {
     assert_eq!(num(&before, "present"), 1);
     assert_eq!(num(&before, "count"), 0);
     assert_eq!(num(&line(&o, "refusals", 1), "count"), 1);
+}
+
+/// A request larger than the cap itself would be refused on an empty
+/// device: the line says so instead of "cap reached (0 B in use)", and the
+/// process is known to have wanted it (`gpufrac_mem_wanted`) though it
+/// peaked at nothing.
+#[test]
+fn a_request_larger_than_the_cap_is_said_to_exceed_it() {
+    let o = probe(
+        "16G",
+        &[("GPU_MEM_LIMIT", "1G")],
+        &[
+            "ctx", "alloc", "alloc", "2G", "wanted", "alloc", "alloc", "256M", "alloc", "alloc",
+            "1G", "wanted",
+        ],
+    );
+    assert_eq!(num(&line(&o, "alloc", 0), "rc"), 2);
+    assert_eq!(
+        stderr(&o),
+        "gpufrac: device 0: refused 2 GiB: the request alone exceeds the cap of 1 GiB (0 B in use)\n",
+        "at the default log level"
+    );
+    let first = line(&o, "wanted", 0);
+    assert_eq!(num(&first, "present"), 1);
+    assert_eq!(num(&first, "peak"), 0);
+    assert_eq!(num(&first, "wanted"), 2 << 30, "the refused request counts");
+    // 256 MiB held, then 1 GiB more refused (by the cap, within a second of
+    // the first line, so unsaid): 1.25 GiB wanted.
+    assert_eq!(num(&line(&o, "alloc", 2), "rc"), 2);
+    let second = line(&o, "wanted", 1);
+    assert_eq!(num(&second, "peak"), 256 << 20);
+    assert_eq!(num(&second, "wanted"), 2 << 30, "the most asked so far");
 }
 
 #[test]

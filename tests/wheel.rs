@@ -556,11 +556,22 @@ fn report_lists_tests_by_peak_and_writes_them_as_json() {
         .split("<testcase ")
         .find(|c| c.contains("name=\"test_256m\""))
         .unwrap_or_else(|| panic!("no test_256m in {xml}"));
+    // What a CI system shows beside the test: its peak, its budget and
+    // where that came from, its wait for room and the cap's refusals.
+    for (name, value) in [
+        ("gpufrac_peak_bytes", (256 * MIB).to_string()),
+        ("gpufrac_budget_bytes", GIB.to_string()),
+        ("gpufrac_budget_source", "whole".into()),
+        ("gpufrac_refusals", "0".into()),
+        ("gpufrac_worker", "main".into()),
+    ] {
+        assert!(
+            case.contains(&format!("<property name=\"{name}\" value=\"{value}\"")),
+            "{name}: {case}"
+        );
+    }
     assert!(
-        case.contains(&format!(
-            "<property name=\"gpufrac_peak_bytes\" value=\"{}\"",
-            256 * MIB
-        )),
+        case.contains("<property name=\"gpufrac_waited_s\" value=\"0."),
         "{case}"
     );
     let text = stdout(&o);
@@ -601,6 +612,8 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
                 "worker",
                 "--gpufrac-report-json",
                 "oom.json",
+                "--junitxml",
+                "oom.xml",
                 "test_oom.py",
             ],
         )
@@ -612,8 +625,8 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
     let worker = r.record("too-big")["worker"].as_str().unwrap().to_owned();
     assert!(
         text.contains(&format!(
-            "FAILED test_oom.py::test_too_big - [gpufrac: {worker} over its 1.00 GiB cap] \
-             gpu.CudaError: CUDA call failed: CUDA_ERROR_OUT_OF_MEMORY"
+            "FAILED test_oom.py::test_too_big - gpu.CudaError: CUDA call failed: \
+             CUDA_ERROR_OUT_OF_MEMORY [gpufrac: {worker} over its 1.00 GiB cap]"
         )),
         "{text}"
     );
@@ -630,8 +643,8 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
         .to_owned();
     assert!(
         text.contains(&format!(
-            "FAILED test_oom.py::test_did_not_fit - [gpufrac: {other} over its 1.00 GiB cap] \
-             AssertionError: the model did not fit"
+            "FAILED test_oom.py::test_did_not_fit - AssertionError: the model did not fit \
+             [gpufrac: {other} over its 1.00 GiB cap]"
         )),
         "refused, though its words say nothing of memory: {text}"
     );
@@ -655,6 +668,25 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
         .map(|w| w["out_of_memory"].as_u64().unwrap())
         .sum();
     assert_eq!(ooms, 2, "{j}");
+    // The cap's refusals, per test, as JUnit properties.
+    let xml = std::fs::read_to_string(r.suite().join("oom.xml")).unwrap();
+    for (test, refusals) in [
+        ("test_too_big", 1),
+        ("test_did_not_fit", 1),
+        ("test_refusal_expected", 1),
+        ("test_wrong_answer", 0),
+    ] {
+        let case = xml
+            .split("<testcase ")
+            .find(|c| c.contains(&format!("name=\"{test}\"")))
+            .unwrap_or_else(|| panic!("no {test} in {xml}"));
+        assert!(
+            case.contains(&format!(
+                "<property name=\"gpufrac_refusals\" value=\"{refusals}\""
+            )),
+            "{test}: {case}"
+        );
+    }
     for n in 0..3 {
         r.record(&format!("fits-{n}"));
     }
@@ -968,8 +1000,17 @@ fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     let o = output_within(cmd, 300.0, "the learning run", &r.scratch.0);
     passed(&o, "2 passed");
     for t in ["learn-a", "learn-b"] {
-        // Each ran alone: the whole budget was its.
+        // Each ran alone: the whole budget was its, and the run says why.
         assert_eq!(r.record(t)["together"], GIB, "{}", out(&o));
+        assert!(
+            stdout(&o).contains(&format!(
+                "test_learn.py::test_{} ran alone: it reserved the whole budget of 3.00 GiB: \
+                 it has neither a gpu_memory mark nor a learned figure",
+                t.replace('-', "_")
+            )),
+            "{}",
+            out(&o)
+        );
     }
     let j = report_json(&json);
     let a = test_entry(&j, "test_learn.py::test_learn_a");
@@ -985,13 +1026,49 @@ fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     let mut cmd = r.pytest_cached(py, &args);
     cmd.env("GPUFRAC_TEST_PAIR", "1")
         .arg("--gpufrac-report")
-        .args(["--gpufrac-report-json", "learn.json"]);
+        .args(["--gpufrac-report-json", "learn.json"])
+        .args(["--gpufrac-report-md", "learn.md"]);
     let o = output_within(cmd, 300.0, "the packed run", &r.scratch.0);
     passed(&o, "2 passed");
     for t in ["learn-a", "learn-b"] {
         assert_eq!(r.record(t)["together"], 2 * GIB, "{}", out(&o));
     }
+    // Which tests ran together, in the terminal, the JSON and the
+    // Markdown for a CI step summary; and the run's peak, both at once.
+    assert!(
+        stdout(&o).contains(
+            "2 of 2 tests ran beside others, at most 2 at once: test_learn.py::test_learn_a, \
+             test_learn.py::test_learn_b"
+        ),
+        "{}",
+        out(&o)
+    );
+    assert!(
+        stdout(&o).contains("the run's peak: 2.00 GiB of its 3.00 GiB budget"),
+        "{}",
+        out(&o)
+    );
     let j = report_json(&json);
+    assert_eq!(j["run_peak_bytes"], 2 * GIB, "{j}");
+    assert_eq!(
+        j["ran_together"],
+        serde_json::json!([["test_learn.py::test_learn_a", "test_learn.py::test_learn_b"]]),
+        "{j}"
+    );
+    assert_eq!(
+        test_entry(&j, "test_learn.py::test_learn_b")["ran_with"],
+        serde_json::json!(["test_learn.py::test_learn_a"]),
+        "{j}"
+    );
+    let md = std::fs::read_to_string(r.suite().join("learn.md")).unwrap();
+    for want in [
+        "**The run's peak: 2.00 GiB of its 3.00 GiB budget**",
+        "| `test_learn.py::test_learn_a` | passed | 1.00 GiB | 1.25 GiB | learned |",
+        "2 of 2 tests ran beside others, at most 2 at once.",
+        "- `test_learn.py::test_learn_a`, `test_learn.py::test_learn_b`",
+    ] {
+        assert!(md.contains(want), "{want:?} not in:\n{md}");
+    }
     let a = test_entry(&j, "test_learn.py::test_learn_a");
     assert_eq!(a["budget_source"], "learned", "{a}");
     assert_eq!(a["budget_bytes"], 1280 * MIB, "{a}");
@@ -1049,6 +1126,52 @@ fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     let mut cmd = r.pytest_cached(py, &args);
     cmd.env("GPUFRAC_TEST_GROW", "1");
     let o = output_within(cmd, 300.0, "the grown run", &r.scratch.0);
+    passed(&o, "2 passed");
+}
+
+/// A test refused at its first allocation peaked at nothing, but asked for
+/// 2 GiB: --gpufrac-learn learns that (with headroom), says so instead of
+/// advising the option the run already used, and the next run passes.
+/// (It learned a peak of 0 before: a 1 MiB budget, doubled per failing run.)
+#[test]
+fn a_test_refused_at_its_first_allocation_learns_what_it_asked_for() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-learn-refused");
+    let args = [
+        "-n",
+        "2",
+        "--gpufrac-memory",
+        "3G",
+        "--gpufrac-default-memory",
+        "1G",
+        "--gpufrac-learn",
+        "test_learn.py",
+    ];
+    let mut cmd = r.pytest_cached(py, &args);
+    cmd.env("GPUFRAC_TEST_GROW", "1");
+    let o = output_within(cmd, 300.0, "the refused run", &r.scratch.0);
+    assert!(stdout(&o).contains("1 failed, 1 passed"), "{}", out(&o));
+    assert!(
+        stdout(&o).contains(
+            "It asked for 2.00 GiB: --gpufrac-learn keeps 2.50 GiB as its budget, which the \
+             next run reserves for it"
+        ),
+        "{}",
+        out(&o)
+    );
+    assert!(
+        !stdout(&o).contains("Run with --gpufrac-learn"),
+        "{}",
+        out(&o)
+    );
+    let learned = r.learned();
+    let a = &learned["test_learn.py::test_learn_a"];
+    assert_eq!(a["budget"], 2560 * MIB, "{learned}");
+    assert_eq!(a["peak"], 2 * GIB, "{learned}");
+
+    let mut cmd = r.pytest_cached(py, &args);
+    cmd.env("GPUFRAC_TEST_GROW", "1");
+    let o = output_within(cmd, 300.0, "the next run", &r.scratch.0);
     passed(&o, "2 passed");
 }
 

@@ -3,7 +3,8 @@
 //! `cargo run --release -p gpufrac-bench [-- --quick] [-- --only SECTION[,SECTION…]]`
 //! builds the shim, the simulated driver and the binaries, runs every
 //! section on the simulated driver, prints a compact table per section and
-//! writes docs/benchmarks.md.
+//! writes docs/benchmarks.md, and docs/benchmarks.json with the raw series
+//! behind the figures (`cargo xtask plots` draws docs/plots/ from it).
 //!
 //! Sections: `hook` (1: hook overhead), `free` (2: free stays O(1)),
 //! `arbitration` (3: shares, utilisation, switch cost), `scale` (4: broker
@@ -37,6 +38,10 @@ struct Opts {
     /// so a smoke test never overwrites the real figures].
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
+    /// Where to write the figures and their raw series as JSON [default:
+    /// the report's path with .json for .md].
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
     #[command(subcommand)]
     internal: Option<Internal>,
 }
@@ -171,11 +176,21 @@ fn main() -> ExitCode {
         eprintln!("gpufrac-bench: writing {}: {e}", out.display());
         return ExitCode::from(1);
     }
+    let json_out = opts
+        .json
+        .clone()
+        .unwrap_or_else(|| out.with_extension("json"));
+    let json = report::document_json(&info, &done);
+    let text = serde_json::to_string_pretty(&json).unwrap_or_default() + "\n";
+    if let Err(e) = std::fs::write(&json_out, text) {
+        eprintln!("gpufrac-bench: writing {}: {e}", json_out.display());
+        return ExitCode::from(1);
+    }
     let checks: Vec<_> = done.iter().flat_map(|s| s.checks.iter()).collect();
     let missed = checks.iter().filter(|c| !c.pass).count();
     let failed = done.iter().filter(|s| s.error.is_some()).count();
     println!(
-        "\n{} of {} targets met{}; report written to {} ({:.0} s)",
+        "\n{} of {} targets met{}; report written to {} and {} ({:.0} s)",
         checks.len() - missed,
         checks.len(),
         if failed > 0 {
@@ -184,6 +199,7 @@ fn main() -> ExitCode {
             String::new()
         },
         out.display(),
+        json_out.display(),
         info.wall_s
     );
     if failed > 0 {

@@ -97,6 +97,17 @@ pub mod layout {
     /// u64: how many GPUs the books have.
     pub const NGPUS: usize = offset_of!(Shared, ngpus);
 
+    /// u64: the books' magic number, at the start.
+    pub const MAGIC: u64 = super::MAGIC;
+
+    /// u64: the most the whole job held at once on GPU `gpu` (the pytest
+    /// plugin reads the run's peak here; python/gpufrac/pytest_plugin.py
+    /// has these offsets as `BOOKS_*`).
+    pub const fn peak(gpu: usize) -> usize {
+        assert!(gpu < MAX_GPUS);
+        offset_of!(Shared, peak) + 8 * gpu
+    }
+
     /// u64: what the whole job holds on GPU `gpu`.
     pub const fn used(gpu: usize) -> usize {
         assert!(gpu < MAX_GPUS);
@@ -786,6 +797,29 @@ fn rebuild(fd: libc::c_int, s: &mut Shared, cap: u64) -> Result<(), BooksError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pytest plugin reads the run's peak from the books without this
+    /// crate: its copy of the layout must be this one.
+    #[test]
+    fn the_pytest_plugins_copy_of_the_layout_is_this_one() {
+        let plugin = include_str!("../../python/gpufrac/pytest_plugin.py");
+        let constant = |name: &str| -> u64 {
+            let line = plugin
+                .lines()
+                .find(|l| l.starts_with(&format!("{name} = ")))
+                .unwrap_or_else(|| panic!("no {name} in pytest_plugin.py"));
+            let v = line.split_once(" = ").unwrap().1.replace('_', "");
+            match v.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16).unwrap(),
+                None => v.parse().unwrap(),
+            }
+        };
+        assert_eq!(constant("BOOKS_MAGIC"), layout::MAGIC);
+        assert_eq!(constant("BOOKS_NGPUS"), layout::NGPUS as u64);
+        assert_eq!(constant("BOOKS_PEAK"), layout::peak(0) as u64);
+        assert_eq!(constant("BOOKS_MAX_GPUS"), MAX_GPUS as u64);
+        assert_eq!(layout::peak(1), layout::peak(0) + 8, "one u64 per GPU");
+    }
 
     fn path(name: &str) -> String {
         format!(

@@ -27,6 +27,7 @@ __all__ = [
     "mem_peak",
     "mem_peak_reset",
     "mem_used",
+    "mem_wanted",
     "parse_budget",
     "parse_size",
     "shim_loaded",
@@ -205,6 +206,7 @@ _used = _shim_function("gpufrac_mem_used")
 _peak = _shim_function("gpufrac_mem_peak")
 _peak_reset = _shim_function("gpufrac_mem_peak_reset")
 _refusals = _shim_function("gpufrac_mem_refusals")
+_wanted = _shim_function("gpufrac_mem_wanted")
 
 
 def shim_loaded():
@@ -250,3 +252,12 @@ def mem_refusals(device=0):
     difference means the work ran into its cap. None when the shim is too
     old to count them."""
     return _refusals(device) if _refusals else None
+
+
+def mem_wanted(device=0):
+    """The most this process asked to hold on ``device`` since the last
+    ``mem_peak_reset``: its peak, or what it held when an allocation was
+    refused plus that allocation, whichever is more. A test refused at its
+    first allocation peaks at 0; this is what it needed. The peak when the
+    shim is too old to say."""
+    return _wanted(device) if _wanted else mem_peak(device)

@@ -6,6 +6,7 @@ pytest-xdist workers test by test, and the peak GPU memory of every test.
     pytest -n 4 --gpufrac-memory 8G --gpufrac-split worker   # 2 GiB per worker
     pytest -n 4 --gpufrac-memory 8G --gpufrac-split shared   # one 8 GiB pool
     pytest --gpufrac-report --gpufrac-report-json gpu-mem.json
+    pytest -n 4 --gpufrac-memory 8G --gpufrac-report-md gpu-mem.md   # CI step summary
 
 Under ``--gpufrac-split test`` (the default) every test has a budget: its
 ``@pytest.mark.gpu_memory("5G")`` (function, class or module), else the
@@ -47,6 +48,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -123,6 +125,13 @@ def pytest_addoption(parser):
         help="how many tests --gpufrac-report lists (default 10; 0: all)",
     )
     g.addoption(
+        "--gpufrac-report-md",
+        metavar="PATH",
+        help="write the report as Markdown to PATH, for a CI step summary "
+        "(e.g. $GITHUB_STEP_SUMMARY): tests by peak with their budgets, waits and "
+        "refusals, the run's peak, which tests ran together",
+    )
+    g.addoption(
         "--gpufrac-report-json",
         metavar="PATH",
         help="write every test's peak GPU memory and each worker's peak to PATH "
@@ -190,7 +199,8 @@ def _wanted(config):
         "compute": compute,
         "split": _opt(config, "gpufrac_split") or "worker",
         "timeout": _opt(config, "gpufrac_timeout"),
-        "report": bool(_opt(config, "gpufrac_report") or _opt(config, "gpufrac_report_json")),
+        "report": bool(_opt(config, "gpufrac_report") or _opt(config, "gpufrac_report_json")
+                       or _opt(config, "gpufrac_report_md")),
         "default": default,
         "learn": bool(_opt(config, "gpufrac_learn")),
         "keep_pools": bool(_opt(config, "gpufrac_keep_pools")),
@@ -323,6 +333,14 @@ def _job_cap():
     v = os.environ.get("GPU_MEM_LIMIT", "").strip()
     return int(v) if v.isdigit() else 0
 
+
+# The job's books (common/src/jobledger.rs, `layout`): their magic number,
+# where the GPU count and the per-GPU peaks lie, and how many GPUs they
+# hold at most. tests/wheel.rs checks the run's peak read through them.
+BOOKS_MAGIC = 0x6770_6672_6a6f_6231
+BOOKS_NGPUS = 56
+BOOKS_PEAK = 256
+BOOKS_MAX_GPUS = 8
 
 LEARNED_KEY = "gpufrac/learned"
 # What --gpufrac-learn adds to a measured peak: a test's use varies a little
@@ -514,6 +532,30 @@ def _release_pools():
                 torch.cuda.empty_cache()
 
 
+def _write(config, path, text):
+    """Writes a report file whole (a reader never sees half of it), relative
+    to the directory pytest was started in."""
+    path = os.path.join(str(config.invocation_params.dir), path)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _learned_budget(asked, refused, source, old, run):
+    """A test's budget for later runs: what it asked for (its peak, or what
+    it held when the cap refused it plus the refused request) and the
+    headroom. A test refused under its learned budget gets at least twice
+    that budget: past the refused request it may ask for more again. Never
+    more than the run's budget ``run`` (0: no limit)."""
+    budget = _with_headroom(asked)
+    if refused and source == "learned" and old:
+        budget = max(budget, 2 * old["budget"])
+    if run:
+        budget = min(budget, run)
+    return budget
+
+
 def _with_headroom(peak):
     """A learned budget: the peak and its headroom, in whole MiB (at least 1)."""
     return max(1, math.ceil(peak * (1 + HEADROOM) / (1 << 20))) << 20
@@ -568,7 +610,10 @@ def _source_phrase(current):
         return "declared: gpu_memory(%r)" % current["declared_text"]
     if src == "learned":
         return "learned: its peak of %s in an earlier run and %d%% headroom" % (
-            gpufrac.format_size(current["learned_peak"]), int(HEADROOM * 100))
+            gpufrac.format_size(current["learned_peak"]), int(HEADROOM * 100)) \
+            if not current.get("learned_refused") else \
+            "learned: %s asked for in an earlier run, where the cap refused it, and %d%% " \
+            "headroom" % (gpufrac.format_size(current["learned_peak"]), int(HEADROOM * 100))
     if src == "default":
         return "the default for unmarked tests, %s" % current["declared_text"]
     return "the whole budget: it has neither a gpu_memory mark nor a learned figure"
@@ -614,7 +659,11 @@ class _Recorder:
             with open(os.path.join(settings["books"], "learned.json")) as f:
                 self.learned = json.load(f)
         self.current = None
-        self.refused = False
+        self.refused = 0
+        # When the test running now started (its reservation granted):
+        # CLOCK_MONOTONIC, the same clock in every worker, so the
+        # controller can tell which tests ran at the same time.
+        self.began = None
         # Asked only under budgets: the call initialises CUDA in the worker.
         self.caps = self.books is not None and gpufrac.mem_limit_set(0, 0) is not None
 
@@ -630,15 +679,16 @@ class _Recorder:
         return {d: gpufrac.mem_refusals(d) for d in range(gpufrac.MAX_DEVICES)}
 
     def _refused_since(self):
-        """Whether the shim refused an allocation since the last look, which
+        """How many allocations the shim refused since the last look, which
         it then becomes."""
         now = self._refusals_now()
-        refused = any(n > self.refusals.get(d, 0) for d, n in now.items())
+        refused = sum(max(0, n - self.refusals.get(d, 0)) for d, n in now.items())
         self.refusals = now
         return refused
 
     def pytest_runtest_logstart(self, nodeid, location):
-        self.refused = False
+        self.refused = 0
+        self.began = time.monotonic()
         if self.books is not None and not self.settings.get("keep_pools"):
             _release_pools()
         if self.counts_refusals:
@@ -660,7 +710,8 @@ class _Recorder:
             how.update(source="declared", declared_text=text)
         learned = self.learned.get(item.nodeid)
         if text is None and learned:
-            how.update(source="learned", learned_peak=learned["peak"])
+            how.update(source="learned", learned_peak=learned["peak"],
+                       learned_refused=bool(learned.get("refused")))
             return learned["budget"], how
         if text is None and self.settings.get("default"):
             text = self.settings["default"]
@@ -693,7 +744,8 @@ class _Recorder:
         start = max(gpufrac.mem_used(d) for d in range(gpufrac.MAX_DEVICES))
         t0 = time.monotonic()
         ticket = self.books.reserve(nbytes, item.nodeid, self.name)
-        waited = time.monotonic() - t0
+        self.began = time.monotonic()
+        waited = self.began - t0
         # What the worker holds already (a pool kept with --gpufrac-keep-pools,
         # a module's fixture) is not this test's to give back: it is charged
         # on top, and the worker's own cap from the run still bounds both.
@@ -702,7 +754,7 @@ class _Recorder:
             caps = [gpufrac.mem_limit_set(d, max(cap, 1)) for d in range(gpufrac.MAX_DEVICES)]
             cap = caps[0] or cap
         self.current = dict(how, ticket=ticket, budget=nbytes, start=start, cap=cap,
-                            waited=waited)
+                            waited=waited, nodeid=item.nodeid)
 
     def pytest_runtest_logfinish(self, nodeid, location):
         if self.current is None:
@@ -718,7 +770,7 @@ class _Recorder:
     def pytest_runtest_logreport(self, report):
         if report.when in ("setup", "call", "teardown") and self.counts_refusals:
             refused = self._refused_since()
-            self.refused = self.refused or refused
+            self.refused += refused
             if report.when != "teardown" and report.failed and refused and self.settings["budget"]:
                 self.ooms += 1
                 self._annotate(report)
@@ -731,14 +783,20 @@ class _Recorder:
             if p:
                 peaks[d] = p
         dev = max(peaks, key=peaks.get) if peaks else 0
+        # What the test asked for: a test refused at its first allocation
+        # peaks at 0, and it is what it asked that a budget is learned from.
+        wanted = max([gpufrac.mem_wanted(d) for d in range(gpufrac.MAX_DEVICES)] + [0])
         report.gpufrac = {
             "worker": self.name,
             "peak": peaks.get(dev, 0),
+            "wanted": max(wanted, peaks.get(dev, 0)),
             "device": dev,
             "start": self.start.get(dev, 0),
             "end": gpufrac.mem_used(dev),
             "devices": {str(d): p for d, p in peaks.items()},
             "refused": self.refused,
+            "began": self.began,
+            "ended": time.monotonic(),
         }
         c = self.current
         if c is not None:
@@ -751,7 +809,7 @@ class _Recorder:
             learned = self.learned.get(report.nodeid) or {}
             report.gpufrac.update(budget=None, source=None, cap=None, waited=0.0, declared=None,
                                   learned=learned.get("budget"), learned_peak=learned.get("peak"))
-        report.user_properties.append(("gpufrac_peak_bytes", peaks.get(dev, 0)))
+        _junit_properties(report)
 
     def _annotate(self, report):
         cap = _cap_phrase(self.settings, self.name, self.current)
@@ -763,16 +821,14 @@ class _Recorder:
                 gpufrac.format_size(held))
         crash = getattr(report.longrepr, "reprcrash", None)
         if crash is not None:
-            crash.message = "[gpufrac: %s] %s" % (
-                _cap_short(self.settings, self.name, self.current), crash.message)
+            # After the error's own first line, which is all pytest's short
+            # summary shows (cut to the terminal's width): the error stays
+            # readable, and the cap follows it.
+            first, nl, rest = crash.message.partition("\n")
+            crash.message = "%s [gpufrac: %s]%s%s" % (
+                first, _cap_short(self.settings, self.name, self.current), nl, rest)
         if self.current is not None:
-            advice = {
-                "declared": "Raise its gpu_memory mark",
-                "default": "Mark it with gpu_memory (or raise --gpufrac-default-memory)",
-                "learned": "Run with --gpufrac-learn, which raises its learned budget "
-                           "(it grows each time a test outgrows it), or mark it with gpu_memory",
-                "whole": "Raise --gpufrac-memory",
-            }[self.current["source"]]
+            advice = self._advice(held)
             advice += "; --gpufrac-report shows what each test needs."
         else:
             advice = ("The other tests and workers carry on. Raise --gpufrac-memory, "
@@ -780,6 +836,31 @@ class _Recorder:
                       "take more than its share; --gpufrac-report shows what each test needs.")
         if hasattr(report.longrepr, "addsection"):
             report.longrepr.addsection("gpufrac", note + "\n" + advice)
+
+    def _advice(self, held):
+        """What to do about a test refused under its reservation."""
+        source = self.current["source"]
+        if self.settings.get("learn") and source != "declared":
+            # This run learns: say what it learns, not to learn.
+            wanted = max([gpufrac.mem_wanted(d) for d in range(gpufrac.MAX_DEVICES)] + [held])
+            old = self.learned.get(self.current["nodeid"]) if source == "learned" else None
+            budget = _learned_budget(wanted, True, source, old, 0)
+            run = self.settings["budget"]
+            if budget > run:
+                return ("It asked for %s; with headroom that is more than the run's budget of "
+                        "%s: raise --gpufrac-memory" % (
+                            gpufrac.format_size(wanted), gpufrac.format_size(run)))
+            return ("It asked for %s: --gpufrac-learn keeps %s as its budget, which the "
+                    "next run reserves for it" % (
+                        gpufrac.format_size(wanted), gpufrac.format_size(budget)))
+        return {
+            "declared": "Raise its gpu_memory mark",
+            "default": "Mark it with gpu_memory, raise --gpufrac-default-memory, or run with "
+                       "--gpufrac-learn, which learns what it asks for",
+            "learned": "Run with --gpufrac-learn, which raises its learned budget "
+                       "(it grows each time a test outgrows it), or mark it with gpu_memory",
+            "whole": "Raise --gpufrac-memory",
+        }[source]
 
     def result(self):
         if self.measures:
@@ -797,6 +878,94 @@ class _Recorder:
     def pytest_sessionfinish(self, session):
         if hasattr(self.config, "workeroutput"):
             self.config.workeroutput["gpufrac"] = self.result()
+
+
+def _junit_properties(report):
+    """A test's figures as JUnit XML properties (``--junitxml``), which CI
+    systems show beside each test: its peak, its budget and where that came
+    from, how long it waited for room, and the cap's refusals."""
+    g = report.gpufrac
+    props = [("gpufrac_peak_bytes", g["peak"])]
+    if g["wanted"] > g["peak"]:
+        props.append(("gpufrac_wanted_bytes", g["wanted"]))
+    if g.get("budget") is not None:
+        props += [
+            ("gpufrac_budget_bytes", g["budget"]),
+            ("gpufrac_budget_source", g["source"]),
+            ("gpufrac_waited_s", "%.3f" % g["waited"]),
+        ]
+    props += [("gpufrac_refusals", g["refused"]), ("gpufrac_worker", g["worker"])]
+    report.user_properties.extend(props)
+
+
+def _packing(tests):
+    """Which tests ran at the same time, from each one's CLOCK_MONOTONIC
+    interval (its reservation granted, or its start, to its teardown):
+    ``(together, groups)``, ``together`` mapping each nodeid to the tests it
+    overlapped, ``groups`` the largest sets that ran at once (each a sorted
+    list, largest first, then by time)."""
+    spans = [t for t in tests if t.get("began") is not None and t.get("ended") is not None]
+    together = {t["nodeid"]: set() for t in tests}
+    events = []
+    for t in spans:
+        events.append((t["began"], 1, t["nodeid"]))
+        events.append((t["ended"], 0, t["nodeid"]))
+    # Ends before starts at the same instant: touching is not overlapping.
+    events.sort()
+    active, groups, grew = set(), [], False
+    for when, is_start, nodeid in events:
+        if is_start:
+            for other in active:
+                together[other].add(nodeid)
+                together[nodeid].add(other)
+            active.add(nodeid)
+            grew = True
+        else:
+            if grew and len(active) > 1:
+                groups.append((when, sorted(active)))
+            grew = False
+            active.discard(nodeid)
+    groups.sort(key=lambda g: (-len(g[1]), g[0]))
+    return together, [g for _, g in groups]
+
+
+def _alone_why(t, settings, budgets):
+    """Why test ``t`` ran beside no other, and whether its budget made it
+    (rather than the timing of the tests around it)."""
+    run = settings["budget"]
+    if t.get("source") == "whole":
+        return ("it reserved the whole budget of %s: it has neither a gpu_memory mark nor a "
+                "learned figure (mark it with @pytest.mark.gpu_memory, run once with "
+                "--gpufrac-learn, or set --gpufrac-default-memory)" % gpufrac.format_size(run),
+                True)
+    b = t.get("budget")
+    smallest = min(budgets) if budgets else 0
+    if b is not None and run and b + smallest > run:
+        return ("its reservation of %s (%s) left no room in the run's %s for another test" % (
+            gpufrac.format_size(b), t.get("source"), gpufrac.format_size(run)), True)
+    return "no other test ran while it did (there was room beside it)", False
+
+
+def _job_books_peak():
+    """The most the whole run held at once on any GPU, from the job's books
+    (``gpufrac run --gpu-memory`` made them; every worker charges them), or
+    None without books. Read at the end, when the figure no longer moves:
+    the layout is common/src/jobledger.rs's ``layout``."""
+    path = os.environ.get("GPUFRAC_JOB_LEDGER")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(BOOKS_PEAK + 8 * BOOKS_MAX_GPUS)
+    except OSError:
+        return None
+    if len(data) < BOOKS_PEAK + 8 * BOOKS_MAX_GPUS:
+        return None
+    magic, = struct.unpack_from("<Q", data, 0)
+    ngpus, = struct.unpack_from("<Q", data, BOOKS_NGPUS)
+    if magic != BOOKS_MAGIC or not 0 < ngpus <= BOOKS_MAX_GPUS:
+        return None
+    return max(struct.unpack_from("<%dQ" % ngpus, data, BOOKS_PEAK))
 
 
 class _Summary:
@@ -837,11 +1006,37 @@ class _Summary:
             t.setdefault("outcome", self.outcomes.get(t["nodeid"], "passed"))
         return sorted(self.tests, key=lambda t: (-t["peak"], t["nodeid"]))
 
+    def _analyse(self):
+        """Once, at the end: the run's peak from the job's books, and which
+        tests ran together."""
+        if getattr(self, "together", None) is None:
+            self.run_peak = _job_books_peak()
+            self.together, self.groups = _packing(self.tests)
+            self.t0 = min([t["began"] for t in self.tests if t.get("began") is not None]
+                          + [0.0])
+
+    def _packs(self):
+        """Whether the run packs tests side by side: budgets per test, and
+        several workers."""
+        return bool(self.settings.get("books")) and self.settings["workers"] > 1
+
+    def _alone(self):
+        """(test, why) of the tests that ran beside no other, in a run that
+        packs tests."""
+        if not self._packs():
+            return []
+        budgets = [t["budget"] for t in self.tests if t.get("budget")]
+        return [(t,) + _alone_why(t, self.settings, budgets)
+                for t in sorted(self.tests, key=lambda t: t["nodeid"])
+                if not self.together.get(t["nodeid"])]
+
     def _json(self):
         s = self.settings
+        self._analyse()
         return {
             "version": 1,
             "budget_bytes": s["budget"],
+            "run_peak_bytes": self.run_peak,
             "split": s["split"] if s["workers"] else None,
             "workers": s["workers"],
             "cap_bytes": s["cap"],
@@ -867,36 +1062,42 @@ class _Summary:
                     "start_bytes": t["start"],
                     "end_bytes": t["end"],
                     "devices": t["devices"],
-                    "refused": t.get("refused", False),
+                    "refused": bool(t.get("refused")),
+                    "refusals": t.get("refused") or 0,
+                    "wanted_bytes": t.get("wanted", t["peak"]),
                     "budget_bytes": t.get("budget"),
                     "budget_source": t.get("source"),
                     "cap_bytes": t.get("cap"),
                     "declared_bytes": t.get("declared"),
                     "learned_bytes": t.get("learned"),
                     "waited_s": round(t.get("waited") or 0.0, 3),
+                    "began_s": None if t.get("began") is None else round(t["began"] - self.t0, 3),
+                    "ended_s": None if t.get("ended") is None else round(t["ended"] - self.t0, 3),
+                    "ran_with": sorted(self.together.get(t["nodeid"], ())),
                 }
                 for t in self._ranked()
             ],
+            "ran_together": self.groups,
+            "ran_alone": [{"nodeid": t["nodeid"], "why": why} for t, why, _ in self._alone()],
         }
 
     def _learn(self):
-        """Each measured test's budget for later runs: its peak and the
-        headroom; a test refused under its learned budget gets at least
-        twice that budget, since its peak stopped at the cap."""
+        """Each measured test's budget for later runs (_learned_budget)."""
         learned = dict(self.learned)
         run = self.settings["budget"]
         for t in self.tests:
             # A skipped test measured nothing worth keeping.
             if self.outcomes.get(t["nodeid"]) not in ("passed", "failed"):
                 continue
-            peak = t["peak"]
-            budget = _with_headroom(peak)
-            old = learned.get(t["nodeid"]) or {}
-            if t.get("refused") and t.get("source") == "learned" and old:
-                budget = max(budget, 2 * old["budget"])
-            if run:
-                budget = min(budget, run)
-            learned[t["nodeid"]] = {"budget": budget, "peak": peak}
+            asked = max(t["peak"], t.get("wanted") or 0)
+            old = learned.get(t["nodeid"])
+            budget = _learned_budget(asked, bool(t.get("refused")), t.get("source"), old, run)
+            # "peak": what it asked for, which is its peak unless the cap
+            # refused it more.
+            entry = {"budget": budget, "peak": asked}
+            if asked > t["peak"]:
+                entry["refused"] = True
+            learned[t["nodeid"]] = entry
         self.config.cache.set(LEARNED_KEY, learned)
 
     def _outgrew(self):
@@ -912,6 +1113,33 @@ class _Summary:
             and t["declared"] - t["peak"] >= 256 << 20
         ]
 
+    def _say_packing(self, tr):
+        """Which tests ran together, in a run that packs them, and why any
+        ran alone: a few lines, whatever the run's size."""
+        if not self._packs() or not self.tests:
+            return
+        tr.write_sep("-", "gpufrac: tests packed side by side")
+        beside = sum(1 for t in self.tests if self.together.get(t["nodeid"]))
+        most = max([len(g) for g in self.groups] + [1])
+        tr.write_line("%d of %d tests ran beside others, at most %d at once%s" % (
+            beside, len(self.tests), most,
+            (": " + ", ".join(self.groups[0])) if self.groups and len(self.groups[0]) <= 6
+            else ""))
+        alone = self._alone()
+        # Those that ran alone by their budget, which the user can change;
+        # the others only happened to start and end between their
+        # neighbours.
+        forced = [(t, why) for t, why, by_budget in alone if by_budget]
+        for t, why in forced[:10]:
+            tr.write_line("%s ran alone: %s" % (t["nodeid"], why))
+        more = len(forced) - 10
+        if more > 0:
+            tr.write_line("(%d more ran alone by their budget; --gpufrac-report-md or "
+                          "--gpufrac-report-json lists them)" % more)
+        if len(alone) > len(forced):
+            tr.write_line("%d ran alone though there was room beside them: no other test ran "
+                          "at the time" % (len(alone) - len(forced)))
+
     def pytest_unconfigure(self, config):
         books = self.settings.get("books")
         if books:
@@ -925,14 +1153,82 @@ class _Summary:
             self._learn()
         path = _opt(self.config, "gpufrac_report_json")
         if path:
-            path = os.path.join(str(self.config.invocation_params.dir), path)
-            tmp = path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(self._json(), f, indent=1)
-                f.write("\n")
-            os.replace(tmp, path)
+            _write(self.config, path, json.dumps(self._json(), indent=1) + "\n")
+        path = _opt(self.config, "gpufrac_report_md")
+        if path:
+            _write(self.config, path, self._markdown())
+
+    def _markdown(self):
+        """The report for a CI step summary (GitHub's $GITHUB_STEP_SUMMARY,
+        GitLab's and others' Markdown reports)."""
+        self._analyse()
+        s = self.settings
+        lines = ["## gpufrac: GPU memory", "", _describe(s, self.broker)[len("gpufrac: "):] + ".", ""]
+        if self.run_peak is not None and s["budget"]:
+            lines += ["**The run's peak: %s of its %s budget** (all its processes at once, "
+                      "from the job's books)." % (gpufrac.format_size(self.run_peak),
+                                                  gpufrac.format_size(s["budget"])), ""]
+        ranked = self._ranked()
+        if not ranked:
+            lines += ["No measurements: the tests did not run under libgpufrac.so.", ""]
+            return "\n".join(lines)
+        top = _opt(self.config, "gpufrac_report_top")
+        shown = ranked if not top else ranked[:top]
+        lines += [
+            "| test | outcome | peak | budget | from | waited | refusals | worker | ran with |",
+            "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: |",
+        ]
+        for t in shown:
+            budget = t.get("budget")
+            lines.append("| `%s` | %s | %s | %s | %s | %s | %d | %s | %d |" % (
+                t["nodeid"], t["outcome"], gpufrac.format_size(t["peak"]),
+                gpufrac.format_size(budget) if budget is not None else "–",
+                t.get("source") or "–",
+                "%.1f s" % t["waited"] if t.get("waited") else "–",
+                t.get("refused") or 0, t["worker"], len(self.together.get(t["nodeid"], ()))))
+        if len(ranked) > len(shown):
+            lines.append("")
+            lines.append("%d more tests, by peak; `--gpufrac-report-top 0` lists all." % (
+                len(ranked) - len(shown)))
+        lines.append("")
+        if self._packs():
+            lines += ["### Packing", ""]
+            most = max([len(g) for g in self.groups] + [1])
+            lines.append("%d of %d tests ran beside others, at most %d at once." % (
+                sum(1 for t in self.tests if self.together.get(t["nodeid"])),
+                len(self.tests), most))
+            lines.append("")
+            if self.groups:
+                lines.append("Tests that ran together (the largest sets first):")
+                lines.append("")
+                for g in self.groups[:10]:
+                    lines.append("- " + ", ".join("`%s`" % n for n in g))
+                if len(self.groups) > 10:
+                    lines.append("- … and %d more sets (`--gpufrac-report-json` has them all)" % (
+                        len(self.groups) - 10))
+                lines.append("")
+            alone = self._alone()
+            if alone:
+                lines.append("Tests that ran alone:")
+                lines.append("")
+                for t, why, _ in alone[:20]:
+                    lines.append("- `%s`: %s" % (t["nodeid"], why))
+                if len(alone) > 20:
+                    lines.append("- … and %d more" % (len(alone) - 20))
+                lines.append("")
+        if self.workers:
+            lines += ["| worker | cap | peak | tests | out of memory |",
+                      "| --- | ---: | ---: | ---: | ---: |"]
+            for w in sorted(self.workers.values(), key=lambda w: w["worker"]):
+                lines.append("| %s | %s | %s | %d | %d |" % (
+                    w["worker"], gpufrac.format_size(w["cap"]) if w["cap"] else "none",
+                    gpufrac.format_size(w["peak"]), w["tests"], w["out_of_memory"]))
+            lines.append("")
+        return "\n".join(lines)
 
     def pytest_terminal_summary(self, terminalreporter):
+        self._analyse()
+        self._say_packing(terminalreporter)
         if not _opt(self.config, "gpufrac_report"):
             return
         tr = terminalreporter
@@ -980,10 +1276,15 @@ class _Summary:
                     gpufrac.format_size(t["peak"])))
         for t in self._outgrew():
             tr.write_line("")
-            tr.write_line("%s outgrew its learned budget of %s (peak %s when refused)%s" % (
-                t["nodeid"], gpufrac.format_size(t["budget"]), gpufrac.format_size(t["peak"]),
+            tr.write_line("%s outgrew its learned budget of %s (it asked for %s)%s" % (
+                t["nodeid"], gpufrac.format_size(t["budget"]),
+                gpufrac.format_size(max(t["peak"], t.get("wanted") or 0)),
                 "; its budget grows next time" if self.settings.get("learn")
                 else "; --gpufrac-learn raises it"))
+        if self.run_peak is not None and self.settings["budget"]:
+            tr.write_line("")
+            tr.write_line("the run's peak: %s of its %s budget (all its processes at once)" % (
+                gpufrac.format_size(self.run_peak), gpufrac.format_size(self.settings["budget"])))
         if self.workers:
             tr.write_line("")
             tr.write_line("%-8s %12s %12s %7s %14s" % ("worker", "cap", "peak", "tests", "out of memory"))

@@ -86,6 +86,18 @@ pub extern "C" fn gpufrac_mem_peak_reset(device: c_int) -> u64 {
     ledger::reset_peak(device as usize)
 }
 
+/// The most this process asked to hold on `device` since its peak was last
+/// reset: its peak, or what it held when an allocation was refused plus
+/// that allocation, whichever is more. A test runner learns a test's
+/// budget from it: a test refused at its first allocation peaks at 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn gpufrac_mem_wanted(device: c_int) -> u64 {
+    if device < 0 {
+        return 0;
+    }
+    ledger::wanted(device as usize)
+}
+
 /// Allocations the shim refused on `device` (its cap, the job's cap, or
 /// books it could not trust) since the process started: read before and
 /// after a piece of work, it says whether that work ran out of memory by

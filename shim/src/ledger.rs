@@ -30,6 +30,11 @@ pub struct Ledger {
     /// (`gpufrac_mem_refusals`): what a test runner reads around a test to
     /// know it ran out of memory by its cap.
     pub refusals: AtomicU64,
+    /// The most the process asked to hold since the peak was last reset:
+    /// what it held when an allocation was refused plus that allocation
+    /// (`gpufrac_mem_wanted`, with the peak). A test refused at its first
+    /// allocation peaks at nothing; this is what it needed.
+    wanted: AtomicU64,
     /// A narrower cap the process set on itself (`set_limit`; `NO_LIMIT`:
     /// none). Kept apart from `limit`, which the environment's cap fills
     /// when CUDA is initialised, possibly after this was set: what binds
@@ -47,6 +52,7 @@ impl Ledger {
         // new peak; a charge after this load raises the peak itself.
         self.peak
             .fetch_max(self.used.load(Ordering::Acquire), Ordering::Relaxed);
+        self.wanted.store(0, Ordering::Relaxed);
         before
     }
 
@@ -57,6 +63,7 @@ impl Ledger {
             peak: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
+            wanted: AtomicU64::new(0),
             narrow: AtomicU64::new(NO_LIMIT),
         }
     }
@@ -354,6 +361,16 @@ pub fn reset_peak(dev: usize) -> u64 {
     LEDGERS.get(dev).map_or(0, Ledger::reset_peak)
 }
 
+/// The most the process asked to hold on `dev` since its peak was last
+/// reset: the peak, or what it held at a refusal plus the refused request.
+pub fn wanted(dev: usize) -> u64 {
+    LEDGERS.get(dev).map_or(0, |l| {
+        l.wanted
+            .load(Ordering::Relaxed)
+            .max(l.peak.load(Ordering::Relaxed))
+    })
+}
+
 /// Allocations refused on `dev` so far (0 for a device past the books).
 pub fn refusals(dev: usize) -> u64 {
     LEDGERS
@@ -388,12 +405,23 @@ pub fn refused(dev: usize, size: u64, why: Refusal) {
     use gpufrac_common::size::Short;
     if let Some(l) = LEDGERS.get(dev) {
         l.refusals.fetch_add(1, Ordering::Relaxed);
+        let asked = l.used.load(Ordering::Acquire).saturating_add(size);
+        l.wanted.fetch_max(asked, Ordering::Relaxed);
     }
     // The books said why, once, when they could not be charged.
     if why == Refusal::Books || !may_say(&LAST_SAID, gpufrac_common::clock::mono_ns()) {
         return;
     }
     match why {
+        // A request larger than the cap would be refused on an empty
+        // device too: "cap reached (0 B in use)" would send the user
+        // looking for what holds the memory.
+        Refusal::Process if size > limit(dev) => crate::log::write_line(format_args!(
+            "device {dev}: refused {}: the request alone exceeds the cap of {} ({} in use)",
+            Short(size),
+            Short(limit(dev)),
+            Short(used(dev))
+        )),
         Refusal::Process => crate::log::write_line(format_args!(
             "device {dev}: refused {}: cap {} reached ({} in use)",
             Short(size),
@@ -590,6 +618,7 @@ pub fn reset_after_fork() {
         l.peak.store(0, Ordering::Relaxed);
         l.ooms.store(0, Ordering::Relaxed);
         l.refusals.store(0, Ordering::Relaxed);
+        l.wanted.store(0, Ordering::Relaxed);
     }
     // The child has said nothing yet.
     LAST_SAID.store(0, Ordering::Relaxed);

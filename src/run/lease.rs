@@ -1,6 +1,6 @@
-//! The lease: asked for and waited on (with a status line on a terminal),
-//! then held while the child runs, and claimed back from a broker that
-//! restarted.
+//! The lease: asked for and waited on (saying so in lines, and with a
+//! status line on a terminal), then held while the child runs, and claimed
+//! back from a broker that restarted.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -11,6 +11,7 @@ use gpufrac_common::wire::{ClientMsg, LeaseReq, Pin};
 
 use super::args::RunArgs;
 use super::fail::Fail;
+use super::waiting::{Waiting, Want};
 use crate::client::{Client, LeaseOutcome, QueueReport};
 
 /// "1 GPU", "2 GPUs", "4.00 GiB": what a request waits for, in the broker's
@@ -140,9 +141,23 @@ pub(super) fn lease(
     let tty = std::io::stderr().is_terminal();
     let mut line = StatusLine::default();
     let mut last_report: Option<QueueReport> = None;
+    let want = Want {
+        gpus: args.gpus,
+        mem,
+    };
+    let mut waiting = Waiting::new();
     loop {
         let outcome = client.wait_lease(deadline, Duration::from_millis(500), |q| {
-            if tty && let Some(q) = q {
+            let Some(q) = q else { return };
+            // Lines, for every log; the status line below them on a
+            // terminal.
+            if let Some(said) = waiting.line(Instant::now(), q, want, || {
+                Client::connect(socket).ok()?.status().ok()
+            }) {
+                line.clear();
+                eprintln!("gpufrac run: {said}");
+            }
+            if tty {
                 line.draw(q, start.elapsed());
             }
         });
@@ -156,6 +171,9 @@ pub(super) fn lease(
                 mps_pipe,
                 mig,
             }) => {
+                if let Some(said) = waiting.placed(Instant::now(), &gpus, &mig) {
+                    eprintln!("gpufrac run: {said}");
+                }
                 return Ok((
                     client,
                     Granted {
@@ -265,6 +283,8 @@ impl StatusLine {
     /// Leaves the terminal as it was, so the command's output starts on a
     /// clean line.
     fn clear(&mut self) {
+        // Drawn again in full on the next call.
+        self.text.clear();
         if self.drawn_at.take().is_some() {
             let mut err = std::io::stderr().lock();
             let _ = write!(err, "\r\x1b[K");

@@ -3,7 +3,8 @@
 //!
 //! Rooms: `args` (the command line), `env` (the child's environment),
 //! `books` (the job's shared memory books), `lease` (asking, waiting,
-//! holding and claiming back), `child` (spawning, signals, exit status),
+//! holding and claiming back), `waiting` (what a queued run says, and
+//! why it waits), `child` (spawning, signals, exit status),
 //! `fail` (a failure's message and status). This file runs them in order.
 
 mod args;
@@ -12,6 +13,7 @@ mod child;
 pub(crate) mod env;
 mod fail;
 mod lease;
+mod waiting;
 
 use gpufrac_common::config::{VAR_BROKER, VAR_JOB, VAR_JOB_LEDGER, VAR_MEM_LIMIT};
 use gpufrac_common::size::{MemLimit, format_size};

@@ -7,7 +7,9 @@
 //! - `msrv-check`: no locked dependency needs a newer Rust than the
 //!   workspace's `rust-version` claims;
 //! - `wheel`: the Python package, the tarball's binaries in a manylinux
-//!   wheel (wheel.rs).
+//!   wheel (wheel.rs);
+//! - `plots`: the benchmarks' figures as SVG under docs/plots/, from the
+//!   JSON the bench writes (plots.rs).
 
 use std::ffi::OsString;
 use std::fs;
@@ -18,6 +20,7 @@ use std::process::{Command, ExitCode, Stdio};
 use clap::Parser;
 use serde_json::Value;
 
+mod plots;
 mod wheel;
 
 const TARGET: &str = "x86_64-unknown-linux-gnu";
@@ -65,6 +68,17 @@ enum Task {
     /// Fail if a locked dependency declares a rust-version newer than the
     /// workspace's.
     MsrvCheck,
+    /// Draw the benchmarks' plots (SVG) from the bench's JSON:
+    /// docs/benchmarks.json into docs/plots/, as the report shows them.
+    Plots {
+        /// The bench's JSON [default: docs/benchmarks.json].
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Where the report lives: the plots go under it, at the paths its
+        /// sections name (plots/…) [default: the JSON's directory].
+        #[arg(long, value_name = "DIR")]
+        out_dir: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -77,6 +91,7 @@ fn main() -> ExitCode {
         } => install([prefix, destdir, unitdir]),
         Task::Wheel { out_dir } => wheel::wheel(out_dir),
         Task::MsrvCheck => msrv_check(),
+        Task::Plots { json, out_dir } => draw_plots(json, out_dir),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -85,6 +100,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn draw_plots(json: Option<PathBuf>, out_dir: Option<PathBuf>) -> Result<(), String> {
+    let json = match json {
+        Some(j) => j,
+        None => workspace()?.root.join("docs/benchmarks.json"),
+    };
+    let out_dir = out_dir.unwrap_or_else(|| {
+        json.parent()
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+    });
+    for p in plots::plots(&json, &out_dir)? {
+        println!("{}", p.display());
+    }
+    Ok(())
 }
 
 /// A path that must not depend on where install.sh runs.

@@ -4,11 +4,11 @@
 
 use super::f;
 use super::loadgen::{
-    LEAD_NS, MS, Place, QUANTUM_NS, batch_depth, executed_ns, kernel_label, limit, med,
+    LEAD_NS, MS, Place, QUANTUM_NS, batch_depth, executed_ns, kernel_label, limit, med, trace,
 };
 use gpufrac_bench::clock::mono_ns;
 use gpufrac_bench::harness::Artifacts;
-use gpufrac_bench::report::{Check, Section, Table};
+use gpufrac_bench::report::{Check, Plot, Section, Table};
 
 const KERNELS_US: [u64; 3] = [50, 6000, 120_000];
 const SHARES: [&str; 2] = ["70%", "30%"];
@@ -16,11 +16,21 @@ const FIRST: f64 = 0.70;
 const SPLIT_TARGET_PP: f64 = 2.0;
 const BUSY_TARGET: f64 = 0.95;
 
+/// Samples of each job's GPU time over the window, for the plot of shares
+/// over time.
+const TRACE_POINTS: u64 = 40;
+
+/// How a pair's GPU time grew over the window: the step in ms, and each
+/// job's GPU time from the window's start to every step.
+type Trace = (u64, [Vec<u64>; 2]);
+
 /// One round of one kernel length.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Round {
     /// GPU time of the 70% and the 30% job, ns.
     pair: [u64; 2],
+    /// How their GPU time grew over the window.
+    trace: Trace,
     /// GPU time of one job alone, ns.
     alone: u64,
     window_ns: u64,
@@ -51,27 +61,40 @@ fn window_ns(kernel_us: u64, quick: bool) -> u64 {
     }
 }
 
-/// The 70/30 pair through a fresh broker; their GPU times.
-fn pair(a: &Artifacts, kernel_us: u64, window: u64) -> Result<[u64; 2], String> {
+/// The 70/30 pair through a fresh broker; their GPU times, and how they
+/// grew over the window.
+fn pair(a: &Artifacts, kernel_us: u64, window: u64) -> Result<([u64; 2], Trace), String> {
     let place = Place::gpufrac(a)?;
     let start = mono_ns() + LEAD_NS;
     let end = start + window;
+    let step_ms = (window / TRACE_POINTS / MS).max(1);
     let kids = SHARES
         .iter()
-        .map(|s| place.batch(a, kernel_us, start, end, &[("GPU_COMPUTE_SHARE", s)]))
+        .map(|s| {
+            place.batch(
+                a,
+                kernel_us,
+                (start, end),
+                Some(step_ms),
+                &[("GPU_COMPUTE_SHARE", s)],
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let mut out = [0; 2];
-    for (o, k) in out.iter_mut().zip(kids) {
-        *o = executed_ns(&k.finish(limit(window))?)?;
+    let mut traces: [Vec<u64>; 2] = Default::default();
+    for ((o, t), k) in out.iter_mut().zip(traces.iter_mut()).zip(kids) {
+        let done = k.finish(limit(window))?;
+        *o = executed_ns(&done)?;
+        *t = trace(&done)?.1;
     }
-    Ok(out)
+    Ok((out, (step_ms, traces)))
 }
 
 /// One job alone on the GPU, without gpufrac: all the GPU there is.
 fn alone(a: &Artifacts, kernel_us: u64, window: u64) -> Result<u64, String> {
     let place = Place::native(a)?;
     let start = mono_ns() + LEAD_NS;
-    let k = place.batch(a, kernel_us, start, start + window, &[])?;
+    let k = place.batch(a, kernel_us, (start, start + window), None, &[])?;
     executed_ns(&k.finish(limit(window))?)
 }
 
@@ -94,7 +117,8 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
                 (pair(a, k, w)?, x)
             };
             res[ki].push(Round {
-                pair: p,
+                pair: p.0,
+                trace: p.1,
                 alone: x,
                 window_ns: w,
             });
@@ -125,6 +149,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         ],
     );
     let mut checks = Vec::new();
+    let mut kernels = Vec::new();
     for (ki, &k) in KERNELS_US.iter().enumerate() {
         let rs = &res[ki];
         let a_ns: u64 = rs.iter().map(|x| x.pair[0]).sum();
@@ -153,6 +178,18 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
                 .collect::<Vec<_>>()
                 .join(" / "),
         ]);
+        kernels.push(serde_json::json!({
+            "kernel_us": k,
+            "label": kernel_label(k),
+            "window_s": window_ns(k, quick) as f64 / 1e9,
+            "error_pp": err,
+            "rounds": rs.iter().map(|x| serde_json::json!({
+                "first_share": x.first(),
+                "error_pp": (x.first() - FIRST).abs() * 100.0,
+                "trace_step_ms": x.trace.0,
+                "executed_ns": [x.trace.1[0], x.trace.1[1]],
+            })).collect::<Vec<_>>(),
+        }));
         checks.push(Check::new(
             &format!("70/30, {} kernels: split error", kernel_label(k)),
             format!("{} pp", f(err, 2)),
@@ -202,5 +239,26 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         notes,
         error: None,
         steal_pct: None,
+        data: Some(serde_json::json!({
+            "targets": [FIRST, 1.0 - FIRST],
+            "error_target_pp": SPLIT_TARGET_PP,
+            "kernels": kernels,
+        })),
+        plots: vec![
+            Plot {
+                kind: "shares-over-time",
+                file: "plots/shares-over-time.svg",
+                title: "Achieved share of two jobs at 70% and 30% over the window, against \
+                        their targets, for 50 us, 6 ms and 120 ms kernels"
+                    .into(),
+            },
+            Plot {
+                kind: "share-error",
+                file: "plots/share-error.svg",
+                title: "Share error against kernel length, every round, against the 2 pp \
+                        target"
+                    .into(),
+            },
+        ],
     })
 }

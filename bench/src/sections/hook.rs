@@ -257,5 +257,6 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         notes,
         error: None,
         steal_pct: None,
+        ..Section::default()
     })
 }

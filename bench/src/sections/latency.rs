@@ -10,7 +10,7 @@ use super::loadgen::{
 };
 use gpufrac_bench::clock::mono_ns;
 use gpufrac_bench::harness::Artifacts;
-use gpufrac_bench::report::{Check, Section, Table};
+use gpufrac_bench::report::{Check, Plot, Section, Table};
 
 /// The interactive process: a request of KERNELS kernels of KERNEL_US every
 /// PERIOD_US (a small model answering a request).
@@ -40,10 +40,30 @@ impl Setting {
             Setting::High => "gpufrac, interactive high",
         }
     }
+
+    /// Its name in the JSON, which the plots key their series by.
+    fn key(self) -> &'static str {
+        match self {
+            Setting::Native => "native",
+            Setting::Default => "default",
+            Setting::High => "high",
+        }
+    }
+}
+
+/// Every request's latency of `runs`, pooled over the rounds, sorted: a
+/// distribution whose tail reaches past the p99 of one round.
+fn pooled(runs: &[Run]) -> Vec<u64> {
+    let mut v: Vec<u64> = runs
+        .iter()
+        .flat_map(|r| r.lat.samples.iter().copied())
+        .collect();
+    v.sort_unstable();
+    v
 }
 
 /// One round of one (neighbour, setting).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Run {
     lat: Latency,
     /// The batch job's GPU time over the window.
@@ -69,7 +89,7 @@ fn scenario(
     let start = mono_ns() + LEAD_NS;
     let end = start + window_ns;
     let batch = neighbour_us
-        .map(|k| place.batch(a, k, start, end, &[]))
+        .map(|k| place.batch(a, k, (start, end), None, &[]))
         .transpose()?;
     let env: &[(&str, &str)] = if setting == Setting::High {
         &[("GPU_COMPUTE_PRIORITY", "high")]
@@ -324,6 +344,31 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
          keeps the neighbour's queue short, and gpufrac beats the bare GPU."
             .into(),
     ];
+    let mut series = vec![serde_json::json!({
+        "neighbour_us": null,
+        "setting": "alone",
+        "label": "alone",
+        "latencies_us": pooled(&alone),
+    })];
+    for (ni, &n) in NEIGHBOURS_US.iter().enumerate() {
+        for (si, s) in SETTINGS.iter().enumerate() {
+            series.push(serde_json::json!({
+                "neighbour_us": n,
+                "setting": s.key(),
+                "label": s.label(),
+                "latencies_us": pooled(&runs[ni][si]),
+            }));
+        }
+    }
+    let data = serde_json::json!({
+        "period_us": PERIOD_US,
+        "rounds": rounds,
+        "series": series,
+        // What the plot says in place of an MPS series.
+        "mps": "not measured here: under `gpufrac broker --mps` kernels of several processes \
+                run at once, which the simulated driver's one engine cannot; gpu/mps.py \
+                measures MPS on a real GPU",
+    });
     Ok(Section {
         key: "latency",
         title: "5. Interactive latency beside batch work".into(),
@@ -333,5 +378,13 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         notes,
         error: None,
         steal_pct: None,
+        data: Some(data),
+        plots: vec![Plot {
+            kind: "latency-ccdf",
+            file: "plots/latency-ccdf.svg",
+            title: "Interactive request latency as a CCDF, alone and beside 50 us, 6 ms and \
+                    120 ms kernels: without gpufrac, gpufrac default and high"
+                .into(),
+        }],
     })
 }

@@ -73,13 +73,14 @@ impl Place {
         c
     }
 
-    /// `loadgen batch` from `start` to `end`, with `env` added.
+    /// `loadgen batch` from `start` to `end`, with `env` added; with
+    /// `trace_ms`, its GPU time sampled every that many ms as well.
     pub fn batch(
         &self,
         a: &Artifacts,
         kernel_us: u64,
-        start: u64,
-        end: u64,
+        (start, end): (u64, u64),
+        trace_ms: Option<u64>,
         env: &[(&str, &str)],
     ) -> Result<Kid, String> {
         let mut c = self.command(a);
@@ -90,6 +91,9 @@ impl Place {
             end.to_string(),
             batch_depth(kernel_us).to_string(),
         ]);
+        if let Some(t) = trace_ms {
+            c.arg(t.to_string());
+        }
         Kid::spawn(c, "loadgen batch")
     }
 
@@ -111,6 +115,8 @@ impl Place {
             period_us.to_string(),
             start.to_string(),
             end.to_string(),
+            // Every request's latency, for the plots' distributions.
+            "samples".to_string(),
         ]);
         Kid::spawn(c, "loadgen interactive")
     }
@@ -134,13 +140,15 @@ pub fn limit(window_ns: u64) -> Duration {
 }
 
 /// What `loadgen interactive` printed.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Latency {
     pub requests: u64,
     pub p50_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
     pub missed: u64,
+    /// Every request's latency, us, in the order sent.
+    pub samples: Vec<u64>,
 }
 
 impl Latency {
@@ -152,8 +160,35 @@ impl Latency {
             p99_us: n("p99_us")?,
             max_us: n("max_us")?,
             missed: n("missed")? as u64,
+            samples: list(out, "latencies", "us")?,
         })
     }
+}
+
+/// A comma-separated list of numbers, `key=` of the `step` line.
+fn list(out: &Finished, step: &str, key: &str) -> Result<Vec<u64>, String> {
+    let kv = out.line(step)?;
+    let v = kv
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+        .ok_or_else(|| format!("no {key}= on loadgen's `{step}` line"))?;
+    v.split(',')
+        .filter(|x| !x.is_empty())
+        .map(|x| {
+            x.parse()
+                .map_err(|_| format!("loadgen's `{step}` {key}= holds {x:?}, not a number"))
+        })
+        .collect()
+}
+
+/// The GPU time `loadgen batch` ran from its window's start to each step
+/// of its trace, ns, and the step in ms.
+pub fn trace(out: &Finished) -> Result<(u64, Vec<u64>), String> {
+    Ok((
+        out.num("trace", "step_ms")? as u64,
+        list(out, "trace", "executed_ns")?,
+    ))
 }
 
 /// GPU time `loadgen batch` ran in its window, ns.

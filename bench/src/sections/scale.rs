@@ -8,7 +8,7 @@ use gpufrac_bench::clock::{mono_ns, sleep_until};
 use gpufrac_bench::harness::{
     Artifacts, Broker, Kid, cpu_seconds, cpu_seconds_precise, die_with_parent, vm_kib,
 };
-use gpufrac_bench::report::{Check, Section, Table};
+use gpufrac_bench::report::{Check, Plot, Section, Table};
 use gpufrac_bench::stats::percentile_u64;
 use gpufrac_bench::wirec::{WireClient, parse_uuid};
 use gpufrac_common::config::Priority;
@@ -68,6 +68,8 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
     // CPU per grant at 64 clients, per GPU count: the baseline of the
     // flatness check at 1,000.
     let mut cpu_at_64 = [0.0f64; 9];
+    // The plot's points: one per row.
+    let mut points = Vec::new();
     let rows = [1usize, 8]
         .iter()
         .flat_map(|&g| counts.iter().map(move |&n| (g, n, 0)))
@@ -110,6 +112,17 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
             format!("{} MiB", f(r.rss_kib as f64 / 1024.0, 1)),
         ]);
         let cpu_per_grant = r.cpu_per_s / grants_s.max(1e-9);
+        points.push(serde_json::json!({
+            "gpus": gpus,
+            "clients": n,
+            "queued": deep,
+            "grants_per_s": grants_s,
+            "grant_p50_us": p50 as f64 / 1e3,
+            "grant_p99_us": p99 as f64 / 1e3,
+            "grant_p99_free_us": p99_free as f64 / 1e3,
+            "cpu_per_grant_us": cpu_per_grant * 1e6,
+            "offered_load": load,
+        }));
         if n == 64 && deep == 0 {
             cpu_at_64[gpus] = cpu_per_grant;
         }
@@ -218,6 +231,17 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         notes,
         error: None,
         steal_pct: None,
+        data: Some(serde_json::json!({
+            "p99_target_us": P99_TARGET_NS as f64 / 1e3,
+            "rows": points,
+        })),
+        plots: vec![Plot {
+            kind: "broker-scale",
+            file: "plots/broker-scale.svg",
+            title: "Grant latency p99 and broker CPU per grant against the clients connected, \
+                    1 and 8 GPUs"
+                .into(),
+        }],
     })
 }
 
