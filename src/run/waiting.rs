@@ -58,9 +58,10 @@ impl Waiting {
             return None;
         }
         self.said = Some(now);
+        let me = std::process::id();
         let why = status().map_or_else(
             || "the broker's status could not be read to say why".to_owned(),
-            |s| why(&s, q, want),
+            |s| broker_why(&s, me).unwrap_or_else(|| why(&s, q, want)),
         );
         Some(if first {
             format!(
@@ -127,6 +128,16 @@ fn holder(pid: u32, command: &str) -> String {
     } else {
         format!("pid {pid} ({c})")
     }
+}
+
+/// Why the broker says request `pid`'s waits (its queue entry's `why`,
+/// worked out by the queue itself); None from a broker too old to say,
+/// where `why` describes it from the GPUs instead.
+fn broker_why(s: &Status, pid: u32) -> Option<String> {
+    s.queue
+        .iter()
+        .find(|e| e.pid == pid && !e.why.is_empty())
+        .map(|e| e.why.clone())
 }
 
 /// Why the request waits: what each GPU has, who holds it, and what the
@@ -229,7 +240,7 @@ pub(super) fn why(s: &Status, q: &QueueReport, want: Want) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpufrac_broker::status::LeaseEntry;
+    use gpufrac_broker::status::{LeaseEntry, QueueEntry};
 
     const GIB: u64 = 1 << 30;
 
@@ -299,6 +310,39 @@ mod tests {
             "GPU 0 has 4.00 GiB of 16.00 GiB uncommitted (12.00 GiB held by pid 7 \
              (a\\nforged line)); it needs 8.00 GiB on one GPU"
         );
+    }
+
+    #[test]
+    fn the_brokers_own_reason_for_this_run_is_said_when_it_gives_one() {
+        let mine = QueueEntry {
+            pid: 40,
+            why: "needs 8.00 GiB on one GPU; GPU 0: 4.00 GiB free".into(),
+            ..QueueEntry::default()
+        };
+        let other = QueueEntry {
+            pid: 41,
+            why: "another request's reason".into(),
+            ..QueueEntry::default()
+        };
+        let s = Status {
+            queue: vec![other, mine],
+            ..Status::default()
+        };
+        assert_eq!(
+            broker_why(&s, 40).as_deref(),
+            Some("needs 8.00 GiB on one GPU; GPU 0: 4.00 GiB free")
+        );
+        // A broker too old to say, or a request it does not list: the
+        // run describes the GPUs itself.
+        assert_eq!(broker_why(&s, 42), None);
+        let silent = Status {
+            queue: vec![QueueEntry {
+                pid: 40,
+                ..QueueEntry::default()
+            }],
+            ..Status::default()
+        };
+        assert_eq!(broker_why(&silent, 40), None);
     }
 
     #[test]
