@@ -1,6 +1,8 @@
-//! Compiles the vendored kubelet APIs (proto/api.proto, the device-plugin
-//! API; proto/podresources.proto, the pod-resources API) into Rust with
-//! prost and tonic.
+//! Compiles the kubelet APIs in proto/ into Rust with prost and tonic: the
+//! device-plugin API (api.proto) and the pod-resources API
+//! (podresources.proto), vendored; the DRA plugin API (dra_v1.proto,
+//! dra_v1beta1.proto) and plugin registration (pluginregistration.proto),
+//! declared from the upstream definitions (each file says whence).
 //!
 //! Compiled at build time rather than committed as generated code: the
 //! generated code then can never drift from the .proto beside it, and no
@@ -12,8 +14,15 @@
 fn main() {
     // The device-plugin API (package v1beta1) and the pod-resources API
     // (package v1), whose List tells the plugin which pod holds which
-    // devices.
-    let protos = ["proto/api.proto", "proto/podresources.proto"];
+    // devices; the DRA plugin's API in both versions kubelets speak, and
+    // the registration with the kubelet's plugin watcher.
+    let protos = [
+        "proto/api.proto",
+        "proto/podresources.proto",
+        "proto/dra_v1.proto",
+        "proto/dra_v1beta1.proto",
+        "proto/pluginregistration.proto",
+    ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

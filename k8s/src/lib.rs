@@ -31,6 +31,7 @@ pub mod podresources {
 }
 mod authority;
 pub mod devices;
+mod holder;
 pub mod leases;
 mod node;
 mod service;
@@ -93,11 +94,39 @@ pub struct Lister {
 impl Lister {
     /// Runs the program once.
     pub async fn list(&self) -> Result<Vec<Gpu>, String> {
+        use tokio::io::AsyncReadExt;
         let mut cmd = tokio::process::Command::new(&self.program);
         cmd.args(&self.args)
             .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            // A process group of its own: a lister that hangs is ended with
+            // everything it started (a shell's children, which also hold
+            // its pipes open), not just itself.
+            .process_group(0)
             .kill_on_drop(true);
-        let out = tokio::time::timeout(self.timeout, cmd.output())
+        let mut child = cmd.spawn().map_err(|e| {
+            format!(
+                "cannot run {} to list the GPUs: {e}",
+                self.program.display()
+            )
+        })?;
+        // Declared after the child, so dropped before it: the group is
+        // killed while its leader is not yet reaped, so its number cannot
+        // have gone to another group meanwhile.
+        let mut group = Group(child.id());
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut stdout = child.stdout.take().expect("piped");
+        let mut stderr = child.stderr.take().expect("piped");
+        let collect = async {
+            let (o, e, status) = tokio::join!(
+                stdout.read_to_end(&mut out),
+                stderr.read_to_end(&mut err),
+                child.wait()
+            );
+            o.and(e).and(status)
+        };
+        let status = tokio::time::timeout(self.timeout, collect)
             .await
             .map_err(|_| {
                 format!(
@@ -106,20 +135,31 @@ impl Lister {
                     self.timeout
                 )
             })?
-            .map_err(|e| {
-                format!(
-                    "cannot run {} to list the GPUs: {e}",
-                    self.program.display()
-                )
-            })?;
-        if !out.status.success() {
+            .map_err(|e| format!("reading what {} printed: {e}", self.program.display()))?;
+        // Done, its pipes closed: whatever is left of the group is no
+        // lister's business.
+        group.0 = None;
+        if !status.success() {
             return Err(format!(
-                "listing the GPUs failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
+                "listing the GPUs failed ({status}): {}",
+                String::from_utf8_lossy(&err).trim()
             ));
         }
-        parse_gpu_lines(&String::from_utf8_lossy(&out.stdout))
+        parse_gpu_lines(&String::from_utf8_lossy(&out))
+    }
+}
+
+/// The process group of a lister still running: killed, all of it, when
+/// the look ends without it (a timeout, or the look itself dropped).
+struct Group(Option<u32>);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0.and_then(|p| libc::pid_t::try_from(p).ok()) {
+            // SAFETY: a plain system call; the group is the lister's own
+            // (process_group(0) made its leader's pid the group's id).
+            unsafe { libc::killpg(pgid, libc::SIGKILL) };
+        }
     }
 }
 
@@ -199,5 +239,44 @@ mod tests {
         slow.timeout = Duration::from_millis(50);
         let e = slow.list().await.unwrap_err();
         assert!(e.contains("did not finish within"), "{e}");
+    }
+
+    /// A lister that hangs in a child of its own (a shell waiting on a
+    /// wedged driver call) is ended with that child, not only itself.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_lister_that_hangs_is_ended_with_its_children() {
+        let dir = std::env::temp_dir().join(format!("gpufrac-lister-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pidfile = dir.join("pid");
+        let script = format!("sleep 30 & echo $! > {}; wait", pidfile.display());
+        let lister = Lister {
+            program: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            timeout: Duration::from_millis(300),
+        };
+        let e = lister.list().await.unwrap_err();
+        assert!(e.contains("did not finish within"), "{e}");
+        let pid: i32 = std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // Killed, it is reaped by whoever adopted it; a zombie that is
+        // not reaped yet is dead too.
+        let gone = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !gone() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the lister's child {pid} (sleep 30) outlived the lister"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
