@@ -320,6 +320,7 @@ fn list_gpus() -> u8 {
                         index: g.index,
                         uuid: uuid_string(&g.uuid),
                         total_mem: g.total_mem,
+                        name: g.name.clone(),
                     })
                 })
                 .collect();

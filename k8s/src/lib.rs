@@ -29,12 +29,32 @@ pub mod podresources {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("v1");
 }
+pub mod dra_v1 {
+    //! The kubelet's DRA plugin API, v1 (Kubernetes 1.34 and later), as
+    //! prost and tonic generate it from `proto/dra_v1.proto`.
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+}
+pub mod dra_v1beta1 {
+    //! The kubelet's DRA plugin API, v1beta1 (Kubernetes 1.32 and 1.33),
+    //! from `proto/dra_v1beta1.proto`.
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+}
+pub mod pluginregistration {
+    //! The kubelet's plugin registration API, from
+    //! `proto/pluginregistration.proto`.
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("pluginregistration");
+}
 mod authority;
 pub mod devices;
+pub mod dra;
 mod holder;
 pub mod leases;
 mod node;
 mod service;
+mod sockets;
 
 /// The crates the API is spoken with, for the root crate's tests: their
 /// stand-in kubelet uses the same types without a dependency line of its
@@ -50,7 +70,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use devices::{Gpu, Injection, Mounts, Resource};
-pub use node::connect_unix;
+pub use sockets::connect_unix;
 
 /// The API version this plugin speaks, as it registers.
 pub const API_VERSION: &str = "v1beta1";
@@ -80,7 +100,8 @@ pub struct Config {
 }
 
 /// A program that prints the GPUs, one line each: `gpu INDEX UUID
-/// TOTAL_BYTES`. Run anew for every look, because the CUDA driver
+/// TOTAL_BYTES NAME` (the product name, which may hold spaces, last and
+/// optional). Run anew for every look, because the CUDA driver
 /// enumerates GPUs once per process: a long-running process would never
 /// see one go or come back.
 pub struct Lister {
@@ -163,9 +184,11 @@ impl Drop for Group {
     }
 }
 
-/// One `gpu INDEX UUID TOTAL_BYTES` line per GPU.
+/// One `gpu INDEX UUID TOTAL_BYTES NAME` line per GPU.
 pub fn format_gpu_line(g: &Gpu) -> String {
-    format!("gpu {} {} {}\n", g.index, g.uuid, g.total_mem)
+    // A line break in a name would end the line.
+    let name: String = g.name.split_whitespace().collect::<Vec<_>>().join(" ");
+    format!("gpu {} {} {} {name}\n", g.index, g.uuid, g.total_mem).replace(" \n", "\n")
 }
 
 pub fn parse_gpu_lines(text: &str) -> Result<Vec<Gpu>, String> {
@@ -173,7 +196,7 @@ pub fn parse_gpu_lines(text: &str) -> Result<Vec<Gpu>, String> {
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             parse_gpu_line(l).ok_or_else(|| {
-                format!("the GPU lister printed {l:?}; expected `gpu INDEX UUID TOTAL_BYTES`")
+                format!("the GPU lister printed {l:?}; expected `gpu INDEX UUID TOTAL_BYTES NAME`")
             })
         })
         .collect()
@@ -181,10 +204,11 @@ pub fn parse_gpu_lines(text: &str) -> Result<Vec<Gpu>, String> {
 
 fn parse_gpu_line(l: &str) -> Option<Gpu> {
     match l.split_whitespace().collect::<Vec<_>>().as_slice() {
-        ["gpu", index, uuid, total] => Some(Gpu {
+        ["gpu", index, uuid, total, name @ ..] => Some(Gpu {
             index: index.parse().ok()?,
             uuid: uuid.to_string(),
             total_mem: total.parse().ok()?,
+            name: name.join(" "),
         }),
         _ => None,
     }
@@ -207,16 +231,24 @@ mod tests {
 
     #[test]
     fn gpu_lines_round_trip() {
-        let g = Gpu {
+        let mut g = Gpu {
             index: 1,
             uuid: "GPU-5a1e6f7a-c0de-4000-8000-000000000001".into(),
             total_mem: 8 << 30,
+            name: "NVIDIA H100 80GB HBM3".into(),
         };
+        assert_eq!(parse_gpu_lines(&format_gpu_line(&g)).unwrap(), [g.clone()]);
+        // A lister of an earlier release printed no name.
+        g.name.clear();
+        assert_eq!(
+            format_gpu_line(&g),
+            format!("gpu 1 {} {}\n", g.uuid, 8u64 << 30)
+        );
         assert_eq!(parse_gpu_lines(&format_gpu_line(&g)).unwrap(), [g]);
         assert_eq!(parse_gpu_lines("").unwrap(), []);
         let e = parse_gpu_lines("gpu x y\n").unwrap_err();
         assert!(
-            e.contains("\"gpu x y\"") && e.contains("gpu INDEX UUID TOTAL_BYTES"),
+            e.contains("\"gpu x y\"") && e.contains("gpu INDEX UUID TOTAL_BYTES NAME"),
             "{e}"
         );
     }
