@@ -29,8 +29,8 @@ const DEFAULT_MEMORY_UNIT: u64 = 1 << 30;
 const DEFAULT_SLOTS: u32 = 4;
 /// Device nodes every GPU needs besides its own nvidiaN, and those passed
 /// when the host has them.
-const REQUIRED_NODES: &[&str] = &["nvidiactl"];
-const OPTIONAL_NODES: &[&str] = &["nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"];
+pub(crate) const REQUIRED_NODES: &[&str] = &["nvidiactl"];
+pub(crate) const OPTIONAL_NODES: &[&str] = &["nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"];
 
 const EXAMPLES: &str = "\
 Examples:
@@ -286,7 +286,7 @@ fn injection(args: &PluginArgs) -> Result<Injection, String> {
 
 /// The character device at `path`, links resolved (runtimes take the
 /// node's numbers from the host path and refuse a link).
-fn char_device(path: &Path) -> Result<PathBuf, String> {
+pub(crate) fn char_device(path: &Path) -> Result<PathBuf, String> {
     match std::fs::metadata(path) {
         Ok(m) if m.file_type().is_char_device() => path
             .canonicalize()
@@ -298,7 +298,7 @@ fn char_device(path: &Path) -> Result<PathBuf, String> {
 
 /// `--list-gpus`: the GPUs in PCI bus order, as `gpufrac cdi generate`
 /// and `gpufrac run` number them.
-fn list_gpus() -> u8 {
+pub(crate) fn list_gpus() -> u8 {
     // SAFETY (both blocks): nothing else runs yet (no thread has been
     // started), so no one reads the environment while it changes.
     if let Some(file) = std::env::var_os(VAR_SIM_DEVICES_FILE) {

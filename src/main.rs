@@ -1,5 +1,5 @@
-//! The `gpufrac` command: the broker daemon, `run`, `status` and
-//! `docker-args`.
+//! The `gpufrac` command: the broker daemon, `run`, `status`,
+//! `docker-args`, and the integrations (CDI, Slurm, Kubernetes).
 
 mod cdi;
 mod client;
@@ -7,6 +7,7 @@ mod container;
 mod docker;
 mod inject;
 mod k8s;
+mod k8s_dra;
 mod run;
 mod slurm;
 mod status;
@@ -74,6 +75,9 @@ enum Cmd {
     /// Kubernetes device plugin: advertises GPU slots or memory units to
     /// the kubelet and answers allocations with gpufrac's environment.
     K8sDevicePlugin(k8s::PluginArgs),
+    /// Kubernetes DRA kubelet plugin: publishes each GPU's memory and
+    /// compute as consumable capacity and enforces what claims are given.
+    K8sDraPlugin(k8s_dra::DraArgs),
 }
 
 const BROKER_EXAMPLES: &str = "\
@@ -198,6 +202,7 @@ fn main() -> ExitCode {
         Cmd::Cdi(args) => cdi::main(args),
         Cmd::SlurmTaskProlog(args) => slurm::main(args),
         Cmd::K8sDevicePlugin(args) => k8s::main(args),
+        Cmd::K8sDraPlugin(args) => k8s_dra::main(args),
     };
     ExitCode::from(code)
 }

@@ -64,6 +64,26 @@ fn build_artifacts() -> Result<Artifacts, String> {
         cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
             .args(["build", "--quiet"])
             .args(args);
+        // What cargo set for this test process, not for builds: a build
+        // script that reruns when one of them changes (ring's watches
+        // CARGO_MANIFEST_DIR and CARGO_PKG_*) would otherwise be run again,
+        // and its dependents rebuilt, by every other build of the tree.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if [
+                "CARGO_MANIFEST_",
+                "CARGO_PKG_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
+                || k == "CARGO_PRIMARY_PACKAGE"
+                || k == "CARGO_TARGET_TMPDIR"
+            {
+                cmd.env_remove(k.as_ref());
+            }
+        }
         if release {
             cmd.arg("--release");
         }
