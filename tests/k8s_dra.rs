@@ -52,6 +52,8 @@ struct ApiState {
     /// Answer every request with 403, as an API server whose RBAC lacks
     /// the plugin's rules does.
     forbid: bool,
+    /// Every request as RBAC sees it: (API group, resource, verb).
+    calls: Vec<(String, String, String)>,
 }
 
 /// An HTTP/1.1 server on 127.0.0.1 with the API server's paths for the
@@ -220,6 +222,22 @@ fn route(state: &Mutex<ApiState>, method: &str, target: &str, body: &[u8]) -> (u
     }
     let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    // What RBAC would check: the group, the resource (the last plural
+    // segment) and the verb.
+    let group = if segs[0] == "api" { "" } else { segs[1] };
+    // api/v1/[namespaces/NS/]RESOURCE[/NAME],
+    // apis/GROUP/VERSION/[namespaces/NS/]RESOURCE[/NAME].
+    let named = (segs.len() % 2 == 0) == (segs[0] == "api");
+    let resource = segs[segs.len() - if named { 2 } else { 1 }];
+    let verb = match (method, named) {
+        ("GET", true) => "get",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("DELETE", _) => "delete",
+        _ => "?",
+    };
+    s.calls.push((group.into(), resource.into(), verb.into()));
     const SLICES: &[&str] = &["apis", "resource.k8s.io", "v1", "resourceslices"];
     match (method, segs.as_slice()) {
         ("GET", ["api", "v1", "nodes", name]) => match s.nodes.get(*name) {
@@ -1303,7 +1321,8 @@ fn the_slices_and_manifests_pass_kubernetes_openapi_schema() {
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    assert!(!o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let said = format!("{}{}", stdout(&o), stderr(&o));
+    assert!(!o.status.success() && said.contains("stride"), "{said}");
 }
 
 #[test]
@@ -1349,4 +1368,139 @@ fn bad_settings_exit_with_what_to_do() {
     assert!(e.contains("DNS subdomain"), "{e}");
     // Nothing was left in the kubelet's directories.
     assert_eq!(std::fs::read_dir(&node.registry.0).unwrap().count(), 0);
+}
+
+/// deploy/k8s/dra/ as docs/k8s-dra.md says to apply it: the plugin runs
+/// with the DaemonSet's arguments (its host paths pointed at the test's
+/// own files), every call it makes is one rbac.yaml allows, the
+/// DeviceClass selects its devices, and a claim made from the "4Gi and
+/// 30%" template is prepared with those caps, as pod-example.yaml's
+/// comment says.
+#[test]
+fn the_deploy_manifests_agree_with_the_plugin() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s/dra");
+    let read = |f: &str| std::fs::read_to_string(root.join(f)).unwrap();
+    let ds = read("daemonset.yaml");
+    assert!(
+        ds.contains(r#"command: ["/usr/local/bin/gpufrac", "k8s-dra-plugin"]"#),
+        "{ds}"
+    );
+    // The plugin's default directories are mounted from the host at the
+    // same paths (they go into the CDI specs as the host's).
+    for dir in [
+        "/var/lib/kubelet/plugins_registry",
+        "/var/lib/kubelet/plugins",
+        "/var/run/cdi",
+        "/var/lib/gpufrac",
+        "/run/gpufrac",
+    ] {
+        assert_eq!(
+            ds.matches(&format!("path: {dir}\n")).count(),
+            1,
+            "a hostPath volume for {dir}"
+        );
+        assert!(ds.contains(&format!("mountPath: {dir}\n")), "{dir} mounted");
+    }
+    assert!(ds.contains("fieldPath: spec.nodeName") && ds.contains("name: NODE_NAME"));
+    assert!(ds.contains("serviceAccountName: gpufrac-dra-plugin"));
+    let line = ds
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("args: "))
+        .expect("an `args: [...]` line in daemonset.yaml");
+    let mut args: Vec<String> = serde_json::from_str(line).unwrap();
+    let api = ApiServer::start();
+    let node = Node::new(&api);
+    let broker = Broker::start(DEVICES, &[]);
+    // Host paths; Plugin::start names the test's own shim and broker.
+    for flag in ["--lib", "--socket"] {
+        let i = args.iter().position(|a| a == flag).unwrap();
+        assert!(
+            args[i + 1].starts_with('/'),
+            "{flag} {}: a host path",
+            args[i + 1]
+        );
+        args.drain(i..i + 2);
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let kubelet = Kubelet::new();
+    let plugin = Plugin::start(&node, Some(&broker), &argv);
+    let info = kubelet.register(&node, &plugin);
+
+    let dc = read("deviceclass.yaml");
+    assert!(
+        dc.contains(&format!("expression: device.driver == \"{}\"", info.name)),
+        "the DeviceClass selects the driver the plugin registers: {dc}"
+    );
+    assert!(dc.contains(&format!("name: {}", info.name)));
+    // The first template: its capacity requests become the claim's
+    // consumed capacity, as the scheduler books them.
+    let templates = read("claim-templates.yaml");
+    let first = templates.split("\n---\n").next().unwrap();
+    let value = |key: &str| {
+        first
+            .lines()
+            .map(str::trim)
+            .find_map(|l| l.strip_prefix(&format!("{key}: ")))
+            .unwrap_or_else(|| panic!("no {key}: in the first template"))
+            .trim_matches('"')
+            .to_string()
+    };
+    let (mem, compute) = (value("memory"), value("compute"));
+    assert!(first.contains(&format!("deviceClassName: {}", info.name)));
+    api.set_claim(claim(
+        "example",
+        "uid-example",
+        &[("gpu-0", Some(&mem), Some(&compute))],
+    ));
+    let mut c = kubelet.v1(&info);
+    let got = kubelet.prepare(&mut c, &[("example", "uid-example")]);
+    assert_eq!(got["uid-example"].error, "", "{}", plugin.log());
+    let env = env_of(&node.spec("uid-example"));
+    let pod = read("pod-example.yaml");
+    assert!(pod.contains("resourceClaimTemplateName: gpufrac-4gi-30"));
+    for (k, v) in [
+        ("GPU_MEM_LIMIT", &env["GPU_MEM_LIMIT"]),
+        ("GPU_COMPUTE_SHARE", &env["GPU_COMPUTE_SHARE"]),
+    ] {
+        assert!(
+            pod.contains(&format!("{k}={v}")),
+            "pod-example.yaml should say {k}={v}"
+        );
+    }
+    wait_until(20.0, "the slice published", || api.slice().is_some());
+    kubelet.unprepare(&mut c, &[("example", "uid-example")]);
+
+    // Every call the plugin made is one rbac.yaml grants.
+    let rbac = read("rbac.yaml");
+    let rules: Vec<(String, String, Vec<String>)> = rbac
+        .split("  - apiGroups: ")
+        .skip(1)
+        .map(|r| {
+            let list = |key: &str| -> Vec<String> {
+                let l = r
+                    .lines()
+                    .map(str::trim)
+                    .find_map(|l| l.strip_prefix(&format!("{key}: ")))
+                    .unwrap_or_else(|| panic!("a rule without {key}: {r}"));
+                serde_json::from_str(l).unwrap()
+            };
+            let group: Vec<String> = serde_json::from_str(r.lines().next().unwrap()).unwrap();
+            (
+                group[0].clone(),
+                list("resources")[0].clone(),
+                list("verbs"),
+            )
+        })
+        .collect();
+    let calls = api.state().calls.clone();
+    assert!(calls.len() >= 4, "{calls:?}");
+    for (group, resource, verb) in calls {
+        assert!(
+            rules
+                .iter()
+                .any(|(g, r, v)| *g == group && *r == resource && v.contains(&verb)),
+            "rbac.yaml does not allow {verb} on {resource} in group {group:?}: {rules:?}"
+        );
+    }
 }
