@@ -1,21 +1,29 @@
-//! `gpufrac k8s-device-plugin`: a kubelet device plugin (API v1beta1) that
-//! advertises each GPU as gpufrac slots (`gpufrac.dev/gpu`) or memory units
-//! (`gpufrac.dev/gpu-memory`), and answers an allocation with what puts the
-//! container under the shim: its memory cap and compute share, the GPU, the
-//! shim and the broker's socket.
+//! gpufrac's two kubelet plugins, each a process of its own with a tokio
+//! runtime; nothing here is linked into the shim.
 //!
-//! The plugin is a process of its own with a tokio runtime; nothing here is
-//! linked into the shim. `docs/k8s.md` describes it for operators.
+//! `gpufrac k8s-device-plugin` is a kubelet device plugin (API v1beta1)
+//! that advertises each GPU as gpufrac slots (`gpufrac.dev/gpu`) or memory
+//! units (`gpufrac.dev/gpu-memory`), and answers an allocation with what
+//! puts the container under the shim: its memory cap and compute share,
+//! the GPU, the shim and the broker's socket. `docs/k8s.md` describes it
+//! for operators.
 //!
-//! - [`api`]: the kubelet's protocol, generated at build time from the
-//!   vendored `proto/api.proto`.
+//! `gpufrac k8s-dra-plugin` ([`dra`]) is a DRA kubelet plugin: each GPU's
+//! memory and compute are capacity that claims share, and what a claim is
+//! given is enforced. `docs/k8s-dra.md` describes it.
+//!
+//! - [`api`]: the kubelet's device-plugin protocol, generated at build time
+//!   from the vendored `proto/api.proto`; [`dra_v1`], [`dra_v1beta1`] and
+//!   [`pluginregistration`], the DRA plugin's.
 //! - [`devices`]: what is advertised and how allocations are answered
 //!   (pure, tested without a kubelet).
 //! - [`leases`]: books every allocation with the broker as a lease pinned
 //!   to its GPUs, named after its pod from the kubelet's pod-resources API.
-//! - [`run`]: serves the plugin's socket, registers with the kubelet and
-//!   registers again whenever the kubelet restarts, and polls the GPUs and
-//!   the pods.
+//! - `holder`: one lease held with the broker, for both plugins.
+//! - `sockets`: the plugins' Unix sockets and gRPC servers.
+//! - [`run`]: serves the device plugin's socket, registers with the kubelet
+//!   and registers again whenever the kubelet restarts, and polls the GPUs
+//!   and the pods.
 
 pub mod api {
     //! The kubelet device-plugin API, v1beta1, as prost and tonic generate
