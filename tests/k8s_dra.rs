@@ -227,7 +227,7 @@ fn route(state: &Mutex<ApiState>, method: &str, target: &str, body: &[u8]) -> (u
     let group = if segs[0] == "api" { "" } else { segs[1] };
     // api/v1/[namespaces/NS/]RESOURCE[/NAME],
     // apis/GROUP/VERSION/[namespaces/NS/]RESOURCE[/NAME].
-    let named = (segs.len() % 2 == 0) == (segs[0] == "api");
+    let named = segs.len().is_multiple_of(2) == (segs[0] == "api");
     let resource = segs[segs.len() - if named { 2 } else { 1 }];
     let verb = match (method, named) {
         ("GET", true) => "get",
