@@ -923,85 +923,11 @@ fn the_deploy_manifests_agree_with_the_plugin() {
 /// 1: `Ok(answered)` once the response headers and message came, or
 /// `Err(code)` of a RST_STREAM.
 fn call_with_authority(socket: &Path, authority: &str) -> Result<(), u32> {
-    call_with_authority_and_path(
+    grpc_call_with_authority(
         socket,
         authority,
         "/v1beta1.DevicePlugin/GetDevicePluginOptions",
     )
-}
-
-const PROTOCOL_ERROR: u32 = 1;
-
-/// `call_with_authority` with any `:path`.
-fn call_with_authority_and_path(socket: &Path, authority: &str, path: &str) -> Result<(), u32> {
-    use std::io::{Read, Write};
-    const DATA: u8 = 0;
-    const HEADERS: u8 = 1;
-    const RST_STREAM: u8 = 3;
-    const SETTINGS: u8 = 4;
-    const GOAWAY: u8 = 7;
-    const END_STREAM: u8 = 1;
-    const END_HEADERS: u8 = 4;
-    const ACK: u8 = 1;
-    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-        let n = payload.len() as u32;
-        let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        f
-    }
-    // HPACK "literal header field without indexing, new name", no
-    // Huffman coding: every header spelled out, nothing to decode.
-    let mut block = Vec::new();
-    for (name, value) in [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", path),
-        (":authority", authority),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ] {
-        assert!(value.len() < 127, "a one-byte HPACK length: {value}");
-        block.push(0);
-        block.push(name.len() as u8);
-        block.extend_from_slice(name.as_bytes());
-        block.push(value.len() as u8);
-        block.extend_from_slice(value.as_bytes());
-    }
-    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    out.extend(frame(SETTINGS, 0, 0, &[]));
-    out.extend(frame(HEADERS, END_HEADERS, 1, &block));
-    // One gRPC message: uncompressed, empty (api.Empty).
-    out.extend(frame(DATA, END_STREAM, 1, &[0, 0, 0, 0, 0]));
-    s.write_all(&out).unwrap();
-    let (mut headers, mut message) = (false, false);
-    loop {
-        let mut h = [0u8; 9];
-        s.read_exact(&mut h)
-            .unwrap_or_else(|e| panic!("reading a frame from the plugin ({authority}): {e}"));
-        let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
-        let (kind, flags) = (h[3], h[4]);
-        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
-        let mut payload = vec![0u8; len];
-        s.read_exact(&mut payload).unwrap();
-        match (kind, stream) {
-            (SETTINGS, 0) if flags & ACK == 0 => {
-                s.write_all(&frame(SETTINGS, ACK, 0, &[])).unwrap()
-            }
-            (RST_STREAM, 1) => {
-                return Err(u32::from_be_bytes(payload[..4].try_into().unwrap()));
-            }
-            (HEADERS, 1) => headers = true,
-            (DATA, 1) if !payload.is_empty() => message = true,
-            (GOAWAY, _) => panic!("the plugin closed the connection ({authority}): {payload:?}"),
-            _ => {}
-        }
-        if headers && message {
-            return Ok(());
-        }
-    }
 }
 
 /// Clients that name the socket's path as `:authority` (gRPC's C core:
@@ -1031,8 +957,8 @@ fn a_client_naming_the_socket_path_as_authority_is_answered() {
     );
     // h2's own checks still apply: a request without :path is refused.
     assert_eq!(
-        call_with_authority_and_path(&socket, path, ""),
-        Err(PROTOCOL_ERROR),
+        grpc_call_with_authority(&socket, path, ""),
+        Err(HTTP2_PROTOCOL_ERROR),
         "an empty :path"
     );
 }

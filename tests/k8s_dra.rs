@@ -1504,3 +1504,40 @@ fn the_deploy_manifests_agree_with_the_plugin() {
         );
     }
 }
+
+/// A client that names the socket's path as `:authority` (gRPC's C core
+/// does, and kubelets have), which hyper's HTTP/2 server alone refuses, is
+/// answered on both of the plugin's sockets, as the device plugin's is.
+#[test]
+fn a_client_naming_the_socket_path_as_authority_is_answered() {
+    let api = ApiServer::start();
+    let node = Node::new(&api);
+    let kubelet = Kubelet::new();
+    let plugin = Plugin::start(&node, None, &[]);
+    let info = kubelet.register(&node, &plugin);
+    let reg_socket = node.registry.0.join(format!("{DRIVER}-reg.sock"));
+    for (socket, path) in [
+        (
+            reg_socket.as_path(),
+            "/pluginregistration.Registration/GetInfo",
+        ),
+        (
+            Path::new(&info.endpoint),
+            "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
+        ),
+        (
+            Path::new(&info.endpoint),
+            "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
+        ),
+    ] {
+        let name = socket.to_str().unwrap();
+        for authority in ["localhost", name, &name.replace('/', "%2F")] {
+            assert_eq!(
+                grpc_call_with_authority(socket, authority, path),
+                Ok(()),
+                "{path} with :authority {authority}\n{}",
+                plugin.log()
+            );
+        }
+    }
+}
