@@ -3,7 +3,6 @@
 //! finds on the node for every claim's containers (the shim, the broker
 //! socket, the driver's device nodes and libraries).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -13,8 +12,6 @@ use gpufrac_k8s::Lister;
 use gpufrac_k8s::dra::{self, Config, cdi::Edits};
 
 use crate::docker::InjectArgs;
-use crate::inject::{CONTAINER_LIB, CONTAINER_SOCKET_DIR};
-use crate::k8s::{OPTIONAL_NODES, REQUIRED_NODES, char_device};
 
 /// Where the node's name comes from when --node-name is not given (the
 /// DaemonSet sets it from the pod's spec.nodeName).
@@ -135,13 +132,7 @@ pub fn main(args: DraArgs) -> u8 {
     if args.list_gpus {
         return crate::k8s::list_gpus();
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(filter)
-        .init();
+    crate::init_logging();
     let result = config(&args).and_then(dra::run);
     match result {
         Ok(()) => 0,
@@ -218,36 +209,8 @@ fn host_name() -> Option<String> {
 /// What every claim's containers get from this node, checked now rather
 /// than at the first claim.
 fn edits(args: &DraArgs) -> Result<Edits, String> {
-    let (lib, socket) = args.inject.lib_and_socket()?;
-    let preload_file = args.inject.write_preload_file()?;
-    if let Some(dir) = socket.parent().filter(|d| !d.is_dir()) {
-        // Not an error: the broker may start later, and claims keep their
-        // memory caps meanwhile.
-        tracing::warn!(
-            "the broker socket's directory {} does not exist (yet): until `gpufrac broker` \
-             runs there, claims get their memory caps but no lease and no compute \
-             arbitration, and containers may fail to start where the runtime will not create \
-             a missing mount source",
-            dir.display()
-        );
-    }
     let dev_dir = crate::docker::absolute(&args.dev_dir)?;
-    let mut control_nodes = Vec::new();
-    // Without the driver's control node, this is a node without NVIDIA
-    // device nodes (the simulated driver): claims get none.
-    if char_device(&dev_dir.join(REQUIRED_NODES[0])).is_ok() {
-        for name in REQUIRED_NODES.iter().chain(OPTIONAL_NODES) {
-            if let Ok(host) = char_device(&dev_dir.join(name)) {
-                control_nodes.push((host, format!("/dev/{name}")));
-            } else if *name == "nvidia-uvm" {
-                tracing::warn!(
-                    "{}/nvidia-uvm does not exist, and CUDA needs it: load the nvidia-uvm \
-                     module (nvidia-modprobe -u -c=0)",
-                    dev_dir.display()
-                );
-            }
-        }
-    }
+    let mounts = crate::k8s::mounts(&args.inject, &dev_dir, false)?;
     let container_dir = args.container_lib_dir.as_deref();
     let libs = match args.driver_libs.as_slice() {
         [] => crate::cdi::ld_cache()
@@ -272,16 +235,7 @@ fn edits(args: &DraArgs) -> Result<Edits, String> {
         .into_iter()
         .map(|m| text(&m.container).map(|c| (m.host, c)))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Edits {
-        lib,
-        container_lib: CONTAINER_LIB.into(),
-        socket,
-        container_socket_dir: CONTAINER_SOCKET_DIR.into(),
-        preload_file,
-        control_nodes,
-        dev_dir,
-        driver,
-    })
+    Ok(Edits { mounts, driver })
 }
 
 fn text(p: &Path) -> Result<String, String> {

@@ -211,14 +211,7 @@ fn broker(args: BrokerArgs) -> u8 {
     // SAFETY: first thing, before any thread or the CUDA driver starts.
     // The broker's GPU numbers are the ones `gpufrac run` hands out.
     unsafe { gpufrac_broker::inventory::use_pci_order(false) };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour codes would litter log files and the journal.
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(filter)
-        .init();
+    init_logging();
     let opts = gpufrac_broker::startup::BrokerOptions {
         socket: socket_path(args.socket),
         timeslice: args.timeslice,
@@ -253,6 +246,19 @@ fn broker(args: BrokerArgs) -> u8 {
             1
         }
     }
+}
+
+/// The daemons' log (the broker's, the plugins'): stderr, filtered by
+/// RUST_LOG (default info).
+pub(crate) fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        // Colour codes would litter log files and the journal.
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .init();
 }
 
 /// `--socket`, else `$GPUFRAC_SOCKET`, else the default, so that a user who

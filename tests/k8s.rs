@@ -310,18 +310,6 @@ fn pod_process(spec: &api::ContainerAllocateResponse, broker: &Broker, args: &[&
     cmd
 }
 
-/// A child killed if the test ends before it is taken.
-struct Reap(Option<std::process::Child>);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        if let Some(c) = &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// The simulated GPUs' UUIDs as the plugin's own listing prints them.
 fn uuids() -> Vec<String> {
     let o = sim_command(&artifacts().gpufrac, DEVICES, false)

@@ -21,12 +21,12 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use gpufrac_k8s::dra_v1;
 use gpufrac_k8s::dra_v1::dra_plugin_client::DraPluginClient;
 use gpufrac_k8s::dra_v1beta1::dra_plugin_client::DraPluginClient as DraPluginClientV1beta1;
 use gpufrac_k8s::pluginregistration as reg;
 use gpufrac_k8s::reexport::tokio;
 use gpufrac_k8s::reexport::tonic::transport::Channel;
-use gpufrac_k8s::{dra_v1, dra_v1beta1};
 use serde_json::{Value, json};
 
 const DEVICES: &str = "16G,8G";
@@ -454,14 +454,7 @@ impl Kubelet {
         claims: &[(&str, &str)],
     ) -> HashMap<String, dra_v1::NodePrepareResourceResponse> {
         let req = dra_v1::NodePrepareResourcesRequest {
-            claims: claims
-                .iter()
-                .map(|(name, uid)| dra_v1::Claim {
-                    namespace: "ml".into(),
-                    name: name.to_string(),
-                    uid: uid.to_string(),
-                })
-                .collect(),
+            claims: claim_refs(claims),
         };
         self.call(c.node_prepare_resources(req))
             .unwrap()
@@ -475,20 +468,25 @@ impl Kubelet {
         claims: &[(&str, &str)],
     ) -> HashMap<String, dra_v1::NodeUnprepareResourceResponse> {
         let req = dra_v1::NodeUnprepareResourcesRequest {
-            claims: claims
-                .iter()
-                .map(|(name, uid)| dra_v1::Claim {
-                    namespace: "ml".into(),
-                    name: name.to_string(),
-                    uid: uid.to_string(),
-                })
-                .collect(),
+            claims: claim_refs(claims),
         };
         self.call(c.node_unprepare_resources(req))
             .unwrap()
             .into_inner()
             .claims
     }
+}
+
+/// Claims of namespace ml, by (name, UID), as the kubelet names them.
+fn claim_refs(claims: &[(&str, &str)]) -> Vec<dra_v1::Claim> {
+    claims
+        .iter()
+        .map(|(name, uid)| dra_v1::Claim {
+            namespace: "ml".into(),
+            name: name.to_string(),
+            uid: uid.to_string(),
+        })
+        .collect()
 }
 
 /// A node's directories: the kubelet's, the runtime's CDI directory and
@@ -684,18 +682,6 @@ fn process(broker: &Broker, pid: u32) -> Option<Value> {
         .flat_map(|g| g["processes"].as_array().unwrap().iter())
         .find(|p| p["pid"] == pid)
         .cloned()
-}
-
-/// A child killed if the test ends before it is taken.
-struct Reap(Option<std::process::Child>);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        if let Some(c) = &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 // ---------------------------------------------------------------------
@@ -1003,12 +989,8 @@ fn a_bad_claim_gets_its_own_error_and_the_others_are_prepared() {
     let mut old = DraPluginClientV1beta1::new(kubelet.channel(Path::new(&info.endpoint)));
     let got = kubelet
         .call(
-            old.node_prepare_resources(dra_v1beta1::NodePrepareResourcesRequest {
-                claims: vec![dra_v1beta1::Claim {
-                    namespace: "ml".into(),
-                    name: "good".into(),
-                    uid: "uid-good".into(),
-                }],
+            old.node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+                claims: claim_refs(&[("good", "uid-good")]),
             }),
         )
         .unwrap()

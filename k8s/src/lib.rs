@@ -45,7 +45,8 @@ pub mod dra_v1 {
 }
 pub mod dra_v1beta1 {
     //! The kubelet's DRA plugin API, v1beta1 (Kubernetes 1.32 and 1.33),
-    //! from `proto/dra_v1beta1.proto`.
+    //! from `proto/dra_v1beta1.proto`: its service, whose messages are
+    //! [`dra_v1`](crate::dra_v1)'s.
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
 }
@@ -224,13 +225,18 @@ fn parse_gpu_line(l: &str) -> Option<Gpu> {
 
 /// Runs the plugin until SIGTERM or SIGINT.
 pub fn run(cfg: Config) -> Result<(), String> {
-    // One thread is plenty: the kubelet calls rarely and every answer is
-    // computed in microseconds; the GPU lister is a child process.
-    let rt = tokio::runtime::Builder::new_current_thread()
+    block_on(node::serve(cfg))
+}
+
+/// Runs a plugin on one thread. That is plenty: the kubelet calls rarely,
+/// every answer is computed in microseconds, and the API server, the
+/// broker and the GPU lister (a child process) are awaited.
+fn block_on(plugin: impl Future<Output = Result<(), String>>) -> Result<(), String> {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    rt.block_on(node::serve(cfg))
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?
+        .block_on(plugin)
 }
 
 #[cfg(test)]

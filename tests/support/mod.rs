@@ -66,11 +66,12 @@ fn build_artifacts() -> Result<Artifacts, String> {
             .args(args);
         // What cargo set for this test process, not for builds: a build
         // script that reruns when one of them changes (ring's watches
-        // CARGO_MANIFEST_DIR and CARGO_PKG_*) would otherwise be run again,
-        // and its dependents rebuilt, by every other build of the tree.
+        // OUT_DIR, CARGO_MANIFEST_DIR and CARGO_PKG_*) would otherwise be
+        // run again, and its dependents rebuilt, by every other build of
+        // the tree.
         for (k, _) in std::env::vars_os() {
             let k = k.to_string_lossy();
-            if [
+            let set_for_tests = [
                 "CARGO_MANIFEST_",
                 "CARGO_PKG_",
                 "CARGO_CRATE_",
@@ -78,9 +79,9 @@ fn build_artifacts() -> Result<Artifacts, String> {
             ]
             .iter()
             .any(|p| k.starts_with(p))
-                || k == "CARGO_PRIMARY_PACKAGE"
-                || k == "CARGO_TARGET_TMPDIR"
-            {
+                || ["CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"]
+                    .contains(&k.as_ref());
+            if set_for_tests {
                 cmd.env_remove(k.as_ref());
             }
         }
@@ -607,6 +608,18 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// A child killed if the test ends before it is taken.
+pub struct Reap(pub Option<std::process::Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use gpufrac_common::config::{
 };
 use serde_json::{Value, json};
 
-use crate::devices::env_size;
+use crate::devices::{Mounts, env_size};
 use crate::leases::token_text;
 
 /// What runtimes read: `hostPath` on device nodes is 0.5.0's.
@@ -23,26 +23,15 @@ pub const CDI_VERSION: &str = "0.5.0";
 /// containers see their job's).
 pub const CONTAINER_BOOKS: &str = "/run/gpufrac-job/books";
 
-/// What every claim's containers get from this node, found at start.
+/// What every claim's containers get from this node, found at start: the
+/// shim, the broker socket's directory and the driver's control nodes as
+/// the device plugin mounts them (no control nodes: a node without NVIDIA
+/// device nodes, the simulated driver's, whose claims get none at all),
+/// and the driver's libraries and programs.
 #[derive(Clone, Debug)]
 pub struct Edits {
-    /// libgpufrac.so on the host, and where containers see it (what
-    /// LD_PRELOAD names).
-    pub lib: PathBuf,
-    pub container_lib: String,
-    /// The broker's socket on the host; its directory is mounted.
-    pub socket: PathBuf,
-    pub container_socket_dir: String,
-    /// An ld.so.preload file naming the shim, mounted as /etc/ld.so.preload
-    /// instead of setting LD_PRELOAD.
-    pub preload_file: Option<PathBuf>,
-    /// The driver's control nodes (nvidiactl, nvidia-uvm…): host path →
-    /// path in the container. Empty: a node without NVIDIA device nodes
-    /// (the simulated driver), whose claims get no device nodes at all.
-    pub control_nodes: Vec<(PathBuf, String)>,
-    /// Directory holding the nvidiaN nodes on the host.
-    pub dev_dir: PathBuf,
-    /// Driver libraries and programs: host file → path in the container.
+    pub mounts: Mounts,
+    /// Host file → path in the container.
     pub driver: Vec<(PathBuf, String)>,
 }
 
@@ -84,7 +73,8 @@ pub fn percent(p: f64) -> String {
 
 /// The spec; refuses a GPU whose device node is missing on a node that has
 /// the driver's nodes.
-pub fn spec(driver: &str, e: &Edits, c: &ClaimEdits) -> Result<Value, String> {
+pub fn spec(driver: &str, edits: &Edits, c: &ClaimEdits) -> Result<Value, String> {
+    let e = &edits.mounts;
     let mut env = Vec::new();
     if e.preload_file.is_none() {
         env.push(format!("LD_PRELOAD={}", e.container_lib));
@@ -143,7 +133,7 @@ pub fn spec(driver: &str, e: &Edits, c: &ClaimEdits) -> Result<Value, String> {
             "options": ["rw", "nosuid", "nodev", "noexec", "bind"],
         }));
     }
-    for (host, container) in &e.driver {
+    for (host, container) in &edits.driver {
         mounts.push(json!({ "hostPath": host, "containerPath": container, "options": ro }));
     }
 
@@ -224,13 +214,15 @@ mod tests {
 
     fn edits(control: Vec<(PathBuf, String)>, dev_dir: &Path) -> Edits {
         Edits {
-            lib: "/opt/gpufrac/lib/libgpufrac.so".into(),
-            container_lib: "/usr/lib/gpufrac/libgpufrac.so".into(),
-            socket: "/run/gpufrac/broker.sock".into(),
-            container_socket_dir: "/run/gpufrac".into(),
-            preload_file: None,
-            control_nodes: control,
-            dev_dir: dev_dir.into(),
+            mounts: Mounts {
+                lib: "/opt/gpufrac/lib/libgpufrac.so".into(),
+                container_lib: "/usr/lib/gpufrac/libgpufrac.so".into(),
+                socket: "/run/gpufrac/broker.sock".into(),
+                container_socket_dir: "/run/gpufrac".into(),
+                preload_file: None,
+                control_nodes: control,
+                dev_dir: dev_dir.into(),
+            },
             driver: vec![(
                 "/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06".into(),
                 "/usr/lib/x86_64-linux-gnu/libcuda.so.1".into(),
@@ -335,7 +327,7 @@ mod tests {
     #[test]
     fn admin_access_has_no_caps_and_no_token() {
         let mut e = edits(vec![], Path::new("/dev"));
-        e.preload_file = Some("/etc/gpufrac/ld.so.preload".into());
+        e.mounts.preload_file = Some("/etc/gpufrac/ld.so.preload".into());
         let c = ClaimEdits {
             uid: "u-3",
             gpus: vec![("GPU-a", 0, None)],

@@ -77,11 +77,5 @@ pub struct Config {
 
 /// Runs the plugin until SIGTERM or SIGINT.
 pub fn run(cfg: Config) -> Result<(), String> {
-    // One thread: the kubelet calls rarely, every answer is computed in
-    // microseconds, and the API server and the GPU lister are awaited.
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
-    rt.block_on(node::serve(cfg))
+    crate::block_on(node::serve(cfg))
 }

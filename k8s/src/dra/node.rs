@@ -156,11 +156,11 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
             }
         );
     }
-    if edits.control_nodes.is_empty() {
+    if edits.mounts.control_nodes.is_empty() {
         tracing::warn!(
             "{}/nvidiactl does not exist: claims are prepared without NVIDIA device nodes (right \
              for the simulated driver; on a GPU node, point --dev-dir at the NVIDIA device nodes)",
-            edits.dev_dir.display()
+            edits.mounts.dev_dir.display()
         );
     }
     let api = Api::connect(kubeconfig.as_deref()).await?;

@@ -13,7 +13,8 @@ use super::apiserver::Api;
 use super::claims::{self, ClaimRef};
 use super::gpus::Gpus;
 use super::prepared::{Answer, Prepared};
-use crate::{dra_v1, dra_v1beta1, pluginregistration};
+use crate::dra_v1 as v1;
+use crate::{dra_v1beta1, pluginregistration};
 
 /// What the kubelet's plugin watcher is told the plugin is.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
@@ -96,81 +97,106 @@ impl Shared {
     }
 }
 
-/// The two versions' messages are the same; one macro writes both
-/// services.
-macro_rules! dra_service {
-    ($name:ident, $v:ident) => {
-        /// The DRA plugin service of this API version.
-        pub struct $name(pub Arc<Shared>);
-
-        #[tonic::async_trait]
-        impl $v::dra_plugin_server::DraPlugin for $name {
-            async fn node_prepare_resources(
-                &self,
-                req: Request<$v::NodePrepareResourcesRequest>,
-            ) -> Result<Response<$v::NodePrepareResourcesResponse>, Status> {
-                let claims = req.into_inner().claims.into_iter().map(claim_ref).collect();
-                let mut out = $v::NodePrepareResourcesResponse::default();
-                for (uid, r) in self.0.prepare_all(claims).await {
-                    let answer = match r {
-                        Ok(a) => $v::NodePrepareResourceResponse {
-                            devices: a
-                                .results
-                                .iter()
-                                .map(|r| $v::Device {
-                                    request_names: vec![r.request.clone()],
-                                    pool_name: r.pool.clone(),
-                                    device_name: r.device.clone(),
-                                    cdi_device_ids: a.cdi_ids.clone(),
-                                })
-                                .collect(),
-                            error: String::new(),
-                        },
-                        Err(e) => $v::NodePrepareResourceResponse {
-                            devices: Vec::new(),
-                            error: e,
-                        },
-                    };
-                    out.claims.insert(uid, answer);
-                }
-                Ok(Response::new(out))
-            }
-
-            async fn node_unprepare_resources(
-                &self,
-                req: Request<$v::NodeUnprepareResourcesRequest>,
-            ) -> Result<Response<$v::NodeUnprepareResourcesResponse>, Status> {
-                let claims = req.into_inner().claims.into_iter().map(claim_ref).collect();
-                let mut out = $v::NodeUnprepareResourcesResponse::default();
-                for (uid, r) in self.0.unprepare_all(claims).await {
-                    out.claims.insert(
-                        uid,
-                        $v::NodeUnprepareResourceResponse {
-                            error: r.err().unwrap_or_default(),
-                        },
-                    );
-                }
-                Ok(Response::new(out))
-            }
+impl Shared {
+    /// NodePrepareResources, either version: every claim answered, each
+    /// with its devices or its error.
+    async fn node_prepare(
+        &self,
+        req: v1::NodePrepareResourcesRequest,
+    ) -> v1::NodePrepareResourcesResponse {
+        let claims = req.claims.into_iter().map(claim_ref).collect();
+        let mut out = v1::NodePrepareResourcesResponse::default();
+        for (uid, r) in self.prepare_all(claims).await {
+            let answer = match r {
+                Ok(a) => v1::NodePrepareResourceResponse {
+                    devices: a
+                        .results
+                        .iter()
+                        .map(|r| v1::Device {
+                            request_names: vec![r.request.clone()],
+                            pool_name: r.pool.clone(),
+                            device_name: r.device.clone(),
+                            cdi_device_ids: a.cdi_ids.clone(),
+                        })
+                        .collect(),
+                    error: String::new(),
+                },
+                Err(e) => v1::NodePrepareResourceResponse {
+                    devices: Vec::new(),
+                    error: e,
+                },
+            };
+            out.claims.insert(uid, answer);
         }
+        out
+    }
 
-        impl From<$v::Claim> for ClaimRef {
-            fn from(c: $v::Claim) -> ClaimRef {
-                ClaimRef {
-                    namespace: c.namespace,
-                    name: c.name,
-                    uid: c.uid,
-                }
-            }
+    /// NodeUnprepareResources, either version.
+    async fn node_unprepare(
+        &self,
+        req: v1::NodeUnprepareResourcesRequest,
+    ) -> v1::NodeUnprepareResourcesResponse {
+        let claims = req.claims.into_iter().map(claim_ref).collect();
+        let mut out = v1::NodeUnprepareResourcesResponse::default();
+        for (uid, r) in self.unprepare_all(claims).await {
+            out.claims.insert(
+                uid,
+                v1::NodeUnprepareResourceResponse {
+                    error: r.err().unwrap_or_default(),
+                },
+            );
         }
-    };
+        out
+    }
 }
 
-dra_service!(V1, dra_v1);
-dra_service!(V1beta1, dra_v1beta1);
+fn claim_ref(c: v1::Claim) -> ClaimRef {
+    ClaimRef {
+        namespace: c.namespace,
+        name: c.name,
+        uid: c.uid,
+    }
+}
 
-fn claim_ref<C: Into<ClaimRef>>(c: C) -> ClaimRef {
-    c.into()
+/// The DRA plugin service, v1 (kubelets of 1.34 and later).
+pub struct V1(pub Arc<Shared>);
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for V1 {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        Ok(Response::new(self.0.node_prepare(req.into_inner()).await))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        Ok(Response::new(self.0.node_unprepare(req.into_inner()).await))
+    }
+}
+
+/// The DRA plugin service, v1beta1 (kubelets of 1.32 and 1.33): v1's
+/// messages under another service name.
+pub struct V1beta1(pub Arc<Shared>);
+
+#[tonic::async_trait]
+impl dra_v1beta1::dra_plugin_server::DraPlugin for V1beta1 {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        Ok(Response::new(self.0.node_prepare(req.into_inner()).await))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        Ok(Response::new(self.0.node_unprepare(req.into_inner()).await))
+    }
 }
 
 /// The registration service on the plugins_registry socket.
