@@ -537,22 +537,6 @@ fn a_pod_asking_for_4_units_runs_capped_at_4g_under_the_broker() {
     assert_eq!(num(&fill, "rc"), 2, "then CUDA_ERROR_OUT_OF_MEMORY");
 }
 
-/// The broker's lease entries.
-fn leases(broker: &Broker) -> Vec<serde_json::Value> {
-    broker.status()["leases"].as_array().unwrap().clone()
-}
-
-/// The broker's entry for process `pid`, if it has registered.
-fn process(broker: &Broker, pid: u32) -> Option<serde_json::Value> {
-    broker.status()["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|g| g["processes"].as_array().unwrap().iter())
-        .find(|p| p["pid"] == pid)
-        .cloned()
-}
-
 #[test]
 fn pods_are_leases_in_the_broker_named_after_their_pods() {
     let u = uuids();
@@ -580,7 +564,8 @@ fn pods_are_leases_in_the_broker_named_after_their_pods() {
     let grant = ids(&u[0], "mem", 0..12);
     let spec = allocate(&c, grant.clone());
     wait_until(20.0, "the allocation booked in the broker", || {
-        leases(&broker)
+        broker
+            .leases()
             .iter()
             .any(|l| l["gpus"] == serde_json::json!([0]) && l["mem_cap"] == 12 * GIB)
     });
@@ -602,9 +587,9 @@ fn pods_are_leases_in_the_broker_named_after_their_pods() {
     let resource = "gpufrac.dev/gpu-memory";
     kubelet.set_pods(resource, &[("ml", "infer-0", "server", grant.clone())]);
     wait_until(20.0, "the lease named after its pod", || {
-        leases(&broker).iter().any(|l| l["pod"] == "ml/infer-0")
+        broker.leases().iter().any(|l| l["pod"] == "ml/infer-0")
     });
-    let l = leases(&broker);
+    let l = broker.leases();
     assert_eq!(l.len(), 1, "{l:?}");
     assert_eq!(l[0]["command"], "container server");
     let o = broker
@@ -625,22 +610,26 @@ fn pods_are_leases_in_the_broker_named_after_their_pods() {
     ));
     let pid = probe.0.as_ref().unwrap().id();
     wait_until(20.0, "the pod's process in its pod's job", || {
-        process(&broker, pid).is_some_and(|p| p["pod"] == "ml/infer-0" && p["mem_used"] == GIB)
+        broker
+            .process(pid)
+            .is_some_and(|p| p["pod"] == "ml/infer-0" && p["mem_used"] == GIB)
     });
-    assert_eq!(process(&broker, pid).unwrap()["mem_cap"], 12 * GIB);
+    assert_eq!(broker.process(pid).unwrap()["mem_cap"], 12 * GIB);
 
     // The plugin restarts: the lease goes with its connection, and the new
     // plugin books the pod again under the same token (its state file), so
     // the running process counts in it again.
     drop(plugin);
     wait_until(20.0, "the lease gone with the plugin", || {
-        leases(&broker).is_empty()
+        broker.leases().is_empty()
     });
-    assert!(process(&broker, pid).unwrap()["pod"].is_null());
+    assert!(broker.process(pid).unwrap()["pod"].is_null());
     plugin = Plugin::start(&kubelet, &args);
     wait_until(20.0, "the pod booked again, its process in it", || {
-        leases(&broker).iter().any(|l| l["pod"] == "ml/infer-0")
-            && process(&broker, pid).is_some_and(|p| p["pod"] == "ml/infer-0")
+        broker.leases().iter().any(|l| l["pod"] == "ml/infer-0")
+            && broker
+                .process(pid)
+                .is_some_and(|p| p["pod"] == "ml/infer-0")
     });
     let _ = kubelet.registration(&plugin);
 
@@ -651,7 +640,7 @@ fn pods_are_leases_in_the_broker_named_after_their_pods() {
     }));
     kubelet.set_pods(resource, &[]);
     wait_until(20.0, "the lease released with its pod", || {
-        leases(&broker).is_empty()
+        broker.leases().is_empty()
     });
     let o = broker
         .run(&["--no-wait", "--gpu-memory", "10G", "--", "true"])

@@ -448,6 +448,20 @@ impl Kubelet {
         DraPluginClient::new(self.channel(Path::new(&info.endpoint)))
     }
 
+    /// The plugin started on `node` and registered: it, what it
+    /// registered, and a DRA v1 client on its endpoint.
+    fn running(
+        &self,
+        node: &Node,
+        broker: Option<&Broker>,
+        args: &[&str],
+    ) -> (Plugin, reg::PluginInfo, DraPluginClient<Channel>) {
+        let plugin = Plugin::start(node, broker, args);
+        let info = self.register(node, &plugin);
+        let c = self.v1(&info);
+        (plugin, info, c)
+    }
+
     fn prepare(
         &self,
         c: &mut DraPluginClient<Channel>,
@@ -670,20 +684,6 @@ fn env_of(spec: &Value) -> HashMap<String, String> {
         .collect()
 }
 
-fn leases(broker: &Broker) -> Vec<Value> {
-    broker.status()["leases"].as_array().unwrap().clone()
-}
-
-fn process(broker: &Broker, pid: u32) -> Option<Value> {
-    broker.status()["gpus"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|g| g["processes"].as_array().unwrap().iter())
-        .find(|p| p["pid"] == pid)
-        .cloned()
-}
-
 // ---------------------------------------------------------------------
 // The tests.
 
@@ -787,9 +787,7 @@ fn a_claim_of_4gi_and_30_percent_runs_capped_and_booked_in_the_broker() {
     let node = Node::new(&api);
     let broker = Broker::start(DEVICES, &[]);
     let kubelet = Kubelet::new();
-    let plugin = Plugin::start(&node, Some(&broker), &[]);
-    let info = kubelet.register(&node, &plugin);
-    let mut c = kubelet.v1(&info);
+    let (plugin, _info, mut c) = kubelet.running(&node, Some(&broker), &[]);
     api.set_claim(claim(
         "infer",
         "uid-infer",
@@ -838,9 +836,9 @@ fn a_claim_of_4gi_and_30_percent_runs_capped_and_booked_in_the_broker() {
     // Booked in the broker: pinned to GPU 0 with the claim's memory and
     // compute, named after its pod.
     wait_until(20.0, "the claim's lease in the broker", || {
-        leases(&broker).iter().any(|l| l["pod"] == "ml/infer-pod")
+        broker.leases().iter().any(|l| l["pod"] == "ml/infer-pod")
     });
-    let l = leases(&broker);
+    let l = broker.leases();
     assert_eq!(l.len(), 1, "{l:?}");
     assert_eq!(l[0]["gpus"], json!([0]));
     assert_eq!(l[0]["mem_cap"], 4 * GIB);
@@ -871,11 +869,12 @@ fn a_claim_of_4gi_and_30_percent_runs_capped_and_booked_in_the_broker() {
         20.0,
         "the claim's process in its lease, holding 3 GiB",
         || {
-            process(&broker, pid)
+            broker
+                .process(pid)
                 .is_some_and(|p| p["pod"] == "ml/infer-pod" && p["mem_used"] == 3 * GIB)
         },
     );
-    assert_eq!(process(&broker, pid).unwrap()["mem_cap"], 4 * GIB);
+    assert_eq!(broker.process(pid).unwrap()["mem_cap"], 4 * GIB);
     // A second container of the claim shares the claim's 4 GiB: 2 GiB more
     // is refused, 1 GiB fits.
     let b = claim_process(
@@ -913,12 +912,12 @@ fn a_claim_of_4gi_and_30_percent_runs_capped_and_booked_in_the_broker() {
     // lease.
     let again = kubelet.prepare(&mut c, &[("infer", "uid-infer")]);
     assert_eq!(again["uid-infer"], *r);
-    assert_eq!(leases(&broker).len(), 1);
+    assert_eq!(broker.leases().len(), 1);
 
     // Unprepared: the lease ends, the spec and books go; and again.
     let un = kubelet.unprepare(&mut c, &[("infer", "uid-infer")]);
     assert_eq!(un["uid-infer"].error, "");
-    wait_until(20.0, "the lease released", || leases(&broker).is_empty());
+    wait_until(20.0, "the lease released", || broker.leases().is_empty());
     assert!(!node.spec_path("uid-infer").exists());
     let un = kubelet.unprepare(&mut c, &[("infer", "uid-infer")]);
     assert_eq!(un["uid-infer"].error, "");
@@ -930,9 +929,7 @@ fn a_bad_claim_gets_its_own_error_and_the_others_are_prepared() {
     let api = ApiServer::start();
     let node = Node::new(&api);
     let kubelet = Kubelet::new();
-    let plugin = Plugin::start(&node, None, &[]);
-    let info = kubelet.register(&node, &plugin);
-    let mut c = kubelet.v1(&info);
+    let (_plugin, info, mut c) = kubelet.running(&node, None, &[]);
     api.set_claim(claim(
         "good",
         "uid-good",
@@ -1020,9 +1017,7 @@ fn prepared_claims_survive_a_plugin_restart() {
     let node = Node::new(&api);
     let broker = Broker::start(DEVICES, &[]);
     let kubelet = Kubelet::new();
-    let plugin = Plugin::start(&node, Some(&broker), &[]);
-    let info = kubelet.register(&node, &plugin);
-    let mut c = kubelet.v1(&info);
+    let (plugin, _info, mut c) = kubelet.running(&node, Some(&broker), &[]);
     api.set_claim(claim(
         "train",
         "uid-train",
@@ -1050,24 +1045,29 @@ fn prepared_claims_survive_a_plugin_restart() {
     ));
     let pid = p.0.as_ref().unwrap().id();
     wait_until(20.0, "the claim's process in its lease", || {
-        process(&broker, pid).is_some_and(|p| p["pod"] == "ml/train-pod" && p["mem_used"] == GIB)
+        broker
+            .process(pid)
+            .is_some_and(|p| p["pod"] == "ml/train-pod" && p["mem_used"] == GIB)
     });
 
     // The plugin goes (an upgrade): its connection, and so the lease, with
     // it. The spec stays for the runtime.
     drop(plugin);
     wait_until(20.0, "the lease gone with the plugin", || {
-        leases(&broker).is_empty()
+        broker.leases().is_empty()
     });
     assert!(node.spec_path("uid-train").exists());
     // A new one books the claim again from its checkpoint, under the same
     // token: the running process counts in it again.
     let plugin = Plugin::start(&node, Some(&broker), &[]);
     wait_until(20.0, "the claim booked again, its process in it", || {
-        leases(&broker)
+        broker
+            .leases()
             .iter()
             .any(|l| l["pod"] == "ml/train-pod" && l["mem_cap"] == 6 * GIB)
-            && process(&broker, pid).is_some_and(|p| p["pod"] == "ml/train-pod")
+            && broker
+                .process(pid)
+                .is_some_and(|p| p["pod"] == "ml/train-pod")
     });
     // The spec is the same, token and all.
     assert_eq!(node.spec("uid-train"), spec);
@@ -1081,7 +1081,7 @@ fn prepared_claims_survive_a_plugin_restart() {
     drop(p.0.take().map(|c| c.wait_with_output()));
     let un = kubelet.unprepare(&mut c, &[("train", "uid-train")]);
     assert_eq!(un["uid-train"].error, "");
-    wait_until(20.0, "the lease released", || leases(&broker).is_empty());
+    wait_until(20.0, "the lease released", || broker.leases().is_empty());
     assert!(!node.spec_path("uid-train").exists());
     assert!(plugin.log().contains("booked again"), "{}", plugin.log());
 }
@@ -1097,9 +1097,7 @@ fn two_claims_at_70_and_30_get_70_and_30_of_the_gpu() {
     let node = Node::new(&api);
     let broker = Broker::start(DEVICES, &["--timeslice", "20ms"]);
     let kubelet = Kubelet::new();
-    let plugin = Plugin::start(&node, Some(&broker), &[]);
-    let info = kubelet.register(&node, &plugin);
-    let mut c = kubelet.v1(&info);
+    let (_plugin, _info, mut c) = kubelet.running(&node, Some(&broker), &[]);
     api.set_claim(claim(
         "big",
         "uid-big",
@@ -1112,7 +1110,7 @@ fn two_claims_at_70_and_30_get_70_and_30_of_the_gpu() {
     ));
     let got = kubelet.prepare(&mut c, &[("big", "uid-big"), ("small", "uid-small")]);
     assert!(got.values().all(|r| r.error.is_empty()), "{got:?}");
-    wait_until(20.0, "both claims booked", || leases(&broker).len() == 2);
+    wait_until(20.0, "both claims booked", || broker.leases().len() == 2);
 
     let start = mono_ns() + 1500 * MS;
     let end = start + 3000 * MS;
@@ -1163,9 +1161,7 @@ fn podman_runs_a_container_of_the_claim_capped() {
     let node = Node::with_cdi_dir(&api, PathBuf::from("/var/run/cdi")).with_device_nodes();
     let broker = Broker::start(DEVICES, &[]);
     let kubelet = Kubelet::new();
-    let plugin = Plugin::start(&node, Some(&broker), &[]);
-    let info = kubelet.register(&node, &plugin);
-    let mut c = kubelet.v1(&info);
+    let (plugin, _info, mut c) = kubelet.running(&node, Some(&broker), &[]);
     let uid = format!("uid-podman-{}", std::process::id());
     api.set_claim(claim("podman", &uid, &[("gpu-1", Some("1Gi"), Some("40"))]));
     let got = kubelet.prepare(&mut c, &[("podman", &uid)]);
@@ -1221,7 +1217,9 @@ fn podman_runs_a_container_of_the_claim_capped() {
     assert_eq!(num(&fill, "rc"), 2);
     let pid = ct.host_pid();
     wait_until(20.0, "the container's process in the claim's lease", || {
-        process(&broker, pid).is_some_and(|p| p["pod"] == "ml/podman-pod")
+        broker
+            .process(pid)
+            .is_some_and(|p| p["pod"] == "ml/podman-pod")
     });
     drop(ct);
     let un = kubelet.unprepare(&mut c, &[("podman", &uid)]);

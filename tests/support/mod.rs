@@ -421,6 +421,23 @@ impl Broker {
         cmd
     }
 
+    /// The lease entries of its status.
+    pub fn leases(&self) -> Vec<serde_json::Value> {
+        self.status()["leases"].as_array().unwrap().clone()
+    }
+
+    /// Its status entry for process `pid`, on whichever GPU, once the
+    /// process has registered.
+    pub fn process(&self, pid: u32) -> Option<serde_json::Value> {
+        self.status()["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["processes"].as_array().unwrap().iter())
+            .find(|p| p["pid"] == pid)
+            .cloned()
+    }
+
     /// The first GPU's UUID as the wire carries it.
     pub fn first_gpu_uuid(&self) -> [u8; 16] {
         first_gpu_uuid_in(&self.status())
