@@ -54,6 +54,25 @@ struct ApiState {
     forbid: bool,
     /// Every request as RBAC sees it: (API group, resource, verb).
     calls: Vec<(String, String, String)>,
+    /// Store slices as an API server without the DRAConsumableCapacity
+    /// feature does: without the fields of sharing.
+    drop_sharing: bool,
+}
+
+/// What an API server without consumable capacity keeps of a slice.
+fn without_sharing(v: &mut Value) {
+    for d in v["spec"]["devices"].as_array_mut().into_iter().flatten() {
+        let d = d.as_object_mut().unwrap();
+        d.remove("allowMultipleAllocations");
+        for c in d
+            .get_mut("capacity")
+            .and_then(Value::as_object_mut)
+            .into_iter()
+            .flat_map(|c| c.values_mut())
+        {
+            c.as_object_mut().unwrap().remove("requestPolicy");
+        }
+    }
 }
 
 /// An HTTP/1.1 server on 127.0.0.1 with the API server's paths for the
@@ -316,6 +335,9 @@ fn route(state: &Mutex<ApiState>, method: &str, target: &str, body: &[u8]) -> (u
             v["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
             v["metadata"]["uid"] = json!(format!("slice-{}", s.resource_version));
             s.written.push(v.clone());
+            if s.drop_sharing {
+                without_sharing(&mut v);
+            }
             s.slices.insert(name, v.clone());
             (201, v)
         }
@@ -334,6 +356,9 @@ fn route(state: &Mutex<ApiState>, method: &str, target: &str, body: &[u8]) -> (u
             v["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
             v["metadata"]["uid"] = old["metadata"]["uid"].clone();
             s.written.push(v.clone());
+            if s.drop_sharing {
+                without_sharing(&mut v);
+            }
             s.slices.insert(name.to_string(), v.clone());
             (200, v)
         }
@@ -909,9 +934,11 @@ fn a_claim_of_4gi_and_30_percent_runs_capped_and_booked_in_the_broker() {
     assert_eq!(num(&fill, "rc"), 2, "then CUDA_ERROR_OUT_OF_MEMORY");
 
     // Prepared again (a second pod of the claim): the same answer, one
-    // lease.
+    // lease; a spec that went missing meanwhile is written again.
+    std::fs::remove_file(node.spec_path("uid-infer")).unwrap();
     let again = kubelet.prepare(&mut c, &[("infer", "uid-infer")]);
     assert_eq!(again["uid-infer"], *r);
+    assert_eq!(node.spec("uid-infer"), spec);
     assert_eq!(broker.leases().len(), 1);
 
     // Unprepared: the lease ends, the spec and books go; and again.
@@ -1520,4 +1547,45 @@ fn a_client_naming_the_socket_path_as_authority_is_answered() {
             );
         }
     }
+}
+
+/// An API server whose DRAConsumableCapacity feature is off stores the
+/// slice without its sharing: the plugin says so, and does not write the
+/// slice again and again to put it back (only a change of its own or of
+/// the stored slice is written).
+#[test]
+fn an_api_server_without_consumable_capacity_is_said_and_not_fought() {
+    let api = ApiServer::start();
+    api.state().drop_sharing = true;
+    let node = Node::new(&api);
+    let kubelet = Kubelet::new();
+    let plugin = Plugin::start(&node, None, &["--poll-interval", "100ms"]);
+    kubelet.register(&node, &plugin);
+    api.wait_slice(&plugin, "stored", |s| {
+        s["spec"]["devices"]
+            .as_array()
+            .is_some_and(|d| d.len() == 2)
+    });
+    assert!(
+        api.slice().unwrap()["spec"]["devices"][0]
+            .get("allowMultipleAllocations")
+            .is_none()
+    );
+    wait_until(20.0, "the plugin saying the gate is off", || {
+        plugin
+            .log()
+            .contains("DRAConsumableCapacity feature gate is off")
+    });
+    assert_eq!(api.state().written.len(), 1);
+    // The kubelet registers it again (a republish), then a GPU goes (a
+    // change): one more write, for the change.
+    kubelet.register(&node, &plugin);
+    std::fs::write(&node.devices_file, "16G").unwrap();
+    api.wait_slice(&plugin, "with one GPU", |s| {
+        s["spec"]["devices"]
+            .as_array()
+            .is_some_and(|d| d.len() == 1)
+    });
+    let written = api.state().written.len();
+    assert_eq!(written, 2, "{}", plugin.log());
 }

@@ -24,6 +24,12 @@ pub struct Api {
     server: String,
 }
 
+/// A slice as this process sent it, and as the API server stored it.
+pub struct Written {
+    pub sent: ResourceSlice,
+    pub stored: ResourceSlice,
+}
+
 /// What publishing did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Published {
@@ -90,11 +96,18 @@ impl Api {
     /// Makes the node's slices of `driver` be `want` alone: creates it, or
     /// replaces it under the next pool generation when it says something
     /// else, and deletes any other slice of the driver for the node.
+    ///
+    /// `last` is what this process wrote last, and what the API server
+    /// stored of it: an API server may store less than it was sent (one
+    /// without consumable capacity drops the fields of sharing), so the
+    /// slice is written again only when `want` differs from what was sent
+    /// last, or the stored slice changed since (another writer).
     pub async fn publish(
         &self,
         mut want: ResourceSlice,
         driver: &str,
         node: &str,
+        last: &mut Option<Written>,
     ) -> Result<Published, String> {
         let api: KubeApi<ResourceSlice> = KubeApi::all(self.client.clone());
         let name = want.metadata.name.clone().unwrap_or_default();
@@ -125,26 +138,37 @@ impl Api {
                 }
             }
         }
-        match mine {
-            Some(s) if slices::same(&s, &want) => Ok(Published::Unchanged(s.spec.pool.generation)),
+        let g = generation + 1;
+        want.spec.pool.generation = g;
+        let (stored, published) = match mine {
             Some(s) => {
-                let g = generation + 1;
-                want.spec.pool.generation = g;
+                let as_written = match last.as_ref() {
+                    Some(l) => {
+                        slices::same(&l.sent, &want)
+                            && l.stored.metadata.resource_version == s.metadata.resource_version
+                    }
+                    None => slices::same(&s, &want),
+                };
+                if as_written {
+                    return Ok(Published::Unchanged(s.spec.pool.generation));
+                }
                 want.metadata.resource_version = s.metadata.resource_version;
-                self.call(api.replace(&name, &PostParams::default(), &want))
+                let stored = self
+                    .call(api.replace(&name, &PostParams::default(), &want))
                     .await
                     .map_err(|e| e.say(&self.server, &format!("replacing ResourceSlice {name}")))?;
-                Ok(Published::Updated(g))
+                (stored, Published::Updated(g))
             }
             None => {
-                let g = generation + 1;
-                want.spec.pool.generation = g;
-                self.call(api.create(&PostParams::default(), &want))
+                let stored = self
+                    .call(api.create(&PostParams::default(), &want))
                     .await
                     .map_err(|e| e.say(&self.server, &format!("creating ResourceSlice {name}")))?;
-                Ok(Published::Created(g))
+                (stored, Published::Created(g))
             }
-        }
+        };
+        *last = Some(Written { sent: want, stored });
+        Ok(published)
     }
 
     async fn call<T>(

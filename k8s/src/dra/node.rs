@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tonic::service::Routes;
 
 use super::Config;
-use super::apiserver::{Api, Published};
+use super::apiserver::{Api, Published, Written};
 use super::gpus::Gpus;
 use super::prepared::{Prepared, Settings};
 use super::service::{Registration, Shared, V1, V1beta1};
@@ -90,6 +90,10 @@ struct Publishing {
     /// The last failure, said once until it changes.
     said: Option<String>,
     node_uid: Option<String>,
+    /// What was written last, and what the API server kept of it.
+    last: Option<Written>,
+    /// The API server was said to drop the sharing.
+    said_dropped: bool,
 }
 
 pub async fn serve(cfg: Config) -> Result<(), String> {
@@ -210,6 +214,8 @@ pub async fn serve(cfg: Config) -> Result<(), String> {
         backoff: FIRST_RETRY,
         said: None,
         node_uid: None,
+        last: None,
+        said_dropped: false,
     };
     let mut recheck = tokio::time::interval(RECHECK);
     recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -312,7 +318,9 @@ async fn publish(
             slices::slice(&publisher, &gpus, 0)
         };
         let devices = want.spec.devices.as_ref().map_or(0, Vec::len);
-        api.publish(want, driver, node).await.map(|r| (r, devices))
+        api.publish(want, driver, node, &mut p.last)
+            .await
+            .map(|r| (r, devices))
     }
     .await;
     let name = slices::slice_name(driver, node);
@@ -332,6 +340,19 @@ async fn publish(
             if p.said.take().is_some() {
                 tracing::info!("the API server takes the node's ResourceSlice again");
             }
+            let dropped = p
+                .last
+                .as_ref()
+                .is_some_and(|w| slices::sharing_dropped(&w.sent, &w.stored));
+            if dropped && !p.said_dropped {
+                tracing::warn!(
+                    "the API server stored ResourceSlice {name} without allowMultipleAllocations \
+                     and the request policies: its DRAConsumableCapacity feature gate is off, so \
+                     each claim gets a whole GPU (still capped and booked); turn the gate on in \
+                     the API server and the scheduler to share GPUs between claims"
+                );
+            }
+            p.said_dropped = dropped;
             p.due = false;
             p.retry_at = None;
             p.backoff = FIRST_RETRY;

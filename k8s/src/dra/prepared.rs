@@ -171,11 +171,23 @@ impl Prepared {
         }
     }
 
-    /// What to answer for a claim prepared already.
-    pub fn answer(&self, uid: &str) -> Option<Answer> {
-        self.entries
-            .get(uid)
-            .map(|e| e.saved.answer(&self.s.driver))
+    /// What to answer for a claim prepared already; its spec is written
+    /// again if it went missing (the runtime needs it for every container
+    /// that starts).
+    pub fn answer(&self, uid: &str) -> Option<Result<Answer, String>> {
+        let saved = &self.entries.get(uid)?.saved;
+        let name = cdi::file_name(&self.s.driver, uid);
+        if !self.s.cdi_dir.join(&name).exists() {
+            let books = saved.books(&self.s.books_dir);
+            let written = saved
+                .spec(&self.s, books.as_deref())
+                .and_then(|v| cdi::write(&self.s.cdi_dir, &name, &v));
+            if let Err(e) = written {
+                return Some(Err(e));
+            }
+            tracing::warn!("{}: its CDI spec was gone; written again", saved.describe());
+        }
+        Some(Ok(saved.answer(&self.s.driver)))
     }
 
     /// The claims prepared now.

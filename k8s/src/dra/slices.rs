@@ -192,6 +192,22 @@ pub fn same(published: &ResourceSlice, want: &ResourceSlice) -> bool {
         && published.metadata.labels == want.metadata.labels
 }
 
+/// Whether the API server stored a slice without the sharing it was sent
+/// (`allowMultipleAllocations`, request policies): one whose
+/// DRAConsumableCapacity feature is off drops them, and every claim then
+/// gets a whole GPU.
+pub fn sharing_dropped(sent: &ResourceSlice, stored: &ResourceSlice) -> bool {
+    let shares = |s: &ResourceSlice| {
+        s.spec
+            .devices
+            .iter()
+            .flatten()
+            .filter(|d| d.allow_multiple_allocations == Some(true))
+            .count()
+    };
+    shares(stored) < shares(sent)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
