@@ -1370,6 +1370,28 @@ fn bad_settings_exit_with_what_to_do() {
     let (code, e) = run(DEVICES, &["--kubeconfig", "/nonexistent/kubeconfig"]);
     assert_eq!(code, Some(1));
     assert!(e.contains("--kubeconfig /nonexistent/kubeconfig"), "{e}");
+    // Without --kubeconfig, $KUBECONFIG is read.
+    let o = sim_command(&artifacts().gpufrac, DEVICES, false)
+        .arg("k8s-dra-plugin")
+        .args(["--node-name", NODE, "--lib"])
+        .arg(&artifacts().shim)
+        .arg("--registry-dir")
+        .arg(&node.registry.0)
+        .arg("--plugins-dir")
+        .arg(&node.plugins.0)
+        .arg("--state-dir")
+        .arg(node.state.0.join("state"))
+        .env("KUBECONFIG", "/nonexistent/kubeconfig-of-the-env")
+        .output()
+        .unwrap();
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("no credentials for the API server")
+            && e.contains("/nonexistent/kubeconfig-of-the-env")
+            && e.contains("--kubeconfig or set KUBECONFIG"),
+        "{e}"
+    );
     let (code, e) = run(DEVICES, &["--driver-name", "GPUfrac"]);
     assert_eq!(code, Some(2));
     assert!(e.contains("DNS subdomain"), "{e}");
