@@ -298,7 +298,9 @@ mod tests {
         let lister = Lister {
             program: "/bin/sh".into(),
             args: vec!["-c".into(), script.into()],
-            timeout: Duration::from_millis(300),
+            // Long enough for the shell to start and say its child's pid on a
+            // loaded machine.
+            timeout: Duration::from_secs(2),
         };
         let e = lister.list().await.unwrap_err();
         assert!(e.contains("did not finish within"), "{e}");
