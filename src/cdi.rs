@@ -131,9 +131,9 @@ pub fn main(args: CdiArgs) -> u8 {
 
 /// A bind mount: a host file or directory at a path in the container.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Mount {
-    host: PathBuf,
-    container: PathBuf,
+pub(crate) struct Mount {
+    pub(crate) host: PathBuf,
+    pub(crate) container: PathBuf,
 }
 
 /// A device node: its name under /dev in the container and the node on
@@ -326,7 +326,7 @@ fn char_device(path: &Path, whose: &str) -> Result<PathBuf, String> {
 }
 
 /// `ldconfig -p`: the host's ld cache, as the loader sees it.
-fn ld_cache() -> Result<String, String> {
+pub(crate) fn ld_cache() -> Result<String, String> {
     // Non-root users often lack /sbin on PATH.
     let mut last = String::new();
     for exe in ["/sbin/ldconfig", "/usr/sbin/ldconfig", "ldconfig"] {
@@ -348,7 +348,10 @@ fn ld_cache() -> Result<String, String> {
 
 /// The native-architecture driver libraries of an `ldconfig -p` listing,
 /// first entry of each name (the one the loader would take).
-fn libs_from_ld_cache(listing: &str, container_dir: Option<&Path>) -> Result<Vec<Mount>, String> {
+pub(crate) fn libs_from_ld_cache(
+    listing: &str,
+    container_dir: Option<&Path>,
+) -> Result<Vec<Mount>, String> {
     let arch = if cfg!(target_arch = "aarch64") {
         "AArch64"
     } else {
@@ -382,7 +385,10 @@ fn libs_from_ld_cache(listing: &str, container_dir: Option<&Path>) -> Result<Vec
     Ok(out)
 }
 
-fn libs_given(given: &[PathBuf], container_dir: Option<&Path>) -> Result<Vec<Mount>, String> {
+pub(crate) fn libs_given(
+    given: &[PathBuf],
+    container_dir: Option<&Path>,
+) -> Result<Vec<Mount>, String> {
     let mut out: Vec<Mount> = Vec::new();
     for p in given {
         // Named as given: the link's name (libcuda.so.1) is the soname, the
@@ -436,7 +442,7 @@ fn lib_mount(path: &Path, name: &str, container_dir: Option<&Path>) -> Result<Mo
 }
 
 /// nvidia-smi and friends from the host's PATH, at /usr/bin in the container.
-fn driver_binaries() -> Vec<Mount> {
+pub(crate) fn driver_binaries() -> Vec<Mount> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
     dirs.push(PathBuf::from("/usr/bin"));

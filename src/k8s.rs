@@ -3,7 +3,6 @@
 //! `gpufrac-k8s` crate; this is its command line and the GPU listing it
 //! runs in a child process.
 
-use std::io::IsTerminal;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -126,13 +125,7 @@ pub fn main(args: PluginArgs) -> u8 {
     if args.list_gpus {
         return list_gpus();
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(filter)
-        .init();
+    crate::init_logging();
     let resource = match resource(&args) {
         Ok(r) => r,
         Err(m) => {
@@ -241,21 +234,38 @@ fn injection(args: &PluginArgs) -> Result<Injection, String> {
     if args.cdi {
         return Ok(Injection::Cdi);
     }
-    let (lib, socket) = args.inject.lib_and_socket()?;
-    let preload_file = args.inject.write_preload_file()?;
+    mounts(&args.inject, &args.dev_dir, true).map(Injection::Mounts)
+}
+
+/// The shim, the broker socket's directory and the driver's control nodes,
+/// as both plugins give them to containers. Without the control node in
+/// `dev_dir`, `nodes_required` refuses; otherwise there are no nodes at all
+/// (a node of the simulated driver).
+pub(crate) fn mounts(
+    inject: &InjectArgs,
+    dev_dir: &Path,
+    nodes_required: bool,
+) -> Result<Mounts, String> {
+    let (lib, socket) = inject.lib_and_socket()?;
+    let preload_file = inject.write_preload_file()?;
     if let Some(dir) = socket.parent().filter(|d| !d.is_dir()) {
-        // Not an error: the broker may start later, and pods keep their
-        // memory caps meanwhile.
+        // Not an error: the broker may start later, and containers keep
+        // their memory caps meanwhile.
         tracing::warn!(
             "the broker socket's directory {} does not exist (yet): until `gpufrac broker` \
-             runs there, pods get their memory caps but no compute arbitration, and pods \
-             may fail to start where the runtime will not create a missing mount source",
+             runs there, containers get their memory caps but no lease and no compute \
+             arbitration, and may fail to start where the runtime will not create a missing \
+             mount source",
             dir.display()
         );
     }
     let mut control_nodes = Vec::new();
+    let driver_here = char_device(&dev_dir.join(REQUIRED_NODES[0])).is_ok();
     for name in REQUIRED_NODES.iter().chain(OPTIONAL_NODES) {
-        let path = args.dev_dir.join(name);
+        if !driver_here && !nodes_required {
+            break;
+        }
+        let path = dev_dir.join(name);
         match char_device(&path) {
             Ok(host) => control_nodes.push((host, format!("/dev/{name}"))),
             Err(e) if REQUIRED_NODES.contains(name) => {
@@ -273,15 +283,15 @@ fn injection(args: &PluginArgs) -> Result<Injection, String> {
             Err(_) => {}
         }
     }
-    Ok(Injection::Mounts(Mounts {
+    Ok(Mounts {
         lib,
         container_lib: CONTAINER_LIB.into(),
         socket,
         container_socket_dir: CONTAINER_SOCKET_DIR.into(),
         preload_file,
         control_nodes,
-        dev_dir: args.dev_dir.clone(),
-    }))
+        dev_dir: dev_dir.to_path_buf(),
+    })
 }
 
 /// The character device at `path`, links resolved (runtimes take the
@@ -298,7 +308,7 @@ fn char_device(path: &Path) -> Result<PathBuf, String> {
 
 /// `--list-gpus`: the GPUs in PCI bus order, as `gpufrac cdi generate`
 /// and `gpufrac run` number them.
-fn list_gpus() -> u8 {
+pub(crate) fn list_gpus() -> u8 {
     // SAFETY (both blocks): nothing else runs yet (no thread has been
     // started), so no one reads the environment while it changes.
     if let Some(file) = std::env::var_os(VAR_SIM_DEVICES_FILE) {
@@ -320,6 +330,7 @@ fn list_gpus() -> u8 {
                         index: g.index,
                         uuid: uuid_string(&g.uuid),
                         total_mem: g.total_mem,
+                        name: g.name.clone(),
                     })
                 })
                 .collect();

@@ -1,5 +1,5 @@
-//! The `gpufrac` command: the broker daemon, `run`, `status`, `top` and
-//! `docker-args`.
+//! The `gpufrac` command: the broker daemon, `run`, `status`, `top`,
+//! `docker-args`, and the integrations (CDI, Slurm, Kubernetes).
 
 mod cdi;
 mod client;
@@ -7,6 +7,7 @@ mod container;
 mod docker;
 mod inject;
 mod k8s;
+mod k8s_dra;
 mod names;
 mod run;
 mod slurm;
@@ -79,6 +80,9 @@ enum Cmd {
     /// Kubernetes device plugin: advertises GPU slots or memory units to
     /// the kubelet and answers allocations with gpufrac's environment.
     K8sDevicePlugin(k8s::PluginArgs),
+    /// Kubernetes DRA kubelet plugin: publishes each GPU's memory and
+    /// compute as consumable capacity and enforces what claims are given.
+    K8sDraPlugin(k8s_dra::DraArgs),
 }
 
 const BROKER_EXAMPLES: &str = "\
@@ -206,6 +210,7 @@ fn main() -> ExitCode {
         Cmd::Cdi(args) => cdi::main(args),
         Cmd::SlurmTaskProlog(args) => slurm::main(args),
         Cmd::K8sDevicePlugin(args) => k8s::main(args),
+        Cmd::K8sDraPlugin(args) => k8s_dra::main(args),
     };
     ExitCode::from(code)
 }
@@ -214,14 +219,7 @@ fn broker(args: BrokerArgs) -> u8 {
     // SAFETY: first thing, before any thread or the CUDA driver starts.
     // The broker's GPU numbers are the ones `gpufrac run` hands out.
     unsafe { gpufrac_broker::inventory::use_pci_order(false) };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colour codes would litter log files and the journal.
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(filter)
-        .init();
+    init_logging();
     let opts = gpufrac_broker::startup::BrokerOptions {
         socket: socket_path(args.socket),
         timeslice: args.timeslice,
@@ -256,6 +254,19 @@ fn broker(args: BrokerArgs) -> u8 {
             1
         }
     }
+}
+
+/// The daemons' log (the broker's, the plugins'): stderr, filtered by
+/// RUST_LOG (default info).
+pub(crate) fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        // Colour codes would litter log files and the journal.
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .init();
 }
 
 /// `--socket`, else `$GPUFRAC_SOCKET`, else the default, so that a user who

@@ -31,6 +31,9 @@ pub struct Gpu {
     /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".
     pub uuid: String,
     pub total_mem: u64,
+    /// The product name ("NVIDIA H100 80GB HBM3"); empty when the lister
+    /// did not say.
+    pub name: String,
 }
 
 /// What one device of the plugin stands for.
@@ -654,6 +657,7 @@ mod tests {
                 index: i as u32,
                 uuid: [U0, U1][i].into(),
                 total_mem: s * GIB,
+                name: String::new(),
             })
             .collect()
     }
@@ -736,6 +740,7 @@ mod tests {
             index: 0,
             uuid: U1.into(),
             total_mem: 8 * GIB,
+            name: String::new(),
         }]));
         assert_eq!(inv.present()[0].index, 0);
         assert_eq!(inv.devices()[16].id, format!("{U1}-mem-0"));

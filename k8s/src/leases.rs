@@ -19,26 +19,15 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{
-    self, ClientMsg, DecodeError, LeaseReq, Pin, Role, ServerMsg, parse_uuid,
-};
+use gpufrac_common::wire;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::devices::Booking;
+use crate::holder::{self, ANSWER_TIMEOUT, Lease, LeaseName, describe_pins};
 use crate::podresources;
-
-/// Reconnecting to a broker that is away starts this soon and backs off to
-/// `MAX_RETRY`.
-const FIRST_RETRY: Duration = Duration::from_millis(200);
-const MAX_RETRY: Duration = Duration::from_secs(30);
-/// What the kubelet's pod-resources API and the broker's handshake get.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Format of the state file; another version is set aside, not misread.
 const STATE_VERSION: u32 = 1;
 
@@ -75,6 +64,13 @@ impl PodRef {
     fn label(&self) -> String {
         format!("container {}", self.container)
     }
+
+    fn lease_name(&self) -> LeaseName {
+        LeaseName {
+            pod: self.pod(),
+            label: self.label(),
+        }
+    }
 }
 
 struct Entry {
@@ -82,14 +78,21 @@ struct Entry {
     token: u64,
     /// Booked (or loaded from the state file) at.
     since: Instant,
-    /// The pod it is, once the kubelet has said; its holder follows it.
-    names: watch::Sender<Option<PodRef>>,
+    /// The pod it is, once the kubelet has said.
+    pod: Option<PodRef>,
+    /// Its name in the broker's status; the holder follows it.
+    names: watch::Sender<Option<LeaseName>>,
     task: JoinHandle<()>,
 }
 
 impl Entry {
     fn pod(&self) -> Option<PodRef> {
-        self.names.borrow().clone()
+        self.pod.clone()
+    }
+
+    fn name(&mut self, pod: PodRef) {
+        self.names.send_replace(Some(pod.lease_name()));
+        self.pod = Some(pod);
     }
 }
 
@@ -248,10 +251,16 @@ impl Leases {
     }
 
     fn insert(&mut self, booking: Booking, token: u64, pod: Option<PodRef>, resume: bool) {
-        let (names, rx) = watch::channel(pod);
-        let task = tokio::spawn(hold(
+        let (names, rx) = watch::channel(pod.as_ref().map(PodRef::lease_name));
+        let lease = Lease {
+            pins: booking.pins.clone(),
+            compute: booking.compute,
+            unnamed: "pod (not listed by the kubelet yet)".into(),
+            what: describe(&booking, None),
+        };
+        let task = tokio::spawn(holder::hold(
             self.cfg.socket.clone(),
-            booking.clone(),
+            lease,
             token,
             rx,
             resume,
@@ -262,6 +271,7 @@ impl Leases {
                 booking,
                 token,
                 since: Instant::now(),
+                pod,
                 names,
                 task,
             },
@@ -298,7 +308,7 @@ impl Leases {
         let mut changed = false;
         for (ids, pod) in &by_ids {
             match self.entries.get_mut(ids) {
-                Some(e) if e.names.borrow().as_ref() == Some(pod) => {}
+                Some(e) if e.pod.as_ref() == Some(pod) => {}
                 Some(e) => {
                     tracing::info!(
                         "{} is pod {} ({})",
@@ -306,7 +316,7 @@ impl Leases {
                         pod.pod(),
                         pod.label()
                     );
-                    e.names.send_replace(Some(pod.clone()));
+                    e.name(pod.clone());
                     changed = true;
                 }
                 None => {
@@ -397,15 +407,10 @@ impl Leases {
 
 /// "4.0 GiB on GPU-…" (and the pod, when known), for the log.
 fn describe(b: &Booking, pod: Option<&PodRef>) -> String {
-    let on: Vec<String> = b
-        .pins
-        .iter()
-        .map(|(uuid, mem)| format!("{} on {uuid}", format_size(*mem)))
-        .collect();
     let mut s = format!(
         "the allocation of {} devices ({})",
         b.ids.len(),
-        on.join(", ")
+        describe_pins(&b.pins)
     );
     if let Some(p) = pod {
         s.push_str(&format!(" of pod {} ({})", p.pod(), p.label()));
@@ -456,223 +461,6 @@ pub async fn list_pods(
         }
     }
     Ok(out)
-}
-
-/// Holds one lease for as long as the task lives, booking it again after
-/// the broker restarts.
-async fn hold(
-    socket: PathBuf,
-    booking: Booking,
-    token: u64,
-    mut names: watch::Receiver<Option<PodRef>>,
-    mut resume: bool,
-) {
-    let mut backoff = FIRST_RETRY;
-    let mut said: Option<String> = None;
-    loop {
-        let mut booked = false;
-        let e = session(
-            &socket,
-            &booking,
-            token,
-            &mut names,
-            &mut resume,
-            &mut booked,
-        )
-        .await;
-        if booked {
-            // It held: the next trouble is news, and worth a quick retry.
-            said = None;
-            backoff = FIRST_RETRY;
-        }
-        // Said once while it stays the same: a broker that is away for an
-        // hour must not fill the log.
-        if said.as_deref() != Some(e.as_str()) {
-            tracing::warn!(
-                "the lease of {}: {e}; trying again (the pod runs meanwhile, capped)",
-                describe(&booking, names.borrow().as_ref())
-            );
-            said = Some(e);
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(MAX_RETRY);
-    }
-}
-
-/// One connection to the broker holding the lease; returns why it ended.
-async fn session(
-    socket: &Path,
-    booking: &Booking,
-    token: u64,
-    names: &mut watch::Receiver<Option<PodRef>>,
-    resume: &mut bool,
-    booked: &mut bool,
-) -> String {
-    let mut conn = match tokio::time::timeout(ANSWER_TIMEOUT, Conn::open(socket)).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return e,
-        Err(_) => {
-            return format!(
-                "the broker at {} did not answer within {ANSWER_TIMEOUT:?}",
-                socket.display()
-            );
-        }
-    };
-    let pins: Vec<Pin> = booking
-        .pins
-        .iter()
-        .filter_map(|(uuid, mem)| {
-            Some(Pin {
-                uuid: parse_uuid(uuid)?,
-                mem: *mem,
-            })
-        })
-        .collect();
-    let lease = |resume: u64| {
-        ClientMsg::Lease(LeaseReq {
-            want_gpus: 0,
-            want_mem: 0,
-            compute: booking.compute,
-            limit: None,
-            no_wait: false,
-            command: names.borrow().as_ref().map_or_else(
-                || "pod (not listed by the kubelet yet)".into(),
-                PodRef::label,
-            ),
-            priority: None,
-            resume,
-            token: if resume == 0 { token } else { 0 },
-            pin: if resume == 0 {
-                pins.clone()
-            } else {
-                Vec::new()
-            },
-        })
-    };
-    // The same process after a broker restart: take the lease back where
-    // it was. Otherwise (or if the broker lost it), book it anew under the
-    // same token.
-    let mut first = if *resume { lease(token) } else { lease(0) };
-    let mut fresh = !*resume;
-    loop {
-        if let Err(e) = conn.send(&first).await {
-            return e;
-        }
-        match conn.recv().await {
-            Ok(ServerMsg::Refused { reason }) if !fresh => {
-                tracing::debug!("resuming the lease: {reason}; booking it anew");
-                first = lease(0);
-                fresh = true;
-            }
-            Ok(ServerMsg::Refused { reason }) => return format!("the broker refused it: {reason}"),
-            Ok(m) => {
-                report(&m, booking);
-                break;
-            }
-            Err(e) => return e,
-        }
-    }
-    *resume = true;
-    *booked = true;
-    names.mark_changed();
-    loop {
-        tokio::select! {
-            m = conn.recv() => match m {
-                Ok(ServerMsg::Refused { reason }) => return format!("the broker refused it: {reason}"),
-                Ok(m) => report(&m, booking),
-                Err(e) => return e,
-            },
-            r = names.changed() => {
-                if r.is_err() {
-                    // The entry is gone; the task is being aborted.
-                    return "released".into();
-                }
-                let pod = names.borrow_and_update().clone();
-                if let Some(p) = pod
-                    && let Err(e) = conn
-                        .send(&ClientMsg::Name {
-                            pod: p.pod(),
-                            label: p.label(),
-                        })
-                        .await
-                {
-                    return e;
-                }
-            }
-        }
-    }
-}
-
-fn report(m: &ServerMsg, booking: &Booking) {
-    match m {
-        ServerMsg::Queued {
-            position,
-            waiting_for,
-            ..
-        } => tracing::info!(
-            "{} waits in the broker's queue at position {position} for {waiting_for}: jobs \
-             outside Kubernetes hold that memory (the pod runs meanwhile, capped)",
-            describe(booking, None)
-        ),
-        ServerMsg::Leased { gpus, .. } => {
-            tracing::info!("{} is booked on GPUs {gpus:?}", describe(booking, None))
-        }
-        ServerMsg::Error { message, .. } => tracing::warn!("the broker says: {message}"),
-        _ => {}
-    }
-}
-
-/// A broker connection speaking the wire protocol.
-struct Conn {
-    stream: UnixStream,
-    buf: Vec<u8>,
-}
-
-impl Conn {
-    async fn open(socket: &Path) -> Result<Conn, String> {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(|e| format!("cannot reach the broker at {}: {e}", socket.display()))?;
-        let mut c = Conn {
-            stream,
-            buf: Vec::new(),
-        };
-        c.send(&ClientMsg::hello(std::process::id(), Role::Cli))
-            .await?;
-        match c.recv().await? {
-            ServerMsg::HelloOk { .. } => Ok(c),
-            ServerMsg::Error { message, .. } => Err(format!("the broker refused: {message}")),
-            m => Err(format!("the broker answered the handshake with {m:?}")),
-        }
-    }
-
-    async fn send(&mut self, m: &ClientMsg) -> Result<(), String> {
-        let mut out = Vec::new();
-        wire::encode_client(m, &mut out);
-        self.stream
-            .write_all(&out)
-            .await
-            .map_err(|e| format!("the broker connection broke: {e}"))
-    }
-
-    async fn recv(&mut self) -> Result<ServerMsg, String> {
-        loop {
-            match wire::decode_server(&self.buf) {
-                Ok((m, used)) => {
-                    self.buf.drain(..used);
-                    return Ok(m);
-                }
-                Err(DecodeError::Incomplete) => {}
-                Err(e) => return Err(format!("the broker sent a bad frame: {e}")),
-            }
-            let mut chunk = [0u8; 4096];
-            match self.stream.read(&mut chunk).await {
-                Ok(0) => return Err("the broker closed the connection".into()),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                Err(e) => return Err(format!("the broker connection broke: {e}")),
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -3,27 +3,19 @@
 //! socket there and makes a new kubelet.sock) and register again; list the
 //! GPUs now and then and report the devices of a GPU that went Unhealthy.
 
-use std::error::Error;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tokio::net::UnixStream;
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_stream::StreamExt;
-use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::api;
-use crate::authority::FixAuthority;
 use crate::devices::{Inventory, Resource};
 use crate::leases::{Leases, list_pods};
 use crate::service::{Service, Shared, options};
+use crate::sockets::{FileId, Running, chain, connect_unix, file_id, serve_at};
 use crate::{API_VERSION, Config, KUBELET_SOCKET, Lister};
 use gpufrac_common::minors::read_minors;
 
@@ -36,41 +28,6 @@ const FIRST_RETRY: Duration = Duration::from_millis(100);
 /// watch can miss events (a directory mounted anew, an event queue that
 /// overflowed).
 const RECHECK: Duration = Duration::from_secs(5);
-/// How long a server that is being replaced may take to finish.
-const STOP_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A gRPC channel over a Unix socket (the kubelet's or a plugin's). The URI
-/// is a placeholder that tonic requires; the connector decides where to
-/// connect.
-pub async fn connect_unix(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
-    Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
-        }))
-        .await
-}
-
-/// Which file a path is: its device and inode, and its change time, since
-/// a socket created anew right after the old one was removed may get the
-/// same inode number.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FileId(u64, u64, i64, i64);
-
-fn file_id(p: &Path) -> Option<FileId> {
-    std::fs::symlink_metadata(p)
-        .ok()
-        .map(|m| FileId(m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
-}
-
-/// One instance of the plugin's gRPC server.
-struct Running {
-    /// The socket file it listens on.
-    bound: FileId,
-    stop: watch::Sender<bool>,
-    task: JoinHandle<Result<(), tonic::transport::Error>>,
-}
-
 struct Node {
     dir: PathBuf,
     resource: Resource,
@@ -275,56 +232,19 @@ impl Node {
     }
 
     fn start_server(&self, path: &Path) -> Result<Running, String> {
-        match std::fs::symlink_metadata(path) {
-            Ok(m) if m.file_type().is_socket() => {
-                // Left by an earlier instance (or removed by the kubelet
-                // meanwhile, which is as good).
-                let _ = std::fs::remove_file(path);
-            }
-            Ok(_) => {
-                return Err(format!(
-                    "{} exists and is not a socket; the plugin will not remove it: move it away",
-                    path.display()
-                ));
-            }
-            Err(_) => {}
-        }
-        let listener = bind_private(path)
-            .and_then(|l| {
-                l.set_nonblocking(true)?;
-                tokio::net::UnixListener::from_std(l)
-            })
-            .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
-        let bound = file_id(path)
-            .ok_or_else(|| format!("{} vanished right after it was made", path.display()))?;
-        let (stop, stop_rx) = watch::channel(false);
-        let svc = api::device_plugin_server::DevicePluginServer::new(Service {
-            shared: Arc::clone(&self.shared),
-            stop: stop_rx.clone(),
-        });
-        let mut until = stop_rx;
-        let task = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(listener).map(|c| c.map(FixAuthority::new)),
-                    async move {
-                        let _ = until.wait_for(|s| *s).await;
-                    },
-                ),
-        );
-        Ok(Running { bound, stop, task })
+        serve_at(path, |stop| {
+            tonic::service::Routes::new(api::device_plugin_server::DevicePluginServer::new(
+                Service {
+                    shared: Arc::clone(&self.shared),
+                    stop,
+                },
+            ))
+        })
     }
 
     async fn stop_server(&mut self) {
-        let Some(mut s) = self.server.take() else {
-            return;
-        };
-        let _ = s.stop.send(true);
-        match tokio::time::timeout(STOP_TIMEOUT, &mut s.task).await {
-            Ok(Ok(Err(e))) => tracing::warn!("the plugin's server ended with {}", chain(&e)),
-            Ok(_) => {}
-            Err(_) => s.task.abort(),
+        if let Some(s) = self.server.take() {
+            s.stop().await;
         }
     }
 }
@@ -348,18 +268,6 @@ async fn register(kubelet: &Path, resource: Resource) -> Result<(), String> {
         Ok(r) => r.map(|_| ()),
         Err(_) => Err(format!("no answer within {} s", REGISTER_TIMEOUT.as_secs())),
     }
-}
-
-/// An error with its causes: tonic's own text is only "transport error".
-fn chain(e: &dyn Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Sends an event for every change in `dir`; `true` when kubelet.sock was
@@ -428,52 +336,5 @@ async fn poll_gpus(lister: Lister, every: Duration, proc_gpus: PathBuf, shared: 
             tracing::warn!("{c}");
         }
         shared.publish();
-    }
-}
-
-/// Only the kubelet (root) connects to the plugin: the socket is made mode
-/// 0600 whatever the umask, under a fresh name, and renamed into place
-/// only then, so that it is never reachable with a looser mode.
-fn bind_private(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
-    let tmp = gpufrac_common::files::temporary(path);
-    let l = std::os::unix::net::UnixListener::bind(&tmp)?;
-    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = placed {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    Ok(l)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_plugin_socket_is_private_whatever_the_umask() {
-        let d = std::env::temp_dir().join(format!("gpufrac-k8s-sock-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        let p = d.join("gpufrac.sock");
-        // SAFETY: umask is process-wide; this test binary binds no other
-        // socket meanwhile, and the old mask is put back.
-        let old = unsafe { libc_umask(0) };
-        let l = bind_private(&p);
-        unsafe { libc_umask(old) };
-        let _l = l.unwrap();
-        let meta = std::fs::symlink_metadata(&p).unwrap();
-        assert!(meta.file_type().is_socket());
-        assert_eq!(meta.mode() & 0o777, 0o600);
-        let left: Vec<_> = std::fs::read_dir(&d).unwrap().collect();
-        assert_eq!(left.len(), 1, "no temporary left: {left:?}");
-        std::os::unix::net::UnixStream::connect(&p).unwrap();
-        std::fs::remove_dir_all(&d).unwrap();
-    }
-
-    unsafe extern "C" {
-        #[link_name = "umask"]
-        fn libc_umask(mask: u32) -> u32;
     }
 }

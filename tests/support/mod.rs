@@ -64,6 +64,27 @@ fn build_artifacts() -> Result<Artifacts, String> {
         cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
             .args(["build", "--quiet"])
             .args(args);
+        // What cargo set for this test process, not for builds: a build
+        // script that reruns when one of them changes (ring's watches
+        // OUT_DIR, CARGO_MANIFEST_DIR and CARGO_PKG_*) would otherwise be
+        // run again, and its dependents rebuilt, by every other build of
+        // the tree.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            let set_for_tests = [
+                "CARGO_MANIFEST_",
+                "CARGO_PKG_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
+                || ["CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"]
+                    .contains(&k.as_ref());
+            if set_for_tests {
+                cmd.env_remove(k.as_ref());
+            }
+        }
         if release {
             cmd.arg("--release");
         }
@@ -442,6 +463,23 @@ impl Broker {
         cmd
     }
 
+    /// The lease entries of its status.
+    pub fn leases(&self) -> Vec<serde_json::Value> {
+        self.status()["leases"].as_array().unwrap().clone()
+    }
+
+    /// Its status entry for process `pid`, on whichever GPU, once the
+    /// process has registered.
+    pub fn process(&self, pid: u32) -> Option<serde_json::Value> {
+        self.status()["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["processes"].as_array().unwrap().iter())
+            .find(|p| p["pid"] == pid)
+            .cloned()
+    }
+
     /// The first GPU's UUID as the wire carries it.
     pub fn first_gpu_uuid(&self) -> [u8; 16] {
         first_gpu_uuid_in(&self.status())
@@ -629,6 +667,18 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// A child killed if the test ends before it is taken.
+pub struct Reap(pub Option<std::process::Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -1017,4 +1067,86 @@ pub fn release(dir: &Path, name: &str, child: std::process::Child) {
     std::fs::write(dir.join(format!("{name}.stop")), "").unwrap();
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "job {name}: {}", stderr(&o));
+}
+
+/// An HTTP/2 RST_STREAM's PROTOCOL_ERROR code.
+pub const HTTP2_PROTOCOL_ERROR: u32 = 1;
+
+/// A gRPC call made by hand over HTTP/2 on a plugin's Unix socket (the
+/// device plugin's, the DRA plugin's), with the `:authority` a client
+/// chooses and an empty request message: the kubelet (since 1.26) and
+/// grpc-go send `localhost`; gRPC's C core (Python grpcio, and grpc-java,
+/// old grpcurl) send the socket's path, plain or percent-encoded. What it
+/// got on stream 1: `Ok(())` once the response headers and message came,
+/// or `Err(code)` of a RST_STREAM.
+pub fn grpc_call_with_authority(socket: &Path, authority: &str, path: &str) -> Result<(), u32> {
+    use std::io::{Read, Write};
+    const DATA: u8 = 0;
+    const HEADERS: u8 = 1;
+    const RST_STREAM: u8 = 3;
+    const SETTINGS: u8 = 4;
+    const GOAWAY: u8 = 7;
+    const END_STREAM: u8 = 1;
+    const END_HEADERS: u8 = 4;
+    const ACK: u8 = 1;
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let n = payload.len() as u32;
+        let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+    // HPACK "literal header field without indexing, new name", no
+    // Huffman coding: every header spelled out, nothing to decode.
+    let mut block = Vec::new();
+    for (name, value) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ] {
+        assert!(value.len() < 127, "a one-byte HPACK length: {value}");
+        block.push(0);
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(SETTINGS, 0, 0, &[]));
+    out.extend(frame(HEADERS, END_HEADERS, 1, &block));
+    // One gRPC message: uncompressed, empty (api.Empty).
+    out.extend(frame(DATA, END_STREAM, 1, &[0, 0, 0, 0, 0]));
+    s.write_all(&out).unwrap();
+    let (mut headers, mut message) = (false, false);
+    loop {
+        let mut h = [0u8; 9];
+        s.read_exact(&mut h)
+            .unwrap_or_else(|e| panic!("reading a frame from the plugin ({authority}): {e}"));
+        let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+        let (kind, flags) = (h[3], h[4]);
+        let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).unwrap();
+        match (kind, stream) {
+            (SETTINGS, 0) if flags & ACK == 0 => {
+                s.write_all(&frame(SETTINGS, ACK, 0, &[])).unwrap()
+            }
+            (RST_STREAM, 1) => {
+                return Err(u32::from_be_bytes(payload[..4].try_into().unwrap()));
+            }
+            (HEADERS, 1) => headers = true,
+            (DATA, 1) if !payload.is_empty() => message = true,
+            (GOAWAY, _) => panic!("the plugin closed the connection ({authority}): {payload:?}"),
+            _ => {}
+        }
+        if headers && message {
+            return Ok(());
+        }
+    }
 }
