@@ -13,7 +13,7 @@ use gpufrac_common::config::Priority;
 use tracing::Level;
 
 use crate::attack::{Attacker, Bounds, Strategy, Want};
-use crate::core::{GIB, MS, SEC, Setup, uuid};
+use crate::core::{GIB, MS, SEC, STATE_COALESCED, Setup, uuid};
 use crate::logs::{self, Line};
 use crate::node::{ATTACKER, Actor, Node, VICTIM};
 use crate::victim::{Part, Victim};
@@ -49,7 +49,9 @@ pub enum Invariant {
 
 /// Fairness: the least part of its fair share the victim keeps.
 pub const FAIR_KEPT: f64 = 0.8;
-/// Service: the longest answer, in virtual time and in broker work.
+/// Service: the longest answer, in virtual time and in broker work (an
+/// answer to a lease may wait besides for the state that books it to be
+/// written, `STATE_COALESCED`).
 pub const ANSWER_WITHIN: Nanos = 20 * MS;
 pub const ANSWER_WORK: Nanos = 10 * MS;
 /// Service: the longest an interactive `high` burst waits for its grant
@@ -341,8 +343,17 @@ fn service(r: &Run) -> (f64, String) {
     let end = r.node.clock.now;
     let end_work = r.node.clock.work;
     let (mut worst, mut worst_work, mut what) = (0, 0, "none");
+    let mut harm: f64 = 0.0;
     for a in r.victim.answers() {
         let (t, w) = a.wait(end, end_work);
+        let within = if a.what.starts_with("run") {
+            ANSWER_WITHIN + STATE_COALESCED
+        } else {
+            ANSWER_WITHIN
+        };
+        harm = harm
+            .max(t as f64 / within as f64)
+            .max(w as f64 / ANSWER_WORK as f64);
         if t > worst {
             worst = t;
             what = a.what;
@@ -358,10 +369,7 @@ fn service(r: &Run) -> (f64, String) {
         .max()
         .unwrap_or(0);
     let dropped = r.victim.record.dropped + r.victim.record.refused;
-    let harm = (worst as f64 / ANSWER_WITHIN as f64)
-        .max(worst_work as f64 / ANSWER_WORK as f64)
-        .max(grant as f64 / GRANT_WITHIN as f64)
-        + 10.0 * dropped as f64;
+    let harm = harm.max(grant as f64 / GRANT_WITHIN as f64) + 10.0 * dropped as f64;
     (
         harm,
         format!(

@@ -143,6 +143,11 @@ impl Default for Setup {
     }
 }
 
+/// State writes are coalesced to one every this long, and a lease is
+/// told to its run only once the state that books it is written: an
+/// answer to a lease may wait this long for others' churn.
+pub const STATE_COALESCED: Nanos = gpufrac_broker::proto::SAVE_EVERY;
+
 /// GPU `i`'s UUID (the same bytes as the core's own tests use).
 pub fn uuid(i: usize) -> [u8; 16] {
     [i as u8 + 1; 16]

@@ -200,11 +200,13 @@ fn calibrate() {
     let mut v = [0f64; 3];
     for s in &samples {
         let x = [1.0, s.work.allocs as f64, s.work.bytes as f64 / 1024.0];
-        for i in 0..3 {
-            for j in 0..3 {
-                m[i][j] += x[i] * x[j];
+        for (row, xi) in m.iter_mut().zip(x) {
+            for (cell, xj) in row.iter_mut().zip(x) {
+                *cell += xi * xj;
             }
-            v[i] += x[i] * s.real as f64;
+        }
+        for (vi, xi) in v.iter_mut().zip(x) {
+            *vi += xi * s.real as f64;
         }
     }
     let fit = solve(m, v);
@@ -249,13 +251,14 @@ fn solve(mut m: [[f64; 3]; 3], mut v: [f64; 3]) -> [f64; 3] {
         if m[i][i].abs() < 1e-12 {
             continue;
         }
-        for r in 0..3 {
+        let (pivot, pv) = (m[i], v[i]);
+        for (r, (row, vr)) in m.iter_mut().zip(v.iter_mut()).enumerate() {
             if r != i {
-                let f = m[r][i] / m[i][i];
-                for c in 0..3 {
-                    m[r][c] -= f * m[i][c];
+                let f = row[i] / pivot[i];
+                for (cell, p) in row.iter_mut().zip(pivot) {
+                    *cell -= f * p;
                 }
-                v[r] -= f * v[i];
+                *vr -= f * pv;
             }
         }
     }

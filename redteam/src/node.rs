@@ -547,3 +547,59 @@ impl Node {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn occupant(uid: u32, class: Priority) -> Occupant {
+        Occupant {
+            uid,
+            class,
+            claims: true,
+            wants: true,
+            holding: false,
+            drain_until: 0,
+        }
+    }
+
+    #[test]
+    fn two_users_split_the_gpu_and_low_gets_what_nobody_asks_for() {
+        use Priority::*;
+        assert_eq!(fair_part(Normal, None), 1.0);
+        assert_eq!(fair_part(Normal, Some(High)), 0.5);
+        assert_eq!(fair_part(High, Some(Normal)), 0.5);
+        assert_eq!(fair_part(Normal, Some(Low)), 1.0);
+        assert_eq!(fair_part(Low, Some(Normal)), 0.0);
+        assert_eq!(fair_part(Low, Some(Low)), 0.5);
+    }
+
+    /// The victim holds for 10 ms beside the attacker's queued work (2 ms
+    /// of it), then waits 10 ms while the attacker holds without
+    /// launching: the GPU is split while both run, idle while nobody's
+    /// work runs, and the victim's fair part is half while the attacker
+    /// asks.
+    #[test]
+    fn gpu_time_is_split_among_the_work_on_it() {
+        let ms = crate::core::MS;
+        let mut g = Gpu::default();
+        let mut v = occupant(VICTIM, Priority::Normal);
+        v.holding = true;
+        let mut a = occupant(ATTACKER, Priority::Normal);
+        a.drain_until = 2 * ms;
+        a.wants = false;
+        g.occ.insert(1, v);
+        g.occ.insert(2, a);
+        g.advance(10 * ms);
+        assert_eq!(g.time.victim, (ms + 8 * ms) as f64);
+        assert_eq!(g.time.attacker, ms as f64);
+        g.occ.get_mut(&1).unwrap().holding = false;
+        g.occ.get_mut(&2).unwrap().holding = true;
+        g.advance(20 * ms);
+        assert_eq!(g.time.victim_waiting, (10 * ms) as f64);
+        assert_eq!(g.time.idle_victim_waiting, (10 * ms) as f64);
+        assert_eq!(g.time.fair, (10 * ms) as f64);
+        assert_eq!(g.busy, 10 * ms);
+        assert_eq!(g.utilization(20 * ms), 50);
+    }
+}

@@ -43,13 +43,17 @@ pub struct Found {
     pub best_seed: Option<(&'static str, f64)>,
 }
 
+/// Hears of each new best: strategies played so far, the strategy, what
+/// came of it.
+pub type Progress<'a> = &'a mut dyn FnMut(usize, &Strategy, &Outcome);
+
 struct Searcher<'a> {
     inv: Invariant,
     bounds: Bounds,
     rng: ChaCha8Rng,
     cache: HashMap<Strategy, Outcome>,
     budget: usize,
-    log: Option<&'a mut dyn FnMut(usize, &Strategy, &Outcome)>,
+    log: Option<Progress<'a>>,
     best: Option<(Strategy, Outcome)>,
 }
 
@@ -93,7 +97,7 @@ pub struct Plan<'a> {
 /// Searches for the strategy that harms the victim most in the plan's
 /// scene, playing `budget` strategies, then at most a quarter as many
 /// again to make the best simpler. `log` hears of each new best.
-pub fn search(plan: &Plan<'_>, log: Option<&mut dyn FnMut(usize, &Strategy, &Outcome)>) -> Found {
+pub fn search(plan: &Plan<'_>, log: Option<Progress<'_>>) -> Found {
     let (inv, seed, budget, seeds) = (plan.invariant, plan.seed, plan.budget, plan.seeds);
     let stream = seed ^ (inv as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut s = Searcher {
