@@ -136,7 +136,7 @@ impl Bounds {
     pub const FULL: Bounds = Bounds {
         argv_kib: MAX_ARGV_KIB,
         name_kib: MAX_NAME_KIB,
-        work: 2 * crate::core::SEC,
+        work: 500 * MS,
     };
     pub const QUICK: Bounds = Bounds {
         argv_kib: 256,
@@ -154,6 +154,50 @@ impl Bounds {
             }
         }
         s
+    }
+}
+
+/// Which strategies a search may try: all of them, or only shims of some
+/// classes with short command lines and no made-up GPUs, to see whether
+/// it finds an attack within a narrower space by itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Space {
+    pub shims_only: bool,
+    /// The shims' classes allowed (all when empty).
+    pub classes: Vec<Priority>,
+}
+
+impl Space {
+    pub fn all() -> Space {
+        Space {
+            shims_only: false,
+            classes: Vec::new(),
+        }
+    }
+
+    /// `s` brought into the space: cohorts of other plays dropped, other
+    /// classes made the first allowed, large inputs made small; None if
+    /// nothing is left.
+    pub fn fit(&self, s: &Strategy) -> Option<Strategy> {
+        let mut out = Strategy::default();
+        for c in &s.cohorts {
+            let mut c = *c;
+            match &mut c.play {
+                Play::Shim { class, uuids, .. } => {
+                    if !self.classes.is_empty() && !self.classes.contains(class) {
+                        *class = self.classes[0];
+                    }
+                    if self.shims_only {
+                        *uuids = 0;
+                        c.argv = Argv::SHORT;
+                    }
+                }
+                _ if self.shims_only => continue,
+                _ => {}
+            }
+            out.cohorts.push(c);
+        }
+        (!out.cohorts.is_empty()).then_some(out)
     }
 }
 
@@ -919,15 +963,15 @@ impl Strategy {
         out.join("; ")
     }
 
-    /// Whether some cohort has several connections of one user taking
-    /// turns at the GPU (the rotation attack, however it was reached).
+    /// Whether some cohort has several connections of one user with work
+    /// coming back from idle at different times, taking turns at the GPU
+    /// (the rotation attack, however it was reached).
     pub fn rotates(&self) -> bool {
         self.cohorts.iter().any(|c| {
             matches!(c.play, Play::Shim { work: true, .. })
                 && c.members > 1
                 && c.duty < 100
                 && c.stagger > 0
-                && u64::from(c.duty) * u64::from(c.members) <= 200
         })
     }
 }

@@ -4,10 +4,11 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use gpufrac_redteam::attack::Space;
 use gpufrac_redteam::check::{Invariant, evaluate};
 use gpufrac_redteam::core::{self, NS_PER_ALLOC, NS_PER_CALL, NS_PER_KIB};
 use gpufrac_redteam::search::{Plan, search};
-use gpufrac_redteam::{Bounds, Strategy, seeds};
+use gpufrac_redteam::{Bounds, Priority, Strategy, seeds};
 
 #[derive(Parser)]
 #[command(
@@ -46,6 +47,13 @@ enum Task {
         /// labels) instead of the largest the protocol and /proc allow.
         #[arg(long)]
         quick: bool,
+        /// Only shims, with short command lines and no made-up GPUs.
+        #[arg(long)]
+        shims_only: bool,
+        /// Only shims of these classes (high, normal, low), others made
+        /// the first of them.
+        #[arg(long, value_delimiter = ',', value_parser = class)]
+        classes: Vec<Priority>,
     },
     /// The review's strategies, by name.
     Seeds,
@@ -68,6 +76,13 @@ enum Task {
     Calibrate,
 }
 
+fn class(s: &str) -> Result<Priority, String> {
+    Priority::ALL
+        .into_iter()
+        .find(|p| p.as_str() == s)
+        .ok_or_else(|| format!("no class {s:?}; the classes are high, normal, low"))
+}
+
 fn invariant(s: &str) -> Result<Invariant, String> {
     Invariant::parse(s).ok_or_else(|| {
         let names: Vec<&str> = Invariant::ALL.iter().map(|i| i.name()).collect();
@@ -87,6 +102,8 @@ fn main() -> ExitCode {
             without,
             no_seeds,
             quick,
+            shims_only,
+            classes,
         } => {
             let all = seeds();
             for name in &without {
@@ -116,6 +133,10 @@ fn main() -> ExitCode {
                     seed,
                     budget,
                     bounds: if quick { Bounds::QUICK } else { Bounds::FULL },
+                    space: Space {
+                        shims_only,
+                        classes: classes.clone(),
+                    },
                     seeds: &chosen,
                 };
                 let mut log = |n: usize, _: &Strategy, o: &gpufrac_redteam::Outcome| {

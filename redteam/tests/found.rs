@@ -1,7 +1,61 @@
-//! Strategies a search found, kept as regression tests: each as
-//! `redteam search` (or `cargo xtask redteam`) printed it, with the
-//! invariant it broke. Each plays once within the test suite's bounds
-//! (`Bounds::QUICK`). `GPUFRAC_REDTEAM_REPORT_ONLY=1` reports instead of
-//! failing.
+//! Strategies that broke an invariant, kept as regression tests: the
+//! review's own (issue 32), and those a search found, each as `redteam
+//! search` (or `cargo xtask redteam`) printed it. Each plays once within
+//! the test suite's bounds (`Bounds::QUICK`). `GPUFRAC_REDTEAM_REPORT_ONLY=1`
+//! reports instead of failing.
 
 use gpufrac_redteam::*;
+
+/// One of the review's strategies, by name.
+fn review(name: &str) -> Strategy {
+    seeds()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, s)| s)
+        .unwrap_or_else(|| panic!("no seed strategy named {name}"))
+}
+
+#[test]
+fn connections_taking_turns_get_one_users_part() {
+    holds(Invariant::Fairness, &review("rotation"));
+}
+
+#[test]
+fn high_and_normal_processes_get_one_users_part() {
+    holds(Invariant::Fairness, &review("high-and-normal"));
+}
+
+#[test]
+fn a_busy_high_process_does_not_hold_another_users_high_burst() {
+    holds(Invariant::Service, &review("high-and-normal"));
+}
+
+#[test]
+fn registrations_with_a_large_command_line_cost_bounded_work() {
+    holds(Invariant::Service, &review("big-argv-registers"));
+}
+
+#[test]
+fn a_holder_answering_recalls_by_asking_again_leaves_no_idle_gpu() {
+    holds(Invariant::Idle, &review("recall-pretending"));
+}
+
+#[test]
+fn one_users_refusals_hide_no_other_line() {
+    holds(Invariant::Logs, &review("refusal-a-second"));
+}
+
+#[test]
+fn a_command_line_forges_no_field() {
+    holds(Invariant::Logs, &review("forged-fields"));
+}
+
+#[test]
+fn made_up_gpus_are_forgotten_with_their_process() {
+    holds(Invariant::State, &review("uuid-flood"));
+}
+
+#[test]
+fn a_whole_gpus_memory_waits_behind_an_earlier_whole_gpu() {
+    holds(Invariant::Queue, &review("whole-memory-jumps-the-queue"));
+}

@@ -7,6 +7,7 @@
 //! a broken invariant instead of failing; `GPUFRAC_REDTEAM_SEED` searches
 //! from another seed.
 
+use gpufrac_redteam::attack::Space;
 use gpufrac_redteam::check::verdict;
 use gpufrac_redteam::search::{Plan, SEED, report};
 use gpufrac_redteam::{Bounds, Invariant, Strategy, evaluate, search, seeds};
@@ -30,6 +31,7 @@ fn searched(inv: Invariant) {
         seed,
         budget: BUDGET,
         bounds: Bounds::QUICK,
+        space: Space::all(),
         seeds: &seeds,
     };
     let found = search(&plan, None);
@@ -81,6 +83,7 @@ fn a_search_finds_the_same_on_every_run() {
         seed: 7,
         budget: 14,
         bounds: Bounds::QUICK,
+        space: Space::all(),
         seeds: &seeds[..2],
     };
     let a = search(&plan, None);

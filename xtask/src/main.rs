@@ -94,6 +94,12 @@ enum Task {
         /// The test suite's bounds on inputs and on the broker's work.
         #[arg(long)]
         quick: bool,
+        /// Only shims, with short command lines and no made-up GPUs.
+        #[arg(long)]
+        shims_only: bool,
+        /// Only shims of these classes (high, normal, low; comma-separated).
+        #[arg(long, value_name = "LIST")]
+        classes: Option<String>,
     },
 }
 
@@ -114,6 +120,8 @@ fn main() -> ExitCode {
             without,
             no_seeds,
             quick,
+            shims_only,
+            classes,
         } => {
             let mut args: Vec<String> = Vec::new();
             if let Some(s) = seed {
@@ -133,6 +141,12 @@ fn main() -> ExitCode {
             }
             if quick {
                 args.push("--quick".into());
+            }
+            if shims_only {
+                args.push("--shims-only".into());
+            }
+            if let Some(c) = classes {
+                args.extend(["--classes".into(), c]);
             }
             redteam(&args)
         }
