@@ -59,3 +59,82 @@ fn made_up_gpus_are_forgotten_with_their_process() {
 fn a_whole_gpus_memory_waits_behind_an_earlier_whole_gpu() {
     holds(Invariant::Queue, &review("whole-memory-jumps-the-queue"));
 }
+
+/// What `cargo xtask redteam --invariant fairness --without rotation
+/// --shims-only --classes normal --budget 300` found on the code before
+/// the round-4 fixes (a release build; its best played 0.92, simplified
+/// to 0.77): 35 connections of one process with work, each on half of
+/// an 833 ms period, staggered by a tenth (taking turns), beside holders
+/// that never answer a recall and holders without work, all coming back
+/// on new connections. The victim kept 23% of its fair part.
+#[test]
+fn connections_taking_turns_found_without_the_rotation_seed() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Ignore,
+                    uuids: 0,
+                },
+                members: 16,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 708,
+                duty: 50,
+                stagger: 0,
+                reconnect: true,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 32,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 1416,
+                duty: 50,
+                stagger: 0,
+                reconnect: true,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: true,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 35,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 833,
+                duty: 50,
+                stagger: 10,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Fairness, &s);
+}
