@@ -551,13 +551,22 @@ impl Attacker {
         self.timers.clear();
     }
 
-    fn timer(&mut self, io: &mut Io<'_>, t: Timer) {
+    /// Past its bounds, the attacker leaves: true then.
+    fn cut(&mut self, io: &mut Io<'_>) -> bool {
         if self.left {
-            return;
+            return true;
         }
         if io.work > self.work || self.record.frames > MAX_FRAMES {
             self.record.cut = true;
-            return self.leave(io, true);
+            self.leave(io, true);
+            return true;
+        }
+        false
+    }
+
+    fn timer(&mut self, io: &mut Io<'_>, t: Timer) {
+        if self.cut(io) {
+            return;
         }
         match t {
             Timer::On(m) => {
@@ -602,6 +611,9 @@ impl Actor for Attacker {
     }
 
     fn heard(&mut self, io: &mut Io<'_>, conn: ConnId, msg: ServerMsg) {
+        if self.cut(io) {
+            return;
+        }
         let Some(&m) = self.by_conn.get(&conn) else {
             return;
         };

@@ -291,6 +291,35 @@ pub fn holds(inv: Invariant, s: &Strategy) {
     verdict(&o, &format!(" against {}", s.describe()));
 }
 
+/// The victim's questions when `s` is played in `inv`'s scene: what,
+/// when asked and answered (ms from the start), and the broker's work
+/// meanwhile (ms).
+pub fn answers_of(
+    inv: Invariant,
+    s: &Strategy,
+    bounds: &Bounds,
+) -> Vec<(&'static str, f64, Option<f64>, f64)> {
+    let r = play(inv, s, bounds);
+    let start = r.node.start();
+    let ms = |t: Nanos| (t - start) as f64 / MS as f64;
+    let (end, end_work) = (r.node.clock.now, r.node.clock.work);
+    let mut out: Vec<_> = r
+        .victim
+        .answers()
+        .chain(&r.victim.record.grants)
+        .map(|a| {
+            (
+                a.what,
+                ms(a.asked),
+                a.answered.map(|(t, _)| ms(t)),
+                a.wait(end, end_work).1 as f64 / MS as f64,
+            )
+        })
+        .collect();
+    out.sort_by(|a, b| a.1.total_cmp(&b.1));
+    out
+}
+
 /// The broker's log when `s` is played in `inv`'s scene.
 pub fn log_of(inv: Invariant, s: &Strategy, bounds: &Bounds) -> Vec<Line> {
     play(inv, s, bounds).lines

@@ -126,6 +126,8 @@ struct Shim {
 struct Conn {
     pid: u32,
     shim: Option<Shim>,
+    /// A run: how long it holds its lease once answered.
+    hold: Option<Nanos>,
     /// Questions asked on it, answered in order.
     asked: VecDeque<Answer>,
 }
@@ -183,6 +185,7 @@ impl Victim {
             Conn {
                 pid,
                 shim: None,
+                hold: None,
                 asked: VecDeque::new(),
             },
         );
@@ -426,7 +429,9 @@ impl Victim {
                     ..LeaseReq::default()
                 };
                 self.ask(io, c, "run --no-wait", &ask.into());
-                self.at(io.now + hold, Timer::Close(c));
+                if let Some(conn) = self.conns.get_mut(&c) {
+                    conn.hold = Some(hold);
+                }
                 self.at(io.now + every, Timer::Run(every, hold, mem));
             }
             Timer::Register(i, k) => {
@@ -512,6 +517,16 @@ impl Actor for Victim {
                 }
             }
             m => {
+                // A run holds its lease for its time once answered (at
+                // once when refused), then ends.
+                if let Some(hold) = self.conns.get_mut(&c).and_then(|c| c.hold.take()) {
+                    let hold = if matches!(m, ServerMsg::Leased { .. }) {
+                        hold
+                    } else {
+                        0
+                    };
+                    self.at(io.now + hold, Timer::Close(c));
+                }
                 if let Some(a) = self.conns.get_mut(&c).and_then(|c| c.asked.pop_front()) {
                     if a.what == "register" && matches!(m, ServerMsg::Error { .. }) {
                         self.record.refused += 1;
