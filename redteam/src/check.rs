@@ -223,6 +223,8 @@ struct Run {
     victim: Victim,
     attacker: Attacker,
     lines: Vec<Line>,
+    /// From the start to where the run ended: the scene's horizon, or
+    /// later when the broker's last pass went past it.
     horizon: Nanos,
 }
 
@@ -245,11 +247,11 @@ fn play_in(scene: Scene, s: &Strategy, bounds: &Bounds) -> Run {
     });
     let (node, victim, attacker) = run;
     Run {
+        horizon: node.clock.now - node.start(),
         node,
         victim,
         attacker,
         lines,
-        horizon: scene.horizon,
     }
 }
 

@@ -70,6 +70,10 @@ enum Task {
         /// Print the broker's log too.
         #[arg(long)]
         log: bool,
+        /// Print the victim's questions too: when each was asked and
+        /// answered, and the broker's work meanwhile.
+        #[arg(long)]
+        answers: bool,
     },
     /// Fit the cost model: each call into the core, timed, against its
     /// allocations and their bytes (run it in a release build).
@@ -164,6 +168,7 @@ fn main() -> ExitCode {
             name,
             quick,
             log,
+            answers,
         } => {
             let mut chosen: Vec<_> = seeds()
                 .into_iter()
@@ -194,6 +199,17 @@ fn main() -> ExitCode {
                 if log {
                     for l in gpufrac_redteam::check::log_of(invariant, &s, &bounds) {
                         println!("  {}", l.text);
+                    }
+                }
+                if answers {
+                    for (what, asked, answered, work) in
+                        gpufrac_redteam::check::answers_of(invariant, &s, &bounds)
+                    {
+                        let answered =
+                            answered.map_or("never".to_owned(), |t| format!("at {t:.2} ms"));
+                        println!(
+                            "  {what} asked at {asked:.2} ms, answered {answered}, {work:.2} ms of the broker's work meanwhile"
+                        );
                     }
                 }
             }

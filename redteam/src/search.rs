@@ -35,8 +35,11 @@ const LAMBDA: usize = 8;
 /// What a search found.
 #[derive(Debug, Clone)]
 pub struct Found {
+    /// The most harmful strategy played, made simpler (`simplify`).
     pub strategy: Strategy,
     pub outcome: Outcome,
+    /// The most harmful strategy played, as it was.
+    pub best: (Strategy, Outcome),
     /// Strategies played.
     pub evaluations: usize,
     /// The seed strategy it descends from most (by name), if any.
@@ -185,13 +188,14 @@ pub fn search(plan: &Plan<'_>, log: Option<Progress<'_>>) -> Found {
     }
     // Simplifying what was found may play a quarter as many again.
     s.budget = s.spent() + (s.budget / 4).max(8);
-    let (best, _) = s.best.clone().expect("at least one strategy was played");
-    let simple = simplify(&mut s, best);
+    let best = s.best.clone().expect("at least one strategy was played");
+    let simple = simplify(&mut s, best.0.clone());
     let simple = s.fit(&simple);
     let outcome = s.cache[&simple].clone();
     Found {
         strategy: simple,
         outcome,
+        best,
         evaluations: s.spent(),
         best_seed,
     }
@@ -540,6 +544,15 @@ pub fn report(f: &Found, seed: u64) -> String {
         .best_seed
         .map(|(n, h)| format!("; the best seed strategy was {n} (harm {h:.3})"))
         .unwrap_or_default();
+    let simpler = if f.best.0 == f.strategy {
+        String::new()
+    } else {
+        format!(
+            " (made simpler from the most harmful played, harm {:.3}: {})",
+            f.best.1.harm,
+            f.best.0.describe()
+        )
+    };
     let rotation = if f.strategy.rotates() {
         " (connections of one user taking turns: a rotation)"
     } else {
@@ -547,7 +560,7 @@ pub fn report(f: &Found, seed: u64) -> String {
     };
     let code = f.strategy.to_rust().replace('\n', "\n    ");
     format!(
-        "{}: {verdict}, harm {:.3} against a threshold of {:.3}: {}\n  strategy: {}{rotation}\n  found in {} strategies played (seed {seed}){seeded}\n  regression test:\n\n#[test]\nfn {}_seed_{seed}() {{\n    let s = {code};\n    holds(Invariant::{:?}, &s);\n}}\n",
+        "{}: {verdict}, harm {:.3} against a threshold of {:.3}: {}\n  strategy: {}{rotation}{simpler}\n  found in {} strategies played (seed {seed}){seeded}\n  regression test:\n\n#[test]\nfn {}_seed_{seed}() {{\n    let s = {code};\n    holds(Invariant::{:?}, &s);\n}}\n",
         inv.name(),
         f.outcome.harm,
         inv.threshold(),
