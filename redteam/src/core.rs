@@ -1,6 +1,6 @@
 //! The one place that touches the broker: its core built with stand-ins
 //! (the host's processes, job tokens, GPUs), and the shell's event loop
-//! around it as `server.rs` runs it (accepts, each user's turn by
+//! around it as `broker/src/server.rs` runs it (accepts, each user's turn by
 //! `server::Turns`, timers, output, closes, state writes), over sockets
 //! the harness simulates. Everything above this file speaks to `Shell`
 //! only; when the core's API or the turn rule moves (the per-user turn
@@ -212,7 +212,7 @@ pub trait Driver {
     fn utilization(&mut self, now: Nanos) -> u32;
 }
 
-/// As `server.rs` samples the driver.
+/// As `broker/src/server.rs` samples the driver.
 const SAMPLE_EVERY: Nanos = 500 * MS;
 /// A state write (on the writer's thread): a write and an fsync.
 const STATE_WRITE: Nanos = MS;
