@@ -506,9 +506,6 @@ impl Attacker {
         }
         if c.reconnect || matches!(c.play, Play::Lease { .. }) {
             self.close(io, m);
-            if c.respawn {
-                self.process(io, m, true);
-            }
         }
     }
 

@@ -138,3 +138,208 @@ fn connections_taking_turns_found_without_the_rotation_seed() {
     };
     holds(Invariant::Fairness, &s);
 }
+
+/// Found by `cargo xtask redteam --budget 300` (seed 20261126) on the
+/// code before the round-4 fixes: 82 connections whose processes have 2.3
+/// to 4.6 MiB command lines of control bytes, asking for leases or
+/// registering, each read and escaped whole at its first message; the
+/// victim's status waited 3.6 s (141 ms within the test suite's bounds).
+#[test]
+fn large_command_lines_on_leases_and_registrations_stall_no_answer() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Lease {
+                    want: Want::Memory,
+                    queued: false,
+                },
+                members: 6,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 20,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 4608,
+                    text: Text::Controls,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Lease {
+                    want: Want::WholeMemory,
+                    queued: false,
+                },
+                members: 12,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 20,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 4608,
+                    text: Text::Controls,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 64,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 10,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 2304,
+                    text: Text::Controls,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Service, &s);
+}
+
+/// Found by the same search: 24 connections sending `Name` frames of
+/// 250 KiB of control bytes from processes with 4.6 MiB command lines,
+/// a tenth of every 2 s: the loop is busy escaping and the `low`
+/// victim's grants wait on an idle GPU (all of 2 s; 6.7% within the
+/// test suite's bounds).
+#[test]
+fn name_floods_leave_no_idle_gpu_while_a_low_victim_waits() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Name {
+                kib: 250,
+                frames: 16,
+            },
+            members: 24,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 2000,
+            duty: 10,
+            stagger: 0,
+            reconnect: false,
+            respawn: false,
+            argv: Argv {
+                kib: 4608,
+                text: Text::Controls,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Idle, &s);
+}
+
+/// Found by the same search: six connections of `high` processes whose
+/// command line is ` uid=0 pid=1 job=root`, coming back on new
+/// connections and taking turns: each registration is a line whose
+/// fields say uid 0 (78 lines in 2 s).
+#[test]
+fn command_lines_shaped_like_fields_forge_no_line() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Shim {
+                class: Priority::High,
+                work: true,
+                recall: Recall::Honest,
+                uuids: 0,
+            },
+            members: 6,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 320,
+            duty: 48,
+            stagger: 2,
+            reconnect: true,
+            respawn: false,
+            argv: Argv {
+                kib: 0,
+                text: Text::Fields,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Logs, &s);
+}
+
+/// Found by the same search: two `--gpu-memory` requests for a whole
+/// GPU's memory, asked after the victim's `--gpus 1`, both placed before
+/// it.
+#[test]
+fn whole_memory_requests_do_not_jump_an_earlier_whole_gpu() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Lease {
+                    want: Want::Memory,
+                    queued: false,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 414,
+                duty: 90,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Lease {
+                    want: Want::WholeMemory,
+                    queued: true,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 2000,
+                duty: 82,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Lease {
+                    want: Want::WholeMemory,
+                    queued: true,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 2000,
+                duty: 90,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Queue, &s);
+}
