@@ -13,11 +13,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use gpufrac_broker::proto::{ConnId, Nanos};
 use gpufrac_common::config::Priority;
 use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Pin, Role, ServerMsg};
 
-use crate::core::{GIB, MS, US, uuid};
+use crate::core::{ConnId, GIB, MS, Nanos, US, uuid};
 use crate::host::{Argv, Text};
 use crate::node::{ATTACKER, Actor, Io};
 

@@ -8,12 +8,11 @@
 
 use std::sync::OnceLock;
 
-use gpufrac_broker::proto::Nanos;
 use gpufrac_common::config::Priority;
 use tracing::Level;
 
 use crate::attack::{Attacker, Bounds, Strategy, Want};
-use crate::core::{GIB, MS, SEC, STATE_COALESCED, Setup, uuid};
+use crate::core::{GIB, MS, Nanos, SEC, STATE_COALESCED, Setup, uuid};
 use crate::logs::{self, Line};
 use crate::node::{ATTACKER, Actor, Node, VICTIM};
 use crate::victim::{Part, Victim};

@@ -19,7 +19,8 @@ use gpufrac_broker::authority::{Allow, Peer, Policy};
 use gpufrac_broker::inventory::GpuInfo;
 use gpufrac_broker::mig::Planner;
 use gpufrac_broker::procs::{GpuSample, Procs, Telemetry};
-use gpufrac_broker::proto::{Broker, Config, ConnId, MigDone, Nanos, Tokens, Work};
+use gpufrac_broker::proto::{Broker, Config, MigDone, Tokens, Work};
+pub use gpufrac_broker::proto::{ConnId, Nanos};
 use gpufrac_broker::server::{ACCEPTS_PER_TURN, READ_PER_TURN, Served, Turns};
 use gpufrac_broker::status::Status;
 

@@ -10,11 +10,10 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::rc::Rc;
 
-use gpufrac_broker::proto::{ConnId, Nanos};
 use gpufrac_common::config::Priority;
 use gpufrac_common::wire::{self, ClientMsg, ServerMsg};
 
-use crate::core::{Clock, Driver, Read, Setup, Shell, Sockets};
+use crate::core::{Clock, ConnId, Driver, Nanos, Read, Setup, Shell, Sockets};
 use crate::host::{Argv, Host};
 
 /// The victim user, and the attacker (`nobody`).

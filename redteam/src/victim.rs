@@ -10,11 +10,10 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use gpufrac_broker::proto::{ConnId, Nanos};
 use gpufrac_common::config::Priority;
 use gpufrac_common::wire::{ClientMsg, DeviceReg, LeaseReq, Pin, Role, ServerMsg};
 
-use crate::core::{GIB, US, uuid};
+use crate::core::{ConnId, GIB, Nanos, US, uuid};
 use crate::host::Argv;
 use crate::node::{Actor, Io, VICTIM};
 
