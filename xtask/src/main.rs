@@ -9,7 +9,10 @@
 //! - `wheel`: the Python package, the tarball's binaries in a manylinux
 //!   wheel (wheel.rs);
 //! - `plots`: the benchmarks' figures as SVG under docs/plots/, from the
-//!   JSON the bench writes (plots.rs).
+//!   JSON the bench writes (plots.rs);
+//! - `redteam`: the searching attacker's longer searches (redteam/, a
+//!   release build), each invariant's most harmful strategy printed with
+//!   its harm and as a regression test.
 
 use std::ffi::OsString;
 use std::fs;
@@ -79,6 +82,39 @@ enum Task {
         #[arg(long, value_name = "DIR")]
         out_dir: Option<PathBuf>,
     },
+    /// Search for a hostile user's most harmful strategy against each of
+    /// the broker's invariants (redteam/, in a release build): longer
+    /// than the test suite's search, with the largest inputs. Prints each
+    /// invariant's best strategy with its harm, in words and as a
+    /// regression test to paste into redteam/tests/found.rs.
+    Redteam {
+        /// The search's seed [default: the test suite's, 20261126].
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Strategies played per invariant [default: 400].
+        #[arg(long)]
+        budget: Option<usize>,
+        /// Only this invariant (fairness, service, idle, logs, state,
+        /// queue); may be given more than once [default: all].
+        #[arg(long = "invariant", value_name = "NAME")]
+        invariants: Vec<String>,
+        /// Leave this one of the review's strategies out of the seeds
+        /// (rotation, high-and-normal, ...); may be given more than once.
+        #[arg(long, value_name = "NAME")]
+        without: Vec<String>,
+        /// Start from random strategies only.
+        #[arg(long)]
+        no_seeds: bool,
+        /// The test suite's bounds on inputs and on the broker's work.
+        #[arg(long)]
+        quick: bool,
+        /// Only shims, with short command lines and no made-up GPUs.
+        #[arg(long)]
+        shims_only: bool,
+        /// Only shims of these classes (high, normal, low; comma-separated).
+        #[arg(long, value_name = "LIST")]
+        classes: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -92,6 +128,43 @@ fn main() -> ExitCode {
         Task::Wheel { out_dir } => wheel::wheel(out_dir),
         Task::MsrvCheck => msrv_check(),
         Task::Plots { json, out_dir } => draw_plots(json, out_dir),
+        Task::Redteam {
+            seed,
+            budget,
+            invariants,
+            without,
+            no_seeds,
+            quick,
+            shims_only,
+            classes,
+        } => {
+            let mut args: Vec<String> = Vec::new();
+            if let Some(s) = seed {
+                args.extend(["--seed".into(), s.to_string()]);
+            }
+            if let Some(b) = budget {
+                args.extend(["--budget".into(), b.to_string()]);
+            }
+            for i in invariants {
+                args.extend(["--invariant".into(), i]);
+            }
+            for w in without {
+                args.extend(["--without".into(), w]);
+            }
+            if no_seeds {
+                args.push("--no-seeds".into());
+            }
+            if quick {
+                args.push("--quick".into());
+            }
+            if shims_only {
+                args.push("--shims-only".into());
+            }
+            if let Some(c) = classes {
+                args.extend(["--classes".into(), c]);
+            }
+            redteam(&args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -458,6 +531,24 @@ fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
     let minor = it.next().unwrap_or(Some(0))?;
     let patch = it.next().unwrap_or(Some(0))?;
     it.next().is_none().then_some((major, minor, patch))
+}
+
+/// `redteam search` in a release build: the broker's core runs there as
+/// it does in the release, ten times faster than in a debug build.
+fn redteam(args: &[String]) -> Result<(), String> {
+    let ws = workspace()?;
+    run(cargo()
+        .current_dir(&ws.root)
+        .args([
+            "run",
+            "--release",
+            "--quiet",
+            "-p",
+            "gpufrac-redteam",
+            "--",
+            "search",
+        ])
+        .args(args))
 }
 
 /// Every package locked for this target (dependencies of every workspace

@@ -1,0 +1,345 @@
+//! Strategies that broke an invariant, kept as regression tests: the
+//! review's own (issue 32), and those a search found, each as `redteam
+//! search` (or `cargo xtask redteam`) printed it. Each plays once within
+//! the test suite's bounds (`Bounds::QUICK`). `GPUFRAC_REDTEAM_REPORT_ONLY=1`
+//! reports instead of failing.
+
+use gpufrac_redteam::*;
+
+/// One of the review's strategies, by name.
+fn review(name: &str) -> Strategy {
+    seeds()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, s)| s)
+        .unwrap_or_else(|| panic!("no seed strategy named {name}"))
+}
+
+#[test]
+fn connections_taking_turns_get_one_users_part() {
+    holds(Invariant::Fairness, &review("rotation"));
+}
+
+#[test]
+fn high_and_normal_processes_get_one_users_part() {
+    holds(Invariant::Fairness, &review("high-and-normal"));
+}
+
+#[test]
+fn a_busy_high_process_does_not_hold_another_users_high_burst() {
+    holds(Invariant::Service, &review("high-and-normal"));
+}
+
+#[test]
+fn registrations_with_a_large_command_line_cost_bounded_work() {
+    holds(Invariant::Service, &review("big-argv-registers"));
+}
+
+#[test]
+fn a_holder_answering_recalls_by_asking_again_leaves_no_idle_gpu() {
+    holds(Invariant::Idle, &review("recall-pretending"));
+}
+
+#[test]
+fn one_users_refusals_hide_no_other_line() {
+    holds(Invariant::Logs, &review("refusal-a-second"));
+}
+
+#[test]
+fn a_command_line_forges_no_field() {
+    holds(Invariant::Logs, &review("forged-fields"));
+}
+
+#[test]
+fn made_up_gpus_are_forgotten_with_their_process() {
+    holds(Invariant::State, &review("uuid-flood"));
+}
+
+#[test]
+fn a_whole_gpus_memory_waits_behind_an_earlier_whole_gpu() {
+    holds(Invariant::Queue, &review("whole-memory-jumps-the-queue"));
+}
+
+/// What `cargo xtask redteam --invariant fairness --without rotation
+/// --shims-only --classes normal --budget 300` found on the code before
+/// the round-4 fixes (a release build; its best played 0.92, simplified
+/// to 0.77): 35 connections of one process with work, each on half of
+/// an 833 ms period, staggered by a tenth (taking turns), beside holders
+/// that never answer a recall and holders without work, all coming back
+/// on new connections. The victim kept 23% of its fair part.
+#[test]
+fn connections_taking_turns_found_without_the_rotation_seed() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Ignore,
+                    uuids: 0,
+                },
+                members: 16,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 708,
+                duty: 50,
+                stagger: 0,
+                reconnect: true,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 32,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 1416,
+                duty: 50,
+                stagger: 0,
+                reconnect: true,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: true,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 35,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 833,
+                duty: 50,
+                stagger: 10,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Fairness, &s);
+}
+
+/// Found by `cargo xtask redteam --budget 300` (seed 20261126) on the
+/// code before the round-4 fixes: 82 connections whose processes have 2.3
+/// to 4.6 MiB command lines of control bytes, asking for leases or
+/// registering, each read and escaped whole at its first message; the
+/// victim's status waited 3.6 s (141 ms within the test suite's bounds).
+#[test]
+fn large_command_lines_on_leases_and_registrations_stall_no_answer() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Lease {
+                    want: Want::Memory,
+                    queued: false,
+                },
+                members: 6,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 20,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 4608,
+                    text: Text::Controls,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Lease {
+                    want: Want::WholeMemory,
+                    queued: false,
+                },
+                members: 12,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 20,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 4608,
+                    text: Text::Controls,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 64,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 10,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 2304,
+                    text: Text::Controls,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Service, &s);
+}
+
+/// Found by the same search: 24 connections sending `Name` frames of
+/// 250 KiB of control bytes from processes with 4.6 MiB command lines,
+/// a tenth of every 2 s: the loop is busy escaping and the `low`
+/// victim's grants wait on an idle GPU (all of 2 s; 6.7% within the
+/// test suite's bounds).
+#[test]
+fn name_floods_leave_no_idle_gpu_while_a_low_victim_waits() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Name {
+                kib: 250,
+                frames: 16,
+            },
+            members: 24,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 2000,
+            duty: 10,
+            stagger: 0,
+            reconnect: false,
+            respawn: false,
+            argv: Argv {
+                kib: 4608,
+                text: Text::Controls,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Idle, &s);
+}
+
+/// Found by the same search: six connections of `high` processes whose
+/// command line is ` uid=0 pid=1 job=root`, coming back on new
+/// connections and taking turns: each registration is a line whose
+/// fields say uid 0 (78 lines in 2 s).
+#[test]
+fn command_lines_shaped_like_fields_forge_no_line() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Shim {
+                class: Priority::High,
+                work: true,
+                recall: Recall::Honest,
+                uuids: 0,
+            },
+            members: 6,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 320,
+            duty: 48,
+            stagger: 2,
+            reconnect: true,
+            respawn: false,
+            argv: Argv {
+                kib: 0,
+                text: Text::Fields,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Logs, &s);
+}
+
+/// Found by the same search: two `--gpu-memory` requests for a whole
+/// GPU's memory, asked after the victim's `--gpus 1`, both placed before
+/// it.
+#[test]
+fn whole_memory_requests_do_not_jump_an_earlier_whole_gpu() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Lease {
+                    want: Want::Memory,
+                    queued: false,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 414,
+                duty: 90,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Lease {
+                    want: Want::WholeMemory,
+                    queued: true,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 2000,
+                duty: 82,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Lease {
+                    want: Want::WholeMemory,
+                    queued: true,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 2000,
+                duty: 90,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Queue, &s);
+}
