@@ -49,10 +49,6 @@ impl Procs for FakeProcs {
     fn parent(&self, pid: u32) -> Option<u32> {
         self.0.borrow().get(&pid).map(|p| p.0)
     }
-
-    fn cmdline(&self, pid: u32) -> String {
-        format!("proc-{pid}")
-    }
 }
 
 struct T {
@@ -61,7 +57,8 @@ struct T {
     procs: Table,
     next: ConnId,
     pids: u32,
-    /// Bytes a client sent that the shell has not read yet.
+    /// Bytes a client sent that the shell has not read yet: what the
+    /// core's reads get, when it serves the connection.
     unread: HashMap<ConnId, Vec<u8>>,
 }
 
@@ -204,27 +201,15 @@ impl T {
         out
     }
 
-    /// What the shell does: reads what overdue connections still hold in
-    /// their sockets and lets the core decide, serves connections with
-    /// frames left (a turn each, round and round), writes the state,
-    /// closes dead connections.
+    /// What the shell does: runs the core's turns while it is busy (its
+    /// reads get what `unread` holds), writes the state, closes dead
+    /// connections.
     fn turn(&mut self) {
-        for id in self.b.take_overdue() {
-            if let Some(bytes) = self.unread.remove(&id) {
-                self.b.input(self.now, id, &bytes);
-            }
-            self.b.expire(self.now, id);
-        }
         loop {
-            let mut ids = self.b.take_unblocked();
-            ids.extend(self.b.conns.keys().filter(|&&id| self.b.has_frames(id)));
-            ids.sort_unstable();
-            ids.dedup();
-            if ids.is_empty() {
+            let unread = &mut self.unread;
+            self.b.turn(self.now, |id, buf| read_from(unread, id, buf));
+            if !self.b.busy() {
                 break;
-            }
-            for id in ids {
-                self.b.serve(self.now, id);
             }
         }
         while let Some((seq, _)) = self.b.take_state(self.now) {
@@ -268,6 +253,19 @@ impl T {
 
     fn status(&self) -> crate::status::Status {
         self.b.status(self.now)
+    }
+}
+
+/// A read of `id`'s socket, whose unread bytes `unread` holds.
+fn read_from(unread: &mut HashMap<ConnId, Vec<u8>>, id: ConnId, buf: &mut [u8]) -> Read {
+    match unread.get_mut(&id) {
+        Some(bytes) if !bytes.is_empty() => {
+            let n = bytes.len().min(buf.len());
+            buf[..n].copy_from_slice(&bytes[..n]);
+            bytes.drain(..n);
+            Read::Bytes(n)
+        }
+        _ => Read::WouldBlock,
     }
 }
 
