@@ -144,7 +144,7 @@ impl Broker {
                             pid = job.pid,
                             uid = job.uid,
                             command = %Quoted(&job.label),
-                            wants = %job.want.as_ref().map(describe).unwrap_or_default(),
+                            wants = ?job.want.as_ref().map(describe).unwrap_or_default(),
                             "lease queued"
                         );
                     }
@@ -521,9 +521,9 @@ impl Broker {
                     pid = j.pid,
                     uid = j.uid,
                     command = %Quoted(&j.label),
-                    held_s = held.map(|h| format!("{:.1}", h as f64 / 1e9)).unwrap_or_else(|| "-".into()),
-                    gpu_s = format!("{:.2}", (e.gpu_ns + gpu_ns) as f64 / 1e9),
-                    peak = %format_size(e.peak),
+                    held_s = %held.map(|h| format!("{:.1}", h as f64 / 1e9)).unwrap_or_else(|| "-".into()),
+                    gpu_s = %format!("{:.2}", (e.gpu_ns + gpu_ns) as f64 / 1e9),
+                    peak = ?format_size(e.peak),
                     "lease ended"
                 );
             }
@@ -587,9 +587,9 @@ impl Broker {
                     pid,
                     uid,
                     gpus = ?lease.gpus,
-                    mem_cap = %lease.mem_cap.map(format_size).unwrap_or_else(|| "-".into()),
+                    mem_cap = ?lease.mem_cap.map(format_size).unwrap_or_else(|| "-".into()),
                     mig = %mig.as_deref().unwrap_or("-"),
-                    waited_s = format!("{:.1}", waited as f64 / 1e9),
+                    waited_s = %format!("{:.1}", waited as f64 / 1e9),
                     "lease placed"
                 );
             }

@@ -10,12 +10,14 @@ mod deadlines;
 mod dirty_sets;
 mod fairness;
 mod identity;
+mod logs;
 mod messages;
 mod mig_instances;
 mod restarts;
 mod roles;
 mod service_props;
 mod telemetry;
+mod work;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -39,15 +41,24 @@ const PLUGIN: u32 = 990;
 /// pid -> (parent, start time).
 type Table = Rc<RefCell<HashMap<u32, (u32, u64)>>>;
 
-struct FakeProcs(Table);
+/// The stand-in for /proc, and how many of its files the core read.
+struct FakeProcs(Table, Rc<std::cell::Cell<u64>>);
 
 impl Procs for FakeProcs {
     fn start_time(&self, pid: u32) -> Option<u64> {
+        self.1.set(self.1.get() + 1);
         self.0.borrow().get(&pid).map(|p| p.1)
     }
 
     fn parent(&self, pid: u32) -> Option<u32> {
+        self.1.set(self.1.get() + 1);
         self.0.borrow().get(&pid).map(|p| p.0)
+    }
+
+    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+        self.1.set(self.1.get() + 1);
+        let p = self.0.borrow().get(&pid).copied();
+        (p.map(|p| p.0), p.map(|p| p.1))
     }
 }
 
@@ -55,6 +66,8 @@ struct T {
     b: Broker,
     now: Nanos,
     procs: Table,
+    /// Files of the stand-in /proc read so far.
+    proc_reads: Rc<std::cell::Cell<u64>>,
     next: ConnId,
     pids: u32,
     /// Bytes a client sent that the shell has not read yet: what the
@@ -104,6 +117,22 @@ impl T {
     }
 
     fn build(cfg: Config, gpus: &[u64], planner: crate::mig::Planner, tokens: Tokens) -> T {
+        T::build_on(cfg, gpus, planner, tokens, true)
+    }
+
+    /// A broker that found no GPU (no driver): it arbitrates the GPUs its
+    /// clients name.
+    fn driverless(cfg: Config) -> T {
+        T::build_on(cfg, &[], crate::mig::Planner::default(), tokens(), false)
+    }
+
+    fn build_on(
+        cfg: Config,
+        gpus: &[u64],
+        planner: crate::mig::Planner,
+        tokens: Tokens,
+        discovered: bool,
+    ) -> T {
         let procs: Table = Rc::default();
         let gpus = gpus
             .iter()
@@ -115,12 +144,13 @@ impl T {
                 total_mem,
             })
             .collect();
+        let reads = Rc::new(std::cell::Cell::new(0));
         let b = Broker::new(
             cfg,
             gpus,
             planner,
-            true,
-            Box::new(FakeProcs(procs.clone())),
+            discovered,
+            Box::new(FakeProcs(procs.clone(), reads.clone())),
             tokens,
             SEC,
         );
@@ -128,6 +158,7 @@ impl T {
             b,
             now: SEC,
             procs,
+            proc_reads: reads,
             next: 10,
             pids: 100,
             unread: HashMap::new(),
