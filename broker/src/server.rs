@@ -33,7 +33,9 @@ use tracing::{debug, info, warn};
 use crate::mig::Step;
 use crate::mig_nvml::MigDriver;
 use crate::procs::{Sampler, Telemetry};
-use crate::proto::{Broker, ConnId, MigDone, Nanos, RateLimit, Read as Got, WARN_EVERY, Work};
+use crate::proto::{
+    Broker, ConnId, MigDone, Nanos, RateLimit, Read as Got, Sockets, WARN_EVERY, Work,
+};
 use crate::statefile::StateFile;
 
 const LISTENER: Token = Token(0);
@@ -202,6 +204,30 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     let _ = saver_thread.join();
     StateFile::new(state_path).remove();
     result
+}
+
+/// The clients' sockets and the clock, as the core's turn asks for them.
+struct Live<'a>(&'a mut HashMap<Token, Client>);
+
+impl Sockets for Live<'_> {
+    fn now(&mut self) -> Nanos {
+        now()
+    }
+
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Got {
+        let Some(c) = self.0.get_mut(&Token(id as usize)) else {
+            return Got::Closed;
+        };
+        loop {
+            return match c.stream.read(buf) {
+                Ok(0) => Got::Closed,
+                Ok(n) => Got::Bytes(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Got::WouldBlock,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => Got::Closed,
+            };
+        }
+    }
 }
 
 /// A state snapshot to write: its number and its bytes.
@@ -456,21 +482,7 @@ impl Loop {
         if self.backlog {
             self.backlog = self.accept();
         }
-        let clients = &mut self.clients;
-        self.core.turn(now(), |id, buf| {
-            let Some(c) = clients.get_mut(&Token(id as usize)) else {
-                return Got::Closed;
-            };
-            loop {
-                return match c.stream.read(buf) {
-                    Ok(0) => Got::Closed,
-                    Ok(n) => Got::Bytes(n),
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => Got::WouldBlock,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                    Err(_) => Got::Closed,
-                };
-            }
-        });
+        self.core.turn(&mut Live(&mut self.clients));
     }
 
     /// Accepts up to `ACCEPTS_PER_TURN` connections; true if the backlog

@@ -50,7 +50,7 @@ use gpufrac_common::wire::uuid_string;
 use conn::{Bucket, Conn, Held};
 pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, Quoted, clip, clip_counted};
 pub use turns::{
-    Cost, FRAME_WORK, MIN_READ, PROC_READ_WORK, READ_CHUNK, Read, WALK_WORK, WORK_PER_TURN,
+    Cost, FRAME_WORK, MIN_READ, PROC_READ_WORK, READ_CHUNK, Read, Sockets, WALK_WORK, WORK_PER_TURN,
 };
 use turns::{Served, Turns};
 
@@ -543,28 +543,22 @@ impl Broker {
     /// One turn (`turns`): each user with a ready connection has its
     /// connections served, within the user's part of the turn in work. A
     /// connection served handles the frames it has left, or else has its
-    /// socket read through `read` (into the buffer given; `READ_CHUNK` at a
+    /// socket read through `io` (into the buffer given; `READ_CHUNK` at a
     /// time, at most `READ_PER_TURN` a serve and no more than its user's
-    /// part has left) and what arrived handled. A connection past a
-    /// deadline is read the same way before it is closed: a deadline is
-    /// the client's, not the time the broker took to read what the client
-    /// had already sent.
-    pub fn turn(&mut self, now: Nanos, mut read: impl FnMut(ConnId, &mut [u8]) -> Read) {
-        let now = self.clock(now);
+    /// part has left) and what arrived handled, at the time `io` says
+    /// then. A connection past a deadline is read the same way before it
+    /// is closed: a deadline is the client's, not the time the broker took
+    /// to read what the client had already sent.
+    pub fn turn(&mut self, io: &mut impl Sockets) {
         let mut turns = std::mem::take(&mut self.turns);
-        turns.run(|id, left| self.serve_within(now, id, left, &mut read));
+        turns.run(|id, left| self.serve_within(io, id, left));
         let later = std::mem::replace(&mut self.turns, turns);
         self.turns.absorb(later);
     }
 
     /// Serves `id` once, within `left` units of work.
-    fn serve_within(
-        &mut self,
-        now: Nanos,
-        id: ConnId,
-        left: u64,
-        read: &mut impl FnMut(ConnId, &mut [u8]) -> Read,
-    ) -> Served {
+    fn serve_within(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) -> Served {
+        let now = self.clock(io.now());
         let start = self.cost.units();
         self.serve_until = start.saturating_add(left);
         if self.has_frames(id)
@@ -576,8 +570,9 @@ impl Broker {
             self.frames(now, id);
             self.pump(now);
         } else {
-            self.read_from(now, id, left, read);
+            self.read_from(io, id, left);
         }
+        let now = self.clock(io.now());
         self.settle_overdue(now, id);
         Served {
             work: self.cost.units() - start,
@@ -593,13 +588,7 @@ impl Broker {
     /// Reads `id`'s socket through the shell's `read`, handling what
     /// arrives, until the socket is drained, the connection stops taking
     /// input (frames left for its next turn) or its part is read.
-    fn read_from(
-        &mut self,
-        now: Nanos,
-        id: ConnId,
-        left: u64,
-        read: &mut impl FnMut(ConnId, &mut [u8]) -> Read,
-    ) {
+    fn read_from(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) {
         let mut buf = std::mem::take(&mut self.readbuf);
         buf.resize(READ_CHUNK, 0);
         let mut room = usize::try_from(left)
@@ -607,10 +596,11 @@ impl Broker {
             .clamp(MIN_READ, READ_PER_TURN);
         while room > 0 && self.socket_has_more(id) {
             let want = room.min(buf.len());
-            match read(id, &mut buf[..want]) {
+            match io.read(id, &mut buf[..want]) {
                 Read::Bytes(n) if n > 0 => {
                     let n = n.min(want);
                     room -= n;
+                    let now = self.clock(io.now());
                     self.take_in(now, id, &buf[..n]);
                 }
                 Read::WouldBlock => {

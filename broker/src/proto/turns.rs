@@ -18,7 +18,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::ConnId;
+use super::{ConnId, Nanos};
 
 /// What a frame costs besides its bytes: decoding its header, dispatch, a
 /// scheduler or queue step. About as much as copying 1 KiB, so that a
@@ -85,7 +85,17 @@ impl Cost {
     }
 }
 
-/// What the shell's read of a socket gave (`Broker::turn`).
+/// What the core asks of the shell during a turn (`Broker::turn`).
+pub trait Sockets {
+    /// The time now. Asked at each serve: a turn can take milliseconds,
+    /// and a grant made at the turn's start time would be dated in the
+    /// past (its slice cut short by the time the turn took).
+    fn now(&mut self) -> Nanos;
+    /// Reads what connection `id`'s socket holds into `buf`.
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read;
+}
+
+/// What the shell's read of a socket gave (`Sockets::read`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Read {
     /// This many bytes, at the start of the buffer.

@@ -237,8 +237,10 @@ impl T {
     /// connections.
     fn turn(&mut self) {
         loop {
-            let unread = &mut self.unread;
-            self.b.turn(self.now, |id, buf| read_from(unread, id, buf));
+            self.b.turn(&mut Virtual {
+                now: self.now,
+                unread: &mut self.unread,
+            });
             if !self.b.busy() {
                 break;
             }
@@ -287,16 +289,28 @@ impl T {
     }
 }
 
-/// A read of `id`'s socket, whose unread bytes `unread` holds.
-fn read_from(unread: &mut HashMap<ConnId, Vec<u8>>, id: ConnId, buf: &mut [u8]) -> Read {
-    match unread.get_mut(&id) {
-        Some(bytes) if !bytes.is_empty() => {
-            let n = bytes.len().min(buf.len());
-            buf[..n].copy_from_slice(&bytes[..n]);
-            bytes.drain(..n);
-            Read::Bytes(n)
+/// Sockets in virtual time: each connection's unread bytes, and a clock
+/// that stands still for the turn.
+struct Virtual<'a> {
+    now: Nanos,
+    unread: &'a mut HashMap<ConnId, Vec<u8>>,
+}
+
+impl Sockets for Virtual<'_> {
+    fn now(&mut self) -> Nanos {
+        self.now
+    }
+
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read {
+        match self.unread.get_mut(&id) {
+            Some(bytes) if !bytes.is_empty() => {
+                let n = bytes.len().min(buf.len());
+                buf[..n].copy_from_slice(&bytes[..n]);
+                bytes.drain(..n);
+                Read::Bytes(n)
+            }
+            _ => Read::WouldBlock,
         }
-        _ => Read::WouldBlock,
     }
 }
 

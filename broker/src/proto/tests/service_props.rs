@@ -146,8 +146,10 @@ impl World {
             }
         }
         let before = self.t.b.cost().units();
-        let sockets = &mut self.sockets;
-        self.t.b.turn(now, |id, buf| read_from(sockets, id, buf));
+        self.t.b.turn(&mut Virtual {
+            now,
+            unread: &mut self.sockets,
+        });
         let work = self.t.b.cost().units() - before;
         if self.t.b.next_timeout().is_some_and(|x| x <= now) {
             self.t.b.handle_timeout(now);

@@ -270,8 +270,10 @@ fn costly_frames_take_a_users_part_of_a_turn_each() {
         wire::encode_client(&ClientMsg::Ping, &mut ping);
         t.unread.entry(v).or_default().extend(ping);
         t.b.readable(v);
-        let unread = &mut t.unread;
-        t.b.turn(t.now, |id, buf| read_from(unread, id, buf));
+        t.b.turn(&mut Virtual {
+            now: t.now,
+            unread: &mut t.unread,
+        });
         assert_eq!(
             t.recv(v),
             [ServerMsg::Pong],
