@@ -89,6 +89,10 @@ pub(super) struct Conn {
     /// Past a deadline (no hello, half a frame): closed at its next serve
     /// if, with what its socket holds read, it still is.
     pub overdue: bool,
+    /// The broker revoked a grant of its process and awaits the answer
+    /// (its GPU is kept for it only for a moment): when its socket is
+    /// readable, it is served ahead of the round.
+    pub awaited: bool,
     pub dead: bool,
 }
 
@@ -164,6 +168,7 @@ impl Conn {
             more: false,
             readable: true,
             overdue: false,
+            awaited: false,
             dead: false,
         }
     }

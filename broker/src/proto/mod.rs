@@ -529,7 +529,11 @@ impl Broker {
             && !c.dead
         {
             c.readable = true;
-            self.turns.push(id, c.peer.uid);
+            if c.awaited {
+                self.turns.push_answer(id, c.peer.uid);
+            } else {
+                self.turns.push(id, c.peer.uid);
+            }
         }
     }
 
@@ -559,6 +563,9 @@ impl Broker {
     /// Serves `id` once, within `left` units of work.
     fn serve_within(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) -> Served {
         let now = self.clock(io.now());
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.awaited = false;
+        }
         let start = self.cost.units();
         self.serve_until = start.saturating_add(left);
         if self.has_frames(id)
@@ -1102,7 +1109,10 @@ impl Broker {
                         },
                     ),
                     Action::Revoke { client, grant } => {
-                        self.send(client, &ServerMsg::Revoke { uuid, grant })
+                        self.send(client, &ServerMsg::Revoke { uuid, grant });
+                        if let Some(c) = self.conns.get_mut(&client) {
+                            c.awaited = true;
+                        }
                     }
                 }
             }

@@ -283,7 +283,8 @@ fn costly_frames_take_a_users_part_of_a_turn_each() {
         let handled = t.b.frames_handled() - frames;
         assert!(handled <= 3, "{handled} frames handled in one turn");
         turns += 1;
-        assert!(turns < 100);
+        assert!(turns < 1000);
     }
-    assert!(turns >= 15, "{turns} turns for 30 costly frames");
+    // Each frame read a user's part at a time: several turns each.
+    assert!(turns >= 30, "{turns} turns for 30 costly frames");
 }
