@@ -68,6 +68,10 @@ pub struct Shell {
     pub listener: UnixListener,
     pub socket: PathBuf,
     pub state: StateFile,
+    /// The private directory the broker made at start: removed at a clean
+    /// stop when nothing is left in it (one a test suite's brokers made
+    /// and left behind, by the dozen, under /run/gpufrac/state).
+    pub made_dir: Option<PathBuf>,
     pub metrics: Option<Arc<Mutex<String>>>,
     pub mps: Option<crate::mps::Mps>,
     pub mig_driver: Option<Box<dyn MigDriver + Send>>,
@@ -150,6 +154,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         mut listener,
         socket,
         state,
+        made_dir,
         metrics,
         mps,
         mig_driver,
@@ -203,6 +208,11 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     drop(l.saver.take());
     let _ = saver_thread.join();
     StateFile::new(state_path).remove();
+    if let Some(d) = made_dir {
+        // rmdir: only an empty directory goes (MPS's log stays, and the
+        // directory with it), and a link in its place is never followed.
+        let _ = std::fs::remove_dir(d);
+    }
     result
 }
 
