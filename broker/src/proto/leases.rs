@@ -493,19 +493,13 @@ impl Broker {
         }
         // What its processes still in it used of the GPUs, asked of the
         // schedulers before they leave it.
-        let gpu_ns: u64 = self
-            .jobs
-            .members(&token)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|t| {
-                let gpus = self
-                    .conns
-                    .get(&t)
-                    .map_or(Vec::new(), |c| c.devices().iter().map(|d| d.gpu).collect());
-                self.gpu_time(now, t, gpus)
-            })
-            .sum();
+        let members: Vec<ConnId> = self.jobs.members(&token).collect();
+        let gpus: Vec<usize> = members
+            .iter()
+            .filter_map(|id| self.conns.get(id))
+            .flat_map(|c| c.devices().iter().map(|d| d.gpu))
+            .collect();
+        let gpu_ns = self.gpu_time(now, &members, gpus);
         if let Some(e) = self.jobs.end(token) {
             let j = e.job;
             self.changed();
@@ -530,18 +524,23 @@ impl Broker {
         }
     }
 
-    /// GPU time process `id` has used on these GPUs, as their schedulers
-    /// charged it. (A walk over each GPU's processes: made when a job's
-    /// process leaves it or the job ends, never for a frame.)
+    /// GPU time these processes have used on these GPUs, together, as
+    /// their schedulers charged it: each GPU's processes walked once (when
+    /// a job's process leaves it or the job ends, never for a frame).
     pub(super) fn gpu_time(
         &self,
         now: Nanos,
-        id: ConnId,
+        ids: &[ConnId],
         gpus: impl IntoIterator<Item = usize>,
     ) -> u64 {
+        let mut gpus: Vec<usize> = gpus.into_iter().collect();
+        gpus.sort_unstable();
+        gpus.dedup();
+        let ids: std::collections::HashSet<ConnId> = ids.iter().copied().collect();
         gpus.into_iter()
             .filter_map(|g| self.gpus.get(g))
-            .filter_map(|g| g.sched.status(now).into_iter().find(|s| s.client == id))
+            .flat_map(|g| g.sched.status(now))
+            .filter(|s| ids.contains(&s.client))
             .map(|s| s.gpu_time)
             .sum()
     }

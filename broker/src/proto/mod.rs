@@ -929,7 +929,7 @@ impl Broker {
         self.status_held.remove(&id);
         self.unsettled.remove(&id);
         if let Some(t) = c.member_of() {
-            let gpu = self.gpu_time(now, id, c.devices().iter().map(|d| d.gpu));
+            let gpu = self.gpu_time(now, &[id], c.devices().iter().map(|d| d.gpu));
             let used = c.devices().iter().map(|d| d.used).sum();
             self.jobs.leave(t, id, gpu, used);
         }
