@@ -1,12 +1,14 @@
 //! The broker core, sans I/O (as quinn-proto is for quinn): connections'
 //! bytes, credentials and disconnections go in, with the time; replies,
 //! closes, timers and work for slow drivers come out. It owns the
-//! protocol (framing, handshake, dispatch), who may do what
-//! (`authority`), each user's budgets, jobs and their membership, leases
-//! and the queue, MIG as requests to the shell, the state to persist and
-//! status. /proc is behind a trait (`procs`). The shell
-//! (`server.rs`) only moves bytes, arms timers and runs the work it is
-//! given, so everything here is tested in virtual time (`tests/`).
+//! protocol (framing, handshake, dispatch), who is served when and for
+//! how much work (`turns`), who may do what (`authority`), each user's
+//! budgets, jobs and their membership, leases and the queue, MIG as
+//! requests to the shell, the state to persist and status. /proc is
+//! behind a trait (`procs`). The shell (`server.rs`) only says which
+//! sockets are readable, reads them when a turn asks, writes, arms timers
+//! and runs the work it is given, so everything here is tested in virtual
+//! time (`tests/`).
 //!
 //! Rooms: `conn` (a connection, its role's state, its budgets), `turns`
 //! (who is served next, and the work each user is charged), `roles`

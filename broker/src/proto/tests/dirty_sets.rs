@@ -194,7 +194,7 @@ fn run(ops: Vec<Op>, driverless: bool) {
                     {
                         devices.push(DeviceReg {
                             uuid: uuid(0x40 + (id % 3) as u8),
-                            ..devices[0].clone()
+                            ..devices[0]
                         });
                     }
                     t.send(id, &m);
