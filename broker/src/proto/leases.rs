@@ -480,7 +480,10 @@ impl Broker {
             // Released when its instance is made (or not).
             m.abandoned = true;
         } else {
-            if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone()) {
+            let uid = self.jobs.get(&token).map(|j| j.uid);
+            if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone())
+                && uid.is_none_or(|u| self.may_log(u))
+            {
                 info!(
                     gpu = a.gpu,
                     gi = ?a.gi,

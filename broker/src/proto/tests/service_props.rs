@@ -21,6 +21,9 @@ enum Op {
     Bytes(usize, Vec<u8>),
     /// A burst of whole frames of one kind.
     Frames(usize, Kind, usize),
+    /// This many new connections, each of the role that sends the kind,
+    /// each with a burst of it: many costly connections at once.
+    Swarm(Kind, usize),
     Close(usize),
     /// Its process exits and a victim's process gets the pid; `told`: the
     /// pidfd's news reaches the core before anything else happens.
@@ -53,7 +56,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (prop_oneof![Just(Role::Shim), Just(Role::Cli)], any::<bool>())
             .prop_map(|(r, deep)| Op::Connect(r, deep)),
         2 => (0..8usize, prop::collection::vec(any::<u8>(), 0..300)).prop_map(|(i, b)| Op::Bytes(i, b)),
-        4 => (0..8usize, kind, 1..600usize).prop_map(|(i, k, n)| Op::Frames(i, k, n)),
+        4 => (0..8usize, kind.clone(), 1..600usize).prop_map(|(i, k, n)| Op::Frames(i, k, n)),
+        1 => (kind, 1..24usize).prop_map(|(k, n)| Op::Swarm(k, n)),
         1 => (0..8usize).prop_map(Op::Close),
         1 => (0..8usize, any::<bool>()).prop_map(|(i, t)| Op::Die(i, t)),
         1 => (0..50_000_000u64).prop_map(Op::Advance),
@@ -235,6 +239,27 @@ proptest! {
                             for _ in 0..n {
                                 s.extend_from_slice(&f);
                             }
+                        }
+                    }
+                }
+                Op::Swarm(k, n) => {
+                    let role = match k {
+                        Kind::Register => Role::Shim,
+                        _ => Role::Cli,
+                    };
+                    let f = frame(k);
+                    for _ in 0..n {
+                        let p = w.t.spawn(deep);
+                        if let Some(id) = w.connect(p, BOB, role) {
+                            if matches!(k, Kind::Name) {
+                                w.write(id, &lease(0, 0, false).into());
+                            }
+                            if let Some(s) = w.sockets.get_mut(&id) {
+                                for _ in 0..((1 << 20) / f.len()).max(1) {
+                                    s.extend_from_slice(&f);
+                                }
+                            }
+                            attackers.push((id, p));
                         }
                     }
                 }
