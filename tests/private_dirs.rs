@@ -326,3 +326,63 @@ fn a_made_up_claim_during_a_recovery_is_refused_and_the_victim_placed() {
         .unwrap();
     assert!(o.status.success(), "the victim is placed: {}", stderr(&o));
 }
+
+/// A broker that stops cleanly removes the state directory it made, when
+/// nothing is left in it: each broker of the test suite once left one
+/// under /run/gpufrac/state. One it did not make (an administrator's
+/// `--state-dir`) stays, and so does one with something left in it.
+#[test]
+fn a_clean_stop_removes_the_state_directory_it_made() {
+    let dir = Scratch::new("made-dirs");
+    let start = |state_dir: Option<&Path>| {
+        let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
+        cmd.args(["broker", "--socket"])
+            .arg(dir.0.join("b.sock"))
+            .env("GPUFRAC_SIM_STATE", dir.0.join("sim"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null());
+        if let Some(d) = state_dir {
+            cmd.arg("--state-dir").arg(d);
+        }
+        let mut b = KillOnDrop(cmd.spawn().unwrap());
+        wait_until(20.0, "the broker socket", || {
+            if let Ok(Some(st)) = b.0.try_wait() {
+                panic!("broker exited early: {st}");
+            }
+            std::os::unix::net::UnixStream::connect(dir.0.join("b.sock")).is_ok()
+        });
+        // Answered: its loop runs, its signal handlers are in place.
+        let mut c = RawClient::connect(&dir.0.join("b.sock"));
+        c.hello();
+        c.send(&ClientMsg::Ping);
+        assert_eq!(c.recv(), Some(ServerMsg::Pong));
+        b
+    };
+    let stop = |mut b: KillOnDrop| {
+        // SAFETY: signalling the broker this test started.
+        unsafe { libc::kill(b.0.id() as i32, libc::SIGTERM) };
+        assert!(b.0.wait().unwrap().success());
+    };
+    // The default directory (keyed by the socket), made at start.
+    let default = gpufrac_broker::startup::default_state_dir(&dir.0.join("b.sock"));
+    assert!(!default.exists(), "{}", default.display());
+    let b = start(None);
+    assert!(default.is_dir());
+    stop(b);
+    assert!(!default.exists(), "{} left behind", default.display());
+    // One it made under --state-dir, and one that was there before.
+    let made = dir.0.join("made");
+    stop(start(Some(&made)));
+    assert!(!made.exists());
+    let kept = dir.0.join("kept");
+    std::fs::create_dir(&kept).unwrap();
+    std::fs::set_permissions(&kept, PermissionsExt::from_mode(0o700)).unwrap();
+    stop(start(Some(&kept)));
+    assert!(kept.is_dir(), "an administrator's directory is kept");
+    // Something left in it: kept, with what is in it.
+    let full = dir.0.join("full");
+    let b = start(Some(&full));
+    std::fs::write(full.join("note"), b"kept").unwrap();
+    stop(b);
+    assert_eq!(std::fs::read(full.join("note")).unwrap(), b"kept");
+}

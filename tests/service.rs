@@ -423,7 +423,9 @@ except OSError as e:
 
 /// The attack: a newline in a command line, registered by `nobody`,
 /// wrote a line of the attacker's choosing into the root broker's log
-/// (and into status).
+/// (and into status); `uid=0 pid=1` in it became fields of the broker's
+/// own record (the command was logged unquoted). The command is the one
+/// the process registers (its argv, as its shim sends it).
 #[test]
 fn a_newline_in_a_command_line_is_escaped_in_the_log_and_status() {
     if !can_be_nobody() {
@@ -432,17 +434,11 @@ fn a_newline_in_a_command_line_is_escaped_in_the_log_and_status() {
     let _s = serial();
     let b = Logged::start();
     let uuid = b.first_gpu_uuid();
+    let forged = "x\" uid=0 pid=1\nFORGED-LINE ERROR gpufrac_broker: root's job was killed";
     let msgs = hex(&frames(&[
         ClientMsg::hello(1, Role::Shim),
-        register_msg(
-            uuid,
-            "from\nthe client",
-            gpufrac_common::config::Priority::Normal,
-        ),
+        register_msg(uuid, forged, gpufrac_common::config::Priority::Normal),
     ]));
-    let forged = "x\nFORGED-LINE ERROR gpufrac_broker: root's job was killed";
-    // A script file, so that the command line the broker reads (and
-    // clips) starts with the forged argument.
     let script = b.file(
         "s.py",
         format!(
@@ -477,7 +473,17 @@ fn a_newline_in_a_command_line_is_escaped_in_the_log_and_status() {
         !log.lines().any(|l| l.starts_with("FORGED-LINE")),
         "a forged line in the log:\n{log}"
     );
-    assert!(log.contains("x\\nFORGED-LINE"), "{log}");
+    assert!(log.contains("x\\\" uid=0 pid=1\\nFORGED-LINE"), "{log}");
+    // The registration's record: its uid and pid the kernel's, once each;
+    // the command's `uid=0 pid=1` inside its quotes.
+    let line = log
+        .lines()
+        .find(|l| l.contains("registered") && l.contains(&format!("pid={pid} ")))
+        .expect("the registration's line");
+    let outside_quotes = outside_quotes(line);
+    assert!(outside_quotes.contains("uid=65534 "), "{line}");
+    assert!(!outside_quotes.contains("uid=0"), "{line}");
+    assert!(!outside_quotes.contains("pid=1 "), "{line}");
     let s = status_cli(&b.socket);
     let command = s["gpus"][0]["processes"]
         .as_array()
@@ -489,7 +495,23 @@ fn a_newline_in_a_command_line_is_escaped_in_the_log_and_status() {
         .unwrap()
         .to_owned();
     assert!(!command.contains('\n'), "{command:?}");
-    assert!(command.contains("x\\nFORGED-LINE"), "{command:?}");
+    assert!(command.contains("pid=1\\nFORGED-LINE"), "{command:?}");
+}
+
+/// A log line without what is inside its double quotes (a quote inside
+/// them escaped as `\"`), as a reader of structured logs splits it.
+fn outside_quotes(line: &str) -> String {
+    let (mut out, mut quoted, mut escaped) = (String::new(), false, false);
+    for c in line.chars() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            c if !quoted => out.push(c),
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The attack: 128 connections of `nobody`'s, registered at `low`, each

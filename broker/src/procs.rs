@@ -1,7 +1,11 @@
 //! What the broker core reads of the host, behind traits so that the core
-//! runs in tests without /proc or a GPU: processes (ancestry, start times,
-//! command lines); and NVML's view of each GPU, which the shell samples
-//! and hands to the core as a `Telemetry` snapshot.
+//! runs in tests without /proc or a GPU: processes (ancestry and start
+//! times, from `/proc/PID/stat`, one page at most each); and NVML's view of
+//! each GPU, which the shell samples and hands to the core as a
+//! `Telemetry` snapshot. Nothing here reads a process's memory (its
+//! command line or environment): such a read can be made to block by the
+//! process (CVE-2018-1120), and what the broker shows as a process's
+//! command is what the process says.
 
 use std::collections::HashMap;
 
@@ -17,9 +21,6 @@ pub trait Procs {
     fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
         (self.parent(pid), self.start_time(pid))
     }
-    /// The command line, arguments joined by spaces; empty when unknown
-    /// (another pid namespace, a process already gone).
-    fn cmdline(&self, pid: u32) -> String;
 }
 
 /// `pid` and its ancestors, nearest first, each with its start time (at
@@ -52,10 +53,6 @@ impl Procs for LiveProcs {
 
     fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
         gpufrac_common::procfs::parent_and_start(pid)
-    }
-
-    fn cmdline(&self, pid: u32) -> String {
-        gpufrac_common::procfs::cmdline(pid)
     }
 }
 
@@ -127,7 +124,6 @@ mod tests {
         assert_eq!(chain[0], (me, LiveProcs.start_time(me)));
         assert!(chain[0].1.is_some());
         assert_eq!(chain.get(1).map(|c| c.0), LiveProcs.parent(me));
-        assert!(LiveProcs.cmdline(me).contains("gpufrac_broker"));
         assert_eq!(LiveProcs.start_time(u32::MAX), None);
     }
 }

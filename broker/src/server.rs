@@ -8,16 +8,15 @@
 //! lose its own connection.
 //!
 //! Service is in bounded turns (SECURITY.md, invariant 1): each turn
-//! accepts at most `ACCEPTS_PER_TURN` connections and gives each user with
-//! a ready connection its part: its connections in turn, each at most
-//! `READ_PER_TURN` bytes and the core's `FRAMES_PER_TURN` frames, until
-//! the user's `FRAMES_PER_USER_TURN` are spent; a connection with more
-//! waits for the next turn on the ready lists (`Turns`), since the
-//! edge-triggered poll will not say again what it already said. So no
-//! connection, and no user however many connections it holds, keeps
-//! another user from an answer for more than one user's part of a turn.
+//! accepts at most `ACCEPTS_PER_TURN` connections, then the core runs its
+//! turn (`Broker::turn`: each user with a ready connection its part,
+//! charged in work), reading sockets through this loop when it asks. The
+//! rule of who is served, and for how long, is the core's alone; the loop
+//! only tells it which sockets the poll found readable and runs turns
+//! while it is `busy` (the edge-triggered poll will not say again what it
+//! already said).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -34,7 +33,9 @@ use tracing::{debug, info, warn};
 use crate::mig::Step;
 use crate::mig_nvml::MigDriver;
 use crate::procs::{Sampler, Telemetry};
-use crate::proto::{Broker, ConnId, MigDone, Nanos, RateLimit, WARN_EVERY, Work};
+use crate::proto::{
+    Broker, ConnId, MigDone, Nanos, RateLimit, Read as Got, Sockets, WARN_EVERY, Work,
+};
 use crate::statefile::StateFile;
 
 const LISTENER: Token = Token(0);
@@ -43,8 +44,6 @@ const WAKER: Token = Token(2);
 const FIRST_CLIENT: usize = 3;
 /// Connections accepted per turn, before ready connections are served.
 pub const ACCEPTS_PER_TURN: usize = 64;
-/// Bytes read from one connection per turn.
-pub const READ_PER_TURN: usize = 64 << 10;
 /// A client's pidfd is registered under its token with this bit set.
 const PIDFD: usize = 1 << (usize::BITS - 2);
 const MS: Nanos = 1_000_000;
@@ -69,6 +68,10 @@ pub struct Shell {
     pub listener: UnixListener,
     pub socket: PathBuf,
     pub state: StateFile,
+    /// The private directory the broker made at start: removed at a clean
+    /// stop when nothing is left in it (one a test suite's brokers made
+    /// and left behind, by the dozen, under /run/gpufrac/state).
+    pub made_dir: Option<PathBuf>,
     pub metrics: Option<crate::metrics::Feed>,
     pub mps: Option<crate::mps::Mps>,
     pub mig_driver: Option<Box<dyn MigDriver + Send>>,
@@ -91,106 +94,8 @@ struct Client {
     stream: UnixStream,
     /// Registered for writability (output pending).
     want_write: bool,
-    /// The poll said readable and a read has not yet found it empty.
-    readable: bool,
     /// Readable when the process exits (None: a kernel without pidfds).
     pidfd: Option<OwnedFd>,
-    /// The peer's uid, from the kernel at accept: whose turn it shares.
-    uid: u32,
-}
-
-/// How many frames of one user a turn handles, over all its connections:
-/// as many as one connection may send in a turn. A user's share of a
-/// turn, not a connection's, is what bounds everyone else's wait: with a
-/// budget per connection only, a user holding 128 connections that
-/// churned Acquire and Release made every turn 128 connections' work
-/// long, each grant after a revoke waited that long, and another user's
-/// busy process lost two thirds of its GPU time. Counting frames, not
-/// connections, keeps a user with many quiet processes (one frame each)
-/// served as quickly as before.
-pub const FRAMES_PER_USER_TURN: usize = crate::proto::FRAMES_PER_TURN;
-
-/// What serving a connection once did: the frames handled (a read that
-/// handled none still counts as one), and whether it has more to do.
-#[derive(Debug, Clone, Copy)]
-pub struct Served {
-    pub frames: usize,
-    pub more: bool,
-}
-
-/// Which connections get a turn next: round-robin over the users with
-/// something to do, and within each user over its ready connections until
-/// the user's `FRAMES_PER_USER_TURN` are spent. The shell's scheduling,
-/// kept apart from sockets so that its rule is tested on its own.
-#[derive(Debug, Default)]
-pub struct Turns {
-    /// Each user's ready connections, in the order they are served.
-    users: HashMap<u32, VecDeque<ConnId>>,
-    /// Users with a ready connection, in the order they are served.
-    order: VecDeque<u32>,
-    /// The ready connections (each in its user's line once).
-    queued: HashSet<ConnId>,
-    /// The listener may have connections waiting in its backlog.
-    pub listener: bool,
-}
-
-impl Turns {
-    /// `id`, a connection of `uid`, has something to do: it gets a turn
-    /// (once, however often this is said before its turn comes).
-    pub fn push(&mut self, id: ConnId, uid: u32) {
-        if !self.queued.insert(id) {
-            return;
-        }
-        let q = self.users.entry(uid).or_default();
-        if q.is_empty() {
-            self.order.push_back(uid);
-        }
-        q.push_back(id);
-    }
-
-    /// One turn: each user with a ready connection, in order, has its
-    /// connections served (`serve`), each once, from the front of its
-    /// line until its frames for the turn are spent or none is left. A
-    /// connection with more to do goes to the back of its user's line; a
-    /// user with connections left waits for the next turn, behind every
-    /// other.
-    pub fn run(&mut self, mut serve: impl FnMut(ConnId) -> Served) {
-        for _ in 0..self.order.len() {
-            let Some(uid) = self.order.pop_front() else {
-                break;
-            };
-            let mut left = FRAMES_PER_USER_TURN;
-            // Served once a turn at most: those with more wait behind the
-            // rest of their user's line.
-            let mut again = Vec::new();
-            while left > 0 {
-                let Some(id) = self.users.get_mut(&uid).and_then(|q| q.pop_front()) else {
-                    break;
-                };
-                self.queued.remove(&id);
-                let s = serve(id);
-                left = left.saturating_sub(s.frames.max(1));
-                if s.more {
-                    again.push(id);
-                }
-            }
-            for id in again {
-                if self.queued.insert(id) {
-                    self.users.entry(uid).or_default().push_back(id);
-                }
-            }
-            if self.users.get(&uid).is_some_and(|q| !q.is_empty()) {
-                self.order.push_back(uid);
-            } else {
-                self.users.remove(&uid);
-            }
-        }
-    }
-
-    /// Whether another turn is due at once (no waiting in poll).
-    pub fn busy(&self) -> bool {
-        self.listener || !self.order.is_empty()
-    }
 }
 
 struct Loop {
@@ -199,8 +104,8 @@ struct Loop {
     listener: UnixListener,
     clients: HashMap<Token, Client>,
     next_token: usize,
-    turns: Turns,
-    readbuf: Vec<u8>,
+    /// The listener may have connections waiting in its backlog.
+    backlog: bool,
     /// Held open so that, out of file descriptors, the broker can still
     /// accept a connection to close it (else the listener stays readable
     /// and the backlog fills with clients who wait forever).
@@ -249,6 +154,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         mut listener,
         socket,
         state,
+        made_dir,
         metrics,
         mps,
         mig_driver,
@@ -278,8 +184,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         listener,
         clients: HashMap::new(),
         next_token: FIRST_CLIENT,
-        turns: Turns::default(),
-        readbuf: Vec::new(),
+        backlog: false,
         reserve: reserve_fd(),
         saver: Some(saver),
         mig,
@@ -303,7 +208,36 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     drop(l.saver.take());
     let _ = saver_thread.join();
     StateFile::new(state_path).remove();
+    if let Some(d) = made_dir {
+        // rmdir: only an empty directory goes (MPS's log stays, and the
+        // directory with it), and a link in its place is never followed.
+        let _ = std::fs::remove_dir(d);
+    }
     result
+}
+
+/// The clients' sockets and the clock, as the core's turn asks for them.
+struct Live<'a>(&'a mut HashMap<Token, Client>);
+
+impl Sockets for Live<'_> {
+    fn now(&mut self) -> Nanos {
+        now()
+    }
+
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Got {
+        let Some(c) = self.0.get_mut(&Token(id as usize)) else {
+            return Got::Closed;
+        };
+        loop {
+            return match c.stream.read(buf) {
+                Ok(0) => Got::Closed,
+                Ok(n) => Got::Bytes(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Got::WouldBlock,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => Got::Closed,
+            };
+        }
+    }
 }
 
 /// A state snapshot to write: its number and its bytes.
@@ -431,7 +365,7 @@ impl Loop {
             }
             for ev in events.iter() {
                 match ev.token() {
-                    LISTENER => self.turns.listener = true,
+                    LISTENER => self.backlog = true,
                     SIGNALS => {
                         info!("shutting down");
                         return Ok(());
@@ -440,10 +374,7 @@ impl Loop {
                     Token(t) if t & PIDFD != 0 => self.core.exited((t & !PIDFD) as ConnId),
                     tok => {
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            if let Some(c) = self.clients.get_mut(&tok) {
-                                c.readable = true;
-                            }
-                            self.ready(tok.0 as ConnId);
+                            self.core.readable(tok.0 as ConnId);
                         }
                         if ev.is_writable() {
                             self.flush(tok.0 as ConnId);
@@ -466,9 +397,6 @@ impl Loop {
             if self.core.next_timeout().is_some_and(|t| t <= now()) {
                 self.core.handle_timeout(now());
             }
-            for id in self.core.take_unblocked() {
-                self.ready(id);
-            }
             if let Some(st) = self.mps.as_mut().and_then(|m| m.poll()) {
                 self.core.set_mps(Some(st));
             }
@@ -480,7 +408,7 @@ impl Loop {
     /// Until the core's next timer, the MPS daemon's next look, or the
     /// next metrics refresh.
     fn timeout(&self) -> Option<Duration> {
-        if self.turns.busy() {
+        if self.backlog || self.core.busy() {
             return Some(Duration::ZERO);
         }
         let t = now();
@@ -502,18 +430,6 @@ impl Loop {
     /// with, and hands out work, until nothing changes: closing one client
     /// can produce a grant for another, and sending can reveal a dead one.
     fn settle(&mut self) {
-        // A deadline passed while the client's bytes may still sit unread
-        // in its socket (this loop was busy elsewhere): read them, then let
-        // the core decide.
-        for id in self.core.take_overdue() {
-            // Frames the core held back to keep turns bounded come first;
-            // then what the socket holds.
-            while self.core.has_frames(id) {
-                self.core.serve(now(), id);
-            }
-            self.read(Token(id as usize));
-            self.core.expire(now(), id);
-        }
         loop {
             for id in self.core.pending_output() {
                 self.flush(id);
@@ -539,7 +455,7 @@ impl Loop {
             // The descriptors just closed make room for connections still
             // waiting in the backlog, which the edge-triggered listener
             // will not report again: the next turn accepts them.
-            self.turns.listener = true;
+            self.backlog = true;
         }
         while let Some(w) = self.core.poll_work() {
             match &self.mig {
@@ -570,33 +486,13 @@ impl Loop {
         }
     }
 
-    /// One turn: a bounded number of accepts, then each user's ready
-    /// connections served within the user's budget.
+    /// One turn: a bounded number of accepts, then the core's turn, its
+    /// reads done here when it asks.
     fn turn(&mut self) {
-        if self.turns.listener {
-            self.turns.listener = self.accept();
+        if self.backlog {
+            self.backlog = self.accept();
         }
-        let mut turns = std::mem::take(&mut self.turns);
-        turns.run(|id| {
-            let before = self.core.frames_handled();
-            let more = self.serve(id);
-            Served {
-                frames: (self.core.frames_handled() - before) as usize,
-                more,
-            }
-        });
-        // Serving queues nothing itself: the loop's events do, outside
-        // the turn.
-        debug_assert!(!self.turns.busy());
-        self.turns = turns;
-    }
-
-    /// `id` has something to do: it is queued for a turn in its user's
-    /// line (a connection already closed has nothing more to do).
-    fn ready(&mut self, id: ConnId) {
-        if let Some(c) = self.clients.get(&Token(id as usize)) {
-            self.turns.push(id, c.uid);
-        }
+        self.core.turn(&mut Live(&mut self.clients));
     }
 
     /// Accepts up to `ACCEPTS_PER_TURN` connections; true if the backlog
@@ -615,7 +511,6 @@ impl Loop {
                     let tok = Token(self.next_token);
                     self.next_token += 1;
                     let id = tok.0 as ConnId;
-                    let uid = peer.uid;
                     if let Err(frame) = self.core.connect(now(), id, peer) {
                         // Said and closed at once, without buffering: the
                         // write of one small frame to a fresh socket does
@@ -642,19 +537,16 @@ impl Loop {
                         warn!("register a client's pidfd: {e}");
                         self.core.hangup(id);
                     }
+                    // Whatever it sent before the accept, which the poll
+                    // may not say again, is read at its first turn.
                     self.clients.insert(
                         tok,
                         Client {
                             stream,
                             want_write: false,
-                            // Whatever it sent before the accept: the
-                            // poll may not say so again.
-                            readable: true,
                             pidfd,
-                            uid,
                         },
                     );
-                    self.turns.push(id, uid);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -688,56 +580,6 @@ impl Loop {
             }
         }
         true
-    }
-
-    /// `id`'s turn: frames the core held back, or else at most
-    /// `READ_PER_TURN` bytes from its socket. True if it has more to do
-    /// (it then waits for the next turn, behind every other).
-    fn serve(&mut self, id: ConnId) -> bool {
-        let tok = Token(id as usize);
-        if self.core.has_frames(id) {
-            self.core.serve(now(), id);
-        } else {
-            self.read(tok);
-        }
-        let readable = self.clients.get(&tok).is_some_and(|c| c.readable);
-        self.core.has_frames(id) || (readable && self.core.wants_input(id))
-    }
-
-    fn read(&mut self, tok: Token) {
-        let id = tok.0 as ConnId;
-        // One buffer for the whole loop, not a zeroed 16 KiB per read.
-        let mut buf = std::mem::take(&mut self.readbuf);
-        buf.resize(16 * 1024, 0);
-        let mut left = READ_PER_TURN;
-        while left > 0 && self.core.wants_input(id) {
-            let Some(c) = self.clients.get_mut(&tok) else {
-                break;
-            };
-            let want = left.min(buf.len());
-            match c.stream.read(&mut buf[..want]) {
-                Ok(0) => {
-                    c.readable = false;
-                    self.core.hangup(id);
-                    break;
-                }
-                Ok(n) => {
-                    left -= n;
-                    self.core.input(now(), id, &buf[..n]);
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    c.readable = false;
-                    break;
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => {
-                    c.readable = false;
-                    self.core.hangup(id);
-                    break;
-                }
-            }
-        }
-        self.readbuf = buf;
     }
 
     fn flush(&mut self, id: ConnId) {
@@ -810,152 +652,5 @@ impl Loop {
         }
         self.last_metrics = t;
         m.publish(t, self.core.status(t), self.core.stats().counters());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    /// One turn in which every connection served handles `frames` and
-    /// has more to do as `more` says; the order they were served in.
-    fn turn(
-        t: &mut Turns,
-        frames: impl Fn(ConnId) -> usize,
-        more: impl Fn(ConnId) -> bool,
-    ) -> Vec<ConnId> {
-        let mut served = Vec::new();
-        t.run(|id| {
-            served.push(id);
-            Served {
-                frames: frames(id),
-                more: more(id),
-            }
-        });
-        served
-    }
-
-    #[test]
-    fn each_ready_connection_gets_one_turn_in_order() {
-        let mut t = Turns::default();
-        assert!(!t.busy());
-        t.push(1, 10);
-        t.push(2, 20);
-        t.push(1, 10);
-        assert!(t.busy());
-        assert_eq!(turn(&mut t, |_| 1, |_| false), [1, 2]);
-        assert!(!t.busy());
-        // With more to do after its turn, it comes after those that
-        // became ready meanwhile.
-        assert!(turn(&mut t, |_| 1, |_| false).is_empty());
-        t.push(1, 10);
-        assert_eq!(turn(&mut t, |_| FRAMES_PER_USER_TURN, |id| id == 1), [1]);
-        t.push(3, 30);
-        assert_eq!(turn(&mut t, |_| 1, |_| false), [1, 3]);
-        t.listener = true;
-        assert!(t.busy());
-    }
-
-    #[test]
-    fn a_user_with_many_busy_connections_gets_one_users_part_of_a_turn() {
-        let mut t = Turns::default();
-        for id in 100..228 {
-            t.push(id, 65534);
-        }
-        t.push(1, 5001);
-        // Each of the flood's connections has a full turn's frames: one
-        // of them is served a turn, the victim every turn it is ready.
-        let full = |id| if id >= 100 { FRAMES_PER_TURN_OF_ONE } else { 1 };
-        assert_eq!(turn(&mut t, full, |id| id >= 100), [100, 1]);
-        t.push(1, 5001);
-        assert_eq!(turn(&mut t, full, |id| id >= 100), [101, 1]);
-        assert_eq!(turn(&mut t, full, |id| id >= 100), [102]);
-    }
-
-    const FRAMES_PER_TURN_OF_ONE: usize = crate::proto::FRAMES_PER_TURN;
-
-    #[test]
-    fn a_user_with_many_quiet_connections_is_served_as_many_a_turn_as_its_frames_allow() {
-        let mut t = Turns::default();
-        for id in 0..200 {
-            t.push(id, 0);
-        }
-        let first = turn(&mut t, |_| 1, |_| false);
-        assert_eq!(
-            first,
-            (0..FRAMES_PER_USER_TURN as ConnId).collect::<Vec<_>>()
-        );
-        // A read that handled no frame (half a frame) still costs one.
-        let second = turn(&mut t, |_| 0, |_| false);
-        assert_eq!(second.len(), FRAMES_PER_USER_TURN);
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
-
-        /// However many users hold however many connections, each
-        /// handling whatever it may per serve and having more to do or
-        /// not: a connection is served once a turn at most, a user's turn
-        /// is charged at most its budget plus one connection's frames; a
-        /// user with one connection is served in
-        /// every turn it is ready; and every ready connection is served
-        /// within as many turns as its user has connections.
-        #[test]
-        fn a_connection_waits_for_its_own_users_others_only(
-            users in prop::collection::vec(1..40u64, 1..6),
-            load in prop::collection::vec((0..=64usize, any::<bool>()), 1..300),
-            steps in prop::collection::vec((any::<bool>(), any::<u64>()), 1..60),
-        ) {
-            let mut t = Turns::default();
-            // Connection ids: user u's are u * 1000 ..; the victim's 1.
-            let uid_of = |id: ConnId| (id / 1000) as u32;
-            let victim = 1;
-            let mut waited: HashMap<ConnId, usize> = HashMap::new();
-            for (u, &n) in users.iter().enumerate() {
-                for k in 0..n {
-                    let id = (u as u64 + 1) * 1000 + k;
-                    t.push(id, uid_of(id));
-                    waited.insert(id, 0);
-                }
-            }
-            let frames = |id: ConnId, salt: u64| load[((id ^ salt) as usize) % load.len()];
-            for (ready, salt) in steps {
-                if ready && !waited.contains_key(&victim) {
-                    t.push(victim, uid_of(victim));
-                    waited.insert(victim, 0);
-                }
-                let mut charged: HashMap<u32, usize> = HashMap::new();
-                let mut served = Vec::new();
-                t.run(|id| {
-                    let (f, more) = frames(id, salt);
-                    *charged.entry(uid_of(id)).or_default() += f.max(1);
-                    served.push((id, more));
-                    Served { frames: f, more: more && id != victim }
-                });
-                for (&uid, &c) in &charged {
-                    prop_assert!(
-                        c < FRAMES_PER_USER_TURN + FRAMES_PER_TURN_OF_ONE,
-                        "user {} charged {} frames in a turn", uid, c
-                    );
-                }
-                let mut once = std::collections::HashSet::new();
-                prop_assert!(served.iter().all(|&(id, _)| once.insert(id)), "served twice in a turn");
-                if waited.contains_key(&victim) {
-                    prop_assert!(served.iter().any(|&(id, _)| id == victim));
-                }
-                for (id, more) in served {
-                    waited.remove(&id);
-                    if more && id != victim {
-                        waited.insert(id, 0);
-                    }
-                }
-                for (&id, w) in waited.iter_mut() {
-                    *w += 1;
-                    let line = users.get((id / 1000) as usize - 1).copied().unwrap_or(1);
-                    prop_assert!(*w <= line as usize, "connection {} waited {} turns", id, w);
-                }
-            }
-        }
     }
 }

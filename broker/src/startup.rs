@@ -171,9 +171,11 @@ fn socket_key(socket: &Path) -> String {
 }
 
 /// The broker's private directory, made or checked (`files::private_dir`)
-/// before anything else is created. Traversable by others under `--mps`,
-/// whose clients of every user must reach the pipe directory in it.
-fn state_dir(opts: &BrokerOptions) -> Result<PathBuf, String> {
+/// before anything else is created, and whether it was made now (a clean
+/// stop then removes it if nothing is left in it). Traversable by others
+/// under `--mps`, whose clients of every user must reach the pipe
+/// directory in it.
+fn state_dir(opts: &BrokerOptions) -> Result<(PathBuf, bool), String> {
     let dir = match &opts.state_dir {
         Some(d) => {
             std::path::absolute(d).map_err(|e| format!("--state-dir {}: {e}", d.display()))?
@@ -181,6 +183,7 @@ fn state_dir(opts: &BrokerOptions) -> Result<PathBuf, String> {
         None => default_state_dir(&opts.socket),
     };
     let mode = if opts.mps { 0o711 } else { 0o700 };
+    let made = std::fs::symlink_metadata(&dir).is_err();
     gpufrac_common::files::private_dir(&dir, mode, "the state directory (--state-dir)")?;
     if opts.mps {
         use std::os::unix::fs::PermissionsExt;
@@ -193,7 +196,19 @@ fn state_dir(opts: &BrokerOptions) -> Result<PathBuf, String> {
                 .map_err(|e| format!("cannot let MPS clients reach {}: {e}", dir.display()))?;
         }
     }
-    Ok(dir)
+    Ok((dir, made))
+}
+
+/// The state directory this start made, removed (if empty) when the start
+/// fails after making it.
+struct Made(Option<PathBuf>);
+
+impl Drop for Made {
+    fn drop(&mut self) {
+        if let Some(d) = self.0.take() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
 }
 
 /// Releases before the private directory kept the state file beside the
@@ -353,7 +368,10 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         .as_deref()
         .map(crate::metrics::address)
         .transpose()?;
-    let state_dir = state_dir(&opts)?;
+    let (state_dir, made) = state_dir(&opts)?;
+    // A start refused from here on leaves nothing behind, this directory
+    // included.
+    let mut made = Made(made.then(|| state_dir.clone()));
     let nofile = crate::listen::raise_nofile();
     let found = match inventory::discover() {
         Ok(g) => g,
@@ -448,6 +466,7 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         listener,
         socket: opts.socket.clone(),
         state,
+        made_dir: made.0.take(),
         metrics,
         mps,
         mig_driver,

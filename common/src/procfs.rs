@@ -81,22 +81,33 @@ pub fn parent_and_start(pid: u32) -> (Option<u32>, Option<u64>) {
     (parent.and_then(|p| u32::try_from(p).ok()), start)
 }
 
+/// Most bytes of a command line `cmdline` reads: what the broker keeps of
+/// one (256 bytes, escaped) is well within it.
+pub const CMDLINE_MAX: usize = 4096;
+
 /// The command line of `pid` (`None`: this process), arguments joined by
-/// spaces; empty when it cannot be read. Allocates: not for hot paths.
+/// spaces, from its first `CMDLINE_MAX` bytes at most (an argv can be
+/// megabytes); empty when it cannot be read. Allocates: not for hot
+/// paths. Reading another process's command line reads its memory, which
+/// that process can make block (CVE-2018-1120): the shim reads its own,
+/// and the broker none.
 pub fn cmdline(pid: impl Into<Option<u32>>) -> String {
+    use std::io::Read;
     let path = match pid.into() {
         Some(p) => format!("/proc/{p}/cmdline"),
         None => "/proc/self/cmdline".to_owned(),
     };
-    std::fs::read(path)
-        .map(|b| {
-            b.split(|&c| c == 0)
-                .filter(|s| !s.is_empty())
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
+    let mut b = Vec::new();
+    let read =
+        std::fs::File::open(path).and_then(|f| f.take(CMDLINE_MAX as u64).read_to_end(&mut b));
+    if read.is_err() {
+        return String::new();
+    }
+    b.split(|&c| c == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[cfg(test)]
@@ -120,5 +131,25 @@ mod tests {
         assert_eq!(cmdline(me), cmdline(None));
         assert!(cmdline(None).contains("gpufrac_common"));
         assert_eq!(cmdline(u32::MAX), "");
+    }
+
+    /// A 1 MiB argv is read no further than `CMDLINE_MAX`.
+    #[test]
+    fn a_long_command_line_is_read_only_so_far() {
+        let big = "x".repeat(64 << 10);
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .args(std::iter::repeat_n(&big, 16))
+            .spawn()
+            .expect("sleep runs");
+        let line = cmdline(child.id());
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            line.starts_with("sleep 30 xxx"),
+            "{}",
+            &line[..40.min(line.len())]
+        );
+        assert!(line.len() <= CMDLINE_MAX, "{}", line.len());
     }
 }

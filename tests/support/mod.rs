@@ -533,7 +533,7 @@ fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> st
 
 impl Drop for Broker {
     fn drop(&mut self) {
-        self.kill();
+        stop(&mut self.child);
     }
 }
 
@@ -660,13 +660,15 @@ pub fn read_line(c: &mut std::process::Child) -> String {
     String::from_utf8(line).unwrap()
 }
 
-/// A child process killed however the test ends.
+/// A child process stopped however the test ends: asked to stop
+/// (SIGTERM), so that a broker cleans up after itself (its state
+/// directory, which a kill left behind under /run/gpufrac/state, a dozen
+/// per run of the suite), and killed if it has not exited within 2 s.
 pub struct KillOnDrop(pub std::process::Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        stop(&mut self.0);
     }
 }
 
@@ -680,6 +682,27 @@ impl Drop for Reap {
             let _ = c.wait();
         }
     }
+}
+
+/// Stops `child`: SIGTERM, then SIGKILL if it has not exited within 2 s;
+/// reaped either way.
+pub fn stop(child: &mut std::process::Child) {
+    if matches!(child.try_wait(), Ok(Some(_))) {
+        return;
+    }
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+    let t = std::time::Instant::now();
+    while t.elapsed() < std::time::Duration::from_secs(2) {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// An exclusive lock, machine-wide, held until dropped: test binaries (and

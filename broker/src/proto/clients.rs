@@ -4,15 +4,17 @@
 use gpufrac_common::wire::{self, ClientMsg, ServerMsg};
 use tracing::{debug, info};
 
-use super::conn::{ClientDev, Conn, RoleState};
+use super::conn::{ClientDev, Conn, Quoted, RoleState};
 use super::roles;
-use super::{Broker, ConnId, MAX_UNKNOWN_GPUS, Nanos};
+use super::{Broker, ConnId, LEARNED_GPUS_PER_USER, Nanos};
 use crate::procs::ancestry;
 use crate::sched::{GroupId, UserId};
 use gpufrac_common::wire::uuid_string;
 
 /// Fairness units: a job's is its token, a user's its uid (tagged).
 const UID_UNIT: GroupId = 1 << 63;
+/// Devices taken from one registration: far above any node's GPU count.
+const MAX_DEVICES: usize = 64;
 /// Weight of a process that set no GPU_COMPUTE_SHARE: as if it asked 50%,
 /// so two such processes split evenly and every share is a plain weight.
 pub const DEFAULT_WEIGHT: f64 = 50.0;
@@ -135,15 +137,21 @@ impl Broker {
                 ooms,
             } => {
                 let gpus = &self.gpus;
+                let member_of = s.member_of;
                 if let Some(d) = s.devices.iter_mut().find(|d| gpus[d.gpu].uuid == uuid) {
                     // Reports are the client's word: never more than the
                     // GPU holds (a claim of 4 EiB used would skew status
                     // and every sum made from it).
                     let total = gpus[d.gpu].total_mem;
                     let cap = if total > 0 { total } else { u64::MAX };
+                    let before = d.used;
                     d.used = used.min(cap);
                     d.peak = peak.min(cap).max(d.used);
                     d.ooms = ooms;
+                    if let Some(t) = member_of {
+                        let after = d.used;
+                        self.jobs.used(t, before, after);
+                    }
                 }
             }
             ClientMsg::Acquire { uuid } => {
@@ -187,7 +195,10 @@ impl Broker {
                 // Settled at Register; a token no job holds is ignored
                 // there (the process is its user's), not refused: a
                 // container can outlive its run.
-                s.claimed_job = Some(job);
+                if let Some(old) = s.claimed_job.replace(job) {
+                    self.unclaim(old, id);
+                }
+                self.claims.entry(job).or_default().insert(id);
             }
             _ => {}
         }
@@ -223,40 +234,16 @@ impl Broker {
         let limit = limit
             .filter(|l| l.is_finite() && *l > 0.0)
             .map(|l| (l / 100.0).min(1.0));
-        // Only GPUs this node has: a client inventing UUIDs once grew the
-        // broker by 400 MB and broke status for everyone.
-        let unknown: Vec<String> = devices
-            .iter()
-            .take(64)
-            .filter(|d| !self.gpus.iter().any(|g| g.uuid == d.uuid))
-            .map(|d| uuid_string(&d.uuid))
-            .collect();
-        let room = if self.discovered {
-            0
-        } else {
-            MAX_UNKNOWN_GPUS.saturating_sub(self.gpus.len())
-        };
-        let Some(c) = self.conns.get(&id) else {
-            return;
-        };
-        if unknown.len() > room {
-            let pid = c.peer.pid;
-            let known: Vec<&str> = self.gpus.iter().map(|g| g.uuid_str.as_str()).collect();
-            let message = format!(
-                "this broker does not manage {} (it manages: {}); \
-                 run the process where the broker sees its GPUs, or with GPUFRAC_BROKER=off",
-                unknown.join(", "),
-                if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                }
+        if let Err(message) = self.may_name(id, &devices) {
+            let Some(c) = self.conns.get(&id) else {
+                return;
+            };
+            let (pid, uid) = (c.peer.pid, c.peer.uid);
+            self.warn_uid(
+                uid,
+                format_args!("refusing a registration from pid {pid} (uid {uid}): {message}"),
             );
             self.stats.refused(crate::stats::Refusal::UnknownGpu);
-            self.warn_limited(format_args!(
-                "refusing a registration from pid {pid} for GPUs this node does not have: {}",
-                unknown.join(", ")
-            ));
             self.send(
                 id,
                 &ServerMsg::Error {
@@ -267,20 +254,24 @@ impl Broker {
             self.kill(id);
             return;
         }
-        self.look_up_command(id);
+        // The command is the process's own word, as its argv is (a process
+        // writes its /proc/PID/cmdline as it likes): the broker reads
+        // nothing for it. Reading /proc/PID/cmdline reads the process's
+        // memory, which a hostile process can make block for as long as it
+        // likes (a FUSE-backed mapping over its argv, CVE-2018-1120), and
+        // cost the loop 75 ms per registration for a 2 MiB argv. What the
+        // broker decides by (uid, pid, job) is its own view.
+        let label = self.cfg.budgets.label;
+        let command = self.clip(&command, label);
         let Some(c) = self.conns.get(&id) else {
             return;
         };
         let priority = self.cfg.policy.priority(&c.peer, priority);
-        let job = self.job_of(c);
-        let label = self.cfg.budgets.label;
+        let (job, looked_at) = self.job_of(c);
+        self.cost.proc_reads += looked_at as u64;
         let c = self.conns.get_mut(&id).expect("looked up above");
-        // The broker's own view of the process wins: a process could claim
-        // to be anyone's job in status. A process the broker cannot see in
-        // /proc (another pid namespace) says for itself.
-        if c.command.is_empty() && !command.is_empty() {
-            c.command = super::clip(&command, label);
-        }
+        c.command = command;
+        let uid = c.peer.uid;
         let Some(s) = c.shim_mut() else {
             return;
         };
@@ -288,24 +279,30 @@ impl Broker {
         s.limit = limit;
         s.priority = priority;
         let old = std::mem::replace(&mut s.member_of, job);
+        let old_used: u64 = s.devices.iter().map(|d| d.used).sum();
         let old_devs: Vec<usize> = s.devices.drain(..).map(|d| d.gpu).collect();
         if old != job {
             if let Some(o) = old {
-                self.jobs.leave(o, id);
+                self.jobs.leave(o, id, 0, old_used);
             }
             if let Some(n) = job {
-                self.jobs.join(n, id);
+                self.jobs.join(n, id, 0);
             }
+        } else if let Some(t) = job {
+            // Registered again: its devices start from nothing.
+            self.jobs.used(t, old_used, 0);
         }
         for g in old_devs {
             self.gpus[g].sched.remove_client(now, id);
+            self.unname(g, uid);
         }
         let mut devs: Vec<ClientDev> = Vec::new();
-        for d in devices.iter().take(64) {
+        for d in devices.iter().take(MAX_DEVICES) {
             let g = self.gpu_by_uuid(&d.uuid, d.mem_total);
             if devs.iter().any(|x| x.gpu == g) {
                 continue;
             }
+            self.name_gpu(g, uid);
             // Put in the GPU's scheduler by `enforce` below, with its
             // unit's settings.
             devs.push(ClientDev {
@@ -321,13 +318,13 @@ impl Broker {
         let mem_cap = j.and_then(|j| j.mem_cap).unwrap_or(0);
         let job_pid = j.map(|j| j.pid);
         lower_caps(&mut devs, mem_cap);
-        let uid = self.conns[&id].peer.uid;
         let log = self.may_log(uid);
         let c = self.conns.get_mut(&id).expect("looked up above");
         // A job is named by its run's pid: the token is a secret. The
-        // command is escaped (`clip`): it cannot forge a line.
+        // command is escaped (`clip`) and quoted: it can forge neither a
+        // line nor a field.
         if log {
-            info!(pid = c.peer.pid, uid = c.peer.uid, command = %c.command, devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
+            info!(pid = c.peer.pid, uid = c.peer.uid, command = %Quoted(&c.command), devices = devs.len(), ?share, ?limit, %priority, job = ?job_pid, "registered");
         }
         if let Some(s) = c.shim_mut() {
             s.devices = devs;
@@ -342,29 +339,135 @@ impl Broker {
     /// daemonised child stays below it; a pid reused by another process
     /// is not the run), whatever its environment says; else the job whose
     /// token it holds, if the rules let it join by token.
-    fn job_of(&self, c: &Conn) -> Option<u64> {
+    /// Also says how many processes' /proc entries it read (at most 64:
+    /// `ancestry`), each looked up among the jobs by its pid and start
+    /// time at once.
+    fn job_of(&self, c: &Conn) -> (Option<u64>, usize) {
         let chain = ancestry(self.procs.as_ref(), c.peer.pid);
+        let looked_at = chain.len();
         // The pid's ancestry is the connection's only while the pid still
         // names the process accepted: after it died, the pid (and so the
         // ancestry) may be a victim's, whose job this is not.
         let same = c.peer.start_time.is_some()
             && chain.first().map(|&(_, s)| s) == Some(c.peer.start_time);
-        let by_ancestry = chain.into_iter().filter(|_| same).find_map(|(p, start)| {
-            self.jobs
-                .iter()
-                .find(|(_, j)| j.pid == p && Some(j.start_time) == start)
-                .map(|(&t, _)| t)
-        });
+        let by_ancestry = chain
+            .into_iter()
+            .filter(|_| same)
+            .find_map(|(p, start)| self.jobs.run_by(p, start?));
         // The token is random and only in the job's environment, so
         // holding it is the proof; the rules say whose processes may use
         // it (a leaked token does not hand another user's job to anyone).
-        by_ancestry.or_else(|| {
+        let job = by_ancestry.or_else(|| {
             c.shim().and_then(|s| s.claimed_job).filter(|t| {
                 self.jobs
                     .get(t)
                     .is_some_and(|j| self.cfg.policy.may_join(&c.peer, j))
             })
-        })
+        });
+        (job, looked_at)
+    }
+
+    /// Whether `id`'s process may name these GPUs: only GPUs this node has
+    /// when the broker found its GPUs itself (a client inventing UUIDs once
+    /// grew the broker by 400 MB and broke status for everyone); without a
+    /// driver, GPUs learnt from clients, at most `LEARNED_GPUS_PER_USER`
+    /// named by one user's processes at once, so that one user's made-up
+    /// UUIDs take only that user's room. Else why not.
+    fn may_name(&self, id: ConnId, devices: &[wire::DeviceReg]) -> Result<(), String> {
+        let Some(c) = self.conns.get(&id) else {
+            return Ok(());
+        };
+        let uid = c.peer.uid;
+        let mine: Vec<usize> = c.devices().iter().map(|d| d.gpu).collect();
+        let found = |u: &[u8; 16]| self.gpus.iter().position(|g| &g.uuid == u && !g.vacant());
+        let mut asked: Vec<[u8; 16]> = Vec::new();
+        for d in devices.iter().take(MAX_DEVICES) {
+            if !asked.contains(&d.uuid) {
+                asked.push(d.uuid);
+            }
+        }
+        let learned = |i: usize| self.gpus[i].learned.is_some();
+        if self.discovered {
+            let unknown: Vec<String> = asked
+                .iter()
+                .filter(|u| found(u).is_none_or(learned))
+                .map(uuid_string)
+                .collect();
+            if unknown.is_empty() {
+                return Ok(());
+            }
+            let known: Vec<&str> = self
+                .gpus
+                .iter()
+                .filter(|g| g.learned.is_none())
+                .map(|g| g.uuid_str.as_str())
+                .collect();
+            return Err(format!(
+                "this broker does not manage {} (it manages: {}); \
+                 run the process where the broker sees its GPUs, or with GPUFRAC_BROKER=off",
+                unknown.join(", "),
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            ));
+        }
+        // Learnt GPUs this user's other processes name, and those this
+        // registration would add.
+        let named_elsewhere = |i: usize| {
+            self.gpus[i]
+                .learned
+                .as_ref()
+                .is_some_and(|m| m.get(&uid).copied().unwrap_or(0) > u32::from(mine.contains(&i)))
+        };
+        let before = (0..self.gpus.len()).filter(|&i| named_elsewhere(i)).count();
+        let added = asked
+            .iter()
+            .filter(|u| match found(u) {
+                Some(i) => learned(i) && !named_elsewhere(i),
+                None => true,
+            })
+            .count();
+        if before + added > LEARNED_GPUS_PER_USER {
+            return Err(format!(
+                "this broker found no GPU itself and arbitrates the GPUs its clients name, at most \
+                 {LEARNED_GPUS_PER_USER} for one user's processes at once; user {uid}'s would name {}; \
+                 register fewer GPUs (CUDA_VISIBLE_DEVICES), or run with GPUFRAC_BROKER=off",
+                before + added
+            ));
+        }
+        Ok(())
+    }
+
+    /// A learnt GPU is named by one more registered process of `uid`.
+    fn name_gpu(&mut self, g: usize, uid: u32) {
+        if let Some(m) = self.gpus[g].learned.as_mut() {
+            *m.entry(uid).or_insert(0) += 1;
+        }
+    }
+
+    /// A process of `uid` no longer names GPU `g`: a learnt GPU no process
+    /// names is forgotten (its entry vacant, for the next one learnt).
+    pub(super) fn unname(&mut self, g: usize, uid: u32) {
+        if let Some(m) = self.gpus[g].learned.as_mut()
+            && let Some(n) = m.get_mut(&uid)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&uid);
+            }
+        }
+    }
+
+    /// `id` no longer claims job `token`'s membership by its token.
+    pub(super) fn unclaim(&mut self, token: u64, id: ConnId) {
+        if let Some(ids) = self.claims.get_mut(&token) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.claims.remove(&token);
+            }
+        }
     }
 
     /// Puts a process in its unit's scheduler group with the unit's
@@ -433,6 +536,10 @@ impl Broker {
     pub(super) fn forget_client(&mut self, now: Nanos, id: ConnId, c: Conn) {
         for d in c.devices() {
             self.gpus[d.gpu].sched.remove_client(now, id);
+            self.unname(d.gpu, c.peer.uid);
+        }
+        if let Some(t) = c.shim().and_then(|s| s.claimed_job) {
+            self.unclaim(t, id);
         }
         if let Some(t) = c.job()
             && self.jobs.run(&t) == Some(id)
@@ -440,7 +547,7 @@ impl Broker {
             self.end_job(now, t);
         }
         if (!c.devices().is_empty() || c.job().is_some()) && self.may_log(c.peer.uid) {
-            info!(pid = c.peer.pid, command = %c.command, "client gone");
+            info!(pid = c.peer.pid, uid = c.peer.uid, command = %Quoted(&c.command), "client gone");
         }
     }
 }

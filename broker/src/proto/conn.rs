@@ -77,15 +77,22 @@ pub(super) struct Conn {
     /// a CLI connection never holds a process's state and a shim's never
     /// holds a lease.
     pub role: RoleState,
-    /// The process's command line (a shim's), or its job's label (a
-    /// CLI's lease), escaped and cut to the label budget.
+    /// The command line its process sent (a shim's `Register`), or its
+    /// job's label (a CLI's lease), escaped and cut to the label budget.
     pub command: String,
-    /// The command line was looked up (once, when first needed: an
-    /// accept must not cost a read of /proc/PID/cmdline).
-    pub command_read: bool,
-    /// Input handling stopped at its per-turn frame budget with whole
+    /// Input handling stopped at its user's part of the turn with whole
     /// frames possibly left in `inbuf`: served again next turn.
     pub more: bool,
+    /// The socket may hold bytes not read yet (the poll said so, and no
+    /// read has found it empty since).
+    pub readable: bool,
+    /// Past a deadline (no hello, half a frame): closed at its next serve
+    /// if, with what its socket holds read, it still is.
+    pub overdue: bool,
+    /// The broker revoked a grant of its process and awaits the answer
+    /// (its GPU is kept for it only for a moment): when its socket is
+    /// readable, it is served ahead of the round.
+    pub awaited: bool,
     pub dead: bool,
 }
 
@@ -147,7 +154,9 @@ impl RoleState {
 }
 
 impl Conn {
-    pub fn new(peer: Peer, now: Nanos, command: String) -> Conn {
+    /// A connection just accepted: whatever its peer sent before the
+    /// accept is still to be read.
+    pub fn new(peer: Peer, now: Nanos) -> Conn {
         Conn {
             peer,
             opened: now,
@@ -155,9 +164,11 @@ impl Conn {
             inbuf: Vec::new(),
             outbuf: Vec::new(),
             role: RoleState::Greeting,
-            command,
-            command_read: false,
+            command: String::new(),
             more: false,
+            readable: true,
+            overdue: false,
+            awaited: false,
             dead: false,
         }
     }
@@ -220,51 +231,93 @@ impl Conn {
     }
 }
 
-/// `s` escaped (`escape`), then cut to at most `max` bytes at a
-/// character boundary, with an ellipsis when cut: what a user sends is
-/// kept, shown and logged only in this form.
-pub fn clip(s: &str, max: usize) -> String {
-    let s = escape(s);
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max.saturating_sub('…'.len_utf8());
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
-}
-
-/// `s` with nothing in it that could forge or disguise a line of a log or
-/// of status: newline, carriage return and tab become the two characters
-/// `\n`, `\r`, `\t`; other ASCII controls and DEL `\xNN`; C1 controls
-/// and the bidirectional overrides that reorder what a terminal shows
-/// `\u{NNNN}`; a backslash is doubled, so that an escape cannot be
-/// typed in. Everything a user sends that reaches a log line or status
-/// text goes through it (SECURITY.md, invariant 6).
-pub fn escape(s: &str) -> String {
-    if !s.chars().any(needs_escape) {
-        return s.to_owned();
-    }
-    let mut out = String::with_capacity(s.len() + 8);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_ascii_control() => out.push_str(&format!("\\x{:02x}", c as u32)),
-            c if needs_escape(c) => out.push_str(&format!("\\u{{{:04x}}}", c as u32)),
-            c => out.push(c),
+/// `s` escaped, and cut to at most `max` bytes, with an ellipsis when cut:
+/// what a user sends is kept, shown and logged only in this form. The
+/// escaping stops at the limit: it reads at most `max + 1` characters of
+/// `s`, whatever its length (64 KiB of control characters once cost a
+/// `Name` frame 256 KiB of escapes, each a small allocation, before the
+/// cut), and it never cuts an escape in two. Returns the text and the
+/// bytes of `s` it read (the work it did).
+pub fn clip_counted(s: &str, max: usize) -> (String, usize) {
+    let keep = max.saturating_sub('…'.len_utf8());
+    let mut out = String::with_capacity(s.len().min(max));
+    // `out`'s length after the last escape that left room for the
+    // ellipsis: where a cut goes.
+    let mut cut = 0;
+    for (at, c) in s.char_indices() {
+        push_escaped(&mut out, c);
+        if out.len() > max {
+            out.truncate(cut);
+            out.push('…');
+            return (out, at + c.len_utf8());
+        }
+        if out.len() <= keep {
+            cut = out.len();
         }
     }
-    out
+    (out, s.len())
+}
+
+/// `clip_counted`'s text.
+pub fn clip(s: &str, max: usize) -> String {
+    clip_counted(s, max).0
+}
+
+/// `c` as kept in what a user sends: newline, carriage return and tab
+/// become the two characters `\n`, `\r`, `\t`; other ASCII controls and
+/// DEL `\xNN`; C1 controls and the bidirectional overrides that reorder
+/// what a terminal shows `\u{NNNN}`; a backslash is doubled, so that an
+/// escape cannot be typed in. Nothing in the result can forge or disguise
+/// a line of a log or of status (SECURITY.md, invariant 6).
+fn push_escaped(out: &mut String, c: char) {
+    use std::fmt::Write;
+    match c {
+        '\\' => out.push_str("\\\\"),
+        '\n' => out.push_str("\\n"),
+        '\r' => out.push_str("\\r"),
+        '\t' => out.push_str("\\t"),
+        c if c.is_ascii_control() => {
+            let _ = write!(out, "\\x{:02x}", c as u32);
+        }
+        c if needs_escape(c) => {
+            let _ = write!(out, "\\u{{{:04x}}}", c as u32);
+        }
+        c => out.push(c),
+    }
 }
 
 fn needs_escape(c: char) -> bool {
     c == '\\'
         || c.is_control()
         || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// A field a user chose (a command, a label, a pod's name), already
+/// clipped, as a log line shows it: in double quotes, a quote inside as
+/// `\"`. A structured log line then reads as its fields: `uid=0 pid=1` in
+/// an argv stays inside the command's quotes (clipped text holds no
+/// control character, and its backslashes are doubled, so the quoting
+/// cannot be undone from inside).
+pub struct Quoted<'a>(pub &'a str);
+
+impl std::fmt::Display for Quoted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use std::fmt::Write;
+        f.write_char('"')?;
+        for (i, part) in self.0.split('"').enumerate() {
+            if i > 0 {
+                f.write_str("\\\"")?;
+            }
+            f.write_str(part)?;
+        }
+        f.write_char('"')
+    }
+}
+
+impl std::fmt::Debug for Quoted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 /// A token bucket in virtual time: `cap` at once, then one per `every`.
@@ -303,6 +356,13 @@ impl Bucket {
         true
     }
 
+    /// Whether it has one to give at `now`.
+    pub fn has(&self, now: Nanos, cap: u32, every: Nanos) -> bool {
+        let mut b = *self;
+        b.refill(now, cap, every);
+        b.tokens > 0
+    }
+
     /// Whether it is full at `now` (then it can be forgotten).
     pub fn is_full(&self, now: Nanos, cap: u32, every: Nanos) -> bool {
         let mut b = *self;
@@ -320,6 +380,10 @@ impl Bucket {
 mod tests {
     use super::*;
 
+    fn escape(s: &str) -> String {
+        clip(s, usize::MAX)
+    }
+
     #[test]
     fn escaped_text_holds_no_control_character() {
         assert_eq!(escape("python train.py"), "python train.py");
@@ -329,9 +393,37 @@ mod tests {
         );
         assert_eq!(escape("\u{202e}gpj.exe\u{85}"), "\\u{202e}gpj.exe\\u{0085}");
         assert_eq!(escape("é ü 日本"), "é ü 日本");
-        // Clipping never cuts an escape into a control character.
+        // Clipping never cuts an escape into a control character, nor in
+        // two.
         let c = clip(&"\n".repeat(300), 256);
         assert!(c.len() <= 256 && !c.contains('\n'), "{c}");
+        assert_eq!(c, format!("{}…", "\\n".repeat(126)));
+        let c = clip(&"\u{1}".repeat(300), 16);
+        assert_eq!(c, "\\x01\\x01\\x01…");
+    }
+
+    /// The attack: a `Name` of 64 KiB of control characters was escaped
+    /// whole (256 KiB of escapes, a small allocation each) and then cut to
+    /// 256 bytes. The escaping now stops at its output limit.
+    #[test]
+    fn escaping_reads_no_further_than_its_output_limit() {
+        for big in [
+            "\u{1}".repeat(64 << 10),
+            "x".repeat(2 << 20),
+            "é".repeat(1 << 20),
+        ] {
+            let (text, read) = clip_counted(&big, 256);
+            assert!(text.len() <= 256, "{}", text.len());
+            assert!(read <= 257 * 2, "read {read} bytes of {}", big.len());
+        }
+        assert_eq!(clip_counted("short", 256), ("short".into(), 5));
+    }
+
+    #[test]
+    fn quoted_fields_keep_to_their_quotes() {
+        assert_eq!(Quoted("python x").to_string(), "\"python x\"");
+        let q = Quoted(&clip("a\" uid=0 pid=1 \\\"", 256)).to_string();
+        assert_eq!(q, "\"a\\\" uid=0 pid=1 \\\\\\\"\"");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! ends meanwhile (the instance is released once made), so it is kept by
 //! lease in `Broker::making`.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::{ConnId, Nanos};
 use crate::jobs::Job;
@@ -27,17 +27,39 @@ pub(super) struct Entry {
     /// Connections of its processes (`Conn::member_of` says the same from
     /// the other side).
     pub members: BTreeSet<ConnId>,
+    /// GPU time of processes that have left it, ns (those still in it are
+    /// asked of the schedulers at its end).
+    pub gpu_ns: u64,
+    /// Device memory its processes report using now, together, and the
+    /// most they have reported at once: its end line says the peak.
+    pub used: u64,
+    pub peak: u64,
 }
 
+/// Jobs by token, with two indexes kept beside them, so that no lookup a
+/// client's message makes walks every job: by the run's process (pid and
+/// start time, what a registration's ancestry is matched against) and by
+/// user (what a lease's budget counts).
 #[derive(Debug, Default)]
 pub(super) struct Jobs {
     entries: BTreeMap<u64, Entry>,
+    by_run: HashMap<(u32, u64), BTreeSet<u64>>,
+    by_uid: HashMap<u32, BTreeSet<u64>>,
 }
 
 impl Jobs {
     /// A new job, with nothing else known of it yet.
     pub fn insert(&mut self, job: Job) {
         let token = job.token;
+        if let Some(old) = self.end(token) {
+            // Never reached: tokens are unique. Kept consistent all the same.
+            debug_assert!(false, "job {} inserted twice", old.job.pid);
+        }
+        self.by_run
+            .entry((job.pid, job.start_time))
+            .or_default()
+            .insert(token);
+        self.by_uid.entry(job.uid).or_default().insert(token);
         self.entries.insert(
             token,
             Entry {
@@ -46,13 +68,63 @@ impl Jobs {
                 leased_at: None,
                 undelivered: None,
                 members: BTreeSet::new(),
+                gpu_ns: 0,
+                used: 0,
+                peak: 0,
             },
         );
     }
 
     /// The job is over: everything kept of it, gone at once.
     pub fn end(&mut self, token: u64) -> Option<Entry> {
-        self.entries.remove(&token)
+        let e = self.entries.remove(&token)?;
+        let run = (e.job.pid, e.job.start_time);
+        if let Some(t) = self.by_run.get_mut(&run) {
+            t.remove(&token);
+            if t.is_empty() {
+                self.by_run.remove(&run);
+            }
+        }
+        if let Some(t) = self.by_uid.get_mut(&e.job.uid) {
+            t.remove(&token);
+            if t.is_empty() {
+                self.by_uid.remove(&e.job.uid);
+            }
+        }
+        Some(e)
+    }
+
+    /// The job whose run is this process (the first by token, if one
+    /// process runs several).
+    pub fn run_by(&self, pid: u32, start_time: u64) -> Option<u64> {
+        self.by_run
+            .get(&(pid, start_time))
+            .and_then(|t| t.first().copied())
+    }
+
+    /// User `uid`'s jobs.
+    pub fn of_user(&self, uid: u32) -> impl Iterator<Item = &Job> {
+        self.by_uid
+            .get(&uid)
+            .into_iter()
+            .flatten()
+            .filter_map(|t| self.get(t))
+    }
+
+    /// The connections of the job's processes.
+    pub fn members(&self, token: &u64) -> impl Iterator<Item = ConnId> + '_ {
+        self.entries
+            .get(token)
+            .into_iter()
+            .flat_map(|e| e.members.iter().copied())
+    }
+
+    /// Its processes' memory in use went from `old` to `new` bytes.
+    pub fn used(&mut self, token: u64, old: u64, new: u64) {
+        if let Some(e) = self.entries.get_mut(&token) {
+            e.used = e.used.saturating_sub(old).saturating_add(new);
+            e.peak = e.peak.max(e.used);
+        }
     }
 
     pub fn get(&self, token: &u64) -> Option<&Job> {
@@ -140,15 +212,24 @@ impl Jobs {
         ready.into_iter().map(|(_, t)| t).collect()
     }
 
-    pub fn join(&mut self, token: u64, id: ConnId) {
-        if let Some(e) = self.entries.get_mut(&token) {
-            e.members.insert(id);
+    /// Process `id`, using `used` bytes now, joins the job.
+    pub fn join(&mut self, token: u64, id: ConnId, used: u64) {
+        if let Some(e) = self.entries.get_mut(&token)
+            && e.members.insert(id)
+        {
+            e.used = e.used.saturating_add(used);
+            e.peak = e.peak.max(e.used);
         }
     }
 
-    pub fn leave(&mut self, token: u64, id: ConnId) {
-        if let Some(e) = self.entries.get_mut(&token) {
-            e.members.remove(&id);
+    /// Process `id` leaves the job, having used `gpu_ns` of GPU time in it
+    /// and using `used` bytes now.
+    pub fn leave(&mut self, token: u64, id: ConnId, gpu_ns: u64, used: u64) {
+        if let Some(e) = self.entries.get_mut(&token)
+            && e.members.remove(&id)
+        {
+            e.gpu_ns = e.gpu_ns.saturating_add(gpu_ns);
+            e.used = e.used.saturating_sub(used);
         }
     }
 }

@@ -5,10 +5,11 @@
 
 use gpufrac_common::size::format_size;
 use gpufrac_common::wire::{self, LeaseReq, ServerMsg};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::clients::lower_caps;
-use super::{Broker, ConnId, MigDone, Nanos, Work, clip};
+use super::conn::Quoted;
+use super::{Broker, ConnId, MigDone, Nanos, Work};
 use crate::jobs::{Job, Phase};
 use crate::mig;
 use crate::queue::{self, Pinned, Want};
@@ -17,7 +18,9 @@ use crate::stats::Refusal;
 use gpufrac_common::wire::uuid_string;
 
 /// A pod's `namespace/name`: 63 and 253 characters at most in Kubernetes.
-const MAX_POD: usize = 320;
+pub(super) const MAX_POD: usize = 320;
+/// GPUs and MIG devices a lease may pin: far above any node's.
+const MAX_PINS: usize = 256;
 
 /// A MIG lease whose instance is being made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,14 +70,26 @@ impl Broker {
             .policy
             .lease(&peer, pinned, a.token != 0, a.priority)
         {
-            self.warn_limited(format_args!(
-                "refused a lease from pid {} (uid {}): {reason}",
-                peer.pid, peer.uid
-            ));
+            self.warn_uid(
+                peer.uid,
+                format_args!(
+                    "refused a lease from pid {} (uid {}): {reason}",
+                    peer.pid, peer.uid
+                ),
+            );
             return self.refuse_as(id, Refusal::NotAllowed, reason);
         }
         if a.resume != 0 {
             return self.resume_job(now, id, a);
+        }
+        if a.pin.len() > MAX_PINS {
+            return self.refuse(
+                id,
+                format!(
+                    "a lease pins at most {MAX_PINS} GPUs or MIG devices; this one named {}",
+                    a.pin.len()
+                ),
+            );
         }
         if a.token != 0 && self.jobs.contains_key(&a.token) {
             return self.refuse(
@@ -97,7 +112,6 @@ impl Broker {
         let Some(start_time) = peer.start_time else {
             return self.refuse(id, "cannot identify the requesting process");
         };
-        self.look_up_command(id);
         let token = match a.token {
             0 => self.new_token(),
             t => t,
@@ -136,6 +150,15 @@ impl Broker {
                 Ok(()) => {
                     let mut job = job;
                     job.phase = Phase::Queued { since: now };
+                    if self.may_log(peer.uid) {
+                        info!(
+                            pid = job.pid,
+                            uid = job.uid,
+                            command = %Quoted(&job.label),
+                            wants = ?job.want.as_ref().map(describe).unwrap_or_default(),
+                            "lease queued"
+                        );
+                    }
                     self.attach_job(now, id, job);
                     if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
                         c.queued = Some(0);
@@ -153,7 +176,7 @@ impl Broker {
         if !self.cfg.policy.counted(peer) {
             return Ok(());
         }
-        let mine = self.jobs.values().filter(|j| j.uid == peer.uid);
+        let mine = self.jobs.of_user(peer.uid);
         let (all, queued) = mine.fold((0, 0), |(a, q), j| {
             (
                 a + 1,
@@ -179,7 +202,8 @@ impl Broker {
     }
 
     /// The job a `Lease` asks for, its values clamped and cut to size.
-    fn job_for(&self, id: ConnId, a: &LeaseReq, token: u64, start_time: u64) -> Job {
+    fn job_for(&mut self, id: ConnId, a: &LeaseReq, token: u64, start_time: u64) -> Job {
+        let label = self.clip(&a.command, self.cfg.budgets.label);
         let c = &self.conns[&id];
         let pin: Vec<Pinned> = a
             .pin
@@ -194,11 +218,6 @@ impl Broker {
             (0, 0) => None,
             (0, b) => Some(Want::Memory(b)),
             (n, _) => Some(Want::Gpus(n)),
-        };
-        let label = if a.command.is_empty() {
-            c.command.clone()
-        } else {
-            clip(&a.command, self.cfg.budgets.label)
         };
         Job {
             token,
@@ -237,10 +256,15 @@ impl Broker {
                 },
             );
         };
-        let label = clip(&label, self.cfg.budgets.label);
-        let pod = Some(clip(&pod, MAX_POD)).filter(|p| !p.is_empty());
-        if let Some(c) = self.conns.get_mut(&id) {
-            c.command = label.clone();
+        let label = self.clip(&label, self.cfg.budgets.label);
+        let pod = Some(self.clip(&pod, MAX_POD)).filter(|p| !p.is_empty());
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        c.command = label.clone();
+        let (pid, uid) = (c.peer.pid, c.peer.uid);
+        if self.may_log(uid) {
+            info!(pid, uid, label = %Quoted(&label), pod = %Quoted(pod.as_deref().unwrap_or("")), "lease named");
         }
         self.queue_mut().relabel(t, &label, pod.as_deref());
         if let Some(j) = self.jobs.get_mut(&t) {
@@ -289,10 +313,14 @@ impl Broker {
         };
         let mem_cap = j.mem_cap.unwrap_or(0);
         let policy = &self.cfg.policy;
-        let who: Vec<ConnId> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| {
+        // Its members and the processes that sent its token: not every
+        // connection.
+        let claimed = self.claims.get(&token).into_iter().flatten().copied();
+        let mut who: Vec<ConnId> = self.jobs.members(&token).chain(claimed).collect();
+        who.sort_unstable();
+        who.dedup();
+        who.retain(|t| {
+            self.conns.get(t).is_some_and(|c| {
                 c.shim().is_some_and(|s| {
                     s.registered
                         && (s.member_of == Some(token)
@@ -301,12 +329,12 @@ impl Broker {
                                 && policy.may_join(&c.peer, j)))
                 })
             })
-            .map(|(&t, _)| t)
-            .collect();
+        });
         for t in who {
             if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
                 s.member_of = Some(token);
-                self.jobs.join(token, t);
+                let used = s.devices.iter().map(|d| d.used).sum();
+                self.jobs.join(token, t, used);
                 lower_caps(&mut s.devices, mem_cap);
             }
             if mem_cap > 0 {
@@ -381,7 +409,9 @@ impl Broker {
         else {
             return;
         };
-        info!(pid, "gpufrac run reclaimed its job");
+        if self.may_log(peer.uid) {
+            info!(pid, uid = peer.uid, "gpufrac run reclaimed its job");
+        }
         if let Some(c) = self.conns.get_mut(&id) {
             c.command = label;
             if let Some(cli) = c.cli_mut() {
@@ -434,12 +464,14 @@ impl Broker {
         };
         match restored {
             Ok((lease, mig)) => {
-                warn!(
-                    pid = job.pid,
-                    uid = job.uid,
-                    gpus = ?lease.gpus,
-                    "recovery: booked a running job's lease as it claimed it"
-                );
+                if self.may_log(job.uid) {
+                    warn!(
+                        pid = job.pid,
+                        uid = job.uid,
+                        gpus = ?lease.gpus,
+                        "recovery: booked a running job's lease as it claimed it"
+                    );
+                }
                 let mut job = job;
                 job.phase = Phase::Running {
                     gpus: lease.gpus.clone(),
@@ -459,7 +491,10 @@ impl Broker {
             // Released when its instance is made (or not).
             m.abandoned = true;
         } else {
-            if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone()) {
+            let uid = self.jobs.get(&token).map(|j| j.uid);
+            if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone())
+                && uid.is_none_or(|u| self.may_log(u))
+            {
                 info!(
                     gpu = a.gpu,
                     gi = ?a.gi,
@@ -470,6 +505,15 @@ impl Broker {
             self.queue_mut().cancel(now, token);
             self.queue_mut().release(now, token);
         }
+        // What its processes still in it used of the GPUs, asked of the
+        // schedulers before they leave it.
+        let members: Vec<ConnId> = self.jobs.members(&token).collect();
+        let gpus: Vec<usize> = members
+            .iter()
+            .filter_map(|id| self.conns.get(id))
+            .flat_map(|c| c.devices().iter().map(|d| d.gpu))
+            .collect();
+        let gpu_ns = self.gpu_time(now, &members, gpus);
         if let Some(e) = self.jobs.end(token) {
             let j = e.job;
             self.changed();
@@ -479,8 +523,40 @@ impl Broker {
                 }
                 self.enforce(now, t);
             }
-            debug!(pid = j.pid, "job ended");
+            if self.may_log(j.uid) {
+                let held = e.leased_at.map(|t| now.saturating_sub(t));
+                info!(
+                    pid = j.pid,
+                    uid = j.uid,
+                    command = %Quoted(&j.label),
+                    held_s = %held.map(|h| format!("{:.1}", h as f64 / 1e9)).unwrap_or_else(|| "-".into()),
+                    gpu_s = %format!("{:.2}", (e.gpu_ns + gpu_ns) as f64 / 1e9),
+                    peak = ?format_size(e.peak),
+                    "lease ended"
+                );
+            }
         }
+    }
+
+    /// GPU time these processes have used on these GPUs, together, as
+    /// their schedulers charged it: each GPU's processes walked once (when
+    /// a job's process leaves it or the job ends, never for a frame).
+    pub(super) fn gpu_time(
+        &self,
+        now: Nanos,
+        ids: &[ConnId],
+        gpus: impl IntoIterator<Item = usize>,
+    ) -> u64 {
+        let mut gpus: Vec<usize> = gpus.into_iter().collect();
+        gpus.sort_unstable();
+        gpus.dedup();
+        let ids: std::collections::HashSet<ConnId> = ids.iter().copied().collect();
+        gpus.into_iter()
+            .filter_map(|g| self.gpus.get(g))
+            .flat_map(|g| g.sched.status(now))
+            .filter(|s| ids.contains(&s.client))
+            .map(|s| s.gpu_time)
+            .sum()
     }
 
     /// A lease the queue placed (from the queue, or `--no-wait` on
@@ -509,14 +585,31 @@ impl Broker {
     fn granted(&mut self, now: Nanos, lease: queue::Lease) {
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
         if let Some(j) = self.jobs.get_mut(&lease.id) {
-            if let Phase::Queued { since } = j.phase {
-                self.stats.queue_waited(now.saturating_sub(since));
-            }
+            let waited = match j.phase {
+                Phase::Queued { since } => {
+                    let waited = now.saturating_sub(since);
+                    self.stats.queue_waited(waited);
+                    waited
+                }
+                _ => 0,
+            };
             j.phase = Phase::Running {
                 gpus: lease.gpus.clone(),
-                mig,
+                mig: mig.clone(),
             };
             j.mem_cap = lease.mem_cap;
+            let (pid, uid) = (j.pid, j.uid);
+            if self.may_log(uid) {
+                info!(
+                    pid,
+                    uid,
+                    gpus = ?lease.gpus,
+                    mem_cap = ?lease.mem_cap.map(format_size).unwrap_or_else(|| "-".into()),
+                    mig = %mig.as_deref().unwrap_or("-"),
+                    waited_s = %format!("{:.1}", waited as f64 / 1e9),
+                    "lease placed"
+                );
+            }
         }
         self.changed();
         self.rejoin(now, lease.id);
@@ -551,9 +644,6 @@ impl Broker {
             })
             .collect();
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
-        if let Some(c) = self.conns.get(&id) {
-            info!(pid = c.peer.pid, gpus = ?lease.gpus, mem_cap = ?lease.mem_cap, mig = ?mig, "lease granted");
-        }
         self.send(
             id,
             &ServerMsg::Leased {

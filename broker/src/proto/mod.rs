@@ -1,14 +1,17 @@
 //! The broker core, sans I/O (as quinn-proto is for quinn): connections'
 //! bytes, credentials and disconnections go in, with the time; replies,
 //! closes, timers and work for slow drivers come out. It owns the
-//! protocol (framing, handshake, dispatch), who may do what
-//! (`authority`), each user's budgets, jobs and their membership, leases
-//! and the queue, MIG as requests to the shell, the state to persist and
-//! status. /proc is behind a trait (`procs`). The shell
-//! (`server.rs`) only moves bytes, arms timers and runs the work it is
-//! given, so everything here is tested in virtual time (`tests/`).
+//! protocol (framing, handshake, dispatch), who is served when and for
+//! how much work (`turns`), who may do what (`authority`), each user's
+//! budgets, jobs and their membership, leases and the queue, MIG as
+//! requests to the shell, the state to persist and status. /proc is
+//! behind a trait (`procs`). The shell (`server.rs`) only says which
+//! sockets are readable, reads them when a turn asks, writes, arms timers
+//! and runs the work it is given, so everything here is tested in virtual
+//! time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its role's state, its budgets), `roles`
+//! Rooms: `conn` (a connection, its role's state, its budgets), `turns`
+//! (who is served next, and the work each user is charged), `roles`
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
@@ -21,6 +24,7 @@ mod conn;
 mod jobtable;
 mod leases;
 mod roles;
+mod turns;
 mod view;
 
 #[cfg(test)]
@@ -48,7 +52,11 @@ use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
 use conn::{Bucket, Conn, Held};
-pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, clip, escape};
+pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, Quoted, clip, clip_counted};
+pub use turns::{
+    Cost, FRAME_WORK, MIN_READ, PROC_READ_WORK, READ_CHUNK, Read, Sockets, WALK_WORK, WORK_PER_TURN,
+};
+use turns::{Served, Turns};
 
 /// Monotonic nanoseconds (`CLOCK_MONOTONIC`, which a broker restart does
 /// not reset, so queue ages survive one).
@@ -69,13 +77,19 @@ pub const SAVE_EVERY: Nanos = 100 * MS;
 const QUEUE_TICK: Nanos = 500 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
-/// Warnings a client can provoke are said at most this often.
+/// The broker's own warnings (a state file it cannot write) are said at
+/// most this often, each kind with a limiter of its own: no user's lines
+/// share it.
 pub const WARN_EVERY: Nanos = 10_000 * MS;
-/// GPUs the broker arbitrates for clients when it found none itself.
-const MAX_UNKNOWN_GPUS: usize = 16;
-/// Frames handled per connection per turn: a connection with more waits
-/// for the next turn, after every other ready connection has had its own.
-pub const FRAMES_PER_TURN: usize = 64;
+/// GPUs a broker that found none itself arbitrates for one user's
+/// processes (named by them at registration): a user's own made-up UUIDs
+/// take only that user's room, and an entry goes when no registered
+/// process names it any more.
+const LEARNED_GPUS_PER_USER: usize = 16;
+/// Bytes read from one connection per serve: a connection with more
+/// waits for the next turn, after every other ready connection of its user
+/// has had its own.
+pub const READ_PER_TURN: usize = 64 << 10;
 /// Status pages built for one user: this many at once, then one per
 /// `STATUS_EVERY`. A page costs a walk over every connection; a user
 /// asking faster waits (its other requests too, so replies keep their
@@ -88,14 +102,14 @@ const LOG_BURST: u32 = 64;
 const LOG_EVERY: Nanos = 100 * MS;
 
 /// What one user may still make the broker say and build: its log lines
-/// and warnings, its status pages. Kept apart from `Held` (which goes
+/// (every line a user's connections can cause, warnings included, from
+/// one budget) and its status pages. Kept apart from `Held` (which goes
 /// with the user's last connection) so that connecting anew does not
 /// refill it.
 #[derive(Debug)]
 struct Voice {
     lines: Bucket,
     held_back: u64,
-    warning: RateLimit,
     status: Bucket,
 }
 
@@ -104,7 +118,6 @@ impl Voice {
         Voice {
             lines: Bucket::full(LOG_BURST, now),
             held_back: 0,
-            warning: RateLimit::new(WARN_EVERY),
             status: Bucket::full(STATUS_BURST, now),
         }
     }
@@ -112,17 +125,14 @@ impl Voice {
     /// Nothing to remember: a fresh one would be the same.
     fn idle(&self, now: Nanos) -> bool {
         self.held_back == 0
-            && self
-                .warning
-                .last
-                .is_none_or(|t| now.saturating_sub(t) > WARN_EVERY)
             && self.lines.is_full(now, LOG_BURST, LOG_EVERY)
             && self.status.is_full(now, STATUS_BURST, STATUS_EVERY)
     }
 }
 
-/// Something said at most once per period: warnings a client (or a flood
-/// of them) can provoke must not flood the log too.
+/// Something said at most once per period: one of the broker's own
+/// warnings, which a failing disk or driver could otherwise repeat on
+/// every event.
 #[derive(Debug)]
 pub struct RateLimit {
     every: Nanos,
@@ -218,6 +228,19 @@ struct Gpu {
     /// A MIG instance (`--mig dynamic`): the index of its GPU and its GPU
     /// instance id.
     mig: Option<(u32, u32)>,
+    /// A GPU the broker did not find but learnt from its clients (a broker
+    /// without a driver): how many registered processes of each user name
+    /// it. Empty, the entry is vacant (shown nowhere, reused for the next
+    /// GPU learnt): what a client names is kept only while a process of its
+    /// names it.
+    learned: Option<HashMap<u32, u32>>,
+}
+
+impl Gpu {
+    /// A learnt GPU no registered process names any more.
+    fn vacant(&self) -> bool {
+        self.learned.as_ref().is_some_and(HashMap::is_empty)
+    }
 }
 
 /// The broker's decisions, in virtual time.
@@ -231,6 +254,9 @@ pub struct Broker {
     queue: Queue,
     /// Every job, by token, with everything kept of it.
     jobs: jobtable::Jobs,
+    /// Connections of processes that sent a job's token (`Join`), by
+    /// token: who may join a job when it comes to be.
+    claims: BTreeMap<u64, BTreeSet<ConnId>>,
     procs: Box<dyn Procs>,
     tokens: Tokens,
     /// The driver's view, as the shell last sampled it (`telemetry`).
@@ -249,16 +275,20 @@ pub struct Broker {
     /// After an untrusted state file: placements held until then, and why.
     recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
-    /// Connections past a deadline, for the shell to read once more before
-    /// `expire` decides: a deadline is the client's, not the time the
-    /// broker took to read what the client had already sent.
-    overdue: Vec<ConnId>,
-    warnings: RateLimit,
-    /// Per user: log lines, warnings and status pages it may still cause.
+    /// The state file could not be written: said at most every
+    /// `WARN_EVERY`, apart from every user's lines.
+    save_warning: RateLimit,
+    /// Per user: log lines and status pages it may still cause.
     voices: HashMap<u32, Voice>,
-    /// Connections whose held-back input may be handled again (a status
-    /// reply they waited for went out): the shell serves them next turn.
-    unblocked: Vec<ConnId>,
+    /// Connections with something to do, in their users' lines.
+    turns: Turns,
+    /// Work done so far, by kind: what turns are charged.
+    cost: Cost,
+    /// Frames of the connection being served are handled while `cost`
+    /// is below this (its user's part of the turn).
+    serve_until: u64,
+    /// One buffer for every read of a turn.
+    readbuf: Vec<u8>,
     /// What changed, kept as it changes so that each turn's work is
     /// proportional to it, not to every connection: connections closed
     /// (`dead`), with output waiting (`pending_output`), and holding a
@@ -274,8 +304,6 @@ pub struct Broker {
     /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
     /// idle MIG instances change with time alone).
     queue_dirty: bool,
-    /// Frames handled so far (`frames_handled`).
-    frames_handled: u64,
     /// What metrics count as it happens (`stats`).
     stats: Stats,
     queue_polled: Nanos,
@@ -321,6 +349,7 @@ impl Broker {
                     total_mem: g.total_mem,
                     sched: Scheduler::new(cfg.sched),
                     mig: None,
+                    learned: None,
                 })
                 .collect(),
             cfg,
@@ -329,6 +358,7 @@ impl Broker {
             discovered,
             queue,
             jobs: jobtable::Jobs::default(),
+            claims: BTreeMap::new(),
             procs,
             tokens,
             telemetry: Telemetry::default(),
@@ -341,16 +371,17 @@ impl Broker {
             making: BTreeMap::new(),
             recovery: None,
             last_sweep: now,
-            overdue: Vec::new(),
-            warnings: RateLimit::new(WARN_EVERY),
+            save_warning: RateLimit::new(WARN_EVERY),
             voices: HashMap::new(),
-            unblocked: Vec::new(),
+            turns: Turns::default(),
+            cost: Cost::default(),
+            serve_until: 0,
+            readbuf: Vec::new(),
             closing: BTreeSet::new(),
             unsent: BTreeSet::new(),
             status_held: BTreeSet::new(),
             unsettled: BTreeSet::new(),
             queue_dirty: true,
-            frames_handled: 0,
             stats: Stats::default(),
             queue_polled: now,
             history: history::Ring::new(cfg_leases + 2),
@@ -387,7 +418,7 @@ impl Broker {
         let live = self.live_mig_uuids();
         self.gpus
             .iter()
-            .filter(|g| g.mig.is_none() || live.contains(&g.uuid_str))
+            .filter(|g| !g.vacant() && (g.mig.is_none() || live.contains(&g.uuid_str)))
             .map(|g| g.uuid_str.clone())
             .collect()
     }
@@ -408,32 +439,25 @@ impl Broker {
         self.now
     }
 
-    /// A warning a client can provoke, at most every `WARN_EVERY`: a flood
-    /// must not also flood the log.
-    fn warn_limited(&mut self, msg: std::fmt::Arguments<'_>) {
-        if self.warnings.ready(self.now) {
-            warn!("{msg}");
-        }
-    }
-
     fn voice(&mut self, uid: u32) -> &mut Voice {
         let now = self.now;
         self.voices.entry(uid).or_insert_with(|| Voice::new(now))
     }
 
-    /// A warning user `uid`'s connections provoked, at most every
-    /// `WARN_EVERY` per user: one user's flood neither floods the log nor
+    /// A warning user `uid`'s connections provoked, within that user's log
+    /// budget (`may_log`): one user's flood neither floods the log nor
     /// silences the warnings about anyone else.
     pub(super) fn warn_uid(&mut self, uid: u32, msg: std::fmt::Arguments<'_>) {
-        let now = self.now;
-        if self.voice(uid).warning.ready(now) {
+        if self.may_log(uid) {
             warn!("{msg}");
         }
     }
 
     /// Whether a log line user `uid`'s connections caused may be written
-    /// now (its per-user line budget); lines held back are counted and
-    /// said with the next line let through.
+    /// now: every line a client can cause (registrations, refusals,
+    /// warnings, its leases' lines) takes one from its user's budget;
+    /// lines held back are counted and said with the next line let
+    /// through.
     pub(super) fn may_log(&mut self, uid: u32) -> bool {
         let now = self.now;
         let v = self.voice(uid);
@@ -444,38 +468,27 @@ impl Broker {
         let held = std::mem::take(&mut v.held_back);
         if held > 0 {
             tracing::info!(
-                "{held} log lines about uid {uid}'s connections were left out (its log budget)"
+                uid,
+                held,
+                "log lines about this user's connections were left out (its log budget)"
             );
         }
         true
     }
 
-    /// The command line of `id`'s process, looked up once, when first
-    /// needed (a registration, a lease), never at accept. Kept only if the
-    /// process still is the one accepted: else the pid is another's.
-    pub(super) fn look_up_command(&mut self, id: ConnId) {
-        let Some(c) = self.conns.get(&id) else {
-            return;
-        };
-        if c.command_read || !c.command.is_empty() {
-            return;
-        }
-        let (pid, start) = (c.peer.pid, c.peer.start_time);
-        let command = self.procs.cmdline(pid);
-        let same = start.is_some() && self.procs.start_time(pid) == start;
-        let label = self.cfg.budgets.label;
-        if let Some(c) = self.conns.get_mut(&id) {
-            c.command_read = true;
-            if same {
-                c.command = clip(&command, label);
-            }
-        }
+    /// `s`, text a user sent, escaped and cut to `max` bytes
+    /// (`clip_counted`), the escaping charged to the turn.
+    pub(super) fn clip(&mut self, s: &str, max: usize) -> String {
+        let (text, read) = clip_counted(s, max);
+        self.cost.escaped += read as u64;
+        text
     }
 
     /// A new connection from `peer`, as the shell found it at accept (its
     /// start time read while a pidfd held the process). It counts against
-    /// its user's connection budget from now on. Refused, with the frame to
-    /// say why, past that budget.
+    /// its user's connection budget from now on, and is read at its first
+    /// turn (whatever it sent before the accept). Refused, with the frame
+    /// to say why, past that budget.
     pub fn connect(&mut self, now: Nanos, id: ConnId, peer: Peer) -> Result<(), Vec<u8>> {
         let now = self.clock(now);
         let count = self.held.get(&peer.uid).map_or(0, |h| h.conns);
@@ -504,8 +517,10 @@ impl Broker {
         }
         self.held.entry(peer.uid).or_default().conns += 1;
         tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
-        self.conns.insert(id, Conn::new(peer, now, String::new()));
+        let uid = peer.uid;
+        self.conns.insert(id, Conn::new(peer, now));
         self.unsettled.insert(id);
+        self.turns.push(id, uid);
         Ok(())
     }
 
@@ -521,12 +536,147 @@ impl Broker {
         self.kill(id);
     }
 
+    /// The shell's poll says `id`'s socket has something for it (bytes, a
+    /// hangup, an error): it gets a turn.
+    pub fn readable(&mut self, id: ConnId) {
+        if let Some(c) = self.conns.get_mut(&id)
+            && !c.dead
+        {
+            c.readable = true;
+            if c.awaited {
+                self.turns.push_answer(id, c.peer.uid);
+            } else {
+                self.turns.push(id, c.peer.uid);
+            }
+        }
+    }
+
+    /// Whether a connection waits for a turn: the shell then runs the next
+    /// one at once, without waiting in its poll (it is edge-triggered, and
+    /// would not say again what it already said).
+    pub fn busy(&self) -> bool {
+        self.turns.busy()
+    }
+
+    /// One turn (`turns`): each user with a ready connection has its
+    /// connections served, within the user's part of the turn in work. A
+    /// connection served handles the frames it has left, or else has its
+    /// socket read through `io` (into the buffer given; `READ_CHUNK` at a
+    /// time, at most `READ_PER_TURN` a serve and no more than its user's
+    /// part has left) and what arrived handled, at the time `io` says
+    /// then. A connection past a deadline is read the same way before it
+    /// is closed: a deadline is the client's, not the time the broker took
+    /// to read what the client had already sent.
+    pub fn turn(&mut self, io: &mut impl Sockets) {
+        let mut turns = std::mem::take(&mut self.turns);
+        turns.run(|id, left| self.serve_within(io, id, left));
+        let later = std::mem::replace(&mut self.turns, turns);
+        self.turns.absorb(later);
+    }
+
+    /// Serves `id` once, within `left` units of work.
+    fn serve_within(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) -> Served {
+        let now = self.clock(io.now());
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.awaited = false;
+        }
+        let start = self.cost.units();
+        self.serve_until = start.saturating_add(left);
+        if self.has_frames(id)
+            || self
+                .conns
+                .get(&id)
+                .is_some_and(|c| c.status_wait().is_some())
+        {
+            self.frames(now, id);
+            self.pump(now);
+        } else {
+            self.read_from(io, id, left);
+        }
+        let now = self.clock(io.now());
+        self.settle_overdue(now, id);
+        Served {
+            work: self.cost.units() - start,
+            more: self.has_frames(id) || self.socket_has_more(id),
+        }
+    }
+
+    /// The socket may hold more for `id`, and it would take it.
+    fn socket_has_more(&self, id: ConnId) -> bool {
+        self.conns.get(&id).is_some_and(|c| c.readable) && self.wants_input(id)
+    }
+
+    /// Reads `id`'s socket through the shell's `read`, handling what
+    /// arrives, until the socket is drained, the connection stops taking
+    /// input (frames left for its next turn) or its part is read.
+    fn read_from(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) {
+        let mut buf = std::mem::take(&mut self.readbuf);
+        buf.resize(READ_CHUNK, 0);
+        let mut room = usize::try_from(left)
+            .unwrap_or(usize::MAX)
+            .clamp(MIN_READ, READ_PER_TURN);
+        while room > 0 && self.socket_has_more(id) {
+            let want = room.min(buf.len());
+            match io.read(id, &mut buf[..want]) {
+                Read::Bytes(n) if n > 0 => {
+                    let n = n.min(want);
+                    room -= n;
+                    let now = self.clock(io.now());
+                    self.take_in(now, id, &buf[..n]);
+                }
+                Read::WouldBlock => {
+                    if let Some(c) = self.conns.get_mut(&id) {
+                        c.readable = false;
+                    }
+                }
+                Read::Bytes(_) | Read::Closed => {
+                    if let Some(c) = self.conns.get_mut(&id) {
+                        c.readable = false;
+                    }
+                    self.kill(id);
+                }
+            }
+        }
+        self.readbuf = buf;
+    }
+
+    /// A connection the sweep found past a deadline, once what its socket
+    /// held has been read: closed if it still is past it. While its socket
+    /// or its held frames have more, it waits for its next serve.
+    fn settle_overdue(&mut self, now: Nanos, id: ConnId) {
+        let more = self.has_frames(id) || self.socket_has_more(id);
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        if !c.overdue || c.dead || more {
+            return;
+        }
+        c.overdue = false;
+        if let Some(why) = stalled(c, now) {
+            tracing::debug!(
+                pid = c.peer.pid,
+                uid = c.peer.uid,
+                why,
+                "closing a stalled connection"
+            );
+            c.dead = true;
+            self.closing.insert(id);
+        }
+    }
+
     /// Bytes that arrived on `id`. Frames are handled as they complete,
-    /// at most `FRAMES_PER_TURN` now (`serve` handles the rest, next
-    /// turn); what is left unhandled counts against its user's input
+    /// within one user's part of a turn in work (`serve` handles the
+    /// rest); what is left unhandled counts against its user's input
     /// budget, and a user past it loses the connection that went over.
+    /// (The shell's reads go through `turn`; this is for a caller that
+    /// reads itself.)
     pub fn input(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
         let now = self.clock(now);
+        self.serve_until = self.cost.units() + WORK_PER_TURN;
+        self.take_in(now, id, bytes);
+    }
+
+    fn take_in(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
@@ -548,33 +698,39 @@ impl Broker {
             return;
         }
         h.input += bytes.len();
+        self.cost.read += bytes.len() as u64;
         c.inbuf.extend_from_slice(bytes);
         self.frames(now, id);
         self.pump(now);
     }
 
-    /// Handles up to `FRAMES_PER_TURN` more of the frames `id` has sent
-    /// (after `input` or `serve` stopped at that budget, or a status reply
-    /// it waited for went out).
+    /// Handles more of the frames `id` has sent, within one user's part of
+    /// a turn (after `input` or a serve stopped there, or a status reply it
+    /// waited for may go out).
     pub fn serve(&mut self, now: Nanos, id: ConnId) {
         let now = self.clock(now);
+        self.serve_until = self.cost.units() + WORK_PER_TURN;
         self.frames(now, id);
         self.pump(now);
     }
 
-    /// Whether the shell should read more from `id`: everything it sent is
-    /// handled (or waits as half a frame). While it is not, the socket is
-    /// left alone, so the kernel's buffer, not the broker, holds the rest.
+    /// Whether `id` would read more: everything it sent is handled (or
+    /// waits as half a frame). While it is not, the socket is left alone,
+    /// so the kernel's buffer, not the broker, holds the rest.
     pub fn wants_input(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
             .is_some_and(|c| !c.dead && !c.more && c.status_wait().is_none())
     }
 
-    /// Frames handled since the broker started: what the shell charges a
-    /// user's turn with.
+    /// Frames handled since the broker started.
     pub fn frames_handled(&self) -> u64 {
-        self.frames_handled
+        self.cost.frames
+    }
+
+    /// The work done since the broker started, by kind (`turns::Cost`).
+    pub fn cost(&self) -> Cost {
+        self.cost
     }
 
     /// Grant latencies, queue waits and refusals so far, for metrics.
@@ -587,12 +743,6 @@ impl Broker {
         self.conns
             .get(&id)
             .is_some_and(|c| !c.dead && c.more && c.status_wait().is_none())
-    }
-
-    /// Connections that waited for a status reply and got it: their input
-    /// may be handled again.
-    pub fn take_unblocked(&mut self) -> Vec<ConnId> {
-        std::mem::take(&mut self.unblocked)
     }
 
     /// Handles `id`'s frames; a connection's hello and half frames change
@@ -609,39 +759,45 @@ impl Broker {
         }
     }
 
+    /// Handles whole frames from the front of `id`'s input while the work
+    /// done stays below `serve_until` (the first always), a held status
+    /// request first. Frames are read in place and their bytes dropped
+    /// once, at the end: dropping each frame's bytes from the front of
+    /// the buffer moved everything behind it, per frame.
     fn handle_frames(&mut self, now: Nanos, id: ConnId) {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
         let uid = c.peer.uid;
         c.more = false;
-        let mut handled = 0;
+        if let Some(from) = c.status_wait()
+            && !self.answer_status(now, id, from)
+        {
+            return;
+        }
+        let mut start = 0;
+        let mut first = true;
         loop {
             let Some(c) = self.conns.get_mut(&id) else {
                 return;
             };
-            if c.dead || c.inbuf.is_empty() || c.status_wait().is_some() {
-                if c.inbuf.is_empty() {
-                    c.partial_since = None;
-                }
+            if c.dead || start >= c.inbuf.len() || c.status_wait().is_some() {
                 break;
             }
-            if handled == FRAMES_PER_TURN {
+            if !first && self.cost.units() >= self.serve_until {
                 c.more = true;
                 break;
             }
-            match wire::decode_client(&c.inbuf) {
+            first = false;
+            match wire::decode_client(&c.inbuf[start..]) {
                 Ok((msg, used)) => {
-                    c.inbuf.drain(..used);
+                    start += used;
                     c.partial_since = None;
-                    if c.inbuf.capacity() > 64 << 10 && c.inbuf.len() < 4 << 10 {
-                        c.inbuf.shrink_to(4 << 10);
-                    }
                     if let Some(h) = self.held.get_mut(&uid) {
                         h.input = h.input.saturating_sub(used);
                     }
-                    handled += 1;
-                    self.frames_handled += 1;
+                    self.cost.frames += 1;
+                    self.cost.decoded += used as u64;
                     self.handle(now, id, msg);
                 }
                 Err(DecodeError::Incomplete) => {
@@ -666,50 +822,68 @@ impl Broker {
                 }
             }
         }
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.inbuf.drain(..start.min(c.inbuf.len()));
+            if c.inbuf.is_empty() {
+                c.partial_since = None;
+            }
+            if c.inbuf.capacity() > 64 << 10 && c.inbuf.len() < 4 << 10 {
+                c.inbuf.shrink_to(4 << 10);
+            }
+        }
+    }
+
+    /// A status page, the connections it looks at charged to the turn.
+    fn status_page(&mut self, now: Nanos, from: u32) -> String {
+        self.cost.walked += (self.conns.len() * self.gpus.len().max(1)) as u64;
+        self.status_json(now, from as usize)
     }
 
     /// A `Status` request: answered now if its user's status budget
     /// allows, else held (with everything after it on the connection)
-    /// until the budget refills (`handle_timeout`).
+    /// until the budget refills.
     pub(super) fn ask_status(&mut self, now: Nanos, id: ConnId, from: u32) {
-        let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
-            return;
-        };
-        if self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
-            let json = self.status_json(now, from as usize);
-            self.send(id, &ServerMsg::StatusReply { json });
-        } else if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
+        if !self.answer_status(now, id, from)
+            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
+        {
             c.status_wait = Some(from);
             self.status_held.insert(id);
         }
     }
 
-    /// Answers held status requests whose users' budgets have refilled,
-    /// one connection after another from where the last round stopped.
+    /// Answers `id`'s status request if its user's budget allows; true if
+    /// it did (a held request is then no longer held).
+    fn answer_status(&mut self, now: Nanos, id: ConnId, from: u32) -> bool {
+        let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
+            return false;
+        };
+        if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
+            return false;
+        }
+        if let Some(cli) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
+            cli.status_wait = None;
+        }
+        self.status_held.remove(&id);
+        let json = self.status_page(now, from);
+        self.send(id, &ServerMsg::StatusReply { json });
+        true
+    }
+
+    /// Held status requests whose users' budgets have refilled: their
+    /// connections get a turn, in which the page is built (and charged to
+    /// their user) and what they sent after it is handled.
     fn answer_held_status(&mut self, now: Nanos) {
-        let waiting: Vec<(ConnId, u32, u32)> = self
+        let waiting: Vec<(ConnId, u32)> = self
             .status_held
             .iter()
             .filter_map(|id| self.conns.get(id).map(|c| (*id, c)))
-            .filter(|(_, c)| !c.dead)
-            .filter_map(|(id, c)| c.status_wait().map(|f| (id, c.peer.uid, f)))
+            .filter(|(_, c)| !c.dead && c.status_wait().is_some())
+            .map(|(id, c)| (id, c.peer.uid))
             .collect();
-        for (id, uid, from) in waiting {
-            if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
-                continue;
+        for (id, uid) in waiting {
+            if self.voice(uid).status.has(now, STATUS_BURST, STATUS_EVERY) {
+                self.turns.push(id, uid);
             }
-            let json = self.status_json(now, from as usize);
-            if let Some(c) = self.conns.get_mut(&id) {
-                if let Some(cli) = c.cli_mut() {
-                    cli.status_wait = None;
-                }
-                self.status_held.remove(&id);
-                // What it sent after the request is handled next turn,
-                // within the turn's budget.
-                c.more = true;
-            }
-            self.send(id, &ServerMsg::StatusReply { json });
-            self.unblocked.push(id);
         }
     }
 
@@ -775,7 +949,9 @@ impl Broker {
         self.unsettled.remove(&id);
         self.stats.forget(id);
         if let Some(t) = c.member_of() {
-            self.jobs.leave(t, id);
+            let gpu = self.gpu_time(now, &[id], c.devices().iter().map(|d| d.gpu));
+            let used = c.devices().iter().map(|d| d.used).sum();
+            self.jobs.leave(t, id, gpu, used);
         }
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
             h.conns = h.conns.saturating_sub(1);
@@ -806,46 +982,21 @@ impl Broker {
         }
     }
 
-    /// Connections past a deadline: the shell reads each once more, then
-    /// calls `expire` for it.
-    pub fn take_overdue(&mut self) -> Vec<ConnId> {
-        std::mem::take(&mut self.overdue)
-    }
-
-    /// Closes `id` if, with everything its socket held now read, it is
-    /// still past its deadline.
-    pub fn expire(&mut self, now: Nanos, id: ConnId) {
-        let now = self.clock(now);
-        let Some(c) = self.conns.get_mut(&id) else {
-            return;
-        };
-        if c.dead {
-            return;
-        }
-        if let Some(why) = stalled(c, now) {
-            tracing::debug!(
-                pid = c.peer.pid,
-                uid = c.peer.uid,
-                why,
-                "closing a stalled connection"
-            );
-            c.dead = true;
-            self.closing.insert(id);
-        }
-    }
-
     /// Finds connections that never said hello or sat on half a frame,
     /// and ends restored jobs whose run never came back. A stalled
-    /// connection is not closed here: the shell first reads what its
-    /// socket holds (a busy broker may not have read a hello sent in
-    /// time), then calls `expire`.
+    /// connection is not closed here: it gets a turn, in which what its
+    /// socket holds is read first (a busy broker may not have read a hello
+    /// sent in time), and is closed there if it still is stalled
+    /// (`settle_overdue`).
     fn sweep(&mut self, now: Nanos) {
         for &id in &self.unsettled {
-            let Some(c) = self.conns.get(&id) else {
+            let Some(c) = self.conns.get_mut(&id) else {
                 continue;
             };
-            if !c.dead && stalled(c, now).is_some() && !self.overdue.contains(&id) {
-                self.overdue.push(id);
+            if !c.dead && !c.overdue && stalled(c, now).is_some() {
+                c.overdue = true;
+                c.readable = true;
+                self.turns.push(id, c.peer.uid);
             }
         }
         self.voices.retain(|_, v| !v.idle(now));
@@ -927,6 +1078,7 @@ impl Broker {
         let before = c.outbuf.len();
         wire::encode_server(msg, &mut c.outbuf);
         let added = c.outbuf.len() - before;
+        self.cost.sent += added as u64;
         if added > 0 {
             self.unsent.insert(id);
         }
@@ -985,7 +1137,10 @@ impl Broker {
                         )
                     }
                     Action::Revoke { client, grant } => {
-                        self.send(client, &ServerMsg::Revoke { uuid, grant })
+                        self.send(client, &ServerMsg::Revoke { uuid, grant });
+                        if let Some(c) = self.conns.get_mut(&client) {
+                            c.awaited = true;
+                        }
                     }
                 }
             }
@@ -1040,9 +1195,11 @@ impl Broker {
         self.saving = None;
         match result {
             Ok(()) => self.saved_seq = self.saved_seq.max(seq),
-            Err(e) => self.warn_limited(format_args!(
-                "cannot write the state file: {e}; leases will not survive a restart"
-            )),
+            Err(e) => {
+                if self.save_warning.ready(now) {
+                    warn!("cannot write the state file: {e}; leases will not survive a restart");
+                }
+            }
         }
         // Leases granted but not yet durable are told to their run once
         // the state that books them is on disk, so that a crash never
@@ -1066,23 +1223,37 @@ impl Broker {
         self.cfg.sched
     }
 
+    /// The GPU of this UUID; a GPU the broker did not find (it runs
+    /// without a driver; `clients::may_name` said it may be learnt) is
+    /// arbitrated all the same, by UUID, in a vacant entry if there is one.
     fn gpu_by_uuid(&mut self, uuid: &[u8; 16], total: u64) -> usize {
-        if let Some(i) = self.gpus.iter().position(|g| &g.uuid == uuid) {
+        if let Some(i) = self
+            .gpus
+            .iter()
+            .position(|g| &g.uuid == uuid && !g.vacant())
+        {
             return i;
         }
-        // A device the broker itself cannot see (hidden from it, or it runs
-        // without a driver): arbitrate it all the same, by UUID.
-        let cfg = self.sched_cfg();
-        self.gpus.push(Gpu {
+        let unit = Gpu {
             index: None,
             uuid: *uuid,
             uuid_str: uuid_string(uuid),
             name: "unknown".into(),
             total_mem: total,
-            sched: Scheduler::new(cfg),
+            sched: Scheduler::new(self.sched_cfg()),
             mig: None,
-        });
-        self.gpus.len() - 1
+            learned: Some(HashMap::new()),
+        };
+        match self.gpus.iter().position(Gpu::vacant) {
+            Some(i) => {
+                self.gpus[i] = unit;
+                i
+            }
+            None => {
+                self.gpus.push(unit);
+                self.gpus.len() - 1
+            }
+        }
     }
 
     /// MIG devices of the instances that exist now.
@@ -1119,6 +1290,7 @@ impl Broker {
             total_mem: mem,
             sched: Scheduler::new(self.sched_cfg()),
             mig: Some((parent, gi)),
+            learned: None,
         };
         let live = self.live_mig_uuids();
         let stale = (0..self.gpus.len()).find(|&i| {

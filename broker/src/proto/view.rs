@@ -58,9 +58,10 @@ impl Broker {
             .flat_map(|g| g.instances.iter().filter_map(|i| i.uuid.as_deref()))
             .collect();
         for (gi, g) in self.gpus.iter().enumerate() {
-            // Entries of instances that are gone (kept for reuse) are not
+            // Entries of instances that are gone, and of GPUs learnt from
+            // clients that none names any more (kept for reuse), are not
             // shown.
-            if g.mig.is_some() && !live.contains(&g.uuid_str.as_str()) {
+            if g.vacant() || (g.mig.is_some() && !live.contains(&g.uuid_str.as_str())) {
                 continue;
             }
             let st = g.sched.status(now);

@@ -145,3 +145,118 @@ fn queued_requests_are_bounded_per_user_but_not_for_the_plugin() {
     assert!(refused(&t.recv(c)).is_none(), "another user still queues");
     assert_eq!(t.status().queue.len(), b.queued + 1);
 }
+
+/// A registration of `pid`'s process as `uid` on GPUs with these UUIDs;
+/// whether the broker took it.
+fn register_on(t: &mut T, uid: u32, uuids: &[[u8; 16]]) -> (ConnId, bool) {
+    let p = t.spawn(1);
+    let c = t.connect_shim(p, uid);
+    t.send(
+        c,
+        &ClientMsg::Register {
+            command: String::new(),
+            devices: uuids
+                .iter()
+                .enumerate()
+                .map(|(i, &uuid)| DeviceReg {
+                    uuid,
+                    ordinal: i as u32,
+                    mem_cap: 0,
+                    mem_total: 16 * GIB,
+                })
+                .collect(),
+            share: None,
+            limit: None,
+            priority: Priority::Normal,
+        },
+    );
+    let ok = t
+        .recv(c)
+        .iter()
+        .any(|m| matches!(m, ServerMsg::Registered { .. }));
+    (c, ok)
+}
+
+/// The attack: a broker that found no GPU arbitrated at most 16 GPUs its
+/// clients named, all users together, and never forgot one: one
+/// registration of made-up UUIDs, and every other user's process on
+/// another GPU was refused (and ran unarbitrated). The room is each
+/// user's own now.
+#[test]
+fn one_users_made_up_gpus_never_push_out_anothers() {
+    let mut t = T::driverless(cfg());
+    let made_up: Vec<[u8; 16]> = (0..16).map(|i| [0x80 + i; 16]).collect();
+    let (_, ok) = register_on(&mut t, BOB, &made_up);
+    assert!(ok, "a user's own room");
+    // One more of bob's, on a 17th GPU: past his room, refused, saying so.
+    let p = t.spawn(1);
+    let c = t.connect_shim(p, BOB);
+    t.send(
+        c,
+        &ClientMsg::Register {
+            command: String::new(),
+            devices: vec![DeviceReg {
+                uuid: [0x7f; 16],
+                ordinal: 0,
+                mem_cap: 0,
+                mem_total: 16 * GIB,
+            }],
+            share: None,
+            limit: None,
+            priority: Priority::Normal,
+        },
+    );
+    match &t.recv(c)[..] {
+        [ServerMsg::Error { message, .. }] => {
+            assert!(message.contains("at most 16"), "{message}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // Alice's process on her GPUs (two of them) is arbitrated.
+    let (a, ok) = register_on(&mut t, ALICE, &[[0x11; 16], [0x12; 16]]);
+    assert!(ok, "another user's real GPUs");
+    t.send(a, &ClientMsg::Acquire { uuid: [0x11; 16] });
+    assert!(granted(&t.recv(a)));
+    // And a GPU bob names too counts in bob's room, not alice's.
+    let (_, ok) = register_on(&mut t, ALICE, &[[0x80; 16]]);
+    assert!(ok);
+}
+
+/// What a client names is kept only while a process names it: a learnt
+/// GPU no registered process names is gone from status, and its entry is
+/// reused, so churn of made-up UUIDs holds nothing.
+#[test]
+fn learned_gpus_are_forgotten_with_the_last_process_naming_them() {
+    let mut t = T::driverless(cfg());
+    let (keep, _) = register_on(&mut t, ALICE, &[[0x11; 16]]);
+    for i in 0..200u32 {
+        let b = i.to_le_bytes();
+        let uuids: Vec<[u8; 16]> = (0..4u8)
+            .map(|k| {
+                let mut u = [k; 16];
+                u[..4].copy_from_slice(&b);
+                u
+            })
+            .collect();
+        let (c, ok) = register_on(&mut t, BOB, &uuids);
+        assert!(ok);
+        t.b.hangup(c);
+        t.turn();
+    }
+    assert!(t.b.gpus.len() <= 5, "{} entries kept", t.b.gpus.len());
+    let shown: Vec<String> = t.status().gpus.into_iter().map(|g| g.uuid).collect();
+    assert_eq!(shown, [wire::uuid_string(&[0x11; 16])]);
+    // A GPU two processes name stays while either does.
+    let (other, _) = register_on(&mut t, BOB, &[[0x11; 16]]);
+    t.b.hangup(keep);
+    t.turn();
+    assert_eq!(t.status().gpus.len(), 1);
+    t.b.hangup(other);
+    t.turn();
+    assert!(t.status().gpus.is_empty());
+    // Registering again elsewhere frees what the process named before.
+    let (c, _) = register_on(&mut t, BOB, &[[0x21; 16]]);
+    t.register(c, Priority::Normal);
+    let shown: Vec<String> = t.status().gpus.into_iter().map(|g| g.uuid).collect();
+    assert_eq!(shown, [wire::uuid_string(&uuid(1))]);
+}

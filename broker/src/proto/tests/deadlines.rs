@@ -50,6 +50,9 @@ fn a_hello_sent_in_time_but_read_late_keeps_the_connection() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let p = t.spawn(1);
     let late = t.connect_raw(p, BOB);
+    // Its first turn found nothing; the hello arrives while the broker is
+    // busy elsewhere (the poll's news of it not yet handled).
+    t.turn();
     let mut hello = Vec::new();
     wire::encode_client(&ClientMsg::hello(p, Role::Cli), &mut hello);
     t.unread.insert(late, hello);

@@ -2,7 +2,9 @@
 //! what changed rather than the number of connections: the sets it hands
 //! the shell (`dead`, `pending_output`), the held status requests, the
 //! connections the sweep looks at for deadlines, and the
-//! queue walked only when it changed, each job's members. After any
+//! queue walked only when it changed, each job's members, the job table's
+//! indexes (by run, by user), the token claims, and which learnt GPUs
+//! each user names. After any
 //! sequence of operations each must be exactly what a full scan would
 //! find.
 
@@ -22,6 +24,8 @@ enum Op {
     /// Raw bytes on a connection (by index among the open ones).
     Bytes(usize, Vec<u8>),
     Register(usize),
+    /// A process sends a job's token (of the jobs by position, or made up).
+    Join(usize, usize),
     Acquire(usize),
     /// A lease of GPUs (0: memory only), waiting or not.
     Lease(usize, u8, bool),
@@ -43,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..3u8).prop_map(Op::ConnectSilent),
         1 => (0..8usize, prop::collection::vec(any::<u8>(), 0..40)).prop_map(|(i, b)| Op::Bytes(i, b)),
         2 => (0..8usize).prop_map(Op::Register),
+        1 => (0..8usize, 0..4usize).prop_map(|(i, j)| Op::Join(i, j)),
         2 => (0..8usize).prop_map(Op::Acquire),
         3 => (0..8usize, 0..3u8, any::<bool>()).prop_map(|(i, g, w)| Op::Lease(i, g, w)),
         2 => (0..8usize, 1..40u8).prop_map(|(i, n)| Op::Status(i, n)),
@@ -91,6 +96,44 @@ fn check(t: &mut T) {
             "members of a job"
         );
     }
+    // The job table's indexes: each job under its run and its user.
+    for (&token, j) in b.jobs.iter() {
+        assert!(b.jobs.run_by(j.pid, j.start_time).is_some(), "job by run");
+        assert!(
+            b.jobs.of_user(j.uid).any(|k| k.token == token),
+            "job by user"
+        );
+    }
+    let mut users: BTreeSet<u32> = b.jobs.values().map(|j| j.uid).collect();
+    users.extend([ALICE, BOB, PLUGIN]);
+    for uid in users {
+        assert_eq!(
+            b.jobs.of_user(uid).count(),
+            b.jobs.values().filter(|j| j.uid == uid).count(),
+            "jobs of {uid}"
+        );
+    }
+    // Token claims: the connections that sent each token.
+    let mut claims: std::collections::BTreeMap<u64, BTreeSet<ConnId>> = Default::default();
+    for (&id, c) in &b.conns {
+        if let Some(t) = c.shim().and_then(|s| s.claimed_job) {
+            claims.entry(t).or_default().insert(id);
+        }
+    }
+    assert_eq!(b.claims, claims, "token claims");
+    // Which learnt GPUs each user's registered processes name.
+    for (g, gpu) in b.gpus.iter().enumerate() {
+        let Some(named) = &gpu.learned else {
+            continue;
+        };
+        let mut scan: std::collections::HashMap<u32, u32> = Default::default();
+        for c in b.conns.values() {
+            if c.devices().iter().any(|d| d.gpu == g) {
+                *scan.entry(c.peer.uid).or_default() += 1;
+            }
+        }
+        assert_eq!(named, &scan, "who names learnt GPU {g}");
+    }
     let orphans: BTreeSet<ConnId> = b
         .conns
         .iter()
@@ -116,8 +159,12 @@ fn check(t: &mut T) {
     }
 }
 
-fn run(ops: Vec<Op>) {
-    let mut t = T::new(cfg(), &[16 * GIB, 16 * GIB]);
+fn run(ops: Vec<Op>, driverless: bool) {
+    let mut t = if driverless {
+        T::driverless(cfg())
+    } else {
+        T::new(cfg(), &[16 * GIB, 16 * GIB])
+    };
     let mut open: Vec<ConnId> = Vec::new();
     let users = [ALICE, BOB, PLUGIN];
     for op in ops {
@@ -139,7 +186,25 @@ fn run(ops: Vec<Op>) {
             }
             Op::Register(i) => {
                 if let Some(id) = pick(i) {
-                    t.send(id, &register(Priority::Normal));
+                    // On GPU 0, or (learnt by a broker without a driver)
+                    // on GPUs named by the connection.
+                    let mut m = register(Priority::Normal);
+                    if let ClientMsg::Register { devices, .. } = &mut m
+                        && driverless
+                    {
+                        devices.push(DeviceReg {
+                            uuid: uuid(0x40 + (id % 3) as u8),
+                            ..devices[0]
+                        });
+                    }
+                    t.send(id, &m);
+                }
+            }
+            Op::Join(i, j) => {
+                if let Some(id) = pick(i) {
+                    let tokens: Vec<u64> = t.b.jobs.iter().map(|(&k, _)| k).collect();
+                    let job = tokens.get(j).copied().unwrap_or(0x5eed + j as u64);
+                    t.send(id, &ClientMsg::Join { job });
                 }
             }
             Op::Acquire(i) => {
@@ -188,7 +253,14 @@ proptest! {
 
     #[test]
     fn what_the_core_keeps_equals_a_full_scan(ops in prop::collection::vec(op(), 1..60)) {
-        run(ops);
+        run(ops, false);
+    }
+
+    /// The same, for a broker without a driver, which learns GPUs from
+    /// its clients.
+    #[test]
+    fn what_a_driverless_core_keeps_equals_a_full_scan(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, true);
     }
 }
 

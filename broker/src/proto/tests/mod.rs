@@ -11,6 +11,7 @@ mod dirty_sets;
 mod fairness;
 mod history;
 mod identity;
+mod logs;
 mod messages;
 mod mig_instances;
 mod restarts;
@@ -18,6 +19,7 @@ mod roles;
 mod service_props;
 mod stats;
 mod telemetry;
+mod work;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -41,19 +43,24 @@ const PLUGIN: u32 = 990;
 /// pid -> (parent, start time).
 type Table = Rc<RefCell<HashMap<u32, (u32, u64)>>>;
 
-struct FakeProcs(Table);
+/// The stand-in for /proc, and how many of its files the core read.
+struct FakeProcs(Table, Rc<std::cell::Cell<u64>>);
 
 impl Procs for FakeProcs {
     fn start_time(&self, pid: u32) -> Option<u64> {
+        self.1.set(self.1.get() + 1);
         self.0.borrow().get(&pid).map(|p| p.1)
     }
 
     fn parent(&self, pid: u32) -> Option<u32> {
+        self.1.set(self.1.get() + 1);
         self.0.borrow().get(&pid).map(|p| p.0)
     }
 
-    fn cmdline(&self, pid: u32) -> String {
-        format!("proc-{pid}")
+    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+        self.1.set(self.1.get() + 1);
+        let p = self.0.borrow().get(&pid).copied();
+        (p.map(|p| p.0), p.map(|p| p.1))
     }
 }
 
@@ -61,9 +68,12 @@ struct T {
     b: Broker,
     now: Nanos,
     procs: Table,
+    /// Files of the stand-in /proc read so far.
+    proc_reads: Rc<std::cell::Cell<u64>>,
     next: ConnId,
     pids: u32,
-    /// Bytes a client sent that the shell has not read yet.
+    /// Bytes a client sent that the shell has not read yet: what the
+    /// core's reads get, when it serves the connection.
     unread: HashMap<ConnId, Vec<u8>>,
 }
 
@@ -109,6 +119,22 @@ impl T {
     }
 
     fn build(cfg: Config, gpus: &[u64], planner: crate::mig::Planner, tokens: Tokens) -> T {
+        T::build_on(cfg, gpus, planner, tokens, true)
+    }
+
+    /// A broker that found no GPU (no driver): it arbitrates the GPUs its
+    /// clients name.
+    fn driverless(cfg: Config) -> T {
+        T::build_on(cfg, &[], crate::mig::Planner::default(), tokens(), false)
+    }
+
+    fn build_on(
+        cfg: Config,
+        gpus: &[u64],
+        planner: crate::mig::Planner,
+        tokens: Tokens,
+        discovered: bool,
+    ) -> T {
         let procs: Table = Rc::default();
         let gpus = gpus
             .iter()
@@ -120,12 +146,13 @@ impl T {
                 total_mem,
             })
             .collect();
+        let reads = Rc::new(std::cell::Cell::new(0));
         let b = Broker::new(
             cfg,
             gpus,
             planner,
-            true,
-            Box::new(FakeProcs(procs.clone())),
+            discovered,
+            Box::new(FakeProcs(procs.clone(), reads.clone())),
             tokens,
             SEC,
         );
@@ -133,6 +160,7 @@ impl T {
             b,
             now: SEC,
             procs,
+            proc_reads: reads,
             next: 10,
             pids: 100,
             unread: HashMap::new(),
@@ -206,27 +234,17 @@ impl T {
         out
     }
 
-    /// What the shell does: reads what overdue connections still hold in
-    /// their sockets and lets the core decide, serves connections with
-    /// frames left (a turn each, round and round), writes the state,
-    /// closes dead connections.
+    /// What the shell does: runs the core's turns while it is busy (its
+    /// reads get what `unread` holds), writes the state, closes dead
+    /// connections.
     fn turn(&mut self) {
-        for id in self.b.take_overdue() {
-            if let Some(bytes) = self.unread.remove(&id) {
-                self.b.input(self.now, id, &bytes);
-            }
-            self.b.expire(self.now, id);
-        }
         loop {
-            let mut ids = self.b.take_unblocked();
-            ids.extend(self.b.conns.keys().filter(|&&id| self.b.has_frames(id)));
-            ids.sort_unstable();
-            ids.dedup();
-            if ids.is_empty() {
+            self.b.turn(&mut Virtual {
+                now: self.now,
+                unread: &mut self.unread,
+            });
+            if !self.b.busy() {
                 break;
-            }
-            for id in ids {
-                self.b.serve(self.now, id);
             }
         }
         while let Some((seq, _)) = self.b.take_state(self.now) {
@@ -270,6 +288,31 @@ impl T {
 
     fn status(&self) -> crate::status::Status {
         self.b.status(self.now)
+    }
+}
+
+/// Sockets in virtual time: each connection's unread bytes, and a clock
+/// that stands still for the turn.
+struct Virtual<'a> {
+    now: Nanos,
+    unread: &'a mut HashMap<ConnId, Vec<u8>>,
+}
+
+impl Sockets for Virtual<'_> {
+    fn now(&mut self) -> Nanos {
+        self.now
+    }
+
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read {
+        match self.unread.get_mut(&id) {
+            Some(bytes) if !bytes.is_empty() => {
+                let n = bytes.len().min(buf.len());
+                buf[..n].copy_from_slice(&bytes[..n]);
+                bytes.drain(..n);
+                Read::Bytes(n)
+            }
+            _ => Read::WouldBlock,
+        }
     }
 }
 
