@@ -2,71 +2,118 @@
 //! the next holder, grants, updates or revokes, and sets the bound on what
 //! a holder may keep queued.
 
-use super::{Action, BURST_BOUND, ClientId, ClientState, Nanos, Outstanding, Priority, Scheduler};
+use super::tree::{BANDS, Level, band};
+use super::{
+    Action, BURST_BOUND, Client, ClientId, ClientState, Nanos, Outstanding, Priority, Scheduler,
+};
 
-/// The waiter that would be picked: highest class, then least virtual time,
-/// then FIFO.
+/// The waiter that would be picked: highest band, then the fair tree's
+/// order (users, their units, their clients), then FIFO.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Candidate {
     pub(super) id: ClientId,
     class: Priority,
-    vtime: f64,
+}
+
+/// A holder and a waiter of one band, compared where their branches part:
+/// their users' places if they are different users', their units' if
+/// they are one user's, else their own (each with its own warp).
+#[derive(Clone, Copy, Debug)]
+struct Cmp {
+    level: Level,
+    holder: f64,
+    waiter: f64,
+    /// The holder's weight at that level: virtual time there is its GPU
+    /// time over this.
+    weight: f64,
 }
 
 impl Scheduler {
     /// The eligible waiter that would be picked, other than `except`;
-    /// `bounded`: `high_bounded(now)`, which the callers need too.
+    /// `bounded`: `high_bounded(now)`, which the callers need too. The
+    /// clients of a user behind a lower band (see `revoke`) come only when
+    /// nobody else could have the GPU, and only with `behind`.
     pub(super) fn best_waiter(
         &self,
         now: Nanos,
         except: Option<ClientId>,
         bounded: bool,
+        behind: bool,
     ) -> Option<Candidate> {
-        // The index holds the waiters in that order: the first that fits.
-        self.ix
-            .waiting
-            .iter()
-            .map(|&(_, _, _, id)| (id, &self.clients[&id]))
-            .find(|&(id, c)| Some(id) != except && self.fits(c, now, bounded))
-            .map(|(id, c)| Candidate {
-                id,
-                class: c.class,
-                vtime: c.vtime,
+        let t = &self.ix.tree;
+        let pick = |second: bool| {
+            (0..BANDS).rev().find_map(|b| {
+                t.waiters(b, |_, u| (u.behind_until > now) != second)
+                    .map(|id| (id, &self.clients[&id]))
+                    .find(|&(id, c)| Some(id) != except && self.fits(c, now, bounded))
             })
+        };
+        pick(false)
+            .or_else(|| {
+                (behind && !t.behind.is_empty())
+                    .then(|| pick(true))
+                    .flatten()
+            })
+            .map(|(id, c)| Candidate { id, class: c.class })
     }
 
-    /// Who gets an idle GPU. A class whose holder was recalled keeps the
-    /// GPU for a moment (`recall_hold`) or until that holder answers: a
-    /// busy one asks again and is granted at once, and a lower class gets
-    /// no sliver in between. One that does not answer by then leaves the
-    /// GPU to the lower class (it is found hung later, at the grace).
+    /// Who gets an idle GPU.
     pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
-        let w = self.best_waiter(now, None, bounded)?;
-        let hold = self.recall_hold();
-        let recalled = self
-            .ix
-            .granted
-            .iter()
-            .map(|id| &self.clients[id])
-            .filter(|c| {
-                c.grant.as_ref().is_some_and(|g| {
-                    g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
-                })
-            })
-            .map(|c| c.class)
-            .max();
-        recalled.is_none_or(|r| w.class >= r).then_some(w)
+        self.best_waiter(now, None, bounded, true)
     }
 
-    /// How long a recalled holder's class keeps the GPU waiting for its
-    /// answer: two wake periods (a busy shim answers within a round trip
-    /// and its bounded queued work), never more than the grace.
-    pub(super) fn recall_hold(&self) -> Nanos {
-        self.cfg.wake.saturating_mul(2).min(self.cfg.grace).max(1)
+    fn is_behind(&self, c: &Client, now: Nanos) -> bool {
+        self.ix
+            .tree
+            .users
+            .get(&(band(c.class), c.user_key()))
+            .is_some_and(|u| u.behind_until > now)
+    }
+
+    /// Compares holder `h` and waiter `w` (of one band) where their
+    /// branches part.
+    fn compare(&self, h: &Client, w: &Client) -> Cmp {
+        let (hp, wp) = (h.path(), w.path());
+        let warp = self.warp();
+        let t = &self.ix.tree;
+        if (hp.0, hp.1) != (wp.0, wp.1) {
+            let at = |c: &Client, p: (usize, super::UserKey, u64)| {
+                let weight = self.ix.user_weight(p.0, p.1);
+                let v = t.users.get(&(p.0, p.1)).map_or(0.0, |x| x.n.vtime);
+                (v - c.warp(warp, weight), weight)
+            };
+            let ((holder, weight), (waiter, _)) = (at(h, hp), at(w, wp));
+            Cmp {
+                level: Level::User,
+                holder,
+                waiter,
+                weight,
+            }
+        } else if hp.2 != wp.2 {
+            let at = |c: &Client, p| {
+                let weight = self.ix.unit_weight(p);
+                let v = t.units.get(&p).map_or(0.0, |x| x.n.vtime);
+                (v - c.warp(warp, weight), weight)
+            };
+            let ((holder, weight), (waiter, _)) = (at(h, hp), at(w, wp));
+            Cmp {
+                level: Level::Unit,
+                holder,
+                waiter,
+                weight,
+            }
+        } else {
+            Cmp {
+                level: Level::Client,
+                holder: h.vtime - h.warp(warp, h.own),
+                waiter: w.vtime - w.warp(warp, w.own),
+                weight: h.own,
+            }
+        }
     }
 
     /// The bound `id` gets as holder: only while someone who could take the
-    /// GPU from it or follow it is registered (a client of its class or
+    /// GPU from it or follow it is registered (a client of its band or
     /// higher); during the first slice of a burst, eight times as much (a
     /// request of many short kernels is queued whole, while a batch job that
     /// wakes up still cannot queue seconds of work).
@@ -137,14 +184,23 @@ impl Scheduler {
         self.sync_meters(now);
     }
 
+    /// Takes the GPU back from the holder. A recall (its slice ran out
+    /// while only a lower band waits) also puts the holder's user behind
+    /// that band for a slice: the broker cannot tell a holder that still
+    /// works from one that answers every recall by asking again only to
+    /// keep the GPU (which once kept a `low` process at 4% of an idle
+    /// GPU), so the lower band gets a slice either way.
     fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
         let c = self.clients.get_mut(&h).expect("holder is registered");
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);
-        g.recall = recall;
         g.deadline = None;
         c.state = ClientState::Revoking;
-        let gid = g.id;
+        let (gid, p) = (g.id, c.path());
+        if recall && let Some(u) = self.ix.tree.users.get_mut(&(p.0, p.1)) {
+            u.behind_until = now.saturating_add(self.cfg.timeslice);
+            self.ix.tree.behind.insert((p.0, p.1));
+        }
         self.holder = None;
         self.reindex(h);
         self.actions.push_back(Action::Revoke {
@@ -166,42 +222,61 @@ impl Scheduler {
         };
         let cfg = self.cfg;
         let bound = self.bound_for(now, h);
-        let best = self.best_waiter(now, Some(h), bounded);
-        // Anyone at all waiting (any class): an idle holder hands back.
-        let waiters = best.is_some();
+        let best = self.best_waiter(now, Some(h), bounded, false);
+        // Anyone at all waiting (any class, behind a lower band or not):
+        // an idle holder hands back.
+        let waiters = best.is_some() || self.best_waiter(now, Some(h), bounded, true).is_some();
         let woke = self.woke.take();
         let c = self.clients.get(&h).expect("holder is registered");
-        let (class, vtime, weight) = (c.class, c.vtime, self.weight(c));
-        // A waiter of a higher class takes the GPU at once; one that just
-        // woke up behind the holder in virtual time does too.
-        // (Behind by more than a quarter slice of the holder's time, so that
-        // two clients waking together do not take the GPU from each other.)
-        let gran = cfg.timeslice as f64 / 4.0 / weight;
-        if let Some(w) = best
-            && (w.class > class
-                || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
-        {
-            self.revoke(now, h, false);
-            return true;
+        let class = c.class;
+        // A waiter of a higher band takes the GPU at once. So does one
+        // that just woke up behind the holder where their branches part,
+        // if what woke is at that level or above it (a user's connection
+        // waking gets no credit against another user's holder unless the
+        // user itself comes back), or if it is `high` (its warp is its
+        // credit). Behind by more than a quarter slice of the holder's
+        // time, so that two waking together do not take the GPU from each
+        // other.
+        if let Some(w) = best {
+            let wc = &self.clients[&w.id];
+            let preempt = band(w.class) > band(class)
+                || (band(w.class) == band(class)
+                    && woke.is_some_and(|(id, level)| {
+                        let x = self.compare(c, wc);
+                        let gran = cfg.timeslice as f64 / 4.0 / x.weight;
+                        id == w.id
+                            && (w.class == Priority::High || level <= x.level)
+                            && x.waiter + gran < x.holder
+                    }));
+            if preempt {
+                self.revoke(now, h, false);
+                return true;
+            }
         }
         // One that woke up without being behind waits no longer than the
         // GPU's own time-slicer would make it wait: the holder's slice ends
         // within `wake`, and the usual order decides then.
-        let woke_here = woke.is_some_and(|id| {
+        let woke_here = woke.is_some_and(|(id, _)| {
             self.clients.get(&id).is_some_and(|w| {
-                w.class == class && w.state == ClientState::Waiting && self.fits(w, now, bounded)
+                band(w.class) == band(class)
+                    && w.state == ClientState::Waiting
+                    && self.fits(w, now, bounded)
+                    && !self.is_behind(w, now)
             })
         });
         let wake_by = now.saturating_add(cfg.wake);
-        // Lower classes do not contend with the holder.
-        let best = best.filter(|w| w.class == class);
+        // Someone the GPU could go to now (any band): liveness.
+        let eligible = best.is_some();
+        // Lower bands do not contend with the holder.
+        let best = best.filter(|w| band(w.class) == band(class));
         let contended = best.is_some();
+        let cmp = best.map(|b| self.compare(c, &self.clients[&b.id]));
         let remaining = self.remaining(c, now, bounded);
         let fits = self.fits(c, now, bounded);
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
         let unchanged = g.bound == bound && g.waiters == waiters;
-        // Liveness: while anyone of a lower class waits, a holder's grant
+        // Liveness: while anyone of a lower band waits, a holder's grant
         // is never open-ended; at its end the holder is recalled, since
         // the broker cannot see whether it still launches (a client that
         // holds the GPU without using it once kept a `low` waiter out
@@ -210,7 +285,7 @@ impl Scheduler {
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
-            Some(d) if d <= now && !contended && waiters => {
+            Some(d) if d <= now && !contended && eligible => {
                 recall = true;
                 None
             }
@@ -218,11 +293,11 @@ impl Scheduler {
                 // A holder still behind the best waiter keeps the GPU for
                 // the real time that brings it level (at least a fifth of a
                 // slice, so a small deficit does not cost a switch).
-                let ext = best.map(|b| {
-                    (((b.vtime - vtime).max(0.0) * weight) as Nanos)
+                let ext = cmp.map(|x| {
+                    (((x.waiter - x.holder).max(0.0) * x.weight) as Nanos)
                         .clamp(cfg.timeslice / 5, cfg.timeslice)
                 });
-                if best.is_some_and(|b| vtime >= b.vtime) {
+                if cmp.is_some_and(|x| x.holder >= x.waiter) {
                     None
                 } else if let Some(r) = remaining {
                     fits.then(|| Some(r.min(cfg.timeslice).min(ext.unwrap_or(Nanos::MAX))))
@@ -287,9 +362,9 @@ impl Scheduler {
         let burst = self.waking.remove(&id);
         let class = self.clients[&id].class;
         let bounded = self.high_bounded(now);
-        let best = self.best_waiter(now, Some(id), bounded);
-        let contended = best.is_some_and(|w| w.class >= class);
-        let waiters = best.is_some();
+        let best = self.best_waiter(now, Some(id), bounded, false);
+        let contended = best.is_some_and(|w| band(w.class) >= band(class));
+        let waiters = best.is_some() || self.best_waiter(now, Some(id), bounded, true).is_some();
         let gid = self.next_grant;
         self.next_grant += 1;
         let remaining = self.remaining(&self.clients[&id], now, bounded);
@@ -305,7 +380,6 @@ impl Scheduler {
             deadline: slice.map(|s| now + s),
             revoked_at: None,
             hung: false,
-            recall: false,
             bound: 0,
             waiters: false,
             burst,
