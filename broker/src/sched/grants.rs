@@ -30,44 +30,54 @@ struct Cmp {
 
 impl Scheduler {
     /// The eligible waiter that would be picked, other than `except`;
-    /// `bounded`: `high_bounded(now)`, which the callers need too. The
-    /// clients of a user behind a lower band (see `revoke`) come only when
-    /// nobody else could have the GPU, and only with `behind`.
+    /// `bounded`: `high_bounded(now)`, which the callers need too.
     pub(super) fn best_waiter(
         &self,
         now: Nanos,
         except: Option<ClientId>,
         bounded: bool,
-        behind: bool,
     ) -> Option<Candidate> {
-        let t = &self.ix.tree;
-        let pick = |second: bool| {
-            (0..BANDS).rev().find_map(|b| {
-                t.waiters(b, |_, u| (u.behind_until > now) != second)
+        // The tree holds the waiters in that order: the first that fits.
+        (0..BANDS)
+            .rev()
+            .find_map(|b| {
+                self.ix
+                    .tree
+                    .waiters(b)
                     .map(|id| (id, &self.clients[&id]))
                     .find(|&(id, c)| Some(id) != except && self.fits(c, now, bounded))
-            })
-        };
-        pick(false)
-            .or_else(|| {
-                (behind && !t.behind.is_empty())
-                    .then(|| pick(true))
-                    .flatten()
             })
             .map(|(id, c)| Candidate { id, class: c.class })
     }
 
-    /// Who gets an idle GPU.
+    /// Who gets an idle GPU. A band whose holder was recalled keeps the
+    /// GPU for a moment (`recall_hold`) or until that holder answers: a
+    /// busy one asks again and is granted at once, and a lower band gets
+    /// no sliver in between. One that does not answer by then leaves the
+    /// GPU to the lower band (it is found hung later, at the grace).
     pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
-        self.best_waiter(now, None, bounded, true)
+        let w = self.best_waiter(now, None, bounded)?;
+        let hold = self.recall_hold();
+        let recalled = self
+            .ix
+            .granted
+            .iter()
+            .map(|id| &self.clients[id])
+            .filter(|c| {
+                c.grant.as_ref().is_some_and(|g| {
+                    g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
+                })
+            })
+            .map(|c| band(c.class))
+            .max();
+        recalled.is_none_or(|r| band(w.class) >= r).then_some(w)
     }
 
-    fn is_behind(&self, c: &Client, now: Nanos) -> bool {
-        self.ix
-            .tree
-            .users
-            .get(&(band(c.class), c.user_key()))
-            .is_some_and(|u| u.behind_until > now)
+    /// How long a recalled holder's band keeps the GPU waiting for its
+    /// answer: two wake periods (a busy shim answers within a round trip
+    /// and its bounded queued work), never more than the grace.
+    pub(super) fn recall_hold(&self) -> Nanos {
+        self.cfg.wake.saturating_mul(2).min(self.cfg.grace).max(1)
     }
 
     /// Compares holder `h` and waiter `w` (of one band) where their
@@ -184,23 +194,14 @@ impl Scheduler {
         self.sync_meters(now);
     }
 
-    /// Takes the GPU back from the holder. A recall (its slice ran out
-    /// while only a lower band waits) also puts the holder's user behind
-    /// that band for a slice: the broker cannot tell a holder that still
-    /// works from one that answers every recall by asking again only to
-    /// keep the GPU (which once kept a `low` process at 4% of an idle
-    /// GPU), so the lower band gets a slice either way.
     fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
         let c = self.clients.get_mut(&h).expect("holder is registered");
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);
+        g.recall = recall;
         g.deadline = None;
         c.state = ClientState::Revoking;
-        let (gid, p) = (g.id, c.path());
-        if recall && let Some(u) = self.ix.tree.users.get_mut(&(p.0, p.1)) {
-            u.behind_until = now.saturating_add(self.cfg.timeslice);
-            self.ix.tree.behind.insert((p.0, p.1));
-        }
+        let gid = g.id;
         self.holder = None;
         self.reindex(h);
         self.actions.push_back(Action::Revoke {
@@ -222,10 +223,9 @@ impl Scheduler {
         };
         let cfg = self.cfg;
         let bound = self.bound_for(now, h);
-        let best = self.best_waiter(now, Some(h), bounded, false);
-        // Anyone at all waiting (any class, behind a lower band or not):
-        // an idle holder hands back.
-        let waiters = best.is_some() || self.best_waiter(now, Some(h), bounded, true).is_some();
+        let best = self.best_waiter(now, Some(h), bounded);
+        // Anyone at all waiting (any class): an idle holder hands back.
+        let waiters = best.is_some();
         let woke = self.woke.take();
         let c = self.clients.get(&h).expect("holder is registered");
         let class = c.class;
@@ -261,12 +261,9 @@ impl Scheduler {
                 band(w.class) == band(class)
                     && w.state == ClientState::Waiting
                     && self.fits(w, now, bounded)
-                    && !self.is_behind(w, now)
             })
         });
         let wake_by = now.saturating_add(cfg.wake);
-        // Someone the GPU could go to now (any band): liveness.
-        let eligible = best.is_some();
         // Lower bands do not contend with the holder.
         let best = best.filter(|w| band(w.class) == band(class));
         let contended = best.is_some();
@@ -285,7 +282,7 @@ impl Scheduler {
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
-            Some(d) if d <= now && !contended && eligible => {
+            Some(d) if d <= now && !contended && waiters => {
                 recall = true;
                 None
             }
@@ -362,9 +359,9 @@ impl Scheduler {
         let burst = self.waking.remove(&id);
         let class = self.clients[&id].class;
         let bounded = self.high_bounded(now);
-        let best = self.best_waiter(now, Some(id), bounded, false);
+        let best = self.best_waiter(now, Some(id), bounded);
         let contended = best.is_some_and(|w| band(w.class) >= band(class));
-        let waiters = best.is_some() || self.best_waiter(now, Some(id), bounded, true).is_some();
+        let waiters = best.is_some();
         let gid = self.next_grant;
         self.next_grant += 1;
         let remaining = self.remaining(&self.clients[&id], now, bounded);
@@ -380,6 +377,7 @@ impl Scheduler {
             deadline: slice.map(|s| now + s),
             revoked_at: None,
             hung: false,
+            recall: false,
             bound: 0,
             waiters: false,
             burst,

@@ -47,13 +47,12 @@
 //!   request to grant.
 //! - **Liveness**: the broker cannot see whether a holder still launches,
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
-//!   out is recalled even when only `low` waits, and one that does not
-//!   answer is passed over (and shown hung after `grace`). Since it cannot
-//!   tell a busy holder from one that asks again only to keep the GPU, a
-//!   recall puts the holder's user behind the waiting class for a slice
-//!   (`behind_until`): asking again at once buys nothing. The `high`
-//!   class's share is charged only while one of its clients holds the GPU,
-//!   never for a revoked or hung one.
+//!   out is recalled even when only `low` waits (a busy one asks again and
+//!   is granted back at once; for two wake periods meanwhile the GPU stays
+//!   with its band), and one that does not answer is passed over (and
+//!   shown hung after `grace`). The `high` class's share is charged only
+//!   while one of its clients holds the GPU, never for a revoked or hung
+//!   one.
 //! - Between busy clients of one band, slices of `timeslice` (extended
 //!   while the holder is still behind), so switches stay rare.
 //! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
@@ -120,6 +119,11 @@ struct Outstanding {
     bound: Nanos,
     /// `waiters` last sent with this grant.
     waiters: bool,
+    /// Revoked only because its slice ran out while a lower band waited
+    /// (liveness): the GPU stays with its band until it releases (a busy
+    /// holder asks again and is granted at once), for `recall_hold` at
+    /// most.
+    recall: bool,
     /// Granted to a client that had been idle: its first slice is a burst
     /// (a request, a notebook cell) that must be queued whole, or the GPU's
     /// time-slicer would switch to others' leftover work at every gap.
@@ -669,25 +673,21 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .map(|c| band(c.class));
+        let hold = self.recall_hold();
         for c in self.ix.granted.iter().map(|id| &self.clients[id]) {
             if let Some(g) = &c.grant
                 && let Some(r) = g.revoked_at
                 && !g.hung
             {
                 consider(r.saturating_add(self.cfg.grace));
+                if g.recall {
+                    consider(r.saturating_add(hold));
+                }
             }
         }
         for c in self.ix.on_gpu.iter().map(|id| &self.clients[id]) {
             if c.draining_since.is_some() {
                 consider(c.drain_until);
-            }
-        }
-        // A user's clients come back from behind a lower band.
-        for r in &self.ix.tree.behind {
-            if let Some(u) = self.ix.tree.users.get(r)
-                && u.n.waiting > 0
-            {
-                consider(u.behind_until);
             }
         }
         // Only an idle GPU, an open-ended holder or a holder of a lower

@@ -73,9 +73,6 @@ pub(super) struct UserNode {
     pub n: Node,
     /// Its units with waiters, in order.
     pub units: BTreeSet<Place<GroupId>>,
-    /// Until then its clients wait behind a lower band: one of them
-    /// answered a recall, which the broker cannot tell from pretending.
-    pub behind_until: Nanos,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -101,8 +98,6 @@ pub(super) struct Tree {
     /// Nodes without members, kept while they owe time or hold history.
     pub kept_users: BTreeSet<UserRef>,
     pub kept_units: BTreeSet<UnitRef>,
-    /// Users behind a lower band, until their `behind_until`.
-    pub behind: BTreeSet<UserRef>,
 }
 
 fn user_of(p: UnitRef) -> UserRef {
@@ -200,21 +195,19 @@ impl Tree {
 
     /// The waiting clients of a band in the order a grant picks them:
     /// users by place, each user's units by place, each unit's clients by
-    /// place; `skip` leaves out a user and everything below it.
-    pub fn waiters<'a>(
-        &'a self,
-        band: usize,
-        skip: impl Fn(UserRef, &UserNode) -> bool + 'a,
-    ) -> impl Iterator<Item = ClientId> + 'a {
-        self.top[band]
-            .iter()
-            .map(move |&(_, _, u)| ((band, u), &self.users[&(band, u)]))
-            .filter(move |&(r, n)| !skip(r, n))
-            .flat_map(move |((b, u), n)| {
-                n.units.iter().flat_map(move |&(_, _, g)| {
-                    self.units[&(b, u, g)].clients.iter().map(|&(_, _, id)| id)
+    /// place.
+    pub fn waiters(&self, band: usize) -> impl Iterator<Item = ClientId> + '_ {
+        self.top[band].iter().flat_map(move |&(_, _, u)| {
+            self.users[&(band, u)]
+                .units
+                .iter()
+                .flat_map(move |&(_, _, g)| {
+                    self.units[&(band, u, g)]
+                        .clients
+                        .iter()
+                        .map(|&(_, _, id)| id)
                 })
-            })
+        })
     }
 
     /// Sets a node's place in its parent's set: `key` while it has
@@ -251,14 +244,11 @@ impl Tree {
     }
 
     /// Forgets memberless nodes that neither owe time (ahead of their
-    /// parent's clock) nor hold usage history the window still sees, nor
-    /// wait behind a lower band; past `MAX_KEPT` of a kind, the one least
-    /// ahead goes first. A node dropped is as good as new when its user
+    /// parent's clock) nor hold usage history the window still sees; past
+    /// `MAX_KEPT` of a kind, the one least ahead goes first. A node dropped is as good as new when its user
     /// comes back: it starts at the clock, which gives it no credit.
     pub fn prune(&mut self, window: Nanos, now: Nanos) {
         let lo = now.saturating_sub(window);
-        self.behind
-            .retain(|r| self.users.get(r).is_some_and(|u| u.behind_until > now));
         let units = &mut self.units;
         let users = &self.users;
         self.kept_units.retain(|p| {
@@ -278,8 +268,7 @@ impl Tree {
                 .range((r.0, r.1, GroupId::MIN)..=(r.0, r.1, GroupId::MAX))
                 .next()
                 .is_some();
-            let keep =
-                x.n.members > 0 || x.n.vtime > clock[r.0] || x.behind_until > now || has_units;
+            let keep = x.n.members > 0 || x.n.vtime > clock[r.0] || has_units;
             if !keep {
                 users.remove(r);
             }
@@ -318,7 +307,6 @@ impl Tree {
             };
             self.kept_users.remove(&r);
             self.users.remove(&r);
-            self.behind.remove(&r);
             let gone: Vec<UnitRef> = self
                 .units
                 .range((r.0, r.1, GroupId::MIN)..=(r.0, r.1, GroupId::MAX))

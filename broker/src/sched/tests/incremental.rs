@@ -194,7 +194,7 @@ pub(super) fn check_index(s: &Scheduler) {
     let by_scan: Vec<ClientId> = order.iter().map(|o| o.9).collect();
     let by_index: Vec<ClientId> = (0..tree::BANDS)
         .rev()
-        .flat_map(|b| t.waiters(b, |_, _| false).collect::<Vec<_>>())
+        .flat_map(|b| t.waiters(b).collect::<Vec<_>>())
         .collect();
     assert_eq!(by_index, by_scan, "waiters in grant order");
     // Every clock is at or past the least place it is over: its
@@ -237,28 +237,14 @@ pub(super) fn check_index(s: &Scheduler) {
                     || (c.state == ClientState::Waiting && s.fits(c, s.now, false)))
         });
     assert_eq!(s.high_bounded(s.now), high_bounded, "high bounded");
-    let behind = |id: &ClientId| {
-        let c = &s.clients[id];
-        t.users[&(band(c.class), c.user_key())].behind_until > s.now
-    };
-    let eligible = |id: &ClientId, allow_behind: bool| {
-        Some(*id) != s.holder
-            && s.fits(&s.clients[id], s.now, high_bounded)
-            && behind(id) == allow_behind
-    };
-    let first = by_scan.iter().find(|id| eligible(id, false)).copied();
+    let first = by_scan
+        .iter()
+        .find(|&&id| Some(id) != s.holder && s.fits(&s.clients[&id], s.now, high_bounded))
+        .copied();
     assert_eq!(
-        s.best_waiter(s.now, s.holder, high_bounded, false)
-            .map(|c| c.id),
+        s.best_waiter(s.now, s.holder, high_bounded).map(|c| c.id),
         first,
         "best waiter (holder {:?})",
         s.holder
-    );
-    let with_behind = first.or_else(|| by_scan.iter().find(|id| eligible(id, true)).copied());
-    assert_eq!(
-        s.best_waiter(s.now, s.holder, high_bounded, true)
-            .map(|c| c.id),
-        with_behind,
-        "best waiter, those behind a lower band included"
     );
 }

@@ -1,8 +1,8 @@
 //! Fairness kept by users, in time (SPEC §2, invariant 8): a user's debt
 //! and wake-up credit are the user's, whatever its connections and
-//! processes do; `high` buys latency, never throughput; a recall cannot be
-//! answered by pretending. Each attack of the fourth review first, then
-//! the properties, with generated attackers beside a scripted victim.
+//! processes do; `high` buys latency, never throughput. Each attack of the
+//! fourth review first, then the properties, with generated attackers
+//! beside a scripted victim.
 
 use super::*;
 use proptest::prelude::*;
@@ -72,32 +72,6 @@ fn a_users_high_and_normal_processes_get_one_users_part() {
     assert!(
         (victim - 0.5).abs() < 0.03,
         "victim {victim:.3} beside a user's high and normal processes ({attacker:.3})"
-    );
-}
-
-/// The attack: a `normal` holder that answers every recall by asking again
-/// at once (as a busy process does, while it launches nothing) kept a
-/// `low` victim at 0.3 s of 8 s on an otherwise idle GPU. A recall now
-/// puts the holder's user behind the waiting class for a slice: the
-/// broker cannot tell pretending from working, so `low` gets a slice per
-/// recall beside a busy `normal` holder too (about half the GPU, where it
-/// got nothing) — the price of a recall that cannot be gamed without a
-/// per-process measure of work.
-#[test]
-fn a_recall_answered_by_asking_again_gives_the_waiting_class_a_slice() {
-    let mut sim = Sim::new(SchedConfig::default());
-    sim.user_proc(1, 1, N);
-    sim.user_proc(2, 2, Priority::Low);
-    sim.residual.insert(2, B);
-    // Busy as far as the broker can see: asks again on every revoke.
-    sim.start(1);
-    sim.start(2);
-    let end = 8 * SEC;
-    sim.run_until(end);
-    let victim = sim.gpu_held(2) as f64 / end as f64;
-    assert!(
-        victim > 0.45,
-        "the low victim held {victim:.3} beside a holder that pretends"
     );
 }
 
@@ -226,14 +200,14 @@ fn play(cfg: SchedConfig, moves: &[Move], end: Nanos) -> (Sim, Nanos) {
     (sim, held)
 }
 
-/// The slack of the properties below: what an attacker can borrow from a
+/// The slack of the property below: what an attacker can borrow from a
 /// victim over any horizon, not per connection nor per event: its user's
-/// wake-up credit (a slice), a `high` warp (two slices), the slice a
-/// holder may run ahead of the clock before it is revoked, and the slice
-/// a recall gives a lower class; in GPU time charged, which deemed work
-/// draining beside the victim can stretch (so counted twice).
+/// wake-up credit (a slice), a `high` warp (two slices) and the slice a
+/// holder may run ahead of the clock before it is revoked. (The worst of
+/// 800 random attackers came within 3 ms of half the GPU, of ~1,000
+/// busy/idle cycles timed in each class within 14 ms.)
 fn slack(cfg: &SchedConfig) -> Nanos {
-    2 * 5 * cfg.timeslice
+    4 * cfg.timeslice
 }
 
 proptest! {
