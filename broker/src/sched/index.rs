@@ -12,35 +12,13 @@
 //! members changed, by the same sums in the same order as over everyone,
 //! so they come out bit for bit the same.
 
-use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::tree::{Place, Tree, UnitRef, band};
+use super::tree::{Place, Tree, UnitRef, Vt, band};
 use super::{
     Client, ClientId, ClientState, GroupId, Priority, Scheduler, USER_SCALE, UnitSum, UserKey,
     sanitize_weight,
 };
-
-/// A virtual time, ordered as `f64::total_cmp` orders it.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Vt(pub f64);
-
-impl PartialEq for Vt {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == Ordering::Equal
-    }
-}
-impl Eq for Vt {}
-impl PartialOrd for Vt {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Vt {
-    fn cmp(&self, o: &Self) -> Ordering {
-        self.0.total_cmp(&o.0)
-    }
-}
 
 /// An active client's place in the hierarchy: band, user, unit.
 type ActiveKey = (usize, UserKey, GroupId, ClientId);

@@ -88,9 +88,9 @@ mod types;
 
 use std::collections::{BTreeMap, VecDeque};
 
-use index::{Index, Indexed, Vt};
+use index::{Index, Indexed};
 use meter::Meter;
-use tree::{BANDS, Level, UnitRef, band};
+use tree::{BANDS, Level, UnitRef, Vt, band};
 
 pub use gpufrac_common::config::Priority;
 pub use types::{

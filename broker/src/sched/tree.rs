@@ -15,10 +15,31 @@
 //! `Index::apply` moves clients in and out; the keys of the nodes, which
 //! need the hierarchy's weights, are recomputed by `Scheduler::refresh`.
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use super::index::Vt;
 use super::{ClientId, GroupId, Nanos, Priority, UserKey};
+
+/// A virtual time, ordered as `f64::total_cmp` orders it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Vt(pub f64);
+
+impl PartialEq for Vt {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Vt {}
+impl PartialOrd for Vt {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Vt {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
 
 /// `low`, then `high` and `normal` together.
 pub(super) const BANDS: usize = 2;
