@@ -94,6 +94,14 @@ impl Index {
                 self.per_class[k.index()] += 1;
             }
         }
+        // Out of the old unit's waiters before leaving it (a unit left with
+        // nothing to keep goes at once), into the new one's after joining.
+        let waits = |x: &Indexed| x.waiting.map(|w| (w, x.path, x.class));
+        let rewait = waits(old) != waits(new);
+        if rewait && let (Some(w), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
+            self.tree.remove_waiter(p, &w, k == Priority::High);
+            self.waiting[k.index()].remove(&id);
+        }
         if old.path != new.path {
             if let Some(p) = old.path {
                 if let Some(n) = self.per_group.get_mut(&p.2) {
@@ -116,16 +124,9 @@ impl Index {
                 self.on_gpu.remove(&id);
             }
         }
-        let waits = |x: &Indexed| x.waiting.map(|w| (w, x.path, x.class));
-        if waits(old) != waits(new) {
-            if let (Some(w), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
-                self.tree.remove_waiter(p, &w, k == Priority::High);
-                self.waiting[k.index()].remove(&id);
-            }
-            if let (Some(w), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
-                self.tree.add_waiter(p, w, k == Priority::High);
-                self.waiting[k.index()].insert(id);
-            }
+        if rewait && let (Some(w), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
+            self.tree.add_waiter(p, w, k == Priority::High);
+            self.waiting[k.index()].insert(id);
         }
         if old.holding != new.holding
             || (new.holding && (old.path, old.class) != (new.path, new.class))

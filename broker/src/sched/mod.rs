@@ -788,6 +788,9 @@ impl Scheduler {
         let mut bands = [false; BANDS];
         let min = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).min_by(f64::total_cmp);
         for p in stale {
+            // A unit dropped as its last member left still changed what
+            // its user's and band's clocks are over.
+            users.insert((p.0, p.1));
             let Some(x) = self.ix.tree.units.get(&p) else {
                 continue;
             };
@@ -803,9 +806,9 @@ impl Scheduler {
                 x.n.clock = x.n.clock.max(m);
             }
             self.ix.tree.place_unit(p, key);
-            users.insert((p.0, p.1));
         }
         for r in users {
+            bands[r.0] = true;
             let Some(x) = self.ix.tree.users.get(&r) else {
                 continue;
             };
@@ -825,7 +828,6 @@ impl Scheduler {
                 x.n.clock = x.n.clock.max(m);
             }
             self.ix.tree.place_user(r, key);
-            bands[r.0] = true;
         }
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
             let held = holder.filter(|h| band(h.class) == b).map(|h| {

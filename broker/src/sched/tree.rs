@@ -173,18 +173,39 @@ impl Tree {
         self.kept_units.remove(&p);
     }
 
+    /// A member leaves: a node left without members is kept only while it
+    /// owes time (ahead of its parent's clock) or holds a member's usage
+    /// history, and dropped at once otherwise (every client passes through
+    /// a unit of its own before the caller places it).
     pub fn leave(&mut self, p: UnitRef) {
         let u = user_of(p);
+        let parent = self.users.get(&u).map_or(f64::INFINITY, |x| x.n.clock);
         if let Some(x) = self.units.get_mut(&p) {
             x.n.members -= 1;
             if x.n.members == 0 {
-                self.kept_units.insert(p);
+                if x.n.vtime > parent || !x.left.is_empty() {
+                    self.kept_units.insert(p);
+                } else {
+                    self.place_unit(p, None);
+                    self.units.remove(&p);
+                }
             }
         }
+        let clock = self.clock[p.0];
         if let Some(x) = self.users.get_mut(&u) {
             x.n.members -= 1;
             if x.n.members == 0 {
-                self.kept_users.insert(u);
+                let has_units = self
+                    .units
+                    .range((u.0, u.1, GroupId::MIN)..=(u.0, u.1, GroupId::MAX))
+                    .next()
+                    .is_some();
+                if x.n.vtime > clock || has_units {
+                    self.kept_users.insert(u);
+                } else {
+                    self.place_user(u, None);
+                    self.users.remove(&u);
+                }
             }
         }
     }
