@@ -4,7 +4,8 @@
 //! children and its children's waiters in the order a grant picks them,
 //! so that a user's debt and wake-up credit are the user's, whatever its
 //! connections do: they outlive its clients coming and going while any is
-//! registered, and for a while after the last one leaves (see `prune`).
+//! registered, and for a while after the last one leaves (see `leave`
+//! and `prune`).
 //!
 //! `high` and `normal` share one band and so one virtual time per user and
 //! unit: `high` changes *when* a user runs (it is dispatched with a warp,
