@@ -293,7 +293,7 @@ impl Scheduler {
             if let Some(h) = self.holder.and_then(|h| self.clients.get(&h))
                 && (band(h.class), h.user_key()) == (b, u)
             {
-                t.stale.insert(h.path());
+                t.stale.push(h.path());
             }
         }
         self.refresh();

@@ -513,7 +513,7 @@ impl Scheduler {
             n.vtime = n.vtime.max(floor);
         }
         let floor = t.units[&p].n.clock - ts / l.own;
-        t.stale.insert(p);
+        t.stale.push(p);
         let c = self.clients.get_mut(&id).expect("known client");
         c.vtime = c.vtime.max(floor);
         match (user_on, unit_on) {
@@ -759,7 +759,7 @@ impl Scheduler {
                 if let Some(x) = t.units.get_mut(&p) {
                     x.n.vtime += share / l.unit;
                 }
-                t.stale.insert(p);
+                t.stale.push(p);
                 let c = self
                     .clients
                     .get_mut(&id)
@@ -775,72 +775,99 @@ impl Scheduler {
     /// Brings the places and clocks of the tree's stale nodes up to date,
     /// bottom up: a unit's clock over its waiters and the holder's place
     /// if it is the holder's, its place among its user's units (with the
-    /// warp of its best `high` waiter), then the same for users, then the
-    /// bands' clocks.
+    /// warp of its best `high` waiter), then the same for its user once
+    /// all the user's stale units are done, then the bands' clocks.
     fn refresh(&mut self) {
         if self.ix.tree.stale.is_empty() {
             return;
         }
-        let warp = self.warp();
-        let holder = self.holder.and_then(|h| self.clients.get(&h));
-        let stale = std::mem::take(&mut self.ix.tree.stale);
-        let mut users = std::collections::BTreeSet::new();
+        // Sorted, a user's units come together, before the user.
+        let mut stale = std::mem::take(&mut self.ix.tree.stale);
+        stale.sort_unstable();
+        stale.dedup();
         let mut bands = [false; BANDS];
-        let min = |a: Option<f64>, b: Option<f64>| a.into_iter().chain(b).min_by(f64::total_cmp);
-        for p in stale {
-            // A unit dropped as its last member left still changed what
-            // its user's and band's clocks are over.
-            users.insert((p.0, p.1));
-            let Some(x) = self.ix.tree.units.get(&p) else {
-                continue;
-            };
-            let w = self.ix.unit_weight(p);
-            let held = holder
-                .filter(|h| h.path() == p)
-                .map(|h| h.vtime - h.warp(warp, h.own));
-            let m = min(x.clients.first().map(|e| e.0.0), held);
-            let key = (x.n.waiting > 0)
-                .then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
-            let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
-            if let Some(m) = m {
-                x.n.clock = x.n.clock.max(m);
+        for (i, &p) in stale.iter().enumerate() {
+            self.refresh_unit(p);
+            let r = (p.0, p.1);
+            if stale.get(i + 1).is_none_or(|q| (q.0, q.1) != r) {
+                self.refresh_user(r);
+                bands[r.0] = true;
             }
-            self.ix.tree.place_unit(p, key);
         }
-        for r in users {
-            bands[r.0] = true;
-            let Some(x) = self.ix.tree.users.get(&r) else {
-                continue;
-            };
-            let held = holder
-                .filter(|h| (band(h.class), h.user_key()) == r)
-                .map(|h| {
-                    let p = h.path();
-                    let v = self.ix.tree.units.get(&p).map_or(0.0, |x| x.n.vtime);
-                    v - h.warp(warp, self.ix.unit_weight(p))
-                });
-            let m = min(x.units.first().map(|e| e.0.0), held);
-            let w = self.ix.user_weight(r.0, r.1);
-            let key = (x.n.waiting > 0)
-                .then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
-            let x = self.ix.tree.users.get_mut(&r).expect("looked up above");
-            if let Some(m) = m {
-                x.n.clock = x.n.clock.max(m);
-            }
-            self.ix.tree.place_user(r, key);
-        }
+        let warp = self.warp();
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
-            let held = holder.filter(|h| band(h.class) == b).map(|h| {
-                let r = (b, h.user_key());
-                let v = self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime);
-                v - h.warp(warp, self.ix.user_weight(b, r.1))
-            });
+            let held = self
+                .holder
+                .and_then(|h| self.clients.get(&h))
+                .filter(|h| band(h.class) == b)
+                .map(|h| {
+                    let r = (b, h.user_key());
+                    let v = self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime);
+                    v - h.warp(warp, self.ix.user_weight(b, r.1))
+                });
             let t = &mut self.ix.tree;
-            if let Some(m) = min(t.top[b].first().map(|e| e.0.0), held) {
+            if let Some(m) = least(t.top[b].first().map(|e| e.0.0), held) {
                 t.clock[b] = t.clock[b].max(m);
             }
         }
+        // The buffer's room is kept for the next event.
+        stale.clear();
+        self.ix.tree.stale = stale;
     }
+
+    /// A unit's clock and place (a unit dropped as its last member left
+    /// has none; its user's and band's clocks are refreshed all the same).
+    fn refresh_unit(&mut self, p: UnitRef) {
+        let Some(x) = self.ix.tree.units.get(&p) else {
+            return;
+        };
+        let warp = self.warp();
+        let w = self.ix.unit_weight(p);
+        let held = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .filter(|h| h.path() == p)
+            .map(|h| h.vtime - h.warp(warp, h.own));
+        let m = least(x.clients.first().map(|e| e.0.0), held);
+        let key =
+            (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
+        let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
+        if let Some(m) = m {
+            x.n.clock = x.n.clock.max(m);
+        }
+        self.ix.tree.place_unit(p, key);
+    }
+
+    /// A user's clock and place.
+    fn refresh_user(&mut self, r: tree::UserRef) {
+        let Some(x) = self.ix.tree.users.get(&r) else {
+            return;
+        };
+        let warp = self.warp();
+        let held = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .filter(|h| (band(h.class), h.user_key()) == r)
+            .map(|h| {
+                let p = h.path();
+                let v = self.ix.tree.units.get(&p).map_or(0.0, |x| x.n.vtime);
+                v - h.warp(warp, self.ix.unit_weight(p))
+            });
+        let m = least(x.units.first().map(|e| e.0.0), held);
+        let w = self.ix.user_weight(r.0, r.1);
+        let key =
+            (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
+        let x = self.ix.tree.users.get_mut(&r).expect("looked up above");
+        if let Some(m) = m {
+            x.n.clock = x.n.clock.max(m);
+        }
+        self.ix.tree.place_user(r, key);
+    }
+}
+
+/// The lesser of two places, either of which may be missing.
+fn least(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    a.into_iter().chain(b).min_by(f64::total_cmp)
 }
 
 #[cfg(test)]

@@ -116,7 +116,7 @@ pub(super) struct Tree {
     pub users: BTreeMap<UserRef, UserNode>,
     pub units: BTreeMap<UnitRef, UnitNode>,
     /// Units (and so their users) whose place or clock is out of date.
-    pub stale: BTreeSet<UnitRef>,
+    pub stale: Vec<UnitRef>,
     /// Nodes without members, kept while they owe time or hold history.
     pub kept_users: BTreeSet<UserRef>,
     pub kept_units: BTreeSet<UnitRef>,
@@ -222,7 +222,7 @@ impl Tree {
             n.high += usize::from(high);
         }
         x.clients.insert(place);
-        self.stale.insert(p);
+        self.stale.push(p);
     }
 
     pub fn remove_waiter(&mut self, p: UnitRef, place: &Place<ClientId>, high: bool) {
@@ -233,7 +233,7 @@ impl Tree {
             n.high -= usize::from(high);
         }
         x.clients.remove(place);
-        self.stale.insert(p);
+        self.stale.push(p);
     }
 
     /// The waiting clients of a band in the order a grant picks them:
