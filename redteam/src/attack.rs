@@ -375,7 +375,7 @@ impl Attacker {
                     mem_total: 16 * GIB,
                 }));
                 let reg = ClientMsg::Register {
-                    command: String::new(),
+                    command: c.argv.command(),
                     devices,
                     share: None,
                     limit: None,
@@ -442,7 +442,7 @@ impl Attacker {
             Play::Lease { want, queued } => {
                 let mut req = LeaseReq {
                     no_wait: !queued,
-                    command: "python3 train.py".into(),
+                    command: c.argv.command(),
                     ..LeaseReq::default()
                 };
                 match want {

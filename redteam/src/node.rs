@@ -51,32 +51,33 @@ struct Net {
 }
 
 impl Sockets for Net {
-    fn read(&mut self, id: ConnId, max: usize) -> Read {
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read {
         let Some(s) = self.sockets.get_mut(&id) else {
-            return Read::Eof;
+            return Read::Closed;
         };
         if s.to_broker.is_empty() {
             return if s.client_closed {
-                Read::Eof
+                Read::Closed
             } else {
-                Read::Empty
+                Read::WouldBlock
             };
         }
-        let n = max.min(s.to_broker.len());
-        Read::Bytes(s.to_broker.drain(..n).collect())
+        let n = buf.len().min(s.to_broker.len());
+        for (b, x) in buf.iter_mut().zip(s.to_broker.drain(..n)) {
+            *b = x;
+        }
+        Read::Bytes(n)
     }
 
-    fn write(&mut self, id: ConnId, bytes: &[u8]) -> usize {
-        let Some(s) = self.sockets.get_mut(&id) else {
-            return 0;
-        };
+    fn write(&mut self, id: ConnId, bytes: &[u8]) -> Option<usize> {
+        let s = self.sockets.get_mut(&id)?;
         if s.client_closed {
-            // EPIPE: the broker hangs up on it when it next reads.
-            return 0;
+            // EPIPE.
+            return None;
         }
         let n = bytes.len().min(SOCKBUF.saturating_sub(s.to_client.len()));
         s.to_client.extend_from_slice(&bytes[..n]);
-        n
+        Some(n)
     }
 
     fn accept(&mut self) -> Option<(ConnId, u32)> {
