@@ -276,6 +276,8 @@ pub struct Attacker {
     members: Vec<Member>,
     /// Each cohort's processes.
     procs: Vec<Vec<Option<u32>>>,
+    /// What each cohort's processes say their command is.
+    commands: Vec<String>,
     left: bool,
     timers: BTreeMap<(Nanos, u64), Timer>,
     seq: u64,
@@ -297,6 +299,7 @@ impl Attacker {
                 .iter()
                 .map(|c| vec![None; usize::from(c.procs.clamp(1, c.members.max(1)))])
                 .collect(),
+            commands: s.cohorts.iter().map(|c| c.argv.command()).collect(),
             left: false,
             timers: BTreeMap::new(),
             seq: 0,
@@ -375,7 +378,7 @@ impl Attacker {
                     mem_total: 16 * GIB,
                 }));
                 let reg = ClientMsg::Register {
-                    command: c.argv.command(),
+                    command: self.commands[self.members[m].cohort].clone(),
                     devices,
                     share: None,
                     limit: None,
@@ -442,7 +445,7 @@ impl Attacker {
             Play::Lease { want, queued } => {
                 let mut req = LeaseReq {
                     no_wait: !queued,
-                    command: c.argv.command(),
+                    command: self.commands[self.members[m].cohort].clone(),
                     ..LeaseReq::default()
                 };
                 match want {

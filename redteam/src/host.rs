@@ -45,10 +45,11 @@ impl Argv {
     /// The first `max` bytes of `raw` (give or take an argument).
     fn raw_within(&self, max: usize) -> Vec<u8> {
         let head: &[u8] = b"python3\0work.py\0";
+        let fields = [crate::logs::FORGING.as_bytes(), b"\0"].concat();
         let arg: &[u8] = match self.text {
             Text::Plain => b"--data=/scratch/datasets/imagenet/train/shard-000001.tar\0",
             Text::Controls => b"\n\x1b[2K\r\t\x07\n\x1b[2K\r\t\x07\n\x1b[2K\r\t\x07\0",
-            Text::Fields => b"uid=0 pid=1 job=root\0",
+            Text::Fields => &fields,
         };
         let want = (head.len() + self.kib as usize * 1024).min(max);
         let mut s = Vec::with_capacity(want + arg.len());

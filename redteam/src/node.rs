@@ -63,9 +63,11 @@ impl Sockets for Net {
             };
         }
         let n = buf.len().min(s.to_broker.len());
-        for (b, x) in buf.iter_mut().zip(s.to_broker.drain(..n)) {
-            *b = x;
-        }
+        let (a, b) = s.to_broker.as_slices();
+        let first = n.min(a.len());
+        buf[..first].copy_from_slice(&a[..first]);
+        buf[first..n].copy_from_slice(&b[..n - first]);
+        s.to_broker.drain(..n);
         Read::Bytes(n)
     }
 
@@ -439,11 +441,16 @@ impl Node {
         while self.clock.now < end {
             self.wake_actors(actors);
             self.poll();
-            let due = self
-                .shell
-                .next_timeout()
-                .is_some_and(|t| t <= self.clock.now);
-            if self.shell.busy() || due {
+            // As the shell's poll: no wait (and no look at the timers)
+            // while the core has a turn to run.
+            let busy = self.shell.busy();
+            let timeout = if busy {
+                None
+            } else {
+                self.shell.next_timeout()
+            };
+            let due = timeout.is_some_and(|t| t <= self.clock.now);
+            if busy || due {
                 self.shell
                     .iteration(&mut self.clock, &mut self.net, &mut self.gpu);
                 self.gpu.advance(self.clock.now);
@@ -453,7 +460,7 @@ impl Node {
             let next = actors
                 .iter()
                 .filter_map(|a| a.wake_at())
-                .chain(self.shell.next_timeout())
+                .chain(timeout)
                 .chain(Some(end))
                 .min()
                 .unwrap_or(end)

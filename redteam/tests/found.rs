@@ -343,3 +343,39 @@ fn whole_memory_requests_do_not_jump_an_earlier_whole_gpu() {
     };
     holds(Invariant::Queue, &s);
 }
+
+/// What the test suite's search found for logs once the core was
+/// re-pointed (seed 20261126, 74 strategies, a debug build): three
+/// connections of one process registering a made-up GPU beside GPU 0, on
+/// a broker that found its GPUs, taking turns. Each refusal is the
+/// broker's own words, "... or with GPUFRAC_BROKER=off", which a logfmt
+/// reader takes as a field: no user wrote it, and the measure counted it
+/// as forged (75 lines). A line is forged by the fields a user's text is
+/// shaped to forge (`logs::FORGING`), not by the broker's own `key=value`.
+#[test]
+fn the_brokers_own_words_in_a_refusal_forge_no_field() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Shim {
+                class: Priority::High,
+                work: true,
+                recall: Recall::Honest,
+                uuids: 1,
+            },
+            members: 3,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 80,
+            duty: 75,
+            stagger: 50,
+            reconnect: false,
+            respawn: false,
+            argv: Argv {
+                kib: 0,
+                text: Text::Plain,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Logs, &s);
+}
