@@ -309,7 +309,8 @@ pub fn answers_of(
     let mut out: Vec<_> = r
         .victim
         .answers()
-        .chain(&r.victim.record.grants)
+        .cloned()
+        .chain(r.victim.bursts())
         .map(|a| {
             (
                 a.what,
@@ -394,9 +395,7 @@ fn service(r: &Run) -> (f64, String) {
     }
     let grant = r
         .victim
-        .record
-        .grants
-        .iter()
+        .bursts()
         .map(|a| a.wait(end, end_work).0)
         .max()
         .unwrap_or(0);
