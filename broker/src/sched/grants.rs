@@ -2,15 +2,30 @@
 //! the next holder, grants, updates or revokes, and sets the bound on what
 //! a holder may keep queued.
 
-use super::{Action, BURST_BOUND, ClientId, ClientState, Nanos, Outstanding, Priority, Scheduler};
+use super::tree::{BANDS, Level, band};
+use super::{
+    Action, BURST_BOUND, Client, ClientId, ClientState, Nanos, Outstanding, Priority, Scheduler,
+};
 
-/// The waiter that would be picked: highest class, then least virtual time,
-/// then FIFO.
+/// The waiter that would be picked: highest band, then the fair tree's
+/// order (users, their units, their clients), then FIFO.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Candidate {
     pub(super) id: ClientId,
     class: Priority,
-    vtime: f64,
+}
+
+/// A holder and a waiter of one band, compared where their branches part:
+/// their users' places if they are different users', their units' if
+/// they are one user's, else their own (each with its own warp).
+#[derive(Clone, Copy, Debug)]
+struct Cmp {
+    level: Level,
+    holder: f64,
+    waiter: f64,
+    /// The holder's weight at that level: virtual time there is its GPU
+    /// time over this.
+    weight: f64,
 }
 
 impl Scheduler {
@@ -22,24 +37,24 @@ impl Scheduler {
         except: Option<ClientId>,
         bounded: bool,
     ) -> Option<Candidate> {
-        // The index holds the waiters in that order: the first that fits.
-        self.ix
-            .waiting
-            .iter()
-            .map(|&(_, _, _, id)| (id, &self.clients[&id]))
-            .find(|&(id, c)| Some(id) != except && self.fits(c, now, bounded))
-            .map(|(id, c)| Candidate {
-                id,
-                class: c.class,
-                vtime: c.vtime,
+        // The tree holds the waiters in that order: the first that fits.
+        (0..BANDS)
+            .rev()
+            .find_map(|b| {
+                self.ix
+                    .tree
+                    .waiters(b)
+                    .map(|id| (id, &self.clients[&id]))
+                    .find(|&(id, c)| Some(id) != except && self.fits(c, now, bounded))
             })
+            .map(|(id, c)| Candidate { id, class: c.class })
     }
 
-    /// Who gets an idle GPU. A class whose holder was recalled keeps the
+    /// Who gets an idle GPU. A band whose holder was recalled keeps the
     /// GPU for a moment (`recall_hold`) or until that holder answers: a
-    /// busy one asks again and is granted at once, and a lower class gets
+    /// busy one asks again and is granted at once, and a lower band gets
     /// no sliver in between. One that does not answer by then leaves the
-    /// GPU to the lower class (it is found hung later, at the grace).
+    /// GPU to the lower band (it is found hung later, at the grace).
     pub(super) fn next_grantee(&self, now: Nanos, bounded: bool) -> Option<Candidate> {
         let w = self.best_waiter(now, None, bounded)?;
         let hold = self.recall_hold();
@@ -53,20 +68,62 @@ impl Scheduler {
                     g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
                 })
             })
-            .map(|c| c.class)
+            .map(|c| band(c.class))
             .max();
-        recalled.is_none_or(|r| w.class >= r).then_some(w)
+        recalled.is_none_or(|r| band(w.class) >= r).then_some(w)
     }
 
-    /// How long a recalled holder's class keeps the GPU waiting for its
+    /// How long a recalled holder's band keeps the GPU waiting for its
     /// answer: two wake periods (a busy shim answers within a round trip
     /// and its bounded queued work), never more than the grace.
     pub(super) fn recall_hold(&self) -> Nanos {
         self.cfg.wake.saturating_mul(2).min(self.cfg.grace).max(1)
     }
 
+    /// Compares holder `h` and waiter `w` (of one band) where their
+    /// branches part.
+    fn compare(&self, h: &Client, w: &Client) -> Cmp {
+        let (hp, wp) = (h.path(), w.path());
+        let warp = self.warp();
+        let t = &self.ix.tree;
+        if (hp.0, hp.1) != (wp.0, wp.1) {
+            let at = |c: &Client, p: (usize, super::UserKey, u64)| {
+                let weight = self.ix.user_weight(p.0, p.1);
+                let v = t.users.get(&(p.0, p.1)).map_or(0.0, |x| x.n.vtime);
+                (v - c.warp(warp, weight), weight)
+            };
+            let ((holder, weight), (waiter, _)) = (at(h, hp), at(w, wp));
+            Cmp {
+                level: Level::User,
+                holder,
+                waiter,
+                weight,
+            }
+        } else if hp.2 != wp.2 {
+            let at = |c: &Client, p| {
+                let weight = self.ix.unit_weight(p);
+                let v = t.units.get(&p).map_or(0.0, |x| x.n.vtime);
+                (v - c.warp(warp, weight), weight)
+            };
+            let ((holder, weight), (waiter, _)) = (at(h, hp), at(w, wp));
+            Cmp {
+                level: Level::Unit,
+                holder,
+                waiter,
+                weight,
+            }
+        } else {
+            Cmp {
+                level: Level::Client,
+                holder: h.vtime - h.warp(warp, h.own),
+                waiter: w.vtime - w.warp(warp, w.own),
+                weight: h.own,
+            }
+        }
+    }
+
     /// The bound `id` gets as holder: only while someone who could take the
-    /// GPU from it or follow it is registered (a client of its class or
+    /// GPU from it or follow it is registered (a client of its band or
     /// higher); during the first slice of a burst, eight times as much (a
     /// request of many short kernels is queued whole, while a batch job that
     /// wakes up still cannot queue seconds of work).
@@ -171,37 +228,52 @@ impl Scheduler {
         let waiters = best.is_some();
         let woke = self.woke.take();
         let c = self.clients.get(&h).expect("holder is registered");
-        let (class, vtime, weight) = (c.class, c.vtime, self.weight(c));
-        // A waiter of a higher class takes the GPU at once; one that just
-        // woke up behind the holder in virtual time does too.
-        // (Behind by more than a quarter slice of the holder's time, so that
-        // two clients waking together do not take the GPU from each other.)
-        let gran = cfg.timeslice as f64 / 4.0 / weight;
-        if let Some(w) = best
-            && (w.class > class
-                || (w.class == class && woke == Some(w.id) && w.vtime + gran < vtime))
-        {
-            self.revoke(now, h, false);
-            return true;
+        let class = c.class;
+        // A waiter of a higher band takes the GPU at once. So does one
+        // that just woke up behind the holder where their branches part,
+        // if what woke is at that level or above it (a user's connection
+        // waking gets no credit against another user's holder unless the
+        // user itself comes back), or if it is `high` (its warp is its
+        // credit). Behind by more than a quarter slice of the holder's
+        // time, so that two waking together do not take the GPU from each
+        // other.
+        if let Some(w) = best {
+            let wc = &self.clients[&w.id];
+            let preempt = band(w.class) > band(class)
+                || (band(w.class) == band(class)
+                    && woke.is_some_and(|(id, level)| {
+                        let x = self.compare(c, wc);
+                        let gran = cfg.timeslice as f64 / 4.0 / x.weight;
+                        id == w.id
+                            && (w.class == Priority::High || level <= x.level)
+                            && x.waiter + gran < x.holder
+                    }));
+            if preempt {
+                self.revoke(now, h, false);
+                return true;
+            }
         }
         // One that woke up without being behind waits no longer than the
         // GPU's own time-slicer would make it wait: the holder's slice ends
         // within `wake`, and the usual order decides then.
-        let woke_here = woke.is_some_and(|id| {
+        let woke_here = woke.is_some_and(|(id, _)| {
             self.clients.get(&id).is_some_and(|w| {
-                w.class == class && w.state == ClientState::Waiting && self.fits(w, now, bounded)
+                band(w.class) == band(class)
+                    && w.state == ClientState::Waiting
+                    && self.fits(w, now, bounded)
             })
         });
         let wake_by = now.saturating_add(cfg.wake);
-        // Lower classes do not contend with the holder.
-        let best = best.filter(|w| w.class == class);
+        // Lower bands do not contend with the holder.
+        let best = best.filter(|w| band(w.class) == band(class));
         let contended = best.is_some();
+        let cmp = best.map(|b| self.compare(c, &self.clients[&b.id]));
         let remaining = self.remaining(c, now, bounded);
         let fits = self.fits(c, now, bounded);
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
         let unchanged = g.bound == bound && g.waiters == waiters;
-        // Liveness: while anyone of a lower class waits, a holder's grant
+        // Liveness: while anyone of a lower band waits, a holder's grant
         // is never open-ended; at its end the holder is recalled, since
         // the broker cannot see whether it still launches (a client that
         // holds the GPU without using it once kept a `low` waiter out
@@ -218,11 +290,11 @@ impl Scheduler {
                 // A holder still behind the best waiter keeps the GPU for
                 // the real time that brings it level (at least a fifth of a
                 // slice, so a small deficit does not cost a switch).
-                let ext = best.map(|b| {
-                    (((b.vtime - vtime).max(0.0) * weight) as Nanos)
+                let ext = cmp.map(|x| {
+                    (((x.waiter - x.holder).max(0.0) * x.weight) as Nanos)
                         .clamp(cfg.timeslice / 5, cfg.timeslice)
                 });
-                if best.is_some_and(|b| vtime >= b.vtime) {
+                if cmp.is_some_and(|x| x.holder >= x.waiter) {
                     None
                 } else if let Some(r) = remaining {
                     fits.then(|| Some(r.min(cfg.timeslice).min(ext.unwrap_or(Nanos::MAX))))
@@ -288,7 +360,7 @@ impl Scheduler {
         let class = self.clients[&id].class;
         let bounded = self.high_bounded(now);
         let best = self.best_waiter(now, Some(id), bounded);
-        let contended = best.is_some_and(|w| w.class >= class);
+        let contended = best.is_some_and(|w| band(w.class) >= band(class));
         let waiters = best.is_some();
         let gid = self.next_grant;
         self.next_grant += 1;

@@ -1,49 +1,26 @@
 //! What each event needs to find without walking every client: who is on
-//! the GPU, who waits (in the order a grant picks them), who has a grant
-//! out, how many clients each class and unit has, and the weights of the
-//! hierarchy per user. A node may have a thousand processes registered on
-//! one GPU, nearly all idle, and an event must cost what changed, not what
-//! is connected.
+//! the GPU, who waits (in the fair tree, in the order a grant picks them,
+//! and per class), who has a grant out, how many clients each class and
+//! unit has, and the weights of the hierarchy per user. A node may have a
+//! thousand processes registered on one GPU, nearly all idle, and an event
+//! must cost what changed, not what is connected.
 //!
 //! Every client carries the snapshot of what it put in here (`Indexed`);
 //! after any change to a client, `Scheduler::reindex` swaps the old
 //! snapshot's entries for the new one's. The weights of the hierarchy are
-//! recomputed, at `reweigh`, only for the (class, user) pairs whose active
+//! recomputed, at `reweigh`, only for the (band, user) pairs whose active
 //! members changed, by the same sums in the same order as over everyone,
 //! so they come out bit for bit the same.
 
-use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::tree::{Place, Tree, UnitRef, Vt, band};
 use super::{
     Client, ClientId, ClientState, GroupId, Priority, Scheduler, USER_SCALE, UnitSum, UserKey,
     sanitize_weight,
 };
 
-/// A virtual time, ordered as `f64::total_cmp` orders it.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Vt(pub f64);
-
-impl PartialEq for Vt {
-    fn eq(&self, o: &Self) -> bool {
-        self.cmp(o) == Ordering::Equal
-    }
-}
-impl Eq for Vt {}
-impl PartialOrd for Vt {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Vt {
-    fn cmp(&self, o: &Self) -> Ordering {
-        self.0.total_cmp(&o.0)
-    }
-}
-
-/// A waiter's place: highest class, then least virtual time, then FIFO.
-pub(super) type WaitKey = (Reverse<Priority>, Vt, u64, ClientId);
-/// An active client's place in the hierarchy: class index, user, unit.
+/// An active client's place in the hierarchy: band, user, unit.
 type ActiveKey = (usize, UserKey, GroupId, ClientId);
 
 /// What one client has put in the index.
@@ -51,31 +28,33 @@ type ActiveKey = (usize, UserKey, GroupId, ClientId);
 pub(super) struct Indexed {
     /// None: not in the index at all.
     class: Option<Priority>,
-    group: GroupId,
+    /// Its unit in the fair tree.
+    pub(super) path: Option<UnitRef>,
     on_gpu: bool,
-    waiting: Option<WaitKey>,
+    holding: bool,
+    /// Its place among its unit's waiters.
+    waiting: Option<Place<ClientId>>,
     granted: bool,
-    active: Option<ActiveKey>,
+    active: bool,
     /// Own weight, imposed unit weight, user weight: what its unit's and
     /// user's sums take from it while it is active.
     weighs: (f64, Option<f64>, Option<f64>),
 }
 
 impl Indexed {
-    fn of(id: ClientId, c: &Client) -> Indexed {
-        let (k, u) = (c.class.index(), c.user_key());
+    fn of(id: ClientId, c: &Client, warp: f64) -> Indexed {
         Indexed {
             class: Some(c.class),
-            group: c.group,
+            path: Some(c.path()),
             on_gpu: c.on_gpu(),
+            holding: c.state == ClientState::Holding,
             waiting: (c.state == ClientState::Waiting).then_some((
-                Reverse(c.class),
-                Vt(c.vtime),
+                Vt(c.vtime - c.warp(warp, c.own)),
                 c.seq,
                 id,
             )),
             granted: c.grant.is_some(),
-            active: (c.is_active() || c.on_gpu()).then_some((k, u, c.group, id)),
+            active: c.is_active() || c.on_gpu(),
             weighs: (c.own, c.unit_weight, c.user.map(|(_, w)| w)),
         }
     }
@@ -84,7 +63,8 @@ impl Indexed {
 #[derive(Debug, Clone, Default)]
 pub(super) struct Index {
     pub on_gpu: BTreeSet<ClientId>,
-    pub waiting: BTreeSet<WaitKey>,
+    /// Per class, the waiting clients.
+    pub waiting: [BTreeSet<ClientId>; 3],
     /// Clients with a grant out: the holder and those revoked.
     pub granted: BTreeSet<ClientId>,
     /// Clients whose meter the window may still see.
@@ -92,12 +72,13 @@ pub(super) struct Index {
     pub per_class: [usize; 3],
     pub per_group: BTreeMap<GroupId, usize>,
     pub active: BTreeSet<ActiveKey>,
-    /// (class, user) pairs whose sums are out of date.
+    /// (band, user) pairs whose sums are out of date.
     pub dirty: BTreeSet<(usize, UserKey)>,
     units: BTreeMap<(usize, UserKey, GroupId), UnitSum>,
-    /// Per (class, user): the sum of its units' weights, and the user's
+    /// Per (band, user): the sum of its units' weights, and the user's
     /// weight (the largest its active processes were given).
     users: BTreeMap<(usize, UserKey), (f64, f64)>,
+    pub tree: Tree,
 }
 
 impl Index {
@@ -113,18 +94,27 @@ impl Index {
                 self.per_class[k.index()] += 1;
             }
         }
-        let member = |x: &Indexed| x.class.map(|_| x.group);
-        if member(old) != member(new) {
-            if let Some(g) = member(old)
-                && let Some(n) = self.per_group.get_mut(&g)
-            {
-                *n -= 1;
-                if *n == 0 {
-                    self.per_group.remove(&g);
+        // Out of the old unit's waiters before leaving it (a unit left with
+        // nothing to keep goes at once), into the new one's after joining.
+        let waits = |x: &Indexed| x.waiting.map(|w| (w, x.path, x.class));
+        let rewait = waits(old) != waits(new);
+        if rewait && let (Some(w), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
+            self.tree.remove_waiter(p, &w, k == Priority::High);
+            self.waiting[k.index()].remove(&id);
+        }
+        if old.path != new.path {
+            if let Some(p) = old.path {
+                if let Some(n) = self.per_group.get_mut(&p.2) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.per_group.remove(&p.2);
+                    }
                 }
+                self.tree.leave(p);
             }
-            if let Some(g) = member(new) {
-                *self.per_group.entry(g).or_default() += 1;
+            if let Some(p) = new.path {
+                *self.per_group.entry(p.2).or_default() += 1;
+                self.tree.join(p);
             }
         }
         if old.on_gpu != new.on_gpu {
@@ -134,13 +124,16 @@ impl Index {
                 self.on_gpu.remove(&id);
             }
         }
-        if old.waiting != new.waiting {
-            if let Some(k) = &old.waiting {
-                self.waiting.remove(k);
-            }
-            if let Some(k) = new.waiting {
-                self.waiting.insert(k);
-            }
+        if rewait && let (Some(w), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
+            self.tree.add_waiter(p, w, k == Priority::High);
+            self.waiting[k.index()].insert(id);
+        }
+        if old.holding != new.holding
+            || (new.holding && (old.path, old.class) != (new.path, new.class))
+        {
+            // The holder's branch (with its class's warp) counts in its
+            // nodes' clocks.
+            self.tree.stale.extend(old.path.into_iter().chain(new.path));
         }
         if old.granted != new.granted {
             if new.granted {
@@ -149,40 +142,41 @@ impl Index {
                 self.granted.remove(&id);
             }
         }
-        if old.active != new.active || (old.weighs != new.weighs && new.active.is_some()) {
-            if let Some(k) = &old.active {
-                self.active.remove(k);
+        let key = |x: &Indexed| x.path.filter(|_| x.active).map(|(b, u, g)| (b, u, g, id));
+        let (ko, kn) = (key(old), key(new));
+        if ko != kn || (old.weighs != new.weighs && kn.is_some()) {
+            if let Some(k) = ko {
+                self.active.remove(&k);
                 self.dirty.insert((k.0, k.1));
             }
-            if let Some(k) = new.active {
+            if let Some(k) = kn {
                 self.active.insert(k);
                 self.dirty.insert((k.0, k.1));
             }
         }
     }
 
-    /// Clients registered in `class` or above.
+    /// Clients registered that could take the GPU from a holder of `class`
+    /// or follow it: of its band or above.
     pub fn at_or_above(&self, class: Priority) -> usize {
-        self.per_class[class.index()..].iter().sum()
+        Priority::ALL
+            .iter()
+            .filter(|k| band(**k) >= band(class))
+            .map(|k| self.per_class[k.index()])
+            .sum()
     }
 
     pub fn has_members(&self, group: GroupId) -> bool {
         self.per_group.contains_key(&group)
     }
 
-    /// The waiters of one class, least virtual time first.
-    pub fn waiting_in(&self, class: Priority) -> impl Iterator<Item = &WaitKey> {
-        let lo = (Reverse(class), Vt(f64::NEG_INFINITY), 0, 0);
-        self.waiting
-            .range(lo..)
-            .take_while(move |k| k.0 == Reverse(class))
-    }
-
-    /// Brings the sums of the (class, user) pairs that changed up to date:
+    /// Brings the sums of the (band, user) pairs that changed up to date:
     /// each unit's over its active members in id order, each user's over
-    /// its units in unit order, as a pass over everyone would.
-    fn flush(&mut self, clients: &BTreeMap<ClientId, Client>) {
-        for (k, u) in std::mem::take(&mut self.dirty) {
+    /// its units in unit order, as a pass over everyone would. Returns the
+    /// pairs it recomputed.
+    fn flush(&mut self, clients: &BTreeMap<ClientId, Client>) -> Vec<(usize, UserKey)> {
+        let dirty = std::mem::take(&mut self.dirty);
+        for &(k, u) in &dirty {
             let stale: Vec<_> = self
                 .units
                 .range((k, u, GroupId::MIN)..=(k, u, GroupId::MAX))
@@ -228,45 +222,119 @@ impl Index {
                 }
             }
         }
+        dirty.into_iter().collect()
     }
+
+    /// A unit's weight among its user's units (its active members' sum).
+    pub fn unit_weight(&self, p: UnitRef) -> f64 {
+        sanitize_weight(self.units.get(&p).map_or(0.0, UnitSum::weight))
+    }
+
+    /// A user's weight among the band's users: a user of weight 1 weighs
+    /// as a unit of `USER_SCALE`; a unit that stands for itself, its own.
+    pub fn user_weight(&self, b: usize, u: UserKey) -> f64 {
+        match u {
+            UserKey::User(_) => {
+                sanitize_weight(USER_SCALE * self.users.get(&(b, u)).map_or(0.0, |e| e.1))
+            }
+            UserKey::Unit(g) => self.unit_weight((b, u, g)),
+        }
+    }
+}
+
+/// A client's weights at each level of the tree: its user's among the
+/// band's users, its unit's among the user's units, its own among the
+/// unit's members. An inactive client is weighed as if it joined.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Levels {
+    pub user: f64,
+    pub unit: f64,
+    pub own: f64,
 }
 
 impl Scheduler {
     /// Puts `id`'s current state in the index, in place of what it put
     /// there before; call after any change to a client.
     pub(super) fn reindex(&mut self, id: ClientId) {
+        let warp = self.warp();
         let Some(c) = self.clients.get_mut(&id) else {
             return;
         };
-        let new = Indexed::of(id, c);
+        let new = Indexed::of(id, c, warp);
         let old = std::mem::replace(&mut c.idx, new.clone());
         if !c.meter.is_empty() {
             self.ix.metered.insert(id);
         }
         self.ix.apply(id, &old, &new);
+        self.refresh();
     }
 
     /// Takes a client that left out of the index.
     pub(super) fn unindex(&mut self, id: ClientId, c: &Client) {
         self.ix.apply(id, &c.idx, &Indexed::default());
         self.ix.metered.remove(&id);
+        self.refresh();
     }
 
     /// Sets the hierarchy's sums from the clients active now (see
     /// `weight`): once per event, after everything that can change who is
     /// active, so the weights hold until the next event, whose `settle`
-    /// charges by them.
+    /// charges by them. The places of the nodes whose weights moved are
+    /// recomputed (a `high` waiter's warp is in its node's weight).
     pub(super) fn reweigh(&mut self) {
-        self.ix.flush(&self.clients);
+        for (b, u) in self.ix.flush(&self.clients) {
+            let t = &mut self.ix.tree;
+            let units = t
+                .units
+                .range((b, u, GroupId::MIN)..=(b, u, GroupId::MAX))
+                .filter(|(_, x)| x.n.waiting > 0)
+                .map(|(p, _)| *p);
+            t.stale.extend(units.collect::<Vec<_>>());
+            if let Some(h) = self.holder.and_then(|h| self.clients.get(&h))
+                && (band(h.class), h.user_key()) == (b, u)
+            {
+                t.stale.push(h.path());
+            }
+        }
+        self.refresh();
     }
 
-    /// A client's effective weight, within its class: its user's weight,
-    /// times its unit's part of that user's units, times its own part of
-    /// its unit's members (all among those active). An inactive client is
-    /// weighed as if it were about to join, so its wake-up credit is what
-    /// it would get.
+    /// A client's weights at each level (see `Levels`).
+    pub(super) fn levels(&self, c: &Client) -> Levels {
+        let (b, u) = (band(c.class), c.user_key());
+        let unit = self
+            .ix
+            .units
+            .get(&(b, u, c.group))
+            .copied()
+            .unwrap_or_default();
+        let (_, user_w) = self.ix.users.get(&(b, u)).copied().unwrap_or((0.0, 0.0));
+        let joined = if c.is_active() || c.on_gpu() {
+            unit
+        } else {
+            let mut j = unit;
+            j.add(c);
+            j
+        };
+        let unit_w = sanitize_weight(joined.weight());
+        let user = match c.user {
+            Some((_, own_w)) => sanitize_weight(USER_SCALE * user_w.max(own_w)),
+            None => unit_w,
+        };
+        Levels {
+            user,
+            unit: unit_w,
+            own: c.own,
+        }
+    }
+
+    /// A client's effective weight, within its band: its user's part of
+    /// the band's users, times its unit's part of that user's units, times
+    /// its own part of its unit's members (all among those active), scaled
+    /// as a user's weight is. What status shows; the tree charges level by
+    /// level. An inactive client is weighed as if it were about to join.
     pub(super) fn weight(&self, c: &Client) -> f64 {
-        let (k, u) = (c.class.index(), c.user_key());
+        let (k, u) = (band(c.class), c.user_key());
         let unit = self
             .ix
             .units

@@ -68,9 +68,9 @@ impl Scheduler {
                 .and_then(|h| self.clients.get(&h))
                 .is_some_and(holds)
                 || [Priority::Normal, Priority::Low].into_iter().any(|k| {
-                    self.ix
-                        .waiting_in(k)
-                        .any(|w| self.fits(&self.clients[&w.3], now, false))
+                    self.ix.waiting[k.index()]
+                        .iter()
+                        .any(|id| self.fits(&self.clients[id], now, false))
                 }))
     }
 

@@ -22,32 +22,38 @@
 //!   several are on it the time-slicer splits the GPU evenly, so each is
 //!   charged `dt / n`. Long kernels that outlive a handover are paid for by
 //!   their owner; weights then hold for 50 µs and 120 ms kernels alike.
-//! - **Priority classes** (`high`, `normal`, `low`): a waiter of a higher
-//!   class takes the GPU at once; `low` runs only when no one else wants it.
-//!   Weighted fair shares (virtual time) apply within a class. While a
-//!   lower class could use the GPU, `high` holds it for at most
-//!   `high_share` of each window (Linux's real-time throttling), so no
-//!   client can stall the others by asking for `high`: past its share a
-//!   `high` holder is revoked like any other, and passed over if it does
-//!   not let go.
-//! - **Wake-up preemption**: a client that comes back from idle starts up to
-//!   one timeslice behind the class's virtual clock (never ahead of what it
-//!   had used), so an interactive process that used less than its share
-//!   takes the GPU at once instead of waiting for the holder's slice to end.
-//!   A busy newcomer gets the same one-time credit, which is bounded.
 //! - **Fair among users first**, then among a user's units (its jobs, and
 //!   its processes outside any job), then among a unit's processes
-//!   (`set_user`, `set_group`, `reweigh`): ten jobs or ten processes of one
-//!   user still get one user's part.
+//!   (`set_unit`): hierarchical virtual time (the fair tree, `tree`), a
+//!   virtual time per user, per unit within it and per process within
+//!   that, each charged by its weight at its level. A user's debt and its
+//!   wake-up credit are the user's: they outlive its processes and
+//!   connections, so ten jobs, ten processes or a thousand connections
+//!   that take turns still get one user's part.
+//! - **Wake-up credit, per user**: a user that starts competing again
+//!   (none of its clients waits or holds) starts up to one timeslice of
+//!   its own behind the band's clock (never ahead of what it had used), so
+//!   an interactive user that used less than its share takes the GPU at
+//!   once instead of waiting for the holder's slice to end. A connection of
+//!   a user already competing gets no credit against other users.
+//! - **Priority buys latency, never throughput** (Borrowed Virtual Time):
+//!   `high` and `normal` share one virtual time per user; a `high` waiter is
+//!   placed two slices of its own ahead of it (a warp) and takes the GPU at
+//!   once when that puts it behind the holder, but every moment it holds is
+//!   charged to its user like any other, so a busy `high` user gets one
+//!   user's part. While a lower class could use the GPU, `high` holds it
+//!   for at most `high_share` of each window (Linux's real-time
+//!   throttling) on top of that. `low` runs only when no one above has a
+//!   request to grant.
 //! - **Liveness**: the broker cannot see whether a holder still launches,
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
-//!   out is recalled even when only lower classes wait (a busy one asks
-//!   again and is granted back at once; for two wake periods meanwhile the
-//!   GPU stays with its class), and one that does not answer is passed
-//!   over (and shown hung after `grace`). The `high` class's share is
-//!   charged only while one of its clients holds the GPU, never for a
-//!   revoked or hung one.
-//! - Between busy clients of one class, slices of `timeslice` (extended
+//!   out is recalled even when only `low` waits (a busy one asks again and
+//!   is granted back at once; for two wake periods meanwhile the GPU stays
+//!   with its band), and one that does not answer is passed over (and
+//!   shown hung after `grace`). The `high` class's share is charged only
+//!   while one of its clients holds the GPU, never for a revoked or hung
+//!   one.
+//! - Between busy clients of one band, slices of `timeslice` (extended
 //!   while the holder is still behind), so switches stay rare.
 //! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
 //!   otherwise idle GPU; a unit's limit (a job's `--gpu-limit`) is one
@@ -64,23 +70,27 @@
 //!   has finished; until then it is charged as on the GPU (at most
 //!   `drain_timeout`).
 //!
-//! Rooms: `types` (configuration, actions, what status shows), `grants`
-//! (who holds the GPU: the step loop, grants and revokes), `limits`
-//! (ceilings: a client's, its unit's, the `high` class's share), `meter`
-//! (time on the GPU in a window), `status`; this file holds the state and
-//! the entry points.
+//! Rooms: `types` (configuration, actions, what status shows), `tree` (the
+//! fair tree's nodes and their waiters), `index` (what an event looks up
+//! without a scan, and the hierarchy's weights), `grants` (who holds the
+//! GPU: the step loop, grants and revokes), `limits` (ceilings: a
+//! client's, its unit's, the `high` class's share), `meter` (time on the
+//! GPU in a window), `status`; this file holds the state and the entry
+//! points.
 
 mod grants;
 mod index;
 mod limits;
 mod meter;
 mod status;
+mod tree;
 mod types;
 
 use std::collections::{BTreeMap, VecDeque};
 
 use index::{Index, Indexed};
 use meter::Meter;
+use tree::{BANDS, Level, UnitRef, Vt, band};
 
 pub use gpufrac_common::config::Priority;
 pub use types::{
@@ -88,23 +98,15 @@ pub use types::{
     Weights, parse_weight, priority_name,
 };
 
-/// Units whose members all left, remembered while their virtual time is
-/// still ahead of the class clock: at most this many.
-const MAX_DEPARTED: usize = 1024;
-
-/// What a unit leaves behind when its last member disconnects, so that
-/// reconnecting does not wipe its history (a client that reconnected every
-/// 250 ms once got a fresh start each time).
-#[derive(Debug, Clone, Default)]
-struct Departed {
-    vtime: f64,
-    history: VecDeque<(Nanos, Nanos)>,
-}
-
 const MS: Nanos = 1_000_000;
 const US: Nanos = 1_000;
 /// How many bounds of work a burst grant may keep queued.
 const BURST_BOUND: Nanos = 8;
+/// A `high` waiter's warp, in slices of its own GPU time: more than a
+/// holder's lead over the clock (a slice, and the quarter slice a waker
+/// must be behind by), so an interactive `high` process takes the GPU at
+/// once even when its user is as busy as the holder's.
+const WARP_SLICES: f64 = 2.0;
 
 #[derive(Debug, Clone)]
 struct Outstanding {
@@ -117,8 +119,8 @@ struct Outstanding {
     bound: Nanos,
     /// `waiters` last sent with this grant.
     waiters: bool,
-    /// Revoked only because its slice ran out while lower classes waited
-    /// (liveness): the GPU stays with its class until it releases (a busy
+    /// Revoked only because its slice ran out while a lower band waited
+    /// (liveness): the GPU stays with its band until it releases (a busy
     /// holder asks again and is granted at once), for `recall_hold` at
     /// most.
     recall: bool,
@@ -145,6 +147,8 @@ struct Client {
     limit: Option<f64>,
     class: Priority,
     state: ClientState,
+    /// Its virtual time among its unit's members (the unit's and the
+    /// user's are the tree's).
     vtime: f64,
     /// FIFO stamp, taken each time the client starts waiting.
     seq: u64,
@@ -180,16 +184,11 @@ pub struct Scheduler {
     cfg: SchedConfig,
     clients: BTreeMap<ClientId, Client>,
     holder: Option<ClientId>,
-    /// Per class, never decreasing; tracks the least virtual time among the
-    /// class's active clients. Clients that (re)activate start at most one
-    /// timeslice lower, so idling banks little credit.
-    vclock: [f64; 3],
-    /// A client that just woke up and may preempt the holder.
-    woke: Option<ClientId>,
+    /// A client that just started waiting, and the highest level of the
+    /// tree that started competing with it: it may preempt the holder.
+    woke: Option<(ClientId, Level)>,
     /// Clients that left idle and have not been granted since.
     waking: std::collections::BTreeSet<ClientId>,
-    /// Per (unit, class): what departed members of a unit left behind.
-    departed: BTreeMap<(GroupId, usize), Departed>,
     /// Units with a limit, and their time on the GPU (kept while the
     /// window still sees it, members or not).
     units: BTreeMap<GroupId, Unit>,
@@ -203,6 +202,8 @@ pub struct Scheduler {
     /// Latest time seen; earlier `now` arguments are clamped to it so a
     /// caller's clock hiccup cannot make durations underflow.
     now: Nanos,
+    /// Memberless nodes of the tree were last pruned then.
+    pruned_at: Nanos,
     ix: Index,
 }
 
@@ -268,6 +269,22 @@ impl Client {
         }
     }
 
+    /// Its unit in the fair tree.
+    fn path(&self) -> UnitRef {
+        (band(self.class), self.user_key(), self.group)
+    }
+
+    /// How far ahead of a node's virtual time a request of this client is
+    /// placed, for a node of `weight` at its level: `warp` ns of that
+    /// node's GPU time for `high`, none otherwise.
+    fn warp(&self, warp: f64, weight: f64) -> f64 {
+        if self.class == Priority::High {
+            warp / weight
+        } else {
+            0.0
+        }
+    }
+
     fn on_gpu(&self) -> bool {
         matches!(self.state, ClientState::Holding | ClientState::Revoking)
             || self.draining_since.is_some()
@@ -298,10 +315,8 @@ impl Scheduler {
             cfg,
             clients: BTreeMap::new(),
             holder: None,
-            vclock: [0.0; 3],
             woke: None,
             waking: std::collections::BTreeSet::new(),
-            departed: BTreeMap::new(),
             units: BTreeMap::new(),
             high: Meter::default(),
             next_seq: 0,
@@ -309,12 +324,18 @@ impl Scheduler {
             actions: VecDeque::new(),
             settled_at: 0,
             now: 0,
+            pruned_at: 0,
             ix: Index::default(),
         }
     }
 
     pub fn config(&self) -> &SchedConfig {
         &self.cfg
+    }
+
+    /// The warp of a `high` request, in ns of GPU time (see `Client::warp`).
+    fn warp(&self) -> f64 {
+        WARP_SLICES * self.cfg.timeslice as f64
     }
 
     /// Registers a client, idle. Re-adding a known id updates its weight,
@@ -333,9 +354,6 @@ impl Scheduler {
         if let Some(c) = self.clients.get_mut(&id) {
             c.own = weight;
             c.limit = limit;
-            if c.class != class && c.state == ClientState::Waiting {
-                c.vtime = c.vtime.max(self.vclock[class.index()]);
-            }
             c.class = class;
         } else {
             self.clients.insert(
@@ -348,7 +366,7 @@ impl Scheduler {
                     limit,
                     class,
                     state: ClientState::Idle,
-                    vtime: self.vclock[class.index()],
+                    vtime: 0.0,
                     seq: 0,
                     added_at: now,
                     grant: None,
@@ -361,6 +379,7 @@ impl Scheduler {
                 },
             );
         }
+        self.moved(id);
         self.reindex(id);
         self.reschedule(now);
     }
@@ -403,10 +422,6 @@ impl Scheduler {
         c.user = user.map(|(u, w)| (u, sanitize_weight(w)));
         c.group = group;
         c.unit_weight = unit_weight.map(sanitize_weight);
-        if let Some(d) = self.departed.remove(&(group, c.class.index())) {
-            c.vtime = c.vtime.max(d.vtime);
-            c.meter.adopt_history(d.history);
-        }
         let unit_limit = sanitize_limit(unit_limit);
         match self.units.get_mut(&group) {
             Some(u) => u.limit = unit_limit,
@@ -421,12 +436,13 @@ impl Scheduler {
             }
             None => {}
         }
+        self.moved(id);
         self.reindex(id);
         self.reschedule(now);
     }
 
     /// Puts a client's unit under a user: users with work share the GPU
-    /// by `weight` (within each class), then each user's units share the
+    /// by `weight` (within each band), then each user's units share the
     /// user's part by their unit weights, then a unit's members share the
     /// unit's part by their own weights. A user who splits work into many
     /// units or many processes still gets one user's part.
@@ -438,8 +454,73 @@ impl Scheduler {
         self.settle(now);
         let c = self.clients.get_mut(&id).expect("checked above");
         c.user = Some((user, sanitize_weight(weight)));
+        self.moved(id);
         self.reindex(id);
         self.reschedule(now);
+    }
+
+    /// After a change of class, unit or user: a client whose unit in the
+    /// tree changed joins the new one at the unit's clock (its own virtual
+    /// time orders it only among that unit's members) and takes up the
+    /// usage history a departed member left there. A waiting client
+    /// starts competing there as one that woke up would.
+    fn moved(&mut self, id: ClientId) {
+        let c = &self.clients[&id];
+        let p = c.path();
+        if c.idx.path == Some(p) {
+            return;
+        }
+        let waiting = c.state == ClientState::Waiting;
+        self.ix.tree.ensure(p);
+        let x = self.ix.tree.units.get_mut(&p).expect("ensured");
+        let (clock, left) = (x.n.clock, std::mem::take(&mut x.left));
+        let c = self.clients.get_mut(&id).expect("known client");
+        c.vtime = clock;
+        c.meter.adopt_history(left);
+        if waiting {
+            self.compete(id);
+        }
+    }
+
+    /// A client is about to wait: the nodes of its branch that were not
+    /// competing (no client below them waits or holds) start at most one
+    /// timeslice of their own behind their parent's clock: a user's
+    /// wake-up credit is the user's, a unit's and a process's only order
+    /// them within their user. Returns the highest level that starts
+    /// competing.
+    fn compete(&mut self, id: ClientId) -> Level {
+        let c = &self.clients[&id];
+        let (p, l) = (c.path(), self.levels(c));
+        let ts = self.cfg.timeslice as f64;
+        let held = self
+            .holder
+            .filter(|&h| h != id)
+            .and_then(|h| self.clients.get(&h))
+            .map(Client::path);
+        let t = &mut self.ix.tree;
+        t.ensure(p);
+        let user_on =
+            t.users[&(p.0, p.1)].n.waiting > 0 || held.is_some_and(|q| (q.0, q.1) == (p.0, p.1));
+        let unit_on = t.units[&p].n.waiting > 0 || held == Some(p);
+        if !user_on {
+            let floor = t.clock[p.0] - ts / l.user;
+            let n = &mut t.users.get_mut(&(p.0, p.1)).expect("ensured").n;
+            n.vtime = n.vtime.max(floor);
+        }
+        if !unit_on {
+            let floor = t.users[&(p.0, p.1)].n.clock - ts / l.unit;
+            let n = &mut t.units.get_mut(&p).expect("ensured").n;
+            n.vtime = n.vtime.max(floor);
+        }
+        let floor = t.units[&p].n.clock - ts / l.own;
+        t.stale.push(p);
+        let c = self.clients.get_mut(&id).expect("known client");
+        c.vtime = c.vtime.max(floor);
+        match (user_on, unit_on) {
+            (false, _) => Level::User,
+            (true, false) => Level::Unit,
+            (true, true) => Level::Client,
+        }
     }
 
     /// Disconnect. A holder's GPU goes to the next waiter at once, and the
@@ -451,27 +532,17 @@ impl Scheduler {
         let now = self.clock(now);
         self.settle(now);
         if let Some(mut c) = self.clients.remove(&id) {
-            self.unindex(id, &c);
             c.meter.set(false, now);
-            let ahead = c.vtime > self.vclock[c.class.index()];
-            let used = c.meter.usage(self.cfg.window, now) > 0;
-            if c.group != id && (ahead || used) {
-                let d = self.departed.entry((c.group, c.class.index())).or_default();
-                d.vtime = d.vtime.max(c.vtime);
-                if d.history.is_empty() {
-                    d.history = c.meter.take_history();
-                }
-                if self.departed.len() > MAX_DEPARTED {
-                    let oldest = self
-                        .departed
-                        .iter()
-                        .min_by(|a, b| a.1.vtime.total_cmp(&b.1.vtime))
-                        .map(|(k, _)| *k);
-                    if let Some(k) = oldest {
-                        self.departed.remove(&k);
-                    }
-                }
+            // Its own limit's window survives a reconnect: the next member
+            // of its unit takes the history up.
+            if c.meter.usage(self.cfg.window, now) > 0
+                && let Some(x) = self.ix.tree.units.get_mut(&c.path())
+                && x.left.is_empty()
+            {
+                x.left = c.meter.take_history();
             }
+            self.unindex(id, &c);
+            self.ix.tree.evict();
         }
         self.waking.remove(&id);
         if self.holder == Some(id) {
@@ -489,13 +560,10 @@ impl Scheduler {
         self.settle(now);
         let seq = self.next_seq;
         let cfg = self.cfg;
-        // One timeslice of its GPU time, in virtual time.
-        let credit = cfg.timeslice as f64 / self.weight(&self.clients[&id]);
-        let c = self.clients.get_mut(&id).expect("checked above");
-        match c.state {
+        match self.clients[&id].state {
             ClientState::Idle => {
-                let floor = self.vclock[c.class.index()] - credit;
-                c.vtime = c.vtime.max(floor);
+                let level = self.compete(id);
+                let c = self.clients.get_mut(&id).expect("checked above");
                 c.state = ClientState::Waiting;
                 // A shim launches a little with its request, before any
                 // grant: that work is on the GPU (and charged) until it
@@ -509,10 +577,15 @@ impl Scheduler {
                 c.refresh_run(now);
                 c.seq = seq;
                 self.next_seq += 1;
-                self.woke = Some(id);
+                self.woke = Some((id, level));
                 self.waking.insert(id);
             }
-            ClientState::Revoking => c.wants_again = true,
+            ClientState::Revoking => {
+                self.clients
+                    .get_mut(&id)
+                    .expect("checked above")
+                    .wants_again = true;
+            }
             ClientState::Waiting | ClientState::Holding => {}
         }
         self.reindex(id);
@@ -596,10 +669,10 @@ impl Scheduler {
             }
         }
         let bounded = self.high_bounded(now);
-        let holder_class = self
+        let holder_band = self
             .holder
             .and_then(|h| self.clients.get(&h))
-            .map(|c| c.class);
+            .map(|c| band(c.class));
         let hold = self.recall_hold();
         for c in self.ix.granted.iter().map(|id| &self.clients[id]) {
             if let Some(g) = &c.grant
@@ -618,11 +691,11 @@ impl Scheduler {
             }
         }
         // Only an idle GPU, an open-ended holder or a holder of a lower
-        // class reacts to a waiter's budget coming back; a pending
+        // band reacts to a waiter's budget coming back; a pending
         // deadline re-evaluates anyway.
-        for &(_, _, _, id) in &self.ix.waiting {
-            let c = &self.clients[&id];
-            if (waiter_times_matter || holder_class.is_some_and(|h| c.class > h))
+        for id in self.ix.waiting.iter().flatten() {
+            let c = &self.clients[id];
+            if (waiter_times_matter || holder_band.is_some_and(|h| band(c.class) > h))
                 && let Some(t) = self.fits_at(c, now, bounded)
             {
                 consider(t);
@@ -647,6 +720,11 @@ impl Scheduler {
             u.meter.prune(w, now);
         }
         self.high.prune(w, now);
+        // Tidying only (the number kept is bounded anyway): once a window.
+        if now >= self.pruned_at.saturating_add(w) {
+            self.pruned_at = now;
+            self.ix.tree.prune(w, now);
+        }
         self.reschedule(now);
     }
 
@@ -662,8 +740,8 @@ impl Scheduler {
     }
 
     /// Charges everyone on the GPU up to `now` (the time-slicer splits the
-    /// GPU evenly among those with work, each by the weight the last event
-    /// left it) and advances the virtual clocks.
+    /// GPU evenly among those with work), each level of its branch by its
+    /// weight there as the last event left it, and advances the clocks.
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
@@ -672,40 +750,124 @@ impl Scheduler {
             let share = dt as f64 / n as f64;
             let on: Vec<ClientId> = self.ix.on_gpu.iter().copied().collect();
             for id in on {
-                let w = self.weight(&self.clients[&id]);
+                let c = &self.clients[&id];
+                let (l, p) = (self.levels(c), c.path());
+                let t = &mut self.ix.tree;
+                if let Some(x) = t.users.get_mut(&(p.0, p.1)) {
+                    x.n.vtime += share / l.user;
+                }
+                if let Some(x) = t.units.get_mut(&p) {
+                    x.n.vtime += share / l.unit;
+                }
+                t.stale.push(p);
                 let c = self
                     .clients
                     .get_mut(&id)
                     .expect("on the GPU means registered");
-                c.vtime += share / w;
+                c.vtime += share / l.own;
                 c.charged += share;
                 self.reindex(id);
             }
         }
-        let holder = self.holder.map(|h| &self.clients[&h]);
-        for class in Priority::ALL {
-            // Revoking clients are left out: they are off the GPU's books
-            // as far as the order goes and must not hold the clock back.
-            let min_active = self
-                .ix
-                .waiting_in(class)
-                .next()
-                .map(|k| k.1.0)
-                .into_iter()
-                .chain(holder.filter(|c| c.class == class).map(|c| c.vtime))
-                .min_by(f64::total_cmp);
-            if let Some(m) = min_active {
-                let v = &mut self.vclock[class.index()];
-                *v = v.max(m);
+        self.refresh();
+    }
+
+    /// Brings the places and clocks of the tree's stale nodes up to date,
+    /// bottom up: a unit's clock over its waiters and the holder's place
+    /// if it is the holder's, its place among its user's units (with the
+    /// warp of its best `high` waiter), then the same for its user once
+    /// all the user's stale units are done, then the bands' clocks.
+    fn refresh(&mut self) {
+        if self.ix.tree.stale.is_empty() {
+            return;
+        }
+        // Sorted, a user's units come together, before the user.
+        let mut stale = std::mem::take(&mut self.ix.tree.stale);
+        stale.sort_unstable();
+        stale.dedup();
+        let mut bands = [false; BANDS];
+        for (i, &p) in stale.iter().enumerate() {
+            self.refresh_unit(p);
+            let r = (p.0, p.1);
+            if stale.get(i + 1).is_none_or(|q| (q.0, q.1) != r) {
+                self.refresh_user(r);
+                bands[r.0] = true;
             }
         }
-        // A unit that is no longer ahead of its class needs no memory.
-        let (vclock, lo) = (self.vclock, now.saturating_sub(self.cfg.window));
-        self.departed.retain(|&(_, class), d| {
-            d.history.retain(|&(_, e)| e > lo);
-            d.vtime > vclock[class] || !d.history.is_empty()
-        });
+        let warp = self.warp();
+        for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
+            let held = self
+                .holder
+                .and_then(|h| self.clients.get(&h))
+                .filter(|h| band(h.class) == b)
+                .map(|h| {
+                    let r = (b, h.user_key());
+                    let v = self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime);
+                    v - h.warp(warp, self.ix.user_weight(b, r.1))
+                });
+            let t = &mut self.ix.tree;
+            if let Some(m) = least(t.top[b].first().map(|e| e.0.0), held) {
+                t.clock[b] = t.clock[b].max(m);
+            }
+        }
+        // The buffer's room is kept for the next event.
+        stale.clear();
+        self.ix.tree.stale = stale;
     }
+
+    /// A unit's clock and place (a unit dropped as its last member left
+    /// has none; its user's and band's clocks are refreshed all the same).
+    fn refresh_unit(&mut self, p: UnitRef) {
+        let Some(x) = self.ix.tree.units.get(&p) else {
+            return;
+        };
+        let warp = self.warp();
+        let w = self.ix.unit_weight(p);
+        let held = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .filter(|h| h.path() == p)
+            .map(|h| h.vtime - h.warp(warp, h.own));
+        let m = least(x.clients.first().map(|e| e.0.0), held);
+        let key =
+            (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
+        let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
+        if let Some(m) = m {
+            x.n.clock = x.n.clock.max(m);
+        }
+        self.ix.tree.place_unit(p, key);
+    }
+
+    /// A user's clock and place.
+    fn refresh_user(&mut self, r: tree::UserRef) {
+        let Some(x) = self.ix.tree.users.get(&r) else {
+            return;
+        };
+        let warp = self.warp();
+        let held = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .filter(|h| (band(h.class), h.user_key()) == r)
+            .map(|h| {
+                let p = h.path();
+                let v = self.ix.tree.units.get(&p).map_or(0.0, |x| x.n.vtime);
+                v - h.warp(warp, self.ix.unit_weight(p))
+            });
+        let m = least(x.units.first().map(|e| e.0.0), held);
+        let w = self.ix.user_weight(r.0, r.1);
+        let key =
+            (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
+        let x = self.ix.tree.users.get_mut(&r).expect("looked up above");
+        if let Some(m) = m {
+            x.n.clock = x.n.clock.max(m);
+        }
+        self.ix.tree.place_user(r, key);
+    }
+}
+
+/// The lesser of two places, either of which may be missing.
+fn least(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    a.into_iter().chain(b).min_by(f64::total_cmp)
 }
 
 #[cfg(test)]

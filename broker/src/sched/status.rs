@@ -1,21 +1,23 @@
 //! What the scheduler reports: each client's state, share and charges
 //! for status, and who holds the GPU.
 
+use super::tree::band;
 use super::{ClientId, ClientState, ClientStatus, Nanos, Scheduler};
 
 impl Scheduler {
     pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
         let now = now.max(self.now);
+        // `high` and `normal` share a band, and so the GPU by weight.
         let top = self
             .clients
             .values()
             .filter(|c| c.is_active())
-            .map(|c| c.class)
+            .map(|c| band(c.class))
             .max();
         let active_weight: f64 = self
             .clients
             .values()
-            .filter(|c| c.is_active() && Some(c.class) == top)
+            .filter(|c| c.is_active() && Some(band(c.class)) == top)
             .map(|c| self.weight(c))
             .sum();
         // Charges since the last settle, as settle would make them.
@@ -41,7 +43,7 @@ impl Scheduler {
                     priority: c.class,
                     state: c.state,
                     achieved,
-                    target: if c.is_active() && Some(c.class) == top {
+                    target: if c.is_active() && Some(band(c.class)) == top {
                         weight / active_weight
                     } else {
                         0.0

@@ -117,13 +117,15 @@ proptest! {
     /// Whatever class each attacker asks for and whenever it does, a
     /// client holding a grant without ever using or releasing it costs a
     /// busy victim of any class at most one slice and two wake periods,
-    /// and what a real client in its place would be owed: one more slice
-    /// when it is of the victim's class (the catch-up credit a client
-    /// waking up gets), and beside a `high` victim the rest of one window
-    /// that a lower class is owed, rounded up to a slice (the class comes
-    /// back when a whole slice fits its share). The broker cannot tell an
-    /// attacker from a real client until that is spent; after that it is
-    /// passed over for good.
+    /// and what a real client in its place would be owed: in the victim's
+    /// band (`high` and `normal` share one) the catch-up credit a client
+    /// waking up gets (a slice) and, for `high`, its warp (the two slices
+    /// BVT lets it borrow), both of GPU time charged, which the deemed
+    /// work of hung holders splits; and beside a `high` victim the rest of
+    /// one window that a lower class is owed, rounded up to a slice (the class
+    /// comes back when a whole slice fits its share). The broker cannot
+    /// tell an attacker from a real client until that is spent; after
+    /// that it is passed over for good.
     #[test]
     fn holders_that_never_let_go_cost_a_victim_a_bounded_time(
         victim in proptest::sample::select(Priority::ALL.to_vec()),
@@ -150,7 +152,9 @@ proptest! {
         // A lower class waiting beside a `high` victim is owed the rest
         // of a window once (real-time throttling: the broker cannot tell
         // an attacker's request from a real one until it is granted), and
-        // one of the victim's class its catch-up credit.
+        // one of the victim's band its catch-up credit (and a `high` one
+        // its warp).
+        let band = crate::sched::tree::band;
         let lost: Nanos = attackers
             .iter()
             .map(|a| {
@@ -159,8 +163,18 @@ proptest! {
                 } else {
                     0
                 };
-                let credit = if a.class == victim { cfg.timeslice } else { 0 };
-                cfg.timeslice + 2 * cfg.wake + throttled + credit
+                // Credit and warp are GPU time charged, which the deemed
+                // work of hung holders splits: one client and each
+                // attacker at most.
+                let split = attackers.len() as Nanos + 1;
+                let owed = match band(a.class).cmp(&band(victim)) {
+                    std::cmp::Ordering::Equal if a.class == Priority::High => {
+                        (cfg.timeslice + (WARP_SLICES * cfg.timeslice as f64) as Nanos) * split
+                    }
+                    std::cmp::Ordering::Equal => cfg.timeslice * split,
+                    _ => 0,
+                };
+                cfg.timeslice + 2 * cfg.wake + throttled + owed
             })
             .sum::<Nanos>()
             + MS;

@@ -11,6 +11,7 @@ mod limits;
 mod liveness;
 mod props;
 mod shares;
+mod users;
 
 use super::*;
 use std::collections::{BTreeMap as Map, BTreeSet};
@@ -51,13 +52,15 @@ const BB: Nanos = B * BURST_BOUND;
 /// Virtual-time model of shims: a busy client always has work, so on a
 /// revoke it asks again and releases at once; its queued work then
 /// drains for `residual` (its kernel length, or the in-flight bound);
-/// a stuck client ignores revokes.
+/// a stuck client ignores revokes; a client in `then`, revoked, goes idle
+/// and another connection of its user asks in its place at once.
 struct Sim {
     s: Scheduler,
     now: Nanos,
     residual: Map<ClientId, Nanos>,
     busy: BTreeSet<ClientId>,
     stuck: BTreeSet<ClientId>,
+    then: Map<ClientId, ClientId>,
     drains: Vec<(Nanos, ClientId)>,
     log: Vec<(Nanos, Action)>,
 }
@@ -70,6 +73,7 @@ impl Sim {
             residual: Map::new(),
             busy: BTreeSet::new(),
             stuck: BTreeSet::new(),
+            then: Map::new(),
             drains: Vec::new(),
             log: Vec::new(),
         }
@@ -105,6 +109,10 @@ impl Sim {
                 self.s.release(self.now, client);
                 let r = self.residual.get(&client).copied().unwrap_or(0);
                 self.drains.push((self.now + r, client));
+                if let Some(&next) = self.then.get(&client) {
+                    self.s.acquire(self.now, next);
+                    self.s.drained(self.now, next);
+                }
             }
         }
     }

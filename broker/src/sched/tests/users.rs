@@ -1,0 +1,269 @@
+//! Fairness kept by users, in time (SPEC §2, invariant 8): a user's debt
+//! and wake-up credit are the user's, whatever its connections and
+//! processes do; `high` buys latency, never throughput. Each attack of the
+//! fourth review first, then the properties, with generated attackers
+//! beside a scripted victim.
+
+use super::*;
+use proptest::prelude::*;
+
+/// Processes of a user outside any job form one unit, as the broker
+/// makes them.
+const UNIT: GroupId = 1 << 63;
+const W: f64 = 50.0;
+
+impl Sim {
+    /// A process of `user`, outside any job, of `class`.
+    fn user_proc(&mut self, id: ClientId, user: UserId, class: Priority) {
+        self.add_class(id, W, None, class);
+        self.s
+            .set_unit(self.now, id, UNIT | user, None, None, Some((user, 1.0)));
+        self.pump();
+    }
+}
+
+/// The attack: sixteen connections of one user take turns (each, revoked,
+/// goes idle and the next asks in its place), so each came back from idle
+/// with a connection's wake-up credit and a sixteenth of its user's debt:
+/// the victim kept 0.57 s of 8 s with the scheduler's state per
+/// connection. One user's debt is one, however many connections carry it.
+#[test]
+fn sixteen_connections_taking_turns_get_one_users_part() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.user_proc(1, 2, N);
+    sim.residual.insert(1, B);
+    sim.start(1);
+    let ring: Vec<ClientId> = (100..116).collect();
+    for (i, &id) in ring.iter().enumerate() {
+        sim.user_proc(id, 1, N);
+        sim.then.insert(id, ring[(i + 1) % ring.len()]);
+    }
+    sim.start(ring[0]);
+    sim.busy.remove(&ring[0]);
+    let end = 8 * SEC;
+    sim.run_until(end);
+    let victim = sim.gpu_held(1) as f64 / end as f64;
+    let attacker: Nanos = ring.iter().map(|&id| sim.gpu_held(id)).sum();
+    let attacker = attacker as f64 / end as f64;
+    assert!(
+        victim > 0.47,
+        "the victim held {victim:.3} of the GPU beside 16 connections taking turns ({attacker:.3})"
+    );
+    assert!(attacker < 0.53, "the rotating user held {attacker:.3}");
+}
+
+/// The attack: one user's `high` and `normal` processes beside another
+/// user's `normal` one got 5.71 s against 1.87 s: priority bought
+/// throughput. A user's time in `high` is charged to the user's part.
+#[test]
+fn a_users_high_and_normal_processes_get_one_users_part() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.user_proc(1, 1, Priority::High);
+    sim.user_proc(2, 1, N);
+    sim.user_proc(3, 2, N);
+    for id in 1..=3 {
+        sim.residual.insert(id, B);
+        sim.start(id);
+    }
+    let end = 8 * SEC;
+    sim.run_until(end);
+    let share = |id| sim.gpu_held(id) as f64 / end as f64;
+    let (attacker, victim) = (share(1) + share(2), share(3));
+    assert!(
+        (victim - 0.5).abs() < 0.03,
+        "victim {victim:.3} beside a user's high and normal processes ({attacker:.3})"
+    );
+}
+
+/// An interactive `high` process beside its own user's batch job and
+/// another user's: every request gets the GPU at once, and the user still
+/// gets one user's part.
+#[test]
+fn an_interactive_high_process_takes_the_gpu_at_once_beside_its_users_batch() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.user_proc(1, 1, N);
+    sim.user_proc(2, 2, N);
+    sim.user_proc(3, 1, Priority::High);
+    for id in [1, 2] {
+        sim.residual.insert(id, B);
+        sim.start(id);
+    }
+    sim.run_until(SEC);
+    let (a0, b0) = (sim.gpu_held(1) + sim.gpu_held(3), sim.gpu_held(2));
+    for k in 0..200 {
+        let t = SEC + k * 20 * MS;
+        sim.run_until(t);
+        sim.s.acquire(t, 3);
+        sim.pump();
+        assert_eq!(sim.s.holder(), Some(3), "request {k} at {t} waited");
+        sim.run_until(t + MS);
+        sim.s.release(sim.now, 3);
+        sim.s.drained(sim.now, 3);
+        sim.pump();
+    }
+    let span = (sim.now - SEC) as f64;
+    let a = (sim.gpu_held(1) + sim.gpu_held(3) - a0) as f64 / span;
+    let b = (sim.gpu_held(2) - b0) as f64 / span;
+    assert!((a - 0.5).abs() < 0.03, "user with the high process: {a:.3}");
+    assert!((b - 0.5).abs() < 0.03, "other user: {b:.3}");
+}
+
+/// What an attacker's connection does next.
+#[derive(Debug, Clone, Copy)]
+enum Move {
+    /// Opens (or re-registers) a connection of this class.
+    Open(u8, Priority),
+    Close(u8),
+    /// Asks for the GPU with work to do: on a revoke it asks again.
+    Work(u8),
+    /// Asks, and on a revoke hands over to another of its connections.
+    Pass(u8, u8),
+    /// Stops launching: releases (with its work drained).
+    Stop(u8),
+    /// Releases without ever saying its work drained.
+    Leave(u8),
+    Wait(Nanos),
+}
+
+fn moves() -> impl Strategy<Value = Vec<Move>> {
+    let conn = 0..12u8;
+    let class = proptest::sample::select(Priority::ALL.to_vec());
+    let mv = prop_oneof![
+        2 => (conn.clone(), class).prop_map(|(c, k)| Move::Open(c, k)),
+        1 => conn.clone().prop_map(Move::Close),
+        3 => conn.clone().prop_map(Move::Work),
+        2 => (conn.clone(), conn.clone()).prop_map(|(a, b)| Move::Pass(a, b)),
+        2 => conn.clone().prop_map(Move::Stop),
+        1 => conn.clone().prop_map(Move::Leave),
+        4 => prop_oneof![0..2 * MS, 0..30 * MS, 0..300 * MS].prop_map(Move::Wait),
+    ];
+    prop::collection::vec(mv, 1..120)
+}
+
+/// The victim is client 1 of user 2, busy from the start; the attacker's
+/// connections are clients 100.. of user 1, which play `moves` in a loop
+/// until `end`. Returns the victim's time holding the GPU.
+fn play(cfg: SchedConfig, moves: &[Move], end: Nanos) -> (Sim, Nanos) {
+    let mut sim = Sim::new(cfg);
+    sim.user_proc(1, 2, N);
+    sim.residual.insert(1, B);
+    sim.start(1);
+    let id = |c: u8| 100 + ClientId::from(c);
+    let mut open = BTreeSet::new();
+    'outer: loop {
+        for &m in moves {
+            if sim.now >= end {
+                break 'outer;
+            }
+            match m {
+                Move::Open(c, k) => {
+                    sim.user_proc(id(c), 1, k);
+                    sim.residual.insert(id(c), B);
+                    open.insert(c);
+                }
+                Move::Close(c) => {
+                    sim.s.remove_client(sim.now, id(c));
+                    sim.busy.remove(&id(c));
+                    sim.then.remove(&id(c));
+                    open.remove(&c);
+                    sim.pump();
+                }
+                Move::Work(c) if open.contains(&c) => {
+                    sim.then.remove(&id(c));
+                    sim.start(id(c));
+                }
+                Move::Pass(a, b) if open.contains(&a) && open.contains(&b) && a != b => {
+                    sim.busy.remove(&id(a));
+                    sim.then.insert(id(a), id(b));
+                    sim.s.acquire(sim.now, id(a));
+                    sim.s.drained(sim.now, id(a));
+                    sim.pump();
+                }
+                Move::Stop(c) | Move::Leave(c) if open.contains(&c) => {
+                    sim.busy.remove(&id(c));
+                    sim.then.remove(&id(c));
+                    sim.s.release(sim.now, id(c));
+                    if matches!(m, Move::Stop(_)) {
+                        sim.s.drained(sim.now, id(c));
+                    }
+                    sim.pump();
+                }
+                Move::Wait(d) => sim.run_until((sim.now + d).min(end)),
+                _ => {}
+            }
+        }
+        // A script without waits still lets time pass.
+        sim.run_until((sim.now + MS).min(end));
+    }
+    sim.run_until(end);
+    let held = sim.gpu_held(1);
+    (sim, held)
+}
+
+/// The slack of the property below: what an attacker can borrow from a
+/// victim over any horizon, not per connection nor per event: its user's
+/// wake-up credit (a slice), a `high` warp (two slices) and the slice a
+/// holder may run ahead of the clock before it is revoked. (The worst of
+/// 800 random attackers came within 3 ms of half the GPU, of ~1,000
+/// busy/idle cycles timed in each class within 14 ms.)
+fn slack(cfg: &SchedConfig) -> Nanos {
+    4 * cfg.timeslice
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Whatever one attacker user does with however many connections
+    /// (opening, closing, idling, handing over between connections,
+    /// asking in any class, releasing without a drain report), a busy
+    /// victim user keeps at least half the GPU over the horizon, less a
+    /// slack that does not grow with the horizon or the connections.
+    #[test]
+    fn a_busy_users_part_holds_whatever_another_user_does(
+        moves in moves(),
+        high_share in prop_oneof![Just(0.5), Just(1.0)],
+    ) {
+        let cfg = SchedConfig { high_share, ..SchedConfig::default() };
+        let end = 4 * SEC;
+        let (_, held) = play(cfg, &moves, end);
+        prop_assert!(
+            held + slack(&cfg) >= end / 2,
+            "victim held {held} ns of {end}, moves {moves:?}"
+        );
+    }
+
+    /// However a user mixes `high` and `normal` busy processes, it gets
+    /// one user's part beside another user's busy processes, whatever the
+    /// class's ceiling: priority buys latency, never throughput.
+    #[test]
+    fn high_does_not_raise_a_users_share(
+        classes in prop::collection::vec(
+            prop_oneof![Just(Priority::High), Just(N)], 1..5),
+        others in 1..4usize,
+        high_share in prop_oneof![Just(0.5), Just(1.0)],
+    ) {
+        let cfg = SchedConfig { high_share, ..SchedConfig::default() };
+        let mut sim = Sim::new(cfg);
+        let mut mine = Vec::new();
+        for (i, &k) in classes.iter().enumerate() {
+            let id = 10 + i as ClientId;
+            sim.user_proc(id, 1, k);
+            mine.push(id);
+        }
+        let theirs: Vec<ClientId> = (0..others).map(|i| 50 + i as ClientId).collect();
+        for &id in &theirs {
+            sim.user_proc(id, 2, N);
+        }
+        for &id in mine.iter().chain(&theirs) {
+            sim.residual.insert(id, B);
+            sim.start(id);
+        }
+        let end = 8 * SEC;
+        sim.run_until(end);
+        let part = |ids: &[ClientId]| {
+            ids.iter().map(|&id| sim.gpu_held(id)).sum::<Nanos>() as f64 / end as f64
+        };
+        let (a, b) = (part(&mine), part(&theirs));
+        prop_assert!(a < 0.52, "{classes:?} got {a:.3} beside {others} normal ({b:.3})");
+        prop_assert!(b > 0.48, "{others} normal got {b:.3} beside {classes:?} ({a:.3})");
+    }
+}
