@@ -318,11 +318,26 @@ impl Kid {
         })
     }
 
+    /// Stops it: SIGTERM, then SIGKILL if it is still there after 2 s. A
+    /// broker stopped cleanly removes the state directory it made; killed
+    /// outright, every run of the bench left dozens under
+    /// /run/gpufrac/state.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        if matches!(c.try_wait(), Ok(None))
+            && let Ok(pid) = i32::try_from(c.id())
+        {
+            // SAFETY: kill(2) on our own child, not yet reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let deadline = mono_ns() + 2_000_000_000;
+            while matches!(c.try_wait(), Ok(None)) && mono_ns() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }
 

@@ -158,12 +158,18 @@ impl Bounds {
 
 /// Which strategies a search may try: all of them, or only shims of some
 /// classes with short command lines and no made-up GPUs, to see whether
-/// it finds an attack within a narrower space by itself.
+/// it finds an attack within a narrower space by itself; or with a kind
+/// of attack already known left out, to see what else it finds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Space {
     pub shims_only: bool,
     /// The shims' classes allowed (all when empty).
     pub classes: Vec<Priority>,
+    /// Every shim launches while it holds, and reads what it is sent: the
+    /// holder without work (or that never hears its grant), which the
+    /// broker tells from a busy one only by the driver's per-process
+    /// utilisation, left out.
+    pub working: bool,
 }
 
 impl Space {
@@ -171,20 +177,29 @@ impl Space {
         Space {
             shims_only: false,
             classes: Vec::new(),
+            working: false,
         }
     }
 
     /// `s` brought into the space: cohorts of other plays dropped, other
-    /// classes made the first allowed, large inputs made small; None if
-    /// nothing is left.
+    /// classes made the first allowed, large inputs made small, every shim
+    /// launching (`working`); None if nothing is left.
     pub fn fit(&self, s: &Strategy) -> Option<Strategy> {
         let mut out = Strategy::default();
         for c in &s.cohorts {
             let mut c = *c;
             match &mut c.play {
-                Play::Shim { class, uuids, .. } => {
+                Play::Shim {
+                    class, uuids, work, ..
+                } => {
                     if !self.classes.is_empty() && !self.classes.contains(class) {
                         *class = self.classes[0];
+                    }
+                    if self.working {
+                        // One that never reads never hears its grant,
+                        // and holds without launching too.
+                        *work = true;
+                        c.slow = false;
                     }
                     if self.shims_only {
                         *uuids = 0;
@@ -276,6 +291,8 @@ pub struct Attacker {
     members: Vec<Member>,
     /// Each cohort's processes.
     procs: Vec<Vec<Option<u32>>>,
+    /// What each cohort's processes say their command is.
+    commands: Vec<String>,
     left: bool,
     timers: BTreeMap<(Nanos, u64), Timer>,
     seq: u64,
@@ -297,6 +314,7 @@ impl Attacker {
                 .iter()
                 .map(|c| vec![None; usize::from(c.procs.clamp(1, c.members.max(1)))])
                 .collect(),
+            commands: s.cohorts.iter().map(|c| c.argv.command()).collect(),
             left: false,
             timers: BTreeMap::new(),
             seq: 0,
@@ -375,7 +393,7 @@ impl Attacker {
                     mem_total: 16 * GIB,
                 }));
                 let reg = ClientMsg::Register {
-                    command: String::new(),
+                    command: self.commands[self.members[m].cohort].clone(),
                     devices,
                     share: None,
                     limit: None,
@@ -442,7 +460,7 @@ impl Attacker {
             Play::Lease { want, queued } => {
                 let mut req = LeaseReq {
                     no_wait: !queued,
-                    command: "python3 train.py".into(),
+                    command: self.commands[self.members[m].cohort].clone(),
                     ..LeaseReq::default()
                 };
                 match want {

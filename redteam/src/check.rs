@@ -13,6 +13,7 @@ use tracing::Level;
 
 use crate::attack::{Attacker, Bounds, Strategy, Want};
 use crate::core::{GIB, MS, Nanos, SEC, STATE_COALESCED, Setup, uuid};
+use crate::host::COMMAND_MAX;
 use crate::logs::{self, Line};
 use crate::node::{ATTACKER, Actor, Node, VICTIM};
 use crate::victim::{Part, Victim};
@@ -27,7 +28,8 @@ pub enum Invariant {
     /// (ping, status, registration, `run --no-wait`) comes within
     /// `ANSWER_WITHIN` of virtual time and `ANSWER_WORK` of the broker's
     /// work, and an interactive `high` burst is granted within
-    /// `GRANT_WITHIN`; the victim is never disconnected.
+    /// `GRANT_WITHIN`; the victim is never disconnected; and the broker
+    /// reads no process's command line.
     Service,
     /// No idle GPU while the victim waits: a busy `low` victim waits on
     /// a GPU that runs nobody's work at most `IDLE_WAITING` of the time.
@@ -307,7 +309,8 @@ pub fn answers_of(
     let mut out: Vec<_> = r
         .victim
         .answers()
-        .chain(&r.victim.record.grants)
+        .cloned()
+        .chain(r.victim.bursts())
         .map(|a| {
             (
                 a.what,
@@ -392,18 +395,21 @@ fn service(r: &Run) -> (f64, String) {
     }
     let grant = r
         .victim
-        .record
-        .grants
-        .iter()
+        .bursts()
         .map(|a| a.wait(end, end_work).0)
         .max()
         .unwrap_or(0);
     let dropped = r.victim.record.dropped + r.victim.record.refused;
-    let harm = harm.max(grant as f64 / GRANT_WITHIN as f64) + 10.0 * dropped as f64;
+    // A process's memory is its own to make slow to read (CVE-2018-1120):
+    // the broker reads no command line, of any size.
+    let argv = r.node.cmdline_bytes();
+    let harm = harm.max(grant as f64 / GRANT_WITHIN as f64)
+        + 10.0 * dropped as f64
+        + argv as f64 / COMMAND_MAX as f64;
     (
         harm,
         format!(
-            "longest answer {:.2} ms ({what}), {:.2} ms of broker work; longest grant of a high burst {:.2} ms; {dropped} connection(s) dropped or refused; broker work {:.0}% of the time",
+            "longest answer {:.2} ms ({what}), {:.2} ms of broker work; longest grant of a high burst {:.2} ms; {dropped} connection(s) dropped or refused; {argv} bytes of command lines read from /proc; broker work {:.0}% of the time",
             worst as f64 / MS as f64,
             worst_work as f64 / MS as f64,
             grant as f64 / MS as f64,

@@ -1,27 +1,29 @@
 //! The one place that touches the broker: its core built with stand-ins
 //! (the host's processes, job tokens, GPUs), and the shell's event loop
-//! around it as `broker/src/server.rs` runs it (accepts, each user's turn by
-//! `server::Turns`, timers, output, closes, state writes), over sockets
-//! the harness simulates. Everything above this file speaks to `Shell`
-//! only; when the core's API or the turn rule moves (the per-user turn
-//! charged in work going into the core), this file is what follows it.
+//! around it as `broker/src/server.rs` runs it (accepts, the core's turn,
+//! which serves each ready user its part in work and asks the shell for
+//! reads and the time, helper threads' reports, timers, output, closes,
+//! state writes), over sockets the harness simulates. Everything above
+//! this file speaks to `Shell` only; when the core's API moves, this file
+//! is what follows it.
 //!
 //! Every call into the core is charged to the virtual clock by the work
-//! it did (`Clock::run`): a broker that works longer for one client
-//! answers the others later, in virtual time, exactly as a real one does
-//! in real time.
+//! it did (`Clock::run`; a turn is metered as it goes, so that the time
+//! the core asks for at each serve is its start plus the work so far): a
+//! broker that works longer for one client answers the others later, in
+//! virtual time, exactly as a real one does in real time.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::rc::Rc;
 
 use gpufrac_broker::authority::{Allow, Peer, Policy};
 use gpufrac_broker::inventory::GpuInfo;
 use gpufrac_broker::mig::Planner;
 use gpufrac_broker::procs::{GpuSample, Procs, Telemetry};
-use gpufrac_broker::proto::{Broker, Config, MigDone, Tokens, Work};
+use gpufrac_broker::proto::{Broker, Config, MigDone, Sockets as CoreSockets, Tokens, Work};
 pub use gpufrac_broker::proto::{ConnId, Nanos};
-use gpufrac_broker::server::{ACCEPTS_PER_TURN, READ_PER_TURN, Served, Turns};
+use gpufrac_broker::server::ACCEPTS_PER_TURN;
 use gpufrac_broker::status::Status;
 
 use crate::host::Host;
@@ -37,10 +39,10 @@ pub const GIB: u64 = 1 << 30;
 /// comes with it in the real loop); then each allocation, and each KiB
 /// allocated. Fitted with `redteam calibrate` (a release build, each
 /// call's CPU time against its allocations and their bytes, over every
-/// seed strategy in every scene: 31.6 ns an allocation, 831 ns a KiB):
-/// a Register with a 2 MiB command line is 10 ms in the model, 17 ms of
-/// CPU in the harness, and took the review about 75 ms on a real /proc
-/// (many short arguments, each a string of its own).
+/// seed strategy in every scene: 31.6 ns an allocation, 831 ns a KiB,
+/// before the turn went into the core; a Register with a 2 MiB command
+/// line, which the broker then read from /proc, was 10 ms in the model, 17
+/// ms of CPU in the harness, and about 75 ms on a real /proc).
 pub const NS_PER_CALL: Nanos = 1_000;
 pub const NS_PER_ALLOC: Nanos = 30;
 pub const NS_PER_KIB: Nanos = 800;
@@ -92,17 +94,48 @@ pub struct Clock {
     pub work: Nanos,
 }
 
-impl Clock {
-    /// Calls the core at `now`, then moves the clock on by the work the
-    /// call did: the broker is busy meanwhile.
-    pub fn run<R>(&mut self, f: impl FnOnce(Nanos) -> R) -> R {
-        let timed = PROFILE.with(|p| p.borrow().is_some()).then(thread_cpu);
-        let before = work::allocated();
-        let lines = crate::logs::lines_written();
-        let r = f(self.now);
-        let did = work::allocated() - before;
-        if let Some(t) = timed {
+/// The work of one stretch of the broker's time (a call into the core,
+/// or a whole turn with the reads it asks for), metered as it goes: a
+/// turn asks for the time at each serve, and is told the time its work so
+/// far has taken.
+struct Meter {
+    from: Nanos,
+    before: Tally,
+    lines: u64,
+    /// System calls made (the call itself, each read): `NS_PER_CALL` each.
+    calls: u64,
+    cpu: Option<Nanos>,
+}
+
+impl Meter {
+    fn start(clock: &Clock) -> Meter {
+        Meter {
+            from: clock.now,
+            before: work::allocated(),
+            lines: crate::logs::lines_written(),
+            calls: 1,
+            cpu: PROFILE.with(|p| p.borrow().is_some()).then(thread_cpu),
+        }
+    }
+
+    /// The broker's time so far in this stretch, by the cost model.
+    fn spent(&self) -> Nanos {
+        self.calls * NS_PER_CALL
+            + cost(work::allocated() - self.before)
+            + (crate::logs::lines_written() - self.lines) * NS_PER_LINE
+    }
+
+    fn now(&self) -> Nanos {
+        self.from + self.spent()
+    }
+
+    /// Moves the clock on by the stretch's work: the broker was busy
+    /// meanwhile.
+    fn finish(self, clock: &mut Clock) {
+        let spent = self.spent();
+        if let Some(t) = self.cpu {
             let real = thread_cpu().saturating_sub(t);
+            let did = work::allocated() - self.before;
             work::paused(|| {
                 PROFILE.with(|p| {
                     if let Some(v) = p.borrow_mut().as_mut() {
@@ -111,9 +144,18 @@ impl Clock {
                 })
             });
         }
-        let spent = NS_PER_CALL + cost(did) + (crate::logs::lines_written() - lines) * NS_PER_LINE;
-        self.work += spent;
-        self.now += spent;
+        clock.work += spent;
+        clock.now += spent;
+    }
+}
+
+impl Clock {
+    /// Calls the core at `now`, then moves the clock on by the work the
+    /// call did: the broker is busy meanwhile.
+    pub fn run<R>(&mut self, f: impl FnOnce(Nanos) -> R) -> R {
+        let m = Meter::start(self);
+        let r = f(self.now);
+        m.finish(self);
         r
     }
 }
@@ -154,7 +196,13 @@ pub fn uuid(i: usize) -> [u8; 16] {
     [i as u8 + 1; 16]
 }
 
-/// /proc, as the core sees it.
+/// /proc, as the core sees it: a process's stat (its parent and start
+/// time), and nothing of its memory. The broker reads no command line
+/// (what it shows is what the client's `Register` or `Lease` says): were a
+/// read of a process's memory to come back into `Procs`, it belongs here,
+/// through `Host`, which builds the attacker's command lines of up to
+/// 4.5 MiB and counts the bytes handed out (`Node::cmdline_bytes`), so the
+/// strategies with large command lines would find it.
 struct FakeProcs(Rc<RefCell<Host>>);
 
 impl Procs for FakeProcs {
@@ -164,10 +212,6 @@ impl Procs for FakeProcs {
 
     fn parent(&self, pid: u32) -> Option<u32> {
         self.0.borrow().parent(pid)
-    }
-
-    fn cmdline(&self, pid: u32) -> String {
-        self.0.borrow_mut().cmdline(pid)
     }
 }
 
@@ -184,22 +228,18 @@ fn tokens() -> Tokens {
     })
 }
 
-/// What a read of a client's socket found.
-pub enum Read {
-    Bytes(Vec<u8>),
-    /// Nothing now (EAGAIN).
-    Empty,
-    /// The client closed its end.
-    Eof,
-}
+pub use gpufrac_broker::proto::Read;
 
 /// The sockets as the shell sees them: the harness's clients on the other
 /// end.
 pub trait Sockets {
-    /// Takes up to `max` of the bytes the client of `id` wrote.
-    fn read(&mut self, id: ConnId, max: usize) -> Read;
-    /// Writes to the client of `id`; the bytes its socket took.
-    fn write(&mut self, id: ConnId, bytes: &[u8]) -> usize;
+    /// Reads into `buf` what the client of `id` wrote (as `read(2)` on a
+    /// non-blocking socket: `Closed` once the client closed its end and
+    /// everything it wrote was read).
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read;
+    /// Writes to the client of `id`: the bytes its socket took (0: full),
+    /// or None when the client has closed its end (EPIPE).
+    fn write(&mut self, id: ConnId, bytes: &[u8]) -> Option<usize>;
     /// The next connection in the listener's backlog: its id, and the
     /// pid of the process that connected.
     fn accept(&mut self) -> Option<(ConnId, u32)>;
@@ -218,15 +258,33 @@ const SAMPLE_EVERY: Nanos = 500 * MS;
 /// A state write (on the writer's thread): a write and an fsync.
 const STATE_WRITE: Nanos = MS;
 
+/// The sockets and the clock as the core's turn asks for them (the
+/// shell's `Live`): each read is a system call, and the time is the
+/// turn's start plus the work done in it so far.
+struct Live<'a> {
+    io: &'a mut dyn Sockets,
+    meter: Meter,
+}
+
+impl CoreSockets for Live<'_> {
+    fn now(&mut self) -> Nanos {
+        self.meter.now()
+    }
+
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read {
+        self.meter.calls += 1;
+        work::paused(|| self.io.read(id, buf))
+    }
+}
+
 /// The broker: its core and the shell's loop around it.
 pub struct Shell {
     b: Broker,
-    turns: Turns,
     host: Rc<RefCell<Host>>,
-    /// Connections accepted, and whose they are.
-    uids: HashMap<ConnId, u32>,
-    /// The poll said readable and a read has not yet found it empty.
-    readable: HashSet<ConnId>,
+    /// Connections accepted and not yet closed.
+    open: HashSet<ConnId>,
+    /// The listener may have connections waiting in its backlog.
+    backlog: bool,
     /// A state snapshot handed to the writer, and when its write is done.
     saving: Option<(u64, Nanos)>,
     state_fails: Option<(Nanos, Nanos)>,
@@ -270,10 +328,9 @@ impl Shell {
         );
         Shell {
             b,
-            turns: Turns::default(),
             host,
-            uids: HashMap::new(),
-            readable: HashSet::new(),
+            open: HashSet::new(),
+            backlog: false,
             saving: None,
             state_fails: setup.state_fails,
             last_sample: now,
@@ -282,27 +339,24 @@ impl Shell {
 
     /// The listener has connections waiting.
     pub fn listener_ready(&mut self) {
-        self.turns.listener = true;
+        self.backlog = true;
     }
 
     /// The poll said `id` is readable (bytes, or its client closed).
     pub fn ready(&mut self, id: ConnId) {
-        if let Some(&uid) = self.uids.get(&id) {
-            self.readable.insert(id);
-            self.turns.push(id, uid);
-        }
+        self.b.readable(id);
     }
 
     /// The process of `id` exited (its pidfd said so).
     pub fn exited(&mut self, clock: &mut Clock, id: ConnId) {
-        if self.uids.contains_key(&id) {
+        if self.open.contains(&id) {
             clock.run(|_| self.b.exited(id));
         }
     }
 
     /// Whether the loop has work without waiting in poll.
     pub fn busy(&self) -> bool {
-        self.turns.busy()
+        self.backlog || self.b.busy()
     }
 
     /// When the loop's next timer is due: the core's, or the sampler's.
@@ -312,8 +366,9 @@ impl Shell {
         Some(self.b.next_timeout().map_or(saved, |t| t.min(saved)))
     }
 
-    /// One pass of the loop after a poll: a turn, what the helper
-    /// threads reported, due timers, then output and closes.
+    /// One pass of the loop after a poll, in the order of
+    /// `broker/src/server.rs`: a turn, what the helper threads reported,
+    /// the sampler, due timers, then output, closes and work handed out.
     pub fn iteration(&mut self, clock: &mut Clock, io: &mut dyn Sockets, driver: &mut dyn Driver) {
         self.turn(clock, io);
         if let Some((seq, _)) = self.saving.take_if(|(_, at)| *at <= clock.now) {
@@ -347,26 +402,21 @@ impl Shell {
         if self.b.next_timeout().is_some_and(|t| t <= clock.now) {
             clock.run(|now| self.b.handle_timeout(now));
         }
-        for id in self.b.take_unblocked() {
-            self.ready(id);
-        }
         self.settle(clock, io);
     }
 
+    /// A bounded number of accepts, then the core's turn, its reads done
+    /// through `io` when it asks.
     fn turn(&mut self, clock: &mut Clock, io: &mut dyn Sockets) {
-        if self.turns.listener {
-            self.turns.listener = self.accept(clock, io);
+        if self.backlog {
+            self.backlog = self.accept(clock, io);
         }
-        let mut turns = std::mem::take(&mut self.turns);
-        turns.run(|id| {
-            let before = self.b.frames_handled();
-            let more = self.serve(clock, io, id);
-            Served {
-                frames: (self.b.frames_handled() - before) as usize,
-                more,
-            }
-        });
-        self.turns = turns;
+        let mut live = Live {
+            io,
+            meter: Meter::start(clock),
+        };
+        self.b.turn(&mut live);
+        live.meter.finish(clock);
     }
 
     fn accept(&mut self, clock: &mut Clock, io: &mut dyn Sockets) -> bool {
@@ -396,43 +446,11 @@ impl Shell {
                     io.close(id);
                 }
                 Ok(()) => {
-                    self.uids.insert(id, uid);
-                    self.readable.insert(id);
-                    self.turns.push(id, uid);
+                    self.open.insert(id);
                 }
             }
         }
         true
-    }
-
-    fn serve(&mut self, clock: &mut Clock, io: &mut dyn Sockets, id: ConnId) -> bool {
-        if self.b.has_frames(id) {
-            clock.run(|now| self.b.serve(now, id));
-        } else {
-            self.read(clock, io, id);
-        }
-        self.b.has_frames(id) || (self.readable.contains(&id) && self.b.wants_input(id))
-    }
-
-    fn read(&mut self, clock: &mut Clock, io: &mut dyn Sockets, id: ConnId) {
-        let mut left = READ_PER_TURN;
-        while left > 0 && self.b.wants_input(id) {
-            match io.read(id, left.min(16 << 10)) {
-                Read::Bytes(bytes) => {
-                    left -= bytes.len();
-                    clock.run(|now| self.b.input(now, id, &bytes));
-                }
-                Read::Empty => {
-                    self.readable.remove(&id);
-                    break;
-                }
-                Read::Eof => {
-                    self.readable.remove(&id);
-                    self.b.hangup(id);
-                    break;
-                }
-            }
-        }
     }
 
     fn flush(&mut self, clock: &mut Clock, io: &mut dyn Sockets, id: ConnId) {
@@ -441,22 +459,18 @@ impl Shell {
             if out.is_empty() {
                 return;
             }
-            let n = io.write(id, out);
-            if n == 0 {
-                return;
+            match io.write(id, out) {
+                Some(0) => return,
+                Some(n) => clock.run(|_| self.b.consumed(id, n)),
+                None => {
+                    clock.run(|_| self.b.hangup(id));
+                    return;
+                }
             }
-            clock.run(|_| self.b.consumed(id, n));
         }
     }
 
     fn settle(&mut self, clock: &mut Clock, io: &mut dyn Sockets) {
-        for id in self.b.take_overdue() {
-            while self.b.has_frames(id) {
-                clock.run(|now| self.b.serve(now, id));
-            }
-            self.read(clock, io, id);
-            clock.run(|now| self.b.expire(now, id));
-        }
         loop {
             for id in self.b.pending_output() {
                 self.flush(clock, io, id);
@@ -466,13 +480,14 @@ impl Shell {
                 break;
             }
             for id in dead {
+                // Say what can still be said (an error frame) first.
                 self.flush(clock, io, id);
                 io.close(id);
-                self.uids.remove(&id);
-                self.readable.remove(&id);
+                self.open.remove(&id);
                 clock.run(|now| self.b.remove(now, id));
             }
-            self.turns.listener = true;
+            // Descriptors closed make room for the backlog.
+            self.backlog = true;
         }
         while let Some(w) = self.b.poll_work() {
             let Work::Mig { lease, gpu, .. } = w;
@@ -483,7 +498,7 @@ impl Shell {
                         lease,
                         gpu,
                         destroyed: Vec::new(),
-                        result: Err(("no MIG driver".into(), None)),
+                        result: Err(("the broker has no MIG driver".into(), None)),
                     },
                 )
             });

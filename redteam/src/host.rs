@@ -3,6 +3,10 @@
 //! may carry a command line of any size and content; the stand-in builds
 //! it anew at each read, as the kernel copies it out of the process at
 //! each read of `/proc/PID/cmdline`, so reading it costs what it costs.
+//! The broker reads none of it (only a stat page: parent and start time);
+//! a process says its command itself, in its `Register` or its `Lease`
+//! (`Argv::command`), and a hostile one says as much as the protocol
+//! carries.
 
 use std::collections::HashMap;
 
@@ -35,13 +39,19 @@ impl Argv {
     /// The command line as the kernel hands it out: arguments ended by
     /// NUL bytes.
     pub fn raw(&self) -> Vec<u8> {
+        self.raw_within(usize::MAX)
+    }
+
+    /// The first `max` bytes of `raw` (give or take an argument).
+    fn raw_within(&self, max: usize) -> Vec<u8> {
         let head: &[u8] = b"python3\0work.py\0";
+        let fields = [crate::logs::FORGING.as_bytes(), b"\0"].concat();
         let arg: &[u8] = match self.text {
             Text::Plain => b"--data=/scratch/datasets/imagenet/train/shard-000001.tar\0",
             Text::Controls => b"\n\x1b[2K\r\t\x07\n\x1b[2K\r\t\x07\n\x1b[2K\r\t\x07\0",
-            Text::Fields => b"uid=0 pid=1 job=root\0",
+            Text::Fields => &fields,
         };
-        let want = head.len() + self.kib as usize * 1024;
+        let want = (head.len() + self.kib as usize * 1024).min(max);
         let mut s = Vec::with_capacity(want + arg.len());
         s.extend_from_slice(head);
         if self.text == Text::Fields {
@@ -54,13 +64,31 @@ impl Argv {
         s
     }
 
-    /// The command line as the broker's /proc reader makes it of the raw
-    /// bytes: arguments joined by spaces (what `procs::LiveProcs` does,
-    /// allocation for allocation, so that reading it costs as much work).
+    /// The command line as `gpufrac_common::procfs::cmdline` makes it of
+    /// the raw bytes: arguments joined by spaces, allocation for
+    /// allocation, so that a read of it costs as much work.
     pub fn render(&self) -> String {
         joined(&self.raw())
     }
+
+    /// What the process says its command is, in a `Register` or a
+    /// `Lease`: the shim says the first 4 KiB of its command line; a
+    /// hostile process says as much of it as the protocol carries (a
+    /// string of up to 64 KiB).
+    pub fn command(&self) -> String {
+        let mut s = joined(&self.raw_within(COMMAND_MAX + 1024));
+        let mut end = s.len().min(COMMAND_MAX);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s
+    }
 }
+
+/// The longest command a `Register` or a `Lease` carries (a string with a
+/// 16-bit length).
+pub const COMMAND_MAX: usize = u16::MAX as usize;
 
 /// `gpufrac_common::procfs::cmdline` on bytes already read.
 fn joined(raw: &[u8]) -> String {
@@ -166,6 +194,9 @@ mod tests {
         }
         .render();
         assert!(f.contains(" uid=0 pid=1"), "{f}");
+        assert_eq!(a.command().len(), COMMAND_MAX);
+        assert!(s.starts_with(&a.command()));
+        assert_eq!(Argv::SHORT.command(), "python3 work.py");
         let mut h = Host::default();
         let p = h.spawn(7, 1, Argv::SHORT);
         assert_eq!(h.cmdline(p), "python3 work.py");

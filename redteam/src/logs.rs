@@ -28,6 +28,18 @@ pub fn lines_written() -> u64 {
     WRITTEN.with(Cell::get)
 }
 
+/// What a user's text says to forge the fields of a line that shows it:
+/// the fields that name who did what.
+pub const FORGING: &str = "uid=0 pid=1 job=root";
+
+/// The keys `FORGING` would put in a line that shows it unquoted.
+fn forgeable(key: &str) -> bool {
+    FORGING
+        .split(' ')
+        .filter_map(|kv| kv.split_once('='))
+        .any(|(k, _)| k == key)
+}
+
 /// One line of the log.
 #[derive(Clone, Debug)]
 pub struct Line {
@@ -132,8 +144,10 @@ impl Line {
 
     /// Whether the line, read back as `key=value` fields (quotes kept
     /// together, as logfmt readers do), says something else than the
-    /// event did: a field the event did not have, one twice, or a line
-    /// broken in two.
+    /// event did: a field a user's text is shaped to forge (`FORGING`)
+    /// that the event did not have, or had fewer times, or a line broken
+    /// in two. (The broker's own words may hold a `key=value`, as
+    /// "run it with GPUFRAC_BROKER=off" does: no user wrote that.)
     pub fn forged(&self) -> bool {
         if self.text.contains(['\n', '\r']) {
             return true;
@@ -145,13 +159,13 @@ impl Line {
         let mut read: BTreeMap<String, usize> = BTreeMap::new();
         for token in logfmt_tokens(&self.text) {
             if let Some((k, _)) = token.split_once('=')
-                && !k.is_empty()
-                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                && forgeable(k)
             {
                 *read.entry(k.to_owned()).or_default() += 1;
             }
         }
-        read.len() != said.len() || read.iter().any(|(k, n)| said.get(k.as_str()) != Some(n))
+        read.iter()
+            .any(|(k, &n)| n > said.get(k.as_str()).copied().unwrap_or(0))
     }
 }
 
@@ -199,14 +213,18 @@ mod tests {
             tracing::info!(pid = 7, uid = 1000, command = %command, "registered");
             tracing::info!(pid = 7, uid = 1000, command, "registered");
             tracing::warn!("refusing a connection from uid 65534 (pid 12)");
+            tracing::warn!("refused; run it with GPUFRAC_BROKER=off");
+            tracing::info!(pid = 7, "label \"a\nb\"");
             tracing::debug!("not captured");
         });
-        assert_eq!(lines.len(), 3);
+        assert_eq!(lines.len(), 5);
+        assert!(!lines[3].forged(), "{}", lines[3].text);
+        assert!(lines[4].forged(), "{}", lines[4].text);
         assert!(lines[0].forged(), "{}", lines[0].text);
         assert!(!lines[1].forged(), "{}", lines[1].text);
         assert!(!lines[2].forged());
         assert_eq!(lines[0].names(), (vec![1000], vec![7]));
         assert_eq!(lines[2].names(), (vec![65534], vec![12]));
-        assert_eq!(lines_written(), 3);
+        assert_eq!(lines_written(), 5);
     }
 }

@@ -54,6 +54,11 @@ enum Task {
         /// the first of them.
         #[arg(long, value_delimiter = ',', value_parser = class)]
         classes: Vec<Priority>,
+        /// Every shim launches while it holds (leaves out the holder
+        /// without work, a known break of `idle` until the broker reads
+        /// per-process utilisation).
+        #[arg(long)]
+        working: bool,
     },
     /// The review's strategies, by name.
     Seeds,
@@ -108,6 +113,7 @@ fn main() -> ExitCode {
             quick,
             shims_only,
             classes,
+            working,
         } => {
             let all = seeds();
             for name in &without {
@@ -140,6 +146,7 @@ fn main() -> ExitCode {
                     space: Space {
                         shims_only,
                         classes: classes.clone(),
+                        working,
                     },
                     seeds: &chosen,
                 };

@@ -51,32 +51,35 @@ struct Net {
 }
 
 impl Sockets for Net {
-    fn read(&mut self, id: ConnId, max: usize) -> Read {
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read {
         let Some(s) = self.sockets.get_mut(&id) else {
-            return Read::Eof;
+            return Read::Closed;
         };
         if s.to_broker.is_empty() {
             return if s.client_closed {
-                Read::Eof
+                Read::Closed
             } else {
-                Read::Empty
+                Read::WouldBlock
             };
         }
-        let n = max.min(s.to_broker.len());
-        Read::Bytes(s.to_broker.drain(..n).collect())
+        let n = buf.len().min(s.to_broker.len());
+        let (a, b) = s.to_broker.as_slices();
+        let first = n.min(a.len());
+        buf[..first].copy_from_slice(&a[..first]);
+        buf[first..n].copy_from_slice(&b[..n - first]);
+        s.to_broker.drain(..n);
+        Read::Bytes(n)
     }
 
-    fn write(&mut self, id: ConnId, bytes: &[u8]) -> usize {
-        let Some(s) = self.sockets.get_mut(&id) else {
-            return 0;
-        };
+    fn write(&mut self, id: ConnId, bytes: &[u8]) -> Option<usize> {
+        let s = self.sockets.get_mut(&id)?;
         if s.client_closed {
-            // EPIPE: the broker hangs up on it when it next reads.
-            return 0;
+            // EPIPE.
+            return None;
         }
         let n = bytes.len().min(SOCKBUF.saturating_sub(s.to_client.len()));
         s.to_client.extend_from_slice(&bytes[..n]);
-        n
+        Some(n)
     }
 
     fn accept(&mut self) -> Option<(ConnId, u32)> {
@@ -438,11 +441,16 @@ impl Node {
         while self.clock.now < end {
             self.wake_actors(actors);
             self.poll();
-            let due = self
-                .shell
-                .next_timeout()
-                .is_some_and(|t| t <= self.clock.now);
-            if self.shell.busy() || due {
+            // As the shell's poll: no wait (and no look at the timers)
+            // while the core has a turn to run.
+            let busy = self.shell.busy();
+            let timeout = if busy {
+                None
+            } else {
+                self.shell.next_timeout()
+            };
+            let due = timeout.is_some_and(|t| t <= self.clock.now);
+            if busy || due {
                 self.shell
                     .iteration(&mut self.clock, &mut self.net, &mut self.gpu);
                 self.gpu.advance(self.clock.now);
@@ -452,7 +460,7 @@ impl Node {
             let next = actors
                 .iter()
                 .filter_map(|a| a.wake_at())
-                .chain(self.shell.next_timeout())
+                .chain(timeout)
                 .chain(Some(end))
                 .min()
                 .unwrap_or(end)

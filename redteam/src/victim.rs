@@ -174,6 +174,22 @@ impl Victim {
             .chain(self.conns.values().flat_map(|c| c.asked.iter()))
     }
 
+    /// Every interactive burst's wait for its grant, granted or still
+    /// waiting (a burst that waits past the end counts up to it).
+    pub fn bursts(&self) -> impl Iterator<Item = Answer> + '_ {
+        let waiting = self
+            .conns
+            .values()
+            .filter_map(|c| c.shim.as_ref()?.burst_asked)
+            .map(|(asked, work)| Answer {
+                what: "grant",
+                asked,
+                work,
+                answered: None,
+            });
+        self.record.grants.iter().cloned().chain(waiting)
+    }
+
     fn open(&mut self, io: &mut Io<'_>, role: Role) -> ConnId {
         let pid = io.spawn(VICTIM, Argv::SHORT);
         self.record.pids.push(pid);

@@ -343,3 +343,84 @@ fn whole_memory_requests_do_not_jump_an_earlier_whole_gpu() {
     };
     holds(Invariant::Queue, &s);
 }
+
+/// What the test suite's search found for logs once the core was
+/// re-pointed (seed 20261126, 74 strategies, a debug build): three
+/// connections of one process registering a made-up GPU beside GPU 0, on
+/// a broker that found its GPUs, taking turns. Each refusal is the
+/// broker's own words, "... or with GPUFRAC_BROKER=off", which a logfmt
+/// reader takes as a field: no user wrote it, and the measure counted it
+/// as forged (75 lines). A line is forged by the fields a user's text is
+/// shaped to forge (`logs::FORGING`), not by the broker's own `key=value`.
+#[test]
+fn the_brokers_own_words_in_a_refusal_forge_no_field() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Shim {
+                class: Priority::High,
+                work: true,
+                recall: Recall::Honest,
+                uuids: 1,
+            },
+            members: 3,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 80,
+            duty: 75,
+            stagger: 50,
+            reconnect: false,
+            respawn: false,
+            argv: Argv {
+                kib: 0,
+                text: Text::Plain,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Logs, &s);
+}
+
+/// What `cargo xtask redteam --invariant service --classes normal,low
+/// --without high-and-normal` found once the core was re-pointed (seed
+/// 20261126, 417 strategies, a release build; simplified here to one
+/// process): a single `low` process of another user that asks for the GPU
+/// at 777 ms. The victim's `high` interactive process had held the GPU
+/// alone since 20 ms, launching 0.5 ms every 20 ms (the shim keeps an
+/// uncontended grant between bursts); the `high` class's meter ran all
+/// that time, though nothing of a lower class could use the GPU, so when
+/// the `low` process asked, the class was at once 757 ms into a 500 ms
+/// share of its 1 s window, and every `high` burst was passed over until
+/// the window slid: the burst at 780 ms was granted at 1297 ms.
+/// (broker/src/sched/limits.rs, `sync_meters`: `self.high.set(high_on,
+/// now)` whether or not `high_bounded`.) Arriving at 1000 ms instead, it
+/// recalls a burst midway, which then waits to the end of the scene
+/// (500 ms): a burst still waiting at the end counts as waiting until it.
+#[test]
+fn a_low_process_arriving_holds_no_high_burst_for_the_class_share() {
+    for start_ms in [777, 1000] {
+        let s = Strategy {
+            cohorts: vec![Cohort {
+                play: Play::Shim {
+                    class: Priority::Low,
+                    work: true,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 1,
+                procs: 1,
+                start_ms,
+                period_ms: 1000,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            }],
+        };
+        holds(Invariant::Service, &s);
+    }
+}

@@ -188,6 +188,12 @@ fn install(what: &str, need: &[&[&str]], packages: &[&str]) -> bool {
 /// runtime state (a socket path must fit in 107 bytes, and containerd's
 /// under dockerd's exec root deeper still), one per test cache so that two
 /// checkouts' suites do not share a daemon.
+///
+/// It is removed once no test process uses it any more, however they end:
+/// each holds a shared lock on its `users.lock` for as long as it lives
+/// (the kernel drops it with the process), as does the shell that stops
+/// the tests' dockerd until dockerd is gone; a janitor started with it
+/// waits for an exclusive lock, then removes the directory.
 fn run_dir() -> &'static Path {
     static D: OnceLock<PathBuf> = OnceLock::new();
     D.get_or_init(|| {
@@ -195,9 +201,60 @@ fn run_dir() -> &'static Path {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         test_cache().hash(&mut h);
         let d = std::env::temp_dir().join(format!("gpufrac-test-{:08x}", h.finish() as u32));
-        std::fs::create_dir_all(&d).unwrap();
+        use_run_dir(&d);
         d
     })
+}
+
+/// Takes a shared lock on `d/users.lock`, making `d` if need be, and leaks
+/// it (held until this process exits); then leaves a janitor that removes
+/// `d` once nobody holds such a lock.
+fn use_run_dir(d: &Path) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let lock = d.join("users.lock");
+    loop {
+        std::fs::create_dir_all(d).unwrap();
+        // A janitor may remove the directory between these steps: then
+        // the open fails, or the lock taken is on the file it unlinked.
+        let Ok(f) = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock)
+        else {
+            continue;
+        };
+        // SAFETY: a valid descriptor; flock blocks until the lock is ours.
+        assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH) }, 0);
+        let held = f.metadata().unwrap();
+        let at_path = std::fs::metadata(&lock);
+        if at_path.is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino())) {
+            std::mem::forget(f);
+            break;
+        }
+    }
+    // The janitor removes the directory only if its lock file is still the
+    // one it waited on: another janitor may have removed it, and a test
+    // process started since made it anew.
+    let script = r#"
+exec 9<"$RUN/users.lock" || exit 0
+flock -x 9
+[ "$(stat -c %d:%i "$RUN/users.lock" 2>/dev/null)" = "$(stat -L -c %d:%i /proc/self/fd/9)" ] &&
+    rm -rf --one-file-system "$RUN"
+"#;
+    let janitor = Command::new("/bin/sh")
+        .args(["-c", script])
+        .env("RUN", d)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        // A ^C to cargo test must not reach it: it waits for the tests.
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start /bin/sh: {e}"));
+    // Not waited for: it outlives this process on purpose.
+    std::mem::forget(janitor);
 }
 
 /// Where the tests' own dockerd listens.
@@ -309,6 +366,8 @@ fn docker_daemon() -> String {
     --containerd-namespace gpufrac-test --containerd-plugins-namespace gpufrac-test-plugins &
 d=$!
 trap '' HUP INT
+exec 8<"$RUN/users.lock"
+flock -s 8
 exec 9<"$RUN/dockerd-users.lock"
 flock -x 9
 kill -TERM "$d" 2>/dev/null

@@ -114,6 +114,10 @@ enum Task {
         /// Only shims of these classes (high, normal, low; comma-separated).
         #[arg(long, value_name = "LIST")]
         classes: Option<String>,
+        /// Every shim launches while it holds (the holder without work
+        /// left out).
+        #[arg(long)]
+        working: bool,
     },
 }
 
@@ -137,6 +141,7 @@ fn main() -> ExitCode {
             quick,
             shims_only,
             classes,
+            working,
         } => {
             let mut args: Vec<String> = Vec::new();
             if let Some(s) = seed {
@@ -162,6 +167,9 @@ fn main() -> ExitCode {
             }
             if let Some(c) = classes {
                 args.extend(["--classes".into(), c]);
+            }
+            if working {
+                args.push("--working".into());
             }
             redteam(&args)
         }
