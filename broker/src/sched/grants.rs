@@ -194,7 +194,12 @@ impl Scheduler {
         self.sync_meters(now);
     }
 
+    /// Takes the GPU from holder `h`. A `recall` (its slice ran out while
+    /// only a lower band waits) keeps the GPU with its band for its
+    /// answer, unless it is deferred for want of evidence of work
+    /// (`evidence`): then the lower band has it at once, for a slice.
     fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
+        let recall = recall && !self.defer(now, h);
         let c = self.clients.get_mut(&h).expect("holder is registered");
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);

@@ -1,0 +1,124 @@
+//! Evidence of work: what the driver's per-process samples say of
+//! holders, for the one question the broker cannot answer itself, at a
+//! recall: does the holder that asks again still launch work?
+//!
+//! While a lower band waits, a holder is recalled at the end of each slice
+//! (liveness) and a busy one asks again and is granted back at once, so
+//! that `low` stays a scavenger. A holder with no work could answer the
+//! same way, and keep `low` off an idle GPU for good. Where the GPU
+//! reports per-process work (NVML's process utilisation, sampled by the
+//! shell), a holder whose process the driver saw at work within
+//! `evidence` is granted back at once; one it did not see goes behind the
+//! waiting band for a slice at each recall (`defer`), once its user's
+//! benefit of the doubt is spent; the deferral is its user's, so that a
+//! new connection or process of the same user waits it out too.
+//!
+//! The benefit of the doubt is the user's, not the connection's or the
+//! process's: a new process has no evidence until the next sample shows
+//! it (up to one sample period and the sample's own time), and a user
+//! may hold without evidence for `evidence` in each `DOUBT_WINDOWS` of
+//! it (while a lower band waits), so that a genuinely busy process that
+//! just started keeps the GPU until its first sample, and rotating
+//! connections or processes, each new and so without evidence, buys
+//! nothing more. Without a source of evidence (no NVML, MIG, a driver
+//! that does not report per-process utilisation, or samples that stopped
+//! coming) the broker cannot tell, and a recall is answered as before.
+
+use super::meter::{Meter, budget};
+use super::tree::{UserRef, band};
+use super::{Client, ClientId, ClientState, Nanos, Priority, Scheduler};
+
+/// A user's benefit of the doubt is `evidence` of holding without
+/// evidence in each window of this many `evidence`s.
+pub(super) const DOUBT_WINDOWS: Nanos = 10;
+
+impl Scheduler {
+    /// Whether the GPU reports per-process work: a sample came within
+    /// `evidence`.
+    pub(super) fn judging(&self, now: Nanos) -> bool {
+        now < self.evidence_until
+    }
+
+    /// Whether the driver saw `c`'s process at work within `evidence`.
+    fn evidenced(&self, c: &Client, now: Nanos) -> bool {
+        c.worked_at
+            .is_some_and(|t| now < t.saturating_add(self.cfg.evidence))
+    }
+
+    fn doubt_window(&self) -> Nanos {
+        self.cfg.evidence.saturating_mul(DOUBT_WINDOWS)
+    }
+
+    /// Whether `c`'s user has held without evidence for its whole benefit
+    /// of the doubt in the window.
+    fn doubt_spent(&self, c: &Client, now: Nanos) -> bool {
+        let w = self.doubt_window();
+        self.doubt
+            .get(&(band(c.class), c.user_key()))
+            .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence))
+    }
+
+    /// At a recall of `h`: whether it goes behind the waiting band for a
+    /// slice (the driver has per-process samples, none showed `h` at work
+    /// lately, and its user's benefit of the doubt is spent).
+    pub(super) fn defer(&mut self, now: Nanos, h: ClientId) -> bool {
+        let c = &self.clients[&h];
+        let defer = self.judging(now) && !self.evidenced(c, now) && self.doubt_spent(c, now);
+        if defer {
+            let until = now.saturating_add(self.cfg.timeslice);
+            self.deferred.insert((band(c.class), c.user_key()), until);
+        }
+        defer
+    }
+
+    /// Until when `c`'s user is deferred behind the waiting lower band (0:
+    /// not deferred).
+    pub(super) fn deferred_until(&self, c: &Client) -> Nanos {
+        self.deferred
+            .get(&(band(c.class), c.user_key()))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Runs the doubt meter of the user whose holder holds without
+    /// evidence while a lower band waits (called with the other meters).
+    pub(super) fn sync_doubt(&mut self, now: Nanos) {
+        let doubting = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .filter(|c| {
+                c.state == ClientState::Holding
+                    && self.judging(now)
+                    && !self.evidenced(c, now)
+                    && self.lower_waits(band(c.class))
+            })
+            .map(|c| (band(c.class), c.user_key()));
+        if doubting == self.doubting {
+            return;
+        }
+        if let Some(m) = self.doubting.and_then(|r| self.doubt.get_mut(&r)) {
+            m.set(false, now);
+        }
+        if let Some(r) = doubting {
+            self.doubt.entry(r).or_default().set(true, now);
+        }
+        self.doubting = doubting;
+    }
+
+    /// Whether a client of a band below `b` waits (`low` is the only
+    /// band below another).
+    fn lower_waits(&self, b: usize) -> bool {
+        b > band(Priority::Low) && !self.ix.waiting[Priority::Low.index()].is_empty()
+    }
+
+    /// Forgets doubt the window no longer sees, and deferrals past.
+    pub(super) fn prune_doubt(&mut self, now: Nanos) {
+        self.deferred.retain(|_, until| *until > now);
+        let w = self.doubt_window();
+        let doubting = self.doubting;
+        self.doubt.retain(|r: &UserRef, m: &mut Meter| {
+            m.prune(w, now);
+            !m.is_empty() || Some(*r) == doubting
+        });
+    }
+}
