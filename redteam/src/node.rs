@@ -100,6 +100,7 @@ impl Sockets for Net {
 #[derive(Debug, Clone)]
 struct Occupant {
     uid: u32,
+    pid: u32,
     class: Priority,
     /// It asks for the GPU: as far as the broker can tell, it has work.
     claims: bool,
@@ -145,6 +146,8 @@ struct Gpu {
     /// Time anyone's work ran, and its value at the last sample.
     busy: Nanos,
     sampled: (Nanos, Nanos),
+    /// The pids whose work ran since the last sample of per-process work.
+    ran: BTreeSet<u32>,
 }
 
 impl Driver for Gpu {
@@ -153,6 +156,11 @@ impl Driver for Gpu {
         let (t0, b0) = std::mem::replace(&mut self.sampled, (now, self.busy));
         let span = now.saturating_sub(t0).max(1);
         (100 * (self.busy - b0) / span).min(100) as u32
+    }
+
+    fn working(&mut self, now: Nanos) -> Vec<u32> {
+        self.advance(now);
+        std::mem::take(&mut self.ran).into_iter().collect()
     }
 }
 
@@ -185,6 +193,7 @@ impl Gpu {
             let n = running.len() as f64;
             if !running.is_empty() {
                 self.busy += next - t;
+                self.ran.extend(running.iter().map(|o| o.pid));
             }
             for o in &running {
                 if o.uid == VICTIM {
@@ -340,6 +349,7 @@ impl Io<'_> {
             conn,
             Occupant {
                 uid,
+                pid: self.net.sockets.get(&conn).map_or(0, |s| s.pid),
                 class,
                 claims: false,
                 wants: false,
@@ -562,6 +572,7 @@ mod tests {
     fn occupant(uid: u32, class: Priority) -> Occupant {
         Occupant {
             uid,
+            pid: uid,
             class,
             claims: true,
             wants: true,

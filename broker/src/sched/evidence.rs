@@ -9,16 +9,21 @@
 //! reports per-process work (NVML's process utilisation, sampled by the
 //! shell), a holder whose process the driver saw at work within
 //! `evidence` is granted back at once; one it did not see goes behind the
-//! waiting band for a slice at each recall (`defer`), once its user's
-//! benefit of the doubt is spent; the deferral is its user's, so that a
-//! new connection or process of the same user waits it out too.
+//! waiting band at each recall (`defer`), once its user's benefit of the
+//! doubt is spent: for a slice, then twice as long at each recall in a
+//! row without evidence, up to `evidence` (a holder that never works
+//! keeps a waiting `low` off an idle GPU for about a slice a second). The
+//! deferral is its user's, so that a new connection or process of the
+//! same user waits it out too, and a sample that shows the user's process
+//! at work ends it.
 //!
 //! The benefit of the doubt is the user's, not the connection's or the
 //! process's: a new process has no evidence until the next sample shows
 //! it (up to one sample period and the sample's own time), and a user
-//! may hold without evidence for `evidence` in each `DOUBT_WINDOWS` of
-//! it (while a lower band waits), so that a genuinely busy process that
-//! just started keeps the GPU until its first sample, and rotating
+//! may hold without evidence for half of `evidence` (a sample period) in
+//! each `DOUBT_WINDOWS` of `evidence` (while a lower band waits), so that
+//! a genuinely busy process that just started keeps the GPU until its
+//! first sample, once in a while, and rotating
 //! connections or processes, each new and so without evidence, buys
 //! nothing more. Without a source of evidence (no NVML, MIG, a driver
 //! that does not report per-process utilisation, or samples that stopped
@@ -28,9 +33,17 @@ use super::meter::{Meter, budget};
 use super::tree::{UserRef, band};
 use super::{Client, ClientId, ClientState, Nanos, Priority, Scheduler};
 
-/// A user's benefit of the doubt is `evidence` of holding without
-/// evidence in each window of this many `evidence`s.
+/// A user's benefit of the doubt is half of `evidence` (a sample period)
+/// of holding without evidence in each window of this many `evidence`s.
 pub(super) const DOUBT_WINDOWS: Nanos = 10;
+
+/// A user deferred behind a waiting lower band: until when, and how many
+/// recalls in a row found no evidence.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Deferral {
+    until: Nanos,
+    times: u32,
+}
 
 impl Scheduler {
     /// Whether the GPU reports per-process work: a sample came within
@@ -55,18 +68,27 @@ impl Scheduler {
         let w = self.doubt_window();
         self.doubt
             .get(&(band(c.class), c.user_key()))
-            .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence))
+            .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence / 2))
     }
 
-    /// At a recall of `h`: whether it goes behind the waiting band for a
-    /// slice (the driver has per-process samples, none showed `h` at work
-    /// lately, and its user's benefit of the doubt is spent).
+    /// At a recall of `h`: whether it goes behind the waiting band (the
+    /// driver has per-process samples, none showed `h` at work lately,
+    /// and its user's benefit of the doubt is spent). For a slice the
+    /// first time, then twice as long at each recall in a row without
+    /// evidence, up to `evidence`: a holder that never works keeps a
+    /// waiting `low` off an idle GPU for about a slice a second, and one
+    /// that works is seen within a sample period.
     pub(super) fn defer(&mut self, now: Nanos, h: ClientId) -> bool {
         let c = &self.clients[&h];
         let defer = self.judging(now) && !self.evidenced(c, now) && self.doubt_spent(c, now);
         if defer {
-            let until = now.saturating_add(self.cfg.timeslice);
-            self.deferred.insert((band(c.class), c.user_key()), until);
+            let key = (band(c.class), c.user_key());
+            let slice = self.cfg.timeslice;
+            let cap = self.cfg.evidence.max(slice);
+            let d = self.deferred.entry(key).or_default();
+            let span = slice.saturating_mul(1 << d.times.min(20)).min(cap);
+            d.times = d.times.saturating_add(1);
+            d.until = now.saturating_add(span);
         }
         defer
     }
@@ -76,8 +98,14 @@ impl Scheduler {
     pub(super) fn deferred_until(&self, c: &Client) -> Nanos {
         self.deferred
             .get(&(band(c.class), c.user_key()))
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |d| d.until)
+    }
+
+    /// A sample showed `c` at work: its user's deferrals start over.
+    pub(super) fn evidence_of(&mut self, c: ClientId) {
+        if let Some(c) = self.clients.get(&c) {
+            self.deferred.remove(&(band(c.class), c.user_key()));
+        }
     }
 
     /// Runs the doubt meter of the user whose holder holds without
@@ -113,7 +141,11 @@ impl Scheduler {
 
     /// Forgets doubt the window no longer sees, and deferrals past.
     pub(super) fn prune_doubt(&mut self, now: Nanos) {
-        self.deferred.retain(|_, until| *until > now);
+        // A deferral's count is kept for `evidence` after it ends: the
+        // next recall without evidence doubles it.
+        let keep = self.cfg.evidence;
+        self.deferred
+            .retain(|_, d| d.until.saturating_add(keep) > now);
         let w = self.doubt_window();
         let doubting = self.doubting;
         self.doubt.retain(|r: &UserRef, m: &mut Meter| {

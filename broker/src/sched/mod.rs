@@ -217,7 +217,7 @@ pub struct Scheduler {
     /// Per user (in a band), not granted before then: its holder answered
     /// a recall by asking again without evidence of work (`evidence`). The
     /// user's, so that a new connection or process of it waits too.
-    deferred: BTreeMap<tree::UserRef, Nanos>,
+    deferred: BTreeMap<tree::UserRef, evidence::Deferral>,
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -676,6 +676,7 @@ impl Scheduler {
         for id in working {
             if let Some(c) = self.clients.get_mut(&id) {
                 c.worked_at = Some(now);
+                self.evidence_of(id);
             }
         }
         self.reschedule(now);
