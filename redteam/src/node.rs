@@ -217,7 +217,11 @@ impl Gpu {
                     .any(|o| o.uid == VICTIM && o.claims && o.holding);
                 if !held {
                     self.time.victim_waiting += dt;
-                    if running.is_empty() {
+                    // An attacker of the victim's own class that holds
+                    // without working wastes its own fair part: the
+                    // fairness invariant's business. Idle counts time the
+                    // victim lost to a class above it, or to nobody.
+                    if running.is_empty() && claims(ATTACKER) != Some(v) {
                         self.time.idle_victim_waiting += dt;
                     }
                 }
@@ -595,8 +599,9 @@ mod tests {
     /// The victim holds for 10 ms beside the attacker's queued work (2 ms
     /// of it), then waits 10 ms while the attacker holds without
     /// launching: the GPU is split while both run, idle while nobody's
-    /// work runs, and the victim's fair part is half while the attacker
-    /// asks.
+    /// work runs (but not counted against the broker: the attacker is of
+    /// the victim's class), and the victim's fair part is half while the
+    /// attacker asks.
     #[test]
     fn gpu_time_is_split_among_the_work_on_it() {
         let ms = crate::core::MS;
@@ -615,7 +620,8 @@ mod tests {
         g.occ.get_mut(&2).unwrap().holding = true;
         g.advance(20 * ms);
         assert_eq!(g.time.victim_waiting, (10 * ms) as f64);
-        assert_eq!(g.time.idle_victim_waiting, (10 * ms) as f64);
+        // Of the victim's own class: the attacker's own part, not idle.
+        assert_eq!(g.time.idle_victim_waiting, 0.0);
         assert_eq!(g.time.fair, (10 * ms) as f64);
         assert_eq!(g.busy, 10 * ms);
         assert_eq!(g.utilization(20 * ms), 50);

@@ -14,8 +14,11 @@
 //! row without evidence, up to `evidence` (a holder that never works
 //! keeps a waiting `low` off an idle GPU for about a slice a second). The
 //! deferral is its user's, so that a new connection or process of the
-//! same user waits it out too, and a sample that shows the user's process
-//! at work ends it.
+//! same user waits it out too; a sample that shows the holder judged at
+//! work ends it, and its count is forgotten a second after the last one
+//! ended (a sample that shows another of the user's processes at work
+//! does not end it: a working process beside a pretender of the same
+//! user would otherwise start the pretender's count over).
 //!
 //! The benefit of the doubt is the user's, not the connection's or the
 //! process's: a new process has no evidence until the next sample shows
@@ -43,6 +46,11 @@ pub(super) const DOUBT_WINDOWS: Nanos = 10;
 pub(super) struct Deferral {
     until: Nanos,
     times: u32,
+    /// The holder judged last: a sample that shows it at work ends the
+    /// deferral (not one of another of the user's processes: a working
+    /// process beside a pretender would start the pretender's count
+    /// over).
+    by: ClientId,
 }
 
 impl Scheduler {
@@ -71,7 +79,8 @@ impl Scheduler {
             .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence / 2))
     }
 
-    /// At a recall of `h`: whether it goes behind the waiting band (the
+    /// At a recall of `h`, or any revoke while a lower band waits: whether
+    /// its user goes behind the waiting band (the
     /// driver has per-process samples, none showed `h` at work lately,
     /// and its user's benefit of the doubt is spent). For a slice the
     /// first time, then twice as long at each recall in a row without
@@ -80,7 +89,10 @@ impl Scheduler {
     /// that works is seen within a sample period.
     pub(super) fn defer(&mut self, now: Nanos, h: ClientId) -> bool {
         let c = &self.clients[&h];
-        let defer = self.judging(now) && !self.evidenced(c, now) && self.doubt_spent(c, now);
+        let defer = self.judging(now)
+            && self.lower_waits(band(c.class))
+            && !self.evidenced(c, now)
+            && self.doubt_spent(c, now);
         if defer {
             let key = (band(c.class), c.user_key());
             let slice = self.cfg.timeslice;
@@ -89,6 +101,7 @@ impl Scheduler {
             let span = slice.saturating_mul(1 << d.times.min(20)).min(cap);
             d.times = d.times.saturating_add(1);
             d.until = now.saturating_add(span);
+            d.by = h;
         }
         defer
     }
@@ -99,13 +112,6 @@ impl Scheduler {
         self.deferred
             .get(&(band(c.class), c.user_key()))
             .map_or(0, |d| d.until)
-    }
-
-    /// A sample showed `c` at work: its user's deferrals start over.
-    pub(super) fn evidence_of(&mut self, c: ClientId) {
-        if let Some(c) = self.clients.get(&c) {
-            self.deferred.remove(&(band(c.class), c.user_key()));
-        }
     }
 
     /// Runs the doubt meter of the user whose holder holds without
@@ -137,6 +143,16 @@ impl Scheduler {
     /// band below another).
     fn lower_waits(&self, b: usize) -> bool {
         b > band(Priority::Low) && !self.ix.waiting[Priority::Low.index()].is_empty()
+    }
+
+    /// A sample showed `id` at work: a deferral it caused ends.
+    pub(super) fn evidence_of(&mut self, id: ClientId) {
+        if let Some(c) = self.clients.get(&id) {
+            let key = (band(c.class), c.user_key());
+            if self.deferred.get(&key).is_some_and(|d| d.by == id) {
+                self.deferred.remove(&key);
+            }
+        }
     }
 
     /// Forgets doubt the window no longer sees, and deferrals past.
