@@ -93,6 +93,36 @@ impl Nvml {
             .unwrap_or_default()
     }
 
+    /// The pids the driver saw running kernels on `uuid` since its
+    /// timestamp `last_seen` (µs, the driver's own clock: 0 for all it
+    /// keeps), and the latest timestamp of those samples. None: the
+    /// driver does not report per-process work there (MIG, an old GPU or
+    /// driver, no NVML); an empty list is a report that nobody ran.
+    pub fn process_work(&self, uuid: &str, last_seen: u64) -> Option<(Vec<u32>, u64)> {
+        let nvml = self.0.as_ref()?;
+        let dev = nvml.device_by_uuid(uuid).ok()?;
+        match dev.process_utilization_stats(last_seen) {
+            Ok(samples) => {
+                let latest = samples
+                    .iter()
+                    .map(|s| s.timestamp)
+                    .max()
+                    .unwrap_or(last_seen);
+                let mut pids: Vec<u32> = samples
+                    .iter()
+                    .filter(|s| s.sm_util > 0 || s.mem_util > 0)
+                    .map(|s| s.pid)
+                    .collect();
+                pids.sort_unstable();
+                pids.dedup();
+                Some((pids, latest))
+            }
+            // What NVML says when no process ran since `last_seen`.
+            Err(nvml_wrapper::error::NvmlError::NotFound) => Some((Vec::new(), last_seen)),
+            Err(_) => None,
+        }
+    }
+
     pub fn utilization(&self, uuid: &str) -> Option<u32> {
         let nvml = self.0.as_ref()?;
         let dev = nvml.device_by_uuid(uuid).ok()?;

@@ -73,6 +73,11 @@ pub struct GpuSample {
     /// (pid, bytes) of each process on the GPU, as the driver accounts
     /// them (context and module overhead included).
     pub processes: Vec<(u32, u64)>,
+    /// The pids the driver saw running kernels since the previous sample
+    /// (NVML's per-process utilisation), sorted. None: the driver does
+    /// not report per-process work on this GPU, and the scheduler cannot
+    /// tell a holder that works from one that only asks.
+    pub working: Option<Vec<u32>>,
 }
 
 impl Telemetry {
@@ -93,23 +98,45 @@ impl Telemetry {
 /// The driver, asked by the shell's sampler.
 pub trait Sampler {
     /// The GPUs with these UUIDs, now.
-    fn sample(&self, uuids: &[String]) -> Telemetry;
+    fn sample(&mut self, uuids: &[String]) -> Telemetry;
 }
 
-impl Sampler for Nvml {
-    fn sample(&self, uuids: &[String]) -> Telemetry {
-        Telemetry {
-            gpus: uuids
-                .iter()
-                .map(|u| {
-                    let s = GpuSample {
-                        utilization: self.utilization(u),
-                        processes: self.process_memory(u),
-                    };
-                    (u.clone(), s)
-                })
-                .collect(),
+/// NVML, with the driver's timestamp of the last per-process work it
+/// reported on each GPU: the next sample asks only for what came after
+/// (the driver's own clock, whatever its origin).
+pub struct NvmlSampler {
+    nvml: Nvml,
+    last_seen: HashMap<String, u64>,
+}
+
+impl NvmlSampler {
+    pub fn new(nvml: Nvml) -> NvmlSampler {
+        NvmlSampler {
+            nvml,
+            last_seen: HashMap::new(),
         }
+    }
+}
+
+impl Sampler for NvmlSampler {
+    fn sample(&mut self, uuids: &[String]) -> Telemetry {
+        // GPUs no longer asked about (a MIG instance destroyed) are dropped.
+        self.last_seen.retain(|u, _| uuids.contains(u));
+        let mut gpus = HashMap::with_capacity(uuids.len());
+        for u in uuids {
+            let since = self.last_seen.get(u).copied().unwrap_or(0);
+            let working = self.nvml.process_work(u, since).map(|(pids, latest)| {
+                self.last_seen.insert(u.clone(), latest);
+                pids
+            });
+            let s = GpuSample {
+                utilization: self.nvml.utilization(u),
+                processes: self.nvml.process_memory(u),
+                working,
+            };
+            gpus.insert(u.clone(), s);
+        }
+        Telemetry { gpus }
     }
 }
 

@@ -271,7 +271,7 @@ fn spawn_saver(
 /// Asks the driver on a thread of its own: an NVML call may take long on a
 /// busy driver, and the loop must not wait for it.
 fn spawn_sampler(
-    sampler: Box<dyn Sampler + Send>,
+    mut sampler: Box<dyn Sampler + Send>,
     done: Sender<Done>,
     waker: Arc<Waker>,
 ) -> Result<Sender<Vec<String>>, String> {

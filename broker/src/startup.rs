@@ -456,8 +456,9 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     );
     // Sampled off the event loop, and only where there is a driver to ask.
     let nvml = Nvml::open();
-    let sampler: Option<Box<dyn crate::procs::Sampler + Send>> =
-        nvml.is_open().then(|| Box::new(nvml) as _);
+    let sampler: Option<Box<dyn crate::procs::Sampler + Send>> = nvml
+        .is_open()
+        .then(|| Box::new(crate::procs::NvmlSampler::new(nvml)) as _);
     // What a previous broker left is booked before any client is heard.
     core.restore(gpufrac_common::clock::mono_ns(), state.load());
     info!(socket = %opts.socket.display(), state_dir = %state_dir.display(), timeslice_ms = opts.timeslice as f64 / 1e6, "broker ready");

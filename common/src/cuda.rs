@@ -306,6 +306,19 @@ pub struct nvmlProcessInfo_t {
     pub computeInstanceId: c_uint,
 }
 
+/// One process's sample of `nvmlDeviceGetProcessUtilization`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct nvmlProcessUtilizationSample_t {
+    pub pid: c_uint,
+    /// The CPU timestamp of the sample, in µs.
+    pub timeStamp: u64,
+    pub smUtil: c_uint,
+    pub memUtil: c_uint,
+    pub encUtil: c_uint,
+    pub decUtil: c_uint,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,6 +331,11 @@ mod tests {
         assert_eq!(std::mem::size_of::<CUDA_ARRAY3D_DESCRIPTOR>(), 40);
         assert_eq!(std::mem::offset_of!(CUlaunchConfig, hStream), 32);
         assert_eq!(std::mem::size_of::<CUlaunchConfig>(), 56);
+        assert_eq!(std::mem::size_of::<nvmlProcessUtilizationSample_t>(), 32);
+        assert_eq!(
+            std::mem::offset_of!(nvmlProcessUtilizationSample_t, smUtil),
+            16
+        );
         assert_eq!(std::mem::offset_of!(CUDA_LAUNCH_PARAMS, hStream), 40);
         assert_eq!(std::mem::size_of::<nvmlMemory_v2_t>(), 40);
         assert_eq!(std::mem::size_of::<CUmemPoolProps>(), 88);

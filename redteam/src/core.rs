@@ -251,6 +251,9 @@ pub trait Sockets {
 pub trait Driver {
     /// Each GPU's utilisation (percent) since the last sample.
     fn utilization(&mut self, now: Nanos) -> u32;
+    /// The pids whose kernels ran since the last sample (NVML's
+    /// per-process utilisation).
+    fn working(&mut self, now: Nanos) -> Vec<u32>;
 }
 
 /// As `broker/src/server.rs` samples the driver.
@@ -333,7 +336,8 @@ impl Shell {
             backlog: false,
             saving: None,
             state_fails: setup.state_fails,
-            last_sample: now,
+            // As the shell: the first sample at once.
+            last_sample: now.saturating_sub(SAMPLE_EVERY),
         }
     }
 
@@ -385,6 +389,7 @@ impl Shell {
         if clock.now >= self.last_sample + SAMPLE_EVERY {
             self.last_sample = clock.now;
             let utilization = Some(driver.utilization(clock.now));
+            let working = Some(driver.working(clock.now));
             let gpus = self
                 .b
                 .telemetry_uuids()
@@ -393,6 +398,7 @@ impl Shell {
                     let s = GpuSample {
                         utilization,
                         processes: Vec::new(),
+                        working: working.clone(),
                     };
                     (u, s)
                 })

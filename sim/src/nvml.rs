@@ -29,6 +29,9 @@ static DEVS: [NvmlDev; MAX_DEV] = {
 
 static REFS: AtomicU32 = AtomicU32::new(0);
 
+/// How far back the driver keeps per-process utilisation samples.
+const SAMPLE_BUFFER_NS: u64 = 1_000_000_000;
+
 pub(crate) fn nvml() -> Result<&'static Sim, nvmlReturn_t> {
     if REFS.load(Acquire) == 0 {
         return Err(NVML_ERROR_UNINITIALIZED);
@@ -264,6 +267,58 @@ nvml_exports! {
                 usedGpuMemory: used,
                 gpuInstanceId: gi,
                 computeInstanceId: ci,
+            };
+        }
+        Ok(())
+    }
+
+    /// One sample per process whose kernels ran on the device after
+    /// `last_seen` (µs) and within the driver's buffer (the last second):
+    /// `timeStamp` is when it last ran (µs of CLOCK_MONOTONIC here; a real
+    /// driver's are the CPU's clock, which a caller only ever hands back),
+    /// `smUtil` the share of that span it ran (at least 1: it did run).
+    /// As a real driver: a NULL buffer or one too small is
+    /// NVML_ERROR_INSUFFICIENT_SIZE with the count needed, no process
+    /// NVML_ERROR_NOT_FOUND, and MIG mode NVML_ERROR_NOT_SUPPORTED.
+    fn nvmlDeviceGetProcessUtilization(
+        device: nvmlDevice_t,
+        samples: *mut nvmlProcessUtilizationSample_t,
+        count: *mut c_uint,
+        last_seen: u64,
+    ) {
+        if mig_handle(device).is_some() {
+            nvml()?;
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        let (s, d) = dev(device)?;
+        if s.phys[d].mig {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        if count.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let since = last_seen
+            .saturating_mul(1000)
+            .max(crate::engine::now_ns().saturating_sub(SAMPLE_BUFFER_NS));
+        let (now, mut ran) = s.process_work(d, since);
+        ran.retain(|&(_, _, last)| last / 1000 > last_seen);
+        ran.sort_unstable();
+        if ran.is_empty() {
+            return Err(NVML_ERROR_NOT_FOUND);
+        }
+        let room = *count as usize;
+        *count = ran.len() as c_uint;
+        if samples.is_null() || ran.len() > room {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        let span = now.saturating_sub(since).max(1);
+        for (i, (pid, ns, last)) in ran.into_iter().enumerate() {
+            let pct = (u128::from(ns) * 100 / u128::from(span)).clamp(1, 100) as c_uint;
+            *samples.add(i) = nvmlProcessUtilizationSample_t {
+                pid,
+                timeStamp: last / 1000,
+                smUtil: pct,
+                ..Default::default()
             };
         }
         Ok(())

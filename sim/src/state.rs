@@ -660,6 +660,41 @@ impl Sim {
             .collect()
     }
 
+    /// The process behind an engine token, while it is the one that took
+    /// that slot (None: gone).
+    fn pid_of(&self, token: u64) -> Option<u32> {
+        if token & NO_SLOT != 0 {
+            return Some((token & 0xffff_ffff) as u32);
+        }
+        let s = self
+            .shared
+            .slots
+            .get(((token & 0xffff_ffff) as usize).checked_sub(1)?)?;
+        let same = s.generation.load(Acquire) & GEN_MASK == (token >> 32) as u32;
+        Some(s.pid.load(Acquire)).filter(|&p| same && p != 0)
+    }
+
+    /// Per process whose kernels ran on physical device `d` after `since`
+    /// (CLOCK_MONOTONIC ns): (pid, kernel ns it ran, when it last ran),
+    /// its contexts together; with the instant it was read at.
+    pub fn process_work(&self, d: usize, since: u64) -> (u64, Vec<(u32, u64, u64)>) {
+        let (now, ran) = engine::ran_since_slot(self, d, since);
+        let mut per: Vec<(u32, u64, u64)> = Vec::new();
+        for (token, ns, last) in ran {
+            let Some(pid) = self.pid_of(token) else {
+                continue;
+            };
+            match per.iter_mut().find(|p| p.0 == pid) {
+                Some(p) => {
+                    p.1 += ns;
+                    p.2 = p.2.max(last);
+                }
+                None => per.push((pid, ns, last)),
+            }
+        }
+        (now, per)
+    }
+
     /// Busy percentage of physical device `d` over roughly the last second.
     pub fn utilization(&self, d: usize) -> u32 {
         let st = engine::stats_slot(self, d);

@@ -1585,3 +1585,141 @@ fn bad_engine_settings_fail_init() {
         },
     );
 }
+
+/// Helper process for `nvml_samples_the_processes_whose_kernels_ran`:
+/// runs 20 ms of kernels on device 0 when told, says so, and stays alive
+/// until its stdin closes.
+#[test]
+fn nvml_worker() {
+    if std::env::var(CHILD_VAR).as_deref() != Ok("nvml_worker") {
+        return;
+    }
+    unsafe {
+        init_ctx(0);
+        let f = function();
+        let s = stream();
+        println!("READY {}", std::process::id());
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+        for _ in 0..4 {
+            ok(kernel(f, s, 5_000_000));
+        }
+        ok(cuStreamSynchronize(s));
+        println!("RAN");
+        let _ = std::io::stdin().read_line(&mut line);
+    }
+}
+
+/// `nvmlDeviceGetProcessUtilization` as NVIDIA documents it: a sample per
+/// process whose kernels ran since `lastSeenTimeStamp` (µs), none for one
+/// that did not, NVML_ERROR_INSUFFICIENT_SIZE with the count for a NULL or
+/// short buffer, NVML_ERROR_NOT_FOUND when no process ran. The broker
+/// takes a holder's work from it.
+#[test]
+fn nvml_samples_the_processes_whose_kernels_ran() {
+    let state = scratch("state");
+    let state_s = state.to_str().unwrap().to_owned();
+    isolated(
+        "nvml_samples_the_processes_whose_kernels_ran",
+        &[
+            ("GPUFRAC_SIM_STATE", &state_s),
+            ("GPUFRAC_SIM_DEVICES", "4G,4G"),
+        ],
+        || unsafe {
+            ok(nvmlInit_v2());
+            let (mut dev0, mut dev1) = (null_mut(), null_mut());
+            ok(nvmlDeviceGetHandleByIndex_v2(0, &mut dev0));
+            ok(nvmlDeviceGetHandleByIndex_v2(1, &mut dev1));
+            let sample = |dev, last_seen| {
+                let mut n = 0;
+                let r = nvmlDeviceGetProcessUtilization(dev, null_mut(), &mut n, last_seen);
+                if r == NVML_ERROR_NOT_FOUND {
+                    return Vec::new();
+                }
+                check(r, NVML_ERROR_INSUFFICIENT_SIZE);
+                assert!(n > 0);
+                let mut v = vec![nvmlProcessUtilizationSample_t::default(); n as usize];
+                if n > 1 {
+                    // One short: the count needed, nothing else.
+                    let mut short = n - 1;
+                    check(
+                        nvmlDeviceGetProcessUtilization(dev, v.as_mut_ptr(), &mut short, last_seen),
+                        NVML_ERROR_INSUFFICIENT_SIZE,
+                    );
+                    assert_eq!(short, n);
+                }
+                ok(nvmlDeviceGetProcessUtilization(
+                    dev,
+                    v.as_mut_ptr(),
+                    &mut n,
+                    last_seen,
+                ));
+                v.truncate(n as usize);
+                v
+            };
+            let mut n = 0;
+            check(
+                nvmlDeviceGetProcessUtilization(dev0, null_mut(), null_mut(), 0),
+                NVML_ERROR_INVALID_ARGUMENT,
+            );
+            check(
+                nvmlDeviceGetProcessUtilization(dev0, null_mut(), &mut n, 0),
+                NVML_ERROR_NOT_FOUND,
+            );
+
+            // This process runs 10 ms of kernels on device 0.
+            init_ctx(0);
+            let f = function();
+            let s = stream();
+            let t0 = now_ns() / 1000;
+            for _ in 0..2 {
+                ok(kernel(f, s, 5_000_000));
+            }
+            ok(cuStreamSynchronize(s));
+            let me = std::process::id();
+            let mine = sample(dev0, 0);
+            assert_eq!(mine.len(), 1, "{mine:?}");
+            assert_eq!(mine[0].pid, me);
+            assert!(mine[0].timeStamp > t0 + 9_000, "{mine:?} from {t0}");
+            assert!(mine[0].smUtil >= 1);
+            assert!(sample(dev1, 0).is_empty(), "nothing ran on device 1");
+            // Since that sample: nothing ran.
+            let seen = mine[0].timeStamp;
+            assert!(sample(dev0, seen).is_empty());
+
+            // Another process runs 20 ms: only it is sampled since.
+            let mut child = Command::new(std::env::current_exe().unwrap())
+                .args(["nvml_worker", "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD_VAR, "nvml_worker")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            let mut until = |what: &str| loop {
+                let l = lines.next().expect("the worker exited early").unwrap();
+                if let Some(i) = l.find(what) {
+                    break l[i + what.len()..].trim().to_owned();
+                }
+            };
+            let pid: u32 = until("READY ").parse().unwrap();
+            child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
+            until("RAN");
+            let theirs = sample(dev0, seen);
+            assert_eq!(
+                theirs.iter().map(|x| x.pid).collect::<Vec<_>>(),
+                [pid],
+                "{theirs:?}"
+            );
+            // Both, from the start of the buffer.
+            let mut both: Vec<u32> = sample(dev0, 0).iter().map(|x| x.pid).collect();
+            both.sort_unstable();
+            let mut want = vec![me, pid];
+            want.sort_unstable();
+            assert_eq!(both, want);
+            drop(child.stdin.take());
+            assert!(child.wait().unwrap().success());
+        },
+    );
+    let _ = std::fs::remove_file(&state);
+}

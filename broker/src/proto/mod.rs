@@ -408,8 +408,46 @@ impl Broker {
     /// never asked from inside the core: a slow driver must not stall
     /// grants). Status shows it until the next sample.
     pub fn telemetry(&mut self, now: Nanos, snapshot: Telemetry) {
-        self.clock(now);
+        let now = self.clock(now);
+        self.work_seen(now, &snapshot);
         self.telemetry = snapshot;
+        self.pump(now);
+    }
+
+    /// Tells each GPU's scheduler which of its clients' processes the
+    /// driver saw at work (evidence a recall asks for, `sched::evidence`).
+    /// One pass over the connections, a lookup per connection: the work
+    /// grows with the connections the broker already bounds, not with
+    /// what the driver lists.
+    fn work_seen(&mut self, now: Nanos, t: &Telemetry) {
+        use std::collections::HashSet;
+        let reports: Vec<(usize, HashSet<u32>)> = self
+            .gpus
+            .iter()
+            .enumerate()
+            .filter_map(|(g, gpu)| {
+                let w = t.gpus.get(&gpu.uuid_str)?.working.as_ref()?;
+                Some((g, w.iter().copied().collect()))
+            })
+            .collect();
+        if reports.is_empty() {
+            return;
+        }
+        let mut seen: Vec<Vec<ConnId>> = vec![Vec::new(); self.gpus.len()];
+        for (&id, c) in &self.conns {
+            for d in c.devices() {
+                if let Some((_, pids)) = reports.iter().find(|(g, _)| *g == d.gpu)
+                    && pids.contains(&c.peer.pid)
+                {
+                    seen[d.gpu].push(id);
+                }
+            }
+        }
+        for (g, _) in reports {
+            self.gpus[g]
+                .sched
+                .work_seen(now, std::mem::take(&mut seen[g]));
+        }
     }
 
     /// The UUIDs the shell's sampler asks the driver about: every GPU and

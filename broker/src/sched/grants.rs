@@ -194,7 +194,16 @@ impl Scheduler {
         self.sync_meters(now);
     }
 
+    /// Takes the GPU from holder `h`. A `recall` (its slice ran out while
+    /// only a lower band waits) keeps the GPU with its band for its
+    /// answer. While a lower band waits, any revoke judges the holder's
+    /// evidence of work (`evidence`): without it, its user is deferred
+    /// and the lower band may have the GPU (also when the holder's band
+    /// hands over among its own members, which would otherwise keep the
+    /// judgement from ever being made).
     fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
+        let deferred = self.defer(now, h);
+        let recall = recall && !deferred;
         let c = self.clients.get_mut(&h).expect("holder is registered");
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);

@@ -42,6 +42,7 @@ impl Scheduler {
             .and_then(|h| self.clients.get(&h))
             .is_some_and(|c| c.class == Priority::High && c.state == ClientState::Holding);
         self.high.set(high_on, now);
+        self.sync_doubt(now);
         if self.units.is_empty() {
             return;
         }
@@ -104,10 +105,11 @@ impl Scheduler {
         [own, unit, class].into_iter().flatten()
     }
 
-    /// Whether `c` may be granted now, as far as its ceilings go.
+    /// Whether `c` may be granted now, as far as its ceilings go (and
+    /// a deferral, `evidence`).
     pub(super) fn fits(&self, c: &Client, now: Nanos, bounded: bool) -> bool {
         let w = self.cfg.window;
-        self.ceilings(c, bounded).all(|x| x.fits(w, now))
+        now >= self.deferred_until(c) && self.ceilings(c, bounded).all(|x| x.fits(w, now))
     }
 
     /// What the tightest of `c`'s ceilings leaves it; None: unbounded.
@@ -122,7 +124,8 @@ impl Scheduler {
     /// or while a meter in its way still runs (an event comes first).
     pub(super) fn fits_at(&self, c: &Client, now: Nanos, bounded: bool) -> Option<Nanos> {
         let w = self.cfg.window;
-        let mut at = None;
+        let deferred = self.deferred_until(c);
+        let mut at = (deferred > now).then_some(deferred);
         for x in self.ceilings(c, bounded).filter(|x| !x.fits(w, now)) {
             let t = x.meter.down_to_at(w, now, x.budget - x.quantum)?;
             at = Some(at.map_or(t, |a: Nanos| a.max(t)));

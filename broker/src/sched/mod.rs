@@ -78,6 +78,7 @@
 //! GPU in a window), `status`; this file holds the state and the entry
 //! points.
 
+mod evidence;
 mod grants;
 mod index;
 mod limits;
@@ -167,6 +168,8 @@ struct Client {
     charged: f64,
     /// What it has put in the scheduler's index.
     idx: Indexed,
+    /// When a sample of the driver last showed its process at work.
+    worked_at: Option<Nanos>,
 }
 
 /// A unit with a ceiling of its own (a job's `--gpu-limit`): all its
@@ -205,6 +208,16 @@ pub struct Scheduler {
     /// Memberless nodes of the tree were last pruned then.
     pruned_at: Nanos,
     ix: Index,
+    /// The driver reports per-process work until then (`work_seen`).
+    evidence_until: Nanos,
+    /// Per user, time held without evidence of work while a lower band
+    /// waited (its benefit of the doubt, `evidence`), and whose meter runs.
+    doubt: BTreeMap<tree::UserRef, Meter>,
+    doubting: Option<tree::UserRef>,
+    /// Per user (in a band), not granted before then: its holder answered
+    /// a recall by asking again without evidence of work (`evidence`). The
+    /// user's, so that a new connection or process of it waits too.
+    deferred: BTreeMap<tree::UserRef, evidence::Deferral>,
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -309,6 +322,7 @@ impl Scheduler {
             window: cfg.window.max(1),
             drain_timeout: cfg.drain_timeout.max(1),
             wake: cfg.wake.max(1),
+            evidence: cfg.evidence.max(1),
             ..cfg
         };
         Scheduler {
@@ -326,6 +340,10 @@ impl Scheduler {
             now: 0,
             pruned_at: 0,
             ix: Index::default(),
+            evidence_until: 0,
+            doubt: BTreeMap::new(),
+            doubting: None,
+            deferred: BTreeMap::new(),
         }
     }
 
@@ -376,6 +394,7 @@ impl Scheduler {
                     meter: Meter::default(),
                     charged: 0.0,
                     idx: Indexed::default(),
+                    worked_at: None,
                 },
             );
         }
@@ -644,6 +663,25 @@ impl Scheduler {
         self.reschedule(now);
     }
 
+    /// A sample of the driver's per-process work: the processes of
+    /// `working` ran kernels on this GPU since the previous sample. That a
+    /// sample comes at all says that the GPU reports per-process work
+    /// (for `evidence` from now): a holder that answers a recall by
+    /// asking again is then granted back at once only on such evidence
+    /// (`evidence`).
+    pub fn work_seen(&mut self, now: Nanos, working: impl IntoIterator<Item = ClientId>) {
+        let now = self.clock(now);
+        self.settle(now);
+        self.evidence_until = now.saturating_add(self.cfg.evidence);
+        for id in working {
+            if let Some(c) = self.clients.get_mut(&id) {
+                c.worked_at = Some(now);
+                self.evidence_of(id);
+            }
+        }
+        self.reschedule(now);
+    }
+
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
     }
@@ -720,6 +758,7 @@ impl Scheduler {
             u.meter.prune(w, now);
         }
         self.high.prune(w, now);
+        self.prune_doubt(now);
         // Tidying only (the number kept is bounded anyway): once a window.
         if now >= self.pruned_at.saturating_add(w) {
             self.pruned_at = now;

@@ -45,13 +45,20 @@ pub struct SchedConfig {
     /// an interactive process still gets the GPU at once, but a busy or
     /// stuck `high` client cannot starve everyone else. 1.0: unbounded.
     pub high_share: f64,
+    /// How long a sample of the driver that showed a client's process at
+    /// work counts as evidence that it works (`Scheduler::work_seen`):
+    /// two of the shell's sample periods. It is also a user's benefit of
+    /// the doubt: that much holding without evidence, in each
+    /// `DOUBT_WINDOWS` of it, while a lower class waits.
+    pub evidence: Nanos,
 }
 
 impl Default for SchedConfig {
     /// 20 ms slices (a handover costs about a round trip and a hardware
     /// context switch, so 20 ms keeps switching under 1%), a 1 s window, a
-    /// 200 ms grace, 250 µs of queued work, 5 s to drain, and at most half
-    /// of each window for `high` while others wait.
+    /// 200 ms grace, 250 µs of queued work, 5 s to drain, at most half
+    /// of each window for `high` while others wait, and evidence of work
+    /// good for 1 s (the shell samples the driver every 500 ms).
     fn default() -> Self {
         SchedConfig {
             timeslice: 20 * MS,
@@ -61,6 +68,7 @@ impl Default for SchedConfig {
             drain_timeout: 5000 * MS,
             wake: 2 * MS,
             high_share: 0.5,
+            evidence: 1000 * MS,
         }
     }
 }

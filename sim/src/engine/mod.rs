@@ -347,6 +347,34 @@ pub fn executed_by_me<H: Host + ?Sized>(sim: &H, dev: usize) -> u64 {
     })
 }
 
+/// What ran on a physical device or MIG instance (`Shared::devs` index)
+/// after `since`: per live context that ran, its owner's token, the
+/// kernel ns it ran (over its last runs: `Model::ran_since`) and when it
+/// last ran; with the instant the model was read at.
+pub fn ran_since_slot<H: Host + ?Sized>(
+    sim: &H,
+    slot: usize,
+    since: u64,
+) -> (u64, Vec<(u64, u64, u64)>) {
+    let now = now_ns();
+    let eng = sim.slot_engine(slot);
+    maybe_reap_engine(sim, eng, now);
+    let ran = with_engine(sim, eng, None, now, |m| {
+        (0..MAX_CTX)
+            .filter_map(|i| {
+                let owner = m.ent(i).owner.load(Acquire);
+                let (ns, last) = if owner == 0 {
+                    (0, 0)
+                } else {
+                    m.ran_since(i, since)
+                };
+                (ns > 0).then_some((owner, ns, last))
+            })
+            .collect()
+    });
+    (now, ran)
+}
+
 pub struct Stats {
     pub busy_ns: u64,
     pub kernels: u64,

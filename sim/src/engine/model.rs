@@ -460,6 +460,33 @@ impl<'a> Model<'a> {
         })
     }
 
+    /// Kernel ns entry `i` executed after `since`, and when it last
+    /// executed (0: not after `since`), at `rec.t`: from its ring of runs,
+    /// so the ns go back at most its last `SEGS` runs (the instant of its
+    /// last run is always exact). A run goes on without a break from its
+    /// start, so it ends where the next one's executed work begins.
+    pub(super) fn ran_since(&self, i: usize, since: u64) -> (u64, u64) {
+        let ent = self.ent(i);
+        let n = ent.nseg.load(Acquire);
+        let lo = n.saturating_sub(SEGS as u64);
+        let slot = |k: u64| &ent.segs[(k % SEGS as u64) as usize];
+        let (mut busy, mut last) = (0, 0);
+        let mut end_e = self.e_now(i);
+        for k in (lo..n).rev() {
+            let (t, e) = (slot(k)[0].load(Relaxed), slot(k)[1].load(Relaxed));
+            let end = t.saturating_add(end_e.saturating_sub(e));
+            if end > t {
+                if end <= since {
+                    break;
+                }
+                last = last.max(end);
+                busy += end - t.max(since);
+            }
+            end_e = e;
+        }
+        (busy, last)
+    }
+
     pub(super) fn alloc(&mut self, me: u64, base: u64) -> Option<(usize, u64)> {
         let (i, ent) = self
             .eng
@@ -673,6 +700,41 @@ mod tests {
         let x2_at = x1_at + MS + 100 * US + 2 * MS + 100 * US + 2 * MS;
         assert_eq!(a.reached(&eng, t0 + 100 * MS, x2), Some(x2_at));
         assert_eq!(a.reached(&eng, t0 + 100 * MS, 0), Some(0));
+    }
+
+    /// What NVML's per-process utilisation reads: the work each context
+    /// ran after an instant, and when it last ran.
+    #[test]
+    fn work_since_an_instant_and_when_it_last_ran() {
+        let eng = engine();
+        let (mut a, mut b) = (C::new(1), C::new(2));
+        let t0 = 1_000 * MS;
+        a.submit(&eng, t0, 5 * MS);
+        b.submit(&eng, t0 + 10 * US, 3 * MS);
+        // A: switch, 2 ms; B: switch, 2 ms; A: switch, 2 ms; B: switch,
+        // 1 ms (done); A: switch, 1 ms, done.
+        let run = t0 + 100 * US;
+        let b_end = run + 6 * MS + 300 * US + MS;
+        let a_end = b_end + 100 * US + MS;
+        let at = |c: &C, now: u64, since: u64| {
+            let mut m = Model::load(&eng, P);
+            m.advance(now);
+            m.commit();
+            m.ran_since(idx(c.bind.load(Relaxed)), since)
+        };
+        assert_eq!(at(&a, t0 + 100 * MS, 0), (5 * MS, a_end));
+        assert_eq!(at(&b, t0 + 100 * MS, 0), (3 * MS, b_end));
+        // Since B's last run began: its last millisecond only.
+        assert_eq!(at(&b, t0 + 100 * MS, b_end - MS), (MS, b_end));
+        assert_eq!(at(&a, t0 + 100 * MS, b_end - MS), (MS, a_end));
+        // Nothing after it last ran.
+        assert_eq!(at(&a, t0 + 100 * MS, a_end), (0, 0));
+        // While running: up to now.
+        let mut c = C::new(3);
+        let t1 = t0 + 200 * MS;
+        c.submit(&eng, t1, 50 * MS);
+        let now = t1 + 100 * US + 7 * MS;
+        assert_eq!(at(&c, now, t1), (7 * MS, now));
     }
 
     #[test]

@@ -275,6 +275,7 @@ api! {
     fn nvmlDeviceGetMemoryInfo_v2(d: nvmlDevice_t, m: *mut nvmlMemory_v2_t) -> nvmlReturn_t;
     fn nvmlDeviceGetUtilizationRates(d: nvmlDevice_t, u: *mut nvmlUtilization_t) -> nvmlReturn_t;
     fn nvmlDeviceGetComputeRunningProcesses_v3(d: nvmlDevice_t, n: *mut c_uint, p: *mut nvmlProcessInfo_t) -> nvmlReturn_t;
+    fn nvmlDeviceGetProcessUtilization(d: nvmlDevice_t, s: *mut nvmlProcessUtilizationSample_t, n: *mut c_uint, last_seen: u64) -> nvmlReturn_t;
     fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> nvmlReturn_t;
     fn nvmlSystemGetCudaDriverVersion_v2(v: *mut c_int) -> nvmlReturn_t;
     fn nvmlErrorString(r: nvmlReturn_t) -> *const c_char;

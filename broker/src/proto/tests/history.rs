@@ -24,6 +24,7 @@ fn a_sample_a_second_whoever_watches() {
         let sample = GpuSample {
             utilization: Some(util),
             processes: Vec::new(),
+            working: None,
         };
         t.b.telemetry(
             t.now,

@@ -14,6 +14,7 @@ fn sample(uuid: &str, utilization: Option<u32>, processes: &[(u32, u64)]) -> Tel
             GpuSample {
                 utilization,
                 processes: processes.to_vec(),
+                working: None,
             },
         )]
         .into(),

@@ -3,6 +3,7 @@
 //! shims.
 
 mod classes;
+mod evidence;
 mod handover;
 mod hierarchy;
 mod incremental;
@@ -63,6 +64,13 @@ struct Sim {
     then: Map<ClientId, ClientId>,
     drains: Vec<(Nanos, ClientId)>,
     log: Vec<(Nanos, Action)>,
+    /// The driver's per-process samples, this often (None: no NVML).
+    sample_every: Option<Nanos>,
+    next_sample: Nanos,
+    /// Clients whose process really runs kernels: a sample shows them if
+    /// they were on the GPU since the previous one.
+    works: BTreeSet<ClientId>,
+    held_at_sample: Map<ClientId, Nanos>,
 }
 
 impl Sim {
@@ -76,7 +84,32 @@ impl Sim {
             then: Map::new(),
             drains: Vec::new(),
             log: Vec::new(),
+            sample_every: None,
+            next_sample: 0,
+            works: BTreeSet::new(),
+            held_at_sample: Map::new(),
         }
+    }
+
+    /// Samples the driver's per-process work every `every` from now on.
+    fn sample_every(&mut self, every: Nanos) {
+        self.sample_every = Some(every);
+        self.next_sample = self.now;
+    }
+
+    /// One sample: the working clients that were on the GPU since the
+    /// previous one.
+    fn sample(&mut self) {
+        let st = self.s.status(self.now);
+        let mut seen = Vec::new();
+        for c in &st {
+            let before = self.held_at_sample.insert(c.client, c.total_held);
+            if self.works.contains(&c.client) && before.unwrap_or(0) < c.total_held {
+                seen.push(c.client);
+            }
+        }
+        self.s.work_seen(self.now, seen);
+        self.pump();
     }
 
     fn add(&mut self, id: ClientId, weight: f64, limit: Option<f64>) {
@@ -121,7 +154,11 @@ impl Sim {
         for _ in 0..10_000_000 {
             self.pump();
             let ev = self.drains.iter().map(|e| e.0).min();
-            let t = [ev, self.s.next_timeout()].into_iter().flatten().min();
+            let sample = self.sample_every.map(|_| self.next_sample);
+            let t = [ev, sample, self.s.next_timeout()]
+                .into_iter()
+                .flatten()
+                .min();
             match t {
                 Some(t) if t <= end => {
                     assert!(t >= self.now, "time went backwards");
@@ -131,6 +168,12 @@ impl Sim {
                     for (_, c) in due {
                         self.s.drained(t, c);
                         self.pump();
+                    }
+                    if let Some(every) = self.sample_every
+                        && self.next_sample <= t
+                    {
+                        self.next_sample = t + every;
+                        self.sample();
                     }
                     if self.s.next_timeout().is_some_and(|x| x <= t) {
                         self.s.handle_timeout(t);

@@ -78,6 +78,7 @@ fn config() -> impl Strategy<Value = SchedConfig> {
                 drain_timeout,
                 wake,
                 high_share,
+                ..SchedConfig::default()
             },
         )
 }

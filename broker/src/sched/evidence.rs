@@ -1,0 +1,172 @@
+//! Evidence of work: what the driver's per-process samples say of
+//! holders, for the one question the broker cannot answer itself, at a
+//! recall: does the holder that asks again still launch work?
+//!
+//! While a lower band waits, a holder is recalled at the end of each slice
+//! (liveness) and a busy one asks again and is granted back at once, so
+//! that `low` stays a scavenger. A holder with no work could answer the
+//! same way, and keep `low` off an idle GPU for good. Where the GPU
+//! reports per-process work (NVML's process utilisation, sampled by the
+//! shell), a holder whose process the driver saw at work within
+//! `evidence` is granted back at once; one it did not see goes behind the
+//! waiting band at each recall (`defer`), once its user's benefit of the
+//! doubt is spent: for a slice, then twice as long at each recall in a
+//! row without evidence, up to `evidence` (a holder that never works
+//! keeps a waiting `low` off an idle GPU for about a slice a second). The
+//! deferral is its user's, so that a new connection or process of the
+//! same user waits it out too; a sample that shows the holder judged at
+//! work ends it, and its count is forgotten a second after the last one
+//! ended (a sample that shows another of the user's processes at work
+//! does not end it: a working process beside a pretender of the same
+//! user would otherwise start the pretender's count over).
+//!
+//! The benefit of the doubt is the user's, not the connection's or the
+//! process's: a new process has no evidence until the next sample shows
+//! it (up to one sample period and the sample's own time), and a user
+//! may hold without evidence for half of `evidence` (a sample period) in
+//! each `DOUBT_WINDOWS` of `evidence` (while a lower band waits), so that
+//! a genuinely busy process that just started keeps the GPU until its
+//! first sample, once in a while, and rotating
+//! connections or processes, each new and so without evidence, buys
+//! nothing more. Without a source of evidence (no NVML, MIG, a driver
+//! that does not report per-process utilisation, or samples that stopped
+//! coming) the broker cannot tell, and a recall is answered as before.
+
+use super::meter::{Meter, budget};
+use super::tree::{UserRef, band};
+use super::{Client, ClientId, ClientState, Nanos, Priority, Scheduler};
+
+/// A user's benefit of the doubt is half of `evidence` (a sample period)
+/// of holding without evidence in each window of this many `evidence`s.
+pub(super) const DOUBT_WINDOWS: Nanos = 10;
+
+/// A user deferred behind a waiting lower band: until when, and how many
+/// recalls in a row found no evidence.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Deferral {
+    until: Nanos,
+    times: u32,
+    /// The holder judged last: a sample that shows it at work ends the
+    /// deferral (not one of another of the user's processes: a working
+    /// process beside a pretender would start the pretender's count
+    /// over).
+    by: ClientId,
+}
+
+impl Scheduler {
+    /// Whether the GPU reports per-process work: a sample came within
+    /// `evidence`.
+    pub(super) fn judging(&self, now: Nanos) -> bool {
+        now < self.evidence_until
+    }
+
+    /// Whether the driver saw `c`'s process at work within `evidence`.
+    fn evidenced(&self, c: &Client, now: Nanos) -> bool {
+        c.worked_at
+            .is_some_and(|t| now < t.saturating_add(self.cfg.evidence))
+    }
+
+    fn doubt_window(&self) -> Nanos {
+        self.cfg.evidence.saturating_mul(DOUBT_WINDOWS)
+    }
+
+    /// Whether `c`'s user has held without evidence for its whole benefit
+    /// of the doubt in the window.
+    fn doubt_spent(&self, c: &Client, now: Nanos) -> bool {
+        let w = self.doubt_window();
+        self.doubt
+            .get(&(band(c.class), c.user_key()))
+            .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence / 2))
+    }
+
+    /// At a recall of `h`, or any revoke while a lower band waits: whether
+    /// its user goes behind the waiting band (the
+    /// driver has per-process samples, none showed `h` at work lately,
+    /// and its user's benefit of the doubt is spent). For a slice the
+    /// first time, then twice as long at each recall in a row without
+    /// evidence, up to `evidence`: a holder that never works keeps a
+    /// waiting `low` off an idle GPU for about a slice a second, and one
+    /// that works is seen within a sample period.
+    pub(super) fn defer(&mut self, now: Nanos, h: ClientId) -> bool {
+        let c = &self.clients[&h];
+        let defer = self.judging(now)
+            && self.lower_waits(band(c.class))
+            && !self.evidenced(c, now)
+            && self.doubt_spent(c, now);
+        if defer {
+            let key = (band(c.class), c.user_key());
+            let slice = self.cfg.timeslice;
+            let cap = self.cfg.evidence.max(slice);
+            let d = self.deferred.entry(key).or_default();
+            let span = slice.saturating_mul(1 << d.times.min(20)).min(cap);
+            d.times = d.times.saturating_add(1);
+            d.until = now.saturating_add(span);
+            d.by = h;
+        }
+        defer
+    }
+
+    /// Until when `c`'s user is deferred behind the waiting lower band (0:
+    /// not deferred).
+    pub(super) fn deferred_until(&self, c: &Client) -> Nanos {
+        self.deferred
+            .get(&(band(c.class), c.user_key()))
+            .map_or(0, |d| d.until)
+    }
+
+    /// Runs the doubt meter of the user whose holder holds without
+    /// evidence while a lower band waits (called with the other meters).
+    pub(super) fn sync_doubt(&mut self, now: Nanos) {
+        let doubting = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .filter(|c| {
+                c.state == ClientState::Holding
+                    && self.judging(now)
+                    && !self.evidenced(c, now)
+                    && self.lower_waits(band(c.class))
+            })
+            .map(|c| (band(c.class), c.user_key()));
+        if doubting == self.doubting {
+            return;
+        }
+        if let Some(m) = self.doubting.and_then(|r| self.doubt.get_mut(&r)) {
+            m.set(false, now);
+        }
+        if let Some(r) = doubting {
+            self.doubt.entry(r).or_default().set(true, now);
+        }
+        self.doubting = doubting;
+    }
+
+    /// Whether a client of a band below `b` waits (`low` is the only
+    /// band below another).
+    fn lower_waits(&self, b: usize) -> bool {
+        b > band(Priority::Low) && !self.ix.waiting[Priority::Low.index()].is_empty()
+    }
+
+    /// A sample showed `id` at work: a deferral it caused ends.
+    pub(super) fn evidence_of(&mut self, id: ClientId) {
+        if let Some(c) = self.clients.get(&id) {
+            let key = (band(c.class), c.user_key());
+            if self.deferred.get(&key).is_some_and(|d| d.by == id) {
+                self.deferred.remove(&key);
+            }
+        }
+    }
+
+    /// Forgets doubt the window no longer sees, and deferrals past.
+    pub(super) fn prune_doubt(&mut self, now: Nanos) {
+        // A deferral's count is kept for `evidence` after it ends: the
+        // next recall without evidence doubles it.
+        let keep = self.cfg.evidence;
+        self.deferred
+            .retain(|_, d| d.until.saturating_add(keep) > now);
+        let w = self.doubt_window();
+        let doubting = self.doubting;
+        self.doubt.retain(|r: &UserRef, m: &mut Meter| {
+            m.prune(w, now);
+            !m.is_empty() || Some(*r) == doubting
+        });
+    }
+}

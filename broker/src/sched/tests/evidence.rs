@@ -1,0 +1,166 @@
+//! Evidence of work at a recall: where the driver reports per-process
+//! work, a holder that answers a recall by asking again keeps the GPU from
+//! a waiting `low` only on evidence (or its user's benefit of the doubt);
+//! without a source of evidence, as before.
+
+use super::*;
+
+/// Every 500 ms, as the shell samples NVML.
+const SAMPLE: Nanos = 500 * MS;
+
+/// A `normal` holder (client 1, user 1) that answers each recall by
+/// asking again, beside a busy `low` client (2, user 2) the driver sees
+/// at work; `works`: whether the driver sees 1 at work too.
+fn beside_low(works: bool) -> Sim {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.sample_every(SAMPLE);
+    sim.add(1, 50.0, None);
+    sim.s.set_user(0, 1, 1, 1.0);
+    sim.add_class(2, 50.0, None, Priority::Low);
+    sim.s.set_user(0, 2, 2, 1.0);
+    if works {
+        sim.works.insert(1);
+    }
+    sim.works.insert(2);
+    for i in [1, 2] {
+        sim.residual.insert(i, B);
+        sim.start(i);
+    }
+    sim
+}
+
+/// A busy holder the driver sees at work is granted back at each recall:
+/// `low` gets nothing, also before the first sample showed it (its
+/// user's benefit of the doubt covers that).
+#[test]
+fn a_busy_holder_seen_at_work_keeps_the_gpu_from_low() {
+    let mut sim = beside_low(true);
+    sim.run_until(10 * SEC);
+    assert!(sim.grants_to(2).is_empty(), "low was granted");
+    assert_eq!(sim.gpu_held(1), 10 * SEC);
+}
+
+/// The attack: a holder with no work answers each recall exactly as a
+/// busy shim does. The driver never sees it at work: once its user's
+/// benefit of the doubt (half of `evidence`) is spent, `low` has the GPU
+/// at each recall, for a slice, then twice as long at each recall in a
+/// row, up to `evidence`: nearly all of the GPU.
+#[test]
+fn a_holder_never_seen_at_work_gives_low_the_gpu_at_each_recall() {
+    let mut sim = beside_low(false);
+    let cfg = *sim.s.config();
+    let doubt = cfg.evidence / 2;
+    sim.run_until(doubt - 1);
+    assert!(
+        sim.grants_to(2).is_empty(),
+        "low ran in the holder's doubt: {:?}",
+        sim.grants_to(2)
+    );
+    sim.run_until(doubt + 10 * SEC);
+    let low = (sim.gpu_held(2)) as f64 / (10 * SEC) as f64;
+    assert!(low > 0.9, "low got {low:.3} of 10 s");
+    // After the doubt, a slice to the holder at each recall, the
+    // deferral doubling up to `evidence`: about one a second.
+    let after = sim.grants_to(1).iter().filter(|g| g.0 >= doubt).count();
+    assert!(after <= 18, "{after} grants to the holder after its doubt");
+}
+
+/// Rotating connections does not renew the doubt: each new connection
+/// has no evidence, and the benefit of the doubt is its user's.
+#[test]
+fn rotating_connections_gets_a_holder_no_evidence() {
+    let mut sim = beside_low(false);
+    let mut id = 1;
+    let end = 11 * SEC;
+    while sim.now + 100 * MS < end {
+        let t = sim.now + 100 * MS;
+        sim.run_until(t);
+        sim.busy.remove(&id);
+        sim.s.remove_client(t, id);
+        id += 10;
+        sim.add(id, 50.0, None);
+        sim.s.set_user(t, id, 1, 1.0);
+        sim.residual.insert(id, B);
+        sim.start(id);
+    }
+    sim.run_until(end);
+    let low = sim.gpu_held(2) as f64 / end as f64;
+    assert!(
+        low > 0.4,
+        "low got {low:.3} of 11 s beside rotating holders"
+    );
+}
+
+/// A user's benefit of the doubt and its deferral are the user's: once
+/// the doubt is spent, a genuinely busy new process of that user waits
+/// out the user's deferral (up to `evidence`) and gives `low` the GPU at
+/// each recall until the first sample shows it (a sample period), then
+/// keeps the GPU.
+#[test]
+fn a_new_busy_process_of_a_user_with_no_doubt_left_waits_for_its_first_sample() {
+    let mut sim = beside_low(false);
+    sim.run_until(3 * SEC);
+    sim.busy.remove(&1);
+    sim.s.remove_client(sim.now, 1);
+    sim.add(3, 50.0, None);
+    sim.s.set_user(sim.now, 3, 1, 1.0);
+    sim.works.insert(3);
+    sim.residual.insert(3, B);
+    sim.start(3);
+    let low0 = sim.gpu_held(2);
+    sim.run_until(6 * SEC);
+    let lost = sim.gpu_held(2) - low0;
+    let cfg = *sim.s.config();
+    // The pretender's last deferral (up to `evidence`), then the new
+    // process's own until its first sample (a sample period, and the
+    // deferral running then, up to `evidence`).
+    assert!(
+        lost <= 2 * cfg.evidence + SAMPLE + cfg.timeslice,
+        "low took {lost} ns from a busy new process"
+    );
+    let before_end = sim.gpu_held(2);
+    sim.run_until(8 * SEC);
+    assert_eq!(
+        sim.gpu_held(2),
+        before_end,
+        "low ran once the sample showed 3"
+    );
+}
+
+/// Without per-process samples (no NVML, or samples that stopped
+/// coming), a holder that asks again keeps the GPU as before: the broker
+/// cannot tell it from a busy one.
+#[test]
+fn without_per_process_samples_a_recall_is_answered_as_before() {
+    let mut sim = beside_low(false);
+    sim.sample_every = None;
+    sim.run_until(5 * SEC);
+    assert!(sim.grants_to(2).is_empty(), "low was granted");
+
+    let mut sim = beside_low(false);
+    sim.run_until(3 * SEC);
+    assert!(!sim.grants_to(2).is_empty(), "low had no slice");
+    sim.sample_every = None;
+    let cfg = *sim.s.config();
+    // Judging ends `evidence` after the last sample, and a deferral made
+    // until then lasts up to `evidence` more.
+    sim.run_until(3 * SEC + 2 * cfg.evidence + cfg.timeslice);
+    let low0 = sim.gpu_held(2);
+    sim.run_until(8 * SEC);
+    assert_eq!(sim.gpu_held(2), low0, "low ran without samples");
+}
+
+/// Two pretenders of one user hand the GPU to each other at each slice's
+/// end: no recall ever comes while the other waits in their band, so the
+/// judgement is made at any revoke while `low` waits.
+#[test]
+fn two_pretenders_handing_over_between_them_give_low_the_gpu() {
+    let mut sim = beside_low(false);
+    sim.add(3, 50.0, None);
+    sim.s.set_user(0, 3, 1, 1.0);
+    sim.residual.insert(3, B);
+    sim.start(3);
+    sim.run_until(10 * SEC);
+    let low = sim.gpu_held(2) as f64 / (10 * SEC) as f64;
+    assert!(low > 0.85, "low got {low:.3} of 10 s beside two pretenders");
+}
