@@ -32,8 +32,9 @@ pub(super) struct Indexed {
     pub(super) path: Option<UnitRef>,
     on_gpu: bool,
     holding: bool,
-    /// Its place among its unit's waiters.
-    waiting: Option<Place<ClientId>>,
+    /// Its place among its unit's waiters, and its virtual time as
+    /// charged (without its warp).
+    waiting: Option<(Place<ClientId>, Vt)>,
     granted: bool,
     active: bool,
     /// Own weight, imposed unit weight, user weight: what its unit's and
@@ -48,11 +49,8 @@ impl Indexed {
             path: Some(c.path()),
             on_gpu: c.on_gpu(),
             holding: c.state == ClientState::Holding,
-            waiting: (c.state == ClientState::Waiting).then_some((
-                Vt(c.vtime - c.warp(warp, c.own)),
-                c.seq,
-                id,
-            )),
+            waiting: (c.state == ClientState::Waiting)
+                .then_some(((Vt(c.vtime - c.warp(warp, c.own)), c.seq, id), Vt(c.vtime))),
             granted: c.grant.is_some(),
             active: c.is_active() || c.on_gpu(),
             weighs: (c.own, c.unit_weight, c.user.map(|(_, w)| w)),
@@ -98,8 +96,8 @@ impl Index {
         // nothing to keep goes at once), into the new one's after joining.
         let waits = |x: &Indexed| x.waiting.map(|w| (w, x.path, x.class));
         let rewait = waits(old) != waits(new);
-        if rewait && let (Some(w), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
-            self.tree.remove_waiter(p, &w, k == Priority::High);
+        if rewait && let (Some((w, r)), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
+            self.tree.remove_waiter(p, &w, r, k == Priority::High);
             self.waiting[k.index()].remove(&id);
         }
         if old.path != new.path {
@@ -124,8 +122,8 @@ impl Index {
                 self.on_gpu.remove(&id);
             }
         }
-        if rewait && let (Some(w), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
-            self.tree.add_waiter(p, w, k == Priority::High);
+        if rewait && let (Some((w, r)), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
+            self.tree.add_waiter(p, w, r, k == Priority::High);
             self.waiting[k.index()].insert(id);
         }
         if old.holding != new.holding

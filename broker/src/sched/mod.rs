@@ -773,10 +773,16 @@ impl Scheduler {
     }
 
     /// Brings the places and clocks of the tree's stale nodes up to date,
-    /// bottom up: a unit's clock over its waiters and the holder's place
-    /// if it is the holder's, its place among its user's units (with the
-    /// warp of its best `high` waiter), then the same for its user once
-    /// all the user's stale units are done, then the bands' clocks.
+    /// bottom up: a unit's clock over its waiters and the holder if it is
+    /// the holder's, its place among its user's units (with the warp of
+    /// its best `high` waiter), then the same for its user once all the
+    /// user's stale units are done, then the bands' clocks. A clock is
+    /// over virtual times as charged, never warped ones (BVT's scheduler
+    /// virtual time): a node that starts competing is placed a slice
+    /// behind it, and a `high` node's warp (two slices) stays ahead of
+    /// that credit. Over warped places, a newcomer beside a `high`
+    /// holder started the warp and a slice behind the `high` user's own
+    /// time, and held the GPU from its next burst for a whole slice.
     fn refresh(&mut self) {
         if self.ix.tree.stale.is_empty() {
             return;
@@ -794,7 +800,6 @@ impl Scheduler {
                 bands[r.0] = true;
             }
         }
-        let warp = self.warp();
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
             let held = self
                 .holder
@@ -802,11 +807,10 @@ impl Scheduler {
                 .filter(|h| band(h.class) == b)
                 .map(|h| {
                     let r = (b, h.user_key());
-                    let v = self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime);
-                    v - h.warp(warp, self.ix.user_weight(b, r.1))
+                    self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime)
                 });
             let t = &mut self.ix.tree;
-            if let Some(m) = least(t.top[b].first().map(|e| e.0.0), held) {
+            if let Some(m) = least(t.top_real[b].first().map(|e| e.0.0), held) {
                 t.clock[b] = t.clock[b].max(m);
             }
         }
@@ -827,8 +831,8 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .filter(|h| h.path() == p)
-            .map(|h| h.vtime - h.warp(warp, h.own));
-        let m = least(x.clients.first().map(|e| e.0.0), held);
+            .map(|h| h.vtime);
+        let m = least(x.real.first().map(|e| e.0.0), held);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
         let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
@@ -848,12 +852,8 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .filter(|h| (band(h.class), h.user_key()) == r)
-            .map(|h| {
-                let p = h.path();
-                let v = self.ix.tree.units.get(&p).map_or(0.0, |x| x.n.vtime);
-                v - h.warp(warp, self.ix.unit_weight(p))
-            });
-        let m = least(x.units.first().map(|e| e.0.0), held);
+            .map(|h| self.ix.tree.units.get(&h.path()).map_or(0.0, |x| x.n.vtime));
+        let m = least(x.real.first().map(|e| e.0.0), held);
         let w = self.ix.user_weight(r.0, r.1);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));

@@ -5,6 +5,7 @@
 mod classes;
 mod handover;
 mod hierarchy;
+mod high;
 mod incremental;
 mod inputs;
 mod limits;
