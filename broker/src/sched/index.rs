@@ -68,6 +68,8 @@ pub(super) struct Index {
     /// Clients whose meter the window may still see.
     pub metered: BTreeSet<ClientId>,
     pub per_class: [usize; 3],
+    /// Per user, its active `high` clients (those with `high` work).
+    pub high_users: BTreeMap<UserKey, usize>,
     pub per_group: BTreeMap<GroupId, usize>,
     pub active: BTreeSet<ActiveKey>,
     /// (band, user) pairs whose sums are out of date.
@@ -138,6 +140,24 @@ impl Index {
                 self.granted.insert(id);
             } else {
                 self.granted.remove(&id);
+            }
+        }
+        let high = |x: &Indexed| {
+            x.path
+                .filter(|_| x.active && x.class == Some(Priority::High))
+                .map(|p| p.1)
+        };
+        if high(old) != high(new) {
+            if let Some(u) = high(old)
+                && let Some(n) = self.high_users.get_mut(&u)
+            {
+                *n -= 1;
+                if *n == 0 {
+                    self.high_users.remove(&u);
+                }
+            }
+            if let Some(u) = high(new) {
+                *self.high_users.entry(u).or_default() += 1;
             }
         }
         let key = |x: &Indexed| x.path.filter(|_| x.active).map(|(b, u, g)| (b, u, g, id));

@@ -79,6 +79,7 @@
 //! points.
 
 mod grants;
+mod high;
 mod index;
 mod limits;
 mod meter;
@@ -192,8 +193,9 @@ pub struct Scheduler {
     /// Units with a limit, and their time on the GPU (kept while the
     /// window still sees it, members or not).
     units: BTreeMap<GroupId, Unit>,
-    /// The `high` class's time on the GPU, for its share of the window.
-    high: Meter,
+    /// The `high` class's and its users' time on the GPU taken from a
+    /// lower class, for its share of the window.
+    high: high::High,
     next_seq: u64,
     next_grant: GrantId,
     actions: VecDeque<Action>,
@@ -318,7 +320,7 @@ impl Scheduler {
             woke: None,
             waking: std::collections::BTreeSet::new(),
             units: BTreeMap::new(),
-            high: Meter::default(),
+            high: high::High::default(),
             next_seq: 0,
             next_grant: 1,
             actions: VecDeque::new(),
@@ -692,10 +694,17 @@ impl Scheduler {
         }
         // Only an idle GPU, an open-ended holder or a holder of a lower
         // band reacts to a waiter's budget coming back; a pending
-        // deadline re-evaluates anyway.
+        // deadline re-evaluates anyway. A `high` holder's meters start
+        // when a lower waiter's budget comes back (`sync_high`).
+        let high_holds = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .is_some_and(|c| c.class == Priority::High);
         for id in self.ix.waiting.iter().flatten() {
             let c = &self.clients[id];
-            if (waiter_times_matter || holder_band.is_some_and(|h| band(c.class) > h))
+            if (waiter_times_matter
+                || holder_band.is_some_and(|h| band(c.class) > h)
+                || (high_holds && c.class < Priority::High))
                 && let Some(t) = self.fits_at(c, now, bounded)
             {
                 consider(t);
