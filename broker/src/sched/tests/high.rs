@@ -174,3 +174,63 @@ fn a_busy_high_user_does_not_use_up_another_users_high_share() {
         "the busy user held {a_high} + {a_normal} ns of {span}"
     );
 }
+
+/// The bound in transients (`high`): one user's busy `high` process has
+/// held the class's whole share while a `low` process waited; a second
+/// user's busy `high` process appears. The newcomer gets its part at
+/// once, so in a window around then the class holds up to the share and
+/// a half (two users of equal weight); once the users with `high` work
+/// stay the same, the class is back to its share, split between them.
+#[test]
+fn a_second_users_high_work_gets_its_part_and_the_class_stays_bounded() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.proc_of(1, 1, Priority::High);
+    sim.proc_of(2, 2, Priority::High);
+    sim.proc_of(3, 3, Priority::Low);
+    for id in [1, 2, 3] {
+        sim.residual.insert(id, B);
+    }
+    sim.start(3);
+    sim.start(1);
+    // Each user's `high` time and the `low` one's, every 10 ms.
+    let mut at: Vec<[Nanos; 3]> = Vec::new();
+    let step = 10 * MS;
+    for k in 0..=700 {
+        if k == 200 {
+            sim.start(2);
+        }
+        sim.run_until(k * step);
+        at.push([1, 2, 3].map(|id| sim.gpu_held(id)));
+    }
+    // The most each held in any window ending between `from` and `to`.
+    let most = |from: usize, to: usize| {
+        (from..=to).fold([0; 4], |m: [Nanos; 4], e| {
+            let d = |i: usize| at[e][i] - at[e - 100][i];
+            [m[0].max(d(0)), m[1].max(d(1)), m[2].max(d(2)), m[3].max(d(0) + d(1))]
+        })
+    };
+    let slice = sim.s.config().timeslice;
+    // Alone, the first user held the share.
+    let m = most(100, 200);
+    assert!(m[0] <= 500 * MS + slice, "alone, high held {} ns", m[0]);
+    // The newcomer's part at once: within the first half window.
+    let d = at[250][1] - at[200][1];
+    assert!(d >= 250 * MS - slice, "the newcomer held {d} ns of 500 ms");
+    let m = most(200, 400);
+    assert!(
+        m[3] <= 750 * MS + 2 * slice,
+        "around the newcomer, the class held {} ns of a window",
+        m[3]
+    );
+    // Steady again: the share, split between them.
+    let m = most(400, 700);
+    assert!(
+        m[3] <= 500 * MS + 2 * slice,
+        "the class held {} ns of a window",
+        m[3]
+    );
+    let (a, b) = (at[700][0] - at[400][0], at[700][1] - at[400][1]);
+    assert!(a.abs_diff(b) <= 2 * slice, "high split {a} / {b} ns of 3 s");
+    let low = at[700][2] - at[400][2];
+    assert!(low >= 1500 * MS - 3 * slice, "low held {low} ns of 3 s");
+}
