@@ -1,7 +1,7 @@
 //! Ceilings on time on the GPU: a client's `GPU_COMPUTE_LIMIT`, its unit's
 //! `--gpu-limit` (one budget for all members), and the `high` class's share
 //! of each window while a lower class could use the GPU (Linux's real-time
-//! throttling).
+//! throttling; kept by users in `high`).
 
 use super::meter::{Meter, budget};
 use super::{Client, Nanos, Priority, Scheduler};

@@ -43,16 +43,16 @@
 //!   charged to its user like any other, so a busy `high` user gets one
 //!   user's part. While a lower class could use the GPU, `high` holds it
 //!   for at most `high_share` of each window (Linux's real-time
-//!   throttling) on top of that. `low` runs only when no one above has a
-//!   request to grant.
+//!   throttling) on top of that, kept by users (`high`). `low` runs only
+//!   when no one above has a request to grant.
 //! - **Liveness**: the broker cannot see whether a holder still launches,
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
 //!   out is recalled even when only `low` waits (a busy one asks again and
 //!   is granted back at once; for two wake periods meanwhile the GPU stays
 //!   with its band), and one that does not answer is passed over (and
 //!   shown hung after `grace`). The `high` class's share is charged only
-//!   while one of its clients holds the GPU, never for a revoked or hung
-//!   one.
+//!   while one of its clients holds the GPU (and a lower class waits),
+//!   never for a revoked or hung one.
 //! - Between busy clients of one band, slices of `timeslice` (extended
 //!   while the holder is still behind), so switches stay rare.
 //! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
@@ -74,7 +74,8 @@
 //! fair tree's nodes and their waiters), `index` (what an event looks up
 //! without a scan, and the hierarchy's weights), `grants` (who holds the
 //! GPU: the step loop, grants and revokes), `limits` (ceilings: a
-//! client's, its unit's, the `high` class's share), `meter` (time on the
+//! client's, its unit's), `high` (the `high` class's share, by users),
+//! `meter` (time on the
 //! GPU in a window), `status`; this file holds the state and the entry
 //! points.
 

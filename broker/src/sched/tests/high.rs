@@ -206,7 +206,12 @@ fn a_second_users_high_work_gets_its_part_and_the_class_stays_bounded() {
     let most = |from: usize, to: usize| {
         (from..=to).fold([0; 4], |m: [Nanos; 4], e| {
             let d = |i: usize| at[e][i] - at[e - 100][i];
-            [m[0].max(d(0)), m[1].max(d(1)), m[2].max(d(2)), m[3].max(d(0) + d(1))]
+            [
+                m[0].max(d(0)),
+                m[1].max(d(1)),
+                m[2].max(d(2)),
+                m[3].max(d(0) + d(1)),
+            ]
         })
     };
     let slice = sim.s.config().timeslice;
