@@ -32,8 +32,9 @@ pub(super) struct Indexed {
     pub(super) path: Option<UnitRef>,
     on_gpu: bool,
     holding: bool,
-    /// Its place among its unit's waiters.
-    waiting: Option<Place<ClientId>>,
+    /// Its place among its unit's waiters, and its virtual time as
+    /// charged (without its warp).
+    waiting: Option<(Place<ClientId>, Vt)>,
     granted: bool,
     active: bool,
     /// Own weight, imposed unit weight, user weight: what its unit's and
@@ -48,11 +49,8 @@ impl Indexed {
             path: Some(c.path()),
             on_gpu: c.on_gpu(),
             holding: c.state == ClientState::Holding,
-            waiting: (c.state == ClientState::Waiting).then_some((
-                Vt(c.vtime - c.warp(warp, c.own)),
-                c.seq,
-                id,
-            )),
+            waiting: (c.state == ClientState::Waiting)
+                .then_some(((Vt(c.vtime - c.warp(warp, c.own)), c.seq, id), Vt(c.vtime))),
             granted: c.grant.is_some(),
             active: c.is_active() || c.on_gpu(),
             weighs: (c.own, c.unit_weight, c.user.map(|(_, w)| w)),
@@ -70,6 +68,8 @@ pub(super) struct Index {
     /// Clients whose meter the window may still see.
     pub metered: BTreeSet<ClientId>,
     pub per_class: [usize; 3],
+    /// Per user, its active `high` clients (those with `high` work).
+    pub high_users: BTreeMap<UserKey, usize>,
     pub per_group: BTreeMap<GroupId, usize>,
     pub active: BTreeSet<ActiveKey>,
     /// (band, user) pairs whose sums are out of date.
@@ -98,8 +98,8 @@ impl Index {
         // nothing to keep goes at once), into the new one's after joining.
         let waits = |x: &Indexed| x.waiting.map(|w| (w, x.path, x.class));
         let rewait = waits(old) != waits(new);
-        if rewait && let (Some(w), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
-            self.tree.remove_waiter(p, &w, k == Priority::High);
+        if rewait && let (Some((w, r)), Some(p), Some(k)) = (old.waiting, old.path, old.class) {
+            self.tree.remove_waiter(p, &w, r, k == Priority::High);
             self.waiting[k.index()].remove(&id);
         }
         if old.path != new.path {
@@ -124,8 +124,8 @@ impl Index {
                 self.on_gpu.remove(&id);
             }
         }
-        if rewait && let (Some(w), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
-            self.tree.add_waiter(p, w, k == Priority::High);
+        if rewait && let (Some((w, r)), Some(p), Some(k)) = (new.waiting, new.path, new.class) {
+            self.tree.add_waiter(p, w, r, k == Priority::High);
             self.waiting[k.index()].insert(id);
         }
         if old.holding != new.holding
@@ -140,6 +140,24 @@ impl Index {
                 self.granted.insert(id);
             } else {
                 self.granted.remove(&id);
+            }
+        }
+        let high = |x: &Indexed| {
+            x.path
+                .filter(|_| x.active && x.class == Some(Priority::High))
+                .map(|p| p.1)
+        };
+        if high(old) != high(new) {
+            if let Some(u) = high(old)
+                && let Some(n) = self.high_users.get_mut(&u)
+            {
+                *n -= 1;
+                if *n == 0 {
+                    self.high_users.remove(&u);
+                }
+            }
+            if let Some(u) = high(new) {
+                *self.high_users.entry(u).or_default() += 1;
             }
         }
         let key = |x: &Indexed| x.path.filter(|_| x.active).map(|(b, u, g)| (b, u, g, id));

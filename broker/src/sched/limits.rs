@@ -1,26 +1,26 @@
 //! Ceilings on time on the GPU: a client's `GPU_COMPUTE_LIMIT`, its unit's
 //! `--gpu-limit` (one budget for all members), and the `high` class's share
 //! of each window while a lower class could use the GPU (Linux's real-time
-//! throttling).
+//! throttling; kept by users in `high`).
 
 use super::meter::{Meter, budget};
-use super::{Client, ClientState, Nanos, Priority, Scheduler};
+use super::{Client, Nanos, Priority, Scheduler};
 
 /// One ceiling on a client's time on the GPU in the window.
-struct Ceiling<'a> {
-    budget: Nanos,
+pub(super) struct Ceiling<'a> {
+    pub(super) budget: Nanos,
     /// The least worth granting against it: without a floor, a client
     /// hovering at its budget would get a stream of nanosecond grants.
-    quantum: Nanos,
-    meter: &'a Meter,
+    pub(super) quantum: Nanos,
+    pub(super) meter: &'a Meter,
 }
 
 impl Ceiling<'_> {
-    fn remaining(&self, window: Nanos, now: Nanos) -> Nanos {
+    pub(super) fn remaining(&self, window: Nanos, now: Nanos) -> Nanos {
         self.budget.saturating_sub(self.meter.usage(window, now))
     }
 
-    fn fits(&self, window: Nanos, now: Nanos) -> bool {
+    pub(super) fn fits(&self, window: Nanos, now: Nanos) -> bool {
         self.remaining(window, now) >= self.quantum
     }
 }
@@ -31,17 +31,7 @@ impl Scheduler {
     /// call happens at the same instant, so doing it once per call is
     /// exact).
     pub(super) fn sync_meters(&mut self, now: Nanos) {
-        // The class's share is charged only while one of its clients
-        // holds the GPU: a revoked or hung holder, or work a client says
-        // is still draining, is its own charge and nobody else's (a hung
-        // `high` client once used up the class's share for every other
-        // `high` client, leaving the GPU idle).
-        // Only the holder holds.
-        let high_on = self
-            .holder
-            .and_then(|h| self.clients.get(&h))
-            .is_some_and(|c| c.class == Priority::High && c.state == ClientState::Holding);
-        self.high.set(high_on, now);
+        self.sync_high(now);
         self.sync_doubt(now);
         if self.units.is_empty() {
             return;
@@ -57,28 +47,11 @@ impl Scheduler {
             .retain(|g, u| !u.meter.is_empty() || ix.has_members(*g));
     }
 
-    /// Whether the `high` class is held to its share of the window now:
-    /// some client of a lower class could use the GPU (holds it, or waits
-    /// within its own ceilings). Work-conserving: alone, `high` is not
-    /// bounded.
-    pub(super) fn high_bounded(&self, now: Nanos) -> bool {
-        let holds = |c: &Client| c.class < Priority::High && c.state == ClientState::Holding;
-        self.cfg.high_share < 1.0
-            && (self
-                .holder
-                .and_then(|h| self.clients.get(&h))
-                .is_some_and(holds)
-                || [Priority::Normal, Priority::Low].into_iter().any(|k| {
-                    self.ix.waiting[k.index()]
-                        .iter()
-                        .any(|id| self.fits(&self.clients[id], now, false))
-                }))
-    }
-
     /// The ceilings on a client's time in the window: its own limit, its
-    /// unit's, and, for a `high` client while the class is `bounded`, the
-    /// class's share. The class's grants are no smaller than a timeslice,
-    /// so that `high` and the others take turns in slices, not in slivers.
+    /// unit's, and, for a `high` client while the class is `bounded`, its
+    /// user's part of the class's share or the class's leftover (`high`).
+    /// The class's grants are no smaller than a timeslice, so that `high`
+    /// and the others take turns in slices, not in slivers.
     fn ceilings<'a>(&'a self, c: &'a Client, bounded: bool) -> impl Iterator<Item = Ceiling<'a>> {
         let cfg = &self.cfg;
         let limited = |fraction: f64, meter: &'a Meter| {
@@ -94,14 +67,7 @@ impl Scheduler {
             .units
             .get(&c.group)
             .and_then(|u| u.limit.map(|l| limited(l, &u.meter)));
-        let class = (bounded && c.class == Priority::High).then(|| {
-            let budget = budget(cfg.high_share, cfg.window);
-            Ceiling {
-                budget,
-                quantum: budget.min(cfg.timeslice),
-                meter: &self.high,
-            }
-        });
+        let class = (bounded && c.class == Priority::High).then(|| self.high_ceiling(c));
         [own, unit, class].into_iter().flatten()
     }
 

@@ -43,16 +43,16 @@
 //!   charged to its user like any other, so a busy `high` user gets one
 //!   user's part. While a lower class could use the GPU, `high` holds it
 //!   for at most `high_share` of each window (Linux's real-time
-//!   throttling) on top of that. `low` runs only when no one above has a
-//!   request to grant.
+//!   throttling) on top of that, kept by users (`high`). `low` runs only
+//!   when no one above has a request to grant.
 //! - **Liveness**: the broker cannot see whether a holder still launches,
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
 //!   out is recalled even when only `low` waits (a busy one asks again and
 //!   is granted back at once; for two wake periods meanwhile the GPU stays
 //!   with its band), and one that does not answer is passed over (and
 //!   shown hung after `grace`). The `high` class's share is charged only
-//!   while one of its clients holds the GPU, never for a revoked or hung
-//!   one.
+//!   while one of its clients holds the GPU (and a lower class waits),
+//!   never for a revoked or hung one.
 //! - Between busy clients of one band, slices of `timeslice` (extended
 //!   while the holder is still behind), so switches stay rare.
 //! - `GPU_COMPUTE_LIMIT` is a sliding-window budget enforced even on an
@@ -74,12 +74,14 @@
 //! fair tree's nodes and their waiters), `index` (what an event looks up
 //! without a scan, and the hierarchy's weights), `grants` (who holds the
 //! GPU: the step loop, grants and revokes), `limits` (ceilings: a
-//! client's, its unit's, the `high` class's share), `meter` (time on the
+//! client's, its unit's), `high` (the `high` class's share, by users),
+//! `meter` (time on the
 //! GPU in a window), `status`; this file holds the state and the entry
 //! points.
 
 mod evidence;
 mod grants;
+mod high;
 mod index;
 mod limits;
 mod meter;
@@ -195,8 +197,9 @@ pub struct Scheduler {
     /// Units with a limit, and their time on the GPU (kept while the
     /// window still sees it, members or not).
     units: BTreeMap<GroupId, Unit>,
-    /// The `high` class's time on the GPU, for its share of the window.
-    high: Meter,
+    /// The `high` class's and its users' time on the GPU taken from a
+    /// lower class, for its share of the window.
+    high: high::High,
     next_seq: u64,
     next_grant: GrantId,
     actions: VecDeque<Action>,
@@ -332,7 +335,7 @@ impl Scheduler {
             woke: None,
             waking: std::collections::BTreeSet::new(),
             units: BTreeMap::new(),
-            high: Meter::default(),
+            high: high::High::default(),
             next_seq: 0,
             next_grant: 1,
             actions: VecDeque::new(),
@@ -730,10 +733,17 @@ impl Scheduler {
         }
         // Only an idle GPU, an open-ended holder or a holder of a lower
         // band reacts to a waiter's budget coming back; a pending
-        // deadline re-evaluates anyway.
+        // deadline re-evaluates anyway. A `high` holder's meters start
+        // when a lower waiter's budget comes back (`sync_high`).
+        let high_holds = self
+            .holder
+            .and_then(|h| self.clients.get(&h))
+            .is_some_and(|c| c.class == Priority::High);
         for id in self.ix.waiting.iter().flatten() {
             let c = &self.clients[id];
-            if (waiter_times_matter || holder_band.is_some_and(|h| band(c.class) > h))
+            if (waiter_times_matter
+                || holder_band.is_some_and(|h| band(c.class) > h)
+                || (high_holds && c.class < Priority::High))
                 && let Some(t) = self.fits_at(c, now, bounded)
             {
                 consider(t);
@@ -812,10 +822,16 @@ impl Scheduler {
     }
 
     /// Brings the places and clocks of the tree's stale nodes up to date,
-    /// bottom up: a unit's clock over its waiters and the holder's place
-    /// if it is the holder's, its place among its user's units (with the
-    /// warp of its best `high` waiter), then the same for its user once
-    /// all the user's stale units are done, then the bands' clocks.
+    /// bottom up: a unit's clock over its waiters and the holder if it is
+    /// the holder's, its place among its user's units (with the warp of
+    /// its best `high` waiter), then the same for its user once all the
+    /// user's stale units are done, then the bands' clocks. A clock is
+    /// over virtual times as charged, never warped ones (BVT's scheduler
+    /// virtual time): a node that starts competing is placed a slice
+    /// behind it, and a `high` node's warp (two slices) stays ahead of
+    /// that credit. Over warped places, a newcomer beside a `high`
+    /// holder started the warp and a slice behind the `high` user's own
+    /// time, and held the GPU from its next burst for a whole slice.
     fn refresh(&mut self) {
         if self.ix.tree.stale.is_empty() {
             return;
@@ -833,7 +849,6 @@ impl Scheduler {
                 bands[r.0] = true;
             }
         }
-        let warp = self.warp();
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
             let held = self
                 .holder
@@ -841,11 +856,10 @@ impl Scheduler {
                 .filter(|h| band(h.class) == b)
                 .map(|h| {
                     let r = (b, h.user_key());
-                    let v = self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime);
-                    v - h.warp(warp, self.ix.user_weight(b, r.1))
+                    self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime)
                 });
             let t = &mut self.ix.tree;
-            if let Some(m) = least(t.top[b].first().map(|e| e.0.0), held) {
+            if let Some(m) = least(t.top_real[b].first().map(|e| e.0.0), held) {
                 t.clock[b] = t.clock[b].max(m);
             }
         }
@@ -866,8 +880,8 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .filter(|h| h.path() == p)
-            .map(|h| h.vtime - h.warp(warp, h.own));
-        let m = least(x.clients.first().map(|e| e.0.0), held);
+            .map(|h| h.vtime);
+        let m = least(x.real.first().map(|e| e.0.0), held);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
         let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
@@ -887,12 +901,8 @@ impl Scheduler {
             .holder
             .and_then(|h| self.clients.get(&h))
             .filter(|h| (band(h.class), h.user_key()) == r)
-            .map(|h| {
-                let p = h.path();
-                let v = self.ix.tree.units.get(&p).map_or(0.0, |x| x.n.vtime);
-                v - h.warp(warp, self.ix.unit_weight(p))
-            });
-        let m = least(x.units.first().map(|e| e.0.0), held);
+            .map(|h| self.ix.tree.units.get(&h.path()).map_or(0.0, |x| x.n.vtime));
+        let m = least(x.real.first().map(|e| e.0.0), held);
         let w = self.ix.user_weight(r.0, r.1);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));

@@ -88,6 +88,9 @@ pub(super) struct Node {
     pub since: u64,
     /// Its place in its parent, while it has waiters.
     pub entry: Option<(Vt, u64)>,
+    /// Its virtual time as charged (no warp) in its parent's `real`,
+    /// while it has waiters.
+    pub real: Option<Vt>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -95,6 +98,8 @@ pub(super) struct UserNode {
     pub n: Node,
     /// Its units with waiters, in order.
     pub units: BTreeSet<Place<GroupId>>,
+    /// The same units by virtual time as charged, for the clock.
+    pub real: BTreeSet<(Vt, GroupId)>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -102,6 +107,8 @@ pub(super) struct UnitNode {
     pub n: Node,
     /// Its waiting clients, in order.
     pub clients: BTreeSet<Place<ClientId>>,
+    /// The same clients by virtual time as charged, for the clock.
+    pub real: BTreeSet<(Vt, ClientId)>,
     /// The window's usage history of a member that left, for the next one
     /// that joins (its own `GPU_COMPUTE_LIMIT` survives a reconnect).
     pub left: VecDeque<(Nanos, Nanos)>,
@@ -111,6 +118,8 @@ pub(super) struct UnitNode {
 pub(super) struct Tree {
     /// Per band: users with waiters, in order.
     pub top: [BTreeSet<Place<UserKey>>; BANDS],
+    /// Per band: the same users by virtual time as charged, for the clock.
+    pub top_real: [BTreeSet<(Vt, UserKey)>; BANDS],
     /// Per band: the clock over users.
     pub clock: [f64; BANDS],
     pub users: BTreeMap<UserRef, UserNode>,
@@ -211,7 +220,8 @@ impl Tree {
         }
     }
 
-    pub fn add_waiter(&mut self, p: UnitRef, place: Place<ClientId>, high: bool) {
+    /// `real`: the waiter's virtual time as charged, without its warp.
+    pub fn add_waiter(&mut self, p: UnitRef, place: Place<ClientId>, real: Vt, high: bool) {
         let u = self.users.get_mut(&user_of(p)).expect("a member's user");
         let x = self.units.get_mut(&p).expect("a member's unit");
         for n in [&mut u.n, &mut x.n] {
@@ -222,10 +232,11 @@ impl Tree {
             n.high += usize::from(high);
         }
         x.clients.insert(place);
+        x.real.insert((real, place.2));
         self.stale.push(p);
     }
 
-    pub fn remove_waiter(&mut self, p: UnitRef, place: &Place<ClientId>, high: bool) {
+    pub fn remove_waiter(&mut self, p: UnitRef, place: &Place<ClientId>, real: Vt, high: bool) {
         let u = self.users.get_mut(&user_of(p)).expect("a member's user");
         let x = self.units.get_mut(&p).expect("a member's unit");
         for n in [&mut u.n, &mut x.n] {
@@ -233,6 +244,7 @@ impl Tree {
             n.high -= usize::from(high);
         }
         x.clients.remove(place);
+        x.real.remove(&(real, place.2));
         self.stale.push(p);
     }
 
@@ -254,35 +266,42 @@ impl Tree {
     }
 
     /// Sets a node's place in its parent's set: `key` while it has
-    /// waiters (None removes it).
+    /// waiters (None removes it); and its virtual time as charged in the
+    /// parent's `real`, over which the parent's clock is taken.
     pub fn place_unit(&mut self, p: UnitRef, key: Option<Vt>) {
         let x = self.units.get_mut(&p).expect("placed units exist");
-        let new = key.map(|k| (k, x.n.since));
-        if new == x.n.entry {
+        let (new, real) = (key.map(|k| (k, x.n.since)), key.map(|_| Vt(x.n.vtime)));
+        if new == x.n.entry && real == x.n.real {
             return;
         }
         let old = std::mem::replace(&mut x.n.entry, new);
+        let old_real = std::mem::replace(&mut x.n.real, real);
         let u = self.users.get_mut(&user_of(p)).expect("a unit's user");
         if let Some((k, s)) = old {
             u.units.remove(&(k, s, p.2));
+            u.real.remove(&(old_real.expect("placed together"), p.2));
         }
         if let Some((k, s)) = new {
             u.units.insert((k, s, p.2));
+            u.real.insert((real.expect("placed together"), p.2));
         }
     }
 
     pub fn place_user(&mut self, r: UserRef, key: Option<Vt>) {
         let x = self.users.get_mut(&r).expect("placed users exist");
-        let new = key.map(|k| (k, x.n.since));
-        if new == x.n.entry {
+        let (new, real) = (key.map(|k| (k, x.n.since)), key.map(|_| Vt(x.n.vtime)));
+        if new == x.n.entry && real == x.n.real {
             return;
         }
         let old = std::mem::replace(&mut x.n.entry, new);
+        let old_real = std::mem::replace(&mut x.n.real, real);
         if let Some((k, s)) = old {
             self.top[r.0].remove(&(k, s, r.1));
+            self.top_real[r.0].remove(&(old_real.expect("placed together"), r.1));
         }
         if let Some((k, s)) = new {
             self.top[r.0].insert((k, s, r.1));
+            self.top_real[r.0].insert((real.expect("placed together"), r.1));
         }
     }
 

@@ -6,6 +6,7 @@ mod classes;
 mod evidence;
 mod handover;
 mod hierarchy;
+mod high;
 mod incremental;
 mod inputs;
 mod limits;
