@@ -90,7 +90,7 @@ impl Scheduler {
     pub(super) fn defer(&mut self, now: Nanos, h: ClientId) -> bool {
         let c = &self.clients[&h];
         let defer = self.judging(now)
-            && self.lower_waits(band(c.class))
+            && self.lower_band_waits(band(c.class))
             && !self.evidenced(c, now)
             && self.doubt_spent(c, now);
         if defer {
@@ -124,7 +124,7 @@ impl Scheduler {
                 c.state == ClientState::Holding
                     && self.judging(now)
                     && !self.evidenced(c, now)
-                    && self.lower_waits(band(c.class))
+                    && self.lower_band_waits(band(c.class))
             })
             .map(|c| (band(c.class), c.user_key()));
         if doubting == self.doubting {
@@ -141,7 +141,7 @@ impl Scheduler {
 
     /// Whether a client of a band below `b` waits (`low` is the only
     /// band below another).
-    fn lower_waits(&self, b: usize) -> bool {
+    fn lower_band_waits(&self, b: usize) -> bool {
         b > band(Priority::Low) && !self.ix.waiting[Priority::Low.index()].is_empty()
     }
 
