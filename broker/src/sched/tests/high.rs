@@ -1,4 +1,4 @@
-//! `high` among users (issue 32, the red team's `found.rs`): a burst
+//! `high` among users (the red team's `redteam/tests/found.rs`): a burst
 //! gets the GPU at once whoever else arrived, the class's share is
 //! charged only for time taken from a lower class, and one user's busy
 //! `high` process cannot use up another user's part of that share.
