@@ -142,7 +142,16 @@ mod tests {
             .args(std::iter::repeat_n(&big, 16))
             .spawn()
             .expect("sleep runs");
-        let line = cmdline(child.id());
+        // The kernel may show the argv only once the new image is set up:
+        // wait for it rather than race it.
+        let mut line = cmdline(child.id());
+        for _ in 0..1000 {
+            if line.starts_with("sleep") {
+                break;
+            }
+            std::thread::yield_now();
+            line = cmdline(child.id());
+        }
         let _ = child.kill();
         let _ = child.wait();
         assert!(
