@@ -18,7 +18,7 @@ use gpufrac_common::wire::{self, ClientMsg, DeviceReg, LeaseReq, Pin, Role, Serv
 
 use crate::core::{ConnId, GIB, MS, Nanos, US, uuid};
 use crate::host::{Argv, Text};
-use crate::node::{ATTACKER, Actor, Io};
+use crate::node::{ATTACKER, Actor, Io, Timers};
 
 /// How a holder answers a recall.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -47,6 +47,17 @@ pub enum Want {
     Pinned,
     /// `--priority high`: refused where `--high-allow` leaves it out.
     High,
+}
+
+impl Want {
+    pub const ALL: [Want; 6] = [
+        Want::Unplaced,
+        Want::Memory,
+        Want::WholeMemory,
+        Want::Gpu,
+        Want::Pinned,
+        Want::High,
+    ];
 }
 
 /// What a cohort's members do while on.
@@ -294,8 +305,7 @@ pub struct Attacker {
     /// What each cohort's processes say their command is.
     commands: Vec<String>,
     left: bool,
-    timers: BTreeMap<(Nanos, u64), Timer>,
-    seq: u64,
+    timers: Timers<Timer>,
     by_conn: BTreeMap<ConnId, usize>,
     pub record: Record,
 }
@@ -316,8 +326,7 @@ impl Attacker {
                 .collect(),
             commands: s.cohorts.iter().map(|c| c.argv.command()).collect(),
             left: false,
-            timers: BTreeMap::new(),
-            seq: 0,
+            timers: Timers::default(),
             by_conn: BTreeMap::new(),
             record: Record::default(),
         };
@@ -339,8 +348,7 @@ impl Attacker {
     }
 
     fn at(&mut self, t: Nanos, timer: Timer) {
-        self.seq += 1;
-        self.timers.insert((t, self.seq), timer);
+        self.timers.at(t, timer);
     }
 
     fn send(&mut self, io: &mut Io<'_>, c: ConnId, msg: &ClientMsg) {
@@ -610,17 +618,12 @@ impl Attacker {
 
 impl Actor for Attacker {
     fn wake_at(&self) -> Option<Nanos> {
-        self.timers.keys().next().map(|&(t, _)| t)
+        self.timers.next_at()
     }
 
     fn wake(&mut self, io: &mut Io<'_>) {
-        while let Some((&(t, seq), _)) = self.timers.iter().next() {
-            if t > io.now {
-                break;
-            }
-            if let Some(timer) = self.timers.remove(&(t, seq)) {
-                self.timer(io, timer);
-            }
+        while let Some(timer) = self.timers.pop_due(io.now) {
+            self.timer(io, timer);
         }
     }
 

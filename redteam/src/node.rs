@@ -231,6 +231,48 @@ impl Gpu {
     }
 }
 
+/// An actor's timers, due in order of time, then of setting (two set
+/// for the same instant fire as set).
+#[derive(Debug)]
+pub struct Timers<T> {
+    due: BTreeMap<(Nanos, u64), T>,
+    seq: u64,
+}
+
+impl<T> Default for Timers<T> {
+    fn default() -> Self {
+        Timers {
+            due: BTreeMap::new(),
+            seq: 0,
+        }
+    }
+}
+
+impl<T> Timers<T> {
+    pub fn at(&mut self, t: Nanos, timer: T) {
+        self.seq += 1;
+        self.due.insert((t, self.seq), timer);
+    }
+
+    /// When the first is due.
+    pub fn next_at(&self) -> Option<Nanos> {
+        self.due.keys().next().map(|&(t, _)| t)
+    }
+
+    /// The first timer due by `now`, taken off the table.
+    pub fn pop_due(&mut self, now: Nanos) -> Option<T> {
+        let first = self.due.first_entry()?;
+        if first.key().0 > now {
+            return None;
+        }
+        Some(first.remove())
+    }
+
+    pub fn clear(&mut self) {
+        self.due.clear();
+    }
+}
+
 /// A user's processes as the broker sees them from the other end of its
 /// sockets: they act at their own times and when the broker says
 /// something.

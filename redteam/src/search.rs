@@ -265,17 +265,7 @@ fn random_play(rng: &mut ChaCha8Rng) -> Play {
             frames: pick(rng, &[1, 2, 4, 16]),
         },
         _ => Play::Lease {
-            want: pick(
-                rng,
-                &[
-                    Want::Unplaced,
-                    Want::Memory,
-                    Want::WholeMemory,
-                    Want::Gpu,
-                    Want::Pinned,
-                    Want::High,
-                ],
-            ),
+            want: pick(rng, &Want::ALL),
             queued: rng.random_bool(0.5),
         },
     }
@@ -395,17 +385,7 @@ fn mutate_play(rng: &mut ChaCha8Rng, p: Play) -> Play {
         Play::Lease { want, queued } => {
             if rng.random_bool(0.5) {
                 Play::Lease {
-                    want: pick(
-                        rng,
-                        &[
-                            Want::Unplaced,
-                            Want::Memory,
-                            Want::WholeMemory,
-                            Want::Gpu,
-                            Want::Pinned,
-                            Want::High,
-                        ],
-                    ),
+                    want: pick(rng, &Want::ALL),
                     queued,
                 }
             } else {

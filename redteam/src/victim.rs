@@ -15,7 +15,7 @@ use gpufrac_common::wire::{ClientMsg, DeviceReg, LeaseReq, Pin, Role, ServerMsg}
 
 use crate::core::{ConnId, GIB, Nanos, US, uuid};
 use crate::host::Argv;
-use crate::node::{Actor, Io, VICTIM};
+use crate::node::{Actor, Io, Timers, VICTIM};
 
 /// A shim hands a shared grant back after this long without a launch.
 pub const IDLE_HANDBACK: Nanos = 500 * US;
@@ -135,8 +135,7 @@ struct Conn {
 pub struct Victim {
     parts: Vec<Part>,
     base: Nanos,
-    timers: BTreeMap<(Nanos, u64), Timer>,
-    seq: u64,
+    timers: Timers<Timer>,
     conns: BTreeMap<ConnId, Conn>,
     /// The queued run's connection.
     queued: Option<ConnId>,
@@ -149,8 +148,7 @@ impl Victim {
         let mut v = Victim {
             parts,
             base,
-            timers: BTreeMap::new(),
-            seq: 0,
+            timers: Timers::default(),
             conns: BTreeMap::new(),
             queued: None,
             record: Record::default(),
@@ -162,8 +160,7 @@ impl Victim {
     }
 
     fn at(&mut self, t: Nanos, timer: Timer) {
-        self.seq += 1;
-        self.timers.insert((t, self.seq), timer);
+        self.timers.at(t, timer);
     }
 
     /// Every question asked, answered or not.
@@ -501,17 +498,12 @@ impl Victim {
 
 impl Actor for Victim {
     fn wake_at(&self) -> Option<Nanos> {
-        self.timers.keys().next().map(|&(t, _)| t)
+        self.timers.next_at()
     }
 
     fn wake(&mut self, io: &mut Io<'_>) {
-        while let Some((&(t, seq), _)) = self.timers.iter().next() {
-            if t > io.now {
-                break;
-            }
-            if let Some(timer) = self.timers.remove(&(t, seq)) {
-                self.timer(io, timer);
-            }
+        while let Some(timer) = self.timers.pop_due(io.now) {
+            self.timer(io, timer);
         }
     }
 
