@@ -55,8 +55,8 @@ enum Task {
         #[arg(long, value_delimiter = ',', value_parser = class)]
         classes: Vec<Priority>,
         /// Every shim launches while it holds (leaves out the holder
-        /// without work, a known break of `idle` until the broker reads
-        /// per-process utilisation).
+        /// without work, which the broker tells from a busy one only by
+        /// the driver's per-process utilisation).
         #[arg(long)]
         working: bool,
     },

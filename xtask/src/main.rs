@@ -88,36 +88,12 @@ enum Task {
     /// invariant's best strategy with its harm, in words and as a
     /// regression test to paste into redteam/tests/found.rs.
     Redteam {
-        /// The search's seed [default: the test suite's, 20261126].
-        #[arg(long)]
-        seed: Option<u64>,
-        /// Strategies played per invariant [default: 400].
-        #[arg(long)]
-        budget: Option<usize>,
-        /// Only this invariant (fairness, service, idle, logs, state,
-        /// queue); may be given more than once [default: all].
-        #[arg(long = "invariant", value_name = "NAME")]
-        invariants: Vec<String>,
-        /// Leave this one of the review's strategies out of the seeds
-        /// (rotation, high-and-normal, ...); may be given more than once.
-        #[arg(long, value_name = "NAME")]
-        without: Vec<String>,
-        /// Start from random strategies only.
-        #[arg(long)]
-        no_seeds: bool,
-        /// The test suite's bounds on inputs and on the broker's work.
-        #[arg(long)]
-        quick: bool,
-        /// Only shims, with short command lines and no made-up GPUs.
-        #[arg(long)]
-        shims_only: bool,
-        /// Only shims of these classes (high, normal, low; comma-separated).
-        #[arg(long, value_name = "LIST")]
-        classes: Option<String>,
-        /// Every shim launches while it holds (the holder without work
-        /// left out).
-        #[arg(long)]
-        working: bool,
+        /// The search's options, passed on as they are (`--seed`,
+        /// `--budget` [default: 400], `--invariant`, `--without`,
+        /// `--no-seeds`, `--quick`, `--shims-only`, `--classes`,
+        /// `--working`; `cargo xtask redteam --help` lists them).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -132,47 +108,7 @@ fn main() -> ExitCode {
         Task::Wheel { out_dir } => wheel::wheel(out_dir),
         Task::MsrvCheck => msrv_check(),
         Task::Plots { json, out_dir } => draw_plots(json, out_dir),
-        Task::Redteam {
-            seed,
-            budget,
-            invariants,
-            without,
-            no_seeds,
-            quick,
-            shims_only,
-            classes,
-            working,
-        } => {
-            let mut args: Vec<String> = Vec::new();
-            if let Some(s) = seed {
-                args.extend(["--seed".into(), s.to_string()]);
-            }
-            if let Some(b) = budget {
-                args.extend(["--budget".into(), b.to_string()]);
-            }
-            for i in invariants {
-                args.extend(["--invariant".into(), i]);
-            }
-            for w in without {
-                args.extend(["--without".into(), w]);
-            }
-            if no_seeds {
-                args.push("--no-seeds".into());
-            }
-            if quick {
-                args.push("--quick".into());
-            }
-            if shims_only {
-                args.push("--shims-only".into());
-            }
-            if let Some(c) = classes {
-                args.extend(["--classes".into(), c]);
-            }
-            if working {
-                args.push("--working".into());
-            }
-            redteam(&args)
-        }
+        Task::Redteam { args } => redteam(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
