@@ -358,7 +358,7 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
 fn four_workers_each_capped_at_a_quarter_hold_memory_at_the_same_time() {
     let Some(py) = py() else { return };
     let r = Run::new("wheel-quarters");
-    // The README's command.
+    // The command docs/ci.md gives.
     let o = r
         .pytest(
             py,

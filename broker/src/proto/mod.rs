@@ -420,33 +420,27 @@ impl Broker {
     /// grows with the connections the broker already bounds, not with
     /// what the driver lists.
     fn work_seen(&mut self, now: Nanos, t: &Telemetry) {
-        use std::collections::HashSet;
-        let reports: Vec<(usize, HashSet<u32>)> = self
+        // Each GPU's pids, as the sampler sorted them; None: not reported.
+        let working: Vec<Option<&[u32]>> = self
             .gpus
             .iter()
-            .enumerate()
-            .filter_map(|(g, gpu)| {
-                let w = t.gpus.get(&gpu.uuid_str)?.working.as_ref()?;
-                Some((g, w.iter().copied().collect()))
-            })
+            .map(|g| t.gpus.get(&g.uuid_str)?.working.as_deref())
             .collect();
-        if reports.is_empty() {
+        if working.iter().all(Option::is_none) {
             return;
         }
         let mut seen: Vec<Vec<ConnId>> = vec![Vec::new(); self.gpus.len()];
         for (&id, c) in &self.conns {
             for d in c.devices() {
-                if let Some((_, pids)) = reports.iter().find(|(g, _)| *g == d.gpu)
-                    && pids.contains(&c.peer.pid)
-                {
+                if working[d.gpu].is_some_and(|pids| pids.binary_search(&c.peer.pid).is_ok()) {
                     seen[d.gpu].push(id);
                 }
             }
         }
-        for (g, _) in reports {
-            self.gpus[g]
-                .sched
-                .work_seen(now, std::mem::take(&mut seen[g]));
+        for (g, ids) in seen.into_iter().enumerate() {
+            if working[g].is_some() {
+                self.gpus[g].sched.work_seen(now, ids);
+            }
         }
     }
 

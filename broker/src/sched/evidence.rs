@@ -75,7 +75,7 @@ impl Scheduler {
     fn doubt_spent(&self, c: &Client, now: Nanos) -> bool {
         let w = self.doubt_window();
         self.doubt
-            .get(&(band(c.class), c.user_key()))
+            .get(&c.user_ref())
             .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence / 2))
     }
 
@@ -94,7 +94,7 @@ impl Scheduler {
             && !self.evidenced(c, now)
             && self.doubt_spent(c, now);
         if defer {
-            let key = (band(c.class), c.user_key());
+            let key = c.user_ref();
             let slice = self.cfg.timeslice;
             let cap = self.cfg.evidence.max(slice);
             let d = self.deferred.entry(key).or_default();
@@ -109,9 +109,7 @@ impl Scheduler {
     /// Until when `c`'s user is deferred behind the waiting lower band (0:
     /// not deferred).
     pub(super) fn deferred_until(&self, c: &Client) -> Nanos {
-        self.deferred
-            .get(&(band(c.class), c.user_key()))
-            .map_or(0, |d| d.until)
+        self.deferred.get(&c.user_ref()).map_or(0, |d| d.until)
     }
 
     /// Runs the doubt meter of the user whose holder holds without
@@ -126,7 +124,7 @@ impl Scheduler {
                     && !self.evidenced(c, now)
                     && self.lower_band_waits(band(c.class))
             })
-            .map(|c| (band(c.class), c.user_key()));
+            .map(Client::user_ref);
         if doubting == self.doubting {
             return;
         }
@@ -148,7 +146,7 @@ impl Scheduler {
     /// A sample showed `id` at work: a deferral it caused ends.
     pub(super) fn evidence_of(&mut self, id: ClientId) {
         if let Some(c) = self.clients.get(&id) {
-            let key = (band(c.class), c.user_key());
+            let key = c.user_ref();
             if self.deferred.get(&key).is_some_and(|d| d.by == id) {
                 self.deferred.remove(&key);
             }

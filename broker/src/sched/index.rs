@@ -309,7 +309,7 @@ impl Scheduler {
                 .map(|(p, _)| *p);
             t.stale.extend(units.collect::<Vec<_>>());
             if let Some(h) = self.holder.and_then(|h| self.clients.get(&h))
-                && (band(h.class), h.user_key()) == (b, u)
+                && h.user_ref() == (b, u)
             {
                 t.stale.push(h.path());
             }
@@ -319,7 +319,7 @@ impl Scheduler {
 
     /// A client's weights at each level (see `Levels`).
     pub(super) fn levels(&self, c: &Client) -> Levels {
-        let (b, u) = (band(c.class), c.user_key());
+        let (b, u) = c.user_ref();
         let unit = self
             .ix
             .units
@@ -352,7 +352,7 @@ impl Scheduler {
     /// as a user's weight is. What status shows; the tree charges level by
     /// level. An inactive client is weighed as if it were about to join.
     pub(super) fn weight(&self, c: &Client) -> f64 {
-        let (k, u) = (band(c.class), c.user_key());
+        let (k, u) = c.user_ref();
         let unit = self
             .ix
             .units

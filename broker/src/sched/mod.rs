@@ -93,7 +93,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use index::{Index, Indexed};
 use meter::Meter;
-use tree::{BANDS, Level, UnitRef, Vt, band};
+use tree::{BANDS, Level, UnitRef, UserRef, Vt, band};
 
 pub use gpufrac_common::config::Priority;
 pub use types::{
@@ -215,12 +215,12 @@ pub struct Scheduler {
     evidence_until: Nanos,
     /// Per user, time held without evidence of work while a lower band
     /// waited (its benefit of the doubt, `evidence`), and whose meter runs.
-    doubt: BTreeMap<tree::UserRef, Meter>,
-    doubting: Option<tree::UserRef>,
+    doubt: BTreeMap<UserRef, Meter>,
+    doubting: Option<UserRef>,
     /// Per user (in a band), not granted before then: its holder answered
     /// a recall by asking again without evidence of work (`evidence`). The
     /// user's, so that a new connection or process of it waits too.
-    deferred: BTreeMap<tree::UserRef, evidence::Deferral>,
+    deferred: BTreeMap<UserRef, evidence::Deferral>,
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -283,6 +283,11 @@ impl Client {
             Some((u, _)) => UserKey::User(u),
             None => UserKey::Unit(self.group),
         }
+    }
+
+    /// Its user in the fair tree (in its band).
+    fn user_ref(&self) -> UserRef {
+        (band(self.class), self.user_key())
     }
 
     /// Its unit in the fair tree.
@@ -892,7 +897,7 @@ impl Scheduler {
     }
 
     /// A user's clock and place.
-    fn refresh_user(&mut self, r: tree::UserRef) {
+    fn refresh_user(&mut self, r: UserRef) {
         let Some(x) = self.ix.tree.users.get(&r) else {
             return;
         };
@@ -900,7 +905,7 @@ impl Scheduler {
         let held = self
             .holder
             .and_then(|h| self.clients.get(&h))
-            .filter(|h| (band(h.class), h.user_key()) == r)
+            .filter(|h| h.user_ref() == r)
             .map(|h| self.ix.tree.units.get(&h.path()).map_or(0.0, |x| x.n.vtime));
         let m = least(x.real.first().map(|e| e.0.0), held);
         let w = self.ix.user_weight(r.0, r.1);

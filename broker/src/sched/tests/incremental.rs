@@ -29,7 +29,7 @@ fn scan_weights(s: &Scheduler) -> Scan {
     }
     for c in s.clients.values().filter(active) {
         if let Some((_, w)) = c.user {
-            let e = users.entry((band(c.class), c.user_key())).or_default();
+            let e = users.entry(c.user_ref()).or_default();
             e.1 = e.1.max(w);
         }
     }
@@ -37,7 +37,7 @@ fn scan_weights(s: &Scheduler) -> Scan {
         .clients
         .iter()
         .map(|(&id, c)| {
-            let (k, u) = (band(c.class), c.user_key());
+            let (k, u) = c.user_ref();
             let unit = units.get(&(k, u, c.group)).copied().unwrap_or_default();
             let (users_sum, user_w) = users.get(&(k, u)).copied().unwrap_or((0.0, 0.0));
             let (unit_j, users_sum) = if active(&c) {
@@ -136,7 +136,7 @@ pub(super) fn check_index(s: &Scheduler) {
     let t = &s.ix.tree;
     let count = |f: &dyn Fn(&Client) -> bool| s.clients.values().filter(|c| f(c)).count();
     for (r, x) in &t.users {
-        let mine = |c: &Client| (band(c.class), c.user_key()) == *r;
+        let mine = |c: &Client| c.user_ref() == *r;
         assert_eq!(x.n.members, count(&|c| mine(c)), "members of {r:?}");
         let w = |c: &Client| mine(c) && c.state == ClientState::Waiting;
         assert_eq!(x.n.waiting, count(&|c| w(c)), "waiters of {r:?}");
