@@ -799,8 +799,9 @@ fn processes_taking_turns_do_not_multiply_a_users_share() {
 /// Release and Acquire at once, doing no work, beside another user's
 /// busy `low` process. Recalled at the end of each slice, it was granted
 /// back at once: the victim kept 0.3 s of 8 s of GPU on a GPU that was
-/// 4% busy. A holder that asks again at once when recalled goes behind
-/// the waiting class for a slice.
+/// 4% busy. The simulated driver reports per-process work as NVML does:
+/// a recalled holder it never saw at work goes behind the waiting class
+/// (its user's benefit of the doubt spent), longer at each recall.
 #[test]
 fn a_holder_answering_recalls_by_asking_again_does_not_starve_a_low_victim() {
     if !can_be_nobody() {
