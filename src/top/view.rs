@@ -460,6 +460,30 @@ fn sort_column(app: &App) -> &'static str {
 
 type Cells = Vec<(&'static str, String, Style)>;
 
+/// A user's or a job's share, its history and its GPU time: the cells
+/// after its memory (off target marked).
+fn share_cells(
+    (target, now): (f64, f64),
+    achieved: &[Option<f32>],
+    gpu_time_s: f64,
+    off: Style,
+) -> [(&'static str, String, Style); 3] {
+    let is_off = off_target(target, achieved);
+    [
+        (
+            "SHARE",
+            share_text(target, now, is_off),
+            if is_off { off } else { Style::new() },
+        ),
+        ("HISTORY", spark(achieved, 10, 1.0), Style::new().cyan()),
+        (
+            "GPU TIME",
+            crate::status::gpu_seconds(gpu_time_s),
+            Style::new(),
+        ),
+    ]
+}
+
 /// The cells of one row of the process pane, by column heading.
 fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
     let st = &model.status;
@@ -474,7 +498,6 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
             let u = &g.users[user];
             let hist = model.share_history(&g.uuid, u.uid, None);
             let achieved = hist.map(|h| h.achieved.clone()).unwrap_or_default();
-            let is_off = off_target(u.share_target, &achieved);
             let used: u64 = g
                 .processes
                 .iter()
@@ -488,18 +511,15 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
                     Style::new().bold(),
                 ),
                 ("USED/CAP", short_size(used), Style::new()),
-                (
-                    "SHARE",
-                    share_text(u.share_target, u.share_achieved, is_off),
-                    if is_off { off } else { Style::new() },
-                ),
-                ("HISTORY", spark(&achieved, 10, 1.0), Style::new().cyan()),
-                (
-                    "GPU TIME",
-                    crate::status::gpu_seconds(u.gpu_time_s),
-                    Style::new(),
-                ),
             ]
+            .into_iter()
+            .chain(share_cells(
+                (u.share_target, u.share_achieved),
+                &achieved,
+                u.gpu_time_s,
+                off,
+            ))
+            .collect()
         }
         Row::Job { gpu, user, job } => {
             let g = &st.gpus[gpu];
@@ -507,7 +527,6 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
             let j = &u.jobs[job];
             let hist = model.share_history(&g.uuid, u.uid, Some(j.job));
             let achieved = hist.map(|h| h.achieved.clone()).unwrap_or_default();
-            let is_off = off_target(j.share_target, &achieved);
             let members: Vec<&ProcStatus> = g
                 .processes
                 .iter()
@@ -537,18 +556,15 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
             vec![
                 (TREE[0].title, name, Style::new().bold()),
                 ("USED/CAP", used_cap(used, cap), Style::new()),
-                (
-                    "SHARE",
-                    share_text(j.share_target, j.share_achieved, is_off),
-                    if is_off { off } else { Style::new() },
-                ),
-                ("HISTORY", spark(&achieved, 10, 1.0), Style::new().cyan()),
-                (
-                    "GPU TIME",
-                    crate::status::gpu_seconds(j.gpu_time_s),
-                    Style::new(),
-                ),
             ]
+            .into_iter()
+            .chain(share_cells(
+                (j.share_target, j.share_achieved),
+                &achieved,
+                j.gpu_time_s,
+                off,
+            ))
+            .collect()
         }
         Row::Proc { gpu, proc, depth } => {
             let g = &st.gpus[gpu];
