@@ -1202,39 +1202,6 @@ sys.stdin.readline()
     }
 }
 
-/// A TCP connection to `to` from the loopback address `from`: another
-/// peer than 127.0.0.1 as far as the server can tell.
-fn connect_from(from: [u8; 4], to: std::net::SocketAddrV4) -> std::io::Result<std::net::TcpStream> {
-    use std::os::fd::FromRawFd;
-    let sa = |ip: [u8; 4], port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(ip),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a new socket, owned by the TcpStream at once; the addresses
-    // are sockaddr_in of `len` bytes.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let s = std::net::TcpStream::from_raw_fd(fd);
-        let local = sa(from, 0);
-        if libc::bind(fd, (&raw const local).cast(), len) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let remote = sa(to.ip().octets(), to.port());
-        if libc::connect(fd, (&raw const remote).cast(), len) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(s)
-    }
-}
-
 /// One scrape of `/metrics` at `to` from `from`, within `secs`: whether
 /// it came back whole with metrics in it.
 fn scrape(from: [u8; 4], to: std::net::SocketAddrV4, secs: u64) -> Result<(), String> {

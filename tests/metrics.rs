@@ -10,7 +10,7 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -189,11 +189,11 @@ fn connections_from_many_peers_are_bounded_in_all() {
             .count()
     };
     let before = fds();
-    let target: SocketAddr = addr.parse().unwrap();
+    let target: std::net::SocketAddrV4 = addr.parse().unwrap();
     let mut held = Vec::new();
     for peer in 2..=41u8 {
         for _ in 0..8 {
-            let s = socket2_connect([127, 0, 0, peer], target);
+            let s = connect_from([127, 0, 0, peer], target).expect("connect from 127.0.0.x");
             held.push(s);
         }
     }
@@ -215,43 +215,6 @@ fn connections_from_many_peers_are_bounded_in_all() {
         fds().saturating_sub(before) <= bound + 1
     });
     drop(held);
-}
-
-/// A TCP connection from the local address `from` (any of 127.0.0.0/8
-/// reaches loopback).
-fn socket2_connect(from: [u8; 4], to: SocketAddr) -> TcpStream {
-    // SAFETY: a plain socket, bound and connected through libc; its
-    // descriptor is handed to a TcpStream that owns it from then on.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0);
-        let sa = |ip: [u8; 4], port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(ip),
-            },
-            sin_zero: [0; 8],
-        };
-        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        let local = sa(from, 0);
-        assert_eq!(
-            libc::bind(fd, (&raw const local).cast(), len),
-            0,
-            "bind {from:?}"
-        );
-        let SocketAddr::V4(to) = to else {
-            panic!("an IPv4 address")
-        };
-        let remote = sa(to.ip().octets(), to.port());
-        assert_eq!(
-            libc::connect(fd, (&raw const remote).cast(), len),
-            0,
-            "connect: {}",
-            std::io::Error::last_os_error()
-        );
-        <TcpStream as std::os::fd::FromRawFd>::from_raw_fd(fd)
-    }
 }
 
 /// `--metrics PORT` serves 127.0.0.1:PORT and nothing else.
