@@ -2,6 +2,7 @@
 //! finds it; no context is created) and, when present, NVML for
 //! utilisation. A node without a driver simply has no GPUs to offer.
 
+use nvml_wrapper::Device;
 use std::ffi::c_int;
 
 #[derive(Clone, Debug)]
@@ -72,60 +73,57 @@ impl Nvml {
         self.0.is_some()
     }
 
-    /// Memory per process on this GPU as the driver accounts it (context and
-    /// module overhead included), by pid.
-    pub fn process_memory(&self, uuid: &str) -> Vec<(u32, u64)> {
-        let Some(nvml) = self.0.as_ref() else {
-            return Vec::new();
-        };
-        let Ok(dev) = nvml.device_by_uuid(uuid) else {
-            return Vec::new();
-        };
-        dev.running_compute_processes()
-            .map(|ps| {
-                ps.into_iter()
-                    .filter_map(|p| match p.used_gpu_memory {
-                        nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some((p.pid, b)),
-                        _ => None,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// The GPU (or MIG instance) with this UUID, looked up once for all
+    /// that a sample asks of it.
+    pub fn device(&self, uuid: &str) -> Option<Device<'_>> {
+        self.0.as_ref()?.device_by_uuid(uuid).ok()
     }
+}
 
-    /// The pids the driver saw running kernels on `uuid` since its
-    /// timestamp `last_seen` (µs, the driver's own clock: 0 for all it
-    /// keeps), and the latest timestamp of those samples. None: the
-    /// driver does not report per-process work there (MIG, an old GPU or
-    /// driver, no NVML); an empty list is a report that nobody ran.
-    pub fn process_work(&self, uuid: &str, last_seen: u64) -> Option<(Vec<u32>, u64)> {
-        let nvml = self.0.as_ref()?;
-        let dev = nvml.device_by_uuid(uuid).ok()?;
-        match dev.process_utilization_stats(last_seen) {
-            Ok(samples) => {
-                let latest = samples
-                    .iter()
-                    .map(|s| s.timestamp)
-                    .max()
-                    .unwrap_or(last_seen);
-                let mut pids: Vec<u32> = samples
-                    .iter()
-                    .filter(|s| s.sm_util > 0 || s.mem_util > 0)
-                    .map(|s| s.pid)
-                    .collect();
-                pids.sort_unstable();
-                pids.dedup();
-                Some((pids, latest))
-            }
-            // What NVML says when no process ran since `last_seen`.
-            Err(nvml_wrapper::error::NvmlError::NotFound) => Some((Vec::new(), last_seen)),
-            Err(_) => None,
+/// Memory per process on `dev` as the driver accounts it (context and
+/// module overhead included), by pid.
+pub fn process_memory(dev: &Device<'_>) -> Vec<(u32, u64)> {
+    dev.running_compute_processes()
+        .map(|ps| {
+            ps.into_iter()
+                .filter_map(|p| match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some((p.pid, b)),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The pids the driver saw running kernels on `dev` since its timestamp
+/// `last_seen` (µs, the driver's own clock: 0 for all it keeps), and the
+/// latest timestamp of those samples. None: the driver does not report
+/// per-process work there (MIG, an old GPU or driver); an empty list is a
+/// report that nobody ran.
+pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<u32>, u64)> {
+    match dev.process_utilization_stats(last_seen) {
+        Ok(samples) => {
+            let latest = samples
+                .iter()
+                .map(|s| s.timestamp)
+                .max()
+                .unwrap_or(last_seen);
+            let mut pids: Vec<u32> = samples
+                .iter()
+                .filter(|s| s.sm_util > 0 || s.mem_util > 0)
+                .map(|s| s.pid)
+                .collect();
+            pids.sort_unstable();
+            pids.dedup();
+            Some((pids, latest))
         }
+        // What NVML says when no process ran since `last_seen`.
+        Err(nvml_wrapper::error::NvmlError::NotFound) => Some((Vec::new(), last_seen)),
+        Err(_) => None,
     }
+}
 
-    pub fn utilization(&self, uuid: &str) -> Option<u32> {
-        let nvml = self.0.as_ref()?;
-        let dev = nvml.device_by_uuid(uuid).ok()?;
-        dev.utilization_rates().ok().map(|u| u.gpu)
-    }
+/// `dev`'s utilisation in percent.
+pub fn utilization(dev: &Device<'_>) -> Option<u32> {
+    dev.utilization_rates().ok().map(|u| u.gpu)
 }

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use crate::inventory::Nvml;
+use crate::inventory::{self, Nvml};
 
 /// The host's processes.
 pub trait Procs {
@@ -124,15 +124,20 @@ impl Sampler for NvmlSampler {
         self.last_seen.retain(|u, _| uuids.contains(u));
         let mut gpus = HashMap::with_capacity(uuids.len());
         for u in uuids {
-            let since = self.last_seen.get(u).copied().unwrap_or(0);
-            let working = self.nvml.process_work(u, since).map(|(pids, latest)| {
-                self.last_seen.insert(u.clone(), latest);
-                pids
-            });
-            let s = GpuSample {
-                utilization: self.nvml.utilization(u),
-                processes: self.nvml.process_memory(u),
-                working,
+            let s = match self.nvml.device(u) {
+                Some(dev) => {
+                    let since = self.last_seen.get(u).copied().unwrap_or(0);
+                    let working = inventory::process_work(&dev, since).map(|(pids, latest)| {
+                        self.last_seen.insert(u.clone(), latest);
+                        pids
+                    });
+                    GpuSample {
+                        utilization: inventory::utilization(&dev),
+                        processes: inventory::process_memory(&dev),
+                        working,
+                    }
+                }
+                None => GpuSample::default(),
             };
             gpus.insert(u.clone(), s);
         }
