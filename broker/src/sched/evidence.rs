@@ -9,16 +9,17 @@
 //! reports per-process work (NVML's process utilisation, sampled by the
 //! shell), a holder whose process the driver saw at work within
 //! `evidence` is granted back at once; one it did not see goes behind the
-//! waiting band at each recall (`defer`), once its user's benefit of the
-//! doubt is spent: for a slice, then twice as long at each recall in a
-//! row without evidence, up to `evidence` (a holder that never works
-//! keeps a waiting `low` off an idle GPU for about a slice a second). The
-//! deferral is its user's, so that a new connection or process of the
-//! same user waits it out too; a sample that shows the holder judged at
-//! work ends it, and its count is forgotten a second after the last one
-//! ended (a sample that shows another of the user's processes at work
-//! does not end it: a working process beside a pretender of the same
-//! user would otherwise start the pretender's count over).
+//! waiting band at each recall, revoke or release of its own (`defer`),
+//! once its user's benefit of the doubt is spent: for a slice, then twice
+//! as long at each time in a row without evidence, up to `evidence` (a
+//! holder that never works keeps a waiting `low` off an idle GPU for about
+//! a slice a second). The deferral is its user's, so that a new
+//! connection or process of the same user waits it out too; a sample
+//! that shows the holder judged at work ends it, and its count is
+//! forgotten a second after the last one ended (a sample that shows
+//! another of the user's processes at work does not end it: a working
+//! process beside a pretender of the same user would otherwise start the
+//! pretender's count over).
 //!
 //! The benefit of the doubt is the user's, not the connection's or the
 //! process's: a new process has no evidence until the next sample shows
@@ -79,8 +80,8 @@ impl Scheduler {
             .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence / 2))
     }
 
-    /// At a recall of `h`, or any revoke while a lower band waits: whether
-    /// its user goes behind the waiting band (the
+    /// At a recall of `h`, any revoke, or its own release, while a lower
+    /// band waits: whether its user goes behind the waiting band (the
     /// driver has per-process samples, none showed `h` at work lately,
     /// and its user's benefit of the doubt is spent). For a slice the
     /// first time, then twice as long at each recall in a row without
@@ -139,7 +140,7 @@ impl Scheduler {
 
     /// Whether a client of a band below `b` waits (`low` is the only
     /// band below another).
-    fn lower_band_waits(&self, b: usize) -> bool {
+    pub(super) fn lower_band_waits(&self, b: usize) -> bool {
         b > band(Priority::Low) && !self.ix.waiting[Priority::Low.index()].is_empty()
     }
 

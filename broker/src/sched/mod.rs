@@ -628,6 +628,12 @@ impl Scheduler {
         }
         let now = self.clock(now);
         self.settle(now);
+        // A holder that lets go by itself is judged as at a revoke: one
+        // without work that let go within each slice and asked again was
+        // never revoked, so never judged (`evidence`).
+        if self.clients[&id].state == ClientState::Holding {
+            self.defer(now, id);
+        }
         let seq = self.next_seq;
         let c = self.clients.get_mut(&id).expect("checked above");
         match c.state {

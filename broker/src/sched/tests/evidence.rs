@@ -164,3 +164,32 @@ fn two_pretenders_handing_over_between_them_give_low_the_gpu() {
     let low = sim.gpu_held(2) as f64 / (10 * SEC) as f64;
     assert!(low > 0.85, "low got {low:.3} of 10 s beside two pretenders");
 }
+
+/// Found by the longer red-team search: a holder without work that lets
+/// go of the GPU itself before its slice ends and asks again at once is
+/// never revoked, so it was never judged. A holder that lets go without
+/// evidence is judged as at a revoke.
+#[test]
+fn a_pretender_letting_go_within_its_slice_gives_low_the_gpu() {
+    let mut sim = beside_low(false);
+    let cfg = *sim.s.config();
+    let step = 5 * MS;
+    assert!(step < cfg.timeslice);
+    while sim.now + step <= 10 * SEC {
+        let t = sim.now + step;
+        sim.run_until(t);
+        // Off for a moment, then on again, as a shim whose work comes in
+        // 5 ms bursts would be (but this one launches nothing).
+        sim.s.release(t, 1);
+        sim.s.drained(t, 1);
+        sim.pump();
+        sim.s.acquire(t, 1);
+        sim.s.drained(t, 1);
+        sim.pump();
+    }
+    let low = sim.gpu_held(2) as f64 / (10 * SEC) as f64;
+    assert!(
+        low > 0.85,
+        "low got {low:.3} of 10 s beside a pretender letting go"
+    );
+}
