@@ -424,3 +424,41 @@ fn a_low_process_arriving_holds_no_high_burst_for_the_class_share() {
         holds(Invariant::Service, &s);
     }
 }
+
+/// Found by `cargo xtask redteam --invariant idle` (400 strategies, full
+/// inputs): processes that never read what the broker says (so never
+/// hear their grants, never launch, never answer a recall) and ask for
+/// the GPU in turns on four connections of two processes of one user.
+/// Each holder stayed behind a sibling waiter that was charged as fast
+/// as it (both on the GPU, the sibling still draining), and was extended
+/// slice after slice: the `low` victim waited on an idle GPU for 70.6%
+/// of 6 s. A grant now runs at most a slice of credit and the warp while
+/// a lower band waits (7.9%).
+#[test]
+fn holders_that_never_read_extended_behind_their_own_siblings_leave_no_idle_gpu() {
+    let shim = |period_ms, duty| Cohort {
+        play: Play::Shim {
+            class: Priority::Normal,
+            work: true,
+            recall: Recall::Honest,
+            uuids: 0,
+        },
+        members: 2,
+        procs: 1,
+        start_ms: 0,
+        period_ms,
+        duty,
+        stagger: 0,
+        reconnect: false,
+        respawn: false,
+        argv: Argv {
+            kib: 0,
+            text: Text::Plain,
+        },
+        slow: true,
+    };
+    let s = Strategy {
+        cohorts: vec![shim(964, 80), shim(1731, 83)],
+    };
+    holds(Invariant::Idle, &s);
+}

@@ -5,6 +5,7 @@
 use super::tree::{BANDS, Level, band};
 use super::{
     Action, BURST_BOUND, Client, ClientId, ClientState, Nanos, Outstanding, Priority, Scheduler,
+    WARP_SLICES,
 };
 
 /// The waiter that would be picked: highest band, then the fair tree's
@@ -288,6 +289,12 @@ impl Scheduler {
         // holds the GPU without using it once kept a `low` waiter out
         // forever).
         let mut recall = false;
+        // While a lower band waits, however far behind it stays, one grant
+        // runs at most a slice of credit and the warp: a holder charged no
+        // faster than a waiter of its band (both on the GPU, the waiter
+        // still draining) never came level, and was extended slice after
+        // slice while `low` waited on an idle GPU.
+        let longest = (cfg.timeslice as f64 * (1.0 + WARP_SLICES)) as Nanos;
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
@@ -303,7 +310,9 @@ impl Scheduler {
                     (((x.waiter - x.holder).max(0.0) * x.weight) as Nanos)
                         .clamp(cfg.timeslice / 5, cfg.timeslice)
                 });
-                if cmp.is_some_and(|x| x.holder >= x.waiter) {
+                if cmp.is_some_and(|x| x.holder >= x.waiter)
+                    || (now >= start.saturating_add(longest) && self.lower_band_waits(band(class)))
+                {
                     None
                 } else if let Some(r) = remaining {
                     fits.then(|| Some(r.min(cfg.timeslice).min(ext.unwrap_or(Nanos::MAX))))
