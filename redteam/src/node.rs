@@ -217,11 +217,17 @@ impl Gpu {
                     .any(|o| o.uid == VICTIM && o.claims && o.holding);
                 if !held {
                     self.time.victim_waiting += dt;
-                    // An attacker of the victim's own class that holds
-                    // without working wastes its own fair part: the
+                    // While an attacker's process of the victim's own class
+                    // asks for the GPU, it is owed its part of the class's
+                    // time, and may waste it (granted, it need not work or
+                    // even read its grant): the victim's part is the
                     // fairness invariant's business. Idle counts time the
                     // victim lost to a class above it, or to nobody.
-                    if running.is_empty() && claims(ATTACKER) != Some(v) {
+                    let own_part = self
+                        .occ
+                        .values()
+                        .any(|o| o.uid == ATTACKER && o.class == v && o.claims);
+                    if running.is_empty() && !own_part {
                         self.time.idle_victim_waiting += dt;
                     }
                 }
