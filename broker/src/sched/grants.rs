@@ -295,6 +295,13 @@ impl Scheduler {
         // still draining) never came level, and was extended slice after
         // slice while `low` waited on an idle GPU.
         let longest = (cfg.timeslice as f64 * (1.0 + WARP_SLICES)) as Nanos;
+        // A holder still behind the best waiter keeps the GPU for the real
+        // time that brings it level (at least a fifth of a slice, so a
+        // small deficit does not cost a switch).
+        let ext = cmp.map(|x| {
+            (((x.waiter - x.holder).max(0.0) * x.weight) as Nanos)
+                .clamp(cfg.timeslice / 5, cfg.timeslice)
+        });
         // What to do: Some(slice) grants (or updates) with that slice,
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
@@ -303,13 +310,6 @@ impl Scheduler {
                 None
             }
             Some(d) if d <= now => {
-                // A holder still behind the best waiter keeps the GPU for
-                // the real time that brings it level (at least a fifth of a
-                // slice, so a small deficit does not cost a switch).
-                let ext = cmp.map(|x| {
-                    (((x.waiter - x.holder).max(0.0) * x.weight) as Nanos)
-                        .clamp(cfg.timeslice / 5, cfg.timeslice)
-                });
                 if cmp.is_some_and(|x| x.holder >= x.waiter)
                     || (now >= start.saturating_add(longest) && self.lower_band_waits(band(class)))
                 {
@@ -337,6 +337,16 @@ impl Scheduler {
                 let mut d = start.saturating_add(cfg.timeslice).max(now);
                 if !contended && d == now {
                     d = now + cfg.timeslice;
+                }
+                // ... unless it is still behind the newcomer, as at the end
+                // of any slice: a user that came back ahead of a holder
+                // alone for a slice took the GPU at once, and working 20 ms
+                // of every 40 ms kept its whole on-time.
+                if d == now
+                    && let (Some(e), Some(x)) = (ext, cmp)
+                    && x.holder < x.waiter
+                {
+                    d = now + e;
                 }
                 let d = match remaining {
                     Some(r) => d.min(now + r),

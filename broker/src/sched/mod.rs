@@ -111,6 +111,10 @@ const BURST_BOUND: Nanos = 8;
 /// once even when its user is as busy as the holder's.
 const WARP_SLICES: f64 = 2.0;
 
+/// How fast a node that does not compete earns wake-up credit, as a part
+/// of real time (`woken`).
+const WAKE_ACCRUAL: f64 = 0.1;
+
 #[derive(Debug, Clone)]
 struct Outstanding {
     id: GrantId,
@@ -510,15 +514,15 @@ impl Scheduler {
     }
 
     /// A client is about to wait: the nodes of its branch that were not
-    /// competing (no client below them waits or holds) start at most one
-    /// timeslice of their own behind their parent's clock: a user's
-    /// wake-up credit is the user's, a unit's and a process's only order
-    /// them within their user. Returns the highest level that starts
+    /// competing (no client below them waits or holds) start where
+    /// `woken` places them behind their parent's clock: a user's wake-up
+    /// credit is the user's, a unit's and a process's only order them
+    /// within their user. Returns the highest level that starts
     /// competing.
     fn compete(&mut self, id: ClientId) -> Level {
         let c = &self.clients[&id];
         let (p, l) = (c.path(), self.levels(c));
-        let ts = self.cfg.timeslice as f64;
+        let (ts, now) = (self.cfg.timeslice as f64, self.now);
         let held = self
             .holder
             .filter(|&h| h != id)
@@ -530,14 +534,14 @@ impl Scheduler {
             t.users[&(p.0, p.1)].n.waiting > 0 || held.is_some_and(|q| (q.0, q.1) == (p.0, p.1));
         let unit_on = t.units[&p].n.waiting > 0 || held == Some(p);
         if !user_on {
-            let floor = t.clock[p.0] - ts / l.user;
+            let clock = t.clock[p.0];
             let n = &mut t.users.get_mut(&(p.0, p.1)).expect("ensured").n;
-            n.vtime = n.vtime.max(floor);
+            n.vtime = woken(n, clock, ts, l.user, now);
         }
         if !unit_on {
-            let floor = t.users[&(p.0, p.1)].n.clock - ts / l.unit;
+            let clock = t.users[&(p.0, p.1)].n.clock;
             let n = &mut t.units.get_mut(&p).expect("ensured").n;
-            n.vtime = n.vtime.max(floor);
+            n.vtime = woken(n, clock, ts, l.unit, now);
         }
         let floor = t.units[&p].n.clock - ts / l.own;
         t.stale.push(p);
@@ -790,6 +794,7 @@ impl Scheduler {
 
     fn clock(&mut self, now: Nanos) -> Nanos {
         self.now = self.now.max(now);
+        self.ix.tree.now = self.now;
         self.now
     }
 
@@ -895,9 +900,17 @@ impl Scheduler {
         let m = least(x.real.first().map(|e| e.0.0), held);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
+        // Competing now, or until this event (it had a place): its lag is
+        // kept from here if it stops.
+        let on = held.is_some() || x.n.waiting > 0 || x.n.entry.is_some();
+        let parent = self.ix.tree.users.get(&(p.0, p.1)).map(|u| u.n.clock);
+        let now = self.now;
         let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
         if let Some(m) = m {
             x.n.clock = x.n.clock.max(m);
+        }
+        if let (true, Some(parent)) = (on, parent) {
+            x.n.off = (now, parent);
         }
         self.ix.tree.place_unit(p, key);
     }
@@ -917,12 +930,35 @@ impl Scheduler {
         let w = self.ix.user_weight(r.0, r.1);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
+        let on = held.is_some() || x.n.waiting > 0 || x.n.entry.is_some();
+        let (now, parent) = (self.now, self.ix.tree.clock[r.0]);
         let x = self.ix.tree.users.get_mut(&r).expect("looked up above");
         if let Some(m) = m {
             x.n.clock = x.n.clock.max(m);
         }
+        if on {
+            x.n.off = (now, parent);
+        }
         self.ix.tree.place_user(r, key);
     }
+}
+
+/// Where a node that starts competing again is placed, for a node of
+/// `weight` at its level whose parent's clock is now `clock`: it keeps the
+/// lag it had behind its parent's clock when it last competed (as EEVDF
+/// keeps a sleeper's lag: time away earns nothing by itself, a node that
+/// was ahead is still ahead), plus `WAKE_ACCRUAL` of the real time since,
+/// up to one `slice` of its own GPU time behind the clock, and never ahead
+/// of what it had used. The credit is what lets a process that used less
+/// than its part take the GPU at once; earned at a tenth of real time, it
+/// cannot pay for more than a tenth of anyone's part (a user whose process
+/// works half of each period with the full slice of credit at every return
+/// took its whole on-time, a third of a busy victim's part).
+fn woken(n: &tree::Node, clock: f64, slice: f64, weight: f64, now: Nanos) -> f64 {
+    let (at, then) = n.off;
+    let earned = WAKE_ACCRUAL * now.saturating_sub(at) as f64 / weight;
+    let kept = n.vtime + (clock - then).max(0.0) - earned;
+    n.vtime.max(kept).max(clock - slice / weight)
 }
 
 /// The lesser of two places, either of which may be missing.

@@ -91,6 +91,11 @@ pub(super) struct Node {
     /// Its virtual time as charged (no warp) in its parent's `real`,
     /// while it has waiters.
     pub real: Option<Vt>,
+    /// When it last competed (a waiter or the holder below it), and its
+    /// parent's clock then: a node that starts competing again has kept
+    /// its lag behind that clock since (as EEVDF keeps a sleeper's lag),
+    /// plus the credit its time away earned (`Scheduler::compete`).
+    pub off: (Nanos, f64),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -129,6 +134,8 @@ pub(super) struct Tree {
     /// Nodes without members, kept while they owe time or hold history.
     pub kept_users: BTreeSet<UserRef>,
     pub kept_units: BTreeSet<UnitRef>,
+    /// The scheduler's latest time, for when a new node last competed.
+    pub now: Nanos,
 }
 
 fn user_of(p: UnitRef) -> UserRef {
@@ -143,6 +150,7 @@ impl Tree {
         if !self.users.contains_key(&u) {
             let n = Node {
                 vtime: self.clock[p.0],
+                off: (self.now, self.clock[p.0]),
                 ..Node::default()
             };
             self.users.insert(
@@ -155,8 +163,10 @@ impl Tree {
             self.kept_users.insert(u);
         }
         if !self.units.contains_key(&p) {
+            let clock = self.users[&u].n.clock;
             let n = Node {
-                vtime: self.users[&u].n.clock,
+                vtime: clock,
+                off: (self.now, clock),
                 ..Node::default()
             };
             self.units.insert(

@@ -108,6 +108,77 @@ fn an_interactive_high_process_takes_the_gpu_at_once_beside_its_users_batch() {
     assert!((b - 0.5).abs() < 0.03, "other user: {b:.3}");
 }
 
+/// The attack (found by the red-team search): a user whose process works
+/// 20 ms of every 40 ms beside a busy one. With a full slice of wake-up
+/// credit at every return it took its whole on-time, half the GPU, where
+/// the GPU's own time-slicer gives it half of the time it asks, a
+/// quarter. Credit is earned at a tenth of the time away, so the victim
+/// keeps over nine tenths of its part.
+#[test]
+fn a_user_working_half_of_each_period_gets_half_of_the_time_it_asks() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.user_proc(1, 1, N);
+    sim.user_proc(2, 2, N);
+    sim.residual.insert(2, B);
+    sim.start(2);
+    sim.residual.insert(1, B);
+    let (from, end) = (SEC, 9 * SEC);
+    sim.run_until(from);
+    let (a0, v0) = (sim.gpu_held(1), sim.gpu_held(2));
+    let mut t = from;
+    while t < end {
+        sim.run_until(t);
+        sim.start(1);
+        sim.run_until(t + 20 * MS);
+        sim.busy.remove(&1);
+        sim.s.release(sim.now, 1);
+        sim.s.drained(sim.now, 1);
+        sim.pump();
+        t += 40 * MS;
+    }
+    sim.run_until(end);
+    let span = (end - from) as f64;
+    let a = (sim.gpu_held(1) - a0) as f64 / span;
+    let v = (sim.gpu_held(2) - v0) as f64 / span;
+    // Fair: half of each on-time, all of each off-time.
+    let fair = 0.5 * 0.5 + 0.5;
+    assert!(
+        v > 0.9 * fair,
+        "the busy victim held {v:.3} of the GPU (fair {fair:.2}) beside a 50% duty cycle ({a:.3})"
+    );
+}
+
+/// An interactive `normal` process (1 ms every 20 ms) beside a busy user:
+/// its time away earns it a slice of credit within a few requests, and
+/// from then on every request takes the GPU at once.
+#[test]
+fn an_interactive_normal_process_takes_the_gpu_at_once_once_it_has_earned_credit() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.user_proc(1, 1, N);
+    sim.user_proc(2, 2, N);
+    sim.residual.insert(2, B);
+    sim.start(2);
+    sim.run_until(SEC);
+    let mut waited = Vec::new();
+    for k in 0..100 {
+        let t = SEC + k * 20 * MS;
+        sim.run_until(t);
+        sim.s.acquire(t, 1);
+        sim.pump();
+        if sim.s.holder() != Some(1) {
+            waited.push(k);
+        }
+        sim.run_until(t + MS);
+        sim.s.release(sim.now, 1);
+        sim.s.drained(sim.now, 1);
+        sim.pump();
+    }
+    assert!(
+        waited.iter().all(|&k| k < 10),
+        "requests that did not take the GPU at once: {waited:?}"
+    );
+}
+
 /// What an attacker's connection does next.
 #[derive(Debug, Clone, Copy)]
 enum Move {
