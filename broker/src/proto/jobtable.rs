@@ -45,6 +45,8 @@ pub(super) struct Jobs {
     entries: BTreeMap<u64, Entry>,
     by_run: HashMap<(u32, u64), BTreeSet<u64>>,
     by_uid: HashMap<u32, BTreeSet<u64>>,
+    /// Per user, its jobs whose lease waits for a state write.
+    unsaved: BTreeMap<u32, usize>,
 }
 
 impl Jobs {
@@ -78,6 +80,9 @@ impl Jobs {
     /// The job is over: everything kept of it, gone at once.
     pub fn end(&mut self, token: u64) -> Option<Entry> {
         let e = self.entries.remove(&token)?;
+        if e.undelivered.is_some() {
+            self.delivered(e.job.uid);
+        }
         let run = (e.job.pid, e.job.start_time);
         if let Some(t) = self.by_run.get_mut(&run) {
             t.remove(&token);
@@ -189,9 +194,25 @@ impl Jobs {
 
     /// Its lease is told once state `seq` is written.
     pub fn hold_until_saved(&mut self, token: u64, seq: u64) {
-        if let Some(e) = self.entries.get_mut(&token) {
-            e.undelivered = Some(seq);
+        if let Some(e) = self.entries.get_mut(&token)
+            && e.undelivered.replace(seq).is_none()
+        {
+            *self.unsaved.entry(e.job.uid).or_default() += 1;
         }
+    }
+
+    fn delivered(&mut self, uid: u32) {
+        if let Some(n) = self.unsaved.get_mut(&uid) {
+            *n -= 1;
+            if *n == 0 {
+                self.unsaved.remove(&uid);
+            }
+        }
+    }
+
+    /// The users with a lease that waits for a state write.
+    pub fn unsaved_users(&self) -> impl Iterator<Item = u32> + '_ {
+        self.unsaved.keys().copied()
     }
 
     pub fn undelivered(&self, token: &u64) -> bool {
@@ -203,10 +224,15 @@ impl Jobs {
     /// The jobs whose leases state `seq` made durable, no longer held.
     pub fn saved(&mut self, seq: u64) -> Vec<u64> {
         let mut ready: Vec<(u64, u64)> = Vec::new();
+        let mut users = Vec::new();
         for (&t, e) in &mut self.entries {
             if e.undelivered.is_some_and(|s| s <= seq) {
                 ready.push((e.undelivered.take().unwrap_or(0), t));
+                users.push(e.job.uid);
             }
+        }
+        for uid in users {
+            self.delivered(uid);
         }
         ready.sort_unstable();
         ready.into_iter().map(|(_, t)| t).collect()

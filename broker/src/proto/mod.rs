@@ -268,6 +268,9 @@ pub struct Broker {
     saving: Option<u64>,
     saved_seq: u64,
     last_save: Option<Nanos>,
+    /// Per user, when a write was last handed out early for its leases
+    /// (`save_due`); only those younger than `SAVE_EVERY` are kept.
+    early_saves: HashMap<u32, Nanos>,
     work: VecDeque<Work>,
     /// MIG leases being made: the connection of a `--no-wait` request,
     /// which is answered either way.
@@ -367,6 +370,7 @@ impl Broker {
             saving: None,
             saved_seq: 0,
             last_save: None,
+            early_saves: HashMap::new(),
             work: VecDeque::new(),
             making: BTreeMap::new(),
             recovery: None,
@@ -1207,16 +1211,32 @@ impl Broker {
         }
         self.saving = Some(self.state_seq);
         self.last_save = Some(now);
+        self.early_saves.retain(|_, t| *t + SAVE_EVERY > now);
+        for uid in self.jobs.unsaved_users() {
+            self.early_saves.insert(uid, now);
+        }
         Some((self.state_seq, crate::jobs::encode(self.jobs.values())))
     }
 
     /// When the next write may go: None while nothing changed or one is
-    /// being written.
+    /// being written. Changes are written at most every `SAVE_EVERY`, but
+    /// a lease its run waits for goes as soon as its user's last write
+    /// for leases is that old: the writes are coalesced per user, so that
+    /// one user's churn (names, leases) never holds another's lease back
+    /// (a `Name` flood kept a victim's `run --no-wait` answer waiting
+    /// 101 ms). One write is out at a time, which groups what changed
+    /// meanwhile.
     fn save_due(&self) -> Option<Nanos> {
         if self.saving.is_some() || self.state_seq == self.saved_seq {
             return None;
         }
-        Some(self.last_save.map_or(0, |t| t + SAVE_EVERY))
+        let coalesced = self.last_save.map_or(0, |t| t + SAVE_EVERY);
+        let early = self
+            .jobs
+            .unsaved_users()
+            .map(|u| self.early_saves.get(&u).map_or(0, |t| t + SAVE_EVERY))
+            .min();
+        Some(early.map_or(coalesced, |e| e.min(coalesced)))
     }
 
     /// State number `seq` was written, or could not be (then leases are

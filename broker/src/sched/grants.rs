@@ -156,13 +156,18 @@ impl Scheduler {
                 .clients
                 .get_mut(id)
                 .expect("granted clients are registered");
+            let path = c.path();
             if let Some(g) = c.grant.as_mut()
                 && let Some(r) = g.revoked_at
                 && r.saturating_add(cfg.grace) <= now
+                && !g.hung
             {
                 g.hung = true;
+                // It no longer holds its nodes' clocks back.
+                self.ix.tree.stale.push(path);
             }
         }
+        self.refresh();
         let drained: Vec<ClientId> = self
             .ix
             .on_gpu
@@ -266,13 +271,14 @@ impl Scheduler {
         // One that woke up without being behind waits no longer than the
         // GPU's own time-slicer would make it wait: the holder's slice ends
         // within `wake`, and the usual order decides then.
-        let woke_here = woke.is_some_and(|(id, _)| {
+        let woken = woke.map(|(id, _)| id).filter(|&id| {
             self.clients.get(&id).is_some_and(|w| {
                 band(w.class) == band(class)
                     && w.state == ClientState::Waiting
                     && self.fits(w, now, bounded)
             })
         });
+        let woke_here = woken.is_some();
         let wake_by = now.saturating_add(cfg.wake);
         // Lower bands do not contend with the holder.
         let best = best.filter(|w| band(w.class) == band(class));
@@ -283,6 +289,18 @@ impl Scheduler {
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
         let unchanged = g.bound == bound && g.waiters == waiters;
+        let yields = g
+            .yield_to
+            .is_some_and(|w| self.yields_to(c, w, now, bounded));
+        // A deadline already within `wake` of a waker's arrival serves it
+        // as a cut one would (a `high` burst that came 2 ms before the
+        // holder's slice ended waited for the holder's extension, 24 ms).
+        if woke_here
+            && deadline.is_some_and(|d| d > now && d <= wake_by)
+            && let Some(g) = self.clients.get_mut(&h).and_then(|c| c.grant.as_mut())
+        {
+            g.yield_to = woken;
+        }
         // Liveness: while anyone of a lower band waits, a holder's grant
         // is never open-ended; at its end the holder is recalled, since
         // the broker cannot see whether it still launches (a client that
@@ -311,6 +329,7 @@ impl Scheduler {
             }
             Some(d) if d <= now => {
                 if cmp.is_some_and(|x| x.holder >= x.waiter)
+                    || yields
                     || (now >= start.saturating_add(longest) && self.lower_band_waits(band(class)))
                 {
                     None
@@ -362,10 +381,18 @@ impl Scheduler {
                 Some(None)
             }
         };
+        // Whom a deadline cut short for a waker yields to when it comes
+        // (one that passed has been judged above).
+        let yield_to = match (action, deadline) {
+            (Some(Some(s)), _) if woke_here && now + s <= wake_by => woken,
+            (_, Some(d)) if d > now => self.clients[&h].grant.as_ref().and_then(|g| g.yield_to),
+            _ => None,
+        };
         match action {
             Some(slice) => {
                 let c = self.clients.get_mut(&h).expect("holder is registered");
                 let g = c.grant.as_mut().expect("holder has a grant");
+                g.yield_to = yield_to;
                 g.deadline = slice.map(|s| now + s);
                 g.bound = bound;
                 g.waiters = waiters;
@@ -380,6 +407,26 @@ impl Scheduler {
             None => self.revoke(now, h, recall),
         }
         true
+    }
+
+    /// Whether holder `h`, its deadline cut short for waker `w`, yields to
+    /// it: the GPU's own time-slicer would have let `w` run within that
+    /// quantum, so it does unless it is more than a slice of the holder's
+    /// time ahead of it (it has taken more than its part lately: a user
+    /// coming back keeps its lag, `woken`). A `high` waker beside a busy
+    /// `high` holder of another user waited a whole slice for its burst.
+    fn yields_to(&self, h: &Client, w: ClientId, now: Nanos, bounded: bool) -> bool {
+        let Some(wc) = self.clients.get(&w) else {
+            return false;
+        };
+        if wc.state != ClientState::Waiting
+            || band(wc.class) != band(h.class)
+            || !self.fits(wc, now, bounded)
+        {
+            return false;
+        }
+        let x = self.compare(h, wc);
+        x.waiter < x.holder + self.cfg.timeslice as f64 / x.weight
     }
 
     fn grant_to(&mut self, now: Nanos, id: ClientId) {
@@ -408,6 +455,7 @@ impl Scheduler {
             recall: false,
             bound: 0,
             waiters: false,
+            yield_to: None,
             burst,
         });
         // Its own earlier work now counts as part of the holding.

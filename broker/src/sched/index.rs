@@ -135,6 +135,10 @@ impl Index {
             // nodes' clocks.
             self.tree.stale.extend(old.path.into_iter().chain(new.path));
         }
+        if old.granted != new.granted || (new.granted && old.path != new.path) {
+            // So does a revoked holder's until it answers.
+            self.tree.stale.extend(old.path.into_iter().chain(new.path));
+        }
         if old.granted != new.granted {
             if new.granted {
                 self.granted.insert(id);

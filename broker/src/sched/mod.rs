@@ -131,6 +131,10 @@ struct Outstanding {
     /// holder asks again and is granted at once), for `recall_hold` at
     /// most.
     recall: bool,
+    /// Its deadline was cut to `wake` for a client that woke up: at the
+    /// deadline it yields to that one unless it is far ahead
+    /// (`Scheduler::yields_to`).
+    yield_to: Option<ClientId>,
     /// Granted to a client that had been idle: its first slice is a burst
     /// (a request, a notebook cell) that must be queued whole, or the GPU's
     /// time-slicer would switch to others' leftover work at every gap.
@@ -867,13 +871,13 @@ impl Scheduler {
         }
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
             let held = self
-                .holder
-                .and_then(|h| self.clients.get(&h))
+                .granted()
                 .filter(|h| band(h.class) == b)
                 .map(|h| {
                     let r = (b, h.user_key());
                     self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime)
-                });
+                })
+                .min_by(f64::total_cmp);
             let t = &mut self.ix.tree;
             if let Some(m) = least(t.top_real[b].first().map(|e| e.0.0), held) {
                 t.clock[b] = t.clock[b].max(m);
@@ -893,10 +897,10 @@ impl Scheduler {
         let warp = self.warp();
         let w = self.ix.unit_weight(p);
         let held = self
-            .holder
-            .and_then(|h| self.clients.get(&h))
+            .granted()
             .filter(|h| h.path() == p)
-            .map(|h| h.vtime);
+            .map(|h| h.vtime)
+            .min_by(f64::total_cmp);
         let m = least(x.real.first().map(|e| e.0.0), held);
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
@@ -922,10 +926,10 @@ impl Scheduler {
         };
         let warp = self.warp();
         let held = self
-            .holder
-            .and_then(|h| self.clients.get(&h))
+            .granted()
             .filter(|h| h.user_ref() == r)
-            .map(|h| self.ix.tree.units.get(&h.path()).map_or(0.0, |x| x.n.vtime));
+            .map(|h| self.ix.tree.units.get(&h.path()).map_or(0.0, |x| x.n.vtime))
+            .min_by(f64::total_cmp);
         let m = least(x.real.first().map(|e| e.0.0), held);
         let w = self.ix.user_weight(r.0, r.1);
         let key =
@@ -959,6 +963,21 @@ fn woken(n: &tree::Node, clock: f64, slice: f64, weight: f64, now: Nanos) -> f64
     let earned = WAKE_ACCRUAL * now.saturating_sub(at) as f64 / weight;
     let kept = n.vtime + (clock - then).max(0.0) - earned;
     n.vtime.max(kept).max(clock - slice / weight)
+}
+
+impl Scheduler {
+    /// The holder, and holders revoked that have not answered yet (and
+    /// are not hung): they still compete, so the clocks are over them too.
+    /// Over the holder alone, a clock jumped at each handover over the
+    /// revoked holder's place to the next one's, until it asked again; a
+    /// user coming back then kept its lag from a clock that had run ahead.
+    fn granted(&self) -> impl Iterator<Item = &Client> {
+        self.ix
+            .granted
+            .iter()
+            .filter_map(|id| self.clients.get(id))
+            .filter(|c| c.grant.as_ref().is_some_and(|g| !g.hung))
+    }
 }
 
 /// The lesser of two places, either of which may be missing.

@@ -118,6 +118,54 @@ fn labels_are_cut_leases_bounded_and_state_writes_coalesced() {
     assert!(t.status().leases.iter().all(|l| l.command.len() <= b.label));
 }
 
+/// The attack (found by the red-team search): one user's `Name` frames
+/// kept the state changing, and each write waited `SAVE_EVERY` after the
+/// last whoever's change it carried: another user's `run --no-wait` was
+/// told its lease up to 101 ms late. Writes for leases are coalesced per
+/// user, so the next write carries hers.
+#[test]
+fn another_users_churn_does_not_hold_a_lease_back() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let p = t.spawn(1);
+    let bob = t.connect_as(p, BOB);
+    t.send(
+        bob,
+        &LeaseReq {
+            compute: Some(10.0),
+            ..lease(0, GIB, true)
+        }
+        .into(),
+    );
+    t.turn();
+    assert!(leased(&t.recv(bob)).is_some());
+    for k in 0..50 {
+        t.send(
+            bob,
+            &ClientMsg::Name {
+                pod: String::new(),
+                label: format!("churn {k}"),
+            },
+        );
+        t.turn();
+        t.now += MS;
+    }
+    let q = t.spawn(1);
+    let alice = t.connect_as(q, ALICE);
+    t.send(
+        alice,
+        &LeaseReq {
+            compute: Some(10.0),
+            ..lease(0, GIB, true)
+        }
+        .into(),
+    );
+    t.turn();
+    assert!(
+        leased(&t.recv(alice)).is_some(),
+        "alice's lease waited for the write bob's churn had put off"
+    );
+}
+
 /// The attack: one user queued 247 requests ahead of everyone.
 #[test]
 fn queued_requests_are_bounded_per_user_but_not_for_the_plugin() {

@@ -198,7 +198,8 @@ pub(super) fn check_index(s: &Scheduler) {
         .collect();
     assert_eq!(by_index, by_scan, "waiters in grant order");
     // Every clock is at or past the least place it is over: its
-    // waiters', and the holder's branch.
+    // waiters', and the branches of the holder and of revoked holders
+    // that have not answered.
     let mut least: Map<(usize, Option<UserKey>, Option<GroupId>), f64> = Map::new();
     let mut put = |k, v: f64| {
         let e = least.entry(k).or_insert(v);
@@ -210,7 +211,7 @@ pub(super) fn check_index(s: &Scheduler) {
         put((b, Some(u), None), o.4.0);
         put((b, Some(u), Some(g)), o.7.0);
     }
-    if let Some(h) = s.holder.map(|h| &s.clients[&h]) {
+    for h in s.granted() {
         let (b, u, g) = h.path();
         put(
             (b, None, None),
