@@ -47,14 +47,7 @@ fn fairness_holds_against_the_searching_attacker() {
     searched(Invariant::Fairness);
 }
 
-/// Open (SECURITY.md, "What the red-team search still finds"): a `high`
-/// process of the attacker's that works 80 ms of every 320 ms comes back
-/// with a slice of credit and takes the GPU from the victim's `high`
-/// process, idle in its grant; the victim's next burst, asked while its
-/// grant is being revoked, waits 24 ms for that credit to be spent
-/// (against 10). Run with `--ignored` to see it.
 #[test]
-#[ignore = "open: a high burst asked during its own revoke waits 24 ms (SECURITY.md)"]
 fn service_holds_against_the_searching_attacker() {
     searched(Invariant::Service);
 }

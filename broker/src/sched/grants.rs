@@ -228,6 +228,15 @@ impl Scheduler {
     fn step(&mut self, now: Nanos) -> bool {
         let bounded = self.high_bounded(now);
         let Some(h) = self.holder else {
+            let handoff = self.handoff.take().filter(|w| {
+                self.clients
+                    .get(w)
+                    .is_some_and(|c| c.state == ClientState::Waiting && self.fits(c, now, bounded))
+            });
+            if let Some(w) = handoff {
+                self.grant_to(now, w);
+                return true;
+            }
             return match self.next_grantee(now, bounded) {
                 Some(next) => {
                     self.grant_to(now, next.id);
@@ -265,6 +274,9 @@ impl Scheduler {
                     }));
             if preempt {
                 self.revoke(now, h, false);
+                if let Some(g) = self.clients.get_mut(&h).and_then(|c| c.grant.as_mut()) {
+                    g.preempted = true;
+                }
                 return true;
             }
         }
@@ -279,6 +291,33 @@ impl Scheduler {
             })
         });
         let woke_here = woken.is_some();
+        // A waker of another user is owed the GPU within `wake`, across
+        // changes of holder within the holder's user (a sibling taking
+        // the GPU at once had dropped the victim's turn); within one user
+        // the order decides.
+        let user = c.user_ref();
+        self.owed = self.owed.filter(|&o| self.owes(c, o, now, bounded));
+        if let Some(w) = woken
+            && self.clients[&w].user_ref() != user
+            && self.owed.is_none()
+        {
+            self.owed = Some((w, now.saturating_add(cfg.wake), user));
+        }
+        let owed = self.owed;
+        if let Some((w, by, _)) = owed
+            && by <= now
+        {
+            // Its quantum is up: it has the GPU unless it is more than a
+            // slice ahead of the holder (it took more than its part
+            // lately).
+            self.owed = None;
+            if self.yields_to(c, w) {
+                self.handoff = Some(w);
+                self.revoke(now, h, false);
+                return true;
+            }
+        }
+        let owed_by = owed.map(|(_, by, _)| by).filter(|&by| by > now);
         let wake_by = now.saturating_add(cfg.wake);
         // Lower bands do not contend with the holder.
         let best = best.filter(|w| band(w.class) == band(class));
@@ -288,19 +327,8 @@ impl Scheduler {
         let fits = self.fits(c, now, bounded);
         let g = c.grant.as_ref().expect("holder has a grant");
         let (gid, start, deadline) = (g.id, g.start, g.deadline);
-        let unchanged = g.bound == bound && g.waiters == waiters;
-        let yields = g
-            .yield_to
-            .is_some_and(|w| self.yields_to(c, w, now, bounded));
-        // A deadline already within `wake` of a waker's arrival serves it
-        // as a cut one would (a `high` burst that came 2 ms before the
-        // holder's slice ended waited for the holder's extension, 24 ms).
-        if woke_here
-            && deadline.is_some_and(|d| d > now && d <= wake_by)
-            && let Some(g) = self.clients.get_mut(&h).and_then(|c| c.grant.as_mut())
-        {
-            g.yield_to = woken;
-        }
+        let capped = owed_by.is_some_and(|by| deadline.is_none_or(|d| d > by));
+        let unchanged = g.bound == bound && g.waiters == waiters && !capped;
         // Liveness: while anyone of a lower band waits, a holder's grant
         // is never open-ended; at its end the holder is recalled, since
         // the broker cannot see whether it still launches (a client that
@@ -329,7 +357,6 @@ impl Scheduler {
             }
             Some(d) if d <= now => {
                 if cmp.is_some_and(|x| x.holder >= x.waiter)
-                    || yields
                     || (now >= start.saturating_add(longest) && self.lower_band_waits(band(class)))
                 {
                     None
@@ -381,18 +408,15 @@ impl Scheduler {
                 Some(None)
             }
         };
-        // Whom a deadline cut short for a waker yields to when it comes
-        // (one that passed has been judged above).
-        let yield_to = match (action, deadline) {
-            (Some(Some(s)), _) if woke_here && now + s <= wake_by => woken,
-            (_, Some(d)) if d > now => self.clients[&h].grant.as_ref().and_then(|g| g.yield_to),
-            _ => None,
+        // A deadline no later than what is owed to another user's waker.
+        let action = match (action, owed_by) {
+            (Some(s), Some(by)) if s.is_none_or(|s| now + s > by) => Some(Some(by - now)),
+            (a, _) => a,
         };
         match action {
             Some(slice) => {
                 let c = self.clients.get_mut(&h).expect("holder is registered");
                 let g = c.grant.as_mut().expect("holder has a grant");
-                g.yield_to = yield_to;
                 g.deadline = slice.map(|s| now + s);
                 g.bound = bound;
                 g.waiters = waiters;
@@ -409,28 +433,34 @@ impl Scheduler {
         true
     }
 
-    /// Whether holder `h`, its deadline cut short for waker `w`, yields to
-    /// it: the GPU's own time-slicer would have let `w` run within that
-    /// quantum, so it does unless it is more than a slice of the holder's
-    /// time ahead of it (it has taken more than its part lately: a user
-    /// coming back keeps its lag, `woken`). A `high` waker beside a busy
-    /// `high` holder of another user waited a whole slice for its burst.
-    fn yields_to(&self, h: &Client, w: ClientId, now: Nanos, bounded: bool) -> bool {
-        let Some(wc) = self.clients.get(&w) else {
-            return false;
-        };
-        if wc.state != ClientState::Waiting
-            || band(wc.class) != band(h.class)
-            || !self.fits(wc, now, bounded)
-        {
-            return false;
-        }
-        let x = self.compare(h, wc);
+    /// Whether holder `h` still owes waker `w` the GPU: `h` is of the user
+    /// that held it when `w` woke, and `w` still waits, in the holder's
+    /// band, and may run.
+    fn owes(&self, h: &Client, (w, _, by_user): super::Owed, now: Nanos, bounded: bool) -> bool {
+        h.user_ref() == by_user
+            && self.clients.get(&w).is_some_and(|wc| {
+                wc.state == ClientState::Waiting
+                    && band(wc.class) == band(h.class)
+                    && self.fits(wc, now, bounded)
+            })
+    }
+
+    /// Whether holder `h` yields to the waker `w` it owes when the waker's
+    /// quantum is up: the GPU's own time-slicer would have let `w` run
+    /// by then, so it does unless it is more than a slice of the holder's
+    /// time ahead of it (it took more than its part lately: a user coming
+    /// back keeps its lag, `woken`). A `high` waker beside a busy `high`
+    /// holder of another user waited a whole slice for its burst.
+    fn yields_to(&self, h: &Client, w: ClientId) -> bool {
+        let x = self.compare(h, &self.clients[&w]);
         x.waiter < x.holder + self.cfg.timeslice as f64 / x.weight
     }
 
     fn grant_to(&mut self, now: Nanos, id: ClientId) {
         let cfg = self.cfg;
+        if self.owed.is_some_and(|(w, _, _)| w == id) {
+            self.owed = None;
+        }
         let burst = self.waking.remove(&id);
         let class = self.clients[&id].class;
         let bounded = self.high_bounded(now);
@@ -455,7 +485,7 @@ impl Scheduler {
             recall: false,
             bound: 0,
             waiters: false,
-            yield_to: None,
+            preempted: false,
             burst,
         });
         // Its own earlier work now counts as part of the holding.

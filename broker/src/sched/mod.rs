@@ -115,6 +115,10 @@ const WARP_SLICES: f64 = 2.0;
 /// of real time (`woken`).
 const WAKE_ACCRUAL: f64 = 0.1;
 
+/// A waker, when its quantum is up, and the user (in a band) that owes
+/// it the GPU: the one that held it when the waker came.
+type Owed = (ClientId, Nanos, UserRef);
+
 #[derive(Debug, Clone)]
 struct Outstanding {
     id: GrantId,
@@ -131,10 +135,9 @@ struct Outstanding {
     /// holder asks again and is granted at once), for `recall_hold` at
     /// most.
     recall: bool,
-    /// Its deadline was cut to `wake` for a client that woke up: at the
-    /// deadline it yields to that one unless it is far ahead
-    /// (`Scheduler::yields_to`).
-    yield_to: Option<ClientId>,
+    /// Revoked for a waker that took the GPU at once (not at the end of a
+    /// slice).
+    preempted: bool,
     /// Granted to a client that had been idle: its first slice is a burst
     /// (a request, a notebook cell) that must be queued whole, or the GPU's
     /// time-slicer would switch to others' leftover work at every gap.
@@ -229,6 +232,14 @@ pub struct Scheduler {
     /// a recall by asking again without evidence of work (`evidence`). The
     /// user's, so that a new connection or process of it waits too.
     deferred: BTreeMap<UserRef, evidence::Deferral>,
+    /// A waker of another user than the holder's, owed the GPU by the
+    /// holder's user (`Owed`): the holder's deadline is no later than its
+    /// quantum, and it yields to the waker then (`Scheduler::yields_to`).
+    owed: Option<Owed>,
+    /// The waker a holder just yielded to: it has the GPU next if it still
+    /// waits and may run, whoever comes first in the order (the yielding
+    /// holder's own sibling did).
+    handoff: Option<ClientId>,
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -360,6 +371,8 @@ impl Scheduler {
             doubt: BTreeMap::new(),
             doubting: None,
             deferred: BTreeMap::new(),
+            owed: None,
+            handoff: None,
         }
     }
 
@@ -651,13 +664,22 @@ impl Scheduler {
                 self.waking.remove(&id);
             }
             ClientState::Holding | ClientState::Revoking => {
-                c.grant = None;
+                let preempted = c.grant.take().is_some_and(|g| g.preempted);
                 c.draining_since = Some(now);
                 c.drain_until = now.saturating_add(self.cfg.drain_timeout);
                 if std::mem::take(&mut c.wants_again) {
                     c.state = ClientState::Waiting;
                     c.seq = seq;
                     self.next_seq += 1;
+                    // A `high` holder the GPU was taken from at once, that
+                    // asked again before letting go, is served within
+                    // `wake` as one that woke up (an interactive burst
+                    // asked as its idle grant was taken waited 24 ms for
+                    // the taker's credit); not one whose slice ran out, or
+                    // two busy ones would hand over every `wake`.
+                    if preempted && c.class == Priority::High {
+                        self.woke = Some((id, Level::Client));
+                    }
                 } else {
                     c.state = ClientState::Idle;
                 }

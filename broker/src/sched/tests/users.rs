@@ -179,6 +179,49 @@ fn an_interactive_normal_process_takes_the_gpu_at_once_once_it_has_earned_credit
     );
 }
 
+/// The attack (found by the red-team search): a `high` process of another
+/// user, back with a slice of credit, took the GPU at once from the
+/// victim's `high` process idle in its grant; the victim's next burst,
+/// asked as its grant was being taken, waited for that credit to be spent
+/// (24 ms). A `high` holder the GPU was taken from at once, that asks
+/// again before letting go, is served within `wake` like one that woke.
+#[test]
+fn a_high_burst_asked_as_its_grant_is_taken_waits_no_more_than_a_wake() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.user_proc(1, 1, Priority::High);
+    sim.user_proc(2, 2, Priority::High);
+    sim.residual.insert(2, B);
+    // The attacker works a little, then is away long enough to earn a
+    // slice of credit, while the victim holds its grant idle.
+    sim.start(2);
+    sim.run_until(10 * MS);
+    sim.busy.remove(&2);
+    sim.s.release(sim.now, 2);
+    sim.s.drained(sim.now, 2);
+    sim.pump();
+    sim.start(1);
+    sim.run_until(400 * MS);
+    assert_eq!(sim.s.holder(), Some(1));
+    // Busy in the model: revoked, it asks again and then lets go.
+    sim.start(2);
+    assert_eq!(
+        sim.s.holder(),
+        Some(2),
+        "the attacker's credit takes the GPU"
+    );
+    let asked = sim.now;
+    let mut t = asked;
+    while sim.s.holder() != Some(1) && t < asked + 100 * MS {
+        t += 100 * US;
+        sim.run_until(t);
+    }
+    assert!(
+        t - asked <= SchedConfig::default().wake,
+        "the victim's burst waited {} us",
+        (t - asked) / US
+    );
+}
+
 /// What an attacker's connection does next.
 #[derive(Debug, Clone, Copy)]
 enum Move {
