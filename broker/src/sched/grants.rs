@@ -356,8 +356,9 @@ impl Scheduler {
                 None
             }
             Some(d) if d <= now => {
+                let lower = self.lower_band_waits(band(class));
                 if cmp.is_some_and(|x| x.holder >= x.waiter)
-                    || (now >= start.saturating_add(longest) && self.lower_band_waits(band(class)))
+                    || (lower && (now >= start.saturating_add(longest) || self.unproven(c, now)))
                 {
                     None
                 } else if let Some(r) = remaining {
