@@ -239,7 +239,22 @@ impl Scheduler {
             }
             return match self.next_grantee(now, bounded) {
                 Some(next) => {
+                    // A waker passed over for another user's client of its
+                    // band (one that came at the same moment, ahead in
+                    // the order) is owed the GPU by that user as if it
+                    // had woken beside it.
+                    let passed = self.woke.map(|(w, _)| w).filter(|&w| w != next.id);
                     self.grant_to(now, next.id);
+                    if let Some(w) = passed
+                        && self.owed.is_none()
+                    {
+                        let by = now.saturating_add(self.cfg.wake);
+                        let c = &self.clients[&next.id];
+                        let o = (w, by, c.user_ref());
+                        if self.clients[&w].user_ref() != o.2 && self.owes(c, o, now, bounded) {
+                            self.owed = Some(o);
+                        }
+                    }
                     true
                 }
                 None => false,
@@ -277,6 +292,9 @@ impl Scheduler {
                 if let Some(g) = self.clients.get_mut(&h).and_then(|c| c.grant.as_mut()) {
                     g.preempted = true;
                 }
+                // For the grant that follows: a waker it passes over is
+                // owed the GPU.
+                self.woke = woke;
                 return true;
             }
         }
