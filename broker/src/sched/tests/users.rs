@@ -222,6 +222,35 @@ fn a_high_burst_asked_as_its_grant_is_taken_waits_no_more_than_a_wake() {
     );
 }
 
+/// Two busy users of one class hand the GPU over at the end of slices,
+/// whatever their class: a holder owes another user's waker the GPU
+/// within a wake period only when it woke (a `high` holder made to yield
+/// and then asking again as a waker had two busy `high` users hand over
+/// every 2 ms).
+#[test]
+fn two_busy_users_hand_over_at_the_end_of_slices() {
+    for class in [Priority::High, N] {
+        let mut sim = Sim::new(SchedConfig::default());
+        sim.user_proc(1, 1, class);
+        sim.user_proc(2, 2, class);
+        for id in [1, 2] {
+            sim.residual.insert(id, B);
+            sim.start(id);
+        }
+        let end = 2 * SEC;
+        sim.run_until(end);
+        let slices = (end / SchedConfig::default().timeslice) as usize;
+        for id in [1, 2] {
+            let n = sim.grants_to(id).len();
+            assert!(
+                n <= slices / 2 + 2,
+                "{class:?}: {n} grants to {id} in {} slices",
+                slices
+            );
+        }
+    }
+}
+
 /// What an attacker's connection does next.
 #[derive(Debug, Clone, Copy)]
 enum Move {
