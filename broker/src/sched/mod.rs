@@ -30,12 +30,19 @@
 //!   wake-up credit are the user's: they outlive its processes and
 //!   connections, so ten jobs, ten processes or a thousand connections
 //!   that take turns still get one user's part.
-//! - **Wake-up credit, per user**: a user that starts competing again
-//!   (none of its clients waits or holds) starts up to one timeslice of
-//!   its own behind the band's clock (never ahead of what it had used), so
-//!   an interactive user that used less than its share takes the GPU at
-//!   once instead of waiting for the holder's slice to end. A connection of
-//!   a user already competing gets no credit against other users.
+//! - **Wake-up credit, per user, earned**: a user that starts competing
+//!   again (none of its clients waits or holds) keeps the lag it had behind
+//!   the band's clock when it left, plus credit earned at a tenth of the
+//!   time away, up to one timeslice of its own (never ahead of what it had
+//!   used; `woken`), so an interactive user that uses less than its share
+//!   takes the GPU at once instead of waiting for the holder's slice to
+//!   end, and one that works half of each period cannot take its whole
+//!   on-time back. A connection of a user already competing gets no
+//!   credit against other users.
+//! - **Never longer than the time-slicer**: a waker not behind enough to
+//!   take the GPU at once is owed it within `wake` by the user that held
+//!   it then (across that user's own changes of holder), unless it is over
+//!   a slice ahead of the holder (`owed`, `yields_to`).
 //! - **Priority buys latency, never throughput** (Borrowed Virtual Time):
 //!   `high` and `normal` share one virtual time per user; a `high` waiter is
 //!   placed two slices of its own ahead of it (a warp) and takes the GPU at
