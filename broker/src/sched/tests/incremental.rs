@@ -198,8 +198,7 @@ pub(super) fn check_index(s: &Scheduler) {
         .collect();
     assert_eq!(by_index, by_scan, "waiters in grant order");
     // Every clock is at or past the least place it is over: its
-    // waiters', and the branches of the holder and of revoked holders
-    // that have not answered.
+    // waiters', and the holder's branch.
     let mut least: Map<(usize, Option<UserKey>, Option<GroupId>), f64> = Map::new();
     let mut put = |k, v: f64| {
         let e = least.entry(k).or_insert(v);
@@ -211,12 +210,16 @@ pub(super) fn check_index(s: &Scheduler) {
         put((b, Some(u), None), o.4.0);
         put((b, Some(u), Some(g)), o.7.0);
     }
+    // A band's clock is over revoked holders that have not answered too.
     for h in s.granted() {
-        let (b, u, g) = h.path();
+        let (b, u, _) = h.path();
         put(
             (b, None, None),
             t.users[&(b, u)].n.vtime - h.warp(warp, scan.users[&(b, u)]),
         );
+    }
+    if let Some(h) = s.holder.map(|h| &s.clients[&h]) {
+        let (b, u, g) = h.path();
         put(
             (b, Some(u), None),
             t.units[&(b, u, g)].n.vtime - h.warp(warp, scan.units[&(b, u, g)]),
