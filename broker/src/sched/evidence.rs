@@ -131,9 +131,9 @@ impl Scheduler {
     pub(super) fn sync_doubt(&mut self, now: Nanos) {
         let hold = self.recall_hold();
         let recalled = |c: &&Client| {
-            c.grant.as_ref().is_some_and(|g| {
-                g.recall && !g.hung && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
-            })
+            c.grant
+                .as_ref()
+                .is_some_and(|g| !g.hung && g.awaits_recall_answer(now, hold))
         };
         let doubting = self
             .holder

@@ -65,9 +65,9 @@ impl Scheduler {
             .iter()
             .map(|id| &self.clients[id])
             .filter(|c| {
-                c.grant.as_ref().is_some_and(|g| {
-                    g.recall && g.revoked_at.is_some_and(|r| now < r.saturating_add(hold))
-                })
+                c.grant
+                    .as_ref()
+                    .is_some_and(|g| g.awaits_recall_answer(now, hold))
             })
             .map(|c| band(c.class))
             .max();
@@ -248,12 +248,7 @@ impl Scheduler {
                     if let Some(w) = passed
                         && self.owed.is_none()
                     {
-                        let by = now.saturating_add(self.cfg.wake);
-                        let c = &self.clients[&next.id];
-                        let o = (w, by, c.user_ref());
-                        if self.clients[&w].user_ref() != o.2 && self.owes(c, o, now, bounded) {
-                            self.owed = Some(o);
-                        }
+                        self.owed = self.owed_to(&self.clients[&next.id], w, now, bounded);
                     }
                     true
                 }
@@ -313,13 +308,11 @@ impl Scheduler {
         // changes of holder within the holder's user (a sibling taking
         // the GPU at once had dropped the victim's turn); within one user
         // the order decides.
-        let user = c.user_ref();
         self.owed = self.owed.filter(|&o| self.owes(c, o, now, bounded));
         if let Some(w) = woken
-            && self.clients[&w].user_ref() != user
             && self.owed.is_none()
         {
-            self.owed = Some((w, now.saturating_add(cfg.wake), user));
+            self.owed = self.owed_to(c, w, now, bounded);
         }
         let owed = self.owed;
         if let Some((w, by, _)) = owed
@@ -450,6 +443,13 @@ impl Scheduler {
             None => self.revoke(now, h, recall),
         }
         true
+    }
+
+    /// What holder `h`'s user owes waker `w` if `w` is another user's:
+    /// the GPU within `wake` of now.
+    fn owed_to(&self, h: &Client, w: ClientId, now: Nanos, bounded: bool) -> Option<super::Owed> {
+        let o = (w, now.saturating_add(self.cfg.wake), h.user_ref());
+        (self.clients[&w].user_ref() != o.2 && self.owes(h, o, now, bounded)).then_some(o)
     }
 
     /// Whether holder `h` still owes waker `w` the GPU: `h` is of the user

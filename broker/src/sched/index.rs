@@ -130,13 +130,12 @@ impl Index {
         }
         if old.holding != new.holding
             || (new.holding && (old.path, old.class) != (new.path, new.class))
+            || old.granted != new.granted
+            || (new.granted && old.path != new.path)
         {
             // The holder's branch (with its class's warp) counts in its
-            // nodes' clocks.
-            self.tree.stale.extend(old.path.into_iter().chain(new.path));
-        }
-        if old.granted != new.granted || (new.granted && old.path != new.path) {
-            // So does a revoked holder's until it answers.
+            // nodes' clocks, and a revoked holder's in its band's until it
+            // answers.
             self.tree.stale.extend(old.path.into_iter().chain(new.path));
         }
         if old.granted != new.granted {

@@ -126,6 +126,17 @@ const WAKE_ACCRUAL: f64 = 0.1;
 /// it the GPU: the one that held it when the waker came.
 type Owed = (ClientId, Nanos, UserRef);
 
+impl Outstanding {
+    /// Recalled, and its band keeps the GPU for its answer until
+    /// `recall_hold` after the revoke.
+    fn awaits_recall_answer(&self, now: Nanos, hold: Nanos) -> bool {
+        self.recall
+            && self
+                .revoked_at
+                .is_some_and(|r| now < r.saturating_add(hold))
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Outstanding {
     id: GrantId,

@@ -126,18 +126,19 @@ fn labels_are_cut_leases_bounded_and_state_writes_coalesced() {
 #[test]
 fn another_users_churn_does_not_hold_a_lease_back() {
     let mut t = T::new(cfg(), &[16 * GIB]);
-    let p = t.spawn(1);
-    let bob = t.connect_as(p, BOB);
-    t.send(
-        bob,
-        &LeaseReq {
+    // `gpufrac run --gpu-memory 1G --no-wait`, as the red team's victim.
+    let run = |t: &mut T, c| {
+        let ask = LeaseReq {
             compute: Some(10.0),
             ..lease(0, GIB, true)
-        }
-        .into(),
-    );
-    t.turn();
-    assert!(leased(&t.recv(bob)).is_some());
+        };
+        t.send(c, &ask.into());
+        t.turn();
+        leased(&t.recv(c)).is_some()
+    };
+    let p = t.spawn(1);
+    let bob = t.connect_as(p, BOB);
+    assert!(run(&mut t, bob));
     for k in 0..50 {
         t.send(
             bob,
@@ -151,17 +152,8 @@ fn another_users_churn_does_not_hold_a_lease_back() {
     }
     let q = t.spawn(1);
     let alice = t.connect_as(q, ALICE);
-    t.send(
-        alice,
-        &LeaseReq {
-            compute: Some(10.0),
-            ..lease(0, GIB, true)
-        }
-        .into(),
-    );
-    t.turn();
     assert!(
-        leased(&t.recv(alice)).is_some(),
+        run(&mut t, alice),
         "alice's lease waited for the write bob's churn had put off"
     );
 }
