@@ -754,3 +754,92 @@ fn a_high_burst_beside_a_pretender_and_hung_low_holders_is_granted_within_its_bo
     };
     holds(Invariant::Service, &s);
 }
+
+/// Two `high` connections of one user taking turns, 42% of each 90 ms:
+/// the victim's `high` burst waited 27.8 ms. A holder alone since the
+/// last event had its lag recorded from a clock as old as that event,
+/// so the victim came back far behind its real place; and a burst asked
+/// as its idle grant was taken for a newcomer was not served as a waker.
+#[test]
+fn service_seed_20261126_turns() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Shim {
+                class: Priority::High,
+                work: true,
+                recall: Recall::Honest,
+                uuids: 0,
+            },
+            members: 2,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 90,
+            duty: 42,
+            stagger: 100,
+            reconnect: false,
+            respawn: false,
+            argv: Argv {
+                kib: 0,
+                text: Text::Plain,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Service, &s);
+}
+
+/// Found by the longer search with another seed (`redteam search
+/// --invariant service --shims-only --seed 1127`): the victim's idle
+/// grant, alone for most of a slice, ended for the attacker's waker 12 µs
+/// later instead of at once, and the burst asked as it ended waited the
+/// attacker's whole slice (20 ms).
+#[test]
+fn service_seed_1127() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::High,
+                    work: true,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 2,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 80,
+                duty: 9,
+                stagger: 50,
+                reconnect: true,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::High,
+                    work: false,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 2,
+                procs: 1,
+                start_ms: 300,
+                period_ms: 640,
+                duty: 11,
+                stagger: 50,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Service, &s);
+}

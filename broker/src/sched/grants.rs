@@ -234,7 +234,11 @@ impl Scheduler {
                     .is_some_and(|c| c.state == ClientState::Waiting && self.fits(c, now, bounded))
             });
             if let Some(w) = handoff {
-                self.grant_to(now, w);
+                // A quantum, as the time-slicer would give it; then the
+                // usual order decides (a full slice had the holder it took
+                // the GPU from, a waker with credit, wait a slice for the
+                // rest of its burst).
+                self.grant_to(now, w, Some(self.cfg.timeslice / 5));
                 return true;
             }
             return match self.next_grantee(now, bounded) {
@@ -244,7 +248,7 @@ impl Scheduler {
                     // the order) is owed the GPU by that user as if it
                     // had woken beside it.
                     let passed = self.woke.map(|(w, _)| w).filter(|&w| w != next.id);
-                    self.grant_to(now, next.id);
+                    self.grant_to(now, next.id, None);
                     if let Some(w) = passed
                         && self.owed.is_none()
                     {
@@ -284,9 +288,7 @@ impl Scheduler {
                     }));
             if preempt {
                 self.revoke(now, h, false);
-                if let Some(g) = self.clients.get_mut(&h).and_then(|c| c.grant.as_mut()) {
-                    g.preempted = true;
-                }
+                self.mark_preempted(h);
                 // For the grant that follows: a waker it passes over is
                 // owed the GPU.
                 self.woke = woke;
@@ -337,7 +339,8 @@ impl Scheduler {
         let remaining = self.remaining(c, now, bounded);
         let fits = self.fits(c, now, bounded);
         let g = c.grant.as_ref().expect("holder has a grant");
-        let (gid, start, deadline) = (g.id, g.start, g.deadline);
+        let (gid, start, deadline, first) = (g.id, g.start, g.deadline, g.first);
+        let mut solo = g.solo;
         let capped = owed_by.is_some_and(|by| deadline.is_none_or(|d| d > by));
         let unchanged = g.bound == bound && g.waiters == waiters && !capped;
         // Liveness: while anyone of a lower band waits, a holder's grant
@@ -346,6 +349,7 @@ impl Scheduler {
         // holds the GPU without using it once kept a `low` waiter out
         // forever).
         let mut recall = false;
+        let mut taken = false;
         // While a lower band waits, however far behind it stays, one grant
         // runs at most a slice of credit and the warp: a holder charged no
         // faster than a waiter of its band (both on the GPU, the waiter
@@ -367,6 +371,9 @@ impl Scheduler {
                 None
             }
             Some(d) if d <= now => {
+                // The end of a run alone, cut for a newcomer: taken for
+                // it, as at once.
+                taken = std::mem::take(&mut solo);
                 let lower = self.lower_band_waits(band(class));
                 if cmp.is_some_and(|x| x.holder >= x.waiter)
                     || (lower && (now >= start.saturating_add(longest) || self.unproven(c, now)))
@@ -392,7 +399,7 @@ impl Scheduler {
                 // out, counted from its grant; a holder that already had that
                 // much is revoked now: its solo run is paid for. A holder
                 // only its ceilings cut short gets a slice from now.
-                let mut d = start.saturating_add(cfg.timeslice).max(now);
+                let mut d = start.saturating_add(first).max(now);
                 if !contended && d == now {
                     d = now + cfg.timeslice;
                 }
@@ -406,6 +413,12 @@ impl Scheduler {
                 {
                     d = now + e;
                 }
+                // Revoked now for a waker: taken at once, as by one that
+                // preempts; or its run alone ends for it soon. (Not for a
+                // holder it took the GPU from asking again: two busy
+                // users would hand over every quantum.)
+                taken = woke_here && d == now;
+                solo = woke_here;
                 let d = match remaining {
                     Some(r) => d.min(now + r),
                     None => d,
@@ -432,6 +445,7 @@ impl Scheduler {
                 g.deadline = slice.map(|s| now + s);
                 g.bound = bound;
                 g.waiters = waiters;
+                g.solo = solo;
                 self.actions.push_back(Action::Grant {
                     client: h,
                     grant: gid,
@@ -440,9 +454,24 @@ impl Scheduler {
                     waiters,
                 });
             }
-            None => self.revoke(now, h, recall),
+            None => {
+                self.revoke(now, h, recall);
+                if taken {
+                    self.mark_preempted(h);
+                }
+            }
         }
         true
+    }
+
+    /// `h`'s grant was taken for a waiter at once or at the end of its
+    /// run alone (not at the end of a contended slice): a `high` holder
+    /// that asks again before letting go is served as a waker
+    /// (`release`).
+    fn mark_preempted(&mut self, h: ClientId) {
+        if let Some(g) = self.clients.get_mut(&h).and_then(|c| c.grant.as_mut()) {
+            g.preempted = true;
+        }
     }
 
     /// What holder `h`'s user owes waker `w` if `w` is another user's:
@@ -475,7 +504,8 @@ impl Scheduler {
         x.waiter < x.holder + self.cfg.timeslice as f64 / x.weight
     }
 
-    fn grant_to(&mut self, now: Nanos, id: ClientId) {
+    /// Grants to `id`, for at most `quantum` if given.
+    fn grant_to(&mut self, now: Nanos, id: ClientId, quantum: Option<Nanos>) {
         let cfg = self.cfg;
         if self.owed.is_some_and(|(w, _, _)| w == id) {
             self.owed = None;
@@ -494,6 +524,8 @@ impl Scheduler {
             Some(r) => Some(r.min(cfg.timeslice)),
             None => (contended || waiters).then_some(cfg.timeslice),
         };
+        let first = quantum.unwrap_or(cfg.timeslice).min(cfg.timeslice);
+        let slice = slice.map(|s| s.min(first));
         c.state = ClientState::Holding;
         c.grant = Some(Outstanding {
             id: gid,
@@ -505,6 +537,8 @@ impl Scheduler {
             bound: 0,
             waiters: false,
             preempted: false,
+            solo: false,
+            first,
             burst,
         });
         // Its own earlier work now counts as part of the holding.

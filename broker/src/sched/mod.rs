@@ -42,7 +42,8 @@
 //! - **Never longer than the time-slicer**: a waker not behind enough to
 //!   take the GPU at once is owed it within `wake` by the user that held
 //!   it then (across that user's own changes of holder), unless it is over
-//!   a slice ahead of the holder (`owed`, `yields_to`).
+//!   a slice ahead of the holder (`owed`, `yields_to`); handed over, it
+//!   has a quantum (a fifth of a slice), then the usual order decides.
 //! - **Priority buys latency, never throughput** (Borrowed Virtual Time):
 //!   `high` and `normal` share one virtual time per user; a `high` waiter is
 //!   placed two slices of its own ahead of it (a warp) and takes the GPU at
@@ -153,9 +154,15 @@ struct Outstanding {
     /// holder asks again and is granted at once), for `recall_hold` at
     /// most.
     recall: bool,
-    /// Revoked for a waker that took the GPU at once (not at the end of a
-    /// slice).
+    /// Revoked for a waiter that took the GPU at once, or at the end of
+    /// its run alone (not at the end of a contended slice).
     preempted: bool,
+    /// It held alone (an open-ended grant) and its slice now ends for a
+    /// waker of its band: a revoke at that end is `preempted`.
+    solo: bool,
+    /// How long its first slice runs once another contends: a slice, or
+    /// a quantum for a waker handed the GPU it was owed.
+    first: Nanos,
     /// Granted to a client that had been idle: its first slice is a burst
     /// (a request, a notebook cell) that must be queued whole, or the GPU's
     /// time-slicer would switch to others' leftover work at every gap.
@@ -689,12 +696,13 @@ impl Scheduler {
                     c.state = ClientState::Waiting;
                     c.seq = seq;
                     self.next_seq += 1;
-                    // A `high` holder the GPU was taken from at once, that
-                    // asked again before letting go, is served within
-                    // `wake` as one that woke up (an interactive burst
-                    // asked as its idle grant was taken waited 24 ms for
-                    // the taker's credit); not one whose slice ran out, or
-                    // two busy ones would hand over every `wake`.
+                    // A `high` holder the GPU was taken from for a waker
+                    // (`preempted`), that asked again before letting go,
+                    // is served within `wake` as one that woke up (an
+                    // interactive burst asked as its idle grant was taken
+                    // waited 24 ms for the taker's credit); not one whose
+                    // slice ran out, or two busy ones would hand over
+                    // every `wake`.
                     if preempted && c.class == Priority::High {
                         self.woke = Some((id, Level::Client));
                     }
@@ -901,11 +909,19 @@ impl Scheduler {
         stale.sort_unstable();
         stale.dedup();
         let mut bands = [false; BANDS];
+        // Nodes competing now or until this event: their lag is kept from
+        // their parents' clocks as this event leaves them.
+        let mut on_units = Vec::new();
+        let mut on_users = Vec::new();
         for (i, &p) in stale.iter().enumerate() {
-            self.refresh_unit(p);
+            if self.refresh_unit(p) {
+                on_units.push(p);
+            }
             let r = (p.0, p.1);
             if stale.get(i + 1).is_none_or(|q| (q.0, q.1) != r) {
-                self.refresh_user(r);
+                if self.refresh_user(r) {
+                    on_users.push(r);
+                }
                 bands[r.0] = true;
             }
         }
@@ -923,6 +939,23 @@ impl Scheduler {
                 t.clock[b] = t.clock[b].max(m);
             }
         }
+        // After the clocks: read before them, a holder alone since the
+        // last event (the clock following it, unrefreshed) left with a
+        // lag from a clock as old as that event, and came back that far
+        // behind (a `high` burst waited 28 ms).
+        let (t, now) = (&mut self.ix.tree, self.now);
+        for p in on_units {
+            let parent = t.users.get(&(p.0, p.1)).map(|u| u.n.clock);
+            if let (Some(parent), Some(x)) = (parent, t.units.get_mut(&p)) {
+                x.n.off = (now, parent);
+            }
+        }
+        for r in on_users {
+            let parent = t.clock[r.0];
+            if let Some(x) = t.users.get_mut(&r) {
+                x.n.off = (now, parent);
+            }
+        }
         // The buffer's room is kept for the next event.
         stale.clear();
         self.ix.tree.stale = stale;
@@ -930,9 +963,10 @@ impl Scheduler {
 
     /// A unit's clock and place (a unit dropped as its last member left
     /// has none; its user's and band's clocks are refreshed all the same).
-    fn refresh_unit(&mut self, p: UnitRef) {
+    /// Returns whether it competes now or did until this event.
+    fn refresh_unit(&mut self, p: UnitRef) -> bool {
         let Some(x) = self.ix.tree.units.get(&p) else {
-            return;
+            return false;
         };
         let warp = self.warp();
         let w = self.ix.unit_weight(p);
@@ -947,22 +981,19 @@ impl Scheduler {
         // Competing now, or until this event (it had a place): its lag is
         // kept from here if it stops.
         let on = held.is_some() || x.n.waiting > 0 || x.n.entry.is_some();
-        let parent = self.ix.tree.users.get(&(p.0, p.1)).map(|u| u.n.clock);
-        let now = self.now;
         let x = self.ix.tree.units.get_mut(&p).expect("looked up above");
         if let Some(m) = m {
             x.n.clock = x.n.clock.max(m);
         }
-        if let (true, Some(parent)) = (on, parent) {
-            x.n.off = (now, parent);
-        }
         self.ix.tree.place_unit(p, key);
+        on
     }
 
-    /// A user's clock and place.
-    fn refresh_user(&mut self, r: UserRef) {
+    /// A user's clock and place; whether it competes now or did until
+    /// this event.
+    fn refresh_user(&mut self, r: UserRef) -> bool {
         let Some(x) = self.ix.tree.users.get(&r) else {
-            return;
+            return false;
         };
         let warp = self.warp();
         let held = self
@@ -975,15 +1006,12 @@ impl Scheduler {
         let key =
             (x.n.waiting > 0).then(|| Vt(x.n.vtime - if x.n.high > 0 { warp / w } else { 0.0 }));
         let on = held.is_some() || x.n.waiting > 0 || x.n.entry.is_some();
-        let (now, parent) = (self.now, self.ix.tree.clock[r.0]);
         let x = self.ix.tree.users.get_mut(&r).expect("looked up above");
         if let Some(m) = m {
             x.n.clock = x.n.clock.max(m);
         }
-        if on {
-            x.n.off = (now, parent);
-        }
         self.ix.tree.place_user(r, key);
+        on
     }
 }
 

@@ -119,24 +119,63 @@ fn an_interactive_client_preempts_a_busy_holder_on_every_wakeup() {
 }
 
 #[test]
-fn a_waker_ahead_of_the_holder_waits_a_quantum_then_the_order_decides() {
+fn a_waker_within_a_slice_of_the_holder_gets_a_quantum_then_the_order_decides() {
     let mut s = Scheduler::new(SchedConfig::default());
     s.add_client(0, 1, 1.0, None, N);
     s.add_client(0, 2, 1.0, None, N);
-    // 2 runs alone for a second, then 1 runs: 2 is far ahead.
+    // 2 runs alone for a second, then 1 runs. Alone, 2 kept level with
+    // the clock; 1 comes with a slice of credit, so 2 is almost a slice
+    // ahead of it.
     s.acquire(0, 2);
     s.release(SEC, 2);
     s.drained(SEC, 2);
     s.acquire(SEC, 1);
     drain(&mut s);
     s.acquire(SEC + MS, 2);
-    // Not preempted: 2's credit is one slice, and it is ahead by more.
-    // But it waits no longer than the GPU's quantum for its turn to be
-    // weighed (1 is still in its first burst: the burst's bound).
+    // Not behind, so it does not preempt; but it waits no longer than
+    // the GPU's quantum (1 is still in its first burst: the burst's
+    // bound).
     assert_eq!(drain(&mut s), vec![grant(1, 2, Some(2 * MS), BB)]);
     assert_eq!(s.holder(), Some(1));
-    // Then 1, far behind, keeps the GPU for most of a slice more.
     s.handle_timeout(SEC + 3 * MS);
+    assert_eq!(
+        drain(&mut s),
+        vec![revoke(1, 2), grant(2, 3, None, BB)],
+        "the waker's quantum"
+    );
+    // 1 is busy: it asks again. 2's grant is a quantum, not a slice...
+    s.acquire(SEC + 3 * MS, 1);
+    s.release(SEC + 3 * MS, 1);
+    assert_eq!(drain(&mut s), vec![grant(2, 3, Some(4 * MS), BB)]);
+    // ... and then 1, behind, has the GPU back for most of a slice.
+    s.handle_timeout(SEC + 7 * MS);
+    assert_eq!(drain(&mut s), vec![revoke(2, 3), grant(1, 4, None, B)]);
+    s.acquire(SEC + 7 * MS, 2);
+    s.release(SEC + 7 * MS, 2);
+    let a = drain(&mut s);
+    assert!(
+        matches!(a[..], [Action::Grant { client: 1, grant: 4, slice: Some(s), .. }] if s >= 10 * MS),
+        "{a:?}"
+    );
+}
+
+#[test]
+fn a_waker_that_used_more_than_a_slice_while_away_waits_for_the_order() {
+    let mut s = Scheduler::new(SchedConfig::default());
+    s.add_client(0, 1, 1.0, None, N);
+    s.add_client(0, 2, 1.0, None, N);
+    s.acquire(0, 2);
+    s.release(SEC, 2);
+    s.acquire(SEC, 1);
+    // 2's queued work runs beside 1 for 200 ms: it used 100 ms of the
+    // GPU while away, and comes back that far ahead.
+    s.drained(SEC + 200 * MS, 2);
+    drain(&mut s);
+    s.acquire(SEC + 200 * MS, 2);
+    // Its turn is weighed within the GPU's quantum...
+    assert_eq!(drain(&mut s), vec![grant(1, 2, Some(2 * MS), B)]);
+    s.handle_timeout(SEC + 202 * MS);
+    // ... and it is too far ahead for one: 1, behind, goes on.
     let a = drain(&mut s);
     assert!(
         matches!(a[..], [Action::Grant { client: 1, grant: 2, slice: Some(s), .. }] if s >= 10 * MS),

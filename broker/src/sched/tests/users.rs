@@ -222,6 +222,54 @@ fn a_high_burst_asked_as_its_grant_is_taken_waits_no_more_than_a_wake() {
     );
 }
 
+/// The same when the grant is taken not by a waker behind it but for a
+/// newcomer once the victim's run alone is paid for, at once or at the
+/// end of the slice it still had: the attacker away just long enough for
+/// credit short of a preemption (two `high` connections of one attacker
+/// taking turns kept the victim's burst waiting 14.7 ms for that credit;
+/// when the victim's run alone ended 12 µs after the waker came, 20 ms).
+#[test]
+fn a_high_burst_asked_as_its_grant_is_taken_for_a_newcomer_waits_no_more_than_a_wake() {
+    // When the attacker comes back: 40 ms after the victim's grant (its
+    // run alone is paid for), or 19.9 ms after (it ends with its slice).
+    for back in [40 * MS, 19_900 * US] {
+        let mut sim = Sim::new(SchedConfig::default());
+        sim.user_proc(1, 1, Priority::High);
+        sim.user_proc(2, 2, Priority::High);
+        sim.residual.insert(2, B);
+        sim.start(2);
+        sim.run_until(10 * MS);
+        sim.busy.remove(&2);
+        sim.s.release(sim.now, 2);
+        sim.s.drained(sim.now, 2);
+        sim.pump();
+        sim.start(1);
+        sim.run_until(10 * MS + back);
+        assert_eq!(sim.s.holder(), Some(1));
+        sim.start(2);
+        let asked = sim.now;
+        let mut t = asked;
+        while sim.s.holder() != Some(2) && t < asked + 100 * MS {
+            t += 10 * US;
+            sim.run_until(t);
+        }
+        assert!(t - asked <= MS, "back after {back} ns: the attacker waited");
+        // Busy in the model: revoked, the victim asks again and then
+        // lets go.
+        let mut t = sim.now;
+        let taken = t;
+        while sim.s.holder() != Some(1) && t < taken + 100 * MS {
+            t += 100 * US;
+            sim.run_until(t);
+        }
+        assert!(
+            t - taken <= SchedConfig::default().wake,
+            "back after {back} ns: the victim's burst waited {} us",
+            (t - taken) / US
+        );
+    }
+}
+
 /// Two busy users of one class hand the GPU over at the end of slices,
 /// whatever their class: a holder owes another user's waker the GPU
 /// within a wake period only when it woke (a `high` holder made to yield
