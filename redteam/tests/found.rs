@@ -843,3 +843,65 @@ fn service_seed_1127() {
     };
     holds(Invariant::Service, &s);
 }
+
+/// Also seed 1127: one attacker's busy `high` connections spend its
+/// `--high-share` beside its own `low` connections that ignore recalls,
+/// and wait; the victim's interactive `high` process runs alone in the
+/// band meanwhile. The waiting attacker held the band's clock back, the
+/// victim ran ahead of it, and when the share came back the victim's
+/// burst, over a slice ahead of the attacker, was not owed the GPU: it
+/// waited 82 ms.
+#[test]
+fn service_seed_1127_high_share_spent() {
+    let shim = |class, work, recall| Play::Shim {
+        class,
+        work,
+        recall,
+        uuids: 0,
+    };
+    let cohort = |play, members, start_ms, period_ms, duty, stagger| Cohort {
+        play,
+        members,
+        procs: 1,
+        start_ms,
+        period_ms,
+        duty,
+        stagger,
+        reconnect: false,
+        respawn: false,
+        argv: Argv {
+            kib: 0,
+            text: Text::Plain,
+        },
+        slow: false,
+    };
+    let s = Strategy {
+        cohorts: vec![
+            cohort(
+                shim(Priority::High, true, Recall::Honest),
+                2,
+                100,
+                640,
+                100,
+                12,
+            ),
+            cohort(
+                shim(Priority::Low, false, Recall::Honest),
+                2,
+                0,
+                338,
+                100,
+                50,
+            ),
+            cohort(
+                shim(Priority::Low, true, Recall::Ignore),
+                3,
+                100,
+                1000,
+                10,
+                0,
+            ),
+        ],
+    };
+    holds(Invariant::Service, &s);
+}

@@ -27,6 +27,9 @@ struct Cmp {
     /// The holder's weight at that level: virtual time there is its GPU
     /// time over this.
     weight: f64,
+    /// That level's clock, less the holder's warp: the holder's place
+    /// were it level with the clock.
+    even: f64,
 }
 
 impl Scheduler {
@@ -99,6 +102,7 @@ impl Scheduler {
                 holder,
                 waiter,
                 weight,
+                even: t.clock[hp.0] - h.warp(warp, weight),
             }
         } else if hp.2 != wp.2 {
             let at = |c: &Client, p| {
@@ -107,18 +111,22 @@ impl Scheduler {
                 (v - c.warp(warp, weight), weight)
             };
             let ((holder, weight), (waiter, _)) = (at(h, hp), at(w, wp));
+            let clock = t.users.get(&(hp.0, hp.1)).map_or(0.0, |x| x.n.clock);
             Cmp {
                 level: Level::Unit,
                 holder,
                 waiter,
                 weight,
+                even: clock - h.warp(warp, weight),
             }
         } else {
+            let clock = t.units.get(&hp).map_or(0.0, |x| x.n.clock);
             Cmp {
                 level: Level::Client,
                 holder: h.vtime - h.warp(warp, h.own),
                 waiter: w.vtime - w.warp(warp, w.own),
                 weight: h.own,
+                even: clock - h.warp(warp, h.own),
             }
         }
     }
@@ -501,7 +509,11 @@ impl Scheduler {
     /// holder of another user waited a whole slice for its burst.
     fn yields_to(&self, h: &Client, w: ClientId) -> bool {
         let x = self.compare(h, &self.clients[&w]);
-        x.waiter < x.holder + self.cfg.timeslice as f64 / x.weight
+        // Ahead of the clock, not of a holder behind it: a holder's user
+        // its ceilings had kept out while the waker's ran alone is
+        // behind the clock by all that time, and the waker, level with
+        // it, waited for all of it (82 ms).
+        x.waiter < x.holder.max(x.even) + self.cfg.timeslice as f64 / x.weight
     }
 
     /// Grants to `id`, for at most `quantum` if given.

@@ -925,6 +925,7 @@ impl Scheduler {
                 bands[r.0] = true;
             }
         }
+        let bounded = self.high_bounded(self.now);
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
             let held = self
                 .granted()
@@ -934,8 +935,20 @@ impl Scheduler {
                     self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime)
                 })
                 .min_by(f64::total_cmp);
+            // Over users with a waiter that may run (over the others only
+            // while none may): one its ceilings keep out (a
+            // `--high-share` spent, a limit) held the clock back while
+            // another user ran alone, which then came back over a slice
+            // ahead of everyone and was not owed the GPU (a `high` burst
+            // waited 82 ms).
+            let users = &self.ix.tree.top_real[b];
+            let waiting = users
+                .iter()
+                .find(|e| self.may_run((b, e.1), bounded))
+                .or_else(|| users.first())
+                .map(|e| e.0.0);
             let t = &mut self.ix.tree;
-            if let Some(m) = least(t.top_real[b].first().map(|e| e.0.0), held) {
+            if let Some(m) = least(waiting, held) {
                 t.clock[b] = t.clock[b].max(m);
             }
         }
@@ -959,6 +972,20 @@ impl Scheduler {
         // The buffer's room is kept for the next event.
         stale.clear();
         self.ix.tree.stale = stale;
+    }
+
+    /// Whether user `r` has a waiter its ceilings let run now.
+    fn may_run(&self, r: UserRef, bounded: bool) -> bool {
+        let t = &self.ix.tree;
+        t.users.get(&r).is_some_and(|u| {
+            u.units.iter().any(|g| {
+                t.units.get(&(r.0, r.1, g.2)).is_some_and(|x| {
+                    x.clients
+                        .iter()
+                        .any(|e| self.fits(&self.clients[&e.2], self.now, bounded))
+                })
+            })
+        })
     }
 
     /// A unit's clock and place (a unit dropped as its last member left

@@ -239,3 +239,48 @@ fn a_second_users_high_work_gets_its_part_and_the_class_stays_bounded() {
     let low = at[700][2] - at[400][2];
     assert!(low >= 1500 * MS - 3 * slice, "low held {low} ns of 3 s");
 }
+
+/// The red team's longer search (seed 1127, `redteam/tests/found.rs`): one
+/// user's busy `high` process beside its own busy `low` one spends its
+/// `--high-share`, and waits while the other user's interactive `high`
+/// process runs alone in the band. The waiting user, kept out by its
+/// ceiling, held the band's clock back, so the interactive user ran
+/// ahead of the clock, and when the share came back it was over a slice
+/// ahead of the busy holder: not owed the GPU, its burst waited 82 ms
+/// (29.5 ms here).
+#[test]
+fn a_high_burst_waits_no_more_than_a_wake_beside_a_user_whose_high_share_is_spent() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.proc_of(1, 1, Priority::High);
+    sim.proc_of(2, 1, Priority::Low);
+    sim.proc_of(3, 2, Priority::High);
+    for id in [1, 2] {
+        sim.residual.insert(id, B);
+        sim.start(id);
+    }
+    sim.run_until(SEC);
+    // Bursts of 3 ms every 20 ms: more than the credit the time between
+    // them earns, so the interactive user runs ahead of a clock that
+    // does not move.
+    let mut worst = 0;
+    for k in 0..150 {
+        sim.run_until(SEC + k * 20 * MS);
+        let asked = sim.now;
+        sim.s.acquire(asked, 3);
+        sim.s.drained(asked, 3);
+        sim.pump();
+        while sim.s.holder() != Some(3) && sim.now < asked + SEC {
+            sim.run_until(sim.now + 100 * US);
+        }
+        worst = worst.max(sim.now - asked);
+        sim.run_until(sim.now + 3 * MS);
+        sim.s.release(sim.now, 3);
+        sim.s.drained(sim.now, 3);
+        sim.pump();
+    }
+    assert!(
+        worst <= sim.s.config().wake,
+        "a high burst waited {} us beside a user whose high share ran out",
+        worst / US
+    );
+}
