@@ -905,3 +905,103 @@ fn service_seed_1127_high_share_spent() {
     };
     holds(Invariant::Service, &s);
 }
+
+/// Found with seed 31 (`--shims-only`): the attacker's `high` pretender
+/// (no work; it answers every recall by asking again), deferred for want
+/// of evidence, waited while the victim held the band alone; the band's
+/// clock had last moved at the previous event, so when the deferral
+/// ended the victim was over a slice ahead of a clock held back to then,
+/// and its burst waited 60 ms. The clock now follows a holder alone
+/// until the event that ends it.
+#[test]
+fn service_seed_31() {
+    let shim = |class, work, recall| Play::Shim {
+        class,
+        work,
+        recall,
+        uuids: 0,
+    };
+    let cohort = |play, period_ms, duty, stagger| Cohort {
+        play,
+        members: 1,
+        procs: 1,
+        start_ms: 0,
+        period_ms,
+        duty,
+        stagger,
+        reconnect: false,
+        respawn: false,
+        argv: Argv {
+            kib: 0,
+            text: Text::Plain,
+        },
+        slow: false,
+    };
+    let s = Strategy {
+        cohorts: vec![
+            cohort(shim(Priority::Low, false, Recall::Honest), 500, 68, 0),
+            cohort(shim(Priority::High, false, Recall::Reask), 1000, 100, 50),
+        ],
+    };
+    holds(Invariant::Service, &s);
+}
+
+/// Seed 31 again, after the fix above: 64 `high` pretenders of one
+/// attacker process, deferred for want of evidence, beside its `low`
+/// and never-reading `high` connections. When the deferral ended (a
+/// timer), the victim's idle grant, alone for a slice, was revoked at
+/// once for the pretender now allowed to run, which was no waker, so the
+/// victim's burst asked as that happened was not served as one; the
+/// pretenders, far behind after their deferral, then took turns for
+/// 56 ms.
+#[test]
+fn service_seed_31_deferral_ends() {
+    let shim = |class, work, recall| Play::Shim {
+        class,
+        work,
+        recall,
+        uuids: 0,
+    };
+    let cohort = |play, members, start_ms, period_ms, duty, respawn, slow| Cohort {
+        play,
+        members,
+        procs: 1,
+        start_ms,
+        period_ms,
+        duty,
+        stagger: 0,
+        reconnect: false,
+        respawn,
+        argv: Argv {
+            kib: 0,
+            text: Text::Plain,
+        },
+        slow,
+    };
+    let pretender = shim(Priority::High, false, Recall::Reask);
+    let s = Strategy {
+        cohorts: vec![
+            cohort(pretender, 64, 0, 500, 75, false, false),
+            cohort(
+                shim(Priority::Low, true, Recall::Honest),
+                2,
+                1,
+                500,
+                75,
+                false,
+                false,
+            ),
+            cohort(
+                shim(Priority::High, true, Recall::Honest),
+                2,
+                0,
+                594,
+                50,
+                true,
+                true,
+            ),
+            cohort(pretender, 64, 0, 1000, 75, false, false),
+        ],
+    };
+    holds(Invariant::Service, &s);
+}

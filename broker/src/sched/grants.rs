@@ -206,6 +206,7 @@ impl Scheduler {
         }
         self.woke = None;
         self.sync_meters(now);
+        self.note_alone();
     }
 
     /// Takes the GPU from holder `h`. A `recall` (its slice ran out while
@@ -421,11 +422,13 @@ impl Scheduler {
                 {
                     d = now + e;
                 }
-                // Revoked now for a waker: taken at once, as by one that
-                // preempts; or its run alone ends for it soon. (Not for a
-                // holder it took the GPU from asking again: two busy
-                // users would hand over every quantum.)
-                taken = woke_here && d == now;
+                // Revoked now for a newcomer (a waker, or a waiter whose
+                // ceiling or deferral just ended): taken at once, as by a
+                // waker that preempts. Or its run alone ends soon for a
+                // waker. (Not for a holder it took the GPU from asking
+                // again within a quantum, nor at the end of a contended
+                // slice: two busy users would hand over every quantum.)
+                taken = contended && d == now;
                 solo = woke_here;
                 let d = match remaining {
                     Some(r) => d.min(now + r),

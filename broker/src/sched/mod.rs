@@ -265,6 +265,10 @@ pub struct Scheduler {
     /// waits and may run, whoever comes first in the order (the yielding
     /// holder's own sibling did).
     handoff: Option<ClientId>,
+    /// Per band: after the last event its holder's user had no other
+    /// user's waiter that may run beside it, so until this event the
+    /// band's clock followed that user (`refresh`).
+    alone: [bool; BANDS],
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -398,6 +402,7 @@ impl Scheduler {
             deferred: BTreeMap::new(),
             owed: None,
             handoff: None,
+            alone: [false; BANDS],
         }
     }
 
@@ -901,6 +906,19 @@ impl Scheduler {
     /// holder started the warp and a slice behind the `high` user's own
     /// time, and held the GPU from its next burst for a whole slice.
     fn refresh(&mut self) {
+        // Alone since the last event, a band's holder's user was its clock
+        // all along: a waiter whose ceiling lifts now does not hold the
+        // clock back to where it was then (a `high` burst waited 60 ms).
+        for b in 0..BANDS {
+            // Once per event: by the next refresh, this event may have
+            // brought a waiter.
+            if std::mem::take(&mut self.alone[b])
+                && let Some(h) = self.held_place(b)
+            {
+                let t = &mut self.ix.tree;
+                t.clock[b] = t.clock[b].max(h);
+            }
+        }
         if self.ix.tree.stale.is_empty() {
             return;
         }
@@ -927,28 +945,21 @@ impl Scheduler {
         }
         let bounded = self.high_bounded(self.now);
         for (b, _) in bands.iter().enumerate().filter(|(_, on)| **on) {
-            let held = self
-                .granted()
-                .filter(|h| band(h.class) == b)
-                .map(|h| {
-                    let r = (b, h.user_key());
-                    self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime)
-                })
-                .min_by(f64::total_cmp);
+            let held = self.held_place(b);
             // Over users with a waiter that may run (over the others only
-            // while none may): one its ceilings keep out (a
-            // `--high-share` spent, a limit) held the clock back while
-            // another user ran alone, which then came back over a slice
-            // ahead of everyone and was not owed the GPU (a `high` burst
-            // waited 82 ms).
+            // while none may and none holds): one its ceilings keep out
+            // (a `--high-share` spent, a deferral, a limit) held the clock
+            // back while another user ran alone, which then came back
+            // over a slice ahead of everyone and was not owed the GPU (a
+            // `high` burst waited 82 ms, and 60 ms).
             let users = &self.ix.tree.top_real[b];
             let waiting = users
                 .iter()
                 .find(|e| self.may_run((b, e.1), bounded))
-                .or_else(|| users.first())
                 .map(|e| e.0.0);
             let t = &mut self.ix.tree;
-            if let Some(m) = least(waiting, held) {
+            let over = least(waiting, held).or_else(|| t.top_real[b].first().map(|e| e.0.0));
+            if let Some(m) = over {
                 t.clock[b] = t.clock[b].max(m);
             }
         }
@@ -972,6 +983,36 @@ impl Scheduler {
         // The buffer's room is kept for the next event.
         stale.clear();
         self.ix.tree.stale = stale;
+    }
+
+    /// The least place of the users holding band `b` (its holder, and
+    /// holders revoked that have not answered).
+    fn held_place(&self, b: usize) -> Option<f64> {
+        self.granted()
+            .filter(|h| band(h.class) == b)
+            .map(|h| {
+                let r = (b, h.user_key());
+                self.ix.tree.users.get(&r).map_or(0.0, |x| x.n.vtime)
+            })
+            .min_by(f64::total_cmp)
+    }
+
+    /// For each band, whether its holder's user is alone until the next
+    /// event: no other user has a waiter that may run (`refresh`).
+    pub(super) fn note_alone(&mut self) {
+        let bounded = self.high_bounded(self.now);
+        for b in 0..BANDS {
+            let holder = self
+                .holder
+                .and_then(|h| self.clients.get(&h))
+                .filter(|c| band(c.class) == b)
+                .map(Client::user_key);
+            self.alone[b] = holder.is_some_and(|u| {
+                !self.ix.tree.top_real[b]
+                    .iter()
+                    .any(|e| e.1 != u && self.may_run((b, e.1), bounded))
+            });
+        }
     }
 
     /// Whether user `r` has a waiter its ceilings let run now.
