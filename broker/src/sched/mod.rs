@@ -701,7 +701,7 @@ impl Scheduler {
                     c.state = ClientState::Waiting;
                     c.seq = seq;
                     self.next_seq += 1;
-                    // A `high` holder the GPU was taken from for a waker
+                    // A `high` holder the GPU was taken from for another
                     // (`preempted`), that asked again before letting go,
                     // is served within `wake` as one that woke up (an
                     // interactive burst asked as its idle grant was taken
