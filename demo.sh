@@ -213,12 +213,16 @@ top() {
   done
   # Each job: a process holding memory and one keeping the GPU busy
   # (1 ms kernels back to back) for SECONDS; the job ends with the latter.
+  # Stopped early (gpufrac run forwards the signal to its shell), the
+  # shell stops both: they outlived the demo by up to 10 s.
   job() {
     local mem=$1 held=$2 seconds=$3
     shift 3
     "$gpufrac" run --gpu-memory "$mem" "$@" -- sh -c '
-      "$1" ctx alloc alloc "$2" wait-file "$4.$$" >/dev/null &
-      "$3" batch 1000 +1 "+$5" >/dev/null
+      trap '"'"'kill $pr $lg 2>/dev/null; exit 143'"'"' TERM INT
+      "$1" ctx alloc alloc "$2" wait-file "$4.$$" >/dev/null & pr=$!
+      "$3" batch 1000 +1 "+$5" >/dev/null & lg=$!
+      wait $lg
       touch "$4.$$"; wait' job "$probe" "$held" "$loadgen" "$tmp/stop" "$seconds" >/dev/null 2>&1 &
     jobs_pids+=($!)
   }
