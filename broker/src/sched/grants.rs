@@ -27,9 +27,6 @@ struct Cmp {
     /// The holder's weight at that level: virtual time there is its GPU
     /// time over this.
     weight: f64,
-    /// That level's clock, less the holder's warp: the holder's place
-    /// were it level with the clock.
-    even: f64,
 }
 
 impl Scheduler {
@@ -102,7 +99,6 @@ impl Scheduler {
                 holder,
                 waiter,
                 weight,
-                even: t.clock[hp.0] - h.warp(warp, weight),
             }
         } else if hp.2 != wp.2 {
             let at = |c: &Client, p| {
@@ -111,22 +107,18 @@ impl Scheduler {
                 (v - c.warp(warp, weight), weight)
             };
             let ((holder, weight), (waiter, _)) = (at(h, hp), at(w, wp));
-            let clock = t.users.get(&(hp.0, hp.1)).map_or(0.0, |x| x.n.clock);
             Cmp {
                 level: Level::Unit,
                 holder,
                 waiter,
                 weight,
-                even: clock - h.warp(warp, weight),
             }
         } else {
-            let clock = t.units.get(&hp).map_or(0.0, |x| x.n.clock);
             Cmp {
                 level: Level::Client,
                 holder: h.vtime - h.warp(warp, h.own),
                 waiter: w.vtime - w.warp(warp, w.own),
                 weight: h.own,
-                even: clock - h.warp(warp, h.own),
             }
         }
     }
@@ -516,7 +508,15 @@ impl Scheduler {
         // its ceilings had kept out while the waker's ran alone is
         // behind the clock by all that time, and the waker, level with
         // it, waited for all of it (82 ms).
-        x.waiter < x.holder.max(x.even) + self.cfg.timeslice as f64 / x.weight
+        let (p, t) = (h.path(), &self.ix.tree);
+        let clock = match x.level {
+            Level::User => t.clock[p.0],
+            Level::Unit => t.users.get(&(p.0, p.1)).map_or(0.0, |u| u.n.clock),
+            Level::Client => t.units.get(&p).map_or(0.0, |u| u.n.clock),
+        };
+        // The holder's place were it level with that clock.
+        let even = clock - h.warp(self.warp(), x.weight);
+        x.waiter < x.holder.max(even) + self.cfg.timeslice as f64 / x.weight
     }
 
     /// Grants to `id`, for at most `quantum` if given.
