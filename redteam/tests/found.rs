@@ -1005,3 +1005,59 @@ fn service_seed_31_deferral_ends() {
     };
     holds(Invariant::Service, &s);
 }
+
+/// Found with seed 7 (`--invariant idle`): beside the attacker's `normal`
+/// pretender (no work; it answers every recall by asking again), two
+/// `high` connections of another of its processes, working while they
+/// hold and ignoring recalls, on for 1.5 s of every 2 s. New, with no
+/// sample yet, each was judged in the pretender's place when its slice
+/// ended; the sample that then showed it at work ended the user's
+/// deferral and started the pretender's doubling over at a slice, again
+/// each second: the `low` victim waited on an idle GPU 15.1% of 6 s. A
+/// deferral that evidence ends keeps its count now (10.5%).
+#[test]
+fn idle_seed_7() {
+    let shim = |class, work, recall| Play::Shim {
+        class,
+        work,
+        recall,
+        uuids: 0,
+    };
+    let cohort = |play, members, start_ms, period_ms, duty, stagger| Cohort {
+        play,
+        members,
+        procs: 1,
+        start_ms,
+        period_ms,
+        duty,
+        stagger,
+        reconnect: false,
+        respawn: false,
+        argv: Argv {
+            kib: 0,
+            text: Text::Plain,
+        },
+        slow: false,
+    };
+    let s = Strategy {
+        cohorts: vec![
+            cohort(
+                shim(Priority::Normal, false, Recall::Reask),
+                1,
+                0,
+                640,
+                100,
+                0,
+            ),
+            cohort(
+                shim(Priority::High, true, Recall::Ignore),
+                2,
+                100,
+                2000,
+                75,
+                50,
+            ),
+        ],
+    };
+    holds(Invariant::Idle, &s);
+}

@@ -3,8 +3,10 @@
 //! recall: does the holder that asks again still launch work?
 //!
 //! While a lower band waits, a holder is recalled at the end of each slice
-//! (liveness) and a busy one asks again and is granted back at once, so
-//! that `low` stays a scavenger. A holder with no work could answer the
+//! (liveness; once in `RECALL_SLICES` slices for one the driver saw at
+//! work lately, since each answer costs a round trip on an idle GPU) and
+//! a busy one asks again and is granted back at once, so that `low`
+//! stays a scavenger. A holder with no work could answer the
 //! same way, and keep `low` off an idle GPU for good. Where the GPU
 //! reports per-process work (NVML's process utilisation, sampled by the
 //! shell), a holder whose process the driver saw at work within
@@ -16,10 +18,11 @@
 //! a slice a second). The deferral is its user's, so that a new
 //! connection or process of the same user waits it out too; a sample
 //! that shows the holder judged at work ends it, and its count is
-//! forgotten a second after the last one ended (a sample that shows
-//! another of the user's processes at work does not end it: a working
-//! process beside a pretender of the same user would otherwise start the
-//! pretender's count over).
+//! forgotten a second after the last one ended, however it ended (a
+//! sample that shows another of the user's processes at work does not end
+//! it, and one that ends it keeps the count: a working process beside a
+//! pretender of the same user would otherwise start the pretender's count
+//! over).
 //!
 //! The benefit of the doubt is the user's, not the connection's or the
 //! process's: a new process has no evidence until the next sample shows
@@ -40,6 +43,16 @@ use super::{Client, ClientId, ClientState, Nanos, Priority, Scheduler};
 /// A user's benefit of the doubt is half of `evidence` (a sample period)
 /// of holding without evidence in each window of this many `evidence`s.
 pub(super) const DOUBT_WINDOWS: Nanos = 10;
+
+/// A holder the driver saw at work is recalled at most once in this many
+/// slices while only a lower band waits; its slice is extended in
+/// between. A recall costs a busy holder a round trip through the broker
+/// on an idle GPU (its answer, then its grant back): 2-3 ms on a broker
+/// busy with another user's churn, so at every 20 ms slice a tenth or
+/// more of its GPU time, for nothing (one seen at work is granted back at
+/// once anyway). One that does not answer still loses the GPU at the
+/// first recall of each grant.
+pub(super) const RECALL_SLICES: Nanos = 4;
 
 /// A user deferred behind a waiting lower band: until when, and how many
 /// recalls in a row found no evidence.
@@ -116,6 +129,15 @@ impl Scheduler {
         self.judging(now) && !self.evidenced(c, now) && self.doubt_spent(c, now)
     }
 
+    /// Whether holder `c`, its slice out while only a lower band waits,
+    /// is recalled (or its slice extended): always unless the driver saw
+    /// it at work lately, then once in `RECALL_SLICES` slices.
+    pub(super) fn recall_due(&self, c: &Client, now: Nanos) -> bool {
+        let every = self.cfg.timeslice.saturating_mul(RECALL_SLICES);
+        !(self.judging(now) && self.evidenced(c, now))
+            || c.recalled_at.is_none_or(|t| now >= t.saturating_add(every))
+    }
+
     /// Until when `c`'s user is deferred behind the waiting lower band (0:
     /// not deferred).
     pub(super) fn deferred_until(&self, c: &Client) -> Nanos {
@@ -168,12 +190,18 @@ impl Scheduler {
         b > band(Priority::Low) && !self.ix.waiting[Priority::Low.index()].is_empty()
     }
 
-    /// A sample showed `id` at work: a deferral it caused ends.
-    pub(super) fn evidence_of(&mut self, id: ClientId) {
+    /// A sample showed `id` at work: a deferral it caused ends. Its count
+    /// is kept as after any deferral (`prune_doubt`): a working
+    /// connection got itself judged beside its user's pretender, its
+    /// sample ended the deferral, and the pretender's doubling started
+    /// over at a slice (the GPU idle 15% of the time while `low` waited).
+    pub(super) fn evidence_of(&mut self, now: Nanos, id: ClientId) {
         if let Some(c) = self.clients.get(&id) {
             let key = c.user_ref();
-            if self.deferred.get(&key).is_some_and(|d| d.by == id) {
-                self.deferred.remove(&key);
+            if let Some(d) = self.deferred.get_mut(&key)
+                && d.by == id
+            {
+                d.until = d.until.min(now);
             }
         }
     }

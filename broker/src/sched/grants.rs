@@ -212,6 +212,9 @@ impl Scheduler {
         let deferred = self.defer(now, h);
         let recall = recall && !deferred;
         let c = self.clients.get_mut(&h).expect("holder is registered");
+        if recall {
+            c.recalled_at = Some(now);
+        }
         let g = c.grant.as_mut().expect("holder has a grant");
         g.revoked_at = Some(now);
         g.recall = recall;
@@ -368,8 +371,14 @@ impl Scheduler {
         // None revokes.
         let action: Option<Option<Nanos>> = match deadline {
             Some(d) if d <= now && !contended && waiters => {
-                recall = true;
-                None
+                if self.recall_due(c, now) {
+                    recall = true;
+                    None
+                } else if let Some(r) = remaining {
+                    fits.then(|| Some(r.min(cfg.timeslice)))
+                } else {
+                    Some(Some(cfg.timeslice))
+                }
             }
             Some(d) if d <= now => {
                 // The end of a run alone, cut for a newcomer: taken for

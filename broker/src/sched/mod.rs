@@ -57,7 +57,7 @@
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
 //!   out is recalled even when only `low` waits (a busy one asks again and
 //!   is granted back at once; for two wake periods meanwhile the GPU stays
-//!   with its band), and one that does not answer is passed over (and
+//!   with its band; once in four slices for one the driver saw at work), and one that does not answer is passed over (and
 //!   shown hung after `grace`). The `high` class's share is charged only
 //!   while one of its clients holds the GPU (and a lower class waits),
 //!   never for a revoked or hung one.
@@ -208,6 +208,8 @@ struct Client {
     idx: Indexed,
     /// When a sample of the driver last showed its process at work.
     worked_at: Option<Nanos>,
+    /// When it was last recalled (`evidence::recall_due`).
+    recalled_at: Option<Nanos>,
 }
 
 /// A unit with a ceiling of its own (a job's `--gpu-limit`): all its
@@ -454,6 +456,7 @@ impl Scheduler {
                     charged: 0.0,
                     idx: Indexed::default(),
                     worked_at: None,
+                    recalled_at: None,
                 },
             );
         }
@@ -751,7 +754,7 @@ impl Scheduler {
         for id in working {
             if let Some(c) = self.clients.get_mut(&id) {
                 c.worked_at = Some(now);
-                self.evidence_of(id);
+                self.evidence_of(now, id);
             }
         }
         self.reschedule(now);

@@ -40,6 +40,56 @@ fn a_busy_holder_seen_at_work_keeps_the_gpu_from_low() {
     assert_eq!(sim.gpu_held(1), 10 * SEC);
 }
 
+/// A recall costs a busy holder a round trip on an idle GPU: one the
+/// driver sees at work is recalled once in `RECALL_SLICES` slices, its
+/// slice extended in between (at every slice, a holder answering through
+/// a broker busy with another user's churn lost a quarter of its GPU
+/// time). Before the first sample, and for a holder never seen at work,
+/// every slice.
+#[test]
+fn a_holder_seen_at_work_is_recalled_once_in_four_slices() {
+    let cfg = SchedConfig::default();
+    let every = cfg.timeslice * crate::sched::evidence::RECALL_SLICES;
+    let mut sim = beside_low(true);
+    sim.run_until(10 * SEC);
+    // From the first sample that showed it on (at 500 ms).
+    let recalls = sim.grants_to(1).iter().filter(|g| g.0 >= SEC).count() as Nanos;
+    assert!(
+        recalls <= 9 * SEC / every + 2,
+        "{recalls} grants to a holder seen at work in 9 s"
+    );
+    assert!(recalls >= 9 * SEC / every - 2, "{recalls} grants in 9 s");
+    assert_eq!(sim.gpu_held(1), 10 * SEC);
+    assert!(sim.grants_to(2).is_empty(), "low was granted");
+    // Never seen at work: each slice, while its doubt lasts.
+    let mut sim = beside_low(false);
+    let doubt = cfg.evidence / 2;
+    sim.run_until(doubt - 1);
+    let recalls = sim.grants_to(1).len() as Nanos;
+    assert!(
+        recalls >= doubt / cfg.timeslice - 1,
+        "{recalls} grants in {doubt} ns to a holder never seen at work"
+    );
+}
+
+/// A holder seen at work that stops answering loses the GPU to `low` at
+/// its next recall: within `RECALL_SLICES` slices and the recall hold.
+#[test]
+fn a_holder_seen_at_work_that_stops_answering_is_recalled_within_four_slices() {
+    let mut sim = beside_low(true);
+    let cfg = *sim.s.config();
+    sim.run_until(2 * SEC);
+    sim.stuck.insert(1);
+    let every = cfg.timeslice * crate::sched::evidence::RECALL_SLICES;
+    sim.run_until(2 * SEC + every + sim.s.recall_hold() + MS);
+    let low = sim.grants_to(2);
+    assert!(
+        low.first().is_some_and(|g| g.0 > 2 * SEC),
+        "low was not granted by {} ms after the holder stopped answering: {low:?}",
+        (every + sim.s.recall_hold() + MS) / MS
+    );
+}
+
 /// The attack: a holder with no work answers each recall exactly as a
 /// busy shim does. The driver never sees it at work: once its user's
 /// benefit of the doubt (half of `evidence`) is spent, `low` has the GPU
@@ -191,5 +241,47 @@ fn a_pretender_letting_go_within_its_slice_gives_low_the_gpu() {
     assert!(
         low > 0.85,
         "low got {low:.3} of 10 s beside a pretender letting go"
+    );
+}
+
+/// Found by the longer red-team search: a user's working connection,
+/// new and not yet sampled, judged in its user's pretender's place
+/// becomes the one whose sample ends the user's deferral; that sample
+/// started the pretender's doubling over at a slice (with two such
+/// connections taking turns each second, the GPU sat idle 15% of the
+/// time while `low` waited). A deferral that evidence ends keeps its
+/// count as any other does.
+#[test]
+fn a_working_connection_judged_beside_a_pretender_does_not_start_its_count_over() {
+    let mut sim = beside_low(false);
+    let cfg = *sim.s.config();
+    sim.run_until(3 * SEC);
+    sim.add_class(10, 50.0, None, Priority::High);
+    sim.s.set_user(sim.now, 10, 1, 1.0);
+    sim.works.insert(10);
+    sim.residual.insert(10, B);
+    sim.start(10);
+    while sim.gpu_held(10) == 0 {
+        sim.run_until(sim.now + MS);
+    }
+    // Judged at the end of its slice (deferred: `low` has the GPU), then
+    // seen at work by the next sample, which ends the deferral; then it
+    // leaves.
+    let held = sim.now;
+    sim.run_until(sim.now + cfg.timeslice + MS);
+    assert!(
+        sim.grants_to(2).iter().any(|g| g.0 > held),
+        "the new connection was not deferred at the end of its slice"
+    );
+    sim.run_until(sim.next_sample);
+    sim.busy.remove(&10);
+    sim.s.remove_client(sim.now, 10);
+    sim.pump();
+    let from = sim.now;
+    sim.run_until(from + 1500 * MS);
+    let grants = sim.grants_to(1).iter().filter(|g| g.0 >= from).count();
+    assert!(
+        grants <= 2,
+        "{grants} grants to the pretender in 1.5 s after the working connection left"
     );
 }
