@@ -90,7 +90,10 @@ pub struct Cohort {
     pub play: Play,
     /// Connections, 1 to 64.
     pub members: u8,
-    /// The processes they come from (members dealt round-robin).
+    /// The processes they come from (members dealt round-robin); 0: the
+    /// processes of the cohort before it, so that one process has
+    /// connections that play differently (a pretender beside a
+    /// connection that works: the driver counts work by process).
     pub procs: u8,
     pub start_ms: u16,
     pub period_ms: u16,
@@ -302,6 +305,8 @@ pub struct Attacker {
     members: Vec<Member>,
     /// Each cohort's processes.
     procs: Vec<Vec<Option<u32>>>,
+    /// The cohort whose processes each cohort's members come from.
+    owner: Vec<usize>,
     /// What each cohort's processes say their command is.
     commands: Vec<String>,
     left: bool,
@@ -325,6 +330,17 @@ impl Attacker {
                 .map(|c| vec![None; usize::from(c.procs.clamp(1, c.members.max(1)))])
                 .collect(),
             commands: s.cohorts.iter().map(|c| c.argv.command()).collect(),
+            owner: s
+                .cohorts
+                .iter()
+                .enumerate()
+                .scan(0, |last, (ci, c)| {
+                    if c.procs > 0 || ci == 0 {
+                        *last = ci;
+                    }
+                    Some(*last)
+                })
+                .collect(),
             left: false,
             timers: Timers::default(),
             by_conn: BTreeMap::new(),
@@ -357,7 +373,7 @@ impl Attacker {
     }
 
     fn process(&mut self, io: &mut Io<'_>, m: usize, fresh: bool) -> u32 {
-        let (ci, i) = (self.members[m].cohort, self.members[m].index);
+        let (ci, i) = (self.owner[self.members[m].cohort], self.members[m].index);
         let slots = &mut self.procs[ci];
         let slot = i % slots.len();
         if fresh && let Some(old) = slots[slot].take() {
@@ -977,10 +993,14 @@ impl Strategy {
             } else {
                 String::new()
             };
+            let procs = match c.procs {
+                0 => "the cohort before's".to_owned(),
+                n => n.to_string(),
+            };
             out.push(format!(
                 "{} connection(s) of {} process(es) from {} ms, {} on {}{}{}{}",
                 c.members,
-                c.procs,
+                procs,
                 c.start_ms,
                 play,
                 cycle,

@@ -409,9 +409,19 @@ fn mutate_cohort(rng: &mut ChaCha8Rng, c: &mut Cohort) {
                 u32::from(MAX_MEMBERS),
                 &[1, 4, 16, 64],
             ) as u8;
-            c.procs = c.procs.clamp(1, c.members);
+            c.procs = c.procs.min(c.members);
         }
-        3 => c.procs = nudge(rng, u32::from(c.procs), 1, u32::from(c.members), &[1]) as u8,
+        // Now and then the processes of the cohort before (0).
+        3 if rng.random_range(0..4) == 0 => c.procs = 0,
+        3 => {
+            c.procs = nudge(
+                rng,
+                u32::from(c.procs.max(1)),
+                1,
+                u32::from(c.members),
+                &[1],
+            ) as u8
+        }
         4 => c.start_ms = nudge(rng, u32::from(c.start_ms), 0, 1500, &[0, 200, 500]) as u16,
         5 => {
             c.period_ms = nudge(
@@ -565,7 +575,7 @@ mod tests {
             assert!(!s.cohorts.is_empty() && s.cohorts.len() <= MAX_COHORTS);
             for c in &s.cohorts {
                 assert!((1..=MAX_MEMBERS).contains(&c.members), "{c:?}");
-                assert!(c.procs >= 1 && c.procs <= c.members, "{c:?}");
+                assert!(c.procs <= c.members, "{c:?}");
                 assert!((2..=2000).contains(&c.period_ms) && (1..=100).contains(&c.duty));
                 assert!(c.argv.kib <= MAX_ARGV_KIB);
             }

@@ -1061,3 +1061,44 @@ fn idle_seed_7() {
     };
     holds(Invariant::Idle, &s);
 }
+
+/// Found by this project once a cohort could share the processes of the
+/// one before it (the driver counts work by process): a `normal`
+/// pretender (no work; it answers every recall by asking again) beside a
+/// connection of its own process that works 20 ms each second. The
+/// process's work was the pretender's evidence, it was granted back at
+/// each recall, and the `low` victim waited on an idle GPU 97.9% of
+/// 6 s. Work is a connection's only where it is its process's one on the
+/// GPU now (11.5%).
+#[test]
+fn a_pretender_beside_a_working_connection_of_its_process() {
+    let shim = |class, work, recall| Play::Shim {
+        class,
+        work,
+        recall,
+        uuids: 0,
+    };
+    let cohort = |play, procs, duty| Cohort {
+        play,
+        members: 1,
+        procs,
+        start_ms: 0,
+        period_ms: 1000,
+        duty,
+        stagger: 0,
+        reconnect: false,
+        respawn: false,
+        argv: Argv {
+            kib: 0,
+            text: Text::Plain,
+        },
+        slow: false,
+    };
+    let s = Strategy {
+        cohorts: vec![
+            cohort(shim(Priority::Normal, true, Recall::Honest), 1, 2),
+            cohort(shim(Priority::Normal, false, Recall::Reask), 0, 100),
+        ],
+    };
+    holds(Invariant::Idle, &s);
+}

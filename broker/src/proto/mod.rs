@@ -420,9 +420,14 @@ impl Broker {
 
     /// Tells each GPU's scheduler which of its clients' processes the
     /// driver saw at work (evidence a recall asks for, `sched::evidence`).
-    /// One pass over the connections, a lookup per connection: the work
-    /// grows with the connections the broker already bounds, not with
-    /// what the driver lists.
+    /// The driver counts work by process, so it is a connection's only
+    /// where the connection is its process's one on that GPU (a shim
+    /// keeps one): a process with two could lend one's work to the
+    /// other, a pretender holding beside a connection that works a
+    /// moment each second. One pass over the connections, a lookup per
+    /// connection, a sort of those seen: the work grows with the
+    /// connections the broker already bounds, not with what the driver
+    /// lists.
     fn work_seen(&mut self, now: Nanos, t: &Telemetry) {
         // Each GPU's pids, as the sampler sorted them; None: not reported.
         let working: Vec<Option<&[u32]>> = self
@@ -433,18 +438,29 @@ impl Broker {
         if working.iter().all(Option::is_none) {
             return;
         }
-        let mut seen: Vec<Vec<ConnId>> = vec![Vec::new(); self.gpus.len()];
+        // (pid, connection) on each GPU whose process the driver saw.
+        let mut seen: Vec<Vec<(u32, ConnId)>> = vec![Vec::new(); self.gpus.len()];
         for (&id, c) in &self.conns {
             for d in c.devices() {
                 if working[d.gpu].is_some_and(|pids| pids.binary_search(&c.peer.pid).is_ok()) {
-                    seen[d.gpu].push(id);
+                    seen[d.gpu].push((c.peer.pid, id));
                 }
             }
         }
-        for (g, ids) in seen.into_iter().enumerate() {
-            if working[g].is_some() {
-                self.gpus[g].sched.work_seen(now, ids);
+        for (g, mut seen) in seen.into_iter().enumerate() {
+            if working[g].is_none() {
+                continue;
             }
+            seen.sort_unstable();
+            let alone = |i: usize| {
+                let pid = seen[i].0;
+                (i == 0 || seen[i - 1].0 != pid) && seen.get(i + 1).is_none_or(|n| n.0 != pid)
+            };
+            let ids: Vec<ConnId> = (0..seen.len())
+                .filter(|&i| alone(i))
+                .map(|i| seen[i].1)
+                .collect();
+            self.gpus[g].sched.work_seen(now, ids);
         }
     }
 

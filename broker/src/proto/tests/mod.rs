@@ -8,6 +8,7 @@ mod budgets;
 mod classes;
 mod deadlines;
 mod dirty_sets;
+mod evidence;
 mod fairness;
 mod history;
 mod identity;
