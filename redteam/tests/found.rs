@@ -1102,3 +1102,38 @@ fn a_pretender_beside_a_working_connection_of_its_process() {
     };
     holds(Invariant::Idle, &s);
 }
+
+/// Found with the pinned seed once the search's trajectory changed: two
+/// members taking turns, each a new process every 2 ms (the old one
+/// exits), `normal`, no work, recalls ignored. The holder left as the
+/// next asked, so the GPU was handed on within the attacker's user and no
+/// holder was ever revoked or let go, so none was judged: the `low`
+/// victim waited on an idle GPU 55% of 6 s (100% with the largest
+/// bounds). A holder that leaves is judged as one that lets go (8.4%).
+#[test]
+fn idle_seed_20261126() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            play: Play::Shim {
+                class: Priority::Normal,
+                work: false,
+                recall: Recall::Ignore,
+                uuids: 0,
+            },
+            members: 2,
+            procs: 1,
+            start_ms: 0,
+            period_ms: 2,
+            duty: 75,
+            stagger: 50,
+            reconnect: false,
+            respawn: true,
+            argv: Argv {
+                kib: 0,
+                text: Text::Plain,
+            },
+            slow: false,
+        }],
+    };
+    holds(Invariant::Idle, &s);
+}

@@ -285,3 +285,34 @@ fn a_working_connection_judged_beside_a_pretender_does_not_start_its_count_over(
         "{grants} grants to the pretender in 1.5 s after the working connection left"
     );
 }
+
+/// Found by the red-team search: a new process each millisecond, the
+/// last one exiting as the next asks, hands the GPU on within its user
+/// without a holder ever being revoked or letting go, so none was judged
+/// (a `low` victim waited on an idle GPU 55% of 6 s, and all of it
+/// without the harness's bound on the broker's work). A holder that
+/// leaves is judged as one that lets go.
+#[test]
+fn holders_handing_over_by_leaving_give_low_the_gpu() {
+    let mut sim = beside_low(false);
+    let mut id = 1;
+    let end = 6 * SEC;
+    while sim.now + MS <= end {
+        let t = sim.now + MS;
+        sim.run_until(t);
+        let next = id + 10;
+        sim.add(next, 50.0, None);
+        sim.s.set_user(t, next, 1, 1.0);
+        sim.residual.insert(next, B);
+        sim.start(next);
+        sim.busy.remove(&id);
+        sim.s.remove_client(t, id);
+        sim.pump();
+        id = next;
+    }
+    let low = sim.gpu_held(2) as f64 / end as f64;
+    assert!(
+        low > 0.8,
+        "low got {low:.3} of 6 s beside holders handing over by leaving"
+    );
+}
