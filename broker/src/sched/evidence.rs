@@ -11,9 +11,10 @@
 //! reports per-process work (NVML's process utilisation, sampled by the
 //! shell), a holder whose process the driver saw at work within
 //! `evidence` is granted back at once; one it did not see goes behind the
-//! waiting band at each recall, revoke or release of its own (`defer`),
-//! once its user's benefit of the doubt is spent: for a slice, then twice
-//! as long at each time in a row without evidence, up to `evidence` (a
+//! waiting band at each recall, revoke, release of its own or leaving
+//! (`defer`), once its user's benefit of the doubt is spent: for a
+//! slice, then twice as long at each time in a row without evidence, up
+//! to `evidence` (a
 //! holder that never works keeps a waiting `low` off an idle GPU for about
 //! a slice a second). The deferral is its user's, so that a new
 //! connection or process of the same user waits it out too; a sample
@@ -93,10 +94,10 @@ impl Scheduler {
             .is_some_and(|m| m.usage(w, now) >= budget(1.0, self.cfg.evidence / 2))
     }
 
-    /// At a recall of `h`, any revoke, or its own release, while a lower
-    /// band waits: whether its user goes behind the waiting band (the
-    /// driver has per-process samples, none showed `h` at work lately,
-    /// and its user's benefit of the doubt is spent). For a slice the
+    /// At a recall of `h`, any revoke, its own release or its leaving,
+    /// while a lower band waits: whether its user goes behind the waiting
+    /// band (the driver has per-process samples, none showed `h` at work
+    /// lately, and its user's benefit of the doubt is spent). For a slice the
     /// first time, then twice as long at each recall in a row without
     /// evidence, up to `evidence`: a holder that never works keeps a
     /// waiting `low` off an idle GPU for about a slice a second, and one
