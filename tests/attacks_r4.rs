@@ -856,6 +856,80 @@ while True:
     );
 }
 
+/// The attack (found by the red-team search, `idle_seed_20261126` in
+/// `redteam/tests/found.rs`): `nobody` starts a new process every 10 ms
+/// that registers at `normal`, asks for the GPU, never launches nor
+/// answers a revoke, and exits once the next has asked. The GPU passed
+/// from each holder to the next as it left, no holder was ever revoked
+/// or let go, and none was judged for evidence of work: another user's
+/// busy `low` process waited on an idle GPU. A holder that leaves is
+/// judged as one that lets go.
+#[test]
+fn holders_handing_the_gpu_on_by_exiting_do_not_starve_a_low_victim() {
+    if !can_be_nobody() {
+        return;
+    }
+    let _s = serial();
+    let b = Open::start("16G", &[]);
+    let uuid = b.uuid();
+    let mut a = attacker(
+        &b,
+        r#"
+# Each child exits when this process does (its pipe's end closes).
+alive_r, alive_w = os.pipe()
+def child(w):
+    os.close(alive_w)
+    s = connect()
+    s.sendall(M["register"])
+    f = Frames(s)
+    if (f.until(T["registered"]) or [None])[0] != T["registered"]:
+        os._exit(1)
+    s.sendall(M["acquire"])
+    os.write(w, b"x")
+    os.read(alive_r, 1)
+prev = None
+said = False
+while True:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            child(w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    if not got:
+        sys.exit("a child could not register")
+    if prev is not None:
+        os.kill(prev, 9)
+        os.waitpid(prev, 0)
+    prev = pid
+    if not said:
+        say("attacking")
+        said = True
+    time.sleep(0.01)
+"#,
+        &[
+            (
+                "register",
+                shim_hello_register(uuid, "leaver", Priority::Normal),
+            ),
+            ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
+        ],
+        &[],
+    );
+    started_saying(&mut a, "attacking");
+    victim_keeps_its_gpu(
+        &b,
+        &mut a,
+        "low",
+        "another user's holders, each a new process exiting as the next asks",
+    );
+}
+
 /// The attack: one user runs a busy `high` process and a busy `normal`
 /// one beside another user's busy `normal` process. `high` held the GPU
 /// for its ceiling (half of each second) and the `normal` process shared
