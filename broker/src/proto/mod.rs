@@ -452,13 +452,12 @@ impl Broker {
                 continue;
             }
             seen.sort_unstable();
-            let alone = |i: usize| {
-                let pid = seen[i].0;
-                (i == 0 || seen[i - 1].0 != pid) && seen.get(i + 1).is_none_or(|n| n.0 != pid)
-            };
-            let ids: Vec<ConnId> = (0..seen.len())
-                .filter(|&i| alone(i))
-                .map(|i| seen[i].1)
+            let ids: Vec<ConnId> = seen
+                .chunk_by(|a, b| a.0 == b.0)
+                .filter_map(|one| match one {
+                    [(_, id)] => Some(*id),
+                    _ => None,
+                })
                 .collect();
             self.gpus[g].sched.work_seen(now, ids);
         }

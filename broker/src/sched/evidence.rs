@@ -14,9 +14,8 @@
 //! waiting band at each recall, revoke, release of its own or leaving
 //! (`defer`), once its user's benefit of the doubt is spent: for a
 //! slice, then twice as long at each time in a row without evidence, up
-//! to `evidence` (a
-//! holder that never works keeps a waiting `low` off an idle GPU for about
-//! a slice a second). The deferral is its user's, so that a new
+//! to `evidence` (a holder that never works keeps a waiting `low` off an
+//! idle GPU for about a slice a second). The deferral is its user's, so that a new
 //! connection or process of the same user waits it out too; a sample
 //! that shows the holder judged at work ends it, and its count is
 //! forgotten a second after the last one ended, however it ended (a
@@ -97,8 +96,8 @@ impl Scheduler {
     /// At a recall of `h`, any revoke, its own release or its leaving,
     /// while a lower band waits: whether its user goes behind the waiting
     /// band (the driver has per-process samples, none showed `h` at work
-    /// lately, and its user's benefit of the doubt is spent). For a slice the
-    /// first time, then twice as long at each recall in a row without
+    /// lately, and its user's benefit of the doubt is spent). For a slice
+    /// the first time, then twice as long at each recall in a row without
     /// evidence, up to `evidence`: a holder that never works keeps a
     /// waiting `low` off an idle GPU for about a slice a second, and one
     /// that works is seen within a sample period.
@@ -128,6 +127,14 @@ impl Scheduler {
     /// an idle GPU 15% of the time.
     pub(super) fn unproven(&self, c: &Client, now: Nanos) -> bool {
         self.judging(now) && !self.evidenced(c, now) && self.doubt_spent(c, now)
+    }
+
+    /// A holder letting go of the GPU, by itself or by leaving, is judged
+    /// as at a revoke (`defer`); a client not holding is not.
+    pub(super) fn judge_letting_go(&mut self, now: Nanos, id: ClientId) {
+        if self.clients[&id].state == ClientState::Holding {
+            self.defer(now, id);
+        }
     }
 
     /// Whether holder `c`, its slice out while only a lower band waits,

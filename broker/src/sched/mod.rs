@@ -57,8 +57,9 @@
 //!   so while anyone waits no grant is open-ended: a holder whose slice ran
 //!   out is recalled even when only `low` waits (a busy one asks again and
 //!   is granted back at once; for two wake periods meanwhile the GPU stays
-//!   with its band; once in four slices for one the driver saw at work), and one that does not answer is passed over (and
-//!   shown hung after `grace`). The `high` class's share is charged only
+//!   with its band; once in four slices for one the driver saw at
+//!   work), and one that does not answer is passed over (and shown hung
+//!   after `grace`). The `high` class's share is charged only
 //!   while one of its clients holds the GPU (and a lower class waits),
 //!   never for a revoked or hung one.
 //! - Between busy clients of one band, slices of `timeslice` (extended
@@ -617,9 +618,7 @@ impl Scheduler {
         // handed the GPU on within its user and was never judged (a
         // `low` victim waited on an idle GPU 55% of the time, all of it
         // without the harness's bound on the broker's work).
-        if self.clients[&id].state == ClientState::Holding {
-            self.defer(now, id);
-        }
+        self.judge_letting_go(now, id);
         if let Some(mut c) = self.clients.remove(&id) {
             c.meter.set(false, now);
             // Its own limit's window survives a reconnect: the next member
@@ -693,9 +692,7 @@ impl Scheduler {
         // A holder that lets go by itself is judged as at a revoke: one
         // without work that let go within each slice and asked again was
         // never revoked, so never judged (`evidence`).
-        if self.clients[&id].state == ClientState::Holding {
-            self.defer(now, id);
-        }
+        self.judge_letting_go(now, id);
         let seq = self.next_seq;
         let c = self.clients.get_mut(&id).expect("checked above");
         match c.state {
