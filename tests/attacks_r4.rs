@@ -193,6 +193,16 @@ def drain(s):
         pass
 def say(x):
     print(x, flush=True)
+def registered():
+    # A new connection that sent M["register"], and its frames, once the
+    # broker said registered; the script exits otherwise.
+    s = connect()
+    s.sendall(M["register"])
+    f = Frames(s)
+    fr = f.until(T["registered"])
+    if fr is None or fr[0] != T["registered"]:
+        sys.exit("not registered")
+    return s, f
 "#;
 
 /// A Python client as `uid` running `body` after `PRELUDE`, with the
@@ -713,12 +723,7 @@ fn connections_taking_turns_do_not_multiply_a_users_share() {
         r#"
 conns = []
 for _ in range(int(sys.argv[1])):
-    s = connect()
-    s.sendall(M["register"])
-    f = Frames(s)
-    if f.until(T["registered"])[0] != T["registered"]:
-        sys.exit("not registered")
-    conns.append((s, f))
+    conns.append(registered())
 say("attacking")
 i = 0
 while True:
@@ -813,11 +818,7 @@ fn a_holder_answering_recalls_by_asking_again_does_not_starve_a_low_victim() {
     let mut a = attacker(
         &b,
         r#"
-s = connect()
-s.sendall(M["register"])
-f = Frames(s)
-if f.until(T["registered"])[0] != T["registered"]:
-    sys.exit("not registered")
+s, f = registered()
 s.sendall(M["acquire"])
 f.until(T["grant"])
 say("attacking")
@@ -879,11 +880,7 @@ fn holders_handing_the_gpu_on_by_exiting_do_not_starve_a_low_victim() {
 alive_r, alive_w = os.pipe()
 def child(w):
     os.close(alive_w)
-    s = connect()
-    s.sendall(M["register"])
-    f = Frames(s)
-    if (f.until(T["registered"]) or [None])[0] != T["registered"]:
-        os._exit(1)
+    s, _ = registered()
     s.sendall(M["acquire"])
     os.write(w, b"x")
     os.read(alive_r, 1)
@@ -1223,10 +1220,7 @@ fn a_command_line_cannot_forge_fields_or_lines_of_the_log() {
     let mut a = attacker(
         &b,
         r#"
-s = connect()
-s.sendall(M["register"])
-if Frames(s).until(T["registered"])[0] != T["registered"]:
-    sys.exit("not registered")
+s, _ = registered()
 say("registered")
 sys.stdin.readline()
 "#,

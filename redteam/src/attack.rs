@@ -739,7 +739,9 @@ pub fn cohort(play: Play) -> Cohort {
     }
 }
 
-fn shim(class: Priority, work: bool, recall: Recall) -> Play {
+/// A shim of `class` that launches while it holds (`work`) and answers
+/// recalls as `recall` says, naming no made-up GPUs.
+pub fn shim(class: Priority, work: bool, recall: Recall) -> Play {
     Play::Shim {
         class,
         work,

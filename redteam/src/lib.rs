@@ -32,7 +32,7 @@ pub mod work;
 #[global_allocator]
 static ALLOCATOR: work::Counting = work::Counting;
 
-pub use attack::{Bounds, Cohort, Play, Recall, Space, Strategy, Want, seeds};
+pub use attack::{Bounds, Cohort, Play, Recall, Space, Strategy, Want, cohort, seeds, shim};
 pub use check::{Invariant, Outcome, evaluate, holds};
 pub use gpufrac_common::config::Priority;
 pub use host::{Argv, Text};

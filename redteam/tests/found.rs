@@ -853,27 +853,13 @@ fn service_seed_1127() {
 /// waited 82 ms.
 #[test]
 fn service_seed_1127_high_share_spent() {
-    let shim = |class, work, recall| Play::Shim {
-        class,
-        work,
-        recall,
-        uuids: 0,
-    };
     let cohort = |play, members, start_ms, period_ms, duty, stagger| Cohort {
-        play,
         members,
-        procs: 1,
         start_ms,
         period_ms,
         duty,
         stagger,
-        reconnect: false,
-        respawn: false,
-        argv: Argv {
-            kib: 0,
-            text: Text::Plain,
-        },
-        slow: false,
+        ..cohort(play)
     };
     let s = Strategy {
         cohorts: vec![
@@ -915,27 +901,11 @@ fn service_seed_1127_high_share_spent() {
 /// until the event that ends it.
 #[test]
 fn service_seed_31() {
-    let shim = |class, work, recall| Play::Shim {
-        class,
-        work,
-        recall,
-        uuids: 0,
-    };
     let cohort = |play, period_ms, duty, stagger| Cohort {
-        play,
-        members: 1,
-        procs: 1,
-        start_ms: 0,
         period_ms,
         duty,
         stagger,
-        reconnect: false,
-        respawn: false,
-        argv: Argv {
-            kib: 0,
-            text: Text::Plain,
-        },
-        slow: false,
+        ..cohort(play)
     };
     let s = Strategy {
         cohorts: vec![
@@ -956,27 +926,14 @@ fn service_seed_31() {
 /// 56 ms.
 #[test]
 fn service_seed_31_deferral_ends() {
-    let shim = |class, work, recall| Play::Shim {
-        class,
-        work,
-        recall,
-        uuids: 0,
-    };
     let cohort = |play, members, start_ms, period_ms, duty, respawn, slow| Cohort {
-        play,
         members,
-        procs: 1,
         start_ms,
         period_ms,
         duty,
-        stagger: 0,
-        reconnect: false,
         respawn,
-        argv: Argv {
-            kib: 0,
-            text: Text::Plain,
-        },
         slow,
+        ..cohort(play)
     };
     let pretender = shim(Priority::High, false, Recall::Reask);
     let s = Strategy {
@@ -1017,27 +974,13 @@ fn service_seed_31_deferral_ends() {
 /// deferral that evidence ends keeps its count now (10.5%).
 #[test]
 fn idle_seed_7() {
-    let shim = |class, work, recall| Play::Shim {
-        class,
-        work,
-        recall,
-        uuids: 0,
-    };
     let cohort = |play, members, start_ms, period_ms, duty, stagger| Cohort {
-        play,
         members,
-        procs: 1,
         start_ms,
         period_ms,
         duty,
         stagger,
-        reconnect: false,
-        respawn: false,
-        argv: Argv {
-            kib: 0,
-            text: Text::Plain,
-        },
-        slow: false,
+        ..cohort(play)
     };
     let s = Strategy {
         cohorts: vec![
@@ -1072,27 +1015,10 @@ fn idle_seed_7() {
 /// GPU now (11.5%).
 #[test]
 fn a_pretender_beside_a_working_connection_of_its_process() {
-    let shim = |class, work, recall| Play::Shim {
-        class,
-        work,
-        recall,
-        uuids: 0,
-    };
     let cohort = |play, procs, duty| Cohort {
-        play,
-        members: 1,
         procs,
-        start_ms: 0,
-        period_ms: 1000,
         duty,
-        stagger: 0,
-        reconnect: false,
-        respawn: false,
-        argv: Argv {
-            kib: 0,
-            text: Text::Plain,
-        },
-        slow: false,
+        ..cohort(play)
     };
     let s = Strategy {
         cohorts: vec![
@@ -1114,25 +1040,12 @@ fn a_pretender_beside_a_working_connection_of_its_process() {
 fn idle_seed_20261126() {
     let s = Strategy {
         cohorts: vec![Cohort {
-            play: Play::Shim {
-                class: Priority::Normal,
-                work: false,
-                recall: Recall::Ignore,
-                uuids: 0,
-            },
             members: 2,
-            procs: 1,
-            start_ms: 0,
             period_ms: 2,
             duty: 75,
             stagger: 50,
-            reconnect: false,
             respawn: true,
-            argv: Argv {
-                kib: 0,
-                text: Text::Plain,
-            },
-            slow: false,
+            ..cohort(shim(Priority::Normal, false, Recall::Ignore))
         }],
     };
     holds(Invariant::Idle, &s);
