@@ -49,7 +49,7 @@ fn low_grants_beside(second_connection: bool) -> usize {
     let mut grants = 0;
     let start = t.now;
     while t.now < start + 6 * SEC {
-        if (t.now - start) % (500 * MS) == 0 {
+        if (t.now - start).is_multiple_of(500 * MS) {
             t.b.telemetry(t.now, working(&[a]));
         }
         for id in [holder, low] {
