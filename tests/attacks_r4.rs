@@ -927,6 +927,109 @@ while True:
     );
 }
 
+/// The attack (found by the red-team search,
+/// `a_pretender_beside_a_working_connection_of_its_process` in
+/// `redteam/tests/found.rs`): one process of `nobody`'s holds two
+/// connections on the GPU. One runs 20 ms of real kernels each second
+/// (the driver sees the process at work); the other, a `normal` holder
+/// that launches nothing, answers every recall by asking again. The
+/// driver counts work by process, and the pretender was granted back at
+/// each recall on its process's evidence: a `low` victim waited on an
+/// idle GPU. Evidence is a connection's only where it is its process's
+/// one on that GPU, as a shim's is.
+#[test]
+fn a_pretender_beside_a_working_connection_of_its_process_does_not_starve_a_low_victim() {
+    if !can_be_nobody() {
+        return;
+    }
+    let _s = serial();
+    let b = Open::start("16G", &[]);
+    let uuid = b.uuid();
+    let mut cmd = python_as(
+        NOBODY,
+        &b,
+        r#"
+import ctypes
+def pretend():
+    s, f = registered()
+    s.sendall(M["acquire"])
+    while True:
+        if f.until(T["revoke"]) is None:
+            os._exit(3)
+        s.sendall(M["again"])
+# The process's CUDA context on the simulated driver, without the shim:
+# its kernels run whenever it launches them, and NVML counts them as
+# this process's work.
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
+           cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev),
+           cu.cuModuleLoadData(ctypes.byref(mod), b"sim"),
+           cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin")):
+    if rc != 0:
+        sys.exit(f"CUDA: {rc}")
+def work(ns):
+    d = ctypes.c_uint64(ns)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(d), ctypes.c_void_p))
+    rc = cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+    if rc != 0 or cu.cuCtxSynchronize() != 0:
+        sys.exit(f"launch: {rc}")
+threading.Thread(target=pretend, daemon=True).start()
+s, f = registered()
+said = False
+while True:
+    t = time.monotonic()
+    s.sendall(M["acquire"])
+    if f.until(T["grant"]) is None:
+        sys.exit("closed")
+    work(20_000_000)
+    s.sendall(M["release"])
+    if not said:
+        say("attacking")
+        said = True
+    time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
+"#,
+        &[
+            (
+                "register",
+                shim_hello_register(uuid, "pretender", Priority::Normal),
+            ),
+            ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
+            (
+                "release",
+                frames(&[
+                    ClientMsg::Release {
+                        uuid,
+                        held_ns: 20 * MS,
+                    },
+                    ClientMsg::Drained { uuid },
+                ]),
+            ),
+            (
+                "again",
+                frames(&[
+                    ClientMsg::Release { uuid, held_ns: 0 },
+                    ClientMsg::Drained { uuid },
+                    ClientMsg::Acquire { uuid },
+                ]),
+            ),
+        ],
+        &[],
+    );
+    let a = artifacts();
+    cmd.env("LD_LIBRARY_PATH", &a.simdir)
+        .env("GPUFRAC_SIM_DEVICES", &b.devices)
+        .env("GPUFRAC_SIM_STATE", &b.state);
+    let mut a = KillOnDrop(cmd.spawn().expect("python3"));
+    started_saying(&mut a, "attacking");
+    victim_keeps_its_gpu(
+        &b,
+        &mut a,
+        "low",
+        "a holder asking again at each recall beside a connection of its process working 20 ms a second",
+    );
+}
+
 /// The attack: one user runs a busy `high` process and a busy `normal`
 /// one beside another user's busy `normal` process. `high` held the GPU
 /// for its ceiling (half of each second) and the `normal` process shared
