@@ -499,6 +499,10 @@ if wants 6; then
                 --part cuda --load "$LOADBIN"
             latency_step "shares: load.cu 70/30 with 50 us / 6 ms / 120 ms kernels" 100 40 \
                 --part shares --load "$LOADBIN"
+            # The broker's evidence of work: what NVML's per-process
+            # utilisation reports of loads of a known duty (about 25 s).
+            run_step "evidence: NVML per-process utilisation of busy, 10% and 2% loads" 60 30 \
+                "$PY" "$GPU_DIR/check_procutil.py" --load "$LOADBIN"
         else
             skip_all "load.cu latency and share checks" "gpu/load.cu was not built"
         fi
