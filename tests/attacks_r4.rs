@@ -335,6 +335,30 @@ fn shim_hello_register(uuid: [u8; 16], command: &str, priority: Priority) -> Vec
     ])
 }
 
+/// A `normal` shim's frames on `uuid`, by the names the scripts send them
+/// by: `register` (as `command`), `acquire`, `release` (having held
+/// `held_ns`) and `again` (let go and ask again at once).
+fn shim_frames(uuid: [u8; 16], command: &str, held_ns: u64) -> Vec<(&'static str, Vec<u8>)> {
+    let release = [
+        ClientMsg::Release { uuid, held_ns },
+        ClientMsg::Drained { uuid },
+    ];
+    let again = [
+        ClientMsg::Release { uuid, held_ns: 0 },
+        ClientMsg::Drained { uuid },
+        ClientMsg::Acquire { uuid },
+    ];
+    vec![
+        (
+            "register",
+            shim_hello_register(uuid, command, Priority::Normal),
+        ),
+        ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
+        ("release", frames(&release)),
+        ("again", frames(&again)),
+    ]
+}
+
 /// How long each of `n` pings on a connection opened now took, one every
 /// 50 ms; stops at the first left unanswered for 5 s (None), or once they
 /// have taken 10 s.
@@ -734,20 +758,7 @@ while True:
     s.sendall(M["release"])
     i = (i + 1) % len(conns)
 "#,
-        &[
-            (
-                "register",
-                shim_hello_register(uuid, "turns", Priority::Normal),
-            ),
-            ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
-            (
-                "release",
-                frames(&[
-                    ClientMsg::Release { uuid, held_ns: 0 },
-                    ClientMsg::Drained { uuid },
-                ]),
-            ),
-        ],
+        &shim_frames(uuid, "turns", 0),
         &["16"],
     );
     started_saying(&mut a, "attacking");
@@ -828,21 +839,7 @@ while True:
         sys.exit("closed")
     s.sendall(M["again"])
 "#,
-        &[
-            (
-                "register",
-                shim_hello_register(uuid, "pretender", Priority::Normal),
-            ),
-            ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
-            (
-                "again",
-                frames(&[
-                    ClientMsg::Release { uuid, held_ns: 0 },
-                    ClientMsg::Drained { uuid },
-                    ClientMsg::Acquire { uuid },
-                ]),
-            ),
-        ],
+        &shim_frames(uuid, "pretender", 0),
         &[],
     );
     started_saying(&mut a, "attacking");
@@ -909,13 +906,7 @@ while True:
         said = True
     time.sleep(0.01)
 "#,
-        &[
-            (
-                "register",
-                shim_hello_register(uuid, "leaver", Priority::Normal),
-            ),
-            ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
-        ],
+        &shim_frames(uuid, "leaver", 0),
         &[],
     );
     started_saying(&mut a, "attacking");
@@ -989,31 +980,7 @@ while True:
         said = True
     time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
 "#,
-        &[
-            (
-                "register",
-                shim_hello_register(uuid, "pretender", Priority::Normal),
-            ),
-            ("acquire", frames(&[ClientMsg::Acquire { uuid }])),
-            (
-                "release",
-                frames(&[
-                    ClientMsg::Release {
-                        uuid,
-                        held_ns: 20 * MS,
-                    },
-                    ClientMsg::Drained { uuid },
-                ]),
-            ),
-            (
-                "again",
-                frames(&[
-                    ClientMsg::Release { uuid, held_ns: 0 },
-                    ClientMsg::Drained { uuid },
-                    ClientMsg::Acquire { uuid },
-                ]),
-            ),
-        ],
+        &shim_frames(uuid, "pretender", 20 * MS),
         &[],
     );
     let a = artifacts();
