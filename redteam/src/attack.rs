@@ -82,6 +82,11 @@ pub enum Play {
     /// A `gpufrac run` asking for `want` each time it comes on (queued,
     /// or `--no-wait`), ended when it goes off.
     Lease { want: Want, queued: bool },
+    /// A slow writer: a lease without placement, then `Name` frames with
+    /// a label of `kib` KiB of control bytes, sent `bytes` bytes each time
+    /// it comes on (the broker holds each partial frame until it is
+    /// whole), the next once one is.
+    Trickle { kib: u16, bytes: u16 },
 }
 
 /// Members doing one play on one cycle.
@@ -162,7 +167,7 @@ impl Bounds {
         let mut s = s.clone();
         for c in &mut s.cohorts {
             c.argv.kib = c.argv.kib.min(self.argv_kib);
-            if let Play::Name { kib, .. } = &mut c.play {
+            if let Play::Name { kib, .. } | Play::Trickle { kib, .. } = &mut c.play {
                 *kib = (*kib).min(self.name_kib);
             }
         }
@@ -268,6 +273,8 @@ struct Member {
     waiting: bool,
     /// Its current lease request (in `record.leases`).
     lease: Option<usize>,
+    /// How much of its trickled frame its connection has sent.
+    trickled: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -309,6 +316,8 @@ pub struct Attacker {
     owner: Vec<usize>,
     /// What each cohort's processes say their command is.
     commands: Vec<String>,
+    /// Each trickling cohort's frame, encoded once.
+    trickles: Vec<Vec<u8>>,
     left: bool,
     timers: Timers<Timer>,
     by_conn: BTreeMap<ConnId, usize>,
@@ -330,6 +339,18 @@ impl Attacker {
                 .map(|c| vec![None; usize::from(c.procs.clamp(1, c.members.max(1)))])
                 .collect(),
             commands: s.cohorts.iter().map(|c| c.argv.command()).collect(),
+            trickles: s
+                .cohorts
+                .iter()
+                .map(|c| match c.play {
+                    Play::Trickle { kib, .. } => {
+                        let mut b = Vec::new();
+                        wire::encode_client(&name_frame(kib), &mut b);
+                        b
+                    }
+                    _ => Vec::new(),
+                })
+                .collect(),
             owner: s
                 .cohorts
                 .iter()
@@ -426,12 +447,13 @@ impl Attacker {
                 self.send(io, conn, &reg);
                 io.on_gpu(conn, ATTACKER, class);
             }
-            Play::Name { .. } => {
+            Play::Name { .. } | Play::Trickle { .. } => {
                 let lease = LeaseReq::default();
                 self.send(io, conn, &lease.into());
             }
             _ => {}
         }
+        self.members[m].trickled = 0;
         conn
     }
 
@@ -470,16 +492,20 @@ impl Attacker {
             Play::Ping { frames } => self.flood(io, conn, &ClientMsg::Ping, frames),
             Play::Status { frames } => self.flood(io, conn, &ClientMsg::Status { from: 0 }, frames),
             Play::Name { kib, frames } => {
-                let label: String = "\u{1}\n\u{1b}"
-                    .chars()
-                    .cycle()
-                    .take(usize::from(kib.min(MAX_NAME_KIB)) * 1024)
-                    .collect();
-                let msg = ClientMsg::Name {
-                    pod: String::new(),
-                    label,
-                };
-                self.flood(io, conn, &msg, u16::from(frames));
+                self.flood(io, conn, &name_frame(kib), u16::from(frames));
+            }
+            Play::Trickle { bytes, .. } => {
+                let frame = &self.trickles[self.members[m].cohort];
+                let from = self.members[m].trickled;
+                let n = usize::from(bytes.max(1))
+                    .min(frame.len() - from)
+                    .min(io.room(conn));
+                io.send_raw(conn, &frame[from..from + n]);
+                let to = from + n;
+                if to == frame.len() {
+                    self.record.frames += 1;
+                }
+                self.members[m].trickled = to % frame.len();
             }
             Play::Lease { want, queued } => {
                 let mut req = LeaseReq {
@@ -615,7 +641,10 @@ impl Attacker {
                     self.at(io.now + c.period(), Timer::On(m));
                 } else if matches!(
                     c.play,
-                    Play::Ping { .. } | Play::Status { .. } | Play::Name { .. }
+                    Play::Ping { .. }
+                        | Play::Status { .. }
+                        | Play::Name { .. }
+                        | Play::Trickle { .. }
                 ) {
                     // Always on: a flood goes on each period.
                     self.at(io.now + c.period(), Timer::On(m));
@@ -883,6 +912,20 @@ pub fn seeds() -> Vec<(&'static str, Strategy)> {
     ]
 }
 
+/// A `Name` frame whose pod is empty and whose label is `kib` KiB of
+/// control bytes (each escaped to several on the way to a log).
+fn name_frame(kib: u16) -> ClientMsg {
+    let label: String = "\u{1}\n\u{1b}"
+        .chars()
+        .cycle()
+        .take(usize::from(kib.min(MAX_NAME_KIB)) * 1024)
+        .collect();
+    ClientMsg::Name {
+        pod: String::new(),
+        label,
+    }
+}
+
 impl Strategy {
     /// The strategy as Rust, to paste into a regression test.
     pub fn to_rust(&self) -> String {
@@ -904,6 +947,9 @@ impl Strategy {
                 }
                 Play::Lease { want, queued } => {
                     format!("Play::Lease {{ want: Want::{want:?}, queued: {queued} }}")
+                }
+                Play::Trickle { kib, bytes } => {
+                    format!("Play::Trickle {{ kib: {kib}, bytes: {bytes} }}")
                 }
             };
             let _ = writeln!(
@@ -964,6 +1010,9 @@ impl Strategy {
                     "a lease for {want:?}{}",
                     if queued { " (queued)" } else { " (--no-wait)" }
                 ),
+                Play::Trickle { kib, bytes } => {
+                    format!("Name frames of {kib} KiB of control bytes, {bytes} bytes at a time")
+                }
             };
             let cycle = if c.duty >= 100 {
                 "all the time".to_owned()

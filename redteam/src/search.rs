@@ -237,13 +237,14 @@ const MEMBERS: &[u8] = &[1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64];
 const PERIODS: &[u16] = &[2, 5, 10, 20, 40, 80, 160, 320, 640, 1000, 2000];
 const ARGV_KIB: &[u32] = &[0, 4, 64, 256, 1024, 2048, MAX_ARGV_KIB];
 const FRAMES: &[u16] = &[1, 4, 16, 64, 256, 1024, 4096];
+const TRICKLE_BYTES: &[u16] = &[1, 3, 64, 1024, 16384, 65535];
 
 fn class(rng: &mut ChaCha8Rng) -> Priority {
     pick(rng, &Priority::ALL)
 }
 
 fn random_play(rng: &mut ChaCha8Rng) -> Play {
-    match rng.random_range(0..8) {
+    match rng.random_range(0..9) {
         0..=3 => Play::Shim {
             class: class(rng),
             work: rng.random_bool(0.7),
@@ -263,6 +264,10 @@ fn random_play(rng: &mut ChaCha8Rng) -> Play {
         6 => Play::Name {
             kib: pick(rng, &[1, 16, 64, 128, MAX_NAME_KIB]),
             frames: pick(rng, &[1, 2, 4, 16]),
+        },
+        7 => Play::Trickle {
+            kib: pick(rng, &[1, 16, 64, 128, MAX_NAME_KIB]),
+            bytes: pick(rng, TRICKLE_BYTES),
         },
         _ => Play::Lease {
             want: pick(rng, &Want::ALL),
@@ -392,6 +397,25 @@ fn mutate_play(rng: &mut ChaCha8Rng, p: Play) -> Play {
                 Play::Lease {
                     want,
                     queued: !queued,
+                }
+            }
+        }
+        Play::Trickle { kib, bytes } => {
+            if rng.random_bool(0.5) {
+                Play::Trickle {
+                    kib: nudge(
+                        rng,
+                        u32::from(kib),
+                        1,
+                        u32::from(MAX_NAME_KIB),
+                        &[1, 64, 250],
+                    ) as u16,
+                    bytes,
+                }
+            } else {
+                Play::Trickle {
+                    kib,
+                    bytes: nudge(rng, u32::from(bytes), 1, 65535, &[1, 64, 16384]) as u16,
                 }
             }
         }

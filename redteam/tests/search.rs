@@ -8,9 +8,12 @@
 //! from another seed.
 
 use gpufrac_redteam::attack::Space;
+use gpufrac_redteam::check::log_of;
 use gpufrac_redteam::check::verdict;
 use gpufrac_redteam::search::{Plan, SEED, report};
-use gpufrac_redteam::{Bounds, Invariant, Strategy, evaluate, search, seeds};
+use gpufrac_redteam::{
+    Bounds, Cohort, Invariant, Play, Strategy, cohort, evaluate, holds, search, seeds,
+};
 
 /// Strategies played per invariant (and a quarter more to simplify the
 /// best): about 12 s of CPU each in a debug build.
@@ -115,5 +118,31 @@ fn an_attacker_that_does_nothing_harms_nobody() {
             o.harm,
             o.figures
         );
+    }
+}
+
+/// The slow writer the search may play: its `Name` frames arrive whole,
+/// a piece each time it comes on (the broker names the lease, so the
+/// pieces were put together), and writers that leave partial frames in
+/// the broker's buffers on every connection of a user leave the victim
+/// served and its lines logged.
+#[test]
+fn slow_writers_frames_arrive_whole_and_leave_the_victim_served() {
+    let trickle = |kib, bytes, members| Strategy {
+        cohorts: vec![Cohort {
+            members,
+            period_ms: 2,
+            ..cohort(Play::Trickle { kib, bytes })
+        }],
+    };
+    let lines = log_of(Invariant::Service, &trickle(1, 64, 1), &Bounds::QUICK);
+    assert!(
+        lines.iter().any(|l| l.message == "lease named"),
+        "no Name frame of 1 KiB sent 64 bytes at a time arrived whole: {:?}",
+        lines.iter().map(|l| &l.text).collect::<Vec<_>>()
+    );
+    for s in [trickle(32, 1, 64), trickle(32, 16384, 64)] {
+        holds(Invariant::Service, &s);
+        holds(Invariant::Logs, &s);
     }
 }
