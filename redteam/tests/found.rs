@@ -1050,3 +1050,38 @@ fn idle_seed_20261126() {
     };
     holds(Invariant::Idle, &s);
 }
+
+/// Found by a longer search (`redteam search --invariant fairness --seed 9
+/// --budget 800`): the attacker's busy `high` process on half of each
+/// 265 ms, beside sixteen of its `low` connections taking turns, each on
+/// 40 µs in 2 ms and never answering a revoke. Left on the GPU, the `low`
+/// connections thinned the charge of whoever held it, so the band's
+/// clock crawled and the `high` user's warp (a fixed two slices of
+/// virtual time) bought it its whole on-time: the `normal` victim kept
+/// 73% of its fair part. A higher band's charge is no longer thinned by a
+/// lower band's clients on the GPU (96%). Played within the largest
+/// bounds: within the suite's, the attacker's churn is cut short before
+/// it shows.
+#[test]
+fn fairness_seed_9() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                period_ms: 265,
+                duty: 50,
+                ..cohort(shim(Priority::High, true, Recall::Honest))
+            },
+            Cohort {
+                members: 16,
+                period_ms: 2,
+                duty: 2,
+                stagger: 6,
+                ..cohort(shim(Priority::Low, true, Recall::Ignore))
+            },
+        ],
+    };
+    gpufrac_redteam::check::verdict(
+        &evaluate(Invariant::Fairness, &s, &Bounds::FULL),
+        " within the largest bounds",
+    );
+}

@@ -872,15 +872,33 @@ impl Scheduler {
     /// Charges everyone on the GPU up to `now` (the time-slicer splits the
     /// GPU evenly among those with work), each level of its branch by its
     /// weight there as the last event left it, and advances the clocks.
+    /// A client's virtual time is charged as one of those on the GPU of
+    /// its band or above: lower bands' clients left on the GPU (revoked,
+    /// not yet answering, or draining) do not thin a higher band's charge
+    /// (status's GPU time stays the even split). Thinned,
+    /// a band's clock crawled while sixteen `low` connections that never
+    /// answered a revoke sat on the GPU, and a `high` user's warp, a fixed
+    /// two slices of virtual time, bought it seventeen times as much of
+    /// the GPU: its whole on-time against a busy `normal` user (the victim
+    /// kept 73% of its fair part).
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
         let n = self.ix.on_gpu.len();
         if dt > 0 && n > 0 {
-            let share = dt as f64 / n as f64;
+            let mut at_or_above = [0usize; BANDS];
+            for c in self.ix.on_gpu.iter().map(|id| &self.clients[id]) {
+                for k in at_or_above.iter_mut().take(band(c.class) + 1) {
+                    *k += 1;
+                }
+            }
             let on: Vec<ClientId> = self.ix.on_gpu.iter().copied().collect();
             for id in on {
                 let c = &self.clients[&id];
+                let share = dt as f64 / at_or_above[band(c.class)].max(1) as f64;
+                // The GPU time status reports stays the time-slicer's even
+                // split, which adds up to the time that passed.
+                let even = dt as f64 / n as f64;
                 let (l, p) = (self.levels(c), c.path());
                 let t = &mut self.ix.tree;
                 if let Some(x) = t.users.get_mut(&(p.0, p.1)) {
@@ -895,7 +913,7 @@ impl Scheduler {
                     .get_mut(&id)
                     .expect("on the GPU means registered");
                 c.vtime += share / l.own;
-                c.charged += share;
+                c.charged += even;
                 self.reindex(id);
             }
         }
