@@ -237,6 +237,7 @@ const MEMBERS: &[u8] = &[1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64];
 const PERIODS: &[u16] = &[2, 5, 10, 20, 40, 80, 160, 320, 640, 1000, 2000];
 const ARGV_KIB: &[u32] = &[0, 4, 64, 256, 1024, 2048, MAX_ARGV_KIB];
 const FRAMES: &[u16] = &[1, 4, 16, 64, 256, 1024, 4096];
+const LABEL_KIB: &[u16] = &[1, 16, 64, 128, MAX_NAME_KIB];
 const TRICKLE_BYTES: &[u16] = &[1, 3, 64, 1024, 16384, 65535];
 
 fn class(rng: &mut ChaCha8Rng) -> Priority {
@@ -262,11 +263,11 @@ fn random_play(rng: &mut ChaCha8Rng) -> Play {
             frames: pick(rng, FRAMES),
         },
         6 => Play::Name {
-            kib: pick(rng, &[1, 16, 64, 128, MAX_NAME_KIB]),
+            kib: pick(rng, LABEL_KIB),
             frames: pick(rng, &[1, 2, 4, 16]),
         },
         7 => Play::Trickle {
-            kib: pick(rng, &[1, 16, 64, 128, MAX_NAME_KIB]),
+            kib: pick(rng, LABEL_KIB),
             bytes: pick(rng, TRICKLE_BYTES),
         },
         _ => Play::Lease {
@@ -326,6 +327,17 @@ fn nudge(rng: &mut ChaCha8Rng, x: u32, lo: u32, hi: u32, fresh: &[u32]) -> u32 {
     y.clamp(lo, hi)
 }
 
+/// A `Name` label's size nudged, in KiB (whole or trickled frames alike).
+fn nudge_label_kib(rng: &mut ChaCha8Rng, kib: u16) -> u16 {
+    nudge(
+        rng,
+        u32::from(kib),
+        1,
+        u32::from(MAX_NAME_KIB),
+        &[1, 64, 250],
+    ) as u16
+}
+
 fn mutate_play(rng: &mut ChaCha8Rng, p: Play) -> Play {
     if rng.random_bool(0.2) {
         return random_play(rng);
@@ -371,13 +383,7 @@ fn mutate_play(rng: &mut ChaCha8Rng, p: Play) -> Play {
         Play::Name { kib, frames } => {
             if rng.random_bool(0.5) {
                 Play::Name {
-                    kib: nudge(
-                        rng,
-                        u32::from(kib),
-                        1,
-                        u32::from(MAX_NAME_KIB),
-                        &[1, 64, 250],
-                    ) as u16,
+                    kib: nudge_label_kib(rng, kib),
                     frames,
                 }
             } else {
@@ -403,13 +409,7 @@ fn mutate_play(rng: &mut ChaCha8Rng, p: Play) -> Play {
         Play::Trickle { kib, bytes } => {
             if rng.random_bool(0.5) {
                 Play::Trickle {
-                    kib: nudge(
-                        rng,
-                        u32::from(kib),
-                        1,
-                        u32::from(MAX_NAME_KIB),
-                        &[1, 64, 250],
-                    ) as u16,
+                    kib: nudge_label_kib(rng, kib),
                     bytes,
                 }
             } else {
