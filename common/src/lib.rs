@@ -10,5 +10,6 @@ pub mod minors;
 pub mod net;
 pub mod procfs;
 pub mod size;
+pub mod text;
 pub mod versions;
 pub mod wire;
