@@ -10,5 +10,7 @@ pub mod minors;
 pub mod net;
 pub mod procfs;
 pub mod size;
+#[cfg(feature = "status")]
+pub mod status;
 pub mod versions;
 pub mod wire;
