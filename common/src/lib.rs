@@ -6,6 +6,7 @@ pub mod config;
 pub mod cuda;
 pub mod files;
 pub mod jobledger;
+pub mod mig;
 pub mod minors;
 pub mod net;
 pub mod procfs;
