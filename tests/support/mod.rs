@@ -777,7 +777,7 @@ pub fn engine_tests() -> EngineTests {
     }
 }
 
-fn skip_banner(what: &str, why: &str) {
+pub fn skip_banner(what: &str, why: &str) {
     say(&format!(
         "\n################################################################\n\
          SKIPPED: {what}: {why}\n\
