@@ -1534,14 +1534,21 @@ fn b_registered(b: &Open, pid: u64) -> bool {
     })
 }
 
-/// The attack: with a job holding the only (16 GiB) GPU and root's
-/// `--gpus 1` waiting for it, `nobody` asks for `--gpu-memory 16G`. It was
-/// ordered as a fraction, ahead of every whole-GPU request, and took the
-/// GPU when it freed (the victim waited 5.6 s, and would wait for as long
-/// as such requests keep coming). A request for a whole GPU's memory is a
-/// whole-GPU request: it waits its turn.
+/// A victim of its own: uid 5001, in the socket's group.
+const VICTIM: u32 = 5001;
+
+/// The attack: with a job holding the only (16 GiB) GPU and a victim's
+/// `--gpus 1` waiting for it, `nobody` asks for `--gpu-memory` of the
+/// GPU's memory less a little. `16G` itself was ordered as a fraction,
+/// ahead of every whole-GPU request, and took the GPU when it freed (the
+/// victim waited 5.6 s, and would wait for as long as such requests keep
+/// coming); the fix that made `16G` a whole-GPU request left `16383M`
+/// (16 GiB less 1 MiB) a fraction, placed at 1.5 s and the victim, first
+/// in line, at 5.5 s. A fraction now goes after every earlier whole-GPU
+/// request and takes no GPU one waits for, whatever its size: for each
+/// size the victim is first in the queue and first on the GPU.
 #[test]
-fn a_whole_gpus_memory_does_not_jump_an_earlier_whole_gpu_request() {
+fn a_whole_gpus_memory_less_a_little_does_not_jump_an_earlier_whole_gpu_request() {
     if !can_be_nobody() {
         return;
     }
@@ -1554,48 +1561,67 @@ fn a_whole_gpus_memory_does_not_jump_an_earlier_whole_gpu_request() {
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if let Some(u) = uid {
-            as_user(&mut c, u);
+            // nogroup: the socket's group, as `--group` made it.
+            as_user_in_group(&mut c, u, NOBODY);
         }
         c.spawn().unwrap()
     };
-    let queued = |n: usize| {
-        wait_until(20.0, &format!("{n} requests queued"), || {
-            status_cli(&b.socket)["queue"]
-                .as_array()
-                .is_some_and(|q| q.len() == n)
-        })
+    let queue = || {
+        status_cli(&b.socket)["queue"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
     };
-    let holder = spawn("holder", &["--gpus", "1"], None);
-    wait_started(&dir, "holder");
-    let victim = spawn("victim", &["--gpus", "1"], None);
-    queued(1);
-    let attacker = spawn("attacker", &["--gpu-memory", "16G"], Some(NOBODY));
-    queued(2);
-    let t = Instant::now();
-    release(&dir, "holder", holder);
-    wait_until(20.0, "a queued job to start", || {
-        started(&dir, "victim").is_some() || started(&dir, "attacker").is_some()
-    });
-    let first = if started(&dir, "victim").is_some() {
-        "victim"
-    } else {
-        "attacker"
-    };
-    eprintln!(
-        "figure: after the GPU freed, {first} ran first ({:?})",
-        t.elapsed()
-    );
-    // Whichever ran, both end.
-    if first == "attacker" {
-        release(&dir, "attacker", attacker);
-        wait_started(&dir, "victim");
-        release(&dir, "victim", victim);
-        panic!("nobody's --gpu-memory 16G on a 16 GiB GPU ran before root's earlier --gpus 1");
+    let queued =
+        |n: usize| wait_until(20.0, &format!("{n} requests queued"), || queue().len() == n);
+    // 16 GiB; less a MiB, a byte, a page, a KiB.
+    let sizes = ["16G", "16383M", "17179869183", "16777212K", "16777215K"];
+    for (k, size) in sizes.iter().enumerate() {
+        let (holder, victim, attacker) = (
+            format!("holder{k}"),
+            format!("victim{k}"),
+            format!("attacker{k}"),
+        );
+        let held = spawn(&holder, &["--gpus", "1"], None);
+        wait_started(&dir, &holder);
+        let v = spawn(&victim, &["--gpus", "1"], Some(VICTIM));
+        queued(1);
+        let a = spawn(&attacker, &["--gpu-memory", size], Some(NOBODY));
+        queued(2);
+        let first = queue()[0]["pid"].as_u64();
+        let t = Instant::now();
+        release(&dir, &holder, held);
+        wait_until(20.0, "a queued job to start", || {
+            started(&dir, &victim).is_some() || started(&dir, &attacker).is_some()
+        });
+        let ran = if started(&dir, &victim).is_some() {
+            "victim"
+        } else {
+            "attacker"
+        };
+        eprintln!(
+            "figure: --gpu-memory {size}: after the GPU freed, the {ran} ran first ({:?})",
+            t.elapsed()
+        );
+        // Whichever ran, both end.
+        if ran == "attacker" {
+            release(&dir, &attacker, a);
+            wait_started(&dir, &victim);
+            release(&dir, &victim, v);
+            panic!(
+                "nobody's --gpu-memory {size} on a 16 GiB GPU ran before uid {VICTIM}'s earlier --gpus 1"
+            );
+        }
+        assert!(started(&dir, &attacker).is_none(), "both hold the GPU");
+        assert_eq!(
+            first,
+            Some(u64::from(v.id())),
+            "--gpu-memory {size}: the victim is first in line"
+        );
+        release(&dir, &victim, v);
+        wait_started(&dir, &attacker);
+        release(&dir, &attacker, a);
     }
-    assert!(started(&dir, "attacker").is_none(), "both hold the GPU");
-    release(&dir, "victim", victim);
-    wait_started(&dir, "attacker");
-    release(&dir, "attacker", attacker);
 }
 
 /// The attack (on the node, by the test suite itself): a cleanly stopped
