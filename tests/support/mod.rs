@@ -405,7 +405,8 @@ impl Broker {
         let child = &mut self.child;
         wait_until(20.0, "the broker socket", || {
             if let Ok(Some(st)) = child.try_wait() {
-                panic!("broker exited early: {st}");
+                let log = std::fs::read_to_string(log_file(&sock)).unwrap_or_default();
+                panic!("broker exited early ({st}); its log:\n{log}");
             }
             std::os::unix::net::UnixStream::connect(&sock).is_ok()
         });
@@ -517,6 +518,15 @@ fn state_dir(socket: &Path) -> PathBuf {
     socket.with_file_name("state")
 }
 
+/// Where `Broker` keeps a broker's log: beside its socket.
+fn log_file(socket: &Path) -> PathBuf {
+    socket.with_file_name("broker.log")
+}
+
+/// The broker's log goes to a file of its own (a restart's after the
+/// last), not to the test run's terminal: many tests provoke the warnings
+/// they check for, and they read as faults there. A test that fails shows
+/// its end (`Broker`'s drop).
 fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
     let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
     cmd.arg("broker").arg("--socket").arg(socket).args(args);
@@ -524,16 +534,39 @@ fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> st
         // Its private files in its scratch directory, not under /run.
         cmd.arg("--state-dir").arg(state_dir(socket));
     }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file(socket))
+        .expect("creating the broker's log");
     cmd.env("GPUFRAC_SIM_STATE", state)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
+        .stderr(log);
     cmd.spawn().expect("starting gpufrac broker")
+}
+
+impl Broker {
+    /// What it has logged so far (at info).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(log_file(&self.socket)).unwrap_or_default()
+    }
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
         stop(&mut self.child);
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "the broker's log ({}), its last {} lines:\n{}",
+                log_file(&self.socket).display(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
     }
 }
 
