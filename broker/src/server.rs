@@ -68,9 +68,10 @@ pub struct Shell {
     pub listener: UnixListener,
     pub socket: PathBuf,
     pub state: StateFile,
-    /// The private directory the broker made at start: removed at a clean
-    /// stop when nothing is left in it (one a test suite's brokers made
-    /// and left behind, by the dozen, under /run/gpufrac/state).
+    /// The private directory to remove at a clean stop when nothing is
+    /// left in it: the one the broker made at start, or the socket's
+    /// default one (a test suite's brokers once left them behind, by the
+    /// dozen, under /run/gpufrac/state).
     pub made_dir: Option<PathBuf>,
     pub metrics: Option<crate::metrics::Feed>,
     pub mps: Option<crate::mps::Mps>,

@@ -741,12 +741,26 @@ pub fn stop(child: &mut std::process::Child) {
 /// An exclusive lock, machine-wide, held until dropped: test binaries (and
 /// their threads, and a second `cargo test` beside this one) share dpkg,
 /// daemons, images and installers.
-pub struct MachineLock(std::fs::File);
+pub struct MachineLock(std::fs::File, Option<PathBuf>);
 
 impl MachineLock {
-    /// The lock called `name` (a file in the temp dir).
+    /// The lock called `name`: a file in the temp dir, which its holder
+    /// removes when it lets go, so the suite leaves none behind. Whoever
+    /// waited on the file removed meanwhile takes the lock on a new one
+    /// (`flock` holds an open file, not a name).
     pub fn take(name: &str) -> MachineLock {
-        Self::at(&std::env::temp_dir().join(format!("gpufrac-test-{name}.lock")))
+        let path = std::env::temp_dir().join(format!("gpufrac-test-{name}.lock"));
+        loop {
+            use std::os::unix::fs::MetadataExt;
+            let mut lock = Self::at(&path);
+            let held = lock.0.metadata().unwrap();
+            if std::fs::metadata(&path)
+                .is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()))
+            {
+                lock.1 = Some(path);
+                return lock;
+            }
+        }
     }
 
     /// The lock on the file at `path`.
@@ -772,7 +786,16 @@ impl MachineLock {
         // SAFETY: a valid descriptor; flock blocks until the lock is ours.
         let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
         assert_eq!(rc, 0, "flock {}", path.display());
-        MachineLock(f)
+        MachineLock(f, None)
+    }
+}
+
+impl Drop for MachineLock {
+    fn drop(&mut self) {
+        // Removed while still held, so no one takes a lock on it after.
+        if let Some(path) = self.1.take() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
