@@ -19,15 +19,6 @@ use std::time::Duration;
 
 use support::*;
 
-/// A port nobody listens on now (bound, read, let go).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `GET path` over a fresh connection: (status code, body). HTTP/1.0, so
 /// that the body comes whole, never chunked. A bound on the read against
 /// a hang, never a measure.

@@ -131,12 +131,51 @@ pub struct GpuStatus {
     /// the share each gets and used. Every page carries all of them.
     #[serde(default)]
     pub users: Vec<UserShare>,
+    /// What the driver (NVML) says of the GPU's memory: every process's,
+    /// the shim's or not, and the driver's own. None: not asked (no NVML,
+    /// a MIG instance).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverMem>,
+    /// Processes the driver lists on this GPU that are not under the shim
+    /// (none of this broker's registered processes on it), most memory
+    /// first, at most 32; `unmanaged_processes` counts them all and
+    /// `unmanaged_mem` sums what they hold. Placement counts that memory
+    /// as taken.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unmanaged: Vec<UnmanagedProc>,
+    #[serde(default)]
+    pub unmanaged_processes: u32,
+    #[serde(default)]
+    pub unmanaged_mem: u64,
+    /// What a new lease could still have: total less what is committed
+    /// (or allocated, where the shims' processes hold more) less what
+    /// processes outside gpufrac hold, and never more than the driver
+    /// says is free.
+    #[serde(default)]
+    pub free_mem: u64,
     /// A GPU in MIG mode: its instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigStatus>,
     /// A MIG instance: its GPU instance id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_instance: Option<u32>,
+}
+
+/// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DriverMem {
+    pub total: u64,
+    pub used: u64,
+    pub free: u64,
+}
+
+/// A process on a GPU that is not under the shim: no cap, no share, no
+/// lease; only the driver knows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct UnmanagedProc {
+    pub pid: u32,
+    /// What the driver says it holds, bytes.
+    pub mem: u64,
 }
 
 /// The instances of a GPU in MIG mode under `--mig dynamic`.

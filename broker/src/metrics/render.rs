@@ -145,6 +145,45 @@ fn gpus(s: &Status) -> Vec<Family> {
         ),
         per_gpu(
             s,
+            "gpufrac_gpu_memory_free_bytes",
+            "Memory a new lease could still have on the GPU: its total less what is \
+             committed to leases and what processes outside gpufrac hold, and never more \
+             than the driver says is free.",
+            false,
+            |g| Some(g.free_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_driver_used_bytes",
+            "Memory the driver (NVML) says is used on the GPU: every process's, the shim's \
+             or not, and the driver's own.",
+            true,
+            |g| g.driver.map(|d| d.used as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_driver_free_bytes",
+            "Memory the driver (NVML) says is free on the GPU.",
+            true,
+            |g| g.driver.map(|d| d.free as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_unmanaged_bytes",
+            "Memory the driver says processes outside gpufrac (not under the shim) hold on \
+             the GPU: no cap, no lease; placement counts it as taken.",
+            true,
+            |g| Some(g.unmanaged_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_processes_unmanaged",
+            "Processes the driver lists on the GPU that are not under the shim.",
+            true,
+            |g| Some(f64::from(g.unmanaged_processes)),
+        ),
+        per_gpu(
+            s,
             "gpufrac_gpu_utilization_ratio",
             "Time the GPU was busy over NVML's last sample period (0 to 1), where NVML \
              reports it.",

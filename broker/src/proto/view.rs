@@ -52,6 +52,7 @@ impl Broker {
             }
         }
         let mut gpus = Vec::new();
+        let managed = self.managed();
         let mig_status = self.queue.mig().status();
         let live: Vec<&str> = mig_status
             .iter()
@@ -135,6 +136,21 @@ impl Broker {
                             && matches!(i.use_, Use::Lease(_))
                     })
                 });
+            let committed_mem = match g.mig {
+                Some(_) if in_use => g.total_mem,
+                Some(_) => 0,
+                None => ls.map_or(0, |l| l.committed_mem),
+            };
+            let outside = self.outside(gi, &managed).unwrap_or_default();
+            let driver = self.driver_mem(gi);
+            // The shims' processes outside any lease hold memory no lease
+            // committed: what is allocated counts where it is more.
+            let allocated: u64 = processes.iter().map(|p| p.mem_used).sum();
+            let free_mem = g
+                .total_mem
+                .saturating_sub(committed_mem.max(allocated))
+                .saturating_sub(outside.mem)
+                .min(driver.map_or(u64::MAX, |d| d.free));
             gpus.push(GpuStatus {
                 index: g.index,
                 mode: if g.mig.is_some() {
@@ -156,11 +172,7 @@ impl Broker {
                     Some(_) => u32::from(in_use),
                     None => ls.map_or(0, |l| l.slots_used),
                 },
-                committed_mem: match g.mig {
-                    Some(_) if in_use => g.total_mem,
-                    Some(_) => 0,
-                    None => ls.map_or(0, |l| l.committed_mem),
-                },
+                committed_mem,
                 utilization: match g.mig {
                     Some(_) => None,
                     None => self.telemetry.utilization(&g.uuid_str),
@@ -172,6 +184,11 @@ impl Broker {
                     .map(|c| c.peer.pid),
                 processes,
                 users,
+                driver,
+                unmanaged: outside.listed,
+                unmanaged_processes: outside.count,
+                unmanaged_mem: outside.mem,
+                free_mem,
                 mig: None,
                 mig_instance: g.mig.map(|(_, gi)| gi),
             });
@@ -359,6 +376,10 @@ impl Broker {
             slots_total: 0,
             slots_used: 0,
             committed_mem: self.queue.mig().committed(m.gpu.index),
+            free_mem: m
+                .gpu
+                .total_mem
+                .saturating_sub(self.queue.mig().committed(m.gpu.index)),
             // NVML does not report utilisation in MIG mode.
             utilization: None,
             holder: None,
@@ -371,6 +392,7 @@ impl Broker {
                 failures: m.failures,
             }),
             mig_instance: None,
+            ..Default::default()
         }
     }
 
