@@ -240,17 +240,7 @@ fn python_as(uid: u32, b: &Open, body: &str, msgs: &[(&str, Vec<u8>)], args: &[&
                 grant: 0,
             },
         ),
-        (
-            "LEASED",
-            ServerMsg::Leased {
-                gpus: vec![],
-                uuids: vec![],
-                mem_cap: 0,
-                token: 0,
-                mps_pipe: String::new(),
-                mig: String::new(),
-            },
-        ),
+        ("LEASED", ServerMsg::Leased(wire::Lease::default())),
         (
             "REFUSED",
             ServerMsg::Refused {

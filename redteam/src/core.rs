@@ -24,7 +24,7 @@ use gpufrac_broker::procs::{GpuSample, Procs, Telemetry};
 use gpufrac_broker::proto::{Broker, Config, MigDone, Sockets as CoreSockets, Tokens, Work};
 pub use gpufrac_broker::proto::{ConnId, Nanos};
 use gpufrac_broker::server::ACCEPTS_PER_TURN;
-use gpufrac_broker::status::Status;
+use gpufrac_common::status::Status;
 
 use crate::host::Host;
 use crate::work::{self, Tally};

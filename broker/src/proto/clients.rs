@@ -34,7 +34,8 @@ impl Broker {
             ClientMsg::Hello { role: asked, .. } if *asked != role => {
                 Some(roles::second_hello(*asked, role))
             }
-            m => roles::sender(m)
+            m => m
+                .sender()
                 .filter(|&r| r != role)
                 .map(|r| roles::refusal(m, r, role)),
         };
