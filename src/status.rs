@@ -718,6 +718,7 @@ mod tests {
                         job_mem_used: Some(3 << 30),
                         sm_percent: None,
                         pod: None,
+                        ..ProcStatus::default()
                     },
                     ProcStatus {
                         pid: 7,
@@ -746,7 +747,9 @@ mod tests {
                             share_achieved: 0.28,
                             gpu_time_s: 12.5,
                             processes: 1,
+                            ..JobShare::default()
                         }],
+                        ..UserShare::default()
                     },
                     UserShare {
                         uid: 0,

@@ -246,6 +246,15 @@ pub struct ProcStatus {
     /// several processes' work shared the GPU.
     #[serde(default)]
     pub gpu_time_s: f64,
+    /// GPU time it was owed so far, seconds: its target share over the
+    /// time it was busy and its ceilings let it be granted. Where it is
+    /// more than `gpu_time_s`, the process got less than its share.
+    #[serde(default)]
+    pub entitled_s: f64,
+    /// Time it was busy but held back by its ceilings (its limit, its
+    /// job's, the `high` class's share), seconds.
+    #[serde(default)]
+    pub held_back_s: f64,
     /// Released, with queued work still running on the GPU.
     #[serde(default)]
     pub draining: bool,
@@ -283,6 +292,12 @@ pub struct UserShare {
     pub share_achieved: f64,
     /// GPU time charged to them so far, seconds.
     pub gpu_time_s: f64,
+    /// GPU time they were owed and time they were held back, seconds
+    /// (the sums of their processes').
+    #[serde(default)]
+    pub entitled_s: f64,
+    #[serde(default)]
+    pub held_back_s: f64,
     /// Its jobs here, and its processes outside any job (`job` None).
     pub jobs: Vec<JobShare>,
 }
@@ -303,6 +318,11 @@ pub struct JobShare {
     pub share_target: f64,
     pub share_achieved: f64,
     pub gpu_time_s: f64,
+    /// As in [`UserShare`].
+    #[serde(default)]
+    pub entitled_s: f64,
+    #[serde(default)]
+    pub held_back_s: f64,
     /// How many of its processes are on this GPU (each process's entry
     /// names its job and user).
     pub processes: u32,

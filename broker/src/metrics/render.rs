@@ -192,6 +192,19 @@ fn gpus(s: &Status) -> Vec<Family> {
         ),
         per_gpu(
             s,
+            "gpufrac_gpu_requests_waiting",
+            "Requests of gpufrac run waiting in the queue that the GPU could serve once its \
+             leases end, or that it is held back for (their waits_for).",
+            true,
+            |g| {
+                let n = g.index.map_or(0, |i| {
+                    s.queue.iter().filter(|q| q.waits_for.contains(&i)).count()
+                });
+                Some(n as f64)
+            },
+        ),
+        per_gpu(
+            s,
             "gpufrac_gpu_slots",
             "Leases of --gpus 1 the GPU holds at once (--overprovision).",
             true,
@@ -216,6 +229,8 @@ struct Level {
     target: Family,
     achieved: Family,
     seconds: Family,
+    entitled: Family,
+    held_back: Family,
     used: Family,
     refusals: Family,
 }
@@ -248,6 +263,25 @@ impl Level {
                 Kind::Counter,
                 format!("GPU time charged to {whose} processes, those gone included, seconds."),
             ),
+            entitled: f(
+                "entitled_seconds_total",
+                Kind::Counter,
+                format!(
+                    "GPU time {whose} processes were owed, those gone included, seconds: \
+                     their target share over the time they were busy and their ceilings let \
+                     them be granted (net of what a higher class was owed). Its rate less \
+                     the rate of gpu_seconds_total is what they were short of their share."
+                ),
+            ),
+            held_back: f(
+                "held_back_seconds_total",
+                Kind::Counter,
+                format!(
+                    "Time {whose} processes were busy but held back by their ceilings (a \
+                     process's GPU_COMPUTE_LIMIT, a job's --gpu-limit, the high class's \
+                     share), summed over processes, those gone included, seconds."
+                ),
+            ),
             used: f(
                 "memory_used_bytes",
                 Kind::Gauge,
@@ -263,10 +297,12 @@ impl Level {
         }
     }
 
-    fn share(&mut self, l: Labels, target: f64, achieved: f64, gpu_s: f64) {
+    fn share(&mut self, l: Labels, target: f64, achieved: f64, t: Totals) {
         self.target.add(l.clone(), target);
         self.achieved.add(l.clone(), achieved);
-        self.seconds.add(l, gpu_s);
+        self.seconds.add(l.clone(), t.gpu_s);
+        self.entitled.add(l.clone(), t.entitled_s);
+        self.held_back.add(l, t.held_back_s);
     }
 
     fn process(&mut self, l: Labels, p: &ProcStatus) {
@@ -276,14 +312,18 @@ impl Level {
 
     fn gone(&mut self, l: Labels, t: Totals) {
         self.seconds.add(l.clone(), t.gpu_s);
+        self.entitled.add(l.clone(), t.entitled_s);
+        self.held_back.add(l.clone(), t.held_back_s);
         self.refusals.add(l, t.refusals as f64);
     }
 
-    fn families(self) -> [Family; 5] {
+    fn families(self) -> [Family; 7] {
         [
             self.target,
             self.achieved,
             self.seconds,
+            self.entitled,
+            self.held_back,
             self.used,
             self.refusals,
         ]
@@ -295,7 +335,13 @@ fn users(s: &Status, t: &Tally) -> Vec<Family> {
     for g in &s.gpus {
         for u in &g.users {
             let l = with(gpu(g), &[("user", t.user(u.uid))]);
-            level.share(l, u.share_target, u.share_achieved, u.gpu_time_s);
+            let t = Totals {
+                gpu_s: u.gpu_time_s,
+                entitled_s: u.entitled_s,
+                held_back_s: u.held_back_s,
+                refusals: 0,
+            };
+            level.share(l, u.share_target, u.share_achieved, t);
         }
         for p in &g.processes {
             level.process(with(gpu(g), &[("user", t.user(owner(g, p)))]), p);
@@ -345,7 +391,13 @@ fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
             for j in &u.jobs {
                 let job = t.job(u.uid, &JobKey::of(j.job, j.pod.as_deref()));
                 let l = with(gpu(g), &[("user", t.user(u.uid)), ("job_id", job)]);
-                level.share(l, j.share_target, j.share_achieved, j.gpu_time_s);
+                let t = Totals {
+                    gpu_s: j.gpu_time_s,
+                    entitled_s: j.entitled_s,
+                    held_back_s: j.held_back_s,
+                    refusals: 0,
+                };
+                level.share(l, j.share_target, j.share_achieved, t);
             }
         }
         for p in &g.processes {

@@ -119,6 +119,8 @@ impl Broker {
                     }),
                     priority: s.map_or(Priority::Normal, |s| s.priority).as_str().into(),
                     gpu_time_s: s.map_or(0.0, |s| s.gpu_time as f64 / 1e9),
+                    entitled_s: s.map_or(0.0, |s| s.entitled as f64 / 1e9),
+                    held_back_s: s.map_or(0.0, |s| s.held_back as f64 / 1e9),
                     draining: s.is_some_and(|s| s.draining),
                 });
             }
@@ -306,6 +308,8 @@ impl Broker {
             u.share_target += p.share_target;
             u.share_achieved += p.share_achieved;
             u.gpu_time_s += p.gpu_time_s;
+            u.entitled_s += p.entitled_s;
+            u.held_back_s += p.held_back_s;
             let own = unit.own;
             let pid = job.map(|j| j.pid);
             let at = match u.jobs.iter().position(|j| j.job == pid) {
@@ -327,6 +331,8 @@ impl Broker {
             j.share_target += p.share_target;
             j.share_achieved += p.share_achieved;
             j.gpu_time_s += p.gpu_time_s;
+            j.entitled_s += p.entitled_s;
+            j.held_back_s += p.held_back_s;
             j.processes += 1;
         }
         let mut users: Vec<UserShare> = users.into_values().collect();
