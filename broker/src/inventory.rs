@@ -161,12 +161,14 @@ pub fn memory(dev: &Device<'_>) -> Option<(u64, u64, u64)> {
     dev.memory_info().ok().map(|m| (m.total, m.free, m.used))
 }
 
-/// The pids the driver saw running kernels on `dev` since its timestamp
-/// `last_seen` (µs, the driver's own clock: 0 for all it keeps), and the
-/// latest timestamp of those samples. None: the driver does not report
-/// per-process work there (MIG, an old GPU or driver); an empty list is a
-/// report that nobody ran.
-pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<u32>, u64)> {
+/// The processes the driver saw running kernels on `dev` since its
+/// timestamp `last_seen` (µs, the driver's own clock: 0 for all it
+/// keeps), each with how busy it kept the GPU then (percent, the mean of
+/// its samples' SM or memory utilisation, whichever is higher), sorted by
+/// pid; and the latest timestamp of those samples. None: the driver does
+/// not report per-process work there (MIG, an old GPU or driver); an
+/// empty list is a report that nobody ran.
+pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<(u32, u32)>, u64)> {
     let f = *dev
         .nvml()
         .lib()
@@ -195,14 +197,25 @@ pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<u32>, u64)>
         .map(|s| s.timeStamp)
         .max()
         .unwrap_or(last_seen);
-    let mut pids: Vec<u32> = samples
+    let mut busy: Vec<(u32, u32)> = samples
         .iter()
-        .filter(|s| s.smUtil > 0 || s.memUtil > 0)
-        .map(|s| s.pid)
+        .map(|s| (s.pid, s.smUtil.max(s.memUtil).min(100)))
         .collect();
-    pids.sort_unstable();
-    pids.dedup();
-    Some((pids, latest))
+    busy.sort_unstable();
+    Some((mean_by_pid(&busy), latest))
+}
+
+/// Each pid's mean percent over its samples (`samples` sorted by pid),
+/// for the pids with a mean above zero.
+fn mean_by_pid(samples: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    samples
+        .chunk_by(|a, b| a.0 == b.0)
+        .map(|one| {
+            let sum: u32 = one.iter().map(|s| s.1).sum();
+            (one[0].0, sum.div_ceil(one.len() as u32))
+        })
+        .filter(|&(_, pct)| pct > 0)
+        .collect()
 }
 
 /// `dev`'s utilisation in percent.

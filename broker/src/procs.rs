@@ -77,11 +77,13 @@ pub struct GpuSample {
     /// The GPU's memory as the driver counts it, bytes: everything every
     /// process holds, the shim's or not, and the driver's own.
     pub memory: Option<DriverMemory>,
-    /// The pids the driver saw running kernels since the previous sample
-    /// (NVML's per-process utilisation), sorted. None: the driver does
-    /// not report per-process work on this GPU, and the scheduler cannot
-    /// tell a holder that works from one that only asks.
-    pub working: Option<Vec<u32>>,
+    /// The processes the driver saw running kernels since the previous
+    /// sample (NVML's per-process utilisation), sorted by pid, each with
+    /// the part of that time it kept the GPU busy, in percent (its
+    /// samples' mean). None: the driver does not report per-process work
+    /// on this GPU, and the scheduler cannot tell a holder that works
+    /// from one that only asks.
+    pub working: Option<Vec<(u32, u32)>>,
 }
 
 /// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
@@ -141,9 +143,9 @@ impl Sampler for NvmlSampler {
                 match self.nvml.device(u) {
                     Some(dev) => {
                         let since = self.last_seen.get(u).copied().unwrap_or(0);
-                        let working = inventory::process_work(&dev, since).map(|(pids, latest)| {
+                        let working = inventory::process_work(&dev, since).map(|(work, latest)| {
                             self.last_seen.insert(u.clone(), latest);
-                            pids
+                            work
                         });
                         GpuSample {
                             utilization: inventory::utilization(&dev),

@@ -40,7 +40,7 @@ pub struct Status {
     pub history: Option<History>,
 }
 
-/// The broker's ring of recent samples (`history.rs`), one every
+/// The broker's ring of recent samples (`broker/src/history.rs`), one every
 /// `every_s`, oldest first: every series has `samples` values, `null`
 /// where its GPU, user or job was not there at that moment.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -85,7 +85,7 @@ impl Queue {
         Why {
             text: format!(
                 "{}; it would fit, but {} held for the {} at {} {} of the queue \
-                 (escalated or pinned: placed first)",
+                 (escalated, pinned or for whole GPUs: placed first)",
                 self.want_words(w),
                 gpu_list(&gpus),
                 if places.len() == 1 {

@@ -101,10 +101,11 @@ fn overprovision_mixes_slots_and_fractions_by_memory() {
     q.submit(0, 1, whole(1)).unwrap();
     q.submit(0, 2, mem(30)).unwrap();
     q.submit(0, 3, whole(1)).unwrap();
-    // The fraction goes first and leaves 50 GiB; the slot lease takes
-    // 40 of it; the second slot would need 40 more and waits.
+    // The slot lease takes 40 GiB, the fraction (after it, which came
+    // first) 30 of the rest; the second slot would need 40 more and
+    // waits.
     let l = q.poll(0);
-    assert_eq!(placed(&l), vec![(2, vec![0]), (1, vec![0])]);
+    assert_eq!(placed(&l), vec![(1, vec![0]), (2, vec![0])]);
     assert_eq!(q.leases()[0].committed_mem, 70 * GIB);
     assert_eq!(q.position(0, 3), Some(1));
     q.release(SEC, 2);
