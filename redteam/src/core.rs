@@ -398,8 +398,9 @@ impl Shell {
                 .map(|u| {
                     let s = GpuSample {
                         utilization,
-                        processes: Vec::new(),
+                        processes: Some(Vec::new()),
                         working: working.clone(),
+                        memory: None,
                     };
                     (u, s)
                 })

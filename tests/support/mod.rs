@@ -236,6 +236,14 @@ pub fn register_msg(
     }
 }
 
+/// A TCP port on 127.0.0.1 nobody listens on now (bound, read, let go).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding a free port")
+        .port()
+}
+
 /// The uid that attacks and victims of another user run as.
 pub const NOBODY: u32 = 65534;
 
@@ -385,11 +393,19 @@ pub struct Broker {
 
 impl Broker {
     pub fn start(devices: &str, args: &[&str]) -> Broker {
+        Broker::start_env(devices, args, &[])
+    }
+
+    /// A broker whose own environment has `env` too (the simulated
+    /// driver's settings, as the broker's NVML reads them).
+    pub fn start_env(devices: &str, args: &[&str], env: &[(&str, &str)]) -> Broker {
         let dir = Scratch::new("broker");
         let socket = dir.0.join("broker.sock");
         let state = dir.0.join("sim-state");
+        let mut child = spawn_broker_cmd(&socket, devices, &state, args);
+        child.envs(env.iter().copied());
         let mut b = Broker {
-            child: spawn_broker(&socket, devices, &state, args),
+            child: child.spawn().expect("starting gpufrac broker"),
             socket,
             devices: devices.into(),
             state,
@@ -422,6 +438,14 @@ impl Broker {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// A command for a program outside the shim on this broker's simulated
+    /// devices: a process only the driver knows.
+    pub fn outsider(&self, program: impl AsRef<Path>) -> Command {
+        let mut cmd = sim_command(program, &self.devices, false);
+        cmd.env("GPUFRAC_SIM_STATE", &self.state);
+        cmd
     }
 
     /// A command for a program under the shim, wired to this broker and
@@ -528,6 +552,12 @@ fn log_file(socket: &Path) -> PathBuf {
 /// they check for, and they read as faults there. A test that fails shows
 /// its end (`Broker`'s drop).
 fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
+    spawn_broker_cmd(socket, devices, state, args)
+        .spawn()
+        .expect("starting gpufrac broker")
+}
+
+fn spawn_broker_cmd(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> Command {
     let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
     cmd.arg("broker").arg("--socket").arg(socket).args(args);
     if !args.contains(&"--state-dir") {
@@ -543,7 +573,7 @@ fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> st
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(log);
-    cmd.spawn().expect("starting gpufrac broker")
+    cmd
 }
 
 impl Broker {

@@ -15,14 +15,16 @@
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in
-//! as a snapshot the shell sampled (`telemetry`), job tokens from a source
-//! given at construction.
+//! queue, restarts, recovery, MIG), `view` (status), `outside` (the
+//! processes the driver lists that are not under the shim). NVML's view
+//! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
+//! a source given at construction.
 
 mod clients;
 mod conn;
 mod jobtable;
 mod leases;
+mod outside;
 mod roles;
 mod turns;
 mod view;
@@ -415,6 +417,7 @@ impl Broker {
         let now = self.clock(now);
         self.work_seen(now, &snapshot);
         self.telemetry = snapshot;
+        self.outside_seen();
         self.pump(now);
     }
 
