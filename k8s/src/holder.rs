@@ -215,8 +215,8 @@ fn report(m: &ServerMsg, lease: &Lease) {
             "{what} waits in the broker's queue at position {position} for {waiting_for}: jobs \
              outside Kubernetes hold that memory (the pod runs meanwhile, capped)"
         ),
-        ServerMsg::Leased { gpus, .. } => {
-            tracing::info!("{what} is booked on GPUs {gpus:?}")
+        ServerMsg::Leased(l) => {
+            tracing::info!("{what} is booked on GPUs {:?}", l.gpus)
         }
         ServerMsg::Error { message, .. } => tracing::warn!("the broker says: {message}"),
         _ => {}
