@@ -28,7 +28,16 @@ The GPU line: GPU INDEX NAME UUID, then (U/T: used of total)
                    gpufrac broker --overprovision F)
   allocated        what its processes have allocated through the shim,
                    together
+  free             what a new lease could still have: the total less what
+                   is committed (or allocated, where that is more) less
+                   what processes outside the shim hold, never more than
+                   the driver says is free; placement goes by it
   util             GPU utilisation from NVML (- without NVML)
+and, where NVML answers, a line with what the driver says of its memory
+(used and free by every process, the shim's or not, and the driver's own),
+and one with each process the driver lists that is not under the shim
+(other: its pid and the memory the driver says it holds; no cap, no lease,
+and no job is placed into that memory).
 
 The processes on it (those under the shim):
   PID              the process id
@@ -267,7 +276,7 @@ fn render_gpu(out: &mut String, g: &GpuStatus, width: Option<usize>) {
     } else {
         let _ = writeln!(
             out,
-            "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} util {util}",
+            "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} free {} util {util}",
             g.name,
             g.uuid,
             format_size(g.committed_mem),
@@ -275,6 +284,33 @@ fn render_gpu(out: &mut String, g: &GpuStatus, width: Option<usize>) {
             g.slots_used,
             g.slots_total,
             format_size(allocated),
+            format_size(g.free_mem),
+        );
+        if let Some(d) = g.driver {
+            let _ = writeln!(
+                out,
+                "  driver: used {} free {}",
+                format_size(d.used),
+                format_size(d.free)
+            );
+        }
+    }
+    if g.unmanaged_processes > 0 {
+        let listed: Vec<String> = g
+            .unmanaged
+            .iter()
+            .map(|o| format!("{} {}", o.pid, format_size(o.mem)))
+            .collect();
+        let more = (g.unmanaged_processes as usize).saturating_sub(listed.len());
+        let _ = writeln!(
+            out,
+            "  other (not under the shim): {}{}",
+            listed.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
         );
     }
     if g.processes.is_empty() {
@@ -646,6 +682,18 @@ mod tests {
                 slots_total: 1,
                 slots_used: 1,
                 committed_mem: 4 << 30,
+                free_mem: 73 << 30,
+                driver: Some(gpufrac_broker::status::DriverMem {
+                    total: 80 << 30,
+                    used: 4 << 30,
+                    free: 76 << 30,
+                }),
+                unmanaged: vec![gpufrac_broker::status::UnmanagedProc {
+                    pid: 4242,
+                    mem: 3 << 30,
+                }],
+                unmanaged_processes: 1,
+                unmanaged_mem: 3 << 30,
                 utilization: Some(37),
                 holder: Some(42),
                 processes: vec![
@@ -670,6 +718,7 @@ mod tests {
                         job_mem_used: Some(3 << 30),
                         sm_percent: None,
                         pod: None,
+                        ..ProcStatus::default()
                     },
                     ProcStatus {
                         pid: 7,
@@ -698,7 +747,9 @@ mod tests {
                             share_achieved: 0.28,
                             gpu_time_s: 12.5,
                             processes: 1,
+                            ..JobShare::default()
                         }],
+                        ..UserShare::default()
                     },
                     UserShare {
                         uid: 0,
@@ -773,8 +824,12 @@ mod tests {
         assert_eq!(
             lines[0],
             "GPU 0 NVIDIA H100 GPU-0000 committed 4.00 GiB/80.00 GiB slots 1/1 \
-             allocated 1.00 GiB util 37%"
+             allocated 1.00 GiB free 73.00 GiB util 37%"
         );
+        // What the driver says, and the process only it knows.
+        assert_eq!(lines[1], "  driver: used 4.00 GiB free 76.00 GiB");
+        assert_eq!(lines[2], "  other (not under the shim): 4242 3.00 GiB");
+        let lines = &lines[2..];
         assert!(lines[1].starts_with("  PID  USER    ALLOCATED"), "{t}");
         assert!(
             lines[1].contains(" ALLOCATED ")

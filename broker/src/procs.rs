@@ -71,13 +71,27 @@ pub struct GpuSample {
     /// Utilisation in percent (None: not reported, as in MIG mode).
     pub utilization: Option<u32>,
     /// (pid, bytes) of each process on the GPU, as the driver accounts
-    /// them (context and module overhead included).
-    pub processes: Vec<(u32, u64)>,
-    /// The pids the driver saw running kernels since the previous sample
-    /// (NVML's per-process utilisation), sorted. None: the driver does
-    /// not report per-process work on this GPU, and the scheduler cannot
-    /// tell a holder that works from one that only asks.
-    pub working: Option<Vec<u32>>,
+    /// them (context and module overhead included). None: the driver
+    /// would not list them.
+    pub processes: Option<Vec<(u32, u64)>>,
+    /// The GPU's memory as the driver counts it, bytes: everything every
+    /// process holds, the shim's or not, and the driver's own.
+    pub memory: Option<DriverMemory>,
+    /// The processes the driver saw running kernels since the previous
+    /// sample (NVML's per-process utilisation), sorted by pid, each with
+    /// the part of that time it kept the GPU busy, in percent (its
+    /// samples' mean). None: the driver does not report per-process work
+    /// on this GPU, and the scheduler cannot tell a holder that works
+    /// from one that only asks.
+    pub working: Option<Vec<(u32, u32)>>,
+}
+
+/// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverMemory {
+    pub total: u64,
+    pub free: u64,
+    pub used: u64,
 }
 
 impl Telemetry {
@@ -89,6 +103,7 @@ impl Telemetry {
         self.gpus
             .get(uuid)?
             .processes
+            .as_ref()?
             .iter()
             .find(|&&(p, _)| p == pid)
             .map(|&(_, b)| b)
@@ -124,21 +139,24 @@ impl Sampler for NvmlSampler {
         self.last_seen.retain(|u, _| uuids.contains(u));
         let mut gpus = HashMap::with_capacity(uuids.len());
         for u in uuids {
-            let s = match self.nvml.device(u) {
-                Some(dev) => {
-                    let since = self.last_seen.get(u).copied().unwrap_or(0);
-                    let working = inventory::process_work(&dev, since).map(|(pids, latest)| {
-                        self.last_seen.insert(u.clone(), latest);
-                        pids
-                    });
-                    GpuSample {
-                        utilization: inventory::utilization(&dev),
-                        processes: inventory::process_memory(&dev),
-                        working,
+            let s =
+                match self.nvml.device(u) {
+                    Some(dev) => {
+                        let since = self.last_seen.get(u).copied().unwrap_or(0);
+                        let working = inventory::process_work(&dev, since).map(|(work, latest)| {
+                            self.last_seen.insert(u.clone(), latest);
+                            work
+                        });
+                        GpuSample {
+                            utilization: inventory::utilization(&dev),
+                            processes: inventory::process_memory(&dev),
+                            memory: inventory::memory(&dev)
+                                .map(|(total, free, used)| DriverMemory { total, free, used }),
+                            working,
+                        }
                     }
-                }
-                None => GpuSample::default(),
-            };
+                    None => GpuSample::default(),
+                };
             gpus.insert(u.clone(), s);
         }
         Telemetry { gpus }

@@ -66,7 +66,6 @@ fn now() -> Nanos {
 pub struct Shell {
     pub core: Broker,
     pub listener: UnixListener,
-    pub socket: PathBuf,
     pub state: StateFile,
     /// The private directory to remove at a clean stop when nothing is
     /// left in it: the one the broker made at start, or the socket's
@@ -153,7 +152,6 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     let Shell {
         core,
         mut listener,
-        socket,
         state,
         made_dir,
         metrics,
@@ -202,7 +200,10 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     if let Some(m) = l.mps.as_mut() {
         m.quit();
     }
-    let _ = std::fs::remove_file(&socket);
+    // The socket stays where it is, stale: a path that is never free is
+    // one nobody else can take between this stop and the next start (the
+    // next broker renames its own over it; clients see a refused
+    // connection, as with no broker).
     // The last write finishes before the file goes: a clean stop ends
     // every lease (the runs see the socket close); only a crash leaves
     // state for the next broker.
@@ -364,6 +365,10 @@ impl Loop {
                 }
                 return Err(format!("poll: {e}"));
             }
+            // A process's last frames (a usage report sent at exit) may
+            // sit in its socket when its pidfd says it is gone: its
+            // connection is read in this turn, and closed after it.
+            let mut exited = Vec::new();
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.backlog = true,
@@ -372,7 +377,11 @@ impl Loop {
                         return Ok(());
                     }
                     WAKER => {}
-                    Token(t) if t & PIDFD != 0 => self.core.exited((t & !PIDFD) as ConnId),
+                    Token(t) if t & PIDFD != 0 => {
+                        let id = (t & !PIDFD) as ConnId;
+                        self.core.readable(id);
+                        exited.push(id);
+                    }
                     tok => {
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.core.readable(tok.0 as ConnId);
@@ -384,6 +393,9 @@ impl Loop {
                 }
             }
             self.turn();
+            for id in exited {
+                self.core.exited(id);
+            }
             while let Ok(d) = self.done.try_recv() {
                 match d {
                     Done::Saved(seq, r) => self.core.state_saved(now(), seq, r),

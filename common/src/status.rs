@@ -133,12 +133,51 @@ pub struct GpuStatus {
     /// the share each gets and used. Every page carries all of them.
     #[serde(default)]
     pub users: Vec<UserShare>,
+    /// What the driver (NVML) says of the GPU's memory: every process's,
+    /// the shim's or not, and the driver's own. None: not asked (no NVML,
+    /// a MIG instance).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverMem>,
+    /// Processes the driver lists on this GPU that are not under the shim
+    /// (none of this broker's registered processes on it), most memory
+    /// first, at most 32; `unmanaged_processes` counts them all and
+    /// `unmanaged_mem` sums what they hold. Placement counts that memory
+    /// as taken.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unmanaged: Vec<UnmanagedProc>,
+    #[serde(default)]
+    pub unmanaged_processes: u32,
+    #[serde(default)]
+    pub unmanaged_mem: u64,
+    /// What a new lease could still have: total less what is committed
+    /// (or allocated, where the shims' processes hold more) less what
+    /// processes outside gpufrac hold, and never more than the driver
+    /// says is free.
+    #[serde(default)]
+    pub free_mem: u64,
     /// A GPU in MIG mode: its instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigStatus>,
     /// A MIG instance: its GPU instance id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_instance: Option<u32>,
+}
+
+/// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DriverMem {
+    pub total: u64,
+    pub used: u64,
+    pub free: u64,
+}
+
+/// A process on a GPU that is not under the shim: no cap, no share, no
+/// lease; only the driver knows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct UnmanagedProc {
+    pub pid: u32,
+    /// What the driver says it holds, bytes.
+    pub mem: u64,
 }
 
 /// The instances of a GPU in MIG mode under `--mig dynamic`.
@@ -207,6 +246,15 @@ pub struct ProcStatus {
     /// several processes' work shared the GPU.
     #[serde(default)]
     pub gpu_time_s: f64,
+    /// GPU time it was owed so far, seconds: its target share over the
+    /// time it was busy and its ceilings let it be granted. Where it is
+    /// more than `gpu_time_s`, the process got less than its share.
+    #[serde(default)]
+    pub entitled_s: f64,
+    /// Time it was busy but held back by its ceilings (its limit, its
+    /// job's, the `high` class's share), seconds.
+    #[serde(default)]
+    pub held_back_s: f64,
     /// Released, with queued work still running on the GPU.
     #[serde(default)]
     pub draining: bool,
@@ -244,6 +292,12 @@ pub struct UserShare {
     pub share_achieved: f64,
     /// GPU time charged to them so far, seconds.
     pub gpu_time_s: f64,
+    /// GPU time they were owed and time they were held back, seconds
+    /// (the sums of their processes').
+    #[serde(default)]
+    pub entitled_s: f64,
+    #[serde(default)]
+    pub held_back_s: f64,
     /// Its jobs here, and its processes outside any job (`job` None).
     pub jobs: Vec<JobShare>,
 }
@@ -264,6 +318,11 @@ pub struct JobShare {
     pub share_target: f64,
     pub share_achieved: f64,
     pub gpu_time_s: f64,
+    /// As in [`UserShare`].
+    #[serde(default)]
+    pub entitled_s: f64,
+    #[serde(default)]
+    pub held_back_s: f64,
     /// How many of its processes are on this GPU (each process's entry
     /// names its job and user).
     pub processes: u32,

@@ -35,7 +35,7 @@ mod registration;
 use self::compute::now_ns;
 pub use self::compute::{launched, may_launch, may_launch_now, syncing};
 pub use self::connect::check_required;
-use self::connect::{CONNECT_TIMEOUT, connect};
+use self::connect::{CONNECT_TIMEOUT, ConnectFail, connect};
 use self::gate::GATE;
 pub use self::gate::Pass;
 use self::registration::registration;
@@ -57,10 +57,11 @@ pub fn on_context_created() {
     }
     if GATE.start() {
         static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
-        // SAFETY: registering a plain extern "C" callback, once (a forked
-        // child inherits it).
+        // SAFETY: registering plain extern "C" callbacks, once (a forked
+        // child inherits them).
         FORK_HANDLER.call_once(|| unsafe {
             libc::pthread_atfork(None, None, Some(after_fork_child));
+            libc::atexit(report_at_exit);
         });
         let spawned = std::thread::Builder::new()
             .name("gpufrac-client".into())
@@ -120,10 +121,23 @@ fn client_thread(cfg: &'static ShimConfig) {
     }
     let mut session = Session::new(cfg);
     let mut out = Vec::new();
+    let mut said_not_the_broker = false;
     while !session.retired() {
         match connect(cfg, CONNECT_TIMEOUT) {
             Ok(s) => serve(s, wake, cfg, &mut session, &mut out),
             Err(e) => {
+                // Someone else on the broker's path is news at any log
+                // level (a quiet session only logs a missing broker).
+                if matches!(e, ConnectFail::NotTheBroker(_))
+                    && !session.loud()
+                    && !said_not_the_broker
+                {
+                    said_not_the_broker = true;
+                    crate::log::write_line(format_args!(
+                        "{}; running as with no broker: memory caps are enforced, compute is not arbitrated",
+                        e.what(&cfg.socket)
+                    ));
+                }
                 let event = Event::ConnectFailed(e.what(&cfg.socket));
                 feed(&mut session, event, &mut None, cfg, &mut out);
                 // The drain thread may be gone meanwhile.
@@ -308,8 +322,22 @@ fn apply(a: Action, conn: &mut Option<Conn>, cfg: &ShimConfig) {
             c.ended = true;
         }
         Action::Unarbitrated { gated } => GATE.close_all(gated),
+        Action::ExitReported => GATE.exit_reported(),
     }
 }
+
+/// A process that ends between two usage reports (at most one every
+/// 100 ms) would leave the broker figures from before its last
+/// allocations, or none: a job of one short process ended with a peak of
+/// 0 B. At exit the session says its figures once more, if it can within
+/// `EXIT_WAIT`.
+extern "C" fn report_at_exit() {
+    GATE.report_at_exit(EXIT_WAIT);
+}
+
+/// The longest an exit waits for the session's last usage report (a
+/// client thread blocked on a broker that stopped reading never sends it).
+const EXIT_WAIT: Duration = Duration::from_millis(50);
 
 /// The child of a fork has no client thread and must not share the
 /// parent's connection: the gate closes it, and starts afresh at the

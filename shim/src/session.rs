@@ -50,6 +50,8 @@ pub struct Gauges {
     pub drained: u64,
     /// The drain thread is gone (a contained panic).
     pub drain_lost: bool,
+    /// The process is exiting: its figures go out once more.
+    pub exiting: bool,
     /// A thread waits for this process's own kernels (a synchronize call,
     /// or room under the in-flight bound): not idleness.
     pub syncing: bool,
@@ -70,6 +72,7 @@ impl Default for Gauges {
             wants: 0,
             drained: 0,
             drain_lost: false,
+            exiting: false,
             syncing: false,
             in_flight: 0,
             last_launch: [0; MAX_DEVICES],
@@ -145,6 +148,9 @@ pub enum Action {
     Say(Note),
     /// Ends the session: the connection is closed.
     End,
+    /// The report asked for at exit is out, or cannot be made: the exit
+    /// may go on.
+    ExitReported,
     /// No broker to arbitrate: close every gate; with `gated`
     /// (`GPUFRAC_BROKER=required`) launches wait for one, otherwise they
     /// run unarbitrated.
@@ -222,9 +228,18 @@ pub struct Session {
     armed: u64,
     /// Arbitration ended for good (the drain thread is gone).
     retired: bool,
+    /// The process is exiting and its last figures are said.
+    exit_reported: bool,
 }
 
 impl Session {
+    /// Whether it says what goes wrong with the broker on stderr whatever
+    /// the log level (a process that asked for compute shares or limits,
+    /// or requires its broker).
+    pub fn loud(&self) -> bool {
+        self.loud
+    }
+
     pub fn new(cfg: &ShimConfig) -> Session {
         Session {
             job: cfg.job,
@@ -242,11 +257,24 @@ impl Session {
             warned: false,
             armed: 0,
             retired: false,
+            exit_reported: false,
         }
     }
 
     /// Applies `event`, which happened at `now`; the actions go to `out`.
     pub fn on(&mut self, now: u64, event: Event<'_>, out: &mut Vec<Action>) {
+        if let Event::Tick(g) = &event
+            && g.exiting
+            && !self.exit_reported
+        {
+            // Once, whatever else the tick would do: the process is on its
+            // way out.
+            self.exit_reported = true;
+            if self.connected {
+                self.report_usage(g, true, out);
+            }
+            return out.push(Action::ExitReported);
+        }
         if self.retired {
             return;
         }
@@ -499,7 +527,7 @@ impl Session {
         self.end_optimism(now, g, out);
         if now.saturating_sub(self.last_report) >= REPORT_EVERY_NS {
             self.last_report = now;
-            self.report_usage(g, out);
+            self.report_usage(g, false, out);
         }
         self.check_watch(now, out);
     }
@@ -572,10 +600,11 @@ impl Session {
 
     /// The figures of every device whose (used, peak, refusals) changed
     /// since they were last sent: comparing values costs the allocation
-    /// path nothing.
-    fn report_usage(&mut self, g: &Gauges, out: &mut Vec<Action>) {
+    /// path nothing. With `all`, every device's (the last report, at
+    /// exit).
+    fn report_usage(&mut self, g: &Gauges, all: bool, out: &mut Vec<Action>) {
         for (d, &now) in self.devices.iter_mut().zip(g.usage.iter()) {
-            if d.reported == Some(now) {
+            if d.reported == Some(now) && !all {
                 continue;
             }
             d.reported = Some(now);

@@ -26,6 +26,10 @@
 //!   default 100, 0 allowed. The defaults are what an H100 (driver 580) was
 //!   measured to do; every process on one state file should use the same.
 //!
+//! - `GPUFRAC_SIM_NVML_LATE`: processes that start between a caller's
+//!   count of an NVML process list and its fill (the count leaves them
+//!   out); default 0.
+//!
 //! A bad value makes `cuInit`/`nvmlInit` fail with a message on stderr.
 //!
 //! Test-only exports (`testing.rs`): `gpufracSimGraphCreate`,

@@ -177,6 +177,12 @@ pub enum Row {
         proc: usize,
         depth: u8,
     },
+    /// A process the driver lists on the GPU that is not under the shim
+    /// (`unmanaged`): the memory it holds is nobody's lease.
+    Other {
+        gpu: usize,
+        other: usize,
+    },
 }
 
 #[derive(Default)]
@@ -305,7 +311,7 @@ impl Model {
                 let o = o.then((ga, pa).cmp(&(gb, pb)));
                 if opts.reverse { o.reverse() } else { o }
             });
-            return rows
+            let mut rows: Vec<Row> = rows
                 .into_iter()
                 .map(|(gpu, proc)| Row::Proc {
                     gpu,
@@ -313,17 +319,26 @@ impl Model {
                     depth: 0,
                 })
                 .collect();
+            for (gi, g) in gpus.iter().enumerate() {
+                rows.extend(self.others(opts, gi, g));
+            }
+            return rows;
         }
         let busy = gpus
             .iter()
-            .filter(|g| g.processes.iter().any(|p| self.proc_matches(opts, g, p)))
+            .enumerate()
+            .filter(|&(gi, g)| {
+                g.processes.iter().any(|p| self.proc_matches(opts, g, p))
+                    || !self.others(opts, gi, g).is_empty()
+            })
             .count();
         let mut rows = Vec::new();
         for (gi, g) in gpus.iter().enumerate() {
             let visible: Vec<usize> = (0..g.processes.len())
                 .filter(|&pi| self.proc_matches(opts, g, &g.processes[pi]))
                 .collect();
-            if visible.is_empty() {
+            let others = self.others(opts, gi, g);
+            if visible.is_empty() && others.is_empty() {
                 continue;
             }
             if busy > 1 {
@@ -381,8 +396,29 @@ impl Model {
                     depth: 0,
                 });
             }
+            rows.extend(others);
         }
         rows
+    }
+
+    /// GPU `gi`'s processes outside the shim, as the filter leaves them:
+    /// nobody's (not under `u`), matched by their GPU, their pid or the
+    /// word `other`.
+    fn others(&self, opts: &ViewOpts, gi: usize, g: &GpuStatus) -> Vec<Row> {
+        if opts.mine {
+            return Vec::new();
+        }
+        (0..g.unmanaged.len())
+            .filter(|&i| {
+                let pid = g.unmanaged[i].pid.to_string();
+                opts.filter.terms.iter().all(|t| match t {
+                    Term::Gpu(n) => g.index == Some(*n),
+                    Term::Text(w) => "other".contains(w.as_str()) || pid.contains(w.as_str()),
+                    _ => false,
+                })
+            })
+            .map(|other| Row::Other { gpu: gi, other })
+            .collect()
     }
 
     fn cmp_procs(&self, sort: Sort, a: &ProcStatus, b: &ProcStatus) -> std::cmp::Ordering {

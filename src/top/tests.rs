@@ -49,6 +49,7 @@ fn node() -> Status {
         total_mem: 16 * GIB,
         slots_total: 1,
         committed_mem: 8 * GIB,
+        free_mem: 8 * GIB,
         utilization: Some(97),
         holder: Some(101),
         processes: vec![
@@ -98,6 +99,7 @@ fn node() -> Status {
         uuid: "GPU-1".into(),
         name: "H100".into(),
         total_mem: 16 * GIB,
+        free_mem: 16 * GIB,
         utilization: Some(0),
         ..GpuStatus::default()
     };
@@ -542,4 +544,75 @@ fn sizes_and_sparklines() {
         " ▁▅██"
     );
     assert_eq!(spark(&series(&[0.0, 1.0]), 1, 1.0), "█");
+}
+
+/// A process the driver lists outside the shim: "other" in the GPU's
+/// figures and bar, a row of its own with its pid and memory (tree and
+/// flat, kept by `gpu:` and `other`, left out by `u` and `user:`), and
+/// what the driver says in the GPU's detail.
+#[test]
+fn processes_outside_the_shim_show_as_other() {
+    let mut st = node();
+    let g = &mut st.gpus[1];
+    g.unmanaged = vec![gpufrac_broker::status::UnmanagedProc {
+        pid: 4242,
+        mem: 3 * GIB,
+    }];
+    g.unmanaged_processes = 1;
+    g.unmanaged_mem = 3 * GIB;
+    g.free_mem = 13 * GIB;
+    g.driver = Some(gpufrac_broker::status::DriverMem {
+        total: 16 * GIB,
+        used: 3 * GIB,
+        free: 13 * GIB,
+    });
+    let mut m = Model::default();
+    m.update(st);
+    let t = render_text(&m, &mut app(), 100, 30);
+    let gpu1 = line_with(&t, "GPU 1 H100");
+    assert!(gpu1.contains("other 3G free 13G of 16G"), "{gpu1}");
+    assert!(gpu1.contains('▓'), "{gpu1}");
+    let row = line_with(&t, "4242 other");
+    assert!(row.contains("3G/-"), "{t}");
+    let mut flat = app();
+    flat.opts.tree = false;
+    let f = render_text(&m, &mut flat, 132, 30);
+    assert!(line_with(&f, "4242").contains("other"), "{f}");
+    for (filter, shown) in [
+        ("gpu:1", true),
+        ("other", true),
+        ("gpu:0", false),
+        ("user:root", false),
+    ] {
+        let mut a = app();
+        a.opts.filter = Filter::parse(filter).unwrap();
+        let rows = m.rows(&a.opts);
+        assert_eq!(
+            rows.iter().any(|r| matches!(r, Row::Other { .. })),
+            shown,
+            "{filter}"
+        );
+    }
+    let mut mine = app();
+    mine.opts.mine = true;
+    assert!(
+        !m.rows(&mine.opts)
+            .iter()
+            .any(|r| matches!(r, Row::Other { .. }))
+    );
+    // Enter on it opens its GPU, which says what the driver says.
+    let mut a = app();
+    let at = m
+        .rows(&a.opts)
+        .iter()
+        .position(|r| matches!(r, Row::Other { .. }))
+        .unwrap();
+    press(&mut a, &m, &"j".repeat(at));
+    press(&mut a, &m, "\n");
+    let d = render_text(&m, &mut a, 100, 30);
+    assert!(
+        d.contains("1 process not under the shim hold 3G: 4242 (3G)"),
+        "{d}"
+    );
+    assert!(d.contains("3G used, 13G free (NVML"), "{d}");
 }

@@ -179,12 +179,16 @@ fn gpu_memory_line(st: &Status, g: &GpuStatus, width: usize) -> Line<'static> {
         ));
     }
     let allocated: u64 = g.processes.iter().map(|p| p.mem_used).sum();
-    let free = g.total_mem.saturating_sub(allocated.max(g.committed_mem));
+    let other = if g.unmanaged_mem > 0 {
+        format!(" other {}", short_size(g.unmanaged_mem))
+    } else {
+        String::new()
+    };
     let text = format!(
-        " alloc {} commit {} free {} of {}",
+        " alloc {} commit {}{other} free {} of {}",
         short_size(allocated),
         short_size(g.committed_mem),
-        short_size(free),
+        short_size(g.free_mem),
         short_size(g.total_mem)
     );
     let name = truncate(&name, 24.min(width / 3).max(5));
@@ -202,13 +206,19 @@ fn gpu_memory_line(st: &Status, g: &GpuStatus, width: usize) -> Line<'static> {
 }
 
 /// `width` cells of a GPU's memory: allocated `█`, committed beyond it
-/// `▒`, free `·`, and `┃` where each lease's cap ends within the
-/// committed part.
+/// `▒`, held by processes outside the shim `▓`, free `·`, and `┃` where
+/// each lease's cap ends within the committed part.
 fn memory_bar(st: &Status, g: &GpuStatus, allocated: u64, width: usize) -> Vec<Span<'static>> {
     let total = g.total_mem.max(1) as f64;
     let cell = |b: u64| ((b as f64 / total) * width as f64).round() as usize;
     let alloc = cell(allocated).min(width);
     let committed = cell(g.committed_mem).min(width);
+    let other = cell(
+        g.committed_mem
+            .max(allocated)
+            .saturating_add(g.unmanaged_mem),
+    )
+    .min(width);
     let mut marks = Vec::new();
     let mut sum = 0u64;
     if let Some(index) = g.index.filter(|_| g.mig_instance.is_none()) {
@@ -237,6 +247,8 @@ fn memory_bar(st: &Status, g: &GpuStatus, allocated: u64, width: usize) -> Vec<S
             ('█', Style::new().green())
         } else if i < committed {
             ('▒', Style::new().cyan())
+        } else if i < other {
+            ('▓', Style::new().magenta())
         } else {
             ('·', Style::new().dim())
         };
@@ -406,7 +418,7 @@ fn draw_procs(f: &mut Frame, area: Rect, model: &Model, app: &mut App) {
             "Processes"
         },
         rows.iter()
-            .filter(|r| matches!(r, Row::Proc { .. }))
+            .filter(|r| matches!(r, Row::Proc { .. } | Row::Other { .. }))
             .count()
     );
     if rows.is_empty() {
@@ -566,6 +578,29 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
             ))
             .collect()
         }
+        Row::Other { gpu, other } => {
+            let g = &st.gpus[gpu];
+            let o = &g.unmanaged[other];
+            let dim = Style::new().magenta();
+            let mut out: Cells = vec![
+                ("PID", o.pid.to_string(), Style::new()),
+                ("USER", "-".into(), Style::new()),
+                ("JOB", "-".into(), Style::new()),
+                ("CONTAINER", "-".into(), Style::new()),
+                (
+                    "GPU",
+                    g.index.map_or("?".into(), |i| i.to_string()),
+                    Style::new(),
+                ),
+                ("USED/CAP", used_cap(o.mem, None), Style::new()),
+                ("STATE", "other".into(), dim),
+                ("COMMAND", OTHER.into(), dim),
+            ];
+            if tree {
+                out.push((TREE[0].title, format!("{} {OTHER}", o.pid), dim));
+            }
+            out
+        }
         Row::Proc { gpu, proc, depth } => {
             let g = &st.gpus[gpu];
             let p = &g.processes[proc];
@@ -660,6 +695,9 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
         }
     }
 }
+
+/// What a process outside the shim is, in its row.
+const OTHER: &str = "other: not under the shim (driver's figure)";
 
 /// "30/28%": the share it should get against the share it got; `!` when
 /// off target.
@@ -1056,6 +1094,41 @@ fn detail(model: &Model, d: &Detail, width: usize) -> (String, Vec<Line<'static>
                         g.slots_used,
                         g.slots_total
                     ),
+                ),
+                kv(
+                    "free",
+                    format!(
+                        "{} for a new lease (total less committed less other)",
+                        short_size(g.free_mem)
+                    ),
+                ),
+                kv(
+                    "driver",
+                    g.driver.map_or("- (NVML not asked)".into(), |d| {
+                        format!(
+                            "{} used, {} free (NVML: every process, the shim's or not)",
+                            short_size(d.used),
+                            short_size(d.free)
+                        )
+                    }),
+                ),
+                kv(
+                    "other",
+                    if g.unmanaged_processes == 0 {
+                        "none: every process on it is under the shim".into()
+                    } else {
+                        let pids: Vec<String> = g
+                            .unmanaged
+                            .iter()
+                            .map(|o| format!("{} ({})", o.pid, short_size(o.mem)))
+                            .collect();
+                        format!(
+                            "{} not under the shim hold {}: {}",
+                            plural(g.unmanaged_processes as usize, "process", "processes"),
+                            short_size(g.unmanaged_mem),
+                            pids.join(", ")
+                        )
+                    },
                 ),
                 kv("holder", g.holder.map_or("-".into(), |p| p.to_string())),
                 Line::from(""),

@@ -236,6 +236,14 @@ pub fn register_msg(
     }
 }
 
+/// A TCP port on 127.0.0.1 nobody listens on now (bound, read, let go).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding a free port")
+        .port()
+}
+
 /// The uid that attacks and victims of another user run as.
 pub const NOBODY: u32 = 65534;
 
@@ -385,11 +393,19 @@ pub struct Broker {
 
 impl Broker {
     pub fn start(devices: &str, args: &[&str]) -> Broker {
+        Broker::start_env(devices, args, &[])
+    }
+
+    /// A broker whose own environment has `env` too (the simulated
+    /// driver's settings, as the broker's NVML reads them).
+    pub fn start_env(devices: &str, args: &[&str], env: &[(&str, &str)]) -> Broker {
         let dir = Scratch::new("broker");
         let socket = dir.0.join("broker.sock");
         let state = dir.0.join("sim-state");
+        let mut child = spawn_broker_cmd(&socket, devices, &state, args);
+        child.envs(env.iter().copied());
         let mut b = Broker {
-            child: spawn_broker(&socket, devices, &state, args),
+            child: child.spawn().expect("starting gpufrac broker"),
             socket,
             devices: devices.into(),
             state,
@@ -405,7 +421,8 @@ impl Broker {
         let child = &mut self.child;
         wait_until(20.0, "the broker socket", || {
             if let Ok(Some(st)) = child.try_wait() {
-                panic!("broker exited early: {st}");
+                let log = std::fs::read_to_string(log_file(&sock)).unwrap_or_default();
+                panic!("broker exited early ({st}); its log:\n{log}");
             }
             std::os::unix::net::UnixStream::connect(&sock).is_ok()
         });
@@ -421,6 +438,14 @@ impl Broker {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// A command for a program outside the shim on this broker's simulated
+    /// devices: a process only the driver knows.
+    pub fn outsider(&self, program: impl AsRef<Path>) -> Command {
+        let mut cmd = sim_command(program, &self.devices, false);
+        cmd.env("GPUFRAC_SIM_STATE", &self.state);
+        cmd
     }
 
     /// A command for a program under the shim, wired to this broker and
@@ -517,23 +542,61 @@ fn state_dir(socket: &Path) -> PathBuf {
     socket.with_file_name("state")
 }
 
+/// Where `Broker` keeps a broker's log: beside its socket.
+fn log_file(socket: &Path) -> PathBuf {
+    socket.with_file_name("broker.log")
+}
+
+/// The broker's log goes to a file of its own (a restart's after the
+/// last), not to the test run's terminal: many tests provoke the warnings
+/// they check for, and they read as faults there. A test that fails shows
+/// its end (`Broker`'s drop).
 fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
+    spawn_broker_cmd(socket, devices, state, args)
+        .spawn()
+        .expect("starting gpufrac broker")
+}
+
+fn spawn_broker_cmd(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> Command {
     let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
     cmd.arg("broker").arg("--socket").arg(socket).args(args);
     if !args.contains(&"--state-dir") {
         // Its private files in its scratch directory, not under /run.
         cmd.arg("--state-dir").arg(state_dir(socket));
     }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file(socket))
+        .expect("creating the broker's log");
     cmd.env("GPUFRAC_SIM_STATE", state)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
-    cmd.spawn().expect("starting gpufrac broker")
+        .stderr(log);
+    cmd
+}
+
+impl Broker {
+    /// What it has logged so far (at info).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(log_file(&self.socket)).unwrap_or_default()
+    }
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
         stop(&mut self.child);
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "the broker's log ({}), its last {} lines:\n{}",
+                log_file(&self.socket).display(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
     }
 }
 
@@ -800,7 +863,7 @@ pub fn engine_tests() -> EngineTests {
     }
 }
 
-fn skip_banner(what: &str, why: &str) {
+pub fn skip_banner(what: &str, why: &str) {
     say(&format!(
         "\n################################################################\n\
          SKIPPED: {what}: {why}\n\
@@ -1231,4 +1294,28 @@ pub fn connect_from(
         }
         Ok(s)
     }
+}
+
+/// A command's output, or None when it ran longer than `secs` (killed).
+pub fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Output> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > std::time::Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+/// `b` in lowercase hex, as the Python attackers read frames.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

@@ -145,11 +145,63 @@ fn gpus(s: &Status) -> Vec<Family> {
         ),
         per_gpu(
             s,
+            "gpufrac_gpu_memory_free_bytes",
+            "Memory a new lease could still have on the GPU: its total less what is \
+             committed to leases and what processes outside gpufrac hold, and never more \
+             than the driver says is free.",
+            false,
+            |g| Some(g.free_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_driver_used_bytes",
+            "Memory the driver (NVML) says is used on the GPU: every process's, the shim's \
+             or not, and the driver's own.",
+            true,
+            |g| g.driver.map(|d| d.used as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_driver_free_bytes",
+            "Memory the driver (NVML) says is free on the GPU.",
+            true,
+            |g| g.driver.map(|d| d.free as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_unmanaged_bytes",
+            "Memory the driver says processes outside gpufrac (not under the shim) hold on \
+             the GPU: no cap, no lease; placement counts it as taken.",
+            true,
+            |g| Some(g.unmanaged_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_processes_unmanaged",
+            "Processes the driver lists on the GPU that are not under the shim.",
+            true,
+            |g| Some(f64::from(g.unmanaged_processes)),
+        ),
+        per_gpu(
+            s,
             "gpufrac_gpu_utilization_ratio",
             "Time the GPU was busy over NVML's last sample period (0 to 1), where NVML \
              reports it.",
             true,
             |g| g.utilization.map(|u| f64::from(u) / 100.0),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_requests_waiting",
+            "Requests of gpufrac run waiting in the queue that the GPU could serve once its \
+             leases end, or that it is held back for (their waits_for).",
+            true,
+            |g| {
+                let n = g.index.map_or(0, |i| {
+                    s.queue.iter().filter(|q| q.waits_for.contains(&i)).count()
+                });
+                Some(n as f64)
+            },
         ),
         per_gpu(
             s,
@@ -177,6 +229,8 @@ struct Level {
     target: Family,
     achieved: Family,
     seconds: Family,
+    entitled: Family,
+    held_back: Family,
     used: Family,
     refusals: Family,
 }
@@ -209,6 +263,25 @@ impl Level {
                 Kind::Counter,
                 format!("GPU time charged to {whose} processes, those gone included, seconds."),
             ),
+            entitled: f(
+                "entitled_seconds_total",
+                Kind::Counter,
+                format!(
+                    "GPU time {whose} processes were owed, those gone included, seconds: \
+                     their target share over the time they were busy and their ceilings let \
+                     them be granted (net of what a higher class was owed). Its rate less \
+                     the rate of gpu_seconds_total is what they were short of their share."
+                ),
+            ),
+            held_back: f(
+                "held_back_seconds_total",
+                Kind::Counter,
+                format!(
+                    "Time {whose} processes were busy but held back by their ceilings (a \
+                     process's GPU_COMPUTE_LIMIT, a job's --gpu-limit, the high class's \
+                     share), summed over processes, those gone included, seconds."
+                ),
+            ),
             used: f(
                 "memory_used_bytes",
                 Kind::Gauge,
@@ -224,10 +297,12 @@ impl Level {
         }
     }
 
-    fn share(&mut self, l: Labels, target: f64, achieved: f64, gpu_s: f64) {
+    fn share(&mut self, l: Labels, target: f64, achieved: f64, t: Totals) {
         self.target.add(l.clone(), target);
         self.achieved.add(l.clone(), achieved);
-        self.seconds.add(l, gpu_s);
+        self.seconds.add(l.clone(), t.gpu_s);
+        self.entitled.add(l.clone(), t.entitled_s);
+        self.held_back.add(l, t.held_back_s);
     }
 
     fn process(&mut self, l: Labels, p: &ProcStatus) {
@@ -237,14 +312,18 @@ impl Level {
 
     fn gone(&mut self, l: Labels, t: Totals) {
         self.seconds.add(l.clone(), t.gpu_s);
+        self.entitled.add(l.clone(), t.entitled_s);
+        self.held_back.add(l.clone(), t.held_back_s);
         self.refusals.add(l, t.refusals as f64);
     }
 
-    fn families(self) -> [Family; 5] {
+    fn families(self) -> [Family; 7] {
         [
             self.target,
             self.achieved,
             self.seconds,
+            self.entitled,
+            self.held_back,
             self.used,
             self.refusals,
         ]
@@ -256,7 +335,13 @@ fn users(s: &Status, t: &Tally) -> Vec<Family> {
     for g in &s.gpus {
         for u in &g.users {
             let l = with(gpu(g), &[("user", t.user(u.uid))]);
-            level.share(l, u.share_target, u.share_achieved, u.gpu_time_s);
+            let t = Totals {
+                gpu_s: u.gpu_time_s,
+                entitled_s: u.entitled_s,
+                held_back_s: u.held_back_s,
+                refusals: 0,
+            };
+            level.share(l, u.share_target, u.share_achieved, t);
         }
         for p in &g.processes {
             level.process(with(gpu(g), &[("user", t.user(owner(g, p)))]), p);
@@ -306,7 +391,13 @@ fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
             for j in &u.jobs {
                 let job = t.job(u.uid, &JobKey::of(j.job, j.pod.as_deref()));
                 let l = with(gpu(g), &[("user", t.user(u.uid)), ("job_id", job)]);
-                level.share(l, j.share_target, j.share_achieved, j.gpu_time_s);
+                let t = Totals {
+                    gpu_s: j.gpu_time_s,
+                    entitled_s: j.entitled_s,
+                    held_back_s: j.held_back_s,
+                    refusals: 0,
+                };
+                level.share(l, j.share_target, j.share_achieved, t);
             }
         }
         for p in &g.processes {

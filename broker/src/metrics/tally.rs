@@ -55,12 +55,17 @@ impl JobKey {
 pub struct Totals {
     pub gpu_s: f64,
     pub refusals: u64,
+    /// GPU time owed, and time held back by ceilings, seconds.
+    pub entitled_s: f64,
+    pub held_back_s: f64,
 }
 
 impl Totals {
     fn add(&mut self, o: Totals) {
         self.gpu_s += o.gpu_s;
         self.refusals += o.refusals;
+        self.entitled_s += o.entitled_s;
+        self.held_back_s += o.held_back_s;
     }
 }
 
@@ -191,11 +196,14 @@ impl Tally {
                 let totals = Totals {
                     gpu_s: p.gpu_time_s,
                     refusals: p.ooms,
+                    entitled_s: p.entitled_s,
+                    held_back_s: p.held_back_s,
                 };
                 if let Some(old) = self.seen.get(&key).cloned()
                     && (old.uid != uid
                         || old.job != job
                         || totals.gpu_s < old.totals.gpu_s
+                        || totals.entitled_s < old.totals.entitled_s
                         || totals.refusals < old.totals.refusals)
                 {
                     // Another process under a reused pid, or moved: what
@@ -376,7 +384,8 @@ mod tests {
             gone_user(&t, "GPU-1", "alice"),
             Totals {
                 gpu_s: 1.5,
-                refusals: 2
+                refusals: 2,
+                ..Totals::default()
             }
         );
         // pid 11 ran for uid 9 in uid 7's job: counted for uid 7, and

@@ -85,7 +85,7 @@ impl Queue {
         Why {
             text: format!(
                 "{}; it would fit, but {} held for the {} at {} {} of the queue \
-                 (escalated or pinned: placed first)",
+                 (escalated, pinned or for whole GPUs: placed first)",
                 self.want_words(w),
                 gpu_list(&gpus),
                 if places.len() == 1 {
@@ -127,7 +127,7 @@ impl Queue {
                 let free: Vec<u32> = self
                     .gpus
                     .iter()
-                    .filter(|g| g.leases.is_empty())
+                    .filter(|g| g.leases.is_empty() && g.outside == 0)
                     .map(|g| g.info.index)
                     .collect();
                 parts.push(format!(
@@ -139,7 +139,11 @@ impl Queue {
                         format!(" ({})", fmt_indices(&free))
                     }
                 ));
-                for g in self.gpus.iter().filter(|g| !g.leases.is_empty()) {
+                for g in self
+                    .gpus
+                    .iter()
+                    .filter(|g| !g.leases.is_empty() || g.outside > 0)
+                {
                     gpus.push(g.info.index);
                     parts.push(self.gpu_room(g));
                 }
@@ -193,24 +197,40 @@ impl Queue {
     fn gpu_room(&self, g: &super::GpuState) -> String {
         let f = self.cfg.overprovision;
         let free = u64::try_from(g.uncommitted().max(0)).unwrap_or(u64::MAX);
-        if g.leases.is_empty() {
+        let outside = if g.outside > 0 {
+            format!(
+                "; {} held by processes outside gpufrac",
+                format_size(g.outside)
+            )
+        } else {
+            String::new()
+        };
+        if g.leases.is_empty() && g.outside == 0 {
             return format!(
                 "GPU {}: free, {}",
                 g.info.index,
                 format_size(g.info.total_mem)
             );
         }
+        if g.leases.is_empty() {
+            return format!(
+                "GPU {}: {} free of {}{outside}",
+                g.info.index,
+                format_size(free),
+                format_size(g.info.total_mem)
+            );
+        }
         let owners = self.owners(g);
         if f == 1 && g.slots_used == 1 {
-            format!("GPU {}: held whole by {owners}", g.info.index)
+            format!("GPU {}: held whole by {owners}{outside}", g.info.index)
         } else if g.slots_used >= f {
             format!(
-                "GPU {}: no free slot ({f}/{f} taken by {owners})",
+                "GPU {}: no free slot ({f}/{f} taken by {owners}){outside}",
                 g.info.index
             )
         } else {
             format!(
-                "GPU {}: {} free of {} (the rest held by {owners})",
+                "GPU {}: {} free of {} (the rest held by {owners}{outside})",
                 g.info.index,
                 format_size(free),
                 format_size(g.info.total_mem)

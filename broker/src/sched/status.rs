@@ -50,6 +50,8 @@ impl Scheduler {
                     },
                     total_held: c.meter.total(now),
                     gpu_time: charged as Nanos,
+                    entitled: c.entitled as Nanos,
+                    held_back: c.held_back as Nanos,
                     draining: c.draining_since.is_some(),
                     hung: c.grant.as_ref().is_some_and(|g| g.hung),
                 }

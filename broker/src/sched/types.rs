@@ -121,6 +121,12 @@ pub struct ClientStatus {
     /// GPU time charged: wall time on the GPU, split evenly while several
     /// clients' work shared it.
     pub gpu_time: Nanos,
+    /// Its target share integrated over the time it was busy and its
+    /// ceilings let it be granted, ns (`entitled`): what it was owed.
+    pub entitled: Nanos,
+    /// Time it was busy but held back by its ceilings (its limit, its
+    /// job's, the `high` class's share, a deferral), ns.
+    pub held_back: Nanos,
     /// Released, with queued work still running.
     pub draining: bool,
     /// Revoked, past its grace, still not released.

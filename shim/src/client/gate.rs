@@ -113,6 +113,8 @@ pub struct Gate {
     drained: AtomicU64,
     /// The drain thread died: the session ends arbitration.
     drain_lost: AtomicBool,
+    /// The process is exiting: the session says its figures once more.
+    exiting: AtomicBool,
     /// Threads blocked in a synchronize call or waiting for room: waiting
     /// for this process's own work, which is not idleness.
     syncing: AtomicU32,
@@ -125,6 +127,8 @@ pub struct Gate {
     drain_wait: (Mutex<()>, Condvar),
     /// The first registration was answered, or could not be made.
     registered: (Mutex<bool>, Condvar),
+    /// The exit's usage report is out (or cannot be made).
+    exit_reported: (Mutex<bool>, Condvar),
     /// What wakes the client thread (an eventfd; -1: none yet).
     wake_fd: AtomicI32,
     /// The connection's descriptor, for a fork child to close (-1: none).
@@ -153,12 +157,14 @@ impl Gate {
             drains: AtomicU64::new(0),
             drained: AtomicU64::new(0),
             drain_lost: AtomicBool::new(false),
+            exiting: AtomicBool::new(false),
             syncing: AtomicU32::new(0),
             last_launch: [const { AtomicU64::new(0) }; MAX_DEVICES],
             ndev: AtomicU32::new(0),
             waiting: (Mutex::new(()), Condvar::new()),
             drain_wait: (Mutex::new(()), Condvar::new()),
             registered: (Mutex::new(false), Condvar::new()),
+            exit_reported: (Mutex::new(false), Condvar::new()),
             wake_fd: AtomicI32::new(-1),
             conn_fd: AtomicI32::new(-1),
             started: AtomicU8::new(0),
@@ -410,6 +416,7 @@ impl Gate {
             wants: self.wants.load(Acquire),
             drained: self.drained.swap(0, AcqRel),
             drain_lost: self.drain_lost.load(Acquire),
+            exiting: self.exiting.load(Acquire),
             ..Gauges::default()
         };
         for d in 0..self.device_count() {
@@ -498,31 +505,28 @@ impl Gate {
         self.started.compare_exchange(0, 1, AcqRel, Acquire).is_ok()
     }
 
+    /// At exit (another thread's, while the client thread still runs):
+    /// asks the session for its last usage report and waits for it to go
+    /// out, at most `within`.
+    pub fn report_at_exit(&self, within: Duration) {
+        self.exiting.store(true, Release);
+        self.wake_client();
+        wait_flag(&self.exit_reported, within);
+    }
+
+    /// The session's report at exit is out, or cannot be made.
+    pub fn exit_reported(&self) {
+        set_flag(&self.exit_reported);
+    }
+
     pub fn first_registration_done(&self) {
-        let mut done = self.registered.0.lock().unwrap_or_else(|e| e.into_inner());
-        if !*done {
-            *done = true;
-            self.registered.1.notify_all();
-        }
+        set_flag(&self.registered);
     }
 
     /// Waits for the first registration to be answered, or to fail, at
     /// most `within`.
     pub fn wait_first_registration(&self, within: Duration) {
-        let deadline = Instant::now() + within;
-        let mut done = self.registered.0.lock().unwrap_or_else(|e| e.into_inner());
-        while !*done {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            done = self
-                .registered
-                .1
-                .wait_timeout(done, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        wait_flag(&self.registered, within);
     }
 
     /// The child of a fork has no client thread, no drain thread and no
@@ -568,6 +572,28 @@ impl Gate {
 
 /// How long a window lets launches go out before the grant.
 const OPTIMISTIC_NS: u64 = 1_000_000;
+
+/// Sets a flag and wakes whoever waits for it.
+fn set_flag(f: &(Mutex<bool>, Condvar)) {
+    let mut done = f.0.lock().unwrap_or_else(|e| e.into_inner());
+    if !*done {
+        *done = true;
+        f.1.notify_all();
+    }
+}
+
+/// Waits for a flag, at most `within`.
+fn wait_flag(f: &(Mutex<bool>, Condvar), within: Duration) {
+    let deadline = Instant::now() + within;
+    let mut done = f.0.lock().unwrap_or_else(|e| e.into_inner());
+    while !*done {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        done = f.1.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
+    }
+}
 
 fn set_bit(a: &AtomicU64, bit: u64, on: bool) {
     if on {

@@ -715,6 +715,31 @@ fn a_lost_drain_thread_hands_back_what_is_held_with_its_release() {
     assert!(s.retired());
 }
 
+/// A process that exits between two usage reports says its figures once
+/// more (a short job's end line would say the peak of before its last
+/// allocations), then lets the exit go on; without a connection it lets it
+/// go on at once.
+#[test]
+fn at_exit_the_figures_go_out_once_more() {
+    let mut s = session(2);
+    let mut g = idle_since(T0);
+    g.usage[1] = (3 << 30, 3 << 30, 0);
+    // The usual report went out at the first tick.
+    run(&mut s, T0, Event::Tick(&g));
+    g.usage[1] = (0, 3 << 30, 0);
+    g.exiting = true;
+    let a = run(&mut s, T0 + MS, Event::Tick(&g));
+    let usage: Vec<_> = sends(&a)
+        .into_iter()
+        .filter(|m| matches!(m, ClientMsg::Usage { .. }))
+        .collect();
+    assert_eq!(usage.len(), 2, "every device, within the report interval: {a:?}");
+    assert_eq!(a.last(), Some(&Action::ExitReported));
+    assert!(!run(&mut s, T0 + 2 * MS, Event::Tick(&g)).contains(&Action::ExitReported));
+    let mut s = Session::new(&ShimConfig::default());
+    assert_eq!(run(&mut s, T0, Event::Tick(&g)), [Action::ExitReported]);
+}
+
 // ---- properties over random event sequences ----
 
 #[derive(Debug, Clone)]

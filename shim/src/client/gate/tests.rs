@@ -243,3 +243,22 @@ fn a_fork_child_starts_from_nothing() {
     // nothing.
     let _ = p;
 }
+
+#[test]
+fn an_exit_waits_for_its_last_report_a_bounded_time() {
+    let g = arbitrated();
+    // Nobody answers: the exit goes on after the bound.
+    let t0 = Instant::now();
+    g.report_at_exit(Duration::from_millis(30));
+    assert!(t0.elapsed() >= Duration::from_millis(30));
+    assert!(g.gauges().exiting);
+    // The client thread answers.
+    let g = arbitrated();
+    let exiting = {
+        let g = g.clone();
+        std::thread::spawn(move || g.report_at_exit(Duration::from_secs(60)))
+    };
+    wait_until("the exit posted", || g.gauges().exiting);
+    g.exit_reported();
+    exiting.join().unwrap();
+}
