@@ -781,6 +781,7 @@ mod tests {
                 waiting_s: 184.2,
                 escalated: true,
                 why: "needs 2 whole GPUs; 0 free; GPU 0: held whole by job 41".into(),
+                reason: "no_room".into(),
                 waits_for: vec![0],
             }],
             leases: vec![

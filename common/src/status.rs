@@ -360,6 +360,10 @@ pub struct QueueEntry {
     /// Why it waits: what it needs, what is free, who holds the rest.
     #[serde(default)]
     pub why: String,
+    /// Why, in one of a few words: `fits_now`, `held_for_earlier`,
+    /// `no_room`, `recovering` (metrics' `reason` label).
+    #[serde(default)]
+    pub reason: String,
     /// The GPUs (indices) it waits for.
     #[serde(default)]
     pub waits_for: Vec<u32>,

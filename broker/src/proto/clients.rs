@@ -244,7 +244,7 @@ impl Broker {
                 uid,
                 format_args!("refusing a registration from pid {pid} (uid {uid}): {message}"),
             );
-            self.stats.refused(crate::stats::Refusal::UnknownGpu);
+            self.stats.refused(uid, crate::stats::Refusal::UnknownGpu);
             self.send(
                 id,
                 &ServerMsg::Error {

@@ -45,15 +45,25 @@ impl Broker {
         self.refuse_as(id, Refusal::Other, reason);
     }
 
-    /// A refusal, counted by `why` for metrics.
+    /// A refusal of a lease request, counted by user and `why` for
+    /// metrics and said in one log line within the user's log budget
+    /// (`may_log`): a warning where the rules forbade it, else at info.
     fn refuse_as(&mut self, id: ConnId, why: Refusal, reason: impl Into<String>) {
-        self.stats.refused(why);
-        self.send(
-            id,
-            &ServerMsg::Refused {
-                reason: reason.into(),
-            },
-        );
+        let reason = reason.into();
+        let (pid, uid) = self
+            .conns
+            .get(&id)
+            .map_or((0, 0), |c| (c.peer.pid, c.peer.uid));
+        self.stats.refused(uid, why);
+        if self.may_log(uid) {
+            let (label, text) = (why.as_str(), Quoted(&reason));
+            if why == Refusal::NotAllowed {
+                warn!(pid, uid, reason = label, why = %text, "refused a lease");
+            } else {
+                info!(pid, uid, reason = label, why = %text, "refused a lease");
+            }
+        }
+        self.send(id, &ServerMsg::Refused { reason });
     }
 
     pub(super) fn lease(&mut self, now: Nanos, id: ConnId, a: LeaseReq) {
@@ -70,13 +80,6 @@ impl Broker {
             .policy
             .lease(&peer, pinned, a.token != 0, a.priority)
         {
-            self.warn_uid(
-                peer.uid,
-                format_args!(
-                    "refused a lease from pid {} (uid {}): {reason}",
-                    peer.pid, peer.uid
-                ),
-            );
             return self.refuse_as(id, Refusal::NotAllowed, reason);
         }
         if a.resume != 0 {
@@ -369,14 +372,13 @@ impl Broker {
                     return self.refuse(id, reason);
                 }
                 if let Err(reason) = self.cfg.policy.claim_unverified(&peer) {
-                    self.warn_uid(
-                        peer.uid,
-                        format_args!(
-                            "recovery: refused a claim for a lease the trusted state does not have, from pid {} (uid {})",
-                            peer.pid, peer.uid
+                    return self.refuse_as(
+                        id,
+                        Refusal::NotAllowed,
+                        format!(
+                            "recovery: a claim for a lease the trusted state does not have: {reason}"
                         ),
                     );
-                    return self.refuse(id, reason);
                 }
                 let Some(start) = start else {
                     return self.refuse(id, "cannot identify the requesting process");
@@ -585,7 +587,7 @@ impl Broker {
             let waited = match j.phase {
                 Phase::Queued { since } => {
                     let waited = now.saturating_sub(since);
-                    self.stats.queue_waited(waited);
+                    self.stats.queue_waited(j.uid, waited);
                     waited
                 }
                 _ => 0,

@@ -567,7 +567,7 @@ impl Broker {
                 },
                 &mut out,
             );
-            self.stats.refused(Refusal::ConnectionLimit);
+            self.stats.refused(peer.uid, Refusal::ConnectionLimit);
             self.warn_uid(
                 peer.uid,
                 format_args!(

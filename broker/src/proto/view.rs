@@ -233,6 +233,11 @@ impl Broker {
                     },
                     waiting_s: w.waited as f64 / 1e9,
                     escalated: w.escalated,
+                    reason: if self.placing(now) {
+                        why.reason
+                    } else {
+                        "recovering".into()
+                    },
                     why: if self.placing(now) {
                         why.text
                     } else {
