@@ -76,6 +76,9 @@ impl Client {
             _ if e.kind() == io::ErrorKind::TimedOut => silent(),
             _ => ConnectError::Other(connect_problem(socket, &e)),
         })?;
+        // Before a word is sent: a lease request carries the job's token,
+        // and the answer decides the job's GPUs, cap and MPS pipe.
+        net::believe(&stream, socket).map_err(|e| ConnectError::Other(e.to_string()))?;
         // A stalled broker stops reading too: no write may block for long.
         stream
             .set_write_timeout(Some(REPLY_TIMEOUT))

@@ -691,7 +691,9 @@ fn one_user_queues_no_more_than_its_budget() {
 /// Once, in a sticky socket directory, a state file planted by `nobody`
 /// gave the attacker both GPUs and capped a victim at 1 MiB. The broker's
 /// files are now in a private directory of its own: what is planted beside
-/// the socket is never looked at.
+/// the socket is never looked at. (A broker now refuses a socket directory
+/// others can write at all; here the plant was made while it was one, and
+/// the directory then closed as the refusal says, leaving it there.)
 #[test]
 fn a_state_file_planted_by_another_user_is_never_loaded() {
     if !can_be_nobody() {
@@ -717,6 +719,7 @@ fn a_state_file_planted_by_another_user_is_never_loaded() {
         .arg(&state)
         .arg(dir.0.join("gpufrac.sock.tmp"));
     assert!(as_user(&mut plant, NOBODY).status().unwrap().success());
+    std::fs::set_permissions(&dir.0, PermissionsExt::from_mode(0o755)).unwrap();
     let passwd = std::fs::read("/etc/passwd").unwrap();
     let mut cmd = sim_command(&artifacts().gpufrac, "16G,16G", false);
     cmd.args(["broker", "--recovery-grace", "1s", "--socket"])

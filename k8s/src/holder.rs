@@ -230,6 +230,9 @@ impl Conn {
         let stream = UnixStream::connect(socket)
             .await
             .map_err(|e| format!("cannot reach the broker at {}: {e}", socket.display()))?;
+        // The lease request carries its token, a secret: said only to the
+        // broker itself.
+        gpufrac_common::net::believe(&stream, socket).map_err(|e| e.to_string())?;
         let mut c = Conn {
             stream,
             buf: Vec::new(),

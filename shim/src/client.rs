@@ -37,7 +37,7 @@ mod slots;
 use self::compute::now_ns;
 pub use self::compute::{Pass, launched, may_launch, may_launch_now, syncing};
 pub use self::connect::check_required;
-use self::connect::{CONNECT_TIMEOUT, connect};
+use self::connect::{CONNECT_TIMEOUT, ConnectFail, connect};
 use self::registration::{first_registration_done, registration};
 use crate::ledger::LEDGERS;
 use crate::session::{Action, Event, Session};
@@ -106,10 +106,23 @@ fn client_thread(cfg: &'static ShimConfig) {
     }
     let mut session = Session::new(cfg);
     let mut out = Vec::new();
+    let mut said_not_the_broker = false;
     loop {
         match connect(cfg, CONNECT_TIMEOUT) {
             Ok(s) => serve(s, cfg, &mut session, &mut out),
             Err(e) => {
+                // Someone else on the broker's path is news at any log
+                // level (a quiet session only logs a missing broker).
+                if matches!(e, ConnectFail::NotTheBroker(_))
+                    && !session.loud()
+                    && !said_not_the_broker
+                {
+                    said_not_the_broker = true;
+                    crate::log::write_line(format_args!(
+                        "{}; running as with no broker: memory caps are enforced, compute is not arbitrated",
+                        e.what(&cfg.socket)
+                    ));
+                }
                 let event = Event::ConnectFailed(e.what(&cfg.socket));
                 feed(&mut session, event, &mut None, cfg, &mut out);
             }

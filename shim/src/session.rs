@@ -200,6 +200,13 @@ pub struct Session {
 }
 
 impl Session {
+    /// Whether it says what goes wrong with the broker on stderr whatever
+    /// the log level (a process that asked for compute shares or limits,
+    /// or requires its broker).
+    pub fn loud(&self) -> bool {
+        self.loud
+    }
+
     pub fn new(cfg: &ShimConfig) -> Session {
         Session {
             job: cfg.job,

@@ -1295,3 +1295,27 @@ pub fn connect_from(
         Ok(s)
     }
 }
+
+/// A command's output, or None when it ran longer than `secs` (killed).
+pub fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Output> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > std::time::Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+/// `b` in lowercase hex, as the Python attackers read frames.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
