@@ -132,14 +132,14 @@ impl Squatter {
             ),
             (
                 client_tag(&ClientMsg::Lease(LeaseReq::default())).to_string(),
-                server_frame(&ServerMsg::Leased {
+                server_frame(&ServerMsg::Leased(gpufrac_common::wire::Lease {
                     gpus: vec![0],
                     uuids: vec![uuid],
                     mem_cap: 0,
                     token: 7,
                     mps_pipe: "/tmp/squatters-pipe".into(),
                     mig: String::new(),
-                }),
+                })),
             ),
             (
                 client_tag(&register_msg(uuid, "x", Default::default())).to_string(),
