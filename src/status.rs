@@ -53,9 +53,12 @@ The processes on it (those under the shim):
                    its unit of fairness)
   SHARE            the share of GPU time it gets while it is busy and the
                    GPU contended: its weight over the weights of the busy
-                   processes of the highest priority class that has work
-                   (0% while idle or outranked); under gpufrac broker --mps,
-                   the share of the GPU's SMs it may use (N% SMs)
+                   processes of the highest priority class that has work,
+                   high ones left out (0% while idle or outranked, and for
+                   a high process, which is above the shares: it takes the
+                   GPU at once, within --high-share of each window); under
+                   gpufrac broker --mps, the share of the GPU's SMs it may
+                   use (N% SMs)
   ACHIEVED         the share of GPU time it held over the last second
   LIMIT            its ceiling (GPU_COMPUTE_LIMIT, or its job's --gpu-limit)
   PRIO             its priority class: high, normal or low
