@@ -313,7 +313,13 @@ fn gpu_util_line(model: &Model, g: &GpuStatus, width: usize) -> Line<'static> {
         " {} {holder}",
         plural(g.processes.len(), "process", "processes")
     );
-    let room = width.saturating_sub(head.chars().count() + tail.chars().count());
+    let (health, alarm) = health_text(g);
+    let room = width.saturating_sub(
+        head.chars().count()
+            + tail.chars().count()
+            + health.chars().count()
+            + alarm.chars().count(),
+    );
     let history: Vec<Option<f32>> = model
         .gpu_history(&g.uuid)
         .map(|h| {
@@ -327,7 +333,49 @@ fn gpu_util_line(model: &Model, g: &GpuStatus, width: usize) -> Line<'static> {
         Span::raw(head),
         Span::styled(spark(&history, room.min(60), 1.0), Style::new().cyan()),
         Span::raw(tail).dim(),
+        Span::raw(health).dim(),
+        Span::styled(alarm, Style::new().red().bold()),
     ])
+}
+
+/// A GPU's health in a few words (temperature, power against its limit,
+/// SM clock), and what is wrong with it (ECC errors the GPU could not
+/// correct, XID events), red.
+fn health_text(g: &GpuStatus) -> (String, String) {
+    let Some(h) = g.health else {
+        return (String::new(), String::new());
+    };
+    let mut parts = Vec::new();
+    if let Some(t) = h.temperature_c {
+        parts.push(format!("{t}°C"));
+    }
+    match (h.power_w, h.power_limit_w) {
+        (Some(p), Some(l)) => parts.push(format!("{p:.0}/{l:.0}W")),
+        (Some(p), None) => parts.push(format!("{p:.0}W")),
+        _ => {}
+    }
+    if let Some(c) = h.sm_clock_mhz {
+        parts.push(format!("{c}MHz"));
+    }
+    let mut alarm = Vec::new();
+    if let Some(n) = h.ecc_uncorrected.filter(|&n| n > 0) {
+        alarm.push(format!("ECC {n}"));
+    }
+    if h.xid_errors > 0 {
+        alarm.push(format!(
+            "XID {}×{}",
+            h.last_xid.map_or("?".into(), |x| x.to_string()),
+            h.xid_errors
+        ));
+    }
+    let text = |v: Vec<String>| {
+        if v.is_empty() {
+            String::new()
+        } else {
+            format!("  {}", v.join(" "))
+        }
+    };
+    (text(parts), text(alarm))
 }
 
 /// A column of the process pane: its heading, width and how much it is
@@ -1278,6 +1326,23 @@ fn detail(model: &Model, d: &Detail, width: usize) -> (String, Vec<Line<'static>
                     },
                 ),
                 kv("holder", g.holder.map_or("-".into(), |p| p.to_string())),
+                kv(
+                    "health",
+                    g.health.map_or("- (NVML not asked)".into(), |h| {
+                        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+                        format!(
+                            "{} °C, {} W of {} W, SM {} MHz, ECC {} corrected {} not, XIDs {} (last {})",
+                            opt(h.temperature_c.map(|t| t.to_string())),
+                            opt(h.power_w.map(|p| format!("{p:.0}"))),
+                            opt(h.power_limit_w.map(|p| format!("{p:.0}"))),
+                            opt(h.sm_clock_mhz.map(|c| c.to_string())),
+                            opt(h.ecc_corrected.map(|n| n.to_string())),
+                            opt(h.ecc_uncorrected.map(|n| n.to_string())),
+                            h.xid_errors,
+                            opt(h.last_xid.map(|x| x.to_string()))
+                        )
+                    }),
+                ),
                 Line::from(""),
                 series("utilisation", &util, 1.0),
                 series("allocated", &alloc, total),

@@ -224,6 +224,50 @@ fn gpus(s: &Status) -> Vec<Family> {
         ),
         per_gpu(
             s,
+            "gpufrac_gpu_temperature_celsius",
+            "The GPU's temperature (NVML), where the driver reports it.",
+            true,
+            |g| g.health?.temperature_c.map(f64::from),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_power_usage_watts",
+            "What the GPU draws now (NVML), where the driver reports it.",
+            true,
+            |g| g.health?.power_w,
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_power_limit_watts",
+            "The most the GPU may draw (NVML's enforced power limit).",
+            true,
+            |g| g.health?.power_limit_w,
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_sm_clock_hertz",
+            "The GPU's SM clock now (NVML).",
+            true,
+            |g| g.health?.sm_clock_mhz.map(|m| f64::from(m) * 1e6),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_xid_errors_total",
+            "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
+             fault, an uncorrectable ECC error) on the GPU since the broker started.",
+            true,
+            |g| g.health.map(|h| h.xid_errors as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_last_xid",
+            "The XID of the GPU's last XID event since the broker started (0: none).",
+            true,
+            |g| g.health.map(|h| h.last_xid.unwrap_or(0) as f64),
+        ),
+        ecc(s),
+        per_gpu(
+            s,
             "gpufrac_gpu_requests_waiting",
             "Requests of gpufrac run waiting in the queue that the GPU could serve once its \
              leases end, or that it is held back for (their waits_for).",
@@ -252,6 +296,31 @@ fn gpus(s: &Status) -> Vec<Family> {
         states,
         waiting,
     ]
+}
+
+/// ECC errors since the driver loaded, corrected and not, where the GPU
+/// counts them.
+fn ecc(s: &Status) -> Family {
+    let mut f = Family::new(
+        "gpufrac_gpu_ecc_errors_total",
+        Kind::Counter,
+        "ECC errors of the GPU's memory since the driver loaded (NVML's volatile counts), \
+         corrected and uncorrected, where ECC is on.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        let Some(h) = g.health else {
+            continue;
+        };
+        for (kind, n) in [
+            ("corrected", h.ecc_corrected),
+            ("uncorrected", h.ecc_uncorrected),
+        ] {
+            if let Some(n) = n {
+                f.add(with(gpu(g), &[("type", kind.into())]), n as f64);
+            }
+        }
+    }
+    f
 }
 
 /// The families of a level of fairness, users or jobs: its share of the

@@ -191,6 +191,7 @@ impl Broker {
                 unmanaged_processes: outside.count,
                 unmanaged_mem: outside.mem,
                 free_mem,
+                health: self.health(gi),
                 mig: None,
                 mig_instance: g.mig.map(|(_, gi)| gi),
             });
