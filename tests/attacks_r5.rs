@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use gpufrac_common::wire::{self, ClientMsg, LeaseReq, ServerMsg};
+use gpufrac_common::wire::{self, ClientMsg, Lease, LeaseReq, ServerMsg};
 use support::*;
 
 /// The victims: two users other than the attacker and root.
@@ -132,7 +132,7 @@ impl Squatter {
             ),
             (
                 client_tag(&ClientMsg::Lease(LeaseReq::default())).to_string(),
-                server_frame(&ServerMsg::Leased(gpufrac_common::wire::Lease {
+                server_frame(&ServerMsg::Leased(Lease {
                     gpus: vec![0],
                     uuids: vec![uuid],
                     mem_cap: 0,
