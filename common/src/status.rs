@@ -429,3 +429,31 @@ pub struct LeaseEntry {
 fn yes() -> bool {
     true
 }
+
+/// What a job has had, for its run's end-of-job line (`gpufrac run
+/// --report` writes it with the run's own figures).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct JobSummary {
+    /// The pid of its `gpufrac run`.
+    pub job: u32,
+    /// The GPUs its lease holds (indices).
+    pub gpus: Vec<u32>,
+    /// How long it waited in the queue, and has held its lease, seconds.
+    pub queued_s: f64,
+    pub held_s: f64,
+    /// GPU time its processes were charged, and what they were owed (their
+    /// target share while busy within their ceilings), seconds.
+    pub gpu_s: f64,
+    pub owed_s: f64,
+    /// The most memory its processes held at once, and its cap, bytes.
+    pub peak_mem: u64,
+    #[serde(default)]
+    pub mem_cap: Option<u64>,
+    /// Allocations its memory caps refused.
+    pub refusals: u64,
+    /// Its `--gpu-compute` (percent) and `--gpu-limit` (0..1).
+    #[serde(default)]
+    pub compute: Option<f64>,
+    #[serde(default)]
+    pub limit: Option<f64>,
+}
