@@ -23,7 +23,10 @@
 # (one with glibc 2.28 or newer); without it the demo makes one, once, with
 # mmdebstrap (Debian's essential packages, about 140 MB from a mirror).
 # GPUFRAC_DEMO_ENGINE=podman|docker chooses the engine (default: podman when
-# it is installed, else docker).
+# it is installed and can run a container here, else docker). Where the
+# engine's runtime is crun and crun cannot run (hybrid cgroups), the demo
+# runs runc; where nothing can run, it says in one line what to install or
+# start.
 #
 # GPUFRAC_DEMO_PROFILE=debug builds and runs the debug profile instead of
 # release (a quicker first build; the test suite runs the demo that way).
@@ -249,34 +252,116 @@ top() {
   fi
 }
 
+# crun refuses to start a container on hybrid cgroups (v1 controllers, with
+# cgroup v2 mounted at /sys/fs/cgroup/unified) as soon as v2 holds any
+# controller ("cgroups in hybrid mode not supported"); runc runs there. The
+# controllers v2 holds, when crun cannot run, else nothing.
+crun_refuses() {
+  [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" != cgroup2fs ] || return 0
+  [ "$(stat -fc %T /sys/fs/cgroup/unified 2>/dev/null)" = cgroup2fs ] || return 0
+  cat /sys/fs/cgroup/unified/cgroup.controllers 2>/dev/null || true
+}
+
+# Whether ENGINE can run the demo's containers on this host, choosing runc
+# where the engine's runtime is crun and crun cannot run here. Sets
+# engine_cmd (the CLI and its global options) and run_opts (options of its
+# `run`), and says which runtime it chose and why; else sets why_not to
+# one line saying what to install or run.
+engine_works() {
+  local engine=$1 err rt held
+  engine_cmd=("$engine") run_opts=() why_not=
+  held=$(crun_refuses)
+  case $engine in
+    podman)
+      if ! err=$(podman info 2>&1 >/dev/null); then
+        why_not="'podman info' fails: $(tail -n 1 <<<"$err")"
+        return 1
+      fi
+      rt=$(podman info --format '{{.Host.OCIRuntime.Name}}' 2>/dev/null || true)
+      if [ "$rt" = crun ] && [ -n "$held" ]; then
+        # Without --format, podman info succeeds with runc missing or
+        # unusable; the runtime's own fields are there only when it runs.
+        if [ "$(podman --runtime runc info --format '{{.Host.OCIRuntime.Name}}' 2>/dev/null)" != runc ]; then
+          why_not="Podman's runtime crun cannot run on this host's hybrid cgroups (cgroup v2 holds $held) and runc is not installed: apt-get install runc"
+          return 1
+        fi
+        engine_cmd+=(--runtime runc)
+        echo "== Podman's runtime crun cannot run on this host's hybrid cgroups (cgroup v2 holds $held): using runc"
+      fi
+      ;;
+    docker)
+      if ! err=$(docker info 2>&1 >/dev/null); then
+        if grep -qi 'permission denied' <<<"$err"; then
+          why_not="Docker's daemon refuses this user (permission denied): run as root, or join the group docker"
+        elif grep -qi 'cannot connect' <<<"$err"; then
+          if [ -d /run/systemd/system ]; then
+            why_not="Docker's daemon is not running${DOCKER_HOST:+ on $DOCKER_HOST}: systemctl start docker"
+          else
+            why_not="Docker's daemon is not running${DOCKER_HOST:+ on $DOCKER_HOST}, and this host has no systemd to start it: run (as root) dockerd >/var/log/dockerd.log 2>&1 &"
+          fi
+        else
+          why_not="'docker info' fails: $(tail -n 1 <<<"$err")"
+        fi
+        return 1
+      fi
+      rt=$(docker info --format '{{.DefaultRuntime}}' 2>/dev/null || true)
+      if [ "$rt" = crun ] && [ -n "$held" ]; then
+        if ! docker info --format '{{range $k, $v := .Runtimes}}{{$k}} {{end}}' 2>/dev/null | grep -qw runc; then
+          why_not="Docker's runtime crun cannot run on this host's hybrid cgroups (cgroup v2 holds $held) and its daemon knows no runc: apt-get install runc, then add it to the daemon's runtimes"
+          return 1
+        fi
+        run_opts+=(--runtime runc)
+        echo "== Docker's runtime crun cannot run on this host's hybrid cgroups (cgroup v2 holds $held): using runc"
+      fi
+      ;;
+  esac
+}
+
 # The memory cap on a sealed image: nothing of gpufrac's is in the image; the
 # shim comes in by the flags `gpufrac docker-args` prints, and the simulated
 # driver (in place of a GPU and NVIDIA's container toolkit) and the program
 # by read-only mounts.
 container() {
-  local engine=${GPUFRAC_DEMO_ENGINE:-}
-  if [ -z "$engine" ]; then
-    if command -v podman >/dev/null 2>&1; then
-      engine=podman
-    elif command -v docker >/dev/null 2>&1; then
-      engine=docker
-    else
-      echo "./demo.sh container needs Podman or Docker (apt-get install podman)" >&2
+  local engines=() e engine= whys=()
+  if [ -n "${GPUFRAC_DEMO_ENGINE:-}" ]; then
+    case $GPUFRAC_DEMO_ENGINE in
+      podman | docker) ;;
+      *) echo "GPUFRAC_DEMO_ENGINE=$GPUFRAC_DEMO_ENGINE: expected podman or docker" >&2; exit 2 ;;
+    esac
+    if ! command -v "$GPUFRAC_DEMO_ENGINE" >/dev/null 2>&1; then
+      echo "./demo.sh container: GPUFRAC_DEMO_ENGINE=$GPUFRAC_DEMO_ENGINE, which is not installed" \
+        "(apt-get install $([ "$GPUFRAC_DEMO_ENGINE" = docker ] && echo docker.io || echo podman))" >&2
+      exit 1
+    fi
+    engines=("$GPUFRAC_DEMO_ENGINE")
+  else
+    for e in podman docker; do
+      if command -v "$e" >/dev/null 2>&1; then engines+=("$e"); fi
+    done
+    if [ ${#engines[@]} = 0 ]; then
+      echo "./demo.sh container needs Podman or Docker (apt-get install podman runc)" >&2
       exit 1
     fi
   fi
-  case $engine in
-    podman | docker) ;;
-    *) echo "GPUFRAC_DEMO_ENGINE=$engine: expected podman or docker" >&2; exit 2 ;;
-  esac
-  if ! "$engine" info >/dev/null 2>&1; then
-    echo "./demo.sh container: '$engine info' fails; is its daemon running (for Docker:" >&2
-    echo "systemctl start docker), or choose the other with GPUFRAC_DEMO_ENGINE=podman|docker?" >&2
+  # The first that can run a container here; each that cannot says why.
+  for e in "${engines[@]}"; do
+    if engine_works "$e"; then
+      engine=$e
+      break
+    fi
+    whys+=("./demo.sh container: $why_not")
+  done
+  if [ -z "$engine" ]; then
+    printf '%s\n' "${whys[@]}" >&2
     exit 1
+  fi
+  if [ ${#whys[@]} -gt 0 ]; then
+    printf '%s\n' "${whys[@]}"
+    echo "== so using $engine"
   fi
   build cudarc_alloc
   local image=${GPUFRAC_DEMO_IMAGE:-gpufrac-demo:bookworm}
-  if [ -z "${GPUFRAC_DEMO_IMAGE:-}" ] && ! "$engine" image inspect "$image" >/dev/null 2>&1; then
+  if [ -z "${GPUFRAC_DEMO_IMAGE:-}" ] && ! "${engine_cmd[@]}" image inspect "$image" >/dev/null 2>&1; then
     if ! command -v mmdebstrap >/dev/null 2>&1; then
       echo "./demo.sh container: no image $image yet, and mmdebstrap (which makes one) is" >&2
       echo "not installed: apt-get install mmdebstrap, or GPUFRAC_DEMO_IMAGE=IMAGE for one of yours" >&2
@@ -289,7 +374,7 @@ container() {
       mmdebstrap --variant=essential --format=tar bookworm "$tar.part" >&2
       mv "$tar.part" "$tar"
     fi
-    "$engine" import "$tar" "$image" >/dev/null
+    "${engine_cmd[@]}" import "$tar" "$image" >/dev/null
   fi
   use_sim 16G,8G
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
@@ -306,20 +391,20 @@ container() {
   # Podman's default limits (1048576 files) are above the hard limits of
   # many machines, where its containers then fail to start; the program
   # needs few.
-  local run=(run --rm --ulimit nofile=1024:1024 --ulimit nproc=1024:1024)
+  local run=(run --rm --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 "${run_opts[@]}")
   local flags
   mapfile -t flags < <("$bin/gpufrac" docker-args --gpu-memory 4G --socket "$tmp/broker.sock")
   echo "== $engine, image $image (nothing of gpufrac's in it); the simulated driver and the"
   echo "   program mounted in, as a GPU and NVIDIA's container toolkit would be."
   echo
   echo "== $engine run IMAGE alloc (stops at 64 blocks = 16 GiB):"
-  "$engine" "${run[@]}" "${sim[@]}" "$image" /gpufrac-demo/alloc --block 256 --max 64
+  "${engine_cmd[@]}" "${run[@]}" "${sim[@]}" "$image" /gpufrac-demo/alloc --block 256 --max 64
   echo
   echo "== $engine run \$(gpufrac docker-args --gpu-memory 4G) IMAGE alloc (expect 16 blocks = 4 GiB):"
   printf '   gpufrac docker-args said:'
   printf ' %s' "${flags[@]}"
   echo
-  "$engine" "${run[@]}" "${flags[@]}" "${sim[@]}" "$image" /gpufrac-demo/alloc --block 256 --max 64
+  "${engine_cmd[@]}" "${run[@]}" "${flags[@]}" "${sim[@]}" "$image" /gpufrac-demo/alloc --block 256 --max 64
 }
 
 case $what in
@@ -328,6 +413,6 @@ case $what in
   top) top ;;
   env) env_exports ;;
   container) container ;;
-  -h|--help|help) sed -n '2,30s/^# \{0,1\}//p' "$0" ;;
+  -h|--help|help) sed -n '2,/^set -e/{/^#/s/^# \{0,1\}//p;}' "$0" ;;
   *) echo "./demo.sh: unknown demo '$what'; expected cap (the default), shares, top, env or container" >&2; exit 2 ;;
 esac

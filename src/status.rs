@@ -5,8 +5,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use clap::Args;
-use gpufrac_broker::status::{GpuStatus, LeaseEntry, MigStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
+use gpufrac_common::status::{GpuStatus, LeaseEntry, MigStatus, QueueEntry, Status};
 
 use crate::client::{Client, ConnectError};
 use crate::names;
@@ -628,7 +628,7 @@ pub fn truncate(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpufrac_broker::status::{JobShare, ProcStatus, UserShare};
+    use gpufrac_common::status::{JobShare, ProcStatus, UserShare};
 
     fn sample() -> Status {
         Status {
@@ -888,7 +888,7 @@ mod tests {
     }
 
     fn mig_sample() -> Status {
-        use gpufrac_broker::status::MigInstance;
+        use gpufrac_common::status::MigInstance;
         Status {
             gpus: vec![
                 GpuStatus {

@@ -240,17 +240,7 @@ fn python_as(uid: u32, b: &Open, body: &str, msgs: &[(&str, Vec<u8>)], args: &[&
                 grant: 0,
             },
         ),
-        (
-            "LEASED",
-            ServerMsg::Leased {
-                gpus: vec![],
-                uuids: vec![],
-                mem_cap: 0,
-                token: 0,
-                mps_pipe: String::new(),
-                mig: String::new(),
-            },
-        ),
+        ("LEASED", ServerMsg::Leased(wire::Lease::default())),
         (
             "REFUSED",
             ServerMsg::Refused {
@@ -936,11 +926,9 @@ fn a_pretender_beside_a_working_connection_of_its_process_does_not_starve_a_low_
     let _s = serial();
     let b = Open::start("16G", &[]);
     let uuid = b.uuid();
-    let mut cmd = python_as(
-        NOBODY,
+    let mut a = on_sim_cuda(
         &b,
         r#"
-import ctypes
 def pretend():
     s, f = registered()
     s.sendall(M["acquire"])
@@ -948,23 +936,6 @@ def pretend():
         if f.until(T["revoke"]) is None:
             os._exit(3)
         s.sendall(M["again"])
-# The process's CUDA context on the simulated driver, without the shim:
-# its kernels run whenever it launches them, and NVML counts them as
-# this process's work.
-cu = ctypes.CDLL("libcuda.so.1")
-dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
-           cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev),
-           cu.cuModuleLoadData(ctypes.byref(mod), b"sim"),
-           cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin")):
-    if rc != 0:
-        sys.exit(f"CUDA: {rc}")
-def work(ns):
-    d = ctypes.c_uint64(ns)
-    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(d), ctypes.c_void_p))
-    rc = cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
-    if rc != 0 or cu.cuCtxSynchronize() != 0:
-        sys.exit(f"launch: {rc}")
 threading.Thread(target=pretend, daemon=True).start()
 s, f = registered()
 said = False
@@ -981,19 +952,90 @@ while True:
     time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
 "#,
         &shim_frames(uuid, "pretender", 20 * MS),
-        &[],
     );
-    let a = artifacts();
-    cmd.env("LD_LIBRARY_PATH", &a.simdir)
-        .env("GPUFRAC_SIM_DEVICES", &b.devices)
-        .env("GPUFRAC_SIM_STATE", &b.state);
-    let mut a = KillOnDrop(cmd.spawn().expect("python3"));
     started_saying(&mut a, "attacking");
     victim_keeps_its_gpu(
         &b,
         &mut a,
         "low",
         "a holder asking again at each recall beside a connection of its process working 20 ms a second",
+    );
+}
+
+/// A Python prelude for an attacker whose process runs real kernels: its
+/// CUDA context on the simulated driver, without the shim (its kernels run
+/// whenever it launches them, and NVML counts them as this process's
+/// work), and `work(ns)`, one kernel of `ns` waited for.
+const SIM_CUDA: &str = r#"
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
+           cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev),
+           cu.cuModuleLoadData(ctypes.byref(mod), b"sim"),
+           cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin")):
+    if rc != 0:
+        sys.exit(f"CUDA: {rc}")
+def work(ns):
+    d = ctypes.c_uint64(ns)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(d), ctypes.c_void_p))
+    rc = cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+    if rc != 0 or cu.cuCtxSynchronize() != 0:
+        sys.exit(f"launch: {rc}")
+"#;
+
+/// Starts a Python client of `nobody`'s on `b`'s simulated GPU, running
+/// `body` after `SIM_CUDA`, with the frames `msgs`.
+fn on_sim_cuda(b: &Open, body: &str, msgs: &[(&str, Vec<u8>)]) -> KillOnDrop {
+    let mut cmd = python_as(NOBODY, b, &format!("{SIM_CUDA}{body}"), msgs, &[]);
+    cmd.env("LD_LIBRARY_PATH", &artifacts().simdir)
+        .env("GPUFRAC_SIM_DEVICES", &b.devices)
+        .env("GPUFRAC_SIM_STATE", &b.state);
+    KillOnDrop(cmd.spawn().expect("python3"))
+}
+
+/// The attack (issue 40): a `normal` holder whose process runs one 100 us
+/// kernel every 500 ms, 0.02% of the GPU, on its own and only connection,
+/// and answers every recall by letting go and asking again. The driver
+/// saw its process at work in every sample, and a sample above zero was
+/// all the evidence asked for: a busy `low` victim of root's got 0.01 s of
+/// GPU in 6 s (4.79 s beside a holder running nothing). Evidence is work
+/// in proportion to the time held.
+#[test]
+fn a_holder_doing_a_little_work_does_not_starve_a_low_victim() {
+    if !can_be_nobody() {
+        return;
+    }
+    let _s = serial();
+    let b = Open::start("16G", &[]);
+    let uuid = b.uuid();
+    let mut a = on_sim_cuda(
+        &b,
+        r#"
+def hold(s, f):
+    while True:
+        if f.until(T["revoke"]) is None:
+            os._exit(3)
+        s.sendall(M["again"])
+s, f = registered()
+s.sendall(M["acquire"])
+if f.until(T["grant"]) is None:
+    sys.exit("closed")
+threading.Thread(target=hold, args=(s, f), daemon=True).start()
+say("attacking")
+# The context is this thread's: the kernels are launched from here.
+while True:
+    work(100_000)
+    time.sleep(0.5)
+"#,
+        &shim_frames(uuid, "little", 100_000),
+    );
+    started_saying(&mut a, "attacking");
+    victim_keeps_its_gpu(
+        &b,
+        &mut a,
+        "low",
+        "another user's holder running 100 us of kernels every 500 ms and asking again at each recall",
     );
 }
 

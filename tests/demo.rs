@@ -133,28 +133,50 @@ fn the_demo_says_what_a_build_costs_only_when_it_builds() {
 /// shows it: the same program stops at 64 blocks of 256 MiB alone and at 16
 /// under the flags `gpufrac docker-args --gpu-memory 4G` prints, in the
 /// tests' image and store (the demo makes its own image where none is
-/// named).
+/// named). Podman keeps its own default runtime, as a newcomer's does: on
+/// a host with hybrid cgroups that is Debian's crun, which cannot run
+/// there, and the demo runs runc instead, saying why.
 #[test]
 fn container_demo_caps_a_sealed_image() {
     if !engines::ensure_podman() {
         return;
     }
     let image = engines::image(engines::Engine::Podman);
+    let podman_env = engines::podman_env_default_runtime();
+    let runtime = engines::podman_runtime(&podman_env);
+    let refuses = engines::crun_refuses_here();
+    if runtime != "crun" || refuses.is_none() {
+        skip_banner(
+            "the demo's choice of runc over crun",
+            &format!(
+                "Podman's runtime here is {runtime} and cgroups are {}: the demo runs \
+                 as it is, with nothing to choose",
+                if refuses.is_some() {
+                    "hybrid, v2 holding controllers"
+                } else {
+                    "not hybrid with controllers on v2"
+                }
+            ),
+        );
+    }
     let mut vars: Vec<(&str, std::ffi::OsString)> = vec![
         ("GPUFRAC_DEMO_ENGINE", "podman".into()),
         ("GPUFRAC_DEMO_IMAGE", image.into()),
     ];
-    vars.extend(
-        engines::Engine::Podman
-            .env()
-            .into_iter()
-            .map(|(k, v)| (k, v.into_os_string())),
-    );
+    vars.extend(podman_env.into_iter().map(|(k, v)| (k, v.into_os_string())));
     let vars: Vec<(&str, &std::ffi::OsStr)> =
         vars.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
     let o = demo_with(&["container"], &vars);
     let (out, err) = (stdout(&o), stderr(&o));
     assert!(o.status.success(), "{out}\n{err}");
+    if let (Some(held), "crun") = (&refuses, runtime.as_str()) {
+        assert!(
+            out.contains(&format!(
+                "crun cannot run on this host's hybrid cgroups (cgroup v2 holds {held}): using runc"
+            )),
+            "{out}"
+        );
+    }
     let counts: Vec<&str> = out
         .lines()
         .filter(|l| l.starts_with("cudarc mode=result"))
@@ -167,6 +189,109 @@ fn container_demo_caps_a_sealed_image() {
     );
     assert!(out.contains("cudarc info free=0 total=4294967296"), "{out}");
     assert!(out.contains("gpufrac docker-args said: -v "), "{out}");
+}
+
+/// On a host where crun cannot run and runc is not there (hidden here in a
+/// mount namespace of the demo's own), the container demo stops before it
+/// builds anything, in one line that says what to install.
+#[test]
+fn container_demo_says_to_install_runc_where_crun_cannot_run() {
+    if !engines::ensure_podman() {
+        return;
+    }
+    let Some(held) = engines::crun_refuses_here() else {
+        skip_banner(
+            "the container demo without runc on hybrid cgroups",
+            "this host's cgroups are not hybrid with controllers on v2, where crun runs",
+        );
+        return;
+    };
+    let podman_env = engines::podman_env_default_runtime();
+    if engines::podman_runtime(&podman_env) != "crun" {
+        skip_banner(
+            "the container demo without runc on hybrid cgroups",
+            "Podman's default runtime here is not crun",
+        );
+        return;
+    }
+    let nothing = Scratch::new("demo-no-runc");
+    let empty = nothing.0.join("not-runc");
+    std::fs::write(&empty, "").unwrap();
+    // Each runc Podman would find, covered by an empty file it cannot run.
+    let hide: String = [
+        "/usr/local/sbin/runc",
+        "/usr/local/bin/runc",
+        "/usr/sbin/runc",
+        "/usr/bin/runc",
+        "/sbin/runc",
+        "/bin/runc",
+    ]
+    .iter()
+    .filter(|p| Path::new(p).exists())
+    .map(|p| format!("mount --bind {} {p} && ", empty.display()))
+    .collect();
+    let a = artifacts();
+    let profile = a.dir.file_name().unwrap().to_str().unwrap();
+    let mut cmd = Command::new("unshare");
+    scrub_env(&mut cmd)
+        .args(["-m", "sh", "-c", &format!("{hide}exec \"$0\" container")])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"))
+        .env("GPUFRAC_DEMO_PROFILE", profile)
+        .env("GPUFRAC_DEMO_ENGINE", "podman")
+        // A cargo that would say so if the demo built anything.
+        .env("CARGO", "false")
+        .envs(podman_env);
+    let o = cmd.output().expect("running unshare");
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
+    assert_eq!(
+        err,
+        format!(
+            "./demo.sh container: Podman's runtime crun cannot run on this host's hybrid cgroups \
+             (cgroup v2 holds {held}) and runc is not installed: apt-get install runc\n"
+        ),
+        "{out}"
+    );
+}
+
+/// With Docker chosen and no daemon answering, the container demo says in
+/// one line how to start one on this host: by systemd where it is PID 1's,
+/// else dockerd itself.
+#[test]
+fn container_demo_says_how_to_start_a_docker_daemon() {
+    let on_path = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("docker").exists()));
+    if !on_path {
+        skip_banner(
+            "the container demo without a Docker daemon",
+            "no docker on PATH (apt-get install docker.io)",
+        );
+        return;
+    }
+    let dir = Scratch::new("demo-no-dockerd");
+    let host = format!("unix://{}", dir.0.join("docker.sock").display());
+    let o = demo_with(
+        &["container"],
+        &[
+            ("GPUFRAC_DEMO_ENGINE", std::ffi::OsStr::new("docker")),
+            ("DOCKER_HOST", std::ffi::OsStr::new(&host)),
+            ("CARGO", std::ffi::OsStr::new("false")),
+        ],
+    );
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{out}\n{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let start = if Path::new("/run/systemd/system").exists() {
+        "systemctl start docker"
+    } else {
+        "this host has no systemd to start it: run (as root) dockerd"
+    };
+    assert!(
+        err.starts_with(&format!(
+            "./demo.sh container: Docker's daemon is not running on {host}"
+        )) && err.contains(start),
+        "{err}"
+    );
 }
 
 /// `./demo.sh top` without a terminal: a frame while two jobs share the

@@ -71,6 +71,45 @@ fn a_job_with_a_broker_is_capped_as_a_whole_and_status_shows_its_total() {
     assert_eq!(fills(&o).iter().sum::<u64>(), 16, "{}", stdout(&o));
 }
 
+/// The broker's line for a job's end says the job's peak, even for a
+/// process that takes its memory and gives it back between two of its
+/// usage reports (they go every 100 ms) and exits: it says its figures
+/// once more as it exits.
+#[test]
+fn a_short_jobs_end_line_says_its_peak() {
+    let b = Broker::start("16G", &[]);
+    let p = artifacts().probe.display().to_string();
+    for (size, peak) in [("3G", "3.00 GiB"), ("768M", "768.00 MiB")] {
+        let o = b
+            .run(&[
+                "--gpu-memory",
+                "4G",
+                "--",
+                &p,
+                "ctx",
+                "alloc",
+                "alloc",
+                size,
+                "free-all",
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+        let line = format!("ctx alloc alloc {size} free-all\"");
+        wait_until(10.0, "the lease's end in the broker's log", || {
+            b.log()
+                .lines()
+                .any(|l| l.contains("lease ended") && l.contains(&line))
+        });
+        let log = b.log();
+        let ended = log
+            .lines()
+            .find(|l| l.contains("lease ended") && l.contains(&line))
+            .unwrap();
+        assert!(ended.contains(&format!("peak=\"{peak}\"")), "{ended}");
+    }
+}
+
 #[test]
 fn memory_of_a_killed_process_returns_to_the_job_at_once() {
     let dir = Scratch::new("jobkill");

@@ -266,7 +266,7 @@ fn the_plugins_messages_from_another_user_are_refused() {
     }));
     assert!(matches!(
         c.recv(),
-        Some(ServerMsg::Leased { token: 0x5eed, .. })
+        Some(ServerMsg::Leased(wire::Lease { token: 0x5eed, .. }))
     ));
 }
 

@@ -95,12 +95,14 @@ pub fn process_memory(dev: &Device<'_>) -> Vec<(u32, u64)> {
         .unwrap_or_default()
 }
 
-/// The pids the driver saw running kernels on `dev` since its timestamp
-/// `last_seen` (µs, the driver's own clock: 0 for all it keeps), and the
-/// latest timestamp of those samples. None: the driver does not report
-/// per-process work there (MIG, an old GPU or driver); an empty list is a
-/// report that nobody ran.
-pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<u32>, u64)> {
+/// The processes the driver saw running kernels on `dev` since its
+/// timestamp `last_seen` (µs, the driver's own clock: 0 for all it
+/// keeps), each with how busy it kept the GPU then (percent, the mean of
+/// its samples' SM or memory utilisation, whichever is higher), sorted by
+/// pid; and the latest timestamp of those samples. None: the driver does
+/// not report per-process work there (MIG, an old GPU or driver); an
+/// empty list is a report that nobody ran.
+pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<(u32, u32)>, u64)> {
     match dev.process_utilization_stats(last_seen) {
         Ok(samples) => {
             let latest = samples
@@ -108,19 +110,30 @@ pub fn process_work(dev: &Device<'_>, last_seen: u64) -> Option<(Vec<u32>, u64)>
                 .map(|s| s.timestamp)
                 .max()
                 .unwrap_or(last_seen);
-            let mut pids: Vec<u32> = samples
+            let mut busy: Vec<(u32, u32)> = samples
                 .iter()
-                .filter(|s| s.sm_util > 0 || s.mem_util > 0)
-                .map(|s| s.pid)
+                .map(|s| (s.pid, s.sm_util.max(s.mem_util).min(100)))
                 .collect();
-            pids.sort_unstable();
-            pids.dedup();
-            Some((pids, latest))
+            busy.sort_unstable();
+            Some((mean_by_pid(&busy), latest))
         }
         // What NVML says when no process ran since `last_seen`.
         Err(nvml_wrapper::error::NvmlError::NotFound) => Some((Vec::new(), last_seen)),
         Err(_) => None,
     }
+}
+
+/// Each pid's mean percent over its samples (`samples` sorted by pid),
+/// for the pids with a mean above zero.
+fn mean_by_pid(samples: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    samples
+        .chunk_by(|a, b| a.0 == b.0)
+        .map(|one| {
+            let sum: u32 = one.iter().map(|s| s.1).sum();
+            (one[0].0, sum.div_ceil(one.len() as u32))
+        })
+        .filter(|&(_, pct)| pct > 0)
+        .collect()
 }
 
 /// `dev`'s utilisation in percent.

@@ -73,11 +73,13 @@ pub struct GpuSample {
     /// (pid, bytes) of each process on the GPU, as the driver accounts
     /// them (context and module overhead included).
     pub processes: Vec<(u32, u64)>,
-    /// The pids the driver saw running kernels since the previous sample
-    /// (NVML's per-process utilisation), sorted. None: the driver does
-    /// not report per-process work on this GPU, and the scheduler cannot
-    /// tell a holder that works from one that only asks.
-    pub working: Option<Vec<u32>>,
+    /// The processes the driver saw running kernels since the previous
+    /// sample (NVML's per-process utilisation), sorted by pid, each with
+    /// the part of that time it kept the GPU busy, in percent (its
+    /// samples' mean). None: the driver does not report per-process work
+    /// on this GPU, and the scheduler cannot tell a holder that works
+    /// from one that only asks.
+    pub working: Option<Vec<(u32, u32)>>,
 }
 
 impl Telemetry {
@@ -127,9 +129,9 @@ impl Sampler for NvmlSampler {
             let s = match self.nvml.device(u) {
                 Some(dev) => {
                     let since = self.last_seen.get(u).copied().unwrap_or(0);
-                    let working = inventory::process_work(&dev, since).map(|(pids, latest)| {
+                    let working = inventory::process_work(&dev, since).map(|(work, latest)| {
                         self.last_seen.insert(u.clone(), latest);
-                        pids
+                        work
                     });
                     GpuSample {
                         utilization: inventory::utilization(&dev),

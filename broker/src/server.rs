@@ -68,9 +68,10 @@ pub struct Shell {
     pub listener: UnixListener,
     pub socket: PathBuf,
     pub state: StateFile,
-    /// The private directory the broker made at start: removed at a clean
-    /// stop when nothing is left in it (one a test suite's brokers made
-    /// and left behind, by the dozen, under /run/gpufrac/state).
+    /// The private directory to remove at a clean stop when nothing is
+    /// left in it: the one the broker made at start, or the socket's
+    /// default one (a test suite's brokers once left them behind, by the
+    /// dozen, under /run/gpufrac/state).
     pub made_dir: Option<PathBuf>,
     pub metrics: Option<crate::metrics::Feed>,
     pub mps: Option<crate::mps::Mps>,
@@ -363,6 +364,10 @@ impl Loop {
                 }
                 return Err(format!("poll: {e}"));
             }
+            // A process's last frames (a usage report sent at exit) may
+            // sit in its socket when its pidfd says it is gone: its
+            // connection is read in this turn, and closed after it.
+            let mut exited = Vec::new();
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => self.backlog = true,
@@ -371,7 +376,11 @@ impl Loop {
                         return Ok(());
                     }
                     WAKER => {}
-                    Token(t) if t & PIDFD != 0 => self.core.exited((t & !PIDFD) as ConnId),
+                    Token(t) if t & PIDFD != 0 => {
+                        let id = (t & !PIDFD) as ConnId;
+                        self.core.readable(id);
+                        exited.push(id);
+                    }
                     tok => {
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.core.readable(tok.0 as ConnId);
@@ -383,6 +392,9 @@ impl Loop {
                 }
             }
             self.turn();
+            for id in exited {
+                self.core.exited(id);
+            }
             while let Ok(d) = self.done.try_recv() {
                 match d {
                     Done::Saved(seq, r) => self.core.state_saved(now(), seq, r),

@@ -467,7 +467,15 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         listener,
         socket: opts.socket.clone(),
         state,
-        made_dir: made.0.take(),
+        // Removed at a clean stop when nothing is left in it: the one this
+        // start made, or the socket's own default one, whoever made it (a
+        // broker killed before this one left it, and a restart that did
+        // not make it would otherwise keep it for good). An
+        // administrator's `--state-dir` that was there before stays.
+        made_dir: made
+            .0
+            .take()
+            .or_else(|| opts.state_dir.is_none().then_some(state_dir)),
         metrics,
         mps,
         mig_driver,

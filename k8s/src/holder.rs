@@ -211,8 +211,8 @@ fn report(m: &ServerMsg, lease: &Lease) {
              outside Kubernetes hold that memory (the pod runs meanwhile, capped)",
             lease.what
         ),
-        ServerMsg::Leased { gpus, .. } => {
-            tracing::info!("{} is booked on GPUs {gpus:?}", lease.what)
+        ServerMsg::Leased(l) => {
+            tracing::info!("{} is booked on GPUs {:?}", lease.what, l.gpus)
         }
         ServerMsg::Error { message, .. } => tracing::warn!("the broker says: {message}"),
         _ => {}

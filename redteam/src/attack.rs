@@ -735,7 +735,7 @@ impl Actor for Attacker {
                     Recall::Ignore => io.holds(conn, false, 0),
                 }
             }
-            ServerMsg::Leased { .. } => {
+            ServerMsg::Leased(_) => {
                 if let Some(l) = self.members[m].lease {
                     self.record.leases[l].leased.get_or_insert(io.now);
                 }

@@ -39,6 +39,7 @@ pub use self::compute::{Pass, launched, may_launch, may_launch_now, syncing};
 pub use self::connect::check_required;
 use self::connect::{CONNECT_TIMEOUT, connect};
 use self::registration::{first_registration_done, registration};
+use crate::ledger::LEDGERS;
 use crate::session::{Action, Event, Session};
 use crate::{boundary, config, devices};
 use gpufrac_common::config::{BrokerMode, ShimConfig};
@@ -57,10 +58,11 @@ pub fn on_context_created() {
     }
     if STARTED.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
         static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
-        // SAFETY: registering a plain extern "C" callback, once (a forked
-        // child inherits it).
+        // SAFETY: registering plain extern "C" callbacks, once (a forked
+        // child inherits them).
         FORK_HANDLER.call_once(|| unsafe {
             libc::pthread_atfork(None, None, Some(after_fork_child));
+            libc::atexit(report_at_exit);
         });
         let spawned = std::thread::Builder::new()
             .name("gpufrac-client".into())
@@ -286,6 +288,22 @@ fn apply(a: Action, conn: &mut Option<Conn>, cfg: &ShimConfig) {
             c.ended = true;
         }
         Action::Unarbitrated { gated } => compute::unarbitrated(gated),
+    }
+}
+
+/// A process that ends between two usage reports (at most one every
+/// 100 ms) would leave the broker figures from before its last
+/// allocations, or none: a job of one short process ended with a peak of
+/// 0 B. At exit its figures go out once more, if they can at once.
+extern "C" fn report_at_exit() {
+    let n = idle::device_count();
+    for (d, l) in devices::all().iter().zip(&LEDGERS).take(n) {
+        send::send_at_exit(&wire::ClientMsg::Usage {
+            uuid: d.uuid.bytes,
+            used: l.used.load(Relaxed),
+            peak: l.peak.load(Relaxed),
+            ooms: l.ooms.load(Relaxed),
+        });
     }
 }
 

@@ -8,8 +8,8 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use gpufrac_broker::status::{GpuStatus, Status};
 use gpufrac_common::size::format_size;
+use gpufrac_common::status::{GpuStatus, Status};
 use gpufrac_common::wire::EXACT_POSITIONS;
 
 use crate::client::QueueReport;
@@ -264,7 +264,7 @@ pub(super) fn why(s: &Status, q: &QueueReport, want: Want) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpufrac_broker::status::{LeaseEntry, QueueEntry};
+    use gpufrac_common::status::{LeaseEntry, QueueEntry};
 
     const GIB: u64 = 1 << 30;
 

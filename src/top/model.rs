@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use gpufrac_broker::status::{
+use gpufrac_common::status::{
     GpuHistory, GpuStatus, JobShare, ProcStatus, QueueEntry, ShareHistory, Status, UserShare,
 };
 

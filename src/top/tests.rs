@@ -3,7 +3,7 @@
 //! frames say (not their exact bytes, which any change of style would
 //! break). `tests/top.rs` draws them from a real broker.
 
-use gpufrac_broker::status::{
+use gpufrac_common::status::{
     GpuHistory, GpuStatus, History, JobShare, LeaseEntry, ProcStatus, QueueEntry, ShareHistory,
     Status, UserShare,
 };

@@ -4,7 +4,7 @@
 //! down to a few lines and columns: columns of less use go first, then
 //! the GPUs' history lines, then the queue.
 
-use gpufrac_broker::status::{GpuStatus, ProcStatus, Status};
+use gpufrac_common::status::{GpuStatus, ProcStatus, Status};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Modifier, Style, Stylize};
@@ -750,7 +750,7 @@ fn draw_queue(f: &mut Frame, area: Rect, model: &Model, app: &mut App, rows: &[u
 }
 
 /// What a request wants, short: `2 GPUs`, `8G`.
-fn wants(e: &gpufrac_broker::status::QueueEntry) -> String {
+fn wants(e: &gpufrac_common::status::QueueEntry) -> String {
     match (e.want_gpus, e.want_mem) {
         (Some(n), _) => plural(n as usize, "GPU", "GPUs"),
         (None, Some(b)) => short_size(b),

@@ -51,21 +51,25 @@ const MMDEBSTRAP: &str = "/usr/bin/mmdebstrap";
 const RUNC: &[&str] = &["/usr/sbin/runc", "/usr/bin/runc"];
 
 /// Podman's settings in tests. Its default ulimits (nofile 1048576) exceed
-/// the hard limit on many CI machines and containers fail to start; crun is
-/// not installed, runc is. Its temporary files and event log go to the
-/// tests' run directory, and its image store (storage.conf) to the cache,
-/// so that it leaves nothing in the machine's own.
-fn containers_conf_text(run: &Path) -> String {
+/// the hard limit on many CI machines and containers fail to start. The
+/// OCI runtime is runc unless `runtime` is None (Podman's own default,
+/// crun where installed, which cannot run on hybrid cgroups whose v2 holds
+/// a controller). Its temporary files and event log go to the tests' run
+/// directory, and its image store (storage.conf) to the cache, so that it
+/// leaves nothing in the machine's own.
+fn containers_conf_text(run: &Path, runtime: Option<&str>) -> String {
     format!(
         "[containers]
 default_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]
 
 [engine]
-runtime = \"runc\"
-tmp_dir = \"{run}/podman-tmp\"
+{runtime}tmp_dir = \"{run}/podman-tmp\"
 events_logger = \"file\"
 events_logfile_path = \"{run}/podman-events.log\"
 ",
+        runtime = runtime
+            .map(|r| format!("runtime = \"{r}\"\n"))
+            .unwrap_or_default(),
         run = run.display()
     )
 }
@@ -432,27 +436,81 @@ pub fn ensure_podman() -> bool {
     })
 }
 
+/// Writes `text` to `name` in the tests' run directory whole, renamed into
+/// place (the content never changes, so whichever process wrote last does
+/// not matter).
+fn write_run_file(name: &str, text: String) -> PathBuf {
+    let run = run_dir();
+    let p = run.join(name);
+    let tmp = run.join(format!("{name}.{}", std::process::id()));
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    p
+}
+
 /// The containers.conf and storage.conf Podman runs with in tests: one
-/// pair for every test process, each written whole and renamed into place
-/// (their content never changes, so whichever process wrote last does not
-/// matter).
+/// pair for every test process.
 pub fn podman_conf() -> (&'static Path, &'static Path) {
     static P: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     let (c, s) = P.get_or_init(|| {
         let run = run_dir();
-        let write = |name: &str, text: String| {
-            let p = run.join(name);
-            let tmp = run.join(format!("{name}.{}", std::process::id()));
-            std::fs::write(&tmp, text).unwrap();
-            std::fs::rename(&tmp, &p).unwrap();
-            p
-        };
         (
-            write("containers.conf", containers_conf_text(run)),
-            write("storage.conf", storage_conf_text(&test_cache(), run)),
+            write_run_file("containers.conf", containers_conf_text(run, Some("runc"))),
+            write_run_file("storage.conf", storage_conf_text(&test_cache(), run)),
         )
     });
     (c, s)
+}
+
+/// `Engine::Podman.env()`, but leaving Podman its own default OCI runtime,
+/// as a newcomer's Podman runs: crun where Debian's podman brought it.
+pub fn podman_env_default_runtime() -> Vec<(&'static str, PathBuf)> {
+    let conf = write_run_file(
+        "containers-default-runtime.conf",
+        containers_conf_text(run_dir(), None),
+    );
+    vec![
+        ("CONTAINERS_CONF", conf),
+        ("CONTAINERS_STORAGE_CONF", podman_conf().1.to_path_buf()),
+    ]
+}
+
+/// The controllers cgroup v2 holds on a host with hybrid cgroups (v1
+/// controllers, v2 mounted at /sys/fs/cgroup/unified), where crun refuses
+/// to start a container ("cgroups in hybrid mode not supported") and runc
+/// runs; None on any other host, unified or legacy, where both run.
+pub fn crun_refuses_here() -> Option<String> {
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    let fs_type = |p: &str| {
+        let c = std::ffi::CString::new(p).unwrap();
+        // SAFETY: a valid path and a zeroed statfs to fill.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        (unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0).then_some(st.f_type as i64)
+    };
+    if fs_type("/sys/fs/cgroup") == Some(CGROUP2_SUPER_MAGIC)
+        || fs_type("/sys/fs/cgroup/unified") != Some(CGROUP2_SUPER_MAGIC)
+    {
+        return None;
+    }
+    let held = std::fs::read_to_string("/sys/fs/cgroup/unified/cgroup.controllers").ok()?;
+    let held = held.trim();
+    (!held.is_empty()).then(|| held.to_owned())
+}
+
+/// The OCI runtime Podman runs with under `env` (`podman info`).
+pub fn podman_runtime(env: &[(&str, PathBuf)]) -> String {
+    let o = Command::new(PODMAN)
+        .envs(env.iter().map(|(k, v)| (*k, v)))
+        .args(["info", "--format", "{{.Host.OCIRuntime.Name}}"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {PODMAN}: {e}"));
+    assert!(
+        o.status.success(),
+        "podman info failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).trim().to_owned()
 }
 
 /// The sealed test image in `engine`'s store, built on first use on this

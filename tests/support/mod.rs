@@ -405,7 +405,8 @@ impl Broker {
         let child = &mut self.child;
         wait_until(20.0, "the broker socket", || {
             if let Ok(Some(st)) = child.try_wait() {
-                panic!("broker exited early: {st}");
+                let log = std::fs::read_to_string(log_file(&sock)).unwrap_or_default();
+                panic!("broker exited early ({st}); its log:\n{log}");
             }
             std::os::unix::net::UnixStream::connect(&sock).is_ok()
         });
@@ -517,6 +518,15 @@ fn state_dir(socket: &Path) -> PathBuf {
     socket.with_file_name("state")
 }
 
+/// Where `Broker` keeps a broker's log: beside its socket.
+fn log_file(socket: &Path) -> PathBuf {
+    socket.with_file_name("broker.log")
+}
+
+/// The broker's log goes to a file of its own (a restart's after the
+/// last), not to the test run's terminal: many tests provoke the warnings
+/// they check for, and they read as faults there. A test that fails shows
+/// its end (`Broker`'s drop).
 fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
     let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
     cmd.arg("broker").arg("--socket").arg(socket).args(args);
@@ -524,16 +534,39 @@ fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> st
         // Its private files in its scratch directory, not under /run.
         cmd.arg("--state-dir").arg(state_dir(socket));
     }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_file(socket))
+        .expect("creating the broker's log");
     cmd.env("GPUFRAC_SIM_STATE", state)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
+        .stderr(log);
     cmd.spawn().expect("starting gpufrac broker")
+}
+
+impl Broker {
+    /// What it has logged so far (at info).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(log_file(&self.socket)).unwrap_or_default()
+    }
 }
 
 impl Drop for Broker {
     fn drop(&mut self) {
         stop(&mut self.child);
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "the broker's log ({}), its last {} lines:\n{}",
+                log_file(&self.socket).display(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
     }
 }
 
@@ -708,12 +741,26 @@ pub fn stop(child: &mut std::process::Child) {
 /// An exclusive lock, machine-wide, held until dropped: test binaries (and
 /// their threads, and a second `cargo test` beside this one) share dpkg,
 /// daemons, images and installers.
-pub struct MachineLock(std::fs::File);
+pub struct MachineLock(std::fs::File, Option<PathBuf>);
 
 impl MachineLock {
-    /// The lock called `name` (a file in the temp dir).
+    /// The lock called `name`: a file in the temp dir, which its holder
+    /// removes when it lets go, so the suite leaves none behind. Whoever
+    /// waited on the file removed meanwhile takes the lock on a new one
+    /// (`flock` holds an open file, not a name).
     pub fn take(name: &str) -> MachineLock {
-        Self::at(&std::env::temp_dir().join(format!("gpufrac-test-{name}.lock")))
+        let path = std::env::temp_dir().join(format!("gpufrac-test-{name}.lock"));
+        loop {
+            use std::os::unix::fs::MetadataExt;
+            let mut lock = Self::at(&path);
+            let held = lock.0.metadata().unwrap();
+            if std::fs::metadata(&path)
+                .is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()))
+            {
+                lock.1 = Some(path);
+                return lock;
+            }
+        }
     }
 
     /// The lock on the file at `path`.
@@ -739,7 +786,16 @@ impl MachineLock {
         // SAFETY: a valid descriptor; flock blocks until the lock is ours.
         let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
         assert_eq!(rc, 0, "flock {}", path.display());
-        MachineLock(f)
+        MachineLock(f, None)
+    }
+}
+
+impl Drop for MachineLock {
+    fn drop(&mut self) {
+        // Removed while still held, so no one takes a lock on it after.
+        if let Some(path) = self.1.take() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -777,7 +833,7 @@ pub fn engine_tests() -> EngineTests {
     }
 }
 
-fn skip_banner(what: &str, why: &str) {
+pub fn skip_banner(what: &str, why: &str) {
     say(&format!(
         "\n################################################################\n\
          SKIPPED: {what}: {why}\n\

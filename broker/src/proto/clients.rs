@@ -34,7 +34,8 @@ impl Broker {
             ClientMsg::Hello { role: asked, .. } if *asked != role => {
                 Some(roles::second_hello(*asked, role))
             }
-            m => roles::sender(m)
+            m => m
+                .sender()
                 .filter(|&r| r != role)
                 .map(|r| roles::refusal(m, r, role)),
         };
@@ -149,8 +150,8 @@ impl Broker {
                     d.peak = peak.min(cap).max(d.used);
                     d.ooms = ooms;
                     if let Some(t) = member_of {
-                        let after = d.used;
-                        self.jobs.used(t, before, after);
+                        let (after, peak) = (d.used, d.peak);
+                        self.jobs.used(t, before, after, peak);
                     }
                 }
             }
@@ -290,7 +291,7 @@ impl Broker {
             }
         } else if let Some(t) = job {
             // Registered again: its devices start from nothing.
-            self.jobs.used(t, old_used, 0);
+            self.jobs.used(t, old_used, 0, 0);
         }
         for g in old_devs {
             self.gpus[g].sched.remove_client(now, id);

@@ -30,8 +30,11 @@ pub(super) struct Entry {
     /// GPU time of processes that have left it, ns (those still in it are
     /// asked of the schedulers at its end).
     pub gpu_ns: u64,
-    /// Device memory its processes report using now, together, and the
-    /// most they have reported at once: its end line says the peak.
+    /// Device memory its processes report using now, together, and its
+    /// peak: the most they have reported at once, and never less than
+    /// one process's own peak on one GPU (a process reports every 100 ms
+    /// and at exit: between two reports it may have taken and freed it
+    /// all). Its end line says the peak.
     pub used: u64,
     pub peak: u64,
 }
@@ -130,11 +133,12 @@ impl Jobs {
             .flat_map(|e| e.members.iter().copied())
     }
 
-    /// Its processes' memory in use went from `old` to `new` bytes.
-    pub fn used(&mut self, token: u64, old: u64, new: u64) {
+    /// Its processes' memory in use went from `old` to `new` bytes; the
+    /// process that reported it has held at most `peak` at once.
+    pub fn used(&mut self, token: u64, old: u64, new: u64, peak: u64) {
         if let Some(e) = self.entries.get_mut(&token) {
             e.used = e.used.saturating_sub(old).saturating_add(new);
-            e.peak = e.peak.max(e.used);
+            e.peak = e.peak.max(e.used).max(peak);
         }
     }
 

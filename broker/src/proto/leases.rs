@@ -4,7 +4,7 @@
 //! them.
 
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, LeaseReq, ServerMsg};
+use gpufrac_common::wire::{self, Lease, LeaseReq, ServerMsg};
 use tracing::{info, warn};
 
 use super::clients::lower_caps;
@@ -275,14 +275,11 @@ impl Broker {
     fn send_unplaced(&mut self, now: Nanos, id: ConnId, token: u64) {
         // Held from now, as a placed lease is from its grant (status's HELD).
         self.jobs.leased(token, now);
-        let msg = ServerMsg::Leased {
-            gpus: Vec::new(),
-            uuids: Vec::new(),
-            mem_cap: 0,
+        let msg = ServerMsg::Leased(Lease {
             token,
             mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
-            mig: String::new(),
-        };
+            ..Lease::default()
+        });
         self.send(id, &msg);
     }
 
@@ -639,14 +636,14 @@ impl Broker {
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
         self.send(
             id,
-            &ServerMsg::Leased {
+            &ServerMsg::Leased(Lease {
                 gpus: lease.gpus.clone(),
                 uuids,
                 mem_cap: lease.mem_cap.unwrap_or(0),
                 token,
                 mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
                 mig: mig.unwrap_or_default(),
-            },
+            }),
         );
     }
 

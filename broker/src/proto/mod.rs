@@ -418,19 +418,20 @@ impl Broker {
         self.pump(now);
     }
 
-    /// Tells each GPU's scheduler which of its clients' processes the
-    /// driver saw at work (evidence a recall asks for, `sched::evidence`).
-    /// The driver counts work by process, so it is a connection's only
-    /// where the connection is its process's one on that GPU (a shim
-    /// keeps one): a process with two could lend one's work to the
-    /// other, a pretender holding beside a connection that works a
-    /// moment each second. One pass over the connections, a lookup per
-    /// connection, a sort of those seen: the work grows with the
-    /// connections the broker already bounds, not with what the driver
-    /// lists.
+    /// Tells each GPU's scheduler how busy the driver saw its clients'
+    /// processes (evidence of work in proportion to the time they held,
+    /// `sched::evidence`). The driver counts work by process, so it is a
+    /// connection's only where the connection is its process's one on
+    /// that GPU (a shim keeps one): a process with two could lend one's
+    /// work to the other, a pretender holding beside a connection that
+    /// works a moment each second. One pass over the connections, a
+    /// lookup per connection, a sort of those seen: the work grows with
+    /// the connections the broker already bounds, not with what the
+    /// driver lists.
     fn work_seen(&mut self, now: Nanos, t: &Telemetry) {
-        // Each GPU's pids, as the sampler sorted them; None: not reported.
-        let working: Vec<Option<&[u32]>> = self
+        // Each GPU's (pid, percent), as the sampler sorted them; None: not
+        // reported.
+        let working: Vec<Option<&[(u32, u32)]>> = self
             .gpus
             .iter()
             .map(|g| t.gpus.get(&g.uuid_str)?.working.as_deref())
@@ -438,12 +439,19 @@ impl Broker {
         if working.iter().all(Option::is_none) {
             return;
         }
-        // (pid, connection) on each GPU whose process the driver saw.
-        let mut seen: Vec<Vec<(u32, ConnId)>> = vec![Vec::new(); self.gpus.len()];
+        // (pid, connection, percent) on each GPU whose process the driver
+        // saw.
+        let mut seen: Vec<Vec<(u32, ConnId, u32)>> = vec![Vec::new(); self.gpus.len()];
         for (&id, c) in &self.conns {
             for d in c.devices() {
-                if working[d.gpu].is_some_and(|pids| pids.binary_search(&c.peer.pid).is_ok()) {
-                    seen[d.gpu].push((c.peer.pid, id));
+                let pid = c.peer.pid;
+                let busy = working[d.gpu].and_then(|w| {
+                    w.binary_search_by_key(&pid, |&(p, _)| p)
+                        .ok()
+                        .map(|i| w[i].1)
+                });
+                if let Some(pct) = busy {
+                    seen[d.gpu].push((pid, id, pct));
                 }
             }
         }
@@ -452,14 +460,14 @@ impl Broker {
                 continue;
             }
             seen.sort_unstable();
-            let ids: Vec<ConnId> = seen
+            let busy: Vec<(ConnId, u32)> = seen
                 .chunk_by(|a, b| a.0 == b.0)
                 .filter_map(|one| match one {
-                    [(_, id)] => Some(*id),
+                    [(_, id, pct)] => Some((*id, *pct)),
                     _ => None,
                 })
                 .collect();
-            self.gpus[g].sched.work_seen(now, ids);
+            self.gpus[g].sched.work_seen(now, busy);
         }
     }
 

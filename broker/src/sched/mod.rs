@@ -207,8 +207,9 @@ struct Client {
     charged: f64,
     /// What it has put in the scheduler's index.
     idx: Indexed,
-    /// When a sample of the driver last showed its process at work.
-    worked_at: Option<Nanos>,
+    /// What the driver's samples said of its process's work, against
+    /// its time on the GPU (`evidence`).
+    work: evidence::Record,
     /// When it was last recalled (`evidence::recall_due`).
     recalled_at: Option<Nanos>,
 }
@@ -456,7 +457,7 @@ impl Scheduler {
                     meter: Meter::default(),
                     charged: 0.0,
                     idx: Indexed::default(),
-                    worked_at: None,
+                    work: evidence::Record::default(),
                     recalled_at: None,
                 },
             );
@@ -747,20 +748,30 @@ impl Scheduler {
     }
 
     /// A sample of the driver's per-process work: the processes of
-    /// `working` ran kernels on this GPU since the previous sample. That a
-    /// sample comes at all says that the GPU reports per-process work
-    /// (for `evidence` from now): a holder that answers a recall by
-    /// asking again is then granted back at once only on such evidence
+    /// `busy` ran kernels on this GPU since the previous sample, each
+    /// keeping it busy that many percent of the time. That a sample comes
+    /// at all says that the GPU reports per-process work (for `evidence`
+    /// from now): while a lower band waits, a holder is then granted past
+    /// its slice only on work in proportion to the time it held
     /// (`evidence`).
-    pub fn work_seen(&mut self, now: Nanos, working: impl IntoIterator<Item = ClientId>) {
+    pub fn work_seen(&mut self, now: Nanos, busy: impl IntoIterator<Item = (ClientId, u32)>) {
         let now = self.clock(now);
         self.settle(now);
+        let last = self.evidence_until.saturating_sub(self.cfg.evidence);
+        let span = now.saturating_sub(last).min(self.cfg.evidence);
         self.evidence_until = now.saturating_add(self.cfg.evidence);
-        for id in working {
-            if let Some(c) = self.clients.get_mut(&id) {
-                c.worked_at = Some(now);
-                self.evidence_of(now, id);
+        let busy: BTreeMap<ClientId, u32> = busy.into_iter().collect();
+        let keep = self.cfg.evidence;
+        let mut proven = Vec::new();
+        for (&id, c) in self.clients.iter_mut() {
+            let pct = busy.get(&id).copied().unwrap_or(0);
+            c.work.add(now, c.meter.total(now), span, pct, keep);
+            if c.work.proven(now, keep) {
+                proven.push(id);
             }
+        }
+        for id in proven {
+            self.evidence_of(now, id);
         }
         self.reschedule(now);
     }

@@ -55,6 +55,43 @@ pub fn send_locked(_held: &MutexGuard<'_, ()>, msg: &ClientMsg) -> bool {
     true
 }
 
+/// Sends one frame at exit, if the connection is up, without waiting on a
+/// broker that stopped reading (a frame cut short there is the
+/// connection's last) and waiting at most `EXIT_WAIT` for a thread that
+/// is sending (one blocked on such a broker holds the lock).
+pub fn send_at_exit(msg: &ClientMsg) {
+    let deadline = std::time::Instant::now() + EXIT_WAIT;
+    let _held = loop {
+        match SEND.try_lock() {
+            Ok(g) => break g,
+            Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        }
+    };
+    let fd = CONN_FD.load(Acquire);
+    if fd < 0 {
+        return;
+    }
+    let mut buf = Vec::with_capacity(64);
+    wire::encode_client(msg, &mut buf);
+    // SAFETY: writing our buffer to our socket, without blocking and
+    // without SIGPIPE.
+    unsafe {
+        libc::send(
+            fd,
+            buf.as_ptr().cast(),
+            buf.len(),
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    };
+}
+
+/// The longest an exit waits for another thread's send to finish.
+const EXIT_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// A registered connection: any thread may send on `fd` from now on.
 pub fn publish(fd: i32) {
     CONN_FD.store(fd, Release);

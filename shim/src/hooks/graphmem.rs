@@ -26,7 +26,7 @@
 
 use crate::boundary::{HookGuard, reentered};
 use crate::devices;
-use crate::driver::call;
+use crate::driver::{call, twin};
 use crate::gate::{Gate, gate, refuse};
 use crate::ledger::{self, NO_LIMIT, Refusal};
 use gpufrac_common::config::MAX_DEVICES;
@@ -410,23 +410,17 @@ fn uploads(params: *mut c_void) -> bool {
     flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0
 }
 
-pub unsafe fn instantiate_with_params(
+/// `cuGraphInstantiateWithParams` and its `_ptsz` twin (`driver::twin`).
+pub unsafe fn instantiate_with_params<const PTSZ: bool>(
     exec: *mut CUgraphExec,
     graph: *mut c_void,
     params: *mut c_void,
 ) -> u32 {
     instantiate(exec, graph, uploads(params), || unsafe {
-        call::cuGraphInstantiateWithParams(exec, graph, params)
-    })
-}
-
-pub unsafe fn instantiate_with_params_ptsz(
-    exec: *mut CUgraphExec,
-    graph: *mut c_void,
-    params: *mut c_void,
-) -> u32 {
-    instantiate(exec, graph, uploads(params), || unsafe {
-        call::cuGraphInstantiateWithParams_ptsz(exec, graph, params)
+        twin!(
+            PTSZ,
+            cuGraphInstantiateWithParams | cuGraphInstantiateWithParams_ptsz(exec, graph, params)
+        )
     })
 }
 
@@ -443,12 +437,11 @@ fn upload(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     }
 }
 
-pub unsafe fn graph_upload(exec: CUgraphExec, stream: CUstream) -> u32 {
-    upload(exec, || unsafe { call::cuGraphUpload(exec, stream) })
-}
-
-pub unsafe fn graph_upload_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    upload(exec, || unsafe { call::cuGraphUpload_ptsz(exec, stream) })
+/// `cuGraphUpload` and its `_ptsz` twin.
+pub unsafe fn graph_upload<const PTSZ: bool>(exec: CUgraphExec, stream: CUstream) -> u32 {
+    upload(exec, || unsafe {
+        twin!(PTSZ, cuGraphUpload | cuGraphUpload_ptsz(exec, stream))
+    })
 }
 
 pub unsafe fn exec_destroy(exec: CUgraphExec) -> u32 {

@@ -5,7 +5,7 @@
 
 use crate::boundary::{HookGuard, reentered};
 use crate::devices;
-use crate::driver::call;
+use crate::driver::{call, twin};
 use crate::gate::{Gate, charge, gate, refuse, reserve_then, uncharge};
 use crate::ledger::{self, Entry, Kind};
 use gpufrac_common::cuda::*;
@@ -113,17 +113,19 @@ fn captured_alloc(stream: CUstream, ptsz: bool, real: impl Fn() -> u32) -> Optio
     Some(real())
 }
 
-pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    let real = || unsafe { call::cuMemAllocAsync(dptr, size, stream) };
-    if let Some(rc) = captured_alloc(stream, false, real) {
-        return rc;
-    }
-    alloc_ptr(dptr, size, None, real)
-}
-
-pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    let real = || unsafe { call::cuMemAllocAsync_ptsz(dptr, size, stream) };
-    if let Some(rc) = captured_alloc(stream, true, real) {
+/// `cuMemAllocAsync` and its `_ptsz` twin (`driver::twin`).
+pub unsafe fn alloc_async<const PTSZ: bool>(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+) -> u32 {
+    let real = || unsafe {
+        twin!(
+            PTSZ,
+            cuMemAllocAsync | cuMemAllocAsync_ptsz(dptr, size, stream)
+        )
+    };
+    if let Some(rc) = captured_alloc(stream, PTSZ, real) {
         return rc;
     }
     alloc_ptr(dptr, size, None, real)
@@ -143,27 +145,20 @@ fn remember_pool(pool: CUmemoryPool, dev: usize) {
     g.push((pool as usize, dev));
 }
 
-pub unsafe fn alloc_pool(
+/// `cuMemAllocFromPoolAsync` and its `_ptsz` twin.
+pub unsafe fn alloc_pool<const PTSZ: bool>(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> u32 {
-    let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
-    if let Some(rc) = captured_alloc(stream, false, real) {
-        return rc;
-    }
-    alloc_ptr(dptr, size, pool_device(pool), real)
-}
-
-pub unsafe fn alloc_pool_ptsz(
-    dptr: *mut CUdeviceptr,
-    size: usize,
-    pool: CUmemoryPool,
-    stream: CUstream,
-) -> u32 {
-    let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
-    if let Some(rc) = captured_alloc(stream, true, real) {
+    let real = || unsafe {
+        twin!(
+            PTSZ,
+            cuMemAllocFromPoolAsync | cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)
+        )
+    };
+    if let Some(rc) = captured_alloc(stream, PTSZ, real) {
         return rc;
     }
     alloc_ptr(dptr, size, pool_device(pool), real)
@@ -211,15 +206,10 @@ pub unsafe fn free(dptr: CUdeviceptr) -> u32 {
     uncharge(Kind::Ptr, dptr, || unsafe { call::cuMemFree_v2(dptr) })
 }
 
-pub unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream) -> u32 {
+/// `cuMemFreeAsync` and its `_ptsz` twin.
+pub unsafe fn free_async<const PTSZ: bool>(dptr: CUdeviceptr, stream: CUstream) -> u32 {
     uncharge(Kind::Ptr, dptr, || unsafe {
-        call::cuMemFreeAsync(dptr, stream)
-    })
-}
-
-pub unsafe fn free_async_ptsz(dptr: CUdeviceptr, stream: CUstream) -> u32 {
-    uncharge(Kind::Ptr, dptr, || unsafe {
-        call::cuMemFreeAsync_ptsz(dptr, stream)
+        twin!(PTSZ, cuMemFreeAsync | cuMemFreeAsync_ptsz(dptr, stream))
     })
 }
 
