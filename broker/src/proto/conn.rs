@@ -132,8 +132,6 @@ pub(super) struct ShimConn {
 pub(super) struct CliConn {
     /// The job (token) this connection is the `gpufrac run` of.
     pub job: Option<u64>,
-    /// Queue position last told to a waiting `gpufrac run`.
-    pub queued: Option<u32>,
     /// A `Status` request waiting for its user's status budget (the page
     /// asked for). Nothing after it on this connection is handled until
     /// it is answered: replies keep their order.
