@@ -627,11 +627,6 @@ impl Broker {
         self.changed();
         self.rejoin(now, lease.id);
         self.jobs.leased(lease.id, now, waited);
-        if let Some(id) = self.jobs.run(&lease.id)
-            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
-        {
-            c.queued = None;
-        }
         self.jobs.hold_until_saved(lease.id, self.state_seq);
     }
 
