@@ -250,14 +250,7 @@ fn gpus(s: &Status) -> Vec<Family> {
             true,
             |g| g.health?.sm_clock_mhz.map(|m| f64::from(m) * 1e6),
         ),
-        per_gpu(
-            s,
-            "gpufrac_gpu_xid_errors_total",
-            "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
-             fault, an uncorrectable ECC error) on the GPU since the broker started.",
-            true,
-            |g| g.health.map(|h| h.xid_errors as f64),
-        ),
+        xid_errors(s),
         per_gpu(
             s,
             "gpufrac_gpu_last_xid",
@@ -300,6 +293,22 @@ fn gpus(s: &Status) -> Vec<Family> {
 
 /// ECC errors since the driver loaded, corrected and not, where the GPU
 /// counts them.
+/// A counter, where `per_gpu` makes gauges.
+fn xid_errors(s: &Status) -> Family {
+    let mut f = Family::new(
+        "gpufrac_gpu_xid_errors_total",
+        Kind::Counter,
+        "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
+         fault, an uncorrectable ECC error) on the GPU since the broker started.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        if let Some(h) = g.health {
+            f.add(gpu(g), h.xid_errors as f64);
+        }
+    }
+    f
+}
+
 fn ecc(s: &Status) -> Family {
     let mut f = Family::new(
         "gpufrac_gpu_ecc_errors_total",
