@@ -161,6 +161,26 @@ impl Client {
         }
     }
 
+    /// What the job with this token has had so far (its run's end-of-job
+    /// line).
+    pub fn summary(&mut self, token: u64) -> Result<gpufrac_common::status::JobSummary, String> {
+        self.send(&ClientMsg::Summary { job: token })?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            match self.recv(Some(deadline))? {
+                Some(ServerMsg::SummaryReply { json }) => {
+                    return serde_json::from_str(&json).map_err(|e| {
+                        format!("the broker sent a summary this gpufrac cannot read: {e}")
+                    });
+                }
+                Some(ServerMsg::Refused { reason }) => return Err(reason),
+                Some(ServerMsg::Error { message, .. }) => return Err(message),
+                Some(_) => continue,
+                None => return Err("the broker did not answer".into()),
+            }
+        }
+    }
+
     /// The latest queue report received on this connection.
     pub fn last_report(&self) -> Option<QueueReport> {
         self.last.clone()

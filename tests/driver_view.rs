@@ -194,3 +194,58 @@ fn wait_until_or(secs: f64, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// The GPU's health from NVML, as the simulated driver reports it
+/// (temperature, power and clock following the load, ECC on and clean, an
+/// XID the driver delivers once): in status, the metrics and top.
+#[test]
+fn gpu_health_from_nvml_shows_in_status_metrics_and_top() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let b = Broker::start_env("16G", &["--metrics", &addr], &[("GPUFRAC_SIM_XID", "0:79")]);
+    // A busy process: the GPU warms up and boosts its clock.
+    let start = mono_ns() + 200_000_000;
+    let mut busy = b.client(&artifacts().probe);
+    busy.arg("ctx")
+        .args(spin_args(start, start + 60_000_000_000))
+        .stdout(Stdio::null());
+    let _busy = KillOnDrop(busy.spawn().unwrap());
+    let health = |st: &serde_json::Value| st["gpus"][0]["health"].clone();
+    wait_until(30.0, "the busy GPU's boost clock and its XID", || {
+        let h = health(&status_cli(&b.socket));
+        h["sm_clock_mhz"] == 1980 && h["xid_errors"] == 1
+    });
+    let h = health(&status_cli(&b.socket));
+    assert_eq!(h["last_xid"], 79, "{h}");
+    assert_eq!(
+        (h["ecc_corrected"].clone(), h["ecc_uncorrected"].clone()),
+        (0.into(), 0.into())
+    );
+    assert_eq!(h["power_limit_w"].as_f64(), Some(300.0), "{h}");
+    let (t, w) = (
+        h["temperature_c"].as_u64().unwrap(),
+        h["power_w"].as_f64().unwrap(),
+    );
+    assert!((34..=84).contains(&t) && w > 60.0 && w <= 300.0, "{h}");
+
+    wait_until(20.0, "the XID in the metrics", || {
+        sample(&scrape(&addr), "gpufrac_gpu_xid_errors_total", "gpu=\"0\"") == Some(1.0)
+    });
+    let m = scrape(&addr);
+    assert_eq!(sample(&m, "gpufrac_gpu_last_xid", "gpu=\"0\""), Some(79.0));
+    assert_eq!(
+        sample(&m, "gpufrac_gpu_power_limit_watts", "gpu=\"0\""),
+        Some(300.0)
+    );
+    assert_eq!(
+        sample(&m, "gpufrac_gpu_ecc_errors_total", "type=\"uncorrected\""),
+        Some(0.0)
+    );
+    assert!(sample(&m, "gpufrac_gpu_temperature_celsius", "gpu=\"0\"").is_some_and(|t| t >= 34.0));
+    assert!(sample(&m, "gpufrac_gpu_sm_clock_hertz", "gpu=\"0\"").is_some_and(|c| c >= 345e6));
+    assert!(sample(&m, "gpufrac_gpu_power_usage_watts", "gpu=\"0\"").is_some_and(|w| w > 0.0));
+
+    let t = top_once(&b.socket);
+    let util = t.lines().find(|l| l.contains("util")).unwrap_or_default();
+    assert!(util.contains("°C") && util.contains("/300W"), "{t}");
+    assert!(util.contains("XID 79×1"), "{t}");
+}

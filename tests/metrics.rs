@@ -393,7 +393,11 @@ impl Node {
         let [plain, mps, mig] = [&self.addrs[0], &self.addrs[1], &self.addrs[2]];
         wait_until(60.0, "the node's work in its metrics", || {
             let p = scrape(plain);
-            let queued = value(&p, "gpufrac_queue_wait_seconds_count").unwrap_or(0.0);
+            let queued: f64 = p
+                .lines()
+                .filter(|l| l.starts_with("gpufrac_queue_wait_seconds_count{"))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum();
             let refused = p.lines().any(|l| {
                 l.starts_with("gpufrac_user_memory_refusals_total{") && !l.ends_with(" 0")
             });
@@ -467,7 +471,7 @@ fn a_live_node_is_measured_and_every_family_is_documented() {
         gib
     );
     assert!(line("gpufrac_user_memory_refusals_total{gpu=\"0\"", &[&me]) >= 1.0);
-    assert!(line("gpufrac_job_info{", &[&me, "command=\"sh -c"]) == 1.0);
+    assert!(line("gpufrac_job_info{", &[&me, "name=\"sh\""]) == 1.0);
     // The jobs' targets stand as 70 to 30 within the user's part.
     let targets: Vec<f64> = p
         .lines()
@@ -499,8 +503,19 @@ fn a_live_node_is_measured_and_every_family_is_documented() {
             &["class=\"normal\""]
         ) >= 1.0
     );
-    assert!(line("gpufrac_queue_wait_seconds_count", &[]) >= 2.0);
-    assert!(line("gpufrac_refusals_total{", &["reason=\"no_room\""]) >= 1.0);
+    assert!(line("gpufrac_queue_wait_seconds_count{", &[&me]) >= 2.0);
+    // Refusals and waits are the user's: the refused --no-wait is counted
+    // for its user, and said in one line of the broker's log.
+    assert!(line("gpufrac_refusals_total{", &["reason=\"no_room\"", &me]) >= 1.0);
+    let log = node.plain.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("refused a lease") && l.contains("reason=\"no_room\"")),
+        "{log}"
+    );
+    // A quantile of grants that took no time reads 0: the first bucket is
+    // 0 itself.
+    assert!(p.contains("gpufrac_grant_latency_seconds_bucket{class=\"high\",le=\"0\"}"));
     assert_eq!(
         line("gpufrac_build_info{", &[]),
         1.0,

@@ -4,10 +4,11 @@
 
 use nvml_wrapper::Device;
 use nvml_wrapper_sys::bindings::{
-    nvmlProcessInfo_t, nvmlProcessUtilizationSample_t,
+    nvmlEventData_t, nvmlEventSet_t, nvmlProcessInfo_t, nvmlProcessUtilizationSample_t,
     nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE, nvmlReturn_enum_NVML_ERROR_NOT_FOUND,
     nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
 };
+use std::collections::HashMap;
 use std::ffi::{c_int, c_uint};
 
 #[derive(Clone, Debug)]
@@ -216,6 +217,125 @@ fn mean_by_pid(samples: &[(u32, u32)]) -> Vec<(u32, u32)> {
         })
         .filter(|&(_, pct)| pct > 0)
         .collect()
+}
+
+/// What NVML says of `dev`'s health, where it says it (each figure is
+/// None where the driver or the GPU has no such counter).
+pub fn health(dev: &Device<'_>) -> crate::procs::Health {
+    use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
+    crate::procs::Health {
+        temperature_c: dev.temperature(TemperatureSensor::Gpu).ok(),
+        power_mw: dev.power_usage().ok(),
+        power_limit_mw: dev.enforced_power_limit().ok(),
+        sm_clock_mhz: dev.clock_info(Clock::SM).ok(),
+        ecc_corrected: dev
+            .total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile)
+            .ok(),
+        ecc_uncorrected: dev
+            .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+            .ok(),
+        ..Default::default()
+    }
+}
+
+/// `nvmlEventTypeXidCriticalError`.
+const XID_EVENT: u64 = 0x8;
+/// Events taken per sample at most: a storm of XIDs costs bounded work.
+const XIDS_PER_SAMPLE: usize = 64;
+
+/// The driver's XID events (critical errors: a GPU fallen off the bus, a
+/// page fault, a double-bit ECC error), counted per GPU since the broker
+/// started, with the last XID seen. Nothing but events reports them, so
+/// the sampler keeps one event set, registers each GPU it is asked about
+/// once, and takes what arrived at each sample without waiting.
+pub struct Xids {
+    set: nvmlEventSet_t,
+    /// The UUID of each registered device, by handle.
+    devices: HashMap<usize, String>,
+    /// Per UUID: XIDs seen, the last one.
+    seen: HashMap<String, (u64, u64)>,
+}
+
+// SAFETY: the event set is a handle NVML lets any thread use; only the
+// sampler's thread does.
+unsafe impl Send for Xids {}
+
+impl Xids {
+    pub fn new(nvml: &Nvml) -> Option<Xids> {
+        let lib = nvml.0.as_ref()?.lib();
+        let create = *lib.nvmlEventSetCreate.as_ref().ok()?;
+        let mut set: nvmlEventSet_t = std::ptr::null_mut();
+        // SAFETY: NVML writes the set's handle.
+        (unsafe { create(&mut set) } == nvmlReturn_enum_NVML_SUCCESS && !set.is_null()).then(|| {
+            Xids {
+                set,
+                devices: HashMap::new(),
+                seen: HashMap::new(),
+            }
+        })
+    }
+
+    /// Registers `dev` (UUID `uuid`) for XID events, once.
+    pub fn watch(&mut self, dev: &Device<'_>, uuid: &str) {
+        // SAFETY: the handle is live while `dev` is.
+        let h = unsafe { dev.handle() } as usize;
+        if self.devices.contains_key(&h) {
+            return;
+        }
+        let Ok(register) = dev.nvml().lib().nvmlDeviceRegisterEvents.as_ref() else {
+            return;
+        };
+        // SAFETY: a live handle and set; NVML copies what it needs.
+        if unsafe { register(h as _, XID_EVENT, self.set) } == nvmlReturn_enum_NVML_SUCCESS {
+            self.devices.insert(h, uuid.to_owned());
+        }
+    }
+
+    /// Takes the events that arrived, without waiting.
+    pub fn take(&mut self, nvml: &Nvml) {
+        let Some(wait) = nvml
+            .0
+            .as_ref()
+            .and_then(|n| n.lib().nvmlEventSetWait_v2.as_ref().ok().copied())
+        else {
+            return;
+        };
+        for _ in 0..XIDS_PER_SAMPLE {
+            // SAFETY: all zeroes is a valid nvmlEventData_t (a null device).
+            let mut data: nvmlEventData_t = unsafe { std::mem::zeroed() };
+            // SAFETY: a live set; NVML fills `data`.
+            if unsafe { wait(self.set, &mut data, 0) } != nvmlReturn_enum_NVML_SUCCESS {
+                return;
+            }
+            if data.eventType & XID_EVENT == 0 {
+                continue;
+            }
+            if let Some(u) = self.devices.get(&(data.device as usize)) {
+                let e = self.seen.entry(u.clone()).or_default();
+                e.0 += 1;
+                e.1 = data.eventData;
+            }
+        }
+    }
+
+    /// XIDs seen on the GPU with this UUID, and the last one.
+    pub fn of(&self, uuid: &str) -> (u64, Option<u64>) {
+        self.seen
+            .get(uuid)
+            .map_or((0, None), |&(n, last)| (n, Some(last)))
+    }
+
+    /// Frees the set with the library it came from.
+    pub fn free(self, nvml: &Nvml) {
+        if let Some(free) = nvml
+            .0
+            .as_ref()
+            .and_then(|n| n.lib().nvmlEventSetFree.as_ref().ok().copied())
+        {
+            // SAFETY: the set is ours, freed once.
+            unsafe { free(self.set) };
+        }
+    }
 }
 
 /// `dev`'s utilisation in percent.

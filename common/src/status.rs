@@ -155,6 +155,10 @@ pub struct GpuStatus {
     /// says is free.
     #[serde(default)]
     pub free_mem: u64,
+    /// Its health as NVML reports it (None: not asked; each figure None
+    /// where the driver or the GPU has no such counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<GpuHealth>,
     /// A GPU in MIG mode: its instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigStatus>,
@@ -169,6 +173,34 @@ pub struct DriverMem {
     pub total: u64,
     pub used: u64,
     pub free: u64,
+}
+
+/// A GPU's health from NVML. What DCGM's exporter measures besides
+/// (NVLink and PCIe traffic, throttle reasons, retired pages, per-engine
+/// activity) is left to it.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuHealth {
+    #[serde(default)]
+    pub temperature_c: Option<u32>,
+    /// What it draws now and the most it may draw, watts.
+    #[serde(default)]
+    pub power_w: Option<f64>,
+    #[serde(default)]
+    pub power_limit_w: Option<f64>,
+    /// The SM clock now, MHz.
+    #[serde(default)]
+    pub sm_clock_mhz: Option<u32>,
+    /// ECC errors since the driver loaded, corrected and not.
+    #[serde(default)]
+    pub ecc_corrected: Option<u64>,
+    #[serde(default)]
+    pub ecc_uncorrected: Option<u64>,
+    /// XID events (the driver's critical errors) since the broker started,
+    /// and the last one's XID.
+    #[serde(default)]
+    pub xid_errors: u64,
+    #[serde(default)]
+    pub last_xid: Option<u64>,
 }
 
 /// A process on a GPU that is not under the shim: no cap, no share, no
@@ -360,6 +392,10 @@ pub struct QueueEntry {
     /// Why it waits: what it needs, what is free, who holds the rest.
     #[serde(default)]
     pub why: String,
+    /// Why, in one of a few words: `fits_now`, `held_for_earlier`,
+    /// `no_room`, `recovering` (metrics' `reason` label).
+    #[serde(default)]
+    pub reason: String,
     /// The GPUs (indices) it waits for.
     #[serde(default)]
     pub waits_for: Vec<u32>,
@@ -392,4 +428,32 @@ pub struct LeaseEntry {
 
 fn yes() -> bool {
     true
+}
+
+/// What a job has had, for its run's end-of-job line (`gpufrac run
+/// --report` writes it with the run's own figures).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct JobSummary {
+    /// The pid of its `gpufrac run`.
+    pub job: u32,
+    /// The GPUs its lease holds (indices).
+    pub gpus: Vec<u32>,
+    /// How long it waited in the queue, and has held its lease, seconds.
+    pub queued_s: f64,
+    pub held_s: f64,
+    /// GPU time its processes were charged, and what they were owed (their
+    /// target share while busy within their ceilings), seconds.
+    pub gpu_s: f64,
+    pub owed_s: f64,
+    /// The most memory its processes held at once, and its cap, bytes.
+    pub peak_mem: u64,
+    #[serde(default)]
+    pub mem_cap: Option<u64>,
+    /// Allocations its memory caps refused.
+    pub refusals: u64,
+    /// Its `--gpu-compute` (percent) and `--gpu-limit` (0..1).
+    #[serde(default)]
+    pub compute: Option<f64>,
+    #[serde(default)]
+    pub limit: Option<f64>,
 }

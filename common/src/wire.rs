@@ -101,6 +101,25 @@ pub const PROTOCOL_VERSION: u16 = 5;
 /// processes started before an upgrade register with the new broker.
 pub const MIN_PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
+
+/// Up to this place in the queue a waiting `gpufrac run` is told its
+/// place exactly; beyond, within a tenth of it.
+pub const EXACT_POSITIONS: u32 = 10;
+
+/// Whether a waiting request last told place `told` (None: never told)
+/// is told again at place `now`: when the place it knows is no longer
+/// exact up to [`EXACT_POSITIONS`], or off by more than a tenth of `now`
+/// beyond. A queue of 1,000 in which everyone moves up one place at each
+/// departure so tells each request about 58 times on its way to the
+/// front, not 1,000, and a departure tells a few requests, not all
+/// behind it.
+pub fn position_worth_telling(told: Option<u32>, now: u32) -> bool {
+    match told {
+        None => true,
+        Some(t) if now <= EXACT_POSITIONS => t != now,
+        Some(t) => u64::from(t.abs_diff(now)) * 10 > u64::from(now),
+    }
+}
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
 /// Largest frame a client may send: its longest message (a `Register` of
@@ -235,6 +254,9 @@ macro_rules! client_messages {
             /// Names the job of this connection's lease for status: the pod
             /// it is (`namespace/name`) and a label in place of its command.
             T_NAME 0x0b Cli: Name { pod: String, label: String };
+            /// Asks for `SummaryReply`: what the job `job` (its token) has
+            /// had so far, for its run's end-of-job line.
+            T_SUMMARY 0x0c Cli: Summary { job: u64 };
         }
     };
 }
@@ -266,6 +288,9 @@ macro_rules! server_messages {
             T_REVOKE 0x84 broker: Revoke { uuid: [u8; 16], grant: u64 };
             T_STATUS_REPLY 0x85 broker: StatusReply { json: String as Json };
             T_QUEUED 0x86 broker: Queued {
+                /// 1-based place in the queue, sent when it moved by a
+                /// meaningful step ([`position_worth_telling`]): exact up
+                /// to [`EXACT_POSITIONS`], within a tenth beyond.
                 position: u32,
                 waiting_for: String,
                 /// Names the request for `Lease.resume` after a broker
@@ -276,6 +301,8 @@ macro_rules! server_messages {
             T_REFUSED 0x88 broker: Refused { reason: String };
             /// Answers `Ping`.
             T_PONG 0x8a broker: Pong;
+            /// Answers `Summary`: a `status::JobSummary` as JSON.
+            T_SUMMARY_REPLY 0x8b broker: SummaryReply { json: String as Json };
             /// Answers `Register`: what the broker enforces on this process
             /// whatever its environment says (its job's lease).
             T_REGISTERED 0x89 broker: Registered {

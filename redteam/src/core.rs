@@ -401,6 +401,7 @@ impl Shell {
                         processes: Some(Vec::new()),
                         working: working.clone(),
                         memory: None,
+                        health: None,
                     };
                     (u, s)
                 })

@@ -94,6 +94,9 @@ pub struct Tally {
     gone_job: HashMap<(String, UserKey, Option<JobKey>), Totals>,
     names: HashMap<u32, String>,
     name_of: fn(u32) -> Option<String>,
+    /// Each user's refusals at the last snapshot: a user is seen when
+    /// refused anew.
+    refusals: HashMap<u32, u64>,
 }
 
 /// The user a process is counted for on its GPU: its job's user (a job's
@@ -125,6 +128,7 @@ impl Tally {
             gone_job: HashMap::new(),
             names: HashMap::new(),
             name_of,
+            refusals: HashMap::new(),
         }
     }
 
@@ -220,6 +224,12 @@ impl Tally {
             self.admit_job(l.uid, &job);
             live_jobs.insert((l.uid, job));
         }
+        for q in &s.queue {
+            let job = JobKey::of(Some(q.pid), q.pod.as_deref());
+            self.see_user(now, q.uid);
+            self.admit_job(q.uid, &job);
+            live_jobs.insert((q.uid, job));
+        }
         let live: HashSet<&(String, u32)> = live_procs.iter().collect();
         let gone: Vec<((String, u32), Seen)> = self
             .seen
@@ -273,6 +283,18 @@ impl Tally {
             self.names.remove(&u);
             self.gone_user.retain(|(_, k), _| *k != Some(u));
             self.gone_job.retain(|(_, k, _), _| *k != Some(u));
+        }
+    }
+
+    /// Takes in the refusals counted by `now`: a user refused since the
+    /// last snapshot is seen, as one with a process is, so that its
+    /// refusals are its own series while it is known.
+    pub fn refused(&mut self, now: Nanos, stats: &crate::stats::Stats) {
+        for (&uid, counts) in &stats.refusals {
+            let n: u64 = counts.iter().sum();
+            if self.refusals.insert(uid, n) != Some(n) && uid != crate::stats::OTHER_UID {
+                self.see_user(now, uid);
+            }
         }
     }
 

@@ -1,15 +1,15 @@
-//! The driver's view beside the broker's: the processes NVML lists on a
-//! GPU that are not under the shim (no registered process of this broker
-//! on that GPU), with the memory the driver says they hold. Nobody
-//! arbitrates them and no lease books their memory, so status shows them
-//! (`unmanaged`) and placement counts their memory as taken
-//! (`Queue::set_outside`): a job is never placed into memory someone else
-//! holds.
+//! The driver's view beside the broker's: each GPU's health as NVML
+//! reports it, and the processes NVML lists on a GPU that are not under
+//! the shim (no registered process of this broker on that GPU), with the
+//! memory the driver says they hold. Nobody arbitrates them and no lease
+//! books their memory, so status shows them (`unmanaged`) and placement
+//! counts their memory as taken (`Queue::set_outside`): a job is never
+//! placed into memory someone else holds.
 
 use std::collections::HashSet;
 
 use super::Broker;
-use crate::status::{DriverMem, UnmanagedProc};
+use crate::status::{DriverMem, GpuHealth, UnmanagedProc};
 
 /// Processes outside gpufrac listed per GPU in status, most memory first;
 /// the rest are counted and their memory summed.
@@ -72,6 +72,26 @@ impl Broker {
             total: m.total,
             used: m.used,
             free: m.free,
+        })
+    }
+
+    /// What the driver says of GPU `gi`'s health, when it was asked.
+    pub(super) fn health(&self, gi: usize) -> Option<GpuHealth> {
+        let g = &self.gpus[gi];
+        if g.mig.is_some() {
+            return None;
+        }
+        let h = self.telemetry.gpus.get(&g.uuid_str)?.health?;
+        let watts = |mw: u32| f64::from(mw) / 1000.0;
+        Some(GpuHealth {
+            temperature_c: h.temperature_c,
+            power_w: h.power_mw.map(watts),
+            power_limit_w: h.power_limit_mw.map(watts),
+            sm_clock_mhz: h.sm_clock_mhz,
+            ecc_corrected: h.ecc_corrected,
+            ecc_uncorrected: h.ecc_uncorrected,
+            xid_errors: h.xid_errors,
+            last_xid: h.last_xid,
         })
     }
 

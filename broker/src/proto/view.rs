@@ -191,6 +191,7 @@ impl Broker {
                 unmanaged_processes: outside.count,
                 unmanaged_mem: outside.mem,
                 free_mem,
+                health: self.health(gi),
                 mig: None,
                 mig_instance: g.mig.map(|(_, gi)| gi),
             });
@@ -233,6 +234,11 @@ impl Broker {
                     },
                     waiting_s: w.waited as f64 / 1e9,
                     escalated: w.escalated,
+                    reason: if self.placing(now) {
+                        why.reason
+                    } else {
+                        "recovering".into()
+                    },
                     why: if self.placing(now) {
                         why.text
                     } else {

@@ -22,6 +22,11 @@ pub struct Why {
     /// The GPUs (indices) it waits for: those it could use once their
     /// leases end, or that are held back for requests ahead of it.
     pub gpus: Vec<u32>,
+    /// Why, as one of a few words (metrics' `reason` label): `fits_now`,
+    /// `held_for_earlier` (it would fit, on GPUs held for requests ahead
+    /// of it), `no_room`.
+    #[serde(default)]
+    pub reason: String,
 }
 
 impl Queue {
@@ -39,6 +44,7 @@ impl Queue {
                 Why {
                     text: "fits now; placed at the queue's next pass".into(),
                     gpus: Vec::new(),
+                    reason: "fits_now".into(),
                 }
             } else if self.plan(now, &w.req, &[]).is_some() {
                 self.held_for_others(&holds, &closed, w)
@@ -101,6 +107,7 @@ impl Queue {
                 places.join(", ")
             ),
             gpus,
+            reason: "held_for_earlier".into(),
         }
     }
 
@@ -120,6 +127,7 @@ impl Queue {
             return Why {
                 text: format!("{}; {}", self.want_words(w), parts.join("; ")),
                 gpus,
+                reason: "no_room".into(),
             };
         }
         match w.req.want {
@@ -164,6 +172,7 @@ impl Queue {
         Why {
             text: format!("{}; {}", self.want_words(w), parts.join("; ")),
             gpus,
+            reason: "no_room".into(),
         }
     }
 

@@ -113,8 +113,9 @@ pub struct ClientStatus {
     /// Fraction of the last window (or of its lifetime, if younger) during
     /// which the client was on the GPU (holding, or its work draining).
     pub achieved: f64,
-    /// weight / sum of weights of active clients of the highest active
-    /// class; 0 for an idle client or one of a lower class.
+    /// weight / sum of weights of the active clients of the highest
+    /// active band but `high` ones (a share among the shares); 0 for an
+    /// idle client, one of a lower band, or a `high` one (above shares).
     pub target: f64,
     /// Time on the GPU (holding or draining), wall clock.
     pub total_held: Nanos,

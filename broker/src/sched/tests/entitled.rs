@@ -77,3 +77,22 @@ fn high_bursts_flap_the_target_but_leave_no_debt() {
         "owed {entitled} s, got {gpu} s in 10 s"
     );
 }
+
+/// A target is a share among the shares: a busy `high` process (above
+/// them) leaves a `normal` one's target whole instead of halving it for
+/// as long as it is busy, and shows none of its own. Before, the normal
+/// process's target dropped to a half with every `high` burst.
+#[test]
+fn high_is_above_the_shares_not_among_them() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.proc_of(1, 1, Priority::Normal);
+    sim.proc_of(2, 2, Priority::High);
+    sim.residual.insert(1, B);
+    sim.residual.insert(2, B);
+    sim.start(1);
+    sim.start(2);
+    sim.run_until(SEC);
+    let (normal, high) = (status_of(&sim.s, sim.now, 1), status_of(&sim.s, sim.now, 2));
+    assert!(high.state != ClientState::Idle, "the high process is busy");
+    assert_eq!((normal.target, high.target), (1.0, 0.0));
+}
