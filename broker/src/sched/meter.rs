@@ -77,20 +77,21 @@ impl Meter {
         self.total_closed + self.run_start.map_or(0, |s| now.saturating_sub(s))
     }
 
-    /// Earliest instant at which usage in the window is down to `allowed`,
-    /// None while it is still on the GPU (usage still grows) or already
-    /// there.
+    /// Earliest instant at which usage in the window is down to `allowed`
+    /// if what is measured went off the GPU now (a meter still running
+    /// only makes it later); None when it is already there.
     pub fn down_to_at(&self, window: Nanos, now: Nanos, allowed: Nanos) -> Option<Nanos> {
         let used = self.usage(window, now);
-        if used <= allowed || self.run_start.is_some() {
+        if used <= allowed {
             return None;
         }
         // As the window's left edge slides forward, usage drops by the
         // held time it passes over; find where that reaches the excess.
         let excess = used - allowed;
         let lo = now.saturating_sub(window);
+        let open = self.run_start.map(|s| (s, now));
         let mut acc = 0;
-        for &(s, e) in &self.history {
+        for (s, e) in self.history.iter().copied().chain(open) {
             let s = s.max(lo);
             if e <= s {
                 continue;
@@ -155,8 +156,12 @@ mod tests {
         assert!(m.usage(1000, t - 1) > 150);
         assert_eq!(m.down_to_at(1000, 600, 400), None);
         m.set(true, 700);
-        assert_eq!(m.down_to_at(1000, 700, 0), None, "still running");
         assert_eq!(m.usage(1000, 800), 500);
+        // Running: as if it stopped now, the earliest it could be.
+        let t = m.down_to_at(1000, 800, 300).unwrap();
+        assert_eq!(t, 1300);
+        m.set(false, 800);
+        assert_eq!(m.usage(1000, t), 300);
     }
 
     #[test]

@@ -1,54 +1,52 @@
 //! What the scheduler reports: each client's state, share and charges
 //! for status, and who holds the GPU.
 
-use super::tree::band;
-use super::{Client, ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
+use super::clock::band;
+use super::{ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
 
 impl Scheduler {
     pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
         let now = now.max(self.now);
+        let active = |c: &super::Client| c.state != ClientState::Idle;
         // `high` and `normal` share a band, and so the GPU by weight.
         let top = self
             .clients
             .values()
-            .filter(|c| c.is_active())
+            .filter(|c| active(c))
             .map(|c| band(c.class))
             .max();
         // A target is a share among the shares: `high` is above them (it
         // takes the GPU at once, for at most `high_share` of each window
         // while others wait, charged to its user), so it is left out of
-        // the sum and shows no target of its own. A busy `high` process
-        // then no longer makes everyone else's target drop for as long as
-        // it is busy; what it takes is netted out of what they are owed
-        // (`entitled`) instead.
-        let among =
-            |c: &Client| c.is_active() && Some(band(c.class)) == top && c.class != Priority::High;
+        // the sum and shows no target of its own; what it takes is netted
+        // out of what the others are owed (`entitled`).
+        let among = |c: &super::Client| {
+            active(c) && Some(band(c.class)) == top && c.class != Priority::High
+        };
         let active_weight: f64 = self
             .clients
-            .values()
-            .filter(|c| among(c))
-            .map(|c| self.weight(c))
+            .iter()
+            .filter(|(_, c)| among(c))
+            .map(|(&id, _)| self.clock.weight(id))
             .sum();
         // Charges since the last settle, as settle would make them.
-        let n = self.clients.values().filter(|c| c.on_gpu()).count().max(1);
+        let n = self.lease.on_gpu().count().max(1);
         let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
         self.clients
             .iter()
             .map(|(&id, c)| {
-                let weight = self.weight(c);
+                let weight = self.clock.weight(id);
                 let span = self.cfg.window.min(now - c.added_at);
                 let achieved = if span == 0 {
                     0.0
                 } else {
                     (c.meter.usage(self.cfg.window, now) as f64 / span as f64).min(1.0)
                 };
-                let charged = c.charged + if c.on_gpu() { pending } else { 0.0 };
+                let charged = c.acct.charged + if c.synced.on_gpu { pending } else { 0.0 };
                 ClientStatus {
                     client: id,
                     weight,
-                    limit: c
-                        .limit
-                        .or_else(|| self.units.get(&c.group).and_then(|u| u.limit)),
+                    limit: c.limit.or_else(|| self.ceilings.unit_limit(c.who.group)),
                     priority: c.class,
                     state: c.state,
                     achieved,
@@ -59,10 +57,10 @@ impl Scheduler {
                     },
                     total_held: c.meter.total(now),
                     gpu_time: charged as Nanos,
-                    entitled: c.entitled as Nanos,
-                    held_back: c.held_back as Nanos,
-                    draining: c.draining_since.is_some(),
-                    hung: c.grant.as_ref().is_some_and(|g| g.hung),
+                    entitled: c.acct.entitled as Nanos,
+                    held_back: c.acct.held_back as Nanos,
+                    draining: self.lease.draining(id),
+                    hung: self.lease.hung(id),
                 }
             })
             .collect()
@@ -70,7 +68,7 @@ impl Scheduler {
 
     /// The client that may launch now.
     pub fn holder(&self) -> Option<ClientId> {
-        self.holder
+        self.lease.holder()
     }
 
     pub fn state(&self, id: ClientId) -> Option<ClientState> {

@@ -45,11 +45,10 @@ pub struct SchedConfig {
     /// an interactive process still gets the GPU at once, but a busy or
     /// stuck `high` client cannot starve everyone else. 1.0: unbounded.
     pub high_share: f64,
-    /// How long a sample of the driver that showed a client's process at
-    /// work counts as evidence that it works (`Scheduler::work_seen`):
-    /// two of the shell's sample periods. It is also a user's benefit of
-    /// the doubt: that much holding without evidence, in each
-    /// `DOUBT_WINDOWS` of it, while a lower class waits.
+    /// How far back the driver's samples are weighed against a client's
+    /// time on the GPU (`Scheduler::work_seen`): two of the shell's sample
+    /// periods. A user's benefit of the doubt is half of it, coming back
+    /// at a twentieth of real time (`evidence`).
     pub evidence: Nanos,
 }
 
@@ -126,7 +125,7 @@ pub struct ClientStatus {
     /// ceilings let it be granted, ns (`entitled`): what it was owed.
     pub entitled: Nanos,
     /// Time it was busy but held back by its ceilings (its limit, its
-    /// job's, the `high` class's share, a deferral), ns.
+    /// job's, the `high` class's share, its want of evidence of work), ns.
     pub held_back: Nanos,
     /// Released, with queued work still running.
     pub draining: bool,

@@ -4,14 +4,14 @@
 
 use super::*;
 
-/// `high` takes the GPU at once, and keeps it only while its user is
-/// behind: the credit of a user coming back from idle (a slice) and the
-/// warp `high` borrows (two slices). Then the order is its user's
-/// virtual time like anyone's. (It used to keep the GPU for as long as it
-/// had work: priority bought throughput.)
+/// `high` takes the GPU at once (its burst's request is the shortest, so
+/// its deadline the earliest), and then its request is done: the order
+/// is its virtual time like anyone's, and two busy clients of equal
+/// weight, one `high`, share the GPU evenly. (It used to keep the GPU for
+/// as long as it had work: priority bought throughput.)
 #[test]
-fn high_takes_the_gpu_at_once_and_keeps_it_only_while_behind() {
-    // Without the class's bound (`high_share` 1.0): the warp alone.
+fn high_takes_the_gpu_at_once_and_keeps_it_only_for_its_request() {
+    // Without the class's bound (`high_share` 1.0): the order alone.
     let unbounded = SchedConfig {
         high_share: 1.0,
         ..SchedConfig::default()
@@ -29,17 +29,21 @@ fn high_takes_the_gpu_at_once_and_keeps_it_only_while_behind() {
     s.acquire(5 * SEC, 1);
     s.release(5 * SEC, 1);
     s.drained(5 * SEC, 1);
-    // 1 waits: 2's grant becomes a slice, extended while 2 is behind.
-    assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), BB)]);
-    for k in 1..=2 {
-        s.handle_timeout(5 * SEC + k * 20 * MS);
-        assert_eq!(drain(&mut s), vec![grant(2, 2, Some(20 * MS), B)]);
-    }
-    // Three slices: its credit and its warp are spent, 1 goes next.
-    let t = 5 * SEC + 60 * MS;
-    assert_eq!(s.next_timeout(), Some(t));
-    s.handle_timeout(t);
+    // 1 waits: 2's grant becomes its request, a tenth of a slice.
+    assert_eq!(drain(&mut s), vec![grant(2, 2, Some(2 * MS), BB)]);
+    s.handle_timeout(5 * SEC + 2 * MS);
     assert_eq!(drain(&mut s), vec![revoke(2, 2), grant(1, 3, None, B)]);
+    // Both busy from here: even shares.
+    let mut sim = Sim::new(unbounded);
+    sim.add(1, 1.0, None);
+    sim.add_class(2, 1.0, None, Priority::High);
+    for i in [1, 2] {
+        sim.residual.insert(i, B);
+        sim.start(i);
+    }
+    sim.run_until(4 * SEC);
+    let (a, b) = (sim.gpu(1), sim.gpu(2));
+    assert!(a.abs_diff(b) <= 2 * SEC / 50, "{a} vs {b}");
 }
 
 /// Linux's real-time throttling, for the GPU: while a lower class waits,
@@ -59,8 +63,12 @@ fn high_gets_at_most_its_share_of_each_window_while_others_wait() {
     sim.run_until(end);
     let share = |i| sim.gpu(i) as f64 / end as f64;
     let (s1, s2, s3) = (share(1), share(2), share(3));
-    assert!((s1 + s2 - 0.5).abs() < 0.02, "high got {s1} + {s2}");
-    assert!((s3 - 0.5).abs() < 0.02, "normal got {s3}");
+    // Never above the share; a little below it, as here the share is
+    // also `high`'s fair part, and a window in which the order gave it
+    // less is not made up in the next (48%: 50% without the bound).
+    assert!(s1 + s2 <= 0.5 + 0.005, "high got {s1} + {s2}");
+    assert!(s1 + s2 >= 0.5 - 0.025, "high got {s1} + {s2}");
+    assert!((s3 - 0.5).abs() < 0.025, "normal got {s3}");
     assert!((s1 / (s1 + s2) - 0.7).abs() < 0.03, "{s1} vs {s2}");
     // In slices of the order of a timeslice, not slivers.
     let high_grants = sim.grants_to(1).len() + sim.grants_to(2).len();

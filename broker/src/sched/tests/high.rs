@@ -227,10 +227,12 @@ fn a_second_users_high_work_gets_its_part_and_the_class_stays_bounded() {
         "around the newcomer, the class held {} ns of a window",
         m[3]
     );
-    // Steady again: the share, split between them.
+    // Steady again: the share, split between them (the meters count
+    // holding; what each grant left queued runs on after its revoke, up
+    // to the in-flight bound each time).
     let m = most(400, 700);
     assert!(
-        m[3] <= 500 * MS + 2 * slice,
+        m[3] <= 500 * MS + 2 * slice + 10 * MS,
         "the class held {} ns of a window",
         m[3]
     );

@@ -104,13 +104,15 @@ fn limit_set_on_open_ended_holder_slices_it() {
     s.add_client(0, 1, 1.0, None, N);
     s.acquire(0, 1);
     assert_eq!(drain(&mut s), vec![grant(1, 1, None, 0)]);
+    // A slice from now (its first request, a burst, is done), within
+    // what the limit leaves.
     s.add_client(10 * MS, 1, 1.0, Some(0.5), N);
     assert_eq!(
         drain(&mut s),
         vec![Action::Grant {
             client: 1,
             grant: 1,
-            slice: Some(10 * MS),
+            slice: Some(20 * MS),
             bound: 0,
             waiters: false
         }]

@@ -154,7 +154,7 @@ proptest! {
         // an attacker's request from a real one until it is granted), and
         // one of the victim's band its catch-up credit (and a `high` one
         // its warp).
-        let band = crate::sched::tree::band;
+        let band = crate::sched::clock::band;
         let lost: Nanos = attackers
             .iter()
             .map(|a| {
@@ -168,9 +168,6 @@ proptest! {
                 // attacker at most.
                 let split = attackers.len() as Nanos + 1;
                 let owed = match band(a.class).cmp(&band(victim)) {
-                    std::cmp::Ordering::Equal if a.class == Priority::High => {
-                        (cfg.timeslice + (WARP_SLICES * cfg.timeslice as f64) as Nanos) * split
-                    }
                     std::cmp::Ordering::Equal => cfg.timeslice * split,
                     _ => 0,
                 };

@@ -8,7 +8,6 @@ mod evidence;
 mod handover;
 mod hierarchy;
 mod high;
-mod incremental;
 mod inputs;
 mod limits;
 mod liveness;
@@ -50,7 +49,7 @@ fn status_of(s: &Scheduler, now: Nanos, id: ClientId) -> ClientStatus {
 
 const B: Nanos = 250 * US;
 /// The bound of a burst grant's first slice.
-const BB: Nanos = B * BURST_BOUND;
+const BB: Nanos = B * super::lease::BURST_BOUND;
 
 /// Virtual-time model of shims: a busy client always has work, so on a
 /// revoke it asks again and releases at once; its queued work then

@@ -1,0 +1,632 @@
+//! The coordinator: one event's opening and closing, what a client's
+//! state puts in each part, and the fixed point after every event (who
+//! holds the GPU, on what terms).
+
+use super::ceilings::{Ceiling, Who};
+use super::clock::{BANDS, band};
+use super::lease::Terms;
+use super::{ClientId, ClientState, Nanos, Priority, Scheduler};
+
+/// How many flows, earliest deadline first, a holder's timer looks at
+/// for one that would preempt it once eligible.
+const LOOKAHEAD: usize = 64;
+
+impl Scheduler {
+    /// Opens an event at `now` (for client `id`, which must be
+    /// registered: an event for an unknown one is ignored), charges the
+    /// GPU's time up to it, runs `f`, and closes it: the fixed point, the
+    /// meters, the timers.
+    pub(super) fn event(
+        &mut self,
+        now: Nanos,
+        id: Option<ClientId>,
+        f: impl FnOnce(&mut Self, Nanos),
+    ) {
+        if id.is_some_and(|id| !self.clients.contains_key(&id)) {
+            return;
+        }
+        self.now = self.now.max(now);
+        let now = self.now;
+        self.settle(now);
+        let before = self.lease.holder();
+        f(self, now);
+        self.reschedule(now);
+        if std::env::var_os("SCHED_TRACE").is_some() {
+            self.trace(now, id, before);
+        }
+    }
+
+    fn trace(&self, now: Nanos, id: Option<ClientId>, before: Option<ClientId>) {
+        let d = |id: ClientId| {
+            let c = &self.clients[&id];
+            format!(
+                "#{id}[{:?} {:?} u={:?} w={:.2} lag={:.0} el={} dl={:.0} v={:.0} wk={}]",
+                c.class,
+                c.state,
+                c.user_key(),
+                self.clock.weight(id),
+                self.clock.lag(id),
+                self.clock.eligible(id),
+                self.clock.deadline(id).unwrap_or(-1.0),
+                self.clock.vtime(id),
+                c.waking
+            )
+        };
+        let h = self.lease.holder();
+        eprintln!(
+            "T {:.3} ev={} holder {}->{} q={:?}",
+            now as f64 / 1e6,
+            id.filter(|i| self.clients.contains_key(i)).map_or("-".into(), d),
+            before.map_or(0, |x| x),
+            h.map_or("-".into(), d),
+            self.clock.waiters(1, false, None).take(3).map(d).collect::<Vec<_>>()
+        );
+    }
+
+    /// Charges everyone on the GPU up to `now`: the time-slicer splits the
+    /// GPU evenly among those with work, and a client's virtual time is
+    /// charged as one of those on the GPU of its band or above (lower
+    /// bands' clients left on it do not thin a higher band's charge:
+    /// sixteen `low` connections that never answered a revoke made the
+    /// band's clock crawl, and a `high` user took its whole on-time).
+    /// Status's GPU time stays the even split.
+    fn settle(&mut self, now: Nanos) {
+        let dt = now.saturating_sub(self.settled_at);
+        self.settled_at = now;
+        self.accrue_entitled(dt);
+        let on: Vec<(ClientId, usize)> = self
+            .lease
+            .on_gpu()
+            .map(|id| (id, band(self.clients[&id].class)))
+            .collect();
+        if dt == 0 || on.is_empty() {
+            return;
+        }
+        let above = at_or_above(&on);
+        let even = dt as f64 / on.len() as f64;
+        for (id, b) in on {
+            self.clock.charge(id, dt as f64 / above[b] as f64);
+            self.clients.get_mut(&id).expect("on the GPU").acct.charged += even;
+        }
+    }
+
+    /// Puts client `id`'s state in the parts, changing only what moved:
+    /// its registration and weights in the clock, whether it competes and
+    /// waits in the run queue, its meters, its `high` work.
+    pub(super) fn sync(&mut self, id: ClientId, now: Nanos) {
+        let c = &self.clients[&id];
+        let (old, m, class) = (c.synced, c.member(), c.class);
+        let on_gpu = matches!(c.state, ClientState::Holding | ClientState::Revoking)
+            || self.lease.draining(id);
+        if c.state != ClientState::Waiting {
+            // Only a waiter is kept out.
+            self.ceilings.unpark(id);
+        }
+        let parked = self.ceilings.parked(id);
+        let waits = c.state == ClientState::Waiting && !parked;
+        let asks = c.state != ClientState::Idle;
+        // On the GPU, hung or not, it is charged as it uses it, and the
+        // others are owed that much more: a hung client's time counts
+        // against its user, once.
+        let competes = waits || on_gpu;
+        let high = (class == Priority::High && (c.state != ClientState::Idle || on_gpu))
+            .then(|| (m.user, c.user_part()));
+        let request = self.request(c);
+        let moved = old.member != Some(m) && self.clock.set_member(id, m, now);
+        if old.class != Some(class) {
+            if let Some(k) = old.class {
+                self.tally.registered[k.index()] -= 1;
+            }
+            self.tally.registered[class.index()] += 1;
+        }
+        self.clock.set_competing(id, competes, parked, now);
+        if old.asks != asks {
+            if asks {
+                self.tally.asking.insert(id);
+            } else {
+                self.tally.asking.remove(&id);
+            }
+        }
+        if old.queued != waits || old.class != Some(class) || moved {
+            if old.queued {
+                self.tally.queued[old.class.expect("queued").index()] -= 1;
+            }
+            if waits {
+                self.tally.queued[class.index()] += 1;
+            }
+            self.clock.set_queued(id, waits.then_some(request));
+        }
+        if old.on_gpu != on_gpu {
+            self.ceilings.unit_on_gpu(m.unit, on_gpu, now);
+        }
+        if old.high != high {
+            if let Some((u, w)) = old.high {
+                self.ceilings.high_active(u, w, false);
+            }
+            if let Some((u, w)) = high {
+                self.ceilings.high_active(u, w, true);
+            }
+        }
+        let c = self.clients.get_mut(&id).expect("registered");
+        c.meter.prune(self.cfg.window, now);
+        c.meter.set(on_gpu, now);
+        c.synced = super::Synced {
+            member: Some(m),
+            class: Some(class),
+            queued: waits,
+            asks,
+            on_gpu,
+            high,
+        };
+    }
+
+    /// A client's request, in GPU ns: a slice, or for one that was idle
+    /// (a burst: a request, a notebook cell) a fifth of one, a tenth at
+    /// `high`. The shorter request is an earlier deadline: a burst goes
+    /// before a busy holder's next slice, a `high` one before any other.
+    fn request(&self, c: &super::Client) -> Nanos {
+        match (c.waking, c.class) {
+            (false, _) => self.cfg.timeslice,
+            (true, Priority::High) => self.cfg.timeslice / 10,
+            (true, _) => self.cfg.timeslice / 5,
+        }
+    }
+
+    /// After a change of unit: the unit's membership and a departed
+    /// member's usage history (its own limit survives a reconnect).
+    pub(super) fn moved(&mut self, id: ClientId, old: u64, limit: Option<f64>, _now: Nanos) {
+        self.ceilings.member(old, None, -1);
+        let c = &self.clients[&id];
+        let (key, group) = (c.user_key(), c.who.group);
+        self.ceilings.member(group, limit, 1);
+        let h = self.ceilings.take_history((key, group));
+        let c = self.clients.get_mut(&id).expect("registered");
+        c.meter.adopt_history(h);
+    }
+
+    /// Brings the state to a fixed point for `now`; every step either makes
+    /// progress or stops, so the loop is short.
+    fn reschedule(&mut self, now: Nanos) {
+        self.lease.mark_hung(now);
+        for id in self.lease.drains_due(now) {
+            self.sync(id, now);
+        }
+        let due = self.ceilings.due(now, false);
+        self.look_again(now, due);
+        for _ in 0..2 {
+            for _ in 0..self.clients.len() * 2 + 4 {
+                if !self.step(now) {
+                    break;
+                }
+            }
+            // A lower class that starts or stops waiting changes what
+            // keeps `high` and unproven holders out: the parked look again.
+            let seen = (
+                self.lower_wants(BANDS - 1),
+                self.high_bounded(),
+                self.evidence.judging(now),
+            );
+            if seen == self.seen {
+                break;
+            }
+            self.seen = seen;
+            self.unpark_all(now);
+        }
+        self.sync_meters(now);
+        self.plan(now);
+        self.note_entitled();
+    }
+
+    /// Every parked waiter looks again (something that kept them out may
+    /// have gone).
+    pub(super) fn unpark_all(&mut self, now: Nanos) {
+        let due = self.ceilings.due(now, true);
+        self.look_again(now, due);
+    }
+
+    /// Parked waiters whose instant came: back in the run queue if their
+    /// ceilings let them run now, else parked again until the next (so
+    /// that one kept out does not wait in the queue, gathering a claim,
+    /// until a pick happens to look at it).
+    fn look_again(&mut self, now: Nanos, due: Vec<ClientId>) {
+        let bounded = self.high_bounded();
+        for id in due {
+            if self.fits_bounded(id, now, bounded) {
+                self.sync(id, now);
+            } else {
+                self.park(now, id);
+            }
+        }
+    }
+
+    fn step(&mut self, now: Nanos) -> bool {
+        let Some((h, start, deadline, request)) = self.lease.held() else {
+            return match self.pick(now) {
+                Some(id) => {
+                    self.grant_to(now, id);
+                    true
+                }
+                None => false,
+            };
+        };
+        let hb = band(self.clients[&h].class);
+        if self.preempts(now, h, hb, start) {
+            self.revoke(now, h, false);
+            return true;
+        }
+        let end = self.slice_end(now, h, hb, start.saturating_add(request), deadline);
+        if end.is_some_and(|d| d <= now) {
+            return self.request_done(now, h, hb);
+        }
+        let terms = self.terms(h, end.map(|d| d - now));
+        self.lease.update(now, terms)
+    }
+
+    /// When the holder's slice ends: open-ended while nobody waits and no
+    /// ceiling binds; else the end of its slice (for one that was
+    /// open-ended, `first`, the end of its first request, beside a waiter
+    /// of its band; a slice from now if only a lower band waits and that
+    /// passed), and no later than its ceilings allow.
+    fn slice_end(
+        &mut self,
+        now: Nanos,
+        h: ClientId,
+        hb: usize,
+        first: Nanos,
+        deadline: Option<Nanos>,
+    ) -> Option<Nanos> {
+        let remaining = self.remaining(h, now);
+        if !self.anyone_waits() && remaining.is_none() {
+            return None;
+        }
+        let ts = self.cfg.timeslice;
+        let d = deadline.unwrap_or({
+            if first <= now && !self.clock.queued(hb) {
+                now + ts
+            } else {
+                first
+            }
+        });
+        Some(remaining.map_or(d, |r| d.min(now + r)))
+    }
+
+    /// The holder's request is done (its slice ran out, or its virtual
+    /// time reached its deadline beside a waiter of its band): it keeps
+    /// the GPU for a new request if it fits and is still the pick; beside
+    /// only a lower band, it is recalled (liveness), or extended while its
+    /// work is evidenced (a recall in `RECALL_SLICES` slices); alone, it
+    /// runs on.
+    fn request_done(&mut self, now: Nanos, h: ClientId, hb: usize) -> bool {
+        let request = self.request(&self.clients[&h]);
+        self.clock.start_request(h, request);
+        // A holder uses what its ceilings leave to the last of it (the
+        // least worth granting is for a new grant: a switch costs).
+        if self.remaining(h, now) == Some(0) {
+            self.revoke(now, h, false);
+            return true;
+        }
+        let lower = self.lower_waits(hb);
+        if self.clock.queued(hb) {
+            if !self.keeps(now, h, hb) {
+                self.revoke(now, h, false);
+                return true;
+            }
+        } else if lower {
+            let evidenced = self.evidence.judging(now) && self.evidence.proven(h, now);
+            if self.lease.recall_due(h, now, evidenced) {
+                self.revoke(now, h, true);
+                return true;
+            }
+        }
+        let ts = self.cfg.timeslice;
+        let remaining = self.remaining(h, now);
+        let slice = match remaining {
+            Some(r) => Some(r.min(ts)),
+            None => self.anyone_waits().then_some(ts),
+        };
+        let terms = self.terms(h, slice);
+        self.lease.update(now, terms);
+        true
+    }
+
+    /// Whether holder `h`, its request done, is still the pick: its flow
+    /// eligible with a deadline no later than the best other eligible
+    /// flow's (or, with none eligible, no further ahead than the nearest),
+    /// and no waiter of its own flow before it.
+    fn keeps(&mut self, now: Nanos, h: ClientId, hb: usize) -> bool {
+        let dl = |s: &Self, id| s.clock.deadline(id).unwrap_or(f64::INFINITY);
+        let flow = if let Some(w) = self.scan(now, Waiters::Band(hb, true, Some(h))) {
+            self.clock.eligible(h) && dl(self, h) <= dl(self, w)
+        } else {
+            match self.scan(now, Waiters::Band(hb, false, Some(h))) {
+                Some(w) => self.clock.eligible(h) || self.clock.vtime(h) <= self.clock.vtime(w),
+                None => true,
+            }
+        };
+        flow && self
+            .scan(now, Waiters::Siblings(h))
+            .is_none_or(|s| !self.clock.precedes(s, h, false))
+    }
+
+    /// Whether a waiter takes the GPU from holder `h` (of band `hb`,
+    /// granted at `start`) now: one of a higher band its ceilings let run;
+    /// of another flow of its band, the pick if its deadline is earlier
+    /// than the holder's, or if it was idle and the holder has had the
+    /// GPU's quantum (`wake`) since its grant; of its own flow, a `high`
+    /// one before a holder that is not, or one that was idle and used no
+    /// more of its part than the holder, once the holder has had the
+    /// quantum.
+    fn preempts(&mut self, now: Nanos, h: ClientId, hb: usize, start: Nanos) -> bool {
+        if (hb + 1..BANDS).any(|b| self.first_fit(now, b).is_some()) {
+            return true;
+        }
+        let quantum = now >= start.saturating_add(self.cfg.wake);
+        if let Some(s) = self.scan(now, Waiters::Siblings(h)) {
+            let high = |id| self.clients[&id].class == Priority::High;
+            if (high(s) && !high(h)) || (self.short(s) && quantum && self.clock.precedes(s, h, true))
+            {
+                return true;
+            }
+        }
+        let Some(w) = self.scan(now, Waiters::Band(hb, true, Some(h))) else {
+            return false;
+        };
+        let dl = |id| self.clock.deadline(id).unwrap_or(f64::INFINITY);
+        dl(w) < dl(h) || (self.short(w) && quantum)
+    }
+
+    /// Whether `id`'s request is the short kind (it was idle).
+    fn short(&self, id: ClientId) -> bool {
+        self.clients[&id].waking
+    }
+
+    /// Who gets an idle GPU: of the highest band with a waiter that may
+    /// run, the pick. A band whose holder was recalled keeps the GPU for
+    /// the answer (`recall_hold`): a busy holder asks again and is granted
+    /// at once, and a lower band gets no sliver in between.
+    pub(super) fn pick(&mut self, now: Nanos) -> Option<ClientId> {
+        let floor = self.lease.recall_band(now).unwrap_or(0);
+        (floor..BANDS).rev().find_map(|b| self.first_fit(now, b))
+    }
+
+    /// Band `b`'s pick: of the eligible flow with the earliest deadline,
+    /// or with none eligible (those on the GPU hold the least virtual
+    /// times), of the one nearest to eligible, its first waiter.
+    fn first_fit(&mut self, now: Nanos, b: usize) -> Option<ClientId> {
+        self.scan(now, Waiters::Band(b, true, None))
+            .or_else(|| self.scan(now, Waiters::Band(b, false, None)))
+    }
+
+    /// The first of `from` its ceilings let run; those its ceilings keep
+    /// out on the way are parked.
+    fn scan(&mut self, now: Nanos, from: Waiters) -> Option<ClientId> {
+        let bounded = self.high_bounded();
+        let mut unfit = Vec::new();
+        let found = {
+            let mut fit = |id: ClientId| {
+                let ok = self.fits_bounded(id, now, bounded);
+                if !ok {
+                    unfit.push(id);
+                }
+                ok
+            };
+            match from {
+                Waiters::Band(b, eligible, skip) => {
+                    self.clock.waiters(b, eligible, skip).find(|&id| fit(id))
+                }
+                Waiters::Siblings(h) => self.clock.sibling_waiters(h).find(|&id| fit(id)),
+            }
+        };
+        for id in unfit {
+            self.park(now, id);
+        }
+        found
+    }
+
+    /// Keeps waiter `id` out of the run queue until its ceilings let it
+    /// run again.
+    fn park(&mut self, now: Nanos, id: ClientId) {
+        let bounded = self.high_bounded();
+        let until = self
+            .ceilings_of(id, now, bounded)
+            .iter()
+            .filter(|x| !x.fits())
+            .map(|x| x.back_at)
+            .max()
+            .unwrap_or(now)
+            .max(now + 1);
+        self.ceilings.park(id, until);
+        self.sync(id, now);
+    }
+
+    fn grant_to(&mut self, now: Nanos, id: ClientId) {
+        let request = self.request(&self.clients[&id]);
+        let c = self.clients.get_mut(&id).expect("picked");
+        let burst = std::mem::take(&mut c.waking);
+        c.state = ClientState::Holding;
+        let b = band(c.class);
+        // Its request (and deadline) is the one it asked with.
+        self.sync(id, now);
+        let slice = match self.remaining(id, now) {
+            Some(r) => Some(r.min(request)),
+            None => self.anyone_waits().then_some(request),
+        };
+        let terms = self.terms(id, slice);
+        self.lease.grant(now, id, (b, request), burst, terms);
+    }
+
+    fn revoke(&mut self, now: Nanos, h: ClientId, recall: bool) {
+        self.lease.revoke(now, recall);
+        self.clients.get_mut(&h).expect("the holder").state = ClientState::Revoking;
+        self.sync(h, now);
+    }
+
+    fn terms(&self, id: ClientId, slice: Option<Nanos>) -> Terms {
+        let class = self.clients[&id].class;
+        let above: usize = Priority::ALL
+            .iter()
+            .filter(|k| band(**k) >= band(class))
+            .map(|k| self.tally.registered[k.index()])
+            .sum();
+        Terms {
+            slice,
+            waiters: self.anyone_waits(),
+            shared: above > 1,
+        }
+    }
+
+    fn anyone_waits(&self) -> bool {
+        self.tally.queued.iter().any(|&n| n > 0)
+    }
+
+    /// Whether a client of a band below `b` waits in the run queue.
+    fn lower_waits(&self, b: usize) -> bool {
+        b > band(Priority::Low) && self.tally.queued[Priority::Low.index()] > 0
+    }
+
+    /// Whether a client of a band below `b` waits or holds the GPU: what
+    /// the evidence condition serves (while a lower band holds, an
+    /// unproven holder of a higher one does not take the GPU back).
+    fn lower_wants(&self, b: usize) -> bool {
+        self.lower_waits(b)
+            || self
+                .lease
+                .holder()
+                .is_some_and(|h| band(self.clients[&h].class) < b)
+    }
+
+    /// Whether the `high` class is held to its share of the window now:
+    /// a client of a lower class holds the GPU or waits. Work-conserving:
+    /// alone, `high` is not bounded.
+    fn high_bounded(&self) -> bool {
+        let lower_holds = self
+            .lease
+            .holder()
+            .is_some_and(|h| self.clients[&h].class < Priority::High);
+        let q = &self.tally.queued;
+        self.cfg.high_share < 1.0
+            && (lower_holds || q[Priority::Normal.index()] + q[Priority::Low.index()] > 0)
+    }
+
+    /// The ceilings on `id` now: its limits, the `high` share, and while a
+    /// lower band waits and the driver reports per-process work, its
+    /// user's benefit of the doubt unless its work is evidenced.
+    fn ceilings_of(&self, id: ClientId, now: Nanos, bounded: bool) -> Vec<Ceiling> {
+        let c = &self.clients[&id];
+        let who = Who {
+            limit: c.limit,
+            meter: &c.meter,
+            group: c.who.group,
+            high: (c.class == Priority::High).then(|| (c.user_key(), c.user_part())),
+        };
+        let mut all = self.ceilings.of(&who, bounded, now);
+        let b = band(c.class);
+        if self.lower_wants(b) && self.evidence.judging(now) && !self.evidence.proven(id, now) {
+            all.push(self.evidence.ceiling((b, c.user_key()), now));
+        }
+        all
+    }
+
+    fn fits_bounded(&self, id: ClientId, now: Nanos, bounded: bool) -> bool {
+        self.ceilings_of(id, now, bounded).iter().all(Ceiling::fits)
+    }
+
+    /// What the tightest of `id`'s ceilings leaves it; None: unbounded.
+    fn remaining(&self, id: ClientId, now: Nanos) -> Option<Nanos> {
+        let bounded = self.high_bounded();
+        self.ceilings_of(id, now, bounded)
+            .iter()
+            .map(|x| x.remaining)
+            .min()
+    }
+
+    /// Opens and closes the meters that run with who holds: the `high`
+    /// share's (a `high` client holds while a lower class waits: a revoked
+    /// or hung one, or work draining, is its own charge and nobody
+    /// else's) and the doubt of a user holding without evidence while a
+    /// lower band waits (or whose recalled holder its band waits for).
+    fn sync_meters(&mut self, now: Nanos) {
+        let holder = self
+            .lease
+            .holder()
+            .map(|h| (h, &self.clients[&h]))
+            .filter(|(_, c)| c.state == ClientState::Holding);
+        let q = &self.tally.queued;
+        let lower = q[Priority::Normal.index()] + q[Priority::Low.index()] > 0;
+        let high = holder
+            .filter(|(_, c)| c.class == Priority::High && lower && self.cfg.high_share < 1.0)
+            .map(|(_, c)| (c.user_key(), c.user_part()));
+        self.ceilings.sync_high(high, now);
+        let doubting = holder
+            .map(|(h, _)| h)
+            .or_else(|| self.lease.awaits_recall(now).next())
+            .map(|h| (h, &self.clients[&h]))
+            .filter(|&(h, c)| {
+                let b = band(c.class);
+                self.lower_waits(b) && self.evidence.judging(now) && !self.evidence.proven(h, now)
+            })
+            .map(|(_, c)| (band(c.class), c.user_key()));
+        self.evidence.sync(doubting, now);
+    }
+
+    /// After the fixed point: the rate at which each band's clients are
+    /// charged, and when a waiter comes to preempt the holder (it becomes
+    /// eligible with an earlier deadline, or it was idle and the holder's
+    /// quantum ends).
+    fn plan(&mut self, _now: Nanos) {
+        let on: Vec<(ClientId, usize)> = self
+            .lease
+            .on_gpu()
+            .map(|id| (id, band(self.clients[&id].class)))
+            .collect();
+        let above = at_or_above(&on);
+        for b in 0..BANDS {
+            let n = on.iter().filter(|&&(_, k)| k == b).count();
+            self.clock.set_rate(b, n as f64 / above[b].max(1) as f64);
+        }
+        self.timer = self.lease.held().and_then(|(h, start, _, _)| {
+            let hb = band(self.clients[&h].class);
+            let dh = self.clock.deadline(h).unwrap_or(f64::INFINITY);
+            let quantum = start.saturating_add(self.cfg.wake);
+            let sibling = self
+                .clock
+                .sibling_waiters(h)
+                .next()
+                .filter(|&s| self.short(s) && self.clock.precedes(s, h, true))
+                .map(|_| quantum);
+            let others = self
+                .clock
+                .firsts(hb, h)
+                .take(LOOKAHEAD)
+                .filter_map(|w| {
+                    let short = self.short(w);
+                    let earlier = self.clock.deadline(w).is_some_and(|d| d < dh);
+                    let at = self.now.saturating_add(self.clock.eligible_in(w)?);
+                    (earlier || short).then(|| if short { at.max(quantum) } else { at })
+                })
+                .min();
+            sibling.into_iter().chain(others).min()
+        });
+    }
+}
+
+/// Where a scan looks: band `b`'s waiters (of eligible flows by deadline,
+/// or of all by virtual time; leaving out the flow of a client), or the
+/// waiters of a client's own flow.
+#[derive(Debug, Clone, Copy)]
+enum Waiters {
+    Band(usize, bool, Option<ClientId>),
+    Siblings(ClientId),
+}
+
+/// Per band, how many of `on` (clients on the GPU and their bands) are
+/// of that band or above.
+fn at_or_above(on: &[(ClientId, usize)]) -> [usize; BANDS] {
+    let mut n = [0; BANDS];
+    for &(_, b) in on {
+        for k in n.iter_mut().take(b + 1) {
+            *k += 1;
+        }
+    }
+    n
+}
