@@ -163,7 +163,9 @@ pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
             o99 <= OTHER_P99_TARGET_NS,
         ));
     }
-    let churn = churn(a, window_ns)?;
+    // The contending clients' own CPU varies by tens of ms/s from one
+    // window to the next on a shared machine: more windows, unless quick.
+    let churn = churn(a, window_ns, if quick { 4 } else { 8 })?;
     let (table, churn_checks, churn_data) = churn_report(&churn);
     checks.extend(churn_checks);
     let (uid, _) = other_user();
@@ -270,9 +272,8 @@ struct Window {
     other: Vec<u64>,
 }
 
-/// The churning queue: four windows, without and with churn in turn.
-fn churn(a: &Artifacts, window_ns: u64) -> Result<Vec<Window>, String> {
-    const WINDOWS: u64 = 4;
+/// The churning queue: `windows` windows, without and with churn in turn.
+fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, String> {
     let (uid, more) = other_user();
     let broker = start_broker(a, 1, more)?;
     let mut waiting = deep_queue(&broker, QUEUED)?;
@@ -280,7 +281,7 @@ fn churn(a: &Artifacts, window_ns: u64) -> Result<Vec<Window>, String> {
     let uuids = gpu_uuids(&broker, 1)?;
     let lead = 1000 * MS + BESIDE as u64 * 10 * MS;
     let start = mono_ns() + lead;
-    let end = start + WINDOWS * window_ns;
+    let end = start + windows * window_ns;
     let clients = |n, period, uid| Clients {
         n,
         start,
@@ -295,9 +296,9 @@ fn churn(a: &Artifacts, window_ns: u64) -> Result<Vec<Window>, String> {
     let cpu = || cpu_seconds_precise(pid).ok_or("broker /proc/stat");
     let socket = broker.socket.clone();
     let (spans, counts) = std::thread::scope(|s| {
-        let churner = s.spawn(|| churner(&socket, &mut waiting, start, window_ns, WINDOWS));
+        let churner = s.spawn(|| churner(&socket, &mut waiting, start, window_ns, windows));
         let mut spans = Vec::new();
-        for w in 0..WINDOWS {
+        for w in 0..windows {
             let from = start + w * window_ns;
             sleep_until(from + 100 * MS);
             let (c0, t0) = (cpu()?, mono_ns());
@@ -310,7 +311,7 @@ fn churn(a: &Artifacts, window_ns: u64) -> Result<Vec<Window>, String> {
             .unwrap_or_else(|_| Err("the churn thread panicked".into()))?;
         Ok::<_, String>((spans, counts))
     })?;
-    let span = Duration::from_nanos(lead + WINDOWS * window_ns);
+    let span = Duration::from_nanos(lead + windows * window_ns);
     let (cycles, _) = collect(kids, span)?;
     let (other, _) = collect(theirs, span)?;
     Ok(spans
