@@ -76,6 +76,9 @@ impl Client {
             _ if e.kind() == io::ErrorKind::TimedOut => silent(),
             _ => ConnectError::Other(connect_problem(socket, &e)),
         })?;
+        // Before a word is sent: a lease request carries the job's token,
+        // and the answer decides the job's GPUs, cap and MPS pipe.
+        net::believe(&stream, socket).map_err(|e| ConnectError::Other(e.to_string()))?;
         // A stalled broker stops reading too: no write may block for long.
         stream
             .set_write_timeout(Some(REPLY_TIMEOUT))
@@ -154,6 +157,26 @@ impl Client {
                         seconds(REPLY_TIMEOUT)
                     ));
                 }
+            }
+        }
+    }
+
+    /// What the job with this token has had so far (its run's end-of-job
+    /// line).
+    pub fn summary(&mut self, token: u64) -> Result<gpufrac_common::status::JobSummary, String> {
+        self.send(&ClientMsg::Summary { job: token })?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            match self.recv(Some(deadline))? {
+                Some(ServerMsg::SummaryReply { json }) => {
+                    return serde_json::from_str(&json).map_err(|e| {
+                        format!("the broker sent a summary this gpufrac cannot read: {e}")
+                    });
+                }
+                Some(ServerMsg::Refused { reason }) => return Err(reason),
+                Some(ServerMsg::Error { message, .. }) => return Err(message),
+                Some(_) => continue,
+                None => return Err("the broker did not answer".into()),
             }
         }
     }

@@ -125,10 +125,6 @@ impl Open {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 fn frames(msgs: &[ClientMsg]) -> Vec<u8> {
     let mut out = Vec::new();
     for m in msgs {
@@ -380,25 +376,6 @@ fn ping_times(socket: &Path, n: usize) -> Vec<Option<Duration>> {
         std::thread::sleep(Duration::from_millis(50));
     }
     times
-}
-
-/// A command's output, or None when it ran longer than `secs` (killed).
-fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Output> {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t.elapsed() > Duration::from_secs(secs) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Some(child.wait_with_output().unwrap())
 }
 
 /// Two of root's processes spinning on the GPU from now on, taking turns

@@ -1,6 +1,8 @@
 //! The broker's private files (SPEC §2, invariant 5), tried as `nobody`
-//! would against a root broker whose socket sits in a sticky directory
-//! like /tmp: MPS directories and links planted beside the socket, state
+//! would against a root broker whose socket sat in a sticky directory
+//! like /tmp (which a broker now refuses; what was planted while it was
+//! one stays when it is closed): MPS directories and links planted beside
+//! the socket, state
 //! directories of the wrong owner or mode, and a restart on a state file
 //! the broker cannot trust, during which the attacker claims GPUs under a
 //! made-up token.
@@ -87,6 +89,8 @@ fn mps_directories_planted_beside_the_socket_are_never_used() {
          && ln -s \"$2\" \"$1/mps-log\"",
         &[&shared, &secret],
     );
+    // Closed, as a broker's refusal of it says to, with the plants left.
+    std::fs::set_permissions(&shared, PermissionsExt::from_mode(0o755)).unwrap();
     let socket = shared.join("b.sock");
     let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
     cmd.args(["broker", "--mps", "--socket"])

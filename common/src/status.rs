@@ -133,12 +133,83 @@ pub struct GpuStatus {
     /// the share each gets and used. Every page carries all of them.
     #[serde(default)]
     pub users: Vec<UserShare>,
+    /// What the driver (NVML) says of the GPU's memory: every process's,
+    /// the shim's or not, and the driver's own. None: not asked (no NVML,
+    /// a MIG instance).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverMem>,
+    /// Processes the driver lists on this GPU that are not under the shim
+    /// (none of this broker's registered processes on it), most memory
+    /// first, at most 32; `unmanaged_processes` counts them all and
+    /// `unmanaged_mem` sums what they hold. Placement counts that memory
+    /// as taken.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unmanaged: Vec<UnmanagedProc>,
+    #[serde(default)]
+    pub unmanaged_processes: u32,
+    #[serde(default)]
+    pub unmanaged_mem: u64,
+    /// What a new lease could still have: total less what is committed
+    /// (or allocated, where the shims' processes hold more) less what
+    /// processes outside gpufrac hold, and never more than the driver
+    /// says is free.
+    #[serde(default)]
+    pub free_mem: u64,
+    /// Its health as NVML reports it (None: not asked; each figure None
+    /// where the driver or the GPU has no such counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<GpuHealth>,
     /// A GPU in MIG mode: its instances.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigStatus>,
     /// A MIG instance: its GPU instance id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_instance: Option<u32>,
+}
+
+/// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DriverMem {
+    pub total: u64,
+    pub used: u64,
+    pub free: u64,
+}
+
+/// A GPU's health from NVML. What DCGM's exporter measures besides
+/// (NVLink and PCIe traffic, throttle reasons, retired pages, per-engine
+/// activity) is left to it.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GpuHealth {
+    #[serde(default)]
+    pub temperature_c: Option<u32>,
+    /// What it draws now and the most it may draw, watts.
+    #[serde(default)]
+    pub power_w: Option<f64>,
+    #[serde(default)]
+    pub power_limit_w: Option<f64>,
+    /// The SM clock now, MHz.
+    #[serde(default)]
+    pub sm_clock_mhz: Option<u32>,
+    /// ECC errors since the driver loaded, corrected and not.
+    #[serde(default)]
+    pub ecc_corrected: Option<u64>,
+    #[serde(default)]
+    pub ecc_uncorrected: Option<u64>,
+    /// XID events (the driver's critical errors) since the broker started,
+    /// and the last one's XID.
+    #[serde(default)]
+    pub xid_errors: u64,
+    #[serde(default)]
+    pub last_xid: Option<u64>,
+}
+
+/// A process on a GPU that is not under the shim: no cap, no share, no
+/// lease; only the driver knows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct UnmanagedProc {
+    pub pid: u32,
+    /// What the driver says it holds, bytes.
+    pub mem: u64,
 }
 
 /// The instances of a GPU in MIG mode under `--mig dynamic`.
@@ -207,6 +278,15 @@ pub struct ProcStatus {
     /// several processes' work shared the GPU.
     #[serde(default)]
     pub gpu_time_s: f64,
+    /// GPU time it was owed so far, seconds: its target share over the
+    /// time it was busy and its ceilings let it be granted. Where it is
+    /// more than `gpu_time_s`, the process got less than its share.
+    #[serde(default)]
+    pub entitled_s: f64,
+    /// Time it was busy but held back by its ceilings (its limit, its
+    /// job's, the `high` class's share), seconds.
+    #[serde(default)]
+    pub held_back_s: f64,
     /// Released, with queued work still running on the GPU.
     #[serde(default)]
     pub draining: bool,
@@ -244,6 +324,12 @@ pub struct UserShare {
     pub share_achieved: f64,
     /// GPU time charged to them so far, seconds.
     pub gpu_time_s: f64,
+    /// GPU time they were owed and time they were held back, seconds
+    /// (the sums of their processes').
+    #[serde(default)]
+    pub entitled_s: f64,
+    #[serde(default)]
+    pub held_back_s: f64,
     /// Its jobs here, and its processes outside any job (`job` None).
     pub jobs: Vec<JobShare>,
 }
@@ -264,6 +350,11 @@ pub struct JobShare {
     pub share_target: f64,
     pub share_achieved: f64,
     pub gpu_time_s: f64,
+    /// As in [`UserShare`].
+    #[serde(default)]
+    pub entitled_s: f64,
+    #[serde(default)]
+    pub held_back_s: f64,
     /// How many of its processes are on this GPU (each process's entry
     /// names its job and user).
     pub processes: u32,
@@ -301,6 +392,10 @@ pub struct QueueEntry {
     /// Why it waits: what it needs, what is free, who holds the rest.
     #[serde(default)]
     pub why: String,
+    /// Why, in one of a few words: `fits_now`, `held_for_earlier`,
+    /// `no_room`, `recovering` (metrics' `reason` label).
+    #[serde(default)]
+    pub reason: String,
     /// The GPUs (indices) it waits for.
     #[serde(default)]
     pub waits_for: Vec<u32>,
@@ -333,4 +428,32 @@ pub struct LeaseEntry {
 
 fn yes() -> bool {
     true
+}
+
+/// What a job has had, for its run's end-of-job line (`gpufrac run
+/// --report` writes it with the run's own figures).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct JobSummary {
+    /// The pid of its `gpufrac run`.
+    pub job: u32,
+    /// The GPUs its lease holds (indices).
+    pub gpus: Vec<u32>,
+    /// How long it waited in the queue, and has held its lease, seconds.
+    pub queued_s: f64,
+    pub held_s: f64,
+    /// GPU time its processes were charged, and what they were owed (their
+    /// target share while busy within their ceilings), seconds.
+    pub gpu_s: f64,
+    pub owed_s: f64,
+    /// The most memory its processes held at once, and its cap, bytes.
+    pub peak_mem: u64,
+    #[serde(default)]
+    pub mem_cap: Option<u64>,
+    /// Allocations its memory caps refused.
+    pub refusals: u64,
+    /// Its `--gpu-compute` (percent) and `--gpu-limit` (0..1).
+    #[serde(default)]
+    pub compute: Option<f64>,
+    #[serde(default)]
+    pub limit: Option<f64>,
 }

@@ -254,6 +254,9 @@ macro_rules! client_messages {
             /// Names the job of this connection's lease for status: the pod
             /// it is (`namespace/name`) and a label in place of its command.
             T_NAME 0x0b Cli: Name { pod: String, label: String };
+            /// Asks for `SummaryReply`: what the job `job` (its token) has
+            /// had so far, for its run's end-of-job line.
+            T_SUMMARY 0x0c Cli: Summary { job: u64 };
         }
     };
 }
@@ -298,6 +301,8 @@ macro_rules! server_messages {
             T_REFUSED 0x88 broker: Refused { reason: String };
             /// Answers `Ping`.
             T_PONG 0x8a broker: Pong;
+            /// Answers `Summary`: a `status::JobSummary` as JSON.
+            T_SUMMARY_REPLY 0x8b broker: SummaryReply { json: String as Json };
             /// Answers `Register`: what the broker enforces on this process
             /// whatever its environment says (its job's lease).
             T_REGISTERED 0x89 broker: Registered {

@@ -398,8 +398,10 @@ impl Shell {
                 .map(|u| {
                     let s = GpuSample {
                         utilization,
-                        processes: Vec::new(),
+                        processes: Some(Vec::new()),
                         working: working.clone(),
+                        memory: None,
+                        health: None,
                     };
                     (u, s)
                 })

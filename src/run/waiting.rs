@@ -116,7 +116,8 @@ pub(super) fn elapsed(d: Duration) -> String {
 }
 
 /// A holder as a line names it: `pid 4242 (python train.py)`, the command
-/// cut and its control characters escaped (it is the holder's to choose).
+/// cut and its control and format characters escaped (it is the holder's
+/// to choose).
 fn holder(pid: u32, command: &str) -> String {
     let mut c = String::new();
     for (i, ch) in command.chars().enumerate() {
@@ -124,7 +125,7 @@ fn holder(pid: u32, command: &str) -> String {
             c.push('…');
             break;
         }
-        if ch.is_control() {
+        if gpufrac_common::text::is_hidden(ch) {
             c.extend(ch.escape_default());
         } else {
             c.push(ch);

@@ -15,15 +15,18 @@
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in
-//! as a snapshot the shell sampled (`telemetry`), job tokens from a source
-//! given at construction.
+//! queue, restarts, recovery, MIG), `view` (status), `outside` (the
+//! processes the driver lists that are not under the shim). NVML's view
+//! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
+//! a source given at construction.
 
 mod clients;
 mod conn;
 mod jobtable;
 mod leases;
+mod outside;
 mod roles;
+mod summary;
 mod turns;
 mod view;
 
@@ -415,6 +418,7 @@ impl Broker {
         let now = self.clock(now);
         self.work_seen(now, &snapshot);
         self.telemetry = snapshot;
+        self.outside_seen();
         self.pump(now);
     }
 
@@ -564,7 +568,7 @@ impl Broker {
                 },
                 &mut out,
             );
-            self.stats.refused(Refusal::ConnectionLimit);
+            self.stats.refused(peer.uid, Refusal::ConnectionLimit);
             self.warn_uid(
                 peer.uid,
                 format_args!(
@@ -1008,9 +1012,11 @@ impl Broker {
         self.unsettled.remove(&id);
         self.stats.forget(id);
         if let Some(t) = c.member_of() {
-            let gpu = self.gpu_time(now, &[id], c.devices().iter().map(|d| d.gpu));
+            // Its refusals are its devices': it is no longer in `conns`.
+            let mut spent = self.spent(now, &[id], c.devices().iter().map(|d| d.gpu));
+            spent.ooms = c.devices().iter().map(|d| d.ooms).sum();
             let used = c.devices().iter().map(|d| d.used).sum();
-            self.jobs.leave(t, id, gpu, used);
+            self.jobs.leave(t, id, spent, used);
         }
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
             h.conns = h.conns.saturating_sub(1);

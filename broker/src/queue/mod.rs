@@ -111,11 +111,14 @@ struct GpuState {
     slots_used: u32,
     committed: u64,
     leases: Vec<RequestId>,
+    /// Memory the driver says processes outside gpufrac hold here (no
+    /// lease's, no shim's): as taken as committed memory is.
+    outside: u64,
 }
 
 impl GpuState {
     fn uncommitted(&self) -> i128 {
-        self.info.total_mem as i128 - self.committed as i128
+        self.info.total_mem as i128 - self.committed as i128 - self.outside as i128
     }
 }
 
@@ -147,6 +150,7 @@ impl Queue {
                     slots_used: 0,
                     committed: 0,
                     leases: Vec::new(),
+                    outside: 0,
                 })
                 .collect(),
             waiting: Line::default(),
@@ -162,6 +166,21 @@ impl Queue {
 
     pub fn gpus(&self) -> impl Iterator<Item = &GpuInfo> {
         self.gpus.iter().map(|g| &g.info)
+    }
+
+    /// The memory processes outside gpufrac hold on the GPU with this
+    /// UUID, as the driver last listed them: placement counts it as taken
+    /// (a fraction never goes where it is not free; a whole GPU is one
+    /// with none of it). Whether it changed: then `poll`, as after a
+    /// release.
+    pub fn set_outside(&mut self, uuid: &str, bytes: u64) -> bool {
+        let Some(i) = self.gpu_of(uuid) else {
+            return false;
+        };
+        let g = &mut self.gpus[i];
+        let changed = g.outside != bytes;
+        g.outside = bytes;
+        changed
     }
 
     /// Queues a request. Refuses at once what no GPU of this node could ever

@@ -25,7 +25,7 @@ impl Queue {
             return false;
         }
         if self.cfg.overprovision == 1 {
-            return g.leases.is_empty();
+            return g.leases.is_empty() && g.outside == 0;
         }
         self.cfg.overcommit || g.uncommitted() >= i128::from(self.slot_mem(g))
     }

@@ -88,6 +88,7 @@
 //! GPU in a window), `status`; this file holds the state and the entry
 //! points.
 
+mod entitled;
 mod evidence;
 mod grants;
 mod high;
@@ -205,6 +206,11 @@ struct Client {
     meter: Meter,
     /// GPU time charged so far, ns.
     charged: f64,
+    /// Its target share integrated over the time it was busy within its
+    /// ceilings, and the time its ceilings held it back while busy, ns
+    /// (`entitled`).
+    entitled: f64,
+    held_back: f64,
     /// What it has put in the scheduler's index.
     idx: Indexed,
     /// What the driver's samples said of its process's work, against
@@ -245,6 +251,9 @@ pub struct Scheduler {
     actions: VecDeque<Action>,
     /// Charges are settled up to here.
     settled_at: Nanos,
+    /// Each busy client's part of the time since the last event
+    /// (`entitled`).
+    parts: Vec<(ClientId, entitled::Part)>,
     /// Latest time seen; earlier `now` arguments are clamped to it so a
     /// caller's clock hiccup cannot make durations underflow.
     now: Nanos,
@@ -397,6 +406,7 @@ impl Scheduler {
             next_grant: 1,
             actions: VecDeque::new(),
             settled_at: 0,
+            parts: Vec::new(),
             now: 0,
             pruned_at: 0,
             ix: Index::default(),
@@ -459,6 +469,8 @@ impl Scheduler {
                     idx: Indexed::default(),
                     work: evidence::Record::default(),
                     recalled_at: None,
+                    entitled: 0.0,
+                    held_back: 0.0,
                 },
             );
         }
@@ -895,6 +907,7 @@ impl Scheduler {
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
+        self.accrue_entitled(dt);
         let n = self.ix.on_gpu.len();
         if dt > 0 && n > 0 {
             let mut at_or_above = [0usize; BANDS];

@@ -13,8 +13,8 @@ fn working(pids: &[u32]) -> Telemetry {
             uuid_string(&uuid(1)),
             GpuSample {
                 utilization: Some(1),
-                processes: Vec::new(),
                 working: Some(pids.iter().map(|&p| (p, 100)).collect()),
+                ..Default::default()
             },
         )]
         .into(),

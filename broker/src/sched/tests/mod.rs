@@ -3,6 +3,7 @@
 //! shims.
 
 mod classes;
+mod entitled;
 mod evidence;
 mod handover;
 mod hierarchy;
