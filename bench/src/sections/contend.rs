@@ -8,7 +8,7 @@
 //! and without the churn on one broker.
 
 use super::f;
-use super::scale::{
+use super::shims::{
     Clients, Cycle, HOLD_NS, MS, ask, collect, deep_queue, gpu_uuids, spawn_clients, start_broker,
 };
 use gpufrac_bench::clock::{mono_ns, sleep_until};

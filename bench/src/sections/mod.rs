@@ -11,6 +11,7 @@ pub mod hook;
 pub mod latency;
 mod loadgen;
 pub mod scale;
+mod shims;
 
 /// `12.3` style formatting with a fixed number of decimals.
 pub fn f(v: f64, decimals: usize) -> String {
