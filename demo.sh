@@ -133,7 +133,8 @@ shares() {
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
   export GPUFRAC_SIM_STATE=$tmp/sim-state GPUFRAC_SOCKET=$tmp/broker.sock
   local gpufrac=$bin/gpufrac loadgen=$bin/examples/loadgen
-  "$gpufrac" broker 2>"$tmp/broker.log" &
+  # Its state (leases, the queue) in the demo's own directory, gone with it.
+  "$gpufrac" broker --state-dir "$tmp/state" 2>"$tmp/broker.log" &
   broker=$!
   trap 'kill $broker 2>/dev/null; wait $broker 2>/dev/null; rm -rf "$tmp"' EXIT
   until "$gpufrac" status >/dev/null 2>&1; do
@@ -199,7 +200,8 @@ top() {
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
   export GPUFRAC_SIM_STATE=$tmp/sim-state GPUFRAC_SOCKET=$tmp/broker.sock
   local gpufrac=$bin/gpufrac loadgen=$bin/examples/loadgen probe=$bin/examples/probe
-  "$gpufrac" broker 2>"$tmp/broker.log" &
+  # Its state (leases, the queue) in the demo's own directory, gone with it.
+  "$gpufrac" broker --state-dir "$tmp/state" 2>"$tmp/broker.log" &
   broker=$!
   jobs_pids=()
   # Each step may find its process gone already: none may stop the rest

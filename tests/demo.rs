@@ -48,9 +48,48 @@ fn figure(out: &str, line_has: &str, key: &str) -> f64 {
         .unwrap_or_else(|_| panic!("no number after {key:?} in {line:?}"))
 }
 
+/// `demo(args)`, as root in a mount namespace of its own whose /run is
+/// empty at the start: with what it left under /run (None, said loudly,
+/// where the machine cannot: not root, no unshare).
+fn demo_in_an_empty_run(args: &[&str]) -> (Output, Option<String>) {
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let probe = root
+        && Command::new("unshare")
+            .args(["-m", "true"])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !probe {
+        skip_banner(
+            "what the demo leaves under /run",
+            "it runs the demo in a mount namespace of its own, which needs root and unshare",
+        );
+        return (demo(args), None);
+    }
+    let s = Scratch::new("demo-run");
+    let left = s.0.join("left");
+    let a = artifacts();
+    let profile = a.dir.file_name().unwrap().to_str().unwrap();
+    let mut cmd = Command::new("unshare");
+    scrub_env(&mut cmd)
+        .args(["-m", "sh", "-c"])
+        .arg(
+            "mount -t tmpfs -o mode=755 tmpfs /run || exit 99; \"$0\" \"$@\"; rc=$?; \
+             ls -A /run >\"$LEFT\"; exit $rc",
+        )
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"))
+        .args(args)
+        .env("LEFT", &left)
+        .env("GPUFRAC_DEMO_PROFILE", profile)
+        .env("CARGO", env!("CARGO"))
+        .env("CARGO_TARGET_DIR", a.dir.parent().unwrap());
+    let o = cmd.output().expect("running demo.sh");
+    (o, std::fs::read_to_string(&left).ok())
+}
+
 #[test]
 fn shares_demo_runs_on_the_simulated_gpu_and_cleans_up() {
-    let o = demo(&["shares"]);
+    let (o, left) = demo_in_an_empty_run(&["shares"]);
     let (out, err) = (stdout(&o), stderr(&o));
     assert!(o.status.success(), "{out}\n{err}");
     // Nothing to build (the tests built it): not a word of what a first
@@ -83,6 +122,12 @@ fn shares_demo_runs_on_the_simulated_gpu_and_cleans_up() {
         .unwrap_or_else(|| panic!("no socket named in:\n{out}"));
     let dir = Path::new(socket).parent().unwrap();
     assert!(!dir.exists(), "{} left behind", dir.display());
+    // Nothing under /run either (a broker keeps its state in
+    // /run/gpufrac/state by default, as root): the demo gives its broker a
+    // directory of its own.
+    if let Some(left) = left {
+        assert_eq!(left, "", "left under /run");
+    }
 }
 
 #[test]
