@@ -72,8 +72,11 @@ build() {
     say "   under 2 minutes on an idle machine, 14 or more on 2 cores busy with other work)"
   fi
   # Two invocations, as the tests build them: a target filter such as
-  # --bins would apply to the libraries too.
-  "$cargo" build "${profile_flag[@]}" -p gpufrac-shim -p gpufrac-sim
+  # --bins would apply to the libraries too. The shim with gpufrac, as
+  # `cargo build --release` and a release build it: built alone, it would
+  # take gpufrac-common with other features, and each of those builds would
+  # compile it again after this one.
+  "$cargo" build "${profile_flag[@]}" -p gpufrac -p gpufrac-shim -p gpufrac-sim
   if [ -n "${1:-}" ]; then
     "$cargo" build "${profile_flag[@]}" -p gpufrac --bins --example "$1"
   fi

@@ -5,24 +5,24 @@ of work, against loads of a known duty.
     python3 gpu/check_procutil.py --loadgen target/release/examples/loadgen
 
 The broker polls nvmlDeviceGetProcessUtilization every 500 ms, handing
-back the newest timestamp it got as `lastSeenTimeStamp`, and counts a
-process as at work when any of its samples since has a non-zero SM or
-memory value; a holder seen at work within a second is granted back at a
-recall while `low` waits (docs/broker.md, "Evidence of work"). Two things
-about that are only known from a real driver, and this measures both:
+back the newest timestamp it got as `lastSeenTimeStamp`, and takes the
+mean of a process's samples since (SM or memory, the higher) as how busy
+it kept the GPU; a holder whose process was busy at least a quarter of the
+time it held, over the last second, is granted back at a recall while
+`low` waits (docs/broker.md, "Compute arbitration"). Two things about
+that are only known from a real driver, and this measures both:
 
 - whether a busy process is reported in every poll (a miss of two polls
   in a row would defer a busy holder behind `low`): a check;
 - how a process's samples relate to the share of time it ran (one per
   driver sample period? one per poll? what smUtil says of a 2% duty):
-  what an evidence of *how much* work would have to be computed from.
-  Reported as INFO lines for the dated report (docs/limits.md says why
-  the broker counts only *whether*).
+  whether the mean of a process's samples is its duty, as the broker
+  reads it. Reported as INFO lines for the dated report.
 
 Run it with nothing else on the GPU; it never changes the GPU's settings.
 On the simulated driver (`--loadgen`) it runs too, as a check of the
-script: that driver reports one sample per process per poll, and its
-smUtil counts a context's last 16 runs only (a busy loadgen shows ~60%).
+script: that driver reports one sample per process per poll, its smUtil the
+kernel time the process ran over the time since `lastSeenTimeStamp`.
 """
 
 import argparse

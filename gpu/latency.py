@@ -2,7 +2,7 @@
 
     python3 gpu/latency.py --part cuda|shares|torch --bin target/release/gpufrac \
         --shim target/release/libgpufrac.so --load WORKDIR/load --workdir DIR \
-        [--torch-script gpu/torch_load.py] [--sock /tmp/gpufrac-suite.sock] \
+        [--torch-script gpu/torch_load.py] [--sock /tmp/gpufrac-suite/broker.sock] \
         [--seconds 5] [--share-seconds 4] [--deadline-s 150] [--quantum-ms 2] [--inflight-us 250]
 
 Every scenario starts its processes together behind a file barrier (each
@@ -58,7 +58,7 @@ ap.add_argument("--shim", required=True)
 ap.add_argument("--load")
 ap.add_argument("--torch-script")
 ap.add_argument("--workdir", required=True)
-ap.add_argument("--sock", default="/tmp/gpufrac-suite.sock")
+ap.add_argument("--sock", default="/tmp/gpufrac-suite/broker.sock")
 ap.add_argument("--seconds", type=float, default=5.0, help="latency windows (>= 4 s for 200 requests)")
 ap.add_argument("--share-seconds", type=float, default=4.0, help="70/30 windows (twice this for 120 ms kernels)")
 ap.add_argument("--deadline-s", type=float, default=150.0)

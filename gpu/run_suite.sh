@@ -33,7 +33,7 @@ BUDGET=${SUITE_BUDGET_S:-480}
 SECTIONS=" ${SUITE_SECTIONS:-1 2 3 4 5 6 7} "
 SHARE_SECONDS=${SUITE_SHARE_SECONDS:-8}
 LAT_SECONDS=${SUITE_LATENCY_SECONDS:-5}
-SOCK=/tmp/gpufrac-suite.sock
+SOCK=/tmp/gpufrac-suite/broker.sock
 T0=$(date +%s)
 WORK=$(mktemp -d /tmp/gpufrac-suite.XXXXXX)
 LOGS=$WORK/logs
@@ -559,10 +559,12 @@ if wants 5; then
     else
         record FAIL "no suite process (check scripts, loads, broker) still running" "$(tr '\n' ';' <<<"$left" | cut -c1-400)"
     fi
-    if [ -e "$SOCK" ]; then
-        record FAIL "broker socket removed" "$SOCK still exists"
+    # A stopped broker leaves its socket (the path is never free for
+    # another user to take); nothing may listen on it any more.
+    if python3 -c 'import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])' "$SOCK" 2>/dev/null; then
+        record FAIL "nothing listens on the broker socket" "$SOCK still answers"
     else
-        record PASS "broker socket removed" "$SOCK"
+        record PASS "nothing listens on the broker socket" "$SOCK"
     fi
     end_section
 fi

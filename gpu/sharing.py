@@ -1,7 +1,7 @@
 """Section 4: compute sharing through the broker, on a real GPU.
 
     python3 gpu/sharing.py --bin target/release/gpufrac --shim target/release/libgpufrac.so \
-        --script gpu/matmul_loop.py --workdir DIR [--sock /tmp/gpufrac-suite.sock] \
+        --script gpu/matmul_loop.py --workdir DIR [--sock /tmp/gpufrac-suite/broker.sock] \
         [--seconds 8] [--empty-kernel PATH]
 
 1. one matmul_loop process alone, natively (no shim, no broker);
@@ -47,7 +47,7 @@ ap.add_argument("--bin", required=True)
 ap.add_argument("--shim", required=True)
 ap.add_argument("--script", required=True)
 ap.add_argument("--workdir", required=True)
-ap.add_argument("--sock", default="/tmp/gpufrac-suite.sock")
+ap.add_argument("--sock", default="/tmp/gpufrac-suite/broker.sock")
 ap.add_argument("--seconds", type=float, default=8.0)
 ap.add_argument("--size", type=int, default=8192)
 ap.add_argument("--empty-kernel")

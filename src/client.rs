@@ -6,9 +6,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpufrac_broker::status::Status;
 use gpufrac_common::net;
-use gpufrac_common::wire::{self, ClientMsg, DecodeError, LeaseReq, Role, ServerMsg};
+use gpufrac_common::status::Status;
+use gpufrac_common::wire::{self, ClientMsg, DecodeError, Lease, LeaseReq, Role, ServerMsg};
 
 /// A live broker answers at once; this only bounds how long a wedged one can
 /// hang `status` or the start of `run`.
@@ -30,16 +30,7 @@ pub enum ConnectError {
 /// What a lease request came to.
 #[derive(Debug, Clone, PartialEq)]
 pub enum LeaseOutcome {
-    Leased {
-        gpus: Vec<u32>,
-        uuids: Vec<[u8; 16]>,
-        mem_cap: u64,
-        token: u64,
-        /// MPS pipe directory, when the broker runs MPS.
-        mps_pipe: String,
-        /// The MIG device (`MIG-<uuid>`) of a MIG lease; empty otherwise.
-        mig: String,
-    },
+    Leased(Lease),
     Refused(String),
     /// The deadline passed first; the last queue report, if any came.
     TimedOut(Option<QueueReport>),
@@ -85,6 +76,9 @@ impl Client {
             _ if e.kind() == io::ErrorKind::TimedOut => silent(),
             _ => ConnectError::Other(connect_problem(socket, &e)),
         })?;
+        // Before a word is sent: a lease request carries the job's token,
+        // and the answer decides the job's GPUs, cap and MPS pipe.
+        net::believe(&stream, socket).map_err(|e| ConnectError::Other(e.to_string()))?;
         // A stalled broker stops reading too: no write may block for long.
         stream
             .set_write_timeout(Some(REPLY_TIMEOUT))
@@ -167,6 +161,26 @@ impl Client {
         }
     }
 
+    /// What the job with this token has had so far (its run's end-of-job
+    /// line).
+    pub fn summary(&mut self, token: u64) -> Result<gpufrac_common::status::JobSummary, String> {
+        self.send(&ClientMsg::Summary { job: token })?;
+        let deadline = Instant::now() + REPLY_TIMEOUT;
+        loop {
+            match self.recv(Some(deadline))? {
+                Some(ServerMsg::SummaryReply { json }) => {
+                    return serde_json::from_str(&json).map_err(|e| {
+                        format!("the broker sent a summary this gpufrac cannot read: {e}")
+                    });
+                }
+                Some(ServerMsg::Refused { reason }) => return Err(reason),
+                Some(ServerMsg::Error { message, .. }) => return Err(message),
+                Some(_) => continue,
+                None => return Err("the broker did not answer".into()),
+            }
+        }
+    }
+
     /// The latest queue report received on this connection.
     pub fn last_report(&self) -> Option<QueueReport> {
         self.last.clone()
@@ -216,23 +230,7 @@ impl Client {
                     self.last.clone_from(&last);
                     progress(last.as_ref());
                 }
-                Some(ServerMsg::Leased {
-                    gpus,
-                    uuids,
-                    mem_cap,
-                    token,
-                    mps_pipe,
-                    mig,
-                }) => {
-                    return Ok(LeaseOutcome::Leased {
-                        gpus,
-                        uuids,
-                        mem_cap,
-                        token,
-                        mps_pipe,
-                        mig,
-                    });
-                }
+                Some(ServerMsg::Leased(lease)) => return Ok(LeaseOutcome::Leased(lease)),
                 Some(ServerMsg::Refused { reason }) => return Ok(LeaseOutcome::Refused(reason)),
                 Some(ServerMsg::Error { message, .. }) => return Err(message),
                 Some(_) => {}
@@ -652,6 +650,17 @@ mod tests {
         );
     }
 
+    fn granted() -> Lease {
+        Lease {
+            gpus: vec![3],
+            uuids: vec![[7; 16]],
+            mem_cap: 0,
+            token: 9,
+            mps_pipe: String::new(),
+            mig: "MIG-x".into(),
+        }
+    }
+
     #[test]
     fn lease_reports_queue_then_grant() {
         let (dir, h) = fake_broker(server_frames(&[
@@ -668,14 +677,7 @@ mod tests {
                 waiting_for: "1 GPU".into(),
                 token: 9,
             },
-            ServerMsg::Leased {
-                gpus: vec![3],
-                uuids: vec![[7; 16]],
-                mem_cap: 0,
-                token: 9,
-                mps_pipe: String::new(),
-                mig: "MIG-x".into(),
-            },
+            ServerMsg::Leased(granted()),
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
         let req = ClientMsg::Lease(LeaseReq {
@@ -699,17 +701,7 @@ mod tests {
                 }
             })
             .unwrap();
-        assert_eq!(
-            out,
-            LeaseOutcome::Leased {
-                gpus: vec![3],
-                uuids: vec![[7; 16]],
-                mem_cap: 0,
-                token: 9,
-                mps_pipe: String::new(),
-                mig: "MIG-x".into(),
-            }
-        );
+        assert_eq!(out, LeaseOutcome::Leased(granted()));
         assert!(seen.starts_with(&[2]) && seen.ends_with(&[1]), "{seen:?}");
         drop(c);
         h.join().unwrap();
@@ -751,14 +743,10 @@ mod tests {
 
     #[test]
     fn lease_already_granted_beats_an_expired_deadline() {
-        let leased = ServerMsg::Leased {
-            gpus: vec![0],
-            uuids: vec![[1; 16]],
+        let leased = ServerMsg::Leased(Lease {
             mem_cap: 5,
-            token: 9,
-            mps_pipe: String::new(),
-            mig: String::new(),
-        };
+            ..granted()
+        });
         let (dir, h) = fake_broker(server_frames(&[
             ServerMsg::HelloOk {
                 version: wire::PROTOCOL_VERSION,
@@ -776,7 +764,7 @@ mod tests {
             .wait_lease(Some(Instant::now()), Duration::from_millis(50), |_| {})
             .unwrap();
         assert!(
-            matches!(out, LeaseOutcome::Leased { mem_cap: 5, .. }),
+            matches!(out, LeaseOutcome::Leased(Lease { mem_cap: 5, .. })),
             "{out:?}"
         );
         drop(c);

@@ -89,7 +89,7 @@ const BROKER_EXAMPLES: &str = "\
 Examples:
   gpufrac broker
   sudo gpufrac broker --group gpu --metrics 127.0.0.1:9400
-  gpufrac broker --socket /tmp/gpufrac.sock --timeslice 20ms
+  gpufrac broker --socket $XDG_RUNTIME_DIR/gpufrac.sock --timeslice 20ms
   gpufrac broker --overprovision 4     # every GPU becomes 4 slots for --gpus 1
   gpufrac broker --mig dynamic         # --gpu-memory jobs get MIG instances on GPUs in MIG mode
 

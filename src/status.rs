@@ -5,8 +5,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use clap::Args;
-use gpufrac_broker::status::{GpuStatus, LeaseEntry, MigStatus, QueueEntry, Status};
 use gpufrac_common::size::format_size;
+use gpufrac_common::status::{GpuStatus, LeaseEntry, MigStatus, QueueEntry, Status};
 
 use crate::client::{Client, ConnectError};
 use crate::names;
@@ -28,7 +28,19 @@ The GPU line: GPU INDEX NAME UUID, then (U/T: used of total)
                    gpufrac broker --overprovision F)
   allocated        what its processes have allocated through the shim,
                    together
+  free             what a new lease could still have: the total less what
+                   is committed (or allocated, where that is more) less
+                   what processes outside the shim hold, never more than
+                   the driver says is free; placement goes by it
   util             GPU utilisation from NVML (- without NVML)
+and, where NVML answers, a line of its health (temperature, power drawn of
+its limit, SM clock, ECC errors since the driver loaded, XID events since
+the broker started and the last one's XID), a line with what the driver
+says of its memory
+(used and free by every process, the shim's or not, and the driver's own),
+and one with each process the driver lists that is not under the shim
+(other: its pid and the memory the driver says it holds; no cap, no lease,
+and no job is placed into that memory).
 
 The processes on it (those under the shim):
   PID              the process id
@@ -44,9 +56,12 @@ The processes on it (those under the shim):
                    its unit of fairness)
   SHARE            the share of GPU time it gets while it is busy and the
                    GPU contended: its weight over the weights of the busy
-                   processes of the highest priority class that has work
-                   (0% while idle or outranked); under gpufrac broker --mps,
-                   the share of the GPU's SMs it may use (N% SMs)
+                   processes of the highest priority class that has work,
+                   high ones left out (0% while idle or outranked, and for
+                   a high process, which is above the shares: it takes the
+                   GPU at once, within --high-share of each window); under
+                   gpufrac broker --mps, the share of the GPU's SMs it may
+                   use (N% SMs)
   ACHIEVED         the share of GPU time it held over the last second
   LIMIT            its ceiling (GPU_COMPUTE_LIMIT, or its job's --gpu-limit)
   PRIO             its priority class: high, normal or low
@@ -267,7 +282,7 @@ fn render_gpu(out: &mut String, g: &GpuStatus, width: Option<usize>) {
     } else {
         let _ = writeln!(
             out,
-            "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} util {util}",
+            "GPU {index} {} {} committed {}/{} slots {}/{} allocated {} free {} util {util}",
             g.name,
             g.uuid,
             format_size(g.committed_mem),
@@ -275,6 +290,48 @@ fn render_gpu(out: &mut String, g: &GpuStatus, width: Option<usize>) {
             g.slots_used,
             g.slots_total,
             format_size(allocated),
+            format_size(g.free_mem),
+        );
+        if let Some(d) = g.driver {
+            let _ = writeln!(
+                out,
+                "  driver: used {} free {}",
+                format_size(d.used),
+                format_size(d.free)
+            );
+        }
+        if let Some(h) = g.health {
+            let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            let _ = writeln!(
+                out,
+                "  health: {} C, {} W of {} W, SM {} MHz, ECC {}/{} (corrected/not), XID {}{}",
+                opt(h.temperature_c.map(|t| t.to_string())),
+                opt(h.power_w.map(|p| format!("{p:.0}"))),
+                opt(h.power_limit_w.map(|p| format!("{p:.0}"))),
+                opt(h.sm_clock_mhz.map(|c| c.to_string())),
+                opt(h.ecc_corrected.map(|n| n.to_string())),
+                opt(h.ecc_uncorrected.map(|n| n.to_string())),
+                h.xid_errors,
+                h.last_xid.map_or(String::new(), |x| format!(" (last {x})"))
+            );
+        }
+    }
+    if g.unmanaged_processes > 0 {
+        let listed: Vec<String> = g
+            .unmanaged
+            .iter()
+            .map(|o| format!("{} {}", o.pid, format_size(o.mem)))
+            .collect();
+        let more = (g.unmanaged_processes as usize).saturating_sub(listed.len());
+        let _ = writeln!(
+            out,
+            "  other (not under the shim): {}{}",
+            listed.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
         );
     }
     if g.processes.is_empty() {
@@ -504,7 +561,7 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry], width: Option<usize>) 
 /// apart from nothing), else its run's pid.
 pub(crate) fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String> {
     match pod {
-        Some(p) => Some(format!("pod {p}")),
+        Some(p) => Some(format!("pod {}", clean(p))),
         None => pid.map(|p| p.to_string()),
     }
 }
@@ -514,8 +571,10 @@ pub(crate) fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String>
 /// `width`, the last column (a command) is cut to what is left of it, but
 /// to no fewer than `MIN_LAST` characters.
 fn table<const N: usize>(out: &mut String, rows: &[[String; N]], width: Option<usize>) {
+    // Every cell as it will show: users name commands, labels and pods.
+    let rows: Vec<[String; N]> = rows.iter().map(|r| r.clone().map(|c| clean(&c))).collect();
     let mut widths = [0usize; N];
-    for r in rows {
+    for r in &rows {
         for (w, cell) in widths.iter_mut().zip(r) {
             *w = (*w).max(cell.chars().count());
         }
@@ -523,7 +582,7 @@ fn table<const N: usize>(out: &mut String, rows: &[[String; N]], width: Option<u
     // Two of indent, then each column and two of gap.
     let before_last: usize = 2 + widths[..N - 1].iter().map(|w| w + 2).sum::<usize>();
     let last = width.map(|w| w.saturating_sub(before_last).max(MIN_LAST));
-    for r in rows {
+    for r in &rows {
         let mut line = String::from(" ");
         for (i, cell) in r.iter().enumerate() {
             line.push(' ');
@@ -606,11 +665,12 @@ pub fn command(s: &str) -> String {
     clean(&format!("{program}{rest}"))
 }
 
-/// Control characters (a command line may hold newlines) become spaces.
+/// Text a user chose as a table or a line shows it: control characters
+/// (a command line may hold newlines) become spaces, and format
+/// characters (bidirectional overrides, zero-width ones) are escaped, so
+/// that nothing reorders or hides what is around it.
 pub fn clean(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
+    gpufrac_common::text::shown(s).into_owned()
 }
 
 /// One table cell of at most `max` characters: anything past it becomes
@@ -628,7 +688,7 @@ pub fn truncate(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpufrac_broker::status::{JobShare, ProcStatus, UserShare};
+    use gpufrac_common::status::{JobShare, ProcStatus, UserShare};
 
     fn sample() -> Status {
         Status {
@@ -646,6 +706,28 @@ mod tests {
                 slots_total: 1,
                 slots_used: 1,
                 committed_mem: 4 << 30,
+                free_mem: 73 << 30,
+                driver: Some(gpufrac_broker::status::DriverMem {
+                    total: 80 << 30,
+                    used: 4 << 30,
+                    free: 76 << 30,
+                }),
+                unmanaged: vec![gpufrac_broker::status::UnmanagedProc {
+                    pid: 4242,
+                    mem: 3 << 30,
+                }],
+                unmanaged_processes: 1,
+                unmanaged_mem: 3 << 30,
+                health: Some(gpufrac_broker::status::GpuHealth {
+                    temperature_c: Some(63),
+                    power_w: Some(312.4),
+                    power_limit_w: Some(700.0),
+                    sm_clock_mhz: Some(1980),
+                    ecc_corrected: Some(2),
+                    ecc_uncorrected: Some(0),
+                    xid_errors: 1,
+                    last_xid: Some(79),
+                }),
                 utilization: Some(37),
                 holder: Some(42),
                 processes: vec![
@@ -670,6 +752,7 @@ mod tests {
                         job_mem_used: Some(3 << 30),
                         sm_percent: None,
                         pod: None,
+                        ..ProcStatus::default()
                     },
                     ProcStatus {
                         pid: 7,
@@ -698,7 +781,9 @@ mod tests {
                             share_achieved: 0.28,
                             gpu_time_s: 12.5,
                             processes: 1,
+                            ..JobShare::default()
                         }],
+                        ..UserShare::default()
                     },
                     UserShare {
                         uid: 0,
@@ -730,6 +815,7 @@ mod tests {
                 waiting_s: 184.2,
                 escalated: true,
                 why: "needs 2 whole GPUs; 0 free; GPU 0: held whole by job 41".into(),
+                reason: "no_room".into(),
                 waits_for: vec![0],
             }],
             leases: vec![
@@ -773,8 +859,16 @@ mod tests {
         assert_eq!(
             lines[0],
             "GPU 0 NVIDIA H100 GPU-0000 committed 4.00 GiB/80.00 GiB slots 1/1 \
-             allocated 1.00 GiB util 37%"
+             allocated 1.00 GiB free 73.00 GiB util 37%"
         );
+        // What the driver says, and the process only it knows.
+        assert_eq!(lines[1], "  driver: used 4.00 GiB free 76.00 GiB");
+        assert_eq!(
+            lines[2],
+            "  health: 63 C, 312 W of 700 W, SM 1980 MHz, ECC 2/0 (corrected/not), XID 1 (last 79)"
+        );
+        assert_eq!(lines[3], "  other (not under the shim): 4242 3.00 GiB");
+        let lines = &lines[3..];
         assert!(lines[1].starts_with("  PID  USER    ALLOCATED"), "{t}");
         assert!(
             lines[1].contains(" ALLOCATED ")
@@ -888,7 +982,7 @@ mod tests {
     }
 
     fn mig_sample() -> Status {
-        use gpufrac_broker::status::MigInstance;
+        use gpufrac_common::status::MigInstance;
         Status {
             gpus: vec![
                 GpuStatus {

@@ -125,10 +125,6 @@ impl Open {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 fn frames(msgs: &[ClientMsg]) -> Vec<u8> {
     let mut out = Vec::new();
     for m in msgs {
@@ -240,17 +236,7 @@ fn python_as(uid: u32, b: &Open, body: &str, msgs: &[(&str, Vec<u8>)], args: &[&
                 grant: 0,
             },
         ),
-        (
-            "LEASED",
-            ServerMsg::Leased {
-                gpus: vec![],
-                uuids: vec![],
-                mem_cap: 0,
-                token: 0,
-                mps_pipe: String::new(),
-                mig: String::new(),
-            },
-        ),
+        ("LEASED", ServerMsg::Leased(wire::Lease::default())),
         (
             "REFUSED",
             ServerMsg::Refused {
@@ -390,25 +376,6 @@ fn ping_times(socket: &Path, n: usize) -> Vec<Option<Duration>> {
         std::thread::sleep(Duration::from_millis(50));
     }
     times
-}
-
-/// A command's output, or None when it ran longer than `secs` (killed).
-fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Output> {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t.elapsed() > Duration::from_secs(secs) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Some(child.wait_with_output().unwrap())
 }
 
 /// Two of root's processes spinning on the GPU from now on, taking turns
@@ -936,11 +903,9 @@ fn a_pretender_beside_a_working_connection_of_its_process_does_not_starve_a_low_
     let _s = serial();
     let b = Open::start("16G", &[]);
     let uuid = b.uuid();
-    let mut cmd = python_as(
-        NOBODY,
+    let mut a = on_sim_cuda(
         &b,
         r#"
-import ctypes
 def pretend():
     s, f = registered()
     s.sendall(M["acquire"])
@@ -948,23 +913,6 @@ def pretend():
         if f.until(T["revoke"]) is None:
             os._exit(3)
         s.sendall(M["again"])
-# The process's CUDA context on the simulated driver, without the shim:
-# its kernels run whenever it launches them, and NVML counts them as
-# this process's work.
-cu = ctypes.CDLL("libcuda.so.1")
-dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
-           cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev),
-           cu.cuModuleLoadData(ctypes.byref(mod), b"sim"),
-           cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin")):
-    if rc != 0:
-        sys.exit(f"CUDA: {rc}")
-def work(ns):
-    d = ctypes.c_uint64(ns)
-    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(d), ctypes.c_void_p))
-    rc = cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
-    if rc != 0 or cu.cuCtxSynchronize() != 0:
-        sys.exit(f"launch: {rc}")
 threading.Thread(target=pretend, daemon=True).start()
 s, f = registered()
 said = False
@@ -981,19 +929,90 @@ while True:
     time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
 "#,
         &shim_frames(uuid, "pretender", 20 * MS),
-        &[],
     );
-    let a = artifacts();
-    cmd.env("LD_LIBRARY_PATH", &a.simdir)
-        .env("GPUFRAC_SIM_DEVICES", &b.devices)
-        .env("GPUFRAC_SIM_STATE", &b.state);
-    let mut a = KillOnDrop(cmd.spawn().expect("python3"));
     started_saying(&mut a, "attacking");
     victim_keeps_its_gpu(
         &b,
         &mut a,
         "low",
         "a holder asking again at each recall beside a connection of its process working 20 ms a second",
+    );
+}
+
+/// A Python prelude for an attacker whose process runs real kernels: its
+/// CUDA context on the simulated driver, without the shim (its kernels run
+/// whenever it launches them, and NVML counts them as this process's
+/// work), and `work(ns)`, one kernel of `ns` waited for.
+const SIM_CUDA: &str = r#"
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+for rc in (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
+           cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev),
+           cu.cuModuleLoadData(ctypes.byref(mod), b"sim"),
+           cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin")):
+    if rc != 0:
+        sys.exit(f"CUDA: {rc}")
+def work(ns):
+    d = ctypes.c_uint64(ns)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(d), ctypes.c_void_p))
+    rc = cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+    if rc != 0 or cu.cuCtxSynchronize() != 0:
+        sys.exit(f"launch: {rc}")
+"#;
+
+/// Starts a Python client of `nobody`'s on `b`'s simulated GPU, running
+/// `body` after `SIM_CUDA`, with the frames `msgs`.
+fn on_sim_cuda(b: &Open, body: &str, msgs: &[(&str, Vec<u8>)]) -> KillOnDrop {
+    let mut cmd = python_as(NOBODY, b, &format!("{SIM_CUDA}{body}"), msgs, &[]);
+    cmd.env("LD_LIBRARY_PATH", &artifacts().simdir)
+        .env("GPUFRAC_SIM_DEVICES", &b.devices)
+        .env("GPUFRAC_SIM_STATE", &b.state);
+    KillOnDrop(cmd.spawn().expect("python3"))
+}
+
+/// The attack (issue 40): a `normal` holder whose process runs one 100 us
+/// kernel every 500 ms, 0.02% of the GPU, on its own and only connection,
+/// and answers every recall by letting go and asking again. The driver
+/// saw its process at work in every sample, and a sample above zero was
+/// all the evidence asked for: a busy `low` victim of root's got 0.01 s of
+/// GPU in 6 s (4.79 s beside a holder running nothing). Evidence is work
+/// in proportion to the time held.
+#[test]
+fn a_holder_doing_a_little_work_does_not_starve_a_low_victim() {
+    if !can_be_nobody() {
+        return;
+    }
+    let _s = serial();
+    let b = Open::start("16G", &[]);
+    let uuid = b.uuid();
+    let mut a = on_sim_cuda(
+        &b,
+        r#"
+def hold(s, f):
+    while True:
+        if f.until(T["revoke"]) is None:
+            os._exit(3)
+        s.sendall(M["again"])
+s, f = registered()
+s.sendall(M["acquire"])
+if f.until(T["grant"]) is None:
+    sys.exit("closed")
+threading.Thread(target=hold, args=(s, f), daemon=True).start()
+say("attacking")
+# The context is this thread's: the kernels are launched from here.
+while True:
+    work(100_000)
+    time.sleep(0.5)
+"#,
+        &shim_frames(uuid, "little", 100_000),
+    );
+    started_saying(&mut a, "attacking");
+    victim_keeps_its_gpu(
+        &b,
+        &mut a,
+        "low",
+        "another user's holder running 100 us of kernels every 500 ms and asking again at each recall",
     );
 }
 
@@ -1544,14 +1563,21 @@ fn b_registered(b: &Open, pid: u64) -> bool {
     })
 }
 
-/// The attack: with a job holding the only (16 GiB) GPU and root's
-/// `--gpus 1` waiting for it, `nobody` asks for `--gpu-memory 16G`. It was
-/// ordered as a fraction, ahead of every whole-GPU request, and took the
-/// GPU when it freed (the victim waited 5.6 s, and would wait for as long
-/// as such requests keep coming). A request for a whole GPU's memory is a
-/// whole-GPU request: it waits its turn.
+/// A victim of its own: uid 5001, in the socket's group.
+const VICTIM: u32 = 5001;
+
+/// The attack: with a job holding the only (16 GiB) GPU and a victim's
+/// `--gpus 1` waiting for it, `nobody` asks for `--gpu-memory` of the
+/// GPU's memory less a little. `16G` itself was ordered as a fraction,
+/// ahead of every whole-GPU request, and took the GPU when it freed (the
+/// victim waited 5.6 s, and would wait for as long as such requests keep
+/// coming); the fix that made `16G` a whole-GPU request left `16383M`
+/// (16 GiB less 1 MiB) a fraction, placed at 1.5 s and the victim, first
+/// in line, at 5.5 s. A fraction now goes after every earlier whole-GPU
+/// request and takes no GPU one waits for, whatever its size: for each
+/// size the victim is first in the queue and first on the GPU.
 #[test]
-fn a_whole_gpus_memory_does_not_jump_an_earlier_whole_gpu_request() {
+fn a_whole_gpus_memory_less_a_little_does_not_jump_an_earlier_whole_gpu_request() {
     if !can_be_nobody() {
         return;
     }
@@ -1564,48 +1590,67 @@ fn a_whole_gpus_memory_does_not_jump_an_earlier_whole_gpu_request() {
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if let Some(u) = uid {
-            as_user(&mut c, u);
+            // nogroup: the socket's group, as `--group` made it.
+            as_user_in_group(&mut c, u, NOBODY);
         }
         c.spawn().unwrap()
     };
-    let queued = |n: usize| {
-        wait_until(20.0, &format!("{n} requests queued"), || {
-            status_cli(&b.socket)["queue"]
-                .as_array()
-                .is_some_and(|q| q.len() == n)
-        })
+    let queue = || {
+        status_cli(&b.socket)["queue"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
     };
-    let holder = spawn("holder", &["--gpus", "1"], None);
-    wait_started(&dir, "holder");
-    let victim = spawn("victim", &["--gpus", "1"], None);
-    queued(1);
-    let attacker = spawn("attacker", &["--gpu-memory", "16G"], Some(NOBODY));
-    queued(2);
-    let t = Instant::now();
-    release(&dir, "holder", holder);
-    wait_until(20.0, "a queued job to start", || {
-        started(&dir, "victim").is_some() || started(&dir, "attacker").is_some()
-    });
-    let first = if started(&dir, "victim").is_some() {
-        "victim"
-    } else {
-        "attacker"
-    };
-    eprintln!(
-        "figure: after the GPU freed, {first} ran first ({:?})",
-        t.elapsed()
-    );
-    // Whichever ran, both end.
-    if first == "attacker" {
-        release(&dir, "attacker", attacker);
-        wait_started(&dir, "victim");
-        release(&dir, "victim", victim);
-        panic!("nobody's --gpu-memory 16G on a 16 GiB GPU ran before root's earlier --gpus 1");
+    let queued =
+        |n: usize| wait_until(20.0, &format!("{n} requests queued"), || queue().len() == n);
+    // 16 GiB; less a MiB, a byte, a page, a KiB.
+    let sizes = ["16G", "16383M", "17179869183", "16777212K", "16777215K"];
+    for (k, size) in sizes.iter().enumerate() {
+        let (holder, victim, attacker) = (
+            format!("holder{k}"),
+            format!("victim{k}"),
+            format!("attacker{k}"),
+        );
+        let held = spawn(&holder, &["--gpus", "1"], None);
+        wait_started(&dir, &holder);
+        let v = spawn(&victim, &["--gpus", "1"], Some(VICTIM));
+        queued(1);
+        let a = spawn(&attacker, &["--gpu-memory", size], Some(NOBODY));
+        queued(2);
+        let first = queue()[0]["pid"].as_u64();
+        let t = Instant::now();
+        release(&dir, &holder, held);
+        wait_until(20.0, "a queued job to start", || {
+            started(&dir, &victim).is_some() || started(&dir, &attacker).is_some()
+        });
+        let ran = if started(&dir, &victim).is_some() {
+            "victim"
+        } else {
+            "attacker"
+        };
+        eprintln!(
+            "figure: --gpu-memory {size}: after the GPU freed, the {ran} ran first ({:?})",
+            t.elapsed()
+        );
+        // Whichever ran, both end.
+        if ran == "attacker" {
+            release(&dir, &attacker, a);
+            wait_started(&dir, &victim);
+            release(&dir, &victim, v);
+            panic!(
+                "nobody's --gpu-memory {size} on a 16 GiB GPU ran before uid {VICTIM}'s earlier --gpus 1"
+            );
+        }
+        assert!(started(&dir, &attacker).is_none(), "both hold the GPU");
+        assert_eq!(
+            first,
+            Some(u64::from(v.id())),
+            "--gpu-memory {size}: the victim is first in line"
+        );
+        release(&dir, &victim, v);
+        wait_started(&dir, &attacker);
+        release(&dir, &attacker, a);
     }
-    assert!(started(&dir, "attacker").is_none(), "both hold the GPU");
-    release(&dir, "victim", victim);
-    wait_started(&dir, "attacker");
-    release(&dir, "attacker", attacker);
 }
 
 /// The attack (on the node, by the test suite itself): a cleanly stopped

@@ -520,8 +520,8 @@ fn the_quickstart_shows_a_live_job_in_status_and_top() {
 /// toolchain through RUSTC_BOOTSTRAP): each unit it would build, named by
 /// what decides whether a build made by another invocation serves it
 /// (package, target, mode, profile, features, platform and, recursively,
-/// those of its dependencies).
-fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
+/// those of its dependencies), with a line that says which it is.
+fn planned_units(args: &[&str]) -> std::collections::HashMap<String, String> {
     let o = Command::new(env!("CARGO"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("build")
@@ -549,7 +549,7 @@ fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
             .map(|d| key(units, d["index"].as_u64().unwrap() as usize, memo))
             .collect();
         deps.sort();
-        let k = serde_json::json!([
+        let whole = serde_json::json!([
             u["pkg_id"],
             u["target"]["name"],
             u["target"]["kind"],
@@ -560,11 +560,28 @@ fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
             deps
         ])
         .to_string();
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        whole.hash(&mut h);
+        let k = format!("{:016x}", h.finish());
         memo[i] = Some(k.clone());
         k
     }
     let mut memo = vec![None; units.len()];
-    (0..units.len()).map(|i| key(units, i, &mut memo)).collect()
+    (0..units.len())
+        .map(|i| {
+            let u = &units[i];
+            let pkg = u["pkg_id"].as_str().unwrap_or("?");
+            let what = format!(
+                "{} {} ({}) features {}",
+                pkg.rsplit('#').next().unwrap_or(pkg),
+                u["target"]["name"].as_str().unwrap_or("?"),
+                u["mode"].as_str().unwrap_or("?"),
+                u["features"]
+            );
+            (key(units, i, &mut memo), what)
+        })
+        .collect()
 }
 
 /// The Quickstart's builds after `./demo.sh`: the same units, so cargo
@@ -592,7 +609,7 @@ fn the_quickstart_builds_nothing_the_demo_did_not() {
     let mut built = std::collections::HashSet::new();
     for call in calls.lines() {
         let args: Vec<&str> = call.split_whitespace().skip(1).collect();
-        built.extend(planned_units(&args));
+        built.extend(planned_units(&args).into_keys());
     }
     // The Quickstart's, in the tests' profile (the profile does not change
     // which features are chosen).
@@ -614,10 +631,12 @@ fn the_quickstart_builds_nothing_the_demo_did_not() {
         .collect();
     assert_eq!(builds.len(), 2, "{q}");
     for args in builds {
-        let new: Vec<String> = planned_units(&args)
+        let mut new: Vec<String> = planned_units(&args)
             .into_iter()
-            .filter(|u| !built.contains(u))
+            .filter(|(k, _)| !built.contains(k))
+            .map(|(_, what)| what)
             .collect();
+        new.sort();
         assert!(
             new.is_empty(),
             "`cargo build {}` builds {} units `./demo.sh` did not ({calls}):\n{}",

@@ -592,3 +592,79 @@ fn books_replaced_by_garbage_refuse_charges_and_fail_new_processes() {
     // The first process keeps charging the job's own books (the old file).
     d.ended("fill count=15 rc=2", None, not_books, "renamed");
 }
+
+/// A job that queued behind another, allocated 1 GiB of its 4 GiB cap, was
+/// refused 4 GiB more and was busy for a second ends with one line on
+/// stderr saying each figure, and `--report` writes them as JSON.
+#[test]
+fn a_finished_run_says_how_it_went_and_writes_its_report() {
+    let b = Broker::start("16G", &[]);
+    let dir = Scratch::new("run-report");
+    let go = dir.0.join("go");
+    // The GPU held whole until the second job has queued.
+    let mut first = b.run(&["--gpus", "1", "--", "sh", "-c"]);
+    first
+        .arg(format!(
+            "while [ ! -e {} ]; do sleep 0.05; done",
+            go.display()
+        ))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let first = KillOnDrop(first.spawn().unwrap());
+    wait_until(20.0, "the first job placed", || b.leases().len() == 1);
+    let report = dir.0.join("report.json");
+    let start = mono_ns() + 1_500_000_000;
+    let mut second = b.run(&[
+        "--gpu-memory",
+        "4G",
+        "--gpu-compute",
+        "70%",
+        "--report",
+        report.to_str().unwrap(),
+        "--",
+    ]);
+    second
+        .arg(&artifacts().probe)
+        .args(["ctx", "alloc", "alloc", "1G", "alloc", "alloc", "4G"])
+        .args(spin_args(start, start + 1_000_000_000))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let second = second.spawn().unwrap();
+    let pid = second.id();
+    wait_until(20.0, "the second job queued", || {
+        b.status()["queue"].as_array().is_some_and(|q| q.len() == 1)
+    });
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    std::fs::write(&go, "").unwrap();
+    let o = second.wait_with_output().unwrap();
+    drop(first);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with(&format!("gpufrac run: job {pid} ended (exit 0): held ")),
+        "{err}"
+    );
+    assert!(
+        last.contains("peak 1.00 GiB of its 4.00 GiB cap; 1 allocation refused"),
+        "{err}"
+    );
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap())
+        .expect("the report is JSON");
+    assert_eq!(r["job"], pid, "{r}");
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert_eq!(r["peak_mem"].as_u64(), Some(1 << 30), "{r}");
+    assert_eq!(r["mem_cap"].as_u64(), Some(4 << 30), "{r}");
+    assert_eq!(r["refusals"], 1, "{r}");
+    assert_eq!(r["compute"].as_f64(), Some(70.0), "{r}");
+    assert!(r["queued_s"].as_f64().is_some_and(|q| q >= 0.4), "{r}");
+    // Busy for a second, alone on the GPU: charged and owed about that.
+    let (gpu, owed) = (r["gpu_s"].as_f64().unwrap(), r["owed_s"].as_f64().unwrap());
+    assert!((0.8..2.0).contains(&gpu), "{r}");
+    assert!((0.8..2.0).contains(&owed), "{r}");
+    assert!(r["held_s"].as_f64().unwrap() >= gpu, "{r}");
+    assert!(
+        r["wall_s"].as_f64().unwrap() >= r["held_s"].as_f64().unwrap(),
+        "{r}"
+    );
+}

@@ -19,15 +19,6 @@ use std::time::Duration;
 
 use support::*;
 
-/// A port nobody listens on now (bound, read, let go).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `GET path` over a fresh connection: (status code, body). HTTP/1.0, so
 /// that the body comes whole, never chunked. A bound on the read against
 /// a hang, never a measure.
@@ -405,7 +396,11 @@ impl Node {
         let [plain, mps, mig] = [&self.addrs[0], &self.addrs[1], &self.addrs[2]];
         wait_until(60.0, "the node's work in its metrics", || {
             let p = scrape(plain);
-            let queued = value(&p, "gpufrac_queue_wait_seconds_count").unwrap_or(0.0);
+            let queued: f64 = p
+                .lines()
+                .filter(|l| l.starts_with("gpufrac_queue_wait_seconds_count{"))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum();
             let refused = p.lines().any(|l| {
                 l.starts_with("gpufrac_user_memory_refusals_total{") && !l.ends_with(" 0")
             });
@@ -479,7 +474,7 @@ fn a_live_node_is_measured_and_every_family_is_documented() {
         gib
     );
     assert!(line("gpufrac_user_memory_refusals_total{gpu=\"0\"", &[&me]) >= 1.0);
-    assert!(line("gpufrac_job_info{", &[&me, "command=\"sh -c"]) == 1.0);
+    assert!(line("gpufrac_job_info{", &[&me, "name=\"sh\""]) == 1.0);
     // The jobs' targets stand as 70 to 30 within the user's part.
     let targets: Vec<f64> = p
         .lines()
@@ -492,6 +487,16 @@ fn a_live_node_is_measured_and_every_family_is_documented() {
     assert_eq!(targets.len(), 2, "{p}");
     let (hi, lo) = (targets[0].max(targets[1]), targets[0].min(targets[1]));
     assert!((hi / lo - 70.0 / 30.0).abs() < 0.01, "{targets:?}");
+    // What the busy jobs were owed grows as their GPU time does.
+    let owed: Vec<f64> = p
+        .lines()
+        .filter(|l| {
+            l.starts_with("gpufrac_job_entitled_seconds_total{gpu=\"0\"")
+                && !l.contains("job_id=\"none\"")
+        })
+        .map(|l| l.rsplit_once(' ').unwrap().1.parse().unwrap())
+        .collect();
+    assert!(owed.len() == 2 && owed.iter().all(|&v| v > 0.0), "{owed:?}");
     // Grants were timed in the classes that asked; queued requests' waits
     // and the refused --no-wait are counted.
     assert!(line("gpufrac_grant_latency_seconds_count{", &["class=\"high\""]) >= 1.0);
@@ -501,8 +506,19 @@ fn a_live_node_is_measured_and_every_family_is_documented() {
             &["class=\"normal\""]
         ) >= 1.0
     );
-    assert!(line("gpufrac_queue_wait_seconds_count", &[]) >= 2.0);
-    assert!(line("gpufrac_refusals_total{", &["reason=\"no_room\""]) >= 1.0);
+    assert!(line("gpufrac_queue_wait_seconds_count{", &[&me]) >= 2.0);
+    // Refusals and waits are the user's: the refused --no-wait is counted
+    // for its user, and said in one line of the broker's log.
+    assert!(line("gpufrac_refusals_total{", &["reason=\"no_room\"", &me]) >= 1.0);
+    let log = node.plain.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("refused a lease") && l.contains("reason=\"no_room\"")),
+        "{log}"
+    );
+    // A quantile of grants that took no time reads 0: the first bucket is
+    // 0 itself.
+    assert!(p.contains("gpufrac_grant_latency_seconds_bucket{class=\"high\",le=\"0\"}"));
     assert_eq!(
         line("gpufrac_build_info{", &[]),
         1.0,
@@ -585,7 +601,9 @@ impl Prometheus {
             &config,
             format!(
                 "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 rule_files: ['{}']\n\
                  scrape_configs:\n  - job_name: gpufrac\n    static_configs:\n      - targets: [{}]\n",
+                repo().join("deploy/prometheus/gpufrac-rules.yml").display(),
                 list.join(", ")
             ),
         )
@@ -843,6 +861,77 @@ fn promtool_finds_the_scrapes_clean_and_every_dashboard_query_returns_data() {
         "without data from Prometheus:\n{}",
         missing.join("\n")
     );
+
+    // The shipped rules load and evaluate on the live node: every rule is
+    // healthy, and every recording rule has data.
+    let (code, body) = get(&prom.addr, "/api/v1/rules").unwrap();
+    assert_eq!(code, 200, "{body}");
+    let rules: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let all: Vec<&serde_json::Value> = rules["data"]["groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+        .collect();
+    assert!(all.len() >= 13, "{body}");
+    for r in &all {
+        assert_eq!(r["health"], "ok", "{r}");
+    }
+    let recorded: Vec<String> = all
+        .iter()
+        .filter(|r| r["type"] == "recording")
+        .map(|r| r["name"].as_str().unwrap().to_owned())
+        .collect();
+    let mut empty = recorded.clone();
+    wait_until_or(60.0, || {
+        empty.retain(|q| {
+            !prom
+                .query(q)
+                .is_ok_and(|r| r.iter().any(|(_, v)| v.is_finite()))
+        });
+        empty.is_empty()
+    });
+    assert!(empty.is_empty(), "recording rules without data: {empty:?}");
+    // Where shares hold, as between the two jobs at 70% and 30% beside an
+    // interactive `high` process, no job is short of what it is owed.
+    let deficit = prom
+        .query("gpufrac:job_share_deficit:rate10m{job_id!=\"none\"}")
+        .unwrap();
+    assert!(!deficit.is_empty());
+    for (labels, v) in &deficit {
+        assert!(*v < 0.05, "{labels}: short of its share by {v}");
+    }
+}
+
+/// The shipped rules (deploy/prometheus/gpufrac-rules.yml) pass
+/// `promtool check rules`, and their unit tests (gpufrac-rules.test.yml:
+/// each alert firing on its input and not on what merely looks like it,
+/// starvation not on a target that flaps) pass `promtool test rules`.
+#[test]
+fn the_alert_rules_pass_promtool_check_and_their_unit_tests() {
+    let what = "the alert rules' promtool tests";
+    if !prometheus_installed(what) {
+        return;
+    }
+    let dir = repo().join("deploy/prometheus");
+    for args in [
+        &["check", "rules", "gpufrac-rules.yml"][..],
+        &["test", "rules", "gpufrac-rules.test.yml"][..],
+    ] {
+        let o = Command::new("/usr/bin/promtool")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "promtool {}:\n{}{}",
+            args.join(" "),
+            stdout(&o),
+            stderr(&o)
+        );
+        assert!(stdout(&o).contains("SUCCESS"), "{}", stdout(&o));
+    }
 }
 
 /// `wait_until` without the panic: whether `cond` came true in time.

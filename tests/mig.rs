@@ -327,7 +327,7 @@ fn metrics_show_instances() {
     release(&d, "a", a);
     wait_until(10.0, "the idle instance in /metrics", || {
         get().lines().any(|l| {
-            l.starts_with("gpufrac_mig_instance_idle_seconds{")
+            l.starts_with("gpufrac_mig_instance_idle_start_time_seconds{")
                 && l.contains(&format!("mig_uuid=\"{cvd}\""))
         })
     });

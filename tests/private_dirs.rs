@@ -1,6 +1,8 @@
 //! The broker's private files (SPEC §2, invariant 5), tried as `nobody`
-//! would against a root broker whose socket sits in a sticky directory
-//! like /tmp: MPS directories and links planted beside the socket, state
+//! would against a root broker whose socket sat in a sticky directory
+//! like /tmp (which a broker now refuses; what was planted while it was
+//! one stays when it is closed): MPS directories and links planted beside
+//! the socket, state
 //! directories of the wrong owner or mode, and a restart on a state file
 //! the broker cannot trust, during which the attacker claims GPUs under a
 //! made-up token.
@@ -87,6 +89,8 @@ fn mps_directories_planted_beside_the_socket_are_never_used() {
          && ln -s \"$2\" \"$1/mps-log\"",
         &[&shared, &secret],
     );
+    // Closed, as a broker's refusal of it says to, with the plants left.
+    std::fs::set_permissions(&shared, PermissionsExt::from_mode(0o755)).unwrap();
     let socket = shared.join("b.sock");
     let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
     cmd.args(["broker", "--mps", "--socket"])
@@ -328,7 +332,8 @@ fn a_made_up_claim_during_a_recovery_is_refused_and_the_victim_placed() {
     assert!(o.status.success(), "the victim is placed: {}", stderr(&o));
 }
 
-/// A broker that stops cleanly removes the state directory it made, when
+/// A broker that stops cleanly removes the state directory it made, or
+/// its socket's default one (left by a broker killed before it), when
 /// nothing is left in it: each broker of the test suite once left one
 /// under /run/gpufrac/state. One it did not make (an administrator's
 /// `--state-dir`) stays, and so does one with something left in it.
@@ -372,6 +377,14 @@ fn a_clean_stop_removes_the_state_directory_it_made() {
     assert!(default.is_dir());
     stop(b);
     assert!(!default.exists(), "{} left behind", default.display());
+    // Left by a broker that was killed: the next one on the socket did
+    // not make it, and removes it all the same.
+    let mut killed = start(None);
+    killed.0.kill().unwrap();
+    killed.0.wait().unwrap();
+    assert!(default.is_dir(), "a kill leaves it");
+    stop(start(None));
+    assert!(!default.exists(), "{} left behind", default.display());
     // One it made under --state-dir, and one that was there before.
     let made = dir.0.join("made");
     stop(start(Some(&made)));
@@ -387,4 +400,37 @@ fn a_clean_stop_removes_the_state_directory_it_made() {
     std::fs::write(full.join("note"), b"kept").unwrap();
     stop(b);
     assert_eq!(std::fs::read(full.join("note")).unwrap(), b"kept");
+}
+
+/// The suite's helpers leave nothing behind: a machine-wide lock's file
+/// goes with its last holder (one that waited on it takes a new one), a
+/// scratch directory with its owner, and a test broker's private files
+/// with its scratch directory.
+#[test]
+fn the_test_helpers_leave_nothing_behind() {
+    let name = format!("selftest-{}", std::process::id());
+    let path = std::env::temp_dir().join(format!("gpufrac-test-{name}.lock"));
+    let held = MachineLock::take(&name);
+    assert!(path.exists());
+    // A second taker waits on the file its holder then removes.
+    let waiter = {
+        let name = name.clone();
+        std::thread::spawn(move || drop(MachineLock::take(&name)))
+    };
+    let ino = format!(":{} ", std::fs::metadata(&path).unwrap().ino());
+    wait_until(10.0, "the second taker waiting on the file", || {
+        std::fs::read_to_string("/proc/locks")
+            .is_ok_and(|l| l.lines().any(|l| l.contains("->") && l.contains(&ino)))
+    });
+    drop(held);
+    waiter.join().unwrap();
+    assert!(!path.exists(), "{} left behind", path.display());
+
+    let b = Broker::start("16G", &[]);
+    let scratch = b.socket.parent().unwrap().to_path_buf();
+    let default = gpufrac_broker::startup::default_state_dir(&b.socket);
+    assert!(scratch.join("state").is_dir());
+    drop(b);
+    assert!(!scratch.exists(), "{} left behind", scratch.display());
+    assert!(!default.exists(), "{} made", default.display());
 }

@@ -529,7 +529,7 @@ fn an_unplaced_job_counts_its_time_held() {
 /// a GPU under a token the client chose, its name, and what is refused.
 #[test]
 fn pinned_leases_take_their_gpu_under_the_chosen_token() {
-    use gpufrac_common::wire::{ClientMsg, LeaseReq, Pin, ServerMsg};
+    use gpufrac_common::wire::{self, ClientMsg, LeaseReq, Pin, ServerMsg};
     let b = Broker::start("16G,16G", &[]);
     let second = {
         let s = b.status();
@@ -575,12 +575,9 @@ fn pinned_leases_take_their_gpu_under_the_chosen_token() {
     // the chosen token, and named.
     c.send(&lease(0xfeed, pin(), 0));
     match c.recv() {
-        Some(ServerMsg::Leased {
-            gpus,
-            token,
-            mem_cap,
-            ..
-        }) => assert_eq!((gpus, token, mem_cap), (vec![1], 0xfeed, 4 << 30)),
+        Some(ServerMsg::Leased(l)) => {
+            assert_eq!((l.gpus, l.token, l.mem_cap), (vec![1], 0xfeed, 4 << 30))
+        }
         other => panic!("{other:?}"),
     }
     c.send(&ClientMsg::Name {
@@ -611,7 +608,7 @@ fn pinned_leases_take_their_gpu_under_the_chosen_token() {
     d.send(&lease(0xfeed, pin(), 0));
     assert!(matches!(
         d.recv(),
-        Some(ServerMsg::Leased { token: 0xfeed, .. })
+        Some(ServerMsg::Leased(wire::Lease { token: 0xfeed, .. }))
     ));
 }
 

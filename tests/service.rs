@@ -124,10 +124,6 @@ fn frames(msgs: &[ClientMsg]) -> Vec<u8> {
     out
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len() / 2)
         .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
@@ -407,7 +403,7 @@ except OSError as e:
     if let Some(h) = got.strip_prefix("got ") {
         let (m, _) = wire::decode_server(&unhex(h)).expect("a whole frame");
         assert!(
-            !matches!(m, ServerMsg::Leased { .. }),
+            !matches!(m, ServerMsg::Leased(_)),
             "a lease was booked on a dead process's connection: {m:?}"
         );
     }

@@ -173,7 +173,15 @@ fn once_shows_caps_shares_users_jobs_and_the_queue() {
         .position(|l| l.contains("512M/8G"))
         .expect(&flat);
     assert!(first < second, "{flat}");
-    assert!(line_with(&flat, "PID").contains("CONTAINER"), "{flat}");
+    // How each process is scheduled, whatever else the width drops (a
+    // column of containers shows only where a process has one).
+    assert!(line_with(&flat, "PID").contains("CLASS"), "{flat}");
+    let (narrow, _, _) = top(
+        &n.broker.socket,
+        &["--once", "--size", "80x24", "--flat"],
+        None,
+    );
+    assert!(line_with(&narrow, "PID").contains("CLASS"), "{narrow}");
 
     // Small: nothing past 40 columns, the user still there.
     let (small, _, _) = top(&n.broker.socket, &["--once", "--size", "40x12"], None);
@@ -392,4 +400,117 @@ fn live_view_under_tmux_takes_keys_and_gives_the_terminal_back() {
         ["icanon", "echo"],
         "{screen}"
     );
+}
+
+/// A job asking `--gpu-compute 70% --gpu-limit 90%` busy beside another
+/// user's interactive `high` process: in every frame the job's target is
+/// its whole share among the shares (the `high` process, above them, no
+/// longer halves it while busy), it says what it asked, and the `high`
+/// process shows `high` where a 0% target read as a violation.
+#[test]
+fn high_is_above_the_shares_and_what_was_asked_is_shown() {
+    let _serial = serial();
+    let b = Broker::start("16G", &[]);
+    let start = mono_ns() + 300_000_000;
+    let end = start + 120_000_000_000;
+    let mut job = b.run(&["--gpu-compute", "70%", "--gpu-limit", "90%", "--"]);
+    job.arg(&artifacts().probe)
+        .args(["ctx"])
+        .args(spin_args(start, end))
+        .stdout(Stdio::null());
+    let job = Job(job.spawn().unwrap());
+    let mut high = b.client(&artifacts().loadgen);
+    high.env("GPU_COMPUTE_PRIORITY", "high")
+        .args(["interactive", "4", "200", "20000", "+0", "+120"])
+        .stdout(Stdio::null());
+    let _high = KillOnDrop(high.spawn().unwrap());
+    let pid = job.0.id();
+    wait_until(30.0, "the job busy and the high process there", || {
+        let st = b.status();
+        let procs = st["gpus"][0]["processes"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        procs.len() == 2
+            && procs.iter().any(|p| p["priority"] == "high")
+            && procs
+                .iter()
+                .any(|p| p["job"] == pid && p["share_target"].as_f64() == Some(1.0))
+    });
+    for _ in 0..5 {
+        let (t, err, ok) = top(&b.socket, &["--once", "--size", "120x30"], None);
+        assert!(ok, "{err}");
+        let row = line_with(&t, &format!("▾ job {pid}"));
+        assert!(row.contains("100/"), "{t}");
+        assert!(row.contains("70% ≤90%"), "{t}");
+        let hp = line_with(&t, "loadgen interactive");
+        assert!(hp.contains("high/") && !hp.contains(" 0/"), "{t}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+}
+
+/// The broker stops while top is open under tmux: the frame it left stays,
+/// marked stale with its age, until it answers again.
+#[test]
+fn a_frame_left_by_a_stopped_broker_is_marked_stale() {
+    const WHAT: &str = "the live view of gpufrac top under tmux";
+    if !engines_wanted(WHAT) {
+        return;
+    }
+    if let Err(why) = apt_install(WHAT, &["tmux"], || Path::new("/usr/bin/tmux").exists()) {
+        cannot(WHAT, &why);
+        return;
+    }
+    let _serial = serial();
+    let mut b = Broker::start("16G", &[]);
+    let job = busy_job(&b, "4G", "70%", "1G");
+    let pid = job.0.id();
+    let tmux = Tmux(format!("gpufrac-stale-{}", std::process::id()));
+    let top_cmd = format!(
+        "{} top --socket {}; sleep 120",
+        artifacts().gpufrac.display(),
+        b.socket.display()
+    );
+    let ok = tmux
+        .cmd()
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            "top",
+            "-x",
+            "120",
+            "-y",
+            "30",
+            "sh",
+            "-c",
+            &top_cmd,
+        ])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let screen = tmux.wait_for(&format!("▾ job {pid}"));
+    assert!(!screen.contains("STALE"), "{screen}");
+    drop(job);
+    b.kill();
+    let screen = tmux.wait_until("say the frame is stale and how old", |s| {
+        s.lines()
+            .next()
+            .is_some_and(|l| l.contains("STALE") && l.contains("s old"))
+    });
+    assert!(
+        screen.contains(&format!("▾ job {pid}")),
+        "the last frame stays:\n{screen}"
+    );
+    // Its age grows while nothing answers.
+    tmux.wait_until("age past a second", |s| {
+        s.lines().next().is_some_and(|l| {
+            l.split("STALE ")
+                .nth(1)
+                .and_then(|r| r.split('s').next())
+                .and_then(|n| n.parse::<u32>().ok())
+                .is_some_and(|n| n >= 2)
+        })
+    });
+    tmux.keys(&["q"]);
 }

@@ -150,7 +150,7 @@ fn this_release_talks_to_a_broker_of_the_previous_one() {
             return version;
         }
         wire::encode_server(&ServerMsg::HelloOk { version: 4 }, &mut out);
-        let status = gpufrac_broker::status::Status {
+        let status = gpufrac_common::status::Status {
             version: "0.0.4".into(),
             socket: "/old".into(),
             ..Default::default()

@@ -21,41 +21,95 @@ pub fn no_permission(what: String, e: &std::io::Error) -> String {
     )
 }
 
-/// A directory others can write lets them replace the socket (or plant
-/// their own before the broker starts): refuse one that is writable by
-/// group or others (unless sticky, like /tmp, where only owners may
-/// remove) or owned by someone other than root or the broker's user.
+/// A directory another user can write lets them take the socket's path:
+/// bind their own listener there while the broker restarts (or before it
+/// first starts) and answer its clients. Sticky or not: the sticky bit
+/// only stops them removing a socket that is there, and a restart leaves
+/// a moment when there is none to remove. So the socket's directory must
+/// be root's or this user's and writable by nobody else, and every
+/// directory above it root's or this user's, writable by nobody else
+/// unless sticky (in /tmp others cannot rename a directory that is not
+/// theirs). The refusal names the directory, its owner and mode, and what
+/// would be right; the accepted one is logged at start.
 fn check_socket_dir(dir: &std::path::Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
+    let abs = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
     let meta =
-        std::fs::metadata(dir).map_err(|e| format!("cannot inspect {}: {e}", dir.display()))?;
+        std::fs::metadata(&abs).map_err(|e| format!("cannot inspect {}: {e}", abs.display()))?;
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
-    let mode = meta.mode();
-    let sticky = mode & 0o1000 != 0;
+    let mode = meta.mode() & 0o7777;
+    let right = right_dir(me);
     if meta.uid() != 0 && meta.uid() != me {
         return Err(format!(
-            "the socket directory {} belongs to uid {}, who could replace the socket; \
-             use a directory owned by root or by this user (e.g. /run/gpufrac)",
-            dir.display(),
+            "the socket's directory {} belongs to uid {} (mode {mode:o}), who could take the \
+             socket's path and answer this broker's clients; expected a directory of root's or of \
+             uid {me} that nobody else can write: {right}",
+            abs.display(),
             meta.uid()
         ));
     }
-    if mode & 0o022 != 0 && !sticky {
+    if mode & 0o022 != 0 {
+        let sticky = mode & 0o1000 != 0;
+        // A shared directory like /tmp is for everyone: not to be closed.
+        let fix = if sticky {
+            right
+        } else {
+            format!("run `chmod go-w {}`, or use {right}", abs.display())
+        };
         return Err(format!(
-            "the socket directory {} is writable by {} (mode {:o}), who could replace the socket; \
-             run: chmod go-w {} (or choose another --socket)",
-            dir.display(),
+            "the socket's directory {} (owner uid {}, mode {mode:o}) is writable by {}{}, who \
+             could take the socket's path while this broker restarts and answer its clients; \
+             expected a directory that only uid {} can write: {fix}",
+            abs.display(),
+            meta.uid(),
             if mode & 0o002 != 0 {
                 "everyone"
             } else {
                 "its group"
             },
-            mode & 0o7777,
-            dir.display()
+            if sticky { " (sticky or not)" } else { "" },
+            meta.uid()
         ));
     }
+    for above in abs.ancestors().skip(1) {
+        let Ok(m) = std::fs::metadata(above) else {
+            continue;
+        };
+        let am = m.mode() & 0o7777;
+        if (m.uid() != 0 && m.uid() != me) || (am & 0o022 != 0 && am & 0o1000 == 0) {
+            return Err(format!(
+                "the socket's directory {} is inside {} (owner uid {}, mode {am:o}), whose owner \
+                 or other users could move it away and put their own in its place; expected \
+                 directories above it of root's or of uid {me}, writable by nobody else unless \
+                 sticky: {right}",
+                abs.display(),
+                above.display(),
+                m.uid()
+            ));
+        }
+    }
+    tracing::info!(
+        "socket directory {} (owner uid {}, mode {mode:o}): only root and its owner may listen \
+         there, and clients believe no one else",
+        abs.display(),
+        meta.uid()
+    );
     Ok(())
+}
+
+/// What a refused socket directory should have been instead.
+fn right_dir(me: u32) -> String {
+    if me == 0 {
+        "the default, /run/gpufrac/broker.sock, or --socket in a directory made with \
+         `install -d -m 755 DIR`"
+            .into()
+    } else {
+        format!(
+            "--socket {} (a directory of your own), or one made with `install -d -m 700 DIR`",
+            crate::user_socket().display()
+        )
+    }
 }
 
 /// Raises the soft file limit to the hard one: every client is a socket.
@@ -82,22 +136,30 @@ pub fn raise_nofile() -> u64 {
     rl.rlim_cur
 }
 
-/// Listens on `path` (mode 0660, group `group` with its gid when given).
+/// Listens on `path` (mode 0660, group `group` with its gid when given),
+/// without ever leaving the path free for another user to take: the
+/// listener is bound under a temporary name in the same private
+/// directory, given its mode and group, and renamed over the path, which
+/// replaces a stale socket in one step. A clean stop leaves the socket in
+/// place too (see `server`), so from the first start on the path is
+/// always this broker's, live or stale.
 pub fn bind(path: &std::path::Path, group: Option<(&str, u32)>) -> Result<UnixListener, String> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.exists() {
-            use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o755)
-                .create(dir)
-                .map_err(|e| no_permission(format!("cannot create {}", dir.display()), &e))?;
-        }
-        check_socket_dir(dir)?;
+    let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(d) => d.to_path_buf(),
+        None => std::path::PathBuf::from("."),
+    };
+    if !dir.exists() {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(&dir)
+            .map_err(|e| no_permission(format!("cannot create {}", dir.display()), &e))?;
     }
+    check_socket_dir(&dir)?;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;
-        // Only ever remove a stale socket: a typo in --socket must not
+        // Only ever replace a stale socket: a typo in --socket must not
         // delete someone's file.
         if !meta.file_type().is_socket() {
             return Err(format!(
@@ -105,33 +167,78 @@ pub fn bind(path: &std::path::Path, group: Option<(&str, u32)>) -> Result<UnixLi
                 path.display()
             ));
         }
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(path) {
+            let who = match gpufrac_common::net::peer_cred(&s) {
+                Some(c) => format!(" (uid {}, pid {})", c.uid, c.pid),
+                None => String::new(),
+            };
             return Err(format!(
-                "another broker is already listening on {}",
+                "another broker{who} is already listening on {}; stop it first, or choose \
+                 another --socket path",
                 path.display()
             ));
         }
-        // A stale socket from a broker that died.
-        let _ = std::fs::remove_file(path);
     }
-    let l = UnixListener::bind(path)
-        .map_err(|e| no_permission(format!("cannot listen on {}", path.display()), &e))?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(|e| format!("chmod {}: {e}", path.display()))?;
-    if let Some((group, gid)) = group {
-        let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| "bad socket path")?;
-        // SAFETY: chown of our own socket file; -1 keeps the owner.
-        if unsafe { libc::chown(cpath.as_ptr(), u32::MAX, gid) } != 0 {
-            return Err(format!(
-                "chown {} to group {group}: {}",
-                path.display(),
-                std::io::Error::last_os_error()
-            ));
+    let staged = staging_name(path);
+    let at = staged.as_deref().unwrap_or(path);
+    if let Ok(meta) = std::fs::symlink_metadata(at) {
+        use std::os::unix::fs::FileTypeExt;
+        // Left by a start that died between bind and rename, or (bound
+        // in place) the stale socket itself; nobody else can write this
+        // directory.
+        if meta.file_type().is_socket() {
+            let _ = std::fs::remove_file(at);
         }
     }
+    let l = UnixListener::bind(at)
+        .map_err(|e| no_permission(format!("cannot listen on {}", path.display()), &e))?;
+    let ready = (|| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(at, std::fs::Permissions::from_mode(0o660))
+            .map_err(|e| format!("chmod {}: {e}", at.display()))?;
+        if let Some((group, gid)) = group {
+            let cpath = std::ffi::CString::new(at.as_os_str().as_encoded_bytes())
+                .map_err(|_| "bad socket path")?;
+            // SAFETY: chown of our own socket file; -1 keeps the owner.
+            if unsafe { libc::chown(cpath.as_ptr(), u32::MAX, gid) } != 0 {
+                return Err(format!(
+                    "chown {} to group {group}: {}",
+                    at.display(),
+                    std::io::Error::last_os_error()
+                ));
+            }
+        }
+        if staged.is_some() {
+            std::fs::rename(at, path).map_err(|e| {
+                format!(
+                    "cannot move the new socket {} over {}: {e}",
+                    at.display(),
+                    path.display()
+                )
+            })?;
+        }
+        Ok::<(), String>(())
+    })();
+    if let Err(e) = ready {
+        let _ = std::fs::remove_file(at);
+        return Err(e);
+    }
     Ok(l)
+}
+
+/// A name beside `path` for the listener before it is renamed over it:
+/// `.NAME.PID`, or `.PID` where that would not fit in a socket address
+/// (107 bytes). None where neither fits: then the listener is bound at
+/// `path` itself, which a stale socket must first leave (no other user
+/// can write the directory, so the moment between is nobody's to use).
+fn staging_name(path: &std::path::Path) -> Option<std::path::PathBuf> {
+    const MAX: usize = 107;
+    let pid = std::process::id();
+    let name = path.file_name()?.to_string_lossy();
+    [format!(".{name}.{pid}"), format!(".{pid}")]
+        .into_iter()
+        .map(|n| path.with_file_name(n))
+        .find(|p| p.as_os_str().len() <= MAX)
 }
 
 /// A connection's peer as found at accept, and a pidfd that says when its
@@ -155,23 +262,10 @@ const SO_PEERPIDFD: libc::c_int = 77;
 /// already exited (nothing it sent could be told from what the next
 /// holder of its pid sends).
 pub fn peer(fd: i32) -> Option<Accepted> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt into a correctly sized ucred.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 || cred.pid <= 0 {
+    // SAFETY: the caller's descriptor, borrowed for this call only.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let cred = gpufrac_common::net::peer_cred(&borrowed)?;
+    if cred.pid <= 0 {
         return None;
     }
     let pid = cred.pid as u32;
@@ -273,6 +367,67 @@ fn peer_groups(fd: i32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn scratch(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "gpufrac-listen-{tag}-{}-{}",
+            std::process::id(),
+            gpufrac_common::clock::mono_ns()
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// /tmp's kind: anyone may bind a name there while the broker is
+    /// away, so the broker does not listen there at all.
+    #[test]
+    fn a_directory_others_can_write_is_refused_sticky_or_not() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = scratch("open");
+        for (mode, who) in [(0o1777, "everyone (sticky or not)"), (0o775, "its group")] {
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = bind(&d.join("b.sock"), None).map(|_| ()).unwrap_err();
+            assert!(
+                e.contains(&format!("the socket's directory {}", d.display()))
+                    && e.contains(&format!("mode {mode:o}"))
+                    && e.contains(&format!("is writable by {who}"))
+                    && e.contains("expected a directory that only uid"),
+                "{e}"
+            );
+            assert!(!d.join("b.sock").exists());
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_stale_socket_is_replaced_in_one_step_and_a_live_one_is_not() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = scratch("stale");
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = d.join("b.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let old = std::fs::metadata(&path).unwrap();
+        let l = bind(&path, None).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        let new = std::fs::metadata(&path).unwrap();
+        assert_ne!(old.ino(), new.ino(), "the stale socket was replaced");
+        assert_eq!(new.mode() & 0o777, 0o660);
+        // The new listener answers at the path, and nothing else is left.
+        let _c = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        assert!(l.accept().is_ok());
+        let names: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, [std::ffi::OsString::from("b.sock")]);
+        let e = bind(&path, None).map(|_| ()).unwrap_err();
+        assert!(
+            e.contains(&format!("(uid {}, pid {})", new.uid(), std::process::id()))
+                && e.contains("is already listening on"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
 
     #[test]
     fn the_peer_of_a_socket_pair_is_this_process() {

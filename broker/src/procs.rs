@@ -71,13 +71,45 @@ pub struct GpuSample {
     /// Utilisation in percent (None: not reported, as in MIG mode).
     pub utilization: Option<u32>,
     /// (pid, bytes) of each process on the GPU, as the driver accounts
-    /// them (context and module overhead included).
-    pub processes: Vec<(u32, u64)>,
-    /// The pids the driver saw running kernels since the previous sample
-    /// (NVML's per-process utilisation), sorted. None: the driver does
-    /// not report per-process work on this GPU, and the scheduler cannot
-    /// tell a holder that works from one that only asks.
-    pub working: Option<Vec<u32>>,
+    /// them (context and module overhead included). None: the driver
+    /// would not list them.
+    pub processes: Option<Vec<(u32, u64)>>,
+    /// The GPU's memory as the driver counts it, bytes: everything every
+    /// process holds, the shim's or not, and the driver's own.
+    pub memory: Option<DriverMemory>,
+    /// Temperature, power, clock, ECC and XID counts, where NVML has them.
+    pub health: Option<Health>,
+    /// The processes the driver saw running kernels since the previous
+    /// sample (NVML's per-process utilisation), sorted by pid, each with
+    /// the part of that time it kept the GPU busy, in percent (its
+    /// samples' mean). None: the driver does not report per-process work
+    /// on this GPU, and the scheduler cannot tell a holder that works
+    /// from one that only asks.
+    pub working: Option<Vec<(u32, u32)>>,
+}
+
+/// A GPU's health as NVML reports it: each figure None where the driver
+/// or the GPU has no such counter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Health {
+    pub temperature_c: Option<u32>,
+    pub power_mw: Option<u32>,
+    pub power_limit_mw: Option<u32>,
+    pub sm_clock_mhz: Option<u32>,
+    /// ECC errors since the driver loaded.
+    pub ecc_corrected: Option<u64>,
+    pub ecc_uncorrected: Option<u64>,
+    /// XID events since the broker started, and the last XID.
+    pub xid_errors: u64,
+    pub last_xid: Option<u64>,
+}
+
+/// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverMemory {
+    pub total: u64,
+    pub free: u64,
+    pub used: u64,
 }
 
 impl Telemetry {
@@ -89,6 +121,7 @@ impl Telemetry {
         self.gpus
             .get(uuid)?
             .processes
+            .as_ref()?
             .iter()
             .find(|&&(p, _)| p == pid)
             .map(|&(_, b)| b)
@@ -107,13 +140,52 @@ pub trait Sampler {
 pub struct NvmlSampler {
     nvml: Nvml,
     last_seen: HashMap<String, u64>,
+    /// The driver's XID events (None: it has none to give).
+    xids: Option<inventory::Xids>,
 }
 
 impl NvmlSampler {
     pub fn new(nvml: Nvml) -> NvmlSampler {
+        let xids = inventory::Xids::new(&nvml);
         NvmlSampler {
             nvml,
             last_seen: HashMap::new(),
+            xids,
+        }
+    }
+
+    /// One GPU, as the driver sees it now.
+    fn gpu(&mut self, u: &str) -> GpuSample {
+        let Some(dev) = self.nvml.device(u) else {
+            return GpuSample::default();
+        };
+        let since = self.last_seen.get(u).copied().unwrap_or(0);
+        let working = inventory::process_work(&dev, since).map(|(work, latest)| {
+            self.last_seen.insert(u.to_owned(), latest);
+            work
+        });
+        let mut health = inventory::health(&dev);
+        if let Some(x) = &self.xids {
+            (health.xid_errors, health.last_xid) = x.of(u);
+        }
+        GpuSample {
+            utilization: inventory::utilization(&dev),
+            processes: inventory::process_memory(&dev),
+            memory: inventory::memory(&dev).map(|(total, free, used)| DriverMemory {
+                total,
+                free,
+                used,
+            }),
+            health: Some(health),
+            working,
+        }
+    }
+}
+
+impl Drop for NvmlSampler {
+    fn drop(&mut self) {
+        if let Some(x) = self.xids.take() {
+            x.free(&self.nvml);
         }
     }
 }
@@ -122,25 +194,15 @@ impl Sampler for NvmlSampler {
     fn sample(&mut self, uuids: &[String]) -> Telemetry {
         // GPUs no longer asked about (a MIG instance destroyed) are dropped.
         self.last_seen.retain(|u, _| uuids.contains(u));
-        let mut gpus = HashMap::with_capacity(uuids.len());
-        for u in uuids {
-            let s = match self.nvml.device(u) {
-                Some(dev) => {
-                    let since = self.last_seen.get(u).copied().unwrap_or(0);
-                    let working = inventory::process_work(&dev, since).map(|(pids, latest)| {
-                        self.last_seen.insert(u.clone(), latest);
-                        pids
-                    });
-                    GpuSample {
-                        utilization: inventory::utilization(&dev),
-                        processes: inventory::process_memory(&dev),
-                        working,
-                    }
+        if let Some(x) = self.xids.as_mut() {
+            for u in uuids {
+                if let Some(dev) = self.nvml.device(u) {
+                    x.watch(&dev, u);
                 }
-                None => GpuSample::default(),
-            };
-            gpus.insert(u.clone(), s);
+            }
+            x.take(&self.nvml);
         }
+        let gpus = uuids.iter().map(|u| (u.clone(), self.gpu(u))).collect();
         Telemetry { gpus }
     }
 }

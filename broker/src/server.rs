@@ -66,11 +66,11 @@ fn now() -> Nanos {
 pub struct Shell {
     pub core: Broker,
     pub listener: UnixListener,
-    pub socket: PathBuf,
     pub state: StateFile,
-    /// The private directory the broker made at start: removed at a clean
-    /// stop when nothing is left in it (one a test suite's brokers made
-    /// and left behind, by the dozen, under /run/gpufrac/state).
+    /// The private directory to remove at a clean stop when nothing is
+    /// left in it: the one the broker made at start, or the socket's
+    /// default one (a test suite's brokers once left them behind, by the
+    /// dozen, under /run/gpufrac/state).
     pub made_dir: Option<PathBuf>,
     pub metrics: Option<crate::metrics::Feed>,
     pub mps: Option<crate::mps::Mps>,
@@ -152,7 +152,6 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     let Shell {
         core,
         mut listener,
-        socket,
         state,
         made_dir,
         metrics,
@@ -201,7 +200,10 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     if let Some(m) = l.mps.as_mut() {
         m.quit();
     }
-    let _ = std::fs::remove_file(&socket);
+    // The socket stays where it is, stale: a path that is never free is
+    // one nobody else can take between this stop and the next start (the
+    // next broker renames its own over it; clients see a refused
+    // connection, as with no broker).
     // The last write finishes before the file goes: a clean stop ends
     // every lease (the runs see the socket close); only a crash leaves
     // state for the next broker.

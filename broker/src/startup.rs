@@ -215,8 +215,8 @@ impl Drop for Made {
 /// socket (`<socket>.state`, and `.prev`). After an upgrade that restarts
 /// a crashed broker, its leases are taken over from there, but only from a
 /// directory nobody else can write (root's or this user's, no write for
-/// group or others, sticky or not): what sits beside a socket in /tmp is
-/// anyone's and is never read.
+/// group or others, sticky or not), and only a file of the broker's own
+/// user: what sits beside a socket in /tmp is anyone's and is never read.
 fn adopt_state_beside(socket: &Path, state: &Path) {
     use std::os::unix::fs::MetadataExt;
     let mut old = socket.as_os_str().to_owned();
@@ -236,6 +236,27 @@ fn adopt_state_beside(socket: &Path, state: &Path) {
             "{} is left unread: a state file beside a socket in a directory others can write could be \
              anyone's; this broker keeps its state in {}",
             old.display(),
+            state.display()
+        );
+        return;
+    }
+    // A directory closed since (as a refused socket directory is) keeps
+    // what others planted while it was open: only the broker user's own
+    // file is its state.
+    let theirs = std::fs::symlink_metadata(&old)
+        .ok()
+        .filter(|m| !m.file_type().is_file() || m.uid() != me);
+    if let Some(m) = theirs {
+        warn!(
+            "{} is left unread: it is not a file of this broker's user (uid {me}) but {} of uid {}; \
+             this broker keeps its state in {}",
+            old.display(),
+            if m.file_type().is_file() {
+                "a file"
+            } else {
+                "something else"
+            },
+            m.uid(),
             state.display()
         );
         return;
@@ -465,9 +486,16 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
     crate::server::serve(crate::server::Shell {
         core,
         listener,
-        socket: opts.socket.clone(),
         state,
-        made_dir: made.0.take(),
+        // Removed at a clean stop when nothing is left in it: the one this
+        // start made, or the socket's own default one, whoever made it (a
+        // broker killed before this one left it, and a restart that did
+        // not make it would otherwise keep it for good). An
+        // administrator's `--state-dir` that was there before stays.
+        made_dir: made
+            .0
+            .take()
+            .or_else(|| opts.state_dir.is_none().then_some(state_dir)),
         metrics,
         mps,
         mig_driver,
@@ -601,17 +629,26 @@ mod tests {
     }
 
     #[test]
-    fn an_earlier_releases_state_is_taken_over_only_from_a_private_directory() {
+    fn an_earlier_releases_state_is_taken_over_only_from_a_private_directory_and_its_own_user() {
         use std::os::unix::fs::PermissionsExt;
         let d = std::env::temp_dir().join(format!("gpufrac-adopt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
-        for (sub, mode, adopted) in [("private", 0o755, true), ("sticky", 0o1777, false)] {
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        // A closed directory with a file of another user's left in it
+        // (planted while it was open) needs root to make.
+        let mut cases = vec![("private", 0o755, me, true), ("sticky", 0o1777, me, false)];
+        if me == 0 {
+            cases.push(("closed", 0o755, 65534, false));
+        }
+        for (sub, mode, owner, adopted) in cases {
             let run = d.join(sub);
             std::fs::create_dir_all(&run).unwrap();
             std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
             let socket = run.join("b.sock");
             std::fs::write(run.join("b.sock.state"), b"old").unwrap();
             std::fs::write(run.join("b.sock.state.prev"), b"older").unwrap();
+            std::os::unix::fs::chown(run.join("b.sock.state"), Some(owner), None).unwrap();
             let state_dir = d.join(format!("{sub}-state"));
             std::fs::create_dir_all(&state_dir).unwrap();
             let state = state_dir.join("state");

@@ -5,7 +5,7 @@
 //! few places where these events happen and the metrics room reads a
 //! copy with each snapshot.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use gpufrac_common::config::Priority;
 
@@ -18,7 +18,11 @@ const S: Nanos = 1_000 * MS;
 /// Upper bounds of the grant latency buckets: from a handover without
 /// contention (well under a millisecond) to a wait behind several
 /// timeslices or a hung holder.
-pub const GRANT_BUCKETS: [Nanos; 15] = [
+pub const GRANT_BUCKETS: [Nanos; 16] = [
+    // A grant at once (under --mps, or to a holder asking again) is 0:
+    // its own bucket, so that a quantile of such grants reads 0 rather
+    // than a point within the first bucket.
+    0,
     100_000,
     250_000,
     500_000,
@@ -38,7 +42,9 @@ pub const GRANT_BUCKETS: [Nanos; 15] = [
 
 /// Upper bounds of the queue wait buckets: from a request placed at once
 /// to one that waited past the default escalation limit (1 h).
-pub const QUEUE_BUCKETS: [Nanos; 14] = [
+pub const QUEUE_BUCKETS: [Nanos; 15] = [
+    // Placed at once: 0, as for grants.
+    0,
     100 * MS,
     S,
     5 * S,
@@ -96,6 +102,15 @@ impl Histogram {
         self.counts.iter().sum()
     }
 
+    /// Adds what `o` counted (a histogram of the same buckets).
+    pub fn merge(&mut self, o: &Histogram) {
+        debug_assert_eq!(self.bounds, o.bounds);
+        for (a, b) in self.counts.iter_mut().zip(&o.counts) {
+            *a += b;
+        }
+        self.sum += o.sum;
+    }
+
     /// The sum of all observations, seconds.
     pub fn sum_seconds(&self) -> f64 {
         self.sum as f64 / 1e9
@@ -150,15 +165,22 @@ impl Refusal {
     }
 }
 
+/// Users counted one by one in the per-user counters; refusals and waits
+/// of users past them are counted under `OTHER_UID` (metrics show them
+/// as `user="other"`, as they do users past their own bound).
+pub const MAX_COUNTED_USERS: usize = 1024;
+pub const OTHER_UID: u32 = u32::MAX;
+
 /// The core's counters since the broker started.
 #[derive(Clone, Debug)]
 pub struct Stats {
     /// Acquire to Grant, per priority class (`Priority::index`).
     pub grant_latency: [Histogram; 3],
-    /// A queued `gpufrac run` request's wait for its lease.
-    pub queue_wait: Histogram,
-    /// Refusals by reason, in `Refusal::ALL`'s order.
-    pub refusals: [u64; Refusal::ALL.len()],
+    /// A queued `gpufrac run` request's wait for its lease, per user of
+    /// the job.
+    pub queue_wait: BTreeMap<u32, Histogram>,
+    /// Refusals by user and reason, in `Refusal::ALL`'s order.
+    pub refusals: BTreeMap<u32, [u64; Refusal::ALL.len()]>,
     /// Acquires not yet granted: (connection, GPU) → (when, class). At
     /// most one per device a connection registered; a connection's go
     /// with it (`forget`).
@@ -169,8 +191,8 @@ impl Default for Stats {
     fn default() -> Self {
         Stats {
             grant_latency: std::array::from_fn(|_| Histogram::new(&GRANT_BUCKETS)),
-            queue_wait: Histogram::new(&QUEUE_BUCKETS),
-            refusals: [0; Refusal::ALL.len()],
+            queue_wait: BTreeMap::new(),
+            refusals: BTreeMap::new(),
             asked: HashMap::new(),
         }
     }
@@ -201,17 +223,35 @@ impl Stats {
         self.asked.retain(|(c, _), _| *c != id);
     }
 
-    /// A queued request got its lease after waiting `waited`.
-    pub fn queue_waited(&mut self, waited: Nanos) {
-        self.queue_wait.observe(waited);
+    /// A queued request of a job of `uid` got its lease after waiting
+    /// `waited`.
+    pub fn queue_waited(&mut self, uid: u32, waited: Nanos) {
+        let uid = counted(&self.queue_wait, uid);
+        self.queue_wait
+            .entry(uid)
+            .or_insert_with(|| Histogram::new(&QUEUE_BUCKETS))
+            .observe(waited);
     }
 
-    pub fn refused(&mut self, why: Refusal) {
+    /// The broker refused `uid` something, for `why`.
+    pub fn refused(&mut self, uid: u32, why: Refusal) {
         let i = Refusal::ALL
             .iter()
             .position(|r| *r == why)
             .expect("every reason is in ALL");
-        self.refusals[i] += 1;
+        let uid = counted(&self.refusals, uid);
+        self.refusals.entry(uid).or_default()[i] += 1;
+    }
+
+    /// Refusals by reason, all users together, in `Refusal::ALL`'s order.
+    pub fn refusals_by_reason(&self) -> [u64; Refusal::ALL.len()] {
+        let mut all = [0; Refusal::ALL.len()];
+        for counts in self.refusals.values() {
+            for (a, n) in all.iter_mut().zip(counts) {
+                *a += n;
+            }
+        }
+        all
     }
 
     /// A copy without the pending requests, for the metrics room.
@@ -219,7 +259,7 @@ impl Stats {
         Stats {
             grant_latency: self.grant_latency.clone(),
             queue_wait: self.queue_wait.clone(),
-            refusals: self.refusals,
+            refusals: self.refusals.clone(),
             asked: HashMap::new(),
         }
     }
@@ -227,6 +267,16 @@ impl Stats {
     /// Acquires waiting for a grant (for tests of the bookkeeping).
     pub fn waiting(&self) -> usize {
         self.asked.len()
+    }
+}
+
+/// The key `uid` is counted under in `map`: its own while there is room
+/// (or it has one), else `OTHER_UID`.
+fn counted<V>(map: &BTreeMap<u32, V>, uid: u32) -> u32 {
+    if map.contains_key(&uid) || map.len() < MAX_COUNTED_USERS {
+        uid
+    } else {
+        OTHER_UID
     }
 }
 
@@ -240,11 +290,13 @@ mod tests {
         h.observe(100_000); // on a bound: in it (le is "less or equal")
         h.observe(100_001);
         h.observe(60 * S); // above them all: only in +Inf
+        h.observe(0); // at once: the bucket of its own
         let b: Vec<(Nanos, u64)> = h.buckets().collect();
-        assert_eq!(b[0], (100_000, 1));
-        assert_eq!(b[1], (250_000, 2));
-        assert_eq!(b.last(), Some(&(30 * S, 2)));
-        assert_eq!(h.count(), 3);
+        assert_eq!(b[0], (0, 1));
+        assert_eq!(b[1], (100_000, 2));
+        assert_eq!(b[2], (250_000, 3));
+        assert_eq!(b.last(), Some(&(30 * S, 3)));
+        assert_eq!(h.count(), 4);
         assert!((h.sum_seconds() - (60.0 + 0.000_200_001)).abs() < 1e-9);
     }
 
@@ -279,17 +331,36 @@ mod tests {
     }
 
     #[test]
-    fn refusals_are_counted_by_reason() {
+    fn refusals_are_counted_by_user_and_reason() {
         let mut s = Stats::default();
-        s.refused(Refusal::NoRoom);
-        s.refused(Refusal::NoRoom);
-        s.refused(Refusal::Other);
+        s.refused(7, Refusal::NoRoom);
+        s.refused(8, Refusal::NoRoom);
+        s.refused(7, Refusal::Other);
         let by: Vec<(&str, u64)> = Refusal::ALL
             .iter()
             .map(|r| r.as_str())
-            .zip(s.counters().refusals)
+            .zip(s.counters().refusals_by_reason())
             .collect();
         assert!(by.contains(&("no_room", 2)) && by.contains(&("other", 1)));
         assert_eq!(by.iter().map(|(_, n)| n).sum::<u64>(), 3);
+        let seven = s.refusals[&7];
+        assert_eq!(seven.iter().sum::<u64>(), 2);
+    }
+
+    /// Users past the bound are counted together, so that a node of many
+    /// users (or one cycling through uids) keeps the counters bounded.
+    #[test]
+    fn users_past_the_bound_are_counted_as_other() {
+        let mut s = Stats::default();
+        for uid in 0..MAX_COUNTED_USERS as u32 + 10 {
+            s.refused(uid, Refusal::NoRoom);
+            s.queue_waited(uid, S);
+        }
+        assert_eq!(s.refusals.len(), MAX_COUNTED_USERS + 1);
+        assert_eq!(s.refusals[&OTHER_UID].iter().sum::<u64>(), 10);
+        assert_eq!(s.queue_wait[&OTHER_UID].count(), 10);
+        // A user counted already keeps its own.
+        s.refused(3, Refusal::Other);
+        assert_eq!(s.refusals[&3].iter().sum::<u64>(), 2);
     }
 }

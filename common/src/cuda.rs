@@ -265,6 +265,7 @@ pub const NVML_ERROR_INVALID_ARGUMENT: nvmlReturn_t = 2;
 pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
 pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
 pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+pub const NVML_ERROR_TIMEOUT: nvmlReturn_t = 10;
 pub const NVML_ERROR_FUNCTION_NOT_FOUND: nvmlReturn_t = 13;
 pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
 
@@ -306,6 +307,29 @@ pub struct nvmlProcessInfo_t {
     pub computeInstanceId: c_uint,
 }
 
+pub type nvmlEventSet_t = *mut c_void;
+/// `nvmlEventTypeXidCriticalError`.
+pub const NVML_EVENT_TYPE_XID_CRITICAL_ERROR: u64 = 0x8;
+/// `NVML_TEMPERATURE_GPU`, `NVML_CLOCK_SM`, `NVML_MEMORY_ERROR_TYPE_*`,
+/// `NVML_VOLATILE_ECC`.
+pub const NVML_TEMPERATURE_GPU: c_uint = 0;
+pub const NVML_CLOCK_SM: c_uint = 1;
+pub const NVML_MEMORY_ERROR_TYPE_CORRECTED: c_uint = 0;
+pub const NVML_MEMORY_ERROR_TYPE_UNCORRECTED: c_uint = 1;
+pub const NVML_VOLATILE_ECC: c_uint = 0;
+
+/// What `nvmlEventSetWait_v2` delivers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvmlEventData_t {
+    pub device: nvmlDevice_t,
+    pub eventType: u64,
+    /// For an XID event, the XID.
+    pub eventData: u64,
+    pub gpuInstanceId: c_uint,
+    pub computeInstanceId: c_uint,
+}
+
 /// One process's sample of `nvmlDeviceGetProcessUtilization`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -338,6 +362,7 @@ mod tests {
         );
         assert_eq!(std::mem::offset_of!(CUDA_LAUNCH_PARAMS, hStream), 40);
         assert_eq!(std::mem::size_of::<nvmlMemory_v2_t>(), 40);
+        assert_eq!(std::mem::size_of::<nvmlEventData_t>(), 32);
         assert_eq!(std::mem::size_of::<CUmemPoolProps>(), 88);
         assert_eq!(
             std::mem::offset_of!(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize),

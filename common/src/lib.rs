@@ -6,9 +6,13 @@ pub mod config;
 pub mod cuda;
 pub mod files;
 pub mod jobledger;
+pub mod mig;
 pub mod minors;
 pub mod net;
 pub mod procfs;
 pub mod size;
+#[cfg(feature = "status")]
+pub mod status;
+pub mod text;
 pub mod versions;
 pub mod wire;

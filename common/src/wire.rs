@@ -101,6 +101,25 @@ pub const PROTOCOL_VERSION: u16 = 5;
 /// processes started before an upgrade register with the new broker.
 pub const MIN_PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
+
+/// Up to this place in the queue a waiting `gpufrac run` is told its
+/// place exactly; beyond, within a tenth of it.
+pub const EXACT_POSITIONS: u32 = 10;
+
+/// Whether a waiting request last told place `told` (None: never told)
+/// is told again at place `now`: when the place it knows is no longer
+/// exact up to [`EXACT_POSITIONS`], or off by more than a tenth of `now`
+/// beyond. A queue of 1,000 in which everyone moves up one place at each
+/// departure so tells each request about 58 times on its way to the
+/// front, not 1,000, and a departure tells a few requests, not all
+/// behind it.
+pub fn position_worth_telling(told: Option<u32>, now: u32) -> bool {
+    match told {
+        None => true,
+        Some(t) if now <= EXACT_POSITIONS => t != now,
+        Some(t) => u64::from(t.abs_diff(now)) * 10 > u64::from(now),
+    }
+}
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
 /// Largest frame a client may send: its longest message (a `Register` of
@@ -119,29 +138,6 @@ pub const ERR_VERSION: u16 = 1;
 pub const ERR_BAD_FRAME: u16 = 2;
 pub const ERR_REFUSED: u16 = 3;
 pub const ERR_INTERNAL: u16 = 4;
-
-const T_HELLO: u8 = 0x01;
-const T_REGISTER: u8 = 0x02;
-const T_USAGE: u8 = 0x03;
-const T_ACQUIRE: u8 = 0x04;
-const T_RELEASE: u8 = 0x05;
-const T_STATUS: u8 = 0x06;
-const T_LEASE: u8 = 0x07;
-const T_DRAINED: u8 = 0x08;
-const T_PING: u8 = 0x09;
-const T_JOIN: u8 = 0x0a;
-const T_NAME: u8 = 0x0b;
-
-const T_HELLO_OK: u8 = 0x81;
-const T_ERROR: u8 = 0x82;
-const T_GRANT: u8 = 0x83;
-const T_REVOKE: u8 = 0x84;
-const T_STATUS_REPLY: u8 = 0x85;
-const T_QUEUED: u8 = 0x86;
-const T_LEASED: u8 = 0x87;
-const T_REFUSED: u8 = 0x88;
-const T_REGISTERED: u8 = 0x89;
-const T_PONG: u8 = 0x8a;
 
 const UUID_LEN: usize = 16;
 const DEVICE_REG_LEN: usize = UUID_LEN + 4 + 8 + 8;
@@ -191,35 +187,369 @@ pub fn uuid_string(u: &[u8; 16]) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
-/// What a `Lease` asks for (`gpufrac run`, the device plugin).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct LeaseReq {
-    /// 0 when asking for memory.
-    pub want_gpus: u32,
-    /// 0 when asking for whole GPUs.
-    pub want_mem: u64,
-    /// Percent.
-    pub compute: Option<f64>,
-    /// Percent.
-    pub limit: Option<f64>,
-    pub no_wait: bool,
-    pub command: String,
-    /// `None`: the job's processes choose for themselves.
-    pub priority: Option<Priority>,
-    /// 0: a new request. Otherwise the token of a lease or queued
-    /// request this same process held before the broker restarted: the
-    /// broker gives back that lease, or that place in the queue.
-    pub resume: u64,
-    /// Non-zero: the token the new job is to have, chosen (at random)
-    /// by the client, which has already handed it to the job's
-    /// processes: the Kubernetes device plugin answers the kubelet
-    /// before the broker does, and books the same pod again under the
-    /// same token after either of them restarts. Refused if another
-    /// job holds it.
-    pub token: u64,
-    /// Non-empty: the GPUs are already chosen (the kubelet chose them
-    /// for a pod), and this is the memory on each; `want_*` are then 0.
-    pub pin: Vec<Pin>,
+// The messages, each written once: its tag, who sends it and its fields
+// in wire order. The enums, the encoders, the decoders, the names and the
+// sender roles are generated from these two tables (`define_messages!`),
+// so a new message is one line in one of them (CONTRIBUTING.md, The
+// protocol).
+//
+// An entry reads `TAG byte sender[, frozen]: Variant fields;`:
+// - `sender`: `Shim` or `Cli`, the role whose connections may send it
+//   (`Role`), `either`, or `broker`;
+// - `frozen`: `Hello`, `HelloOk` and `Error`, which later versions may
+//   only append to: their readers ignore bytes past the fields they know;
+// - fields: `{ name: Type, ... }` in wire order, `(binding: Type)` for a
+//   message that is one record, or nothing. The type says how a field
+//   travels (the `Field` impls below); `as Via` gives a field another
+//   encoding of its type, and `= other` makes it a field appended in a
+//   later version: left off the wire when it equals `other`, and read as
+//   `other` when absent.
+macro_rules! client_messages {
+    ($then:ident) => {
+        $then! {
+            ClientMsg, encode_client, decode_client, MAX_CLIENT_FRAME, senders;
+
+            T_HELLO 0x01 either, frozen: Hello {
+                magic: [u8; 4],
+                /// The lowest version the client speaks (up to version 4:
+                /// the only one).
+                version: u16,
+                pid: u32,
+                role: Role,
+                /// The highest it speaks; appended in version 5, and left
+                /// off the wire when it equals `version`, as versions up
+                /// to 4 sent it.
+                max_version: u16 = version,
+            };
+            T_REGISTER 0x02 Shim: Register {
+                command: String,
+                devices: Vec<DeviceReg>,
+                /// Percent.
+                share: Option<f64>,
+                /// Percent.
+                limit: Option<f64>,
+                priority: Priority,
+            };
+            T_USAGE 0x03 Shim: Usage { uuid: [u8; 16], used: u64, peak: u64, ooms: u64 };
+            T_ACQUIRE 0x04 Shim: Acquire { uuid: [u8; 16] };
+            /// Stops launching on a device. Work already queued there may
+            /// still be running: the GPU's own time-slicer interleaves it
+            /// with the next holder's, and `Drained` says when it has
+            /// finished.
+            T_RELEASE 0x05 Shim: Release { uuid: [u8; 16], held_ns: u64 };
+            /// Everything this process had queued on the device before its
+            /// last `Release` has completed.
+            T_DRAINED 0x08 Shim: Drained { uuid: [u8; 16] };
+            /// Asks for `Pong`: a waiting shim checks that a silent broker
+            /// is alive, not stalled.
+            T_PING 0x09 either: Ping;
+            /// Sent before `Register` by a process that holds a job's token
+            /// (`GPUFRAC_JOB`) but may not descend from its `gpufrac run`: a
+            /// container's processes are children of the container runtime.
+            T_JOIN 0x0a Shim: Join { job: u64 };
+            /// Asks for `StatusReply`, listing processes from the `from`-th
+            /// on (the reply's `next` says where the following page starts).
+            T_STATUS 0x06 Cli: Status { from: u32 };
+            T_LEASE 0x07 Cli: Lease(req: LeaseReq);
+            /// Names the job of this connection's lease for status: the pod
+            /// it is (`namespace/name`) and a label in place of its command.
+            T_NAME 0x0b Cli: Name { pod: String, label: String };
+            /// Asks for `SummaryReply`: what the job `job` (its token) has
+            /// had so far, for its run's end-of-job line.
+            T_SUMMARY 0x0c Cli: Summary { job: u64 };
+        }
+    };
+}
+
+macro_rules! server_messages {
+    ($then:ident) => {
+        $then! {
+            ServerMsg, encode_server, decode_server, MAX_FRAME, no_senders;
+
+            T_HELLO_OK 0x81 broker, frozen: HelloOk { version: u16 };
+            /// `code` is one of the `ERR_*` constants.
+            T_ERROR 0x82 broker, frozen: Error { code: u16, message: String };
+            /// A grant id the client already holds makes this an update of
+            /// that grant (it became contended, or open-ended again); a
+            /// client ignores grants and revokes for an id it has already
+            /// released, since they crossed its release on the wire.
+            T_GRANT 0x83 broker: Grant {
+                uuid: [u8; 16],
+                grant: u64,
+                /// 0 = open-ended (the GPU is uncontended).
+                slice_ns: u64,
+                /// Most GPU time the holder may have queued and unfinished
+                /// at once (others share the GPU and must get in quickly);
+                /// 0 = no bound.
+                bound_ns: u64,
+                /// Someone else wants the GPU: hand it back as soon as idle.
+                waiters: bool,
+            };
+            T_REVOKE 0x84 broker: Revoke { uuid: [u8; 16], grant: u64 };
+            T_STATUS_REPLY 0x85 broker: StatusReply { json: String as Json };
+            T_QUEUED 0x86 broker: Queued {
+                /// 1-based place in the queue, sent when it moved by a
+                /// meaningful step ([`position_worth_telling`]): exact up
+                /// to [`EXACT_POSITIONS`], within a tenth beyond.
+                position: u32,
+                waiting_for: String,
+                /// Names the request for `Lease.resume` after a broker
+                /// restart.
+                token: u64,
+            };
+            T_LEASED 0x87 broker: Leased(lease: Lease);
+            T_REFUSED 0x88 broker: Refused { reason: String };
+            /// Answers `Ping`.
+            T_PONG 0x8a broker: Pong;
+            /// Answers `Summary`: a `status::JobSummary` as JSON.
+            T_SUMMARY_REPLY 0x8b broker: SummaryReply { json: String as Json };
+            /// Answers `Register`: what the broker enforces on this process
+            /// whatever its environment says (its job's lease).
+            T_REGISTERED 0x89 broker: Registered {
+                /// Memory cap on every registered device; 0 = none imposed.
+                mem_cap: u64,
+            };
+        }
+    };
+}
+
+/// Expands a message table (above) into its enum, its tags, its encoder and
+/// decoder, the messages' names, and (`senders`) the role that sends each.
+macro_rules! define_messages {
+    (
+        $enum:ident, $encode:ident, $decode:ident, $max:expr, $roles:ident;
+        $(
+            $(#[$vm:meta])*
+            $tag:ident $byte:literal $sender:ident $(, $frozen:ident)? : $name:ident
+            $( {
+                $( $(#[$fm:meta])* $f:ident : $ft:ty $(as $via:ident)? $(= $dflt:ident)? ),* $(,)?
+            } )?
+            $( ( $b:ident : $bt:ty ) )?
+        );* $(;)?
+    ) => {
+        $( const $tag: u8 = $byte; )*
+
+        #[derive(Clone, Debug, PartialEq)]
+        pub enum $enum {
+            $(
+                $(#[$vm])*
+                $name $( { $( $(#[$fm])* $f: $ft ),* } )? $( ($bt) )?,
+            )*
+        }
+
+        impl $enum {
+            /// The message's name in this specification, for errors that
+            /// name it.
+            pub fn name(&self) -> &'static str {
+                match self {
+                    $( $enum::$name { .. } => stringify!($name), )*
+                }
+            }
+        }
+
+        $roles! { $enum; $( $name $sender ),* }
+
+        /// Appends one whole frame holding `msg` to `out`.
+        pub fn $encode(msg: &$enum, out: &mut Vec<u8>) {
+            let start = begin_frame(out);
+            match msg {
+                $(
+                    $enum::$name $( { $($f),* } )? $( ($b) )? => {
+                        out.push($tag);
+                        $( $( put_field!(out, $f $(, as $via)? $(, unless $dflt)?); )* )?
+                        $( Field::put($b, out); )?
+                    }
+                )*
+            }
+            end_frame(out, start);
+        }
+
+        /// Decodes the frame at the start of `buf`, returning the message
+        /// and how many bytes it took. Never panics, whatever `buf` holds.
+        pub fn $decode(buf: &[u8]) -> Result<($enum, usize), DecodeError> {
+            let (ty, payload, used) = split_frame(buf, $max)?;
+            let mut r = Reader(payload);
+            let (msg, frozen) = match ty {
+                $(
+                    $tag => {
+                        $( $( let $f: $ft = get_field!(r $(, as $via)? $(, or $dflt)?); )* )?
+                        $( let $b: $bt = Field::get(&mut r)?; )?
+                        ($enum::$name $( { $($f),* } )? $( ($b) )?, frozen!($($frozen)?))
+                    }
+                )*
+                other => return Err(DecodeError::UnknownType(other)),
+            };
+            // A frozen message may carry a later version's fields after
+            // the ones known here; any other ends where its fields do.
+            if !frozen {
+                r.finish()?;
+            }
+            Ok((msg, used))
+        }
+    };
+}
+
+/// The role that sends each message (`sender` in the table).
+macro_rules! senders {
+    ($enum:ident; $( $name:ident $sender:ident ),*) => {
+        impl $enum {
+            /// The role whose connections may send this message; None:
+            /// either role's (`Hello` names the role, `Ping` is anyone's).
+            pub fn sender(&self) -> Option<Role> {
+                match self {
+                    $( $enum::$name { .. } => sender!($sender), )*
+                }
+            }
+        }
+    };
+}
+
+/// The broker's messages have one sender.
+macro_rules! no_senders {
+    ($($t:tt)*) => {};
+}
+
+macro_rules! sender {
+    (either) => {
+        None
+    };
+    ($role:ident) => {
+        Some(Role::$role)
+    };
+}
+
+macro_rules! frozen {
+    () => {
+        false
+    };
+    (frozen) => {
+        true
+    };
+}
+
+macro_rules! put_field {
+    ($out:ident, $v:ident) => {
+        Field::put($v, $out)
+    };
+    ($out:ident, $v:ident, as $via:ident) => {
+        $via::put($v, $out)
+    };
+    ($out:ident, $v:ident, unless $d:ident) => {
+        if $v != $d {
+            Field::put($v, $out)
+        }
+    };
+}
+
+macro_rules! get_field {
+    ($r:ident) => {
+        Field::get(&mut $r)?
+    };
+    ($r:ident, as $via:ident) => {
+        $via::get(&mut $r)?
+    };
+    ($r:ident, or $d:ident) => {
+        Field::get(&mut $r).unwrap_or($d)
+    };
+}
+
+client_messages!(define_messages);
+server_messages!(define_messages);
+
+/// Structs that travel as their fields in the order written (a list
+/// item, or a message that is one record).
+macro_rules! records {
+    ($(
+        $(#[$sm:meta])*
+        pub struct $name:ident { $( $(#[$fm:meta])* pub $f:ident : $ft:ty ),* $(,)? }
+    )*) => {
+        $(
+            $(#[$sm])*
+            pub struct $name { $( $(#[$fm])* pub $f: $ft ),* }
+
+            impl Field for $name {
+                fn put(&self, out: &mut Vec<u8>) {
+                    $( Field::put(&self.$f, out); )*
+                }
+
+                fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+                    // Struct fields are evaluated in the order written.
+                    Ok($name { $( $f: Field::get(r)? ),* })
+                }
+            }
+        )*
+    };
+}
+
+records! {
+    /// What a `Lease` asks for (`gpufrac run`, the device plugin).
+    #[derive(Clone, Debug, Default, PartialEq)]
+    pub struct LeaseReq {
+        /// 0 when asking for memory.
+        pub want_gpus: u32,
+        /// 0 when asking for whole GPUs.
+        pub want_mem: u64,
+        /// Percent.
+        pub compute: Option<f64>,
+        /// Percent.
+        pub limit: Option<f64>,
+        pub no_wait: bool,
+        pub command: String,
+        /// `None`: the job's processes choose for themselves.
+        pub priority: Option<Priority>,
+        /// 0: a new request. Otherwise the token of a lease or queued
+        /// request this same process held before the broker restarted: the
+        /// broker gives back that lease, or that place in the queue.
+        pub resume: u64,
+        /// Non-zero: the token the new job is to have, chosen (at random)
+        /// by the client, which has already handed it to the job's
+        /// processes: the Kubernetes device plugin answers the kubelet
+        /// before the broker does, and books the same pod again under the
+        /// same token after either of them restarts. Refused if another
+        /// job holds it.
+        pub token: u64,
+        /// Non-empty: the GPUs are already chosen (the kubelet chose them
+        /// for a pod), and this is the memory on each; `want_*` are then 0.
+        pub pin: Vec<Pin>,
+    }
+
+    /// What a granted `Lease` holds (`Leased`), as `gpufrac run` and the
+    /// device plugin keep it.
+    #[derive(Clone, Debug, Default, PartialEq)]
+    pub struct Lease {
+        pub gpus: Vec<u32>,
+        pub uuids: Vec<[u8; 16]>,
+        /// 0 = uncapped.
+        pub mem_cap: u64,
+        /// Names the lease for `Lease.resume` after a broker restart.
+        pub token: u64,
+        /// The MPS pipe directory the job's processes must use (a broker
+        /// running MPS); empty otherwise.
+        pub mps_pipe: String,
+        /// The MIG device the lease is (`MIG-<uuid>`, what
+        /// `CUDA_VISIBLE_DEVICES` must name: `gpus` is then its GPU);
+        /// empty for whole GPUs and fractions.
+        pub mig: String,
+    }
+
+    /// Memory on one given GPU, for a lease whose GPUs are already chosen.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Pin {
+        pub uuid: [u8; 16],
+        pub mem: u64,
+    }
+
+    /// One device a shim registers, named by UUID because ordinals differ
+    /// between processes under `CUDA_VISIBLE_DEVICES`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct DeviceReg {
+        pub uuid: [u8; 16],
+        /// The CUDA ordinal as the registering process sees it.
+        pub ordinal: u32,
+        /// 0 = uncapped.
+        pub mem_cap: u64,
+        pub mem_total: u64,
+    }
 }
 
 impl From<LeaseReq> for ClientMsg {
@@ -228,11 +558,21 @@ impl From<LeaseReq> for ClientMsg {
     }
 }
 
-/// Memory on one given GPU, for a lease whose GPUs are already chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pin {
-    pub uuid: [u8; 16],
-    pub mem: u64,
+impl Lease {
+    /// The GPUs (or the MIG device) it holds, as a claim names them.
+    pub fn held(&self) -> Vec<Pin> {
+        let uuids = match parse_uuid(&self.mig) {
+            Some(m) => vec![m],
+            None => self.uuids.clone(),
+        };
+        uuids
+            .into_iter()
+            .map(|uuid| Pin {
+                uuid,
+                mem: self.mem_cap,
+            })
+            .collect()
+    }
 }
 
 /// Who is on the other end of a connection.
@@ -244,101 +584,6 @@ pub enum Role {
     Cli,
 }
 
-impl Role {
-    fn to_wire(self) -> u8 {
-        match self {
-            Role::Shim => 1,
-            Role::Cli => 2,
-        }
-    }
-
-    fn from_wire(b: u8) -> Option<Self> {
-        match b {
-            1 => Some(Role::Shim),
-            2 => Some(Role::Cli),
-            _ => None,
-        }
-    }
-}
-
-/// One device a shim registers, named by UUID because ordinals differ
-/// between processes under `CUDA_VISIBLE_DEVICES`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceReg {
-    pub uuid: [u8; 16],
-    /// The CUDA ordinal as the registering process sees it.
-    pub ordinal: u32,
-    /// 0 = uncapped.
-    pub mem_cap: u64,
-    pub mem_total: u64,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum ClientMsg {
-    Hello {
-        magic: [u8; 4],
-        /// The lowest version the client speaks (up to version 4: the
-        /// only one).
-        version: u16,
-        pid: u32,
-        role: Role,
-        /// The highest it speaks; appended in version 5, and left off the
-        /// wire when it equals `version`, as versions up to 4 sent it.
-        max_version: u16,
-    },
-    Register {
-        command: String,
-        devices: Vec<DeviceReg>,
-        /// Percent.
-        share: Option<f64>,
-        /// Percent.
-        limit: Option<f64>,
-        priority: Priority,
-    },
-    Usage {
-        uuid: [u8; 16],
-        used: u64,
-        peak: u64,
-        ooms: u64,
-    },
-    Acquire {
-        uuid: [u8; 16],
-    },
-    /// Stops launching on a device. Work already queued there may still be
-    /// running: the GPU's own time-slicer interleaves it with the next
-    /// holder's, and `Drained` says when it has finished.
-    Release {
-        uuid: [u8; 16],
-        held_ns: u64,
-    },
-    /// Everything this process had queued on the device before its last
-    /// `Release` has completed.
-    Drained {
-        uuid: [u8; 16],
-    },
-    /// Asks for `Pong`: a waiting shim checks that a silent broker is
-    /// alive, not stalled.
-    Ping,
-    /// Sent before `Register` by a process that holds a job's token
-    /// (`GPUFRAC_JOB`) but may not descend from its `gpufrac run`: a
-    /// container's processes are children of the container runtime.
-    Join {
-        job: u64,
-    },
-    /// Asks for `StatusReply`, listing processes from the `from`-th on
-    /// (the reply's `next` says where the following page starts).
-    Status {
-        from: u32,
-    },
-    Lease(LeaseReq),
-    /// Names the job of this connection's lease for status: the pod it is
-    /// (`namespace/name`) and a label in place of its command.
-    Name {
-        pod: String,
-        label: String,
-    },
-}
-
 impl ClientMsg {
     /// The `Hello` this build sends.
     pub fn hello(pid: u32, role: Role) -> Self {
@@ -348,107 +593,6 @@ impl ClientMsg {
             pid,
             role,
             max_version: PROTOCOL_VERSION,
-        }
-    }
-
-    /// The message's name in this specification, for errors that name it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            ClientMsg::Hello { .. } => "Hello",
-            ClientMsg::Register { .. } => "Register",
-            ClientMsg::Usage { .. } => "Usage",
-            ClientMsg::Acquire { .. } => "Acquire",
-            ClientMsg::Release { .. } => "Release",
-            ClientMsg::Drained { .. } => "Drained",
-            ClientMsg::Ping => "Ping",
-            ClientMsg::Join { .. } => "Join",
-            ClientMsg::Status { .. } => "Status",
-            ClientMsg::Lease(_) => "Lease",
-            ClientMsg::Name { .. } => "Name",
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum ServerMsg {
-    HelloOk {
-        version: u16,
-    },
-    /// `code` is one of the `ERR_*` constants.
-    Error {
-        code: u16,
-        message: String,
-    },
-    /// A grant id the client already holds makes this an update of that
-    /// grant (it became contended, or open-ended again); a client ignores
-    /// grants and revokes for an id it has already released, since they
-    /// crossed its release on the wire.
-    Grant {
-        uuid: [u8; 16],
-        grant: u64,
-        /// 0 = open-ended (the GPU is uncontended).
-        slice_ns: u64,
-        /// Most GPU time the holder may have queued and unfinished at once
-        /// (others share the GPU and must get in quickly); 0 = no bound.
-        bound_ns: u64,
-        /// Someone else wants the GPU: hand it back as soon as idle.
-        waiters: bool,
-    },
-    Revoke {
-        uuid: [u8; 16],
-        grant: u64,
-    },
-    StatusReply {
-        json: String,
-    },
-    Queued {
-        position: u32,
-        waiting_for: String,
-        /// Names the request for `Lease.resume` after a broker restart.
-        token: u64,
-    },
-    Leased {
-        gpus: Vec<u32>,
-        uuids: Vec<[u8; 16]>,
-        /// 0 = uncapped.
-        mem_cap: u64,
-        /// Names the lease for `Lease.resume` after a broker restart.
-        token: u64,
-        /// The MPS pipe directory the job's processes must use (a broker
-        /// running MPS); empty otherwise.
-        mps_pipe: String,
-        /// The MIG device the lease is (`MIG-<uuid>`, what
-        /// `CUDA_VISIBLE_DEVICES` must name: `gpus` is then its GPU);
-        /// empty for whole GPUs and fractions.
-        mig: String,
-    },
-    Refused {
-        reason: String,
-    },
-    /// Answers `Ping`.
-    Pong,
-    /// Answers `Register`: what the broker enforces on this process
-    /// whatever its environment says (its job's lease).
-    Registered {
-        /// Memory cap on every registered device; 0 = none imposed.
-        mem_cap: u64,
-    },
-}
-
-impl ServerMsg {
-    /// The message's name in this specification, for errors that name it.
-    pub fn name(&self) -> &'static str {
-        match self {
-            ServerMsg::HelloOk { .. } => "HelloOk",
-            ServerMsg::Error { .. } => "Error",
-            ServerMsg::Grant { .. } => "Grant",
-            ServerMsg::Revoke { .. } => "Revoke",
-            ServerMsg::StatusReply { .. } => "StatusReply",
-            ServerMsg::Queued { .. } => "Queued",
-            ServerMsg::Leased { .. } => "Leased",
-            ServerMsg::Refused { .. } => "Refused",
-            ServerMsg::Registered { .. } => "Registered",
-            ServerMsg::Pong => "Pong",
         }
     }
 }
@@ -540,361 +684,173 @@ impl fmt::Display for DecodeError {
 
 impl std::error::Error for DecodeError {}
 
-/// Appends one whole frame holding `msg` to `out`.
-pub fn encode_client(msg: &ClientMsg, out: &mut Vec<u8>) {
-    let start = begin_frame(out);
-    match msg {
-        ClientMsg::Hello {
-            magic,
-            version,
-            pid,
-            role,
-            max_version,
-        } => {
-            out.push(T_HELLO);
-            out.extend_from_slice(magic);
-            put_u16(out, *version);
-            put_u32(out, *pid);
-            out.push(role.to_wire());
-            // As versions up to 4 wrote it when the range is one version.
-            if max_version != version {
-                put_u16(out, *max_version);
-            }
-        }
-        ClientMsg::Register {
-            command,
-            devices,
-            share,
-            limit,
-            priority,
-        } => {
-            out.push(T_REGISTER);
-            put_str16(out, command);
-            let devices = clamp_list(devices);
-            put_u16(out, devices.len() as u16);
-            for d in devices {
-                out.extend_from_slice(&d.uuid);
-                put_u32(out, d.ordinal);
-                put_u64(out, d.mem_cap);
-                put_u64(out, d.mem_total);
-            }
-            put_opt_f64(out, *share);
-            put_opt_f64(out, *limit);
-            out.push(priority.index() as u8);
-        }
-        ClientMsg::Usage {
-            uuid,
-            used,
-            peak,
-            ooms,
-        } => {
-            out.push(T_USAGE);
-            out.extend_from_slice(uuid);
-            put_u64(out, *used);
-            put_u64(out, *peak);
-            put_u64(out, *ooms);
-        }
-        ClientMsg::Acquire { uuid } => {
-            out.push(T_ACQUIRE);
-            out.extend_from_slice(uuid);
-        }
-        ClientMsg::Release { uuid, held_ns } => {
-            out.push(T_RELEASE);
-            out.extend_from_slice(uuid);
-            put_u64(out, *held_ns);
-        }
-        ClientMsg::Drained { uuid } => {
-            out.push(T_DRAINED);
-            out.extend_from_slice(uuid);
-        }
-        ClientMsg::Ping => out.push(T_PING),
-        ClientMsg::Join { job } => {
-            out.push(T_JOIN);
-            put_u64(out, *job);
-        }
-        ClientMsg::Status { from } => {
-            out.push(T_STATUS);
-            put_u32(out, *from);
-        }
-        ClientMsg::Lease(LeaseReq {
-            want_gpus,
-            want_mem,
-            compute,
-            limit,
-            no_wait,
-            command,
-            priority,
-            resume,
-            token,
-            pin,
-        }) => {
-            out.push(T_LEASE);
-            put_u32(out, *want_gpus);
-            put_u64(out, *want_mem);
-            put_opt_f64(out, *compute);
-            put_opt_f64(out, *limit);
-            out.push(u8::from(*no_wait));
-            put_str16(out, command);
-            out.push(priority.map_or(0, |p| p.index() as u8 + 1));
-            put_u64(out, *resume);
-            put_u64(out, *token);
-            let pin = clamp_list(pin);
-            put_u16(out, pin.len() as u16);
-            for p in pin {
-                out.extend_from_slice(&p.uuid);
-                put_u64(out, p.mem);
-            }
-        }
-        ClientMsg::Name { pod, label } => {
-            out.push(T_NAME);
-            put_str16(out, pod);
-            put_str16(out, label);
+/// How a value travels: written whole, read back or refused with why.
+/// Reading never panics, whatever the bytes.
+trait Field: Sized {
+    fn put(&self, out: &mut Vec<u8>);
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError>;
+}
+
+/// A field of fixed length, what lists are made of: a list's count is
+/// checked against the bytes left before anything is allocated for it.
+trait Item: Field {
+    const LEN: usize;
+}
+
+impl Field for u16 {
+    fn put(&self, out: &mut Vec<u8>) {
+        put_u16(out, *self);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.u16()
+    }
+}
+
+impl Field for u32 {
+    fn put(&self, out: &mut Vec<u8>) {
+        put_u32(out, *self);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.u32()
+    }
+}
+
+impl Item for u32 {
+    const LEN: usize = 4;
+}
+
+impl Field for u64 {
+    fn put(&self, out: &mut Vec<u8>) {
+        put_u64(out, *self);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.u64()
+    }
+}
+
+impl<const N: usize> Field for [u8; N] {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.array()
+    }
+}
+
+impl<const N: usize> Item for [u8; N] {
+    const LEN: usize = N;
+}
+
+impl Field for bool {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.push(u8::from(*self));
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.bool()
+    }
+}
+
+impl Field for Option<f64> {
+    fn put(&self, out: &mut Vec<u8>) {
+        put_opt_f64(out, *self);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.opt_f64()
+    }
+}
+
+/// A `u16` length and UTF-8, cut at a character boundary to fit.
+impl Field for String {
+    fn put(&self, out: &mut Vec<u8>) {
+        put_str16(out, self);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        r.str16()
+    }
+}
+
+impl Field for Priority {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.push(self.index() as u8);
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        Priority::from_index(r.u8()?).ok_or(DecodeError::Malformed("unknown priority"))
+    }
+}
+
+/// 0: none; otherwise the priority's index plus one.
+impl Field for Option<Priority> {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.push(self.map_or(0, |p| p.index() as u8 + 1));
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        match r.u8()? {
+            0 => Ok(None),
+            b => Priority::from_index(b - 1)
+                .map(Some)
+                .ok_or(DecodeError::Malformed("unknown priority")),
         }
     }
-    end_frame(out, start);
 }
 
-/// Appends one whole frame holding `msg` to `out`.
-pub fn encode_server(msg: &ServerMsg, out: &mut Vec<u8>) {
-    let start = begin_frame(out);
-    match msg {
-        ServerMsg::HelloOk { version } => {
-            out.push(T_HELLO_OK);
-            put_u16(out, *version);
-        }
-        ServerMsg::Error { code, message } => {
-            out.push(T_ERROR);
-            put_u16(out, *code);
-            put_str16(out, message);
-        }
-        ServerMsg::Grant {
-            uuid,
-            grant,
-            slice_ns,
-            bound_ns,
-            waiters,
-        } => {
-            out.push(T_GRANT);
-            out.extend_from_slice(uuid);
-            put_u64(out, *grant);
-            put_u64(out, *slice_ns);
-            put_u64(out, *bound_ns);
-            out.push(u8::from(*waiters));
-        }
-        ServerMsg::Revoke { uuid, grant } => {
-            out.push(T_REVOKE);
-            out.extend_from_slice(uuid);
-            put_u64(out, *grant);
-        }
-        ServerMsg::StatusReply { json } => {
-            out.push(T_STATUS_REPLY);
-            let json = truncate(json, MAX_STATUS_JSON);
-            put_u32(out, json.len() as u32);
-            out.extend_from_slice(json.as_bytes());
-        }
-        ServerMsg::Queued {
-            position,
-            waiting_for,
-            token,
-        } => {
-            out.push(T_QUEUED);
-            put_u32(out, *position);
-            put_str16(out, waiting_for);
-            put_u64(out, *token);
-        }
-        ServerMsg::Pong => out.push(T_PONG),
-        ServerMsg::Registered { mem_cap } => {
-            out.push(T_REGISTERED);
-            put_u64(out, *mem_cap);
-        }
-        ServerMsg::Leased {
-            gpus,
-            uuids,
-            mem_cap,
-            token,
-            mps_pipe,
-            mig,
-        } => {
-            out.push(T_LEASED);
-            let gpus = clamp_list(gpus);
-            put_u16(out, gpus.len() as u16);
-            for g in gpus {
-                put_u32(out, *g);
-            }
-            let uuids = clamp_list(uuids);
-            put_u16(out, uuids.len() as u16);
-            for u in uuids {
-                out.extend_from_slice(u);
-            }
-            put_u64(out, *mem_cap);
-            put_u64(out, *token);
-            put_str16(out, mps_pipe);
-            put_str16(out, mig);
-        }
-        ServerMsg::Refused { reason } => {
-            out.push(T_REFUSED);
-            put_str16(out, reason);
+impl Field for Role {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.push(match self {
+            Role::Shim => 1,
+            Role::Cli => 2,
+        });
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        match r.u8()? {
+            1 => Ok(Role::Shim),
+            2 => Ok(Role::Cli),
+            _ => Err(DecodeError::Malformed("unknown role")),
         }
     }
-    end_frame(out, start);
 }
 
-/// Decodes the frame at the start of `buf`, returning the message and how
-/// many bytes it took. Never panics, whatever `buf` holds.
-pub fn decode_client(buf: &[u8]) -> Result<(ClientMsg, usize), DecodeError> {
-    let (ty, payload, used) = split_frame(buf, MAX_CLIENT_FRAME)?;
-    let mut r = Reader(payload);
-    let msg = match ty {
-        T_HELLO => {
-            let magic = r.array()?;
-            let version = r.u16()?;
-            let msg = ClientMsg::Hello {
-                magic,
-                version,
-                pid: r.u32()?,
-                role: Role::from_wire(r.u8()?).ok_or(DecodeError::Malformed("unknown role"))?,
-                // Absent before version 5: the one version it speaks.
-                max_version: r.u16().unwrap_or(version),
-            };
-            // Frozen and extensible: later versions may append fields.
-            return Ok((msg, used));
+/// A `u16` count, at most [`MAX_LIST`] (a longer list is cut), then the
+/// items.
+impl<T: Item> Field for Vec<T> {
+    fn put(&self, out: &mut Vec<u8>) {
+        let items = clamp_list(self);
+        put_u16(out, items.len() as u16);
+        for item in items {
+            item.put(out);
         }
-        T_REGISTER => {
-            let command = r.str16()?;
-            let n = r.count(DEVICE_REG_LEN)?;
-            let mut devices = Vec::with_capacity(n);
-            for _ in 0..n {
-                devices.push(DeviceReg {
-                    uuid: r.array()?,
-                    ordinal: r.u32()?,
-                    mem_cap: r.u64()?,
-                    mem_total: r.u64()?,
-                });
-            }
-            ClientMsg::Register {
-                command,
-                devices,
-                share: r.opt_f64()?,
-                limit: r.opt_f64()?,
-                priority: Priority::from_index(r.u8()?)
-                    .ok_or(DecodeError::Malformed("unknown priority"))?,
-            }
+    }
+    fn get(r: &mut Reader<'_>) -> Result<Self, DecodeError> {
+        let n = r.count(T::LEN)?;
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            items.push(T::get(r)?);
         }
-        T_USAGE => ClientMsg::Usage {
-            uuid: r.array()?,
-            used: r.u64()?,
-            peak: r.u64()?,
-            ooms: r.u64()?,
-        },
-        T_ACQUIRE => ClientMsg::Acquire { uuid: r.array()? },
-        T_RELEASE => ClientMsg::Release {
-            uuid: r.array()?,
-            held_ns: r.u64()?,
-        },
-        T_DRAINED => ClientMsg::Drained { uuid: r.array()? },
-        T_STATUS => ClientMsg::Status { from: r.u32()? },
-        T_PING => ClientMsg::Ping,
-        T_JOIN => ClientMsg::Join { job: r.u64()? },
-        T_LEASE => ClientMsg::Lease(LeaseReq {
-            want_gpus: r.u32()?,
-            want_mem: r.u64()?,
-            compute: r.opt_f64()?,
-            limit: r.opt_f64()?,
-            no_wait: r.bool()?,
-            command: r.str16()?,
-            priority: match r.u8()? {
-                0 => None,
-                b => Some(
-                    Priority::from_index(b - 1)
-                        .ok_or(DecodeError::Malformed("unknown priority"))?,
-                ),
-            },
-            resume: r.u64()?,
-            token: r.u64()?,
-            pin: {
-                let n = r.count(PIN_LEN)?;
-                let mut pin = Vec::with_capacity(n);
-                for _ in 0..n {
-                    pin.push(Pin {
-                        uuid: r.array()?,
-                        mem: r.u64()?,
-                    });
-                }
-                pin
-            },
-        }),
-        T_NAME => ClientMsg::Name {
-            pod: r.str16()?,
-            label: r.str16()?,
-        },
-        other => return Err(DecodeError::UnknownType(other)),
-    };
-    r.finish()?;
-    Ok((msg, used))
+        Ok(items)
+    }
 }
 
-/// Decodes the frame at the start of `buf`, returning the message and how
-/// many bytes it took. Never panics, whatever `buf` holds.
-pub fn decode_server(buf: &[u8]) -> Result<(ServerMsg, usize), DecodeError> {
-    let (ty, payload, used) = split_frame(buf, MAX_FRAME)?;
-    let mut r = Reader(payload);
-    let msg = match ty {
-        // Frozen and extensible: later versions may append fields.
-        T_HELLO_OK => return Ok((ServerMsg::HelloOk { version: r.u16()? }, used)),
-        T_ERROR => {
-            let msg = ServerMsg::Error {
-                code: r.u16()?,
-                message: r.str16()?,
-            };
-            return Ok((msg, used));
-        }
-        T_GRANT => ServerMsg::Grant {
-            uuid: r.array()?,
-            grant: r.u64()?,
-            slice_ns: r.u64()?,
-            bound_ns: r.u64()?,
-            waiters: r.bool()?,
-        },
-        T_REVOKE => ServerMsg::Revoke {
-            uuid: r.array()?,
-            grant: r.u64()?,
-        },
-        T_STATUS_REPLY => {
-            let len = r.u32()? as usize;
-            ServerMsg::StatusReply { json: r.utf8(len)? }
-        }
-        T_QUEUED => ServerMsg::Queued {
-            position: r.u32()?,
-            waiting_for: r.str16()?,
-            token: r.u64()?,
-        },
-        T_REGISTERED => ServerMsg::Registered { mem_cap: r.u64()? },
-        T_PONG => ServerMsg::Pong,
-        T_LEASED => {
-            let n = r.count(4)?;
-            let mut gpus = Vec::with_capacity(n);
-            for _ in 0..n {
-                gpus.push(r.u32()?);
-            }
-            let n = r.count(UUID_LEN)?;
-            let mut uuids = Vec::with_capacity(n);
-            for _ in 0..n {
-                uuids.push(r.array()?);
-            }
-            ServerMsg::Leased {
-                gpus,
-                uuids,
-                mem_cap: r.u64()?,
-                token: r.u64()?,
-                mps_pipe: r.str16()?,
-                mig: r.str16()?,
-            }
-        }
-        T_REFUSED => ServerMsg::Refused { reason: r.str16()? },
-        other => return Err(DecodeError::UnknownType(other)),
-    };
-    r.finish()?;
-    Ok((msg, used))
+impl Item for DeviceReg {
+    const LEN: usize = DEVICE_REG_LEN;
+}
+
+impl Item for Pin {
+    const LEN: usize = PIN_LEN;
+}
+
+/// The status JSON: a `u32` length, cut at [`MAX_STATUS_JSON`] bytes.
+struct Json;
+
+impl Json {
+    fn put(json: &str, out: &mut Vec<u8>) {
+        let json = truncate(json, MAX_STATUS_JSON);
+        put_u32(out, json.len() as u32);
+        out.extend_from_slice(json.as_bytes());
+    }
+
+    fn get(r: &mut Reader<'_>) -> Result<String, DecodeError> {
+        let len = r.u32()? as usize;
+        r.utf8(len)
+    }
 }
 
 /// Returns the type byte, the payload and the whole frame's length.
@@ -1235,30 +1191,30 @@ mod tests {
             ServerMsg::Registered { mem_cap: 0 },
             ServerMsg::Pong,
             ServerMsg::Registered { mem_cap: 4 << 30 },
-            ServerMsg::Leased {
+            ServerMsg::Leased(Lease {
                 gpus: vec![0, 1],
                 uuids: vec![uuid(1), uuid(2)],
                 mem_cap: 0,
                 token: 1,
                 mps_pipe: String::new(),
                 mig: String::new(),
-            },
-            ServerMsg::Leased {
+            }),
+            ServerMsg::Leased(Lease {
                 gpus: vec![],
                 uuids: vec![],
                 mem_cap: 4 << 30,
                 token: u64::MAX,
                 mps_pipe: "/run/gpufrac/mps-pipe".into(),
                 mig: String::new(),
-            },
-            ServerMsg::Leased {
+            }),
+            ServerMsg::Leased(Lease {
                 gpus: vec![0],
                 uuids: vec![uuid(1)],
                 mem_cap: 4864 << 20,
                 token: 7,
                 mps_pipe: String::new(),
                 mig: "MIG-3c1e6f7a-c0de-4000-8000-000000000001".into(),
-            },
+            }),
             ServerMsg::Refused {
                 reason: "no GPU on this node has 200 GiB".into(),
             },
@@ -1407,14 +1363,14 @@ mod tests {
         let mut framed = (want.len() as u32).to_le_bytes().to_vec();
         framed.extend_from_slice(&want);
         assert_eq!(
-            enc_s(&ServerMsg::Leased {
+            enc_s(&ServerMsg::Leased(Lease {
                 gpus: vec![0],
                 uuids: vec![[0xab; 16]],
                 mem_cap: 5,
                 token: 9,
                 mps_pipe: String::new(),
                 mig: "MIG-x".into(),
-            }),
+            })),
             framed
         );
     }
@@ -1802,15 +1758,16 @@ mod tests {
         };
         assert_eq!(devices.len(), MAX_LIST);
 
-        let m = ServerMsg::Leased {
+        let m = ServerMsg::Leased(Lease {
             gpus: vec![7; 70_000],
             uuids: vec![uuid(1); 70_000],
             mem_cap: 5,
             token: 6,
             mps_pipe: String::new(),
             mig: String::new(),
-        };
-        let (ServerMsg::Leased { gpus, uuids, .. }, _) = decode_server(&enc_s(&m)).unwrap() else {
+        });
+        let (ServerMsg::Leased(Lease { gpus, uuids, .. }), _) = decode_server(&enc_s(&m)).unwrap()
+        else {
             panic!()
         };
         assert_eq!((gpus.len(), uuids.len()), (MAX_LIST, MAX_LIST));
@@ -1987,7 +1944,7 @@ mod tests {
                 vec(any::<[u8; 16]>(), 0..8),
                 any::<u64>()
             )
-                .prop_map(|(gpus, uuids, mem_cap)| ServerMsg::Leased {
+                .prop_map(|(gpus, uuids, mem_cap)| ServerMsg::Leased(Lease {
                     gpus,
                     uuids,
                     mem_cap,
@@ -1998,7 +1955,7 @@ mod tests {
                     } else {
                         format!("MIG-{mem_cap:x}")
                     },
-                }),
+                })),
             any::<String>().prop_map(|reason| ServerMsg::Refused { reason }),
         ]
     }

@@ -39,8 +39,10 @@ pub enum Want {
     Unplaced,
     /// `--gpu-memory 1G`.
     Memory,
-    /// `--gpu-memory` of a whole GPU's memory.
-    WholeMemory,
+    /// `--gpu-memory` of a whole GPU's memory less `less` bytes (one of
+    /// [`NEAR_WHOLE`]): every size near the GPU's total, none of which
+    /// may go before an earlier `--gpus 1`.
+    WholeMemory { less: u32 },
     /// `--gpus 1`.
     Gpu,
     /// Pinned to GPU 0, the device plugin's request: refused.
@@ -53,12 +55,16 @@ impl Want {
     pub const ALL: [Want; 6] = [
         Want::Unplaced,
         Want::Memory,
-        Want::WholeMemory,
+        Want::WholeMemory { less: 0 },
         Want::Gpu,
         Want::Pinned,
         Want::High,
     ];
 }
+
+/// How much less than a GPU's memory a [`Want::WholeMemory`] asks for:
+/// nothing, a byte, a page, a MiB, 16 and 64 MiB.
+pub const NEAR_WHOLE: &[u32] = &[0, 1, 4096, 1 << 20, 16 << 20, 64 << 20];
 
 /// What a cohort's members do while on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -516,7 +522,7 @@ impl Attacker {
                 match want {
                     Want::Unplaced => {}
                     Want::Memory => req.want_mem = GIB,
-                    Want::WholeMemory => req.want_mem = 16 * GIB,
+                    Want::WholeMemory { less } => req.want_mem = 16 * GIB - u64::from(less),
                     Want::Gpu => req.want_gpus = 1,
                     Want::Pinned => {
                         req.pin = vec![Pin {
@@ -729,7 +735,7 @@ impl Actor for Attacker {
                     Recall::Ignore => io.holds(conn, false, 0),
                 }
             }
-            ServerMsg::Leased { .. } => {
+            ServerMsg::Leased(_) => {
                 if let Some(l) = self.members[m].lease {
                     self.record.leases[l].leased.get_or_insert(io.now);
                 }
@@ -902,7 +908,7 @@ pub fn seeds() -> Vec<(&'static str, Strategy)> {
                         period_ms: 2000,
                         duty: 90,
                         ..cohort(Play::Lease {
-                            want: Want::WholeMemory,
+                            want: Want::WholeMemory { less: 1 << 20 },
                             queued: true,
                         })
                     },

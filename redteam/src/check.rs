@@ -43,8 +43,10 @@ pub enum Invariant {
     /// gone, a broker without a driver keeps no GPU that no registered
     /// process names, and the victim's processes are never refused.
     State,
-    /// Queue order: no request of the attacker's for a whole GPU asked
-    /// after the victim's `--gpus 1` is placed before it.
+    /// Queue order: no request of the attacker's for room on a GPU (a
+    /// whole one, its memory less a little, or any fraction) asked after
+    /// the victim's `--gpus 1` is placed before it: fractions backfill
+    /// only where they delay no earlier whole-GPU request.
     Queue,
 }
 
@@ -552,14 +554,19 @@ fn queue(r: &Run) -> (f64, String) {
         .record
         .leases
         .iter()
-        .filter(|l| matches!(l.want, Want::Gpu | Want::WholeMemory))
+        .filter(|l| {
+            matches!(
+                l.want,
+                Want::Gpu | Want::WholeMemory { .. } | Want::Memory | Want::High
+            )
+        })
         .filter(|l| l.asked > asked)
         .filter(|l| l.leased.is_some_and(|t| placed.is_none_or(|p| t < p)))
         .count();
     (
         jumps as f64,
         format!(
-            "{jumps} of the attacker's later requests for a whole GPU placed before the victim's --gpus 1 (asked at {} ms, placed {})",
+            "{jumps} of the attacker's later requests for GPU room placed before the victim's --gpus 1 (asked at {} ms, placed {})",
             (asked - r.node.start()) / MS,
             placed.map_or("never".to_owned(), |p| format!(
                 "at {} ms",

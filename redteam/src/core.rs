@@ -24,7 +24,7 @@ use gpufrac_broker::procs::{GpuSample, Procs, Telemetry};
 use gpufrac_broker::proto::{Broker, Config, MigDone, Sockets as CoreSockets, Tokens, Work};
 pub use gpufrac_broker::proto::{ConnId, Nanos};
 use gpufrac_broker::server::ACCEPTS_PER_TURN;
-use gpufrac_broker::status::Status;
+use gpufrac_common::status::Status;
 
 use crate::host::Host;
 use crate::work::{self, Tally};
@@ -251,9 +251,10 @@ pub trait Sockets {
 pub trait Driver {
     /// Each GPU's utilisation (percent) since the last sample.
     fn utilization(&mut self, now: Nanos) -> u32;
-    /// The pids whose kernels ran since the last sample (NVML's
-    /// per-process utilisation).
-    fn working(&mut self, now: Nanos) -> Vec<u32>;
+    /// The pids whose kernels ran since the last sample, each with the
+    /// percent of that time it kept the GPU busy (NVML's per-process
+    /// utilisation).
+    fn working(&mut self, now: Nanos) -> Vec<(u32, u32)>;
 }
 
 /// As `broker/src/server.rs` samples the driver.
@@ -397,8 +398,10 @@ impl Shell {
                 .map(|u| {
                     let s = GpuSample {
                         utilization,
-                        processes: Vec::new(),
+                        processes: Some(Vec::new()),
                         working: working.clone(),
+                        memory: None,
+                        health: None,
                     };
                     (u, s)
                 })

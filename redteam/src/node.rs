@@ -146,8 +146,10 @@ struct Gpu {
     /// Time anyone's work ran, and its value at the last sample.
     busy: Nanos,
     sampled: (Nanos, Nanos),
-    /// The pids whose work ran since the last sample of per-process work.
-    ran: BTreeSet<u32>,
+    /// The kernel time each pid ran since the last sample of per-process
+    /// work (the time-slicer's even split), and when that sample was.
+    ran: BTreeMap<u32, f64>,
+    ran_from: Nanos,
 }
 
 impl Driver for Gpu {
@@ -158,9 +160,15 @@ impl Driver for Gpu {
         (100 * (self.busy - b0) / span).min(100) as u32
     }
 
-    fn working(&mut self, now: Nanos) -> Vec<u32> {
+    fn working(&mut self, now: Nanos) -> Vec<(u32, u32)> {
         self.advance(now);
-        std::mem::take(&mut self.ran).into_iter().collect()
+        let span = now
+            .saturating_sub(std::mem::replace(&mut self.ran_from, now))
+            .max(1) as f64;
+        std::mem::take(&mut self.ran)
+            .into_iter()
+            .map(|(pid, ns)| (pid, ((100.0 * ns / span).ceil() as u32).clamp(1, 100)))
+            .collect()
     }
 }
 
@@ -193,7 +201,9 @@ impl Gpu {
             let n = running.len() as f64;
             if !running.is_empty() {
                 self.busy += next - t;
-                self.ran.extend(running.iter().map(|o| o.pid));
+                for o in &running {
+                    *self.ran.entry(o.pid).or_default() += dt / n;
+                }
             }
             for o in &running {
                 if o.uid == VICTIM {

@@ -18,8 +18,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::attack::{
-    Bounds, Cohort, MAX_ARGV_KIB, MAX_COHORTS, MAX_MEMBERS, MAX_NAME_KIB, Play, Recall, Space,
-    Strategy, Want, cohort,
+    Bounds, Cohort, MAX_ARGV_KIB, MAX_COHORTS, MAX_MEMBERS, MAX_NAME_KIB, NEAR_WHOLE, Play, Recall,
+    Space, Strategy, Want, cohort,
 };
 use crate::check::{Invariant, Outcome, evaluate};
 use crate::host::{Argv, Text};
@@ -271,9 +271,20 @@ fn random_play(rng: &mut ChaCha8Rng) -> Play {
             bytes: pick(rng, TRICKLE_BYTES),
         },
         _ => Play::Lease {
-            want: pick(rng, &Want::ALL),
+            want: random_want(rng),
             queued: rng.random_bool(0.5),
         },
+    }
+}
+
+/// One of [`Want::ALL`], a GPU's memory less one of [`NEAR_WHOLE`] for
+/// the near-whole one.
+fn random_want(rng: &mut ChaCha8Rng) -> Want {
+    match pick(rng, &Want::ALL) {
+        Want::WholeMemory { .. } => Want::WholeMemory {
+            less: pick(rng, NEAR_WHOLE),
+        },
+        want => want,
     }
 }
 
@@ -396,7 +407,7 @@ fn mutate_play(rng: &mut ChaCha8Rng, p: Play) -> Play {
         Play::Lease { want, queued } => {
             if rng.random_bool(0.5) {
                 Play::Lease {
-                    want: pick(rng, &Want::ALL),
+                    want: random_want(rng),
                     queued,
                 }
             } else {

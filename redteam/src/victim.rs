@@ -518,7 +518,7 @@ impl Actor for Victim {
                 ..
             } => self.grant(io, c, grant, slice_ns != 0 || waiters, bound_ns),
             ServerMsg::Revoke { grant, .. } => self.revoke(io, c, grant),
-            ServerMsg::Leased { .. } if self.queued == Some(c) => {
+            ServerMsg::Leased(_) if self.queued == Some(c) => {
                 if let Some((_, placed)) = self.record.queued.as_mut() {
                     placed.get_or_insert(io.now);
                 }
@@ -527,7 +527,7 @@ impl Actor for Victim {
                 // A run holds its lease for its time once answered (at
                 // once when refused), then ends.
                 if let Some(hold) = self.conns.get_mut(&c).and_then(|c| c.hold.take()) {
-                    let hold = if matches!(m, ServerMsg::Leased { .. }) {
+                    let hold = if matches!(m, ServerMsg::Leased(_)) {
                         hold
                     } else {
                         0

@@ -169,7 +169,7 @@ fn large_command_lines_on_leases_and_registrations_stall_no_answer() {
             },
             Cohort {
                 play: Play::Lease {
-                    want: Want::WholeMemory,
+                    want: Want::WholeMemory { less: 0 },
                     queued: false,
                 },
                 members: 12,
@@ -303,7 +303,7 @@ fn whole_memory_requests_do_not_jump_an_earlier_whole_gpu() {
             },
             Cohort {
                 play: Play::Lease {
-                    want: Want::WholeMemory,
+                    want: Want::WholeMemory { less: 0 },
                     queued: true,
                 },
                 members: 1,
@@ -322,7 +322,7 @@ fn whole_memory_requests_do_not_jump_an_earlier_whole_gpu() {
             },
             Cohort {
                 play: Play::Lease {
-                    want: Want::WholeMemory,
+                    want: Want::WholeMemory { less: 0 },
                     queued: true,
                 },
                 members: 1,

@@ -141,6 +141,22 @@ macro_rules! define_slots {
 
 crate::hooklist::with_hook_list!(define_slots);
 
+/// The real function of a hook that serves both a driver entry point and
+/// its per-thread-default-stream twin (`_ptsz`): the twin's when `ptsz`,
+/// else the plain one. The twins share one hook, generic over
+/// `const PTSZ: bool` (the hook list names it `::<false>` and `::<true>`),
+/// so the branch is decided at compile time.
+macro_rules! twin {
+    ($ptsz:expr, $plain:ident | $per_thread:ident ( $($arg:expr),* $(,)? )) => {
+        if $ptsz {
+            $crate::driver::call::$per_thread($($arg),*)
+        } else {
+            $crate::driver::call::$plain($($arg),*)
+        }
+    };
+}
+pub(crate) use twin;
+
 /// glibc's own dlsym, found with dlvsym so our export is never returned.
 /// Not exported: the `dlsym` trampoline addresses it PC-relative.
 pub static GPUFRAC_REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);

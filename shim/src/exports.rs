@@ -201,7 +201,7 @@ pub fn hook_for_real(p: usize) -> Option<usize> {
 mod procaddr {
     use super::{TABLE, ensure_cudart, hook_for_real};
     use crate::config;
-    use crate::driver::call;
+    use crate::driver::{call, twin};
     use gpufrac_common::cuda::*;
     use gpufrac_common::versions::versioned;
     use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
@@ -293,7 +293,8 @@ mod procaddr {
         config::ensure();
     }
 
-    pub unsafe fn cudart_entry_point(
+    /// `cudaGetDriverEntryPoint` and its `_ptsz` twin (`driver::twin`).
+    pub unsafe fn cudart_entry_point<const PTSZ: bool>(
         symbol: *const c_char,
         pfn: *mut *mut c_void,
         flags: u64,
@@ -302,26 +303,17 @@ mod procaddr {
         cudart_ready();
         unsafe {
             handing_out(pfn, symbol, None, flags, || {
-                call::cudaGetDriverEntryPoint(symbol, pfn, flags, status)
+                twin!(
+                    PTSZ,
+                    cudaGetDriverEntryPoint
+                        | cudaGetDriverEntryPoint_ptsz(symbol, pfn, flags, status)
+                )
             })
         }
     }
 
-    pub unsafe fn cudart_entry_point_ptsz(
-        symbol: *const c_char,
-        pfn: *mut *mut c_void,
-        flags: u64,
-        status: *mut c_int,
-    ) -> u32 {
-        cudart_ready();
-        unsafe {
-            handing_out(pfn, symbol, None, flags, || {
-                call::cudaGetDriverEntryPoint_ptsz(symbol, pfn, flags, status)
-            })
-        }
-    }
-
-    pub unsafe fn cudart_entry_point_by_version(
+    /// `cudaGetDriverEntryPointByVersion` and its `_ptsz` twin.
+    pub unsafe fn cudart_entry_point_by_version<const PTSZ: bool>(
         symbol: *const c_char,
         pfn: *mut *mut c_void,
         ver: c_uint,
@@ -331,22 +323,11 @@ mod procaddr {
         cudart_ready();
         unsafe {
             handing_out(pfn, symbol, Some(ver as i32), flags, || {
-                call::cudaGetDriverEntryPointByVersion(symbol, pfn, ver, flags, status)
-            })
-        }
-    }
-
-    pub unsafe fn cudart_entry_point_by_version_ptsz(
-        symbol: *const c_char,
-        pfn: *mut *mut c_void,
-        ver: c_uint,
-        flags: u64,
-        status: *mut c_int,
-    ) -> u32 {
-        cudart_ready();
-        unsafe {
-            handing_out(pfn, symbol, Some(ver as i32), flags, || {
-                call::cudaGetDriverEntryPointByVersion_ptsz(symbol, pfn, ver, flags, status)
+                twin!(
+                    PTSZ,
+                    cudaGetDriverEntryPointByVersion
+                        | cudaGetDriverEntryPointByVersion_ptsz(symbol, pfn, ver, flags, status)
+                )
             })
         }
     }

@@ -8,6 +8,9 @@
 //! Each entry names the function that implements its policy (`=> path`),
 //! resolved where the exports are expanded; the driver layer's expansion
 //! never reads it, so the base of the shim does not depend on its hooks.
+//! An entry point and its per-thread-default-stream twin (`_ptsz`) share
+//! one policy, generic over `const PTSZ: bool`: `::<false>` and `::<true>`
+//! (`driver::twin` picks the real function).
 //!
 //! The sections say what an entry point does when the shim fails inside it
 //! (a panic, see `boundary.rs`):
@@ -29,24 +32,24 @@ macro_rules! with_hook_list {
                 Cuda fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => mem::alloc;
                 Cuda fn cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: c_uint) => mem::alloc_pitch;
                 Cuda fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) => mem::alloc_managed;
-                Cuda fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => mem::alloc_async;
-                Cuda fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => mem::alloc_async_ptsz;
-                Cuda fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool;
-                Cuda fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool_ptsz;
+                Cuda fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => mem::alloc_async::<false>;
+                Cuda fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => mem::alloc_async::<true>;
+                Cuda fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool::<false>;
+                Cuda fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => mem::alloc_pool::<true>;
                 Cuda fn cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => mem::create;
                 Cuda fn cuMemImportFromShareableHandle(handle: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, kind: c_uint) => vmm::import;
                 Cuda fn cuArrayCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) => mem::array_create;
                 Cuda fn cuArray3DCreate_v2(arr: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) => mem::array3d_create;
                 Cuda fn cuMipmappedArrayCreate(arr: *mut CUmipmappedArray, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: c_uint) => mem::mipmap_create;
-                Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => launch::graph_launch;
-                Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => launch::graph_launch_ptsz;
-                Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) => graphmem::graph_upload;
-                Cuda fn cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) => graphmem::graph_upload_ptsz;
+                Cuda fn cuGraphLaunch(exec: CUgraphExec, stream: CUstream) => launch::graph_launch::<false>;
+                Cuda fn cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream) => launch::graph_launch::<true>;
+                Cuda fn cuGraphUpload(exec: CUgraphExec, stream: CUstream) => graphmem::graph_upload::<false>;
+                Cuda fn cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream) => graphmem::graph_upload::<true>;
                 Cuda fn cuGraphInstantiate(exec: *mut CUgraphExec, graph: *mut c_void, err_node: *mut CUgraphNode, log: *mut c_char, log_size: usize) => graphmem::instantiate_v1;
                 Cuda fn cuGraphInstantiate_v2(exec: *mut CUgraphExec, graph: *mut c_void, err_node: *mut CUgraphNode, log: *mut c_char, log_size: usize) => graphmem::instantiate_v2;
                 Cuda fn cuGraphInstantiateWithFlags(exec: *mut CUgraphExec, graph: *mut c_void, flags: u64) => graphmem::instantiate_with_flags;
-                Cuda fn cuGraphInstantiateWithParams(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params;
-                Cuda fn cuGraphInstantiateWithParams_ptsz(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params_ptsz;
+                Cuda fn cuGraphInstantiateWithParams(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params::<false>;
+                Cuda fn cuGraphInstantiateWithParams_ptsz(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void) => graphmem::instantiate_with_params::<true>;
             }
             pass_through {
                 Cuda fn cuInit(flags: c_uint) => init::cu_init;
@@ -54,8 +57,8 @@ macro_rules! with_hook_list {
                 Cuda fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_int, flags: u64, status: *mut c_int) => procaddr::get_v2;
 
                 Cuda fn cuMemFree_v2(dptr: CUdeviceptr) => mem::free;
-                Cuda fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => mem::free_async;
-                Cuda fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => mem::free_async_ptsz;
+                Cuda fn cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => mem::free_async::<false>;
+                Cuda fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => mem::free_async::<true>;
                 Cuda fn cuMemRelease(handle: CUmemGenericAllocationHandle) => vmm::release;
                 Cuda fn cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => vmm::retain;
                 Cuda fn cuMemExportToShareableHandle(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, kind: c_uint, flags: u64) => vmm::export;
@@ -83,25 +86,25 @@ macro_rules! with_hook_list {
 
                 Cuda fn cuCtxSynchronize() => launch::ctx_sync;
                 Cuda fn cuCtxSynchronize_v2(ctx: CUcontext) => launch::ctx_sync_v2;
-                Cuda fn cuStreamSynchronize(stream: CUstream) => launch::stream_sync;
-                Cuda fn cuStreamSynchronize_ptsz(stream: CUstream) => launch::stream_sync_ptsz;
+                Cuda fn cuStreamSynchronize(stream: CUstream) => launch::stream_sync::<false>;
+                Cuda fn cuStreamSynchronize_ptsz(stream: CUstream) => launch::stream_sync::<true>;
                 Cuda fn cuEventSynchronize(event: CUevent) => launch::event_sync;
 
                 Nvml fn nvmlDeviceGetMemoryInfo(dev: nvmlDevice_t, mem: *mut nvmlMemory_t) => nvml::memory_info;
                 Nvml fn nvmlDeviceGetMemoryInfo_v2(dev: nvmlDevice_t, mem: *mut nvmlMemory_v2_t) => nvml::memory_info_v2;
 
-                Cudart fn cudaGetDriverEntryPoint(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point;
-                Cudart fn cudaGetDriverEntryPoint_ptsz(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_ptsz;
-                Cudart fn cudaGetDriverEntryPointByVersion(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_uint, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_by_version;
-                Cudart fn cudaGetDriverEntryPointByVersion_ptsz(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_uint, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_by_version_ptsz;
+                Cudart fn cudaGetDriverEntryPoint(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point::<false>;
+                Cudart fn cudaGetDriverEntryPoint_ptsz(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point::<true>;
+                Cudart fn cudaGetDriverEntryPointByVersion(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_uint, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_by_version::<false>;
+                Cudart fn cudaGetDriverEntryPointByVersion_ptsz(symbol: *const c_char, pfn: *mut *mut c_void, ver: c_uint, flags: u64, status: *mut c_int) => procaddr::cudart_entry_point_by_version::<true>;
             }
             pass_through_settled {
-                Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel;
-                Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ptsz;
-                Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex;
-                Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex_ptsz;
-                Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop;
-                Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop_ptsz;
+                Cuda fn cuLaunchKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel::<false>;
+                Cuda fn cuLaunchKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel::<true>;
+                Cuda fn cuLaunchKernelEx(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex::<false>;
+                Cuda fn cuLaunchKernelEx_ptsz(config: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) => launch::launch_kernel_ex::<true>;
+                Cuda fn cuLaunchCooperativeKernel(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop::<false>;
+                Cuda fn cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: c_uint, gy: c_uint, gz: c_uint, bx: c_uint, by: c_uint, bz: c_uint, shmem: c_uint, stream: CUstream, params: *mut *mut c_void) => launch::launch_coop::<true>;
                 Cuda fn cuLaunchCooperativeKernelMultiDevice(list: *mut CUDA_LAUNCH_PARAMS, n: c_uint, flags: c_uint) => launch::launch_coop_multi;
             }
             internal {

@@ -11,6 +11,7 @@ pub use crate::mig::Model;
 pub const VAR_DEVICES: &str = "GPUFRAC_SIM_DEVICES";
 pub const VAR_STATE: &str = "GPUFRAC_SIM_STATE";
 pub const VAR_DRIVER_VERSION: &str = "GPUFRAC_SIM_DRIVER_VERSION";
+pub const VAR_NVML_LATE: &str = "GPUFRAC_SIM_NVML_LATE";
 pub const VAR_QUANTUM_US: &str = "GPUFRAC_SIM_QUANTUM_US";
 pub const VAR_SWITCH_US: &str = "GPUFRAC_SIM_SWITCH_US";
 /// Which devices CUDA shows, in which order, as the real driver reads it
@@ -240,6 +241,22 @@ pub fn driver_version() -> i32 {
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(DEFAULT_DRIVER_VERSION)
+    })
+}
+
+/// `GPUFRAC_SIM_NVML_LATE`: processes that start between a caller's two
+/// calls of an NVML process list. The first call, which asks for the
+/// count (no buffer or no room), is told that many fewer than the list
+/// holds; the next finds the list longer than the buffer sized by that
+/// count, as a real driver does while a job's workers start at once.
+/// Read on first use; 0 (unset, or not a number): the count is exact.
+pub fn nvml_late() -> usize {
+    static V: OnceLock<usize> = OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var(VAR_NVML_LATE)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
     })
 }
 

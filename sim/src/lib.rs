@@ -26,6 +26,12 @@
 //!   default 100, 0 allowed. The defaults are what an H100 (driver 580) was
 //!   measured to do; every process on one state file should use the same.
 //!
+//! - `GPUFRAC_SIM_XID`: `DEVICE:XID` pairs (comma-separated); an NVML event
+//!   set registered for XID events on a device delivers its XID once.
+//! - `GPUFRAC_SIM_NVML_LATE`: processes that start between a caller's
+//!   count of an NVML process list and its fill (the count leaves them
+//!   out); default 0.
+//!
 //! A bad value makes `cuInit`/`nvmlInit` fail with a message on stderr.
 //!
 //! Test-only exports (`testing.rs`): `gpufracSimGraphCreate`,
@@ -105,6 +111,7 @@ mod device;
 mod engine;
 mod exec;
 mod graphs;
+mod health;
 mod mem;
 mod mig;
 mod nvml;

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU32, Ordering::*};
 
 use gpufrac_common::cuda::*;
 
-use crate::config::driver_version;
+use crate::config::{driver_version, nvml_late};
 use crate::config::{phys_name, uuid_string};
 use crate::mig::{self, mig_handle};
 use crate::state::{MAX_DEV, Sim, init, sim};
@@ -254,6 +254,12 @@ nvml_exports! {
             }
         }
         let room = *count as usize;
+        if room == 0 {
+            // Asked for the count: those that start meanwhile are not in it.
+            let counted = procs.len().saturating_sub(nvml_late());
+            *count = counted as c_uint;
+            return if counted > 0 { Err(NVML_ERROR_INSUFFICIENT_SIZE) } else { Ok(()) };
+        }
         *count = procs.len() as c_uint;
         if procs.len() > room {
             return Err(NVML_ERROR_INSUFFICIENT_SIZE);
@@ -307,8 +313,18 @@ nvml_exports! {
             return Err(NVML_ERROR_NOT_FOUND);
         }
         let room = *count as usize;
+        if samples.is_null() || room == 0 {
+            // Asked for the count: those that ran meanwhile are not in it.
+            let counted = ran.len().saturating_sub(nvml_late());
+            *count = counted as c_uint;
+            return Err(if counted > 0 {
+                NVML_ERROR_INSUFFICIENT_SIZE
+            } else {
+                NVML_ERROR_NOT_FOUND
+            });
+        }
         *count = ran.len() as c_uint;
-        if samples.is_null() || ran.len() > room {
+        if ran.len() > room {
             return Err(NVML_ERROR_INSUFFICIENT_SIZE);
         }
         let span = now.saturating_sub(since).max(1);

@@ -1610,6 +1610,51 @@ fn nvml_worker() {
     }
 }
 
+/// A process's utilisation is how busy it kept the GPU, however many
+/// pieces its work ran in: one that runs 1 ms kernels with a gap after
+/// each (more runs than the engine keeps) is about half busy, not the
+/// few percent its last runs alone would say.
+#[test]
+fn nvml_utilisation_counts_a_busy_process_in_many_runs() {
+    let state = scratch("state");
+    let state_s = state.to_str().unwrap().to_owned();
+    isolated(
+        "nvml_utilisation_counts_a_busy_process_in_many_runs",
+        &[
+            ("GPUFRAC_SIM_STATE", &state_s),
+            ("GPUFRAC_SIM_DEVICES", "4G"),
+        ],
+        || unsafe {
+            ok(nvmlInit_v2());
+            let mut dev = null_mut();
+            ok(nvmlDeviceGetHandleByIndex_v2(0, &mut dev));
+            init_ctx(0);
+            let (f, s) = (function(), stream());
+            let t0 = now_ns() / 1000;
+            for _ in 0..64 {
+                ok(kernel(f, s, 1_000_000));
+                ok(cuStreamSynchronize(s));
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let mut v = vec![nvmlProcessUtilizationSample_t::default(); 4];
+            let mut n = 4;
+            ok(nvmlDeviceGetProcessUtilization(
+                dev,
+                v.as_mut_ptr(),
+                &mut n,
+                t0,
+            ));
+            assert_eq!(n, 1, "{v:?}");
+            let pct = v[0].smUtil;
+            assert!(
+                (25..=75).contains(&pct),
+                "a process busy half the time: {pct}%"
+            );
+        },
+    );
+    let _ = std::fs::remove_file(&state);
+}
+
 /// `nvmlDeviceGetProcessUtilization` as NVIDIA documents it: a sample per
 /// process whose kernels ran since `lastSeenTimeStamp` (µs), none for one
 /// that did not, NVML_ERROR_INSUFFICIENT_SIZE with the count for a NULL or

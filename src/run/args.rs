@@ -63,6 +63,9 @@ pub struct RunArgs {
     /// Broker socket [default: $GPUFRAC_SOCKET, else /run/gpufrac/broker.sock]
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
+    /// Also write the end-of-job summary to FILE, as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
     /// The command and its arguments.
     #[arg(
         required = true,

@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{ClientMsg, LeaseReq, Pin};
+use gpufrac_common::wire::{ClientMsg, Lease, LeaseReq, Pin};
 
 use super::args::RunArgs;
 use super::fail::Fail;
-use super::waiting::{Waiting, Want};
+use super::waiting::{Waiting, Want, place};
 use crate::client::{Client, LeaseOutcome, QueueReport};
 
 /// "1 GPU", "2 GPUs", "4.00 GiB": what a request waits for, in the broker's
@@ -42,7 +42,7 @@ pub(super) fn keep_lease(mut client: Client, req: ClientMsg, socket: PathBuf) {
             }
             let deadline = Instant::now() + Duration::from_secs(10);
             match c.wait_lease(Some(deadline), Duration::from_secs(1), |_| {}) {
-                Ok(LeaseOutcome::Leased { .. }) => {
+                Ok(LeaseOutcome::Leased(_)) => {
                     eprintln!("gpufrac run: lease claimed back from the restarted broker");
                     client = c;
                     break;
@@ -56,35 +56,6 @@ pub(super) fn keep_lease(mut client: Client, req: ClientMsg, socket: PathBuf) {
                 _ => continue,
             }
         }
-    }
-}
-
-/// What the broker granted.
-pub(super) struct Granted {
-    pub(super) gpus: Vec<u32>,
-    pub(super) uuids: Vec<[u8; 16]>,
-    pub(super) mem_cap: u64,
-    pub(super) token: u64,
-    pub(super) mps_pipe: String,
-    /// `MIG-<uuid>` of a MIG lease; empty otherwise.
-    pub(super) mig: String,
-}
-
-impl Granted {
-    /// The GPUs (or the MIG device) it holds, as a claim names them.
-    pub(super) fn held(&self) -> Vec<Pin> {
-        let mig = gpufrac_common::wire::parse_uuid(&self.mig);
-        let uuids = match mig {
-            Some(m) => vec![m],
-            None => self.uuids.clone(),
-        };
-        uuids
-            .into_iter()
-            .map(|uuid| Pin {
-                uuid,
-                mem: self.mem_cap,
-            })
-            .collect()
     }
 }
 
@@ -128,7 +99,7 @@ pub(super) fn lease(
     args: &RunArgs,
     mem: Option<u64>,
     socket: &Path,
-) -> Result<(Client, Granted), Fail> {
+) -> Result<(Client, Lease), Fail> {
     client
         .request_lease(&lease_request(args, mem, 0, Vec::new()))
         .map_err(|m| Fail::new(1, m))?;
@@ -163,28 +134,11 @@ pub(super) fn lease(
         });
         line.clear();
         let lost = match outcome {
-            Ok(LeaseOutcome::Leased {
-                gpus,
-                uuids,
-                mem_cap,
-                token,
-                mps_pipe,
-                mig,
-            }) => {
-                if let Some(said) = waiting.placed(Instant::now(), &gpus, &mig) {
+            Ok(LeaseOutcome::Leased(lease)) => {
+                if let Some(said) = waiting.placed(Instant::now(), &lease.gpus, &lease.mig) {
                     eprintln!("gpufrac run: {said}");
                 }
-                return Ok((
-                    client,
-                    Granted {
-                        gpus,
-                        uuids,
-                        mem_cap,
-                        token,
-                        mps_pipe,
-                        mig,
-                    },
-                ));
+                return Ok((client, lease));
             }
             Ok(LeaseOutcome::Refused(reason)) => {
                 if last_report.is_some() {
@@ -203,7 +157,7 @@ pub(super) fn lease(
                         position,
                         waiting_for,
                         ..
-                    }) => (waiting_for, position.to_string()),
+                    }) => (waiting_for, place(position)),
                     None => (describe_want(args.gpus, mem), "unknown".to_owned()),
                 };
                 let text = args.timeout.as_ref().map_or("", |t| t.text.as_str());
@@ -259,7 +213,7 @@ impl StatusLine {
         let text = format!(
             " gpufrac: waiting for {} \u{2014} position {} \u{2014} {}s",
             q.waiting_for,
-            q.position,
+            place(q.position),
             elapsed.as_secs()
         );
         // A new position shows at once; the clock alone redraws at most

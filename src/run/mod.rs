@@ -13,6 +13,7 @@ mod child;
 pub(crate) mod env;
 mod fail;
 mod lease;
+mod summary;
 mod waiting;
 
 use gpufrac_common::config::{VAR_BROKER, VAR_JOB, VAR_JOB_LEDGER, VAR_MEM_LIMIT};
@@ -118,6 +119,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     if let Some(why) = crate::container::refusal(&args.command) {
         return Err(Fail::new(2, why));
     }
+    let started = std::time::Instant::now();
     let shim = find_shim().map_err(|m| Fail::new(1, m))?;
     let socket = crate::socket_path(args.socket.clone());
     let wants_placement = args.gpus.is_some() || args.gpu_memory.is_some();
@@ -246,7 +248,9 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         // SAFETY: prctl with integer arguments only.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
+    let token = held.as_ref().map(|h| h.1);
     if let Some((client, _, req)) = held {
+        let socket = socket.clone();
         std::thread::Builder::new()
             .name("lease-keeper".into())
             .spawn(move || keep_lease(client, req, socket))
@@ -254,7 +258,10 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     }
     let status = spawn_and_wait(&command, &env);
     drop(books);
-    Ok(exit_code(status?))
+    let code = exit_code(status?);
+    // While the lease still holds: the broker's figures are the job's.
+    summary::finish(&socket, token, args.report.as_deref(), started, code);
+    Ok(code)
 }
 
 #[cfg(test)]

@@ -234,6 +234,10 @@ impl App {
                         gpu: gpus[gpu].uuid.clone(),
                         pid: gpus[gpu].processes[proc].pid,
                     },
+                    // Only the driver knows it: its GPU says what it knows.
+                    Row::Other { gpu, .. } => Detail::Gpu {
+                        uuid: gpus[gpu].uuid.clone(),
+                    },
                 })
             }
             Pane::Queue => {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use gpufrac_broker::status::Status;
+use gpufrac_common::status::Status;
 use ratatui::crossterm::event::{self, Event, KeyEventKind};
 
 use super::app::App;

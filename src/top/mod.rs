@@ -140,7 +140,7 @@ pub fn main(args: TopArgs) -> u8 {
 fn fetch(
     client: &mut Option<Client>,
     socket: &std::path::Path,
-) -> Result<gpufrac_broker::status::Status, String> {
+) -> Result<gpufrac_common::status::Status, String> {
     if client.is_none() {
         *client = Some(Client::connect(socket).map_err(|e| match e {
             ConnectError::NoBroker => format!(

@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use gpufrac_broker::status::{
+use gpufrac_common::status::{
     GpuHistory, GpuStatus, JobShare, ProcStatus, QueueEntry, ShareHistory, Status, UserShare,
 };
 
@@ -22,6 +22,28 @@ const DEPTH: usize = gpufrac_broker::history::DEPTH;
 pub struct ProcHistory {
     pub achieved: VecDeque<Option<f32>>,
     pub used: VecDeque<Option<u64>>,
+}
+
+/// (GPU time owed, GPU time got), seconds, as each status said them: what
+/// the `!` mark is worked out from (`short`).
+pub type Owed = VecDeque<(f64, f64)>;
+
+/// Samples of `Owed` kept: the mark looks at the last ten seconds.
+const OWED_DEPTH: usize = 11;
+
+/// A user's part of a GPU (`job` None) or one of its jobs (`Some(None)`:
+/// its processes outside any job), or a process (`pid`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Share {
+        gpu: String,
+        uid: u32,
+        job: Option<Option<u32>>,
+    },
+    Proc {
+        gpu: String,
+        pid: u32,
+    },
 }
 
 /// The order of the process pane (`s` cycles it, `S` reverses it).
@@ -177,6 +199,12 @@ pub enum Row {
         proc: usize,
         depth: u8,
     },
+    /// A process the driver lists on the GPU that is not under the shim
+    /// (`unmanaged`): the memory it holds is nobody's lease.
+    Other {
+        gpu: usize,
+        other: usize,
+    },
 }
 
 #[derive(Default)]
@@ -184,8 +212,11 @@ pub struct Model {
     pub status: Status,
     /// Status fetches since top opened.
     pub samples: u64,
+    /// When the last status came.
+    pub received: Option<std::time::Instant>,
     procs: HashMap<(String, u32), ProcHistory>,
     containers: HashMap<u32, Option<String>>,
+    owed: HashMap<Unit, Owed>,
 }
 
 impl Model {
@@ -193,7 +224,9 @@ impl Model {
     /// containers of new processes are looked up.
     pub fn update(&mut self, status: Status) {
         self.samples += 1;
+        self.received = Some(std::time::Instant::now());
         let mut seen = Vec::new();
+        let mut owed = HashMap::new();
         for g in &status.gpus {
             for p in &g.processes {
                 let key = (g.uuid.clone(), p.pid);
@@ -201,6 +234,35 @@ impl Model {
                 push(&mut h.achieved, Some(p.share_achieved as f32));
                 push(&mut h.used, Some(p.mem_used));
                 seen.push(key);
+                let unit = Unit::Proc {
+                    gpu: g.uuid.clone(),
+                    pid: p.pid,
+                };
+                owed.insert(unit, (p.entitled_s, p.gpu_time_s));
+            }
+            for u in &g.users {
+                let unit = |job| Unit::Share {
+                    gpu: g.uuid.clone(),
+                    uid: u.uid,
+                    job,
+                };
+                owed.insert(unit(None), (u.entitled_s, u.gpu_time_s));
+                for j in &u.jobs {
+                    owed.insert(unit(Some(j.job)), (j.entitled_s, j.gpu_time_s));
+                }
+            }
+        }
+        // Units gone (or whose processes left, so that their sums went
+        // down) start again.
+        self.owed.retain(|k, _| owed.contains_key(k));
+        for (k, now) in owed {
+            let h = self.owed.entry(k).or_default();
+            if h.back().is_some_and(|b| now.0 < b.0 || now.1 < b.1) {
+                h.clear();
+            }
+            h.push_back(now);
+            if h.len() > OWED_DEPTH {
+                h.pop_front();
             }
         }
         // A process gone is not coming back under that pid.
@@ -215,6 +277,12 @@ impl Model {
         self.status = status;
     }
 
+    /// Whether `unit` got less than it was owed over top's last ten
+    /// samples (`short`).
+    pub fn short(&self, unit: &Unit) -> bool {
+        self.owed.get(unit).is_some_and(short)
+    }
+
     pub fn proc_history(&self, gpu: &str, pid: u32) -> Option<&ProcHistory> {
         self.procs.get(&(gpu.to_owned(), pid))
     }
@@ -223,7 +291,7 @@ impl Model {
     /// container or Slurm job of its cgroup.
     pub fn container(&self, p: &ProcStatus) -> Option<String> {
         if let Some(pod) = &p.pod {
-            return Some(format!("pod {pod}"));
+            return Some(format!("pod {}", crate::status::clean(pod)));
         }
         self.containers.get(&p.pid).cloned().flatten()
     }
@@ -305,7 +373,7 @@ impl Model {
                 let o = o.then((ga, pa).cmp(&(gb, pb)));
                 if opts.reverse { o.reverse() } else { o }
             });
-            return rows
+            let mut rows: Vec<Row> = rows
                 .into_iter()
                 .map(|(gpu, proc)| Row::Proc {
                     gpu,
@@ -313,17 +381,26 @@ impl Model {
                     depth: 0,
                 })
                 .collect();
+            for (gi, g) in gpus.iter().enumerate() {
+                rows.extend(self.others(opts, gi, g));
+            }
+            return rows;
         }
         let busy = gpus
             .iter()
-            .filter(|g| g.processes.iter().any(|p| self.proc_matches(opts, g, p)))
+            .enumerate()
+            .filter(|&(gi, g)| {
+                g.processes.iter().any(|p| self.proc_matches(opts, g, p))
+                    || !self.others(opts, gi, g).is_empty()
+            })
             .count();
         let mut rows = Vec::new();
         for (gi, g) in gpus.iter().enumerate() {
             let visible: Vec<usize> = (0..g.processes.len())
                 .filter(|&pi| self.proc_matches(opts, g, &g.processes[pi]))
                 .collect();
-            if visible.is_empty() {
+            let others = self.others(opts, gi, g);
+            if visible.is_empty() && others.is_empty() {
                 continue;
             }
             if busy > 1 {
@@ -381,8 +458,29 @@ impl Model {
                     depth: 0,
                 });
             }
+            rows.extend(others);
         }
         rows
+    }
+
+    /// GPU `gi`'s processes outside the shim, as the filter leaves them:
+    /// nobody's (not under `u`), matched by their GPU, their pid or the
+    /// word `other`.
+    fn others(&self, opts: &ViewOpts, gi: usize, g: &GpuStatus) -> Vec<Row> {
+        if opts.mine {
+            return Vec::new();
+        }
+        (0..g.unmanaged.len())
+            .filter(|&i| {
+                let pid = g.unmanaged[i].pid.to_string();
+                opts.filter.terms.iter().all(|t| match t {
+                    Term::Gpu(n) => g.index == Some(*n),
+                    Term::Text(w) => "other".contains(w.as_str()) || pid.contains(w.as_str()),
+                    _ => false,
+                })
+            })
+            .map(|other| Row::Other { gpu: gi, other })
+            .collect()
     }
 
     fn cmp_procs(&self, sort: Sort, a: &ProcStatus, b: &ProcStatus) -> std::cmp::Ordering {
@@ -461,14 +559,22 @@ fn push<T>(q: &mut VecDeque<T>, v: T) {
     q.push_back(v);
 }
 
-/// Whether a share is off its target: busy (a target above zero), with
-/// at least five samples, and on average over the last ten more than five
-/// points or a fifth of the target away from it.
-pub fn off_target(target: f64, achieved: &[Option<f32>]) -> bool {
-    let recent: Vec<f32> = achieved.iter().rev().take(10).flatten().copied().collect();
-    if target <= 0.0 || recent.len() < 5 {
+/// Whether a unit got less than it was owed, over samples a second apart
+/// (`Owed`): with at least five of them, it got less than what it was
+/// owed by more than 5 points of the GPU and by more than a fifth of what
+/// it was owed. What it was owed is its target share over the time it
+/// was busy and its ceilings let it be granted, net of what a `high`
+/// process was owed (the broker's `entitled_s`): a unit that was idle,
+/// held at its own limit, or passed over for a `high` burst is not short,
+/// and one that gets more than its target while others idle is not
+/// either. The same measure as the `GpufracJobStarved` alert, over ten
+/// seconds instead of ten minutes.
+pub fn short(samples: &Owed) -> bool {
+    if samples.len() < 5 {
         return false;
     }
-    let mean = f64::from(recent.iter().sum::<f32>()) / recent.len() as f64;
-    (mean - target).abs() > (0.05f64).max(target / 5.0)
+    let (first, last) = (samples[0], samples[samples.len() - 1]);
+    let secs = (samples.len() - 1) as f64;
+    let (owed, got) = (last.0 - first.0, last.1 - first.1);
+    owed - got > 0.05 * secs && owed - got > owed / 5.0
 }

@@ -4,7 +4,7 @@
 //! down to a few lines and columns: columns of less use go first, then
 //! the GPUs' history lines, then the queue.
 
-use gpufrac_broker::status::{GpuStatus, ProcStatus, Status};
+use gpufrac_common::status::{GpuStatus, ProcStatus, Status};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Modifier, Style, Stylize};
@@ -12,7 +12,7 @@ use ratatui::text::{Line, Span, Text};
 use ratatui::widgets::{Block, Borders, Cell, Clear, Paragraph, Row as TableRow, Table, Wrap};
 
 use super::app::{App, Detail, Pane, Popup};
-use super::model::{Model, Row, job_label, off_target};
+use super::model::{Model, Row, Unit, job_label};
 use crate::names;
 use crate::status::{clean, command, percent, seconds};
 
@@ -48,13 +48,30 @@ pub fn draw(f: &mut Frame, model: &Model, app: &mut App) {
         Constraint::Length(u16::from(h >= 3)),
     ])
     .areas(area);
-    f.render_widget(Paragraph::new(header_line(st, app)), header);
+    // The broker stopped answering: the last frame stays, dimmed, with
+    // its age, so that nobody reads it as now.
+    let stale = app
+        .message
+        .as_deref()
+        .is_some_and(|m| m.starts_with("broker: "))
+        .then(|| model.received.map(|t| t.elapsed()))
+        .flatten();
+    f.render_widget(Paragraph::new(header_line(st, app, stale)), header);
     if gpus.height > 0 {
         draw_gpus(f, gpus, model, app, gpu_lines);
     }
     draw_procs(f, procs, model, app);
     if queue_area.height > 0 {
         draw_queue(f, queue_area, model, app, &queue);
+    }
+    if stale.is_some() {
+        let body = Rect {
+            y: area.y + header.height,
+            height: area.height.saturating_sub(header.height + keys.height),
+            ..area
+        };
+        f.buffer_mut()
+            .set_style(body, Style::new().add_modifier(Modifier::DIM));
     }
     if keys.height > 0 {
         f.render_widget(Paragraph::new(keys_line(app)), keys);
@@ -69,8 +86,9 @@ pub fn draw(f: &mut Frame, model: &Model, app: &mut App) {
     }
 }
 
-/// Broker, mode, and how much of everything there is.
-fn header_line(st: &Status, app: &App) -> Line<'static> {
+/// Broker, mode, and how much of everything there is; how old the frame
+/// is once the broker stopped answering.
+fn header_line(st: &Status, app: &App, stale: Option<std::time::Duration>) -> Line<'static> {
     let mode = if st.gpus.iter().any(|g| g.mode.starts_with("mig")) {
         "MIG"
     } else if st.gpus.iter().any(|g| g.mode == "mps") {
@@ -95,6 +113,12 @@ fn header_line(st: &Status, app: &App) -> Line<'static> {
             plural(st.leases.len(), "lease", "leases"),
         )),
     ];
+    if let Some(age) = stale {
+        spans.push(Span::styled(
+            format!("  STALE {} old", seconds(age.as_secs_f64().floor())),
+            Style::new().red().bold(),
+        ));
+    }
     if st.recovery.is_some() {
         spans.push(Span::styled("  RECOVERING", Style::new().red().bold()));
     }
@@ -179,12 +203,16 @@ fn gpu_memory_line(st: &Status, g: &GpuStatus, width: usize) -> Line<'static> {
         ));
     }
     let allocated: u64 = g.processes.iter().map(|p| p.mem_used).sum();
-    let free = g.total_mem.saturating_sub(allocated.max(g.committed_mem));
+    let other = if g.unmanaged_mem > 0 {
+        format!(" other {}", short_size(g.unmanaged_mem))
+    } else {
+        String::new()
+    };
     let text = format!(
-        " alloc {} commit {} free {} of {}",
+        " alloc {} commit {}{other} free {} of {}",
         short_size(allocated),
         short_size(g.committed_mem),
-        short_size(free),
+        short_size(g.free_mem),
         short_size(g.total_mem)
     );
     let name = truncate(&name, 24.min(width / 3).max(5));
@@ -202,13 +230,19 @@ fn gpu_memory_line(st: &Status, g: &GpuStatus, width: usize) -> Line<'static> {
 }
 
 /// `width` cells of a GPU's memory: allocated `█`, committed beyond it
-/// `▒`, free `·`, and `┃` where each lease's cap ends within the
-/// committed part.
+/// `▒`, held by processes outside the shim `▓`, free `·`, and `┃` where
+/// each lease's cap ends within the committed part.
 fn memory_bar(st: &Status, g: &GpuStatus, allocated: u64, width: usize) -> Vec<Span<'static>> {
     let total = g.total_mem.max(1) as f64;
     let cell = |b: u64| ((b as f64 / total) * width as f64).round() as usize;
     let alloc = cell(allocated).min(width);
     let committed = cell(g.committed_mem).min(width);
+    let other = cell(
+        g.committed_mem
+            .max(allocated)
+            .saturating_add(g.unmanaged_mem),
+    )
+    .min(width);
     let mut marks = Vec::new();
     let mut sum = 0u64;
     if let Some(index) = g.index.filter(|_| g.mig_instance.is_none()) {
@@ -237,6 +271,8 @@ fn memory_bar(st: &Status, g: &GpuStatus, allocated: u64, width: usize) -> Vec<S
             ('█', Style::new().green())
         } else if i < committed {
             ('▒', Style::new().cyan())
+        } else if i < other {
+            ('▓', Style::new().magenta())
         } else {
             ('·', Style::new().dim())
         };
@@ -277,7 +313,13 @@ fn gpu_util_line(model: &Model, g: &GpuStatus, width: usize) -> Line<'static> {
         " {} {holder}",
         plural(g.processes.len(), "process", "processes")
     );
-    let room = width.saturating_sub(head.chars().count() + tail.chars().count());
+    let (health, alarm) = health_text(g);
+    let room = width.saturating_sub(
+        head.chars().count()
+            + tail.chars().count()
+            + health.chars().count()
+            + alarm.chars().count(),
+    );
     let history: Vec<Option<f32>> = model
         .gpu_history(&g.uuid)
         .map(|h| {
@@ -291,7 +333,49 @@ fn gpu_util_line(model: &Model, g: &GpuStatus, width: usize) -> Line<'static> {
         Span::raw(head),
         Span::styled(spark(&history, room.min(60), 1.0), Style::new().cyan()),
         Span::raw(tail).dim(),
+        Span::raw(health).dim(),
+        Span::styled(alarm, Style::new().red().bold()),
     ])
+}
+
+/// A GPU's health in a few words (temperature, power against its limit,
+/// SM clock), and what is wrong with it (ECC errors the GPU could not
+/// correct, XID events), red.
+fn health_text(g: &GpuStatus) -> (String, String) {
+    let Some(h) = g.health else {
+        return (String::new(), String::new());
+    };
+    let mut parts = Vec::new();
+    if let Some(t) = h.temperature_c {
+        parts.push(format!("{t}°C"));
+    }
+    match (h.power_w, h.power_limit_w) {
+        (Some(p), Some(l)) => parts.push(format!("{p:.0}/{l:.0}W")),
+        (Some(p), None) => parts.push(format!("{p:.0}W")),
+        _ => {}
+    }
+    if let Some(c) = h.sm_clock_mhz {
+        parts.push(format!("{c}MHz"));
+    }
+    let mut alarm = Vec::new();
+    if let Some(n) = h.ecc_uncorrected.filter(|&n| n > 0) {
+        alarm.push(format!("ECC {n}"));
+    }
+    if h.xid_errors > 0 {
+        alarm.push(format!(
+            "XID {}×{}",
+            h.last_xid.map_or("?".into(), |x| x.to_string()),
+            h.xid_errors
+        ));
+    }
+    let text = |v: Vec<String>| {
+        if v.is_empty() {
+            String::new()
+        } else {
+            format!("  {}", v.join(" "))
+        }
+    };
+    (text(parts), text(alarm))
 }
 
 /// A column of the process pane: its heading, width and how much it is
@@ -308,34 +392,38 @@ const fn col(title: &'static str, width: u16, rank: u8) -> Col {
 }
 
 /// The flat table's columns; the last (the command) takes what is left.
-const FLAT: [Col; 13] = [
+/// CLASS goes after JOB and before CONTAINER when the width is short: it
+/// says how a process is scheduled, a container only where it runs.
+const FLAT: [Col; 14] = [
     col("PID", 7, 0),
     col("USER", 8, 1),
     col("JOB", 8, 5),
-    col("CONTAINER", 12, 6),
-    col("GPU", 3, 8),
-    col("CLASS", 6, 7),
+    col("CONTAINER", 12, 8),
+    col("GPU", 3, 9),
+    col("CLASS", 6, 4),
     col("USED/CAP", 11, 2),
-    col("PEAK", 6, 9),
-    col("REF", 4, 10),
+    col("PEAK", 6, 10),
+    col("REF", 4, 11),
     col("SHARE", 9, 3),
-    col("HISTORY", 10, 11),
-    col("STATE", 8, 4),
+    col("ASKED", 9, 7),
+    col("HISTORY", 10, 12),
+    col("STATE", 8, 6),
     col("COMMAND", 8, 0),
 ];
 
 /// The tree's columns; the first (users, jobs, processes) takes what is
 /// left.
-const TREE: [Col; 9] = [
+const TREE: [Col; 10] = [
     col("USER / JOB / PROCESS", 30, 0),
     col("CLASS", 6, 4),
     col("USED/CAP", 11, 1),
-    col("PEAK", 6, 5),
-    col("REF", 4, 6),
+    col("PEAK", 6, 6),
+    col("REF", 4, 7),
     col("SHARE", 9, 0),
-    col("HISTORY", 10, 3),
+    col("ASKED", 9, 3),
+    col("HISTORY", 10, 5),
     col("STATE", 8, 2),
-    col("GPU TIME", 8, 7),
+    col("GPU TIME", 8, 8),
 ];
 
 /// Which of `cols` fit in `width`, in their order, with the width of the
@@ -363,11 +451,18 @@ fn draw_procs(f: &mut Frame, area: Rect, model: &Model, app: &mut App) {
     let rows = model.rows(&app.opts);
     let st = &model.status;
     let several = st.gpus.iter().filter(|g| !g.processes.is_empty()).count() > 1;
-    // One GPU: its column says nothing.
+    // One GPU: its column says nothing; nor does a column of containers
+    // none of the processes has.
+    let contained = st
+        .gpus
+        .iter()
+        .flat_map(|g| &g.processes)
+        .any(|p| model.container(p).is_some());
     let owned: Vec<Col> = if app.opts.tree { &TREE[..] } else { &FLAT[..] }
         .iter()
         .copied()
         .filter(|c| several || c.title != "GPU")
+        .filter(|c| contained || c.title != "CONTAINER")
         .collect();
     let fill = if app.opts.tree { 0 } else { owned.len() - 1 };
     let (shown, fill_w) = fit(&owned, fill, area.width);
@@ -406,7 +501,7 @@ fn draw_procs(f: &mut Frame, area: Rect, model: &Model, app: &mut App) {
             "Processes"
         },
         rows.iter()
-            .filter(|r| matches!(r, Row::Proc { .. }))
+            .filter(|r| matches!(r, Row::Proc { .. } | Row::Other { .. }))
             .count()
     );
     if rows.is_empty() {
@@ -442,7 +537,29 @@ fn draw_procs(f: &mut Frame, area: Rect, model: &Model, app: &mut App) {
         });
     let sel = app.selected(rows.len(), Pane::Procs);
     app.procs.select(sel);
-    f.render_stateful_widget(table, area, &mut app.procs);
+    // Rows past the bottom (or above the top, once scrolled) are said in
+    // a last line of their own, so that a cut tree never reads as whole.
+    let chrome = 1 + u16::from(area.height >= 6);
+    let fits = usize::from(area.height.saturating_sub(chrome));
+    if rows.len() > fits && area.height > chrome + 1 {
+        let [table_area, mark] =
+            Layout::vertical([Constraint::Min(0), Constraint::Length(1)]).areas(area);
+        f.render_stateful_widget(table, table_area, &mut app.procs);
+        let shown = usize::from(table_area.height.saturating_sub(chrome));
+        let above = app.procs.offset();
+        let below = rows.len().saturating_sub(above + shown);
+        let mut parts = Vec::new();
+        if above > 0 {
+            parts.push(format!("{above} above"));
+        }
+        if below > 0 {
+            parts.push(format!("{below} more below"));
+        }
+        let text = format!("… {} (Tab to this pane, then ↑↓)", parts.join(", "));
+        f.render_widget(Paragraph::new(Line::from(text).dim()), mark);
+    } else {
+        f.render_stateful_widget(table, area, &mut app.procs);
+    }
 }
 
 fn sort_column(app: &App) -> &'static str {
@@ -461,18 +578,19 @@ fn sort_column(app: &App) -> &'static str {
 type Cells = Vec<(&'static str, String, Style)>;
 
 /// A user's or a job's share, its history and its GPU time: the cells
-/// after its memory (off target marked).
+/// after its memory (`!` where it got less than it was owed, `high` in
+/// place of a target where it is above the shares).
 fn share_cells(
     (target, now): (f64, f64),
     achieved: &[Option<f32>],
     gpu_time_s: f64,
+    (is_off, high): (bool, bool),
     off: Style,
 ) -> [(&'static str, String, Style); 3] {
-    let is_off = off_target(target, achieved);
     [
         (
             "SHARE",
-            share_text(target, now, is_off),
+            share_text(target, now, is_off, high),
             if is_off { off } else { Style::new() },
         ),
         ("HISTORY", spark(achieved, 10, 1.0), Style::new().cyan()),
@@ -498,12 +616,17 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
             let u = &g.users[user];
             let hist = model.share_history(&g.uuid, u.uid, None);
             let achieved = hist.map(|h| h.achieved.clone()).unwrap_or_default();
-            let used: u64 = g
+            let members: Vec<&ProcStatus> = g
                 .processes
                 .iter()
                 .filter(|p| model.unit_of(g, p).is_some_and(|(ui, _)| ui == user))
-                .map(|p| p.mem_used)
-                .sum();
+                .collect();
+            let used: u64 = members.iter().map(|p| p.mem_used).sum();
+            let unit = Unit::Share {
+                gpu: g.uuid.clone(),
+                uid: u.uid,
+                job: None,
+            };
             vec![
                 (
                     TREE[0].title,
@@ -511,12 +634,19 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
                     Style::new().bold(),
                 ),
                 ("USED/CAP", short_size(used), Style::new()),
+                refusals(&members),
+                (
+                    "ASKED",
+                    format!("w{}", crate::status::weight(u.weight)),
+                    Style::new().dim(),
+                ),
             ]
             .into_iter()
             .chain(share_cells(
                 (u.share_target, u.share_achieved),
                 &achieved,
                 u.gpu_time_s,
+                (model.short(&unit), all_high(&members)),
                 off,
             ))
             .collect()
@@ -533,12 +663,20 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
                 .filter(|p| model.unit_of(g, p) == Some((user, job)))
                 .collect();
             let used: u64 = members.iter().map(|p| p.mem_used).sum();
-            let cap = j.job.and_then(|pid| {
-                st.leases
-                    .iter()
-                    .find(|l| l.pid == pid && l.pod == j.pod)
-                    .and_then(|l| l.mem_cap)
-            });
+            let lease = j
+                .job
+                .and_then(|pid| st.leases.iter().find(|l| l.pid == pid && l.pod == j.pod));
+            let cap = lease.and_then(|l| l.mem_cap);
+            let asked = asked_text(
+                lease.and_then(|l| l.compute),
+                j.weight,
+                lease.and_then(|l| l.limit),
+            );
+            let unit = Unit::Share {
+                gpu: g.uuid.clone(),
+                uid: u.uid,
+                job: Some(j.job),
+            };
             let mut name = match job_label(j.job, &j.pod) {
                 Some(l) if j.pod.is_some() => format!("  ▾ {l}"),
                 Some(l) => format!("  ▾ job {l}"),
@@ -556,15 +694,41 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
             vec![
                 (TREE[0].title, name, Style::new().bold()),
                 ("USED/CAP", used_cap(used, cap), Style::new()),
+                refusals(&members),
+                ("ASKED", asked, Style::new().dim()),
             ]
             .into_iter()
             .chain(share_cells(
                 (j.share_target, j.share_achieved),
                 &achieved,
                 j.gpu_time_s,
+                (model.short(&unit), all_high(&members)),
                 off,
             ))
             .collect()
+        }
+        Row::Other { gpu, other } => {
+            let g = &st.gpus[gpu];
+            let o = &g.unmanaged[other];
+            let dim = Style::new().magenta();
+            let mut out: Cells = vec![
+                ("PID", o.pid.to_string(), Style::new()),
+                ("USER", "-".into(), Style::new()),
+                ("JOB", "-".into(), Style::new()),
+                ("CONTAINER", "-".into(), Style::new()),
+                (
+                    "GPU",
+                    g.index.map_or("?".into(), |i| i.to_string()),
+                    Style::new(),
+                ),
+                ("USED/CAP", used_cap(o.mem, None), Style::new()),
+                ("STATE", "other".into(), dim),
+                ("COMMAND", OTHER.into(), dim),
+            ];
+            if tree {
+                out.push((TREE[0].title, format!("{} {OTHER}", o.pid), dim));
+            }
+            out
         }
         Row::Proc { gpu, proc, depth } => {
             let g = &st.gpus[gpu];
@@ -573,7 +737,11 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
                 .proc_history(&g.uuid, p.pid)
                 .map(|h| h.achieved.iter().copied().collect())
                 .unwrap_or_default();
-            let is_off = off_target(p.share_target, &achieved);
+            let is_off = model.short(&Unit::Proc {
+                gpu: g.uuid.clone(),
+                pid: p.pid,
+            });
+            let high = p.priority == "high";
             let container = model.container(p);
             let state = if p.draining {
                 format!("{}*", p.state)
@@ -629,9 +797,18 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
                     // Under MPS: the SMs it may use, side by side.
                     match p.sm_percent {
                         Some(sm) => format!("{sm:.0}% SMs"),
-                        None => share_text(p.share_target, p.share_achieved, is_off),
+                        None => share_text(p.share_target, p.share_achieved, is_off, high),
                     },
                     if is_off { off } else { Style::new() },
+                ),
+                (
+                    "ASKED",
+                    match (high, p.limit) {
+                        (true, _) => "high".into(),
+                        (false, Some(l)) => format!("≤{}", percent(l)),
+                        (false, None) => "-".into(),
+                    },
+                    Style::new().dim(),
                 ),
                 ("HISTORY", spark(&achieved, 10, 1.0), Style::new().cyan()),
                 ("STATE", state, state_style),
@@ -661,9 +838,45 @@ fn cells(model: &Model, row: &Row, tree: bool) -> Cells {
     }
 }
 
+/// What a process outside the shim is, in its row.
+const OTHER: &str = "other: not under the shim (driver's figure)";
+
+/// A user's or job's refusals: its processes' together.
+fn refusals(members: &[&ProcStatus]) -> (&'static str, String, Style) {
+    let n: u64 = members.iter().map(|p| p.ooms).sum();
+    (
+        "REF",
+        n.to_string(),
+        if n > 0 {
+            Style::new().red()
+        } else {
+            Style::new()
+        },
+    )
+}
+
+/// Whether every process of a unit is `high`: the unit is above the
+/// shares, and its target is no share of them.
+fn all_high(members: &[&ProcStatus]) -> bool {
+    !members.is_empty() && members.iter().all(|p| p.priority == "high")
+}
+
+/// What a job asked: its `--gpu-compute` (else the weight of its
+/// processes, `w50`) and its `--gpu-limit`.
+fn asked_text(compute: Option<f64>, weight: f64, limit: Option<f64>) -> String {
+    let share = match compute {
+        Some(c) => format!("{c:.0}%"),
+        None => format!("w{}", crate::status::weight(weight)),
+    };
+    match limit {
+        Some(l) => format!("{share} ≤{}", percent(l)),
+        None => share,
+    }
+}
+
 /// "30/28%": the share it should get against the share it got; `!` when
-/// off target.
-fn share_text(target: f64, achieved: f64, off: bool) -> String {
+/// it got less than it was owed; "high/13%" for what is above the shares.
+fn share_text(target: f64, achieved: f64, off: bool, high: bool) -> String {
     let pct = |f: f64| {
         if f.is_finite() {
             format!("{:.0}", (f * 100.0).clamp(0.0, 999.0))
@@ -673,7 +886,7 @@ fn share_text(target: f64, achieved: f64, off: bool) -> String {
     };
     format!(
         "{}/{}%{}",
-        pct(target),
+        if high { "high".to_owned() } else { pct(target) },
         pct(achieved),
         if off { "!" } else { "" }
     )
@@ -750,7 +963,7 @@ fn draw_queue(f: &mut Frame, area: Rect, model: &Model, app: &mut App, rows: &[u
 }
 
 /// What a request wants, short: `2 GPUs`, `8G`.
-fn wants(e: &gpufrac_broker::status::QueueEntry) -> String {
+fn wants(e: &gpufrac_common::status::QueueEntry) -> String {
     match (e.want_gpus, e.want_mem) {
         (Some(n), _) => plural(n as usize, "GPU", "GPUs"),
         (None, Some(b)) => short_size(b),
@@ -981,17 +1194,37 @@ fn detail(model: &Model, d: &Detail, width: usize) -> (String, Vec<Line<'static>
                 Some(h) => {
                     lines.push(series("achieved", &h.achieved, 1.0));
                     lines.push(series("target", &h.target, 1.0));
-                    let last = |v: &[Option<f32>]| v.iter().rev().flatten().next().copied();
-                    lines.push(kv(
-                        "now",
-                        format!(
-                            "target {}, achieved {}",
-                            last(&h.target).map_or("-".into(), |t| percent(t.into())),
-                            last(&h.achieved).map_or("-".into(), |a| percent(a.into()))
-                        ),
-                    ));
                 }
                 None => lines.push(Line::from("no history yet")),
+            }
+            // Now, as the status has it: the same figures as its row.
+            let unit = st.gpus.iter().find(|g| g.uuid == *gpu).and_then(|g| {
+                let u = g.users.iter().find(|u| u.uid == *uid)?;
+                Some(match job {
+                    None => (u.share_target, u.share_achieved, u.entitled_s, u.gpu_time_s),
+                    Some(j) => {
+                        let j = u.jobs.iter().find(|x| x.job == *j)?;
+                        (j.share_target, j.share_achieved, j.entitled_s, j.gpu_time_s)
+                    }
+                })
+            });
+            if let Some((target, achieved, owed, got)) = unit {
+                lines.push(kv(
+                    "now",
+                    format!(
+                        "target {}, achieved {} (target: its share among the shares while busy)",
+                        percent(target),
+                        percent(achieved)
+                    ),
+                ));
+                lines.push(kv(
+                    "so far",
+                    format!(
+                        "owed {} of GPU time, got {} (owed: its target while busy, net of high)",
+                        crate::status::gpu_seconds(owed),
+                        crate::status::gpu_seconds(got)
+                    ),
+                ));
             }
             (name, lines)
         }
@@ -1057,7 +1290,59 @@ fn detail(model: &Model, d: &Detail, width: usize) -> (String, Vec<Line<'static>
                         g.slots_total
                     ),
                 ),
+                kv(
+                    "free",
+                    format!(
+                        "{} for a new lease (total less committed less other)",
+                        short_size(g.free_mem)
+                    ),
+                ),
+                kv(
+                    "driver",
+                    g.driver.map_or("- (NVML not asked)".into(), |d| {
+                        format!(
+                            "{} used, {} free (NVML: every process, the shim's or not)",
+                            short_size(d.used),
+                            short_size(d.free)
+                        )
+                    }),
+                ),
+                kv(
+                    "other",
+                    if g.unmanaged_processes == 0 {
+                        "none: every process on it is under the shim".into()
+                    } else {
+                        let pids: Vec<String> = g
+                            .unmanaged
+                            .iter()
+                            .map(|o| format!("{} ({})", o.pid, short_size(o.mem)))
+                            .collect();
+                        format!(
+                            "{} not under the shim hold {}: {}",
+                            plural(g.unmanaged_processes as usize, "process", "processes"),
+                            short_size(g.unmanaged_mem),
+                            pids.join(", ")
+                        )
+                    },
+                ),
                 kv("holder", g.holder.map_or("-".into(), |p| p.to_string())),
+                kv(
+                    "health",
+                    g.health.map_or("- (NVML not asked)".into(), |h| {
+                        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+                        format!(
+                            "{} °C, {} W of {} W, SM {} MHz, ECC {} corrected {} not, XIDs {} (last {})",
+                            opt(h.temperature_c.map(|t| t.to_string())),
+                            opt(h.power_w.map(|p| format!("{p:.0}"))),
+                            opt(h.power_limit_w.map(|p| format!("{p:.0}"))),
+                            opt(h.sm_clock_mhz.map(|c| c.to_string())),
+                            opt(h.ecc_corrected.map(|n| n.to_string())),
+                            opt(h.ecc_uncorrected.map(|n| n.to_string())),
+                            h.xid_errors,
+                            opt(h.last_xid.map(|x| x.to_string()))
+                        )
+                    }),
+                ),
                 Line::from(""),
                 series("utilisation", &util, 1.0),
                 series("allocated", &alloc, total),

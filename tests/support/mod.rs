@@ -56,8 +56,10 @@ fn build_artifacts() -> Result<Artifacts, String> {
     let release = dir.file_name().is_some_and(|n| n == "release");
     // Two invocations: target filters such as --bins apply to every
     // package named, and the shim and the simulated driver are libraries.
+    // The shim is built with gpufrac, as ./demo.sh and every release build
+    // it (gpufrac-common's features are those of all the packages named).
     for args in [
-        &["-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
+        &["-p", "gpufrac", "-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
         &["-p", "gpufrac", "--bins", "--examples"][..],
     ] {
         let mut cmd = Command::new(env!("CARGO"));
@@ -236,6 +238,14 @@ pub fn register_msg(
     }
 }
 
+/// A TCP port on 127.0.0.1 nobody listens on now (bound, read, let go).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding a free port")
+        .port()
+}
+
 /// The uid that attacks and victims of another user run as.
 pub const NOBODY: u32 = 65534;
 
@@ -385,11 +395,19 @@ pub struct Broker {
 
 impl Broker {
     pub fn start(devices: &str, args: &[&str]) -> Broker {
+        Broker::start_env(devices, args, &[])
+    }
+
+    /// A broker whose own environment has `env` too (the simulated
+    /// driver's settings, as the broker's NVML reads them).
+    pub fn start_env(devices: &str, args: &[&str], env: &[(&str, &str)]) -> Broker {
         let dir = Scratch::new("broker");
         let socket = dir.0.join("broker.sock");
         let state = dir.0.join("sim-state");
+        let mut child = spawn_broker_cmd(&socket, devices, &state, args);
+        child.envs(env.iter().copied());
         let mut b = Broker {
-            child: spawn_broker(&socket, devices, &state, args),
+            child: child.spawn().expect("starting gpufrac broker"),
             socket,
             devices: devices.into(),
             state,
@@ -397,6 +415,19 @@ impl Broker {
             _dir: Some(dir),
         };
         b.wait_ready();
+        b
+    }
+
+    /// A broker other users can talk to: its socket's group is nogroup,
+    /// its directory traversable, the simulated GPU's state shared.
+    pub fn start_open(devices: &str, args: &[&str]) -> Broker {
+        use std::os::unix::fs::PermissionsExt;
+        let mut all = vec!["--group", "nogroup"];
+        all.extend_from_slice(args);
+        let b = Broker::start(devices, &all);
+        std::fs::set_permissions(b.socket.parent().unwrap(), PermissionsExt::from_mode(0o755))
+            .unwrap();
+        std::fs::set_permissions(&b.state, PermissionsExt::from_mode(0o666)).unwrap();
         b
     }
 
@@ -422,6 +453,14 @@ impl Broker {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// A command for a program outside the shim on this broker's simulated
+    /// devices: a process only the driver knows.
+    pub fn outsider(&self, program: impl AsRef<Path>) -> Command {
+        let mut cmd = sim_command(program, &self.devices, false);
+        cmd.env("GPUFRAC_SIM_STATE", &self.state);
+        cmd
     }
 
     /// A command for a program under the shim, wired to this broker and
@@ -540,6 +579,12 @@ fn log_file(socket: &Path) -> PathBuf {
 /// they check for, and they read as faults there. A test that fails shows
 /// its end (`Broker`'s drop).
 fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> std::process::Child {
+    spawn_broker_cmd(socket, devices, state, args)
+        .spawn()
+        .expect("starting gpufrac broker")
+}
+
+fn spawn_broker_cmd(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> Command {
     let mut cmd = sim_command(&artifacts().gpufrac, devices, false);
     cmd.arg("broker").arg("--socket").arg(socket).args(args);
     if !args.contains(&"--state-dir") {
@@ -550,7 +595,7 @@ fn spawn_broker(socket: &Path, devices: &str, state: &Path, args: &[&str]) -> st
     cmd.env("GPUFRAC_SIM_STATE", state)
         .env("RUST_LOG", "info")
         .stdout(Stdio::null());
-    cmd.spawn().expect("starting gpufrac broker")
+    cmd
 }
 
 impl Broker {
@@ -748,12 +793,26 @@ pub fn stop(child: &mut std::process::Child) {
 /// An exclusive lock, machine-wide, held until dropped: test binaries (and
 /// their threads, and a second `cargo test` beside this one) share dpkg,
 /// daemons, images and installers.
-pub struct MachineLock(std::fs::File);
+pub struct MachineLock(std::fs::File, Option<PathBuf>);
 
 impl MachineLock {
-    /// The lock called `name` (a file in the temp dir).
+    /// The lock called `name`: a file in the temp dir, which its holder
+    /// removes when it lets go, so the suite leaves none behind. Whoever
+    /// waited on the file removed meanwhile takes the lock on a new one
+    /// (`flock` holds an open file, not a name).
     pub fn take(name: &str) -> MachineLock {
-        Self::at(&std::env::temp_dir().join(format!("gpufrac-test-{name}.lock")))
+        let path = std::env::temp_dir().join(format!("gpufrac-test-{name}.lock"));
+        loop {
+            use std::os::unix::fs::MetadataExt;
+            let mut lock = Self::at(&path);
+            let held = lock.0.metadata().unwrap();
+            if std::fs::metadata(&path)
+                .is_ok_and(|m| (m.dev(), m.ino()) == (held.dev(), held.ino()))
+            {
+                lock.1 = Some(path);
+                return lock;
+            }
+        }
     }
 
     /// The lock on the file at `path`.
@@ -779,7 +838,16 @@ impl MachineLock {
         // SAFETY: a valid descriptor; flock blocks until the lock is ours.
         let rc = unsafe { libc::flock(f.as_raw_fd(), op) };
         assert_eq!(rc, 0, "flock {}", path.display());
-        MachineLock(f)
+        MachineLock(f, None)
+    }
+}
+
+impl Drop for MachineLock {
+    fn drop(&mut self) {
+        // Removed while still held, so no one takes a lock on it after.
+        if let Some(path) = self.1.take() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -1248,4 +1316,28 @@ pub fn connect_from(
         }
         Ok(s)
     }
+}
+
+/// A command's output, or None when it ran longer than `secs` (killed).
+pub fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Output> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed() > std::time::Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+/// `b` in lowercase hex, as the Python attackers read frames.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{Scratch, apt_install, artifacts, sim_command};
+use crate::support::{Scratch, apt_install, artifacts, free_port, sim_command};
 
 /// The node's name in slurm.conf (slurmd is told it with -N, so it need not
 /// be the machine's).
@@ -86,13 +86,6 @@ pub fn tools() -> Result<Tools, String> {
         still.join(", ")
     );
     Ok(Tools { dir: dirs })
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("binding a free port")
-        .port()
 }
 
 /// The machine's short host name: slurmctld runs only where SlurmctldHost

@@ -445,7 +445,7 @@ fn deep_queue(broker: &Broker, n: usize) -> Result<Vec<WireClient>, String> {
     holder.send(&ask(1 << 30))?;
     loop {
         match holder.recv()? {
-            ServerMsg::Leased { .. } => break,
+            ServerMsg::Leased(_) => break,
             ServerMsg::Error { message, .. } => return Err(message),
             _ => {}
         }

@@ -41,6 +41,7 @@ impl Board {
 
     pub fn fold(&mut self, snap: Arc<Snapshot>) {
         self.tally.fold(snap.at, &snap.status);
+        self.tally.refused(snap.at, &snap.stats);
         self.latest = snap;
         self.text = None;
     }

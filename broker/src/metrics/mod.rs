@@ -40,9 +40,28 @@ pub struct Feed(watch::Sender<Option<Arc<Snapshot>>>);
 
 impl Feed {
     pub fn publish(&self, at: u64, status: Status, stats: Stats) {
-        self.0
-            .send_replace(Some(Arc::new(Snapshot { at, status, stats })));
+        let wall = wall_at(at);
+        self.0.send_replace(Some(Arc::new(Snapshot {
+            at,
+            wall,
+            status,
+            stats,
+        })));
     }
+}
+
+/// Unix seconds at `at` (monotonic ns). The offset between the two clocks
+/// is taken once: a start time made of it does not move between
+/// snapshots (a time since, made anew each time, would).
+pub fn wall_at(at: u64) -> f64 {
+    static OFFSET: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    let offset = *OFFSET.get_or_init(|| {
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        unix - gpufrac_common::clock::mono_ns() as f64 / 1e9
+    });
+    offset + at as f64 / 1e9
 }
 
 /// The address `--metrics` names: HOST:PORT as given, or a port alone

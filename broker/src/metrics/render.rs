@@ -3,13 +3,13 @@
 //! ones. docs/metrics.md lists them; a test checks the list against what
 //! a broker serves.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use gpufrac_common::config::Priority;
 
 use super::tally::{JobKey, Tally, Totals, owner};
 use super::text::{Family, Kind, Labels};
-use crate::stats::{Refusal, Stats};
+use crate::stats::{Histogram, OTHER_UID, Refusal, Stats};
 use crate::status::{GpuStatus, ProcStatus, Status};
 
 /// What the event loop hands the metrics room, at most twice a second.
@@ -17,6 +17,9 @@ use crate::status::{GpuStatus, ProcStatus, Status};
 pub struct Snapshot {
     /// Monotonic nanoseconds, when it was taken.
     pub at: u64,
+    /// The same moment in Unix seconds (`wall_at`): start times are this
+    /// less a status's "for how long".
+    pub wall: f64,
     pub status: Status,
     pub stats: Stats,
 }
@@ -61,11 +64,40 @@ pub fn families(snap: &Snapshot, t: &Tally) -> Vec<Family> {
     let mut out = vec![build_info()];
     out.extend(gpus(s));
     out.extend(users(s, t));
-    out.extend(jobs(s, t));
+    out.extend(jobs(s, t, snap.wall));
     out.extend(processes(s, t));
-    out.extend(queue(s, &snap.stats));
-    out.extend(mps_mig(s));
+    out.extend(queue(s, &snap.stats, t, snap.wall));
+    out.extend(mps_mig(s, snap.wall));
     out
+}
+
+/// When something began that status says has lasted `for_s` at `wall`,
+/// in Unix seconds to the millisecond: the same figure at every scrape,
+/// where the float arithmetic would otherwise make it wobble.
+fn since(wall: f64, for_s: f64) -> f64 {
+    ((wall - for_s) * 1000.0).round() / 1000.0
+}
+
+/// A command as a label: its program's name without its directory, only
+/// letters, digits and `._+-@:` (anything else, control and format
+/// characters among them, becomes `_`), at most 32 characters. A whole
+/// command line is unbounded and may carry arguments nobody should
+/// scrape (tokens in URLs).
+pub fn program_name(command: &str) -> String {
+    let first = command.split_whitespace().next().unwrap_or("");
+    let base = first.rsplit('/').next().unwrap_or(first);
+    let name: String = base
+        .chars()
+        .take(32)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._+-@:".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if name.is_empty() { "-".into() } else { name }
 }
 
 fn build_info() -> Family {
@@ -145,11 +177,100 @@ fn gpus(s: &Status) -> Vec<Family> {
         ),
         per_gpu(
             s,
+            "gpufrac_gpu_memory_free_bytes",
+            "Memory a new lease could still have on the GPU: its total less what is \
+             committed to leases and what processes outside gpufrac hold, and never more \
+             than the driver says is free.",
+            false,
+            |g| Some(g.free_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_driver_used_bytes",
+            "Memory the driver (NVML) says is used on the GPU: every process's, the shim's \
+             or not, and the driver's own.",
+            true,
+            |g| g.driver.map(|d| d.used as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_driver_free_bytes",
+            "Memory the driver (NVML) says is free on the GPU.",
+            true,
+            |g| g.driver.map(|d| d.free as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_memory_unmanaged_bytes",
+            "Memory the driver says processes outside gpufrac (not under the shim) hold on \
+             the GPU: no cap, no lease; placement counts it as taken.",
+            true,
+            |g| Some(g.unmanaged_mem as f64),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_processes_unmanaged",
+            "Processes the driver lists on the GPU that are not under the shim.",
+            true,
+            |g| Some(f64::from(g.unmanaged_processes)),
+        ),
+        per_gpu(
+            s,
             "gpufrac_gpu_utilization_ratio",
             "Time the GPU was busy over NVML's last sample period (0 to 1), where NVML \
              reports it.",
             true,
             |g| g.utilization.map(|u| f64::from(u) / 100.0),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_temperature_celsius",
+            "The GPU's temperature (NVML), where the driver reports it.",
+            true,
+            |g| g.health?.temperature_c.map(f64::from),
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_power_usage_watts",
+            "What the GPU draws now (NVML), where the driver reports it.",
+            true,
+            |g| g.health?.power_w,
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_power_limit_watts",
+            "The most the GPU may draw (NVML's enforced power limit).",
+            true,
+            |g| g.health?.power_limit_w,
+        ),
+        per_gpu(
+            s,
+            "gpufrac_gpu_sm_clock_hertz",
+            "The GPU's SM clock now (NVML).",
+            true,
+            |g| g.health?.sm_clock_mhz.map(|m| f64::from(m) * 1e6),
+        ),
+        xid_errors(s),
+        per_gpu(
+            s,
+            "gpufrac_gpu_last_xid",
+            "The XID of the GPU's last XID event since the broker started (0: none).",
+            true,
+            |g| g.health.map(|h| h.last_xid.unwrap_or(0) as f64),
+        ),
+        ecc(s),
+        per_gpu(
+            s,
+            "gpufrac_gpu_requests_waiting",
+            "Requests of gpufrac run waiting in the queue that the GPU could serve once its \
+             leases end, or that it is held back for (their waits_for).",
+            true,
+            |g| {
+                let n = g.index.map_or(0, |i| {
+                    s.queue.iter().filter(|q| q.waits_for.contains(&i)).count()
+                });
+                Some(n as f64)
+            },
         ),
         per_gpu(
             s,
@@ -170,6 +291,47 @@ fn gpus(s: &Status) -> Vec<Family> {
     ]
 }
 
+/// ECC errors since the driver loaded, corrected and not, where the GPU
+/// counts them.
+/// A counter, where `per_gpu` makes gauges.
+fn xid_errors(s: &Status) -> Family {
+    let mut f = Family::new(
+        "gpufrac_gpu_xid_errors_total",
+        Kind::Counter,
+        "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
+         fault, an uncorrectable ECC error) on the GPU since the broker started.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        if let Some(h) = g.health {
+            f.add(gpu(g), h.xid_errors as f64);
+        }
+    }
+    f
+}
+
+fn ecc(s: &Status) -> Family {
+    let mut f = Family::new(
+        "gpufrac_gpu_ecc_errors_total",
+        Kind::Counter,
+        "ECC errors of the GPU's memory since the driver loaded (NVML's volatile counts), \
+         corrected and uncorrected, where ECC is on.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        let Some(h) = g.health else {
+            continue;
+        };
+        for (kind, n) in [
+            ("corrected", h.ecc_corrected),
+            ("uncorrected", h.ecc_uncorrected),
+        ] {
+            if let Some(n) = n {
+                f.add(with(gpu(g), &[("type", kind.into())]), n as f64);
+            }
+        }
+    }
+    f
+}
+
 /// The families of a level of fairness, users or jobs: its share of the
 /// GPU (target and achieved), its GPU time, the memory its processes hold
 /// and the allocations refused them.
@@ -177,6 +339,8 @@ struct Level {
     target: Family,
     achieved: Family,
     seconds: Family,
+    entitled: Family,
+    held_back: Family,
     used: Family,
     refusals: Family,
 }
@@ -209,6 +373,25 @@ impl Level {
                 Kind::Counter,
                 format!("GPU time charged to {whose} processes, those gone included, seconds."),
             ),
+            entitled: f(
+                "entitled_seconds_total",
+                Kind::Counter,
+                format!(
+                    "GPU time {whose} processes were owed, those gone included, seconds: \
+                     their target share over the time they were busy and their ceilings let \
+                     them be granted (net of what a higher class was owed). Its rate less \
+                     the rate of gpu_seconds_total is what they were short of their share."
+                ),
+            ),
+            held_back: f(
+                "held_back_seconds_total",
+                Kind::Counter,
+                format!(
+                    "Time {whose} processes were busy but held back by their ceilings (a \
+                     process's GPU_COMPUTE_LIMIT, a job's --gpu-limit, the high class's \
+                     share), summed over processes, those gone included, seconds."
+                ),
+            ),
             used: f(
                 "memory_used_bytes",
                 Kind::Gauge,
@@ -224,10 +407,12 @@ impl Level {
         }
     }
 
-    fn share(&mut self, l: Labels, target: f64, achieved: f64, gpu_s: f64) {
+    fn share(&mut self, l: Labels, target: f64, achieved: f64, t: Totals) {
         self.target.add(l.clone(), target);
         self.achieved.add(l.clone(), achieved);
-        self.seconds.add(l, gpu_s);
+        self.seconds.add(l.clone(), t.gpu_s);
+        self.entitled.add(l.clone(), t.entitled_s);
+        self.held_back.add(l, t.held_back_s);
     }
 
     fn process(&mut self, l: Labels, p: &ProcStatus) {
@@ -237,14 +422,18 @@ impl Level {
 
     fn gone(&mut self, l: Labels, t: Totals) {
         self.seconds.add(l.clone(), t.gpu_s);
+        self.entitled.add(l.clone(), t.entitled_s);
+        self.held_back.add(l.clone(), t.held_back_s);
         self.refusals.add(l, t.refusals as f64);
     }
 
-    fn families(self) -> [Family; 5] {
+    fn families(self) -> [Family; 7] {
         [
             self.target,
             self.achieved,
             self.seconds,
+            self.entitled,
+            self.held_back,
             self.used,
             self.refusals,
         ]
@@ -256,7 +445,13 @@ fn users(s: &Status, t: &Tally) -> Vec<Family> {
     for g in &s.gpus {
         for u in &g.users {
             let l = with(gpu(g), &[("user", t.user(u.uid))]);
-            level.share(l, u.share_target, u.share_achieved, u.gpu_time_s);
+            let t = Totals {
+                gpu_s: u.gpu_time_s,
+                entitled_s: u.entitled_s,
+                held_back_s: u.held_back_s,
+                refusals: 0,
+            };
+            level.share(l, u.share_target, u.share_achieved, t);
         }
         for p in &g.processes {
             level.process(with(gpu(g), &[("user", t.user(owner(g, p)))]), p);
@@ -271,11 +466,13 @@ fn users(s: &Status, t: &Tally) -> Vec<Family> {
     level.families().into()
 }
 
-fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
+fn jobs(s: &Status, t: &Tally, wall: f64) -> Vec<Family> {
     let mut info = Family::new(
         "gpufrac_job_info",
         Kind::Gauge,
-        "A job (a lease of gpufrac run or a pod's) and its command (always 1).",
+        "A job (a lease of gpufrac run or a pod's) and the name of its program (always 1): \
+         the command's first word without its directory, letters, digits and ._+-@: only, \
+         at most 32 characters.",
     );
     let mut cap = Family::new(
         "gpufrac_job_memory_cap_bytes",
@@ -283,18 +480,22 @@ fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
         "The memory cap of a job started with --gpu-memory, shared by all its processes.",
     );
     let mut held = Family::new(
-        "gpufrac_job_held_seconds",
+        "gpufrac_job_start_time_seconds",
         Kind::Gauge,
-        "How long a job has held its lease.",
+        "When a job's lease was granted, seconds since the epoch (time() less it: how \
+         long it has held it).",
     );
     for l in &s.leases {
         let job = JobKey::of(Some(l.pid), l.pod.as_deref());
         let labels: Labels = vec![("user", t.user(l.uid)), ("job_id", t.job(l.uid, &job))];
-        info.add(with(labels.clone(), &[("command", l.command.clone())]), 1.0);
+        info.add(
+            with(labels.clone(), &[("name", program_name(&l.command))]),
+            1.0,
+        );
         if let Some(c) = l.mem_cap {
             cap.add(labels.clone(), c as f64);
         }
-        held.add(labels, l.held_s);
+        held.add(labels, since(wall, l.held_s));
     }
     let mut level = Level::new(
         "job",
@@ -306,7 +507,13 @@ fn jobs(s: &Status, t: &Tally) -> Vec<Family> {
             for j in &u.jobs {
                 let job = t.job(u.uid, &JobKey::of(j.job, j.pod.as_deref()));
                 let l = with(gpu(g), &[("user", t.user(u.uid)), ("job_id", job)]);
-                level.share(l, j.share_target, j.share_achieved, j.gpu_time_s);
+                let t = Totals {
+                    gpu_s: j.gpu_time_s,
+                    entitled_s: j.entitled_s,
+                    held_back_s: j.held_back_s,
+                    refusals: 0,
+                };
+                level.share(l, j.share_target, j.share_achieved, t);
             }
         }
         for p in &g.processes {
@@ -425,33 +632,69 @@ fn processes(s: &Status, t: &Tally) -> Vec<Family> {
     out
 }
 
-fn queue(s: &Status, stats: &Stats) -> Vec<Family> {
+fn queue(s: &Status, stats: &Stats, t: &Tally, wall: f64) -> Vec<Family> {
     let mut requests = Family::new(
         "gpufrac_queue_requests",
         Kind::Gauge,
-        "Requests of gpufrac run waiting in the queue for GPUs or memory; escalated: \
-         waiting longer than --escalate-after, placed ahead of younger ones.",
+        "Requests of gpufrac run waiting in the queue for GPUs or memory, by the job's \
+         user, whether escalated (waiting longer than --escalate-after, placed ahead of \
+         younger ones) and why they wait (fits_now, held_for_earlier, no_room, \
+         recovering).",
     );
-    for escalated in [false, true] {
-        let n = s.queue.iter().filter(|q| q.escalated == escalated).count();
-        requests.add(vec![("escalated", escalated.to_string())], n as f64);
-    }
-    let mut longest = Family::new(
-        "gpufrac_queue_longest_wait_seconds",
+    let mut oldest = Family::new(
+        "gpufrac_queue_oldest_request_start_time_seconds",
         Kind::Gauge,
-        "How long the request that has waited longest so far has waited (0: none waits).",
+        "When the request of the user that has waited longest was queued, seconds since \
+         the epoch (time() less it: how long it has waited so far).",
     );
-    longest.add(
-        vec![],
-        s.queue.iter().map(|q| q.waiting_s).fold(0.0, f64::max),
-    );
+    let mut first: BTreeMap<String, f64> = BTreeMap::new();
+    for q in &s.queue {
+        let user = t.user(q.uid);
+        let reason = if q.reason.is_empty() {
+            "no_room".to_owned()
+        } else {
+            q.reason.clone()
+        };
+        requests.add(
+            vec![
+                ("escalated", q.escalated.to_string()),
+                ("user", user.clone()),
+                ("reason", reason),
+            ],
+            1.0,
+        );
+        let at = since(wall, q.waiting_s);
+        first
+            .entry(user)
+            .and_modify(|f| *f = f.min(at))
+            .or_insert(at);
+    }
+    for (user, at) in first {
+        oldest.add(vec![("user", user)], at);
+    }
     let mut wait = Family::new(
         "gpufrac_queue_wait_seconds",
         Kind::Histogram,
         "How long queued requests waited for their lease (those placed since the broker \
-         started).",
+         started), by the job's user.",
     );
-    wait.histogram(vec![], &stats.queue_wait);
+    let mut by_user: BTreeMap<String, Histogram> = BTreeMap::new();
+    for (&uid, h) in &stats.queue_wait {
+        let user = if uid == OTHER_UID {
+            "other".into()
+        } else {
+            t.user(uid)
+        };
+        match by_user.get_mut(&user) {
+            Some(sum) => sum.merge(h),
+            None => {
+                by_user.insert(user, h.clone());
+            }
+        }
+    }
+    for (user, h) in by_user {
+        wait.histogram(vec![("user", user)], &h);
+    }
     let mut leases = Family::new(
         "gpufrac_leases",
         Kind::Gauge,
@@ -473,11 +716,23 @@ fn queue(s: &Status, stats: &Stats) -> Vec<Family> {
     let mut refusals = Family::new(
         "gpufrac_refusals_total",
         Kind::Counter,
-        "Requests the broker refused, by reason (connection_limit, lease_limit, \
+        "Requests the broker refused, by user and reason (connection_limit, lease_limit, \
          not_allowed, unknown_gpu, no_room, unsatisfiable, other).",
     );
-    for (r, n) in Refusal::ALL.iter().zip(stats.refusals) {
-        refusals.add(vec![("reason", r.as_str().into())], n as f64);
+    for (&uid, counts) in &stats.refusals {
+        let user = if uid == OTHER_UID {
+            "other".into()
+        } else {
+            t.user(uid)
+        };
+        for (r, &n) in Refusal::ALL.iter().zip(counts) {
+            if n > 0 {
+                refusals.add(
+                    vec![("reason", r.as_str().into()), ("user", user.clone())],
+                    n as f64,
+                );
+            }
+        }
     }
     let mut recovering = Family::new(
         "gpufrac_recovering",
@@ -486,10 +741,10 @@ fn queue(s: &Status, stats: &Stats) -> Vec<Family> {
          so that running jobs claim their leases back first.",
     );
     recovering.add(vec![], if s.recovery.is_some() { 1.0 } else { 0.0 });
-    vec![requests, longest, wait, leases, grant, refusals, recovering]
+    vec![requests, oldest, wait, leases, grant, refusals, recovering]
 }
 
-fn mps_mig(s: &Status) -> Vec<Family> {
+fn mps_mig(s: &Status, wall: f64) -> Vec<Family> {
     let mut out = Vec::new();
     if let Some(m) = &s.mps {
         let mut up = Family::new(
@@ -516,9 +771,10 @@ fn mps_mig(s: &Status) -> Vec<Family> {
          (start:size in memory slices), state and the job holding it.",
     );
     let mut idle = Family::new(
-        "gpufrac_mig_instance_idle_seconds",
+        "gpufrac_mig_instance_idle_start_time_seconds",
         Kind::Gauge,
-        "How long an idle MIG instance has had no job.",
+        "When an idle MIG instance's last job ended, seconds since the epoch (time() less \
+         it: how long it has had no job).",
     );
     let mut states = Family::new(
         "gpufrac_mig_instances",
@@ -568,7 +824,7 @@ fn mps_mig(s: &Status) -> Vec<Family> {
             );
             if let Some(secs) = i.idle_s {
                 let l = with(gpu(g), &[("mig_uuid", mig), ("profile", i.profile.clone())]);
-                idle.add(l, secs);
+                idle.add(l, since(wall, secs));
             }
         }
         for st in MIG_STATES {

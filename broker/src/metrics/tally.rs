@@ -55,12 +55,17 @@ impl JobKey {
 pub struct Totals {
     pub gpu_s: f64,
     pub refusals: u64,
+    /// GPU time owed, and time held back by ceilings, seconds.
+    pub entitled_s: f64,
+    pub held_back_s: f64,
 }
 
 impl Totals {
     fn add(&mut self, o: Totals) {
         self.gpu_s += o.gpu_s;
         self.refusals += o.refusals;
+        self.entitled_s += o.entitled_s;
+        self.held_back_s += o.held_back_s;
     }
 }
 
@@ -89,6 +94,9 @@ pub struct Tally {
     gone_job: HashMap<(String, UserKey, Option<JobKey>), Totals>,
     names: HashMap<u32, String>,
     name_of: fn(u32) -> Option<String>,
+    /// Each user's refusals at the last snapshot: a user is seen when
+    /// refused anew.
+    refusals: HashMap<u32, u64>,
 }
 
 /// The user a process is counted for on its GPU: its job's user (a job's
@@ -120,6 +128,7 @@ impl Tally {
             gone_job: HashMap::new(),
             names: HashMap::new(),
             name_of,
+            refusals: HashMap::new(),
         }
     }
 
@@ -191,11 +200,14 @@ impl Tally {
                 let totals = Totals {
                     gpu_s: p.gpu_time_s,
                     refusals: p.ooms,
+                    entitled_s: p.entitled_s,
+                    held_back_s: p.held_back_s,
                 };
                 if let Some(old) = self.seen.get(&key).cloned()
                     && (old.uid != uid
                         || old.job != job
                         || totals.gpu_s < old.totals.gpu_s
+                        || totals.entitled_s < old.totals.entitled_s
                         || totals.refusals < old.totals.refusals)
                 {
                     // Another process under a reused pid, or moved: what
@@ -211,6 +223,12 @@ impl Tally {
             self.see_user(now, l.uid);
             self.admit_job(l.uid, &job);
             live_jobs.insert((l.uid, job));
+        }
+        for q in &s.queue {
+            let job = JobKey::of(Some(q.pid), q.pod.as_deref());
+            self.see_user(now, q.uid);
+            self.admit_job(q.uid, &job);
+            live_jobs.insert((q.uid, job));
         }
         let live: HashSet<&(String, u32)> = live_procs.iter().collect();
         let gone: Vec<((String, u32), Seen)> = self
@@ -265,6 +283,18 @@ impl Tally {
             self.names.remove(&u);
             self.gone_user.retain(|(_, k), _| *k != Some(u));
             self.gone_job.retain(|(_, k, _), _| *k != Some(u));
+        }
+    }
+
+    /// Takes in the refusals counted by `now`: a user refused since the
+    /// last snapshot is seen, as one with a process is, so that its
+    /// refusals are its own series while it is known.
+    pub fn refused(&mut self, now: Nanos, stats: &crate::stats::Stats) {
+        for (&uid, counts) in &stats.refusals {
+            let n: u64 = counts.iter().sum();
+            if self.refusals.insert(uid, n) != Some(n) && uid != crate::stats::OTHER_UID {
+                self.see_user(now, uid);
+            }
         }
     }
 
@@ -376,7 +406,8 @@ mod tests {
             gone_user(&t, "GPU-1", "alice"),
             Totals {
                 gpu_s: 1.5,
-                refusals: 2
+                refusals: 2,
+                ..Totals::default()
             }
         );
         // pid 11 ran for uid 9 in uid 7's job: counted for uid 7, and

@@ -35,10 +35,11 @@ fn snapshot() -> Snapshot {
     let mut stats = Stats::default();
     stats.acquired(0, 1, 0, Priority::High);
     stats.granted(2_000_000, 1, 0);
-    stats.queue_waited(3_000_000_000);
-    stats.refused(Refusal::NoRoom);
+    stats.queue_waited(1000, 3_000_000_000);
+    stats.refused(1000, Refusal::NoRoom);
     Snapshot {
         at: 1,
+        wall: 1_800_000_000.0,
         status: Status {
             gpus: vec![
                 GpuStatus {
@@ -124,6 +125,7 @@ fn snapshot() -> Snapshot {
                 QueueEntry {
                     waiting_s: 7200.0,
                     escalated: true,
+                    reason: "held_for_earlier".into(),
                     ..QueueEntry::default()
                 },
             ],
@@ -271,13 +273,16 @@ fn caps_shares_users_jobs_and_the_queue_are_there_with_their_values() {
             4.0 * GIB as f64,
         ),
         (
-            "gpufrac_job_info{user=\"1000\",job_id=\"40\",command=\"python \\\"train\\\".py\"}"
-                .to_owned(),
+            "gpufrac_job_info{user=\"1000\",job_id=\"40\",name=\"python\"}".to_owned(),
             1.0,
         ),
         (
-            "gpufrac_job_info{user=\"0\",job_id=\"ml/infer-0\",command=\"server\"}".to_owned(),
+            "gpufrac_job_info{user=\"0\",job_id=\"ml/infer-0\",name=\"server\"}".to_owned(),
             1.0,
+        ),
+        (
+            "gpufrac_job_start_time_seconds{user=\"1000\",job_id=\"40\"}".to_owned(),
+            1_800_000_000.0 - 60.0,
         ),
         (
             format!("gpufrac_job_share_target_ratio{{{gpu0},user=\"1001\",job_id=\"none\"}}"),
@@ -300,12 +305,36 @@ fn caps_shares_users_jobs_and_the_queue_are_there_with_their_values() {
             0.3,
         ),
         (format!("gpufrac_processes_unlisted{{{gpu0}}}"), 0.0),
-        ("gpufrac_queue_requests{escalated=\"true\"}".to_owned(), 1.0),
-        ("gpufrac_queue_requests{escalated=\"false\"}".to_owned(), 1.0),
-        ("gpufrac_queue_longest_wait_seconds".to_owned(), 7200.0),
-        ("gpufrac_queue_wait_seconds_bucket{le=\"1\"}".to_owned(), 0.0),
-        ("gpufrac_queue_wait_seconds_bucket{le=\"5\"}".to_owned(), 1.0),
-        ("gpufrac_queue_wait_seconds_count".to_owned(), 1.0),
+        (
+            "gpufrac_queue_requests{escalated=\"true\",user=\"0\",reason=\"held_for_earlier\"}"
+                .to_owned(),
+            1.0,
+        ),
+        (
+            "gpufrac_queue_requests{escalated=\"false\",user=\"0\",reason=\"no_room\"}"
+                .to_owned(),
+            1.0,
+        ),
+        (
+            "gpufrac_queue_oldest_request_start_time_seconds{user=\"0\"}".to_owned(),
+            1_800_000_000.0 - 7200.0,
+        ),
+        (
+            "gpufrac_queue_wait_seconds_bucket{user=\"1000\",le=\"0\"}".to_owned(),
+            0.0,
+        ),
+        (
+            "gpufrac_queue_wait_seconds_bucket{user=\"1000\",le=\"1\"}".to_owned(),
+            0.0,
+        ),
+        (
+            "gpufrac_queue_wait_seconds_bucket{user=\"1000\",le=\"5\"}".to_owned(),
+            1.0,
+        ),
+        (
+            "gpufrac_queue_wait_seconds_count{user=\"1000\"}".to_owned(),
+            1.0,
+        ),
         (
             "gpufrac_grant_latency_seconds_bucket{class=\"high\",le=\"0.0025\"}".to_owned(),
             1.0,
@@ -314,8 +343,15 @@ fn caps_shares_users_jobs_and_the_queue_are_there_with_their_values() {
             "gpufrac_grant_latency_seconds_count{class=\"normal\"}".to_owned(),
             0.0,
         ),
-        ("gpufrac_refusals_total{reason=\"no_room\"}".to_owned(), 1.0),
-        ("gpufrac_refusals_total{reason=\"unknown_gpu\"}".to_owned(), 0.0),
+        (
+            "gpufrac_refusals_total{reason=\"no_room\",user=\"1000\"}".to_owned(),
+            1.0,
+        ),
+        (
+            "gpufrac_mig_instance_idle_start_time_seconds{gpu=\"1\",uuid=\"GPU-1\",mig_uuid=\"MIG-1\",profile=\"1g.5gb\"}"
+                .to_owned(),
+            1_800_000_000.0 - 12.5,
+        ),
         ("gpufrac_leases".to_owned(), 2.0),
         ("gpufrac_mps_up".to_owned(), 1.0),
         (
@@ -349,6 +385,23 @@ fn caps_shares_users_jobs_and_the_queue_are_there_with_their_values() {
             .keys()
             .any(|k| k.starts_with("gpufrac_gpu_processes{gpu=\"1\""))
     );
+}
+
+/// A command reaches a label only as its program's name: no arguments,
+/// no directory, nothing but a few plain characters (a bidi override
+/// planted in a name cannot turn a dashboard's text around), bounded.
+#[test]
+fn a_command_is_a_bounded_plain_name_in_labels() {
+    use super::render::program_name;
+    assert_eq!(program_name("python train.py --token=s3cr3t"), "python");
+    assert_eq!(program_name("/opt/conda/bin/python3.11 -m x"), "python3.11");
+    assert_eq!(program_name("ev\u{202e}il\"} 1\n"), "ev_il__");
+    assert_eq!(program_name(""), "-");
+    assert_eq!(program_name(&"x".repeat(100)).len(), 32);
+    // The snapshot's command line, arguments and all, is nowhere.
+    let s = snapshot();
+    let text = render(&s);
+    assert!(!text.contains("train.py"), "{text}");
 }
 
 #[test]

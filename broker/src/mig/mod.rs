@@ -662,109 +662,55 @@ impl Planner {
 }
 
 /// The profiles of the models NVIDIA documents, as NVML reports them (for
-/// tests and the figures in docs/mig.md; the broker reads the real ones).
+/// tests and the figures in docs/mig.md; the broker reads the real ones):
+/// `gpufrac_common::mig`'s, which the simulated driver serves too.
 pub mod models {
     use super::{MigGpu, Profile, Range};
+    use gpufrac_common::mig::Model;
 
     const MIB: u64 = 1 << 20;
 
-    fn profile(
-        id: u32,
-        name: &str,
-        slices: u32,
-        mib: u64,
-        max: u32,
-        size: u32,
-        starts: &[u32],
-    ) -> Profile {
-        Profile {
-            id,
-            name: name.into(),
-            slices,
-            mem: mib * MIB,
-            max,
-            placements: starts.iter().map(|&start| Range { start, size }).collect(),
-        }
-    }
-
-    fn gpu(index: u32, name: &str, total_mib: u64, names: [&str; 7], mib: [u64; 7]) -> MigGpu {
-        let shape: [(u32, u32, u32, u32, &[u32]); 7] = [
-            (19, 1, 7, 1, &[0, 1, 2, 3, 4, 5, 6]),
-            (20, 1, 1, 1, &[0, 1, 2, 3, 4, 5, 6]),
-            (15, 1, 4, 2, &[0, 2, 4, 6]),
-            (14, 2, 3, 2, &[0, 2, 4]),
-            (9, 3, 2, 4, &[0, 4]),
-            (5, 4, 1, 4, &[0]),
-            (0, 7, 1, 8, &[0]),
-        ];
+    /// GPU `index`, of `model`, with its UUID made from its index.
+    pub fn gpu(index: u32, model: Model) -> MigGpu {
+        let info = model.info();
         MigGpu {
             index,
             uuid: format!("GPU-{index:08x}-0000-4000-8000-000000000000"),
-            name: name.into(),
-            total_mem: total_mib * MIB,
+            name: info.name.into(),
+            total_mem: info.total_mib * MIB,
             slices: 7,
-            profiles: shape
+            profiles: info
+                .profiles
                 .iter()
-                .zip(names.iter().zip(mib))
-                .map(|(&(id, slices, max, size, starts), (n, m))| {
-                    profile(id, n, slices, m, max, size, starts)
+                .map(|p| Profile {
+                    id: p.id,
+                    name: p.name.into(),
+                    slices: p.slices,
+                    mem: p.mem_mib * MIB,
+                    max: p.count,
+                    placements: p
+                        .starts
+                        .iter()
+                        .map(|&start| Range {
+                            start,
+                            size: p.size,
+                        })
+                        .collect(),
                 })
                 .collect(),
         }
     }
 
     pub fn a100_40gb(index: u32) -> MigGpu {
-        gpu(
-            index,
-            "A100-SXM4-40GB",
-            40960,
-            [
-                "1g.5gb",
-                "1g.5gb+me",
-                "1g.10gb",
-                "2g.10gb",
-                "3g.20gb",
-                "4g.20gb",
-                "7g.40gb",
-            ],
-            [4864, 4864, 9856, 9856, 19968, 19968, 40192],
-        )
+        gpu(index, Model::A100_40GB)
     }
 
     pub fn a100_80gb(index: u32) -> MigGpu {
-        gpu(
-            index,
-            "A100-SXM4-80GB",
-            81920,
-            [
-                "1g.10gb",
-                "1g.10gb+me",
-                "1g.20gb",
-                "2g.20gb",
-                "3g.40gb",
-                "4g.40gb",
-                "7g.80gb",
-            ],
-            [9728, 9728, 19968, 19968, 40192, 40192, 80896],
-        )
+        gpu(index, Model::A100_80GB)
     }
 
     pub fn h100_80gb(index: u32) -> MigGpu {
-        gpu(
-            index,
-            "H100 80GB HBM3",
-            81559,
-            [
-                "1g.10gb",
-                "1g.10gb+me",
-                "1g.20gb",
-                "2g.20gb",
-                "3g.40gb",
-                "4g.40gb",
-                "7g.80gb",
-            ],
-            [9984, 9984, 20096, 20096, 40448, 40448, 81152],
-        )
+        gpu(index, Model::H100_80GB)
     }
 }
 

@@ -34,7 +34,8 @@ impl Broker {
             ClientMsg::Hello { role: asked, .. } if *asked != role => {
                 Some(roles::second_hello(*asked, role))
             }
-            m => roles::sender(m)
+            m => m
+                .sender()
                 .filter(|&r| r != role)
                 .map(|r| roles::refusal(m, r, role)),
         };
@@ -58,6 +59,7 @@ impl Broker {
             ClientMsg::Ping => self.send(id, &ServerMsg::Pong),
             ClientMsg::Status { from } => self.ask_status(now, id, from),
             ClientMsg::Name { pod, label } => self.name(id, pod, label),
+            ClientMsg::Summary { job } => self.summary(now, id, job),
             ClientMsg::Lease(ask) => self.lease(now, id, ask),
             m => self.shim_message(now, id, m),
         }
@@ -243,7 +245,7 @@ impl Broker {
                 uid,
                 format_args!("refusing a registration from pid {pid} (uid {uid}): {message}"),
             );
-            self.stats.refused(crate::stats::Refusal::UnknownGpu);
+            self.stats.refused(uid, crate::stats::Refusal::UnknownGpu);
             self.send(
                 id,
                 &ServerMsg::Error {
@@ -283,7 +285,8 @@ impl Broker {
         let old_devs: Vec<usize> = s.devices.drain(..).map(|d| d.gpu).collect();
         if old != job {
             if let Some(o) = old {
-                self.jobs.leave(o, id, 0, old_used);
+                self.jobs
+                    .leave(o, id, super::jobtable::Spent::default(), old_used);
             }
             if let Some(n) = job {
                 self.jobs.join(n, id, 0);

@@ -28,8 +28,13 @@ pub(super) struct Entry {
     /// the other side).
     pub members: BTreeSet<ConnId>,
     /// GPU time of processes that have left it, ns (those still in it are
-    /// asked of the schedulers at its end).
+    /// asked of the schedulers at its end), what they were owed, and the
+    /// allocations their caps refused.
     pub gpu_ns: u64,
+    pub owed_ns: u64,
+    pub ooms: u64,
+    /// How long it waited in the queue before its lease, ns.
+    pub queued_ns: u64,
     /// Device memory its processes report using now, together, and its
     /// peak: the most they have reported at once, and never less than
     /// one process's own peak on one GPU (a process reports every 100 ms
@@ -74,10 +79,18 @@ impl Jobs {
                 undelivered: None,
                 members: BTreeSet::new(),
                 gpu_ns: 0,
+                owed_ns: 0,
+                ooms: 0,
+                queued_ns: 0,
                 used: 0,
                 peak: 0,
             },
         );
+    }
+
+    /// How many jobs `uid` has.
+    pub fn count_of(&self, uid: u32) -> usize {
+        self.by_uid.get(&uid).map_or(0, BTreeSet::len)
     }
 
     /// The job is over: everything kept of it, gone at once.
@@ -111,6 +124,7 @@ impl Jobs {
     }
 
     /// User `uid`'s jobs.
+    #[cfg(test)]
     pub fn of_user(&self, uid: u32) -> impl Iterator<Item = &Job> {
         self.by_uid
             .get(&uid)
@@ -144,7 +158,7 @@ impl Jobs {
         self.entries.get_mut(token).map(|e| &mut e.job)
     }
 
-    #[cfg(test)]
+    /// The record of the job, with what is kept of it.
     pub fn entry(&self, token: &u64) -> Option<&Entry> {
         self.entries.get(token)
     }
@@ -189,9 +203,13 @@ impl Jobs {
         self.entries.get(token).and_then(|e| e.leased_at)
     }
 
-    /// Its lease is held from `now`, unless it already was.
-    pub fn leased(&mut self, token: u64, now: Nanos) {
+    /// Its lease is held from `now`, unless it already was, after waiting
+    /// `queued` in the queue.
+    pub fn leased(&mut self, token: u64, now: Nanos, queued: Nanos) {
         if let Some(e) = self.entries.get_mut(&token) {
+            if e.leased_at.is_none() {
+                e.queued_ns = queued;
+            }
             e.leased_at.get_or_insert(now);
         }
     }
@@ -252,14 +270,35 @@ impl Jobs {
         }
     }
 
-    /// Process `id` leaves the job, having used `gpu_ns` of GPU time in it
-    /// and using `used` bytes now.
-    pub fn leave(&mut self, token: u64, id: ConnId, gpu_ns: u64, used: u64) {
+    /// Process `id` leaves the job, having spent `spent` in it and using
+    /// `used` bytes now.
+    pub fn leave(&mut self, token: u64, id: ConnId, spent: Spent, used: u64) {
         if let Some(e) = self.entries.get_mut(&token)
             && e.members.remove(&id)
         {
-            e.gpu_ns = e.gpu_ns.saturating_add(gpu_ns);
+            e.gpu_ns = e.gpu_ns.saturating_add(spent.gpu_ns);
+            e.owed_ns = e.owed_ns.saturating_add(spent.owed_ns);
+            e.ooms = e.ooms.saturating_add(spent.ooms);
             e.used = e.used.saturating_sub(used);
+        }
+    }
+}
+
+/// What processes spent in a job: GPU time charged, what they were owed
+/// (ns), allocations refused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Spent {
+    pub gpu_ns: u64,
+    pub owed_ns: u64,
+    pub ooms: u64,
+}
+
+impl Spent {
+    pub fn add(self, o: Spent) -> Spent {
+        Spent {
+            gpu_ns: self.gpu_ns.saturating_add(o.gpu_ns),
+            owed_ns: self.owed_ns.saturating_add(o.owed_ns),
+            ooms: self.ooms.saturating_add(o.ooms),
         }
     }
 }

@@ -4,11 +4,12 @@
 //! them.
 
 use gpufrac_common::size::format_size;
-use gpufrac_common::wire::{self, LeaseReq, ServerMsg};
+use gpufrac_common::wire::{self, Lease, LeaseReq, ServerMsg};
 use tracing::{info, warn};
 
 use super::clients::lower_caps;
 use super::conn::Quoted;
+use super::jobtable::Spent;
 use super::{Broker, ConnId, MigDone, Nanos, Work};
 use crate::jobs::{Job, Phase};
 use crate::mig;
@@ -45,15 +46,25 @@ impl Broker {
         self.refuse_as(id, Refusal::Other, reason);
     }
 
-    /// A refusal, counted by `why` for metrics.
+    /// A refusal of a lease request, counted by user and `why` for
+    /// metrics and said in one log line within the user's log budget
+    /// (`may_log`): a warning where the rules forbade it, else at info.
     fn refuse_as(&mut self, id: ConnId, why: Refusal, reason: impl Into<String>) {
-        self.stats.refused(why);
-        self.send(
-            id,
-            &ServerMsg::Refused {
-                reason: reason.into(),
-            },
-        );
+        let reason = reason.into();
+        let (pid, uid) = self
+            .conns
+            .get(&id)
+            .map_or((0, 0), |c| (c.peer.pid, c.peer.uid));
+        self.stats.refused(uid, why);
+        if self.may_log(uid) {
+            let (label, text) = (why.as_str(), Quoted(&reason));
+            if why == Refusal::NotAllowed {
+                warn!(pid, uid, reason = label, why = %text, "refused a lease");
+            } else {
+                info!(pid, uid, reason = label, why = %text, "refused a lease");
+            }
+        }
+        self.send(id, &ServerMsg::Refused { reason });
     }
 
     pub(super) fn lease(&mut self, now: Nanos, id: ConnId, a: LeaseReq) {
@@ -70,13 +81,6 @@ impl Broker {
             .policy
             .lease(&peer, pinned, a.token != 0, a.priority)
         {
-            self.warn_uid(
-                peer.uid,
-                format_args!(
-                    "refused a lease from pid {} (uid {}): {reason}",
-                    peer.pid, peer.uid
-                ),
-            );
             return self.refuse_as(id, Refusal::NotAllowed, reason);
         }
         if a.resume != 0 {
@@ -160,9 +164,6 @@ impl Broker {
                         );
                     }
                     self.attach_job(now, id, job);
-                    if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
-                        c.queued = Some(0);
-                    }
                 }
                 Err(r) => self.refuse_as(id, Refusal::Unsatisfiable, r.reason),
             },
@@ -176,13 +177,12 @@ impl Broker {
         if !self.cfg.policy.counted(peer) {
             return Ok(());
         }
-        let mine = self.jobs.of_user(peer.uid);
-        let (all, queued) = mine.fold((0, 0), |(a, q), j| {
-            (
-                a + 1,
-                q + usize::from(matches!(j.phase, Phase::Queued { .. })),
-            )
-        });
+        // Counted as they come and go: a user with a long queue of its own
+        // is not walked at each request.
+        let (all, queued) = (
+            self.jobs.count_of(peer.uid),
+            self.queue.waiting_of(peer.uid),
+        );
         let b = self.cfg.budgets;
         if all >= b.leases {
             return Err(format!(
@@ -278,15 +278,12 @@ impl Broker {
     /// the MPS pipe, in MPS mode).
     fn send_unplaced(&mut self, now: Nanos, id: ConnId, token: u64) {
         // Held from now, as a placed lease is from its grant (status's HELD).
-        self.jobs.leased(token, now);
-        let msg = ServerMsg::Leased {
-            gpus: Vec::new(),
-            uuids: Vec::new(),
-            mem_cap: 0,
+        self.jobs.leased(token, now, 0);
+        let msg = ServerMsg::Leased(Lease {
             token,
             mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
-            mig: String::new(),
-        };
+            ..Lease::default()
+        });
         self.send(id, &msg);
     }
 
@@ -372,14 +369,13 @@ impl Broker {
                     return self.refuse(id, reason);
                 }
                 if let Err(reason) = self.cfg.policy.claim_unverified(&peer) {
-                    self.warn_uid(
-                        peer.uid,
-                        format_args!(
-                            "recovery: refused a claim for a lease the trusted state does not have, from pid {} (uid {})",
-                            peer.pid, peer.uid
+                    return self.refuse_as(
+                        id,
+                        Refusal::NotAllowed,
+                        format!(
+                            "recovery: a claim for a lease the trusted state does not have: {reason}"
                         ),
                     );
-                    return self.refuse(id, reason);
                 }
                 let Some(start) = start else {
                     return self.refuse(id, "cannot identify the requesting process");
@@ -416,10 +412,12 @@ impl Broker {
             c.command = label;
             if let Some(cli) = c.cli_mut() {
                 cli.job = Some(token);
-                if matches!(phase, Phase::Queued { .. }) {
-                    cli.queued = Some(0);
-                }
             }
+        }
+        if matches!(phase, Phase::Queued { .. }) {
+            // Told its place again on its new connection, at the next pump.
+            self.queue.retell(token);
+            self.queue_dirty = true;
         }
         match phase {
             Phase::Queued { .. } => {}
@@ -513,7 +511,7 @@ impl Broker {
             .filter_map(|id| self.conns.get(id))
             .flat_map(|c| c.devices().iter().map(|d| d.gpu))
             .collect();
-        let gpu_ns = self.gpu_time(now, &members, gpus);
+        let gpu_ns = self.spent(now, &members, gpus).gpu_ns;
         if let Some(e) = self.jobs.end(token) {
             let j = e.job;
             self.changed();
@@ -538,25 +536,39 @@ impl Broker {
         }
     }
 
-    /// GPU time these processes have used on these GPUs, together, as
-    /// their schedulers charged it: each GPU's processes walked once (when
-    /// a job's process leaves it or the job ends, never for a frame).
-    pub(super) fn gpu_time(
+    /// What these processes have spent on these GPUs, together: GPU time
+    /// as their schedulers charged it and what they were owed, and the
+    /// allocations their caps refused. Each GPU's processes walked once
+    /// (when a job's process leaves it, the job ends or its run asks for
+    /// its summary, never for a frame).
+    pub(super) fn spent(
         &self,
         now: Nanos,
         ids: &[ConnId],
         gpus: impl IntoIterator<Item = usize>,
-    ) -> u64 {
+    ) -> Spent {
         let mut gpus: Vec<usize> = gpus.into_iter().collect();
         gpus.sort_unstable();
         gpus.dedup();
-        let ids: std::collections::HashSet<ConnId> = ids.iter().copied().collect();
-        gpus.into_iter()
+        let set: std::collections::HashSet<ConnId> = ids.iter().copied().collect();
+        let mut out = gpus
+            .into_iter()
             .filter_map(|g| self.gpus.get(g))
             .flat_map(|g| g.sched.status(now))
-            .filter(|s| ids.contains(&s.client))
-            .map(|s| s.gpu_time)
-            .sum()
+            .filter(|s| set.contains(&s.client))
+            .fold(Spent::default(), |acc, s| {
+                acc.add(Spent {
+                    gpu_ns: s.gpu_time,
+                    owed_ns: s.entitled,
+                    ooms: 0,
+                })
+            });
+        out.ooms = ids
+            .iter()
+            .filter_map(|id| self.conns.get(id))
+            .flat_map(|c| c.devices().iter().map(|d| d.ooms))
+            .sum();
+        out
     }
 
     /// A lease the queue placed (from the queue, or `--no-wait` on
@@ -584,11 +596,12 @@ impl Broker {
     /// the state that books it is on disk.
     fn granted(&mut self, now: Nanos, lease: queue::Lease) {
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
+        let mut waited = 0;
         if let Some(j) = self.jobs.get_mut(&lease.id) {
-            let waited = match j.phase {
+            waited = match j.phase {
                 Phase::Queued { since } => {
                     let waited = now.saturating_sub(since);
-                    self.stats.queue_waited(waited);
+                    self.stats.queue_waited(j.uid, waited);
                     waited
                 }
                 _ => 0,
@@ -613,12 +626,7 @@ impl Broker {
         }
         self.changed();
         self.rejoin(now, lease.id);
-        self.jobs.leased(lease.id, now);
-        if let Some(id) = self.jobs.run(&lease.id)
-            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
-        {
-            c.queued = None;
-        }
+        self.jobs.leased(lease.id, now, waited);
         self.jobs.hold_until_saved(lease.id, self.state_seq);
     }
 
@@ -646,35 +654,33 @@ impl Broker {
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
         self.send(
             id,
-            &ServerMsg::Leased {
+            &ServerMsg::Leased(Lease {
                 gpus: lease.gpus.clone(),
                 uuids,
                 mem_cap: lease.mem_cap.unwrap_or(0),
                 token,
                 mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
                 mig: mig.unwrap_or_default(),
-            },
+            }),
         );
     }
 
-    /// Tells each waiting run its place when it changed.
+    /// Tells each waiting run its place when it moved by a meaningful
+    /// step (exact up to 10, within a tenth beyond): the queue says whose,
+    /// so a departure costs one walk and a few messages, not one to every
+    /// request behind it.
     pub(super) fn tell_positions(&mut self, now: Nanos) {
-        for w in self.queue.waiting(now) {
-            let pos = w.position as u32;
-            let Some(id) = self.jobs.run(&w.id) else {
+        for (token, position, want) in self.queue.positions_to_tell(now) {
+            let Some(id) = self.jobs.run(&token) else {
                 continue;
             };
-            let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) else {
-                continue;
-            };
-            if c.queued != Some(pos) {
-                c.queued = Some(pos);
+            if self.conns.get(&id).and_then(|c| c.cli()).is_some() {
                 self.send(
                     id,
                     &ServerMsg::Queued {
-                        position: pos,
-                        waiting_for: describe(&w.want),
-                        token: w.id,
+                        position,
+                        waiting_for: describe(&want),
+                        token,
                     },
                 );
             }
@@ -806,7 +812,7 @@ impl Broker {
                 let (token, running) = (j.token, matches!(j.phase, Phase::Running { .. }));
                 self.jobs.insert(j);
                 if running {
-                    self.jobs.leased(token, now);
+                    self.jobs.leased(token, now, 0);
                 }
             } else {
                 dropped += 1;

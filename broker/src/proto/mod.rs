@@ -15,15 +15,18 @@
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status). NVML's view comes in
-//! as a snapshot the shell sampled (`telemetry`), job tokens from a source
-//! given at construction.
+//! queue, restarts, recovery, MIG), `view` (status), `outside` (the
+//! processes the driver lists that are not under the shim). NVML's view
+//! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
+//! a source given at construction.
 
 mod clients;
 mod conn;
 mod jobtable;
 mod leases;
+mod outside;
 mod roles;
+mod summary;
 mod turns;
 mod view;
 
@@ -415,22 +418,24 @@ impl Broker {
         let now = self.clock(now);
         self.work_seen(now, &snapshot);
         self.telemetry = snapshot;
+        self.outside_seen();
         self.pump(now);
     }
 
-    /// Tells each GPU's scheduler which of its clients' processes the
-    /// driver saw at work (evidence a recall asks for, `sched::evidence`).
-    /// The driver counts work by process, so it is a connection's only
-    /// where the connection is its process's one on that GPU (a shim
-    /// keeps one): a process with two could lend one's work to the
-    /// other, a pretender holding beside a connection that works a
-    /// moment each second. One pass over the connections, a lookup per
-    /// connection, a sort of those seen: the work grows with the
-    /// connections the broker already bounds, not with what the driver
-    /// lists.
+    /// Tells each GPU's scheduler how busy the driver saw its clients'
+    /// processes (evidence of work in proportion to the time they held,
+    /// `sched::evidence`). The driver counts work by process, so it is a
+    /// connection's only where the connection is its process's one on
+    /// that GPU (a shim keeps one): a process with two could lend one's
+    /// work to the other, a pretender holding beside a connection that
+    /// works a moment each second. One pass over the connections, a
+    /// lookup per connection, a sort of those seen: the work grows with
+    /// the connections the broker already bounds, not with what the
+    /// driver lists.
     fn work_seen(&mut self, now: Nanos, t: &Telemetry) {
-        // Each GPU's pids, as the sampler sorted them; None: not reported.
-        let working: Vec<Option<&[u32]>> = self
+        // Each GPU's (pid, percent), as the sampler sorted them; None: not
+        // reported.
+        let working: Vec<Option<&[(u32, u32)]>> = self
             .gpus
             .iter()
             .map(|g| t.gpus.get(&g.uuid_str)?.working.as_deref())
@@ -438,12 +443,19 @@ impl Broker {
         if working.iter().all(Option::is_none) {
             return;
         }
-        // (pid, connection) on each GPU whose process the driver saw.
-        let mut seen: Vec<Vec<(u32, ConnId)>> = vec![Vec::new(); self.gpus.len()];
+        // (pid, connection, percent) on each GPU whose process the driver
+        // saw.
+        let mut seen: Vec<Vec<(u32, ConnId, u32)>> = vec![Vec::new(); self.gpus.len()];
         for (&id, c) in &self.conns {
             for d in c.devices() {
-                if working[d.gpu].is_some_and(|pids| pids.binary_search(&c.peer.pid).is_ok()) {
-                    seen[d.gpu].push((c.peer.pid, id));
+                let pid = c.peer.pid;
+                let busy = working[d.gpu].and_then(|w| {
+                    w.binary_search_by_key(&pid, |&(p, _)| p)
+                        .ok()
+                        .map(|i| w[i].1)
+                });
+                if let Some(pct) = busy {
+                    seen[d.gpu].push((pid, id, pct));
                 }
             }
         }
@@ -452,14 +464,14 @@ impl Broker {
                 continue;
             }
             seen.sort_unstable();
-            let ids: Vec<ConnId> = seen
+            let busy: Vec<(ConnId, u32)> = seen
                 .chunk_by(|a, b| a.0 == b.0)
                 .filter_map(|one| match one {
-                    [(_, id)] => Some(*id),
+                    [(_, id, pct)] => Some((*id, *pct)),
                     _ => None,
                 })
                 .collect();
-            self.gpus[g].sched.work_seen(now, ids);
+            self.gpus[g].sched.work_seen(now, busy);
         }
     }
 
@@ -556,7 +568,7 @@ impl Broker {
                 },
                 &mut out,
             );
-            self.stats.refused(Refusal::ConnectionLimit);
+            self.stats.refused(peer.uid, Refusal::ConnectionLimit);
             self.warn_uid(
                 peer.uid,
                 format_args!(
@@ -1000,9 +1012,11 @@ impl Broker {
         self.unsettled.remove(&id);
         self.stats.forget(id);
         if let Some(t) = c.member_of() {
-            let gpu = self.gpu_time(now, &[id], c.devices().iter().map(|d| d.gpu));
+            // Its refusals are its devices': it is no longer in `conns`.
+            let mut spent = self.spent(now, &[id], c.devices().iter().map(|d| d.gpu));
+            spent.ooms = c.devices().iter().map(|d| d.ooms).sum();
             let used = c.devices().iter().map(|d| d.used).sum();
-            self.jobs.leave(t, id, gpu, used);
+            self.jobs.leave(t, id, spent, used);
         }
         if let Some(h) = self.held.get_mut(&c.peer.uid) {
             h.conns = h.conns.saturating_sub(1);

@@ -5,23 +5,10 @@
 //! status and leases and names its lease. So a connection that said it
 //! is one never acts as the other: a `gpufrac status` connection cannot
 //! hold a GPU's turn, and a process's shim cannot hold a lease. `Ping`
-//! is either's.
+//! is either's. Which role sends which message is the wire's table
+//! (`ClientMsg::sender`); what is said when a connection breaks it is here.
 
 use gpufrac_common::wire::{ClientMsg, Role};
-
-/// The role whose message `msg` is; None: either role's.
-pub(super) fn sender(msg: &ClientMsg) -> Option<Role> {
-    match msg {
-        ClientMsg::Hello { .. } | ClientMsg::Ping => None,
-        ClientMsg::Register { .. }
-        | ClientMsg::Usage { .. }
-        | ClientMsg::Acquire { .. }
-        | ClientMsg::Release { .. }
-        | ClientMsg::Drained { .. }
-        | ClientMsg::Join { .. } => Some(Role::Shim),
-        ClientMsg::Status { .. } | ClientMsg::Lease(_) | ClientMsg::Name { .. } => Some(Role::Cli),
-    }
-}
 
 /// `Role::Shim` is 1 on the wire, `Role::Cli` 2: the number a client's
 /// author finds in their `Hello`.

@@ -52,6 +52,7 @@ impl Broker {
             }
         }
         let mut gpus = Vec::new();
+        let managed = self.managed();
         let mig_status = self.queue.mig().status();
         let live: Vec<&str> = mig_status
             .iter()
@@ -118,6 +119,8 @@ impl Broker {
                     }),
                     priority: s.map_or(Priority::Normal, |s| s.priority).as_str().into(),
                     gpu_time_s: s.map_or(0.0, |s| s.gpu_time as f64 / 1e9),
+                    entitled_s: s.map_or(0.0, |s| s.entitled as f64 / 1e9),
+                    held_back_s: s.map_or(0.0, |s| s.held_back as f64 / 1e9),
                     draining: s.is_some_and(|s| s.draining),
                 });
             }
@@ -135,6 +138,21 @@ impl Broker {
                             && matches!(i.use_, Use::Lease(_))
                     })
                 });
+            let committed_mem = match g.mig {
+                Some(_) if in_use => g.total_mem,
+                Some(_) => 0,
+                None => ls.map_or(0, |l| l.committed_mem),
+            };
+            let outside = self.outside(gi, &managed).unwrap_or_default();
+            let driver = self.driver_mem(gi);
+            // The shims' processes outside any lease hold memory no lease
+            // committed: what is allocated counts where it is more.
+            let allocated: u64 = processes.iter().map(|p| p.mem_used).sum();
+            let free_mem = g
+                .total_mem
+                .saturating_sub(committed_mem.max(allocated))
+                .saturating_sub(outside.mem)
+                .min(driver.map_or(u64::MAX, |d| d.free));
             gpus.push(GpuStatus {
                 index: g.index,
                 mode: if g.mig.is_some() {
@@ -156,11 +174,7 @@ impl Broker {
                     Some(_) => u32::from(in_use),
                     None => ls.map_or(0, |l| l.slots_used),
                 },
-                committed_mem: match g.mig {
-                    Some(_) if in_use => g.total_mem,
-                    Some(_) => 0,
-                    None => ls.map_or(0, |l| l.committed_mem),
-                },
+                committed_mem,
                 utilization: match g.mig {
                     Some(_) => None,
                     None => self.telemetry.utilization(&g.uuid_str),
@@ -172,6 +186,12 @@ impl Broker {
                     .map(|c| c.peer.pid),
                 processes,
                 users,
+                driver,
+                unmanaged: outside.listed,
+                unmanaged_processes: outside.count,
+                unmanaged_mem: outside.mem,
+                free_mem,
+                health: self.health(gi),
                 mig: None,
                 mig_instance: g.mig.map(|(_, gi)| gi),
             });
@@ -214,6 +234,11 @@ impl Broker {
                     },
                     waiting_s: w.waited as f64 / 1e9,
                     escalated: w.escalated,
+                    reason: if self.placing(now) {
+                        why.reason
+                    } else {
+                        "recovering".into()
+                    },
                     why: if self.placing(now) {
                         why.text
                     } else {
@@ -289,6 +314,8 @@ impl Broker {
             u.share_target += p.share_target;
             u.share_achieved += p.share_achieved;
             u.gpu_time_s += p.gpu_time_s;
+            u.entitled_s += p.entitled_s;
+            u.held_back_s += p.held_back_s;
             let own = unit.own;
             let pid = job.map(|j| j.pid);
             let at = match u.jobs.iter().position(|j| j.job == pid) {
@@ -310,6 +337,8 @@ impl Broker {
             j.share_target += p.share_target;
             j.share_achieved += p.share_achieved;
             j.gpu_time_s += p.gpu_time_s;
+            j.entitled_s += p.entitled_s;
+            j.held_back_s += p.held_back_s;
             j.processes += 1;
         }
         let mut users: Vec<UserShare> = users.into_values().collect();
@@ -359,6 +388,10 @@ impl Broker {
             slots_total: 0,
             slots_used: 0,
             committed_mem: self.queue.mig().committed(m.gpu.index),
+            free_mem: m
+                .gpu
+                .total_mem
+                .saturating_sub(self.queue.mig().committed(m.gpu.index)),
             // NVML does not report utilisation in MIG mode.
             utilization: None,
             holder: None,
@@ -371,6 +404,7 @@ impl Broker {
                 failures: m.failures,
             }),
             mig_instance: None,
+            ..Default::default()
         }
     }
 

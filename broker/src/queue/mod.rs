@@ -45,6 +45,7 @@
 //! in words); this file holds the books, the queue
 //! order and the entry points.
 
+mod line;
 mod mig_leases;
 mod pinned;
 mod placement;
@@ -56,6 +57,7 @@ mod why;
 
 use std::collections::BTreeMap;
 
+use line::Line;
 use refusals::{plural, refuse, want_text};
 use reserve::{Hold, closed_to};
 
@@ -74,6 +76,8 @@ struct Waiter {
     req: Request,
     since: Nanos,
     seq: u64,
+    /// The place it was last told (`positions_to_tell`); None: not yet.
+    told: Option<u32>,
 }
 
 /// What a lease holds on one GPU, so releasing undoes exactly that.
@@ -107,11 +111,14 @@ struct GpuState {
     slots_used: u32,
     committed: u64,
     leases: Vec<RequestId>,
+    /// Memory the driver says processes outside gpufrac hold here (no
+    /// lease's, no shim's): as taken as committed memory is.
+    outside: u64,
 }
 
 impl GpuState {
     fn uncommitted(&self) -> i128 {
-        self.info.total_mem as i128 - self.committed as i128
+        self.info.total_mem as i128 - self.committed as i128 - self.outside as i128
     }
 }
 
@@ -120,7 +127,7 @@ pub struct Queue {
     cfg: QueueConfig,
     /// Sorted by index. GPUs in MIG mode are in `mig` instead.
     gpus: Vec<GpuState>,
-    waiting: Vec<Waiter>,
+    waiting: Line,
     held: BTreeMap<RequestId, Held>,
     next_seq: u64,
     mig: mig::Planner,
@@ -143,9 +150,10 @@ impl Queue {
                     slots_used: 0,
                     committed: 0,
                     leases: Vec::new(),
+                    outside: 0,
                 })
                 .collect(),
-            waiting: Vec::new(),
+            waiting: Line::default(),
             held: BTreeMap::new(),
             next_seq: 0,
             mig: mig::Planner::default(),
@@ -160,6 +168,21 @@ impl Queue {
         self.gpus.iter().map(|g| &g.info)
     }
 
+    /// The memory processes outside gpufrac hold on the GPU with this
+    /// UUID, as the driver last listed them: placement counts it as taken
+    /// (a fraction never goes where it is not free; a whole GPU is one
+    /// with none of it). Whether it changed: then `poll`, as after a
+    /// release.
+    pub fn set_outside(&mut self, uuid: &str, bytes: u64) -> bool {
+        let Some(i) = self.gpu_of(uuid) else {
+            return false;
+        };
+        let g = &mut self.gpus[i];
+        let changed = g.outside != bytes;
+        g.outside = bytes;
+        changed
+    }
+
     /// Queues a request. Refuses at once what no GPU of this node could ever
     /// satisfy, and ids already in use. Call `poll` afterwards.
     pub fn submit(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<(), Refusal> {
@@ -169,6 +192,7 @@ impl Queue {
             req,
             since: now,
             seq: self.next_seq,
+            told: None,
         });
         self.next_seq += 1;
         Ok(())
@@ -189,7 +213,7 @@ impl Queue {
     /// (by index), whatever else is booked: the job is running there. GPUs
     /// this node no longer has are left out.
     pub fn restore(&mut self, id: RequestId, req: Request, gpus: &[u32]) -> Result<Lease, Refusal> {
-        if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
+        if self.held.contains_key(&id) || self.waiting.contains(id) {
             return Err(refuse(format!("request {id} is already queued or running")));
         }
         if !req.pin.is_empty() {
@@ -222,28 +246,62 @@ impl Queue {
     }
 
     /// `--no-wait`: a lease now, or a refusal saying what is busy. Never
-    /// takes a GPU that an escalated or pinned request waits for, which by
-    /// then have priority over everyone younger, this one included; any
-    /// other GPU it may have.
+    /// takes a GPU that a request ahead of it waits for: an escalated or
+    /// pinned one, or a whole-GPU one it does not go before (a request
+    /// made now goes after every other fraction and every whole-GPU
+    /// request for as many GPUs or fewer). Any other GPU it may have.
     pub fn try_now(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<Lease, Refusal> {
         self.check(id, &req)?;
-        let mut holds = Vec::new();
-        let mut escalated = 0u64;
-        for i in self.order(now) {
+        // What the requests ahead hold back: (the hold, its request's
+        // place, whether that request is escalated, pinned).
+        let mut holds: Vec<(Hold, usize, bool, bool)> = Vec::new();
+        for (place, i) in self.order(now).into_iter().enumerate() {
             let w = &self.waiting[i];
-            let held = self.held_back(now, w, &holds);
-            if self.is_escalated(now, w) && !closed_to(&held, req.uid).is_empty() {
-                escalated += 1;
+            let (escalated, pinned) = (self.is_escalated(now, w), !w.req.pin.is_empty());
+            let ahead = match (w.req.want, req.want) {
+                (Want::Gpus(m), Want::Gpus(n)) if !escalated && !pinned => m <= n,
+                _ => true,
+            };
+            if ahead {
+                let plain: Vec<Hold> = holds.iter().map(|h| h.0).collect();
+                let held = self.held_back(now, w, &plain);
+                holds.extend(held.into_iter().map(|h| (h, place, escalated, pinned)));
             }
-            holds.extend(held);
         }
-        match self.plan(now, &req, &closed_to(&holds, req.uid)) {
+        let fits_without = |drop: &dyn Fn(bool, bool) -> bool| {
+            let kept: Vec<Hold> = holds
+                .iter()
+                .filter(|h| !drop(h.2, h.3))
+                .map(|h| h.0)
+                .collect();
+            self.plan(now, &req, &closed_to(&kept, req.uid)).is_some()
+        };
+        let (by_escalated, by_whole) = (
+            fits_without(&|escalated, _| escalated),
+            fits_without(&|escalated, pinned| escalated || !pinned),
+        );
+        let mut escalated: Vec<usize> = holds
+            .iter()
+            .filter(|h| h.2 && h.0.only.is_none_or(|u| u == req.uid))
+            .map(|h| h.1)
+            .collect();
+        escalated.dedup();
+        match self.plan(
+            now,
+            &req,
+            &closed_to(&holds.iter().map(|h| h.0).collect::<Vec<_>>(), req.uid),
+        ) {
             Some(plan) => Ok(self.commit_placed(id, req, plan, None)),
-            None if escalated > 0 && self.plan(now, &req, &[]).is_some() => Err(refuse(format!(
+            None if by_escalated => Err(refuse(format!(
                 "the GPUs free now are held for {} that waited longer than the escalation \
                  limit and must be placed first; retry later or drop --no-wait to queue",
-                plural(escalated, "a queued request", "queued requests")
+                plural(escalated.len() as u64, "queued request", "queued requests")
             ))),
+            None if by_whole => Err(refuse(
+                "the GPUs free now are held for earlier queued requests for whole GPUs, \
+                 which go first (a request takes no GPU that one ahead of it waits for); \
+                 retry later or drop --no-wait to queue",
+            )),
             None => Err(refuse(format!(
                 "no room now for {}: {}; drop --no-wait to queue",
                 want_text(req.want),
@@ -253,27 +311,36 @@ impl Queue {
     }
 
     /// The GPUs a waiting request that does not fit holds back from those
-    /// behind it: an escalated one's reservation, a pinned one's GPUs.
-    /// `holds`: what the requests ahead of it hold back.
+    /// behind it: a pinned one's GPUs; an escalated one's reservation, and
+    /// a whole-GPU one's (fractions backfill only where they delay no
+    /// earlier whole-GPU request). A fraction that is not escalated holds
+    /// nothing. `holds`: what the requests ahead of it hold back.
     fn held_back(&self, now: Nanos, w: &Waiter, holds: &[Hold]) -> Vec<Hold> {
-        if self.is_escalated(now, w) && w.req.pin.is_empty() {
-            self.reservation(&w.req, holds)
-        } else {
-            w.req
+        if !w.req.pin.is_empty() {
+            return w
+                .req
                 .pin
                 .iter()
                 .filter_map(|p| self.gpu_of(&p.uuid))
                 .map(|gpu| Hold { gpu, only: None })
-                .collect()
+                .collect();
+        }
+        let holds_any = self.is_escalated(now, w) || matches!(w.req.want, Want::Gpus(_));
+        // Once every GPU is held from everyone, another hold adds nothing:
+        // a long queue is walked without working out each one's.
+        let all_held =
+            (0..self.gpus.len()).all(|gpu| holds.iter().any(|h| h.gpu == gpu && h.only.is_none()));
+        if holds_any && !all_held {
+            self.reservation(&w.req, holds)
+        } else {
+            Vec::new()
         }
     }
 
     /// The waiting `run` died or gave up. A lease under that id (granted
     /// before the caller noticed) is released, so nothing leaks.
     pub fn cancel(&mut self, now: Nanos, id: RequestId) {
-        if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
-            self.waiting.remove(pos);
-        } else {
+        if self.waiting.remove(id).is_none() {
             self.release(now, id);
         }
     }
@@ -281,9 +348,7 @@ impl Queue {
     /// The lease ended. A waiting request under that id is dropped instead.
     pub fn release(&mut self, now: Nanos, id: RequestId) {
         let Some(held) = self.held.remove(&id) else {
-            if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
-                self.waiting.remove(pos);
-            }
+            self.waiting.remove(id);
             return;
         };
         if held.lease.mig.is_some() {
@@ -326,30 +391,48 @@ impl Queue {
     /// One walk of the queue in order, placing what fits: (how many were
     /// placed, whether anything was held back).
     fn pass(&mut self, now: Nanos, placed: &mut Vec<Lease>) -> (usize, bool) {
-        let mut taken = Vec::new();
-        // GPUs that requests ahead wait for (pinned ones, which come
-        // before every unescalated request, and escalated ones): nobody
-        // after them may take room there.
+        let room = self.room();
+        // Nothing can be placed when not even the smallest request waiting
+        // would fit anywhere: a queue that only grows or loses waiting
+        // requests is not walked.
+        if !self.waiting.any_pinned()
+            && !self
+                .waiting
+                .fewest_gpus()
+                .is_some_and(|n| room.may_fit_gpus(n))
+            && !self
+                .waiting
+                .least_memory()
+                .is_some_and(|b| room.may_fit_memory(b))
+        {
+            return (0, false);
+        }
+        let mut n = 0;
+        // GPUs that requests ahead wait for (pinned, escalated and
+        // whole-GPU ones): nobody after them may take room there.
         let mut holds = Vec::new();
-        for i in self.order(now) {
-            let w = &self.waiting[i];
-            let reserved = closed_to(&holds, w.req.uid);
-            match self.plan(now, &w.req, &reserved) {
+        // What could fit at best, reservations aside: placing only takes
+        // room, so it stays an upper bound through the walk, and a request
+        // past it is passed over without working out where it would go.
+        for slot in self.order(now) {
+            let w = &self.waiting[slot];
+            let plan = if room.may_fit(&w.req) {
+                self.plan(now, &w.req, &closed_to(&holds, w.req.uid))
+            } else {
+                None
+            };
+            match plan {
                 Some(plan) => {
-                    let (id, req, origin) = (w.id, w.req.clone(), (w.since, w.seq));
-                    placed.push(self.commit_placed(id, req, plan, Some(origin)));
-                    taken.push(i);
+                    let id = w.id;
+                    let w = self.waiting.remove(id).expect("walked from the line");
+                    placed.push(self.commit_placed(id, w.req, plan, Some((w.since, w.seq))));
+                    n += 1;
                 }
                 None => {
                     let held = self.held_back(now, w, &holds);
                     holds.extend(held);
                 }
             }
-        }
-        let n = taken.len();
-        taken.sort_unstable();
-        for i in taken.into_iter().rev() {
-            self.waiting.remove(i);
         }
         (n, !holds.is_empty())
     }
@@ -358,44 +441,9 @@ impl Queue {
         now.saturating_sub(w.since) >= self.cfg.escalate_after
     }
 
-    /// How many whole GPUs `want` needs, for its place in the queue: a
-    /// fraction counts as zero, but a memory request is a fraction only
-    /// where some GPU would have room to spare beside it. One for all of
-    /// the biggest GPU's memory needs that GPU as much as `--gpus 1` does,
-    /// so it waits its turn among whole-GPU requests instead of jumping
-    /// an earlier `--gpus 1` as a "small" request.
-    fn gpus_needed(&self, want: Want) -> u32 {
-        match want {
-            Want::Gpus(n) => n,
-            Want::Memory(b) => {
-                let biggest = self
-                    .gpus
-                    .iter()
-                    .map(|g| g.info.total_mem)
-                    .chain(self.mig.gpus().map(|g| g.total_mem))
-                    .max()
-                    .unwrap_or(0);
-                u32::from(b >= biggest)
-            }
-        }
-    }
-
-    /// Indices into `waiting`, in queue order: escalated first (FIFO), then
-    /// pinned (FIFO), then by whole GPUs needed (`gpus_needed`), FIFO among
-    /// equals.
-    fn order(&self, now: Nanos) -> Vec<usize> {
-        let mut idx: Vec<usize> = (0..self.waiting.len()).collect();
-        idx.sort_by_key(|&i| {
-            let w = &self.waiting[i];
-            if self.is_escalated(now, w) {
-                (0, 0, w.seq)
-            } else if !w.req.pin.is_empty() {
-                (1, 0, w.seq)
-            } else {
-                (2, self.gpus_needed(w.req.want), w.seq)
-            }
-        });
-        idx
+    /// Each waiting request's slot in `waiting`, in queue order (`line`).
+    fn order(&self, now: Nanos) -> Vec<line::Slot> {
+        self.waiting.order(now, self.cfg.escalate_after)
     }
 }
 

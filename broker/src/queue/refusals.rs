@@ -224,15 +224,26 @@ impl Queue {
             .gpus
             .iter()
             .map(|g| {
+                let outside = if g.outside > 0 {
+                    format!(
+                        ", {} held by processes outside gpufrac",
+                        fmt_bytes(g.outside)
+                    )
+                } else {
+                    String::new()
+                };
                 if g.leases.is_empty() {
-                    return format!("GPU {}: free", g.info.index);
+                    return match g.outside {
+                        0 => format!("GPU {}: free", g.info.index),
+                        _ => format!("GPU {}: no lease{outside}", g.info.index),
+                    };
                 }
                 let owners = self.owners(g);
                 if f == 1 && g.slots_used == 1 {
-                    format!("GPU {}: held whole by {owners}", g.info.index)
+                    format!("GPU {}: held whole by {owners}{outside}", g.info.index)
                 } else {
                     format!(
-                        "GPU {}: {}/{f} slots, {} of {} committed ({owners})",
+                        "GPU {}: {}/{f} slots, {} of {} committed ({owners}){outside}",
                         g.info.index,
                         g.slots_used,
                         fmt_bytes(g.committed),

@@ -22,6 +22,11 @@ pub struct Why {
     /// The GPUs (indices) it waits for: those it could use once their
     /// leases end, or that are held back for requests ahead of it.
     pub gpus: Vec<u32>,
+    /// Why, as one of a few words (metrics' `reason` label): `fits_now`,
+    /// `held_for_earlier` (it would fit, on GPUs held for requests ahead
+    /// of it), `no_room`.
+    #[serde(default)]
+    pub reason: String,
 }
 
 impl Queue {
@@ -39,6 +44,7 @@ impl Queue {
                 Why {
                     text: "fits now; placed at the queue's next pass".into(),
                     gpus: Vec::new(),
+                    reason: "fits_now".into(),
                 }
             } else if self.plan(now, &w.req, &[]).is_some() {
                 self.held_for_others(&holds, &closed, w)
@@ -85,7 +91,7 @@ impl Queue {
         Why {
             text: format!(
                 "{}; it would fit, but {} held for the {} at {} {} of the queue \
-                 (escalated or pinned: placed first)",
+                 (escalated, pinned or for whole GPUs: placed first)",
                 self.want_words(w),
                 gpu_list(&gpus),
                 if places.len() == 1 {
@@ -101,6 +107,7 @@ impl Queue {
                 places.join(", ")
             ),
             gpus,
+            reason: "held_for_earlier".into(),
         }
     }
 
@@ -120,6 +127,7 @@ impl Queue {
             return Why {
                 text: format!("{}; {}", self.want_words(w), parts.join("; ")),
                 gpus,
+                reason: "no_room".into(),
             };
         }
         match w.req.want {
@@ -127,7 +135,7 @@ impl Queue {
                 let free: Vec<u32> = self
                     .gpus
                     .iter()
-                    .filter(|g| g.leases.is_empty())
+                    .filter(|g| g.leases.is_empty() && g.outside == 0)
                     .map(|g| g.info.index)
                     .collect();
                 parts.push(format!(
@@ -139,7 +147,11 @@ impl Queue {
                         format!(" ({})", fmt_indices(&free))
                     }
                 ));
-                for g in self.gpus.iter().filter(|g| !g.leases.is_empty()) {
+                for g in self
+                    .gpus
+                    .iter()
+                    .filter(|g| !g.leases.is_empty() || g.outside > 0)
+                {
                     gpus.push(g.info.index);
                     parts.push(self.gpu_room(g));
                 }
@@ -160,6 +172,7 @@ impl Queue {
         Why {
             text: format!("{}; {}", self.want_words(w), parts.join("; ")),
             gpus,
+            reason: "no_room".into(),
         }
     }
 
@@ -193,24 +206,40 @@ impl Queue {
     fn gpu_room(&self, g: &super::GpuState) -> String {
         let f = self.cfg.overprovision;
         let free = u64::try_from(g.uncommitted().max(0)).unwrap_or(u64::MAX);
-        if g.leases.is_empty() {
+        let outside = if g.outside > 0 {
+            format!(
+                "; {} held by processes outside gpufrac",
+                format_size(g.outside)
+            )
+        } else {
+            String::new()
+        };
+        if g.leases.is_empty() && g.outside == 0 {
             return format!(
                 "GPU {}: free, {}",
                 g.info.index,
                 format_size(g.info.total_mem)
             );
         }
+        if g.leases.is_empty() {
+            return format!(
+                "GPU {}: {} free of {}{outside}",
+                g.info.index,
+                format_size(free),
+                format_size(g.info.total_mem)
+            );
+        }
         let owners = self.owners(g);
         if f == 1 && g.slots_used == 1 {
-            format!("GPU {}: held whole by {owners}", g.info.index)
+            format!("GPU {}: held whole by {owners}{outside}", g.info.index)
         } else if g.slots_used >= f {
             format!(
-                "GPU {}: no free slot ({f}/{f} taken by {owners})",
+                "GPU {}: no free slot ({f}/{f} taken by {owners}){outside}",
                 g.info.index
             )
         } else {
             format!(
-                "GPU {}: {} free of {} (the rest held by {owners})",
+                "GPU {}: {} free of {} (the rest held by {owners}{outside})",
                 g.info.index,
                 format_size(free),
                 format_size(g.info.total_mem)

@@ -54,6 +54,56 @@ pub(super) const DOUBT_WINDOWS: Nanos = 10;
 /// first recall of each grant.
 pub(super) const RECALL_SLICES: Nanos = 4;
 
+/// The least work a process must show for its time on the GPU: a
+/// quarter. A busy process keeps the GPU busy nearly all the time it
+/// holds (the simulated driver, which counts a context's runs, shows
+/// about 60% for one time-sliced with another), and one that runs a
+/// 100 us kernel every 500 ms, 0.02%, held the GPU from a waiting `low`
+/// process on the evidence of each sample above zero.
+const WORK_PER_HELD: f64 = 0.25;
+
+/// What the driver's samples said of one client's process, against the
+/// time the client was on the GPU: per sample within `evidence`, when it
+/// came, the time on the GPU since the one before, and the work the
+/// driver saw in that span.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Record {
+    /// Its time on the GPU (its meter's total) at the last sample.
+    held_at: Nanos,
+    spans: std::collections::VecDeque<(Nanos, Nanos, f64)>,
+}
+
+impl Record {
+    /// A sample at `now`: the process kept the GPU busy `pct` percent of
+    /// the `span` before it; `held` is the client's time on the GPU so
+    /// far. Spans older than `keep` are forgotten.
+    pub(super) fn add(&mut self, now: Nanos, held: Nanos, span: Nanos, pct: u32, keep: Nanos) {
+        let on = held.saturating_sub(std::mem::replace(&mut self.held_at, held));
+        let work = span as f64 * f64::from(pct.min(100)) / 100.0;
+        if on > 0 || work > 0.0 {
+            self.spans.push_back((now, on, work));
+        }
+        while self
+            .spans
+            .front()
+            .is_some_and(|s| s.0.saturating_add(keep) <= now)
+        {
+            self.spans.pop_front();
+        }
+    }
+
+    /// Whether the samples within `keep` showed work, at least
+    /// `WORK_PER_HELD` of the time on the GPU they cover.
+    pub(super) fn proven(&self, now: Nanos, keep: Nanos) -> bool {
+        let (on, work) = self
+            .spans
+            .iter()
+            .filter(|s| now < s.0.saturating_add(keep))
+            .fold((0.0, 0.0), |(h, w), s| (h + s.1 as f64, w + s.2));
+        work > 0.0 && work >= WORK_PER_HELD * on
+    }
+}
+
 /// A user deferred behind a waiting lower band: until when, and how many
 /// recalls in a row found no evidence.
 #[derive(Clone, Copy, Debug, Default)]
@@ -74,10 +124,10 @@ impl Scheduler {
         now < self.evidence_until
     }
 
-    /// Whether the driver saw `c`'s process at work within `evidence`.
+    /// Whether the driver's samples within `evidence` showed `c`'s
+    /// process at work in proportion to its time on the GPU.
     fn evidenced(&self, c: &Client, now: Nanos) -> bool {
-        c.worked_at
-            .is_some_and(|t| now < t.saturating_add(self.cfg.evidence))
+        c.work.proven(now, self.cfg.evidence)
     }
 
     fn doubt_window(&self) -> Nanos {

@@ -199,6 +199,7 @@ impl Scheduler {
         self.woke = None;
         self.sync_meters(now);
         self.note_alone();
+        self.note_entitled(now);
     }
 
     /// Takes the GPU from holder `h`. A `recall` (its slice ran out while

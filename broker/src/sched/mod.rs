@@ -88,6 +88,7 @@
 //! GPU in a window), `status`; this file holds the state and the entry
 //! points.
 
+mod entitled;
 mod evidence;
 mod grants;
 mod high;
@@ -205,10 +206,16 @@ struct Client {
     meter: Meter,
     /// GPU time charged so far, ns.
     charged: f64,
+    /// Its target share integrated over the time it was busy within its
+    /// ceilings, and the time its ceilings held it back while busy, ns
+    /// (`entitled`).
+    entitled: f64,
+    held_back: f64,
     /// What it has put in the scheduler's index.
     idx: Indexed,
-    /// When a sample of the driver last showed its process at work.
-    worked_at: Option<Nanos>,
+    /// What the driver's samples said of its process's work, against
+    /// its time on the GPU (`evidence`).
+    work: evidence::Record,
     /// When it was last recalled (`evidence::recall_due`).
     recalled_at: Option<Nanos>,
 }
@@ -244,6 +251,9 @@ pub struct Scheduler {
     actions: VecDeque<Action>,
     /// Charges are settled up to here.
     settled_at: Nanos,
+    /// Each busy client's part of the time since the last event
+    /// (`entitled`).
+    parts: Vec<(ClientId, entitled::Part)>,
     /// Latest time seen; earlier `now` arguments are clamped to it so a
     /// caller's clock hiccup cannot make durations underflow.
     now: Nanos,
@@ -396,6 +406,7 @@ impl Scheduler {
             next_grant: 1,
             actions: VecDeque::new(),
             settled_at: 0,
+            parts: Vec::new(),
             now: 0,
             pruned_at: 0,
             ix: Index::default(),
@@ -456,8 +467,10 @@ impl Scheduler {
                     meter: Meter::default(),
                     charged: 0.0,
                     idx: Indexed::default(),
-                    worked_at: None,
+                    work: evidence::Record::default(),
                     recalled_at: None,
+                    entitled: 0.0,
+                    held_back: 0.0,
                 },
             );
         }
@@ -747,20 +760,30 @@ impl Scheduler {
     }
 
     /// A sample of the driver's per-process work: the processes of
-    /// `working` ran kernels on this GPU since the previous sample. That a
-    /// sample comes at all says that the GPU reports per-process work
-    /// (for `evidence` from now): a holder that answers a recall by
-    /// asking again is then granted back at once only on such evidence
+    /// `busy` ran kernels on this GPU since the previous sample, each
+    /// keeping it busy that many percent of the time. That a sample comes
+    /// at all says that the GPU reports per-process work (for `evidence`
+    /// from now): while a lower band waits, a holder is then granted past
+    /// its slice only on work in proportion to the time it held
     /// (`evidence`).
-    pub fn work_seen(&mut self, now: Nanos, working: impl IntoIterator<Item = ClientId>) {
+    pub fn work_seen(&mut self, now: Nanos, busy: impl IntoIterator<Item = (ClientId, u32)>) {
         let now = self.clock(now);
         self.settle(now);
+        let last = self.evidence_until.saturating_sub(self.cfg.evidence);
+        let span = now.saturating_sub(last).min(self.cfg.evidence);
         self.evidence_until = now.saturating_add(self.cfg.evidence);
-        for id in working {
-            if let Some(c) = self.clients.get_mut(&id) {
-                c.worked_at = Some(now);
-                self.evidence_of(now, id);
+        let busy: BTreeMap<ClientId, u32> = busy.into_iter().collect();
+        let keep = self.cfg.evidence;
+        let mut proven = Vec::new();
+        for (&id, c) in self.clients.iter_mut() {
+            let pct = busy.get(&id).copied().unwrap_or(0);
+            c.work.add(now, c.meter.total(now), span, pct, keep);
+            if c.work.proven(now, keep) {
+                proven.push(id);
             }
+        }
+        for id in proven {
+            self.evidence_of(now, id);
         }
         self.reschedule(now);
     }
@@ -884,6 +907,7 @@ impl Scheduler {
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = self.settled_at.max(now);
+        self.accrue_entitled(dt);
         let n = self.ix.on_gpu.len();
         if dt > 0 && n > 0 {
             let mut at_or_above = [0usize; BANDS];

@@ -2,7 +2,7 @@
 //! for status, and who holds the GPU.
 
 use super::tree::band;
-use super::{ClientId, ClientState, ClientStatus, Nanos, Scheduler};
+use super::{Client, ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
 
 impl Scheduler {
     pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
@@ -14,10 +14,19 @@ impl Scheduler {
             .filter(|c| c.is_active())
             .map(|c| band(c.class))
             .max();
+        // A target is a share among the shares: `high` is above them (it
+        // takes the GPU at once, for at most `high_share` of each window
+        // while others wait, charged to its user), so it is left out of
+        // the sum and shows no target of its own. A busy `high` process
+        // then no longer makes everyone else's target drop for as long as
+        // it is busy; what it takes is netted out of what they are owed
+        // (`entitled`) instead.
+        let among =
+            |c: &Client| c.is_active() && Some(band(c.class)) == top && c.class != Priority::High;
         let active_weight: f64 = self
             .clients
             .values()
-            .filter(|c| c.is_active() && Some(band(c.class)) == top)
+            .filter(|c| among(c))
             .map(|c| self.weight(c))
             .sum();
         // Charges since the last settle, as settle would make them.
@@ -43,13 +52,15 @@ impl Scheduler {
                     priority: c.class,
                     state: c.state,
                     achieved,
-                    target: if c.is_active() && Some(band(c.class)) == top {
+                    target: if among(c) && active_weight > 0.0 {
                         weight / active_weight
                     } else {
                         0.0
                     },
                     total_held: c.meter.total(now),
                     gpu_time: charged as Nanos,
+                    entitled: c.entitled as Nanos,
+                    held_back: c.held_back as Nanos,
                     draining: c.draining_since.is_some(),
                     hung: c.grant.as_ref().is_some_and(|g| g.hung),
                 }

@@ -113,14 +113,21 @@ pub struct ClientStatus {
     /// Fraction of the last window (or of its lifetime, if younger) during
     /// which the client was on the GPU (holding, or its work draining).
     pub achieved: f64,
-    /// weight / sum of weights of active clients of the highest active
-    /// class; 0 for an idle client or one of a lower class.
+    /// weight / sum of weights of the active clients of the highest
+    /// active band but `high` ones (a share among the shares); 0 for an
+    /// idle client, one of a lower band, or a `high` one (above shares).
     pub target: f64,
     /// Time on the GPU (holding or draining), wall clock.
     pub total_held: Nanos,
     /// GPU time charged: wall time on the GPU, split evenly while several
     /// clients' work shared it.
     pub gpu_time: Nanos,
+    /// Its target share integrated over the time it was busy and its
+    /// ceilings let it be granted, ns (`entitled`): what it was owed.
+    pub entitled: Nanos,
+    /// Time it was busy but held back by its ceilings (its limit, its
+    /// job's, the `high` class's share, a deferral), ns.
+    pub held_back: Nanos,
     /// Released, with queued work still running.
     pub draining: bool,
     /// Revoked, past its grace, still not released.

@@ -1,7 +1,10 @@
 //! Connecting to the broker: the socket and the handshake, each attempt
 //! within a deadline (a full accept queue or a stopped broker never
 //! answers, and `connect` on a Unix socket would block with it), and the
-//! one attempt `GPUFRAC_BROKER=required` makes in cuInit.
+//! one attempt `GPUFRAC_BROKER=required` makes in cuInit. A listener that
+//! is not the broker (`net::believe`: not root, nor the owner of the
+//! socket's directory) is told nothing and counts as no broker, so
+//! `required` fails closed on it.
 
 use gpufrac_common::config::{BrokerMode, ShimConfig};
 use gpufrac_common::cuda::*;
@@ -40,6 +43,7 @@ pub fn check_required(cfg: &ShimConfig) -> Result<(), u32> {
                 ConnectFail::Other(_) => {
                     "start one with `gpufrac broker` or set GPUFRAC_BROKER=optional"
                 }
+                ConnectFail::NotTheBroker(_) => "this program does not start without its broker",
             };
             crate::log::write_line(format_args!(
                 "GPUFRAC_BROKER=required but {}; {hint}",
@@ -55,6 +59,8 @@ pub enum ConnectFail {
     /// It did not complete the handshake within this time: accept queue
     /// full, stopped, or wedged.
     Silent(Duration),
+    /// Something else listens on the socket's path; nothing was sent to it.
+    NotTheBroker(net::NotTheBroker),
     Other(String),
 }
 
@@ -66,6 +72,7 @@ impl ConnectFail {
                 "the broker at {socket} did not answer within {} s (it may be overloaded or stopped)",
                 t.as_secs()
             ),
+            ConnectFail::NotTheBroker(e) => e.to_string(),
             ConnectFail::Other(e) => format!("no broker at {socket} ({e})"),
         }
     }
@@ -81,7 +88,9 @@ pub fn connect(cfg: &ShimConfig, timeout: Duration) -> Result<UnixStream, Connec
             ConnectFail::Other(e.to_string())
         }
     };
-    let mut s = net::connect_unix(std::path::Path::new(&cfg.socket), deadline).map_err(fail)?;
+    let path = std::path::Path::new(&cfg.socket);
+    let mut s = net::connect_unix(path, deadline).map_err(fail)?;
+    net::believe(&s, path).map_err(ConnectFail::NotTheBroker)?;
     let mut buf = Vec::new();
     wire::encode_client(&ClientMsg::hello(std::process::id(), Role::Shim), &mut buf);
     // A fresh connection's send buffer is empty: this cannot block.

@@ -25,9 +25,9 @@
 //! the fact.
 
 use crate::boundary::{HookGuard, reentered};
+use crate::charge::{Accounting, accounting, refuse};
 use crate::devices;
-use crate::driver::call;
-use crate::gate::{Gate, gate, refuse};
+use crate::driver::{call, twin};
 use crate::ledger::{self, NO_LIMIT, Refusal};
 use gpufrac_common::config::MAX_DEVICES;
 use gpufrac_common::cuda::*;
@@ -300,10 +300,10 @@ pub fn launch(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => taking(exec, real),
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => taking(exec, real),
     }
 }
 
@@ -319,10 +319,10 @@ fn instantiate(
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => return real(),
-        Gate::Refuse(code) => return code,
-        Gate::Account => {}
+    match accounting() {
+        Accounting::Pass => return real(),
+        Accounting::Refuse(code) => return code,
+        Accounting::Account => {}
     }
     let known = {
         let _g = HookGuard::enter();
@@ -410,23 +410,17 @@ fn uploads(params: *mut c_void) -> bool {
     flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD != 0
 }
 
-pub unsafe fn instantiate_with_params(
+/// `cuGraphInstantiateWithParams` and its `_ptsz` twin (`driver::twin`).
+pub unsafe fn instantiate_with_params<const PTSZ: bool>(
     exec: *mut CUgraphExec,
     graph: *mut c_void,
     params: *mut c_void,
 ) -> u32 {
     instantiate(exec, graph, uploads(params), || unsafe {
-        call::cuGraphInstantiateWithParams(exec, graph, params)
-    })
-}
-
-pub unsafe fn instantiate_with_params_ptsz(
-    exec: *mut CUgraphExec,
-    graph: *mut c_void,
-    params: *mut c_void,
-) -> u32 {
-    instantiate(exec, graph, uploads(params), || unsafe {
-        call::cuGraphInstantiateWithParams_ptsz(exec, graph, params)
+        twin!(
+            PTSZ,
+            cuGraphInstantiateWithParams | cuGraphInstantiateWithParams_ptsz(exec, graph, params)
+        )
     })
 }
 
@@ -436,19 +430,18 @@ fn upload(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => taking(exec, real),
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => taking(exec, real),
     }
 }
 
-pub unsafe fn graph_upload(exec: CUgraphExec, stream: CUstream) -> u32 {
-    upload(exec, || unsafe { call::cuGraphUpload(exec, stream) })
-}
-
-pub unsafe fn graph_upload_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    upload(exec, || unsafe { call::cuGraphUpload_ptsz(exec, stream) })
+/// `cuGraphUpload` and its `_ptsz` twin.
+pub unsafe fn graph_upload<const PTSZ: bool>(exec: CUgraphExec, stream: CUstream) -> u32 {
+    upload(exec, || unsafe {
+        twin!(PTSZ, cuGraphUpload | cuGraphUpload_ptsz(exec, stream))
+    })
 }
 
 pub unsafe fn exec_destroy(exec: CUgraphExec) -> u32 {

@@ -1,5 +1,5 @@
 //! Kernel launch hooks: every way to put work on the GPU passes the compute
-//! gate first (see client/compute.rs). When this process holds its
+//! compute gate first (see client/gate.rs). When this process holds its
 //! timeslice, or no arbitration is active, the gate is one atomic load.
 //! The launches are settled entry points (hooklist.rs): each hands its
 //! driver call's answer back through `Answer::then`, with the gate's
@@ -12,7 +12,7 @@
 use super::graphmem;
 use crate::boundary::Answer;
 use crate::client;
-use crate::driver::call;
+use crate::driver::{call, twin};
 use gpufrac_common::cuda::*;
 use std::ffi::{c_uint, c_void};
 
@@ -38,7 +38,10 @@ fn gated_graph_launch(stream: CUstream, ptsz: bool, real: impl FnOnce() -> u32) 
     }
 }
 
-pub unsafe fn launch_kernel(
+// Each hook below serves an entry point and its `_ptsz` twin (`PTSZ`, see
+// `driver::twin`).
+
+pub unsafe fn launch_kernel<const PTSZ: bool>(
     f: CUfunction,
     gx: c_uint,
     gy: c_uint,
@@ -51,30 +54,16 @@ pub unsafe fn launch_kernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> u32 {
-    gated_launch(stream, false, || unsafe {
-        call::cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+    gated_launch(stream, PTSZ, || unsafe {
+        twin!(
+            PTSZ,
+            cuLaunchKernel
+                | cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
+        )
     })
 }
 
-pub unsafe fn launch_kernel_ptsz(
-    f: CUfunction,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shmem: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> u32 {
-    gated_launch(stream, true, || unsafe {
-        call::cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
-    })
-}
-
-pub unsafe fn launch_kernel_ex(
+pub unsafe fn launch_kernel_ex<const PTSZ: bool>(
     config: *const CUlaunchConfig,
     f: CUfunction,
     params: *mut *mut c_void,
@@ -85,28 +74,15 @@ pub unsafe fn launch_kernel_ex(
     } else {
         unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
     };
-    gated_launch(stream, false, || unsafe {
-        call::cuLaunchKernelEx(config, f, params, extra)
+    gated_launch(stream, PTSZ, || unsafe {
+        twin!(
+            PTSZ,
+            cuLaunchKernelEx | cuLaunchKernelEx_ptsz(config, f, params, extra)
+        )
     })
 }
 
-pub unsafe fn launch_kernel_ex_ptsz(
-    config: *const CUlaunchConfig,
-    f: CUfunction,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> u32 {
-    let stream = if config.is_null() {
-        std::ptr::null_mut()
-    } else {
-        unsafe { std::ptr::addr_of!((*config).hStream).read_unaligned() }
-    };
-    gated_launch(stream, true, || unsafe {
-        call::cuLaunchKernelEx_ptsz(config, f, params, extra)
-    })
-}
-
-pub unsafe fn launch_coop(
+pub unsafe fn launch_coop<const PTSZ: bool>(
     f: CUfunction,
     gx: c_uint,
     gy: c_uint,
@@ -118,25 +94,12 @@ pub unsafe fn launch_coop(
     stream: CUstream,
     params: *mut *mut c_void,
 ) -> u32 {
-    gated_launch(stream, false, || unsafe {
-        call::cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
-    })
-}
-
-pub unsafe fn launch_coop_ptsz(
-    f: CUfunction,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shmem: c_uint,
-    stream: CUstream,
-    params: *mut *mut c_void,
-) -> u32 {
-    gated_launch(stream, true, || unsafe {
-        call::cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+    gated_launch(stream, PTSZ, || unsafe {
+        twin!(
+            PTSZ,
+            cuLaunchCooperativeKernel
+                | cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shmem, stream, params)
+        )
     })
 }
 
@@ -209,18 +172,10 @@ fn on_streams_context<T>(stream: CUstream, f: impl FnOnce() -> T) -> T {
     r
 }
 
-pub unsafe fn graph_launch(exec: CUgraphExec, stream: CUstream) -> u32 {
+pub unsafe fn graph_launch<const PTSZ: bool>(exec: CUgraphExec, stream: CUstream) -> u32 {
     graphmem::launch(exec, || {
-        gated_graph_launch(stream, false, || unsafe {
-            call::cuGraphLaunch(exec, stream)
-        })
-    })
-}
-
-pub unsafe fn graph_launch_ptsz(exec: CUgraphExec, stream: CUstream) -> u32 {
-    graphmem::launch(exec, || {
-        gated_graph_launch(stream, true, || unsafe {
-            call::cuGraphLaunch_ptsz(exec, stream)
+        gated_graph_launch(stream, PTSZ, || unsafe {
+            twin!(PTSZ, cuGraphLaunch | cuGraphLaunch_ptsz(exec, stream))
         })
     })
 }
@@ -236,12 +191,10 @@ pub unsafe fn ctx_sync_v2(ctx: CUcontext) -> u32 {
     client::syncing(|| unsafe { call::cuCtxSynchronize_v2(ctx) })
 }
 
-pub unsafe fn stream_sync(stream: CUstream) -> u32 {
-    client::syncing(|| unsafe { call::cuStreamSynchronize(stream) })
-}
-
-pub unsafe fn stream_sync_ptsz(stream: CUstream) -> u32 {
-    client::syncing(|| unsafe { call::cuStreamSynchronize_ptsz(stream) })
+pub unsafe fn stream_sync<const PTSZ: bool>(stream: CUstream) -> u32 {
+    client::syncing(|| unsafe {
+        twin!(PTSZ, cuStreamSynchronize | cuStreamSynchronize_ptsz(stream))
+    })
 }
 
 pub unsafe fn event_sync(event: CUevent) -> u32 {

@@ -1,12 +1,12 @@
 //! Allocation hooks. Each one charges the books before the driver sees the
-//! request (`gate.rs`) and never lets a thread past the cap; the driver's
+//! request (`charge.rs`) and never lets a thread past the cap; the driver's
 //! own result code always comes back unchanged. Frees give back exactly
 //! what was charged.
 
 use crate::boundary::{HookGuard, reentered};
+use crate::charge::{Accounting, accounting, charge, refuse, reserve_then, uncharge};
 use crate::devices;
-use crate::driver::call;
-use crate::gate::{Gate, charge, gate, refuse, reserve_then, uncharge};
+use crate::driver::{call, twin};
 use crate::ledger::{self, Entry, Kind};
 use gpufrac_common::cuda::*;
 use std::ffi::{c_uint, c_void};
@@ -14,10 +14,10 @@ use std::sync::Mutex;
 
 macro_rules! gated {
     ($pass:expr, |$dev:ident, $ctx:ident| $body:expr) => {
-        match gate() {
-            Gate::Pass => $pass,
-            Gate::Refuse(code) => code,
-            Gate::Account => {
+        match accounting() {
+            Accounting::Pass => $pass,
+            Accounting::Refuse(code) => code,
+            Accounting::Account => {
                 let _g = HookGuard::enter();
                 match devices::current() {
                     None => $pass,
@@ -103,7 +103,7 @@ pub unsafe fn alloc_pitch(
 /// the graph: it holds no memory until the graph is launched, and is
 /// charged then, as graph memory (`graphmem`).
 fn captured_alloc(stream: CUstream, ptsz: bool, real: impl Fn() -> u32) -> Option<u32> {
-    if reentered() || !matches!(gate(), Gate::Account) {
+    if reentered() || !matches!(accounting(), Accounting::Account) {
         return None;
     }
     if !super::graphmem::capturing(stream, ptsz) {
@@ -113,17 +113,19 @@ fn captured_alloc(stream: CUstream, ptsz: bool, real: impl Fn() -> u32) -> Optio
     Some(real())
 }
 
-pub unsafe fn alloc_async(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    let real = || unsafe { call::cuMemAllocAsync(dptr, size, stream) };
-    if let Some(rc) = captured_alloc(stream, false, real) {
-        return rc;
-    }
-    alloc_ptr(dptr, size, None, real)
-}
-
-pub unsafe fn alloc_async_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> u32 {
-    let real = || unsafe { call::cuMemAllocAsync_ptsz(dptr, size, stream) };
-    if let Some(rc) = captured_alloc(stream, true, real) {
+/// `cuMemAllocAsync` and its `_ptsz` twin (`driver::twin`).
+pub unsafe fn alloc_async<const PTSZ: bool>(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+) -> u32 {
+    let real = || unsafe {
+        twin!(
+            PTSZ,
+            cuMemAllocAsync | cuMemAllocAsync_ptsz(dptr, size, stream)
+        )
+    };
+    if let Some(rc) = captured_alloc(stream, PTSZ, real) {
         return rc;
     }
     alloc_ptr(dptr, size, None, real)
@@ -143,27 +145,20 @@ fn remember_pool(pool: CUmemoryPool, dev: usize) {
     g.push((pool as usize, dev));
 }
 
-pub unsafe fn alloc_pool(
+/// `cuMemAllocFromPoolAsync` and its `_ptsz` twin.
+pub unsafe fn alloc_pool<const PTSZ: bool>(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: CUmemoryPool,
     stream: CUstream,
 ) -> u32 {
-    let real = || unsafe { call::cuMemAllocFromPoolAsync(dptr, size, pool, stream) };
-    if let Some(rc) = captured_alloc(stream, false, real) {
-        return rc;
-    }
-    alloc_ptr(dptr, size, pool_device(pool), real)
-}
-
-pub unsafe fn alloc_pool_ptsz(
-    dptr: *mut CUdeviceptr,
-    size: usize,
-    pool: CUmemoryPool,
-    stream: CUstream,
-) -> u32 {
-    let real = || unsafe { call::cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream) };
-    if let Some(rc) = captured_alloc(stream, true, real) {
+    let real = || unsafe {
+        twin!(
+            PTSZ,
+            cuMemAllocFromPoolAsync | cuMemAllocFromPoolAsync_ptsz(dptr, size, pool, stream)
+        )
+    };
+    if let Some(rc) = captured_alloc(stream, PTSZ, real) {
         return rc;
     }
     alloc_ptr(dptr, size, pool_device(pool), real)
@@ -211,15 +206,10 @@ pub unsafe fn free(dptr: CUdeviceptr) -> u32 {
     uncharge(Kind::Ptr, dptr, || unsafe { call::cuMemFree_v2(dptr) })
 }
 
-pub unsafe fn free_async(dptr: CUdeviceptr, stream: CUstream) -> u32 {
+/// `cuMemFreeAsync` and its `_ptsz` twin.
+pub unsafe fn free_async<const PTSZ: bool>(dptr: CUdeviceptr, stream: CUstream) -> u32 {
     uncharge(Kind::Ptr, dptr, || unsafe {
-        call::cuMemFreeAsync(dptr, stream)
-    })
-}
-
-pub unsafe fn free_async_ptsz(dptr: CUdeviceptr, stream: CUstream) -> u32 {
-    uncharge(Kind::Ptr, dptr, || unsafe {
-        call::cuMemFreeAsync_ptsz(dptr, stream)
+        twin!(PTSZ, cuMemFreeAsync | cuMemFreeAsync_ptsz(dptr, stream))
     })
 }
 
@@ -233,10 +223,10 @@ pub unsafe fn create(
     flags: u64,
 ) -> u32 {
     let real = || unsafe { call::cuMemCreate(handle, size, prop, flags) };
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => {
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => {
             if prop.is_null() || handle.is_null() {
                 return real();
             }

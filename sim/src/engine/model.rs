@@ -461,10 +461,15 @@ impl<'a> Model<'a> {
     }
 
     /// Kernel ns entry `i` executed after `since`, and when it last
-    /// executed (0: not after `since`), at `rec.t`: from its ring of runs,
-    /// so the ns go back at most its last `SEGS` runs (the instant of its
-    /// last run is always exact). A run goes on without a break from its
-    /// start, so it ends where the next one's executed work begins.
+    /// executed (0: not after `since`), at `rec.t`: from its ring of runs
+    /// (the instant of its last run is always exact). A run goes on
+    /// without a break from its start, so it ends where the next one's
+    /// executed work begins. Where the ring's `SEGS` runs do not reach
+    /// back to `since` (a busy context time-sliced with others, or
+    /// synchronising often, runs in short pieces), the time before its
+    /// oldest run is taken at the duty of the runs it keeps: the driver
+    /// reports how busy a process kept the GPU, and counting its last
+    /// runs only made a busy process look a few percent busy.
     pub(super) fn ran_since(&self, i: usize, since: u64) -> (u64, u64) {
         let ent = self.ent(i);
         let n = ent.nseg.load(Acquire);
@@ -472,17 +477,27 @@ impl<'a> Model<'a> {
         let slot = |k: u64| &ent.segs[(k % SEGS as u64) as usize];
         let (mut busy, mut last) = (0, 0);
         let mut end_e = self.e_now(i);
+        let mut reached = lo == 0;
+        let mut oldest = None;
         for k in (lo..n).rev() {
             let (t, e) = (slot(k)[0].load(Relaxed), slot(k)[1].load(Relaxed));
             let end = t.saturating_add(end_e.saturating_sub(e));
             if end > t {
                 if end <= since {
+                    reached = true;
                     break;
                 }
                 last = last.max(end);
                 busy += end - t.max(since);
+                oldest = Some(t);
+                reached |= t <= since;
             }
             end_e = e;
+        }
+        if let (false, Some(t0), Some(newest)) = (reached, oldest, Some(last).filter(|&l| l > 0)) {
+            let kept = newest.saturating_sub(t0).max(1);
+            let before = t0.saturating_sub(since);
+            busy += (u128::from(busy) * u128::from(before) / u128::from(kept)) as u64;
         }
         (busy, last)
     }

@@ -6,15 +6,15 @@ use super::*;
 use crate::procs::{GpuSample, Telemetry};
 use gpufrac_common::wire::uuid_string;
 
-/// A sample in which the driver saw `pids` at work on GPU 0.
+/// A sample in which the driver saw `pids` keep GPU 0 busy all the time.
 fn working(pids: &[u32]) -> Telemetry {
     Telemetry {
         gpus: [(
             uuid_string(&uuid(1)),
             GpuSample {
                 utilization: Some(1),
-                processes: Vec::new(),
-                working: Some(pids.to_vec()),
+                working: Some(pids.iter().map(|&p| (p, 100)).collect()),
+                ..Default::default()
             },
         )]
         .into(),

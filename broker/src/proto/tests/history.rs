@@ -23,8 +23,7 @@ fn a_sample_a_second_whoever_watches() {
     for util in [10, 20, 30, 40, 50] {
         let sample = GpuSample {
             utilization: Some(util),
-            processes: Vec::new(),
-            working: None,
+            ..Default::default()
         };
         t.b.telemetry(
             t.now,

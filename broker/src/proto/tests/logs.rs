@@ -159,11 +159,57 @@ fn one_users_refusals_never_silence_anothers() {
     });
     let refusals = |uid: u32| {
         log.lines()
-            .filter(|l| l.contains("refused a lease") && l.contains(&format!("(uid {uid})")))
+            .filter(|l| {
+                l.contains("refused a lease") && field(&fields(l), "uid") == [uid.to_string()]
+            })
             .count()
     };
     assert_eq!(refusals(BOB), 5, "{log}");
     assert_eq!(refusals(ALICE), 1, "{log}");
+}
+
+/// Every refusal of a lease says so in one line, with whose it was and
+/// why in a bounded word and in the words the client got, quoted; a
+/// user's flood of refusals stays within its log budget.
+#[test]
+fn each_refusal_is_one_line_within_its_users_budget() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let mut refused_n = 0;
+    let log = logged(|| {
+        let p = t.spawn(1);
+        let holder = t.connect_as(p, ALICE);
+        t.lease(holder, 1, 0, false);
+        t.advance(SEC);
+        for _ in 0..300 {
+            let p = t.spawn(1);
+            let c = t.connect_as(p, BOB);
+            t.lease(c, 1, 0, true);
+            t.turn();
+            refused_n += usize::from(refused(&t.recv(c)).is_some());
+            t.b.hangup(c);
+            t.turn();
+            t.now += SEC / 300;
+        }
+    });
+    assert_eq!(refused_n, 300);
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("refused a lease"))
+        .collect();
+    let first = fields(lines[0]);
+    assert_eq!(field(&first, "uid"), [BOB.to_string()], "{}", lines[0]);
+    assert_eq!(field(&first, "reason"), ["\"no_room\""], "{}", lines[0]);
+    assert!(
+        field(&first, "why")[0].starts_with("\"no room now for --gpus 1"),
+        "{}",
+        lines[0]
+    );
+    // Its burst and ten a second after it.
+    assert!(
+        lines.len() > 10 && lines.len() <= LOG_BURST as usize + 10 + 1,
+        "{} refusal lines:\n{log}",
+        lines.len()
+    );
 }
 
 /// The state file warning is the broker's own: a user's refusals never

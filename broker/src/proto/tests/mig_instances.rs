@@ -44,7 +44,7 @@ fn mig_instances_are_made_off_the_loop() {
     let got = t.recv(c);
     assert!(
         got.iter()
-            .any(|m| matches!(m, ServerMsg::Leased { mig, .. } if *mig == uuid)),
+            .any(|m| matches!(m, ServerMsg::Leased(l) if l.mig == uuid)),
         "{got:?}"
     );
 }

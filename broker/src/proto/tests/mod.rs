@@ -15,6 +15,7 @@ mod identity;
 mod logs;
 mod messages;
 mod mig_instances;
+mod positions;
 mod restarts;
 mod roles;
 mod service_props;
@@ -344,7 +345,7 @@ fn lease(gpus: u32, mem: u64, no_wait: bool) -> LeaseReq {
 
 fn leased(ms: &[ServerMsg]) -> Option<u64> {
     ms.iter().find_map(|m| match m {
-        ServerMsg::Leased { token, .. } => Some(*token),
+        ServerMsg::Leased(l) => Some(l.token),
         _ => None,
     })
 }

@@ -1,6 +1,6 @@
 //! What the core counts for metrics as it happens: grant latency from an
 //! Acquire to its Grant, a queued request's wait for its lease, refusals
-//! by reason.
+//! by user and reason.
 
 use super::*;
 use crate::stats::Refusal;
@@ -9,7 +9,7 @@ const MS: Nanos = 1_000_000;
 
 fn refusals(t: &T, why: Refusal) -> u64 {
     let i = Refusal::ALL.iter().position(|r| *r == why).unwrap();
-    t.b.stats().refusals[i]
+    t.b.stats().refusals_by_reason()[i]
 }
 
 /// The GPU free, a grant comes at once; held by another, it comes when
@@ -112,10 +112,14 @@ fn a_queued_requests_wait_is_observed_when_it_is_placed() {
     t.b.hangup(first);
     t.advance(SEC);
     assert!(leased(&t.recv(second)).is_some());
+    // Each user's: the first was placed at once, the second when the
+    // first went.
     let w = &t.b.stats().queue_wait;
-    assert_eq!(w.count(), 2);
-    // The first was placed at once; the second when the first went.
-    assert_eq!(w.sum_seconds(), 10.0);
+    assert_eq!(w[&ALICE].count(), 1);
+    assert_eq!(w[&ALICE].sum_seconds(), 0.0);
+    assert_eq!(w[&ALICE].buckets().next(), Some((0, 1)), "in the 0 bucket");
+    assert_eq!(w[&BOB].count(), 1);
+    assert_eq!(w[&BOB].sum_seconds(), 10.0);
 }
 
 #[test]
@@ -152,6 +156,9 @@ fn refusals_are_counted_by_their_reason() {
     // by their clients or not).
     while t.try_connect(pids[4], BOB).is_some() {}
     assert_eq!(refusals(&t, Refusal::ConnectionLimit), 1);
-    let total: u64 = t.b.stats().refusals.iter().sum();
+    let total: u64 = t.b.stats().refusals_by_reason().iter().sum();
     assert_eq!(total, 4, "nothing else counted");
+    // All of them Bob's.
+    let bobs: u64 = t.b.stats().refusals[&BOB].iter().sum();
+    assert_eq!(bobs, 4);
 }

@@ -13,8 +13,8 @@ fn sample(uuid: &str, utilization: Option<u32>, processes: &[(u32, u64)]) -> Tel
             uuid.to_owned(),
             GpuSample {
                 utilization,
-                processes: processes.to_vec(),
-                working: None,
+                processes: Some(processes.to_vec()),
+                ..Default::default()
             },
         )]
         .into(),
@@ -79,4 +79,61 @@ fn tokens_come_from_the_injected_source_never_zero_nor_taken() {
     }
     assert_eq!(got, [77, 78]);
     assert_eq!(seq.borrow().len(), 1, "drawn until a usable token came");
+}
+
+/// A process the driver lists that is not under the shim shows as
+/// unmanaged with its memory, is taken from what is free, and keeps a job
+/// from being placed into that memory until it lets go of it; a
+/// registered process is never unmanaged.
+#[test]
+fn memory_outside_the_shim_is_shown_and_not_placed_into() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let gpu0 = uuid_string(&uuid(1));
+    let pid = t.spawn(1);
+    let c = t.connect_shim(pid, ALICE);
+    t.register(c, Priority::Normal);
+    let mut s = sample(&gpu0, Some(5), &[(pid, GIB), (9999, 3 * GIB)]);
+    s.gpus.get_mut(&gpu0).unwrap().memory = Some(crate::procs::DriverMemory {
+        total: 16 * GIB,
+        free: 12 * GIB,
+        used: 4 * GIB,
+    });
+    t.b.telemetry(t.now, s);
+    let st = t.status();
+    let g = &st.gpus[0];
+    assert_eq!(
+        g.unmanaged,
+        [crate::status::UnmanagedProc {
+            pid: 9999,
+            mem: 3 * GIB
+        }]
+    );
+    assert_eq!((g.unmanaged_processes, g.unmanaged_mem), (1, 3 * GIB));
+    assert_eq!(g.driver.map(|d| d.free), Some(12 * GIB));
+    assert_eq!(
+        g.free_mem,
+        12 * GIB,
+        "books less what the driver says is held"
+    );
+
+    // 14 GiB fits the books (nothing committed) but not the GPU.
+    let run = t.spawn(1);
+    let r = t.connect_as(run, BOB);
+    t.lease(r, 0, 14 * GIB, false);
+    t.advance(SEC);
+    assert!(leased(&t.recv(r)).is_none(), "placed into held memory");
+    let why = &t.status().queue[0].why;
+    assert!(
+        why.contains("3.00 GiB held by processes outside gpufrac"),
+        "{why}"
+    );
+
+    // The process lets go: the job is placed at once.
+    t.b.telemetry(t.now, sample(&gpu0, Some(5), &[(pid, GIB)]));
+    t.advance(SEC);
+    assert!(
+        leased(&t.recv(r)).is_some(),
+        "not placed once the memory was free"
+    );
+    assert!(t.status().gpus[0].unmanaged.is_empty());
 }

@@ -2,6 +2,7 @@
 //! GPUs, requests and queues to build them from (one with a GPU in MIG
 //! mode).
 
+mod backfill;
 mod mig_leases;
 mod order;
 mod pinned;

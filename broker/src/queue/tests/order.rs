@@ -25,59 +25,84 @@ fn small_overtakes_big() {
     let mut q = two_80g();
     q.submit(0, 1, whole(1)).unwrap();
     q.poll(0);
-    q.submit(1, 2, whole(2)).unwrap();
-    q.submit(2, 3, whole(1)).unwrap();
-    q.submit(3, 4, mem(10)).unwrap();
+    q.submit(1, 2, mem(10)).unwrap();
+    q.submit(2, 3, whole(2)).unwrap();
+    q.submit(3, 4, whole(1)).unwrap();
     let w: Vec<_> = q.waiting(3).iter().map(|w| (w.id, w.position)).collect();
-    // Fractions first, then by whole GPUs needed; the big one is last.
-    assert_eq!(w, vec![(4, 1), (3, 2), (2, 3)]);
+    // An earlier fraction first, then by whole GPUs needed; the big one
+    // is last.
+    assert_eq!(w, vec![(2, 1), (4, 2), (3, 3)]);
     // Only GPU 1 is free: the fraction takes it first, so the 1-GPU job
     // (which needs it whole) waits, and so does the big one.
-    assert_eq!(placed(&q.poll(3)), vec![(4, vec![1])]);
+    assert_eq!(placed(&q.poll(3)), vec![(2, vec![1])]);
     q.release(4, 1);
-    assert_eq!(placed(&q.poll(4)), vec![(3, vec![0])]);
-    assert_eq!(q.position(4, 2), Some(1));
+    assert_eq!(placed(&q.poll(4)), vec![(4, vec![0])]);
+    assert_eq!(q.position(4, 3), Some(1));
 }
 
-/// The attack: `--gpu-memory 16G` on a 16 GiB GPU was ordered as a
-/// fraction, so it went ahead of an earlier `--gpus 1` and took the GPU
-/// whole (the `--gpus 1` job waited 5.6 s behind it on a real broker, and
-/// would wait for as long as such requests keep coming, up to the
-/// escalation limit). A request for all of a GPU's memory needs the GPU
-/// as much as `--gpus 1` does, and waits its turn among whole-GPU
-/// requests.
+/// A fraction goes before whole-GPU requests that came after it, never
+/// before one that came earlier; whole-GPU requests go fewest GPUs first
+/// whenever they came.
 #[test]
-fn a_request_for_a_whole_gpus_memory_does_not_jump_an_earlier_whole_gpu() {
-    let mut q = Queue::new(gpus(&[16 * GIB]), QueueConfig::default());
-    q.submit(0, 1, whole(1)).unwrap();
-    assert_eq!(q.poll(0).len(), 1);
-    q.submit(SEC, 2, whole(1)).unwrap();
-    q.submit(2 * SEC, 3, mem(16)).unwrap();
-    let w: Vec<_> = q
-        .waiting(2 * SEC)
-        .iter()
-        .map(|w| (w.id, w.position))
-        .collect();
-    assert_eq!(w, vec![(2, 1), (3, 2)], "FIFO among whole-GPU requests");
-    q.release(3 * SEC, 1);
-    assert_eq!(placed(&q.poll(3 * SEC)), vec![(2, vec![0])]);
-    q.release(4 * SEC, 2);
-    assert_eq!(placed(&q.poll(4 * SEC)), vec![(3, vec![0])]);
-}
-
-/// What counts is the part of a GPU a request needs: with a 16 GiB and
-/// an 8 GiB GPU, 8 GiB is half of the bigger one (a fraction, which goes
-/// ahead of an earlier `--gpus 1`), 16 GiB all of it (which does not).
-#[test]
-fn memory_is_a_whole_gpu_only_where_no_gpu_would_have_room_to_spare() {
-    let mut q = Queue::new(gpus(&[16 * GIB, 8 * GIB]), QueueConfig::default());
+fn a_fraction_goes_after_every_earlier_whole_gpu_request() {
+    let mut q = two_80g();
     q.submit(0, 1, whole(2)).unwrap();
-    assert_eq!(q.poll(0).len(), 1);
-    q.submit(SEC, 2, whole(1)).unwrap();
-    q.submit(2 * SEC, 3, mem(16)).unwrap();
-    q.submit(3 * SEC, 4, mem(8)).unwrap();
-    let w: Vec<_> = q.waiting(3 * SEC).iter().map(|w| w.id).collect();
-    assert_eq!(w, vec![4, 2, 3]);
+    q.poll(0);
+    let arrivals = [
+        (2, whole(2)),
+        (3, mem(1)),
+        (4, whole(1)),
+        (5, mem(2)),
+        (6, whole(2)),
+    ];
+    for (t, (id, r)) in arrivals.into_iter().enumerate() {
+        q.submit(t as Nanos + 1, id, r).unwrap();
+    }
+    let w: Vec<_> = q.waiting(9).iter().map(|w| w.id).collect();
+    assert_eq!(w, vec![4, 2, 3, 5, 6]);
+}
+
+/// The attack, as a rule rather than an example: `--gpu-memory` of a
+/// GPU's whole memory less a little (16 GiB less 1 MiB, less a byte,
+/// ...) was ordered as a fraction, ahead of an earlier `--gpus 1`, and
+/// took the GPU when it freed. A fraction now goes after every earlier
+/// whole-GPU request and never takes the GPUs one waits for, whatever
+/// its size.
+#[test]
+fn a_gpus_memory_less_a_little_does_not_jump_an_earlier_whole_gpu() {
+    for k in [0, 1, 4096, 1 << 20, GIB - 1] {
+        let mut q = Queue::new(gpus(&[16 * GIB]), QueueConfig::default());
+        q.submit(0, 1, whole(1)).unwrap();
+        assert_eq!(q.poll(0).len(), 1);
+        q.submit(SEC, 2, whole(1)).unwrap();
+        q.submit(2 * SEC, 3, req(Want::Memory(16 * GIB - k)))
+            .unwrap();
+        let w: Vec<_> = q.waiting(2 * SEC).iter().map(|w| w.id).collect();
+        assert_eq!(w, vec![2, 3], "16 GiB less {k} bytes");
+        q.release(3 * SEC, 1);
+        assert_eq!(placed(&q.poll(3 * SEC)), vec![(2, vec![0])], "less {k}");
+        q.release(4 * SEC, 2);
+        assert_eq!(placed(&q.poll(4 * SEC)), vec![(3, vec![0])], "less {k}");
+    }
+}
+
+/// A fraction that fits beside a running fraction still may not take
+/// what an earlier whole-GPU request waits for: with GPU 0 busy with a
+/// fraction and GPU 1 held whole, `--gpus 1` waits for GPU 0, which
+/// takes no more fractions, and gets it when its fraction ends.
+#[test]
+fn fractions_do_not_backfill_onto_a_gpu_an_earlier_whole_request_waits_for() {
+    let mut q = two_80g();
+    q.submit(0, 1, mem(10)).unwrap();
+    q.submit(0, 2, whole(1)).unwrap();
+    assert_eq!(placed(&q.poll(0)), vec![(1, vec![0]), (2, vec![1])]);
+    q.submit(SEC, 3, whole(1)).unwrap();
+    q.submit(2 * SEC, 4, mem(10)).unwrap();
+    assert!(q.poll(2 * SEC).is_empty(), "GPU 0 is held for request 3");
+    let err = q.try_now(2 * SEC, 5, mem(1)).unwrap_err();
+    assert!(err.reason.contains("whole GPUs"), "{err}");
+    q.release(3 * SEC, 1);
+    assert_eq!(placed(&q.poll(3 * SEC)), vec![(3, vec![0])]);
 }
 
 #[test]
@@ -111,7 +136,11 @@ fn escalation_lets_big_through_and_blocks_younger_small_ones() {
     q.release(21 * SEC, 2);
     assert_eq!(placed(&q.poll(21 * SEC)), vec![(10, vec![0, 1])]);
     let w: Vec<_> = q.waiting(21 * SEC).iter().map(|w| w.id).collect();
-    assert_eq!(w, vec![5, 4]);
+    assert_eq!(
+        w,
+        vec![4, 5],
+        "the fraction came after the whole-GPU request"
+    );
     q.release(30 * SEC, 10);
     assert_eq!(
         placed(&q.poll(30 * SEC)),

@@ -101,10 +101,11 @@ fn overprovision_mixes_slots_and_fractions_by_memory() {
     q.submit(0, 1, whole(1)).unwrap();
     q.submit(0, 2, mem(30)).unwrap();
     q.submit(0, 3, whole(1)).unwrap();
-    // The fraction goes first and leaves 50 GiB; the slot lease takes
-    // 40 of it; the second slot would need 40 more and waits.
+    // The slot lease takes 40 GiB, the fraction (after it, which came
+    // first) 30 of the rest; the second slot would need 40 more and
+    // waits.
     let l = q.poll(0);
-    assert_eq!(placed(&l), vec![(2, vec![0]), (1, vec![0])]);
+    assert_eq!(placed(&l), vec![(1, vec![0]), (2, vec![0])]);
     assert_eq!(q.leases()[0].committed_mem, 70 * GIB);
     assert_eq!(q.position(0, 3), Some(1));
     q.release(SEC, 2);
@@ -130,4 +131,39 @@ fn overcommit_lets_commitments_exceed_total() {
     // Whole GPUs are still exclusive.
     q.submit(0, 4, whole(1)).unwrap();
     assert!(q.poll(0).is_empty());
+}
+
+/// Memory the driver says processes outside gpufrac hold is taken: a
+/// fraction goes where the rest is free, a whole GPU is one with none of
+/// it, and what waits says why; once the process is gone, both fit.
+#[test]
+fn memory_held_outside_gpufrac_is_taken() {
+    let mut q = Queue::new(gpus(&[16 * GIB, 16 * GIB]), QueueConfig::default());
+    assert!(q.set_outside("GPU-0000", 3 * GIB));
+    assert!(!q.set_outside("GPU-0000", 3 * GIB), "unchanged");
+    assert!(!q.set_outside("GPU-9999", GIB), "no such GPU");
+    // A whole GPU goes to GPU 1, which has none of it; then the
+    // fractions can only go to GPU 0, where 13 GiB are free.
+    q.submit(0, 1, req(Want::Gpus(1))).unwrap();
+    assert_eq!(placed(&q.poll(0)), vec![(1, vec![1])]);
+    q.submit(0, 2, mem(14)).unwrap();
+    q.submit(0, 3, mem(13)).unwrap();
+    assert_eq!(placed(&q.poll(0)), vec![(3, vec![0])]);
+    let why: Vec<(u64, Why)> = q.why(0);
+    assert!(
+        why[0]
+            .1
+            .text
+            .contains("3.00 GiB held by processes outside gpufrac"),
+        "{why:?}"
+    );
+    q.release(SEC, 3);
+    q.submit(SEC, 4, req(Want::Gpus(1))).unwrap();
+    // 13 GiB free on GPU 0 now: the 14 GiB fraction still waits, and so
+    // does the whole GPU.
+    assert!(q.poll(SEC).is_empty());
+    assert!(q.set_outside("GPU-0000", 0));
+    assert_eq!(placed(&q.poll(2 * SEC)), vec![(2, vec![0])]);
+    q.release(3 * SEC, 2);
+    assert_eq!(placed(&q.poll(3 * SEC)), vec![(4, vec![0])]);
 }

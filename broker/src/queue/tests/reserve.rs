@@ -148,12 +148,13 @@ proptest! {
     /// including g, reservations aside: a fraction of B when g holds at
     /// least B, a request of N whole GPUs when at least N GPUs are idle.
     /// After a poll, the idle GPUs W could serve are at most what the
-    /// other escalated requests that may hold GPUs back from W need (N
-    /// for N GPUs, one for a fraction), and none when there are no such
-    /// requests. An escalated request may hold GPUs back from everyone
-    /// unless it is *blocked by its own user* (every other user's lease
-    /// gone, it still could not be placed); then only from its own
-    /// user's requests.
+    /// other requests that may hold GPUs back from W need (N for N GPUs,
+    /// one for a fraction): the escalated ones, and the whole-GPU ones
+    /// ahead of it (a fraction delays no earlier whole-GPU request); none
+    /// when there are no such requests. Such a request may hold GPUs back
+    /// from everyone unless it is *blocked by its own user* (every other
+    /// user's lease gone, it still could not be placed); then only from
+    /// its own user's requests.
     #[test]
     fn no_idle_gpu_while_a_request_it_could_serve_waits(
         totals in prop::collection::vec(prop_oneof![Just(16 * GIB), Just(80 * GIB)], 1..5),
@@ -192,19 +193,26 @@ proptest! {
                 }
                 alone.plan(now, r, &[]).is_none()
             };
-            for w in &q.waiting {
+            let order = q.order(now);
+            for (place, &i) in order.iter().enumerate() {
+                let w = &q.waiting[i];
                 let wanted = idle.iter().filter(|&&g| serves(&w.req, g)).count();
+                let ahead: Vec<u64> = order[..place].iter().map(|&s| q.waiting[s].seq).collect();
                 let owed: usize = q
                     .waiting
                     .iter()
-                    .filter(|e| e.id != w.id && q.is_escalated(now, e))
+                    .filter(|e| {
+                        e.id != w.id
+                            && (q.is_escalated(now, e)
+                                || (matches!(e.req.want, Want::Gpus(_)) && ahead.contains(&e.seq)))
+                    })
                     .filter(|e| e.req.uid == w.req.uid || !blocked_by_own(&e.req))
                     .map(|e| need(&e.req))
                     .sum();
                 prop_assert!(
                     wanted <= owed,
-                    "{wanted} idle GPUs could serve request {} (user {}), escalated ones \
-                     that may hold GPUs back from it need {owed}",
+                    "{wanted} idle GPUs could serve request {} (user {}), escalated and \
+                     whole-GPU ones that may hold GPUs back from it need {owed}",
                     w.id,
                     w.req.uid
                 );

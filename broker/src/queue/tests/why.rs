@@ -118,7 +118,7 @@ fn a_request_that_fits_on_gpus_held_for_an_escalated_one_says_so() {
     assert_eq!(
         w.text,
         "needs 1 whole GPU; it would fit, but GPU 1 is held for the request at position 1 \
-         of the queue (escalated or pinned: placed first)"
+         of the queue (escalated, pinned or for whole GPUs: placed first)"
     );
     assert_eq!(w.gpus, vec![1]);
     let first = why_of(&q, 20 * SEC, 2);

@@ -115,6 +115,23 @@ fn a_holder_never_seen_at_work_gives_low_the_gpu_at_each_recall() {
     assert!(after <= 18, "{after} grants to the holder after its doubt");
 }
 
+/// The attack of issue 40: the holder's process runs a little work (the
+/// driver shows it 1% busy in every sample, as the simulated driver shows
+/// a 100 us kernel every 500 ms) and answers each recall by asking again.
+/// A sample above zero was evidence enough, and `low` got nothing; the
+/// evidence is work in proportion to the time held.
+#[test]
+fn a_holder_doing_a_little_work_gives_low_most_of_the_gpu() {
+    let mut sim = beside_low(false);
+    sim.little.insert(1, 1);
+    let cfg = *sim.s.config();
+    let start = cfg.evidence / 2;
+    sim.run_until(start);
+    sim.run_until(start + 10 * SEC);
+    let low = sim.gpu_held(2) as f64 / (10 * SEC) as f64;
+    assert!(low > 0.5, "low got {low:.3} of 10 s");
+}
+
 /// Rotating connections does not renew the doubt: each new connection
 /// has no evidence, and the benefit of the doubt is its user's.
 #[test]

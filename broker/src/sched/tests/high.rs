@@ -13,7 +13,7 @@ const BURST: Nanos = 500 * US;
 
 impl Sim {
     /// A process of `user` (weight 1), outside any job, of `class`.
-    fn proc_of(&mut self, id: ClientId, user: UserId, class: Priority) {
+    pub(super) fn proc_of(&mut self, id: ClientId, user: UserId, class: Priority) {
         self.add_class(id, 50.0, None, class);
         self.s
             .set_unit(self.now, id, UNIT | user, None, None, Some((user, 1.0)));
@@ -22,7 +22,7 @@ impl Sim {
 
     /// An interactive burst of `id` (idle before and after): how long its
     /// request waited for a grant.
-    fn burst(&mut self, id: ClientId) -> Nanos {
+    pub(super) fn burst(&mut self, id: ClientId) -> Nanos {
         let asked = self.now;
         self.s.acquire(asked, id);
         self.s.drained(asked, id);

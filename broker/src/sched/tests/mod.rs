@@ -3,6 +3,7 @@
 //! shims.
 
 mod classes;
+mod entitled;
 mod evidence;
 mod handover;
 mod hierarchy;
@@ -71,6 +72,9 @@ struct Sim {
     /// Clients whose process really runs kernels: a sample shows them if
     /// they were on the GPU since the previous one.
     works: BTreeSet<ClientId>,
+    /// Clients whose process the driver shows this busy (percent) in
+    /// every sample, whatever they hold.
+    little: Map<ClientId, u32>,
     held_at_sample: Map<ClientId, Nanos>,
 }
 
@@ -88,6 +92,7 @@ impl Sim {
             sample_every: None,
             next_sample: 0,
             works: BTreeSet::new(),
+            little: Map::new(),
             held_at_sample: Map::new(),
         }
     }
@@ -99,14 +104,18 @@ impl Sim {
     }
 
     /// One sample: the working clients that were on the GPU since the
-    /// previous one.
+    /// previous one, busy all the time they were on it.
     fn sample(&mut self) {
         let st = self.s.status(self.now);
+        let span = self.sample_every.unwrap_or(SEC).max(1);
         let mut seen = Vec::new();
         for c in &st {
             let before = self.held_at_sample.insert(c.client, c.total_held);
-            if self.works.contains(&c.client) && before.unwrap_or(0) < c.total_held {
-                seen.push(c.client);
+            let on = c.total_held - before.unwrap_or(0);
+            if self.works.contains(&c.client) && on > 0 {
+                seen.push((c.client, (on * 100).div_ceil(span).min(100) as u32));
+            } else if let Some(&pct) = self.little.get(&c.client) {
+                seen.push((c.client, pct));
             }
         }
         self.s.work_seen(self.now, seen);
