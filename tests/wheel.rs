@@ -274,7 +274,7 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
         })
         .collect();
     let o = support::pip(&py.venv)
-        .args(["wheel", "--no-deps", "--wheel-dir"])
+        .args(["wheel", "-v", "--no-deps", "--wheel-dir"])
         .arg(&built.0)
         .arg(&python_dir)
         .env("PATH", path.join(":"))
@@ -305,6 +305,19 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
     assert!(
         std::fs::read(built.0.join(WHEEL)).unwrap() == std::fs::read(&py.wheel).unwrap(),
         "pip wheel ./python made another wheel than cargo xtask wheel"
+    );
+    // From the release `cargo xtask wheel` built above: cargo compiles
+    // nothing again. (It compiled all of it while cargo-zigbuild ran from
+    // where pip installed it, a new environment each time, whose path
+    // named the linker cargo was given.)
+    let compiled: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("Compiling "))
+        .collect();
+    assert!(
+        compiled.is_empty(),
+        "pip's build compiled again what cargo xtask wheel had built:\n{}",
+        compiled.join("\n")
     );
 
     // On the venv's PATH, where an activated venv (or a CI step naming
