@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use crate::inventory::{self, Nvml};
+use crate::inventory::{self, Health, Nvml};
 
 /// The host's processes.
 pub trait Procs {
@@ -86,22 +86,6 @@ pub struct GpuSample {
     /// on this GPU, and the scheduler cannot tell a holder that works
     /// from one that only asks.
     pub working: Option<Vec<(u32, u32)>>,
-}
-
-/// A GPU's health as NVML reports it: each figure None where the driver
-/// or the GPU has no such counter.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Health {
-    pub temperature_c: Option<u32>,
-    pub power_mw: Option<u32>,
-    pub power_limit_mw: Option<u32>,
-    pub sm_clock_mhz: Option<u32>,
-    /// ECC errors since the driver loaded.
-    pub ecc_corrected: Option<u64>,
-    pub ecc_uncorrected: Option<u64>,
-    /// XID events since the broker started, and the last XID.
-    pub xid_errors: u64,
-    pub last_xid: Option<u64>,
 }
 
 /// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
