@@ -282,6 +282,9 @@ impl Node {
                 .env("GPUFRAC_SIM_STATE", dir.0.join("mps-sim"))
                 .env("RUST_LOG", "warn")
                 .stdout(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::File::create(dir.0.join("mps-broker.log")).unwrap(),
+                ))
                 .spawn()
                 .unwrap(),
         );
