@@ -135,7 +135,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
             }
             if let Some(m @ MemLimit::Percent(_)) = args.gpu_memory {
                 // The child sees the GPUs this process sees.
-                let totals = gpufrac_broker::inventory::discover()
+                let totals = gpufrac_broker::gpus::discover()
                     .map(|gpus| gpus.iter().map(|g| g.total_mem).collect::<Vec<_>>());
                 let source = match &totals {
                     Ok(_) => "the CUDA driver lists no GPU".to_owned(),
