@@ -133,13 +133,13 @@ struct BrokerArgs {
     spread: bool,
     /// Most connections one user may hold open (each process under the shim
     /// holds one): a user cannot exhaust the broker's file descriptors.
-    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::DEFAULT_MAX_CONNS_PER_USER)]
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::BrokerOptions::default().max_conns_per_user)]
     max_connections_per_user: usize,
     /// Most requests one user may have waiting in the queue at once.
-    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::Budgets::default().queued)]
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::BrokerOptions::default().max_queued_per_user)]
     max_queued_per_user: usize,
     /// Most leases one user may hold at once (queued requests included).
-    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::proto::Budgets::default().leases)]
+    #[arg(long, value_name = "N", default_value_t = gpufrac_broker::BrokerOptions::default().max_leases_per_user)]
     max_leases_per_user: usize,
     /// User (name or uid) who, besides root, may send the Kubernetes device
     /// plugin's requests (leases pinned to GPUs, chosen job tokens).
@@ -218,9 +218,9 @@ fn main() -> ExitCode {
 fn broker(args: BrokerArgs) -> u8 {
     // SAFETY: first thing, before any thread or the CUDA driver starts.
     // The broker's GPU numbers are the ones `gpufrac run` hands out.
-    unsafe { gpufrac_broker::inventory::use_pci_order(false) };
+    unsafe { gpufrac_broker::gpus::use_pci_order(false) };
     init_logging();
-    let opts = gpufrac_broker::startup::BrokerOptions {
+    let opts = gpufrac_broker::BrokerOptions {
         socket: socket_path(args.socket),
         timeslice: args.timeslice,
         inflight: args.inflight,
@@ -243,11 +243,11 @@ fn broker(args: BrokerArgs) -> u8 {
         state_dir: args.state_dir,
         mps: args.mps,
         mig: match args.mig {
-            Some(MigArg::Dynamic) => gpufrac_broker::startup::MigMode::Dynamic,
-            None => gpufrac_broker::startup::MigMode::Off,
+            Some(MigArg::Dynamic) => gpufrac_broker::MigMode::Dynamic,
+            None => gpufrac_broker::MigMode::Off,
         },
     };
-    match gpufrac_broker::startup::run(opts) {
+    match gpufrac_broker::run(opts) {
         Ok(()) => 0,
         Err(msg) => {
             eprintln!("gpufrac broker: {msg}");

@@ -193,7 +193,7 @@ fn connections_from_many_peers_are_bounded_in_all() {
     // through, and the broker holds at most its bound.
     let body = scrape(&addr);
     assert!(body.contains("gpufrac_build_info{"));
-    let bound = gpufrac_broker::metrics::TOTAL;
+    let bound = gpufrac_broker::METRICS_CONNECTIONS;
     let evicted = value(
         &scrape(&addr),
         "gpufrac_metrics_connections_closed_total{reason=\"evicted\"}",

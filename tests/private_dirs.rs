@@ -371,7 +371,7 @@ fn a_clean_stop_removes_the_state_directory_it_made() {
         assert!(b.0.wait().unwrap().success());
     };
     // The default directory (keyed by the socket), made at start.
-    let default = gpufrac_broker::startup::default_state_dir(&dir.0.join("b.sock"));
+    let default = gpufrac_broker::default_state_dir(&dir.0.join("b.sock"));
     assert!(!default.exists(), "{}", default.display());
     let b = start(None);
     assert!(default.is_dir());
@@ -428,7 +428,7 @@ fn the_test_helpers_leave_nothing_behind() {
 
     let b = Broker::start("16G", &[]);
     let scratch = b.socket.parent().unwrap().to_path_buf();
-    let default = gpufrac_broker::startup::default_state_dir(&b.socket);
+    let default = gpufrac_broker::default_state_dir(&b.socket);
     assert!(scratch.join("state").is_dir());
     drop(b);
     assert!(!scratch.exists(), "{} left behind", scratch.display());

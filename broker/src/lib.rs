@@ -10,25 +10,52 @@
 //! - I/O: `server` (the event loop), `listen` (the socket), `statefile`,
 //!   `metrics`, `mps`, `mig_nvml`, `inventory`;
 //! - `startup`, which puts them together.
+//!
+//! # Its interface
+//!
+//! The modules above are the crate's own. What the rest of the workspace
+//! uses is this page:
+//!
+//! - [`run`] a broker with [`BrokerOptions`] (`gpufrac broker`; its
+//!   defaults are the CLI's), and where it keeps its private files
+//!   ([`default_state_dir`]) or where a user's own broker listens
+//!   ([`user_socket`]);
+//! - [`gpus`]: the GPUs the driver shows, numbered as the broker numbers
+//!   them (`gpufrac run`, `gpufrac cdi`, the device plugin), and MIG
+//!   instances made through NVML as the broker makes them;
+//! - [`harness`]: the sans-I/O core and what it is built from, for
+//!   driving a broker in virtual time (the red-team harness);
+//! - [`METRICS_CONNECTIONS`].
+//!
+//! The status document it serves is `gpufrac_common::status`.
 
-pub mod authority;
-pub mod history;
-pub mod inventory;
-pub mod jobs;
-pub mod listen;
-pub mod metrics;
-pub mod mig;
-pub mod mig_nvml;
-pub mod mps;
-pub mod procs;
-pub mod proto;
-pub mod queue;
-pub mod sched;
-pub mod server;
-pub mod startup;
-pub mod statefile;
-pub mod stats;
-pub mod status;
+pub(crate) mod authority;
+pub(crate) mod history;
+pub(crate) mod inventory;
+pub(crate) mod jobs;
+pub(crate) mod listen;
+pub(crate) mod metrics;
+pub(crate) mod mig;
+pub(crate) mod mig_nvml;
+pub(crate) mod mps;
+pub(crate) mod procs;
+pub(crate) mod proto;
+pub(crate) mod queue;
+pub(crate) mod sched;
+pub(crate) mod server;
+pub(crate) mod startup;
+pub(crate) mod statefile;
+pub(crate) mod stats;
+pub(crate) mod status;
+
+pub mod gpus;
+pub mod harness;
+
+pub use startup::{BrokerOptions, MigMode, default_state_dir, run};
+
+/// The most connections the metrics endpoint holds at once, all peers
+/// together (`docs/metrics.md`): what a flood of scrapers is cut down to.
+pub const METRICS_CONNECTIONS: usize = metrics::TOTAL;
 
 /// A socket path this user can create, for hints when the default (root's
 /// /run/gpufrac) is out of reach: `$XDG_RUNTIME_DIR/gpufrac.sock`, else a

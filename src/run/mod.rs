@@ -159,7 +159,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
             }
             if let Some(m) = args.gpu_memory {
                 // The child sees the GPUs this process sees.
-                let totals = gpufrac_broker::inventory::discover()
+                let totals = gpufrac_broker::gpus::discover()
                     .map(|gpus| gpus.iter().map(|g| g.total_mem).collect::<Vec<_>>());
                 if let MemLimit::Percent(_) = m {
                     let source = match &totals {

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use gpufrac_common::config::Priority;
 
+use super::http::CONTENT;
 use super::*;
 use crate::stats::Refusal;
 use crate::status::{
@@ -12,6 +13,13 @@ use crate::status::{
 };
 
 const GIB: u64 = 1 << 30;
+
+/// The text of one snapshot, alone.
+fn render(snap: &Snapshot) -> String {
+    let mut b = Board::new(|_| None);
+    b.fold(Arc::new(snap.clone()));
+    b.text()
+}
 
 /// A node with a bit of everything: two users on GPU 0 (one with a job of
 /// two processes, one outside any job), a queue, a pod's lease, MPS and a

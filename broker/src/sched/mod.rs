@@ -108,7 +108,7 @@ use tree::{BANDS, Level, UnitRef, UserRef, Vt, band};
 pub use gpufrac_common::config::Priority;
 pub use types::{
     Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig, UserId,
-    Weights, parse_weight, priority_name,
+    Weights, parse_weight,
 };
 
 const MS: Nanos = 1_000_000;
@@ -420,6 +420,7 @@ impl Scheduler {
         }
     }
 
+    #[cfg(test)]
     pub fn config(&self) -> &SchedConfig {
         &self.cfg
     }
@@ -485,6 +486,7 @@ impl Scheduler {
     /// (a fraction of each window) for all the unit's members together,
     /// whatever their number. A unit's virtual time and usage history
     /// outlive its members' connections.
+    #[cfg(test)]
     pub fn set_group(
         &mut self,
         now: Nanos,
@@ -541,6 +543,7 @@ impl Scheduler {
     /// user's part by their unit weights, then a unit's members share the
     /// unit's part by their own weights. A user who splits work into many
     /// units or many processes still gets one user's part.
+    #[cfg(test)]
     pub fn set_user(&mut self, now: Nanos, id: ClientId, user: UserId, weight: f64) {
         if !self.clients.contains_key(&id) {
             return;

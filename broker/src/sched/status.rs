@@ -2,7 +2,7 @@
 //! for status, and who holds the GPU.
 
 use super::tree::band;
-use super::{Client, ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
+use super::{Client, ClientId, ClientStatus, Nanos, Priority, Scheduler};
 
 impl Scheduler {
     pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
@@ -73,7 +73,8 @@ impl Scheduler {
         self.holder
     }
 
-    pub fn state(&self, id: ClientId) -> Option<ClientState> {
+    #[cfg(test)]
+    pub fn state(&self, id: ClientId) -> Option<super::ClientState> {
         self.clients.get(&id).map(|c| c.state)
     }
 }
