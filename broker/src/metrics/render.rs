@@ -50,7 +50,19 @@ fn per_gpu(
     devices_only: bool,
     v: impl Fn(&GpuStatus) -> Option<f64>,
 ) -> Family {
-    let mut f = Family::new(name, Kind::Gauge, help);
+    per_gpu_of(Kind::Gauge, s, name, help, devices_only, v)
+}
+
+/// `per_gpu`, of a kind other than a gauge.
+fn per_gpu_of(
+    kind: Kind,
+    s: &Status,
+    name: &'static str,
+    help: &'static str,
+    devices_only: bool,
+    v: impl Fn(&GpuStatus) -> Option<f64>,
+) -> Family {
+    let mut f = Family::new(name, kind, help);
     for g in s.gpus.iter().filter(|g| !devices_only || g.mig.is_none()) {
         if let Some(x) = v(g) {
             f.add(gpu(g), x);
@@ -250,7 +262,8 @@ fn gpus(s: &Status) -> Vec<Family> {
             true,
             |g| g.health?.sm_clock_mhz.map(|m| f64::from(m) * 1e6),
         ),
-        per_gpu(
+        per_gpu_of(
+            Kind::Counter,
             s,
             "gpufrac_gpu_xid_errors_total",
             "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
