@@ -219,11 +219,27 @@ fn mean_by_pid(samples: &[(u32, u32)]) -> Vec<(u32, u32)> {
         .collect()
 }
 
+/// A GPU's health as NVML reports it: each figure None where the driver
+/// or the GPU has no such counter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Health {
+    pub temperature_c: Option<u32>,
+    pub power_mw: Option<u32>,
+    pub power_limit_mw: Option<u32>,
+    pub sm_clock_mhz: Option<u32>,
+    /// ECC errors since the driver loaded.
+    pub ecc_corrected: Option<u64>,
+    pub ecc_uncorrected: Option<u64>,
+    /// XID events since the broker started, and the last XID.
+    pub xid_errors: u64,
+    pub last_xid: Option<u64>,
+}
+
 /// What NVML says of `dev`'s health, where it says it (each figure is
 /// None where the driver or the GPU has no such counter).
-pub fn health(dev: &Device<'_>) -> crate::procs::Health {
+pub fn health(dev: &Device<'_>) -> Health {
     use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
-    crate::procs::Health {
+    Health {
         temperature_c: dev.temperature(TemperatureSensor::Gpu).ok(),
         power_mw: dev.power_usage().ok(),
         power_limit_mw: dev.enforced_power_limit().ok(),

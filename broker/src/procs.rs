@@ -88,21 +88,7 @@ pub struct GpuSample {
     pub working: Option<Vec<(u32, u32)>>,
 }
 
-/// A GPU's health as NVML reports it: each figure None where the driver
-/// or the GPU has no such counter.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Health {
-    pub temperature_c: Option<u32>,
-    pub power_mw: Option<u32>,
-    pub power_limit_mw: Option<u32>,
-    pub sm_clock_mhz: Option<u32>,
-    /// ECC errors since the driver loaded.
-    pub ecc_corrected: Option<u64>,
-    pub ecc_uncorrected: Option<u64>,
-    /// XID events since the broker started, and the last XID.
-    pub xid_errors: u64,
-    pub last_xid: Option<u64>,
-}
+pub use crate::inventory::Health;
 
 /// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
