@@ -5,7 +5,7 @@
 //! against a real GPU in `gpu/run_suite.sh`.
 //!
 //! ```text
-//! cudarc_alloc [--safe] [--block SIZE_MIB] [--max N]
+//! cudarc_alloc [--safe] [--block SIZE_MIB] [--max N] [--hold SECONDS]
 //! ```
 //!
 //! - default (`mode=result`): cudarc's low-level `driver::result` API: cuInit,
@@ -15,7 +15,9 @@
 //!   stream and `stream.alloc_zeros::<u8>` (cuMemAllocAsync + cuMemsetD8Async
 //!   on devices with memory pools, cuMemAlloc_v2 otherwise).
 //!
-//! It allocates until an allocation fails or N blocks are held, then prints:
+//! It allocates until an allocation fails or N blocks are held, then prints
+//! (holding the blocks for SECONDS after the first two lines, so that
+//! `gpufrac status` can be seen with it running):
 //!
 //! ```text
 //! cudarc mode=<result|safe> count=<n> err=<CUDA_ERROR_… | none>
@@ -36,11 +38,12 @@ struct Args {
     safe: bool,
     block_mib: usize,
     max: usize,
+    hold: std::time::Duration,
 }
 
 fn usage(msg: &str) -> ! {
     eprintln!("cudarc_alloc: {msg}");
-    eprintln!("usage: cudarc_alloc [--safe] [--block SIZE_MIB] [--max N]");
+    eprintln!("usage: cudarc_alloc [--safe] [--block SIZE_MIB] [--max N] [--hold SECONDS]");
     std::process::exit(2);
 }
 
@@ -49,6 +52,7 @@ fn parse_args() -> Args {
         safe: false,
         block_mib: 256,
         max: usize::MAX,
+        hold: std::time::Duration::ZERO,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -69,6 +73,14 @@ fn parse_args() -> Args {
                 } else {
                     args.max = n;
                 }
+            }
+            "--hold" => {
+                let v = it.next().unwrap_or_else(|| usage("--hold needs a value"));
+                args.hold = v
+                    .parse::<f64>()
+                    .ok()
+                    .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+                    .unwrap_or_else(|| usage(&format!("--hold: not a number of seconds: {v:?}")));
             }
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown argument {other:?}")),
@@ -139,6 +151,7 @@ fn run_result(args: &Args) -> Result<bool, DriverError> {
     report_count("result", count, stop.as_ref());
 
     ok &= report_info(result::mem_get_info());
+    std::thread::sleep(args.hold);
 
     // Free one block and allocate one again: the cap must give it back.
     let mut freed = Ok(());
@@ -200,6 +213,7 @@ fn run_safe(args: &Args) -> Result<bool, DriverError> {
     report_count("safe", count, stop.as_ref());
 
     ok &= report_info(ctx.mem_get_info());
+    std::thread::sleep(args.hold);
 
     // Dropping a CudaSlice frees it (cuMemFreeAsync on pool-capable devices);
     // errors from Drop are kept in the context and read by check_err.

@@ -47,8 +47,9 @@ fn look_up(uid: u32) -> Option<String> {
         // string inside buf.
         let name = unsafe { CStr::from_ptr(pw.pw_name) };
         let name = name.to_string_lossy();
-        // A name is shown in tables: nothing that would move the cursor.
-        return (!name.is_empty() && !name.chars().any(char::is_control))
+        // A name is shown in tables: nothing that would move the cursor,
+        // reorder a line or hide in it (then its number is shown).
+        return (!name.is_empty() && !name.chars().any(gpufrac_common::text::is_hidden))
             .then(|| name.into_owned());
     }
 }

@@ -561,7 +561,7 @@ fn render_leases(out: &mut String, leases: &[LeaseEntry], width: Option<usize>) 
 /// apart from nothing), else its run's pid.
 pub(crate) fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String> {
     match pod {
-        Some(p) => Some(format!("pod {p}")),
+        Some(p) => Some(format!("pod {}", clean(p))),
         None => pid.map(|p| p.to_string()),
     }
 }
@@ -571,8 +571,10 @@ pub(crate) fn job_name(pid: Option<u32>, pod: &Option<String>) -> Option<String>
 /// `width`, the last column (a command) is cut to what is left of it, but
 /// to no fewer than `MIN_LAST` characters.
 fn table<const N: usize>(out: &mut String, rows: &[[String; N]], width: Option<usize>) {
+    // Every cell as it will show: users name commands, labels and pods.
+    let rows: Vec<[String; N]> = rows.iter().map(|r| r.clone().map(|c| clean(&c))).collect();
     let mut widths = [0usize; N];
-    for r in rows {
+    for r in &rows {
         for (w, cell) in widths.iter_mut().zip(r) {
             *w = (*w).max(cell.chars().count());
         }
@@ -580,7 +582,7 @@ fn table<const N: usize>(out: &mut String, rows: &[[String; N]], width: Option<u
     // Two of indent, then each column and two of gap.
     let before_last: usize = 2 + widths[..N - 1].iter().map(|w| w + 2).sum::<usize>();
     let last = width.map(|w| w.saturating_sub(before_last).max(MIN_LAST));
-    for r in rows {
+    for r in &rows {
         let mut line = String::from(" ");
         for (i, cell) in r.iter().enumerate() {
             line.push(' ');
@@ -663,11 +665,12 @@ pub fn command(s: &str) -> String {
     clean(&format!("{program}{rest}"))
 }
 
-/// Control characters (a command line may hold newlines) become spaces.
+/// Text a user chose as a table or a line shows it: control characters
+/// (a command line may hold newlines) become spaces, and format
+/// characters (bidirectional overrides, zero-width ones) are escaped, so
+/// that nothing reorders or hides what is around it.
 pub fn clean(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
+    gpufrac_common::text::shown(s).into_owned()
 }
 
 /// One table cell of at most `max` characters: anything past it becomes

@@ -495,3 +495,152 @@ fn the_socket_path_is_never_free_across_a_restart() {
     // The restarted broker serves.
     assert!(b.status()["gpus"].as_array().is_some_and(|g| g.len() == 1));
 }
+
+/// Where the cgroup v2 hierarchy is mounted, if this process may make
+/// cgroups in it.
+fn cgroup2_root() -> Option<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let root = info.lines().find_map(|l| {
+        let (before, after) = l.split_once(" - ")?;
+        let at = before.split_whitespace().nth(4)?;
+        (after.split_whitespace().next() == Some("cgroup2")).then(|| PathBuf::from(at))
+    })?;
+    let probe = root.join(format!("gpufrac-r5-probe-{}", std::process::id()));
+    std::fs::create_dir(&probe).ok()?;
+    std::fs::remove_dir(&probe).ok()?;
+    Some(root)
+}
+
+/// A cgroup tree removed, deepest first, when the test ends (its
+/// processes gone by then).
+struct Cgroups(PathBuf);
+
+impl Drop for Cgroups {
+    fn drop(&mut self) {
+        fn remove(d: &Path) {
+            if let Ok(entries) = std::fs::read_dir(d) {
+                for e in entries.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        remove(&e.path());
+                    }
+                }
+            }
+            let _ = std::fs::remove_dir(d);
+        }
+        remove(&self.0);
+    }
+}
+
+/// The review's planted name: systemd delegates a cgroup subtree to
+/// every logged-in user (`user@UID.service`), who may name cgroups in it
+/// anything. `nobody` made `slurm/job_4242<U+202E>LIVE` there and moved
+/// its process in: root's `gpufrac top --once` showed that process as
+/// Slurm job 4242, with the right-to-left override raw in the frame (a
+/// zero-width space in its command went through raw too). Attribution
+/// now comes only from slurmstepd's and the kubelet's own trees, with
+/// well-formed ids, and every name a user chose is escaped, format
+/// characters included.
+#[test]
+fn a_planted_cgroup_name_is_neither_shown_raw_nor_taken_for_a_slurm_job() {
+    if !can_be_nobody() {
+        return;
+    }
+    let Some(cg) = cgroup2_root() else {
+        eprintln!("skipped: no cgroup v2 hierarchy this test may make cgroups in");
+        return;
+    };
+    let b = Broker::start_open("16G", &[]);
+    let (_dir, _tmp, jobs) = stage("r5-cgroup");
+    // What systemd makes at login: the user's manager's subtree, handed
+    // to the user, with the manager's processes in a leaf of it.
+    let tree = Cgroups(cg.join(format!("gpufrac-r5-{}.slice", std::process::id())));
+    let service = tree.0.join(format!("user@{NOBODY}.service"));
+    let init = service.join("init.scope");
+    std::fs::create_dir_all(&init).unwrap();
+    for p in [&service, &init] {
+        std::os::unix::fs::chown(p, Some(NOBODY), Some(NOBODY)).unwrap();
+        for f in ["cgroup.procs", "cgroup.subtree_control", "cgroup.threads"] {
+            let _ = std::os::unix::fs::chown(p.join(f), Some(NOBODY), Some(NOBODY));
+        }
+    }
+    // The attacker's program under a name with a zero-width space.
+    let named = jobs.join("train\u{200b}x");
+    std::os::unix::fs::symlink(&artifacts().probe, &named).unwrap();
+    let planted = service.join("slurm").join("job_4242\u{202e}LIVE");
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(
+            "read go && mkdir -p \"$1\" && echo $$ > \"$1/cgroup.procs\" && echo moved && \
+             exec \"$2\" ctx sleep-ms 60000",
+        )
+        .arg("sh")
+        .arg(&planted)
+        .arg(&named)
+        .env("LD_LIBRARY_PATH", &artifacts().simdir)
+        .env("GPUFRAC_SIM_DEVICES", "16G")
+        .env("GPUFRAC_SIM_STATE", &b.state)
+        .env("LD_PRELOAD", &artifacts().shim)
+        .env("GPUFRAC_SOCKET", &b.socket)
+        .env("GPUFRAC_BROKER", "optional")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    as_user(&mut cmd, NOBODY);
+    let mut attacker = KillOnDrop(cmd.spawn().unwrap());
+    let pid = attacker.0.id();
+    std::fs::write(init.join("cgroup.procs"), pid.to_string()).unwrap();
+    {
+        use std::io::Write;
+        let mut go = attacker.0.stdin.take().unwrap();
+        go.write_all(b"go\n").unwrap();
+    }
+    assert_eq!(
+        read_line(&mut attacker.0),
+        "moved",
+        "the attacker could not move"
+    );
+    let line = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    assert!(line.contains("job_4242\u{202e}LIVE"), "{line}");
+    wait_until(30.0, "the attacker's process to register", || {
+        b.process(pid).is_some()
+    });
+    let mut bad = Vec::new();
+    for layout in [&[][..], &["--flat"][..]] {
+        let o = Command::new(&artifacts().gpufrac)
+            .args(["top", "--once", "--size", "220x40", "--socket"])
+            .arg(&b.socket)
+            .args(layout)
+            .output()
+            .unwrap();
+        let frame = stdout(&o);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            frame.contains(&pid.to_string()),
+            "{layout:?}: no row of the attacker's: {frame}"
+        );
+        // The test's own list, not the escaper's: what the review planted
+        // and its kin.
+        let hidden = |c: char| {
+            (c.is_control() && c != '\n')
+                || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+        };
+        if let Some(c) = frame.chars().find(|&c| hidden(c)) {
+            bad.push(format!(
+                "{layout:?}: U+{:04X} shown raw:\n{frame}",
+                c as u32
+            ));
+        }
+        if frame.contains("job 4242") || frame.contains("job_4242") {
+            bad.push(format!(
+                "{layout:?}: the planted cgroup taken for a Slurm job:\n{frame}"
+            ));
+        }
+        if !frame.contains("train\\u{200b}x") {
+            bad.push(format!(
+                "{layout:?}: the command's zero-width space not escaped:\n{frame}"
+            ));
+        }
+    }
+    stop(&mut attacker.0);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}

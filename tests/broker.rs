@@ -174,6 +174,58 @@ fn killing_the_holder_frees_the_gpu_at_once() {
     assert!(busy > 0.75, "survivor got {busy:.2} after the holder died");
 }
 
+/// The drain thread of a process dies (a panic, contained) at its first
+/// drain, after a revoke: its session hands back what it holds, each
+/// device with its Release, closes its connection and stops arbitrating,
+/// so the broker holds nothing of it while it runs on, and the other
+/// process gets the GPU. (Before, the gates closed behind the session's
+/// back and the connection stayed: a Release the session then decided was
+/// never sent, and the broker saw a hung holder.)
+#[test]
+fn a_dead_drain_thread_hands_everything_back_and_ends_arbitration() {
+    let _serial = timed();
+    let b = Broker::start("16G", &["--timeslice", "20ms"]);
+    let t0 = mono_ns();
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.env("GPUFRAC_TEST_PANIC", "drain")
+        .args([
+            "ctx",
+            "spin",
+            &(t0 + 500 * MS).to_string(),
+            &(t0 + 60_000 * MS).to_string(),
+            &KERNEL_NS.to_string(),
+            "2",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut broken = cmd.spawn().unwrap();
+    let broken_pid = broken.id() as u64;
+    let other = spawn_spinner(&b, None, t0 + 500 * MS, t0 + 4000 * MS);
+    let other_pid = other.id() as u64;
+    wait_until(10.0, "both registered", || {
+        let r = b.registered();
+        r.contains(&broken_pid) && r.contains(&other_pid)
+    });
+    // Its first drain (a revoke's, or an optimistic window's end) kills
+    // the thread; the process runs on, no longer the broker's client.
+    wait_until(20.0, "the broken process to leave the broker", || {
+        !b.registered().contains(&broken_pid)
+    });
+    assert!(
+        broken.try_wait().unwrap().is_none(),
+        "it left the broker by exiting, not by ending its session"
+    );
+    assert!(kernels(other) > 0, "the other process never got the GPU");
+    unsafe { libc::kill(broken.id() as i32, libc::SIGKILL) };
+    let o = broken.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("internal error in the drain thread")
+            && err.contains("compute is not arbitrated from now on"),
+        "{err}"
+    );
+}
+
 #[test]
 fn broker_restart_clients_keep_caps_and_reregister() {
     let mut b = Broker::start("16G", &["--timeslice", "20ms"]);

@@ -7,6 +7,7 @@
 #[path = "support/engines.rs"]
 mod engines;
 mod support;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output};
 use support::*;
@@ -340,4 +341,244 @@ fn top_demo_shows_the_jobs_converge_and_the_queued_one_start() {
             })
         })
     });
+}
+
+/// The README's Quickstart, as its block says.
+fn quickstart() -> String {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+        .expect("README.md");
+    let after = readme
+        .split_once("## Quickstart")
+        .expect("a Quickstart section")
+        .1;
+    let block = after.split_once("```sh\n").expect("its sh block").1;
+    block
+        .split_once("```")
+        .expect("the block's end")
+        .0
+        .to_owned()
+}
+
+/// The README's Quickstart, run as it is in a checkout of its own whose
+/// `target/release` holds the tests' builds (a `cargo` first on PATH that
+/// builds nothing) and with the broker on a socket of its own: while its
+/// job runs, `gpufrac status` lists the job's process under its cap and
+/// `gpufrac top --once` shows the job; the broker's log gives each job's
+/// end its peak.
+#[test]
+fn the_quickstart_shows_a_live_job_in_status_and_top() {
+    let a = artifacts();
+    let s = Scratch::new("quickstart");
+    let release = s.0.join("target/release");
+    std::fs::create_dir_all(release.join("examples")).unwrap();
+    for (from, to) in [
+        (a.gpufrac.clone(), "gpufrac"),
+        (a.dir.join("libgpufrac.so"), "libgpufrac.so"),
+        (a.dir.join("libgpufrac_sim.so"), "libgpufrac_sim.so"),
+        (a.dir.join("examples/cudarc_alloc"), "examples/cudarc_alloc"),
+    ] {
+        std::os::unix::fs::symlink(from, release.join(to)).unwrap();
+    }
+    std::os::unix::fs::symlink(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"),
+        s.0.join("demo.sh"),
+    )
+    .unwrap();
+    let tools = s.0.join("tools");
+    std::fs::create_dir(&tools).unwrap();
+    let cargo = tools.join("cargo");
+    std::fs::write(&cargo, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&cargo, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", tools.display(), std::env::var("PATH").unwrap());
+    // Its broker stops with the block; waited for, so that its log is whole.
+    let script = format!("set -e\n{}\nwait $broker\n", quickstart());
+    let (out_file, err_file) = (s.0.join("out"), s.0.join("err"));
+    let mut cmd = Command::new("bash");
+    scrub_env(&mut cmd)
+        .arg("-c")
+        .arg(&script)
+        .current_dir(&s.0)
+        .env("PATH", path)
+        .env("TMPDIR", &s.0)
+        .env("GPUFRAC_SOCKET", s.0.join("broker.sock"))
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("CARGO")
+        .stdout(std::fs::File::create(&out_file).unwrap())
+        .stderr(std::fs::File::create(&err_file).unwrap())
+        .process_group(0);
+    let mut child = cmd.spawn().unwrap();
+    // Bounded (a live `gpufrac top`, as the block once had, never ends),
+    // and nothing of it left after, the broker it started included.
+    let t = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break Some(st);
+        }
+        if t.elapsed() > std::time::Duration::from_secs(120) {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    // SAFETY: signalling the process group this test made.
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+    let _ = child.wait();
+    let read = |f: &Path| {
+        let t = std::fs::read_to_string(f).unwrap_or_default();
+        t.chars().take(20_000).collect::<String>()
+    };
+    let (out, err) = (read(&out_file), read(&err_file));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?} (None: still running after 120 s)\n{out}\n{err}"
+    );
+    // The status table while the job runs: its process, with its cap.
+    let row = out
+        .lines()
+        .skip_while(|l| !(l.trim_start().starts_with("PID ") && l.contains(" ALLOCATED ")))
+        .find(|l| l.contains("cudarc_alloc --max 64 --hold 10"))
+        .unwrap_or_else(|| panic!("the job's process is not in status:\n{out}"));
+    assert!(row.contains("4.00 GiB"), "{row}");
+    // And in top's frame, its job at its cap.
+    let top = out
+        .split_once("gpufrac top ")
+        .unwrap_or_else(|| panic!("no top frame:\n{out}"))
+        .1;
+    assert!(
+        top.lines()
+            .any(|l| l.contains("▾ job") && l.contains("/4G")),
+        "{top}"
+    );
+    // The broker's log (in the block's mktemp -d, under TMPDIR) gives each
+    // job's end its peak.
+    let log = std::fs::read_dir(&s.0)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("broker.log"))
+        .find(|p| p.exists())
+        .expect("the Quickstart's broker log");
+    let log = std::fs::read_to_string(log).unwrap();
+    let ended: Vec<&str> = log.lines().filter(|l| l.contains("lease ended")).collect();
+    assert_eq!(ended.len(), 2, "{log}");
+    assert!(ended[0].contains("peak=\"4.00 GiB\""), "{log}");
+    assert!(ended[1].contains("peak=\"1.00 GiB\""), "{log}");
+    // Its state directory, named in the log, goes with it.
+    if let Some(dir) = log
+        .lines()
+        .find_map(|l| l.split_once(" state_dir=").map(|(_, r)| r))
+        .and_then(|r| r.split_whitespace().next())
+    {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// Cargo's plan for `cargo build ARGS` (`--unit-graph`, read on a stable
+/// toolchain through RUSTC_BOOTSTRAP): each unit it would build, named by
+/// what decides whether a build made by another invocation serves it
+/// (package, target, mode, profile, features, platform and, recursively,
+/// those of its dependencies).
+fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
+    let o = Command::new(env!("CARGO"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .arg("build")
+        .args(args)
+        .args(["-Z", "unstable-options", "--unit-graph"])
+        .env("RUSTC_BOOTSTRAP", "1")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "cargo build {args:?} --unit-graph: {}",
+        stderr(&o)
+    );
+    let g: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let units = g["units"].as_array().unwrap();
+    fn key(units: &[serde_json::Value], i: usize, memo: &mut Vec<Option<String>>) -> String {
+        if let Some(k) = &memo[i] {
+            return k.clone();
+        }
+        let u = &units[i];
+        let mut deps: Vec<String> = u["dependencies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| key(units, d["index"].as_u64().unwrap() as usize, memo))
+            .collect();
+        deps.sort();
+        let k = serde_json::json!([
+            u["pkg_id"],
+            u["target"]["name"],
+            u["target"]["kind"],
+            u["mode"],
+            u["profile"],
+            u["features"],
+            u["platform"],
+            deps
+        ])
+        .to_string();
+        memo[i] = Some(k.clone());
+        k
+    }
+    let mut memo = vec![None; units.len()];
+    (0..units.len()).map(|i| key(units, i, &mut memo)).collect()
+}
+
+/// The Quickstart's builds after `./demo.sh`: the same units, so cargo
+/// compiles nothing again. (Building the example over the default members,
+/// `cargo build --release --example cudarc_alloc`, let the shim's test-only
+/// dependencies into feature resolution and planned 15 units the demo had
+/// not built.)
+#[test]
+fn the_quickstart_builds_nothing_the_demo_did_not() {
+    // The demo's cargo invocations, as it makes them.
+    let s = Scratch::new("demo-builds");
+    let record = s.0.join("cargo");
+    let calls = s.0.join("calls");
+    std::fs::write(
+        &record,
+        format!("#!/bin/sh\necho \"$*\" >>{}\n", calls.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&record, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    for what in ["cap", "env"] {
+        let o = demo_with(&[what], &[("CARGO", record.as_os_str())]);
+        assert!(o.status.success(), "{}\n{}", stdout(&o), stderr(&o));
+    }
+    let calls = std::fs::read_to_string(&calls).unwrap();
+    let mut built = std::collections::HashSet::new();
+    for call in calls.lines() {
+        let args: Vec<&str> = call.split_whitespace().skip(1).collect();
+        built.extend(planned_units(&args));
+    }
+    // The Quickstart's, in the tests' profile (the profile does not change
+    // which features are chosen).
+    let q = quickstart();
+    let builds: Vec<Vec<&str>> = q
+        .lines()
+        .filter_map(|l| {
+            l.split('#')
+                .next()
+                .unwrap()
+                .trim()
+                .strip_prefix("cargo build")
+        })
+        .map(|rest| {
+            rest.split_whitespace()
+                .filter(|a| *a != "--release")
+                .collect()
+        })
+        .collect();
+    assert_eq!(builds.len(), 2, "{q}");
+    for args in builds {
+        let new: Vec<String> = planned_units(&args)
+            .into_iter()
+            .filter(|u| !built.contains(u))
+            .collect();
+        assert!(
+            new.is_empty(),
+            "`cargo build {}` builds {} units `./demo.sh` did not ({calls}):\n{}",
+            args.join(" "),
+            new.len(),
+            new.join("\n")
+        );
+    }
 }

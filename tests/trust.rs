@@ -21,17 +21,6 @@ use support::*;
 
 const MS: u64 = 1_000_000;
 
-/// A broker other users can talk to: its socket's group is nogroup, its
-/// directory traversable, the simulated GPU's state shared.
-fn open_broker(devices: &str, args: &[&str]) -> Broker {
-    let mut all = vec!["--group", "nogroup"];
-    all.extend_from_slice(args);
-    let b = Broker::start(devices, &all);
-    std::fs::set_permissions(b.socket.parent().unwrap(), PermissionsExt::from_mode(0o755)).unwrap();
-    std::fs::set_permissions(&b.state, PermissionsExt::from_mode(0o666)).unwrap();
-    b
-}
-
 fn frames(msgs: &[ClientMsg]) -> Vec<u8> {
     let mut out = Vec::new();
     for m in msgs {
@@ -140,7 +129,7 @@ fn an_idle_high_grant_of_another_user_stops_no_one() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &["--timeslice", "20ms"]);
+    let b = Broker::start_open("16G", &["--timeslice", "20ms"]);
     // A starved victim would wait for its grant forever: it is given 20 s.
     let victim = |start: u64| {
         b.client("timeout")
@@ -193,7 +182,7 @@ fn another_users_busy_high_process_gets_at_most_half() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &["--timeslice", "20ms"]);
+    let b = Broker::start_open("16G", &["--timeslice", "20ms"]);
     let start = mono_ns() + 1500 * MS;
     let end = start + 4000 * MS;
     let spinner = |prio: &str| {
@@ -224,7 +213,7 @@ fn the_plugins_messages_from_another_user_are_refused() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G,8G", &[]);
+    let b = Broker::start_open("16G,8G", &[]);
     let uuid = b.first_gpu_uuid();
     let pin = frames(&[
         hello(),
@@ -317,7 +306,7 @@ fn a_leaked_token_does_not_let_another_user_into_a_job() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &[]);
+    let b = Broker::start_open("16G", &[]);
     // The victim and the thieves outlive the checks, however slowly the
     // thieves register; they are killed at the end.
     let mut job = KillOnDrop(
@@ -402,7 +391,7 @@ fn a_reused_pid_does_not_put_a_victim_in_a_dead_runs_job() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &[]);
+    let b = Broker::start_open("16G", &[]);
     // The attacker books a 1 MiB job, hands its connection to a child and
     // exits: its pid is free for someone else.
     let lease = frames(&[
@@ -500,7 +489,7 @@ fn one_users_half_frames_close_none_of_anothers_connections() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &["--max-connections-per-user", "1000"]);
+    let b = Broker::start_open("16G", &["--max-connections-per-user", "1000"]);
     // Root's connections, each with half a frame of its own pending.
     let mut victims = Vec::new();
     for _ in 0..16 {
@@ -544,7 +533,7 @@ fn another_users_unread_status_costs_bounded_memory() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &["--max-connections-per-user", "1000"]);
+    let b = Broker::start_open("16G", &["--max-connections-per-user", "1000"]);
     // A status worth asking for: processes with long command lines.
     let mut held = Vec::new();
     for _ in 0..60 {
@@ -596,7 +585,7 @@ fn another_users_lease_churn_costs_bounded_io() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &["--max-connections-per-user", "1000"]);
+    let b = Broker::start_open("16G", &["--max-connections-per-user", "1000"]);
     let label = "x".repeat(65_000);
     let churn = frames(&[
         hello(),
@@ -649,7 +638,7 @@ fn one_user_queues_no_more_than_its_budget() {
         return;
     }
     let _s = serial();
-    let b = open_broker("16G", &["--max-connections-per-user", "1000"]);
+    let b = Broker::start_open("16G", &["--max-connections-per-user", "1000"]);
     let mut hold = b
         .run(&["--gpus", "1", "--", "sh", "-c", "echo held; read x"])
         .stdin(Stdio::piped())

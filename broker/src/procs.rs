@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use crate::inventory::{self, Nvml};
+use crate::inventory::{self, Health, Nvml};
 
 /// The host's processes.
 pub trait Procs {
@@ -87,8 +87,6 @@ pub struct GpuSample {
     /// from one that only asks.
     pub working: Option<Vec<(u32, u32)>>,
 }
-
-pub use crate::inventory::Health;
 
 /// NVML's `nvmlDeviceGetMemoryInfo`, bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

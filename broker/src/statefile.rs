@@ -52,6 +52,7 @@ impl StateFile {
     /// The jobs a previous broker left: the newest copy if it can be
     /// trusted and read, else the last good one (suspect), else none.
     pub fn load(&self) -> Loaded {
+        self.remove_torn_writes();
         let newest = match read(&self.path) {
             Ok(jobs) => {
                 return Loaded {
@@ -87,6 +88,36 @@ impl StateFile {
                 )),
                 suspect: true,
             },
+        }
+    }
+
+    /// Removes the temporaries of writes a killed broker never renamed
+    /// (`<path>.<16 hex>.tmp`, `<path>.prev.<16 hex>.tmp`): nothing reads
+    /// them, and left there they would keep a clean stop from removing the
+    /// private directory. Only this broker writes in that directory (it is
+    /// checked private at start), so such a name is its own.
+    fn remove_torn_writes(&self) {
+        let (Some(dir), Some(base)) = (self.path.parent(), self.path.file_name()) else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let base = base.to_string_lossy();
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            let Some(rest) = name.strip_prefix(&*base) else {
+                continue;
+            };
+            let rest = rest.strip_prefix(".prev").unwrap_or(rest);
+            let torn = rest
+                .strip_prefix('.')
+                .and_then(|r| r.strip_suffix(".tmp"))
+                .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()));
+            if torn && e.file_type().is_ok_and(|t| t.is_file()) {
+                let _ = std::fs::remove_file(e.path());
+            }
         }
     }
 
@@ -138,6 +169,30 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn a_killed_writers_temporaries_are_removed_at_load_and_nothing_else() {
+        let d = dir("torn");
+        let f = StateFile::new(d.join("state"));
+        f.save(&encode([job(1)].iter())).unwrap();
+        let torn = [files::temporary(f.path()), files::temporary(&f.previous())];
+        let kept = [
+            d.join("state.notes.tmp"),
+            d.join("other.0123456789abcdef.tmp"),
+        ];
+        for p in torn.iter().chain(&kept) {
+            std::fs::write(p, b"half a write").unwrap();
+        }
+        let l = f.load();
+        assert_eq!(l.jobs, vec![job(1)]);
+        for p in &torn {
+            assert!(!p.exists(), "{} left", p.display());
+        }
+        for p in &kept {
+            assert!(p.exists(), "{} removed", p.display());
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

@@ -13,5 +13,6 @@ pub mod procfs;
 pub mod size;
 #[cfg(feature = "status")]
 pub mod status;
+pub mod text;
 pub mod versions;
 pub mod wire;

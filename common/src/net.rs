@@ -263,27 +263,51 @@ pub fn believe(sock: &impl AsRawFd, path: &Path) -> Result<(), NotTheBroker> {
         return Ok(());
     }
     let mut dir = CPath::new();
-    if !dir.set_dir_of(path) {
-        return Err(refuse(Some((pid, uid)), None, None));
-    }
-    let Some((owner, _)) = dir.stat() else {
-        return Err(refuse(Some((pid, uid)), None, None));
+    let owner = if dir.set_dir_of(path) {
+        dir.stat().map(|(o, _)| o)
+    } else {
+        None
     };
-    if uid != owner {
-        return Err(refuse(Some((pid, uid)), Some(owner), None));
-    }
     // SAFETY: geteuid has no preconditions.
-    if owner == unsafe { libc::geteuid() } {
+    let me = unsafe { libc::geteuid() };
+    verdict(uid, me, owner, |o| dir.open_ancestor(o))
+        .map_err(|(owner, doubt)| refuse(Some((pid, uid)), owner, doubt))
+}
+
+/// `believe`'s rule apart from the system calls: the listener `uid`, the
+/// caller `me`, the owner of the socket's directory (None: unknown), and
+/// the first directory above it that does not vouch for that owner
+/// (asked only when it matters). Refused with the owner to name and the
+/// doubt, if any.
+fn verdict<D>(
+    uid: u32,
+    me: u32,
+    owner: Option<u32>,
+    first_open_above: impl FnOnce(u32) -> Option<D>,
+) -> Result<(), (Option<u32>, Option<D>)> {
+    if uid == 0 {
         return Ok(());
     }
-    if let Some((above, a_uid, a_mode)) = dir.open_ancestor(owner) {
-        return Err(refuse(
-            Some((pid, uid)),
-            Some(owner),
-            Some((above, a_uid, a_mode)),
-        ));
+    let Some(owner) = owner else {
+        return Err((None, None));
+    };
+    if uid != owner {
+        return Err((Some(owner), None));
     }
-    Ok(())
+    if owner == me {
+        return Ok(());
+    }
+    match first_open_above(owner) {
+        Some(doubt) => Err((Some(owner), Some(doubt))),
+        None => Ok(()),
+    }
+}
+
+/// Whether a directory above the socket's (owner `uid`, mode `mode`)
+/// leaves the socket directory's ownership to `owner` alone: nobody but
+/// root or that owner could have made or replaced what is in it.
+fn vouches(owner: u32, uid: u32, mode: u32) -> bool {
+    (uid == 0 || uid == owner) && mode & 0o022 == 0
 }
 
 /// An absolute, NUL-terminated path on the stack.
@@ -368,7 +392,7 @@ impl CPath {
             // it, or "/" itself.
             let parent = if end <= 1 { 1 } else { end - 1 };
             let st = self.stat_prefix(parent);
-            let ok = st.is_some_and(|(u, m)| (u == 0 || u == owner) && m & 0o022 == 0);
+            let ok = st.is_some_and(|(u, m)| vouches(owner, u, m));
             if !ok {
                 let (u, m) = st.unwrap_or((u32::MAX, 0));
                 let p = PathBuf::from(std::ffi::OsStr::from_bytes(&self.buf[..parent]));
@@ -578,5 +602,38 @@ mod tests {
             ),
             "{doubted}"
         );
+    }
+
+    proptest::proptest! {
+        /// The rule as an invariant, whatever the uids and the
+        /// directories above: a listener is believed only if it is root,
+        /// or the owner of the socket's directory and that owner is the
+        /// caller or owns, with root, every directory above it, none of
+        /// which group or others can write.
+        #[test]
+        fn only_root_or_a_vouched_owner_is_believed(
+            listener in 0u32..4,
+            me in 0u32..4,
+            owner in proptest::option::of(0u32..4),
+            above in proptest::collection::vec((0u32..4, 0u32..0o2000), 0..6),
+        ) {
+            let mut asked = false;
+            let got = verdict(listener, me, owner, |o| {
+                asked = true;
+                above.iter().position(|&(u, m)| !vouches(o, u, m))
+            });
+            let owns = owner == Some(listener);
+            let third = |u: u32| u != 0 && Some(u) != owner;
+            let open = above.iter().any(|&(u, m)| third(u) || m & 0o022 != 0);
+            let want = listener == 0 || (owns && (listener == me || !open));
+            proptest::prop_assert_eq!(got.is_ok(), want, "{:?}", got);
+            // The directories above are looked at only for an owner who
+            // is not the caller.
+            proptest::prop_assert!(!asked || (owns && listener != 0 && listener != me));
+            if let Err((named, doubt)) = got {
+                proptest::prop_assert_eq!(named, owner);
+                proptest::prop_assert_eq!(doubt.is_some(), owns && open);
+            }
+        }
     }
 }

@@ -101,6 +101,25 @@ pub const PROTOCOL_VERSION: u16 = 5;
 /// processes started before an upgrade register with the new broker.
 pub const MIN_PROTOCOL_VERSION: u16 = 4;
 pub const MAGIC: [u8; 4] = *b"GPFR";
+
+/// Up to this place in the queue a waiting `gpufrac run` is told its
+/// place exactly; beyond, within a tenth of it.
+pub const EXACT_POSITIONS: u32 = 10;
+
+/// Whether a waiting request last told place `told` (None: never told)
+/// is told again at place `now`: when the place it knows is no longer
+/// exact up to [`EXACT_POSITIONS`], or off by more than a tenth of `now`
+/// beyond. A queue of 1,000 in which everyone moves up one place at each
+/// departure so tells each request about 58 times on its way to the
+/// front, not 1,000, and a departure tells a few requests, not all
+/// behind it.
+pub fn position_worth_telling(told: Option<u32>, now: u32) -> bool {
+    match told {
+        None => true,
+        Some(t) if now <= EXACT_POSITIONS => t != now,
+        Some(t) => u64::from(t.abs_diff(now)) * 10 > u64::from(now),
+    }
+}
 /// Largest value of a frame's length field.
 pub const MAX_FRAME: u32 = 1 << 20;
 /// Largest frame a client may send: its longest message (a `Register` of
@@ -269,6 +288,9 @@ macro_rules! server_messages {
             T_REVOKE 0x84 broker: Revoke { uuid: [u8; 16], grant: u64 };
             T_STATUS_REPLY 0x85 broker: StatusReply { json: String as Json };
             T_QUEUED 0x86 broker: Queued {
+                /// 1-based place in the queue, sent when it moved by a
+                /// meaningful step ([`position_worth_telling`]): exact up
+                /// to [`EXACT_POSITIONS`], within a tenth beyond.
                 position: u32,
                 waiting_for: String,
                 /// Names the request for `Lease.resume` after a broker

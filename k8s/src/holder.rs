@@ -53,11 +53,15 @@ pub fn describe_pins(pins: &[(String, u64)]) -> String {
 }
 
 impl Lease {
+    /// What the log calls it. Pod, claim and container names are the
+    /// API server's (DNS names, nothing hidden in them); escaped all the
+    /// same, by the rule every gpufrac log line keeps.
     fn said(&self, name: Option<&LeaseName>) -> String {
-        match name {
+        let s = match name {
             Some(n) => format!("{} of pod {} ({})", self.what, n.pod, n.label),
             None => self.what.clone(),
-        }
+        };
+        gpufrac_common::text::shown(&s).into_owned()
     }
 }
 
@@ -201,18 +205,18 @@ async fn session(
 }
 
 fn report(m: &ServerMsg, lease: &Lease) {
+    let what = lease.said(None);
     match m {
         ServerMsg::Queued {
             position,
             waiting_for,
             ..
         } => tracing::info!(
-            "{} waits in the broker's queue at position {position} for {waiting_for}: jobs \
-             outside Kubernetes hold that memory (the pod runs meanwhile, capped)",
-            lease.what
+            "{what} waits in the broker's queue at position {position} for {waiting_for}: jobs \
+             outside Kubernetes hold that memory (the pod runs meanwhile, capped)"
         ),
         ServerMsg::Leased(l) => {
-            tracing::info!("{} is booked on GPUs {:?}", lease.what, l.gpus)
+            tracing::info!("{what} is booked on GPUs {:?}", l.gpus)
         }
         ServerMsg::Error { message, .. } => tracing::warn!("the broker says: {message}"),
         _ => {}

@@ -5,7 +5,7 @@
 //! connects, hands what happens (messages, its ticks, a lost connection)
 //! to the session (`session.rs`, where every decision is made and tested
 //! in virtual time) and applies the actions it gets back to the compute
-//! gate (`client/compute.rs`, what application threads pass through) and
+//! gate (`client/gate.rs`, what application threads pass through) and
 //! the socket. If the broker goes away it keeps retrying and re-registers
 //! when it returns; meanwhile launches run unarbitrated (or block, with
 //! GPUFRAC_BROKER=required).
@@ -15,48 +15,47 @@
 //! stops answering (SIGSTOP, wedged) while this process waits on it is
 //! treated as gone.
 //!
-//! Beside the gate, each part the gate and this loop share has a room of
-//! its own under `client/`: `send` (the connection's sending side, any
-//! thread), `asking` (an Acquire and the wait for its grant), `optimism`
-//! (launching while the broker answers), `idle` (what idle hand-back
-//! reads), `slots` (the open lane's per-thread flags), `drain` (the drain
-//! thread), `registration` (what is registered, the job's cap),
-//! `notes` (what the session says).
+//! The gate (`client/gate.rs`, `GATE`) is the one object the application
+//! threads share with this thread: they post what they want there and
+//! wake it; this thread alone changes what the gate lets through and
+//! alone writes to the socket. Beside it, under `client/`: `lanes` (the
+//! gate's release handshake, model-checked), `compute` (the gate as the
+//! launch hooks use it), `connect`, `drain` (the drain thread),
+//! `registration` (what is registered, the job's cap) and `notes` (what
+//! the session says).
 
-mod asking;
 mod compute;
 mod connect;
 mod drain;
-mod idle;
+mod gate;
+mod lanes;
 mod notes;
-mod optimism;
 mod registration;
-mod send;
-mod slots;
 
 use self::compute::now_ns;
-pub use self::compute::{Pass, launched, may_launch, may_launch_now, syncing};
+pub use self::compute::{launched, may_launch, may_launch_now, syncing};
 pub use self::connect::check_required;
 use self::connect::{CONNECT_TIMEOUT, ConnectFail, connect};
-use self::registration::{first_registration_done, registration};
+use self::gate::GATE;
+pub use self::gate::Pass;
+use self::registration::registration;
 use crate::ledger::LEDGERS;
-use crate::session::{Action, Event, Session};
+use crate::session::{Action, Event, Gauges, Session};
 use crate::{boundary, config, devices};
 use gpufrac_common::config::{BrokerMode, ShimConfig};
 use gpufrac_common::wire;
 use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU8, Ordering::*};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
-
-static STARTED: AtomicU8 = AtomicU8::new(0);
 
 pub fn on_context_created() {
     let Ok(cfg) = config::config() else { return };
     if cfg.broker == BrokerMode::Off {
         return;
     }
-    if STARTED.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+    if GATE.start() {
         static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
         // SAFETY: registering plain extern "C" callbacks, once (a forked
         // child inherits them).
@@ -66,12 +65,22 @@ pub fn on_context_created() {
         });
         let spawned = std::thread::Builder::new()
             .name("gpufrac-client".into())
-            .spawn(move || contained("broker session", || client_thread(cfg)));
+            // Its connection closed as it unwound: the broker holds nothing
+            // of this process's any more, and the gates open.
+            .spawn(move || {
+                contained(
+                    "broker session",
+                    || client_thread(cfg),
+                    || GATE.close_all(false),
+                )
+            });
         if spawned.is_err() {
             warn!("could not start the broker client thread; compute is not arbitrated");
             return;
         }
-        registration::wait_first_registration();
+        // The broker may impose the job's memory cap (its lease's), and the
+        // first allocation must already be under it.
+        GATE.wait_first_registration(Duration::from_millis(1500));
     }
 }
 
@@ -79,10 +88,10 @@ pub fn on_context_created() {
 /// arbitration: the gates open (launches hand out no memory, so they pass
 /// through, as every entry point that hands out none does), and stderr
 /// says so once. Memory caps do not depend on these threads.
-fn contained(what: &str, body: impl FnOnce()) {
+fn contained(what: &str, body: impl FnOnce(), lost: impl FnOnce()) {
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_err() {
         let at = boundary::Where::take();
-        compute::unarbitrated(false);
+        lost();
         crate::log::write_line(format_args!(
             "internal error in the {what} thread ({at}); compute is not arbitrated from now on, memory caps still hold"
         ));
@@ -90,10 +99,16 @@ fn contained(what: &str, body: impl FnOnce()) {
 }
 
 fn client_thread(cfg: &'static ShimConfig) {
-    slots::register_membarrier();
+    GATE.register_membarrier();
+    // What the other threads wake this one with.
+    // SAFETY: a plain eventfd.
+    let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    GATE.set_wake_fd(wake);
     if std::thread::Builder::new()
         .name("gpufrac-drain".into())
-        .spawn(|| contained("drain", drain::run))
+        // The session hands back what it holds, each with its Release,
+        // and ends arbitration.
+        .spawn(|| contained("drain", drain::run, || GATE.drain_lost()))
         .is_err()
     {
         warn!(
@@ -107,9 +122,9 @@ fn client_thread(cfg: &'static ShimConfig) {
     let mut session = Session::new(cfg);
     let mut out = Vec::new();
     let mut said_not_the_broker = false;
-    loop {
+    while !session.retired() {
         match connect(cfg, CONNECT_TIMEOUT) {
-            Ok(s) => serve(s, cfg, &mut session, &mut out),
+            Ok(s) => serve(s, wake, cfg, &mut session, &mut out),
             Err(e) => {
                 // Someone else on the broker's path is news at any log
                 // level (a quiet session only logs a missing broker).
@@ -125,20 +140,34 @@ fn client_thread(cfg: &'static ShimConfig) {
                 }
                 let event = Event::ConnectFailed(e.what(&cfg.socket));
                 feed(&mut session, event, &mut None, cfg, &mut out);
+                // The drain thread may be gone meanwhile.
+                let g = gauges();
+                feed(&mut session, Event::Tick(&g), &mut None, cfg, &mut out);
             }
         }
         std::thread::sleep(Duration::from_millis(500));
     }
 }
 
+/// The gate's gauges, with the memory figures of the books.
+fn gauges() -> Gauges {
+    let mut g = GATE.gauges();
+    for (u, l) in g.usage.iter_mut().zip(&LEDGERS).take(GATE.device_count()) {
+        *u = (
+            l.used.load(Relaxed),
+            l.peak.load(Relaxed),
+            l.ooms.load(Relaxed),
+        );
+    }
+    g
+}
+
 /// The connection of a session, as the actions see it.
 struct Conn {
     s: UnixStream,
-    /// Application threads may send on it (registration is on the wire).
-    published: bool,
     /// Closed: the session is over.
     ended: bool,
-    /// A write of the client thread's own that did not go out.
+    /// A write that did not go out.
     failed: Option<String>,
 }
 
@@ -161,14 +190,11 @@ fn feed(
 
 /// One connected session; returns when the session ends (the connection
 /// lost, or the broker stalled).
-fn serve(s: UnixStream, cfg: &ShimConfig, session: &mut Session, out: &mut Vec<Action>) {
-    let fd = {
-        use std::os::fd::AsRawFd;
-        s.as_raw_fd()
-    };
+fn serve(s: UnixStream, wake: i32, cfg: &ShimConfig, session: &mut Session, out: &mut Vec<Action>) {
+    let fd = s.as_raw_fd();
+    GATE.set_conn_fd(fd);
     let mut conn = Some(Conn {
         s,
-        published: false,
         ended: false,
         failed: None,
     });
@@ -184,22 +210,33 @@ fn serve(s: UnixStream, cfg: &ShimConfig, session: &mut Session, out: &mut Vec<A
     let mut inbuf = Vec::new();
     let ended = |c: &Option<Conn>| c.as_ref().is_none_or(|c| c.ended);
     while !ended(&conn) {
-        let optimistic = optimism::any();
-        let tick = session.tick_ns(optimistic);
+        let tick = session.tick_ns(GATE.any_window());
         // ppoll, not a socket timeout: SO_RCVTIMEO counts in scheduler
         // ticks (4 ms at HZ=250), far coarser than the hand-back.
         let ts = libc::timespec {
             tv_sec: (tick / 1_000_000_000) as libc::time_t,
             tv_nsec: (tick % 1_000_000_000) as libc::c_long,
         };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one pollfd of ours, a timespec on the stack.
-        let ready = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
-        if ready > 0 {
+        let mut pfd = [
+            libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two pollfds of ours, a timespec on the stack.
+        let ready = unsafe { libc::ppoll(pfd.as_mut_ptr(), 2, &ts, std::ptr::null()) };
+        if ready > 0 && pfd[1].revents != 0 {
+            let mut n = 0u64;
+            // SAFETY: reading the eventfd's counter into a local.
+            unsafe { libc::read(wake, (&mut n as *mut u64).cast(), 8) };
+        }
+        if ready > 0 && pfd[0].revents != 0 {
             let mut tmp = [0u8; 4096];
             let read = match conn.as_mut() {
                 Some(c) => c.s.read(&mut tmp),
@@ -239,96 +276,72 @@ fn serve(s: UnixStream, cfg: &ShimConfig, session: &mut Session, out: &mut Vec<A
             }
         }
         if !ended(&conn) {
-            let g = compute::gauges();
+            let g = gauges();
             feed(session, Event::Tick(&g), &mut conn, cfg, out);
         }
     }
+    GATE.set_conn_fd(-1);
 }
 
 /// Does what the session decided.
 fn apply(a: Action, conn: &mut Option<Conn>, cfg: &ShimConfig) {
     match a {
-        Action::Send(m) => match conn {
-            Some(c) if !c.published => {
-                // Registration, before application threads may send: the
-                // client thread writes alone.
-                let mut buf = Vec::new();
-                wire::encode_client(&m, &mut buf);
-                if let Err(e) = c.s.write_all(&buf) {
-                    c.failed = Some(e.to_string());
-                }
-            }
-            // A send that fails on a published connection is a connection
-            // lost, which its read says.
-            _ => {
-                send::send(&m);
-            }
-        },
-        Action::Arbitrate => {
-            let Some(c) = conn else { return };
-            if c.failed.is_some() {
+        Action::Send(m) => {
+            let Some(c) = conn.as_mut().filter(|c| c.failed.is_none() && !c.ended) else {
                 return;
+            };
+            let mut buf = Vec::with_capacity(64);
+            wire::encode_client(&m, &mut buf);
+            if let Err(e) = c.s.write_all(&buf) {
+                c.failed = Some(e.to_string());
             }
-            use std::os::fd::AsRawFd;
-            compute::arbitrate(c.s.as_raw_fd());
-            c.published = true;
         }
+        Action::Arbitrate => GATE.close_all(true),
         Action::Open {
             dev,
             contended,
             bound_ns,
             stamp,
             all_open,
-        } => compute::open(dev, contended, bound_ns, stamp, all_open),
-        Action::Release {
-            dev,
-            ask_again,
-            release: msg,
-        } => compute::release(dev, ask_again, &msg),
-        Action::Drain { dev } => drain::request(dev),
-        Action::EndOptimism { dev, until } => optimism::end(dev, until),
+        } => GATE.open(dev, contended, bound_ns, stamp, all_open),
+        Action::Close { dev } => GATE.close(dev),
+        Action::Arm(devices) => GATE.arm(devices),
+        Action::Drain { dev } => GATE.request_drain(dev),
+        Action::EndOptimism { dev, until } => {
+            // What went out in the window is charged until it has run.
+            if GATE.end_window(dev, until) {
+                GATE.request_drain(dev);
+            }
+        }
         Action::ApplyCap(cap) => registration::apply_job_cap(cap),
-        Action::FirstRegistrationDone => first_registration_done(),
+        Action::FirstRegistrationDone => GATE.first_registration_done(),
         Action::Say(note) => notes::say(note, cfg),
         Action::End => {
             let Some(c) = conn else { return };
-            send::unpublish();
-            // Wake any thread blocked sending to a broker that stopped
-            // reading, and let a send in progress finish before the
-            // descriptor is closed (and its number reused) with `c`.
             let _ = c.s.shutdown(std::net::Shutdown::Both);
-            send::wait_for_senders();
             c.ended = true;
         }
-        Action::Unarbitrated { gated } => compute::unarbitrated(gated),
+        Action::Unarbitrated { gated } => GATE.close_all(gated),
+        Action::ExitReported => GATE.exit_reported(),
     }
 }
 
 /// A process that ends between two usage reports (at most one every
 /// 100 ms) would leave the broker figures from before its last
 /// allocations, or none: a job of one short process ended with a peak of
-/// 0 B. At exit its figures go out once more, if they can at once.
+/// 0 B. At exit the session says its figures once more, if it can within
+/// `EXIT_WAIT`.
 extern "C" fn report_at_exit() {
-    let n = idle::device_count();
-    for (d, l) in devices::all().iter().zip(&LEDGERS).take(n) {
-        send::send_at_exit(&wire::ClientMsg::Usage {
-            uuid: d.uuid.bytes,
-            used: l.used.load(Relaxed),
-            peak: l.peak.load(Relaxed),
-            ooms: l.ooms.load(Relaxed),
-        });
-    }
+    GATE.report_at_exit(EXIT_WAIT);
 }
 
+/// The longest an exit waits for the session's last usage report (a
+/// client thread blocked on a broker that stopped reading never sends it).
+const EXIT_WAIT: Duration = Duration::from_millis(50);
+
 /// The child of a fork has no client thread and must not share the
-/// parent's connection: close it, and start afresh at the child's own
-/// first context, with a session of its own.
+/// parent's connection: the gate closes it, and starts afresh at the
+/// child's own first context, with a session of its own.
 extern "C" fn after_fork_child() {
-    let fd = send::take_fd();
-    if fd >= 0 {
-        // SAFETY: closing the child's copy of the inherited descriptor.
-        unsafe { libc::close(fd) };
-    }
-    STARTED.store(0, SeqCst);
-    compute::reset_after_fork();
+    GATE.reset_after_fork();
 }

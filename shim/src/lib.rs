@@ -23,12 +23,14 @@
 //! 2. **Process state**: `config` (staged initialisation), `ledger` (the
 //!    books, the process's and the job's), `devices` (sizes, UUIDs, caps),
 //!    `contexts`.
-//! 3. **Gates**: `gate` (the memory gate and the charge), `inflight` (the
-//!    in-flight bound's driver events), `client` (the client thread: the
-//!    broker connection, applying the session's decisions),
-//!    `client::compute` (the compute gate that launches pass) and the
-//!    rooms the two share (`client::send`, `asking`, `optimism`, `idle`,
-//!    `slots`, `drain`, `connect`, `registration`, `notes`).
+//! 3. **Gates**: `charge` (the memory charge: whether a memory hook
+//!    accounts, and reserve-call-record), `inflight` (the in-flight
+//!    bound's driver events), `client` (the client thread: the broker
+//!    connection, applying the session's decisions), `client::gate` (the
+//!    compute gate that launches pass: one object, everything application
+//!    threads share with the client thread), `client::lanes` (its release
+//!    handshake, model-checked with loom), and beside them
+//!    `client::compute`, `drain`, `connect`, `registration`, `notes`.
 //! 4. **Hooks**: `hooks::*`, what each exported entry point does.
 //! 5. **Exports**: `exports` (the list expanded into exported symbols, the
 //!    table that lookups hand out, and `cuGetProcAddress`'s hooks, which
@@ -46,34 +48,49 @@
 // is unused there.
 #![cfg_attr(test, allow(dead_code))]
 
-#[macro_use]
-mod log;
-mod boundary;
-mod driver;
-mod hooklist;
+// Under loom (`--cfg loom`) only the gate's release handshake is built,
+// with loom's atomics, and model-checked (client/lanes.rs).
+#[cfg(loom)]
+#[path = "client/lanes.rs"]
+mod lanes;
 
-mod estimate;
-mod session;
-mod view;
-mod watch;
+/// The library's modules, all left out under loom.
+macro_rules! library {
+    ($($(#[$m:meta])* mod $name:ident;)*) => {
+        $( #[cfg(not(loom))] $(#[$m])* mod $name; )*
+    };
+}
 
-mod config;
-mod contexts;
-mod devices;
-mod ledger;
+library! {
+    #[macro_use]
+    mod log;
+    mod boundary;
+    mod driver;
+    mod hooklist;
 
-mod client;
-mod gate;
-mod inflight;
+    mod estimate;
+    mod session;
+    mod view;
+    mod watch;
 
-mod hooks;
+    mod config;
+    mod contexts;
+    mod devices;
+    mod ledger;
 
-#[cfg(not(test))]
-mod api;
-#[cfg(not(test))]
-mod dlsym;
-#[cfg(not(test))]
-mod exports;
+    mod charge;
+    mod client;
+    mod inflight;
 
-#[cfg(test)]
-mod layering;
+    mod hooks;
+
+    #[cfg(not(test))]
+    mod api;
+    #[cfg(not(test))]
+    mod dlsym;
+    #[cfg(not(test))]
+    mod exports;
+
+    #[cfg(test)]
+    mod layering;
+}

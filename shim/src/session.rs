@@ -8,10 +8,14 @@
 //!
 //! What the session owns is what only the client thread ever touched: the
 //! grant held per device (its id, slice, bound, when it began), the id last
-//! released, the usage last reported and the `Watch` on the broker's
-//! silence. What application threads share with it (launches in flight,
-//! the last launch, the optimistic windows, outstanding requests, threads
-//! in a synchronize call) comes in as a snapshot, `Gauges`, with each tick.
+//! released, the request outstanding, the usage last reported and the
+//! `Watch` on the broker's silence. It is the only one that sends: what
+//! application threads want (a device their launch found closed) and what
+//! the drain thread saw finish come in, with the rest they share with it
+//! (launches in flight, the last launch, the optimistic windows, threads
+//! in a synchronize call), as a snapshot, `Gauges`, with each tick; asking,
+//! asking again, arming the optimistic window and the order of an
+//! `Acquire` before a `Release` are decided here.
 
 use crate::watch::{self, STALL_NS, Verdict, Watch};
 use gpufrac_common::config::{BrokerMode, MAX_DEVICES, Priority, ShimConfig};
@@ -22,9 +26,14 @@ use gpufrac_common::wire::{ClientMsg, DeviceReg, ServerMsg};
 pub const IDLE_HANDBACK_NS: u64 = 500_000;
 /// Usage figures go out at most this often (and only when they changed).
 pub const REPORT_EVERY_NS: u64 = 100_000_000;
-/// The client thread's tick while nothing needs a finer one: usage reports
-/// and the watch on the broker live with this.
+/// The client thread's tick while nothing needs a finer one: usage reports,
+/// asking again and the watch on the broker live with this.
 const COARSE_TICK_NS: u64 = 100_000_000;
+/// A request still unanswered after this long is made again: the broker
+/// takes a repeated `Acquire` as the same request, and a request lost in
+/// some race (a CI run once left a process waiting on a broker that had it
+/// as idle) costs half a second, not forever.
+pub const ASK_AGAIN_NS: u64 = 500_000_000;
 
 /// A device's memory figures as reported: (used, peak, refusals).
 pub type Usage = (u64, u64, u64);
@@ -33,8 +42,16 @@ pub type Usage = (u64, u64, u64);
 /// just before a tick.
 #[derive(Clone, Debug)]
 pub struct Gauges {
-    /// Devices with an `Acquire` outstanding.
-    pub requested: u64,
+    /// Devices a launch waits for (or went out on ahead of its grant):
+    /// what application threads want asked for.
+    pub wants: u64,
+    /// Devices whose queued work the drain thread saw finish since the
+    /// last tick.
+    pub drained: u64,
+    /// The drain thread is gone (a contained panic).
+    pub drain_lost: bool,
+    /// The process is exiting: its figures go out once more.
+    pub exiting: bool,
     /// A thread waits for this process's own kernels (a synchronize call,
     /// or room under the in-flight bound): not idleness.
     pub syncing: bool,
@@ -52,7 +69,10 @@ pub struct Gauges {
 impl Default for Gauges {
     fn default() -> Gauges {
         Gauges {
-            requested: 0,
+            wants: 0,
+            drained: 0,
+            drain_lost: false,
+            exiting: false,
             syncing: false,
             in_flight: 0,
             last_launch: [0; MAX_DEVICES],
@@ -104,14 +124,13 @@ pub enum Action {
         stamp: Option<u64>,
         all_open: bool,
     },
-    /// Stops launching on `dev`, waits for launches past the gate, then
-    /// sends `release`; `ask_again` (an `Acquire`) goes out first, so that
-    /// a busy process keeps its place in the fair queue.
-    Release {
-        dev: usize,
-        ask_again: Option<ClientMsg>,
-        release: ClientMsg,
-    },
+    /// Stops launching on `dev` and waits for launches past the gate: the
+    /// `Release` that follows may go out.
+    Close { dev: usize },
+    /// The devices whose next launch may go out before its grant (nothing
+    /// asked for them, nothing held): it opens the optimistic window, and
+    /// its want is asked for at once.
+    Arm(u64),
     /// Waits for what this process queued on `dev` to finish, then sends
     /// `Drained`.
     Drain { dev: usize },
@@ -129,6 +148,9 @@ pub enum Action {
     Say(Note),
     /// Ends the session: the connection is closed.
     End,
+    /// The report asked for at exit is out, or cannot be made: the exit
+    /// may go on.
+    ExitReported,
     /// No broker to arbitrate: close every gate; with `gated`
     /// (`GPUFRAC_BROKER=required`) launches wait for one, otherwise they
     /// run unarbitrated.
@@ -163,6 +185,9 @@ pub enum Note {
         dev: usize,
         held_ns: u64,
     },
+    /// The drain thread is gone: what was held is handed back and compute
+    /// is not arbitrated from now on.
+    Retired,
 }
 
 /// The grant state of one device.
@@ -176,6 +201,8 @@ struct Device {
     released: u64,
     slice_ns: u64,
     granted_at: u64,
+    /// When the `Acquire` still unanswered went out (None: nothing asked).
+    asked: Option<u64>,
     reported: Option<Usage>,
 }
 
@@ -197,6 +224,12 @@ pub struct Session {
     /// The user has been told there is no broker (or that it stalled);
     /// the retries that follow do not repeat it.
     warned: bool,
+    /// The devices last armed (`Action::Arm`).
+    armed: u64,
+    /// Arbitration ended for good (the drain thread is gone).
+    retired: bool,
+    /// The process is exiting and its last figures are said.
+    exit_reported: bool,
 }
 
 impl Session {
@@ -222,28 +255,47 @@ impl Session {
             watch: Watch::new(0),
             last_report: 0,
             warned: false,
+            armed: 0,
+            retired: false,
+            exit_reported: false,
         }
     }
 
     /// Applies `event`, which happened at `now`; the actions go to `out`.
     pub fn on(&mut self, now: u64, event: Event<'_>, out: &mut Vec<Action>) {
+        if let Event::Tick(g) = &event
+            && g.exiting
+            && !self.exit_reported
+        {
+            // Once, whatever else the tick would do: the process is on its
+            // way out.
+            self.exit_reported = true;
+            if self.connected {
+                self.report_usage(g, true, out);
+            }
+            return out.push(Action::ExitReported);
+        }
+        if self.retired {
+            return;
+        }
         match event {
             Event::Connected { devices, command } => self.connected(now, devices, command, out),
             Event::Heard => self.watch.heard(now),
             Event::Message(m) if self.connected => self.message(now, m, out),
             Event::Message(_) => {}
+            Event::Tick(g) if g.drain_lost => self.retire(now, out),
             Event::Tick(g) if self.connected => self.tick(now, g, out),
             Event::Tick(_) => {}
             Event::Lost(why) => {
                 if self.connected {
                     out.push(Action::Say(Note::Lost(why)));
-                    self.disconnect(out);
+                    self.disconnect(self.required, out);
                 }
             }
             Event::ConnectFailed(what) => {
                 if self.connected {
                     // A new attempt means the session before is over.
-                    self.disconnect(out);
+                    self.disconnect(self.required, out);
                 }
                 out.push(Action::FirstRegistrationDone);
                 if !self.warned {
@@ -276,7 +328,13 @@ impl Session {
         self.connected
     }
 
+    /// Arbitration ended for good: the client thread stops.
+    pub fn retired(&self) -> bool {
+        self.retired
+    }
+
     /// Devices open now, as a bit set.
+    #[cfg(test)]
     pub fn open(&self) -> u64 {
         self.bits(|d| d.open)
     }
@@ -325,20 +383,33 @@ impl Session {
             priority: self.priority,
         }));
         out.push(Action::Arbitrate);
+        self.armed = 0;
+        self.arm(out);
         out.push(Action::Say(Note::Registered));
     }
 
-    fn disconnect(&mut self, out: &mut Vec<Action>) {
+    /// Arms the devices neither held nor asked for, if that changed.
+    fn arm(&mut self, out: &mut Vec<Action>) {
+        let armed = self.bits(|d| !d.open && d.asked.is_none());
+        if armed != self.armed {
+            self.armed = armed;
+            out.push(Action::Arm(armed));
+        }
+    }
+
+    /// Ends the connection; `gated`: launches wait for the next one.
+    fn disconnect(&mut self, gated: bool, out: &mut Vec<Action>) {
         self.connected = false;
         for d in &mut self.devices {
             d.open = false;
             d.contended = false;
             d.bound_ns = 0;
+            d.asked = None;
         }
+        // Closing every gate disarms them.
+        self.armed = 0;
         out.push(Action::End);
-        out.push(Action::Unarbitrated {
-            gated: self.required,
-        });
+        out.push(Action::Unarbitrated { gated });
     }
 
     fn ordinal_of(&self, uuid: &[u8; 16]) -> Option<usize> {
@@ -371,6 +442,7 @@ impl Session {
                     d.granted_at = now;
                 }
                 d.open = true;
+                d.asked = None;
                 d.grant = grant;
                 d.slice_ns = slice_ns;
                 d.bound_ns = bound_ns;
@@ -387,6 +459,7 @@ impl Session {
                     dev: i,
                     open_ended: slice_ns == 0,
                 }));
+                self.arm(out);
             }
             ServerMsg::Revoke { uuid, grant } => {
                 // Revoked while busy: this process still has work, so it
@@ -394,7 +467,7 @@ impl Session {
                 if let Some(i) = self.ordinal_of(&uuid)
                     && grant == self.devices[i].grant
                 {
-                    self.release(now, i, true, out);
+                    self.release(now, i, true, true, out);
                 }
             }
             ServerMsg::Registered { mem_cap } => {
@@ -413,8 +486,12 @@ impl Session {
         }
     }
 
-    /// Stops holding `i` (if it is held) and says so to the broker.
-    fn release(&mut self, now: u64, i: usize, ask_again: bool, out: &mut Vec<Action>) {
+    /// Stops holding `i` (if it is held) and says so to the broker, asking
+    /// again first with `ask_again` (so that a busy process keeps its place
+    /// in the fair queue: asked after the `Release`, the broker would take
+    /// its `Acquire` for the holder's and then idle it), and drains with
+    /// `drain`.
+    fn release(&mut self, now: u64, i: usize, ask_again: bool, drain: bool, out: &mut Vec<Action>) {
         let d = &mut self.devices[i];
         if !d.open {
             return;
@@ -424,29 +501,35 @@ impl Session {
         d.bound_ns = 0;
         d.released = d.grant;
         let held_ns = now.saturating_sub(d.granted_at);
-        out.push(Action::Release {
-            dev: i,
-            ask_again: ask_again.then_some(ClientMsg::Acquire { uuid: d.uuid }),
-            release: ClientMsg::Release {
-                uuid: d.uuid,
-                held_ns,
-            },
-        });
+        if ask_again {
+            d.asked = Some(now);
+            out.push(Action::Send(ClientMsg::Acquire { uuid: d.uuid }));
+        }
+        out.push(Action::Close { dev: i });
+        out.push(Action::Send(ClientMsg::Release {
+            uuid: d.uuid,
+            held_ns,
+        }));
         // No drain before the Release: the next holder starts now, and
         // the GPU's time-slicer interleaves what this process still has
         // queued (kept short by the in-flight bound).
-        out.push(Action::Drain { dev: i });
+        if drain {
+            out.push(Action::Drain { dev: i });
+        }
         out.push(Action::Say(Note::Released { dev: i, held_ns }));
+        self.arm(out);
     }
 
     fn tick(&mut self, now: u64, g: &Gauges, out: &mut Vec<Action>) {
+        self.report_drained(g, out);
         self.idle_handback(now, g, out);
+        self.ask(now, g, out);
         self.end_optimism(now, g, out);
         if now.saturating_sub(self.last_report) >= REPORT_EVERY_NS {
             self.last_report = now;
-            self.report_usage(g, out);
+            self.report_usage(g, false, out);
         }
-        self.check_watch(now, g, out);
+        self.check_watch(now, out);
     }
 
     fn idle_handback(&mut self, now: u64, g: &Gauges, out: &mut Vec<Action>) {
@@ -460,9 +543,47 @@ impl Session {
                 && g.in_flight & (1 << i) == 0
                 && now.saturating_sub(g.last_launch[i]) >= IDLE_HANDBACK_NS
             {
-                self.release(now, i, false, out);
+                self.release(now, i, false, true, out);
             }
         }
+    }
+
+    /// Asks for the devices that application threads want and this
+    /// process neither holds nor has asked for, and again for those asked
+    /// for `ASK_AGAIN_NS` ago and still not granted.
+    fn ask(&mut self, now: u64, g: &Gauges, out: &mut Vec<Action>) {
+        for (i, d) in self.devices.iter_mut().enumerate() {
+            let due = d
+                .asked
+                .is_none_or(|at| now.saturating_sub(at) >= ASK_AGAIN_NS);
+            if g.wants & (1 << i) != 0 && !d.open && due {
+                d.asked = Some(now);
+                out.push(Action::Send(ClientMsg::Acquire { uuid: d.uuid }));
+            }
+        }
+        self.arm(out);
+    }
+
+    /// `Drained` for each device whose queued work the drain thread saw
+    /// finish.
+    fn report_drained(&self, g: &Gauges, out: &mut Vec<Action>) {
+        for (i, d) in self.devices.iter().enumerate() {
+            if g.drained & (1 << i) != 0 {
+                out.push(Action::Send(ClientMsg::Drained { uuid: d.uuid }));
+            }
+        }
+    }
+
+    /// The drain thread is gone: everything held is handed back, each with
+    /// its `Release` (a hung holder otherwise, to the broker), the session
+    /// ends and compute is not arbitrated from now on.
+    fn retire(&mut self, now: u64, out: &mut Vec<Action>) {
+        for i in 0..self.devices.len() {
+            self.release(now, i, false, false, out);
+        }
+        out.push(Action::Say(Note::Retired));
+        self.disconnect(false, out);
+        self.retired = true;
     }
 
     /// A process whose launches went out ahead of a grant that has not come
@@ -479,10 +600,11 @@ impl Session {
 
     /// The figures of every device whose (used, peak, refusals) changed
     /// since they were last sent: comparing values costs the allocation
-    /// path nothing.
-    fn report_usage(&mut self, g: &Gauges, out: &mut Vec<Action>) {
+    /// path nothing. With `all`, every device's (the last report, at
+    /// exit).
+    fn report_usage(&mut self, g: &Gauges, all: bool, out: &mut Vec<Action>) {
         for (d, &now) in self.devices.iter_mut().zip(g.usage.iter()) {
-            if d.reported == Some(now) {
+            if d.reported == Some(now) && !all {
                 continue;
             }
             d.reported = Some(now);
@@ -496,8 +618,8 @@ impl Session {
     }
 
     /// How long the broker may stay silent now (see `watch.rs`).
-    fn allowance(&self, g: &Gauges) -> Option<u64> {
-        let waiting = g.requested & !self.open() != 0;
+    fn allowance(&self) -> Option<u64> {
+        let waiting = self.devices.iter().any(|d| !d.open && d.asked.is_some());
         let slice = self
             .devices
             .iter()
@@ -507,8 +629,8 @@ impl Session {
         watch::allowance(waiting, slice)
     }
 
-    fn check_watch(&mut self, now: u64, g: &Gauges, out: &mut Vec<Action>) {
-        match self.watch.check(now, self.allowance(g)) {
+    fn check_watch(&mut self, now: u64, out: &mut Vec<Action>) {
+        match self.watch.check(now, self.allowance()) {
             Verdict::Fine => {}
             // Answered by a Pong: what counts is that something arrives.
             Verdict::Probe => out.push(Action::Send(ClientMsg::Ping)),
@@ -523,7 +645,7 @@ impl Session {
                 // do not say it again.
                 self.warned = true;
                 out.push(Action::Say(Note::StalledUnarbitrated { loud: self.loud }));
-                self.disconnect(out);
+                self.disconnect(self.required, out);
             }
         }
     }

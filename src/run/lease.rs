@@ -11,7 +11,7 @@ use gpufrac_common::wire::{ClientMsg, Lease, LeaseReq, Pin};
 
 use super::args::RunArgs;
 use super::fail::Fail;
-use super::waiting::{Waiting, Want};
+use super::waiting::{Waiting, Want, place};
 use crate::client::{Client, LeaseOutcome, QueueReport};
 
 /// "1 GPU", "2 GPUs", "4.00 GiB": what a request waits for, in the broker's
@@ -157,7 +157,7 @@ pub(super) fn lease(
                         position,
                         waiting_for,
                         ..
-                    }) => (waiting_for, position.to_string()),
+                    }) => (waiting_for, place(position)),
                     None => (describe_want(args.gpus, mem), "unknown".to_owned()),
                 };
                 let text = args.timeout.as_ref().map_or("", |t| t.text.as_str());
@@ -213,7 +213,7 @@ impl StatusLine {
         let text = format!(
             " gpufrac: waiting for {} \u{2014} position {} \u{2014} {}s",
             q.waiting_for,
-            q.position,
+            place(q.position),
             elapsed.as_secs()
         );
         // A new position shows at once; the clock alone redraws at most

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use gpufrac_common::size::format_size;
 use gpufrac_common::status::{GpuStatus, Status};
+use gpufrac_common::wire::EXACT_POSITIONS;
 
 use crate::client::QueueReport;
 
@@ -59,21 +60,27 @@ impl Waiting {
         }
         self.said = Some(now);
         let me = std::process::id();
-        let why = status().map_or_else(
+        let status = status();
+        // The broker's reports are exact only near the front; the status
+        // read for the line says the place exactly.
+        let position = status
+            .as_ref()
+            .and_then(|s| exact_position(s, me))
+            .map_or_else(|| place(q.position), |p| p.to_string());
+        let why = status.map_or_else(
             || "the broker's status could not be read to say why".to_owned(),
             |s| broker_why(&s, me).unwrap_or_else(|| why(&s, q, want)),
         );
         Some(if first {
             format!(
-                "waiting for {}, position {} in the queue: {why}",
-                q.waiting_for, q.position
+                "waiting for {}, position {position} in the queue: {why}",
+                q.waiting_for
             )
         } else {
             format!(
-                "still waiting for {} after {}, position {} in the queue: {why}",
+                "still waiting for {} after {}, position {position} in the queue: {why}",
                 q.waiting_for,
                 elapsed(now.duration_since(self.start)),
-                q.position
             )
         })
     }
@@ -109,7 +116,8 @@ pub(super) fn elapsed(d: Duration) -> String {
 }
 
 /// A holder as a line names it: `pid 4242 (python train.py)`, the command
-/// cut and its control characters escaped (it is the holder's to choose).
+/// cut and its control and format characters escaped (it is the holder's
+/// to choose).
 fn holder(pid: u32, command: &str) -> String {
     let mut c = String::new();
     for (i, ch) in command.chars().enumerate() {
@@ -117,7 +125,7 @@ fn holder(pid: u32, command: &str) -> String {
             c.push('…');
             break;
         }
-        if ch.is_control() {
+        if gpufrac_common::text::is_hidden(ch) {
             c.extend(ch.escape_default());
         } else {
             c.push(ch);
@@ -128,6 +136,22 @@ fn holder(pid: u32, command: &str) -> String {
     } else {
         format!("pid {pid} ({c})")
     }
+}
+
+/// A place in the queue as the broker's reports give it: exact up to
+/// [`EXACT_POSITIONS`], "about" beyond, where the broker tells a waiting
+/// run its place again only once it moved by a tenth.
+pub(super) fn place(position: u32) -> String {
+    if position > EXACT_POSITIONS {
+        format!("about {position}")
+    } else {
+        position.to_string()
+    }
+}
+
+/// Request `pid`'s place, exactly, from the broker's status.
+fn exact_position(s: &Status, pid: u32) -> Option<u32> {
+    s.queue.iter().find(|e| e.pid == pid).map(|e| e.position)
 }
 
 /// Why the broker says request `pid`'s waits (its queue entry's `why`,
@@ -226,8 +250,9 @@ pub(super) fn why(s: &Status, q: &QueueReport, want: Want) -> String {
         }
         (None, None) => {}
     }
-    if q.position > 1 {
-        let ahead = q.position - 1;
+    let position = exact_position(s, std::process::id()).unwrap_or(q.position);
+    if position > 1 {
+        let ahead = position - 1;
         let _ = write!(
             o,
             "; {ahead} request{} ahead of it",
@@ -363,6 +388,41 @@ mod tests {
             "{w}"
         );
         assert!(w.len() < 400, "{} chars: {w}", w.len());
+    }
+
+    /// The broker tells a waiting run its place exactly only up to 10
+    /// (within a tenth beyond): the status line says "about" past that,
+    /// and the line said every 30 s takes the exact place from the status
+    /// it reads.
+    #[test]
+    fn a_place_past_ten_is_about_and_a_line_says_it_exactly_from_status() {
+        assert_eq!(place(10), "10");
+        assert_eq!(place(11), "about 11");
+        let mut w = Waiting::new();
+        let q = report(123, "1 GPU");
+        let want = Want {
+            gpus: Some(1),
+            mem: None,
+        };
+        let first = w.line(w.start, &q, want, || None).unwrap();
+        assert!(
+            first.starts_with("waiting for 1 GPU, position about 123 in the queue: "),
+            "{first}"
+        );
+        let s = Status {
+            queue: vec![QueueEntry {
+                pid: std::process::id(),
+                position: 117,
+                ..QueueEntry::default()
+            }],
+            ..Status::default()
+        };
+        let again = w.line(w.start + SAY_EVERY, &q, want, || Some(s)).unwrap();
+        assert!(
+            again.contains("position 117 in the queue: ")
+                && again.ends_with("116 requests go ahead of it"),
+            "{again}"
+        );
     }
 
     #[test]

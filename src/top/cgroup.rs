@@ -37,26 +37,12 @@ fn classify(path: &str) -> Option<String> {
     let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
     // Kubernetes first: its containers' scopes are also runtimes' (cri-o,
     // containerd, docker), but the pod is what people know them by.
-    if parts.iter().any(|p| p.starts_with("kubepods")) {
-        let pod = parts.iter().find_map(|p| {
-            let p = p.strip_suffix(".slice").unwrap_or(p);
-            let uid = p
-                .rsplit_once("-pod")
-                .map(|(_, u)| u)
-                .or_else(|| p.strip_prefix("pod"))?;
-            Some(uid.replace('_', "-"))
-        });
-        return Some(match pod {
-            Some(uid) => format!("k8s pod {}", short(&uid)),
-            None => "k8s".into(),
-        });
+    if let Some(pod) = pod_of(&parts) {
+        return Some(pod);
     }
-    if let Some(i) = parts.iter().position(|p| p.starts_with("job_"))
-        && parts[..i].iter().any(|p| p.contains("slurm"))
-    {
-        return Some(format!("slurm job {}", &parts[i][4..]));
+    if let Some(job) = slurm_job_of(&parts) {
+        return Some(format!("slurm job {job}"));
     }
-    // Slurm with cgroup v1: /slurm/uid_1000/job_123/step_0.
     for p in parts.iter().rev() {
         if let Some(id) = scope_id(p, "docker") {
             return Some(format!("docker {}", short(id)));
@@ -72,6 +58,63 @@ fn classify(path: &str) -> Option<String> {
         return Some(format!("docker {}", short(id)));
     }
     None
+}
+
+/// A pod, only from the kubelet's own tree at the root of the hierarchy
+/// (`/kubepods.slice/…`, `/kubepods/…`), and only by a well-formed pod
+/// UID: a user's delegated cgroup (systemd hands one to every logged-in
+/// user, under `user@UID.service`) may be named anything, `kubepods`
+/// included.
+fn pod_of(parts: &[&str]) -> Option<String> {
+    if !parts.first()?.starts_with("kubepods") {
+        return None;
+    }
+    let uid = parts[1..].iter().find_map(|p| {
+        let p = p.strip_suffix(".slice").unwrap_or(p);
+        let uid = p
+            .rsplit_once("-pod")
+            .map(|(_, u)| u)
+            .or_else(|| p.strip_prefix("pod"))?;
+        let uid = uid.replace('_', "-");
+        is_pod_uid(&uid).then_some(uid)
+    });
+    Some(match uid {
+        Some(uid) => format!("k8s pod {}", short(&uid)),
+        None => "k8s".into(),
+    })
+}
+
+/// A Slurm job's number, only from slurmstepd's own tree: with cgroup v2
+/// `/system.slice/[NODE_]slurmstepd.scope/job_N/…`, with v1
+/// `/slurm[_NODE]/uid_U/job_N/…` (the root of a controller's hierarchy),
+/// and only a well-formed `job_[0-9]+`. A `slurm/job_4242` that a user
+/// made in a delegated cgroup of theirs is nobody's job.
+fn slurm_job_of<'a>(parts: &[&'a str]) -> Option<&'a str> {
+    let job = match parts {
+        ["system.slice", scope, job, ..] if scope.ends_with("slurmstepd.scope") => job,
+        [root, uid, job, ..]
+            if (*root == "slurm" || root.starts_with("slurm_"))
+                && uid.strip_prefix("uid_").is_some_and(is_number) =>
+        {
+            job
+        }
+        _ => return None,
+    };
+    job.strip_prefix("job_").filter(|n| is_number(n))
+}
+
+fn is_number(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// A Kubernetes pod UID: 8-4-4-4-12 hexadecimal digits.
+fn is_pod_uid(s: &str) -> bool {
+    let groups: Vec<&str> = s.split('-').collect();
+    groups.len() == 5
+        && groups
+            .iter()
+            .zip([8, 4, 4, 4, 12])
+            .all(|(g, n)| g.len() == n && g.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// `docker-<id>.scope` or `libpod-<id>.scope` (the systemd drivers), or
@@ -143,6 +186,45 @@ mod tests {
                 None,
             ),
             ("0::/system.slice/docker.service\n".into(), None),
+            // The review's plant: a user's delegated cgroup named like a
+            // Slurm job, a right-to-left override in it. Nobody's job, and
+            // nothing of the name shown.
+            (
+                "0::/user.slice/user-65534.slice/user@65534.service/slurm/job_4242\u{202e}LIVE\n"
+                    .into(),
+                None,
+            ),
+            (
+                "0::/user.slice/user-65534.slice/user@65534.service/app.slice/slurm/job_4242/x\n"
+                    .into(),
+                None,
+            ),
+            (
+                "0::/user.slice/user-65534.slice/user@65534.service/system.slice/\
+                 slurmstepd.scope/job_9/step_0\n"
+                    .into(),
+                None,
+            ),
+            (
+                "0::/user.slice/user-65534.slice/user@65534.service/kubepods.slice/\
+                 kubepods-pod9c1e5d2a_77aa_4b1b_9f00_0123456789ab.slice\n"
+                    .into(),
+                None,
+            ),
+            // Ill-formed ids at the real roots.
+            (
+                "0::/system.slice/slurmstepd.scope/job_12\u{202e}3/step_0\n".into(),
+                None,
+            ),
+            (
+                "0::/kubepods/besteffort/pod9c1e\u{200b}5d2a-77aa-4b1b-9f00-0123456789ab/abc\n"
+                    .into(),
+                Some("k8s"),
+            ),
+            (
+                "0::/system.slice/node1_slurmstepd.scope/job_55/step_0\n".into(),
+                Some("slurm job 55"),
+            ),
             ("0::/\n".into(), None),
             ("garbage".into(), None),
         ];

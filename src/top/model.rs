@@ -291,7 +291,7 @@ impl Model {
     /// container or Slurm job of its cgroup.
     pub fn container(&self, p: &ProcStatus) -> Option<String> {
         if let Some(pod) = &p.pod {
-            return Some(format!("pod {pod}"));
+            return Some(format!("pod {}", crate::status::clean(pod)));
         }
         self.containers.get(&p.pid).cloned().flatten()
     }

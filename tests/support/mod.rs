@@ -416,6 +416,19 @@ impl Broker {
         b
     }
 
+    /// A broker other users can talk to: its socket's group is nogroup,
+    /// its directory traversable, the simulated GPU's state shared.
+    pub fn start_open(devices: &str, args: &[&str]) -> Broker {
+        use std::os::unix::fs::PermissionsExt;
+        let mut all = vec!["--group", "nogroup"];
+        all.extend_from_slice(args);
+        let b = Broker::start(devices, &all);
+        std::fs::set_permissions(b.socket.parent().unwrap(), PermissionsExt::from_mode(0o755))
+            .unwrap();
+        std::fs::set_permissions(&b.state, PermissionsExt::from_mode(0o666)).unwrap();
+        b
+    }
+
     pub fn wait_ready(&mut self) {
         let sock = self.socket.clone();
         let child = &mut self.child;

@@ -50,19 +50,7 @@ fn per_gpu(
     devices_only: bool,
     v: impl Fn(&GpuStatus) -> Option<f64>,
 ) -> Family {
-    per_gpu_of(Kind::Gauge, s, name, help, devices_only, v)
-}
-
-/// `per_gpu`, of a kind other than a gauge.
-fn per_gpu_of(
-    kind: Kind,
-    s: &Status,
-    name: &'static str,
-    help: &'static str,
-    devices_only: bool,
-    v: impl Fn(&GpuStatus) -> Option<f64>,
-) -> Family {
-    let mut f = Family::new(name, kind, help);
+    let mut f = Family::new(name, Kind::Gauge, help);
     for g in s.gpus.iter().filter(|g| !devices_only || g.mig.is_none()) {
         if let Some(x) = v(g) {
             f.add(gpu(g), x);
@@ -262,15 +250,7 @@ fn gpus(s: &Status) -> Vec<Family> {
             true,
             |g| g.health?.sm_clock_mhz.map(|m| f64::from(m) * 1e6),
         ),
-        per_gpu_of(
-            Kind::Counter,
-            s,
-            "gpufrac_gpu_xid_errors_total",
-            "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
-             fault, an uncorrectable ECC error) on the GPU since the broker started.",
-            true,
-            |g| g.health.map(|h| h.xid_errors as f64),
-        ),
+        xid_errors(s),
         per_gpu(
             s,
             "gpufrac_gpu_last_xid",
@@ -313,6 +293,22 @@ fn gpus(s: &Status) -> Vec<Family> {
 
 /// ECC errors since the driver loaded, corrected and not, where the GPU
 /// counts them.
+/// A counter, where `per_gpu` makes gauges.
+fn xid_errors(s: &Status) -> Family {
+    let mut f = Family::new(
+        "gpufrac_gpu_xid_errors_total",
+        Kind::Counter,
+        "XID events (the driver's critical errors: a GPU fallen off the bus, a page \
+         fault, an uncorrectable ECC error) on the GPU since the broker started.",
+    );
+    for g in s.gpus.iter().filter(|g| g.mig.is_none()) {
+        if let Some(h) = g.health {
+            f.add(gpu(g), h.xid_errors as f64);
+        }
+    }
+    f
+}
+
 fn ecc(s: &Status) -> Family {
     let mut f = Family::new(
         "gpufrac_gpu_ecc_errors_total",

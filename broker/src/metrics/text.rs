@@ -106,13 +106,21 @@ fn sample(o: &mut String, name: &str, labels: &Labels, le: Option<&str>, v: f64)
 }
 
 /// A label value as the format wants it: backslash, double quote and
-/// newline escaped; nothing else needs it.
+/// newline escaped; any other character no label may show raw (controls,
+/// format characters: `gpufrac_common::text::is_hidden`) as the text
+/// `\u{NNNN}`, so that a dashboard shows a command or a user as it is.
 fn escape(o: &mut String, v: &str) {
+    use gpufrac_common::text::{is_hidden, push_code};
     for c in v.chars() {
         match c {
             '\\' => o.push_str("\\\\"),
             '"' => o.push_str("\\\""),
             '\n' => o.push_str("\\n"),
+            c if is_hidden(c) => {
+                // The code's backslash is itself escaped for the format.
+                o.push('\\');
+                push_code(o, c);
+            }
             c => o.push(c),
         }
     }
@@ -135,7 +143,7 @@ mod tests {
     #[test]
     fn a_family_is_written_once_with_its_help_type_and_escaped_labels() {
         let mut f = Family::new("gpufrac_x_bytes", Kind::Gauge, "What x holds.");
-        f.add(vec![("user", "a\"b\\c\nd".into())], 1.0);
+        f.add(vec![("user", "a\"b\\c\nd\u{202e}e".into())], 1.0);
         f.add(vec![("user", "other".into())], 2.0);
         f.add(vec![("user", "other".into())], 3.5);
         let mut o = String::new();
@@ -144,7 +152,7 @@ mod tests {
             o,
             "# HELP gpufrac_x_bytes What x holds.\n\
              # TYPE gpufrac_x_bytes gauge\n\
-             gpufrac_x_bytes{user=\"a\\\"b\\\\c\\nd\"} 1\n\
+             gpufrac_x_bytes{user=\"a\\\"b\\\\c\\nd\\\\u{202e}e\"} 1\n\
              gpufrac_x_bytes{user=\"other\"} 5.5\n"
         );
     }

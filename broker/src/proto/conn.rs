@@ -6,6 +6,10 @@ use crate::authority::Peer;
 use crate::sched::Priority;
 use gpufrac_common::wire::Role;
 
+// The one escaper of what users send (commands, labels, pod names), in
+// common so that every client shows text by the same rules.
+pub use gpufrac_common::text::{Quoted, clip, clip_counted};
+
 /// How much of the broker one user may hold at once. Each budget is the
 /// user's own: one user exhausting it closes or refuses only that user's
 /// connections and requests (SECURITY.md lists them with their defaults).
@@ -128,8 +132,6 @@ pub(super) struct ShimConn {
 pub(super) struct CliConn {
     /// The job (token) this connection is the `gpufrac run` of.
     pub job: Option<u64>,
-    /// Queue position last told to a waiting `gpufrac run`.
-    pub queued: Option<u32>,
     /// A `Status` request waiting for its user's status budget (the page
     /// asked for). Nothing after it on this connection is handled until
     /// it is answered: replies keep their order.
@@ -231,95 +233,6 @@ impl Conn {
     }
 }
 
-/// `s` escaped, and cut to at most `max` bytes, with an ellipsis when cut:
-/// what a user sends is kept, shown and logged only in this form. The
-/// escaping stops at the limit: it reads at most `max + 1` characters of
-/// `s`, whatever its length (64 KiB of control characters once cost a
-/// `Name` frame 256 KiB of escapes, each a small allocation, before the
-/// cut), and it never cuts an escape in two. Returns the text and the
-/// bytes of `s` it read (the work it did).
-pub fn clip_counted(s: &str, max: usize) -> (String, usize) {
-    let keep = max.saturating_sub('…'.len_utf8());
-    let mut out = String::with_capacity(s.len().min(max));
-    // `out`'s length after the last escape that left room for the
-    // ellipsis: where a cut goes.
-    let mut cut = 0;
-    for (at, c) in s.char_indices() {
-        push_escaped(&mut out, c);
-        if out.len() > max {
-            out.truncate(cut);
-            out.push('…');
-            return (out, at + c.len_utf8());
-        }
-        if out.len() <= keep {
-            cut = out.len();
-        }
-    }
-    (out, s.len())
-}
-
-/// `clip_counted`'s text.
-pub fn clip(s: &str, max: usize) -> String {
-    clip_counted(s, max).0
-}
-
-/// `c` as kept in what a user sends: newline, carriage return and tab
-/// become the two characters `\n`, `\r`, `\t`; other ASCII controls and
-/// DEL `\xNN`; C1 controls and the bidirectional overrides that reorder
-/// what a terminal shows `\u{NNNN}`; a backslash is doubled, so that an
-/// escape cannot be typed in. Nothing in the result can forge or disguise
-/// a line of a log or of status (SECURITY.md, invariant 6).
-fn push_escaped(out: &mut String, c: char) {
-    use std::fmt::Write;
-    match c {
-        '\\' => out.push_str("\\\\"),
-        '\n' => out.push_str("\\n"),
-        '\r' => out.push_str("\\r"),
-        '\t' => out.push_str("\\t"),
-        c if c.is_ascii_control() => {
-            let _ = write!(out, "\\x{:02x}", c as u32);
-        }
-        c if needs_escape(c) => {
-            let _ = write!(out, "\\u{{{:04x}}}", c as u32);
-        }
-        c => out.push(c),
-    }
-}
-
-fn needs_escape(c: char) -> bool {
-    c == '\\'
-        || c.is_control()
-        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-}
-
-/// A field a user chose (a command, a label, a pod's name), already
-/// clipped, as a log line shows it: in double quotes, a quote inside as
-/// `\"`. A structured log line then reads as its fields: `uid=0 pid=1` in
-/// an argv stays inside the command's quotes (clipped text holds no
-/// control character, and its backslashes are doubled, so the quoting
-/// cannot be undone from inside).
-pub struct Quoted<'a>(pub &'a str);
-
-impl std::fmt::Display for Quoted<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use std::fmt::Write;
-        f.write_char('"')?;
-        for (i, part) in self.0.split('"').enumerate() {
-            if i > 0 {
-                f.write_str("\\\"")?;
-            }
-            f.write_str(part)?;
-        }
-        f.write_char('"')
-    }
-}
-
-impl std::fmt::Debug for Quoted<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self, f)
-    }
-}
-
 /// A token bucket in virtual time: `cap` at once, then one per `every`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Bucket {
@@ -380,52 +293,6 @@ impl Bucket {
 mod tests {
     use super::*;
 
-    fn escape(s: &str) -> String {
-        clip(s, usize::MAX)
-    }
-
-    #[test]
-    fn escaped_text_holds_no_control_character() {
-        assert_eq!(escape("python train.py"), "python train.py");
-        assert_eq!(
-            escape("a\nINFO forged\r\t\\x\u{1b}[31m\u{7f}"),
-            "a\\nINFO forged\\r\\t\\\\x\\x1b[31m\\x7f"
-        );
-        assert_eq!(escape("\u{202e}gpj.exe\u{85}"), "\\u{202e}gpj.exe\\u{0085}");
-        assert_eq!(escape("é ü 日本"), "é ü 日本");
-        // Clipping never cuts an escape into a control character, nor in
-        // two.
-        let c = clip(&"\n".repeat(300), 256);
-        assert!(c.len() <= 256 && !c.contains('\n'), "{c}");
-        assert_eq!(c, format!("{}…", "\\n".repeat(126)));
-        let c = clip(&"\u{1}".repeat(300), 16);
-        assert_eq!(c, "\\x01\\x01\\x01…");
-    }
-
-    /// The attack: a `Name` of 64 KiB of control characters was escaped
-    /// whole (256 KiB of escapes, a small allocation each) and then cut to
-    /// 256 bytes. The escaping now stops at its output limit.
-    #[test]
-    fn escaping_reads_no_further_than_its_output_limit() {
-        for big in [
-            "\u{1}".repeat(64 << 10),
-            "x".repeat(2 << 20),
-            "é".repeat(1 << 20),
-        ] {
-            let (text, read) = clip_counted(&big, 256);
-            assert!(text.len() <= 256, "{}", text.len());
-            assert!(read <= 257 * 2, "read {read} bytes of {}", big.len());
-        }
-        assert_eq!(clip_counted("short", 256), ("short".into(), 5));
-    }
-
-    #[test]
-    fn quoted_fields_keep_to_their_quotes() {
-        assert_eq!(Quoted("python x").to_string(), "\"python x\"");
-        let q = Quoted(&clip("a\" uid=0 pid=1 \\\"", 256)).to_string();
-        assert_eq!(q, "\"a\\\" uid=0 pid=1 \\\\\\\"\"");
-    }
-
     #[test]
     fn a_bucket_gives_its_burst_then_one_per_period() {
         let mut b = Bucket::full(3, 0);
@@ -435,13 +302,5 @@ mod tests {
         assert!(b.take(10, 3, 10));
         assert!(!b.take(19, 3, 10));
         assert!(b.is_full(1000, 3, 10));
-    }
-
-    #[test]
-    fn clipped_labels_stay_within_their_budget() {
-        assert_eq!(clip("short", 256), "short");
-        let long = "é".repeat(1000);
-        let c = clip(&long, 256);
-        assert!(c.len() <= 256 && c.ends_with('…'), "{}", c.len());
     }
 }

@@ -88,6 +88,11 @@ impl Jobs {
         );
     }
 
+    /// How many jobs `uid` has.
+    pub fn count_of(&self, uid: u32) -> usize {
+        self.by_uid.get(&uid).map_or(0, BTreeSet::len)
+    }
+
     /// The job is over: everything kept of it, gone at once.
     pub fn end(&mut self, token: u64) -> Option<Entry> {
         let e = self.entries.remove(&token)?;
@@ -119,6 +124,7 @@ impl Jobs {
     }
 
     /// User `uid`'s jobs.
+    #[cfg(test)]
     pub fn of_user(&self, uid: u32) -> impl Iterator<Item = &Job> {
         self.by_uid
             .get(&uid)

@@ -164,9 +164,6 @@ impl Broker {
                         );
                     }
                     self.attach_job(now, id, job);
-                    if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
-                        c.queued = Some(0);
-                    }
                 }
                 Err(r) => self.refuse_as(id, Refusal::Unsatisfiable, r.reason),
             },
@@ -180,13 +177,12 @@ impl Broker {
         if !self.cfg.policy.counted(peer) {
             return Ok(());
         }
-        let mine = self.jobs.of_user(peer.uid);
-        let (all, queued) = mine.fold((0, 0), |(a, q), j| {
-            (
-                a + 1,
-                q + usize::from(matches!(j.phase, Phase::Queued { .. })),
-            )
-        });
+        // Counted as they come and go: a user with a long queue of its own
+        // is not walked at each request.
+        let (all, queued) = (
+            self.jobs.count_of(peer.uid),
+            self.queue.waiting_of(peer.uid),
+        );
         let b = self.cfg.budgets;
         if all >= b.leases {
             return Err(format!(
@@ -416,10 +412,12 @@ impl Broker {
             c.command = label;
             if let Some(cli) = c.cli_mut() {
                 cli.job = Some(token);
-                if matches!(phase, Phase::Queued { .. }) {
-                    cli.queued = Some(0);
-                }
             }
+        }
+        if matches!(phase, Phase::Queued { .. }) {
+            // Told its place again on its new connection, at the next pump.
+            self.queue.retell(token);
+            self.queue_dirty = true;
         }
         match phase {
             Phase::Queued { .. } => {}
@@ -629,11 +627,6 @@ impl Broker {
         self.changed();
         self.rejoin(now, lease.id);
         self.jobs.leased(lease.id, now, waited);
-        if let Some(id) = self.jobs.run(&lease.id)
-            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
-        {
-            c.queued = None;
-        }
         self.jobs.hold_until_saved(lease.id, self.state_seq);
     }
 
@@ -672,24 +665,22 @@ impl Broker {
         );
     }
 
-    /// Tells each waiting run its place when it changed.
+    /// Tells each waiting run its place when it moved by a meaningful
+    /// step (exact up to 10, within a tenth beyond): the queue says whose,
+    /// so a departure costs one walk and a few messages, not one to every
+    /// request behind it.
     pub(super) fn tell_positions(&mut self, now: Nanos) {
-        for w in self.queue.waiting(now) {
-            let pos = w.position as u32;
-            let Some(id) = self.jobs.run(&w.id) else {
+        for (token, position, want) in self.queue.positions_to_tell(now) {
+            let Some(id) = self.jobs.run(&token) else {
                 continue;
             };
-            let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) else {
-                continue;
-            };
-            if c.queued != Some(pos) {
-                c.queued = Some(pos);
+            if self.conns.get(&id).and_then(|c| c.cli()).is_some() {
                 self.send(
                     id,
                     &ServerMsg::Queued {
-                        position: pos,
-                        waiting_for: describe(&w.want),
-                        token: w.id,
+                        position,
+                        waiting_for: describe(&want),
+                        token,
                     },
                 );
             }

@@ -66,6 +66,7 @@ impl Queue {
                     req: h.req,
                     since,
                     seq,
+                    told: None,
                 });
                 true
             }

@@ -57,6 +57,7 @@ mod why;
 
 use std::collections::BTreeMap;
 
+use line::Line;
 use refusals::{plural, refuse, want_text};
 use reserve::{Hold, closed_to};
 
@@ -75,6 +76,8 @@ struct Waiter {
     req: Request,
     since: Nanos,
     seq: u64,
+    /// The place it was last told (`positions_to_tell`); None: not yet.
+    told: Option<u32>,
 }
 
 /// What a lease holds on one GPU, so releasing undoes exactly that.
@@ -124,7 +127,7 @@ pub struct Queue {
     cfg: QueueConfig,
     /// Sorted by index. GPUs in MIG mode are in `mig` instead.
     gpus: Vec<GpuState>,
-    waiting: Vec<Waiter>,
+    waiting: Line,
     held: BTreeMap<RequestId, Held>,
     next_seq: u64,
     mig: mig::Planner,
@@ -150,7 +153,7 @@ impl Queue {
                     outside: 0,
                 })
                 .collect(),
-            waiting: Vec::new(),
+            waiting: Line::default(),
             held: BTreeMap::new(),
             next_seq: 0,
             mig: mig::Planner::default(),
@@ -189,6 +192,7 @@ impl Queue {
             req,
             since: now,
             seq: self.next_seq,
+            told: None,
         });
         self.next_seq += 1;
         Ok(())
@@ -209,7 +213,7 @@ impl Queue {
     /// (by index), whatever else is booked: the job is running there. GPUs
     /// this node no longer has are left out.
     pub fn restore(&mut self, id: RequestId, req: Request, gpus: &[u32]) -> Result<Lease, Refusal> {
-        if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
+        if self.held.contains_key(&id) || self.waiting.contains(id) {
             return Err(refuse(format!("request {id} is already queued or running")));
         }
         if !req.pin.is_empty() {
@@ -336,9 +340,7 @@ impl Queue {
     /// The waiting `run` died or gave up. A lease under that id (granted
     /// before the caller noticed) is released, so nothing leaks.
     pub fn cancel(&mut self, now: Nanos, id: RequestId) {
-        if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
-            self.waiting.remove(pos);
-        } else {
+        if self.waiting.remove(id).is_none() {
             self.release(now, id);
         }
     }
@@ -346,9 +348,7 @@ impl Queue {
     /// The lease ended. A waiting request under that id is dropped instead.
     pub fn release(&mut self, now: Nanos, id: RequestId) {
         let Some(held) = self.held.remove(&id) else {
-            if let Some(pos) = self.waiting.iter().position(|w| w.id == id) {
-                self.waiting.remove(pos);
-            }
+            self.waiting.remove(id);
             return;
         };
         if held.lease.mig.is_some() {
@@ -391,30 +391,48 @@ impl Queue {
     /// One walk of the queue in order, placing what fits: (how many were
     /// placed, whether anything was held back).
     fn pass(&mut self, now: Nanos, placed: &mut Vec<Lease>) -> (usize, bool) {
-        let mut taken = Vec::new();
-        // GPUs that requests ahead wait for (pinned ones, which come
-        // before every unescalated request, and escalated ones): nobody
-        // after them may take room there.
+        let room = self.room();
+        // Nothing can be placed when not even the smallest request waiting
+        // would fit anywhere: a queue that only grows or loses waiting
+        // requests is not walked.
+        if !self.waiting.any_pinned()
+            && !self
+                .waiting
+                .fewest_gpus()
+                .is_some_and(|n| room.may_fit_gpus(n))
+            && !self
+                .waiting
+                .least_memory()
+                .is_some_and(|b| room.may_fit_memory(b))
+        {
+            return (0, false);
+        }
+        let mut n = 0;
+        // GPUs that requests ahead wait for (pinned, escalated and
+        // whole-GPU ones): nobody after them may take room there.
         let mut holds = Vec::new();
-        for i in self.order(now) {
-            let w = &self.waiting[i];
-            let reserved = closed_to(&holds, w.req.uid);
-            match self.plan(now, &w.req, &reserved) {
+        // What could fit at best, reservations aside: placing only takes
+        // room, so it stays an upper bound through the walk, and a request
+        // past it is passed over without working out where it would go.
+        for slot in self.order(now) {
+            let w = &self.waiting[slot];
+            let plan = if room.may_fit(&w.req) {
+                self.plan(now, &w.req, &closed_to(&holds, w.req.uid))
+            } else {
+                None
+            };
+            match plan {
                 Some(plan) => {
-                    let (id, req, origin) = (w.id, w.req.clone(), (w.since, w.seq));
-                    placed.push(self.commit_placed(id, req, plan, Some(origin)));
-                    taken.push(i);
+                    let id = w.id;
+                    let w = self.waiting.remove(id).expect("walked from the line");
+                    placed.push(self.commit_placed(id, w.req, plan, Some((w.since, w.seq))));
+                    n += 1;
                 }
                 None => {
                     let held = self.held_back(now, w, &holds);
                     holds.extend(held);
                 }
             }
-        }
-        let n = taken.len();
-        taken.sort_unstable();
-        for i in taken.into_iter().rev() {
-            self.waiting.remove(i);
         }
         (n, !holds.is_empty())
     }
@@ -423,36 +441,9 @@ impl Queue {
         now.saturating_sub(w.since) >= self.cfg.escalate_after
     }
 
-    /// Indices into `waiting`, in queue order: escalated first (FIFO),
-    /// then pinned (FIFO), then the rest by the part of a GPU each takes
-    /// (`line`): whole-GPU requests fewest GPUs first, each fraction
-    /// after every whole-GPU request that came before it.
-    fn order(&self, now: Nanos) -> Vec<usize> {
-        let (mut escalated, mut pinned, mut whole, mut fractions) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (i, w) in self.waiting.iter().enumerate() {
-            if self.is_escalated(now, w) {
-                escalated.push((w.seq, i));
-            } else if !w.req.pin.is_empty() {
-                pinned.push((w.seq, i));
-            } else if let Want::Gpus(n) = w.req.want {
-                whole.push((n, w.seq, i));
-            } else {
-                fractions.push((w.seq, i));
-            }
-        }
-        escalated.sort_unstable();
-        pinned.sort_unstable();
-        whole.sort_unstable();
-        fractions.sort_unstable();
-        let whole: Vec<(u64, usize)> = whole.into_iter().map(|(_, s, i)| (s, i)).collect();
-        let mut out: Vec<usize> = escalated
-            .into_iter()
-            .chain(pinned)
-            .map(|(_, i)| i)
-            .collect();
-        line::merge(&whole, &fractions, &mut out);
-        out
+    /// Each waiting request's slot in `waiting`, in queue order (`line`).
+    fn order(&self, now: Nanos) -> Vec<line::Slot> {
+        self.waiting.order(now, self.cfg.escalate_after)
     }
 }
 

@@ -30,6 +30,20 @@ impl Queue {
         self.cfg.overcommit || g.uncommitted() >= i128::from(self.slot_mem(g))
     }
 
+    /// What could fit now at best, reservations aside.
+    pub(super) fn room(&self) -> Room {
+        let open = self
+            .gpus
+            .iter()
+            .filter(|g| g.slots_used < self.cfg.overprovision);
+        Room {
+            whole: self.gpus.iter().filter(|g| self.fits_whole(g)).count(),
+            mem: open.clone().map(GpuState::uncommitted).max(),
+            overcommit: self.cfg.overcommit,
+            mig: !self.mig.is_empty(),
+        }
+    }
+
     /// Where `req` would go now, or None if it must wait: its pinned GPUs
     /// if it has them; else a MIG instance if one can be had, else a GPU
     /// outside MIG mode other than the `reserved` ones (positions in
@@ -179,5 +193,41 @@ impl Queue {
             },
         );
         lease
+    }
+}
+
+/// What could fit at best: an upper bound on what `plan` finds, cheap to
+/// test against a request.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Room {
+    /// GPUs that could take a whole-GPU lease.
+    whole: usize,
+    /// The most uncommitted memory of a GPU with a free slot; None: none
+    /// has one.
+    mem: Option<i128>,
+    overcommit: bool,
+    /// GPUs in MIG mode, whose instances the planner may find.
+    mig: bool,
+}
+
+impl Room {
+    /// False only when `plan` would find nowhere for `req`.
+    pub(super) fn may_fit(&self, req: &Request) -> bool {
+        match req.want {
+            _ if !req.pin.is_empty() => true,
+            Want::Gpus(n) => self.may_fit_gpus(n),
+            Want::Memory(b) => self.may_fit_memory(b),
+        }
+    }
+
+    pub(super) fn may_fit_gpus(&self, n: u32) -> bool {
+        n as usize <= self.whole
+    }
+
+    pub(super) fn may_fit_memory(&self, b: u64) -> bool {
+        self.mig
+            || self
+                .mem
+                .is_some_and(|m| self.overcommit || m >= i128::from(b))
     }
 }

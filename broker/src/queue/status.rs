@@ -1,7 +1,9 @@
 //! What the queue shows: waiting requests in queue order, the leases on
 //! each GPU, and a lease's details; and relabelling for those views.
 
-use super::{Lease, LeaseStatus, Nanos, Queue, Request, RequestId, WaitingStatus};
+use gpufrac_common::wire::position_worth_telling;
+
+use super::{Lease, LeaseStatus, Nanos, Queue, Request, RequestId, WaitingStatus, Want};
 
 impl Queue {
     /// Whether any request waits (without ordering them, as `waiting` does).
@@ -26,6 +28,48 @@ impl Queue {
                 }
             })
             .collect()
+    }
+
+    /// The waiting requests whose place moved far enough from the one
+    /// they were last told to be told again
+    /// ([`position_worth_telling`]: exact up to 10, within a tenth
+    /// beyond), with that place (1-based) and what they want; each is
+    /// taken as told. One walk of the queue, nothing per request that
+    /// stays put: a departure tells a few requests, not all behind it.
+    pub fn positions_to_tell(&mut self, now: Nanos) -> Vec<(RequestId, u32, Want)> {
+        let mut out = Vec::new();
+        for (place, slot) in self.order(now).into_iter().enumerate() {
+            let place = u32::try_from(place + 1).unwrap_or(u32::MAX);
+            let w = self.waiting.at_mut(slot);
+            if position_worth_telling(w.told, place) {
+                w.told = Some(place);
+                out.push((w.id, place, w.req.want));
+            }
+        }
+        out
+    }
+
+    /// Forgets the place a waiting request was told, so that the next
+    /// `positions_to_tell` tells it (its `run` came back on a new
+    /// connection).
+    pub fn retell(&mut self, id: RequestId) {
+        if let Some(w) = self.waiting.get_mut(id) {
+            w.told = None;
+        }
+    }
+
+    /// How many requests `uid` has waiting.
+    pub fn waiting_of(&self, uid: u32) -> usize {
+        self.waiting.of_user(uid)
+    }
+
+    /// The place a waiting request was last told.
+    #[cfg(test)]
+    pub(crate) fn told(&self, id: RequestId) -> Option<u32> {
+        self.waiting
+            .iter()
+            .find(|w| w.id == id)
+            .and_then(|w| w.told)
     }
 
     /// 1-based queue position of a waiting request.
@@ -60,11 +104,7 @@ impl Queue {
     pub fn relabel(&mut self, id: RequestId, label: &str, pod: Option<&str>) {
         let req = match self.held.get_mut(&id) {
             Some(h) => Some(&mut h.req),
-            None => self
-                .waiting
-                .iter_mut()
-                .find(|w| w.id == id)
-                .map(|w| &mut w.req),
+            None => self.waiting.get_mut(id).map(|w| &mut w.req),
         };
         if let Some(r) = req {
             r.label = label.to_owned();

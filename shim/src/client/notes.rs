@@ -39,5 +39,7 @@ pub fn say(note: Note, cfg: &ShimConfig) {
         Note::Released { dev, held_ns } => {
             debug!("device {dev}: released after {} us", held_ns / 1000)
         }
+        // The thread that died said so (client.rs, `contained`).
+        Note::Retired => debug!("arbitration ended: what was held is handed back"),
     }
 }

@@ -25,9 +25,9 @@
 //! the fact.
 
 use crate::boundary::{HookGuard, reentered};
+use crate::charge::{Accounting, accounting, refuse};
 use crate::devices;
 use crate::driver::{call, twin};
-use crate::gate::{Gate, gate, refuse};
 use crate::ledger::{self, NO_LIMIT, Refusal};
 use gpufrac_common::config::MAX_DEVICES;
 use gpufrac_common::cuda::*;
@@ -300,10 +300,10 @@ pub fn launch(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => taking(exec, real),
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => taking(exec, real),
     }
 }
 
@@ -319,10 +319,10 @@ fn instantiate(
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => return real(),
-        Gate::Refuse(code) => return code,
-        Gate::Account => {}
+    match accounting() {
+        Accounting::Pass => return real(),
+        Accounting::Refuse(code) => return code,
+        Accounting::Account => {}
     }
     let known = {
         let _g = HookGuard::enter();
@@ -430,10 +430,10 @@ fn upload(exec: CUgraphExec, real: impl FnOnce() -> u32) -> u32 {
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => taking(exec, real),
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => taking(exec, real),
     }
 }
 

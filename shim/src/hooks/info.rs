@@ -1,8 +1,8 @@
 //! What the process sees of memory through CUDA: a GPU the size of its cap
 //! (`view.rs`), and in a job no more free than the job has left.
 
+use crate::charge::{Accounting, accounting};
 use crate::driver::call;
-use crate::gate::{Gate, gate};
 use crate::ledger::{self, NO_LIMIT};
 use crate::view::virtual_view;
 use crate::{config, devices};
@@ -10,10 +10,10 @@ use gpufrac_common::cuda::*;
 
 pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
     let real = || unsafe { call::cuMemGetInfo_v2(free, total) };
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => {
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => {
             let Some((dev, _)) = devices::current() else {
                 return real();
             };

@@ -1,5 +1,5 @@
 //! Kernel launch hooks: every way to put work on the GPU passes the compute
-//! gate first (see client/compute.rs). When this process holds its
+//! compute gate first (see client/gate.rs). When this process holds its
 //! timeslice, or no arbitration is active, the gate is one atomic load.
 //! The launches are settled entry points (hooklist.rs): each hands its
 //! driver call's answer back through `Answer::then`, with the gate's

@@ -1,12 +1,12 @@
 //! Allocation hooks. Each one charges the books before the driver sees the
-//! request (`gate.rs`) and never lets a thread past the cap; the driver's
+//! request (`charge.rs`) and never lets a thread past the cap; the driver's
 //! own result code always comes back unchanged. Frees give back exactly
 //! what was charged.
 
 use crate::boundary::{HookGuard, reentered};
+use crate::charge::{Accounting, accounting, charge, refuse, reserve_then, uncharge};
 use crate::devices;
 use crate::driver::{call, twin};
-use crate::gate::{Gate, charge, gate, refuse, reserve_then, uncharge};
 use crate::ledger::{self, Entry, Kind};
 use gpufrac_common::cuda::*;
 use std::ffi::{c_uint, c_void};
@@ -14,10 +14,10 @@ use std::sync::Mutex;
 
 macro_rules! gated {
     ($pass:expr, |$dev:ident, $ctx:ident| $body:expr) => {
-        match gate() {
-            Gate::Pass => $pass,
-            Gate::Refuse(code) => code,
-            Gate::Account => {
+        match accounting() {
+            Accounting::Pass => $pass,
+            Accounting::Refuse(code) => code,
+            Accounting::Account => {
                 let _g = HookGuard::enter();
                 match devices::current() {
                     None => $pass,
@@ -103,7 +103,7 @@ pub unsafe fn alloc_pitch(
 /// the graph: it holds no memory until the graph is launched, and is
 /// charged then, as graph memory (`graphmem`).
 fn captured_alloc(stream: CUstream, ptsz: bool, real: impl Fn() -> u32) -> Option<u32> {
-    if reentered() || !matches!(gate(), Gate::Account) {
+    if reentered() || !matches!(accounting(), Accounting::Account) {
         return None;
     }
     if !super::graphmem::capturing(stream, ptsz) {
@@ -223,10 +223,10 @@ pub unsafe fn create(
     flags: u64,
 ) -> u32 {
     let real = || unsafe { call::cuMemCreate(handle, size, prop, flags) };
-    match gate() {
-        Gate::Pass => real(),
-        Gate::Refuse(code) => code,
-        Gate::Account => {
+    match accounting() {
+        Accounting::Pass => real(),
+        Accounting::Refuse(code) => code,
+        Accounting::Account => {
             if prop.is_null() || handle.is_null() {
                 return real();
             }

@@ -21,8 +21,8 @@
 //! growth), never on a launch path.
 
 use crate::boundary::{HookGuard, reentered};
+use crate::charge::{Accounting, accounting, refuse};
 use crate::driver::call;
-use crate::gate::{Gate, gate, refuse};
 use crate::ledger::{self, Entry, Kind};
 use gpufrac_common::cuda::*;
 use std::collections::BTreeMap;
@@ -222,9 +222,9 @@ fn with_tables(real: impl FnOnce() -> u32, after: impl FnOnce(&mut Tables)) -> u
     if reentered() {
         return real();
     }
-    match gate() {
-        Gate::Pass => return real(),
-        Gate::Refuse(_) | Gate::Account => {}
+    match accounting() {
+        Accounting::Pass => return real(),
+        Accounting::Refuse(_) | Accounting::Account => {}
     }
     let _g = HookGuard::enter();
     let mut t = tables();

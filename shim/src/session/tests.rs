@@ -81,14 +81,45 @@ fn opens(a: &[Action]) -> Vec<usize> {
         .collect()
 }
 
-/// The releases among `a`: (device, asks again).
+/// The releases among `a`: (device, asks again first).
 fn releases(a: &[Action]) -> Vec<(usize, bool)> {
     a.iter()
-        .filter_map(|a| match a {
-            Action::Release { dev, ask_again, .. } => Some((*dev, ask_again.is_some())),
+        .enumerate()
+        .filter_map(|(k, act)| match act {
+            Action::Close { dev } => {
+                let again = ClientMsg::Acquire { uuid: uuid(*dev) };
+                Some((*dev, k > 0 && a[k - 1] == Action::Send(again)))
+            }
             _ => None,
         })
         .collect()
+}
+
+/// The devices asked for (`Acquire`) among `a`.
+fn asked(a: &[Action]) -> Vec<usize> {
+    a.iter()
+        .filter_map(|a| match a {
+            Action::Send(ClientMsg::Acquire { uuid: u }) => Some(usize::from(u[0]) - 1),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The `held_ns` of the `Release` among `a`.
+fn held_ns(a: &[Action]) -> Option<u64> {
+    a.iter().find_map(|a| match a {
+        Action::Send(ClientMsg::Release { held_ns, .. }) => Some(*held_ns),
+        _ => None,
+    })
+}
+
+/// Gauges of a process whose threads want `wants` (and are otherwise idle
+/// since `last`).
+fn wanting(wants: u64, last: u64) -> Gauges {
+    Gauges {
+        wants,
+        ..idle_since(last)
+    }
 }
 
 fn sends(a: &[Action]) -> Vec<&ClientMsg> {
@@ -194,19 +225,30 @@ fn a_revoke_of_the_current_grant_releases_asking_again_then_drains() {
     let mut s = session(1);
     run(&mut s, T0, grant(0, 7, 20 * MS, 0, false));
     let a = run(&mut s, T0 + 20 * MS, revoke(0, 7));
+    // Asked again before the Release (heard after it, the broker would
+    // take the Acquire for the holder's and idle it), which goes out once
+    // no launch is past the gate; the drain after.
     assert_eq!(
-        a[0],
-        Action::Release {
-            dev: 0,
-            ask_again: Some(ClientMsg::Acquire { uuid: uuid(0) }),
-            release: ClientMsg::Release {
+        a[..4],
+        [
+            Action::Send(ClientMsg::Acquire { uuid: uuid(0) }),
+            Action::Close { dev: 0 },
+            Action::Send(ClientMsg::Release {
                 uuid: uuid(0),
                 held_ns: 20 * MS
-            },
-        }
+            }),
+            Action::Drain { dev: 0 },
+        ]
     );
-    assert_eq!(a[1], Action::Drain { dev: 0 });
     assert_eq!(s.open(), 0);
+    // Asked already: the threads that want it now add no Acquire.
+    let a = run(&mut s, T0 + 21 * MS, Event::Tick(&wanting(1, T0)));
+    assert!(
+        !sends(&a)
+            .iter()
+            .any(|m| matches!(m, ClientMsg::Acquire { .. })),
+        "{a:?}"
+    );
 }
 
 #[test]
@@ -224,13 +266,7 @@ fn a_grant_is_held_from_its_first_message_not_its_updates() {
         }
     ));
     let a = run(&mut s, T0 + 25 * MS, revoke(0, 7));
-    assert!(matches!(
-        a[0],
-        Action::Release {
-            release: ClientMsg::Release { held_ns, .. },
-            ..
-        } if held_ns == 25 * MS
-    ));
+    assert_eq!(held_ns(&a), Some(25 * MS));
 }
 
 #[test]
@@ -308,7 +344,7 @@ fn an_optimistic_window_that_runs_out_without_a_grant_ends_and_drains() {
     let mut s = session(2);
     let mut g = idle_since(T0);
     g.optimistic_until[1] = T0 + MS;
-    g.requested = 0b10;
+    g.wants = 0b10;
     let ended = |a: &[Action]| a.iter().any(|a| matches!(a, Action::EndOptimism { .. }));
     assert!(!ended(&run(&mut s, T0 + MS - 1, Event::Tick(&g))));
     let a = run(&mut s, T0 + MS, Event::Tick(&g));
@@ -355,30 +391,29 @@ fn usage_goes_out_when_it_changed_at_most_every_report_interval() {
 #[test]
 fn a_silent_broker_is_probed_then_deemed_stalled_while_waited_on() {
     let mut s = session(1);
-    let waiting = Gauges {
-        requested: 1,
-        ..Gauges::default()
-    };
+    let waiting = wanting(1, 0);
     // Nothing asked: silence is fine however long.
     run(&mut s, T0, Event::Tick(&Gauges::default()));
     assert!(run(&mut s, T0 + 10 * STALL_NS, Event::Tick(&Gauges::default())).is_empty());
     let t = T0 + 10 * STALL_NS;
-    assert!(run(&mut s, t, Event::Tick(&waiting)).is_empty());
+    let acquire = ClientMsg::Acquire { uuid: uuid(0) };
+    assert_eq!(sends(&run(&mut s, t, Event::Tick(&waiting))), [&acquire]);
     let a = run(&mut s, t + watch::PROBE_NS, Event::Tick(&waiting));
-    assert_eq!(sends(&a), [&ClientMsg::Ping]);
+    // Asked again (half a second on), and probed.
+    assert_eq!(sends(&a), [&acquire, &ClientMsg::Ping]);
     // An answer restarts the count.
     run(&mut s, t + watch::PROBE_NS + 1, Event::Heard);
     let a = run(&mut s, t + STALL_NS, Event::Tick(&waiting));
     assert!(!a.contains(&Action::End));
     let t = t + watch::PROBE_NS + 1;
     let a = run(&mut s, t + STALL_NS, Event::Tick(&waiting));
-    assert_eq!(
-        a,
-        [
+    assert!(
+        a.ends_with(&[
             Action::Say(Note::StalledUnarbitrated { loud: false }),
             Action::End,
             Action::Unarbitrated { gated: false }
-        ]
+        ]),
+        "{a:?}"
     );
     assert!(!s.is_connected());
     // The session is over: its ticks and messages do nothing.
@@ -419,14 +454,18 @@ fn with_the_broker_required_a_stall_waits_and_is_said_once() {
     };
     let mut s = Session::new(&cfg);
     connect(&mut s, T0, 1);
-    let waiting = Gauges {
-        requested: 1,
-        ..Gauges::default()
-    };
+    let waiting = wanting(1, 0);
+    let said = |a: &[Action]| a.iter().filter(|a| matches!(a, Action::Say(_))).count();
     run(&mut s, T0, Event::Tick(&waiting));
     let a = run(&mut s, T0 + STALL_NS, Event::Tick(&waiting));
-    assert_eq!(a, [Action::Say(Note::StalledWaiting)]);
-    assert!(run(&mut s, T0 + 2 * STALL_NS, Event::Tick(&waiting)).is_empty());
+    assert!(
+        a.contains(&Action::Say(Note::StalledWaiting)) && said(&a) == 1,
+        "{a:?}"
+    );
+    assert_eq!(
+        said(&run(&mut s, T0 + 2 * STALL_NS, Event::Tick(&waiting))),
+        0
+    );
     assert!(s.is_connected());
     // Lost, launches wait for a broker rather than run unarbitrated.
     let a = run(&mut s, T0 + 3 * STALL_NS, Event::Lost("closed".into()));
@@ -546,6 +585,161 @@ fn a_forked_child_starts_with_a_session_of_its_own() {
     );
 }
 
+#[test]
+fn what_threads_want_is_asked_once_then_again_after_half_a_second() {
+    let mut s = session(2);
+    let a = run(&mut s, T0, Event::Tick(&wanting(0b10, T0)));
+    assert_eq!(asked(&a), [1]);
+    // Still wanted, still unanswered: not again until ASK_AGAIN_NS.
+    let a = run(
+        &mut s,
+        T0 + ASK_AGAIN_NS - 1,
+        Event::Tick(&wanting(0b10, T0)),
+    );
+    assert!(asked(&a).is_empty(), "{a:?}");
+    let a = run(&mut s, T0 + ASK_AGAIN_NS, Event::Tick(&wanting(0b10, T0)));
+    assert_eq!(asked(&a), [1]);
+    // Granted: wanting it is no reason to ask.
+    run(&mut s, T0 + ASK_AGAIN_NS, grant(1, 4, 0, 0, false));
+    let a = run(
+        &mut s,
+        T0 + 3 * ASK_AGAIN_NS,
+        Event::Tick(&wanting(0b10, T0)),
+    );
+    assert!(asked(&a).is_empty(), "{a:?}");
+}
+
+#[test]
+fn a_first_launch_is_armed_until_its_device_is_asked_for_or_held() {
+    let mut s = Session::new(&ShimConfig::default());
+    let a = connect(&mut s, T0, 2);
+    // Connected: nothing asked, nothing held, both armed, after the gates
+    // closed.
+    let at = |x: &Action| a.iter().position(|y| y == x).unwrap();
+    assert!(at(&Action::Arbitrate) < at(&Action::Arm(0b11)));
+    // Asked for device 0: disarmed.
+    let a = run(&mut s, T0, Event::Tick(&wanting(0b01, T0)));
+    assert!(a.contains(&Action::Arm(0b10)), "{a:?}");
+    // Granted, then handed back idle: armed again for the next return.
+    run(&mut s, T0, grant(0, 1, 20 * MS, 0, false));
+    let a = run(&mut s, T0 + MS, Event::Tick(&idle_since(T0)));
+    assert_eq!(releases(&a), [(0, false)]);
+    assert!(a.contains(&Action::Arm(0b11)), "{a:?}");
+    // Revoked while busy: asked again at once, so not armed.
+    run(&mut s, T0 + 2 * MS, grant(0, 2, 20 * MS, 0, false));
+    let a = run(&mut s, T0 + 3 * MS, revoke(0, 2));
+    assert_eq!(releases(&a), [(0, true)]);
+    assert!(
+        !a.iter().any(|a| matches!(a, Action::Arm(b) if b & 1 != 0)),
+        "{a:?}"
+    );
+}
+
+#[test]
+fn what_the_drain_thread_saw_finish_is_reported() {
+    let mut s = session(3);
+    let g = Gauges {
+        drained: 0b101,
+        ..idle_since(T0)
+    };
+    let a = run(&mut s, T0, Event::Tick(&g));
+    let drained: Vec<_> = sends(&a)
+        .into_iter()
+        .filter(|m| matches!(m, ClientMsg::Drained { .. }))
+        .collect();
+    assert_eq!(
+        drained,
+        [
+            &ClientMsg::Drained { uuid: uuid(0) },
+            &ClientMsg::Drained { uuid: uuid(2) }
+        ]
+    );
+}
+
+/// The drain thread died (a contained panic) while this process held a
+/// device: the session hands it back with its Release — a Release lost
+/// there would leave the broker a hung holder — ends the connection and
+/// stops arbitrating, for good, even in required mode.
+#[test]
+fn a_lost_drain_thread_hands_back_what_is_held_with_its_release() {
+    for required in [false, true] {
+        let cfg = ShimConfig {
+            broker: if required {
+                BrokerMode::Required
+            } else {
+                BrokerMode::Optional
+            },
+            ..ShimConfig::default()
+        };
+        let mut s = Session::new(&cfg);
+        connect(&mut s, T0, 2);
+        run(&mut s, T0, grant(1, 9, 20 * MS, 0, false));
+        let lost = Gauges {
+            drain_lost: true,
+            ..idle_since(T0)
+        };
+        let a = run(&mut s, T0 + 5 * MS, Event::Tick(&lost));
+        let close = a.iter().position(|a| *a == Action::Close { dev: 1 });
+        let release = a.iter().position(|a| {
+            *a == Action::Send(ClientMsg::Release {
+                uuid: uuid(1),
+                held_ns: 5 * MS,
+            })
+        });
+        let end = a.iter().position(|a| *a == Action::End);
+        assert!(close < release && release < end && close.is_some(), "{a:?}");
+        assert_eq!(releases(&a), [(1, false)]);
+        assert!(
+            !a.iter().any(|a| matches!(a, Action::Drain { .. })),
+            "{a:?}"
+        );
+        assert!(
+            a.ends_with(&[Action::Unarbitrated { gated: false }]),
+            "{a:?}"
+        );
+        assert!(s.retired() && !s.is_connected());
+        // Nothing after: no grant opens, no broker is asked for.
+        assert!(run(&mut s, T0 + 6 * MS, grant(0, 1, 0, 0, false)).is_empty());
+        assert!(run(&mut s, T0 + 6 * MS, Event::Tick(&wanting(1, T0))).is_empty());
+        let a = run(&mut s, T0 + 7 * MS, Event::ConnectFailed("gone".into()));
+        assert!(a.is_empty());
+    }
+    // Lost between connections: nothing to hand back, retired all the same.
+    let mut s = Session::new(&ShimConfig::default());
+    let lost = Gauges {
+        drain_lost: true,
+        ..Gauges::default()
+    };
+    let a = run(&mut s, T0, Event::Tick(&lost));
+    assert!(a.contains(&Action::Unarbitrated { gated: false }), "{a:?}");
+    assert!(s.retired());
+}
+
+/// A process that exits between two usage reports says its figures once
+/// more (a short job's end line would say the peak of before its last
+/// allocations), then lets the exit go on; without a connection it lets it
+/// go on at once.
+#[test]
+fn at_exit_the_figures_go_out_once_more() {
+    let mut s = session(2);
+    let mut g = idle_since(T0);
+    g.usage[1] = (3 << 30, 3 << 30, 0);
+    // The usual report went out at the first tick.
+    run(&mut s, T0, Event::Tick(&g));
+    g.usage[1] = (0, 3 << 30, 0);
+    g.exiting = true;
+    let a = run(&mut s, T0 + MS, Event::Tick(&g));
+    let usage: Vec<_> = sends(&a)
+        .into_iter()
+        .filter(|m| matches!(m, ClientMsg::Usage { .. }))
+        .collect();
+    assert_eq!(usage.len(), 2, "every device, within the report interval: {a:?}");
+    assert_eq!(a.last(), Some(&Action::ExitReported));
+    assert!(!run(&mut s, T0 + 2 * MS, Event::Tick(&g)).contains(&Action::ExitReported));
+    let mut s = Session::new(&ShimConfig::default());
+    assert_eq!(run(&mut s, T0, Event::Tick(&g)), [Action::ExitReported]);
+}
+
 // ---- properties over random event sequences ----
 
 #[derive(Debug, Clone)]
@@ -564,7 +758,7 @@ enum Op {
     Tick {
         syncing: bool,
         in_flight: u64,
-        requested: u64,
+        wants: u64,
         idle_for: u64,
         optimistic: u64,
         used: u64,
@@ -586,10 +780,10 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         2 => (0..NDEV, 1..5u64).prop_map(|(dev, id)| Op::Revoke { dev, id }),
         4 => (any::<bool>(), 0..8u64, 0..8u64, 0..2 * IDLE_HANDBACK_NS, 0..8u64, 0..3u64)
-            .prop_map(|(syncing, in_flight, requested, idle_for, optimistic, used)| Op::Tick {
+            .prop_map(|(syncing, in_flight, wants, idle_for, optimistic, used)| Op::Tick {
                 syncing,
                 in_flight,
-                requested,
+                wants,
                 idle_for,
                 optimistic,
                 used
@@ -636,13 +830,13 @@ proptest! {
                     grant(dev, id, if slice { 20 * MS } else { 0 }, if bound { 250_000 } else { 0 }, waiters)
                 }
                 Op::Revoke { dev, id } => revoke(dev, id),
-                Op::Tick { syncing, in_flight, requested, idle_for, optimistic, used } => {
+                Op::Tick { syncing, in_flight, wants, idle_for, optimistic, used } => {
                     tick = Some((syncing, in_flight, idle_for));
                     let g = &mut gauges;
                     *g = idle_since(now.saturating_sub(idle_for));
                     g.syncing = syncing;
                     g.in_flight = in_flight;
-                    g.requested = requested;
+                    g.wants = wants;
                     for d in 0..NDEV {
                         if optimistic & (1 << d) != 0 {
                             g.optimistic_until[d] = now;
@@ -696,10 +890,14 @@ proptest! {
                         let all = seen.iter().all(|d| d.open && !d.shared);
                         prop_assert_eq!(*all_open, all);
                     }
-                    Action::Release { dev, ask_again, .. } => {
+                    Action::Close { dev } => {
                         prop_assert!(seen[*dev].open, "release of device {dev}, which is not open");
-                        // A revoke asks again; an idle hand-back does not.
-                        prop_assert_eq!(ask_again.is_some(), is_revoke);
+                        // A revoke asks again, first; an idle hand-back
+                        // does not.
+                        let again = Action::Send(ClientMsg::Acquire { uuid: uuid(*dev) });
+                        prop_assert_eq!(k > 0 && a[k - 1] == again, is_revoke);
+                        let released = matches!(&a[k + 1], Action::Send(ClientMsg::Release { uuid: u, .. }) if *u == uuid(*dev));
+                        prop_assert!(released, "{a:?}");
                         if !is_revoke {
                             prop_assert!(seen[*dev].shared, "idle hand-back of an unshared grant");
                             let Some((syncing, in_flight, idle_for)) = tick else {
@@ -708,13 +906,25 @@ proptest! {
                             prop_assert!(!syncing && in_flight & (1 << dev) == 0 && idle_for >= IDLE_HANDBACK_NS,
                                 "handed back while busy: {tick:?}");
                         }
-                        prop_assert_eq!(&a[k + 1], &Action::Drain { dev: *dev });
+                        prop_assert_eq!(&a[k + 2], &Action::Drain { dev: *dev });
                         seen[*dev].open = false;
                         seen[*dev].shared = false;
                         seen[*dev].released = seen[*dev].grant;
                     }
                     Action::EndOptimism { dev, .. } => {
                         prop_assert!(!seen[*dev].open);
+                    }
+                    Action::Send(ClientMsg::Acquire { uuid: u }) => {
+                        // Only for a device a thread wants, or asking again
+                        // on a revoke; never for one held.
+                        let dev = (0..NDEV).find(|&d| uuid(d) == *u).unwrap();
+                        let wanted = matches!(op, Op::Tick { wants, .. } if wants & (1 << dev) != 0);
+                        prop_assert!(wanted || is_revoke, "{op:?}: {a:?}");
+                        prop_assert!(!seen[dev].open || is_revoke);
+                    }
+                    Action::Arm(devices) => {
+                        let open = seen.iter().enumerate().filter(|(_, d)| d.open).fold(0, |m, (i, _)| m | 1 << i);
+                        prop_assert_eq!(devices & open, 0, "armed a held device");
                     }
                     Action::Send(ClientMsg::Usage { .. }) => usage_sent = true,
                     _ => {}

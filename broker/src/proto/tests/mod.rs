@@ -15,6 +15,7 @@ mod identity;
 mod logs;
 mod messages;
 mod mig_instances;
+mod positions;
 mod restarts;
 mod roles;
 mod service_props;

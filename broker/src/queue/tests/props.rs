@@ -115,6 +115,48 @@ fn check(q: &Queue, now: Nanos, just_polled: bool) {
     }
 }
 
+/// The queue order by its rule, worked out from scratch with a sort: the
+/// escalated by arrival, the pinned by arrival, then whole-GPU requests by
+/// GPUs and arrival, each fraction placed after every whole-GPU request
+/// that came before it.
+fn order_by_rule(q: &Queue, now: Nanos) -> Vec<u64> {
+    let mut ws: Vec<&Waiter> = q.waiting.iter().collect();
+    ws.sort_by_key(|w| w.seq);
+    let escalated: Vec<u64> = ws
+        .iter()
+        .filter(|w| q.is_escalated(now, w))
+        .map(|w| w.seq)
+        .collect();
+    let rest: Vec<&Waiter> = ws.into_iter().filter(|w| !q.is_escalated(now, w)).collect();
+    let pinned = rest.iter().filter(|w| !w.req.pin.is_empty()).map(|w| w.seq);
+    let mut line: Vec<&Waiter> = rest
+        .iter()
+        .copied()
+        .filter(|w| w.req.pin.is_empty() && matches!(w.req.want, Want::Gpus(_)))
+        .collect();
+    line.sort_by_key(|w| match w.req.want {
+        Want::Gpus(n) => (n, w.seq),
+        Want::Memory(_) => unreachable!(),
+    });
+    for f in rest
+        .iter()
+        .filter(|w| w.req.pin.is_empty() && matches!(w.req.want, Want::Memory(_)))
+    {
+        // After the last whole-GPU request that came before it, and after
+        // the fractions already placed there (they came before it too).
+        let after = line
+            .iter()
+            .rposition(|w| w.seq < f.seq)
+            .map_or(0, |i| i + 1);
+        line.insert(after, f);
+    }
+    escalated
+        .into_iter()
+        .chain(pinned)
+        .chain(line.iter().map(|w| w.seq))
+        .collect()
+}
+
 /// Applies `ops` to a queue of `totals` under `cfg`, checking the books
 /// after each.
 fn run(totals: &[u64], cfg: QueueConfig, ops: Vec<Op>) {
@@ -166,6 +208,29 @@ fn run(totals: &[u64], cfg: QueueConfig, ops: Vec<Op>) {
         check(&q, now, polled);
         let w = q.waiting(now);
         assert!(w.iter().enumerate().all(|(i, s)| s.position == i + 1));
+        let seqs: Vec<u64> = q
+            .order(now)
+            .into_iter()
+            .map(|slot| q.waiting[slot].seq)
+            .collect();
+        assert_eq!(
+            seqs,
+            order_by_rule(&q, now),
+            "the order kept as they come and go"
+        );
+        // What each was told of its place is exact up to 10 and within a
+        // tenth beyond once told.
+        if polled {
+            q.positions_to_tell(now);
+            for s in &w {
+                let told = q.told(s.id);
+                assert!(
+                    !gpufrac_common::wire::position_worth_telling(told, s.position as u32),
+                    "place {} told as {told:?}",
+                    s.position
+                );
+            }
+        }
     }
 }
 

@@ -197,17 +197,15 @@ proptest! {
             for (place, &i) in order.iter().enumerate() {
                 let w = &q.waiting[i];
                 let wanted = idle.iter().filter(|&&g| serves(&w.req, g)).count();
-                let ahead = &order[..place];
+                let ahead: Vec<u64> = order[..place].iter().map(|&s| q.waiting[s].seq).collect();
                 let owed: usize = q
                     .waiting
                     .iter()
-                    .enumerate()
-                    .filter(|&(j, e)| {
+                    .filter(|e| {
                         e.id != w.id
                             && (q.is_escalated(now, e)
-                                || (matches!(e.req.want, Want::Gpus(_)) && ahead.contains(&j)))
+                                || (matches!(e.req.want, Want::Gpus(_)) && ahead.contains(&e.seq)))
                     })
-                    .map(|(_, e)| e)
                     .filter(|e| e.req.uid == w.req.uid || !blocked_by_own(&e.req))
                     .map(|e| need(&e.req))
                     .sum();

@@ -1,7 +1,8 @@
-//! The memory gate and the charge: whether a memory hook accounts at all
-//! (not when re-entered from the driver, nor before the driver is up),
-//! and the reserve-call-record sequence every allocation follows, so that
-//! no thread passes the cap and the books never drift.
+//! The memory charge: whether a memory hook accounts at all (`accounting`:
+//! not when re-entered from the driver, nor before the driver is up), and
+//! the reserve-call-record sequence every allocation follows, so that no
+//! thread passes the cap and the books never drift. (The compute gate,
+//! which launches pass, is `client/gate.rs`.)
 
 use crate::boundary::{HookGuard, reentered};
 use crate::ledger::{self, Entry, Kind, Refusal};
@@ -9,7 +10,7 @@ use crate::{config, devices};
 use gpufrac_common::cuda::*;
 
 /// What a memory hook does with this call.
-pub enum Gate {
+pub enum Accounting {
     /// Re-entered from the driver, or no driver yet: pass through.
     Pass,
     /// Configuration broken or caps unknown: answer this code.
@@ -18,18 +19,18 @@ pub enum Gate {
 }
 
 #[inline]
-pub fn gate() -> Gate {
+pub fn accounting() -> Accounting {
     if reentered() {
-        return Gate::Pass;
+        return Accounting::Pass;
     }
     if let Err(code) = config::config() {
-        return Gate::Refuse(code);
+        return Accounting::Refuse(code);
     }
     match devices::ensure() {
-        Ok(()) => Gate::Account,
+        Ok(()) => Accounting::Account,
         // The driver is not initialised: let it say so itself.
-        Err(CUDA_ERROR_NOT_INITIALIZED) => Gate::Pass,
-        Err(code) => Gate::Refuse(code),
+        Err(CUDA_ERROR_NOT_INITIALIZED) => Accounting::Pass,
+        Err(code) => Accounting::Refuse(code),
     }
 }
 
