@@ -317,17 +317,15 @@ fn high_share(s: &str) -> Result<f64, String> {
 // a malformed value is a usage error (status 2) like any other, not a
 // failed start (status 1). The broker reads the values again, as given.
 fn metrics_address(s: &str) -> Result<String, String> {
-    gpufrac_broker::metrics::address(s).map(|_| s.to_owned())
+    gpufrac_broker::options::metrics_address(s).map(|_| s.to_owned())
 }
 
 fn user_weight(s: &str) -> Result<String, String> {
-    gpufrac_broker::sched::parse_weight("--user-weight", s, gpufrac_broker::startup::uid_of)
-        .map(|_| s.to_owned())
+    gpufrac_broker::options::user_weight(s).map(|_| s.to_owned())
 }
 
 fn group_weight(s: &str) -> Result<String, String> {
-    gpufrac_broker::sched::parse_weight("--group-weight", s, gpufrac_broker::startup::gid_of)
-        .map(|_| s.to_owned())
+    gpufrac_broker::options::group_weight(s).map(|_| s.to_owned())
 }
 
 fn overprovision(s: &str) -> Result<u32, String> {
