@@ -12,7 +12,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
-use gpufrac_broker::inventory::{self, GpuInfo};
+use gpufrac_broker::gpus::{self, GpuInfo};
 use gpufrac_common::config::VAR_SOCKET;
 use gpufrac_common::minors::{self, PROC_GPUS};
 use gpufrac_common::wire::uuid_string;
@@ -186,8 +186,8 @@ fn list_gpus() -> Result<Vec<GpuInfo>, String> {
     // one reads the environment while it changes. The order is the one
     // `gpufrac run` gives its children and nvidia-smi shows; a
     // CUDA_VISIBLE_DEVICES of our own would hide GPUs from the spec.
-    unsafe { inventory::use_pci_order(true) };
-    let gpus = inventory::discover().map_err(|e| {
+    unsafe { gpus::use_pci_order(true) };
+    let gpus = gpus::discover().map_err(|e| {
         format!(
             "cannot list the GPUs: {e}; run this on the GPU host, with the NVIDIA driver loaded"
         )

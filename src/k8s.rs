@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use gpufrac_broker::inventory;
+use gpufrac_broker::gpus;
 use gpufrac_common::size::parse_size;
 use gpufrac_common::wire::uuid_string;
 use gpufrac_k8s::devices::MAX_UNITS_PER_GPU;
@@ -320,8 +320,8 @@ pub(crate) fn list_gpus() -> u8 {
             }
         }
     }
-    unsafe { inventory::use_pci_order(true) };
-    match inventory::discover() {
+    unsafe { gpus::use_pci_order(true) };
+    match gpus::discover() {
         Ok(gpus) => {
             let text: String = gpus
                 .iter()

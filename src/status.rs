@@ -707,18 +707,18 @@ mod tests {
                 slots_used: 1,
                 committed_mem: 4 << 30,
                 free_mem: 73 << 30,
-                driver: Some(gpufrac_broker::status::DriverMem {
+                driver: Some(gpufrac_common::status::DriverMem {
                     total: 80 << 30,
                     used: 4 << 30,
                     free: 76 << 30,
                 }),
-                unmanaged: vec![gpufrac_broker::status::UnmanagedProc {
+                unmanaged: vec![gpufrac_common::status::UnmanagedProc {
                     pid: 4242,
                     mem: 3 << 30,
                 }],
                 unmanaged_processes: 1,
                 unmanaged_mem: 3 << 30,
-                health: Some(gpufrac_broker::status::GpuHealth {
+                health: Some(gpufrac_common::status::GpuHealth {
                     temperature_c: Some(63),
                     power_w: Some(312.4),
                     power_limit_w: Some(700.0),

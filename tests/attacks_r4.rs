@@ -1661,15 +1661,15 @@ fn a_whole_gpus_memory_less_a_little_does_not_jump_an_earlier_whole_gpu_request(
 fn a_cleanly_stopped_broker_leaves_no_state_directory_behind() {
     let dir = Scratch::new("r4-state");
     let socket = dir.0.join("b.sock");
-    let state = gpufrac_broker::startup::default_state_dir(&socket);
+    let state = gpufrac_broker::default_state_dir(&socket);
     assert!(!state.exists(), "{} before the broker", state.display());
     let mut cmd = sim_command(&artifacts().gpufrac, "16G", false);
     cmd.args(["broker", "--socket"])
         .arg(&socket)
         .env("GPUFRAC_SIM_STATE", dir.0.join("sim-state"))
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
+        .stdout(Stdio::null());
+    log_to(&mut cmd, &dir.0.join("broker.log"));
     let mut broker = KillOnDrop(cmd.spawn().unwrap());
     wait_until(20.0, "the broker socket", || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()

@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use support::*;
 
-use gpufrac_broker::mig::Range;
-use gpufrac_broker::mig_nvml::{MigDriver, NvmlMig};
+use gpufrac_broker::gpus::{MigDriver, NvmlMig, Range};
 
 /// An A100-40GB in MIG mode and a 16 GiB GPU outside it.
 const NODE: &str = "A100-40GB:mig,16G";

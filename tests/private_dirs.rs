@@ -99,6 +99,7 @@ fn mps_directories_planted_beside_the_socket_are_never_used() {
         .env("GPUFRAC_SIM_STATE", dir.0.join("sim"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null());
+    log_to(&mut cmd, &dir.0.join("broker.log"));
     let mut b = KillOnDrop(cmd.spawn().unwrap());
     wait_until(20.0, "the broker", || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()
@@ -346,6 +347,7 @@ fn a_clean_stop_removes_the_state_directory_it_made() {
             .env("GPUFRAC_SIM_STATE", dir.0.join("sim"))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null());
+        log_to(&mut cmd, &dir.0.join("broker.log"));
         if let Some(d) = state_dir {
             cmd.arg("--state-dir").arg(d);
         }
@@ -369,7 +371,7 @@ fn a_clean_stop_removes_the_state_directory_it_made() {
         assert!(b.0.wait().unwrap().success());
     };
     // The default directory (keyed by the socket), made at start.
-    let default = gpufrac_broker::startup::default_state_dir(&dir.0.join("b.sock"));
+    let default = gpufrac_broker::default_state_dir(&dir.0.join("b.sock"));
     assert!(!default.exists(), "{}", default.display());
     let b = start(None);
     assert!(default.is_dir());
@@ -426,7 +428,7 @@ fn the_test_helpers_leave_nothing_behind() {
 
     let b = Broker::start("16G", &[]);
     let scratch = b.socket.parent().unwrap().to_path_buf();
-    let default = gpufrac_broker::startup::default_state_dir(&b.socket);
+    let default = gpufrac_broker::default_state_dir(&b.socket);
     assert!(scratch.join("state").is_dir());
     drop(b);
     assert!(!scratch.exists(), "{} left behind", scratch.display());

@@ -22,7 +22,7 @@ type Nanos = u64;
 /// One sample a second.
 pub const EVERY: Nanos = 1_000_000_000;
 /// Three minutes of samples.
-pub const DEPTH: usize = 180;
+pub const DEPTH: usize = gpufrac_common::status::HISTORY_DEPTH;
 /// Share series kept in all, whatever the budgets.
 pub const MAX_SERIES: usize = 4096;
 
@@ -256,10 +256,6 @@ impl Ring {
     /// Samples held.
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 }
 

@@ -244,6 +244,7 @@ impl Stats {
     }
 
     /// Refusals by reason, all users together, in `Refusal::ALL`'s order.
+    #[cfg(test)]
     pub fn refusals_by_reason(&self) -> [u64; Refusal::ALL.len()] {
         let mut all = [0; Refusal::ALL.len()];
         for counts in self.refusals.values() {
@@ -265,6 +266,7 @@ impl Stats {
     }
 
     /// Acquires waiting for a grant (for tests of the bookkeeping).
+    #[cfg(test)]
     pub fn waiting(&self) -> usize {
         self.asked.len()
     }

@@ -40,6 +40,11 @@ pub struct Status {
     pub history: Option<History>,
 }
 
+/// Samples of each series the broker keeps (`History::samples` at most):
+/// three minutes, one a second. A view that keeps its own series beside
+/// the broker's (`gpufrac top`'s per process) keeps as many.
+pub const HISTORY_DEPTH: usize = 180;
+
 /// The broker's ring of recent samples (`broker/src/history.rs`), one every
 /// `every_s`, oldest first: every series has `samples` values, `null`
 /// where its GPU, user or job was not there at that moment.

@@ -17,13 +17,11 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 use std::rc::Rc;
 
-use gpufrac_broker::authority::{Allow, Peer, Policy};
-use gpufrac_broker::inventory::GpuInfo;
-use gpufrac_broker::mig::Planner;
-use gpufrac_broker::procs::{GpuSample, Procs, Telemetry};
-use gpufrac_broker::proto::{Broker, Config, MigDone, Sockets as CoreSockets, Tokens, Work};
-pub use gpufrac_broker::proto::{ConnId, Nanos};
-use gpufrac_broker::server::ACCEPTS_PER_TURN;
+use gpufrac_broker::harness::{
+    ACCEPTS_PER_TURN, Allow, Broker, Config, GpuInfo, GpuSample, MigDone, Peer, Planner, Policy,
+    Procs, SAVE_EVERY, Sockets as CoreSockets, Telemetry, Tokens, Work,
+};
+pub use gpufrac_broker::harness::{ConnId, Nanos, Read};
 use gpufrac_common::status::Status;
 
 use crate::host::Host;
@@ -189,7 +187,7 @@ impl Default for Setup {
 /// State writes are coalesced to one every this long, and a lease is
 /// told to its run only once the state that books it is written: an
 /// answer to a lease may wait this long for others' churn.
-pub const STATE_COALESCED: Nanos = gpufrac_broker::proto::SAVE_EVERY;
+pub const STATE_COALESCED: Nanos = SAVE_EVERY;
 
 /// GPU `i`'s UUID (the same bytes as the core's own tests use).
 pub fn uuid(i: usize) -> [u8; 16] {
@@ -227,8 +225,6 @@ fn tokens() -> Tokens {
         z ^ (z >> 31)
     })
 }
-
-pub use gpufrac_broker::proto::Read;
 
 /// The sockets as the shell sees them: the harness's clients on the other
 /// end.

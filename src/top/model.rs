@@ -15,7 +15,7 @@ use crate::names;
 
 /// Samples of a process's history kept: as many as the broker keeps of
 /// the rest.
-const DEPTH: usize = gpufrac_broker::history::DEPTH;
+const DEPTH: usize = gpufrac_common::status::HISTORY_DEPTH;
 
 /// A process's history since top opened, oldest first.
 #[derive(Clone, Debug, Default)]

@@ -596,14 +596,14 @@ fn sizes_and_sparklines() {
 fn processes_outside_the_shim_show_as_other() {
     let mut st = node();
     let g = &mut st.gpus[1];
-    g.unmanaged = vec![gpufrac_broker::status::UnmanagedProc {
+    g.unmanaged = vec![gpufrac_common::status::UnmanagedProc {
         pid: 4242,
         mem: 3 * GIB,
     }];
     g.unmanaged_processes = 1;
     g.unmanaged_mem = 3 * GIB;
     g.free_mem = 13 * GIB;
-    g.driver = Some(gpufrac_broker::status::DriverMem {
+    g.driver = Some(gpufrac_common::status::DriverMem {
         total: 16 * GIB,
         used: 3 * GIB,
         free: 13 * GIB,

@@ -24,10 +24,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 use tracing::info;
 
-pub use board::Closed;
-pub use http::{CONTENT, DEADLINE, PER_PEER, TOTAL};
+pub use http::TOTAL;
 pub use render::Snapshot;
-pub use tally::{MAX_JOBS, MAX_PROCESSES, MAX_USERS};
 
 use crate::stats::Stats;
 use crate::status::Status;
@@ -107,13 +105,6 @@ fn serve_with(
     let bound = http::spawn(addr, board, fold)?;
     info!(%bound, "serving Prometheus metrics at /metrics");
     Ok((bound, Feed(tx)))
-}
-
-/// The text of one snapshot, alone (tests, tools).
-pub fn render(snap: &Snapshot) -> String {
-    let mut b = Board::new(|_| None);
-    b.fold(Arc::new(snap.clone()));
-    b.text()
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use gpufrac_common::config::Priority;
 
+use super::http::CONTENT;
 use super::*;
 use crate::stats::Refusal;
 use crate::status::{
@@ -12,6 +13,13 @@ use crate::status::{
 };
 
 const GIB: u64 = 1 << 30;
+
+/// The text of one snapshot, alone.
+fn render(snap: &Snapshot) -> String {
+    let mut b = Board::new(|_| None);
+    b.fold(Arc::new(snap.clone()));
+    b.text()
+}
 
 /// A node with a bit of everything: two users on GPU 0 (one with a job of
 /// two processes, one outside any job), a queue, a pod's lease, MPS and a
@@ -517,4 +525,32 @@ fn a_port_alone_is_served_on_loopback() {
         "{e}"
     );
     assert!(address("70000").is_err());
+}
+
+/// The probes a DaemonSet's kubelet asks: not ready and not live before
+/// the loop's first snapshot; both once it hands snapshots over; not live
+/// once the last is older than ten seconds (a stuck loop), though still
+/// ready.
+#[test]
+fn health_and_readiness_follow_the_loops_snapshots() {
+    let (addr, feed) = serve_with("127.0.0.1:0", |_| None).expect("bound");
+    let code = |path: &str| {
+        let (head, body) = get(addr, &format!("GET {path} HTTP/1.0\r\n\r\n"));
+        let code: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (code, body)
+    };
+    assert_eq!(code("/healthz").0, 503);
+    let (c, body) = code("/readyz");
+    assert!(c == 503 && body.contains("starting"), "{body}");
+    let s = snapshot();
+    let now = gpufrac_common::clock::mono_ns();
+    feed.publish(now, s.status.clone(), s.stats.clone());
+    wait_for("the snapshot", || code("/readyz").0 == 200);
+    let (c, body) = code("/healthz");
+    assert!(c == 200 && body.starts_with("ok"), "{body}");
+    // A loop that stopped handing over 30 s ago.
+    feed.publish(now - 30_000_000_000, s.status, s.stats);
+    wait_for("the stale snapshot", || code("/healthz").0 == 503);
+    assert!(code("/healthz").1.contains("stuck"));
+    assert_eq!(code("/readyz").0, 200);
 }

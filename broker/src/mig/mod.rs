@@ -248,6 +248,7 @@ impl Planner {
     }
 
     /// Position of the GPU with nvidia-smi index `index`.
+    #[cfg(test)]
     pub fn position(&self, index: u32) -> Option<usize> {
         self.gpus.iter().position(|g| g.info.index == index)
     }
@@ -546,6 +547,7 @@ impl Planner {
     }
 
     /// Whether some failed placement is still being avoided.
+    #[cfg(test)]
     pub fn avoiding(&self, now: Nanos) -> bool {
         self.gpus
             .iter()
@@ -664,6 +666,7 @@ impl Planner {
 /// The profiles of the models NVIDIA documents, as NVML reports them (for
 /// tests and the figures in docs/mig.md; the broker reads the real ones):
 /// `gpufrac_common::mig`'s, which the simulated driver serves too.
+#[cfg(test)]
 pub mod models {
     use super::{MigGpu, Profile, Range};
     use gpufrac_common::mig::Model;

@@ -8,7 +8,7 @@ use gpufrac_common::wire::Role;
 
 // The one escaper of what users send (commands, labels, pod names), in
 // common so that every client shows text by the same rules.
-pub use gpufrac_common::text::{Quoted, clip, clip_counted};
+pub use gpufrac_common::text::{Quoted, clip_counted};
 
 /// How much of the broker one user may hold at once. Each budget is the
 /// user's own: one user exhausting it closes or refuses only that user's

@@ -55,10 +55,8 @@ use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
 use conn::{Bucket, Conn, Held};
-pub use conn::{Budgets, DEFAULT_MAX_CONNS_PER_USER, MAX_OUTBUF, Quoted, clip, clip_counted};
-pub use turns::{
-    Cost, FRAME_WORK, MIN_READ, PROC_READ_WORK, READ_CHUNK, Read, Sockets, WALK_WORK, WORK_PER_TURN,
-};
+pub use conn::{Budgets, MAX_OUTBUF, clip_counted};
+pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
 use turns::{Served, Turns};
 
 /// Monotonic nanoseconds (`CLOCK_MONOTONIC`, which a broker restart does
@@ -733,9 +731,10 @@ impl Broker {
     /// budget, and a user past it loses the connection that went over.
     /// (The shell's reads go through `turn`; this is for a caller that
     /// reads itself.)
+    #[cfg(test)]
     pub fn input(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
         let now = self.clock(now);
-        self.serve_until = self.cost.units() + WORK_PER_TURN;
+        self.serve_until = self.cost.units() + turns::WORK_PER_TURN;
         self.take_in(now, id, bytes);
     }
 
@@ -770,9 +769,10 @@ impl Broker {
     /// Handles more of the frames `id` has sent, within one user's part of
     /// a turn (after `input` or a serve stopped there, or a status reply it
     /// waited for may go out).
+    #[cfg(test)]
     pub fn serve(&mut self, now: Nanos, id: ConnId) {
         let now = self.clock(now);
-        self.serve_until = self.cost.units() + WORK_PER_TURN;
+        self.serve_until = self.cost.units() + turns::WORK_PER_TURN;
         self.frames(now, id);
         self.pump(now);
     }
@@ -787,11 +787,13 @@ impl Broker {
     }
 
     /// Frames handled since the broker started.
+    #[cfg(test)]
     pub fn frames_handled(&self) -> u64 {
         self.cost.frames
     }
 
     /// The work done since the broker started, by kind (`turns::Cost`).
+    #[cfg(test)]
     pub fn cost(&self) -> Cost {
         self.cost
     }
@@ -995,6 +997,7 @@ impl Broker {
         self.closing.iter().copied().collect()
     }
 
+    #[cfg(test)]
     pub fn is_dead(&self, id: ConnId) -> bool {
         self.conns.get(&id).is_none_or(|c| c.dead)
     }

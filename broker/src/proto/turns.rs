@@ -79,6 +79,7 @@ impl Cost {
     }
 
     /// What was done between `earlier` and `self`.
+    #[cfg(test)]
     pub fn since(&self, earlier: &Cost) -> Cost {
         Cost {
             frames: self.frames - earlier.frames,

@@ -18,6 +18,7 @@ impl Queue {
 
     /// The driver's word on GPU `index`'s instances (at start, after a
     /// failure).
+    #[cfg(test)]
     pub fn mig_sync(&mut self, now: Nanos, index: u32, found: &[mig::FoundInstance]) {
         self.mig.sync(now, index, found);
     }

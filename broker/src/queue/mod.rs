@@ -160,10 +160,6 @@ impl Queue {
         }
     }
 
-    pub fn config(&self) -> &QueueConfig {
-        &self.cfg
-    }
-
     pub fn gpus(&self) -> impl Iterator<Item = &GpuInfo> {
         self.gpus.iter().map(|g| &g.info)
     }

@@ -3,7 +3,7 @@
 
 use gpufrac_common::wire::position_worth_telling;
 
-use super::{Lease, LeaseStatus, Nanos, Queue, Request, RequestId, WaitingStatus, Want};
+use super::{Lease, LeaseStatus, Nanos, Queue, RequestId, WaitingStatus, Want};
 
 impl Queue {
     /// Whether any request waits (without ordering them, as `waiting` does).
@@ -73,6 +73,7 @@ impl Queue {
     }
 
     /// 1-based queue position of a waiting request.
+    #[cfg(test)]
     pub fn position(&self, now: Nanos, id: RequestId) -> Option<usize> {
         self.order(now)
             .into_iter()
@@ -117,7 +118,8 @@ impl Queue {
     }
 
     /// The request a lease was granted for (label, compute, limit).
-    pub fn lease_request(&self, id: RequestId) -> Option<&Request> {
+    #[cfg(test)]
+    pub fn lease_request(&self, id: RequestId) -> Option<&super::Request> {
         self.held.get(&id).map(|h| &h.req)
     }
 }

@@ -576,12 +576,6 @@ impl FairClock {
         self.flows[&r].on.map(|on| on.deadline)
     }
 
-    /// Whether `a` and `b` are of one flow.
-    pub fn siblings(&self, a: ClientId, b: ClientId) -> bool {
-        let flow = |id| self.entities.get(&id).map(|e| e.m.flow());
-        flow(a).is_some() && flow(a) == flow(b)
-    }
-
     /// Whether `a` comes before `b` within their flow (`high` first, then
     /// the one that used less of its part), or level with it (`ties`).
     pub fn precedes(&self, a: ClientId, b: ClientId, ties: bool) -> bool {

@@ -77,3 +77,17 @@ impl Scheduler {
         }
     }
 }
+
+/// What `settle` would add to client `id` after `dt` more, at `parts` (the
+/// parts noted at the last event, by client): (owed, held back), ns.
+pub(super) fn pending_part(
+    parts: &std::collections::HashMap<ClientId, Part>,
+    id: ClientId,
+    dt: f64,
+) -> (f64, f64) {
+    match parts.get(&id) {
+        Some(Part::Owed(share)) => (dt * share, 0.0),
+        Some(Part::HeldBack) => (0.0, dt),
+        None => (0.0, 0.0),
+    }
+}

@@ -55,7 +55,7 @@ use meter::Meter;
 pub use gpufrac_common::config::Priority;
 pub use types::{
     Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig, UserId,
-    Weights, parse_weight, priority_name,
+    Weights, parse_weight,
 };
 
 const MS: Nanos = 1_000_000;
@@ -241,6 +241,7 @@ impl Scheduler {
         }
     }
 
+    #[cfg(test)]
     pub fn config(&self) -> &SchedConfig {
         &self.cfg
     }
@@ -280,6 +281,7 @@ impl Scheduler {
     /// weight among the unit's active members. `unit_limit` is a ceiling
     /// (a fraction of each window) for all the unit's members together,
     /// whatever their number.
+    #[cfg(test)]
     pub fn set_group(
         &mut self,
         now: Nanos,
@@ -327,6 +329,7 @@ impl Scheduler {
     /// user's part by their unit weights, then a unit's members share the
     /// unit's part by their own weights. A user who splits work into many
     /// units or many processes still gets one user's part.
+    #[cfg(test)]
     pub fn set_user(&mut self, now: Nanos, id: ClientId, user: UserId, weight: f64) {
         self.event(now, Some(id), |s, now| {
             let c = s.clients.get_mut(&id).expect("checked by event");
@@ -467,6 +470,7 @@ impl Scheduler {
     }
 
     /// How long a recalled holder's band keeps the GPU for its answer.
+    #[cfg(test)]
     pub fn recall_hold(&self) -> Nanos {
         self.lease.recall_hold()
     }

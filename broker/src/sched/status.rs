@@ -2,6 +2,7 @@
 //! for status, and who holds the GPU.
 
 use super::clock::band;
+use super::entitled::{Part, pending_part};
 use super::{ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
 
 impl Scheduler {
@@ -29,6 +30,9 @@ impl Scheduler {
             .filter(|(_, c)| among(c))
             .map(|(&id, _)| self.clock.weight(id))
             .sum();
+        // What settle would add to each client's owed and held-back time.
+        let parts: std::collections::HashMap<ClientId, Part> = self.parts.iter().copied().collect();
+        let dt = now.saturating_sub(self.settled_at) as f64;
         // Charges since the last settle, as settle would make them.
         let n = self.lease.on_gpu().count().max(1);
         let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
@@ -57,8 +61,8 @@ impl Scheduler {
                     },
                     total_held: c.meter.total(now),
                     gpu_time: charged as Nanos,
-                    entitled: c.acct.entitled as Nanos,
-                    held_back: c.acct.held_back as Nanos,
+                    entitled: (c.acct.entitled + pending_part(&parts, id, dt).0) as Nanos,
+                    held_back: (c.acct.held_back + pending_part(&parts, id, dt).1) as Nanos,
                     draining: self.lease.draining(id),
                     hung: self.lease.hung(id),
                 }
@@ -71,6 +75,7 @@ impl Scheduler {
         self.lease.holder()
     }
 
+    #[cfg(test)]
     pub fn state(&self, id: ClientId) -> Option<ClientState> {
         self.clients.get(&id).map(|c| c.state)
     }

@@ -9,6 +9,7 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::proto::turns::{FRAME_WORK, PROC_READ_WORK, WALK_WORK, WORK_PER_TURN};
 
 /// What the attacker does in one step.
 #[derive(Debug, Clone)]
