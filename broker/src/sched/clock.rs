@@ -207,6 +207,18 @@ struct On {
     v: f64,
     /// Its current request's virtual deadline.
     deadline: f64,
+    /// Its current request's length, GPU ns: when its virtual time
+    /// reaches the deadline, the request is done and the next, as long,
+    /// starts there.
+    req: f64,
+}
+
+impl On {
+    /// A new request of `req` GPU ns from its present virtual time.
+    fn request(&mut self, req: f64) {
+        self.req = req;
+        self.deadline = self.v + req / self.w;
+    }
 }
 
 /// What a flow left when it stopped competing.
@@ -493,7 +505,9 @@ impl FairClock {
         self.set_flow_queued(r, true);
         self.refile(r, |o| {
             let fresh = o.v + request as f64 / o.w;
-            o.deadline = if was { o.deadline.min(fresh) } else { fresh }
+            if !was || fresh < o.deadline {
+                o.request(request as f64);
+            }
         });
     }
 
@@ -501,7 +515,7 @@ impl FairClock {
     /// holder.
     pub fn start_request(&mut self, id: ClientId, request: Nanos) {
         if let Some(r) = self.competing_flow(id) {
-            self.refile(r, |o| o.deadline = o.v + request as f64 / o.w);
+            self.refile(r, |o| o.request(request as f64));
         }
     }
 
@@ -516,7 +530,16 @@ impl FairClock {
             self.flow(r).bank.lag -= gpu;
             return;
         }
-        self.refile(r, |o| o.v += gpu / o.w);
+        // A deadline is never behind its flow's virtual time: a flow
+        // charged through its request starts the next (else a flow kept
+        // queued by its many clients kept one stale deadline, earlier
+        // than any other flow's, and took every turn).
+        self.refile(r, |o| {
+            o.v += gpu / o.w;
+            if o.v >= o.deadline {
+                o.request(o.req);
+            }
+        });
         let band = &mut self.bands[r.0];
         band.sum_wv += gpu;
         band.rebase();
@@ -770,7 +793,14 @@ impl FairClock {
             vv
         };
         band.add(w, v);
-        self.flow(r).on = Some(On { w, v, deadline: v });
+        let mut on = On {
+            w,
+            v,
+            deadline: v,
+            req: longest,
+        };
+        on.request(longest);
+        self.flow(r).on = Some(on);
     }
 
     /// A flow stops competing: its lag goes to its bank.
@@ -814,7 +844,14 @@ impl FairClock {
         let deadline = v + (on.deadline - on.v) * on.w / w;
         self.bands[r.0].remove(on.w, on.v);
         self.bands[r.0].add(w, v);
-        self.refile(r, |o| *o = On { w, v, deadline });
+        self.refile(r, |o| {
+            *o = On {
+                w,
+                v,
+                deadline,
+                ..*o
+            }
+        });
     }
 
     /// A client registers in flow `r` (`joins`) or leaves it. A flow with

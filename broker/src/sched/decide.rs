@@ -28,39 +28,8 @@ impl Scheduler {
         self.now = self.now.max(now);
         let now = self.now;
         self.settle(now);
-        let before = self.lease.holder();
         f(self, now);
         self.reschedule(now);
-        if std::env::var_os("SCHED_TRACE").is_some() {
-            self.trace(now, id, before);
-        }
-    }
-
-    fn trace(&self, now: Nanos, id: Option<ClientId>, before: Option<ClientId>) {
-        let d = |id: ClientId| {
-            let c = &self.clients[&id];
-            format!(
-                "#{id}[{:?} {:?} u={:?} w={:.2} lag={:.0} el={} dl={:.0} v={:.0} wk={}]",
-                c.class,
-                c.state,
-                c.user_key(),
-                self.clock.weight(id),
-                self.clock.lag(id),
-                self.clock.eligible(id),
-                self.clock.deadline(id).unwrap_or(-1.0),
-                self.clock.vtime(id),
-                c.waking
-            )
-        };
-        let h = self.lease.holder();
-        eprintln!(
-            "T {:.3} ev={} holder {}->{} q={:?}",
-            now as f64 / 1e6,
-            id.filter(|i| self.clients.contains_key(i)).map_or("-".into(), d),
-            before.map_or(0, |x| x),
-            h.map_or("-".into(), d),
-            self.clock.waiters(1, false, None).take(3).map(d).collect::<Vec<_>>()
-        );
     }
 
     /// Charges everyone on the GPU up to `now`: the time-slicer splits the
@@ -363,7 +332,8 @@ impl Scheduler {
         let quantum = now >= start.saturating_add(self.cfg.wake);
         if let Some(s) = self.scan(now, Waiters::Siblings(h)) {
             let high = |id| self.clients[&id].class == Priority::High;
-            if (high(s) && !high(h)) || (self.short(s) && quantum && self.clock.precedes(s, h, true))
+            if (high(s) && !high(h))
+                || (self.short(s) && quantum && self.clock.precedes(s, h, true))
             {
                 return true;
             }
@@ -580,9 +550,9 @@ impl Scheduler {
             .map(|id| (id, band(self.clients[&id].class)))
             .collect();
         let above = at_or_above(&on);
-        for b in 0..BANDS {
+        for (b, &n_above) in above.iter().enumerate() {
             let n = on.iter().filter(|&&(_, k)| k == b).count();
-            self.clock.set_rate(b, n as f64 / above[b].max(1) as f64);
+            self.clock.set_rate(b, n as f64 / n_above.max(1) as f64);
         }
         self.timer = self.lease.held().and_then(|(h, start, _, _)| {
             let hb = band(self.clients[&h].class);

@@ -367,9 +367,7 @@ impl Scheduler {
             match c.state {
                 ClientState::Idle => {
                     c.state = ClientState::Waiting;
-                    c.waking = c
-                        .let_go
-                        .is_none_or(|t| now >= t.saturating_add(s.cfg.wake));
+                    c.waking = c.let_go.is_none_or(|t| now >= t.saturating_add(s.cfg.wake));
                     // A shim launches a little with its request, before
                     // any grant: that work is on the GPU (and charged)
                     // until it reports it drained or is granted — at most
