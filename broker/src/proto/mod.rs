@@ -40,7 +40,7 @@ use tracing::warn;
 
 use crate::authority::{Peer, Policy};
 use crate::history;
-use crate::jobs::Job;
+use crate::jobs::{Job, Phase};
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
 
@@ -216,6 +216,17 @@ pub struct MigDone {
     /// The instance made (GPU instance id, MIG device UUID), or why not
     /// and the GPU's instances as the driver then reports them.
     pub result: Result<(u32, String), MigFailure>,
+}
+
+/// The state a clean stop keeps for the next broker (`Broker::stop_state`).
+#[derive(Debug)]
+pub struct Kept {
+    /// The state file's bytes.
+    pub bytes: Vec<u8>,
+    /// Jobs holding GPUs, waiting in the queue, and without placement.
+    pub leases: usize,
+    pub queued: usize,
+    pub unplaced: usize,
 }
 
 /// A GPU, or a MIG instance, as a unit of arbitration.
@@ -1248,6 +1259,25 @@ impl Broker {
             self.early_saves.insert(uid, now);
         }
         Some((self.state_seq, crate::jobs::encode(self.jobs.values())))
+    }
+
+    /// What a clean stop leaves for the next broker: the jobs whose
+    /// `gpufrac run` is still alive (their leases, places in the queue and
+    /// settings), to be taken back as after a crash; None when no run is
+    /// alive, and nothing needs to outlive the stop. Those whose run died
+    /// are left out: the next broker would drop them at once.
+    pub fn stop_state(&mut self) -> Option<Kept> {
+        let live: Vec<&Job> = self.jobs.values().filter(|j| self.alive(j)).collect();
+        if live.is_empty() {
+            return None;
+        }
+        let count = |f: fn(&Phase) -> bool| live.iter().filter(|j| f(&j.phase)).count();
+        Some(Kept {
+            leases: count(|p| matches!(p, Phase::Running { .. })),
+            queued: count(|p| matches!(p, Phase::Queued { .. })),
+            unplaced: count(|p| matches!(p, Phase::Unplaced)),
+            bytes: crate::jobs::encode(live.into_iter()),
+        })
     }
 
     /// When the next write may go: None while nothing changed or one is
