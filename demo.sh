@@ -72,8 +72,11 @@ build() {
     say "   under 2 minutes on an idle machine, 14 or more on 2 cores busy with other work)"
   fi
   # Two invocations, as the tests build them: a target filter such as
-  # --bins would apply to the libraries too.
-  "$cargo" build "${profile_flag[@]}" -p gpufrac-shim -p gpufrac-sim
+  # --bins would apply to the libraries too. The shim with gpufrac, as
+  # `cargo build --release` and a release build it: built alone, it would
+  # take gpufrac-common with other features, and each of those builds would
+  # compile it again after this one.
+  "$cargo" build "${profile_flag[@]}" -p gpufrac -p gpufrac-shim -p gpufrac-sim
   if [ -n "${1:-}" ]; then
     "$cargo" build "${profile_flag[@]}" -p gpufrac --bins --example "$1"
   fi
@@ -133,7 +136,8 @@ shares() {
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
   export GPUFRAC_SIM_STATE=$tmp/sim-state GPUFRAC_SOCKET=$tmp/broker.sock
   local gpufrac=$bin/gpufrac loadgen=$bin/examples/loadgen
-  "$gpufrac" broker 2>"$tmp/broker.log" &
+  # Its state (leases, the queue) in the demo's own directory, gone with it.
+  "$gpufrac" broker --state-dir "$tmp/state" 2>"$tmp/broker.log" &
   broker=$!
   trap 'kill $broker 2>/dev/null; wait $broker 2>/dev/null; rm -rf "$tmp"' EXIT
   until "$gpufrac" status >/dev/null 2>&1; do
@@ -199,7 +203,8 @@ top() {
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpufrac-demo.XXXXXX")
   export GPUFRAC_SIM_STATE=$tmp/sim-state GPUFRAC_SOCKET=$tmp/broker.sock
   local gpufrac=$bin/gpufrac loadgen=$bin/examples/loadgen probe=$bin/examples/probe
-  "$gpufrac" broker 2>"$tmp/broker.log" &
+  # Its state (leases, the queue) in the demo's own directory, gone with it.
+  "$gpufrac" broker --state-dir "$tmp/state" 2>"$tmp/broker.log" &
   broker=$!
   jobs_pids=()
   # Each step may find its process gone already: none may stop the rest

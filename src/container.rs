@@ -49,23 +49,28 @@ pub fn run_index(command: &[OsString]) -> Option<usize> {
     None
 }
 
-/// The command with the container's part of the job inserted after `run`,
-/// or an error for a container the lease cannot follow.
+/// Why the container `command` runs cannot be a job's, if it cannot: asked
+/// before the run asks for a lease, so that a refused command is never
+/// queued nor booked.
+pub fn refusal(command: &[OsString]) -> Option<String> {
+    let flag = detached(&command[run_index(command)?..])?;
+    Some(format!(
+        "`{flag}` detaches the container, and the lease would end at once with the client; \
+         drop {flag} to keep the container attached (it still runs in the background if you \
+         background gpufrac run), or use `gpufrac docker-args` for a container outside the queue"
+    ))
+}
+
+/// The command with the container's part of the job inserted after `run`
+/// (one `refusal` passed).
 pub fn wrap(
     command: &[OsString],
     at: usize,
     env: &ChildEnv,
     shim: &Path,
     socket: &Path,
-) -> Result<Vec<OsString>, String> {
+) -> Vec<OsString> {
     let user = &command[at..];
-    if let Some(flag) = detached(user) {
-        return Err(format!(
-            "`{flag}` detaches the container, and the lease would end at once with the client; \
-             drop {flag} to keep the container attached (it still runs in the background if you \
-             background gpufrac run), or use `gpufrac docker-args` for a container outside the queue"
-        ));
-    }
     let mut add: Vec<String> = Vec::new();
     let mut ipc_host = false;
     let mut push = |a: &str, b: String| {
@@ -124,7 +129,7 @@ pub fn wrap(
     let mut out: Vec<OsString> = command[..at].to_vec();
     out.extend(add.into_iter().map(OsString::from));
     out.extend(user.iter().cloned());
-    Ok(out)
+    out
 }
 
 /// The flag that detaches the container, if the user gave one before the
@@ -167,7 +172,6 @@ mod tests {
             Path::new("/opt/lib/libgpufrac.so"),
             Path::new("/run/g/broker.sock"),
         )
-        .unwrap()
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .collect()
@@ -200,14 +204,7 @@ mod tests {
             &["-itd", "img"],
         ] {
             let cmd = [&["docker", "run"][..], d].concat();
-            let e = wrap(
-                &v(&cmd),
-                2,
-                &ChildEnv::default(),
-                Path::new("/l.so"),
-                Path::new("/s/b.sock"),
-            )
-            .unwrap_err();
+            let e = refusal(&v(&cmd)).unwrap();
             assert!(e.contains("detaches") && e.contains("docker-args"), "{e}");
         }
         for ok in [
@@ -217,18 +214,10 @@ mod tests {
             &["--", "img", "-d"],
         ] {
             let cmd = [&["docker", "run"][..], ok].concat();
-            assert!(
-                wrap(
-                    &v(&cmd),
-                    2,
-                    &ChildEnv::default(),
-                    Path::new("/l.so"),
-                    Path::new("/s/b.sock")
-                )
-                .is_ok(),
-                "{ok:?}"
-            );
+            assert_eq!(refusal(&v(&cmd)), None, "{ok:?}");
         }
+        // Not a container: its -d is its own.
+        assert_eq!(refusal(&v(&["python", "-d", "x.py"])), None);
     }
 
     #[test]

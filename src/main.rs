@@ -116,7 +116,7 @@ struct BrokerArgs {
     /// Serve Prometheus metrics over HTTP at /metrics on ADDR: a port alone
     /// (9400) is 127.0.0.1:9400, loopback only; HOST:PORT as given
     /// (0.0.0.0:9400 serves every interface).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = metrics_address)]
     metrics: Option<String>,
     /// A queued request waiting this long goes ahead of all younger ones.
     #[arg(long, value_name = "DUR", default_value = "1h", value_parser = duration)]
@@ -162,11 +162,11 @@ struct BrokerArgs {
     /// A user's (name or uid) weight among users with work on a GPU
     /// (default 1): `alice=2` gets twice what a user of weight 1 gets.
     /// Repeatable.
-    #[arg(long, value_name = "USER=W")]
+    #[arg(long, value_name = "USER=W", value_parser = user_weight)]
     user_weight: Vec<String>,
     /// The weight of a group's (name or gid) members, for users with no
     /// --user-weight of their own (the largest of their groups'). Repeatable.
-    #[arg(long, value_name = "GROUP=W")]
+    #[arg(long, value_name = "GROUP=W", value_parser = group_weight)]
     group_weight: Vec<String>,
     /// When the state file cannot be trusted at start (corrupt, truncated,
     /// another user's), new placements wait this long while running jobs
@@ -313,6 +313,21 @@ fn high_share(s: &str) -> Result<f64, String> {
     size::parse_percent(s).map(|p| p / 100.0)
 }
 
+// The broker's own checks of these, made while the command line is read:
+// a malformed value is a usage error (status 2) like any other, not a
+// failed start (status 1). The broker reads the values again, as given.
+fn metrics_address(s: &str) -> Result<String, String> {
+    gpufrac_broker::options::metrics_address(s).map(|_| s.to_owned())
+}
+
+fn user_weight(s: &str) -> Result<String, String> {
+    gpufrac_broker::options::user_weight(s).map(|_| s.to_owned())
+}
+
+fn group_weight(s: &str) -> Result<String, String> {
+    gpufrac_broker::options::group_weight(s).map(|_| s.to_owned())
+}
+
 fn overprovision(s: &str) -> Result<u32, String> {
     match s.trim().parse::<u32>() {
         Ok(0) => Err("must be at least 1 (1 = no over-provisioning)".into()),
@@ -328,6 +343,32 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_from(std::iter::once("gpufrac").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_brokers_malformed_values_are_usage_errors() {
+        for bad in [
+            &["--user-weight", "alice"][..],
+            &["--user-weight", "root=0"],
+            &["--user-weight", "no-such-user-here=2"],
+            &["--group-weight", "root"],
+            &["--metrics", "99999"],
+            &["--metrics", "nowhere"],
+        ] {
+            let args = [&["broker"][..], bad].concat();
+            let e = parse(&args).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad:?}");
+            assert_eq!(e.exit_code(), 2);
+        }
+        for ok in [
+            &["--user-weight", "root=2"][..],
+            &["--group-weight", "0=0.5"],
+            &["--metrics", "9400"],
+            &["--metrics", "127.0.0.1:9400"],
+        ] {
+            let args = [&["broker"][..], ok].concat();
+            assert!(parse(&args).is_ok(), "{ok:?}");
+        }
     }
 
     fn err(args: &[&str]) -> String {

@@ -1668,8 +1668,8 @@ fn a_cleanly_stopped_broker_leaves_no_state_directory_behind() {
         .arg(&socket)
         .env("GPUFRAC_SIM_STATE", dir.0.join("sim-state"))
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
+        .stdout(Stdio::null());
+    log_to(&mut cmd, &dir.0.join("broker.log"));
     let mut broker = KillOnDrop(cmd.spawn().unwrap());
     wait_until(20.0, "the broker socket", || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()

@@ -504,14 +504,21 @@ fn a_containerised_job_queues_holds_a_lease_and_ends_with_the_container() {
     });
 }
 
-/// A detached container would leave the lease behind at once: refused.
+/// A detached container would leave the lease behind at once: refused,
+/// before anything is asked of the broker (nothing queued, nothing booked).
 #[test]
 fn a_detached_container_is_refused() {
     let b = Broker::start(DEVICE, &[]);
-    let o = b
-        .run(&["--gpu-memory", CAP, "--", "docker", "run", "-d", "img"])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("drop -d"), "{}", stderr(&o));
+    for engine in ["docker", "podman"] {
+        let o = b
+            .run(&["--gpu-memory", CAP, "--", engine, "run", "-d", "img"])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("drop -d"), "{}", stderr(&o));
+    }
+    // Its log has every lease at info: none was asked for.
+    let log = b.log();
+    assert!(log.contains("broker ready"), "{log}");
+    assert!(!log.contains("lease "), "{log}");
 }

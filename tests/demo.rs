@@ -48,9 +48,48 @@ fn figure(out: &str, line_has: &str, key: &str) -> f64 {
         .unwrap_or_else(|_| panic!("no number after {key:?} in {line:?}"))
 }
 
+/// `demo(args)`, as root in a mount namespace of its own whose /run is
+/// empty at the start: with what it left under /run (None, said loudly,
+/// where the machine cannot: not root, no unshare).
+fn demo_in_an_empty_run(args: &[&str]) -> (Output, Option<String>) {
+    // SAFETY: geteuid cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let probe = root
+        && Command::new("unshare")
+            .args(["-m", "true"])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !probe {
+        skip_banner(
+            "what the demo leaves under /run",
+            "it runs the demo in a mount namespace of its own, which needs root and unshare",
+        );
+        return (demo(args), None);
+    }
+    let s = Scratch::new("demo-run");
+    let left = s.0.join("left");
+    let a = artifacts();
+    let profile = a.dir.file_name().unwrap().to_str().unwrap();
+    let mut cmd = Command::new("unshare");
+    scrub_env(&mut cmd)
+        .args(["-m", "sh", "-c"])
+        .arg(
+            "mount -t tmpfs -o mode=755 tmpfs /run || exit 99; \"$0\" \"$@\"; rc=$?; \
+             ls -A /run >\"$LEFT\"; exit $rc",
+        )
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("demo.sh"))
+        .args(args)
+        .env("LEFT", &left)
+        .env("GPUFRAC_DEMO_PROFILE", profile)
+        .env("CARGO", env!("CARGO"))
+        .env("CARGO_TARGET_DIR", a.dir.parent().unwrap());
+    let o = cmd.output().expect("running demo.sh");
+    (o, std::fs::read_to_string(&left).ok())
+}
+
 #[test]
 fn shares_demo_runs_on_the_simulated_gpu_and_cleans_up() {
-    let o = demo(&["shares"]);
+    let (o, left) = demo_in_an_empty_run(&["shares"]);
     let (out, err) = (stdout(&o), stderr(&o));
     assert!(o.status.success(), "{out}\n{err}");
     // Nothing to build (the tests built it): not a word of what a first
@@ -83,6 +122,12 @@ fn shares_demo_runs_on_the_simulated_gpu_and_cleans_up() {
         .unwrap_or_else(|| panic!("no socket named in:\n{out}"));
     let dir = Path::new(socket).parent().unwrap();
     assert!(!dir.exists(), "{} left behind", dir.display());
+    // Nothing under /run either (a broker keeps its state in
+    // /run/gpufrac/state by default, as root): the demo gives its broker a
+    // directory of its own.
+    if let Some(left) = left {
+        assert_eq!(left, "", "left under /run");
+    }
 }
 
 #[test]
@@ -475,8 +520,8 @@ fn the_quickstart_shows_a_live_job_in_status_and_top() {
 /// toolchain through RUSTC_BOOTSTRAP): each unit it would build, named by
 /// what decides whether a build made by another invocation serves it
 /// (package, target, mode, profile, features, platform and, recursively,
-/// those of its dependencies).
-fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
+/// those of its dependencies), with a line that says which it is.
+fn planned_units(args: &[&str]) -> std::collections::HashMap<String, String> {
     let o = Command::new(env!("CARGO"))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("build")
@@ -504,7 +549,7 @@ fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
             .map(|d| key(units, d["index"].as_u64().unwrap() as usize, memo))
             .collect();
         deps.sort();
-        let k = serde_json::json!([
+        let whole = serde_json::json!([
             u["pkg_id"],
             u["target"]["name"],
             u["target"]["kind"],
@@ -515,11 +560,28 @@ fn planned_units(args: &[&str]) -> std::collections::HashSet<String> {
             deps
         ])
         .to_string();
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        whole.hash(&mut h);
+        let k = format!("{:016x}", h.finish());
         memo[i] = Some(k.clone());
         k
     }
     let mut memo = vec![None; units.len()];
-    (0..units.len()).map(|i| key(units, i, &mut memo)).collect()
+    (0..units.len())
+        .map(|i| {
+            let u = &units[i];
+            let pkg = u["pkg_id"].as_str().unwrap_or("?");
+            let what = format!(
+                "{} {} ({}) features {}",
+                pkg.rsplit('#').next().unwrap_or(pkg),
+                u["target"]["name"].as_str().unwrap_or("?"),
+                u["mode"].as_str().unwrap_or("?"),
+                u["features"]
+            );
+            (key(units, i, &mut memo), what)
+        })
+        .collect()
 }
 
 /// The Quickstart's builds after `./demo.sh`: the same units, so cargo
@@ -547,7 +609,7 @@ fn the_quickstart_builds_nothing_the_demo_did_not() {
     let mut built = std::collections::HashSet::new();
     for call in calls.lines() {
         let args: Vec<&str> = call.split_whitespace().skip(1).collect();
-        built.extend(planned_units(&args));
+        built.extend(planned_units(&args).into_keys());
     }
     // The Quickstart's, in the tests' profile (the profile does not change
     // which features are chosen).
@@ -569,10 +631,12 @@ fn the_quickstart_builds_nothing_the_demo_did_not() {
         .collect();
     assert_eq!(builds.len(), 2, "{q}");
     for args in builds {
-        let new: Vec<String> = planned_units(&args)
+        let mut new: Vec<String> = planned_units(&args)
             .into_iter()
-            .filter(|u| !built.contains(u))
+            .filter(|(k, _)| !built.contains(k))
+            .map(|(_, what)| what)
             .collect();
+        new.sort();
         assert!(
             new.is_empty(),
             "`cargo build {}` builds {} units `./demo.sh` did not ({calls}):\n{}",

@@ -279,7 +279,7 @@ fn a_hung_high_holder_does_not_starve_a_high_victim() {
 
 /// `--user-weight` and `--group-weight` reach the scheduler (status shows
 /// a user's weight), and a malformed one stops the broker before it
-/// starts, saying what would be right.
+/// starts, saying what would be right, as a usage error (status 2).
 #[test]
 fn user_weights_are_options_of_the_broker() {
     if !can_be_nobody() {
@@ -290,7 +290,7 @@ fn user_weights_are_options_of_the_broker() {
         .args(["--user-weight", "nobody"])
         .output()
         .unwrap();
-    assert!(!bad.status.success());
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
     assert!(
         stderr(&bad).contains("--user-weight \"nobody\"") && stderr(&bad).contains("NAME=WEIGHT"),
         "{}",

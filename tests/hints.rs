@@ -41,25 +41,29 @@ fn own_socket_suggested(err: &str) -> bool {
         && err.contains(&format!("GPUFRAC_SOCKET={XDG}/gpufrac.sock"))
 }
 
+/// A usage error like any other (status 2, as clap's own): a name that is
+/// no address, a port past 65535.
 #[test]
 fn a_metrics_address_that_is_none_is_refused_with_one_to_use() {
     let dir = Scratch::new("hint-metrics");
     let socket = dir.0.join("b.sock");
-    let o = sim_command(&artifacts().gpufrac, "16G", false)
-        .args(["broker", "--socket"])
-        .arg(&socket)
-        .args(["--metrics", "nowhere"])
-        .output()
-        .unwrap();
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("--metrics nowhere: not an address")
-            && err.contains("--metrics 9400")
-            && err.contains("--metrics 0.0.0.0:9400"),
-        "{err}"
-    );
-    assert!(!socket.exists(), "a refused start left its socket");
+    for bad in ["nowhere", "99999"] {
+        let o = sim_command(&artifacts().gpufrac, "16G", false)
+            .args(["broker", "--socket"])
+            .arg(&socket)
+            .args(["--metrics", bad])
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("--metrics {bad}: not an address"))
+                && err.contains("--metrics 9400")
+                && err.contains("--metrics 0.0.0.0:9400"),
+            "{err}"
+        );
+        assert!(!socket.exists(), "a refused start left its socket");
+    }
 }
 
 #[test]

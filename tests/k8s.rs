@@ -996,3 +996,150 @@ for options in ([], [("grpc.default_authority", path)]):
     );
     assert_eq!(stdout(&o), "options 1001\noptions 1001\n");
 }
+
+/// Each document of a YAML file as JSON (with the venv's PyYAML, which
+/// kubernetes-validate brings).
+fn yaml_docs(python: &Path, file: &Path) -> Vec<serde_json::Value> {
+    let o = Command::new(python)
+        .args([
+            "-c",
+            "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))",
+        ])
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}: {}", file.display(), stderr(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Every manifest of deploy/k8s, the device plugin's and the broker's
+/// (DaemonSet, Service), is valid under Kubernetes' own OpenAPI schemas
+/// (kubernetes-validate, strict: no field the API lacks); the
+/// ServiceMonitor, a Prometheus Operator resource Kubernetes has no schema
+/// of, selects the Service and scrapes its port; the broker's DaemonSet
+/// runs in the host's pid namespace, privileged, on the host's socket
+/// directory, and its probes ask what a broker serves.
+#[test]
+fn the_manifests_pass_kubernetes_openapi_schema() {
+    const WHAT: &str = "the OpenAPI schema check of deploy/k8s";
+    let Some(venv) = venv(
+        "kubernetes-validate",
+        WHAT,
+        &["kubernetes-validate==1.37.0"],
+        "about 25 MB",
+    ) else {
+        return;
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s");
+    let mut files: Vec<PathBuf> = Vec::new();
+    for dir in [root.clone(), root.join("broker")] {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "yaml") && !p.ends_with("servicemonitor.yaml") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    assert!(files.len() >= 4, "{files:?}");
+    for version in ["1.34.0", "1.35.0", "1.36.0"] {
+        let o = Command::new(venv.join("bin/kubernetes-validate"))
+            .args(["--strict", "--kubernetes-version", version])
+            .args(&files)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "Kubernetes {version}'s schema refuses:\n{}{}",
+            stdout(&o),
+            stderr(&o)
+        );
+    }
+    // The check is no formality: a field the API lacks fails it.
+    let ds_path = root.join("broker/daemonset.yaml");
+    let ds_text = std::fs::read_to_string(&ds_path).unwrap();
+    let dir = Scratch::new("k8s-schema");
+    let bad = dir.0.join("bad.yaml");
+    std::fs::write(&bad, ds_text.replace("hostPID: true", "hostPid: true")).unwrap();
+    let o = Command::new(venv.join("bin/kubernetes-validate"))
+        .args(["--strict", "--kubernetes-version", "1.34.0"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let said = format!("{}{}", stdout(&o), stderr(&o));
+    assert!(!o.status.success() && said.contains("hostPid"), "{said}");
+
+    // The broker's DaemonSet: what it must be to see and serve the node.
+    let python = venv.join("bin/python");
+    let ds = &yaml_docs(&python, &ds_path)[0];
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["hostPID"], true);
+    let c = &pod["containers"][0];
+    assert_eq!(c["securityContext"]["privileged"], true);
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["hostPath"]["path"] == "/run/gpufrac"),
+        "{pod}"
+    );
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert_eq!(
+        args[..3],
+        ["broker", "--socket", "/run/gpufrac/broker.sock"]
+    );
+    let port = &c["ports"][0];
+    assert_eq!(port["name"], "metrics");
+    assert!(args.contains(&format!("0.0.0.0:{}", port["containerPort"]).as_str()));
+    // Its probes ask paths a broker answers 200 on.
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _b = Broker::start("16G", &["--metrics", &addr]);
+    for probe in ["readinessProbe", "livenessProbe"] {
+        let p = &c[probe]["httpGet"];
+        assert_eq!(p["port"], "metrics", "{probe}");
+        let path = p["path"].as_str().unwrap();
+        wait_until(20.0, &format!("{path} answering 200"), || {
+            http_code(&addr, path) == Some(200)
+        });
+    }
+
+    // The Service selects the DaemonSet's pods on its port; the
+    // ServiceMonitor selects the Service and scrapes that port by name.
+    let svc = &yaml_docs(&python, &root.join("broker/service.yaml"))[0];
+    let labels = &ds["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+        assert_eq!(&labels[k], v, "the Service selects the broker's pods");
+    }
+    assert_eq!(svc["spec"]["ports"][0]["name"], "metrics");
+    let sm = &yaml_docs(&python, &root.join("broker/servicemonitor.yaml"))[0];
+    assert_eq!(sm["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(sm["kind"], "ServiceMonitor");
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&svc["metadata"]["labels"][k], v, "it selects the Service");
+    }
+    assert_eq!(
+        sm["spec"]["namespaceSelector"]["matchNames"][0],
+        svc["metadata"]["namespace"]
+    );
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], "metrics");
+    assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
+}
+
+/// The status code of `GET path` on `addr`, if it answered.
+fn http_code(addr: &str, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).ok()?;
+    reply.split(' ').nth(1)?.parse().ok()
+}

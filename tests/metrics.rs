@@ -282,6 +282,9 @@ impl Node {
                 .env("GPUFRAC_SIM_STATE", dir.0.join("mps-sim"))
                 .env("RUST_LOG", "warn")
                 .stdout(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::File::create(dir.0.join("mps-broker.log")).unwrap(),
+                ))
                 .spawn()
                 .unwrap(),
         );
@@ -442,7 +445,22 @@ fn a_live_node_is_measured_and_every_family_is_documented() {
     let _serial = serial();
     let node = Node::start();
     node.wait_busy();
-    let p = scrape(&node.addrs[0]);
+    // Both jobs' processes registered and busy (on a loaded machine the
+    // second job's may come after the rest of the node's work).
+    let job_targets = |p: &str| {
+        p.lines()
+            .filter(|l| {
+                l.starts_with("gpufrac_job_share_target_ratio{gpu=\"0\"")
+                    && !l.contains("job_id=\"none\"")
+                    && !l.ends_with(" 0")
+            })
+            .count()
+    };
+    let mut p = String::new();
+    wait_until(30.0, "both jobs busy on GPU 0", || {
+        p = scrape(&node.addrs[0]);
+        job_targets(&p) == 2
+    });
     let line = |prefix: &str, has: &[&str]| -> f64 {
         let l = p
             .lines()

@@ -41,6 +41,13 @@ fn broker(s: &Setup, path: &str, extra: &[(&str, &str)]) -> Command {
     cmd
 }
 
+/// `broker`, started, its log in its directory.
+fn spawn_broker(s: &Setup, path: &str, extra: &[(&str, &str)]) -> std::process::Child {
+    let mut cmd = broker(s, path, extra);
+    log_to(&mut cmd, &s.dir.0.join("broker.log"));
+    cmd.stdout(Stdio::null()).spawn().unwrap()
+}
+
 fn log(s: &Setup) -> String {
     std::fs::read_to_string(&s.log).unwrap_or_default()
 }
@@ -55,12 +62,7 @@ fn alive(pid: u64) -> bool {
 #[test]
 fn the_broker_starts_supervises_and_stops_the_mps_daemon() {
     let s = setup("mps");
-    let mut b = KillOnDrop(
-        broker(&s, &s.path, &[])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut b = KillOnDrop(spawn_broker(&s, &s.path, &[]));
     wait_until(20.0, "the broker", || {
         std::os::unix::net::UnixStream::connect(&s.socket).is_ok()
     });

@@ -99,6 +99,7 @@ fn mps_directories_planted_beside_the_socket_are_never_used() {
         .env("GPUFRAC_SIM_STATE", dir.0.join("sim"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null());
+    log_to(&mut cmd, &dir.0.join("broker.log"));
     let mut b = KillOnDrop(cmd.spawn().unwrap());
     wait_until(20.0, "the broker", || {
         std::os::unix::net::UnixStream::connect(&socket).is_ok()
@@ -346,6 +347,7 @@ fn a_clean_stop_removes_the_state_directory_it_made() {
             .env("GPUFRAC_SIM_STATE", dir.0.join("sim"))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null());
+        log_to(&mut cmd, &dir.0.join("broker.log"));
         if let Some(d) = state_dir {
             cmd.arg("--state-dir").arg(d);
         }

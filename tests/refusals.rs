@@ -164,3 +164,24 @@ fn run_without_a_broker_says_which_cap_holds() {
         "{env}"
     );
 }
+
+/// Without a broker, a job cap larger than every GPU is refused, as the
+/// broker refuses it: nothing could give the job that much, and a slip
+/// (64G for 6.4G) would otherwise run as if uncapped, silently.
+#[test]
+fn run_without_a_broker_refuses_a_cap_larger_than_every_gpu() {
+    let o = run_alone("16G,8G", &["--gpu-memory", "64G", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(
+        stderr(&o),
+        "gpufrac run: --gpu-memory 64.00 GiB is more than any GPU here has: the largest has \
+         16.00 GiB (GPU 0); ask for at most --gpu-memory 16G\n"
+    );
+    // The whole of the largest is a cap like any other.
+    let o = run_alone("16G,8G", &["--gpu-memory", "16G", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -15,6 +15,8 @@
 
 #[path = "support/dist.rs"]
 mod dist;
+#[path = "support/engines.rs"]
+mod engines;
 mod support;
 
 use std::os::unix::fs::PermissionsExt;
@@ -630,4 +632,114 @@ fn no_locked_dependency_needs_a_newer_rust_than_rust_version() {
         "{}",
         out(&o)
     );
+}
+
+/// The image deploy/container/Containerfile builds from the release
+/// tarball, with Podman (runc), on the tests' sealed Debian root in place
+/// of debian:bookworm-slim (no registry is reachable): its broker, run as
+/// the DaemonSet runs it (the host's pid namespace, the host's socket
+/// directory), serves a process under the host's shim, which registers
+/// with it and is capped by it, and `gpufrac status` on the host sees it.
+#[test]
+fn the_release_image_builds_and_its_broker_serves_a_shim() {
+    let Some(tarball) = tarball() else { return };
+    if !engines::ensure_podman() {
+        return;
+    }
+    let base = engines::image(engines::Engine::Podman);
+    let tag = format!("localhost/gpufrac-release-test:{VERSION}");
+    let containerfile =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/container/Containerfile");
+    let name = tarball.file_name().unwrap().to_str().unwrap();
+    let o = engines::Engine::Podman
+        .command()
+        .args(["build", "--network", "none", "-f"])
+        .arg(&containerfile)
+        .args(["--build-arg", &format!("BASE={base}")])
+        .args(["--build-arg", &format!("RELEASE={name}")])
+        .args(["-t", &tag])
+        .arg(tarball.parent().unwrap())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "podman build:\n{}", out(&o));
+    // What install.sh laid out, and the image's own default command.
+    let o = engines::Engine::Podman
+        .command()
+        .args(["image", "inspect", "--format", "{{json .Config.Cmd}}", &tag])
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&o).contains("\"broker\"") && stdout(&o).contains("0.0.0.0:9400"),
+        "{}",
+        out(&o)
+    );
+
+    // The host's socket directory, as the DaemonSet mounts it.
+    let run = Scratch::new("image-run");
+    std::fs::set_permissions(&run.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let state = run.0.join("sim").join("state");
+    std::fs::create_dir_all(state.parent().unwrap()).unwrap();
+    let mut args: Vec<String> = vec![
+        "--pid".into(),
+        "host".into(),
+        "--privileged".into(),
+        "-v".into(),
+        format!("{}:/run/gpufrac", run.0.display()),
+    ];
+    args.extend(engines::sim_driver_args());
+    args.extend(engines::sim_state_args("16G", &state));
+    args.push(tag.clone());
+    for a in ["broker", "--socket", "/run/gpufrac/broker.sock"] {
+        args.push(a.into());
+    }
+    let ct = engines::Container::run(engines::Engine::Podman, &args);
+    let socket = run.0.join("broker.sock");
+    wait_until(
+        60.0,
+        "the image's broker answering on the host's socket",
+        || try_status_cli(&socket).is_ok(),
+    );
+    let st = status_cli(&socket);
+    assert_eq!(
+        st["gpus"].as_array().map(Vec::len),
+        Some(1),
+        "{st}\n{}",
+        ct.stderr()
+    );
+
+    // A process on the host, under the host's shim, capped at 1 GiB by
+    // the broker in the image: it registers there and fills to its cap.
+    let stop = run.0.join("stop");
+    let mut p = sim_command(&artifacts().probe, "16G", true);
+    p.env("GPUFRAC_SOCKET", &socket)
+        .env("GPUFRAC_BROKER", "required")
+        .env("GPUFRAC_SIM_STATE", &state)
+        .env("GPU_MEM_LIMIT", "1G")
+        .args(["ctx", "fill", "alloc", "64M", "wait-file"])
+        .arg(&stop)
+        .stdout(Stdio::piped());
+    let p = p.spawn().unwrap();
+    let pid = p.id();
+    wait_until(
+        30.0,
+        "the host's process registered with the image's broker",
+        || {
+            status_cli(&socket)["gpus"][0]["processes"]
+                .as_array()
+                .is_some_and(|ps| {
+                    ps.iter()
+                        .any(|x| x["pid"] == pid && x["mem_used"] == 1u64 << 30)
+                })
+        },
+    );
+    std::fs::write(&stop, "").unwrap();
+    let o = p.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    assert!(stdout(&o).contains("fill count=16 rc=2"), "{}", stdout(&o));
+    drop(ct);
+    let _ = engines::Engine::Podman
+        .command()
+        .args(["rmi", "-f", &tag])
+        .output();
 }

@@ -20,7 +20,10 @@
 //!   `@pytest.mark.gpu_memory`, learned with `--gpufrac-learn`, reserved in
 //!   the run's books in arrival order, each test capped at its reservation
 //!   (`gpufrac_mem_limit_set`); a crashed worker's reservation reclaimed;
-//!   pools emptied between tests; sizes as the CLI takes them.
+//!   pools emptied between tests; sizes as the CLI takes them;
+//! - a test that outgrew its learned budget run again with the whole
+//!   budget; one past its mark told, within 80 columns, what it needs and
+//!   which mark would pass; reports never written through a planted link.
 //!
 //! The wheel shares its release build with tests/release.rs; the venv,
 //! pip's cache and the downloads live in the test cache (docs/testing.md).
@@ -271,7 +274,7 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
         })
         .collect();
     let o = support::pip(&py.venv)
-        .args(["wheel", "--no-deps", "--wheel-dir"])
+        .args(["wheel", "-v", "--no-deps", "--wheel-dir"])
         .arg(&built.0)
         .arg(&python_dir)
         .env("PATH", path.join(":"))
@@ -302,6 +305,19 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
     assert!(
         std::fs::read(built.0.join(WHEEL)).unwrap() == std::fs::read(&py.wheel).unwrap(),
         "pip wheel ./python made another wheel than cargo xtask wheel"
+    );
+    // From the release `cargo xtask wheel` built above: cargo compiles
+    // nothing again. (It compiled all of it while cargo-zigbuild ran from
+    // where pip installed it, a new environment each time, whose path
+    // named the linker cargo was given.)
+    let compiled: Vec<&str> = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("Compiling "))
+        .collect();
+    assert!(
+        compiled.is_empty(),
+        "pip's build compiled again what cargo xtask wheel had built:\n{}",
+        compiled.join("\n")
     );
 
     // On the venv's PATH, where an activated venv (or a CI step naming
@@ -625,8 +641,8 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
     let worker = r.record("too-big")["worker"].as_str().unwrap().to_owned();
     assert!(
         text.contains(&format!(
-            "FAILED test_oom.py::test_too_big - gpu.CudaError: CUDA call failed: \
-             CUDA_ERROR_OUT_OF_MEMORY [gpufrac: {worker} over its 1.00 GiB cap]"
+            "FAILED test_oom.py::test_too_big - gpufrac: needs ~1.5 GiB, {worker} cap 1 GiB; \
+             gpu.CudaError: CUDA call failed: CUDA_ERROR_OUT_OF_MEMORY"
         )),
         "{text}"
     );
@@ -643,8 +659,8 @@ fn a_worker_out_of_memory_fails_that_test_naming_its_cap_and_worker() {
         .to_owned();
     assert!(
         text.contains(&format!(
-            "FAILED test_oom.py::test_did_not_fit - AssertionError: the model did not fit \
-             [gpufrac: {other} over its 1.00 GiB cap]"
+            "FAILED test_oom.py::test_did_not_fit - gpufrac: needs ~1.25 GiB, {other} cap \
+             1 GiB; AssertionError: the model did not fit"
         )),
         "refused, though its words say nothing of memory: {text}"
     );
@@ -955,7 +971,12 @@ fn tests_reserve_their_declared_budgets_and_pack_where_splitting_by_worker_fails
         "{}",
         out(&o)
     );
-    assert!(stdout(&o).contains("over its 1.75 GiB cap]"), "{}", out(&o));
+    assert!(
+        stdout(&o).contains("test_budgets.py::test_big - gpufrac: needs ~5 GiB, gw"),
+        "{}",
+        out(&o)
+    );
+    assert!(stdout(&o).contains(" cap 1.75 GiB; "), "{}", out(&o));
 
     // One shared budget: three small tests hold 3 GiB when the big one
     // starts, and 5 GiB more is 1 GiB over.
@@ -983,8 +1004,8 @@ fn tests_reserve_their_declared_budgets_and_pack_where_splitting_by_worker_fails
 /// --gpufrac-learn: unknown tests run alone and are measured; the next
 /// run packs them by what was learned (two 1 GiB tests, each learned at
 /// 1.25 GiB, hold memory at once in 3 GiB, which they could not if either
-/// still had the whole budget); a test that outgrows its figure fails
-/// naming both, and its figure grows.
+/// still had the whole budget); a test that outgrows its figure runs again
+/// at once with the whole budget, passes, and is learned by what it needs.
 #[test]
 fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     let Some(py) = py() else { return };
@@ -1103,30 +1124,193 @@ fn learned_budgets_pack_unmarked_tests_in_later_runs_and_grow_when_outgrown() {
     );
     assert!(stdout(&o).contains("created: 2/2 workers"), "{}", out(&o));
 
-    // Outgrown: 2 GiB against its 1.25 GiB.
-    let mut cmd = r.pytest_cached(py, &args);
-    cmd.env("GPUFRAC_TEST_GROW", "1").arg("--gpufrac-learn");
+    // Outgrown: it takes 2.75 GiB in 256 MiB blocks against its 1.25 GiB,
+    // and is refused at 1.5 GiB. It runs again at once, alone, with the
+    // run's whole budget: the run passes, and what it needs now is
+    // learned, not what it had asked for when refused (learned from that,
+    // with its budget doubled, it took two more red runs to pass).
+    let grown = ["-n", "2", "--gpufrac-memory", "4G", "test_learn.py"];
+    let mut cmd = r.pytest_cached(py, &grown);
+    cmd.env("GPUFRAC_TEST_GROW", "steps")
+        .arg("--gpufrac-learn")
+        .args(["--gpufrac-report-json", "learn.json"]);
     let o = output_within(cmd, 300.0, "the outgrowing run", &r.scratch.0);
-    assert!(stdout(&o).contains("1 failed, 1 passed"), "{}", out(&o));
+    passed(&o, "2 passed");
     assert!(
         stdout(&o).contains(
-            "This test ran out of GPU memory under its reservation of 1.25 GiB (learned: \
-             its peak of 1.00 GiB in an earlier run and 25% headroom), in the run's budget \
-             of 3.00 GiB."
+            "test_learn.py::test_learn_a outgrew its learned budget of 1.25 GiB (it asked for \
+             1.50 GiB there): run again alone with the run's whole budget of 4.00 GiB, it \
+             passed, peak 2.75 GiB; --gpufrac-learn keeps 3.43 GiB as its budget"
         ),
         "{}",
         out(&o)
     );
+    let j = report_json(&json);
+    let a = test_entry(&j, "test_learn.py::test_learn_a");
+    assert_eq!(a["budget_source"], "retry", "{a}");
+    assert_eq!(a["budget_bytes"], 4 * GIB, "{a}");
+    assert_eq!(a["peak_bytes"], 2816 * MIB, "{a}");
+    assert_eq!(
+        a["retried_from"],
+        serde_json::json!({
+            "budget_bytes": 1280 * MIB,
+            "wanted_bytes": 1536 * MIB,
+            "peak_bytes": 1280 * MIB
+        }),
+        "{a}"
+    );
     assert_eq!(
         r.learned()["test_learn.py::test_learn_a"]["budget"],
-        2560 * MIB,
+        3520 * MIB,
         "{}",
         out(&o)
     );
-    let mut cmd = r.pytest_cached(py, &args);
-    cmd.env("GPUFRAC_TEST_GROW", "1");
+    // The next run packs it by that, and passes without running it again.
+    let mut cmd = r.pytest_cached(py, &grown);
+    cmd.env("GPUFRAC_TEST_GROW", "steps")
+        .args(["--gpufrac-report-json", "learn.json"]);
     let o = output_within(cmd, 300.0, "the grown run", &r.scratch.0);
     passed(&o, "2 passed");
+    assert!(!stdout(&o).contains("outgrew"), "{}", out(&o));
+    let j = report_json(&json);
+    let a = test_entry(&j, "test_learn.py::test_learn_a");
+    assert_eq!(a["budget_source"], "learned", "{a}");
+    assert_eq!(a["budget_bytes"], 3520 * MIB, "{a}");
+    assert!(a["retried_from"].is_null(), "{a}");
+}
+
+/// A test that outgrew its gpu_memory mark, in a CI log of 80 columns:
+/// pytest's short summary cuts each line there, and the note comes first
+/// and short (what it needs, what it was marked); its section says which
+/// mark would pass, and that mark does.
+#[test]
+fn a_test_past_its_mark_says_so_within_80_columns_and_which_mark_would_pass() {
+    let Some(py) = py() else { return };
+    let r = Run::new("wheel-mark");
+    let args = ["-n", "2", "--gpufrac-memory", "2G", "test_mark.py"];
+    let mut cmd = r.pytest(py, &args);
+    cmd.env("COLUMNS", "80");
+    let o = output_within(cmd, 300.0, "the marked run", &r.scratch.0);
+    assert!(stdout(&o).contains("1 failed, 1 passed"), "{}", out(&o));
+    let line = stdout(&o)
+        .lines()
+        .find(|l| l.starts_with("FAILED test_mark.py::test_grown"))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no short summary line:\n{}", out(&o)));
+    assert!(line.chars().count() <= 80, "{line}");
+    assert!(
+        line.starts_with("FAILED test_mark.py::test_grown - gpufrac: needs ~768 MiB, marked 512M"),
+        "{line}"
+    );
+    assert!(
+        stdout(&o).contains(
+            "It asked for 768.00 MiB (what it held when the cap refused it, and the refused \
+             allocation): mark it @pytest.mark.gpu_memory(\"960M\"), that and 25% headroom"
+        ),
+        "{}",
+        out(&o)
+    );
+    let mut cmd = r.pytest(py, &args);
+    cmd.env("GPUFRAC_TEST_MARK", "960M");
+    let o = output_within(cmd, 300.0, "the run marked as it said", &r.scratch.0);
+    passed(&o, "2 passed");
+}
+
+/// The venv's Python as another user runs it: the venv's own interpreter
+/// where that user may run it, else the system's with the venv's packages
+/// (a venv made from an interpreter under /root, as pyenv's are, is not
+/// theirs to run).
+fn victim_python(py: &Py) -> Command {
+    let runs = as_user(Command::new(py.python()).arg("--version"), 5001)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let mut c = if runs {
+        Command::new(py.python())
+    } else {
+        let lib = std::fs::read_dir(py.venv.join("lib"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path().join("site-packages"))
+            .find(|p| p.exists())
+            .expect("the venv's site-packages");
+        let mut c = Command::new("/usr/bin/python3");
+        c.env("PYTHONPATH", lib);
+        c
+    };
+    c.env("PYTHONDONTWRITEBYTECODE", "1");
+    c
+}
+
+/// The plugin's reports are written where the user says, which may be a
+/// directory others can write (a shared workspace, /tmp): a name another
+/// user planted there beforehand, a link at the file's old temporary name
+/// (`PATH.tmp`) to a file of the victim's, is never written through. As
+/// root: the attacker is uid 65534, the victim uid 5001.
+#[test]
+fn a_report_is_never_written_through_a_link_planted_beside_it() {
+    let Some(py) = py() else { return };
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        skip_banner(
+            "the planted-link test",
+            "it needs root (it runs as uids 65534 and 5001)",
+        );
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let s = Scratch::new("wheel-planted");
+    std::fs::set_permissions(&s.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let shared = s.0.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let home = s.0.join("victim");
+    std::fs::create_dir(&home).unwrap();
+    let notes = home.join("notes");
+    std::fs::write(&notes, "the victim's own\n").unwrap();
+    for p in [&home, &notes] {
+        std::os::unix::fs::chown(p, Some(5001), Some(5001)).unwrap();
+    }
+    let report = shared.join("gpu-memory.json");
+    let planted = shared.join("gpu-memory.json.tmp");
+    let o = as_user(
+        Command::new("ln").arg("-s").arg(&notes).arg(&planted),
+        65534,
+    )
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    // The victim's run writes its report, through the plugin's own writer.
+    let script = "import sys, types\n\
+                  from gpufrac.pytest_plugin import _write\n\
+                  config = types.SimpleNamespace(invocation_params=types.SimpleNamespace(dir=sys.argv[1]))\n\
+                  _write(config, 'gpu-memory.json', '{\"version\": 1}\\n')\n";
+    let o = as_user(victim_python(py).args(["-c", script]).arg(&shared), 5001)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", out(&o));
+    assert_eq!(
+        std::fs::read_to_string(&notes).unwrap(),
+        "the victim's own\n",
+        "the report was written through the planted link"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&report).unwrap(),
+        "{\"version\": 1}\n"
+    );
+    assert!(
+        !std::fs::symlink_metadata(&report)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "the report is the link"
+    );
+    // The planted link is left as it was, and nothing else of the write.
+    let mut left: Vec<String> = std::fs::read_dir(&shared)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["gpu-memory.json", "gpu-memory.json.tmp"], "{left:?}");
 }
 
 /// A test refused at its first allocation peaked at nothing, but asked for

@@ -63,6 +63,29 @@ impl WireClient {
         }
     }
 
+    /// Reads what has arrived without waiting: how many messages.
+    pub fn drain(&mut self) -> Result<usize, String> {
+        self.s.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let mut tmp = [0u8; 8192];
+        let read = loop {
+            match self.s.read(&mut tmp) {
+                Ok(0) => break Err("the broker closed the connection".to_string()),
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break Ok(()),
+                Err(e) => break Err(e.to_string()),
+            }
+        };
+        self.s.set_nonblocking(false).map_err(|e| e.to_string())?;
+        read?;
+        let mut n = 0;
+        while let Ok((_, len)) = wire::decode_server(&self.buf) {
+            self.buf.drain(..len);
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// The broker's status document.
     pub fn status(&mut self) -> Result<serde_json::Value, String> {
         self.send(&ClientMsg::Status { from: 0 })?;

@@ -25,6 +25,8 @@
 //!   instances made through NVML as the broker makes them;
 //! - [`harness`]: the sans-I/O core and what it is built from, for
 //!   driving a broker in virtual time (the red-team harness);
+//! - [`options`]: the checks of its command-line values, for the CLI to
+//!   make while it reads them (a malformed value is a usage error);
 //! - [`METRICS_CONNECTIONS`].
 //!
 //! The status document it serves is `gpufrac_common::status`.
@@ -56,6 +58,26 @@ pub use startup::{BrokerOptions, MigMode, default_state_dir, run};
 /// The most connections the metrics endpoint holds at once, all peers
 /// together (`docs/metrics.md`): what a flood of scrapers is cut down to.
 pub const METRICS_CONNECTIONS: usize = metrics::TOTAL;
+
+/// The broker's own checks of its command-line values, as `run` makes
+/// them: the CLI makes them while it reads the command line, so that a
+/// malformed value exits 2 like any other usage error.
+pub mod options {
+    /// `--metrics ADDRESS`.
+    pub fn metrics_address(s: &str) -> Result<(), String> {
+        crate::metrics::address(s).map(drop)
+    }
+
+    /// One `--user-weight NAME=WEIGHT`.
+    pub fn user_weight(s: &str) -> Result<(), String> {
+        crate::sched::parse_weight("--user-weight", s, crate::startup::uid_of).map(drop)
+    }
+
+    /// One `--group-weight NAME=WEIGHT`.
+    pub fn group_weight(s: &str) -> Result<(), String> {
+        crate::sched::parse_weight("--group-weight", s, crate::startup::gid_of).map(drop)
+    }
+}
 
 /// A socket path this user can create, for hints when the default (root's
 /// /run/gpufrac) is out of reach: `$XDG_RUNTIME_DIR/gpufrac.sock`, else a

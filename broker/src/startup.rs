@@ -279,7 +279,7 @@ fn adopt_state_beside(socket: &Path, state: &Path) {
 }
 
 /// A user's uid: a number as it is, a name through the user database.
-fn uid_of(name: &str) -> Result<u32, String> {
+pub fn uid_of(name: &str) -> Result<u32, String> {
     id_of(name, "user", |c| {
         // SAFETY: getpwnam with a valid C string; pw_uid is copied at once.
         let pw = unsafe { libc::getpwnam(c.as_ptr()) };
@@ -288,7 +288,7 @@ fn uid_of(name: &str) -> Result<u32, String> {
 }
 
 /// A group's gid: a number as it is, a name through the group database.
-fn gid_of(name: &str) -> Result<u32, String> {
+pub fn gid_of(name: &str) -> Result<u32, String> {
     id_of(name, "group", |c| {
         // SAFETY: getgrnam with a valid C string; gr_gid is copied at once.
         let gr = unsafe { libc::getgrnam(c.as_ptr()) };

@@ -17,7 +17,9 @@ temporary directory, locked with fcntl) and waits, in arrival order across
 workers, until the reservations in force leave room for it; the test then
 runs with the worker's own cap narrowed to its reservation plus what the
 worker already held (``gpufrac_mem_limit_set``), and the reservation is
-released after its teardown. Entries are keyed by the worker's pid and
+released after its teardown. A test refused under its learned figure (it
+grew) runs again at once, alone, with the whole budget, and what it needs
+then is what is reported and learned. Entries are keyed by the worker's pid and
 start time: those of a worker that died are dropped by the next worker
 that reads the books.
 
@@ -44,9 +46,11 @@ counts against the cap.
 
 import contextlib
 import fcntl
+import gc
 import json
 import math
 import os
+import secrets
 import shutil
 import struct
 import sys
@@ -534,23 +538,41 @@ def _release_pools():
 
 def _write(config, path, text):
     """Writes a report file whole (a reader never sees half of it), relative
-    to the directory pytest was started in."""
+    to the directory pytest was started in. The text goes to a new file of a
+    random name beside it, made by this call alone (O_EXCL) and never
+    through a symbolic link (O_NOFOLLOW), then renamed over the path: where
+    others may write the directory, a name planted there in advance (a
+    link to a file of this user's) is never written through."""
     path = os.path.join(str(config.invocation_params.dir), path)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = "%s.%s.tmp" % (path, secrets.token_hex(8))
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise FileExistsError("gpufrac: no free temporary name beside %s" % path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
-def _learned_budget(asked, refused, source, old, run):
+def _learned_budget(asked, run):
     """A test's budget for later runs: what it asked for (its peak, or what
     it held when the cap refused it plus the refused request) and the
-    headroom. A test refused under its learned budget gets at least twice
-    that budget: past the refused request it may ask for more again. Never
-    more than the run's budget ``run`` (0: no limit)."""
+    headroom; never more than the run's budget ``run`` (0: no limit). A
+    test that outgrew its learned budget was run again with the whole
+    budget (``_Recorder.pytest_runtest_protocol``), so what it asked for
+    then is what it needs: nothing is guessed, and nothing doubles from
+    one red run to the next."""
     budget = _with_headroom(asked)
-    if refused and source == "learned" and old:
-        budget = max(budget, 2 * old["budget"])
     if run:
         budget = min(budget, run)
     return budget
@@ -559,6 +581,23 @@ def _learned_budget(asked, refused, source, old, run):
 def _with_headroom(peak):
     """A learned budget: the peak and its headroom, in whole MiB (at least 1)."""
     return max(1, math.ceil(peak * (1 + HEADROOM) / (1 << 20))) << 20
+
+
+def _short_size(n):
+    """A size in three or four figures (768 MiB, 1.25 GiB): what fits
+    beside a test's id in a line a CI log cuts at 80 columns."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            text = "%d" % round(v) if v >= 100 else ("%.2f" % v).rstrip("0").rstrip(".")
+            return "%s %s" % (text, unit)
+    return "%d B" % n
+
+
+def _mark_text(n):
+    """The gpu_memory mark that covers ``n`` bytes, in whole MiB up."""
+    mib = max(1, -(-n // (1 << 20)))
+    return "%dG" % (mib >> 10) if mib % 1024 == 0 else "%dM" % mib
 
 
 def _describe(settings, broker):
@@ -606,6 +645,10 @@ def _cap_phrase(settings, worker, current=None):
 
 def _source_phrase(current):
     src = current["source"]
+    if src == "retry":
+        return "the run's whole budget, run again after its learned budget of %s refused " \
+            "it (it asked for %s)" % (gpufrac.format_size(current["retried_from"]["budget"]),
+                                     gpufrac.format_size(current["retried_from"]["wanted"]))
     if src == "declared":
         return "declared: gpu_memory(%r)" % current["declared_text"]
     if src == "learned":
@@ -620,15 +663,23 @@ def _source_phrase(current):
 
 
 def _cap_short(settings, worker, current=None):
-    """The same, for the one-line summary of a failure."""
+    """The limit a failure ran into, in a few words, for the one-line
+    summary of a failure: ``marked 512M``, ``learned 1.25 GiB``, ``gw1 cap
+    1 GiB``."""
     b, n, cap = settings["budget"], settings["workers"], settings["cap"]
     if current is not None:
-        return "%s over its %s reservation" % (worker, gpufrac.format_size(current["budget"]))
+        src = current["source"]
+        if src in ("declared", "default"):
+            return "%s %s" % ("marked" if src == "declared" else "default",
+                              str(current["declared_text"]).strip())
+        if src == "learned":
+            return "learned %s" % _short_size(current["budget"])
+        return "run budget %s" % _short_size(current["budget"])
     if n and settings["split"] == "worker":
-        return "%s over its %s cap" % (worker, gpufrac.format_size(cap))
+        return "%s cap %s" % (worker, _short_size(cap))
     if n:
-        return "%s, shared %s budget spent" % (worker, gpufrac.format_size(b))
-    return "over the %s cap" % gpufrac.format_size(b)
+        return "shared %s spent" % _short_size(b)
+    return "cap %s" % _short_size(b)
 
 
 class _Recorder:
@@ -659,6 +710,8 @@ class _Recorder:
             with open(os.path.join(settings["books"], "learned.json")) as f:
                 self.learned = json.load(f)
         self.current = None
+        # The first run of a test running again (_outgrown), while it does.
+        self.retry = None
         self.refused = 0
         # When the test running now started (its reservation granted):
         # CLOCK_MONOTONIC, the same clock in every worker, so the
@@ -686,7 +739,8 @@ class _Recorder:
         self.refusals = now
         return refused
 
-    def pytest_runtest_logstart(self, nodeid, location):
+    def _begin(self):
+        """A test starts (again): new peaks and refusal counts."""
         self.refused = 0
         self.began = time.monotonic()
         if self.books is not None and not self.settings.get("keep_pools"):
@@ -697,12 +751,20 @@ class _Recorder:
             self._reset()
             self.start = {d: gpufrac.mem_used(d) for d in range(gpufrac.MAX_DEVICES)}
 
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._begin()
+
     def _budget_of(self, item):
         """(bytes, how it was set) for ``item``: its closest gpu_memory
         mark, else its learned figure, else the default, else the whole
-        budget."""
+        budget; the whole budget when it runs again after outgrowing its
+        learned figure."""
         run = self.settings["budget"]
-        how = {"declared_text": None, "learned_peak": None}
+        how = {"declared_text": None, "learned_peak": None, "retried_from": None}
+        if self.retry is not None:
+            how.update(source="retry", learned_peak=self.retry["learned_peak"],
+                       retried_from=self.retry)
+            return run, how
         mark = item.get_closest_marker("gpu_memory")
         text = None
         if mark is not None:
@@ -756,7 +818,8 @@ class _Recorder:
         self.current = dict(how, ticket=ticket, budget=nbytes, start=start, cap=cap,
                             waited=waited, nodeid=item.nodeid)
 
-    def pytest_runtest_logfinish(self, nodeid, location):
+    def _end(self):
+        """The test's reservation, and the cap narrowed to it, given back."""
         if self.current is None:
             return
         current, self.current = self.current, None
@@ -765,13 +828,80 @@ class _Recorder:
                 gpufrac.mem_limit_set(d, 0)
         self.books.release(current["ticket"])
 
-    # tryfirst: before xdist sends the report to the controller.
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self._end()
+
+    def _retriable(self):
+        """Whether the test running now, refused, runs again: it reserved
+        its learned budget, and the run has more to give it."""
+        c = self.current
+        return (self.retry is None and c is not None and c["source"] == "learned"
+                and c["budget"] < self.settings["budget"])
+
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_logreport(self, report):
+    def pytest_runtest_protocol(self, item, nextitem):
+        """Under budgets per test: a test refused under its learned budget
+        (it grew since it was measured) runs again at once, alone, with the
+        run's whole budget, so that what it needs now is measured and
+        learned rather than guessed; only the second run's reports are
+        logged, marked as a run again (``retried_from``)."""
+        if self.books is None:
+            return None
+        from _pytest.runner import runtestprotocol
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        retriable = self._retriable
+        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+        first = self._outgrown(reports) if retriable() else None
+        if first is not None:
+            self._end()
+            # What its failure keeps alive (pytest keeps the last
+            # traceback, and with it the test's frames and what they
+            # hold) goes before it runs again.
+            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                if hasattr(sys, name):
+                    setattr(sys, name, None)
+            gc.collect()
+            self._begin()
+            # Its first run's output is not its second's.
+            if isinstance(getattr(item, "_report_sections", None), list):
+                del item._report_sections[:]
+            self.retry = first
+            try:
+                reports = runtestprotocol(item, nextitem=nextitem, log=False)
+            finally:
+                self.retry = None
+        for r in reports:
+            item.ihook.pytest_runtest_logreport(report=r)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _outgrown(self, reports):
+        """What the first run of a test that outgrew its learned budget
+        asked for, or None when it did not (it passed, or failed without
+        a refusal)."""
+        if not any(r.failed and r.when in ("setup", "call") for r in reports):
+            return None
+        g = next((getattr(r, "gpufrac", None) for r in reports if r.when == "teardown"), None)
+        if not g or not g.get("refused"):
+            return None
+        return {"budget": self.current["budget"], "wanted": g["wanted"], "peak": g["peak"],
+                "learned_peak": self.current["learned_peak"]}
+
+    # A wrapper of the report's making, not a logreport hook: it runs for
+    # every phase even when the reports are logged only later (a test run
+    # again), and the figures are on the report before xdist sends it.
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        self._phase(outcome.get_result())
+
+    def _phase(self, report):
         if report.when in ("setup", "call", "teardown") and self.counts_refusals:
             refused = self._refused_since()
             self.refused += refused
-            if report.when != "teardown" and report.failed and refused and self.settings["budget"]:
+            if (report.when != "teardown" and report.failed and refused
+                    and self.settings["budget"] and not self._retriable()):
                 self.ooms += 1
                 self._annotate(report)
         if report.when != "teardown" or not self.measures:
@@ -783,13 +913,10 @@ class _Recorder:
             if p:
                 peaks[d] = p
         dev = max(peaks, key=peaks.get) if peaks else 0
-        # What the test asked for: a test refused at its first allocation
-        # peaks at 0, and it is what it asked that a budget is learned from.
-        wanted = max([gpufrac.mem_wanted(d) for d in range(gpufrac.MAX_DEVICES)] + [0])
         report.gpufrac = {
             "worker": self.name,
             "peak": peaks.get(dev, 0),
-            "wanted": max(wanted, peaks.get(dev, 0)),
+            "wanted": max(self._wanted(), peaks.get(dev, 0)),
             "device": dev,
             "start": self.start.get(dev, 0),
             "end": gpufrac.mem_used(dev),
@@ -797,6 +924,7 @@ class _Recorder:
             "refused": self.refused,
             "began": self.began,
             "ended": time.monotonic(),
+            "retried_from": None,
         }
         c = self.current
         if c is not None:
@@ -804,31 +932,38 @@ class _Recorder:
                 budget=c["budget"], source=c["source"], cap=c["cap"], waited=c["waited"],
                 declared=c["budget"] if c["source"] in ("declared", "default") else None,
                 learned=(self.learned.get(report.nodeid) or {}).get("budget"),
-                learned_peak=c["learned_peak"])
+                learned_peak=c["learned_peak"], retried_from=c["retried_from"])
         else:
             learned = self.learned.get(report.nodeid) or {}
             report.gpufrac.update(budget=None, source=None, cap=None, waited=0.0, declared=None,
                                   learned=learned.get("budget"), learned_peak=learned.get("peak"))
         _junit_properties(report)
 
+    @staticmethod
+    def _wanted(held=0):
+        """What the test asked for: a test refused at its first allocation
+        peaks at 0, and it is what it asked that a budget is learned from."""
+        return max([gpufrac.mem_wanted(d) for d in range(gpufrac.MAX_DEVICES)] + [held, 0])
+
     def _annotate(self, report):
         cap = _cap_phrase(self.settings, self.name, self.current)
         peaks = [gpufrac.mem_peak(d) for d in range(gpufrac.MAX_DEVICES)] if self.measures else []
         held = max(peaks) if peaks else 0
+        wanted = self._wanted(held) if self.measures else 0
         note = "This test ran out of GPU memory under %s." % cap
         if held:
             note += "\nThe worker held at most %s during the test before that." % (
                 gpufrac.format_size(held))
         crash = getattr(report.longrepr, "reprcrash", None)
         if crash is not None:
-            # After the error's own first line, which is all pytest's short
-            # summary shows (cut to the terminal's width): the error stays
-            # readable, and the cap follows it.
-            first, nl, rest = crash.message.partition("\n")
-            crash.message = "%s [gpufrac: %s]%s%s" % (
-                first, _cap_short(self.settings, self.name, self.current), nl, rest)
+            # First, and short: pytest's short summary shows the message's
+            # first line cut to the terminal's width (80 columns in a CI
+            # log), after the test's id.
+            crash.message = "gpufrac: %s, %s; %s" % (
+                "needs ~%s" % _short_size(wanted) if wanted else "out of memory",
+                _cap_short(self.settings, self.name, self.current), crash.message)
         if self.current is not None:
-            advice = self._advice(held)
+            advice = self._advice(wanted)
             advice += "; --gpufrac-report shows what each test needs."
         else:
             advice = ("The other tests and workers carry on. Raise --gpufrac-memory, "
@@ -837,15 +972,28 @@ class _Recorder:
         if hasattr(report.longrepr, "addsection"):
             report.longrepr.addsection("gpufrac", note + "\n" + advice)
 
-    def _advice(self, held):
-        """What to do about a test refused under its reservation."""
+    def _advice(self, wanted):
+        """What to do about a test refused under its reservation, which
+        asked for ``wanted`` bytes."""
         source = self.current["source"]
-        if self.settings.get("learn") and source != "declared":
+        run = self.settings["budget"]
+        need = _with_headroom(wanted)
+        if source == "declared":
+            if need > run:
+                return ("It asked for %s; with %d%% headroom that is more than the run's "
+                        "budget of %s: raise --gpufrac-memory" % (
+                            gpufrac.format_size(wanted), int(HEADROOM * 100),
+                            gpufrac.format_size(run)))
+            return ("It asked for %s (what it held when the cap refused it, and the refused "
+                    "allocation): mark it @pytest.mark.gpu_memory(\"%s\"), that and %d%% "
+                    "headroom, or more if past the refused allocation it asks for more" % (
+                        gpufrac.format_size(wanted), _mark_text(need), int(HEADROOM * 100)))
+        if source == "retry":
+            return ("Run again alone with the run's whole budget, it asked for %s: raise "
+                    "--gpufrac-memory" % gpufrac.format_size(wanted))
+        if self.settings.get("learn"):
             # This run learns: say what it learns, not to learn.
-            wanted = max([gpufrac.mem_wanted(d) for d in range(gpufrac.MAX_DEVICES)] + [held])
-            old = self.learned.get(self.current["nodeid"]) if source == "learned" else None
-            budget = _learned_budget(wanted, True, source, old, 0)
-            run = self.settings["budget"]
+            budget = _learned_budget(wanted, 0)
             if budget > run:
                 return ("It asked for %s; with headroom that is more than the run's budget of "
                         "%s: raise --gpufrac-memory" % (
@@ -854,11 +1002,11 @@ class _Recorder:
                     "next run reserves for it" % (
                         gpufrac.format_size(wanted), gpufrac.format_size(budget)))
         return {
-            "declared": "Raise its gpu_memory mark",
             "default": "Mark it with gpu_memory, raise --gpufrac-default-memory, or run with "
                        "--gpufrac-learn, which learns what it asks for",
-            "learned": "Run with --gpufrac-learn, which raises its learned budget "
-                       "(it grows each time a test outgrows it), or mark it with gpu_memory",
+            # Refused under a learned budget it runs again with the whole
+            # budget, unless that is what it had.
+            "learned": "Its learned budget is the run's whole budget: raise --gpufrac-memory",
             "whole": "Raise --gpufrac-memory",
         }[source]
 
@@ -894,6 +1042,8 @@ def _junit_properties(report):
             ("gpufrac_budget_source", g["source"]),
             ("gpufrac_waited_s", "%.3f" % g["waited"]),
         ]
+    if g.get("retried_from"):
+        props.append(("gpufrac_retried_from_bytes", g["retried_from"]["budget"]))
     props += [("gpufrac_refusals", g["refused"]), ("gpufrac_worker", g["worker"])]
     report.user_properties.extend(props)
 
@@ -933,6 +1083,10 @@ def _alone_why(t, settings, budgets):
     """Why test ``t`` ran beside no other, and whether its budget made it
     (rather than the timing of the tests around it)."""
     run = settings["budget"]
+    if t.get("source") == "retry":
+        return ("it ran again with the whole budget of %s after outgrowing its learned budget "
+                "of %s" % (gpufrac.format_size(run),
+                           gpufrac.format_size(t["retried_from"]["budget"])), True)
     if t.get("source") == "whole":
         return ("it reserved the whole budget of %s: it has neither a gpu_memory mark nor a "
                 "learned figure (mark it with @pytest.mark.gpu_memory, run once with "
@@ -1074,6 +1228,11 @@ class _Summary:
                     "began_s": None if t.get("began") is None else round(t["began"] - self.t0, 3),
                     "ended_s": None if t.get("ended") is None else round(t["ended"] - self.t0, 3),
                     "ran_with": sorted(self.together.get(t["nodeid"], ())),
+                    "retried_from": None if not t.get("retried_from") else {
+                        "budget_bytes": t["retried_from"]["budget"],
+                        "wanted_bytes": t["retried_from"]["wanted"],
+                        "peak_bytes": t["retried_from"]["peak"],
+                    },
                 }
                 for t in self._ranked()
             ],
@@ -1090,8 +1249,7 @@ class _Summary:
             if self.outcomes.get(t["nodeid"]) not in ("passed", "failed"):
                 continue
             asked = max(t["peak"], t.get("wanted") or 0)
-            old = learned.get(t["nodeid"])
-            budget = _learned_budget(asked, bool(t.get("refused")), t.get("source"), old, run)
+            budget = _learned_budget(asked, run)
             # "peak": what it asked for, which is its peak unless the cap
             # refused it more.
             entry = {"budget": budget, "peak": asked}
@@ -1101,8 +1259,37 @@ class _Summary:
         self.config.cache.set(LEARNED_KEY, learned)
 
     def _outgrew(self):
-        """Tests refused under their learned budget."""
-        return [t for t in self.tests if t.get("refused") and t.get("source") == "learned"]
+        """Tests refused under their learned budget: each ran again with the
+        whole budget, unless that is what it had."""
+        return [t for t in self.tests if t.get("retried_from")
+                or (t.get("refused") and t.get("source") == "learned")]
+
+    def _say_retried(self, tr):
+        """Each test that outgrew its learned budget, and what running it
+        again with the whole budget found: always said, since its first
+        run's failure is not in the log."""
+        outgrew = sorted(self._outgrew(), key=lambda t: t["nodeid"])
+        if not outgrew:
+            return
+        run = self.settings["budget"]
+        tr.write_sep("-", "gpufrac: tests that outgrew their learned budget")
+        for t in outgrew:
+            r = t.get("retried_from")
+            asked = max(t["peak"], t.get("wanted") or 0)
+            if r is None:
+                tr.write_line("%s outgrew its learned budget of %s (it asked for %s)" % (
+                    t["nodeid"], gpufrac.format_size(t["budget"]), gpufrac.format_size(asked)))
+                continue
+            keeps = gpufrac.format_size(_learned_budget(asked, run))
+            tr.write_line(
+                "%s outgrew its learned budget of %s (it asked for %s there): run again alone "
+                "with the run's whole budget of %s, it %s, peak %s; %s" % (
+                    t["nodeid"], gpufrac.format_size(r["budget"]),
+                    gpufrac.format_size(r["wanted"]), gpufrac.format_size(run),
+                    self.outcomes.get(t["nodeid"], "passed"), gpufrac.format_size(t["peak"]),
+                    ("--gpufrac-learn keeps %s as its budget" % keeps)
+                    if self.settings.get("learn") else
+                    ("--gpufrac-learn would keep %s as its budget" % keeps)))
 
     def _far_above(self):
         """Tests whose declaration is four times their peak or more (and
@@ -1229,6 +1416,7 @@ class _Summary:
     def pytest_terminal_summary(self, terminalreporter):
         self._analyse()
         self._say_packing(terminalreporter)
+        self._say_retried(terminalreporter)
         if not _opt(self.config, "gpufrac_report"):
             return
         tr = terminalreporter
@@ -1274,13 +1462,6 @@ class _Summary:
                 tr.write_line("  %s declares %s, peaked at %s" % (
                     t["nodeid"], gpufrac.format_size(t["declared"]),
                     gpufrac.format_size(t["peak"])))
-        for t in self._outgrew():
-            tr.write_line("")
-            tr.write_line("%s outgrew its learned budget of %s (it asked for %s)%s" % (
-                t["nodeid"], gpufrac.format_size(t["budget"]),
-                gpufrac.format_size(max(t["peak"], t.get("wanted") or 0)),
-                "; its budget grows next time" if self.settings.get("learn")
-                else "; --gpufrac-learn raises it"))
         if self.run_peak is not None and self.settings["budget"]:
             tr.write_line("")
             tr.write_line("the run's peak: %s of its %s budget (all its processes at once)" % (

@@ -63,6 +63,26 @@ fn resolve_gpu_memory(m: MemLimit, totals: &[u64], source: &str) -> Result<u64, 
     }
 }
 
+/// A cap of `b` bytes per GPU, when no GPU of `totals` has that much: the
+/// job could never use it, and a size past every GPU is a slip (64G for
+/// 6.4G) that would run uncapped in effect. The broker refuses the same
+/// request the same way; without one, nothing else would.
+fn fits_a_gpu(b: u64, totals: &[u64]) -> Result<(), String> {
+    let Some((i, &largest)) = totals.iter().enumerate().max_by_key(|&(i, t)| (*t, !i)) else {
+        return Ok(());
+    };
+    if b <= largest {
+        return Ok(());
+    }
+    Err(format!(
+        "--gpu-memory {} is more than any GPU here has: the largest has {} (GPU {i}); ask for \
+         at most --gpu-memory {}",
+        format_size(b),
+        format_size(largest),
+        gpufrac_common::size::format_size_arg(largest)
+    ))
+}
+
 /// What a percentage is of: the GPUs the broker hands out, whole or as
 /// MIG instances (a MIG instance's own entry is not a GPU of the node).
 fn broker_totals(client: &mut Client) -> Result<Vec<u64>, String> {
@@ -95,6 +115,10 @@ fn no_broker_cap(mem: Option<u64>, env_limit: Option<&str>) -> String {
 }
 
 fn run(args: RunArgs) -> Result<u8, Fail> {
+    // Before anything is asked of the broker: nothing queued, nothing booked.
+    if let Some(why) = crate::container::refusal(&args.command) {
+        return Err(Fail::new(2, why));
+    }
     let started = std::time::Instant::now();
     let shim = find_shim().map_err(|m| Fail::new(1, m))?;
     let socket = crate::socket_path(args.socket.clone());
@@ -133,21 +157,26 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                     ),
                 ));
             }
-            if let Some(m @ MemLimit::Percent(_)) = args.gpu_memory {
+            if let Some(m) = args.gpu_memory {
                 // The child sees the GPUs this process sees.
                 let totals = gpufrac_broker::gpus::discover()
                     .map(|gpus| gpus.iter().map(|g| g.total_mem).collect::<Vec<_>>());
-                let source = match &totals {
-                    Ok(_) => "the CUDA driver lists no GPU".to_owned(),
-                    Err(e) => format!(
-                        "with no broker at {} the GPUs' size is unknown ({e})",
-                        socket.display()
-                    ),
-                };
-                mem = Some(
-                    resolve_gpu_memory(m, totals.as_deref().unwrap_or(&[]), &source)
-                        .map_err(|e| Fail::new(1, e))?,
-                );
+                if let MemLimit::Percent(_) = m {
+                    let source = match &totals {
+                        Ok(_) => "the CUDA driver lists no GPU".to_owned(),
+                        Err(e) => format!(
+                            "with no broker at {} the GPUs' size is unknown ({e})",
+                            socket.display()
+                        ),
+                    };
+                    mem = Some(
+                        resolve_gpu_memory(m, totals.as_deref().unwrap_or(&[]), &source)
+                            .map_err(|e| Fail::new(1, e))?,
+                    );
+                }
+                if let (Some(b), Ok(totals)) = (mem, &totals) {
+                    fits_a_gpu(b, totals).map_err(|e| Fail::new(1, e))?;
+                }
             }
             eprintln!(
                 "gpufrac run: no broker at {}; {} (compute shares and queueing need: gpufrac broker)",
@@ -210,8 +239,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         env.set.push((VAR_JOB.to_owned(), format!("{token:016x}")));
     }
     let command = match crate::container::run_index(&args.command) {
-        Some(at) => crate::container::wrap(&args.command, at, &env, &shim, &child_socket)
-            .map_err(|m| Fail::new(2, m))?,
+        Some(at) => crate::container::wrap(&args.command, at, &env, &shim, &child_socket),
         None => args.command.clone(),
     };
     if held.is_some() {
@@ -320,6 +348,21 @@ mod tests {
         assert!(a.no_wait);
         assert_eq!(a.timeout.unwrap().ns, 600_000_000_000);
         assert_eq!(a.command, ["python", "-c", "print(1)"]);
+    }
+
+    #[test]
+    fn a_cap_must_fit_the_largest_gpu() {
+        assert_eq!(fits_a_gpu(16 << 30, &[8 << 30, 16 << 30]), Ok(()));
+        assert_eq!(
+            fits_a_gpu(64 << 30, &[]),
+            Ok(()),
+            "nothing known, nothing refused"
+        );
+        let e = fits_a_gpu((16 << 30) + 1, &[16 << 30, 8 << 30, 16 << 30]).unwrap_err();
+        assert!(
+            e.contains("the largest has 16.00 GiB (GPU 0); ask for at most --gpu-memory 16G"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -56,8 +56,10 @@ fn build_artifacts() -> Result<Artifacts, String> {
     let release = dir.file_name().is_some_and(|n| n == "release");
     // Two invocations: target filters such as --bins apply to every
     // package named, and the shim and the simulated driver are libraries.
+    // The shim is built with gpufrac, as ./demo.sh and every release build
+    // it (gpufrac-common's features are those of all the packages named).
     for args in [
-        &["-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
+        &["-p", "gpufrac", "-p", "gpufrac-shim", "-p", "gpufrac-sim"][..],
         &["-p", "gpufrac", "--bins", "--examples"][..],
     ] {
         let mut cmd = Command::new(env!("CARGO"));
@@ -555,6 +557,18 @@ fn state_dir(socket: &Path) -> PathBuf {
     socket.with_file_name("state")
 }
 
+/// A daemon's stderr (its log) into `path`, appended, rather than the test
+/// run's terminal, where the warnings a test provokes on purpose read as
+/// faults.
+pub fn log_to<'a>(cmd: &'a mut Command, path: &Path) -> &'a mut Command {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("cannot create the log {}: {e}", path.display()));
+    cmd.stderr(f)
+}
+
 /// Where `Broker` keeps a broker's log: beside its socket.
 fn log_file(socket: &Path) -> PathBuf {
     socket.with_file_name("broker.log")
@@ -577,15 +591,10 @@ fn spawn_broker_cmd(socket: &Path, devices: &str, state: &Path, args: &[&str]) -
         // Its private files in its scratch directory, not under /run.
         cmd.arg("--state-dir").arg(state_dir(socket));
     }
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log_file(socket))
-        .expect("creating the broker's log");
+    log_to(&mut cmd, &log_file(socket));
     cmd.env("GPUFRAC_SIM_STATE", state)
         .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log);
+        .stdout(Stdio::null());
     cmd
 }
 

@@ -236,12 +236,15 @@ fn zigbuild(ws: &Workspace) -> Result<Command, String> {
         }
         works(Command::new("zig").arg("version")) || works(&mut py)
     };
-    if works(Command::new("cargo-zigbuild").arg("--version")) && zig_ok(None) {
-        return Ok(Command::new("cargo-zigbuild"));
+    if let Some(exe) = on_path("cargo-zigbuild")
+        && works(Command::new(&exe).arg("--version"))
+        && zig_ok(None)
+    {
+        return Ok(Command::new(settled(ws, &exe)?));
     }
     let local = tools.join("bin/cargo-zigbuild");
     if works(Command::new(&local).arg("--version")) && zig_ok(Some(&pythonpath)) {
-        let mut c = Command::new(local);
+        let mut c = Command::new(settled(ws, &local)?);
         c.env("PYTHONPATH", pythonpath);
         return Ok(c);
     }
@@ -253,6 +256,33 @@ fn zigbuild(ws: &Workspace) -> Result<Command, String> {
          \n    python3 -m pip install --target {tools} ziglang cargo-zigbuild\n",
         tools = tools.display()
     ))
+}
+
+/// `name`'s path on PATH, if it is there.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// cargo-zigbuild `exe`, run from one place in the target directory.
+/// cargo-zigbuild names the linker wrappers it gives cargo after its own
+/// path, and cargo builds everything again when the linker changes: run
+/// from where it was installed, and pip's build of python/ installs it in a
+/// new temporary environment every time, each `pip install ./python` built
+/// the release from nothing, beside the one `cargo xtask dist` or `wheel`
+/// had made. From here, every release build after the first finds the
+/// last one's objects, whichever cargo-zigbuild of the same version runs.
+fn settled(ws: &Workspace, exe: &Path) -> Result<PathBuf, String> {
+    let to = ws.target.join("dist").join("cargo-zigbuild");
+    let bytes = fs::read(exe).map_err(|e| format!("cannot read {}: {e}", exe.display()))?;
+    if fs::read(&to).is_ok_and(|b| b == bytes) {
+        return Ok(to);
+    }
+    let tmp = to.with_extension(format!("{}.tmp", std::process::id()));
+    copy(exe, &tmp, 0o755)?;
+    fs::rename(&tmp, &to).map_err(|e| format!("cannot rename {}: {e}", tmp.display()))?;
+    Ok(to)
 }
 
 fn copy(from: &Path, to: &Path, mode: u32) -> Result<(), String> {

@@ -190,18 +190,56 @@ fn us_label(v: &f64) -> String {
     }
 }
 
-/// A number without a needless fraction: `10`, `0.5`, `0.01`.
+/// A number without a needless fraction: `10`, `0.5`, `0.01`, `1.5`,
+/// `2.25`. Two decimals past the first significant digit at most, so that
+/// ticks a half or a quarter apart keep their fraction (1.5 is not 2).
 fn trim(v: f64) -> String {
     let digits = if v == 0.0 || v.abs() >= 1.0 {
-        0
+        2
     } else {
-        (-v.abs().log10()).ceil() as usize
+        (-v.abs().log10()).ceil() as usize + 2
     };
     let s = format!("{v:.digits$}");
     if s.contains('.') {
         s.trim_end_matches('0').trim_end_matches('.').to_owned()
     } else {
         s
+    }
+}
+
+/// Ticks for a log axis from `lo` to `hi`: 1, 2 and 5 of each decade
+/// within it, or every digit of it where that gives fewer than four, so
+/// that an axis spanning less than a decade has ticks to read (plotters
+/// marks the powers of ten alone: one tick, or none).
+fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let pick = |steps: &[f64]| -> Vec<f64> {
+        let mut out = Vec::new();
+        let mut e = lo.log10().floor() as i32;
+        // Divided by a power of ten below 1, not multiplied by a fraction:
+        // 3 / 10 is the 0.3 a label says, 3 * 0.1 is not.
+        let at = |m: f64, e: i32| {
+            if e >= 0 {
+                m * 10f64.powi(e)
+            } else {
+                m / 10f64.powi(-e)
+            }
+        };
+        while at(1.0, e) <= hi {
+            for &m in steps {
+                let t = at(m, e);
+                if t >= lo && t <= hi {
+                    out.push(t);
+                }
+            }
+            e += 1;
+        }
+        out
+    };
+    let coarse = pick(&[1.0, 2.0, 5.0]);
+    if coarse.len() >= 4 {
+        coarse
+    } else {
+        pick(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
     }
 }
 
@@ -482,11 +520,23 @@ fn ccdf(area: &Area, data: &Value) -> Result<(), String> {
         let x_max = all().fold(1.0f64, f64::max) / 1e3 * 1.3;
         let x_min = all().fold(f64::INFINITY, f64::min).min(x_max * 1e3 / 2.0) / 1e3 / 1.3;
         let y_min = 1.0 / n_max as f64 / 2.0;
+        // The target the text states for this panel's high series: its
+        // p99 within it (P(latency >= x) at most 1% from there on).
+        let target = data["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|t| t["neighbour_us"].as_u64() == Some(n))
+            .and_then(|t| t["high_p99_us"].as_f64())
+            .map(|us| us / 1e3);
+        let x_max = x_max.max(target.map_or(0.0, |t| t * 1.3));
         let caption = format!("beside {} kernels", us_label(&(n as f64)));
         let mut c = chart(
             panel,
             Some(&caption),
-            (x_min..x_max).log_scale(),
+            (x_min..x_max)
+                .log_scale()
+                .with_key_points(log_ticks(x_min, x_max)),
             (y_min..1f64).log_scale(),
         )?;
         axes(
@@ -494,6 +544,27 @@ fn ccdf(area: &Area, data: &Value) -> Result<(), String> {
             ("request latency (ms, log scale)", &plain),
             ("P(latency >= x)", &plain),
         )?;
+        if let Some(t) = target {
+            let label = format!("high p99 target: {}", us_label(&(t * 1e3)));
+            c.draw_series(DashedLineSeries::new(
+                [(t, y_min), (t, 0.01)],
+                6,
+                4,
+                HIGH.mix(0.8).stroke_width(1),
+            ))
+            .map_err(e2s)?;
+            let s = c
+                .draw_series(DashedLineSeries::new(
+                    [(x_min, 0.01), (t, 0.01)],
+                    6,
+                    4,
+                    HIGH.mix(0.8).stroke_width(1),
+                ))
+                .map_err(e2s)?;
+            s.label(label).legend(|(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], HIGH.mix(0.8).stroke_width(1))
+            });
+        }
         for (label, color, v) in lines {
             let mut sorted = v;
             sorted.sort_by(f64::total_cmp);
@@ -743,6 +814,62 @@ mod tests {
             "the pooled line and its mark"
         );
         assert!(texts(&doc).iter().any(|x| x == "target: 2 pp"));
+    }
+
+    /// Axis labels each say a different number: the share-error plot's
+    /// y axis once read 0, 0.5, 1, 2, 2, 2 (1.5 and 2.5 rounded to 2).
+    #[test]
+    fn axis_labels_keep_their_fractions() {
+        assert_eq!(trim(1.5), "1.5");
+        assert_eq!(trim(2.25), "2.25");
+        assert_eq!(trim(0.05), "0.05");
+        assert_eq!(trim(10.0), "10");
+        for file in ["plots/share-error.svg", "plots/shares-over-time.svg"] {
+            let all = drawn();
+            let doc = parsed(&all, file);
+            let mut numbers: Vec<String> = texts(&doc)
+                .into_iter()
+                .filter(|t| t.parse::<f64>().is_ok())
+                .collect();
+            let n = numbers.len();
+            numbers.sort();
+            numbers.dedup();
+            assert!(n > 3, "{file}: {numbers:?}");
+            // Per panel the y labels repeat; never within one axis.
+            let doc_texts = texts(&doc);
+            let first_axis: Vec<&String> = doc_texts
+                .iter()
+                .filter(|t| t.parse::<f64>().is_ok())
+                .take(4)
+                .collect();
+            let mut seen = first_axis.clone();
+            seen.dedup();
+            assert_eq!(seen, first_axis, "{file}");
+        }
+    }
+
+    /// A log axis spanning less than a decade still has ticks to read, and
+    /// each latency panel draws the target its text states for the high
+    /// series (its p99 within it).
+    #[test]
+    fn latency_panels_have_ticks_and_their_targets() {
+        assert_eq!(
+            log_ticks(0.3, 2.6),
+            [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0]
+        );
+        assert_eq!(
+            log_ticks(0.1, 60.0),
+            [0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
+        );
+        let all = drawn();
+        let doc = parsed(&all, "plots/latency-ccdf.svg");
+        let t = texts(&doc);
+        for label in ["high p99 target: 1.85 ms", "high p99 target: 3.4 ms"] {
+            assert!(t.iter().any(|x| x == label), "{label:?} not in {t:?}");
+        }
+        // Two panels, each with at least four x ticks (and the y axis's).
+        let ticks = t.iter().filter(|x| x.parse::<f64>().is_ok()).count();
+        assert!(ticks >= 2 * (4 + 2), "{t:?}");
     }
 
     /// Broker scale: per GPU count, a p99 line (and its GPU-free one) and a

@@ -204,6 +204,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         "–".into(),
     ]);
     let mut checks = Vec::new();
+    let mut high_targets = Vec::new();
     for (ni, &n) in NEIGHBOURS_US.iter().enumerate() {
         let native = 0;
         for (si, s) in SETTINGS.iter().enumerate() {
@@ -277,6 +278,10 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
                 format!("≤ alone + one quantum (2 ms) + 0.5 ms = {}", us(t)),
             )
         };
+        high_targets.push(serde_json::json!({
+            "neighbour_us": n,
+            "high_p99_us": target_us,
+        }));
         checks.push(Check::new(
             &format!("beside {} kernels: high p99", kernel_label(n)),
             us(high),
@@ -364,6 +369,9 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         "period_us": PERIOD_US,
         "rounds": rounds,
         "series": series,
+        // The p99 each neighbour's high series must stay within, drawn on
+        // the plot.
+        "targets": high_targets,
         // What the plot says in place of an MPS series.
         "mps": "not measured here: under `gpufrac broker --mps` kernels of several processes \
                 run at once, which the simulated driver's one engine cannot; gpu/mps.py \

@@ -5,11 +5,13 @@
 
 pub mod accuracy;
 pub mod arbitration;
+mod contend;
 pub mod free;
 pub mod hook;
 pub mod latency;
 mod loadgen;
 pub mod scale;
+mod shims;
 
 /// `12.3` style formatting with a fixed number of decimals.
 pub fn f(v: f64, decimals: usize) -> String {

@@ -4,28 +4,24 @@
 //! from saturated.
 
 use super::f;
-use gpufrac_bench::clock::{mono_ns, sleep_until};
-use gpufrac_bench::harness::{
-    Artifacts, Broker, Kid, cpu_seconds, cpu_seconds_precise, die_with_parent, vm_kib,
+use super::shims::{
+    Clients, Cycle, HOLD_NS, MAX_PROCESSES, MS, PROCESSES_ABOVE, collect, deep_queue, gpu_uuids,
+    spawn_clients, start_broker,
 };
+use gpufrac_bench::clock::{mono_ns, sleep_until};
+use gpufrac_bench::harness::{Artifacts, Broker, cpu_seconds, cpu_seconds_precise, vm_kib};
 use gpufrac_bench::report::{Check, Plot, Section, Table};
 use gpufrac_bench::stats::percentile_u64;
 use gpufrac_bench::wirec::{WireClient, parse_uuid};
 use gpufrac_common::config::Priority;
-use gpufrac_common::wire::{ClientMsg, DeviceReg, LeaseReq, Role, ServerMsg};
+use gpufrac_common::wire::{ClientMsg, DeviceReg, Role, ServerMsg};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 use std::time::Duration;
 
-const MS: u64 = 1_000_000;
-const HOLD_NS: u64 = 100_000;
 /// Each client's cycle, unless that would load a GPU above MAX_LOAD.
 const BASE_PERIOD_NS: u64 = 40 * MS;
 const MAX_LOAD: f64 = 0.20;
-/// Up to this many clients, one process each; above, threads (one socket
-/// each) in PROCESSES_ABOVE processes.
-const MAX_PROCESSES: usize = 64;
-const PROCESSES_ABOVE: usize = 16;
 const P99_TARGET_NS: u64 = MS;
 /// Requests waiting in the queue in the deep-queue row.
 const QUEUED: usize = 1000;
@@ -207,6 +203,11 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         MAX_LOAD * 100.0
     ));
+    let contended = super::contend::run(a, quick)?;
+    checks.extend(contended.checks);
+    notes.extend(contended.notes);
+    let mut tables = vec![t];
+    tables.extend(contended.tables);
     Ok(Section {
         key: "scale",
         title: "4. Broker scale".into(),
@@ -226,7 +227,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
             BASE_PERIOD_NS / MS,
             MAX_LOAD * 100.0
         )],
-        tables: vec![t],
+        tables,
         checks,
         notes,
         error: None,
@@ -234,6 +235,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         data: Some(serde_json::json!({
             "p99_target_us": P99_TARGET_NS as f64 / 1e3,
             "rows": points,
+            "contending": contended.data,
         })),
         plots: vec![Plot {
             kind: "broker-scale",
@@ -243,15 +245,6 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
                 .into(),
         }],
     })
-}
-
-/// One Acquire → Grant → Release cycle, CLOCK_MONOTONIC ns.
-#[derive(Clone, Copy)]
-struct Cycle {
-    gpu: usize,
-    acquire: u64,
-    grant: u64,
-    release: u64,
 }
 
 struct RowResult {
@@ -283,72 +276,28 @@ fn one(
     window_ns: u64,
     queued: usize,
 ) -> Result<RowResult, String> {
-    let devices = vec!["16G"; gpus].join(",");
-    // The bench is one user: its clients and requests are past the
-    // per-user limits that protect a shared node.
-    let broker = Broker::start(
-        a,
-        &devices,
-        &[
-            "--timeslice",
-            "50ms",
-            "--max-connections-per-user",
-            "4096",
-            "--max-queued-per-user",
-            "2048",
-        ],
-    )?;
+    let broker = start_broker(a, gpus, &[])?;
     let _waiting = deep_queue(&broker, queued)?;
-    let st = broker.status()?;
-    let uuids: Vec<String> = st["gpus"]
-        .as_array()
-        .ok_or("no gpus in the broker status")?
-        .iter()
-        .filter_map(|g| g["uuid"].as_str())
-        .filter(|u| parse_uuid(u).is_some())
-        .map(str::to_string)
-        .collect();
-    if uuids.len() != gpus {
-        return Err(format!(
-            "the broker sees {} GPU(s), expected {gpus}",
-            uuids.len()
-        ));
-    }
+    let uuids = gpu_uuids(&broker, gpus)?;
     let per_gpu = n.div_ceil(gpus);
     let period_ns = BASE_PERIOD_NS.max((per_gpu as f64 * HOLD_NS as f64 / MAX_LOAD) as u64);
-    let (procs, threads) = if n <= MAX_PROCESSES {
-        (n, 1)
-    } else {
-        (PROCESSES_ABOVE, n.div_ceil(PROCESSES_ABOVE))
-    };
-    let mut layout = if threads == 1 {
-        "processes".to_string()
-    } else {
-        format!("{procs}×{threads} threads")
-    };
-    if queued > 0 {
-        layout.push_str(&format!(", {queued} queued"));
-    }
     let lead = 1000 * MS + n as u64 * 10 * MS;
     let start = mono_ns() + lead;
     let end = start + window_ns;
-    let mut kids = Vec::new();
-    for p in 0..procs {
-        let mut cmd = Command::new(&a.bench);
-        die_with_parent(&mut cmd);
-        cmd.stdin(std::process::Stdio::null()).args([
-            "scale-client".to_string(),
-            broker.socket.display().to_string(),
-            start.to_string(),
-            end.to_string(),
-            HOLD_NS.to_string(),
-            period_ns.to_string(),
-            threads.to_string(),
-            (p * threads).to_string(),
-            n.to_string(),
-            uuids.join(","),
-        ]);
-        kids.push(Kid::spawn(cmd, "gpufrac-bench scale-client")?);
+    let (kids, mut layout) = spawn_clients(
+        a,
+        &broker,
+        Clients {
+            n,
+            start,
+            end,
+            period: period_ns,
+            uuids: &uuids,
+            uid: None,
+        },
+    )?;
+    if queued > 0 {
+        layout.push_str(&format!(", {queued} queued"));
     }
     let pid = broker.pid();
     // Status with every client registered, before the window: the clients
@@ -367,30 +316,7 @@ fn one(
         mono_ns(),
     );
     let rss_kib = vm_kib(pid, "VmRSS:").unwrap_or(0);
-    let mut cycles = Vec::new();
-    let mut errors = 0;
-    for k in kids {
-        let out = k.finish(Duration::from_nanos(lead + window_ns) + Duration::from_secs(30))?;
-        for l in out.stdout.lines() {
-            let mut w = l.split_whitespace();
-            match w.next() {
-                Some("c") => {
-                    let v: Vec<u64> = w.filter_map(|x| x.parse().ok()).collect();
-                    let Some((&gpu, rest)) = v.split_first() else {
-                        continue;
-                    };
-                    cycles.extend(rest.chunks_exact(3).map(|t| Cycle {
-                        gpu: gpu as usize,
-                        acquire: t[0],
-                        grant: t[1],
-                        release: t[2],
-                    }));
-                }
-                Some("err") => errors += 1,
-                _ => {}
-            }
-        }
-    }
+    let (cycles, errors) = collect(kids, Duration::from_nanos(lead + window_ns))?;
     let mut holds: Vec<u64> = cycles.iter().map(|c| c.release - c.grant).collect();
     let held_ns = holds.iter().sum();
     let hold_p99 = percentile_u64(&mut holds, 99.0).unwrap_or(0);
@@ -417,53 +343,6 @@ fn one(
         layout,
         errors,
     })
-}
-
-/// A lease holding 1 GiB of GPU 0, then `n` requests for 16 GiB that wait
-/// behind it (each could fit an empty GPU, so none is refused). Their
-/// connections are returned: the requests wait as long as they are open.
-fn deep_queue(broker: &Broker, n: usize) -> Result<Vec<WireClient>, String> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let ask = |mem: u64| {
-        ClientMsg::Lease(LeaseReq {
-            want_gpus: 0,
-            want_mem: mem,
-            compute: None,
-            limit: None,
-            no_wait: false,
-            command: "gpufrac-bench deep-queue".into(),
-            priority: None,
-            resume: 0,
-            token: 0,
-            pin: Vec::new(),
-        })
-    };
-    let mut held = Vec::with_capacity(n + 1);
-    let mut holder = WireClient::connect(&broker.socket, Role::Cli)?;
-    holder.send(&ask(1 << 30))?;
-    loop {
-        match holder.recv()? {
-            ServerMsg::Leased(_) => break,
-            ServerMsg::Error { message, .. } => return Err(message),
-            _ => {}
-        }
-    }
-    held.push(holder);
-    for i in 0..n {
-        let mut c = WireClient::connect(&broker.socket, Role::Cli)?;
-        c.send(&ask(16 << 30))?;
-        match c.recv()? {
-            ServerMsg::Queued { .. } => {}
-            ServerMsg::Error { message, .. } => {
-                return Err(format!("queued request {i}: {message}"));
-            }
-            other => return Err(format!("queued request {i}: {other:?}")),
-        }
-        held.push(c);
-    }
-    Ok(held)
 }
 
 /// Broker CPU seconds per status request (its first page, which the
@@ -556,7 +435,8 @@ pub struct ClientArgs {
     end: u64,
     /// ns each grant is held.
     hold: u64,
-    /// ns between a client's cycles.
+    /// ns between a client's cycles; 0: it asks again as soon as it let
+    /// go.
     period: u64,
     /// Clients (threads, a socket each) in this process.
     threads: usize,
@@ -569,7 +449,8 @@ pub struct ClientArgs {
 
 pub fn client_main(args: &ClientArgs) -> ExitCode {
     let socket = args.socket.as_path();
-    let (start, end, hold, period) = (args.start, args.end, args.hold, args.period.max(1));
+    // A period of 0: every client always asks again as soon as it let go.
+    let (start, end, hold, period) = (args.start, args.end, args.hold, args.period);
     let (threads, first, total) = (args.threads, args.first, args.total);
     let uuids: Vec<[u8; 16]> = args.uuids.split(',').filter_map(parse_uuid).collect();
     if uuids.is_empty() {
@@ -643,7 +524,9 @@ fn client(
         limit: None,
         priority: Priority::Normal,
     })?;
-    c.set_timeout(Duration::from_secs(5));
+    // A client that always asks waits its turn behind every other: up
+    // to the whole population's holds.
+    c.set_timeout(Duration::from_secs(if period == 0 { 30 } else { 5 }));
     let mut cycles = Vec::new();
     let mut released: u64 = 0;
     let mut next = first;
@@ -671,6 +554,10 @@ fn client(
         c.send(&ClientMsg::Drained { uuid })?;
         cycles.push([t0, t1, t2]);
         released = grant;
+        if period == 0 {
+            next = mono_ns();
+            continue;
+        }
         next += period;
         // A client that fell behind skips the cycles it missed rather
         // than bursting to catch up.

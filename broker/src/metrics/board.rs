@@ -22,6 +22,9 @@ pub struct Closed {
     pub refused: u64,
 }
 
+/// A snapshot older than this says the broker's loop is stuck.
+const LIVE_WITHIN_S: f64 = 10.0;
+
 pub struct Board {
     latest: Arc<Snapshot>,
     tally: Tally,
@@ -44,6 +47,35 @@ impl Board {
         self.tally.refused(snap.at, &snap.stats);
         self.latest = snap;
         self.text = None;
+    }
+
+    /// Whether the broker's event loop still hands snapshots over (it does
+    /// twice a second): Ok with the snapshot's age, or why not. `now`:
+    /// monotonic ns.
+    pub fn live(&self, now: u64) -> Result<String, String> {
+        if self.latest.at == 0 {
+            return Err("starting: no snapshot of the broker yet\n".into());
+        }
+        let age = now.saturating_sub(self.latest.at) as f64 / 1e9;
+        if age > LIVE_WITHIN_S {
+            return Err(format!(
+                "the broker's event loop has handed over nothing for {age:.0} s (it does \
+                 twice a second): it is stuck\n"
+            ));
+        }
+        Ok(format!("ok: last snapshot {age:.1} s ago\n"))
+    }
+
+    /// Whether the broker serves: it has started its loop (a snapshot
+    /// came), so its socket is bound and answers.
+    pub fn ready(&self) -> Result<String, String> {
+        if self.latest.at == 0 {
+            return Err("starting: the broker's loop has not run yet\n".into());
+        }
+        Ok(match &self.latest.status.recovery {
+            Some(r) => format!("ok, recovering: {r}\n"),
+            None => "ok\n".into(),
+        })
     }
 
     /// The body of a scrape: what the snapshot says, rendered once per

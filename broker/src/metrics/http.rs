@@ -211,19 +211,40 @@ fn answer(req: &Request<Incoming>, board: &Mutex<Board>) -> Response<Full<Bytes>
             .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         r
     };
-    if req.uri().path() != "/metrics" {
+    let path = req.uri().path();
+    if !["/metrics", "/healthz", "/readyz"].contains(&path) {
         return plain(
             StatusCode::NOT_FOUND,
-            "Not found: the broker's metrics are at /metrics\n",
+            "Not found: the broker's metrics are at /metrics (and its probes at /healthz, \
+             /readyz)\n",
         );
     }
     if req.method() != Method::GET && req.method() != Method::HEAD {
         let mut r = plain(
             StatusCode::METHOD_NOT_ALLOWED,
-            "Method not allowed: /metrics answers GET and HEAD\n",
+            "Method not allowed: /metrics, /healthz and /readyz answer GET and HEAD\n",
         );
         r.headers_mut()
             .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
+    }
+    // The probes: liveness (the loop still hands snapshots over) and
+    // readiness (it has started), for a DaemonSet's httpGet probes.
+    if path != "/metrics" {
+        let b = lock(board);
+        let said = if path == "/healthz" {
+            b.live(gpufrac_common::clock::mono_ns())
+        } else {
+            b.ready()
+        };
+        let (status, body) = match said {
+            Ok(t) => (StatusCode::OK, t),
+            Err(t) => (StatusCode::SERVICE_UNAVAILABLE, t),
+        };
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = status;
+        r.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         return r;
     }
     let text = lock(board).text();

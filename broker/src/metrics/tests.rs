@@ -526,3 +526,31 @@ fn a_port_alone_is_served_on_loopback() {
     );
     assert!(address("70000").is_err());
 }
+
+/// The probes a DaemonSet's kubelet asks: not ready and not live before
+/// the loop's first snapshot; both once it hands snapshots over; not live
+/// once the last is older than ten seconds (a stuck loop), though still
+/// ready.
+#[test]
+fn health_and_readiness_follow_the_loops_snapshots() {
+    let (addr, feed) = serve_with("127.0.0.1:0", |_| None).expect("bound");
+    let code = |path: &str| {
+        let (head, body) = get(addr, &format!("GET {path} HTTP/1.0\r\n\r\n"));
+        let code: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (code, body)
+    };
+    assert_eq!(code("/healthz").0, 503);
+    let (c, body) = code("/readyz");
+    assert!(c == 503 && body.contains("starting"), "{body}");
+    let s = snapshot();
+    let now = gpufrac_common::clock::mono_ns();
+    feed.publish(now, s.status.clone(), s.stats.clone());
+    wait_for("the snapshot", || code("/readyz").0 == 200);
+    let (c, body) = code("/healthz");
+    assert!(c == 200 && body.starts_with("ok"), "{body}");
+    // A loop that stopped handing over 30 s ago.
+    feed.publish(now - 30_000_000_000, s.status, s.stats);
+    wait_for("the stale snapshot", || code("/healthz").0 == 503);
+    assert!(code("/healthz").1.contains("stuck"));
+    assert_eq!(code("/readyz").0, 200);
+}

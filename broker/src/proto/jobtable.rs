@@ -53,6 +53,10 @@ pub(super) struct Jobs {
     entries: BTreeMap<u64, Entry>,
     by_run: HashMap<(u32, u64), BTreeSet<u64>>,
     by_uid: HashMap<u32, BTreeSet<u64>>,
+    /// Jobs whose `gpufrac run` has not (re)connected: restored from the
+    /// state file, swept if it never does. Kept so that the loop's timer
+    /// does not walk every job to learn whether there are any.
+    runless: BTreeSet<u64>,
     /// Per user, its jobs whose lease waits for a state write.
     unsaved: BTreeMap<u32, usize>,
 }
@@ -70,6 +74,7 @@ impl Jobs {
             .or_default()
             .insert(token);
         self.by_uid.entry(job.uid).or_default().insert(token);
+        self.runless.insert(token);
         self.entries.insert(
             token,
             Entry {
@@ -96,6 +101,7 @@ impl Jobs {
     /// The job is over: everything kept of it, gone at once.
     pub fn end(&mut self, token: u64) -> Option<Entry> {
         let e = self.entries.remove(&token)?;
+        self.runless.remove(&token);
         if e.undelivered.is_some() {
             self.delivered(e.job.uid);
         }
@@ -188,15 +194,15 @@ impl Jobs {
     pub fn set_run(&mut self, token: u64, id: ConnId) {
         if let Some(e) = self.entries.get_mut(&token) {
             e.run = Some(id);
+            self.runless.remove(&token);
         }
     }
 
     /// Jobs no connection has claimed (restored, their run not back).
     pub fn without_run(&self) -> impl Iterator<Item = (&u64, &Job)> {
-        self.entries
+        self.runless
             .iter()
-            .filter(|(_, e)| e.run.is_none())
-            .map(|(t, e)| (t, &e.job))
+            .filter_map(|t| self.entries.get_key_value(t).map(|(t, e)| (t, &e.job)))
     }
 
     pub fn leased_at(&self, token: &u64) -> Option<Nanos> {

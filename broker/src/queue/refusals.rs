@@ -55,7 +55,7 @@ pub(super) fn want_text(want: Want) -> String {
 
 impl Queue {
     pub(super) fn check(&self, id: RequestId, req: &Request) -> Result<(), Refusal> {
-        if self.held.contains_key(&id) || self.waiting.iter().any(|w| w.id == id) {
+        if self.held.contains_key(&id) || self.waiting.contains(id) {
             return Err(refuse(format!("request {id} is already queued or running")));
         }
         if let Some(c) = req.compute

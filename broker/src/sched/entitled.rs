@@ -17,7 +17,7 @@
 //! are exact.
 
 use super::tree::band;
-use super::{Nanos, Scheduler};
+use super::{ClientId, Nanos, Scheduler};
 
 /// A client's part of the time between two events: its share of what is
 /// owed, or held back by its ceilings.
@@ -79,5 +79,19 @@ impl Scheduler {
                 }
             }
         }
+    }
+}
+
+/// What `settle` would add to client `id` after `dt` more, at `parts` (the
+/// parts noted at the last event, by client): (owed, held back), ns.
+pub(super) fn pending_part(
+    parts: &std::collections::HashMap<ClientId, Part>,
+    id: ClientId,
+    dt: f64,
+) -> (f64, f64) {
+    match parts.get(&id) {
+        Some(Part::Owed(share)) => (dt * share, 0.0),
+        Some(Part::HeldBack) => (0.0, dt),
+        None => (0.0, 0.0),
     }
 }

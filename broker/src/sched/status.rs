@@ -1,6 +1,7 @@
 //! What the scheduler reports: each client's state, share and charges
 //! for status, and who holds the GPU.
 
+use super::entitled::{Part, pending_part};
 use super::tree::band;
 use super::{Client, ClientId, ClientStatus, Nanos, Priority, Scheduler};
 
@@ -29,6 +30,9 @@ impl Scheduler {
             .filter(|c| among(c))
             .map(|c| self.weight(c))
             .sum();
+        // What settle would add to each client's owed and held-back time.
+        let parts: std::collections::HashMap<ClientId, Part> = self.parts.iter().copied().collect();
+        let dt = now.saturating_sub(self.settled_at) as f64;
         // Charges since the last settle, as settle would make them.
         let n = self.clients.values().filter(|c| c.on_gpu()).count().max(1);
         let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
@@ -59,8 +63,8 @@ impl Scheduler {
                     },
                     total_held: c.meter.total(now),
                     gpu_time: charged as Nanos,
-                    entitled: c.entitled as Nanos,
-                    held_back: c.held_back as Nanos,
+                    entitled: (c.entitled + pending_part(&parts, id, dt).0) as Nanos,
+                    held_back: (c.held_back + pending_part(&parts, id, dt).1) as Nanos,
                     draining: c.draining_since.is_some(),
                     hung: c.grant.as_ref().is_some_and(|g| g.hung),
                 }

@@ -104,6 +104,14 @@ fn check(t: &mut T) {
             "job by user"
         );
     }
+    let runless: BTreeSet<u64> = b.jobs.without_run().map(|(&t, _)| t).collect();
+    let scanned: BTreeSet<u64> = b
+        .jobs
+        .iter()
+        .map(|(&t, _)| t)
+        .filter(|t| b.jobs.run(t).is_none())
+        .collect();
+    assert_eq!(runless, scanned, "jobs without a run");
     let mut users: BTreeSet<u32> = b.jobs.values().map(|j| j.uid).collect();
     users.extend([ALICE, BOB, PLUGIN]);
     for uid in users {

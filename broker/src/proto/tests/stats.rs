@@ -162,3 +162,66 @@ fn refusals_are_counted_by_their_reason() {
     let bobs: u64 = t.b.stats().refusals[&BOB].iter().sum();
     assert_eq!(bobs, 4);
 }
+
+/// A run's summary: its job's queue wait, GPU time and what it was owed,
+/// peak memory, cap and refusals, those of a process that left included;
+/// told to the job's user only, whoever else holds the token.
+#[test]
+fn a_jobs_summary_is_its_users_and_counts_what_left_it() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let (p1, p2) = (t.spawn(1), t.spawn(1));
+    let holder = t.connect_as(p1, ALICE);
+    t.lease(holder, 1, 0, false);
+    t.advance(SEC);
+    assert!(leased(&t.recv(holder)).is_some());
+    let run = t.connect_as(p2, BOB);
+    t.lease(run, 0, 4 * GIB, false);
+    t.advance(2 * SEC);
+    t.b.hangup(holder);
+    t.advance(SEC / 10);
+    let token = leased(&t.recv(run)).expect("placed once the GPU was free");
+    // Its process: 1 GiB, one refusal, a second on the GPU; then it exits.
+    let child = t.spawn(p2);
+    let shim = t.connect_shim(child, BOB);
+    t.register(shim, Priority::Normal);
+    t.send(
+        shim,
+        &ClientMsg::Usage {
+            uuid: uuid(1),
+            used: GIB,
+            peak: GIB,
+            ooms: 1,
+        },
+    );
+    t.send(shim, &ClientMsg::Acquire { uuid: uuid(1) });
+    t.advance(SEC);
+    t.b.hangup(shim);
+    t.advance(SEC / 10);
+    let ask = |t: &mut T, uid: u32| {
+        let p = t.spawn(1);
+        let c = t.connect_as(p, uid);
+        t.send(c, &ClientMsg::Summary { job: token });
+        t.turn();
+        t.recv(c)
+    };
+    let got = ask(&mut t, BOB);
+    let json = got
+        .iter()
+        .find_map(|m| match m {
+            ServerMsg::SummaryReply { json } => Some(json.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{got:?}"));
+    let s: crate::status::JobSummary = serde_json::from_str(&json).unwrap();
+    assert_eq!(s.job, p2);
+    assert!((s.queued_s - 2.0).abs() < 0.2, "{s:?}");
+    assert!((0.9..=1.2).contains(&s.gpu_s), "{s:?}");
+    assert!((0.9..=1.2).contains(&s.owed_s), "{s:?}");
+    assert_eq!((s.peak_mem, s.mem_cap, s.refusals), (GIB, Some(4 * GIB), 1));
+    // Another user holding the token is told nothing.
+    let other = ask(&mut t, ALICE);
+    assert!(
+        refused(&other).is_some_and(|r| r.contains("no such job")),
+        "{other:?}"
+    );
+}

@@ -1,0 +1,456 @@
+//! Section 4's rows that contend. Every client always asks: Acquire again
+//! as soon as it let go, so the broker always has a full line of waiters,
+//! which the periodic rows (20% offered load) rarely give it. Beside them
+//! a client of another user asks every 20 ms: how long one user's grants
+//! take beside another's population. And a churning queue: 1,000 requests
+//! waiting in the admission queue, 100 a second arriving and leaving,
+//! beside 64 clients that always ask, in windows taken alternately with
+//! and without the churn on one broker.
+
+use super::f;
+use super::shims::{
+    Clients, Cycle, HOLD_NS, MS, ask, collect, deep_queue, gpu_uuids, spawn_clients, start_broker,
+};
+use gpufrac_bench::clock::{mono_ns, sleep_until};
+use gpufrac_bench::harness::{Artifacts, cpu_seconds_precise};
+use gpufrac_bench::report::{Check, Table};
+use gpufrac_bench::stats::percentile_u64;
+use gpufrac_bench::wirec::WireClient;
+use gpufrac_common::wire::{Role, ServerMsg};
+use std::path::Path;
+use std::time::Duration;
+
+/// How often the other user's client asks.
+const OTHER_PERIOD_NS: u64 = 20 * MS;
+const OTHER_P99_TARGET_NS: u64 = 5 * MS;
+/// CPU per grant with 1,000 clients that always ask, against 64: at most.
+const FLAT_RATIO: f64 = 2.0;
+/// Requests waiting in the churning queue, and arrivals (each with a
+/// departure) a second.
+const QUEUED: usize = 1000;
+const CHURN_PER_S: u64 = 100;
+/// Broker CPU a churn's arrival-and-departure may add: at most.
+const CHURN_TARGET_S: f64 = 0.2e-3;
+/// Clients that always ask beside the churning queue.
+const BESIDE: usize = 64;
+const NOBODY: u32 = 65534;
+
+/// The tables, targets, notes and raw figures these rows add to section 4.
+pub(super) struct Contended {
+    pub tables: Vec<Table>,
+    pub checks: Vec<Check>,
+    pub notes: Vec<String>,
+    pub data: serde_json::Value,
+}
+
+/// The other user and the broker options that let it in: `nobody`, in
+/// the socket's group, when the bench runs as root; else the bench's own
+/// user (the notes say so).
+fn other_user() -> (Option<u32>, &'static [&'static str]) {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        (Some(NOBODY), &["--group", "nogroup"])
+    } else {
+        (None, &[])
+    }
+}
+
+pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
+    let window_ns = if quick { 1500 * MS } else { 4000 * MS };
+    // 64 and 1,000 alternately, twice unless quick: the ratio is between
+    // runs taken side by side.
+    let rounds = if quick { 1 } else { 2 };
+    let mut t = Table::new(
+        &format!(
+            "{:.1} s window per row; every client always asks (Acquire again as soon as it \
+             released, holding {} us); another user's client asks every {} ms beside them",
+            window_ns as f64 / 1e9,
+            HOLD_NS / 1000,
+            OTHER_PERIOD_NS / MS
+        ),
+        &[
+            "GPUs",
+            "clients",
+            "as",
+            "grants/s",
+            "grant p50",
+            "grant p99",
+            "other user's p50",
+            "other user's p99",
+            "other user's max",
+            "broker CPU",
+            "CPU/grant",
+        ],
+    );
+    let mut checks = Vec::new();
+    let mut notes = Vec::new();
+    let mut points = Vec::new();
+    for gpus in [1usize, 8] {
+        // (CPU seconds, grants) summed over the rounds, per population,
+        // and the other user's latencies at 1,000.
+        let mut sums = [(0.0f64, 0.0f64); 2];
+        let mut others_1000 = Vec::new();
+        for _ in 0..rounds {
+            for (k, n) in [64usize, 1000].into_iter().enumerate() {
+                let r = contend(a, gpus, n, window_ns)?;
+                let mut lat: Vec<u64> = r.cycles.iter().map(|c| c.grant - c.acquire).collect();
+                let mut other: Vec<u64> = r.other.iter().map(|c| c.grant - c.acquire).collect();
+                let grants = (lat.len() + other.len()) as f64;
+                let grants_s = grants / r.secs;
+                sums[k].0 += r.cpu_per_s * r.secs;
+                sums[k].1 += grants;
+                let p = |v: &mut Vec<u64>, q: f64| percentile_u64(v, q).unwrap_or(0);
+                let (p50, p99) = (p(&mut lat, 50.0), p(&mut lat, 99.0));
+                let (o50, o99) = (p(&mut other, 50.0), p(&mut other, 99.0));
+                let omax = other.last().copied().unwrap_or(0);
+                t.row(vec![
+                    gpus.to_string(),
+                    n.to_string(),
+                    r.layout.clone(),
+                    f(grants_s, 0),
+                    ms(p50),
+                    ms(p99),
+                    ms(o50),
+                    ms(o99),
+                    ms(omax),
+                    format!("{} ms/s", f(r.cpu_per_s * 1e3, 1)),
+                    format!("{} us", f(r.cpu_per_s * 1e6 / grants_s.max(1e-9), 1)),
+                ]);
+                points.push(serde_json::json!({
+                    "gpus": gpus,
+                    "clients": n,
+                    "grants_per_s": grants_s,
+                    "grant_p50_us": p50 as f64 / 1e3,
+                    "grant_p99_us": p99 as f64 / 1e3,
+                    "other_p50_us": o50 as f64 / 1e3,
+                    "other_p99_us": o99 as f64 / 1e3,
+                    "other_grants": other.len(),
+                    "cpu_per_grant_us": r.cpu_per_s * 1e6 / grants_s.max(1e-9),
+                }));
+                if n == 1000 {
+                    others_1000.extend(other);
+                }
+                if r.errors > 0 {
+                    notes.push(format!(
+                        "{gpus} GPU(s), {n} clients that always ask: {} client error(s)",
+                        r.errors
+                    ));
+                }
+            }
+        }
+        let per_grant = |(cpu, grants): (f64, f64)| cpu / grants.max(1.0);
+        let ratio = per_grant(sums[1]) / per_grant(sums[0]).max(1e-12);
+        checks.push(Check::new(
+            &format!(
+                "broker CPU per grant, 1,000 against 64 clients that always ask, {gpus} GPU(s)"
+            ),
+            format!(
+                "{}× ({} against {} us)",
+                f(ratio, 2),
+                f(per_grant(sums[1]) * 1e6, 1),
+                f(per_grant(sums[0]) * 1e6, 1)
+            ),
+            &format!("≤ {}×", f(FLAT_RATIO, 1)),
+            ratio <= FLAT_RATIO,
+        ));
+        let o99 = percentile_u64(&mut others_1000, 99.0).unwrap_or(u64::MAX);
+        checks.push(Check::new(
+            &format!(
+                "another user's grant p99 beside 1,000 clients that always ask, {gpus} GPU(s)"
+            ),
+            ms(o99),
+            &format!("≤ {} ms", OTHER_P99_TARGET_NS / MS),
+            o99 <= OTHER_P99_TARGET_NS,
+        ));
+    }
+    // The contending clients' own CPU varies by tens of ms/s from one
+    // window to the next on a shared machine: more windows, unless quick.
+    let churn = churn(a, window_ns, if quick { 4 } else { 8 })?;
+    let (table, churn_checks, churn_data) = churn_report(&churn);
+    checks.extend(churn_checks);
+    let (uid, _) = other_user();
+    notes.push(format!(
+        "Rows that contend: a client that always asks sends Acquire again as soon as it sent \
+         Release (and Drained), so every client of a GPU is always waiting or holding; the \
+         broker's line of waiters is the whole population. The other user's client is {} \
+         registered on GPU 0, asking every {} ms and holding {} us. CPU per grant at 1,000 \
+         against 64 is the sum of broker CPU over the sum of grants of the {} run(s) of \
+         each, taken alternately.",
+        if uid.is_some() {
+            "uid 65534 (`nobody`)"
+        } else {
+            "the bench's own user (not root: no other uid to run as)"
+        },
+        OTHER_PERIOD_NS / MS,
+        HOLD_NS / 1000,
+        rounds
+    ));
+    notes.push(format!(
+        "The churning queue: a lease holding 1 GiB of the GPU and {QUEUED} `--gpu-memory 16G` \
+         requests waiting behind it, {BESIDE} clients that always ask and the other user's \
+         client, on one broker; in the churn windows, {CHURN_PER_S} times a second a new \
+         request connects, asks and is queued, and a random waiting one disconnects (its \
+         request leaves the queue). Windows without and with churn alternate. *added per \
+         arrival-and-departure*: the churn windows' mean broker CPU less the quiet ones', \
+         over the churn's rate. *position updates*: Queued messages the waiting requests \
+         read (every 50 ms)."
+    ));
+    Ok(Contended {
+        tables: vec![t, table],
+        checks,
+        notes,
+        data: serde_json::json!({ "always_asking": points, "churn": churn_data }),
+    })
+}
+
+fn ms(ns: u64) -> String {
+    format!("{} ms", f(ns as f64 / 1e6, 2))
+}
+
+/// One row that contends.
+struct Contend {
+    /// The cycles of the clients that always ask, and of the other user's.
+    cycles: Vec<Cycle>,
+    other: Vec<Cycle>,
+    cpu_per_s: f64,
+    secs: f64,
+    layout: String,
+    errors: u64,
+}
+
+/// `n` clients that always ask on `gpus` GPUs, and the other user's
+/// client, for `window_ns`.
+fn contend(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<Contend, String> {
+    let (uid, more) = other_user();
+    let broker = start_broker(a, gpus, more)?;
+    let uuids = gpu_uuids(&broker, gpus)?;
+    let lead = 1000 * MS + n as u64 * 10 * MS;
+    let start = mono_ns() + lead;
+    let end = start + window_ns;
+    let clients = |n, period, uuids, uid| Clients {
+        n,
+        start,
+        end,
+        period,
+        uuids,
+        uid,
+    };
+    let (kids, layout) = spawn_clients(a, &broker, clients(n, 0, &uuids, None))?;
+    let (theirs, _) = spawn_clients(a, &broker, clients(1, OTHER_PERIOD_NS, &uuids[..1], uid))?;
+    let pid = broker.pid();
+    let cpu = || cpu_seconds_precise(pid).ok_or("broker /proc/stat");
+    sleep_until(start + 100 * MS);
+    let (c0, t0) = (cpu()?, mono_ns());
+    sleep_until(end);
+    let (c1, t1) = (cpu()?, mono_ns());
+    let span = Duration::from_nanos(lead + window_ns);
+    let (cycles, mut errors) = collect(kids, span)?;
+    let (other, e) = collect(theirs, span)?;
+    errors += e;
+    let secs = (t1 - t0) as f64 / 1e9;
+    // Grants within the window CPU was read over.
+    let within = |c: &Cycle| c.grant >= t0 && c.grant < t1;
+    Ok(Contend {
+        cycles: cycles.into_iter().filter(within).collect(),
+        other: other.into_iter().filter(within).collect(),
+        cpu_per_s: (c1 - c0) / secs,
+        secs,
+        layout,
+        errors,
+    })
+}
+
+/// One window of the churning queue's run.
+struct Window {
+    churn: bool,
+    cpu_per_s: f64,
+    secs: f64,
+    /// Arrivals (each with a departure) and Queued messages read.
+    pairs: u64,
+    told: u64,
+    grants: usize,
+    other: Vec<u64>,
+}
+
+/// The churning queue: `windows` windows, without and with churn in turn.
+fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, String> {
+    let (uid, more) = other_user();
+    let broker = start_broker(a, 1, more)?;
+    let mut waiting = deep_queue(&broker, QUEUED)?;
+    let _holder = waiting.remove(0);
+    let uuids = gpu_uuids(&broker, 1)?;
+    let lead = 1000 * MS + BESIDE as u64 * 10 * MS;
+    let start = mono_ns() + lead;
+    let end = start + windows * window_ns;
+    let clients = |n, period, uid| Clients {
+        n,
+        start,
+        end,
+        period,
+        uuids: &uuids,
+        uid,
+    };
+    let (kids, _) = spawn_clients(a, &broker, clients(BESIDE, 0, None))?;
+    let (theirs, _) = spawn_clients(a, &broker, clients(1, OTHER_PERIOD_NS, uid))?;
+    let pid = broker.pid();
+    let cpu = || cpu_seconds_precise(pid).ok_or("broker /proc/stat");
+    let socket = broker.socket.clone();
+    let (spans, counts) = std::thread::scope(|s| {
+        let churner = s.spawn(|| churner(&socket, &mut waiting, start, window_ns, windows));
+        let mut spans = Vec::new();
+        for w in 0..windows {
+            let from = start + w * window_ns;
+            sleep_until(from + 100 * MS);
+            let (c0, t0) = (cpu()?, mono_ns());
+            sleep_until(from + window_ns);
+            let (c1, t1) = (cpu()?, mono_ns());
+            spans.push((c1 - c0, t0, t1));
+        }
+        let counts = churner
+            .join()
+            .unwrap_or_else(|_| Err("the churn thread panicked".into()))?;
+        Ok::<_, String>((spans, counts))
+    })?;
+    let span = Duration::from_nanos(lead + windows * window_ns);
+    let (cycles, _) = collect(kids, span)?;
+    let (other, _) = collect(theirs, span)?;
+    Ok(spans
+        .into_iter()
+        .zip(counts)
+        .enumerate()
+        .map(|(w, ((cpu, t0, t1), (pairs, told)))| {
+            let within = |c: &&Cycle| c.grant >= t0 && c.grant < t1;
+            let secs = (t1 - t0) as f64 / 1e9;
+            Window {
+                churn: w % 2 == 1,
+                cpu_per_s: cpu / secs,
+                secs,
+                pairs,
+                told,
+                grants: cycles.iter().filter(within).count(),
+                other: other
+                    .iter()
+                    .filter(within)
+                    .map(|c| c.grant - c.acquire)
+                    .collect(),
+            }
+        })
+        .collect())
+}
+
+/// Drives the churn from `start`: in odd windows, `CHURN_PER_S` times a
+/// second a request arrives (connects, asks, is queued) and a random
+/// waiting one leaves (disconnects); in every window the waiting requests'
+/// messages are read every 50 ms. Per window: (arrivals, messages read).
+fn churner(
+    socket: &Path,
+    waiting: &mut Vec<WireClient>,
+    start: u64,
+    window_ns: u64,
+    windows: u64,
+) -> Result<Vec<(u64, u64)>, String> {
+    let tick = 1_000_000_000 / CHURN_PER_S;
+    let mut out = vec![(0, 0); windows as usize];
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = start;
+    let mut k = 0u64;
+    while next < start + windows * window_ns {
+        sleep_until(next);
+        let w = ((next - start) / window_ns) as usize;
+        if w % 2 == 1 {
+            let mut c = WireClient::connect(socket, Role::Cli)?;
+            c.send(&ask(16 << 30))?;
+            match c.recv()? {
+                ServerMsg::Queued { .. } => {}
+                ServerMsg::Error { message, .. } => return Err(message),
+                other => return Err(format!("a churn request: {other:?}")),
+            }
+            waiting.push(c);
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let gone = waiting.swap_remove((x >> 33) as usize % waiting.len());
+            drop(gone);
+            out[w].0 += 1;
+        }
+        if k.is_multiple_of(5) {
+            for c in waiting.iter_mut() {
+                out[w].1 += c.drain()? as u64;
+            }
+        }
+        k += 1;
+        next += tick;
+    }
+    Ok(out)
+}
+
+/// The churning queue's table, targets and raw figures.
+fn churn_report(ws: &[Window]) -> (Table, Vec<Check>, serde_json::Value) {
+    let mut t = Table::new(
+        &format!(
+            "{QUEUED} requests waiting, {BESIDE} clients that always ask and another user's \
+             client on 1 GPU; windows without and with {CHURN_PER_S} arrivals and departures a \
+             second, in turn"
+        ),
+        &[
+            "window",
+            "arrivals+departures/s",
+            "position updates/s",
+            "grants/s",
+            "broker CPU",
+            "other user's p99",
+        ],
+    );
+    let mut rows = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        let mut other = w.other.clone();
+        let o99 = percentile_u64(&mut other, 99.0).unwrap_or(0);
+        t.row(vec![
+            format!("{} {}", if w.churn { "churn" } else { "quiet" }, i / 2 + 1),
+            f(w.pairs as f64 / w.secs, 0),
+            f(w.told as f64 / w.secs, 0),
+            f(w.grants as f64 / w.secs, 0),
+            format!("{} ms/s", f(w.cpu_per_s * 1e3, 1)),
+            ms(o99),
+        ]);
+        rows.push(serde_json::json!({
+            "churn": w.churn,
+            "pairs_per_s": w.pairs as f64 / w.secs,
+            "position_updates_per_s": w.told as f64 / w.secs,
+            "grants_per_s": w.grants as f64 / w.secs,
+            "cpu_ms_per_s": w.cpu_per_s * 1e3,
+            "other_p99_us": o99 as f64 / 1e3,
+        }));
+    }
+    let mean = |churn: bool, v: &dyn Fn(&Window) -> f64| {
+        let of: Vec<f64> = ws.iter().filter(|w| w.churn == churn).map(v).collect();
+        of.iter().sum::<f64>() / of.len().max(1) as f64
+    };
+    let added = mean(true, &|w| w.cpu_per_s) - mean(false, &|w| w.cpu_per_s);
+    let rate = mean(true, &|w| w.pairs as f64 / w.secs);
+    let per_pair = added / rate.max(1e-9);
+    let mut other: Vec<u64> = ws.iter().flat_map(|w| w.other.iter().copied()).collect();
+    let o99 = percentile_u64(&mut other, 99.0).unwrap_or(u64::MAX);
+    let checks = vec![
+        Check::new(
+            &format!(
+                "broker CPU a churn adds per arrival-and-departure, {QUEUED} waiting, \
+                 {CHURN_PER_S}/s, beside {BESIDE} clients that always ask"
+            ),
+            format!("{} ms", f(per_pair * 1e3, 3)),
+            &format!("≤ {} ms", f(CHURN_TARGET_S * 1e3, 1)),
+            per_pair <= CHURN_TARGET_S,
+        ),
+        Check::new(
+            "another user's grant p99 beside the churning queue",
+            ms(o99),
+            &format!("≤ {} ms", OTHER_P99_TARGET_NS / MS),
+            o99 <= OTHER_P99_TARGET_NS,
+        ),
+    ];
+    let data = serde_json::json!({
+        "windows": rows,
+        "added_cpu_per_pair_us": per_pair * 1e6,
+    });
+    (t, checks, data)
+}
