@@ -10,7 +10,8 @@
 //! and runs the work it is given, so everything here is tested in virtual
 //! time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its role's state, its budgets), `turns`
+//! Rooms: `conn` (a connection, its role's state; `Conns`, every open
+//! connection with what changed of them and its user's budgets), `turns`
 //! (who is served next, and the work each user is charged), `roles`
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
@@ -54,8 +55,8 @@ use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
-use conn::{Bucket, Conn, Held};
-pub use conn::{Budgets, MAX_OUTBUF, clip_counted};
+use conn::{Bucket, Conn, Conns, Over};
+pub use conn::{Budgets, clip_counted};
 pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
 use turns::{Served, Turns};
 
@@ -247,8 +248,9 @@ impl Gpu {
 /// The broker's decisions, in virtual time.
 pub struct Broker {
     cfg: Config,
-    conns: BTreeMap<ConnId, Conn>,
-    held: HashMap<u32, Held>,
+    /// Every open connection, what changed of them and their users'
+    /// budgets.
+    conns: Conns,
     gpus: Vec<Gpu>,
     /// The broker found GPUs itself: a client naming another is refused.
     discovered: bool,
@@ -293,16 +295,6 @@ pub struct Broker {
     serve_until: u64,
     /// One buffer for every read of a turn.
     readbuf: Vec<u8>,
-    /// What changed, kept as it changes so that each turn's work is
-    /// proportional to it, not to every connection: connections closed
-    /// (`dead`), with output waiting (`pending_output`), and holding a
-    /// status request back (`answer_held_status`).
-    closing: BTreeSet<ConnId>,
-    unsent: BTreeSet<ConnId>,
-    status_held: BTreeSet<ConnId>,
-    /// Connections that have not said hello or sit on half a frame: those
-    /// the sweep looks at for deadlines.
-    unsettled: BTreeSet<ConnId>,
     /// The queue changed since it was last polled (a request, a release, a
     /// run attached to its job, the end of a recovery): `pump` polls it
     /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
@@ -356,9 +348,8 @@ impl Broker {
                     learned: None,
                 })
                 .collect(),
+            conns: Conns::new(cfg.budgets),
             cfg,
-            conns: BTreeMap::new(),
-            held: HashMap::new(),
             discovered,
             queue,
             jobs: jobtable::Jobs::default(),
@@ -382,10 +373,6 @@ impl Broker {
             cost: Cost::default(),
             serve_until: 0,
             readbuf: Vec::new(),
-            closing: BTreeSet::new(),
-            unsent: BTreeSet::new(),
-            status_held: BTreeSet::new(),
-            unsettled: BTreeSet::new(),
             queue_dirty: true,
             stats: Stats::default(),
             queue_polled: now,
@@ -444,7 +431,7 @@ impl Broker {
         // (pid, connection, percent) on each GPU whose process the driver
         // saw.
         let mut seen: Vec<Vec<(u32, ConnId, u32)>> = vec![Vec::new(); self.gpus.len()];
-        for (&id, c) in &self.conns {
+        for (&id, c) in self.conns.iter() {
             for d in c.devices() {
                 let pid = c.peer.pid;
                 let busy = working[d.gpu].and_then(|w| {
@@ -552,8 +539,8 @@ impl Broker {
     /// to say why, past that budget.
     pub fn connect(&mut self, now: Nanos, id: ConnId, peer: Peer) -> Result<(), Vec<u8>> {
         let now = self.clock(now);
-        let count = self.held.get(&peer.uid).map_or(0, |h| h.conns);
-        if count >= self.cfg.budgets.connections {
+        let (pid, uid) = (peer.pid, peer.uid);
+        if let Err(count) = self.conns.open(id, peer, now) {
             let mut out = Vec::new();
             wire::encode_server(
                 &ServerMsg::Error {
@@ -561,26 +548,21 @@ impl Broker {
                     message: format!(
                         "user {} already has {count} connections open to this broker \
                          (its limit, --max-connections-per-user); close some and retry",
-                        peer.uid
+                        uid
                     ),
                 },
                 &mut out,
             );
-            self.stats.refused(peer.uid, Refusal::ConnectionLimit);
+            self.stats.refused(uid, Refusal::ConnectionLimit);
             self.warn_uid(
-                peer.uid,
+                uid,
                 format_args!(
-                    "refusing a connection from uid {} (pid {}): {count} open, the per-user limit",
-                    peer.uid, peer.pid
+                    "refusing a connection from uid {uid} (pid {pid}): {count} open, the per-user limit"
                 ),
             );
             return Err(out);
         }
-        self.held.entry(peer.uid).or_default().conns += 1;
-        tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
-        let uid = peer.uid;
-        self.conns.insert(id, Conn::new(peer, now));
-        self.unsettled.insert(id);
+        tracing::debug!(pid, uid, id, "client connected");
         self.turns.push(id, uid);
         Ok(())
     }
@@ -590,7 +572,7 @@ impl Broker {
     /// nothing sent on it is taken for the process that gets the pid next.
     pub fn exited(&mut self, id: ConnId) {
         if let Some(c) = self.conns.get(&id)
-            && !c.dead
+            && !c.dead()
         {
             tracing::debug!(pid = c.peer.pid, "the process of a connection exited");
         }
@@ -601,7 +583,7 @@ impl Broker {
     /// hangup, an error): it gets a turn.
     pub fn readable(&mut self, id: ConnId) {
         if let Some(c) = self.conns.get_mut(&id)
-            && !c.dead
+            && !c.dead()
         {
             c.readable = true;
             if c.awaited {
@@ -709,7 +691,7 @@ impl Broker {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if !c.overdue || c.dead || more {
+        if !c.overdue || c.dead() || more {
             return;
         }
         c.overdue = false;
@@ -720,8 +702,7 @@ impl Broker {
                 why,
                 "closing a stalled connection"
             );
-            c.dead = true;
-            self.closing.insert(id);
+            self.conns.kill(id);
         }
     }
 
@@ -739,18 +720,11 @@ impl Broker {
     }
 
     fn take_in(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
-        let Some(c) = self.conns.get_mut(&id) else {
+        let Some(c) = self.conns.get(&id).filter(|c| !c.dead()) else {
             return;
         };
-        if c.dead {
-            return;
-        }
-        let uid = c.peer.uid;
-        let h = self.held.entry(uid).or_default();
-        if h.input + bytes.len() > self.cfg.budgets.input {
-            let pid = c.peer.pid;
-            c.dead = true;
-            self.closing.insert(id);
+        let (pid, uid) = (c.peer.pid, c.peer.uid);
+        if self.conns.take_in(id, bytes).is_err() {
             self.warn_uid(
                 uid,
                 format_args!(
@@ -759,9 +733,7 @@ impl Broker {
             );
             return;
         }
-        h.input += bytes.len();
         self.cost.read += bytes.len() as u64;
-        c.inbuf.extend_from_slice(bytes);
         self.frames(now, id);
         self.pump(now);
     }
@@ -783,7 +755,7 @@ impl Broker {
     pub fn wants_input(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
-            .is_some_and(|c| !c.dead && !c.more && c.status_wait().is_none())
+            .is_some_and(|c| !c.dead() && !c.more && c.status_wait().is_none())
     }
 
     /// Frames handled since the broker started.
@@ -807,21 +779,14 @@ impl Broker {
     pub fn has_frames(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
-            .is_some_and(|c| !c.dead && c.more && c.status_wait().is_none())
+            .is_some_and(|c| !c.dead() && c.more && c.status_wait().is_none())
     }
 
     /// Handles `id`'s frames; a connection's hello and half frames change
     /// only here, so its place in `unsettled` is settled here too.
     fn frames(&mut self, now: Nanos, id: ConnId) {
         self.handle_frames(now, id);
-        match self.conns.get(&id) {
-            Some(c) if c.role().is_none() || c.partial_since.is_some() => {
-                self.unsettled.insert(id);
-            }
-            _ => {
-                self.unsettled.remove(&id);
-            }
-        }
+        self.conns.settle(id);
     }
 
     /// Handles whole frames from the front of `id`'s input while the work
@@ -846,7 +811,7 @@ impl Broker {
             let Some(c) = self.conns.get_mut(&id) else {
                 return;
             };
-            if c.dead || start >= c.inbuf.len() || c.status_wait().is_some() {
+            if c.dead() || start >= c.inbuf.len() || c.status_wait().is_some() {
                 break;
             }
             if !first && self.cost.units() >= self.serve_until {
@@ -858,9 +823,7 @@ impl Broker {
                 Ok((msg, used)) => {
                     start += used;
                     c.partial_since = None;
-                    if let Some(h) = self.held.get_mut(&uid) {
-                        h.input = h.input.saturating_sub(used);
-                    }
+                    self.conns.handled(uid, used);
                     self.cost.frames += 1;
                     self.cost.decoded += used as u64;
                     self.handle(now, id, msg);
@@ -908,11 +871,8 @@ impl Broker {
     /// allows, else held (with everything after it on the connection)
     /// until the budget refills.
     pub(super) fn ask_status(&mut self, now: Nanos, id: ConnId, from: u32) {
-        if !self.answer_status(now, id, from)
-            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
-        {
-            c.status_wait = Some(from);
-            self.status_held.insert(id);
+        if !self.answer_status(now, id, from) {
+            self.conns.hold_status(id, from);
         }
     }
 
@@ -925,10 +885,7 @@ impl Broker {
         if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
             return false;
         }
-        if let Some(cli) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
-            cli.status_wait = None;
-        }
-        self.status_held.remove(&id);
+        self.conns.status_answered(id);
         let json = self.status_page(now, from);
         self.send(id, &ServerMsg::StatusReply { json });
         true
@@ -939,11 +896,9 @@ impl Broker {
     /// their user) and what they sent after it is handled.
     fn answer_held_status(&mut self, now: Nanos) {
         let waiting: Vec<(ConnId, u32)> = self
-            .status_held
-            .iter()
-            .filter_map(|id| self.conns.get(id).map(|c| (*id, c)))
-            .filter(|(_, c)| !c.dead && c.status_wait().is_some())
-            .map(|(id, c)| (id, c.peer.uid))
+            .conns
+            .status_waiting()
+            .map(|(id, uid, _)| (id, uid))
             .collect();
         for (id, uid) in waiting {
             if self.voice(uid).status.has(now, STATUS_BURST, STATUS_EVERY) {
@@ -958,61 +913,42 @@ impl Broker {
     }
 
     fn kill(&mut self, id: ConnId) {
-        if let Some(c) = self.conns.get_mut(&id) {
-            c.dead = true;
-            self.closing.insert(id);
-        }
+        self.conns.kill(id);
     }
 
     /// What is waiting to be written to `id`.
     pub fn output(&self, id: ConnId) -> &[u8] {
-        self.conns.get(&id).map_or(&[], |c| &c.outbuf)
+        self.conns.output(id)
     }
 
     /// `n` bytes of `output(id)` were written.
     pub fn consumed(&mut self, id: ConnId, n: usize) {
-        if let Some(c) = self.conns.get_mut(&id) {
-            let n = n.min(c.outbuf.len());
-            c.outbuf.drain(..n);
-            if c.outbuf.is_empty() {
-                self.unsent.remove(&id);
-                if c.outbuf.capacity() > 64 << 10 {
-                    c.outbuf = Vec::new();
-                }
-            }
-            if let Some(h) = self.held.get_mut(&c.peer.uid) {
-                h.output = h.output.saturating_sub(n);
-            }
-        }
+        self.conns.consumed(id, n);
     }
 
     /// Connections with output waiting.
     pub fn pending_output(&self) -> Vec<ConnId> {
-        self.unsent.iter().copied().collect()
+        self.conns.pending_output().collect()
     }
 
     /// Connections the core is done with: the shell writes what it still
     /// can of their output, closes them and calls `remove`.
     pub fn dead(&self) -> Vec<ConnId> {
-        self.closing.iter().copied().collect()
+        self.conns.dead().collect()
     }
 
     #[cfg(test)]
     pub fn is_dead(&self, id: ConnId) -> bool {
-        self.conns.get(&id).is_none_or(|c| c.dead)
+        self.conns.get(&id).is_none_or(Conn::dead)
     }
 
     /// The connection is closed: its process's grant and registration go
     /// at once, a run's job ends.
     pub fn remove(&mut self, now: Nanos, id: ConnId) {
         let now = self.clock(now);
-        let Some(c) = self.conns.remove(&id) else {
+        let Some(c) = self.conns.remove(id) else {
             return;
         };
-        self.closing.remove(&id);
-        self.unsent.remove(&id);
-        self.status_held.remove(&id);
-        self.unsettled.remove(&id);
         self.stats.forget(id);
         if let Some(t) = c.member_of() {
             // Its refusals are its devices': it is no longer in `conns`.
@@ -1020,14 +956,6 @@ impl Broker {
             spent.ooms = c.devices().iter().map(|d| d.ooms).sum();
             let used = c.devices().iter().map(|d| d.used).sum();
             self.jobs.leave(t, id, spent, used);
-        }
-        if let Some(h) = self.held.get_mut(&c.peer.uid) {
-            h.conns = h.conns.saturating_sub(1);
-            h.input = h.input.saturating_sub(c.inbuf.len());
-            h.output = h.output.saturating_sub(c.outbuf.len());
-            if h.conns == 0 {
-                self.held.remove(&c.peer.uid);
-            }
         }
         self.forget_client(now, id, c);
         self.pump(now);
@@ -1057,11 +985,12 @@ impl Broker {
     /// sent in time), and is closed there if it still is stalled
     /// (`settle_overdue`).
     fn sweep(&mut self, now: Nanos) {
-        for &id in &self.unsettled {
+        let unsettled: Vec<ConnId> = self.conns.unsettled().collect();
+        for id in unsettled {
             let Some(c) = self.conns.get_mut(&id) else {
                 continue;
             };
-            if !c.dead && !c.overdue && stalled(c, now).is_some() {
+            if !c.dead() && !c.overdue && stalled(c, now).is_some() {
                 c.overdue = true;
                 c.readable = true;
                 self.turns.push(id, c.peer.uid);
@@ -1101,10 +1030,7 @@ impl Broker {
                 self.queue_polled + QUEUE_TICK
             });
         }
-        let sweep = self
-            .unsettled
-            .iter()
-            .any(|id| self.conns.get(id).is_some_and(|c| !c.dead))
+        let sweep = self.conns.any_unsettled()
             || self.jobs.without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
@@ -1116,11 +1042,9 @@ impl Broker {
             at(*until);
         }
         // A held status request: when its user's budget next refills.
-        for c in self.status_held.iter().filter_map(|id| self.conns.get(id)) {
-            if !c.dead && c.status_wait().is_some() {
-                let v = self.voices.get(&c.peer.uid);
-                at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
-            }
+        for (_, uid, _) in self.conns.status_waiting() {
+            let v = self.voices.get(&uid);
+            at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
         }
         if let Some(s) = self.save_due() {
             at(s);
@@ -1137,41 +1061,26 @@ impl Broker {
     }
 
     fn send(&mut self, id: ConnId, msg: &ServerMsg) {
-        let Some(c) = self.conns.get_mut(&id) else {
+        let Some((pid, uid)) = self.conns.get(&id).map(|c| (c.peer.pid, c.peer.uid)) else {
             return;
         };
-        if c.dead {
-            return;
-        }
-        let before = c.outbuf.len();
-        wire::encode_server(msg, &mut c.outbuf);
-        let added = c.outbuf.len() - before;
-        self.cost.sent += added as u64;
-        if added > 0 {
-            self.unsent.insert(id);
-        }
-        let h = self.held.entry(c.peer.uid).or_default();
-        h.output += added;
-        let (pid, uid) = (c.peer.pid, c.peer.uid);
-        if c.outbuf.len() > MAX_OUTBUF {
-            c.dead = true;
-            self.closing.insert(id);
-            self.warn_uid(
+        let sent = self.conns.send(id, msg);
+        self.cost.sent += sent.bytes as u64;
+        match sent.over {
+            None | Some(Over::Input) => {}
+            Some(Over::Outbuf) => self.warn_uid(
                 uid,
                 format_args!(
                     "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
                 ),
-            );
-        } else if h.output > self.cfg.budgets.output {
-            c.dead = true;
-            self.closing.insert(id);
-            self.warn_uid(
+            ),
+            Some(Over::Output) => self.warn_uid(
                 uid,
                 format_args!(
                     "user {uid}'s output budget is exhausted (its connections are not reading); \
                      closing the connection of pid {pid} that went over"
                 ),
-            );
+            ),
         }
     }
 
