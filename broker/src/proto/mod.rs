@@ -30,6 +30,7 @@ mod roles;
 mod summary;
 mod turns;
 mod view;
+mod voices;
 
 #[cfg(test)]
 mod tests;
@@ -55,10 +56,14 @@ use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
-use conn::{Bucket, Conn, Conns, Over};
 pub use conn::{Budgets, clip_counted};
+use conn::{Conn, Conns, Over};
 pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
 use turns::{Served, Turns};
+use voices::Voices;
+#[cfg(test)]
+use voices::{LOG_BURST, LOG_EVERY, STATUS_BURST, STATUS_EVERY};
+pub use voices::{RateLimit, WARN_EVERY};
 
 /// Monotonic nanoseconds (`CLOCK_MONOTONIC`, which a broker restart does
 /// not reset, so queue ages survive one).
@@ -79,10 +84,6 @@ pub const SAVE_EVERY: Nanos = 100 * MS;
 const QUEUE_TICK: Nanos = 500 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
-/// The broker's own warnings (a state file it cannot write) are said at
-/// most this often, each kind with a limiter of its own: no user's lines
-/// share it.
-pub const WARN_EVERY: Nanos = 10_000 * MS;
 /// GPUs a broker that found none itself arbitrates for one user's
 /// processes (named by them at registration): a user's own made-up UUIDs
 /// take only that user's room, and an entry goes when no registered
@@ -92,70 +93,6 @@ const LEARNED_GPUS_PER_USER: usize = 16;
 /// waits for the next turn, after every other ready connection of its user
 /// has had its own.
 pub const READ_PER_TURN: usize = 64 << 10;
-/// Status pages built for one user: this many at once, then one per
-/// `STATUS_EVERY`. A page costs a walk over every connection; a user
-/// asking faster waits (its other requests too, so replies keep their
-/// order), and nobody else does.
-const STATUS_BURST: u32 = 16;
-const STATUS_EVERY: Nanos = 20 * MS;
-/// Log lines one user's connections can cause: this many at once, then
-/// one per `LOG_EVERY`; what is held back is counted and said.
-const LOG_BURST: u32 = 64;
-const LOG_EVERY: Nanos = 100 * MS;
-
-/// What one user may still make the broker say and build: its log lines
-/// (every line a user's connections can cause, warnings included, from
-/// one budget) and its status pages. Kept apart from `Held` (which goes
-/// with the user's last connection) so that connecting anew does not
-/// refill it.
-#[derive(Debug)]
-struct Voice {
-    lines: Bucket,
-    held_back: u64,
-    status: Bucket,
-}
-
-impl Voice {
-    fn new(now: Nanos) -> Voice {
-        Voice {
-            lines: Bucket::full(LOG_BURST, now),
-            held_back: 0,
-            status: Bucket::full(STATUS_BURST, now),
-        }
-    }
-
-    /// Nothing to remember: a fresh one would be the same.
-    fn idle(&self, now: Nanos) -> bool {
-        self.held_back == 0
-            && self.lines.is_full(now, LOG_BURST, LOG_EVERY)
-            && self.status.is_full(now, STATUS_BURST, STATUS_EVERY)
-    }
-}
-
-/// Something said at most once per period: one of the broker's own
-/// warnings, which a failing disk or driver could otherwise repeat on
-/// every event.
-#[derive(Debug)]
-pub struct RateLimit {
-    every: Nanos,
-    last: Option<Nanos>,
-}
-
-impl RateLimit {
-    pub const fn new(every: Nanos) -> Self {
-        RateLimit { every, last: None }
-    }
-
-    /// True, once per period: say it now.
-    pub fn ready(&mut self, now: Nanos) -> bool {
-        let ready = self.last.is_none_or(|t| now.saturating_sub(t) > self.every);
-        if ready {
-            self.last = Some(now);
-        }
-        ready
-    }
-}
-
 /// Everything the core decides by.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -285,7 +222,7 @@ pub struct Broker {
     /// `WARN_EVERY`, apart from every user's lines.
     save_warning: RateLimit,
     /// Per user: log lines and status pages it may still cause.
-    voices: HashMap<u32, Voice>,
+    voices: Voices,
     /// Connections with something to do, in their users' lines.
     turns: Turns,
     /// Work done so far, by kind: what turns are charged.
@@ -368,7 +305,7 @@ impl Broker {
             recovery: None,
             last_sweep: now,
             save_warning: RateLimit::new(WARN_EVERY),
-            voices: HashMap::new(),
+            voices: Voices::default(),
             turns: Turns::default(),
             cost: Cost::default(),
             serve_until: 0,
@@ -487,11 +424,6 @@ impl Broker {
         self.now
     }
 
-    fn voice(&mut self, uid: u32) -> &mut Voice {
-        let now = self.now;
-        self.voices.entry(uid).or_insert_with(|| Voice::new(now))
-    }
-
     /// A warning user `uid`'s connections provoked, within that user's log
     /// budget (`may_log`): one user's flood neither floods the log nor
     /// silences the warnings about anyone else.
@@ -507,21 +439,7 @@ impl Broker {
     /// lines held back are counted and said with the next line let
     /// through.
     pub(super) fn may_log(&mut self, uid: u32) -> bool {
-        let now = self.now;
-        let v = self.voice(uid);
-        if !v.lines.take(now, LOG_BURST, LOG_EVERY) {
-            v.held_back += 1;
-            return false;
-        }
-        let held = std::mem::take(&mut v.held_back);
-        if held > 0 {
-            tracing::info!(
-                uid,
-                held,
-                "log lines about this user's connections were left out (its log budget)"
-            );
-        }
-        true
+        self.voices.may_log(uid, self.now)
     }
 
     /// `s`, text a user sent, escaped and cut to `max` bytes
@@ -882,7 +800,7 @@ impl Broker {
         let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
             return false;
         };
-        if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
+        if !self.voices.page(uid, now) {
             return false;
         }
         self.conns.status_answered(id);
@@ -901,7 +819,7 @@ impl Broker {
             .map(|(id, uid, _)| (id, uid))
             .collect();
         for (id, uid) in waiting {
-            if self.voice(uid).status.has(now, STATUS_BURST, STATUS_EVERY) {
+            if self.voices.has_page(uid, now) {
                 self.turns.push(id, uid);
             }
         }
@@ -996,7 +914,7 @@ impl Broker {
                 self.turns.push(id, c.peer.uid);
             }
         }
-        self.voices.retain(|_, v| !v.idle(now));
+        self.voices.forget_idle(now);
         let gone: Vec<(u64, u32)> = self
             .jobs
             .without_run()
@@ -1043,8 +961,7 @@ impl Broker {
         }
         // A held status request: when its user's budget next refills.
         for (_, uid, _) in self.conns.status_waiting() {
-            let v = self.voices.get(&uid);
-            at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
+            at(self.voices.next_page(uid).unwrap_or(now));
         }
         if let Some(s) = self.save_due() {
             at(s);
