@@ -630,7 +630,7 @@ impl Broker {
         self.changed();
         self.rejoin(now, lease.id);
         self.jobs.leased(lease.id, now, waited);
-        self.jobs.hold_until_saved(lease.id, self.state_seq);
+        self.jobs.hold_until_saved(lease.id, self.saves.seq());
     }
 
     /// `Leased` to the job's run.

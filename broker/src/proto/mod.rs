@@ -17,7 +17,9 @@
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
 //! queue, restarts, recovery, MIG), `view` (status), `outside` (the
-//! processes the driver lists that are not under the shim). NVML's view
+//! processes the driver lists that are not under the shim), `voices`
+//! (each user's log lines and status pages), `saves` (when the state is
+//! written). NVML's view
 //! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
 //! a source given at construction.
 
@@ -27,6 +29,7 @@ mod jobtable;
 mod leases;
 mod outside;
 mod roles;
+mod saves;
 mod summary;
 mod turns;
 mod view;
@@ -58,6 +61,8 @@ use gpufrac_common::wire::uuid_string;
 
 pub use conn::{Budgets, clip_counted};
 use conn::{Conn, Conns, Over};
+pub use saves::SAVE_EVERY;
+use saves::Saves;
 pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
 use turns::{Served, Turns};
 use voices::Voices;
@@ -77,8 +82,6 @@ const MS: Nanos = 1_000_000;
 /// pile up.
 const HELLO_DEADLINE: Nanos = 2000 * MS;
 const FRAME_DEADLINE: Nanos = 5000 * MS;
-/// State writes at most this often: churn costs bounded I/O.
-pub const SAVE_EVERY: Nanos = 100 * MS;
 /// Queue escalation has no timer of its own: re-checked this often while
 /// anyone waits.
 const QUEUE_TICK: Nanos = 500 * MS;
@@ -202,15 +205,8 @@ pub struct Broker {
     /// The driver's view, as the shell last sampled it (`telemetry`).
     telemetry: Telemetry,
     mps: Option<MpsStatus>,
-    /// State: changes counted, the last count handed out to be written
-    /// and the last known written, and when the last write was handed out.
-    state_seq: u64,
-    saving: Option<u64>,
-    saved_seq: u64,
-    last_save: Option<Nanos>,
-    /// Per user, when a write was last handed out early for its leases
-    /// (`save_due`); only those younger than `SAVE_EVERY` are kept.
-    early_saves: HashMap<u32, Nanos>,
+    /// The state's changes and when it is written.
+    saves: Saves,
     work: VecDeque<Work>,
     /// MIG leases being made: the connection of a `--no-wait` request,
     /// which is answered either way.
@@ -218,9 +214,6 @@ pub struct Broker {
     /// After an untrusted state file: placements held until then, and why.
     recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
-    /// The state file could not be written: said at most every
-    /// `WARN_EVERY`, apart from every user's lines.
-    save_warning: RateLimit,
     /// Per user: log lines and status pages it may still cause.
     voices: Voices,
     /// Connections with something to do, in their users' lines.
@@ -295,16 +288,11 @@ impl Broker {
             tokens,
             telemetry: Telemetry::default(),
             mps: None,
-            state_seq: 0,
-            saving: None,
-            saved_seq: 0,
-            last_save: None,
-            early_saves: HashMap::new(),
+            saves: Saves::default(),
             work: VecDeque::new(),
             making: BTreeMap::new(),
             recovery: None,
             last_sweep: now,
-            save_warning: RateLimit::new(WARN_EVERY),
             voices: Voices::default(),
             turns: Turns::default(),
             cost: Cost::default(),
@@ -1067,34 +1055,14 @@ impl Broker {
         if self.save_due().is_none_or(|t| t > now) {
             return None;
         }
-        self.saving = Some(self.state_seq);
-        self.last_save = Some(now);
-        self.early_saves.retain(|_, t| *t + SAVE_EVERY > now);
-        for uid in self.jobs.unsaved_users() {
-            self.early_saves.insert(uid, now);
-        }
-        Some((self.state_seq, crate::jobs::encode(self.jobs.values())))
+        let seq = self.saves.start(now, self.jobs.unsaved_users());
+        Some((seq, crate::jobs::encode(self.jobs.values())))
     }
 
-    /// When the next write may go: None while nothing changed or one is
-    /// being written. Changes are written at most every `SAVE_EVERY`, but
-    /// a lease its run waits for goes as soon as its user's last write
-    /// for leases is that old: the writes are coalesced per user, so that
-    /// one user's churn (names, leases) never holds another's lease back
-    /// (a `Name` flood kept a victim's `run --no-wait` answer waiting
-    /// 101 ms). One write is out at a time, which groups what changed
-    /// meanwhile.
+    /// When the next write may go (`Saves::due`), a lease its run waits
+    /// for counted for its user.
     fn save_due(&self) -> Option<Nanos> {
-        if self.saving.is_some() || self.state_seq == self.saved_seq {
-            return None;
-        }
-        let coalesced = self.last_save.map_or(0, |t| t + SAVE_EVERY);
-        let early = self
-            .jobs
-            .unsaved_users()
-            .map(|u| self.early_saves.get(&u).map_or(0, |t| t + SAVE_EVERY))
-            .min();
-        Some(early.map_or(coalesced, |e| e.min(coalesced)))
+        self.saves.due(self.jobs.unsaved_users())
     }
 
     /// State number `seq` was written, or could not be (then leases are
@@ -1102,15 +1070,7 @@ impl Broker {
     /// hand out what it granted; it says so).
     pub fn state_saved(&mut self, now: Nanos, seq: u64, result: Result<(), String>) {
         let now = self.clock(now);
-        self.saving = None;
-        match result {
-            Ok(()) => self.saved_seq = self.saved_seq.max(seq),
-            Err(e) => {
-                if self.save_warning.ready(now) {
-                    warn!("cannot write the state file: {e}; leases will not survive a restart");
-                }
-            }
-        }
+        self.saves.done(now, seq, result);
         // Leases granted but not yet durable are told to their run once
         // the state that books them is on disk, so that a crash never
         // forgets a lease a job already holds.
@@ -1121,7 +1081,7 @@ impl Broker {
     }
 
     fn changed(&mut self) {
-        self.state_seq += 1;
+        self.saves.changed();
     }
 
     /// Whether a job's `gpufrac run` is still the process that asked.
