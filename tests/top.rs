@@ -382,16 +382,7 @@ fn live_view_under_tmux_takes_keys_and_gives_the_terminal_back() {
     // The second: SIGTERM gives the terminal back as well.
     std::fs::write(&go, "").unwrap();
     tmux.wait_for(&format!("▾ job {a}"));
-    let shell = stdout(
-        &tmux
-            .cmd()
-            .args(["display-message", "-p", "-t", "top", "#{pane_pid}"])
-            .output()
-            .unwrap(),
-    );
-    let children =
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", shell.trim())).unwrap();
-    let top_pid: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let top_pid = pane_child(&tmux);
     // SAFETY: kill with the pid of the pane's top.
     assert_eq!(unsafe { libc::kill(top_pid, libc::SIGTERM) }, 0);
     tmux.wait_for("top ended with 0");
@@ -514,7 +505,32 @@ fn a_frame_left_by_a_stopped_broker_is_marked_stale() {
                 .is_some_and(|n| n >= 2)
         })
     });
-    tmux.keys(&["q"]);
+    // The window closes under it: the pane's shell, the session's leader,
+    // has the SIGHUP; top, its child, only a terminal hung up. It ends
+    // rather than spin on reads that return at once.
+    let top_pid = pane_child(&tmux);
+    drop(tmux);
+    wait_until(30.0, "top to end once its terminal was gone", || {
+        std::fs::read_to_string(format!("/proc/{top_pid}/stat")).map_or(true, |s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        })
+    });
+}
+
+/// The pid of the process the pane's shell started (its top).
+fn pane_child(tmux: &Tmux) -> i32 {
+    let shell = stdout(
+        &tmux
+            .cmd()
+            .args(["display-message", "-p", "-t", "top", "#{pane_pid}"])
+            .output()
+            .unwrap(),
+    );
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", shell.trim())).unwrap();
+    children.split_whitespace().next().unwrap().parse().unwrap()
 }
 
 /// `gpufrac run --gpu-memory MEM -- sh -c SCRIPT`, ended however the test
