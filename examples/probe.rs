@@ -1072,6 +1072,27 @@ fn main() {
                 }
                 println!("fork-used parent={parent} child={}", u64::from_le_bytes(v));
             }
+            // The steps after this one run in a child forked here, which
+            // says its pid first; this process waits for it, says how it
+            // ended, and runs nothing more.
+            "fork" => {
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    println!("forked pid={}", std::process::id());
+                    continue;
+                }
+                let mut status = 0;
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+                println!(
+                    "fork child={pid} exited={}",
+                    if libc::WIFEXITED(status) {
+                        libc::WEXITSTATUS(status)
+                    } else {
+                        -1
+                    }
+                );
+                i = args.len();
+            }
             // One cooperative launch over devices 0 and 1: a kernel of NS
             // on a new stream of each device's primary context, then both
             // streams synchronised; the context of --device is current again

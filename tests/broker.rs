@@ -566,3 +566,56 @@ fn status_shows_utilisation_as_the_broker_sampled_it() {
     let _ = spinner.kill();
     let _ = spinner.wait();
 }
+
+/// A process forked after its parent's session began has no client thread
+/// and must not share the parent's connection: the shim's fork handler
+/// puts the child back to "set up, not arbitrated", so that its own first
+/// context starts a session of its own, which the broker sees under the
+/// child's pid beside the parent's, and its launches run.
+#[test]
+fn a_forked_child_registers_a_session_of_its_own() {
+    let b = Broker::start("16G", &[]);
+    let dir = Scratch::new("fork-session");
+    let go = dir.0.join("go");
+    let mut cmd = b.client(&artifacts().probe);
+    cmd.args([
+        "ctx", "launch", "2", "1000", "fork", "ctx", "launch", "2", "1000",
+    ])
+    .arg("await-file")
+    .arg(&go)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut p = Reap(Some(cmd.spawn().unwrap()));
+    let c = p.0.as_mut().unwrap();
+    let parent = c.id() as u64;
+    let mut lines = Vec::new();
+    let child = loop {
+        let l = read_line(c);
+        assert!(!l.is_empty(), "the probe ended early: {lines:?}");
+        if let Some(pid) = l.strip_prefix("forked pid=") {
+            break pid.parse::<u64>().unwrap();
+        }
+        lines.push(l);
+    };
+    assert!(
+        lines.contains(&"ctx rc=0".to_string())
+            && lines.iter().any(|l| l.starts_with("launch rc=0 ")),
+        "the parent's context and launch: {lines:?}"
+    );
+    assert_eq!(read_line(c), "ctx rc=0", "the child's context");
+    assert!(
+        read_line(c).starts_with("launch rc=0 "),
+        "the child's launch"
+    );
+    wait_until(10.0, "the child's own session beside the parent's", || {
+        let r = b.registered();
+        r.contains(&parent) && r.contains(&child)
+    });
+    std::fs::write(&go, b"").unwrap();
+    let o = p.0.take().unwrap().wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o).lines().collect::<Vec<_>>(),
+        ["await-file done=1", &format!("fork child={child} exited=0")],
+    );
+}

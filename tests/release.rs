@@ -634,12 +634,69 @@ fn no_locked_dependency_needs_a_newer_rust_than_rust_version() {
     );
 }
 
+/// The `args:` of the broker's container in deploy/k8s/broker/daemonset.yaml,
+/// read as a list of plain scalars (tests/k8s.rs checks the whole manifest
+/// against Kubernetes' schema).
+fn daemonset_args() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s/broker/daemonset.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines = text.lines().skip_while(|l| l.trim() != "args:").skip(1);
+    let mut args = Vec::new();
+    for l in lines.by_ref() {
+        let l = l.trim();
+        if l.starts_with('#') {
+            continue;
+        }
+        let Some(a) = l.strip_prefix("- ") else { break };
+        args.push(a.trim_matches('"').to_owned());
+    }
+    assert!(!args.is_empty(), "no args: in {}", path.display());
+    args
+}
+
+/// An image tag removed from the tests' Podman store when dropped, however
+/// the test ends.
+struct Image(String);
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = engines::Engine::Podman
+            .command()
+            .args(["rmi", "-f", &self.0])
+            .stdin(Stdio::null())
+            .output();
+    }
+}
+
+/// The status line of `GET path` on the container's port 9400, asked from
+/// inside its network namespace (the tests' containers have no network but
+/// their own loopback) with bash's /dev/tcp: the image has no HTTP client.
+fn http_in(ct: &engines::Container, path: &str) -> String {
+    let script = format!(
+        "exec 3<>/dev/tcp/127.0.0.1/9400 && printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' >&3 \
+         && IFS= read -r l <&3 && printf '%s\\n' \"$l\""
+    );
+    let o = engines::Engine::Podman
+        .command()
+        .args(["exec", &ct.name, "bash", "-c", &script])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    stdout(&o).trim().to_owned()
+}
+
 /// The image deploy/container/Containerfile builds from the release
 /// tarball, with Podman (runc), on the tests' sealed Debian root in place
-/// of debian:bookworm-slim (no registry is reachable): its broker, run as
-/// the DaemonSet runs it (the host's pid namespace, the host's socket
-/// directory), serves a process under the host's shim, which registers
-/// with it and is capped by it, and `gpufrac status` on the host sees it.
+/// of debian:bookworm-slim (no registry is reachable). Its default command
+/// is the DaemonSet's arguments, and it runs as the DaemonSet runs it (the
+/// host's pid namespace, the host's socket directory, privileged): its
+/// probes answer 200, it serves a process under the host's shim, which
+/// registers with it and is capped by it, and `gpufrac status` on the host
+/// sees it. Then a rollout: the pod stopped as the kubelet stops it
+/// (SIGTERM, the DaemonSet's grace) exits cleanly, keeping the running
+/// job's lease in the host's socket directory, and the next pod's broker
+/// has it booked again, claimed back by its `gpufrac run`, and the same
+/// process registered again, its cap kept.
 #[test]
 fn the_release_image_builds_and_its_broker_serves_a_shim() {
     let Some(tarball) = tarball() else { return };
@@ -647,7 +704,8 @@ fn the_release_image_builds_and_its_broker_serves_a_shim() {
         return;
     }
     let base = engines::image(engines::Engine::Podman);
-    let tag = format!("localhost/gpufrac-release-test:{VERSION}");
+    let image = Image(format!("localhost/gpufrac-release-test:{VERSION}"));
+    let tag = image.0.as_str();
     let containerfile =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/container/Containerfile");
     let name = tarball.file_name().unwrap().to_str().unwrap();
@@ -657,22 +715,25 @@ fn the_release_image_builds_and_its_broker_serves_a_shim() {
         .arg(&containerfile)
         .args(["--build-arg", &format!("BASE={base}")])
         .args(["--build-arg", &format!("RELEASE={name}")])
-        .args(["-t", &tag])
+        .args(["-t", tag])
         .arg(tarball.parent().unwrap())
         .stdin(Stdio::null())
         .output()
         .unwrap();
     assert!(o.status.success(), "podman build:\n{}", out(&o));
-    // What install.sh laid out, and the image's own default command.
+    // The image's own command is what the DaemonSet runs, so that the pod
+    // and a plain `podman run` of the image start the same broker.
     let o = engines::Engine::Podman
         .command()
-        .args(["image", "inspect", "--format", "{{json .Config.Cmd}}", &tag])
+        .args(["image", "inspect", "--format", "{{json .Config.Cmd}}", tag])
         .output()
         .unwrap();
-    assert!(
-        stdout(&o).contains("\"broker\"") && stdout(&o).contains("0.0.0.0:9400"),
-        "{}",
-        out(&o)
+    assert!(o.status.success(), "{}", out(&o));
+    let cmd: Vec<String> = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(
+        cmd,
+        daemonset_args(),
+        "the image's CMD and the DaemonSet's args"
     );
 
     // The host's socket directory, as the DaemonSet mounts it.
@@ -686,20 +747,23 @@ fn the_release_image_builds_and_its_broker_serves_a_shim() {
         "--privileged".into(),
         "-v".into(),
         format!("{}:/run/gpufrac", run.0.display()),
+        "-e".into(),
+        "RUST_LOG=info".into(),
     ];
     args.extend(engines::sim_driver_args());
     args.extend(engines::sim_state_args("16G", &state));
-    args.push(tag.clone());
-    for a in ["broker", "--socket", "/run/gpufrac/broker.sock"] {
-        args.push(a.into());
-    }
-    let ct = engines::Container::run(engines::Engine::Podman, &args);
+    args.push(tag.to_owned());
     let socket = run.0.join("broker.sock");
-    wait_until(
-        60.0,
-        "the image's broker answering on the host's socket",
-        || try_status_cli(&socket).is_ok(),
-    );
+    let pod = || {
+        let ct = engines::Container::run(engines::Engine::Podman, &args);
+        wait_until(
+            60.0,
+            "the image's broker answering on the host's socket",
+            || try_status_cli(&socket).is_ok(),
+        );
+        ct
+    };
+    let ct = pod();
     let st = status_cli(&socket);
     assert_eq!(
         st["gpus"].as_array().map(Vec::len),
@@ -707,39 +771,110 @@ fn the_release_image_builds_and_its_broker_serves_a_shim() {
         "{st}\n{}",
         ct.stderr()
     );
+    // The kubelet's probes, on the port the DaemonSet names.
+    for path in ["/readyz", "/healthz", "/metrics"] {
+        let line = http_in(&ct, path);
+        assert!(
+            line.starts_with("HTTP/1.") && line.contains(" 200"),
+            "GET {path}: {line:?}\n{}",
+            ct.stderr()
+        );
+    }
 
-    // A process on the host, under the host's shim, capped at 1 GiB by
-    // the broker in the image: it registers there and fills to its cap.
+    // A job on the host, `gpufrac run` of a process under the host's
+    // shim, booked and capped at 1 GiB by the broker in the image: the
+    // process registers there and fills to its cap.
     let stop = run.0.join("stop");
-    let mut p = sim_command(&artifacts().probe, "16G", true);
-    p.env("GPUFRAC_SOCKET", &socket)
-        .env("GPUFRAC_BROKER", "required")
+    let mut p = sim_command(&artifacts().gpufrac, "16G", false);
+    p.env_remove("GPUFRAC_BROKER")
         .env("GPUFRAC_SIM_STATE", &state)
-        .env("GPU_MEM_LIMIT", "1G")
+        .args(["run", "--socket"])
+        .arg(&socket)
+        .args(["--gpu-memory", "1G", "--"])
+        .arg(&artifacts().probe)
         .args(["ctx", "fill", "alloc", "64M", "wait-file"])
         .arg(&stop)
-        .stdout(Stdio::piped());
-    let p = p.spawn().unwrap();
-    let pid = p.id();
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut p = Reap(Some(p.spawn().unwrap()));
+    let run_pid = u64::from(p.0.as_ref().unwrap().id());
+    let capped = |st: &serde_json::Value| -> Option<u64> {
+        st["gpus"][0]["processes"]
+            .as_array()?
+            .iter()
+            .find(|x| x["mem_used"] == 1u64 << 30 && x["mem_cap"] == 1u64 << 30)?["pid"]
+            .as_u64()
+    };
+    let mut pid = None;
     wait_until(
         30.0,
-        "the host's process registered with the image's broker",
+        "the host's process registered with the image's broker, at its cap",
         || {
-            status_cli(&socket)["gpus"][0]["processes"]
-                .as_array()
-                .is_some_and(|ps| {
-                    ps.iter()
-                        .any(|x| x["pid"] == pid && x["mem_used"] == 1u64 << 30)
-                })
+            pid = try_status_cli(&socket).ok().and_then(|st| capped(&st));
+            pid.is_some()
         },
     );
+    let st = status_cli(&socket);
+    assert_eq!(
+        st["leases"].as_array().map(Vec::len),
+        Some(1),
+        "the run's lease: {st}"
+    );
+
+    // A rollout: the kubelet stops the pod with SIGTERM and waits the
+    // DaemonSet's terminationGracePeriodSeconds (30) before killing it.
+    let o = engines::Engine::Podman
+        .command()
+        .args(["stop", "--time", "30", &ct.name])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "podman stop: {}", out(&o));
+    let (status, _) = ct.finish(40);
+    assert!(status.success(), "the broker's clean stop: {status}");
+    // The socket stays, stale, so that the path is never free for another
+    // user to take between two pods (docs/broker.md).
+    assert!(
+        try_status_cli(&socket).is_err(),
+        "nothing answers between two pods"
+    );
+    // The clean stop kept the running job's lease, in the broker's state
+    // directory under the host's socket directory, for the next pod.
+    let kept: Vec<PathBuf> = std::fs::read_dir(run.0.join("state"))
+        .map(|d| d.map(|e| e.unwrap().path().join("state")).collect())
+        .unwrap_or_default();
+    assert!(
+        kept.len() == 1 && kept[0].is_file(),
+        "the state kept for the next pod: {kept:?}"
+    );
+    // The next pod books it before it serves anyone, the run claims it
+    // back (docs/k8s.md, "Upgrading"), and the same process registers
+    // again, its cap kept.
+    let ct = pod();
+    let claimed = |st: &serde_json::Value| {
+        st["leases"]
+            .as_array()
+            .is_some_and(|l| l.len() == 1 && l[0]["pid"] == run_pid && l[0]["connected"] == true)
+    };
+    wait_until(
+        30.0,
+        "the run's lease claimed back from the next pod's broker, its process registered again at its cap",
+        || try_status_cli(&socket).is_ok_and(|st| claimed(&st) && capped(&st) == pid),
+    );
+
     std::fs::write(&stop, "").unwrap();
-    let o = p.wait_with_output().unwrap();
+    let o = p.0.take().unwrap().wait_with_output().unwrap();
     assert!(o.status.success(), "{}", out(&o));
     assert!(stdout(&o).contains("fill count=16 rc=2"), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("lease claimed back from the restarted broker")
+            && !stderr(&o).contains("unbooked"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        status_cli(&socket)["leases"].as_array().map(Vec::len),
+        Some(0)
+    );
     drop(ct);
-    let _ = engines::Engine::Podman
-        .command()
-        .args(["rmi", "-f", &tag])
-        .output();
 }

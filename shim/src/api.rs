@@ -4,7 +4,8 @@
 //! there is nothing to report. Like the other exports, compiled into the
 //! library only.
 
-use crate::{config, devices, ledger};
+use crate::hooks::process;
+use crate::{devices, ledger};
 use std::ffi::{c_char, c_int};
 use std::panic::catch_unwind;
 
@@ -13,7 +14,7 @@ use std::panic::catch_unwind;
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_mem_limit(device: c_int) -> u64 {
     catch_unwind(|| {
-        let Ok(cfg) = config::config() else { return 0 };
+        let Ok(cfg) = process::config() else { return 0 };
         if device < 0 {
             return 0;
         }
@@ -39,7 +40,7 @@ pub extern "C" fn gpufrac_mem_limit(device: c_int) -> u64 {
 #[unsafe(no_mangle)]
 pub extern "C" fn gpufrac_mem_limit_set(device: c_int, bytes: u64) -> u64 {
     catch_unwind(|| {
-        let Ok(cfg) = config::config() else { return 0 };
+        let Ok(cfg) = process::config() else { return 0 };
         if device < 0 {
             return 0;
         }

@@ -5,8 +5,9 @@
 //! which launches pass, is `client/gate.rs`.)
 
 use crate::boundary::{HookGuard, reentered};
+use crate::devices;
 use crate::ledger::{self, Entry, Kind, Refusal};
-use crate::{config, devices};
+use gpufrac_common::config::ShimConfig;
 use gpufrac_common::cuda::*;
 
 /// What a memory hook does with this call.
@@ -18,12 +19,14 @@ pub enum Accounting {
     Account,
 }
 
-#[inline]
-pub fn accounting() -> Accounting {
+/// `config` is the configuration as the hooks reach it (setting the
+/// process up if nothing has yet: `hooks::accounting`).
+#[inline(always)]
+pub fn accounting(config: impl FnOnce() -> Result<&'static ShimConfig, u32>) -> Accounting {
     if reentered() {
         return Accounting::Pass;
     }
-    if let Err(code) = config::config() {
+    if let Err(code) = config() {
         return Accounting::Refuse(code);
     }
     match devices::ensure() {

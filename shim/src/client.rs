@@ -51,16 +51,15 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 pub fn on_context_created() {
-    let Ok(cfg) = config::config() else { return };
+    let Ok(cfg) = config::get() else { return };
     if cfg.broker == BrokerMode::Off {
         return;
     }
-    if GATE.start() {
-        static FORK_HANDLER: std::sync::Once = std::sync::Once::new();
-        // SAFETY: registering plain extern "C" callbacks, once (a forked
-        // child inherits them).
-        FORK_HANDLER.call_once(|| unsafe {
-            libc::pthread_atfork(None, None, Some(after_fork_child));
+    if config::arbitrate() {
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registering a plain extern "C" callback, once (a forked
+        // child inherits it).
+        AT_EXIT.call_once(|| unsafe {
             libc::atexit(report_at_exit);
         });
         let spawned = std::thread::Builder::new()
@@ -340,8 +339,9 @@ extern "C" fn report_at_exit() {
 const EXIT_WAIT: Duration = Duration::from_millis(50);
 
 /// The child of a fork has no client thread and must not share the
-/// parent's connection: the gate closes it, and starts afresh at the
-/// child's own first context, with a session of its own.
-extern "C" fn after_fork_child() {
+/// parent's connection: the gate closes it, and the child's own first
+/// context starts a client afresh (`config::arbitrate`), with a session of
+/// its own. Called in the child by `hooks::process`'s fork handler.
+pub fn reset_after_fork() {
     GATE.reset_after_fork();
 }

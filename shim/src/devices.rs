@@ -34,7 +34,7 @@ pub fn ensure() -> Result<(), u32> {
 
 #[cold]
 fn slow_ensure() -> Result<(), u32> {
-    let cfg = config::config()?;
+    let cfg = config::get()?;
     let _g = SETUP.lock().unwrap_or_else(|e| e.into_inner());
     if READY.load(Ordering::Acquire) == 1 {
         return Ok(());

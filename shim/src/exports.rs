@@ -11,7 +11,7 @@
 //! `cu*` symbols (and `dlsym`'s) would take over the test binary itself.
 
 use crate::driver::{self, Family, real};
-use crate::hooks::{ctx, graphmem, info, init, launch, mem, nvml, vmm};
+use crate::hooks::{ctx, graphmem, info, init, launch, mem, nvml, process, vmm};
 use crate::{boundary, config};
 use gpufrac_common::cuda::*;
 use std::ffi::{c_char, c_int, c_uint, c_void};
@@ -145,7 +145,7 @@ pub fn find(name: &[u8]) -> Option<&'static HookEntry> {
 pub fn ensure_family(f: Family) {
     match f {
         Family::Cuda => {
-            config::ensure();
+            process::ensure();
         }
         Family::Nvml => driver::ensure_nvml(),
         Family::Cudart => ensure_cudart(),
@@ -200,7 +200,7 @@ pub fn hook_for_real(p: usize) -> Option<usize> {
 /// stream semantics. Pointers we do not hook come back untouched.
 mod procaddr {
     use super::{TABLE, ensure_cudart, hook_for_real};
-    use crate::config;
+    use crate::hooks::process;
     use crate::driver::{call, twin};
     use gpufrac_common::cuda::*;
     use gpufrac_common::versions::versioned;
@@ -259,7 +259,7 @@ mod procaddr {
         ver: c_int,
         flags: u64,
     ) -> u32 {
-        config::ensure();
+        process::ensure();
         unsafe {
             handing_out(pfn, symbol, Some(ver), flags, || {
                 call::cuGetProcAddress(symbol, pfn, ver, flags)
@@ -274,7 +274,7 @@ mod procaddr {
         flags: u64,
         status: *mut c_int,
     ) -> u32 {
-        config::ensure();
+        process::ensure();
         unsafe {
             handing_out(pfn, symbol, Some(ver), flags, || {
                 call::cuGetProcAddress_v2(symbol, pfn, ver, flags, status)
@@ -290,7 +290,7 @@ mod procaddr {
 
     fn cudart_ready() {
         ensure_cudart();
-        config::ensure();
+        process::ensure();
     }
 
     /// `cudaGetDriverEntryPoint` and its `_ptsz` twin (`driver::twin`).

@@ -33,6 +33,7 @@ const LAYERS: &[&[&str]] = &[
         "hooks::launch",
         "hooks::mem",
         "hooks::nvml",
+        "hooks::process",
         "hooks::vmm",
     ],
     &["exports", "dlsym", "api"],

@@ -71,7 +71,7 @@ impl Broker {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        let reply = match msg {
+        let (reply, refused) = match msg {
             ClientMsg::Hello {
                 magic,
                 version,
@@ -80,11 +80,11 @@ impl Broker {
                 ..
             } => {
                 let reply = wire::hello_reply(magic, version, max_version);
-                if matches!(reply, ServerMsg::HelloOk { .. }) {
+                let ok = matches!(reply, ServerMsg::HelloOk { .. });
+                if ok {
                     c.role = RoleState::new(role);
                 } else {
                     let (pid, uid) = (c.peer.pid, c.peer.uid);
-                    c.dead = true;
                     if self.may_log(uid) {
                         tracing::warn!(
                             pid,
@@ -94,23 +94,19 @@ impl Broker {
                         );
                     }
                 }
-                reply
+                (reply, !ok)
             }
-            _ => {
-                c.dead = true;
+            _ => (
                 ServerMsg::Error {
                     code: wire::ERR_BAD_FRAME,
                     message: "expected Hello first".into(),
-                }
-            }
+                },
+                true,
+            ),
         };
-        // Said even to a connection that is being closed.
-        let Some(c) = self.conns.get_mut(&id) else {
-            return;
-        };
-        let was_dead = std::mem::replace(&mut c.dead, false);
+        // Said even to a connection that is then closed.
         self.send(id, &reply);
-        if was_dead {
+        if refused {
             self.kill(id);
         }
     }

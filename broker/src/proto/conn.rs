@@ -6,6 +6,9 @@ use crate::authority::Peer;
 use crate::sched::Priority;
 use gpufrac_common::wire::Role;
 
+mod conns;
+pub(super) use conns::{Conns, Over};
+
 // The one escaper of what users send (commands, labels, pod names), in
 // common so that every client shows text by the same rules.
 pub use gpufrac_common::text::{Quoted, clip_counted};
@@ -76,7 +79,9 @@ pub(super) struct Conn {
     /// An unfinished frame has been waiting since then.
     pub partial_since: Option<Nanos>,
     pub inbuf: Vec<u8>,
-    pub outbuf: Vec<u8>,
+    /// Output not written yet: queued by `Conns::send` only, which charges
+    /// it and lists the connection.
+    outbuf: Vec<u8>,
     /// Fixed by the first `Hello`: a connection never changes role, so
     /// a CLI connection never holds a process's state and a shim's never
     /// holds a lease.
@@ -97,7 +102,9 @@ pub(super) struct Conn {
     /// (its GPU is kept for it only for a moment): when its socket is
     /// readable, it is served ahead of the round.
     pub awaited: bool,
-    pub dead: bool,
+    /// The broker is done with it: set by `Conns::kill` only, which lists
+    /// it for the shell to close.
+    dead: bool,
 }
 
 #[derive(Debug)]
@@ -134,8 +141,9 @@ pub(super) struct CliConn {
     pub job: Option<u64>,
     /// A `Status` request waiting for its user's status budget (the page
     /// asked for). Nothing after it on this connection is handled until
-    /// it is answered: replies keep their order.
-    pub status_wait: Option<u32>,
+    /// it is answered: replies keep their order. Set and cleared by
+    /// `Conns` only, which lists the connection meanwhile.
+    status_wait: Option<u32>,
 }
 
 impl RoleState {
@@ -225,6 +233,17 @@ impl Conn {
     /// The job a CLI connection holds the lease of.
     pub fn job(&self) -> Option<u64> {
         self.cli().and_then(|c| c.job)
+    }
+
+    /// The broker is done with it (`Conns::kill`).
+    pub fn dead(&self) -> bool {
+        self.dead
+    }
+
+    /// Output not written yet.
+    #[cfg(test)]
+    pub fn outbuf(&self) -> &[u8] {
+        &self.outbuf
     }
 
     /// The status page a CLI connection waits for.

@@ -204,7 +204,10 @@ impl Broker {
     /// The job a `Lease` asks for, its values clamped and cut to size.
     fn job_for(&mut self, id: ConnId, a: &LeaseReq, token: u64, start_time: u64) -> Job {
         let label = self.clip(&a.command, self.cfg.budgets.label);
-        let c = &self.conns[&id];
+        let c = self
+            .conns
+            .get(&id)
+            .expect("a lease comes from an open connection");
         let pin: Vec<Pinned> = a
             .pin
             .iter()
@@ -627,7 +630,7 @@ impl Broker {
         self.changed();
         self.rejoin(now, lease.id);
         self.jobs.leased(lease.id, now, waited);
-        self.jobs.hold_until_saved(lease.id, self.state_seq);
+        self.jobs.hold_until_saved(lease.id, self.saves.seq());
     }
 
     /// `Leased` to the job's run.

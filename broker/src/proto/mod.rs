@@ -10,13 +10,16 @@
 //! and runs the work it is given, so everything here is tested in virtual
 //! time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its role's state, its budgets), `turns`
+//! Rooms: `conn` (a connection, its role's state; `Conns`, every open
+//! connection with what changed of them and its user's budgets), `turns`
 //! (who is served next, and the work each user is charged), `roles`
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `leases` (jobs: leases, the
 //! queue, restarts, recovery, MIG), `view` (status), `outside` (the
-//! processes the driver lists that are not under the shim). NVML's view
+//! processes the driver lists that are not under the shim), `voices`
+//! (each user's log lines and status pages), `saves` (when the state is
+//! written). NVML's view
 //! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
 //! a source given at construction.
 
@@ -26,9 +29,11 @@ mod jobtable;
 mod leases;
 mod outside;
 mod roles;
+mod saves;
 mod summary;
 mod turns;
 mod view;
+mod voices;
 
 #[cfg(test)]
 mod tests;
@@ -40,7 +45,7 @@ use tracing::warn;
 
 use crate::authority::{Peer, Policy};
 use crate::history;
-use crate::jobs::Job;
+use crate::jobs::{Job, Phase};
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
 
@@ -54,10 +59,16 @@ use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 
-use conn::{Bucket, Conn, Held};
-pub use conn::{Budgets, MAX_OUTBUF, clip_counted};
+pub use conn::{Budgets, clip_counted};
+use conn::{Conn, Conns, Over};
+pub use saves::SAVE_EVERY;
+use saves::Saves;
 pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
 use turns::{Served, Turns};
+use voices::Voices;
+#[cfg(test)]
+use voices::{LOG_BURST, LOG_EVERY, STATUS_BURST, STATUS_EVERY};
+pub use voices::{RateLimit, WARN_EVERY};
 
 /// Monotonic nanoseconds (`CLOCK_MONOTONIC`, which a broker restart does
 /// not reset, so queue ages survive one).
@@ -71,17 +82,11 @@ const MS: Nanos = 1_000_000;
 /// pile up.
 const HELLO_DEADLINE: Nanos = 2000 * MS;
 const FRAME_DEADLINE: Nanos = 5000 * MS;
-/// State writes at most this often: churn costs bounded I/O.
-pub const SAVE_EVERY: Nanos = 100 * MS;
 /// Queue escalation has no timer of its own: re-checked this often while
 /// anyone waits.
 const QUEUE_TICK: Nanos = 500 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
-/// The broker's own warnings (a state file it cannot write) are said at
-/// most this often, each kind with a limiter of its own: no user's lines
-/// share it.
-pub const WARN_EVERY: Nanos = 10_000 * MS;
 /// GPUs a broker that found none itself arbitrates for one user's
 /// processes (named by them at registration): a user's own made-up UUIDs
 /// take only that user's room, and an entry goes when no registered
@@ -91,70 +96,6 @@ const LEARNED_GPUS_PER_USER: usize = 16;
 /// waits for the next turn, after every other ready connection of its user
 /// has had its own.
 pub const READ_PER_TURN: usize = 64 << 10;
-/// Status pages built for one user: this many at once, then one per
-/// `STATUS_EVERY`. A page costs a walk over every connection; a user
-/// asking faster waits (its other requests too, so replies keep their
-/// order), and nobody else does.
-const STATUS_BURST: u32 = 16;
-const STATUS_EVERY: Nanos = 20 * MS;
-/// Log lines one user's connections can cause: this many at once, then
-/// one per `LOG_EVERY`; what is held back is counted and said.
-const LOG_BURST: u32 = 64;
-const LOG_EVERY: Nanos = 100 * MS;
-
-/// What one user may still make the broker say and build: its log lines
-/// (every line a user's connections can cause, warnings included, from
-/// one budget) and its status pages. Kept apart from `Held` (which goes
-/// with the user's last connection) so that connecting anew does not
-/// refill it.
-#[derive(Debug)]
-struct Voice {
-    lines: Bucket,
-    held_back: u64,
-    status: Bucket,
-}
-
-impl Voice {
-    fn new(now: Nanos) -> Voice {
-        Voice {
-            lines: Bucket::full(LOG_BURST, now),
-            held_back: 0,
-            status: Bucket::full(STATUS_BURST, now),
-        }
-    }
-
-    /// Nothing to remember: a fresh one would be the same.
-    fn idle(&self, now: Nanos) -> bool {
-        self.held_back == 0
-            && self.lines.is_full(now, LOG_BURST, LOG_EVERY)
-            && self.status.is_full(now, STATUS_BURST, STATUS_EVERY)
-    }
-}
-
-/// Something said at most once per period: one of the broker's own
-/// warnings, which a failing disk or driver could otherwise repeat on
-/// every event.
-#[derive(Debug)]
-pub struct RateLimit {
-    every: Nanos,
-    last: Option<Nanos>,
-}
-
-impl RateLimit {
-    pub const fn new(every: Nanos) -> Self {
-        RateLimit { every, last: None }
-    }
-
-    /// True, once per period: say it now.
-    pub fn ready(&mut self, now: Nanos) -> bool {
-        let ready = self.last.is_none_or(|t| now.saturating_sub(t) > self.every);
-        if ready {
-            self.last = Some(now);
-        }
-        ready
-    }
-}
-
 /// Everything the core decides by.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -218,6 +159,17 @@ pub struct MigDone {
     pub result: Result<(u32, String), MigFailure>,
 }
 
+/// The state a clean stop keeps for the next broker (`Broker::stop_state`).
+#[derive(Debug)]
+pub struct Kept {
+    /// The state file's bytes.
+    pub bytes: Vec<u8>,
+    /// Jobs holding GPUs, waiting in the queue, and without placement.
+    pub leases: usize,
+    pub queued: usize,
+    pub unplaced: usize,
+}
+
 /// A GPU, or a MIG instance, as a unit of arbitration.
 struct Gpu {
     index: Option<u32>,
@@ -247,8 +199,9 @@ impl Gpu {
 /// The broker's decisions, in virtual time.
 pub struct Broker {
     cfg: Config,
-    conns: BTreeMap<ConnId, Conn>,
-    held: HashMap<u32, Held>,
+    /// Every open connection, what changed of them and their users'
+    /// budgets.
+    conns: Conns,
     gpus: Vec<Gpu>,
     /// The broker found GPUs itself: a client naming another is refused.
     discovered: bool,
@@ -263,15 +216,8 @@ pub struct Broker {
     /// The driver's view, as the shell last sampled it (`telemetry`).
     telemetry: Telemetry,
     mps: Option<MpsStatus>,
-    /// State: changes counted, the last count handed out to be written
-    /// and the last known written, and when the last write was handed out.
-    state_seq: u64,
-    saving: Option<u64>,
-    saved_seq: u64,
-    last_save: Option<Nanos>,
-    /// Per user, when a write was last handed out early for its leases
-    /// (`save_due`); only those younger than `SAVE_EVERY` are kept.
-    early_saves: HashMap<u32, Nanos>,
+    /// The state's changes and when it is written.
+    saves: Saves,
     work: VecDeque<Work>,
     /// MIG leases being made: the connection of a `--no-wait` request,
     /// which is answered either way.
@@ -279,11 +225,8 @@ pub struct Broker {
     /// After an untrusted state file: placements held until then, and why.
     recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
-    /// The state file could not be written: said at most every
-    /// `WARN_EVERY`, apart from every user's lines.
-    save_warning: RateLimit,
     /// Per user: log lines and status pages it may still cause.
-    voices: HashMap<u32, Voice>,
+    voices: Voices,
     /// Connections with something to do, in their users' lines.
     turns: Turns,
     /// Work done so far, by kind: what turns are charged.
@@ -293,16 +236,6 @@ pub struct Broker {
     serve_until: u64,
     /// One buffer for every read of a turn.
     readbuf: Vec<u8>,
-    /// What changed, kept as it changes so that each turn's work is
-    /// proportional to it, not to every connection: connections closed
-    /// (`dead`), with output waiting (`pending_output`), and holding a
-    /// status request back (`answer_held_status`).
-    closing: BTreeSet<ConnId>,
-    unsent: BTreeSet<ConnId>,
-    status_held: BTreeSet<ConnId>,
-    /// Connections that have not said hello or sit on half a frame: those
-    /// the sweep looks at for deadlines.
-    unsettled: BTreeSet<ConnId>,
     /// The queue changed since it was last polled (a request, a release, a
     /// run attached to its job, the end of a recovery): `pump` polls it
     /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
@@ -356,9 +289,8 @@ impl Broker {
                     learned: None,
                 })
                 .collect(),
+            conns: Conns::new(cfg.budgets),
             cfg,
-            conns: BTreeMap::new(),
-            held: HashMap::new(),
             discovered,
             queue,
             jobs: jobtable::Jobs::default(),
@@ -367,25 +299,16 @@ impl Broker {
             tokens,
             telemetry: Telemetry::default(),
             mps: None,
-            state_seq: 0,
-            saving: None,
-            saved_seq: 0,
-            last_save: None,
-            early_saves: HashMap::new(),
+            saves: Saves::default(),
             work: VecDeque::new(),
             making: BTreeMap::new(),
             recovery: None,
             last_sweep: now,
-            save_warning: RateLimit::new(WARN_EVERY),
-            voices: HashMap::new(),
+            voices: Voices::default(),
             turns: Turns::default(),
             cost: Cost::default(),
             serve_until: 0,
             readbuf: Vec::new(),
-            closing: BTreeSet::new(),
-            unsent: BTreeSet::new(),
-            status_held: BTreeSet::new(),
-            unsettled: BTreeSet::new(),
             queue_dirty: true,
             stats: Stats::default(),
             queue_polled: now,
@@ -444,7 +367,7 @@ impl Broker {
         // (pid, connection, percent) on each GPU whose process the driver
         // saw.
         let mut seen: Vec<Vec<(u32, ConnId, u32)>> = vec![Vec::new(); self.gpus.len()];
-        for (&id, c) in &self.conns {
+        for (&id, c) in self.conns.iter() {
             for d in c.devices() {
                 let pid = c.peer.pid;
                 let busy = working[d.gpu].and_then(|w| {
@@ -500,11 +423,6 @@ impl Broker {
         self.now
     }
 
-    fn voice(&mut self, uid: u32) -> &mut Voice {
-        let now = self.now;
-        self.voices.entry(uid).or_insert_with(|| Voice::new(now))
-    }
-
     /// A warning user `uid`'s connections provoked, within that user's log
     /// budget (`may_log`): one user's flood neither floods the log nor
     /// silences the warnings about anyone else.
@@ -520,21 +438,7 @@ impl Broker {
     /// lines held back are counted and said with the next line let
     /// through.
     pub(super) fn may_log(&mut self, uid: u32) -> bool {
-        let now = self.now;
-        let v = self.voice(uid);
-        if !v.lines.take(now, LOG_BURST, LOG_EVERY) {
-            v.held_back += 1;
-            return false;
-        }
-        let held = std::mem::take(&mut v.held_back);
-        if held > 0 {
-            tracing::info!(
-                uid,
-                held,
-                "log lines about this user's connections were left out (its log budget)"
-            );
-        }
-        true
+        self.voices.may_log(uid, self.now)
     }
 
     /// `s`, text a user sent, escaped and cut to `max` bytes
@@ -552,8 +456,8 @@ impl Broker {
     /// to say why, past that budget.
     pub fn connect(&mut self, now: Nanos, id: ConnId, peer: Peer) -> Result<(), Vec<u8>> {
         let now = self.clock(now);
-        let count = self.held.get(&peer.uid).map_or(0, |h| h.conns);
-        if count >= self.cfg.budgets.connections {
+        let (pid, uid) = (peer.pid, peer.uid);
+        if let Err(count) = self.conns.open(id, peer, now) {
             let mut out = Vec::new();
             wire::encode_server(
                 &ServerMsg::Error {
@@ -561,26 +465,21 @@ impl Broker {
                     message: format!(
                         "user {} already has {count} connections open to this broker \
                          (its limit, --max-connections-per-user); close some and retry",
-                        peer.uid
+                        uid
                     ),
                 },
                 &mut out,
             );
-            self.stats.refused(peer.uid, Refusal::ConnectionLimit);
+            self.stats.refused(uid, Refusal::ConnectionLimit);
             self.warn_uid(
-                peer.uid,
+                uid,
                 format_args!(
-                    "refusing a connection from uid {} (pid {}): {count} open, the per-user limit",
-                    peer.uid, peer.pid
+                    "refusing a connection from uid {uid} (pid {pid}): {count} open, the per-user limit"
                 ),
             );
             return Err(out);
         }
-        self.held.entry(peer.uid).or_default().conns += 1;
-        tracing::debug!(pid = peer.pid, uid = peer.uid, id, "client connected");
-        let uid = peer.uid;
-        self.conns.insert(id, Conn::new(peer, now));
-        self.unsettled.insert(id);
+        tracing::debug!(pid, uid, id, "client connected");
         self.turns.push(id, uid);
         Ok(())
     }
@@ -590,7 +489,7 @@ impl Broker {
     /// nothing sent on it is taken for the process that gets the pid next.
     pub fn exited(&mut self, id: ConnId) {
         if let Some(c) = self.conns.get(&id)
-            && !c.dead
+            && !c.dead()
         {
             tracing::debug!(pid = c.peer.pid, "the process of a connection exited");
         }
@@ -601,7 +500,7 @@ impl Broker {
     /// hangup, an error): it gets a turn.
     pub fn readable(&mut self, id: ConnId) {
         if let Some(c) = self.conns.get_mut(&id)
-            && !c.dead
+            && !c.dead()
         {
             c.readable = true;
             if c.awaited {
@@ -709,7 +608,7 @@ impl Broker {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        if !c.overdue || c.dead || more {
+        if !c.overdue || c.dead() || more {
             return;
         }
         c.overdue = false;
@@ -720,8 +619,7 @@ impl Broker {
                 why,
                 "closing a stalled connection"
             );
-            c.dead = true;
-            self.closing.insert(id);
+            self.conns.kill(id);
         }
     }
 
@@ -739,18 +637,11 @@ impl Broker {
     }
 
     fn take_in(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
-        let Some(c) = self.conns.get_mut(&id) else {
+        let Some(c) = self.conns.get(&id).filter(|c| !c.dead()) else {
             return;
         };
-        if c.dead {
-            return;
-        }
-        let uid = c.peer.uid;
-        let h = self.held.entry(uid).or_default();
-        if h.input + bytes.len() > self.cfg.budgets.input {
-            let pid = c.peer.pid;
-            c.dead = true;
-            self.closing.insert(id);
+        let (pid, uid) = (c.peer.pid, c.peer.uid);
+        if self.conns.take_in(id, bytes).is_err() {
             self.warn_uid(
                 uid,
                 format_args!(
@@ -759,9 +650,7 @@ impl Broker {
             );
             return;
         }
-        h.input += bytes.len();
         self.cost.read += bytes.len() as u64;
-        c.inbuf.extend_from_slice(bytes);
         self.frames(now, id);
         self.pump(now);
     }
@@ -783,7 +672,7 @@ impl Broker {
     pub fn wants_input(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
-            .is_some_and(|c| !c.dead && !c.more && c.status_wait().is_none())
+            .is_some_and(|c| !c.dead() && !c.more && c.status_wait().is_none())
     }
 
     /// Frames handled since the broker started.
@@ -807,21 +696,14 @@ impl Broker {
     pub fn has_frames(&self, id: ConnId) -> bool {
         self.conns
             .get(&id)
-            .is_some_and(|c| !c.dead && c.more && c.status_wait().is_none())
+            .is_some_and(|c| !c.dead() && c.more && c.status_wait().is_none())
     }
 
     /// Handles `id`'s frames; a connection's hello and half frames change
     /// only here, so its place in `unsettled` is settled here too.
     fn frames(&mut self, now: Nanos, id: ConnId) {
         self.handle_frames(now, id);
-        match self.conns.get(&id) {
-            Some(c) if c.role().is_none() || c.partial_since.is_some() => {
-                self.unsettled.insert(id);
-            }
-            _ => {
-                self.unsettled.remove(&id);
-            }
-        }
+        self.conns.settle(id);
     }
 
     /// Handles whole frames from the front of `id`'s input while the work
@@ -846,7 +728,7 @@ impl Broker {
             let Some(c) = self.conns.get_mut(&id) else {
                 return;
             };
-            if c.dead || start >= c.inbuf.len() || c.status_wait().is_some() {
+            if c.dead() || start >= c.inbuf.len() || c.status_wait().is_some() {
                 break;
             }
             if !first && self.cost.units() >= self.serve_until {
@@ -858,9 +740,7 @@ impl Broker {
                 Ok((msg, used)) => {
                     start += used;
                     c.partial_since = None;
-                    if let Some(h) = self.held.get_mut(&uid) {
-                        h.input = h.input.saturating_sub(used);
-                    }
+                    self.conns.handled(uid, used);
                     self.cost.frames += 1;
                     self.cost.decoded += used as u64;
                     self.handle(now, id, msg);
@@ -908,11 +788,8 @@ impl Broker {
     /// allows, else held (with everything after it on the connection)
     /// until the budget refills.
     pub(super) fn ask_status(&mut self, now: Nanos, id: ConnId, from: u32) {
-        if !self.answer_status(now, id, from)
-            && let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut())
-        {
-            c.status_wait = Some(from);
-            self.status_held.insert(id);
+        if !self.answer_status(now, id, from) {
+            self.conns.hold_status(id, from);
         }
     }
 
@@ -922,13 +799,10 @@ impl Broker {
         let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
             return false;
         };
-        if !self.voice(uid).status.take(now, STATUS_BURST, STATUS_EVERY) {
+        if !self.voices.page(uid, now) {
             return false;
         }
-        if let Some(cli) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
-            cli.status_wait = None;
-        }
-        self.status_held.remove(&id);
+        self.conns.status_answered(id);
         let json = self.status_page(now, from);
         self.send(id, &ServerMsg::StatusReply { json });
         true
@@ -939,14 +813,12 @@ impl Broker {
     /// their user) and what they sent after it is handled.
     fn answer_held_status(&mut self, now: Nanos) {
         let waiting: Vec<(ConnId, u32)> = self
-            .status_held
-            .iter()
-            .filter_map(|id| self.conns.get(id).map(|c| (*id, c)))
-            .filter(|(_, c)| !c.dead && c.status_wait().is_some())
-            .map(|(id, c)| (id, c.peer.uid))
+            .conns
+            .status_waiting()
+            .map(|(id, uid, _)| (id, uid))
             .collect();
         for (id, uid) in waiting {
-            if self.voice(uid).status.has(now, STATUS_BURST, STATUS_EVERY) {
+            if self.voices.has_page(uid, now) {
                 self.turns.push(id, uid);
             }
         }
@@ -958,61 +830,42 @@ impl Broker {
     }
 
     fn kill(&mut self, id: ConnId) {
-        if let Some(c) = self.conns.get_mut(&id) {
-            c.dead = true;
-            self.closing.insert(id);
-        }
+        self.conns.kill(id);
     }
 
     /// What is waiting to be written to `id`.
     pub fn output(&self, id: ConnId) -> &[u8] {
-        self.conns.get(&id).map_or(&[], |c| &c.outbuf)
+        self.conns.output(id)
     }
 
     /// `n` bytes of `output(id)` were written.
     pub fn consumed(&mut self, id: ConnId, n: usize) {
-        if let Some(c) = self.conns.get_mut(&id) {
-            let n = n.min(c.outbuf.len());
-            c.outbuf.drain(..n);
-            if c.outbuf.is_empty() {
-                self.unsent.remove(&id);
-                if c.outbuf.capacity() > 64 << 10 {
-                    c.outbuf = Vec::new();
-                }
-            }
-            if let Some(h) = self.held.get_mut(&c.peer.uid) {
-                h.output = h.output.saturating_sub(n);
-            }
-        }
+        self.conns.consumed(id, n);
     }
 
     /// Connections with output waiting.
     pub fn pending_output(&self) -> Vec<ConnId> {
-        self.unsent.iter().copied().collect()
+        self.conns.pending_output().collect()
     }
 
     /// Connections the core is done with: the shell writes what it still
     /// can of their output, closes them and calls `remove`.
     pub fn dead(&self) -> Vec<ConnId> {
-        self.closing.iter().copied().collect()
+        self.conns.dead().collect()
     }
 
     #[cfg(test)]
     pub fn is_dead(&self, id: ConnId) -> bool {
-        self.conns.get(&id).is_none_or(|c| c.dead)
+        self.conns.get(&id).is_none_or(Conn::dead)
     }
 
     /// The connection is closed: its process's grant and registration go
     /// at once, a run's job ends.
     pub fn remove(&mut self, now: Nanos, id: ConnId) {
         let now = self.clock(now);
-        let Some(c) = self.conns.remove(&id) else {
+        let Some(c) = self.conns.remove(id) else {
             return;
         };
-        self.closing.remove(&id);
-        self.unsent.remove(&id);
-        self.status_held.remove(&id);
-        self.unsettled.remove(&id);
         self.stats.forget(id);
         if let Some(t) = c.member_of() {
             // Its refusals are its devices': it is no longer in `conns`.
@@ -1020,14 +873,6 @@ impl Broker {
             spent.ooms = c.devices().iter().map(|d| d.ooms).sum();
             let used = c.devices().iter().map(|d| d.used).sum();
             self.jobs.leave(t, id, spent, used);
-        }
-        if let Some(h) = self.held.get_mut(&c.peer.uid) {
-            h.conns = h.conns.saturating_sub(1);
-            h.input = h.input.saturating_sub(c.inbuf.len());
-            h.output = h.output.saturating_sub(c.outbuf.len());
-            if h.conns == 0 {
-                self.held.remove(&c.peer.uid);
-            }
         }
         self.forget_client(now, id, c);
         self.pump(now);
@@ -1057,17 +902,18 @@ impl Broker {
     /// sent in time), and is closed there if it still is stalled
     /// (`settle_overdue`).
     fn sweep(&mut self, now: Nanos) {
-        for &id in &self.unsettled {
+        let unsettled: Vec<ConnId> = self.conns.unsettled().collect();
+        for id in unsettled {
             let Some(c) = self.conns.get_mut(&id) else {
                 continue;
             };
-            if !c.dead && !c.overdue && stalled(c, now).is_some() {
+            if !c.dead() && !c.overdue && stalled(c, now).is_some() {
                 c.overdue = true;
                 c.readable = true;
                 self.turns.push(id, c.peer.uid);
             }
         }
-        self.voices.retain(|_, v| !v.idle(now));
+        self.voices.forget_idle(now);
         let gone: Vec<(u64, u32)> = self
             .jobs
             .without_run()
@@ -1101,10 +947,7 @@ impl Broker {
                 self.queue_polled + QUEUE_TICK
             });
         }
-        let sweep = self
-            .unsettled
-            .iter()
-            .any(|id| self.conns.get(id).is_some_and(|c| !c.dead))
+        let sweep = self.conns.any_unsettled()
             || self.jobs.without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
@@ -1116,11 +959,8 @@ impl Broker {
             at(*until);
         }
         // A held status request: when its user's budget next refills.
-        for c in self.status_held.iter().filter_map(|id| self.conns.get(id)) {
-            if !c.dead && c.status_wait().is_some() {
-                let v = self.voices.get(&c.peer.uid);
-                at(v.map_or(now, |v| v.status.next(STATUS_EVERY)));
-            }
+        for (_, uid, _) in self.conns.status_waiting() {
+            at(self.voices.next_page(uid).unwrap_or(now));
         }
         if let Some(s) = self.save_due() {
             at(s);
@@ -1137,41 +977,26 @@ impl Broker {
     }
 
     fn send(&mut self, id: ConnId, msg: &ServerMsg) {
-        let Some(c) = self.conns.get_mut(&id) else {
+        let Some((pid, uid)) = self.conns.get(&id).map(|c| (c.peer.pid, c.peer.uid)) else {
             return;
         };
-        if c.dead {
-            return;
-        }
-        let before = c.outbuf.len();
-        wire::encode_server(msg, &mut c.outbuf);
-        let added = c.outbuf.len() - before;
-        self.cost.sent += added as u64;
-        if added > 0 {
-            self.unsent.insert(id);
-        }
-        let h = self.held.entry(c.peer.uid).or_default();
-        h.output += added;
-        let (pid, uid) = (c.peer.pid, c.peer.uid);
-        if c.outbuf.len() > MAX_OUTBUF {
-            c.dead = true;
-            self.closing.insert(id);
-            self.warn_uid(
+        let sent = self.conns.send(id, msg);
+        self.cost.sent += sent.bytes as u64;
+        match sent.over {
+            None | Some(Over::Input) => {}
+            Some(Over::Outbuf) => self.warn_uid(
                 uid,
                 format_args!(
                     "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
                 ),
-            );
-        } else if h.output > self.cfg.budgets.output {
-            c.dead = true;
-            self.closing.insert(id);
-            self.warn_uid(
+            ),
+            Some(Over::Output) => self.warn_uid(
                 uid,
                 format_args!(
                     "user {uid}'s output budget is exhausted (its connections are not reading); \
                      closing the connection of pid {pid} that went over"
                 ),
-            );
+            ),
         }
     }
 
@@ -1241,34 +1066,33 @@ impl Broker {
         if self.save_due().is_none_or(|t| t > now) {
             return None;
         }
-        self.saving = Some(self.state_seq);
-        self.last_save = Some(now);
-        self.early_saves.retain(|_, t| *t + SAVE_EVERY > now);
-        for uid in self.jobs.unsaved_users() {
-            self.early_saves.insert(uid, now);
-        }
-        Some((self.state_seq, crate::jobs::encode(self.jobs.values())))
+        let seq = self.saves.start(now, self.jobs.unsaved_users());
+        Some((seq, crate::jobs::encode(self.jobs.values())))
     }
 
-    /// When the next write may go: None while nothing changed or one is
-    /// being written. Changes are written at most every `SAVE_EVERY`, but
-    /// a lease its run waits for goes as soon as its user's last write
-    /// for leases is that old: the writes are coalesced per user, so that
-    /// one user's churn (names, leases) never holds another's lease back
-    /// (a `Name` flood kept a victim's `run --no-wait` answer waiting
-    /// 101 ms). One write is out at a time, which groups what changed
-    /// meanwhile.
-    fn save_due(&self) -> Option<Nanos> {
-        if self.saving.is_some() || self.state_seq == self.saved_seq {
+    /// What a clean stop leaves for the next broker: the jobs whose
+    /// `gpufrac run` is still alive (their leases, places in the queue and
+    /// settings), to be taken back as after a crash; None when no run is
+    /// alive, and nothing needs to outlive the stop. Those whose run died
+    /// are left out: the next broker would drop them at once.
+    pub fn stop_state(&mut self) -> Option<Kept> {
+        let live: Vec<&Job> = self.jobs.values().filter(|j| self.alive(j)).collect();
+        if live.is_empty() {
             return None;
         }
-        let coalesced = self.last_save.map_or(0, |t| t + SAVE_EVERY);
-        let early = self
-            .jobs
-            .unsaved_users()
-            .map(|u| self.early_saves.get(&u).map_or(0, |t| t + SAVE_EVERY))
-            .min();
-        Some(early.map_or(coalesced, |e| e.min(coalesced)))
+        let count = |f: fn(&Phase) -> bool| live.iter().filter(|j| f(&j.phase)).count();
+        Some(Kept {
+            leases: count(|p| matches!(p, Phase::Running { .. })),
+            queued: count(|p| matches!(p, Phase::Queued { .. })),
+            unplaced: count(|p| matches!(p, Phase::Unplaced)),
+            bytes: crate::jobs::encode(live.into_iter()),
+        })
+    }
+
+    /// When the next write may go (`Saves::due`), a lease its run waits
+    /// for counted for its user.
+    fn save_due(&self) -> Option<Nanos> {
+        self.saves.due(self.jobs.unsaved_users())
     }
 
     /// State number `seq` was written, or could not be (then leases are
@@ -1276,15 +1100,7 @@ impl Broker {
     /// hand out what it granted; it says so).
     pub fn state_saved(&mut self, now: Nanos, seq: u64, result: Result<(), String>) {
         let now = self.clock(now);
-        self.saving = None;
-        match result {
-            Ok(()) => self.saved_seq = self.saved_seq.max(seq),
-            Err(e) => {
-                if self.save_warning.ready(now) {
-                    warn!("cannot write the state file: {e}; leases will not survive a restart");
-                }
-            }
-        }
+        self.saves.done(now, seq, result);
         // Leases granted but not yet durable are told to their run once
         // the state that books them is on disk, so that a crash never
         // forgets a lease a job already holds.
@@ -1295,7 +1111,7 @@ impl Broker {
     }
 
     fn changed(&mut self) {
-        self.state_seq += 1;
+        self.saves.changed();
     }
 
     /// Whether a job's `gpufrac run` is still the process that asked.

@@ -6,7 +6,7 @@
 
 use gpufrac_common::wire::ServerMsg;
 
-use super::{Broker, ConnId, Nanos, STATUS_BURST, STATUS_EVERY};
+use super::{Broker, ConnId, Nanos};
 use crate::status::JobSummary;
 
 impl Broker {
@@ -18,11 +18,7 @@ impl Broker {
             // The token proves the job; the user's own (or root) only, so
             // that a leaked token tells nobody else anything.
             Some(e) if e.job.uid == peer.uid || peer.uid == 0 => {
-                if self
-                    .voice(peer.uid)
-                    .status
-                    .take(now, STATUS_BURST, STATUS_EVERY)
-                {
+                if self.voices.page(peer.uid, now) {
                     Ok(())
                 } else {
                     Err("too many status and summary requests of this user; retry in a moment")

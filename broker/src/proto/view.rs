@@ -68,7 +68,7 @@ impl Broker {
             let st = g.sched.status(now);
             let mut processes = Vec::new();
             let mut units: HashMap<u32, Unit> = HashMap::new();
-            for (&id, c) in &self.conns {
+            for (&id, c) in self.conns.iter() {
                 let Some(sh) = c.shim() else {
                     continue;
                 };

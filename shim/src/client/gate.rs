@@ -22,7 +22,7 @@ use crate::session::Gauges;
 use gpufrac_common::clock::mono_ns;
 use gpufrac_common::config::MAX_DEVICES;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -133,8 +133,6 @@ pub struct Gate {
     wake_fd: AtomicI32,
     /// The connection's descriptor, for a fork child to close (-1: none).
     conn_fd: AtomicI32,
-    /// The client thread was started (0 no, 1 yes).
-    started: AtomicU8,
 }
 
 impl Default for Gate {
@@ -167,7 +165,6 @@ impl Gate {
             exit_reported: (Mutex::new(false), Condvar::new()),
             wake_fd: AtomicI32::new(-1),
             conn_fd: AtomicI32::new(-1),
-            started: AtomicU8::new(0),
         }
     }
 
@@ -498,12 +495,7 @@ impl Gate {
         self.wake_client();
     }
 
-    // --- start, first registration, fork ------------------------------
-
-    /// True for the one caller that is to start the client thread.
-    pub fn start(&self) -> bool {
-        self.started.compare_exchange(0, 1, AcqRel, Acquire).is_ok()
-    }
+    // --- first registration, exit, fork ------------------------------
 
     /// At exit (another thread's, while the client thread still runs):
     /// asks the session for its last usage report and waits for it to go
@@ -560,7 +552,6 @@ impl Gate {
         }
         self.drain_lost.store(false, SeqCst);
         self.syncing.store(0, SeqCst);
-        self.started.store(0, SeqCst);
     }
 
     /// Registers this process for membarrier, which lets the all-open lane

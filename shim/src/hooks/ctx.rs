@@ -3,7 +3,8 @@
 //! everything it owned, so its charges are returned.
 
 use crate::driver::call;
-use crate::{client, config, contexts, ledger};
+use super::process;
+use crate::{client, contexts, ledger};
 use gpufrac_common::cuda::*;
 use std::ffi::{c_int, c_uint, c_void};
 
@@ -17,7 +18,7 @@ fn created(rc: u32, pctx: *mut CUcontext, dev: CUdevice) -> u32 {
 }
 
 pub unsafe fn create_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> u32 {
-    if let Err(code) = config::config() {
+    if let Err(code) = process::config() {
         return code;
     }
     created(unsafe { call::cuCtxCreate_v2(pctx, flags, dev) }, pctx, dev)
@@ -30,7 +31,7 @@ pub unsafe fn create_v3(
     flags: c_uint,
     dev: CUdevice,
 ) -> u32 {
-    if let Err(code) = config::config() {
+    if let Err(code) = process::config() {
         return code;
     }
     created(
@@ -46,7 +47,7 @@ pub unsafe fn create_v4(
     flags: c_uint,
     dev: CUdevice,
 ) -> u32 {
-    if let Err(code) = config::config() {
+    if let Err(code) = process::config() {
         return code;
     }
     created(
@@ -57,7 +58,7 @@ pub unsafe fn create_v4(
 }
 
 pub unsafe fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> u32 {
-    if let Err(code) = config::config() {
+    if let Err(code) = process::config() {
         return code;
     }
     let rc = unsafe { call::cuDevicePrimaryCtxRetain(pctx, dev) };

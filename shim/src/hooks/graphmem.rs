@@ -25,7 +25,8 @@
 //! the fact.
 
 use crate::boundary::{HookGuard, reentered};
-use crate::charge::{Accounting, accounting, refuse};
+use super::accounting;
+use crate::charge::{Accounting, refuse};
 use crate::devices;
 use crate::driver::{call, twin};
 use crate::ledger::{self, NO_LIMIT, Refusal};

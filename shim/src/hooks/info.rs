@@ -1,11 +1,13 @@
 //! What the process sees of memory through CUDA: a GPU the size of its cap
 //! (`view.rs`), and in a job no more free than the job has left.
 
-use crate::charge::{Accounting, accounting};
+use super::accounting;
+use crate::charge::Accounting;
 use crate::driver::call;
 use crate::ledger::{self, NO_LIMIT};
 use crate::view::virtual_view;
-use crate::{config, devices};
+use super::process;
+use crate::devices;
 use gpufrac_common::cuda::*;
 
 pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
@@ -51,7 +53,7 @@ pub unsafe fn mem_get_info(free: *mut usize, total: *mut usize) -> u32 {
 }
 
 pub unsafe fn device_total_mem(bytes: *mut usize, dev: CUdevice) -> u32 {
-    if let Err(code) = config::config() {
+    if let Err(code) = process::config() {
         return code;
     }
     let rc = unsafe { call::cuDeviceTotalMem_v2(bytes, dev) };

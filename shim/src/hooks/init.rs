@@ -4,12 +4,13 @@
 //! physical sizes once the driver is up.
 
 use crate::driver::call;
-use crate::{client, config, devices};
+use super::process;
+use crate::{client, devices};
 use gpufrac_common::cuda::*;
 use std::ffi::c_uint;
 
 pub unsafe fn cu_init(flags: c_uint) -> u32 {
-    let cfg = match config::config() {
+    let cfg = match process::config() {
         Ok(c) => c,
         Err(code) => return code,
     };

@@ -4,7 +4,8 @@
 //! what was charged.
 
 use crate::boundary::{HookGuard, reentered};
-use crate::charge::{Accounting, accounting, charge, refuse, reserve_then, uncharge};
+use super::accounting;
+use crate::charge::{Accounting, charge, refuse, reserve_then, uncharge};
 use crate::devices;
 use crate::driver::{call, twin};
 use crate::ledger::{self, Entry, Kind};

@@ -6,13 +6,14 @@
 use crate::driver::{self, call};
 use crate::ledger::{self, NO_LIMIT};
 use crate::view::{same_uuid, virtual_view};
-use crate::{config, devices};
+use super::process;
+use crate::devices;
 use gpufrac_common::cuda::*;
 use std::ffi::c_char;
 
 /// (cap, used) for an NVML device, or None when uncapped.
 fn view_for(dev: nvmlDevice_t, phys_total: u64) -> Option<(u64, u64)> {
-    let cfg = config::config().ok()?;
+    let cfg = process::config().ok()?;
     let mut buf = [0u8; 96];
     let rc = unsafe {
         call::nvmlDeviceGetUUID(dev, buf.as_mut_ptr().cast::<c_char>(), buf.len() as u32)

@@ -21,7 +21,8 @@
 //! growth), never on a launch path.
 
 use crate::boundary::{HookGuard, reentered};
-use crate::charge::{Accounting, accounting, refuse};
+use super::accounting;
+use crate::charge::{Accounting, refuse};
 use crate::driver::call;
 use crate::ledger::{self, Entry, Kind};
 use gpufrac_common::cuda::*;
@@ -160,11 +161,7 @@ fn tables() -> MutexGuard<'static, Tables> {
             Ordering::AcqRel,
             Ordering::Acquire,
         ) {
-            Ok(_) => {
-                // SAFETY: registering a plain extern "C" callback, once.
-                unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
-                f
-            }
+            Ok(_) => f,
             Err(winner) => {
                 // SAFETY: ours, never published.
                 drop(unsafe { Box::from_raw(f) });
@@ -324,9 +321,13 @@ pub unsafe fn unmap(ptr: CUdeviceptr, size: usize) -> u32 {
     )
 }
 
-/// A forked child starts with its own (empty) books, as the ledger does.
-extern "C" fn after_fork_child() {
-    TABLES.store(fresh(), Ordering::Release);
+/// A forked child starts with its own (empty) tables, as the ledger does
+/// (`hooks::process` calls this in the child). Tables never made stay
+/// unmade.
+pub fn reset_after_fork() {
+    if !TABLES.load(Ordering::Acquire).is_null() {
+        TABLES.store(fresh(), Ordering::Release);
+    }
 }
 
 #[cfg(test)]

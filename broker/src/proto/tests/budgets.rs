@@ -33,7 +33,7 @@ fn one_users_partial_frames_close_only_that_users_connections() {
     let v2 = t.connect_as(p2, ALICE);
     t.send(v2, &ClientMsg::Ping);
     assert!(matches!(t.recv(v2)[..], [ServerMsg::Pong]));
-    let held = t.b.held.get(&BOB).map_or(0, |h| h.input);
+    let held = t.b.conns.held(BOB).input;
     assert!(held <= Budgets::default().input, "{held}");
 }
 
@@ -60,8 +60,11 @@ fn unread_output_is_bounded_per_user() {
     // Bob's pages are built at his status rate; what he does not read
     // piles up until his output budget closes his connections.
     for _ in 0..80 {
-        let held = t.b.held.get(&BOB).map_or(0, |h| h.output);
-        assert!(held <= Budgets::default().output + MAX_OUTBUF, "{held}");
+        let held = t.b.conns.held(BOB).output;
+        assert!(
+            held <= Budgets::default().output + conn::MAX_OUTBUF,
+            "{held}"
+        );
         t.advance(SEC / 10);
     }
     assert!(greedy.iter().any(|c| !t.b.conns.contains_key(c)));

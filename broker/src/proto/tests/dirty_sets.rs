@@ -71,19 +71,22 @@ fn check(t: &mut T) {
             .collect()
     };
     let set = |v: Vec<ConnId>| v.into_iter().collect::<BTreeSet<_>>();
-    assert_eq!(set(b.dead()), scan(&|c| c.dead), "dead");
+    assert_eq!(set(b.dead()), scan(&|c| c.dead()), "dead");
     assert_eq!(
         set(b.pending_output()),
-        scan(&|c| !c.outbuf.is_empty()),
+        scan(&|c| !c.outbuf().is_empty()),
         "pending output"
     );
     assert_eq!(
-        b.status_held,
-        scan(&|c| c.status_wait().is_some()),
+        b.conns
+            .status_waiting()
+            .map(|(id, _, _)| id)
+            .collect::<BTreeSet<_>>(),
+        scan(&|c| !c.dead() && c.status_wait().is_some()),
         "held status requests"
     );
     assert_eq!(
-        b.unsettled,
+        b.conns.unsettled().collect::<BTreeSet<_>>(),
         scan(&|c| c.role().is_none() || c.partial_since.is_some()),
         "connections without hello or with half a frame"
     );
@@ -123,7 +126,7 @@ fn check(t: &mut T) {
     }
     // Token claims: the connections that sent each token.
     let mut claims: std::collections::BTreeMap<u64, BTreeSet<ConnId>> = Default::default();
-    for (&id, c) in &b.conns {
+    for (&id, c) in b.conns.iter() {
         if let Some(t) = c.shim().and_then(|s| s.claimed_job) {
             claims.entry(t).or_default().insert(id);
         }

@@ -301,13 +301,16 @@ fn check_roles(t: &T) -> Result<(), TestCaseError> {
             prop_assert_eq!(role(m), Some(Role::Shim), "a job's member");
         }
     }
-    for (&id, c) in &t.b.conns {
+    for (&id, c) in t.b.conns.iter() {
         match c.role() {
             Some(Role::Cli) => prop_assert!(c.devices().is_empty() && c.member_of().is_none()),
             Some(Role::Shim) => prop_assert!(c.job().is_none() && c.status_wait().is_none()),
             None => prop_assert!(c.shim().is_none() && c.cli().is_none()),
         }
-        prop_assert!(!t.b.status_held.contains(&id) || c.role() == Some(Role::Cli));
+        prop_assert!(
+            t.b.conns.status_waiting().all(|(held, _, _)| held != id)
+                || c.role() == Some(Role::Cli)
+        );
     }
     Ok(())
 }

@@ -172,11 +172,14 @@ impl World {
     /// What the broker holds for `uid` stays within its budgets.
     fn check_budgets(&self, uid: u32) {
         let b = Budgets::default();
-        if let Some(h) = self.t.b.held.get(&uid) {
-            assert!(h.conns <= b.connections, "{} connections", h.conns);
-            assert!(h.input <= b.input, "{} bytes of input", h.input);
-            assert!(h.output <= b.output + MAX_OUTBUF, "{} bytes out", h.output);
-        }
+        let h = self.t.b.conns.held(uid);
+        assert!(h.conns <= b.connections, "{} connections", h.conns);
+        assert!(h.input <= b.input, "{} bytes of input", h.input);
+        assert!(
+            h.output <= b.output + conn::MAX_OUTBUF,
+            "{} bytes out",
+            h.output
+        );
         for c in self.t.b.conns.values().filter(|c| c.peer.uid == uid) {
             // Never more than a serve's read and a frame held back.
             assert!(
@@ -372,7 +375,7 @@ proptest! {
             prop_assert!(conn.member_of().is_none() || conn.member_of() != victim_job);
         }
         if let Some(vj) = victim_job {
-            prop_assert_eq!(t.b.conns[&c].member_of(), Some(vj));
+            prop_assert_eq!(t.b.conns.get(&c).unwrap().member_of(), Some(vj));
         }
     }
 
@@ -414,7 +417,7 @@ proptest! {
             }
             t.now += MS;
             t.b.handle_timeout(t.now);
-            let held = t.b.held.get(&BOB).map_or(0, |h| h.input);
+            let held = t.b.conns.held(BOB).input;
             prop_assert!(held <= Budgets::default().input);
             if let Some(c) = t.b.conns.get(&id) {
                 prop_assert!(!c.command.chars().any(char::is_control), "{:?}", c.command);

@@ -127,7 +127,7 @@ fn register_with_the_longest_command_and_list_from_the_deepest_process_is_bounde
     );
     assert_bounded("Register", cost, reads, len);
     assert_eq!(cost.proc_reads, 64, "the ancestry is read to its limit");
-    let kept = &t.b.conns[&c].command;
+    let kept = &t.b.conns.get(&c).unwrap().command;
     assert!(kept.len() <= Budgets::default().label && kept.starts_with("\\x01"));
 }
 
