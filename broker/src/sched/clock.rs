@@ -8,10 +8,12 @@
 //! time of all its clients over that weight; the band's `V` is the
 //! weighted average of the competing flows', and a flow's lag
 //! `w·(V − v)` is the GPU time its user is owed (positive) or owes.
-//! EEVDF: a flow is *eligible* when its lag is not negative (a `high`
-//! one when it owes no more than its warp), and of the eligible the one
-//! with the earliest virtual deadline (`v` when its request began, plus
-//! the request over its weight) is picked.
+//! EEVDF: a flow is *eligible* when its lag is not negative, and of the
+//! eligible the one with the earliest virtual deadline (`v` when its
+//! request began, plus the request over its weight) is picked. A
+//! request may come *warped* by `x` GPU ns (the coordinator's `high`
+//! burst): its flow is eligible owing up to `x`, and its deadline is
+//! `x` earlier; it is charged as any other, so its user repays it.
 //!
 //! Lag and deadlines are the user's, so a user's debt is one however many
 //! connections and processes carry its work, and no client's weight is a
@@ -84,7 +86,7 @@ pub(super) struct Member {
     pub unit_weight: Option<f64>,
     /// Its user's weight (for `UserKey::User`).
     pub user_weight: f64,
-    /// `high`: first within its user, and its flow may borrow the warp.
+    /// `high`: first within its user.
     pub high: bool,
 }
 
@@ -208,16 +210,25 @@ struct On {
     /// Its current request's virtual deadline.
     deadline: f64,
     /// Its current request's length, GPU ns: when its virtual time
-    /// reaches the deadline, the request is done and the next, as long,
-    /// starts there.
+    /// reaches the deadline (less the warp), the request is done and the
+    /// next, as long and unwarped, starts there.
     req: f64,
+    /// GPU ns the current request's deadline was brought forward by (a
+    /// `high` burst's warp).
+    warp: f64,
 }
 
 impl On {
-    /// A new request of `req` GPU ns from its present virtual time.
-    fn request(&mut self, req: f64) {
-        self.req = req;
-        self.deadline = self.v + req / self.w;
+    /// A new request of `req` GPU ns from its present virtual time less
+    /// `warp` GPU ns.
+    fn request(&mut self, req: f64, warp: f64) {
+        (self.req, self.warp) = (req, warp);
+        self.deadline = self.v + (req - warp) / self.w;
+    }
+
+    /// Whether its virtual time has run through the current request.
+    fn done(&self) -> bool {
+        self.v >= self.deadline + self.warp / self.w
     }
 }
 
@@ -269,6 +280,8 @@ struct Entity {
     competing: bool,
     waiting: bool,
     parked: bool,
+    /// GPU ns its waiting request may owe and still be eligible.
+    warp: f64,
 }
 
 impl Entity {
@@ -363,16 +376,12 @@ pub(super) struct FairClock {
     seq: u64,
     /// The longest request: the most credit a bank keeps.
     longest: f64,
-    /// How much lag (GPU ns) a flow whose first waiter is `high` may owe
-    /// and still be eligible.
-    warp: f64,
 }
 
 impl FairClock {
-    pub fn new(longest: Nanos, warp: f64) -> FairClock {
+    pub fn new(longest: Nanos) -> FairClock {
         FairClock {
             longest: longest as f64,
-            warp,
             ..FairClock::default()
         }
     }
@@ -389,6 +398,7 @@ impl FairClock {
                 competing: false,
                 waiting: false,
                 parked: false,
+                warp: 0.0,
             };
             self.entities.insert(id, e);
             self.count(m.flow(), true);
@@ -480,11 +490,12 @@ impl FairClock {
     }
 
     /// Puts a competing `id` among its flow's waiters, with a request of
-    /// `request` GPU ns, or takes it out (None). A flow that was not
-    /// queued starts a new request; one already queued keeps its own, or
-    /// takes this one's deadline if earlier (a burst's shorter request
-    /// shortens its user's).
-    pub fn set_queued(&mut self, id: ClientId, request: Option<Nanos>) {
+    /// `request` GPU ns warped by `warp` GPU ns (its deadline that much
+    /// earlier, and its flow eligible owing that much), or takes it
+    /// out (None). A flow that was not queued starts a new request; one
+    /// already queued keeps its own, or takes this one's deadline if
+    /// earlier (a burst's shorter request shortens its user's).
+    pub fn set_queued(&mut self, id: ClientId, request: Option<(Nanos, f64)>) {
         let Some(&e) = self.entities.get(&id) else {
             return;
         };
@@ -493,20 +504,28 @@ impl FairClock {
             self.flow(r).inner.waiting.remove(&e.order(id));
             self.entity(id).waiting = false;
         }
-        let (Some(request), true) = (request, e.competing) else {
+        self.entity(id).warp = 0.0;
+        let (Some((request, warp)), true) = (request, e.competing) else {
             if self.flow(r).inner.waiting.is_empty() {
                 self.set_flow_queued(r, false);
             }
             return;
         };
         self.flow(r).inner.waiting.insert(e.order(id));
-        self.entity(id).waiting = true;
+        *self.entity(id) = Entity {
+            waiting: true,
+            warp,
+            ..e
+        };
         let was = self.flows[&r].queued.is_some();
         self.set_flow_queued(r, true);
+        // A warped request stays its flow's until charged through (the
+        // burst's, waiting or running: a sibling queuing behind it, its
+        // holder, does not take its deadline away).
         self.refile(r, |o| {
-            let fresh = o.v + request as f64 / o.w;
-            if !was || fresh < o.deadline {
-                o.request(request as f64);
+            let fresh = o.v + (request as f64 - warp) / o.w;
+            if (!was && o.warp == 0.0) || fresh < o.deadline {
+                o.request(request as f64, warp);
             }
         });
     }
@@ -515,7 +534,7 @@ impl FairClock {
     /// holder.
     pub fn start_request(&mut self, id: ClientId, request: Nanos) {
         if let Some(r) = self.competing_flow(id) {
-            self.refile(r, |o| o.request(request as f64));
+            self.refile(r, |o| o.request(request as f64, 0.0));
         }
     }
 
@@ -530,14 +549,15 @@ impl FairClock {
             self.flow(r).bank.lag -= gpu;
             return;
         }
-        // A deadline is never behind its flow's virtual time: a flow
-        // charged through its request starts the next (else a flow kept
-        // queued by its many clients kept one stale deadline, earlier
-        // than any other flow's, and took every turn).
+        // A deadline is never behind its flow's virtual time less its
+        // warp: a flow charged through its request starts the next,
+        // unwarped (else a flow kept queued by its many clients kept one
+        // stale deadline, earlier than any other flow's, and took every
+        // turn).
         self.refile(r, |o| {
             o.v += gpu / o.w;
-            if o.v >= o.deadline {
-                o.request(o.req);
+            if o.done() {
+                o.request(o.req, 0.0);
             }
         });
         let band = &mut self.bands[r.0];
@@ -571,17 +591,14 @@ impl FairClock {
             .map_or(0.0, |on| on.w * (self.bands[r.0].v() - on.v))
     }
 
-    /// What `id`'s flow may owe and still be eligible: the warp, for a
-    /// `high` client.
+    /// What `id`'s flow may owe and still be eligible: its request's
+    /// warp while it waits.
     fn borrow(&self, id: ClientId) -> f64 {
-        match self.entities.get(&id) {
-            Some(e) if e.m.high => self.warp,
-            _ => 0.0,
-        }
+        self.entities.get(&id).map_or(0.0, |e| e.warp)
     }
 
     /// Whether `id`'s flow is owed at least nothing (within a
-    /// nanosecond), or for a `high` client, owes no more than the warp.
+    /// nanosecond), or for a warped waiter, owes no more than its warp.
     pub fn eligible(&self, id: ClientId) -> bool {
         self.lag(id) >= -1.0 - self.borrow(id)
     }
@@ -798,8 +815,9 @@ impl FairClock {
             v,
             deadline: v,
             req: longest,
+            warp: 0.0,
         };
-        on.request(longest);
+        on.request(longest, 0.0);
         self.flow(r).on = Some(on);
     }
 

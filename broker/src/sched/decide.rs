@@ -103,7 +103,8 @@ impl Scheduler {
             if waits {
                 self.tally.queued[class.index()] += 1;
             }
-            self.clock.set_queued(id, waits.then_some(request));
+            self.clock
+                .set_queued(id, waits.then_some((request, self.warp(c))));
         }
         if old.on_gpu != on_gpu {
             self.ceilings.unit_on_gpu(m.unit, on_gpu, now);
@@ -138,6 +139,15 @@ impl Scheduler {
             (false, _) => self.cfg.timeslice,
             (true, Priority::High) => self.cfg.timeslice / 10,
             (true, _) => self.cfg.timeslice / 5,
+        }
+    }
+
+    /// How far a waiter's request is warped (GPU ns): a `high` burst's
+    /// by `WARP_SLICES`, priority as latency bought with its user's time.
+    fn warp(&self, c: &super::Client) -> f64 {
+        match (c.waking, c.class) {
+            (true, Priority::High) => super::WARP_SLICES * self.cfg.timeslice as f64,
+            _ => 0.0,
         }
     }
 

@@ -60,12 +60,13 @@ pub use types::{
 
 const MS: Nanos = 1_000_000;
 const US: Nanos = 1_000;
-/// How much GPU time a `high` request may borrow, in slices (its warp, as
-/// in Borrowed Virtual Time): more than a busy holder's lead (a slice),
-/// so an interactive `high` process takes the GPU at once even when its
-/// user is as busy as the holder's; repaid, since every moment it holds
-/// is charged.
-const WARP_SLICES: f64 = 0.0;
+/// How far (GPU time, in slices) a `high` burst's request is warped: its
+/// user may owe that much and it is still eligible, its deadline that
+/// much earlier. One slice is a busy holder's greatest lead, so an
+/// interactive `high` process takes the GPU at once even when its own
+/// user's batch just ran; repaid, since every moment it holds is charged
+/// to its user, and throttled by the `high` share's meter.
+const WARP_SLICES: f64 = 1.0;
 
 /// A client's place in the hierarchy, as set by the caller.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -230,7 +231,7 @@ impl Scheduler {
             now: 0,
             settled_at: 0,
             clients: BTreeMap::new(),
-            clock: FairClock::new(cfg.timeslice, WARP_SLICES * cfg.timeslice as f64),
+            clock: FairClock::new(cfg.timeslice),
             lease: Leases::new(cfg),
             ceilings: Ceilings::new(cfg),
             evidence: Evidence::new(cfg),
