@@ -1085,3 +1085,47 @@ fn fairness_seed_9() {
         " within the largest bounds",
     );
 }
+
+/// Found by a longer search (budget 160) from the pinned seed: eight
+/// connections of one busy `high` process that answer each recall by
+/// asking again, never reading their socket, beside the victim's
+/// interactive `high` bursts.
+#[test]
+fn service_busy_high_connections_reasking() {
+    let s = Strategy {
+        cohorts: vec![Cohort {
+            members: 8,
+            start_ms: 100,
+            period_ms: 20,
+            duty: 100,
+            slow: true,
+            ..cohort(shim(Priority::High, true, Recall::Reask))
+        }],
+    };
+    holds(Invariant::Service, &s);
+}
+
+/// Found by a longer search (budget 160) from seed 9: a `normal`
+/// connection that holds without work for 57% of each 200 ms, beside four
+/// connections of one `high` process that take turns.
+#[test]
+fn service_high_rotation_beside_an_idle_normal_holder() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                period_ms: 200,
+                duty: 57,
+                ..cohort(shim(Priority::Normal, false, Recall::Honest))
+            },
+            Cohort {
+                members: 4,
+                start_ms: 1,
+                period_ms: 656,
+                duty: 6,
+                stagger: 6,
+                ..cohort(shim(Priority::High, true, Recall::Reask))
+            },
+        ],
+    };
+    holds(Invariant::Service, &s);
+}

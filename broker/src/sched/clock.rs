@@ -511,6 +511,15 @@ impl FairClock {
             }
             return;
         };
+        // One warped request per flow at a time: a user's connections or
+        // processes coming as bursts in turn do not each borrow the warp
+        // (eight connections of one busy `high` process held another
+        // user's burst 16 ms, its user owing 7 ms and still eligible).
+        let warp = if self.flows[&r].on.is_some_and(|o| o.warp > 0.0) {
+            0.0
+        } else {
+            warp
+        };
         self.flow(r).inner.waiting.insert(e.order(id));
         *self.entity(id) = Entity {
             waiting: true,
