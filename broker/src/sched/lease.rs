@@ -312,6 +312,14 @@ impl Leases {
             .map(|(&id, _)| id)
     }
 
+    /// Whether `id`'s grant was a burst taken from it for another (revoked,
+    /// not recalled): asking again, it is still in its burst.
+    pub fn burst_preempted(&self, id: ClientId) -> bool {
+        self.grants
+            .get(&id)
+            .is_some_and(|g| g.burst && g.revoked_at.is_some() && !g.recall)
+    }
+
     /// The holder's grant: when it started, when its slice ends, and its
     /// first request's length.
     pub fn held(&self) -> Option<(ClientId, Nanos, Option<Nanos>, Nanos)> {
