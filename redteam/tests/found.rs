@@ -1129,3 +1129,35 @@ fn service_high_rotation_beside_an_idle_normal_holder() {
     };
     holds(Invariant::Service, &s);
 }
+
+/// Found by a longer search (budget 160) from seed 2027: 48 connections of
+/// one `high` process with no work that answer each recall by asking
+/// again, beside connections that send oversized name frames. Played
+/// within the largest bounds.
+#[test]
+fn service_idle_high_connections_reasking_beside_name_frames() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                members: 48,
+                period_ms: 20,
+                ..cohort(shim(Priority::High, false, Recall::Reask))
+            },
+            Cohort {
+                members: 8,
+                start_ms: 300,
+                period_ms: 24,
+                duty: 75,
+                stagger: 25,
+                ..cohort(Play::Name {
+                    kib: 128,
+                    frames: 2,
+                })
+            },
+        ],
+    };
+    gpufrac_redteam::check::verdict(
+        &evaluate(Invariant::Service, &s, &Bounds::FULL),
+        " within the largest bounds",
+    );
+}

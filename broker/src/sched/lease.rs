@@ -312,8 +312,15 @@ impl Leases {
             .map(|(&id, _)| id)
     }
 
-    /// Whether `id`'s grant was a burst taken from it for another (revoked,
-    /// not recalled): asking again, it is still in its burst.
+    /// `id`'s grant is a burst no longer.
+    pub fn spend_burst(&mut self, id: ClientId) {
+        if let Some(g) = self.grants.get_mut(&id) {
+            g.burst = false;
+        }
+    }
+
+    /// Whether `id`'s grant was a burst taken from it for another user
+    /// (revoked, not recalled): asking again, it is still in its burst.
     pub fn burst_preempted(&self, id: ClientId) -> bool {
         self.grants
             .get(&id)
