@@ -148,7 +148,7 @@ impl Broker {
                     d.ooms = ooms;
                     if let Some(t) = member_of {
                         let (after, peak) = (d.used, d.peak);
-                        self.jobs.used(t, before, after, peak);
+                        self.ledger.jobs_mut().used(t, before, after, peak);
                     }
                 }
             }
@@ -194,9 +194,9 @@ impl Broker {
                 // there (the process is its user's), not refused: a
                 // container can outlive its run.
                 if let Some(old) = s.claimed_job.replace(job) {
-                    self.unclaim(old, id);
+                    self.ledger.unclaim_token(old, id);
                 }
-                self.claims.entry(job).or_default().insert(id);
+                self.ledger.claim_token(job, id);
             }
             _ => {}
         }
@@ -281,15 +281,16 @@ impl Broker {
         let old_devs: Vec<usize> = s.devices.drain(..).map(|d| d.gpu).collect();
         if old != job {
             if let Some(o) = old {
-                self.jobs
+                self.ledger
+                    .jobs_mut()
                     .leave(o, id, super::jobtable::Spent::default(), old_used);
             }
             if let Some(n) = job {
-                self.jobs.join(n, id, 0);
+                self.ledger.jobs_mut().join(n, id, 0);
             }
         } else if let Some(t) = job {
             // Registered again: its devices start from nothing.
-            self.jobs.used(t, old_used, 0, 0);
+            self.ledger.jobs_mut().used(t, old_used, 0, 0);
         }
         for g in old_devs {
             self.gpus[g].sched.remove_client(now, id);
@@ -313,7 +314,7 @@ impl Broker {
                 ooms: 0,
             });
         }
-        let j = job.and_then(|t| self.jobs.get(&t));
+        let j = job.and_then(|t| self.ledger.jobs().get(&t));
         let mem_cap = j.and_then(|j| j.mem_cap).unwrap_or(0);
         let job_pid = j.map(|j| j.pid);
         lower_caps(&mut devs, mem_cap);
@@ -352,13 +353,14 @@ impl Broker {
         let by_ancestry = chain
             .into_iter()
             .filter(|_| same)
-            .find_map(|(p, start)| self.jobs.run_by(p, start?));
+            .find_map(|(p, start)| self.ledger.jobs().run_by(p, start?));
         // The token is random and only in the job's environment, so
         // holding it is the proof; the rules say whose processes may use
         // it (a leaked token does not hand another user's job to anyone).
         let job = by_ancestry.or_else(|| {
             c.shim().and_then(|s| s.claimed_job).filter(|t| {
-                self.jobs
+                self.ledger
+                    .jobs()
                     .get(t)
                     .is_some_and(|j| self.cfg.policy.may_join(&c.peer, j))
             })
@@ -459,16 +461,6 @@ impl Broker {
         }
     }
 
-    /// `id` no longer claims job `token`'s membership by its token.
-    pub(super) fn unclaim(&mut self, token: u64, id: ConnId) {
-        if let Some(ids) = self.claims.get_mut(&token) {
-            ids.remove(&id);
-            if ids.is_empty() {
-                self.claims.remove(&token);
-            }
-        }
-    }
-
     /// Puts a process in its unit's scheduler group with the unit's
     /// settings: a job's `--gpu-compute` is the unit's weight, its
     /// `--gpu-limit` a ceiling for all its processes together on each
@@ -483,7 +475,7 @@ impl Broker {
             return;
         };
         let job = s.member_of;
-        let j = job.and_then(|t| self.jobs.get(&t));
+        let j = job.and_then(|t| self.ledger.jobs().get(&t));
         let group = match job {
             Some(t) => t & !UID_UNIT,
             None => UID_UNIT | u64::from(c.peer.uid),
@@ -517,7 +509,7 @@ impl Broker {
     pub(super) fn user_of(&self, c: &Conn) -> (u32, f64) {
         let user = c
             .member_of()
-            .and_then(|t| self.jobs.get(&t))
+            .and_then(|t| self.ledger.jobs().get(&t))
             .map_or(c.peer.uid, |j| j.uid);
         let weight = if user == c.peer.uid && !self.cfg.weights.groups.is_empty() {
             let gids: Vec<u32> = std::iter::once(c.peer.gid)
@@ -538,10 +530,10 @@ impl Broker {
             self.unname(d.gpu, c.peer.uid);
         }
         if let Some(t) = c.shim().and_then(|s| s.claimed_job) {
-            self.unclaim(t, id);
+            self.ledger.unclaim_token(t, id);
         }
         if let Some(t) = c.job()
-            && self.jobs.run(&t) == Some(id)
+            && self.ledger.jobs().run(&t) == Some(id)
         {
             self.end_job(now, t);
         }

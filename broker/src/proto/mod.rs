@@ -15,8 +15,10 @@
 //! (who is served next, and the work each user is charged), `roles`
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
-//! that is kept of it, ended in one place), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status), `outside` (the
+//! that is kept of it, ended in one place), `ledger` (jobs as one part:
+//! the job table, the queue, token claims, MIG instances being made, a
+//! recovery's hold), `leases` (what clients ask of jobs: leases, resumes,
+//! claims back, MIG leases made), `view` (status), `outside` (the
 //! processes the driver lists that are not under the shim), `voices`
 //! (each user's log lines and status pages), `saves` (when the state is
 //! written). NVML's view
@@ -27,6 +29,7 @@ mod clients;
 mod conn;
 mod jobtable;
 mod leases;
+mod ledger;
 mod outside;
 mod roles;
 mod saves;
@@ -38,7 +41,7 @@ mod voices;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::HashMap;
 
 use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 use tracing::warn;
@@ -58,6 +61,7 @@ use crate::sched::{Action, SchedConfig, Scheduler, Weights};
 use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
+use ledger::Ledger;
 
 pub use conn::{Budgets, clip_counted};
 use conn::{Conn, Conns, Over};
@@ -82,9 +86,6 @@ const MS: Nanos = 1_000_000;
 /// pile up.
 const HELLO_DEADLINE: Nanos = 2000 * MS;
 const FRAME_DEADLINE: Nanos = 5000 * MS;
-/// Queue escalation has no timer of its own: re-checked this often while
-/// anyone waits.
-const QUEUE_TICK: Nanos = 500 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
 /// GPUs a broker that found none itself arbitrates for one user's
@@ -194,12 +195,8 @@ pub struct Broker {
     gpus: Vec<Gpu>,
     /// The broker found GPUs itself: a client naming another is refused.
     discovered: bool,
-    queue: Queue,
-    /// Every job, by token, with everything kept of it.
-    jobs: jobtable::Jobs,
-    /// Connections of processes that sent a job's token (`Join`), by
-    /// token: who may join a job when it comes to be.
-    claims: BTreeMap<u64, BTreeSet<ConnId>>,
+    /// Every job, the queue, MIG instances being made, a recovery.
+    ledger: Ledger,
     procs: Box<dyn Procs>,
     tokens: Tokens,
     /// The driver's view, as the shell last sampled it (`telemetry`).
@@ -207,12 +204,6 @@ pub struct Broker {
     mps: Option<MpsStatus>,
     /// The state's changes and when it is written.
     saves: Saves,
-    work: VecDeque<Work>,
-    /// MIG leases being made: the connection of a `--no-wait` request,
-    /// which is answered either way.
-    making: BTreeMap<u64, leases::Making>,
-    /// After an untrusted state file: placements held until then, and why.
-    recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
     /// Per user: log lines and status pages it may still cause.
     voices: Voices,
@@ -225,14 +216,8 @@ pub struct Broker {
     serve_until: u64,
     /// One buffer for every read of a turn.
     readbuf: Vec<u8>,
-    /// The queue changed since it was last polled (a request, a release, a
-    /// run attached to its job, the end of a recovery): `pump` polls it
-    /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
-    /// idle MIG instances change with time alone).
-    queue_dirty: bool,
     /// What metrics count as it happens (`stats`).
     stats: Stats,
-    queue_polled: Nanos,
     /// Recent samples of status, served with it (`history.rs`).
     history: history::Ring,
     now: Nanos,
@@ -281,32 +266,25 @@ impl Broker {
             conns: Conns::new(cfg.budgets),
             cfg,
             discovered,
-            queue,
-            jobs: jobtable::Jobs::default(),
-            claims: BTreeMap::new(),
+            ledger: Ledger::new(queue, now),
             procs,
             tokens,
             telemetry: Telemetry::default(),
             mps: None,
             saves: Saves::default(),
-            work: VecDeque::new(),
-            making: BTreeMap::new(),
-            recovery: None,
             last_sweep: now,
             voices: Voices::default(),
             turns: Turns::default(),
             cost: Cost::default(),
             serve_until: 0,
             readbuf: Vec::new(),
-            queue_dirty: true,
             stats: Stats::default(),
-            queue_polled: now,
             history: history::Ring::new(cfg_leases + 2),
             now,
         };
         // Instances found at start are units of arbitration from the
         // outset: restored jobs' processes register on them.
-        for m in b.queue.mig().status() {
+        for m in b.ledger.queue().mig().status() {
             for i in &m.instances {
                 if let (Some(gi), Some(u)) = (i.gi, &i.uuid) {
                     b.add_mig_unit(m.gpu.index, gi, u, &i.profile, i.mem);
@@ -394,17 +372,6 @@ impl Broker {
             .filter(|g| !g.vacant() && (g.mig.is_none() || live.contains(&g.uuid_str)))
             .map(|g| g.uuid_str.clone())
             .collect()
-    }
-
-    /// A token for a new job: never 0 (which means "none" on the wire) nor
-    /// another job's.
-    fn new_token(&mut self) -> u64 {
-        loop {
-            let t = (self.tokens)();
-            if t != 0 && !self.jobs.contains_key(&t) {
-                return t;
-            }
-        }
     }
 
     fn clock(&mut self, now: Nanos) -> Nanos {
@@ -861,7 +828,7 @@ impl Broker {
             let mut spent = self.spent(now, &[id], c.devices().iter().map(|d| d.gpu));
             spent.ooms = c.devices().iter().map(|d| d.ooms).sum();
             let used = c.devices().iter().map(|d| d.used).sum();
-            self.jobs.leave(t, id, spent, used);
+            self.ledger.jobs_mut().leave(t, id, spent, used);
         }
         self.forget_client(now, id, c);
         self.pump(now);
@@ -876,7 +843,7 @@ impl Broker {
             self.last_sweep = now;
             self.sweep(now);
         }
-        self.end_recovery(now);
+        self.ledger.end_recovery(now);
         self.pump(now);
         if now >= self.history.due() {
             let st = self.status(now);
@@ -904,7 +871,8 @@ impl Broker {
         }
         self.voices.forget_idle(now);
         let gone: Vec<(u64, u32)> = self
-            .jobs
+            .ledger
+            .jobs()
             .without_run()
             .filter(|(_, j)| !self.alive(j))
             .map(|(t, j)| (*t, j.pid))
@@ -929,23 +897,16 @@ impl Broker {
             .filter_map(|g| g.sched.next_timeout())
             .min();
         let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
-        if self.queue.has_waiting() {
-            at(if self.queue_dirty {
-                now
-            } else {
-                self.queue_polled + QUEUE_TICK
-            });
+        if let Some(j) = self.ledger.next_timeout(now) {
+            at(j);
         }
         let sweep = self.conns.any_unsettled()
-            || self.jobs.without_run().next().is_some()
+            || self.ledger.jobs().without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
         // never sleeps a whole tick, must still sweep.
         if sweep {
             at(self.last_sweep + SWEEP_TICK);
-        }
-        if let Some((until, _)) = &self.recovery {
-            at(*until);
         }
         // A held status request: when its user's budget next refills.
         for (_, uid, _) in self.conns.status_waiting() {
@@ -962,7 +923,7 @@ impl Broker {
 
     /// Work for the shell, in order.
     pub fn poll_work(&mut self) -> Option<Work> {
-        self.work.pop_front()
+        self.ledger.poll_work()
     }
 
     fn send(&mut self, id: ConnId, msg: &ServerMsg) {
@@ -1029,23 +990,33 @@ impl Broker {
         }
         // The queue is sorted and walked only when something changed, or
         // once a tick while time alone may change its order.
-        let due = self.queue_dirty || now >= self.queue_polled + QUEUE_TICK;
-        if due {
-            self.queue_dirty = false;
-            self.queue_polled = now;
-            if self.placing(now) {
-                for lease in self.queue.poll(now) {
-                    self.placed(now, lease, None);
-                }
+        if let Some(placed) = self.ledger.poll(now) {
+            for lease in placed {
+                self.placed(now, lease, None);
             }
             self.tell_positions(now);
         }
     }
 
-    /// The queue, to change it: it is polled again at the next `pump`.
-    fn queue_mut(&mut self) -> &mut Queue {
-        self.queue_dirty = true;
-        &mut self.queue
+    /// What the shell made of a MIG lease's steps.
+    pub fn mig_done(&mut self, now: Nanos, done: MigDone) {
+        let now = self.clock(now);
+        self.mig_made(now, done);
+        self.pump(now);
+    }
+
+    /// Books what a previous broker left (leases first, then the queue in
+    /// its original order) before any client is heard, so no GPU is handed
+    /// out twice. Jobs whose `gpufrac run` has died are dropped. When the
+    /// newest state could not be trusted, new placements are held for
+    /// the recovery grace, while running jobs claim back what it lost.
+    pub fn restore(&mut self, now: Nanos, loaded: crate::statefile::Loaded) {
+        let now = self.clock(now);
+        let procs = &self.procs;
+        let alive = |j: &Job| procs.start_time(j.pid) == Some(j.start_time);
+        self.ledger
+            .restore(now, loaded, alive, self.cfg.recovery_grace);
+        self.saves.changed();
     }
 
     /// The state to write, if it changed and a write is due: (its number,
@@ -1055,14 +1026,15 @@ impl Broker {
         if self.save_due().is_none_or(|t| t > now) {
             return None;
         }
-        let seq = self.saves.start(now, self.jobs.unsaved_users());
-        Some((seq, crate::jobs::encode(self.jobs.values())))
+        let jobs = self.ledger.jobs();
+        let seq = self.saves.start(now, jobs.unsaved_users());
+        Some((seq, crate::jobs::encode(jobs.values())))
     }
 
     /// When the next write may go (`Saves::due`), a lease its run waits
     /// for counted for its user.
     fn save_due(&self) -> Option<Nanos> {
-        self.saves.due(self.jobs.unsaved_users())
+        self.saves.due(self.ledger.jobs().unsaved_users())
     }
 
     /// State number `seq` was written, or could not be (then leases are
@@ -1074,14 +1046,10 @@ impl Broker {
         // Leases granted but not yet durable are told to their run once
         // the state that books them is on disk, so that a crash never
         // forgets a lease a job already holds.
-        for t in self.jobs.saved(seq) {
+        for t in self.ledger.jobs_mut().saved(seq) {
             self.tell_lease(t);
         }
         self.pump(now);
-    }
-
-    fn changed(&mut self) {
-        self.saves.changed();
     }
 
     /// Whether a job's `gpufrac run` is still the process that asked.
@@ -1128,7 +1096,8 @@ impl Broker {
 
     /// MIG devices of the instances that exist now.
     fn live_mig_uuids(&self) -> Vec<String> {
-        self.queue
+        self.ledger
+            .queue()
             .mig()
             .status()
             .into_iter()

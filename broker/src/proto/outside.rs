@@ -102,15 +102,11 @@ impl Broker {
     /// keeps what was last seen.
     pub(super) fn outside_seen(&mut self) {
         let managed = self.managed();
-        let mut changed = false;
         for gi in 0..self.gpus.len() {
             if let Some(o) = self.outside(gi, &managed) {
                 let uuid = self.gpus[gi].uuid_str.clone();
-                changed |= self.queue.set_outside(&uuid, o.mem);
+                self.ledger.set_outside(&uuid, o.mem);
             }
-        }
-        if changed {
-            self.queue_dirty = true;
         }
     }
 }
