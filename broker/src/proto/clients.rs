@@ -6,10 +6,9 @@ use tracing::{debug, info};
 
 use super::conn::{ClientDev, Conn, Quoted, RoleState};
 use super::roles;
-use super::{Broker, ConnId, LEARNED_GPUS_PER_USER, Nanos};
+use super::{Broker, ConnId, Nanos};
 use crate::procs::ancestry;
 use crate::sched::{GroupId, UserId};
-use gpufrac_common::wire::uuid_string;
 
 /// Fairness units: a job's is its token, a user's its uid (tagged).
 const UID_UNIT: GroupId = 1 << 63;
@@ -294,15 +293,15 @@ impl Broker {
         }
         for g in old_devs {
             self.gpus[g].sched.remove_client(now, id);
-            self.unname(g, uid);
+            self.gpus.unname(g, uid);
         }
         let mut devs: Vec<ClientDev> = Vec::new();
         for d in devices.iter().take(MAX_DEVICES) {
-            let g = self.gpu_by_uuid(&d.uuid, d.mem_total);
+            let g = self.gpus.by_uuid(&d.uuid, d.mem_total);
             if devs.iter().any(|x| x.gpu == g) {
                 continue;
             }
-            self.name_gpu(g, uid);
+            self.gpus.name(g, uid);
             // Put in the GPU's scheduler by `enforce` below, with its
             // unit's settings.
             devs.push(ClientDev {
@@ -343,7 +342,7 @@ impl Broker {
     /// `ancestry`), each looked up among the jobs by its pid and start
     /// time at once.
     fn job_of(&self, c: &Conn) -> (Option<u64>, usize) {
-        let chain = ancestry(self.procs.as_ref(), c.peer.pid);
+        let chain = ancestry(self.world.procs(), c.peer.pid);
         let looked_at = chain.len();
         // The pid's ancestry is the connection's only while the pid still
         // names the process accepted: after it died, the pid (and so the
@@ -368,97 +367,20 @@ impl Broker {
         (job, looked_at)
     }
 
-    /// Whether `id`'s process may name these GPUs: only GPUs this node has
-    /// when the broker found its GPUs itself (a client inventing UUIDs once
-    /// grew the broker by 400 MB and broke status for everyone); without a
-    /// driver, GPUs learnt from clients, at most `LEARNED_GPUS_PER_USER`
-    /// named by one user's processes at once, so that one user's made-up
-    /// UUIDs take only that user's room. Else why not.
+    /// Whether `id`'s process may name these GPUs (`Gpus::may_name`);
+    /// else why not.
     fn may_name(&self, id: ConnId, devices: &[wire::DeviceReg]) -> Result<(), String> {
         let Some(c) = self.conns.get(&id) else {
             return Ok(());
         };
-        let uid = c.peer.uid;
         let mine: Vec<usize> = c.devices().iter().map(|d| d.gpu).collect();
-        let found = |u: &[u8; 16]| self.gpus.iter().position(|g| &g.uuid == u && !g.vacant());
         let mut asked: Vec<[u8; 16]> = Vec::new();
         for d in devices.iter().take(MAX_DEVICES) {
             if !asked.contains(&d.uuid) {
                 asked.push(d.uuid);
             }
         }
-        let learned = |i: usize| self.gpus[i].learned.is_some();
-        if self.discovered {
-            let unknown: Vec<String> = asked
-                .iter()
-                .filter(|u| found(u).is_none_or(learned))
-                .map(uuid_string)
-                .collect();
-            if unknown.is_empty() {
-                return Ok(());
-            }
-            let known: Vec<&str> = self
-                .gpus
-                .iter()
-                .filter(|g| g.learned.is_none())
-                .map(|g| g.uuid_str.as_str())
-                .collect();
-            return Err(format!(
-                "this broker does not manage {} (it manages: {}); \
-                 run the process where the broker sees its GPUs, or with GPUFRAC_BROKER=off",
-                unknown.join(", "),
-                if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                }
-            ));
-        }
-        // Learnt GPUs this user's other processes name, and those this
-        // registration would add.
-        let named_elsewhere = |i: usize| {
-            self.gpus[i]
-                .learned
-                .as_ref()
-                .is_some_and(|m| m.get(&uid).copied().unwrap_or(0) > u32::from(mine.contains(&i)))
-        };
-        let before = (0..self.gpus.len()).filter(|&i| named_elsewhere(i)).count();
-        let added = asked
-            .iter()
-            .filter(|u| match found(u) {
-                Some(i) => learned(i) && !named_elsewhere(i),
-                None => true,
-            })
-            .count();
-        if before + added > LEARNED_GPUS_PER_USER {
-            return Err(format!(
-                "this broker found no GPU itself and arbitrates the GPUs its clients name, at most \
-                 {LEARNED_GPUS_PER_USER} for one user's processes at once; user {uid}'s would name {}; \
-                 register fewer GPUs (CUDA_VISIBLE_DEVICES), or run with GPUFRAC_BROKER=off",
-                before + added
-            ));
-        }
-        Ok(())
-    }
-
-    /// A learnt GPU is named by one more registered process of `uid`.
-    fn name_gpu(&mut self, g: usize, uid: u32) {
-        if let Some(m) = self.gpus[g].learned.as_mut() {
-            *m.entry(uid).or_insert(0) += 1;
-        }
-    }
-
-    /// A process of `uid` no longer names GPU `g`: a learnt GPU no process
-    /// names is forgotten (its entry vacant, for the next one learnt).
-    pub(super) fn unname(&mut self, g: usize, uid: u32) {
-        if let Some(m) = self.gpus[g].learned.as_mut()
-            && let Some(n) = m.get_mut(&uid)
-        {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                m.remove(&uid);
-            }
-        }
+        self.gpus.may_name(c.peer.uid, &mine, &asked)
     }
 
     /// Puts a process in its unit's scheduler group with the unit's
@@ -527,7 +449,7 @@ impl Broker {
     pub(super) fn forget_client(&mut self, now: Nanos, id: ConnId, c: Conn) {
         for d in c.devices() {
             self.gpus[d.gpu].sched.remove_client(now, id);
-            self.unname(d.gpu, c.peer.uid);
+            self.gpus.unname(d.gpu, c.peer.uid);
         }
         if let Some(t) = c.shim().and_then(|s| s.claimed_job) {
             self.ledger.unclaim_token(t, id);

@@ -106,7 +106,7 @@ impl Broker {
             return self.refuse(id, "cannot identify the requesting process");
         };
         let token = match a.token {
-            0 => self.ledger.new_token(&mut self.tokens),
+            0 => self.ledger.new_token(self.world.tokens()),
             t => t,
         };
         let job = self.job_for(id, &a, token, start_time);
@@ -652,7 +652,7 @@ impl Broker {
                     .as_ref()
                     .map_or((String::new(), 0), |a| (a.profile_name.clone(), a.mem));
                 info!(gpu = done.gpu, gi, %profile, %uuid, "created a MIG instance");
-                self.add_mig_unit(done.gpu, gi, &uuid, &profile, mem);
+                self.add_mig_unit((done.gpu, gi), &uuid, (&profile, mem));
                 let lease = self.ledger.queue_mut().mig_created(done.lease, gi, uuid);
                 match lease {
                     Some(_) if making.abandoned => self.ledger.queue_mut().release(now, done.lease),

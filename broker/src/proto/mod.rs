@@ -18,15 +18,18 @@
 //! that is kept of it, ended in one place), `ledger` (jobs as one part:
 //! the job table, the queue, token claims, MIG instances being made, a
 //! recovery's hold), `leases` (what clients ask of jobs: leases, resumes,
-//! claims back, MIG leases made), `view` (status), `outside` (the
-//! processes the driver lists that are not under the shim), `voices`
-//! (each user's log lines and status pages), `saves` (when the state is
-//! written). NVML's view
-//! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
-//! a source given at construction.
+//! claims back, MIG leases made), `view` (status), `gpus` (the units of
+//! arbitration, found, made or learnt, and what a client may name),
+//! `outside` (the world the core does not decide: /proc, job tokens, the
+//! driver's view and the MPS daemon, and the processes the driver lists
+//! that are not under the shim), `voices` (each user's log lines and
+//! status pages), `saves` (when the state is written). NVML's view comes
+//! in as a snapshot the shell sampled (`telemetry`), job tokens from a
+//! source given at construction.
 
 mod clients;
 mod conn;
+mod gpus;
 mod jobtable;
 mod leases;
 mod ledger;
@@ -41,8 +44,6 @@ mod voices;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
-
 use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 use tracing::warn;
 
@@ -51,16 +52,18 @@ use crate::history;
 use crate::jobs::Job;
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
+use outside::World;
 
 /// Where job tokens come from: random in the broker (`jobs::new_token`),
 /// a fixed sequence in tests. A token names a job on the wire, so a real
 /// source must be unguessable.
 pub type Tokens = Box<dyn FnMut() -> u64>;
 use crate::queue::{self, Queue, QueueConfig};
-use crate::sched::{Action, SchedConfig, Scheduler, Weights};
+use crate::sched::{Action, SchedConfig, Weights};
 use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
+use gpus::Gpus;
 use ledger::Ledger;
 
 pub use conn::{Budgets, clip_counted};
@@ -88,11 +91,6 @@ const HELLO_DEADLINE: Nanos = 2000 * MS;
 const FRAME_DEADLINE: Nanos = 5000 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
-/// GPUs a broker that found none itself arbitrates for one user's
-/// processes (named by them at registration): a user's own made-up UUIDs
-/// take only that user's room, and an entry goes when no registered
-/// process names it any more.
-const LEARNED_GPUS_PER_USER: usize = 16;
 /// Bytes read from one connection per serve: a connection with more
 /// waits for the next turn, after every other ready connection of its user
 /// has had its own.
@@ -160,48 +158,18 @@ pub struct MigDone {
     pub result: Result<(u32, String), MigFailure>,
 }
 
-/// A GPU, or a MIG instance, as a unit of arbitration.
-struct Gpu {
-    index: Option<u32>,
-    uuid: [u8; 16],
-    uuid_str: String,
-    name: String,
-    total_mem: u64,
-    sched: Scheduler,
-    /// A MIG instance (`--mig dynamic`): the index of its GPU and its GPU
-    /// instance id.
-    mig: Option<(u32, u32)>,
-    /// A GPU the broker did not find but learnt from its clients (a broker
-    /// without a driver): how many registered processes of each user name
-    /// it. Empty, the entry is vacant (shown nowhere, reused for the next
-    /// GPU learnt): what a client names is kept only while a process of its
-    /// names it.
-    learned: Option<HashMap<u32, u32>>,
-}
-
-impl Gpu {
-    /// A learnt GPU no registered process names any more.
-    fn vacant(&self) -> bool {
-        self.learned.as_ref().is_some_and(HashMap::is_empty)
-    }
-}
-
 /// The broker's decisions, in virtual time.
 pub struct Broker {
     cfg: Config,
     /// Every open connection, what changed of them and their users'
     /// budgets.
     conns: Conns,
-    gpus: Vec<Gpu>,
-    /// The broker found GPUs itself: a client naming another is refused.
-    discovered: bool,
+    /// The units of arbitration, each with its scheduler.
+    gpus: Gpus,
     /// Every job, the queue, MIG instances being made, a recovery.
     ledger: Ledger,
-    procs: Box<dyn Procs>,
-    tokens: Tokens,
-    /// The driver's view, as the shell last sampled it (`telemetry`).
-    telemetry: Telemetry,
-    mps: Option<MpsStatus>,
+    /// Processes, tokens, the driver's view and the MPS daemon.
+    world: World,
     /// The state's changes and when it is written.
     saves: Saves,
     last_sweep: Nanos,
@@ -250,27 +218,11 @@ impl Broker {
         // job, and a job per lease it may hold.
         let cfg_leases = cfg.budgets.leases;
         let mut b = Broker {
-            gpus: gpus
-                .iter()
-                .map(|g| Gpu {
-                    index: Some(g.index),
-                    uuid: g.uuid,
-                    uuid_str: uuid_string(&g.uuid),
-                    name: g.name.clone(),
-                    total_mem: g.total_mem,
-                    sched: Scheduler::new(cfg.sched),
-                    mig: None,
-                    learned: None,
-                })
-                .collect(),
+            gpus: Gpus::new(&gpus, cfg.sched, discovered),
             conns: Conns::new(cfg.budgets),
             cfg,
-            discovered,
             ledger: Ledger::new(queue, now),
-            procs,
-            tokens,
-            telemetry: Telemetry::default(),
-            mps: None,
+            world: World::new(procs, tokens),
             saves: Saves::default(),
             last_sweep: now,
             voices: Voices::default(),
@@ -287,7 +239,7 @@ impl Broker {
         for m in b.ledger.queue().mig().status() {
             for i in &m.instances {
                 if let (Some(gi), Some(u)) = (i.gi, &i.uuid) {
-                    b.add_mig_unit(m.gpu.index, gi, u, &i.profile, i.mem);
+                    b.add_mig_unit((m.gpu.index, gi), u, (&i.profile, i.mem));
                 }
             }
         }
@@ -296,7 +248,7 @@ impl Broker {
 
     /// The MPS control daemon's state (MPS mode), as the shell sees it.
     pub fn set_mps(&mut self, mps: Option<MpsStatus>) {
-        self.mps = mps;
+        self.world.set_mps(mps);
     }
 
     /// What the driver said of each GPU, sampled by the shell (NVML is
@@ -305,7 +257,7 @@ impl Broker {
     pub fn telemetry(&mut self, now: Nanos, snapshot: Telemetry) {
         let now = self.clock(now);
         self.work_seen(now, &snapshot);
-        self.telemetry = snapshot;
+        self.world.set_telemetry(snapshot);
         self.outside_seen();
         self.pump(now);
     }
@@ -366,12 +318,7 @@ impl Broker {
     /// The UUIDs the shell's sampler asks the driver about: every GPU and
     /// MIG instance status shows utilisation or driver memory for.
     pub fn telemetry_uuids(&self) -> Vec<String> {
-        let live = self.live_mig_uuids();
-        self.gpus
-            .iter()
-            .filter(|g| !g.vacant() && (g.mig.is_none() || live.contains(&g.uuid_str)))
-            .map(|g| g.uuid_str.clone())
-            .collect()
+        self.gpus.telemetry_uuids(&self.live_mig_uuids())
     }
 
     fn clock(&mut self, now: Nanos) -> Nanos {
@@ -874,7 +821,7 @@ impl Broker {
             .ledger
             .jobs()
             .without_run()
-            .filter(|(_, j)| !self.alive(j))
+            .filter(|(_, j)| !self.world.alive(j))
             .map(|(t, j)| (*t, j.pid))
             .collect();
         // Named by the run's pid, as status names leases: the token is a
@@ -1012,8 +959,8 @@ impl Broker {
     /// the recovery grace, while running jobs claim back what it lost.
     pub fn restore(&mut self, now: Nanos, loaded: crate::statefile::Loaded) {
         let now = self.clock(now);
-        let procs = &self.procs;
-        let alive = |j: &Job| procs.start_time(j.pid) == Some(j.start_time);
+        let world = &self.world;
+        let alive = |j: &Job| world.alive(j);
         self.ledger
             .restore(now, loaded, alive, self.cfg.recovery_grace);
         self.saves.changed();
@@ -1052,48 +999,6 @@ impl Broker {
         self.pump(now);
     }
 
-    /// Whether a job's `gpufrac run` is still the process that asked.
-    fn alive(&self, j: &Job) -> bool {
-        self.procs.start_time(j.pid) == Some(j.start_time)
-    }
-
-    fn sched_cfg(&self) -> SchedConfig {
-        self.cfg.sched
-    }
-
-    /// The GPU of this UUID; a GPU the broker did not find (it runs
-    /// without a driver; `clients::may_name` said it may be learnt) is
-    /// arbitrated all the same, by UUID, in a vacant entry if there is one.
-    fn gpu_by_uuid(&mut self, uuid: &[u8; 16], total: u64) -> usize {
-        if let Some(i) = self
-            .gpus
-            .iter()
-            .position(|g| &g.uuid == uuid && !g.vacant())
-        {
-            return i;
-        }
-        let unit = Gpu {
-            index: None,
-            uuid: *uuid,
-            uuid_str: uuid_string(uuid),
-            name: "unknown".into(),
-            total_mem: total,
-            sched: Scheduler::new(self.sched_cfg()),
-            mig: None,
-            learned: Some(HashMap::new()),
-        };
-        match self.gpus.iter().position(Gpu::vacant) {
-            Some(i) => {
-                self.gpus[i] = unit;
-                i
-            }
-            None => {
-                self.gpus.push(unit);
-                self.gpus.len() - 1
-            }
-        }
-    }
-
     /// MIG devices of the instances that exist now.
     fn live_mig_uuids(&self) -> Vec<String> {
         self.ledger
@@ -1105,45 +1010,17 @@ impl Broker {
             .collect()
     }
 
-    /// A MIG instance becomes a unit of arbitration, so that its processes
-    /// (registering with its MIG device UUID) are known. The entry of an
-    /// instance that is gone, and that no process names any more, is
-    /// reused: entries stay bounded by the instances a node can hold.
-    fn add_mig_unit(&mut self, parent: u32, gi: u32, uuid: &str, profile: &str, mem: u64) {
-        let Some(bytes) = wire::parse_uuid(uuid) else {
-            warn!(
-                gpu = parent,
-                gi,
-                "MIG device {uuid} has a UUID of the old form (driver before R470); its processes cannot register with the broker"
-            );
-            return;
-        };
-        if self.gpus.iter().any(|g| g.uuid == bytes) {
-            return;
-        }
-        let unit = Gpu {
-            index: Some(parent),
-            uuid: bytes,
-            uuid_str: uuid.to_owned(),
-            name: format!("MIG {profile} (GPU {parent}, GPU instance {gi})"),
-            total_mem: mem,
-            sched: Scheduler::new(self.sched_cfg()),
-            mig: Some((parent, gi)),
-            learned: None,
-        };
+    /// A MIG instance becomes a unit of arbitration (`Gpus::add_mig`),
+    /// the entry of one gone that no process names reused.
+    fn add_mig_unit(&mut self, at: (u32, u32), uuid: &str, profile: (&str, u64)) {
         let live = self.live_mig_uuids();
-        let stale = (0..self.gpus.len()).find(|&i| {
-            self.gpus[i].mig.is_some()
-                && !live.contains(&self.gpus[i].uuid_str)
-                && !self
-                    .conns
-                    .values()
-                    .any(|c| c.devices().iter().any(|d| d.gpu == i))
-        });
-        match stale {
-            Some(i) => self.gpus[i] = unit,
-            None => self.gpus.push(unit),
-        }
+        let conns = &self.conns;
+        let in_use = |i| {
+            conns
+                .values()
+                .any(|c| c.devices().iter().any(|d| d.gpu == i))
+        };
+        self.gpus.add_mig(at, uuid, profile, &live, in_use);
     }
 }
 

@@ -99,7 +99,10 @@ impl Broker {
                         .mps_pipe
                         .as_ref()
                         .and_then(|_| job.and_then(|j| j.compute)),
-                    driver_mem: self.telemetry.process_memory(&g.uuid_str, c.peer.pid),
+                    driver_mem: self
+                        .world
+                        .telemetry()
+                        .process_memory(&g.uuid_str, c.peer.pid),
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),
@@ -177,7 +180,7 @@ impl Broker {
                 committed_mem,
                 utilization: match g.mig {
                     Some(_) => None,
-                    None => self.telemetry.utilization(&g.uuid_str),
+                    None => self.world.telemetry().utilization(&g.uuid_str),
                 },
                 holder: g
                     .sched
@@ -290,7 +293,7 @@ impl Broker {
             leases,
             next: None,
             truncated: false,
-            mps: self.mps.clone(),
+            mps: self.world.mps().cloned(),
             recovery: (!self.ledger.placing(now)).then(|| self.ledger.recovering_text(now)),
             history: None,
         }

@@ -287,7 +287,7 @@ fn outside(role: Role, m: &Msg) -> bool {
 /// a queue position are a CLI client's.
 fn check_roles(t: &T) -> Result<(), TestCaseError> {
     let role = |id: ConnId| t.b.conns.get(&id).and_then(|c| c.role());
-    for g in &t.b.gpus {
+    for g in t.b.gpus.iter() {
         for s in g.sched.status(t.now) {
             prop_assert_eq!(role(s.client), Some(Role::Shim), "in a GPU's scheduler");
         }
