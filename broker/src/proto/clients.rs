@@ -265,7 +265,7 @@ impl Broker {
         };
         let priority = self.cfg.policy.priority(&c.peer, priority);
         let (job, looked_at) = self.job_of(c);
-        self.cost.proc_reads += looked_at as u64;
+        self.serving.charge().proc_reads += looked_at as u64;
         let c = self.conns.get_mut(&id).expect("looked up above");
         c.command = command;
         let uid = c.peer.uid;

@@ -12,7 +12,8 @@
 //!
 //! Rooms: `conn` (a connection, its role's state; `Conns`, every open
 //! connection with what changed of them and its user's budgets), `turns`
-//! (who is served next, and the work each user is charged), `roles`
+//! (who is served next, and the work each user is charged; `Serving`,
+//! the turns with the work done and the read buffer), `roles`
 //! (which role sends which message), `clients` (processes:
 //! registration, membership, arbitration), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `ledger` (jobs as one part:
@@ -70,8 +71,8 @@ pub use conn::{Budgets, clip_counted};
 use conn::{Conn, Conns, Over};
 pub use saves::SAVE_EVERY;
 use saves::Saves;
-pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
-use turns::{Served, Turns};
+pub use turns::{MIN_READ, Read, Sockets};
+use turns::{Served, Serving};
 use voices::Voices;
 #[cfg(test)]
 use voices::{LOG_BURST, LOG_EVERY, STATUS_BURST, STATUS_EVERY};
@@ -175,15 +176,9 @@ pub struct Broker {
     last_sweep: Nanos,
     /// Per user: log lines and status pages it may still cause.
     voices: Voices,
-    /// Connections with something to do, in their users' lines.
-    turns: Turns,
-    /// Work done so far, by kind: what turns are charged.
-    cost: Cost,
-    /// Frames of the connection being served are handled while `cost`
-    /// is below this (its user's part of the turn).
-    serve_until: u64,
-    /// One buffer for every read of a turn.
-    readbuf: Vec<u8>,
+    /// Connections with something to do, in their users' lines, and the
+    /// work each turn is charged.
+    serving: Serving,
     /// What metrics count as it happens (`stats`).
     stats: Stats,
     /// Recent samples of status, served with it (`history.rs`).
@@ -226,10 +221,7 @@ impl Broker {
             saves: Saves::default(),
             last_sweep: now,
             voices: Voices::default(),
-            turns: Turns::default(),
-            cost: Cost::default(),
-            serve_until: 0,
-            readbuf: Vec::new(),
+            serving: Serving::default(),
             stats: Stats::default(),
             history: history::Ring::new(cfg_leases + 2),
             now,
@@ -348,7 +340,7 @@ impl Broker {
     /// (`clip_counted`), the escaping charged to the turn.
     pub(super) fn clip(&mut self, s: &str, max: usize) -> String {
         let (text, read) = clip_counted(s, max);
-        self.cost.escaped += read as u64;
+        self.serving.charge().escaped += read as u64;
         text
     }
 
@@ -383,7 +375,7 @@ impl Broker {
             return Err(out);
         }
         tracing::debug!(pid, uid, id, "client connected");
-        self.turns.push(id, uid);
+        self.serving.push(id, uid);
         Ok(())
     }
 
@@ -407,9 +399,9 @@ impl Broker {
         {
             c.readable = true;
             if c.awaited {
-                self.turns.push_answer(id, c.peer.uid);
+                self.serving.push_answer(id, c.peer.uid);
             } else {
-                self.turns.push(id, c.peer.uid);
+                self.serving.push(id, c.peer.uid);
             }
         }
     }
@@ -418,7 +410,7 @@ impl Broker {
     /// one at once, without waiting in its poll (it is edge-triggered, and
     /// would not say again what it already said).
     pub fn busy(&self) -> bool {
-        self.turns.busy()
+        self.serving.busy()
     }
 
     /// One turn (`turns`): each user with a ready connection has its
@@ -431,10 +423,9 @@ impl Broker {
     /// is closed: a deadline is the client's, not the time the broker took
     /// to read what the client had already sent.
     pub fn turn(&mut self, io: &mut impl Sockets) {
-        let mut turns = std::mem::take(&mut self.turns);
+        let mut turns = self.serving.start_turn();
         turns.run(|id, left| self.serve_within(io, id, left));
-        let later = std::mem::replace(&mut self.turns, turns);
-        self.turns.absorb(later);
+        self.serving.end_turn(turns);
     }
 
     /// Serves `id` once, within `left` units of work.
@@ -443,8 +434,7 @@ impl Broker {
         if let Some(c) = self.conns.get_mut(&id) {
             c.awaited = false;
         }
-        let start = self.cost.units();
-        self.serve_until = start.saturating_add(left);
+        let start = self.serving.begin(left);
         if self.has_frames(id)
             || self
                 .conns
@@ -459,7 +449,7 @@ impl Broker {
         let now = self.clock(io.now());
         self.settle_overdue(now, id);
         Served {
-            work: self.cost.units() - start,
+            work: self.serving.cost().units() - start,
             more: self.has_frames(id) || self.socket_has_more(id),
         }
     }
@@ -473,8 +463,7 @@ impl Broker {
     /// arrives, until the socket is drained, the connection stops taking
     /// input (frames left for its next turn) or its part is read.
     fn read_from(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) {
-        let mut buf = std::mem::take(&mut self.readbuf);
-        buf.resize(READ_CHUNK, 0);
+        let mut buf = self.serving.take_buf();
         let mut room = usize::try_from(left)
             .unwrap_or(usize::MAX)
             .clamp(MIN_READ, READ_PER_TURN);
@@ -500,7 +489,7 @@ impl Broker {
                 }
             }
         }
-        self.readbuf = buf;
+        self.serving.put_buf(buf);
     }
 
     /// A connection the sweep found past a deadline, once what its socket
@@ -535,7 +524,7 @@ impl Broker {
     #[cfg(test)]
     pub fn input(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
         let now = self.clock(now);
-        self.serve_until = self.cost.units() + turns::WORK_PER_TURN;
+        self.serving.begin(turns::WORK_PER_TURN);
         self.take_in(now, id, bytes);
     }
 
@@ -553,7 +542,7 @@ impl Broker {
             );
             return;
         }
-        self.cost.read += bytes.len() as u64;
+        self.serving.charge().read += bytes.len() as u64;
         self.frames(now, id);
         self.pump(now);
     }
@@ -564,7 +553,7 @@ impl Broker {
     #[cfg(test)]
     pub fn serve(&mut self, now: Nanos, id: ConnId) {
         let now = self.clock(now);
-        self.serve_until = self.cost.units() + turns::WORK_PER_TURN;
+        self.serving.begin(turns::WORK_PER_TURN);
         self.frames(now, id);
         self.pump(now);
     }
@@ -581,13 +570,13 @@ impl Broker {
     /// Frames handled since the broker started.
     #[cfg(test)]
     pub fn frames_handled(&self) -> u64 {
-        self.cost.frames
+        self.serving.cost().frames
     }
 
     /// The work done since the broker started, by kind (`turns::Cost`).
     #[cfg(test)]
-    pub fn cost(&self) -> Cost {
-        self.cost
+    pub fn cost(&self) -> turns::Cost {
+        self.serving.cost()
     }
 
     /// Grant latencies, queue waits and refusals so far, for metrics.
@@ -634,7 +623,7 @@ impl Broker {
             if c.dead() || start >= c.inbuf.len() || c.status_wait().is_some() {
                 break;
             }
-            if !first && self.cost.units() >= self.serve_until {
+            if !first && self.serving.spent_up() {
                 c.more = true;
                 break;
             }
@@ -644,8 +633,8 @@ impl Broker {
                     start += used;
                     c.partial_since = None;
                     self.conns.handled(uid, used);
-                    self.cost.frames += 1;
-                    self.cost.decoded += used as u64;
+                    self.serving.charge().frames += 1;
+                    self.serving.charge().decoded += used as u64;
                     self.handle(now, id, msg);
                 }
                 Err(DecodeError::Incomplete) => {
@@ -683,7 +672,7 @@ impl Broker {
 
     /// A status page, the connections it looks at charged to the turn.
     fn status_page(&mut self, now: Nanos, from: u32) -> String {
-        self.cost.walked += (self.conns.len() * self.gpus.len().max(1)) as u64;
+        self.serving.charge().walked += (self.conns.len() * self.gpus.len().max(1)) as u64;
         self.status_json(now, from as usize)
     }
 
@@ -722,7 +711,7 @@ impl Broker {
             .collect();
         for (id, uid) in waiting {
             if self.voices.has_page(uid, now) {
-                self.turns.push(id, uid);
+                self.serving.push(id, uid);
             }
         }
     }
@@ -813,7 +802,7 @@ impl Broker {
             if !c.dead() && !c.overdue && stalled(c, now).is_some() {
                 c.overdue = true;
                 c.readable = true;
-                self.turns.push(id, c.peer.uid);
+                self.serving.push(id, c.peer.uid);
             }
         }
         self.voices.forget_idle(now);
@@ -878,7 +867,7 @@ impl Broker {
             return;
         };
         let sent = self.conns.send(id, msg);
-        self.cost.sent += sent.bytes as u64;
+        self.serving.charge().sent += sent.bytes as u64;
         match sent.over {
             None | Some(Over::Input) => {}
             Some(Over::Outbuf) => self.warn_uid(
