@@ -695,4 +695,17 @@ impl Broker {
             }
         }
     }
+
+    /// A MIG instance becomes a unit of arbitration (`Gpus::add_mig`),
+    /// the entry of one gone that no process names reused.
+    pub(super) fn add_mig_unit(&mut self, at: (u32, u32), uuid: &str, profile: (&str, u64)) {
+        let live = self.ledger.live_mig_uuids();
+        let conns = &self.conns;
+        let in_use = |i| {
+            conns
+                .values()
+                .any(|c| c.devices().iter().any(|d| d.gpu == i))
+        };
+        self.gpus.add_mig(at, uuid, profile, &live, in_use);
+    }
 }

@@ -175,6 +175,16 @@ impl Ledger {
         })
     }
 
+    /// MIG devices of the instances that exist now.
+    pub fn live_mig_uuids(&self) -> Vec<String> {
+        self.queue
+            .mig()
+            .status()
+            .into_iter()
+            .flat_map(|g| g.instances.into_iter().filter_map(|i| i.uuid))
+            .collect()
+    }
+
     /// Work for the shell, in order.
     pub fn poll_work(&mut self) -> Option<Work> {
         self.work.pop_front()

@@ -10,12 +10,14 @@
 //! and runs the work it is given, so everything here is tested in virtual
 //! time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its role's state; `Conns`, every open
+//! Rooms (no two of which call each other both ways): `conn` (a connection, its role's state; `Conns`, every open
 //! connection with what changed of them and its user's budgets), `turns`
 //! (who is served next, and the work each user is charged; `Serving`,
 //! the turns with the work done and the read buffer), `roles`
 //! (which role sends which message), `clients` (processes:
-//! registration, membership, arbitration), `jobtable` (each job and all
+//! registration, membership, arbitration), `groups` (each process's
+//! unit and user in its GPUs' schedulers), `say` (frames, status pages
+//! and log lines, each within its user's budget), `jobtable` (each job and all
 //! that is kept of it, ended in one place), `ledger` (jobs as one part:
 //! the job table, the queue, token claims, MIG instances being made, a
 //! recovery's hold), `leases` (what clients ask of jobs: leases, resumes,
@@ -31,12 +33,14 @@
 mod clients;
 mod conn;
 mod gpus;
+mod groups;
 mod jobtable;
 mod leases;
 mod ledger;
 mod outside;
 mod roles;
 mod saves;
+mod say;
 mod summary;
 mod turns;
 mod view;
@@ -46,7 +50,6 @@ mod voices;
 mod tests;
 
 use gpufrac_common::wire::{self, DecodeError, ServerMsg};
-use tracing::warn;
 
 use crate::authority::{Peer, Policy};
 use crate::history;
@@ -67,8 +70,8 @@ use gpufrac_common::wire::uuid_string;
 use gpus::Gpus;
 use ledger::Ledger;
 
-pub use conn::{Budgets, clip_counted};
-use conn::{Conn, Conns, Over};
+pub use conn::Budgets;
+use conn::{Conn, Conns};
 pub use saves::SAVE_EVERY;
 use saves::Saves;
 pub use turns::{MIN_READ, Read, Sockets};
@@ -310,38 +313,12 @@ impl Broker {
     /// The UUIDs the shell's sampler asks the driver about: every GPU and
     /// MIG instance status shows utilisation or driver memory for.
     pub fn telemetry_uuids(&self) -> Vec<String> {
-        self.gpus.telemetry_uuids(&self.live_mig_uuids())
+        self.gpus.telemetry_uuids(&self.ledger.live_mig_uuids())
     }
 
     fn clock(&mut self, now: Nanos) -> Nanos {
         self.now = self.now.max(now);
         self.now
-    }
-
-    /// A warning user `uid`'s connections provoked, within that user's log
-    /// budget (`may_log`): one user's flood neither floods the log nor
-    /// silences the warnings about anyone else.
-    pub(super) fn warn_uid(&mut self, uid: u32, msg: std::fmt::Arguments<'_>) {
-        if self.may_log(uid) {
-            warn!("{msg}");
-        }
-    }
-
-    /// Whether a log line user `uid`'s connections caused may be written
-    /// now: every line a client can cause (registrations, refusals,
-    /// warnings, its leases' lines) takes one from its user's budget;
-    /// lines held back are counted and said with the next line let
-    /// through.
-    pub(super) fn may_log(&mut self, uid: u32) -> bool {
-        self.voices.may_log(uid, self.now)
-    }
-
-    /// `s`, text a user sent, escaped and cut to `max` bytes
-    /// (`clip_counted`), the escaping charged to the turn.
-    pub(super) fn clip(&mut self, s: &str, max: usize) -> String {
-        let (text, read) = clip_counted(s, max);
-        self.serving.charge().escaped += read as u64;
-        text
     }
 
     /// A new connection from `peer`, as the shell found it at accept (its
@@ -670,36 +647,6 @@ impl Broker {
         }
     }
 
-    /// A status page, the connections it looks at charged to the turn.
-    fn status_page(&mut self, now: Nanos, from: u32) -> String {
-        self.serving.charge().walked += (self.conns.len() * self.gpus.len().max(1)) as u64;
-        self.status_json(now, from as usize)
-    }
-
-    /// A `Status` request: answered now if its user's status budget
-    /// allows, else held (with everything after it on the connection)
-    /// until the budget refills.
-    pub(super) fn ask_status(&mut self, now: Nanos, id: ConnId, from: u32) {
-        if !self.answer_status(now, id, from) {
-            self.conns.hold_status(id, from);
-        }
-    }
-
-    /// Answers `id`'s status request if its user's budget allows; true if
-    /// it did (a held request is then no longer held).
-    fn answer_status(&mut self, now: Nanos, id: ConnId, from: u32) -> bool {
-        let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
-            return false;
-        };
-        if !self.voices.page(uid, now) {
-            return false;
-        }
-        self.conns.status_answered(id);
-        let json = self.status_page(now, from);
-        self.send(id, &ServerMsg::StatusReply { json });
-        true
-    }
-
     /// Held status requests whose users' budgets have refilled: their
     /// connections get a turn, in which the page is built (and charged to
     /// their user) and what they sent after it is handled.
@@ -719,10 +666,6 @@ impl Broker {
     /// The peer hung up, or its socket failed.
     pub fn hangup(&mut self, id: ConnId) {
         self.kill(id);
-    }
-
-    fn kill(&mut self, id: ConnId) {
-        self.conns.kill(id);
     }
 
     /// What is waiting to be written to `id`.
@@ -862,30 +805,6 @@ impl Broker {
         self.ledger.poll_work()
     }
 
-    fn send(&mut self, id: ConnId, msg: &ServerMsg) {
-        let Some((pid, uid)) = self.conns.get(&id).map(|c| (c.peer.pid, c.peer.uid)) else {
-            return;
-        };
-        let sent = self.conns.send(id, msg);
-        self.serving.charge().sent += sent.bytes as u64;
-        match sent.over {
-            None | Some(Over::Input) => {}
-            Some(Over::Outbuf) => self.warn_uid(
-                uid,
-                format_args!(
-                    "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
-                ),
-            ),
-            Some(Over::Output) => self.warn_uid(
-                uid,
-                format_args!(
-                    "user {uid}'s output budget is exhausted (its connections are not reading); \
-                     closing the connection of pid {pid} that went over"
-                ),
-            ),
-        }
-    }
-
     /// Everything the state machines decided since the last turn.
     fn pump(&mut self, now: Nanos) {
         for g in 0..self.gpus.len() {
@@ -986,30 +905,6 @@ impl Broker {
             self.tell_lease(t);
         }
         self.pump(now);
-    }
-
-    /// MIG devices of the instances that exist now.
-    fn live_mig_uuids(&self) -> Vec<String> {
-        self.ledger
-            .queue()
-            .mig()
-            .status()
-            .into_iter()
-            .flat_map(|g| g.instances.into_iter().filter_map(|i| i.uuid))
-            .collect()
-    }
-
-    /// A MIG instance becomes a unit of arbitration (`Gpus::add_mig`),
-    /// the entry of one gone that no process names reused.
-    fn add_mig_unit(&mut self, at: (u32, u32), uuid: &str, profile: (&str, u64)) {
-        let live = self.live_mig_uuids();
-        let conns = &self.conns;
-        let in_use = |i| {
-            conns
-                .values()
-                .any(|c| c.devices().iter().any(|d| d.gpu == i))
-        };
-        self.gpus.add_mig(at, uuid, profile, &live, in_use);
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use gpufrac_common::wire;
 
-use super::clients::DEFAULT_WEIGHT;
+use super::groups::DEFAULT_WEIGHT;
 use super::leases::describe;
 use super::{Broker, Nanos};
 use crate::jobs::Phase;
