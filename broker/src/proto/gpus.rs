@@ -99,6 +99,14 @@ impl Gpus {
         self.units.iter()
     }
 
+    /// When a scheduler next has something to do.
+    pub fn next_timeout(&self) -> Option<u64> {
+        self.units
+            .iter()
+            .filter_map(|g| g.sched.next_timeout())
+            .min()
+    }
+
     /// The entry of this UUID, vacant ones aside.
     pub fn find(&self, uuid: &[u8; 16]) -> Option<usize> {
         self.units

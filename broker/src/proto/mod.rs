@@ -42,6 +42,7 @@ mod roles;
 mod saves;
 mod say;
 mod summary;
+mod timers;
 mod turns;
 mod view;
 mod voices;
@@ -69,6 +70,7 @@ use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
 use gpus::Gpus;
 use ledger::Ledger;
+use timers::{Timer, Timers};
 
 pub use conn::Budgets;
 use conn::{Conn, Conns};
@@ -769,32 +771,30 @@ impl Broker {
 
     /// When `handle_timeout` next has something to do.
     pub fn next_timeout(&self) -> Option<Nanos> {
+        self.timers().next()
+    }
+
+    /// Each part's next deadline (`timers`).
+    fn timers(&self) -> Timers {
         let now = self.now;
-        let mut t = self
-            .gpus
-            .iter()
-            .filter_map(|g| g.sched.next_timeout())
-            .min();
-        let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
-        if let Some(j) = self.ledger.next_timeout(now) {
-            at(j);
-        }
+        let mut t = Timers::default();
+        t.set(Timer::Scheduler, self.gpus.next_timeout());
+        t.set(Timer::Jobs, self.ledger.next_timeout(now));
         let sweep = self.conns.any_unsettled()
             || self.ledger.jobs().without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
         // never sleeps a whole tick, must still sweep.
-        if sweep {
-            at(self.last_sweep + SWEEP_TICK);
-        }
+        t.set(Timer::Sweep, sweep.then_some(self.last_sweep + SWEEP_TICK));
         // A held status request: when its user's budget next refills.
         for (_, uid, _) in self.conns.status_waiting() {
-            at(self.voices.next_page(uid).unwrap_or(now));
+            t.set(
+                Timer::Status,
+                Some(self.voices.next_page(uid).unwrap_or(now)),
+            );
         }
-        if let Some(s) = self.save_due() {
-            at(s);
-        }
-        at(self.history.due());
+        t.set(Timer::Save, self.save_due());
+        t.set(Timer::History, Some(self.history.due()));
         // Overdue stays overdue: the shell then calls `handle_timeout` at
         // once (each overdue timer is one it clears).
         t
