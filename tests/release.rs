@@ -693,9 +693,10 @@ fn http_in(ct: &engines::Container, path: &str) -> String {
 /// probes answer 200, it serves a process under the host's shim, which
 /// registers with it and is capped by it, and `gpufrac status` on the host
 /// sees it. Then a rollout: the pod stopped as the kubelet stops it
-/// (SIGTERM, the DaemonSet's grace) exits cleanly, and the next pod's
-/// broker has the same process registered again, its cap kept, while the
-/// `gpufrac run` whose lease the clean stop ended carries on unbooked.
+/// (SIGTERM, the DaemonSet's grace) exits cleanly, keeping the running
+/// job's lease in the host's socket directory, and the next pod's broker
+/// has it booked again, claimed back by its `gpufrac run`, and the same
+/// process registered again, its cap kept.
 #[test]
 fn the_release_image_builds_and_its_broker_serves_a_shim() {
     let Some(tarball) = tarball() else { return };
@@ -796,6 +797,7 @@ fn the_release_image_builds_and_its_broker_serves_a_shim() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let mut p = Reap(Some(p.spawn().unwrap()));
+    let run_pid = u64::from(p.0.as_ref().unwrap().id());
     let capped = |st: &serde_json::Value| -> Option<u64> {
         st["gpus"][0]["processes"]
             .as_array()?
@@ -836,21 +838,40 @@ fn the_release_image_builds_and_its_broker_serves_a_shim() {
         try_status_cli(&socket).is_err(),
         "nothing answers between two pods"
     );
-    // The next pod: the same process registers again, its cap kept; the
-    // clean stop ended the run's lease (docs/k8s.md, "Upgrading"), and
-    // the run says it carries on unbooked.
+    // The clean stop kept the running job's lease, in the broker's state
+    // directory under the host's socket directory, for the next pod.
+    let kept: Vec<PathBuf> = std::fs::read_dir(run.0.join("state"))
+        .map(|d| d.map(|e| e.unwrap().path().join("state")).collect())
+        .unwrap_or_default();
+    assert!(
+        kept.len() == 1 && kept[0].is_file(),
+        "the state kept for the next pod: {kept:?}"
+    );
+    // The next pod books it before it serves anyone, the run claims it
+    // back (docs/k8s.md, "Upgrading"), and the same process registers
+    // again, its cap kept.
     let ct = pod();
+    let claimed = |st: &serde_json::Value| {
+        st["leases"]
+            .as_array()
+            .is_some_and(|l| l.len() == 1 && l[0]["pid"] == run_pid && l[0]["connected"] == true)
+    };
     wait_until(
         30.0,
-        "the host's process registered again with the next pod's broker, its cap kept",
-        || try_status_cli(&socket).is_ok_and(|st| capped(&st) == pid),
+        "the run's lease claimed back from the next pod's broker, its process registered again at its cap",
+        || try_status_cli(&socket).is_ok_and(|st| claimed(&st) && capped(&st) == pid),
     );
 
     std::fs::write(&stop, "").unwrap();
     let o = p.0.take().unwrap().wait_with_output().unwrap();
     assert!(o.status.success(), "{}", out(&o));
     assert!(stdout(&o).contains("fill count=16 rc=2"), "{}", stdout(&o));
-    assert!(stderr(&o).contains("carries on unbooked"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("lease claimed back from the restarted broker")
+            && !stderr(&o).contains("unbooked"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(
         status_cli(&socket)["leases"].as_array().map(Vec::len),
         Some(0)

@@ -2,7 +2,9 @@
 //! busy at 70% and 30% with memory under their caps and a third queued
 //! behind them. `--once` draws a frame with ratatui's test backend (as
 //! root, as `nobody`, small); the live view runs under a real terminal,
-//! tmux's, takes keys and gives the terminal back on `q`.
+//! tmux's, takes keys and gives the terminal back on `q`. Real jobs also
+//! cut the tree at 80×24 (its last line says how much is below) and have
+//! their caps refuse allocations (summed up to jobs and users).
 
 mod support;
 
@@ -380,16 +382,7 @@ fn live_view_under_tmux_takes_keys_and_gives_the_terminal_back() {
     // The second: SIGTERM gives the terminal back as well.
     std::fs::write(&go, "").unwrap();
     tmux.wait_for(&format!("▾ job {a}"));
-    let shell = stdout(
-        &tmux
-            .cmd()
-            .args(["display-message", "-p", "-t", "top", "#{pane_pid}"])
-            .output()
-            .unwrap(),
-    );
-    let children =
-        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", shell.trim())).unwrap();
-    let top_pid: i32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let top_pid = pane_child(&tmux);
     // SAFETY: kill with the pid of the pane's top.
     assert_eq!(unsafe { libc::kill(top_pid, libc::SIGTERM) }, 0);
     tmux.wait_for("top ended with 0");
@@ -512,5 +505,178 @@ fn a_frame_left_by_a_stopped_broker_is_marked_stale() {
                 .is_some_and(|n| n >= 2)
         })
     });
-    tmux.keys(&["q"]);
+    // The window closes under it: the pane's shell, the session's leader,
+    // has the SIGHUP; top, its child, only a terminal hung up. It ends
+    // rather than spin on reads that return at once.
+    let top_pid = pane_child(&tmux);
+    drop(tmux);
+    wait_until(30.0, "top to end once its terminal was gone", || {
+        std::fs::read_to_string(format!("/proc/{top_pid}/stat")).map_or(true, |s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        })
+    });
+}
+
+/// The pid of the process the pane's shell started (its top).
+fn pane_child(tmux: &Tmux) -> i32 {
+    let shell = stdout(
+        &tmux
+            .cmd()
+            .args(["display-message", "-p", "-t", "top", "#{pane_pid}"])
+            .output()
+            .unwrap(),
+    );
+    let children =
+        std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", shell.trim())).unwrap();
+    children.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// `gpufrac run --gpu-memory MEM -- sh -c SCRIPT`, ended however the test
+/// ends.
+fn job_sh(b: &Broker, mem: &str, script: &str) -> Job {
+    let mut cmd = b.run(&["--gpu-memory", mem, "--", "sh", "-c", script]);
+    cmd.stdout(Stdio::null()).stderr(Stdio::null());
+    Job(cmd.spawn().unwrap())
+}
+
+/// The text of column `name` in `row`, by where `header` puts it (the
+/// table's columns line up, one character a cell).
+fn cell(header: &str, row: &str, name: &str) -> String {
+    let at = |l: &str, s: &str| l.find(s).map(|b| l[..b].chars().count());
+    let start = at(header, name).unwrap_or_else(|| panic!("no {name} in {header}"));
+    let end = header
+        .chars()
+        .skip(start + name.chars().count())
+        .position(|c| c != ' ')
+        .map_or(usize::MAX, |n| start + name.chars().count() + n);
+    row.chars()
+        .skip(start)
+        .take(end - start)
+        .collect::<String>()
+        .trim()
+        .to_owned()
+}
+
+/// At 80×24 a tree of more rows than the pane holds is cut, and its last
+/// line says how many rows are below (the unit test draws a made-up
+/// status; here the jobs are real).
+#[test]
+fn at_80x24_a_cut_tree_says_how_many_rows_are_below() {
+    let _serial = serial();
+    let b = Broker::start("16G", &[]);
+    let dir = Scratch::new("top-cut");
+    let stop = dir.0.join("stop");
+    let p = artifacts().probe.display().to_string();
+    let jobs: Vec<Job> = (0..12)
+        .map(|_| job_sh(&b, "256M", &format!("{p} ctx wait-file {}", stop.display())))
+        .collect();
+    wait_until(30.0, "twelve processes registered", || {
+        b.status()["gpus"][0]["processes"]
+            .as_array()
+            .is_some_and(|p| p.len() == 12)
+    });
+    let (t, err, ok) = top(&b.socket, &["--once", "--size", "80x24"], None);
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 24, "{t}");
+    // The rows drawn: from under the tree's heading to the mark, which
+    // follows the last of them.
+    let head = lines
+        .iter()
+        .position(|l| l.starts_with("USER / JOB / PROCESS"))
+        .expect(&t);
+    let mark = lines
+        .iter()
+        .position(|l| l.contains("more below"))
+        .expect(&t);
+    assert!(lines[mark].starts_with("… "), "{t}");
+    assert!(!lines[mark].contains("above"), "{t}");
+    let shown = &lines[head + 1..mark];
+    assert!(shown[0].starts_with("▾ root"), "{t}");
+    assert!(
+        shown
+            .iter()
+            .all(|l| l.starts_with("▾ ") || l.starts_with("  ▾ job ") || l.starts_with("    ")),
+        "{t}"
+    );
+    // The user, 12 jobs and their 12 processes: what is not drawn is
+    // what the mark counts.
+    let below: usize = lines[mark]
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .expect(&t);
+    assert!(below > 0, "{t}");
+    assert_eq!(shown.len() + below, 1 + 12 + 12, "{t}");
+    // The queue and the keys stay on screen under it.
+    assert!(
+        lines[mark + 1..].iter().any(|l| l.starts_with("queue")),
+        "{t}"
+    );
+    assert!(lines[23].starts_with("q quit"), "{t}");
+    std::fs::write(&stop, "").unwrap();
+    drop(jobs);
+}
+
+/// Refusals are summed up the tree: each process's own, its job's those
+/// of its processes together, its user's those of its jobs (the unit test
+/// draws a made-up status; here the caps refuse real allocations).
+#[test]
+fn refusals_are_summed_up_to_jobs_and_users() {
+    let _serial = serial();
+    let b = Broker::start("16G", &[]);
+    let dir = Scratch::new("top-refusals");
+    let stop = dir.0.join("stop");
+    let (p, s) = (artifacts().probe.display(), stop.display());
+    // Job one's two processes are refused 2 and 1 times by its 1 GiB cap,
+    // job two's one 4 times.
+    let one = job_sh(
+        &b,
+        "1G",
+        &format!(
+            "{p} ctx alloc alloc 2G alloc alloc 5G wait-file {s} & \
+             {p} ctx alloc alloc 3G wait-file {s} & wait"
+        ),
+    );
+    let two = job_sh(
+        &b,
+        "1G",
+        &format!(
+            "{p} ctx alloc alloc 2G alloc alloc 2G alloc alloc 2G alloc alloc 2G wait-file {s}"
+        ),
+    );
+    wait_until(30.0, "seven refusals reported", || {
+        let st = b.status();
+        let procs = st["gpus"][0]["processes"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        procs.len() == 3 && procs.iter().filter_map(|p| p["ooms"].as_u64()).sum::<u64>() == 7
+    });
+    // Job one's processes, told apart by their commands (top cuts them).
+    let st = b.status();
+    let pid_of = |words: &str| {
+        st["gpus"][0]["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["command"].as_str().is_some_and(|c| c.contains(words)))
+            .and_then(|p| p["pid"].as_u64())
+            .unwrap_or_else(|| panic!("no process runs {words:?}: {st}"))
+    };
+    let twice = pid_of("alloc 5G");
+    let once = pid_of("alloc alloc 3G");
+    let (t, err, ok) = top(&b.socket, &["--once", "--size", "120x30"], None);
+    assert!(ok, "{err}");
+    let header = line_with(&t, "USER / JOB / PROCESS");
+    let refs = |row: &str| cell(header, line_with(&t, row), "REF");
+    assert_eq!(refs("▾ root"), "7", "{t}");
+    assert_eq!(refs(&format!("▾ job {}", one.0.id())), "3", "{t}");
+    assert_eq!(refs(&format!("▾ job {}", two.0.id())), "4", "{t}");
+    assert_eq!(refs(&format!("{twice} probe")), "2", "{t}");
+    assert_eq!(refs(&format!("{once} probe")), "1", "{t}");
+    std::fs::write(&stop, "").unwrap();
+    drop((one, two));
 }

@@ -2,13 +2,15 @@
 //! hello, so a broker restarted on a newer release keeps serving the shims
 //! and runs of processes started under the previous one, a client of this
 //! release still talks to a broker of the previous one, and a pair with no
-//! version in common says so in one line.
+//! version in common says so in one line. A clean stop (SIGTERM: what
+//! `systemctl restart` and a DaemonSet rollout send) keeps the leases of
+//! running jobs for the next broker, as a crash does.
 
 mod support;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 use gpufrac_common::wire::{
     self, ClientMsg, ERR_VERSION, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerMsg,
@@ -174,4 +176,164 @@ fn this_release_talks_to_a_broker_of_the_previous_one() {
     assert_eq!(served.join().unwrap(), 4);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("0.0.4"), "{}", stdout(&o));
+}
+
+/// `gpufrac run --gpu-memory MEM` of a command that holds its lease until
+/// a line comes on its stdin; returned once the command has started.
+fn holding(b: &Broker, mem: &str) -> Child {
+    let mut c = b
+        .run(&[
+            "--gpu-memory",
+            mem,
+            "--",
+            "sh",
+            "-c",
+            "echo started; read x",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert_eq!(read_line(&mut c), "started");
+    c
+}
+
+/// Lets a `holding` job's command end, and returns its run's stderr.
+fn release(mut c: Child) -> String {
+    c.stdin.take().unwrap().write_all(b"done\n").unwrap();
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    stderr(&o)
+}
+
+/// Stops the broker as systemd and the kubelet do (SIGTERM), and waits
+/// for its clean exit.
+fn clean_stop(b: &mut Broker) {
+    // SAFETY: signalling the broker this test started.
+    unsafe { libc::kill(b.child.id() as i32, libc::SIGTERM) };
+    assert!(b.child.wait().unwrap().success(), "a clean stop");
+}
+
+/// The pids of the leases `gpufrac status --json` shows, and whether each
+/// one's run is connected.
+fn leases(b: &Broker) -> Vec<(u64, bool)> {
+    let st = status_cli(&b.socket);
+    let mut v: Vec<(u64, bool)> = st["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["pid"].as_u64().unwrap(), l["connected"] == true))
+        .collect();
+    v.sort();
+    v
+}
+
+/// A restart or an upgrade ended every lease: the clean stop removed the
+/// state file, each running job's `gpufrac run` was refused its lease
+/// ("the command carries on unbooked") and the next broker could place
+/// new jobs into its memory. Now the stop keeps the file when jobs run,
+/// the next broker books their leases before it accepts anyone, and the
+/// run claims its own back.
+#[test]
+fn a_running_job_keeps_its_lease_across_a_clean_restart() {
+    let mut b = Broker::start("16G", &[]);
+    let a = holding(&b, "12G");
+    let pid = u64::from(a.id());
+    assert_eq!(leases(&b), vec![(pid, true)]);
+    clean_stop(&mut b);
+    let log = b.log();
+    assert!(
+        log.contains("kept 1 lease for the next broker"),
+        "the stop's line:\n{log}"
+    );
+    assert!(b.state_file().exists(), "the state file is kept");
+    b.restart();
+    wait_until(20.0, "the run to claim its lease back", || {
+        leases(&b) == vec![(pid, true)]
+    });
+    // 8 GiB would fit only if the 12 GiB of the running job were not
+    // booked: the request waits.
+    let mut c = b
+        .run(&["--gpu-memory", "8G", "--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(20.0, "the second job in the queue", || {
+        status_cli(&b.socket)["queue"]
+            .as_array()
+            .is_some_and(|q| q.len() == 1)
+    });
+    assert!(c.try_wait().unwrap().is_none(), "placed into booked memory");
+    let err = release(a);
+    assert!(
+        err.contains("lease claimed back from the restarted broker") && !err.contains("unbooked"),
+        "{err}"
+    );
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// A job whose run ended while no broker ran is dropped by the next one
+/// at its start, and one whose run dies before claiming its lease back
+/// is dropped by the sweep that follows: neither holds memory another
+/// job is refused for. The job still running keeps its lease.
+#[test]
+fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
+    let mut b = Broker::start("16G", &[]);
+    let kept = holding(&b, "4G");
+    let ended = holding(&b, "4G");
+    let mut stalled = holding(&b, "4G");
+    let (kept_pid, stalled_pid) = (u64::from(kept.id()), u64::from(stalled.id()));
+    // Stopped, it cannot claim its lease back.
+    // SAFETY: signalling a child this test started.
+    unsafe { libc::kill(stalled.id() as i32, libc::SIGSTOP) };
+    clean_stop(&mut b);
+    assert!(
+        b.log().contains("kept 3 leases for the next broker"),
+        "{}",
+        b.log()
+    );
+    release(ended);
+    b.restart();
+    let restored = b
+        .log()
+        .lines()
+        .find(|l| l.contains("restored jobs from the state file"))
+        .map(str::to_owned);
+    assert!(
+        restored
+            .as_deref()
+            .is_some_and(|l| l.contains("kept=2") && l.contains("dropped=1")),
+        "{restored:?}\n{}",
+        b.log()
+    );
+    let mut both = vec![(kept_pid, true), (stalled_pid, false)];
+    both.sort();
+    wait_until(20.0, "the running job to claim its lease back", || {
+        leases(&b) == both
+    });
+    // The stalled run dies unclaimed (reaped: a zombie's pid still reads
+    // as the run); its command ends at the end of its input.
+    stalled.kill().unwrap();
+    stalled.wait().unwrap();
+    drop(stalled.stdin.take());
+    wait_until(20.0, "the dead run's lease to be dropped", || {
+        leases(&b) == vec![(kept_pid, true)]
+    });
+    assert!(
+        b.log()
+            .contains("a restored job's gpufrac run is gone; ending its lease"),
+        "{}",
+        b.log()
+    );
+    // 12 GiB fits beside the running job's 4 only if neither dead job's
+    // memory is booked.
+    let o = b
+        .run(&["--gpu-memory", "12G", "--no-wait", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    release(kept);
 }

@@ -34,7 +34,7 @@ use crate::mig::Step;
 use crate::mig_nvml::MigDriver;
 use crate::procs::{Sampler, Telemetry};
 use crate::proto::{
-    Broker, ConnId, MigDone, Nanos, RateLimit, Read as Got, Sockets, WARN_EVERY, Work,
+    Broker, ConnId, Kept, MigDone, Nanos, RateLimit, Read as Got, Sockets, WARN_EVERY, Work,
 };
 use crate::statefile::StateFile;
 
@@ -204,18 +204,51 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     // one nobody else can take between this stop and the next start (the
     // next broker renames its own over it; clients see a refused
     // connection, as with no broker).
-    // The last write finishes before the file goes: a clean stop ends
-    // every lease (the runs see the socket close); only a crash leaves
-    // state for the next broker.
+    // The last write finishes first; then what the core holds now, which
+    // a coalesced write may not have caught, is written over it.
     drop(l.saver.take());
     let _ = saver_thread.join();
-    StateFile::new(state_path).remove();
-    if let Some(d) = made_dir {
-        // rmdir: only an empty directory goes (MPS's log stays, and the
-        // directory with it), and a link in its place is never followed.
-        let _ = std::fs::remove_dir(d);
-    }
+    keep_or_remove(StateFile::new(state_path), l.core.stop_state(), made_dir);
     result
+}
+
+/// A clean stop (a restart, an upgrade, a rollout's SIGTERM) keeps the
+/// leases of running jobs for the next broker, as a crash does: it books
+/// them before it accepts anyone, and each run claims its own back (those
+/// whose run died meanwhile are dropped). With no run alive nothing needs
+/// to outlive the stop, and the file and the private directory go.
+fn keep_or_remove(state: StateFile, kept: Option<Kept>, made_dir: Option<PathBuf>) {
+    let Some(k) = kept else {
+        state.remove();
+        if let Some(d) = made_dir {
+            // rmdir: only an empty directory goes (MPS's log stays, and
+            // the directory with it), and a link in its place is never
+            // followed.
+            let _ = std::fs::remove_dir(d);
+        }
+        info!("stopped: no job was running; nothing left for a next broker");
+        return;
+    };
+    if let Err(e) = state.save(&k.bytes) {
+        // The last write that did go stays: the next broker drops what
+        // ended since, and a run it does not know is refused its claim.
+        warn!(
+            "cannot write the state file at the stop: {}: {e}; the next broker gets the one written last",
+            state.path().display()
+        );
+    }
+    info!(
+        leases = k.leases,
+        queued = k.queued,
+        unplaced = k.unplaced,
+        state = %state.path().display(),
+        "stopped: kept {} lease{} for the next broker ({} queued requests, {} jobs without placement); \
+         the next broker books them and each run claims its own back",
+        k.leases,
+        if k.leases == 1 { "" } else { "s" },
+        k.queued,
+        k.unplaced
+    );
 }
 
 /// The clients' sockets and the clock, as the core's turn asks for them.
@@ -665,5 +698,44 @@ impl Loop {
         }
         self.last_metrics = t;
         m.publish(t, self.core.status(t), self.core.stats().counters());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("gpufrac-stop-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn kept(bytes: &[u8]) -> Kept {
+        Kept {
+            bytes: bytes.to_vec(),
+            leases: 1,
+            queued: 0,
+            unplaced: 0,
+        }
+    }
+
+    /// With a job running, the stop writes what the core holds over the
+    /// last coalesced write and leaves file and directory for the next
+    /// broker; with none, both go.
+    #[test]
+    fn a_clean_stop_keeps_the_state_only_while_jobs_run() {
+        let d = dir("keep");
+        let state = d.join("state");
+        StateFile::new(state.clone()).save(b"older").unwrap();
+        keep_or_remove(
+            StateFile::new(state.clone()),
+            Some(kept(b"newest")),
+            Some(d.clone()),
+        );
+        assert_eq!(std::fs::read(&state).unwrap(), b"newest");
+        keep_or_remove(StateFile::new(state.clone()), None, Some(d.clone()));
+        assert!(!d.exists(), "the private directory is left");
     }
 }

@@ -1,4 +1,5 @@
-//! The state file: where leases and the queue outlive a broker crash.
+//! The state file: where leases and the queue outlive a broker's crash,
+//! restart or upgrade.
 //!
 //! It lives in the broker's private directory (`--state-dir`, checked at
 //! start by `common::files::private_dir`), and is still written through a
@@ -143,7 +144,7 @@ impl StateFile {
         }
     }
 
-    /// A clean stop ends every lease: nothing is left for a next broker.
+    /// A clean stop with no job alive: nothing is left for a next broker.
     pub fn remove(&self) {
         let _ = std::fs::remove_file(&self.path);
         let _ = std::fs::remove_file(self.previous());
@@ -227,7 +228,7 @@ mod tests {
         let l = f.load();
         assert!(l.jobs.is_empty() && l.suspect);
         assert!(l.problem.unwrap().contains("no earlier copy"));
-        // A clean stop leaves nothing.
+        // A clean stop with no job alive leaves nothing.
         f.save(&encode([job(3)].iter())).unwrap();
         f.save(&encode([job(3)].iter())).unwrap();
         f.remove();

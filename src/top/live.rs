@@ -93,9 +93,20 @@ fn view_loop(
 
 /// Asks the broker for its status every `EVERY` until `stop` is dropped,
 /// over one connection, made again after a failure.
+///
+/// It also watches the terminal: once that is gone (its window closed, its
+/// ssh session dropped), the process ends. SIGHUP says so only to the
+/// session's leader, so a top started by a script (`sh -c 'gpufrac top;
+/// …'`) is not told; and the key reader, which then reads end-of-file at
+/// once, goes round on it inside `event::poll` without returning (a core
+/// busy for ever, the loop's own checks never reached). No terminal is
+/// left to give back.
 fn ask(socket: &Path, tx: &Sender<Result<Status, String>>, stop: &Receiver<()>) {
     let mut client = None;
     loop {
+        if hung_up() {
+            std::process::exit(0);
+        }
         let started = Instant::now();
         if tx.send(super::fetch(&mut client, socket)).is_err() {
             return;
@@ -105,4 +116,16 @@ fn ask(socket: &Path, tx: &Sender<Result<Status, String>>, stop: &Receiver<()>) 
             _ => return,
         }
     }
+}
+
+/// The terminal drawn to has hung up.
+fn hung_up() -> bool {
+    let mut p = libc::pollfd {
+        fd: libc::STDOUT_FILENO,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, and no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
 }

@@ -54,7 +54,7 @@ use gpufrac_common::wire::{self, DecodeError, ServerMsg};
 
 use crate::authority::{Peer, Policy};
 use crate::history;
-use crate::jobs::Job;
+use crate::jobs::{Job, Phase};
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
 use outside::World;
@@ -162,6 +162,17 @@ pub struct MigDone {
     /// The instance made (GPU instance id, MIG device UUID), or why not
     /// and the GPU's instances as the driver then reports them.
     pub result: Result<(u32, String), MigFailure>,
+}
+
+/// The state a clean stop keeps for the next broker (`Broker::stop_state`).
+#[derive(Debug)]
+pub struct Kept {
+    /// The state file's bytes.
+    pub bytes: Vec<u8>,
+    /// Jobs holding GPUs, waiting in the queue, and without placement.
+    pub leases: usize,
+    pub queued: usize,
+    pub unplaced: usize,
 }
 
 /// The broker's decisions, in virtual time.
@@ -884,6 +895,30 @@ impl Broker {
         let jobs = self.ledger.jobs();
         let seq = self.saves.start(now, jobs.unsaved_users());
         Some((seq, crate::jobs::encode(jobs.values())))
+    }
+
+    /// What a clean stop leaves for the next broker: the jobs whose
+    /// `gpufrac run` is still alive (their leases, places in the queue and
+    /// settings), to be taken back as after a crash; None when no run is
+    /// alive, and nothing needs to outlive the stop. Those whose run died
+    /// are left out: the next broker would drop them at once.
+    pub fn stop_state(&mut self) -> Option<Kept> {
+        let live: Vec<&Job> = self
+            .ledger
+            .jobs()
+            .values()
+            .filter(|j| self.world.alive(j))
+            .collect();
+        if live.is_empty() {
+            return None;
+        }
+        let count = |f: fn(&Phase) -> bool| live.iter().filter(|j| f(&j.phase)).count();
+        Some(Kept {
+            leases: count(|p| matches!(p, Phase::Running { .. })),
+            queued: count(|p| matches!(p, Phase::Queued { .. })),
+            unplaced: count(|p| matches!(p, Phase::Unplaced)),
+            bytes: crate::jobs::encode(live.into_iter()),
+        })
     }
 
     /// When the next write may go (`Saves::due`), a lease its run waits

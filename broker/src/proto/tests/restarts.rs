@@ -90,6 +90,37 @@ fn after_a_suspect_state_file_nothing_is_booked_twice() {
     assert!(refused(&t.recv(x)).is_some());
 }
 
+/// A clean stop (a restart, an upgrade) keeps for the next broker the
+/// jobs whose run is alive, their leases and places in the queue, so that
+/// it books them as after a crash; a job whose run died is left out, and
+/// with no run alive nothing is kept (the file and its directory go).
+#[test]
+fn a_clean_stop_keeps_the_jobs_whose_run_is_alive() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    assert!(t.b.stop_state().is_none(), "nothing ran");
+    let a = t.spawn(1);
+    let ca = t.connect_as(a, ALICE);
+    t.lease(ca, 1, 0, false);
+    t.turn();
+    assert!(leased(&t.recv(ca)).is_some());
+    let q = t.spawn(1);
+    let cq = t.connect_as(q, BOB);
+    t.lease(cq, 1, 0, false);
+    t.turn();
+    assert!(leased(&t.recv(cq)).is_none(), "queued behind the first");
+    let k = t.b.stop_state().expect("jobs run");
+    assert_eq!((k.leases, k.queued, k.unplaced), (1, 1, 0));
+    // The queued run dies before the broker has seen its connection close.
+    t.procs.borrow_mut().remove(&q);
+    let k = t.b.stop_state().expect("a job runs");
+    assert_eq!((k.leases, k.queued), (1, 0));
+    let jobs = crate::jobs::decode(&k.bytes).unwrap();
+    assert_eq!(jobs.iter().map(|j| j.pid).collect::<Vec<_>>(), vec![a]);
+    assert!(matches!(jobs[0].phase, Phase::Running { .. }));
+    t.procs.borrow_mut().remove(&a);
+    assert!(t.b.stop_state().is_none(), "no run is alive");
+}
+
 #[test]
 fn restored_jobs_are_resumed_only_by_their_own_run() {
     let mut t = T::new(cfg(), &[16 * GIB]);
