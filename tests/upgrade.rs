@@ -297,6 +297,11 @@ fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
     );
     release(ended);
     b.restart();
+    // The socket answers once it listens, which may be before the line
+    // about what was restored is written.
+    wait_until(20.0, "the restarted broker to say what it restored", || {
+        b.log().contains("restored jobs from the state file")
+    });
     let restored = b
         .log()
         .lines()
