@@ -284,11 +284,14 @@ fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
     let mut b = Broker::start("16G", &[]);
     let kept = holding(&b, "4G");
     let ended = holding(&b, "4G");
-    let mut stalled = holding(&b, "4G");
-    let (kept_pid, stalled_pid) = (u64::from(kept.id()), u64::from(stalled.id()));
+    // Killed if the test ends first: stopped, it would not end at the end
+    // of its input as the others do.
+    let mut stalled = Reap(Some(holding(&b, "4G")));
+    let stalled_id = stalled.0.as_ref().unwrap().id();
+    let (kept_pid, stalled_pid) = (u64::from(kept.id()), u64::from(stalled_id));
     // Stopped, it cannot claim its lease back.
     // SAFETY: signalling a child this test started.
-    unsafe { libc::kill(stalled.id() as i32, libc::SIGSTOP) };
+    unsafe { libc::kill(stalled_id as i32, libc::SIGSTOP) };
     clean_stop(&mut b);
     assert!(
         b.log().contains("kept 3 leases for the next broker"),
@@ -321,6 +324,7 @@ fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
     });
     // The stalled run dies unclaimed (reaped: a zombie's pid still reads
     // as the run); its command ends at the end of its input.
+    let mut stalled = stalled.0.take().unwrap();
     stalled.kill().unwrap();
     stalled.wait().unwrap();
     drop(stalled.stdin.take());
