@@ -603,6 +603,38 @@ impl Broker {
     pub fn log(&self) -> String {
         std::fs::read_to_string(log_file(&self.socket)).unwrap_or_default()
     }
+
+    /// `gpufrac run --gpu-memory MEM` of a command that holds its lease
+    /// until a line comes on its stdin ([`release_holding`]); returned once
+    /// the command has started.
+    pub fn holding(&self, mem: &str) -> std::process::Child {
+        let mut c = self
+            .run(&[
+                "--gpu-memory",
+                mem,
+                "--",
+                "sh",
+                "-c",
+                "echo started; read x",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        assert_eq!(read_line(&mut c), "started");
+        c
+    }
+}
+
+/// Lets a [`Broker::holding`] job's command end, and returns its run's
+/// stderr.
+pub fn release_holding(mut c: std::process::Child) -> String {
+    use std::io::Write;
+    c.stdin.take().unwrap().write_all(b"done\n").unwrap();
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    stderr(&o)
 }
 
 impl Drop for Broker {
