@@ -1373,3 +1373,22 @@ pub fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Outpu
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+/// `kubernetes-validate --strict` (from the venv at `venv`) on `files`,
+/// against the schemas of each Kubernetes release the manifests support.
+pub fn kubernetes_validate(venv: &Path, files: &[PathBuf]) {
+    for version in ["1.34.0", "1.35.0", "1.36.0"] {
+        let o = Command::new(venv.join("bin/kubernetes-validate"))
+            .args(["--strict", "--kubernetes-version", version])
+            .args(files)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "Kubernetes {version}'s schema refuses:\n{}{}",
+            stdout(&o),
+            stderr(&o)
+        );
+    }
+}
