@@ -751,21 +751,7 @@ fn a_state_file_planted_by_another_user_is_never_loaded() {
 fn a_truncated_state_file_never_books_a_gpu_twice() {
     let _s = serial();
     let mut b = Broker::start("16G", &["--recovery-grace", "3s"]);
-    let mut a = b
-        .run(&[
-            "--gpu-memory",
-            "16G",
-            "--",
-            "sh",
-            "-c",
-            "echo started; read x",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert_eq!(read_line(&mut a), "started");
+    let mut a = b.holding("16G");
     b.kill();
     let state = b.state_file();
     let bytes = std::fs::read(&state).unwrap();

@@ -10,7 +10,7 @@ mod support;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use gpufrac_common::wire::{
     self, ClientMsg, ERR_VERSION, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerMsg,
@@ -178,35 +178,6 @@ fn this_release_talks_to_a_broker_of_the_previous_one() {
     assert!(stdout(&o).contains("0.0.4"), "{}", stdout(&o));
 }
 
-/// `gpufrac run --gpu-memory MEM` of a command that holds its lease until
-/// a line comes on its stdin; returned once the command has started.
-fn holding(b: &Broker, mem: &str) -> Child {
-    let mut c = b
-        .run(&[
-            "--gpu-memory",
-            mem,
-            "--",
-            "sh",
-            "-c",
-            "echo started; read x",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert_eq!(read_line(&mut c), "started");
-    c
-}
-
-/// Lets a `holding` job's command end, and returns its run's stderr.
-fn release(mut c: Child) -> String {
-    c.stdin.take().unwrap().write_all(b"done\n").unwrap();
-    let o = c.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    stderr(&o)
-}
-
 /// Stops the broker as systemd and the kubelet do (SIGTERM), and waits
 /// for its clean exit.
 fn clean_stop(b: &mut Broker) {
@@ -238,7 +209,7 @@ fn leases(b: &Broker) -> Vec<(u64, bool)> {
 #[test]
 fn a_running_job_keeps_its_lease_across_a_clean_restart() {
     let mut b = Broker::start("16G", &[]);
-    let a = holding(&b, "12G");
+    let a = b.holding("12G");
     let pid = u64::from(a.id());
     assert_eq!(leases(&b), vec![(pid, true)]);
     clean_stop(&mut b);
@@ -266,7 +237,7 @@ fn a_running_job_keeps_its_lease_across_a_clean_restart() {
             .is_some_and(|q| q.len() == 1)
     });
     assert!(c.try_wait().unwrap().is_none(), "placed into booked memory");
-    let err = release(a);
+    let err = release_holding(a);
     assert!(
         err.contains("lease claimed back from the restarted broker") && !err.contains("unbooked"),
         "{err}"
@@ -282,21 +253,29 @@ fn a_running_job_keeps_its_lease_across_a_clean_restart() {
 #[test]
 fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
     let mut b = Broker::start("16G", &[]);
-    let kept = holding(&b, "4G");
-    let ended = holding(&b, "4G");
-    let mut stalled = holding(&b, "4G");
-    let (kept_pid, stalled_pid) = (u64::from(kept.id()), u64::from(stalled.id()));
+    let kept = b.holding("4G");
+    let ended = b.holding("4G");
+    // Killed if the test ends first: stopped, it would not end at the end
+    // of its input as the others do.
+    let mut stalled = Reap(Some(b.holding("4G")));
+    let stalled_id = stalled.0.as_ref().unwrap().id();
+    let (kept_pid, stalled_pid) = (u64::from(kept.id()), u64::from(stalled_id));
     // Stopped, it cannot claim its lease back.
     // SAFETY: signalling a child this test started.
-    unsafe { libc::kill(stalled.id() as i32, libc::SIGSTOP) };
+    unsafe { libc::kill(stalled_id as i32, libc::SIGSTOP) };
     clean_stop(&mut b);
     assert!(
         b.log().contains("kept 3 leases for the next broker"),
         "{}",
         b.log()
     );
-    release(ended);
+    release_holding(ended);
     b.restart();
+    // The socket answers once it listens, which may be before the line
+    // about what was restored is written.
+    wait_until(20.0, "the restarted broker to say what it restored", || {
+        b.log().contains("restored jobs from the state file")
+    });
     let restored = b
         .log()
         .lines()
@@ -316,6 +295,7 @@ fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
     });
     // The stalled run dies unclaimed (reaped: a zombie's pid still reads
     // as the run); its command ends at the end of its input.
+    let mut stalled = stalled.0.take().unwrap();
     stalled.kill().unwrap();
     stalled.wait().unwrap();
     drop(stalled.stdin.take());
@@ -335,5 +315,5 @@ fn jobs_whose_run_died_across_a_clean_restart_are_dropped() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
-    release(kept);
+    release_holding(kept);
 }

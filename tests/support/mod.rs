@@ -603,6 +603,38 @@ impl Broker {
     pub fn log(&self) -> String {
         std::fs::read_to_string(log_file(&self.socket)).unwrap_or_default()
     }
+
+    /// `gpufrac run --gpu-memory MEM` of a command that holds its lease
+    /// until a line comes on its stdin ([`release_holding`]); returned once
+    /// the command has started.
+    pub fn holding(&self, mem: &str) -> std::process::Child {
+        let mut c = self
+            .run(&[
+                "--gpu-memory",
+                mem,
+                "--",
+                "sh",
+                "-c",
+                "echo started; read x",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        assert_eq!(read_line(&mut c), "started");
+        c
+    }
+}
+
+/// Lets a [`Broker::holding`] job's command end, and returns its run's
+/// stderr.
+pub fn release_holding(mut c: std::process::Child) -> String {
+    use std::io::Write;
+    c.stdin.take().unwrap().write_all(b"done\n").unwrap();
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    stderr(&o)
 }
 
 impl Drop for Broker {
@@ -1340,4 +1372,23 @@ pub fn output_within(cmd: &mut Command, secs: u64) -> Option<std::process::Outpu
 /// `b` in lowercase hex, as the Python attackers read frames.
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// `kubernetes-validate --strict` (from the venv at `venv`) on `files`,
+/// against the schemas of each Kubernetes release the manifests support.
+pub fn kubernetes_validate(venv: &Path, files: &[PathBuf]) {
+    for version in ["1.34.0", "1.35.0", "1.36.0"] {
+        let o = Command::new(venv.join("bin/kubernetes-validate"))
+            .args(["--strict", "--kubernetes-version", version])
+            .args(files)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "Kubernetes {version}'s schema refuses:\n{}{}",
+            stdout(&o),
+            stderr(&o)
+        );
+    }
 }

@@ -6,18 +6,11 @@ use tracing::{debug, info};
 
 use super::conn::{ClientDev, Conn, Quoted, RoleState};
 use super::roles;
-use super::{Broker, ConnId, LEARNED_GPUS_PER_USER, Nanos};
+use super::{Broker, ConnId, Nanos};
 use crate::procs::ancestry;
-use crate::sched::{GroupId, UserId};
-use gpufrac_common::wire::uuid_string;
 
-/// Fairness units: a job's is its token, a user's its uid (tagged).
-const UID_UNIT: GroupId = 1 << 63;
 /// Devices taken from one registration: far above any node's GPU count.
 const MAX_DEVICES: usize = 64;
-/// Weight of a process that set no GPU_COMPUTE_SHARE: as if it asked 50%,
-/// so two such processes split evenly and every share is a plain weight.
-pub const DEFAULT_WEIGHT: f64 = 50.0;
 
 impl Broker {
     pub(super) fn handle(&mut self, now: Nanos, id: ConnId, msg: ClientMsg) {
@@ -148,7 +141,7 @@ impl Broker {
                     d.ooms = ooms;
                     if let Some(t) = member_of {
                         let (after, peak) = (d.used, d.peak);
-                        self.jobs.used(t, before, after, peak);
+                        self.ledger.jobs_mut().used(t, before, after, peak);
                     }
                 }
             }
@@ -194,9 +187,9 @@ impl Broker {
                 // there (the process is its user's), not refused: a
                 // container can outlive its run.
                 if let Some(old) = s.claimed_job.replace(job) {
-                    self.unclaim(old, id);
+                    self.ledger.unclaim_token(old, id);
                 }
-                self.claims.entry(job).or_default().insert(id);
+                self.ledger.claim_token(job, id);
             }
             _ => {}
         }
@@ -266,7 +259,7 @@ impl Broker {
         };
         let priority = self.cfg.policy.priority(&c.peer, priority);
         let (job, looked_at) = self.job_of(c);
-        self.cost.proc_reads += looked_at as u64;
+        self.serving.charge().proc_reads += looked_at as u64;
         let c = self.conns.get_mut(&id).expect("looked up above");
         c.command = command;
         let uid = c.peer.uid;
@@ -281,27 +274,28 @@ impl Broker {
         let old_devs: Vec<usize> = s.devices.drain(..).map(|d| d.gpu).collect();
         if old != job {
             if let Some(o) = old {
-                self.jobs
+                self.ledger
+                    .jobs_mut()
                     .leave(o, id, super::jobtable::Spent::default(), old_used);
             }
             if let Some(n) = job {
-                self.jobs.join(n, id, 0);
+                self.ledger.jobs_mut().join(n, id, 0);
             }
         } else if let Some(t) = job {
             // Registered again: its devices start from nothing.
-            self.jobs.used(t, old_used, 0, 0);
+            self.ledger.jobs_mut().used(t, old_used, 0, 0);
         }
         for g in old_devs {
             self.gpus[g].sched.remove_client(now, id);
-            self.unname(g, uid);
+            self.gpus.unname(g, uid);
         }
         let mut devs: Vec<ClientDev> = Vec::new();
         for d in devices.iter().take(MAX_DEVICES) {
-            let g = self.gpu_by_uuid(&d.uuid, d.mem_total);
+            let g = self.gpus.by_uuid(&d.uuid, d.mem_total);
             if devs.iter().any(|x| x.gpu == g) {
                 continue;
             }
-            self.name_gpu(g, uid);
+            self.gpus.name(g, uid);
             // Put in the GPU's scheduler by `enforce` below, with its
             // unit's settings.
             devs.push(ClientDev {
@@ -313,7 +307,7 @@ impl Broker {
                 ooms: 0,
             });
         }
-        let j = job.and_then(|t| self.jobs.get(&t));
+        let j = job.and_then(|t| self.ledger.jobs().get(&t));
         let mem_cap = j.and_then(|j| j.mem_cap).unwrap_or(0);
         let job_pid = j.map(|j| j.pid);
         lower_caps(&mut devs, mem_cap);
@@ -342,7 +336,7 @@ impl Broker {
     /// `ancestry`), each looked up among the jobs by its pid and start
     /// time at once.
     fn job_of(&self, c: &Conn) -> (Option<u64>, usize) {
-        let chain = ancestry(self.procs.as_ref(), c.peer.pid);
+        let chain = ancestry(self.world.procs(), c.peer.pid);
         let looked_at = chain.len();
         // The pid's ancestry is the connection's only while the pid still
         // names the process accepted: after it died, the pid (and so the
@@ -352,13 +346,14 @@ impl Broker {
         let by_ancestry = chain
             .into_iter()
             .filter(|_| same)
-            .find_map(|(p, start)| self.jobs.run_by(p, start?));
+            .find_map(|(p, start)| self.ledger.jobs().run_by(p, start?));
         // The token is random and only in the job's environment, so
         // holding it is the proof; the rules say whose processes may use
         // it (a leaked token does not hand another user's job to anyone).
         let job = by_ancestry.or_else(|| {
             c.shim().and_then(|s| s.claimed_job).filter(|t| {
-                self.jobs
+                self.ledger
+                    .jobs()
                     .get(t)
                     .is_some_and(|j| self.cfg.policy.may_join(&c.peer, j))
             })
@@ -366,168 +361,20 @@ impl Broker {
         (job, looked_at)
     }
 
-    /// Whether `id`'s process may name these GPUs: only GPUs this node has
-    /// when the broker found its GPUs itself (a client inventing UUIDs once
-    /// grew the broker by 400 MB and broke status for everyone); without a
-    /// driver, GPUs learnt from clients, at most `LEARNED_GPUS_PER_USER`
-    /// named by one user's processes at once, so that one user's made-up
-    /// UUIDs take only that user's room. Else why not.
+    /// Whether `id`'s process may name these GPUs (`Gpus::may_name`);
+    /// else why not.
     fn may_name(&self, id: ConnId, devices: &[wire::DeviceReg]) -> Result<(), String> {
         let Some(c) = self.conns.get(&id) else {
             return Ok(());
         };
-        let uid = c.peer.uid;
         let mine: Vec<usize> = c.devices().iter().map(|d| d.gpu).collect();
-        let found = |u: &[u8; 16]| self.gpus.iter().position(|g| &g.uuid == u && !g.vacant());
         let mut asked: Vec<[u8; 16]> = Vec::new();
         for d in devices.iter().take(MAX_DEVICES) {
             if !asked.contains(&d.uuid) {
                 asked.push(d.uuid);
             }
         }
-        let learned = |i: usize| self.gpus[i].learned.is_some();
-        if self.discovered {
-            let unknown: Vec<String> = asked
-                .iter()
-                .filter(|u| found(u).is_none_or(learned))
-                .map(uuid_string)
-                .collect();
-            if unknown.is_empty() {
-                return Ok(());
-            }
-            let known: Vec<&str> = self
-                .gpus
-                .iter()
-                .filter(|g| g.learned.is_none())
-                .map(|g| g.uuid_str.as_str())
-                .collect();
-            return Err(format!(
-                "this broker does not manage {} (it manages: {}); \
-                 run the process where the broker sees its GPUs, or with GPUFRAC_BROKER=off",
-                unknown.join(", "),
-                if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                }
-            ));
-        }
-        // Learnt GPUs this user's other processes name, and those this
-        // registration would add.
-        let named_elsewhere = |i: usize| {
-            self.gpus[i]
-                .learned
-                .as_ref()
-                .is_some_and(|m| m.get(&uid).copied().unwrap_or(0) > u32::from(mine.contains(&i)))
-        };
-        let before = (0..self.gpus.len()).filter(|&i| named_elsewhere(i)).count();
-        let added = asked
-            .iter()
-            .filter(|u| match found(u) {
-                Some(i) => learned(i) && !named_elsewhere(i),
-                None => true,
-            })
-            .count();
-        if before + added > LEARNED_GPUS_PER_USER {
-            return Err(format!(
-                "this broker found no GPU itself and arbitrates the GPUs its clients name, at most \
-                 {LEARNED_GPUS_PER_USER} for one user's processes at once; user {uid}'s would name {}; \
-                 register fewer GPUs (CUDA_VISIBLE_DEVICES), or run with GPUFRAC_BROKER=off",
-                before + added
-            ));
-        }
-        Ok(())
-    }
-
-    /// A learnt GPU is named by one more registered process of `uid`.
-    fn name_gpu(&mut self, g: usize, uid: u32) {
-        if let Some(m) = self.gpus[g].learned.as_mut() {
-            *m.entry(uid).or_insert(0) += 1;
-        }
-    }
-
-    /// A process of `uid` no longer names GPU `g`: a learnt GPU no process
-    /// names is forgotten (its entry vacant, for the next one learnt).
-    pub(super) fn unname(&mut self, g: usize, uid: u32) {
-        if let Some(m) = self.gpus[g].learned.as_mut()
-            && let Some(n) = m.get_mut(&uid)
-        {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                m.remove(&uid);
-            }
-        }
-    }
-
-    /// `id` no longer claims job `token`'s membership by its token.
-    pub(super) fn unclaim(&mut self, token: u64, id: ConnId) {
-        if let Some(ids) = self.claims.get_mut(&token) {
-            ids.remove(&id);
-            if ids.is_empty() {
-                self.claims.remove(&token);
-            }
-        }
-    }
-
-    /// Puts a process in its unit's scheduler group with the unit's
-    /// settings: a job's `--gpu-compute` is the unit's weight, its
-    /// `--gpu-limit` a ceiling for all its processes together on each
-    /// GPU, its `--priority` every process's class. Outside a job, a
-    /// user's processes form the unit. Above units, users share the GPU
-    /// by their weights.
-    pub(super) fn enforce(&mut self, now: Nanos, id: ConnId) {
-        let Some(c) = self.conns.get(&id) else {
-            return;
-        };
-        let Some(s) = c.shim() else {
-            return;
-        };
-        let job = s.member_of;
-        let j = job.and_then(|t| self.jobs.get(&t));
-        let group = match job {
-            Some(t) => t & !UID_UNIT,
-            None => UID_UNIT | u64::from(c.peer.uid),
-        };
-        let (unit_weight, unit_limit, job_prio) =
-            j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
-        let (user, user_weight) = self.user_of(c);
-        for d in &s.devices {
-            let sched = &mut self.gpus[d.gpu].sched;
-            sched.add_client(
-                now,
-                id,
-                s.share.unwrap_or(DEFAULT_WEIGHT),
-                s.limit,
-                job_prio.unwrap_or(s.priority),
-            );
-            sched.set_unit(
-                now,
-                id,
-                group,
-                unit_weight,
-                unit_limit,
-                Some((UserId::from(user), user_weight)),
-            );
-        }
-    }
-
-    /// The user a process's GPU time counts for, and that user's weight.
-    /// A job's processes are its user's, whoever runs them (a pod's, a
-    /// root helper joined by token): one user, one part of the GPU.
-    pub(super) fn user_of(&self, c: &Conn) -> (u32, f64) {
-        let user = c
-            .member_of()
-            .and_then(|t| self.jobs.get(&t))
-            .map_or(c.peer.uid, |j| j.uid);
-        let weight = if user == c.peer.uid && !self.cfg.weights.groups.is_empty() {
-            let gids: Vec<u32> = std::iter::once(c.peer.gid)
-                .chain(c.peer.groups.iter().copied())
-                .collect();
-            self.cfg.weights.of(user, &gids)
-        } else {
-            self.cfg.weights.of(user, &[])
-        };
-        (user, weight)
+        self.gpus.may_name(c.peer.uid, &mine, &asked)
     }
 
     /// A closed connection: its process leaves every scheduler, and a
@@ -535,13 +382,13 @@ impl Broker {
     pub(super) fn forget_client(&mut self, now: Nanos, id: ConnId, c: Conn) {
         for d in c.devices() {
             self.gpus[d.gpu].sched.remove_client(now, id);
-            self.unname(d.gpu, c.peer.uid);
+            self.gpus.unname(d.gpu, c.peer.uid);
         }
         if let Some(t) = c.shim().and_then(|s| s.claimed_job) {
-            self.unclaim(t, id);
+            self.ledger.unclaim_token(t, id);
         }
         if let Some(t) = c.job()
-            && self.jobs.run(&t) == Some(id)
+            && self.ledger.jobs().run(&t) == Some(id)
         {
             self.end_job(now, t);
         }

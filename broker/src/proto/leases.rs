@@ -10,11 +10,10 @@ use tracing::{info, warn};
 use super::clients::lower_caps;
 use super::conn::Quoted;
 use super::jobtable::Spent;
-use super::{Broker, ConnId, MigDone, Nanos, Work};
+use super::{Broker, ConnId, MigDone, Nanos};
 use crate::jobs::{Job, Phase};
 use crate::mig;
 use crate::queue::{self, Pinned, Want};
-use crate::statefile::Loaded;
 use crate::stats::Refusal;
 use gpufrac_common::wire::uuid_string;
 
@@ -22,16 +21,6 @@ use gpufrac_common::wire::uuid_string;
 pub(super) const MAX_POD: usize = 320;
 /// GPUs and MIG devices a lease may pin: far above any node's.
 const MAX_PINS: usize = 256;
-
-/// A MIG lease whose instance is being made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Making {
-    /// The connection of a `--no-wait` request, answered either way.
-    no_wait: Option<ConnId>,
-    /// Its job ended meanwhile: the lease is released once the instance
-    /// is made (or not).
-    abandoned: bool,
-}
 
 pub(super) fn describe(w: &Want) -> String {
     match w {
@@ -95,7 +84,7 @@ impl Broker {
                 ),
             );
         }
-        if a.token != 0 && self.jobs.contains_key(&a.token) {
+        if a.token != 0 && self.ledger.jobs().contains_key(&a.token) {
             return self.refuse(
                 id,
                 "the chosen token is another job's; choose another at random",
@@ -117,7 +106,7 @@ impl Broker {
             return self.refuse(id, "cannot identify the requesting process");
         };
         let token = match a.token {
-            0 => self.new_token(),
+            0 => self.ledger.new_token(self.world.tokens()),
             t => t,
         };
         let job = self.job_for(id, &a, token, start_time);
@@ -129,16 +118,16 @@ impl Broker {
             }
             // While a recovery holds placements, the kubelet's placements
             // are facts to book, like the leases running jobs claim back.
-            Some(_) if pinned && !self.placing(now) => self.claim(now, id, job, &[]),
-            Some(_) if a.no_wait && !self.placing(now) => {
-                let why = self.recovering_text(now);
+            Some(_) if pinned && !self.ledger.placing(now) => self.claim(now, id, job, &[]),
+            Some(_) if a.no_wait && !self.ledger.placing(now) => {
+                let why = self.ledger.recovering_text(now);
                 self.refuse_as(
                     id,
                     Refusal::NoRoom,
                     format!("no room now: {why}; drop --no-wait to queue"),
                 );
             }
-            Some(req) if a.no_wait => match self.queue_mut().try_now(now, token, req) {
+            Some(req) if a.no_wait => match self.ledger.queue_mut().try_now(now, token, req) {
                 Ok(lease) => {
                     let mut job = job;
                     job.phase = Phase::Running {
@@ -150,7 +139,7 @@ impl Broker {
                 }
                 Err(r) => self.refuse_as(id, Refusal::NoRoom, r.reason),
             },
-            Some(req) => match self.queue_mut().submit(now, token, req) {
+            Some(req) => match self.ledger.queue_mut().submit(now, token, req) {
                 Ok(()) => {
                     let mut job = job;
                     job.phase = Phase::Queued { since: now };
@@ -180,8 +169,8 @@ impl Broker {
         // Counted as they come and go: a user with a long queue of its own
         // is not walked at each request.
         let (all, queued) = (
-            self.jobs.count_of(peer.uid),
-            self.queue.waiting_of(peer.uid),
+            self.ledger.jobs().count_of(peer.uid),
+            self.ledger.queue().waiting_of(peer.uid),
         );
         let b = self.cfg.budgets;
         if all >= b.leases {
@@ -269,11 +258,11 @@ impl Broker {
         if self.may_log(uid) {
             info!(pid, uid, label = %Quoted(&label), pod = %Quoted(pod.as_deref().unwrap_or("")), "lease named");
         }
-        self.queue_mut().relabel(t, &label, pod.as_deref());
-        if let Some(j) = self.jobs.get_mut(&t) {
+        self.ledger.queue_mut().relabel(t, &label, pod.as_deref());
+        if let Some(j) = self.ledger.jobs_mut().get_mut(&t) {
             j.label = label;
             j.pod = pod;
-            self.changed();
+            self.saves.changed();
         }
     }
 
@@ -281,7 +270,7 @@ impl Broker {
     /// the MPS pipe, in MPS mode).
     fn send_unplaced(&mut self, now: Nanos, id: ConnId, token: u64) {
         // Held from now, as a placed lease is from its grant (status's HELD).
-        self.jobs.leased(token, now, 0);
+        self.ledger.jobs_mut().leased(token, now, 0);
         let msg = ServerMsg::Leased(Lease {
             token,
             mps_pipe: self.cfg.mps_pipe.clone().unwrap_or_default(),
@@ -292,14 +281,11 @@ impl Broker {
 
     fn attach_job(&mut self, now: Nanos, id: ConnId, job: Job) {
         let t = job.token;
-        self.jobs.insert(job);
-        self.jobs.set_run(t, id);
-        // Its run is told its position at the next pump.
-        self.queue_dirty = true;
+        self.ledger.attach(job, id);
         if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
             c.job = Some(t);
         }
-        self.changed();
+        self.saves.changed();
         self.rejoin(now, t);
     }
 
@@ -308,15 +294,15 @@ impl Broker {
     /// the device plugin's lease reaches the broker), if the rules let
     /// them, and all of them get its memory cap once it has one.
     fn rejoin(&mut self, now: Nanos, token: u64) {
-        let Some(j) = self.jobs.get(&token) else {
+        let Some(j) = self.ledger.jobs().get(&token) else {
             return;
         };
         let mem_cap = j.mem_cap.unwrap_or(0);
         let policy = &self.cfg.policy;
         // Its members and the processes that sent its token: not every
         // connection.
-        let claimed = self.claims.get(&token).into_iter().flatten().copied();
-        let mut who: Vec<ConnId> = self.jobs.members(&token).chain(claimed).collect();
+        let claimed = self.ledger.claimed(token);
+        let mut who: Vec<ConnId> = self.ledger.jobs().members(&token).chain(claimed).collect();
         who.sort_unstable();
         who.dedup();
         who.retain(|t| {
@@ -334,7 +320,7 @@ impl Broker {
             if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
                 s.member_of = Some(token);
                 let used = s.devices.iter().map(|d| d.used).sum();
-                self.jobs.join(token, t, used);
+                self.ledger.jobs_mut().join(token, t, used);
                 lower_caps(&mut s.devices, mem_cap);
             }
             if mem_cap > 0 {
@@ -358,14 +344,17 @@ impl Broker {
         let peer = c.peer.clone();
         let start = peer.start_time;
         let taken = self
-            .jobs
+            .ledger
+            .jobs()
             .run(&token)
             .is_some_and(|t| self.conns.contains_key(&t));
         const NO_SUCH: &str = "this broker has no such lease to resume (it was started without the state file, or the lease ended)";
-        match self.jobs.get(&token) {
+        match self.ledger.jobs().get(&token) {
             Some(j) if !taken && self.cfg.policy.may_resume(&peer, j) => {}
             Some(_) => return self.refuse(id, NO_SUCH),
-            None if self.placing(now) || a.pin.is_empty() => return self.refuse(id, NO_SUCH),
+            None if self.ledger.placing(now) || a.pin.is_empty() => {
+                return self.refuse(id, NO_SUCH);
+            }
             None => {
                 // Counted before anything is booked for it.
                 if let Err(reason) = self.within_budget(&peer, false) {
@@ -399,10 +388,10 @@ impl Broker {
             }
         }
         let pid = peer.pid;
-        self.jobs.set_run(token, id);
-        self.queue_dirty = true;
+        self.ledger.rerun(token, id);
         let Some((phase, label)) = self
-            .jobs
+            .ledger
+            .jobs()
             .get(&token)
             .map(|j| (j.phase.clone(), j.label.clone()))
         else {
@@ -417,15 +406,10 @@ impl Broker {
                 cli.job = Some(token);
             }
         }
-        if matches!(phase, Phase::Queued { .. }) {
-            // Told its place again on its new connection, at the next pump.
-            self.queue.retell(token);
-            self.queue_dirty = true;
-        }
         match phase {
             Phase::Queued { .. } => {}
             Phase::Unplaced => self.send_unplaced(now, id, token),
-            Phase::Running { .. } if self.jobs.undelivered(&token) => {}
+            Phase::Running { .. } if self.ledger.jobs().undelivered(&token) => {}
             Phase::Running { .. } => self.tell_lease(token),
         }
     }
@@ -439,30 +423,7 @@ impl Broker {
         let Some(req) = job.request() else {
             return self.refuse(id, "a lease claimed back must say what it holds");
         };
-        let named = |u: &str| wire::parse_uuid(u).is_some_and(|b| held.contains(&b));
-        let mig = self.queue.mig().status().into_iter().find_map(|g| {
-            g.instances
-                .iter()
-                .find_map(|i| i.uuid.clone().filter(|u| named(u)))
-                .map(|u| (g.gpu.index, u))
-        });
-        let restored = match mig {
-            Some((ix, uuid)) => self
-                .queue
-                .restore_mig(job.token, req, ix, &uuid)
-                .map(|l| (l, Some(uuid))),
-            None => {
-                let gpus: Vec<u32> = self
-                    .queue
-                    .gpus()
-                    .filter(|g| named(&g.uuid))
-                    .map(|g| g.index)
-                    .collect();
-                self.queue_mut()
-                    .restore(job.token, req, &gpus)
-                    .map(|l| (l, None))
-            }
-        };
+        let restored = self.ledger.claim_back(job.token, req, held);
         match restored {
             Ok((lease, mig)) => {
                 if self.may_log(job.uid) {
@@ -488,36 +449,29 @@ impl Broker {
     /// The job is over (its run disconnected or died): its lease or place
     /// goes, its processes become their user's again.
     pub(super) fn end_job(&mut self, now: Nanos, token: u64) {
-        if let Some(m) = self.making.get_mut(&token) {
-            // Released when its instance is made (or not).
-            m.abandoned = true;
-        } else {
-            let uid = self.jobs.get(&token).map(|j| j.uid);
-            if let Some(a) = self.queue.lease(token).and_then(|l| l.mig.clone())
-                && uid.is_none_or(|u| self.may_log(u))
-            {
-                info!(
-                    gpu = a.gpu,
-                    gi = ?a.gi,
-                    profile = %a.profile_name,
-                    "the job's MIG instance is idle; kept for the next job until its room is needed"
-                );
-            }
-            self.queue_mut().cancel(now, token);
-            self.queue_mut().release(now, token);
+        let uid = self.ledger.jobs().get(&token).map(|j| j.uid);
+        if let Some(a) = self.ledger.release(now, token)
+            && uid.is_none_or(|u| self.may_log(u))
+        {
+            info!(
+                gpu = a.gpu,
+                gi = ?a.gi,
+                profile = %a.profile_name,
+                "the job's MIG instance is idle; kept for the next job until its room is needed"
+            );
         }
         // What its processes still in it used of the GPUs, asked of the
         // schedulers before they leave it.
-        let members: Vec<ConnId> = self.jobs.members(&token).collect();
+        let members: Vec<ConnId> = self.ledger.jobs().members(&token).collect();
         let gpus: Vec<usize> = members
             .iter()
             .filter_map(|id| self.conns.get(id))
             .flat_map(|c| c.devices().iter().map(|d| d.gpu))
             .collect();
         let gpu_ns = self.spent(now, &members, gpus).gpu_ns;
-        if let Some(e) = self.jobs.end(token) {
+        if let Some(e) = self.ledger.jobs_mut().end(token) {
             let j = e.job;
-            self.changed();
+            self.saves.changed();
             for t in e.members {
                 if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
                     s.member_of = None;
@@ -577,22 +531,9 @@ impl Broker {
     /// A lease the queue placed (from the queue, or `--no-wait` on
     /// `no_wait`): granted, or first its MIG instance is made.
     pub(super) fn placed(&mut self, now: Nanos, lease: queue::Lease, no_wait: Option<ConnId>) {
-        if let Some(a) = lease.mig.as_ref().filter(|a| !a.steps.is_empty()) {
-            self.making.insert(
-                lease.id,
-                Making {
-                    no_wait,
-                    abandoned: false,
-                },
-            );
-            self.work.push_back(Work::Mig {
-                lease: lease.id,
-                gpu: a.gpu,
-                steps: a.steps.clone(),
-            });
-            return;
+        if !self.ledger.make(&lease, no_wait) {
+            self.granted(now, lease);
         }
-        self.granted(now, lease);
     }
 
     /// Books a lease in its job and its processes; the run is told once
@@ -600,7 +541,7 @@ impl Broker {
     fn granted(&mut self, now: Nanos, lease: queue::Lease) {
         let mig = lease.mig.as_ref().and_then(|a| a.uuid.clone());
         let mut waited = 0;
-        if let Some(j) = self.jobs.get_mut(&lease.id) {
+        if let Some(j) = self.ledger.jobs_mut().get_mut(&lease.id) {
             waited = match j.phase {
                 Phase::Queued { since } => {
                     let waited = now.saturating_sub(since);
@@ -627,18 +568,21 @@ impl Broker {
                 );
             }
         }
-        self.changed();
+        self.saves.changed();
         self.rejoin(now, lease.id);
-        self.jobs.leased(lease.id, now, waited);
-        self.jobs.hold_until_saved(lease.id, self.saves.seq());
+        self.ledger.jobs_mut().leased(lease.id, now, waited);
+        self.ledger
+            .jobs_mut()
+            .hold_until_saved(lease.id, self.saves.seq());
     }
 
     /// `Leased` to the job's run.
     pub(super) fn tell_lease(&mut self, token: u64) {
-        let Some(lease) = self.queue.lease(token).cloned() else {
-            return;
-        };
-        let Some(id) = self.jobs.run(&token) else {
+        let Some((id, lease)) = self
+            .ledger
+            .lease_to_tell(token)
+            .map(|(id, l)| (id, l.clone()))
+        else {
             return;
         };
         let uuids: Vec<[u8; 16]> = lease
@@ -673,10 +617,7 @@ impl Broker {
     /// so a departure costs one walk and a few messages, not one to every
     /// request behind it.
     pub(super) fn tell_positions(&mut self, now: Nanos) {
-        for (token, position, want) in self.queue.positions_to_tell(now) {
-            let Some(id) = self.jobs.run(&token) else {
-                continue;
-            };
+        for (id, token, position, want) in self.ledger.positions(now) {
             if self.conns.get(&id).and_then(|c| c.cli()).is_some() {
                 self.send(
                     id,
@@ -691,38 +632,39 @@ impl Broker {
     }
 
     /// What the shell made of a MIG lease's steps.
-    pub fn mig_done(&mut self, now: Nanos, done: MigDone) {
-        let now = self.clock(now);
-        let making = self.making.remove(&done.lease).unwrap_or(Making {
-            no_wait: None,
-            abandoned: true,
-        });
+    pub(super) fn mig_made(&mut self, now: Nanos, done: MigDone) {
+        let making = self.ledger.made(done.lease);
         for &gi in &done.destroyed {
-            self.queue_mut().mig_destroyed(done.gpu, gi);
+            self.ledger.queue_mut().mig_destroyed(done.gpu, gi);
             info!(
                 gpu = done.gpu,
                 gi, "destroyed an idle MIG instance to make room"
             );
         }
-        let a = self.queue.lease(done.lease).and_then(|l| l.mig.clone());
+        let a = self
+            .ledger
+            .queue()
+            .lease(done.lease)
+            .and_then(|l| l.mig.clone());
         match done.result {
             Ok((gi, uuid)) => {
                 let (profile, mem) = a
                     .as_ref()
                     .map_or((String::new(), 0), |a| (a.profile_name.clone(), a.mem));
                 info!(gpu = done.gpu, gi, %profile, %uuid, "created a MIG instance");
-                self.add_mig_unit(done.gpu, gi, &uuid, &profile, mem);
-                let lease = self.queue_mut().mig_created(done.lease, gi, uuid);
+                self.add_mig_unit((done.gpu, gi), &uuid, (&profile, mem));
+                let lease = self.ledger.queue_mut().mig_created(done.lease, gi, uuid);
                 match lease {
-                    Some(_) if making.abandoned => self.queue_mut().release(now, done.lease),
+                    Some(_) if making.abandoned => self.ledger.queue_mut().release(now, done.lease),
                     Some(lease) => self.granted(now, lease),
                     None => {}
                 }
             }
             Err((e, found)) => {
-                let requeued = self
-                    .queue_mut()
-                    .mig_failed(now, done.lease, found.as_deref());
+                let requeued =
+                    self.ledger
+                        .queue_mut()
+                        .mig_failed(now, done.lease, found.as_deref());
                 if let Some(a) = &a {
                     warn!(
                         gpu = a.gpu,
@@ -734,7 +676,7 @@ impl Broker {
                     );
                 }
                 if making.abandoned {
-                    self.queue_mut().cancel(now, done.lease);
+                    self.ledger.queue_mut().cancel(now, done.lease);
                 } else if let Some(id) = making.no_wait {
                     // The job of a refused `--no-wait` never was (the
                     // queue holds nothing of it any more).
@@ -752,124 +694,18 @@ impl Broker {
                 }
             }
         }
-        self.pump(now);
     }
 
-    /// Books what a previous broker left (leases first, then the queue in
-    /// its original order) before any client is heard, so no GPU is handed
-    /// out twice. Jobs whose `gpufrac run` has died are dropped. When the
-    /// newest state could not be trusted, new placements are held for
-    /// the recovery grace, while running jobs claim back what it lost.
-    pub fn restore(&mut self, now: Nanos, loaded: Loaded) {
-        let now = self.clock(now);
-        if let Some(p) = &loaded.problem {
-            warn!("{p}");
-        }
-        let (mut kept, mut dropped) = (0, 0);
-        let mut saved = loaded.jobs;
-        saved.sort_by_key(|j| match j.phase {
-            Phase::Running { .. } | Phase::Unplaced => (0, 0),
-            Phase::Queued { since } => (1, since),
-        });
-        for j in saved {
-            if !self.alive(&j) || self.jobs.contains_key(&j.token) {
-                dropped += 1;
-                continue;
-            }
-            let ok = match (&j.phase, j.request()) {
-                (Phase::Unplaced, _) => true,
-                (
-                    Phase::Running {
-                        gpus,
-                        mig: Some(uuid),
-                    },
-                    Some(req),
-                ) => match gpus
-                    .first()
-                    .map(|&ix| self.queue_mut().restore_mig(j.token, req, ix, uuid))
-                {
-                    Some(Ok(_)) => true,
-                    Some(Err(r)) => {
-                        warn!(pid = j.pid, "cannot restore a MIG lease: {}", r.reason);
-                        false
-                    }
-                    None => false,
-                },
-                (Phase::Running { gpus, mig: None }, Some(req)) => {
-                    match self.queue_mut().restore(j.token, req, gpus) {
-                        Ok(_) => true,
-                        Err(r) => {
-                            warn!(pid = j.pid, "cannot restore a lease: {}", r.reason);
-                            false
-                        }
-                    }
-                }
-                (Phase::Queued { since }, Some(req)) => self
-                    .queue
-                    .submit_since((*since).min(now), j.token, req)
-                    .is_ok(),
-                _ => false,
-            };
-            if ok {
-                kept += 1;
-                let (token, running) = (j.token, matches!(j.phase, Phase::Running { .. }));
-                self.jobs.insert(j);
-                if running {
-                    self.jobs.leased(token, now, 0);
-                }
-            } else {
-                dropped += 1;
-            }
-        }
-        if kept + dropped > 0 {
-            info!(kept, dropped, "restored jobs from the state file");
-        }
-        if loaded.suspect {
-            let grace = self.cfg.recovery_grace;
-            warn!(
-                "the state file could not be trusted: new placements are held for {} s so that running \
-                 jobs can claim their leases back (no GPU is booked twice)",
-                grace / 1_000_000_000
-            );
-            let why = loaded
-                .problem
-                .unwrap_or_else(|| "the state file could not be trusted".into());
-            self.recovery = Some((now + grace, why));
-        }
-        self.changed();
-    }
-
-    /// New placements are made (no recovery holds them).
-    pub(super) fn placing(&self, now: Nanos) -> bool {
-        self.recovery
-            .as_ref()
-            .is_none_or(|(until, _)| now >= *until)
-    }
-
-    pub(super) fn end_recovery(&mut self, now: Nanos) {
-        if self
-            .recovery
-            .as_ref()
-            .is_some_and(|(until, _)| now >= *until)
-        {
-            self.recovery = None;
-            self.queue_dirty = true;
-            info!(
-                jobs = self.jobs.len(),
-                "recovery over: placing new leases again"
-            );
-        }
-    }
-
-    /// Why placements are held, for refusals and status.
-    pub(super) fn recovering_text(&self, now: Nanos) -> String {
-        match &self.recovery {
-            Some((until, why)) => format!(
-                "the broker is recovering from a state file it could not trust ({why}); new placements \
-                 are held for {:.0} s more, while running jobs claim their leases back",
-                until.saturating_sub(now) as f64 / 1e9
-            ),
-            None => String::new(),
-        }
+    /// A MIG instance becomes a unit of arbitration (`Gpus::add_mig`),
+    /// the entry of one gone that no process names reused.
+    pub(super) fn add_mig_unit(&mut self, at: (u32, u32), uuid: &str, profile: (&str, u64)) {
+        let live = self.ledger.live_mig_uuids();
+        let conns = &self.conns;
+        let in_use = |i| {
+            conns
+                .values()
+                .any(|c| c.devices().iter().any(|d| d.gpu == i))
+        };
+        self.gpus.add_mig(at, uuid, profile, &live, in_use);
     }
 }

@@ -10,27 +10,39 @@
 //! and runs the work it is given, so everything here is tested in virtual
 //! time (`tests/`).
 //!
-//! Rooms: `conn` (a connection, its role's state; `Conns`, every open
+//! Rooms (no two of which call each other both ways): `conn` (a connection, its role's state; `Conns`, every open
 //! connection with what changed of them and its user's budgets), `turns`
-//! (who is served next, and the work each user is charged), `roles`
+//! (who is served next, and the work each user is charged; `Serving`,
+//! the turns with the work done and the read buffer), `roles`
 //! (which role sends which message), `clients` (processes:
-//! registration, membership, arbitration), `jobtable` (each job and all
-//! that is kept of it, ended in one place), `leases` (jobs: leases, the
-//! queue, restarts, recovery, MIG), `view` (status), `outside` (the
-//! processes the driver lists that are not under the shim), `voices`
-//! (each user's log lines and status pages), `saves` (when the state is
-//! written). NVML's view
-//! comes in as a snapshot the shell sampled (`telemetry`), job tokens from
-//! a source given at construction.
+//! registration, membership, arbitration), `groups` (each process's
+//! unit and user in its GPUs' schedulers), `say` (frames, status pages
+//! and log lines, each within its user's budget), `jobtable` (each job and all
+//! that is kept of it, ended in one place), `ledger` (jobs as one part:
+//! the job table, the queue, token claims, MIG instances being made, a
+//! recovery's hold), `leases` (what clients ask of jobs: leases, resumes,
+//! claims back, MIG leases made), `view` (status), `gpus` (the units of
+//! arbitration, found, made or learnt, and what a client may name),
+//! `outside` (the world the core does not decide: /proc, job tokens, the
+//! driver's view and the MPS daemon, and the processes the driver lists
+//! that are not under the shim), `voices` (each user's log lines and
+//! status pages), `saves` (when the state is written). NVML's view comes
+//! in as a snapshot the shell sampled (`telemetry`), job tokens from a
+//! source given at construction.
 
 mod clients;
 mod conn;
+mod gpus;
+mod groups;
 mod jobtable;
 mod leases;
+mod ledger;
 mod outside;
 mod roles;
 mod saves;
+mod say;
 mod summary;
+mod timers;
 mod turns;
 mod view;
 mod voices;
@@ -38,33 +50,34 @@ mod voices;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-
 use gpufrac_common::wire::{self, DecodeError, ServerMsg};
-use tracing::warn;
 
 use crate::authority::{Peer, Policy};
 use crate::history;
 use crate::jobs::{Job, Phase};
 use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
+use outside::World;
 
 /// Where job tokens come from: random in the broker (`jobs::new_token`),
 /// a fixed sequence in tests. A token names a job on the wire, so a real
 /// source must be unguessable.
 pub type Tokens = Box<dyn FnMut() -> u64>;
 use crate::queue::{self, Queue, QueueConfig};
-use crate::sched::{Action, SchedConfig, Scheduler, Weights};
+use crate::sched::{Action, SchedConfig, Weights};
 use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
 use gpufrac_common::wire::uuid_string;
+use gpus::Gpus;
+use ledger::Ledger;
+use timers::{Timer, Timers};
 
-pub use conn::{Budgets, clip_counted};
-use conn::{Conn, Conns, Over};
+pub use conn::Budgets;
+use conn::{Conn, Conns};
 pub use saves::SAVE_EVERY;
 use saves::Saves;
-pub use turns::{Cost, MIN_READ, READ_CHUNK, Read, Sockets};
-use turns::{Served, Turns};
+pub use turns::{MIN_READ, Read, Sockets};
+use turns::{Served, Serving};
 use voices::Voices;
 #[cfg(test)]
 use voices::{LOG_BURST, LOG_EVERY, STATUS_BURST, STATUS_EVERY};
@@ -82,16 +95,8 @@ const MS: Nanos = 1_000_000;
 /// pile up.
 const HELLO_DEADLINE: Nanos = 2000 * MS;
 const FRAME_DEADLINE: Nanos = 5000 * MS;
-/// Queue escalation has no timer of its own: re-checked this often while
-/// anyone waits.
-const QUEUE_TICK: Nanos = 500 * MS;
 /// Restored jobs whose run may have died are looked at this often.
 const SWEEP_TICK: Nanos = 250 * MS;
-/// GPUs a broker that found none itself arbitrates for one user's
-/// processes (named by them at registration): a user's own made-up UUIDs
-/// take only that user's room, and an entry goes when no registered
-/// process names it any more.
-const LEARNED_GPUS_PER_USER: usize = 16;
 /// Bytes read from one connection per serve: a connection with more
 /// waits for the next turn, after every other ready connection of its user
 /// has had its own.
@@ -170,80 +175,28 @@ pub struct Kept {
     pub unplaced: usize,
 }
 
-/// A GPU, or a MIG instance, as a unit of arbitration.
-struct Gpu {
-    index: Option<u32>,
-    uuid: [u8; 16],
-    uuid_str: String,
-    name: String,
-    total_mem: u64,
-    sched: Scheduler,
-    /// A MIG instance (`--mig dynamic`): the index of its GPU and its GPU
-    /// instance id.
-    mig: Option<(u32, u32)>,
-    /// A GPU the broker did not find but learnt from its clients (a broker
-    /// without a driver): how many registered processes of each user name
-    /// it. Empty, the entry is vacant (shown nowhere, reused for the next
-    /// GPU learnt): what a client names is kept only while a process of its
-    /// names it.
-    learned: Option<HashMap<u32, u32>>,
-}
-
-impl Gpu {
-    /// A learnt GPU no registered process names any more.
-    fn vacant(&self) -> bool {
-        self.learned.as_ref().is_some_and(HashMap::is_empty)
-    }
-}
-
 /// The broker's decisions, in virtual time.
 pub struct Broker {
     cfg: Config,
     /// Every open connection, what changed of them and their users'
     /// budgets.
     conns: Conns,
-    gpus: Vec<Gpu>,
-    /// The broker found GPUs itself: a client naming another is refused.
-    discovered: bool,
-    queue: Queue,
-    /// Every job, by token, with everything kept of it.
-    jobs: jobtable::Jobs,
-    /// Connections of processes that sent a job's token (`Join`), by
-    /// token: who may join a job when it comes to be.
-    claims: BTreeMap<u64, BTreeSet<ConnId>>,
-    procs: Box<dyn Procs>,
-    tokens: Tokens,
-    /// The driver's view, as the shell last sampled it (`telemetry`).
-    telemetry: Telemetry,
-    mps: Option<MpsStatus>,
+    /// The units of arbitration, each with its scheduler.
+    gpus: Gpus,
+    /// Every job, the queue, MIG instances being made, a recovery.
+    ledger: Ledger,
+    /// Processes, tokens, the driver's view and the MPS daemon.
+    world: World,
     /// The state's changes and when it is written.
     saves: Saves,
-    work: VecDeque<Work>,
-    /// MIG leases being made: the connection of a `--no-wait` request,
-    /// which is answered either way.
-    making: BTreeMap<u64, leases::Making>,
-    /// After an untrusted state file: placements held until then, and why.
-    recovery: Option<(Nanos, String)>,
     last_sweep: Nanos,
     /// Per user: log lines and status pages it may still cause.
     voices: Voices,
-    /// Connections with something to do, in their users' lines.
-    turns: Turns,
-    /// Work done so far, by kind: what turns are charged.
-    cost: Cost,
-    /// Frames of the connection being served are handled while `cost`
-    /// is below this (its user's part of the turn).
-    serve_until: u64,
-    /// One buffer for every read of a turn.
-    readbuf: Vec<u8>,
-    /// The queue changed since it was last polled (a request, a release, a
-    /// run attached to its job, the end of a recovery): `pump` polls it
-    /// then, and every `QUEUE_TICK` after `queue_polled` (escalation and
-    /// idle MIG instances change with time alone).
-    queue_dirty: bool,
+    /// Connections with something to do, in their users' lines, and the
+    /// work each turn is charged.
+    serving: Serving,
     /// What metrics count as it happens (`stats`).
     stats: Stats,
-    queue_polled: Nanos,
     /// Recent samples of status, served with it (`history.rs`).
     history: history::Ring,
     now: Nanos,
@@ -276,51 +229,25 @@ impl Broker {
         // job, and a job per lease it may hold.
         let cfg_leases = cfg.budgets.leases;
         let mut b = Broker {
-            gpus: gpus
-                .iter()
-                .map(|g| Gpu {
-                    index: Some(g.index),
-                    uuid: g.uuid,
-                    uuid_str: uuid_string(&g.uuid),
-                    name: g.name.clone(),
-                    total_mem: g.total_mem,
-                    sched: Scheduler::new(cfg.sched),
-                    mig: None,
-                    learned: None,
-                })
-                .collect(),
+            gpus: Gpus::new(&gpus, cfg.sched, discovered),
             conns: Conns::new(cfg.budgets),
             cfg,
-            discovered,
-            queue,
-            jobs: jobtable::Jobs::default(),
-            claims: BTreeMap::new(),
-            procs,
-            tokens,
-            telemetry: Telemetry::default(),
-            mps: None,
+            ledger: Ledger::new(queue, now),
+            world: World::new(procs, tokens),
             saves: Saves::default(),
-            work: VecDeque::new(),
-            making: BTreeMap::new(),
-            recovery: None,
             last_sweep: now,
             voices: Voices::default(),
-            turns: Turns::default(),
-            cost: Cost::default(),
-            serve_until: 0,
-            readbuf: Vec::new(),
-            queue_dirty: true,
+            serving: Serving::default(),
             stats: Stats::default(),
-            queue_polled: now,
             history: history::Ring::new(cfg_leases + 2),
             now,
         };
         // Instances found at start are units of arbitration from the
         // outset: restored jobs' processes register on them.
-        for m in b.queue.mig().status() {
+        for m in b.ledger.queue().mig().status() {
             for i in &m.instances {
                 if let (Some(gi), Some(u)) = (i.gi, &i.uuid) {
-                    b.add_mig_unit(m.gpu.index, gi, u, &i.profile, i.mem);
+                    b.add_mig_unit((m.gpu.index, gi), u, (&i.profile, i.mem));
                 }
             }
         }
@@ -329,7 +256,7 @@ impl Broker {
 
     /// The MPS control daemon's state (MPS mode), as the shell sees it.
     pub fn set_mps(&mut self, mps: Option<MpsStatus>) {
-        self.mps = mps;
+        self.world.set_mps(mps);
     }
 
     /// What the driver said of each GPU, sampled by the shell (NVML is
@@ -338,7 +265,7 @@ impl Broker {
     pub fn telemetry(&mut self, now: Nanos, snapshot: Telemetry) {
         let now = self.clock(now);
         self.work_seen(now, &snapshot);
-        self.telemetry = snapshot;
+        self.world.set_telemetry(snapshot);
         self.outside_seen();
         self.pump(now);
     }
@@ -399,54 +326,12 @@ impl Broker {
     /// The UUIDs the shell's sampler asks the driver about: every GPU and
     /// MIG instance status shows utilisation or driver memory for.
     pub fn telemetry_uuids(&self) -> Vec<String> {
-        let live = self.live_mig_uuids();
-        self.gpus
-            .iter()
-            .filter(|g| !g.vacant() && (g.mig.is_none() || live.contains(&g.uuid_str)))
-            .map(|g| g.uuid_str.clone())
-            .collect()
-    }
-
-    /// A token for a new job: never 0 (which means "none" on the wire) nor
-    /// another job's.
-    fn new_token(&mut self) -> u64 {
-        loop {
-            let t = (self.tokens)();
-            if t != 0 && !self.jobs.contains_key(&t) {
-                return t;
-            }
-        }
+        self.gpus.telemetry_uuids(&self.ledger.live_mig_uuids())
     }
 
     fn clock(&mut self, now: Nanos) -> Nanos {
         self.now = self.now.max(now);
         self.now
-    }
-
-    /// A warning user `uid`'s connections provoked, within that user's log
-    /// budget (`may_log`): one user's flood neither floods the log nor
-    /// silences the warnings about anyone else.
-    pub(super) fn warn_uid(&mut self, uid: u32, msg: std::fmt::Arguments<'_>) {
-        if self.may_log(uid) {
-            warn!("{msg}");
-        }
-    }
-
-    /// Whether a log line user `uid`'s connections caused may be written
-    /// now: every line a client can cause (registrations, refusals,
-    /// warnings, its leases' lines) takes one from its user's budget;
-    /// lines held back are counted and said with the next line let
-    /// through.
-    pub(super) fn may_log(&mut self, uid: u32) -> bool {
-        self.voices.may_log(uid, self.now)
-    }
-
-    /// `s`, text a user sent, escaped and cut to `max` bytes
-    /// (`clip_counted`), the escaping charged to the turn.
-    pub(super) fn clip(&mut self, s: &str, max: usize) -> String {
-        let (text, read) = clip_counted(s, max);
-        self.cost.escaped += read as u64;
-        text
     }
 
     /// A new connection from `peer`, as the shell found it at accept (its
@@ -480,7 +365,7 @@ impl Broker {
             return Err(out);
         }
         tracing::debug!(pid, uid, id, "client connected");
-        self.turns.push(id, uid);
+        self.serving.push(id, uid);
         Ok(())
     }
 
@@ -504,9 +389,9 @@ impl Broker {
         {
             c.readable = true;
             if c.awaited {
-                self.turns.push_answer(id, c.peer.uid);
+                self.serving.push_answer(id, c.peer.uid);
             } else {
-                self.turns.push(id, c.peer.uid);
+                self.serving.push(id, c.peer.uid);
             }
         }
     }
@@ -515,7 +400,7 @@ impl Broker {
     /// one at once, without waiting in its poll (it is edge-triggered, and
     /// would not say again what it already said).
     pub fn busy(&self) -> bool {
-        self.turns.busy()
+        self.serving.busy()
     }
 
     /// One turn (`turns`): each user with a ready connection has its
@@ -528,10 +413,9 @@ impl Broker {
     /// is closed: a deadline is the client's, not the time the broker took
     /// to read what the client had already sent.
     pub fn turn(&mut self, io: &mut impl Sockets) {
-        let mut turns = std::mem::take(&mut self.turns);
+        let mut turns = self.serving.start_turn();
         turns.run(|id, left| self.serve_within(io, id, left));
-        let later = std::mem::replace(&mut self.turns, turns);
-        self.turns.absorb(later);
+        self.serving.end_turn(turns);
     }
 
     /// Serves `id` once, within `left` units of work.
@@ -540,8 +424,7 @@ impl Broker {
         if let Some(c) = self.conns.get_mut(&id) {
             c.awaited = false;
         }
-        let start = self.cost.units();
-        self.serve_until = start.saturating_add(left);
+        let start = self.serving.begin(left);
         if self.has_frames(id)
             || self
                 .conns
@@ -556,7 +439,7 @@ impl Broker {
         let now = self.clock(io.now());
         self.settle_overdue(now, id);
         Served {
-            work: self.cost.units() - start,
+            work: self.serving.cost().units() - start,
             more: self.has_frames(id) || self.socket_has_more(id),
         }
     }
@@ -570,8 +453,7 @@ impl Broker {
     /// arrives, until the socket is drained, the connection stops taking
     /// input (frames left for its next turn) or its part is read.
     fn read_from(&mut self, io: &mut impl Sockets, id: ConnId, left: u64) {
-        let mut buf = std::mem::take(&mut self.readbuf);
-        buf.resize(READ_CHUNK, 0);
+        let mut buf = self.serving.take_buf();
         let mut room = usize::try_from(left)
             .unwrap_or(usize::MAX)
             .clamp(MIN_READ, READ_PER_TURN);
@@ -597,7 +479,7 @@ impl Broker {
                 }
             }
         }
-        self.readbuf = buf;
+        self.serving.put_buf(buf);
     }
 
     /// A connection the sweep found past a deadline, once what its socket
@@ -632,7 +514,7 @@ impl Broker {
     #[cfg(test)]
     pub fn input(&mut self, now: Nanos, id: ConnId, bytes: &[u8]) {
         let now = self.clock(now);
-        self.serve_until = self.cost.units() + turns::WORK_PER_TURN;
+        self.serving.begin(turns::WORK_PER_TURN);
         self.take_in(now, id, bytes);
     }
 
@@ -650,7 +532,7 @@ impl Broker {
             );
             return;
         }
-        self.cost.read += bytes.len() as u64;
+        self.serving.charge().read += bytes.len() as u64;
         self.frames(now, id);
         self.pump(now);
     }
@@ -661,7 +543,7 @@ impl Broker {
     #[cfg(test)]
     pub fn serve(&mut self, now: Nanos, id: ConnId) {
         let now = self.clock(now);
-        self.serve_until = self.cost.units() + turns::WORK_PER_TURN;
+        self.serving.begin(turns::WORK_PER_TURN);
         self.frames(now, id);
         self.pump(now);
     }
@@ -678,13 +560,13 @@ impl Broker {
     /// Frames handled since the broker started.
     #[cfg(test)]
     pub fn frames_handled(&self) -> u64 {
-        self.cost.frames
+        self.serving.cost().frames
     }
 
     /// The work done since the broker started, by kind (`turns::Cost`).
     #[cfg(test)]
-    pub fn cost(&self) -> Cost {
-        self.cost
+    pub fn cost(&self) -> turns::Cost {
+        self.serving.cost()
     }
 
     /// Grant latencies, queue waits and refusals so far, for metrics.
@@ -731,7 +613,7 @@ impl Broker {
             if c.dead() || start >= c.inbuf.len() || c.status_wait().is_some() {
                 break;
             }
-            if !first && self.cost.units() >= self.serve_until {
+            if !first && self.serving.spent_up() {
                 c.more = true;
                 break;
             }
@@ -741,8 +623,8 @@ impl Broker {
                     start += used;
                     c.partial_since = None;
                     self.conns.handled(uid, used);
-                    self.cost.frames += 1;
-                    self.cost.decoded += used as u64;
+                    self.serving.charge().frames += 1;
+                    self.serving.charge().decoded += used as u64;
                     self.handle(now, id, msg);
                 }
                 Err(DecodeError::Incomplete) => {
@@ -778,36 +660,6 @@ impl Broker {
         }
     }
 
-    /// A status page, the connections it looks at charged to the turn.
-    fn status_page(&mut self, now: Nanos, from: u32) -> String {
-        self.cost.walked += (self.conns.len() * self.gpus.len().max(1)) as u64;
-        self.status_json(now, from as usize)
-    }
-
-    /// A `Status` request: answered now if its user's status budget
-    /// allows, else held (with everything after it on the connection)
-    /// until the budget refills.
-    pub(super) fn ask_status(&mut self, now: Nanos, id: ConnId, from: u32) {
-        if !self.answer_status(now, id, from) {
-            self.conns.hold_status(id, from);
-        }
-    }
-
-    /// Answers `id`'s status request if its user's budget allows; true if
-    /// it did (a held request is then no longer held).
-    fn answer_status(&mut self, now: Nanos, id: ConnId, from: u32) -> bool {
-        let Some(uid) = self.conns.get(&id).map(|c| c.peer.uid) else {
-            return false;
-        };
-        if !self.voices.page(uid, now) {
-            return false;
-        }
-        self.conns.status_answered(id);
-        let json = self.status_page(now, from);
-        self.send(id, &ServerMsg::StatusReply { json });
-        true
-    }
-
     /// Held status requests whose users' budgets have refilled: their
     /// connections get a turn, in which the page is built (and charged to
     /// their user) and what they sent after it is handled.
@@ -819,7 +671,7 @@ impl Broker {
             .collect();
         for (id, uid) in waiting {
             if self.voices.has_page(uid, now) {
-                self.turns.push(id, uid);
+                self.serving.push(id, uid);
             }
         }
     }
@@ -827,10 +679,6 @@ impl Broker {
     /// The peer hung up, or its socket failed.
     pub fn hangup(&mut self, id: ConnId) {
         self.kill(id);
-    }
-
-    fn kill(&mut self, id: ConnId) {
-        self.conns.kill(id);
     }
 
     /// What is waiting to be written to `id`.
@@ -872,7 +720,7 @@ impl Broker {
             let mut spent = self.spent(now, &[id], c.devices().iter().map(|d| d.gpu));
             spent.ooms = c.devices().iter().map(|d| d.ooms).sum();
             let used = c.devices().iter().map(|d| d.used).sum();
-            self.jobs.leave(t, id, spent, used);
+            self.ledger.jobs_mut().leave(t, id, spent, used);
         }
         self.forget_client(now, id, c);
         self.pump(now);
@@ -887,7 +735,7 @@ impl Broker {
             self.last_sweep = now;
             self.sweep(now);
         }
-        self.end_recovery(now);
+        self.ledger.end_recovery(now);
         self.pump(now);
         if now >= self.history.due() {
             let st = self.status(now);
@@ -910,14 +758,15 @@ impl Broker {
             if !c.dead() && !c.overdue && stalled(c, now).is_some() {
                 c.overdue = true;
                 c.readable = true;
-                self.turns.push(id, c.peer.uid);
+                self.serving.push(id, c.peer.uid);
             }
         }
         self.voices.forget_idle(now);
         let gone: Vec<(u64, u32)> = self
-            .jobs
+            .ledger
+            .jobs()
             .without_run()
-            .filter(|(_, j)| !self.alive(j))
+            .filter(|(_, j)| !self.world.alive(j))
             .map(|(t, j)| (*t, j.pid))
             .collect();
         // Named by the run's pid, as status names leases: the token is a
@@ -933,39 +782,30 @@ impl Broker {
 
     /// When `handle_timeout` next has something to do.
     pub fn next_timeout(&self) -> Option<Nanos> {
+        self.timers().next()
+    }
+
+    /// Each part's next deadline (`timers`).
+    fn timers(&self) -> Timers {
         let now = self.now;
-        let mut t = self
-            .gpus
-            .iter()
-            .filter_map(|g| g.sched.next_timeout())
-            .min();
-        let mut at = |x: Nanos| t = Some(t.map_or(x, |y| y.min(x)));
-        if self.queue.has_waiting() {
-            at(if self.queue_dirty {
-                now
-            } else {
-                self.queue_polled + QUEUE_TICK
-            });
-        }
+        let mut t = Timers::default();
+        t.set(Timer::Scheduler, self.gpus.next_timeout());
+        t.set(Timer::Jobs, self.ledger.next_timeout(now));
         let sweep = self.conns.any_unsettled()
-            || self.jobs.without_run().next().is_some()
+            || self.ledger.jobs().without_run().next().is_some()
             || !self.voices.is_empty();
         // From the last sweep, not from now: a busy broker, whose loop
         // never sleeps a whole tick, must still sweep.
-        if sweep {
-            at(self.last_sweep + SWEEP_TICK);
-        }
-        if let Some((until, _)) = &self.recovery {
-            at(*until);
-        }
+        t.set(Timer::Sweep, sweep.then_some(self.last_sweep + SWEEP_TICK));
         // A held status request: when its user's budget next refills.
         for (_, uid, _) in self.conns.status_waiting() {
-            at(self.voices.next_page(uid).unwrap_or(now));
+            t.set(
+                Timer::Status,
+                Some(self.voices.next_page(uid).unwrap_or(now)),
+            );
         }
-        if let Some(s) = self.save_due() {
-            at(s);
-        }
-        at(self.history.due());
+        t.set(Timer::Save, self.save_due());
+        t.set(Timer::History, Some(self.history.due()));
         // Overdue stays overdue: the shell then calls `handle_timeout` at
         // once (each overdue timer is one it clears).
         t
@@ -973,31 +813,7 @@ impl Broker {
 
     /// Work for the shell, in order.
     pub fn poll_work(&mut self) -> Option<Work> {
-        self.work.pop_front()
-    }
-
-    fn send(&mut self, id: ConnId, msg: &ServerMsg) {
-        let Some((pid, uid)) = self.conns.get(&id).map(|c| (c.peer.pid, c.peer.uid)) else {
-            return;
-        };
-        let sent = self.conns.send(id, msg);
-        self.cost.sent += sent.bytes as u64;
-        match sent.over {
-            None | Some(Over::Input) => {}
-            Some(Over::Outbuf) => self.warn_uid(
-                uid,
-                format_args!(
-                    "pid {pid} (uid {uid}) is not reading what it asked for; disconnecting it"
-                ),
-            ),
-            Some(Over::Output) => self.warn_uid(
-                uid,
-                format_args!(
-                    "user {uid}'s output budget is exhausted (its connections are not reading); \
-                     closing the connection of pid {pid} that went over"
-                ),
-            ),
-        }
+        self.ledger.poll_work()
     }
 
     /// Everything the state machines decided since the last turn.
@@ -1040,23 +856,33 @@ impl Broker {
         }
         // The queue is sorted and walked only when something changed, or
         // once a tick while time alone may change its order.
-        let due = self.queue_dirty || now >= self.queue_polled + QUEUE_TICK;
-        if due {
-            self.queue_dirty = false;
-            self.queue_polled = now;
-            if self.placing(now) {
-                for lease in self.queue.poll(now) {
-                    self.placed(now, lease, None);
-                }
+        if let Some(placed) = self.ledger.poll(now) {
+            for lease in placed {
+                self.placed(now, lease, None);
             }
             self.tell_positions(now);
         }
     }
 
-    /// The queue, to change it: it is polled again at the next `pump`.
-    fn queue_mut(&mut self) -> &mut Queue {
-        self.queue_dirty = true;
-        &mut self.queue
+    /// What the shell made of a MIG lease's steps.
+    pub fn mig_done(&mut self, now: Nanos, done: MigDone) {
+        let now = self.clock(now);
+        self.mig_made(now, done);
+        self.pump(now);
+    }
+
+    /// Books what a previous broker left (leases first, then the queue in
+    /// its original order) before any client is heard, so no GPU is handed
+    /// out twice. Jobs whose `gpufrac run` has died are dropped. When the
+    /// newest state could not be trusted, new placements are held for
+    /// the recovery grace, while running jobs claim back what it lost.
+    pub fn restore(&mut self, now: Nanos, loaded: crate::statefile::Loaded) {
+        let now = self.clock(now);
+        let world = &self.world;
+        let alive = |j: &Job| world.alive(j);
+        self.ledger
+            .restore(now, loaded, alive, self.cfg.recovery_grace);
+        self.saves.changed();
     }
 
     /// The state to write, if it changed and a write is due: (its number,
@@ -1066,8 +892,9 @@ impl Broker {
         if self.save_due().is_none_or(|t| t > now) {
             return None;
         }
-        let seq = self.saves.start(now, self.jobs.unsaved_users());
-        Some((seq, crate::jobs::encode(self.jobs.values())))
+        let jobs = self.ledger.jobs();
+        let seq = self.saves.start(now, jobs.unsaved_users());
+        Some((seq, crate::jobs::encode(jobs.values())))
     }
 
     /// What a clean stop leaves for the next broker: the jobs whose
@@ -1076,7 +903,12 @@ impl Broker {
     /// alive, and nothing needs to outlive the stop. Those whose run died
     /// are left out: the next broker would drop them at once.
     pub fn stop_state(&mut self) -> Option<Kept> {
-        let live: Vec<&Job> = self.jobs.values().filter(|j| self.alive(j)).collect();
+        let live: Vec<&Job> = self
+            .ledger
+            .jobs()
+            .values()
+            .filter(|j| self.world.alive(j))
+            .collect();
         if live.is_empty() {
             return None;
         }
@@ -1092,7 +924,7 @@ impl Broker {
     /// When the next write may go (`Saves::due`), a lease its run waits
     /// for counted for its user.
     fn save_due(&self) -> Option<Nanos> {
-        self.saves.due(self.jobs.unsaved_users())
+        self.saves.due(self.ledger.jobs().unsaved_users())
     }
 
     /// State number `seq` was written, or could not be (then leases are
@@ -1104,107 +936,10 @@ impl Broker {
         // Leases granted but not yet durable are told to their run once
         // the state that books them is on disk, so that a crash never
         // forgets a lease a job already holds.
-        for t in self.jobs.saved(seq) {
+        for t in self.ledger.jobs_mut().saved(seq) {
             self.tell_lease(t);
         }
         self.pump(now);
-    }
-
-    fn changed(&mut self) {
-        self.saves.changed();
-    }
-
-    /// Whether a job's `gpufrac run` is still the process that asked.
-    fn alive(&self, j: &Job) -> bool {
-        self.procs.start_time(j.pid) == Some(j.start_time)
-    }
-
-    fn sched_cfg(&self) -> SchedConfig {
-        self.cfg.sched
-    }
-
-    /// The GPU of this UUID; a GPU the broker did not find (it runs
-    /// without a driver; `clients::may_name` said it may be learnt) is
-    /// arbitrated all the same, by UUID, in a vacant entry if there is one.
-    fn gpu_by_uuid(&mut self, uuid: &[u8; 16], total: u64) -> usize {
-        if let Some(i) = self
-            .gpus
-            .iter()
-            .position(|g| &g.uuid == uuid && !g.vacant())
-        {
-            return i;
-        }
-        let unit = Gpu {
-            index: None,
-            uuid: *uuid,
-            uuid_str: uuid_string(uuid),
-            name: "unknown".into(),
-            total_mem: total,
-            sched: Scheduler::new(self.sched_cfg()),
-            mig: None,
-            learned: Some(HashMap::new()),
-        };
-        match self.gpus.iter().position(Gpu::vacant) {
-            Some(i) => {
-                self.gpus[i] = unit;
-                i
-            }
-            None => {
-                self.gpus.push(unit);
-                self.gpus.len() - 1
-            }
-        }
-    }
-
-    /// MIG devices of the instances that exist now.
-    fn live_mig_uuids(&self) -> Vec<String> {
-        self.queue
-            .mig()
-            .status()
-            .into_iter()
-            .flat_map(|g| g.instances.into_iter().filter_map(|i| i.uuid))
-            .collect()
-    }
-
-    /// A MIG instance becomes a unit of arbitration, so that its processes
-    /// (registering with its MIG device UUID) are known. The entry of an
-    /// instance that is gone, and that no process names any more, is
-    /// reused: entries stay bounded by the instances a node can hold.
-    fn add_mig_unit(&mut self, parent: u32, gi: u32, uuid: &str, profile: &str, mem: u64) {
-        let Some(bytes) = wire::parse_uuid(uuid) else {
-            warn!(
-                gpu = parent,
-                gi,
-                "MIG device {uuid} has a UUID of the old form (driver before R470); its processes cannot register with the broker"
-            );
-            return;
-        };
-        if self.gpus.iter().any(|g| g.uuid == bytes) {
-            return;
-        }
-        let unit = Gpu {
-            index: Some(parent),
-            uuid: bytes,
-            uuid_str: uuid.to_owned(),
-            name: format!("MIG {profile} (GPU {parent}, GPU instance {gi})"),
-            total_mem: mem,
-            sched: Scheduler::new(self.sched_cfg()),
-            mig: Some((parent, gi)),
-            learned: None,
-        };
-        let live = self.live_mig_uuids();
-        let stale = (0..self.gpus.len()).find(|&i| {
-            self.gpus[i].mig.is_some()
-                && !live.contains(&self.gpus[i].uuid_str)
-                && !self
-                    .conns
-                    .values()
-                    .any(|c| c.devices().iter().any(|d| d.gpu == i))
-        });
-        match stale {
-            Some(i) => self.gpus[i] = unit,
-            None => self.gpus.push(unit),
-        }
     }
 }
 

@@ -14,7 +14,7 @@ impl Broker {
         let Some(peer) = self.conns.get(&id).map(|c| c.peer.clone()) else {
             return;
         };
-        let reply = match self.jobs.entry(&token) {
+        let reply = match self.ledger.jobs().entry(&token) {
             // The token proves the job; the user's own (or root) only, so
             // that a leaked token tells nobody else anything.
             Some(e) if e.job.uid == peer.uid || peer.uid == 0 => {
@@ -34,21 +34,22 @@ impl Broker {
                 },
             );
         }
-        let members: Vec<ConnId> = self.jobs.members(&token).collect();
+        let members: Vec<ConnId> = self.ledger.jobs().members(&token).collect();
         let gpus: Vec<usize> = members
             .iter()
             .filter_map(|m| self.conns.get(m))
             .flat_map(|c| c.devices().iter().map(|d| d.gpu))
             .collect();
         let live = self.spent(now, &members, gpus);
-        let Some(e) = self.jobs.entry(&token) else {
+        let Some(e) = self.ledger.jobs().entry(&token) else {
             return;
         };
         let secs = |ns: u64| ns as f64 / 1e9;
         let summary = JobSummary {
             job: e.job.pid,
             gpus: self
-                .queue
+                .ledger
+                .queue()
                 .lease(token)
                 .map_or_else(Vec::new, |l| l.gpus.clone()),
             queued_s: secs(e.queued_ns),

@@ -234,6 +234,82 @@ impl Turns {
     }
 }
 
+/// The core's service as one part: the turns, the work done so far
+/// (what turns are charged), how far the connection being served may go,
+/// and the one buffer every read of a turn goes through.
+#[derive(Default)]
+pub(super) struct Serving {
+    turns: Turns,
+    cost: Cost,
+    /// Frames of the connection being served are handled while the work
+    /// done is below this (its user's part of the turn).
+    until: u64,
+    readbuf: Vec<u8>,
+}
+
+impl Serving {
+    /// `id`, of user `uid`, has something to do: in its user's line.
+    pub fn push(&mut self, id: ConnId, uid: u32) {
+        self.turns.push(id, uid);
+    }
+
+    /// `id` carries an answer the core awaits: served ahead of the round.
+    pub fn push_answer(&mut self, id: ConnId, uid: u32) {
+        self.turns.push_answer(id, uid);
+    }
+
+    pub fn busy(&self) -> bool {
+        self.turns.busy()
+    }
+
+    /// The turns, to run one: what becomes ready meanwhile is pushed here
+    /// and served after it (`end_turn`).
+    pub fn start_turn(&mut self) -> Turns {
+        std::mem::take(&mut self.turns)
+    }
+
+    /// The turn run: its lines again, with what became ready during it
+    /// behind them.
+    pub fn end_turn(&mut self, turns: Turns) {
+        let later = std::mem::replace(&mut self.turns, turns);
+        self.turns.absorb(later);
+    }
+
+    /// Work to charge (each counter bumped where the work is done).
+    pub fn charge(&mut self) -> &mut Cost {
+        &mut self.cost
+    }
+
+    pub fn cost(&self) -> Cost {
+        self.cost
+    }
+
+    /// A serve begins with `left` units of its user's part: the work done
+    /// so far, to charge the serve the difference.
+    pub fn begin(&mut self, left: u64) -> u64 {
+        let start = self.cost.units();
+        self.until = start.saturating_add(left);
+        start
+    }
+
+    /// The serve has spent its part: frames left wait for the next.
+    pub fn spent_up(&self) -> bool {
+        self.cost.units() >= self.until
+    }
+
+    /// The read buffer, `READ_CHUNK` long (give it back: its room is kept
+    /// from turn to turn).
+    pub fn take_buf(&mut self) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.readbuf);
+        buf.resize(READ_CHUNK, 0);
+        buf
+    }
+
+    pub fn put_buf(&mut self, buf: Vec<u8>) {
+        self.readbuf = buf;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,5 +492,70 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_serve_is_spent_up_at_its_part_and_charged_the_difference() {
+        let mut sv = Serving::default();
+        sv.charge().read += 100;
+        let start = sv.begin(2 * FRAME_WORK);
+        assert_eq!(start, 100);
+        assert!(!sv.spent_up());
+        sv.charge().frames += 1;
+        assert!(!sv.spent_up());
+        sv.charge().frames += 1;
+        assert!(sv.spent_up(), "two frames are its part");
+        assert_eq!(sv.cost().units() - start, 2 * FRAME_WORK);
+        // A part as large as can be does not overflow.
+        sv.begin(u64::MAX);
+        assert!(!sv.spent_up());
+    }
+
+    #[test]
+    fn what_becomes_ready_during_a_turn_is_served_after_it() {
+        let mut sv = Serving::default();
+        sv.push(1, 10);
+        assert!(sv.busy());
+        let mut turns = sv.start_turn();
+        assert!(!sv.busy(), "the turn runs on its own lines");
+        let mut order = Vec::new();
+        turns.run(|id, _| {
+            order.push(id);
+            Served {
+                work: 1,
+                more: false,
+            }
+        });
+        // Became ready while the turn ran.
+        sv.push(2, 20);
+        sv.end_turn(turns);
+        assert!(sv.busy());
+        let mut turns = sv.start_turn();
+        turns.run(|id, _| {
+            order.push(id);
+            Served {
+                work: 1,
+                more: false,
+            }
+        });
+        sv.end_turn(turns);
+        assert_eq!(order, [1, 2]);
+        assert!(!sv.busy());
+    }
+
+    #[test]
+    fn the_read_buffer_keeps_its_room_from_turn_to_turn() {
+        let mut sv = Serving::default();
+        let mut buf = sv.take_buf();
+        assert_eq!(buf.len(), READ_CHUNK);
+        buf[0] = 7;
+        let at = buf.as_ptr();
+        sv.put_buf(buf);
+        let buf = sv.take_buf();
+        assert_eq!(
+            (buf.len(), buf.as_ptr()),
+            (READ_CHUNK, at),
+            "not made again"
+        );
     }
 }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use gpufrac_common::wire;
 
-use super::clients::DEFAULT_WEIGHT;
+use super::groups::DEFAULT_WEIGHT;
 use super::leases::describe;
 use super::{Broker, Nanos};
 use crate::jobs::Phase;
@@ -38,7 +38,7 @@ const STATUS_PAGE: usize = 1000;
 impl Broker {
     pub fn status(&self, now: Nanos) -> Status {
         let now = now.max(self.now);
-        let leases = self.queue.leases();
+        let leases = self.ledger.queue().leases();
         // What each job's processes hold together, per GPU: summed once,
         // not once per process.
         let mut job_used: HashMap<(u64, usize), u64> = HashMap::new();
@@ -53,7 +53,7 @@ impl Broker {
         }
         let mut gpus = Vec::new();
         let managed = self.managed();
-        let mig_status = self.queue.mig().status();
+        let mig_status = self.ledger.queue().mig().status();
         let live: Vec<&str> = mig_status
             .iter()
             .flat_map(|g| g.instances.iter().filter_map(|i| i.uuid.as_deref()))
@@ -76,7 +76,7 @@ impl Broker {
                     continue;
                 };
                 let s = st.iter().find(|s| s.client == id);
-                let job = sh.member_of.and_then(|t| self.jobs.get(&t));
+                let job = sh.member_of.and_then(|t| self.ledger.jobs().get(&t));
                 let (uid, weight) = self.user_of(c);
                 units.insert(
                     c.peer.pid,
@@ -99,7 +99,10 @@ impl Broker {
                         .mps_pipe
                         .as_ref()
                         .and_then(|_| job.and_then(|j| j.compute)),
-                    driver_mem: self.telemetry.process_memory(&g.uuid_str, c.peer.pid),
+                    driver_mem: self
+                        .world
+                        .telemetry()
+                        .process_memory(&g.uuid_str, c.peer.pid),
                     ooms: d.ooms,
                     share_target: s.map_or(0.0, |s| s.target),
                     share_achieved: s.map_or(0.0, |s| s.achieved),
@@ -177,7 +180,7 @@ impl Broker {
                 committed_mem,
                 utilization: match g.mig {
                     Some(_) => None,
-                    None => self.telemetry.utilization(&g.uuid_str),
+                    None => self.world.telemetry().utilization(&g.uuid_str),
                 },
                 holder: g
                     .sched
@@ -209,13 +212,14 @@ impl Broker {
                 g.mig_instance,
             )
         });
-        let mut why: HashMap<u64, Why> = self.queue.why(now).into_iter().collect();
+        let mut why: HashMap<u64, Why> = self.ledger.queue().why(now).into_iter().collect();
         let queue = self
-            .queue
+            .ledger
+            .queue()
             .waiting(now)
             .into_iter()
             .map(|w| {
-                let job = self.jobs.get(&w.id);
+                let job = self.ledger.jobs().get(&w.id);
                 let why = why.remove(&w.id).unwrap_or_default();
                 QueueEntry {
                     position: w.position as u32,
@@ -234,22 +238,23 @@ impl Broker {
                     },
                     waiting_s: w.waited as f64 / 1e9,
                     escalated: w.escalated,
-                    reason: if self.placing(now) {
+                    reason: if self.ledger.placing(now) {
                         why.reason
                     } else {
                         "recovering".into()
                     },
-                    why: if self.placing(now) {
+                    why: if self.ledger.placing(now) {
                         why.text
                     } else {
-                        format!("{}; {}", self.recovering_text(now), why.text)
+                        format!("{}; {}", self.ledger.recovering_text(now), why.text)
                     },
                     waits_for: why.gpus,
                 }
             })
             .collect();
         let leases = self
-            .jobs
+            .ledger
+            .jobs()
             .iter()
             .filter(|(_, j)| !matches!(j.phase, Phase::Queued { .. }))
             .map(|(t, j)| LeaseEntry {
@@ -258,18 +263,21 @@ impl Broker {
                 pod: j.pod.clone(),
                 command: j.label.clone(),
                 gpus: self
-                    .queue
+                    .ledger
+                    .queue()
                     .lease(*t)
                     .map_or_else(Vec::new, |l| l.gpus.clone()),
                 mem_cap: j.mem_cap,
                 held_s: self
-                    .jobs
+                    .ledger
+                    .jobs()
                     .leased_at(t)
                     .map_or(0.0, |at| now.saturating_sub(at) as f64 / 1e9),
                 compute: j.compute,
                 limit: j.limit,
                 connected: self
-                    .jobs
+                    .ledger
+                    .jobs()
                     .run(t)
                     .is_some_and(|c| self.conns.contains_key(&c)),
             })
@@ -285,12 +293,8 @@ impl Broker {
             leases,
             next: None,
             truncated: false,
-            mps: self.mps.clone(),
-            recovery: self
-                .recovery
-                .as_ref()
-                .filter(|(until, _)| now < *until)
-                .map(|_| self.recovering_text(now)),
+            mps: self.world.mps().cloned(),
+            recovery: (!self.ledger.placing(now)).then(|| self.ledger.recovering_text(now)),
             history: None,
         }
     }
@@ -303,7 +307,7 @@ impl Broker {
             let Some(unit) = units.get(&p.pid) else {
                 continue;
             };
-            let job = unit.job.and_then(|t| self.jobs.get(&t));
+            let job = unit.job.and_then(|t| self.ledger.jobs().get(&t));
             let (uid, weight) = (unit.uid, unit.weight);
             let u = users.entry(uid).or_insert_with(|| UserShare {
                 uid,
@@ -361,7 +365,7 @@ impl Broker {
             .map(|i| {
                 let (state, job, idle_s) = match i.use_ {
                     Use::Lease(_) if i.gi.is_none() => ("creating", None, None),
-                    Use::Lease(id) => ("in-use", self.jobs.get(&id).map(|j| j.pid), None),
+                    Use::Lease(id) => ("in-use", self.ledger.jobs().get(&id).map(|j| j.pid), None),
                     Use::Idle { since } => {
                         ("idle", None, Some(now.saturating_sub(since) as f64 / 1e9))
                     }
@@ -387,11 +391,11 @@ impl Broker {
             total_mem: m.gpu.total_mem,
             slots_total: 0,
             slots_used: 0,
-            committed_mem: self.queue.mig().committed(m.gpu.index),
+            committed_mem: self.ledger.queue().mig().committed(m.gpu.index),
             free_mem: m
                 .gpu
                 .total_mem
-                .saturating_sub(self.queue.mig().committed(m.gpu.index)),
+                .saturating_sub(self.ledger.queue().mig().committed(m.gpu.index)),
             // NVML does not report utilisation in MIG mode.
             utilization: None,
             holder: None,

@@ -112,7 +112,7 @@ fn labels_are_cut_leases_bounded_and_state_writes_coalesced() {
     assert_eq!(refusals, 250 - b.leases, "bob's leases past his budget");
     // 250 ms of churn: at most one write per SAVE_EVERY (and the first).
     assert!(writes <= 4, "{writes} writes");
-    let bytes = crate::jobs::encode(t.b.jobs.values());
+    let bytes = crate::jobs::encode(t.b.ledger.jobs().values());
     assert!(
         bytes.len() < b.leases * (b.label * 2 + 400),
         "{} bytes",

@@ -91,8 +91,8 @@ fn check(t: &mut T) {
         "connections without hello or with half a frame"
     );
     // Each job's members are the connections that say they are its.
-    for (token, _) in b.jobs.iter() {
-        let e = b.jobs.entry(token).expect("listed");
+    for (token, _) in b.ledger.jobs().iter() {
+        let e = b.ledger.jobs().entry(token).expect("listed");
         assert_eq!(
             e.members,
             scan(&|c| c.member_of() == Some(*token)),
@@ -100,27 +100,31 @@ fn check(t: &mut T) {
         );
     }
     // The job table's indexes: each job under its run and its user.
-    for (&token, j) in b.jobs.iter() {
-        assert!(b.jobs.run_by(j.pid, j.start_time).is_some(), "job by run");
+    for (&token, j) in b.ledger.jobs().iter() {
         assert!(
-            b.jobs.of_user(j.uid).any(|k| k.token == token),
+            b.ledger.jobs().run_by(j.pid, j.start_time).is_some(),
+            "job by run"
+        );
+        assert!(
+            b.ledger.jobs().of_user(j.uid).any(|k| k.token == token),
             "job by user"
         );
     }
-    let runless: BTreeSet<u64> = b.jobs.without_run().map(|(&t, _)| t).collect();
+    let runless: BTreeSet<u64> = b.ledger.jobs().without_run().map(|(&t, _)| t).collect();
     let scanned: BTreeSet<u64> = b
-        .jobs
+        .ledger
+        .jobs()
         .iter()
         .map(|(&t, _)| t)
-        .filter(|t| b.jobs.run(t).is_none())
+        .filter(|t| b.ledger.jobs().run(t).is_none())
         .collect();
     assert_eq!(runless, scanned, "jobs without a run");
-    let mut users: BTreeSet<u32> = b.jobs.values().map(|j| j.uid).collect();
+    let mut users: BTreeSet<u32> = b.ledger.jobs().values().map(|j| j.uid).collect();
     users.extend([ALICE, BOB, PLUGIN]);
     for uid in users {
         assert_eq!(
-            b.jobs.of_user(uid).count(),
-            b.jobs.values().filter(|j| j.uid == uid).count(),
+            b.ledger.jobs().of_user(uid).count(),
+            b.ledger.jobs().values().filter(|j| j.uid == uid).count(),
             "jobs of {uid}"
         );
     }
@@ -131,7 +135,7 @@ fn check(t: &mut T) {
             claims.entry(t).or_default().insert(id);
         }
     }
-    assert_eq!(b.claims, claims, "token claims");
+    assert_eq!(*b.ledger.claims(), claims, "token claims");
     // Which learnt GPUs each user's registered processes name.
     for (g, gpu) in b.gpus.iter().enumerate() {
         let Some(named) = &gpu.learned else {
@@ -148,14 +152,17 @@ fn check(t: &mut T) {
     let orphans: BTreeSet<ConnId> = b
         .conns
         .iter()
-        .filter(|(_, c)| c.member_of().is_some_and(|t| !b.jobs.contains_key(&t)))
+        .filter(|(_, c)| {
+            c.member_of()
+                .is_some_and(|t| !b.ledger.jobs().contains_key(&t))
+        })
         .map(|(&id, _)| id)
         .collect();
     assert!(orphans.is_empty(), "members of ended jobs: {orphans:?}");
-    if !t.b.queue_dirty {
-        let at = t.b.queue_polled;
-        for w in t.b.queue.waiting(at) {
-            let told = t.b.queue.told(w.id);
+    if !t.b.ledger.is_dirty() {
+        let at = t.b.ledger.polled();
+        for w in t.b.ledger.queue().waiting(at) {
+            let told = t.b.ledger.queue().told(w.id);
             assert!(
                 !gpufrac_common::wire::position_worth_telling(told, w.position as u32),
                 "position {} told as {told:?}",
@@ -163,7 +170,7 @@ fn check(t: &mut T) {
             );
         }
         assert!(
-            t.b.queue.poll(at).is_empty(),
+            t.b.ledger.queue_in_test().poll(at).is_empty(),
             "the queue was not polled after it changed"
         );
     }
@@ -212,7 +219,7 @@ fn run(ops: Vec<Op>, driverless: bool) {
             }
             Op::Join(i, j) => {
                 if let Some(id) = pick(i) {
-                    let tokens: Vec<u64> = t.b.jobs.iter().map(|(&k, _)| k).collect();
+                    let tokens: Vec<u64> = t.b.ledger.jobs().iter().map(|(&k, _)| k).collect();
                     let job = tokens.get(j).copied().unwrap_or(0x5eed + j as u64);
                     t.send(id, &ClientMsg::Join { job });
                 }
@@ -292,11 +299,11 @@ fn an_unchanged_queue_is_not_walked_again() {
             .iter()
             .any(|m| matches!(m, ServerMsg::Queued { position: 1, .. }))
     );
-    let polled = t.b.queue_polled;
-    assert!(!t.b.queue_dirty);
+    let polled = t.b.ledger.polled();
+    assert!(!t.b.ledger.is_dirty());
     // Unrelated traffic: the queue stays as it was, and is not walked.
     t.send(holder, &ClientMsg::Ping);
-    assert_eq!(t.b.queue_polled, polled);
+    assert_eq!(t.b.ledger.polled(), polled);
     // Its holder gone, the GPU goes to the waiter in the same turn.
     t.b.hangup(holder);
     t.advance(SEC);

@@ -229,7 +229,7 @@ fn the_state_file_warning_is_never_silenced_by_a_user() {
             .into(),
         );
         assert!(refused(&t.recv(c)).is_some());
-        t.b.changed();
+        t.b.saves.changed();
         let (seq, _) = t.b.take_state(t.now).expect("a state to write");
         t.b.state_saved(t.now, seq, Err("disk full".into()));
     });

@@ -315,7 +315,7 @@ proptest! {
             for &x in &attackers {
                 prop_assert!(leased(&t.recv(x)).is_none(), "an attacker was booked");
             }
-            prop_assert!(t.b.jobs.values().all(|j| j.uid != NOBODY));
+            prop_assert!(t.b.ledger.jobs().values().all(|j| j.uid != NOBODY));
         }
         t.advance(grace);
         let p = t.spawn(1);

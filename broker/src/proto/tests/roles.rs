@@ -103,7 +103,7 @@ fn a_cli_clients_messages_on_a_shim_connection_are_refused_and_closed() {
     t.advance(SEC);
     let st = t.status();
     assert!(st.leases.is_empty() && st.queue.is_empty(), "{st:?}");
-    assert!(t.b.jobs.len() == 0);
+    assert!(t.b.ledger.jobs().len() == 0);
     assert!(st.gpus[0].processes.is_empty());
 }
 
@@ -180,7 +180,7 @@ fn frames_after_a_refused_message_are_not_handled() {
     let ms = t.recv(c);
     closed_with(&t, c, &ms);
     t.advance(SEC);
-    assert!(t.b.jobs.len() == 0 && t.status().queue.is_empty());
+    assert!(t.b.ledger.jobs().len() == 0 && t.status().queue.is_empty());
 }
 
 /// What a generated client sends.
@@ -259,7 +259,7 @@ fn to_wire(t: &T, pid: u32, m: &Msg) -> ClientMsg {
         },
         Msg::Drained => ClientMsg::Drained { uuid: g },
         Msg::Join(n) => ClientMsg::Join {
-            job: t.b.jobs.iter().nth(*n).map_or(3, |(t, _)| *t),
+            job: t.b.ledger.jobs().iter().nth(*n).map_or(3, |(t, _)| *t),
         },
         Msg::Ping => ClientMsg::Ping,
         Msg::Status => ClientMsg::Status { from: 0 },
@@ -287,13 +287,13 @@ fn outside(role: Role, m: &Msg) -> bool {
 /// a queue position are a CLI client's.
 fn check_roles(t: &T) -> Result<(), TestCaseError> {
     let role = |id: ConnId| t.b.conns.get(&id).and_then(|c| c.role());
-    for g in &t.b.gpus {
+    for g in t.b.gpus.iter() {
         for s in g.sched.status(t.now) {
             prop_assert_eq!(role(s.client), Some(Role::Shim), "in a GPU's scheduler");
         }
     }
-    for (token, _) in t.b.jobs.iter() {
-        let e = t.b.jobs.entry(token).expect("listed");
+    for (token, _) in t.b.ledger.jobs().iter() {
+        let e = t.b.ledger.jobs().entry(token).expect("listed");
         if let Some(run) = e.run.filter(|r| t.b.conns.contains_key(r)) {
             prop_assert_eq!(role(run), Some(Role::Cli), "a job's run");
         }

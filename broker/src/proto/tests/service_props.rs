@@ -364,7 +364,7 @@ proptest! {
         let vc = t.spawn(ap);
         let c = t.connect_shim(vc, ALICE);
         t.register(c, Priority::Normal);
-        for (token, j) in t.b.jobs.iter() {
+        for (token, j) in t.b.ledger.jobs().iter() {
             if j.uid == BOB {
                 prop_assert_eq!(j.start_time, attacker_start);
                 let member = t.b.conns.get(&c).and_then(|c| c.member_of());

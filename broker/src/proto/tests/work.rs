@@ -8,7 +8,7 @@
 //! 128 KiB of control characters, then cut each to 256 bytes.
 
 use super::*;
-use crate::proto::turns::{FRAME_WORK, PROC_READ_WORK};
+use crate::proto::turns::{Cost, FRAME_WORK, PROC_READ_WORK};
 
 /// The longest string a frame's field holds, of control characters.
 fn hostile() -> String {
