@@ -391,7 +391,7 @@ fn the_brokers_own_words_in_a_refusal_forge_no_field() {
 /// the `low` process asked, the class was at once 757 ms into a 500 ms
 /// share of its 1 s window, and every `high` burst was passed over until
 /// the window slid: the burst at 780 ms was granted at 1297 ms.
-/// (broker/src/sched/limits.rs, `sync_meters`: `self.high.set(high_on,
+/// (then the scheduler's limits, `sync_meters`: `self.high.set(high_on,
 /// now)` whether or not `high_bounded`.) Arriving at 1000 ms instead, it
 /// recalls a burst midway, which then waits to the end of the scene
 /// (500 ms): a burst still waiting at the end counts as waiting until it.
