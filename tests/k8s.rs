@@ -1022,12 +1022,7 @@ fn yaml_docs(python: &Path, file: &Path) -> Vec<serde_json::Value> {
 #[test]
 fn the_manifests_pass_kubernetes_openapi_schema() {
     const WHAT: &str = "the OpenAPI schema check of deploy/k8s";
-    let Some(venv) = venv(
-        "kubernetes-validate",
-        WHAT,
-        &["kubernetes-validate==1.37.0"],
-        "about 25 MB",
-    ) else {
+    let Some(venv) = kubernetes_validate_venv(WHAT) else {
         return;
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s");

@@ -1261,12 +1261,7 @@ fn podman_runs_a_container_of_the_claim_capped() {
 #[test]
 fn the_slices_and_manifests_pass_kubernetes_openapi_schema() {
     const WHAT: &str = "the OpenAPI schema check of the DRA plugin's ResourceSlices";
-    let Some(venv) = venv(
-        "kubernetes-validate",
-        WHAT,
-        &["kubernetes-validate==1.37.0"],
-        "about 25 MB",
-    ) else {
+    let Some(venv) = kubernetes_validate_venv(WHAT) else {
         return;
     };
     let api = ApiServer::start();

@@ -1374,6 +1374,17 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// The venv that holds kubernetes-validate, made if missing ([`venv`]);
+/// `None` where `what`, an engine test, is not to run.
+pub fn kubernetes_validate_venv(what: &str) -> Option<PathBuf> {
+    venv(
+        "kubernetes-validate",
+        what,
+        &["kubernetes-validate==1.37.0"],
+        "about 25 MB",
+    )
+}
+
 /// `kubernetes-validate --strict` (from the venv at `venv`) on `files`,
 /// against the schemas of each Kubernetes release the manifests support.
 pub fn kubernetes_validate(venv: &Path, files: &[PathBuf]) {
