@@ -1192,7 +1192,9 @@ fn a_test_past_its_mark_says_so_within_80_columns_and_which_mark_would_pass() {
     let r = Run::new("wheel-mark");
     let args = ["-n", "2", "--gpufrac-memory", "2G", "test_mark.py"];
     let mut cmd = r.pytest(py, &args);
-    cmd.env("COLUMNS", "80").env_remove("CI").env_remove("BUILD_NUMBER");
+    cmd.env("COLUMNS", "80")
+        .env_remove("CI")
+        .env_remove("BUILD_NUMBER");
     let o = output_within(cmd, 300.0, "the marked run", &r.scratch.0);
     assert!(stdout(&o).contains("1 failed, 1 passed"), "{}", out(&o));
     let line = stdout(&o)
