@@ -246,6 +246,40 @@ impl Kid {
         Self::spawn_raw(cmd, what)
     }
 
+    /// Spawns with stdout and stderr captured, and waits for the first
+    /// line of its stdout to be `ready`: anything else, or its end, is an
+    /// error carrying what it said.
+    pub fn spawn_ready(mut cmd: Command, what: &str, ready: &str) -> Result<Kid, String> {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().map_err(|e| format!("starting {what}: {e}"))?;
+        let err = drain(child.stderr.take());
+        let mut out = child.stdout.take().map(std::io::BufReader::new);
+        let mut first = String::new();
+        if let Some(o) = out.as_mut() {
+            let _ = std::io::BufRead::read_line(o, &mut first);
+        }
+        let mut kid = Kid {
+            child: Some(child),
+            what: what.into(),
+            out: drain(out),
+            err,
+        };
+        if first.trim_end() == ready {
+            return Ok(kid);
+        }
+        kid.kill();
+        let stderr = kid
+            .err
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        Err(format!(
+            "{what} did not start: {}{}",
+            first.trim(),
+            stderr.trim()
+        ))
+    }
+
     /// Spawns with stdio as the command has it.
     pub fn spawn_raw(mut cmd: Command, what: &str) -> Result<Kid, String> {
         let mut child = cmd.spawn().map_err(|e| format!("starting {what}: {e}"))?;

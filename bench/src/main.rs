@@ -10,8 +10,8 @@
 //! `arbitration` (3: shares, utilisation, switch cost), `scale` (4: broker
 //! scale), `latency` (5: an interactive process beside batch work),
 //! `accuracy` (6: shares with short and long kernels). `gpufrac-bench
-//! scale-client …` is the simulated shim of section 4 (an internal
-//! subcommand).
+//! scale-client …` is the simulated shim of section 4, `gpufrac-bench
+//! queue-client …` its deep queue (internal subcommands).
 
 mod sections;
 
@@ -51,6 +51,10 @@ enum Internal {
     /// The simulated shim of section 4 (started by the section itself).
     #[command(hide = true)]
     ScaleClient(sections::scale::ClientArgs),
+    /// Section 4's deep queue, in a process of its own (started by the
+    /// section itself).
+    #[command(hide = true)]
+    QueueClient(sections::queue::QueueArgs),
 }
 
 fn section_key(s: &str) -> Result<&'static str, String> {
@@ -71,8 +75,10 @@ fn section_key(s: &str) -> Result<&'static str, String> {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut opts = Opts::parse();
-    if let Some(Internal::ScaleClient(c)) = opts.internal {
-        return sections::scale::client_main(&c);
+    match &opts.internal {
+        Some(Internal::ScaleClient(c)) => return sections::scale::client_main(c),
+        Some(Internal::QueueClient(q)) => return sections::queue::queue_main(q),
+        None => {}
     }
     opts.only.sort_unstable();
     opts.only.dedup();

@@ -8,16 +8,12 @@
 //! and without the churn on one broker.
 
 use super::f;
-use super::shims::{
-    Clients, Cycle, HOLD_NS, MS, ask, collect, deep_queue, gpu_uuids, spawn_clients, start_broker,
-};
+use super::queue::{Churn, churn_counts, spawn_queue};
+use super::shims::{Clients, Cycle, HOLD_NS, MS, collect, gpu_uuids, spawn_clients, start_broker};
 use gpufrac_bench::clock::{mono_ns, sleep_until};
 use gpufrac_bench::harness::{Artifacts, cpu_seconds_precise};
 use gpufrac_bench::report::{Check, Table};
 use gpufrac_bench::stats::percentile_u64;
-use gpufrac_bench::wirec::WireClient;
-use gpufrac_common::wire::{Role, ServerMsg};
-use std::path::Path;
 use std::time::Duration;
 
 /// How often the other user's client asks.
@@ -273,15 +269,23 @@ struct Window {
 }
 
 /// The churning queue: `windows` windows, without and with churn in turn.
+/// The queue and its churn are a process of their own (`queue`), beside
+/// the clients, never their ancestor: a job's run's children are the
+/// job's.
 fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, String> {
     let (uid, more) = other_user();
     let broker = start_broker(a, 1, more)?;
-    let mut waiting = deep_queue(&broker, QUEUED)?;
-    let _holder = waiting.remove(0);
     let uuids = gpu_uuids(&broker, 1)?;
     let lead = 1000 * MS + BESIDE as u64 * 10 * MS;
     let start = mono_ns() + lead;
     let end = start + windows * window_ns;
+    let churn = Churn {
+        start,
+        window_ns,
+        windows,
+        per_s: CHURN_PER_S,
+    };
+    let queue = spawn_queue(a, &broker, QUEUED, Some(&churn))?.ok_or("no queue")?;
     let clients = |n, period, uid| Clients {
         n,
         start,
@@ -294,24 +298,24 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
     let (theirs, _) = spawn_clients(a, &broker, clients(1, OTHER_PERIOD_NS, uid))?;
     let pid = broker.pid();
     let cpu = || cpu_seconds_precise(pid).ok_or("broker /proc/stat");
-    let socket = broker.socket.clone();
-    let (spans, counts) = std::thread::scope(|s| {
-        let churner = s.spawn(|| churner(&socket, &mut waiting, start, window_ns, windows));
-        let mut spans = Vec::new();
-        for w in 0..windows {
-            let from = start + w * window_ns;
-            sleep_until(from + 100 * MS);
-            let (c0, t0) = (cpu()?, mono_ns());
-            sleep_until(from + window_ns);
-            let (c1, t1) = (cpu()?, mono_ns());
-            spans.push((c1 - c0, t0, t1));
-        }
-        let counts = churner
-            .join()
-            .unwrap_or_else(|_| Err("the churn thread panicked".into()))?;
-        Ok::<_, String>((spans, counts))
-    })?;
+    let mut spans = Vec::new();
+    for w in 0..windows {
+        let from = start + w * window_ns;
+        sleep_until(from + 100 * MS);
+        let (c0, t0) = (cpu()?, mono_ns());
+        sleep_until(from + window_ns);
+        let (c1, t1) = (cpu()?, mono_ns());
+        spans.push((c1 - c0, t0, t1));
+    }
     let span = Duration::from_nanos(lead + windows * window_ns);
+    let counts = churn_counts(queue, span)?;
+    if counts.len() != spans.len() {
+        return Err(format!(
+            "the queue process counted {} windows, not {}",
+            counts.len(),
+            spans.len()
+        ));
+    }
     let (cycles, _) = collect(kids, span)?;
     let (other, _) = collect(theirs, span)?;
     Ok(spans
@@ -336,52 +340,6 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
             }
         })
         .collect())
-}
-
-/// Drives the churn from `start`: in odd windows, `CHURN_PER_S` times a
-/// second a request arrives (connects, asks, is queued) and a random
-/// waiting one leaves (disconnects); in every window the waiting requests'
-/// messages are read every 50 ms. Per window: (arrivals, messages read).
-fn churner(
-    socket: &Path,
-    waiting: &mut Vec<WireClient>,
-    start: u64,
-    window_ns: u64,
-    windows: u64,
-) -> Result<Vec<(u64, u64)>, String> {
-    let tick = 1_000_000_000 / CHURN_PER_S;
-    let mut out = vec![(0, 0); windows as usize];
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = start;
-    let mut k = 0u64;
-    while next < start + windows * window_ns {
-        sleep_until(next);
-        let w = ((next - start) / window_ns) as usize;
-        if w % 2 == 1 {
-            let mut c = WireClient::connect(socket, Role::Cli)?;
-            c.send(&ask(16 << 30))?;
-            match c.recv()? {
-                ServerMsg::Queued { .. } => {}
-                ServerMsg::Error { message, .. } => return Err(message),
-                other => return Err(format!("a churn request: {other:?}")),
-            }
-            waiting.push(c);
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            let gone = waiting.swap_remove((x >> 33) as usize % waiting.len());
-            drop(gone);
-            out[w].0 += 1;
-        }
-        if k.is_multiple_of(5) {
-            for c in waiting.iter_mut() {
-                out[w].1 += c.drain()? as u64;
-            }
-        }
-        k += 1;
-        next += tick;
-    }
-    Ok(out)
 }
 
 /// The churning queue's table, targets and raw figures.

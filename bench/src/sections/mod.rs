@@ -10,6 +10,7 @@ pub mod free;
 pub mod hook;
 pub mod latency;
 mod loadgen;
+pub mod queue;
 pub mod scale;
 mod shims;
 

@@ -5,8 +5,8 @@
 
 use super::f;
 use super::shims::{
-    Clients, Cycle, HOLD_NS, MAX_PROCESSES, MS, PROCESSES_ABOVE, collect, deep_queue, gpu_uuids,
-    spawn_clients, start_broker,
+    Clients, Cycle, HOLD_NS, MAX_PROCESSES, MS, PROCESSES_ABOVE, collect, gpu_uuids, spawn_clients,
+    start_broker,
 };
 use gpufrac_bench::clock::{mono_ns, sleep_until};
 use gpufrac_bench::harness::{Artifacts, Broker, cpu_seconds, cpu_seconds_precise, vm_kib};
@@ -277,7 +277,8 @@ fn one(
     queued: usize,
 ) -> Result<RowResult, String> {
     let broker = start_broker(a, gpus, &[])?;
-    let _waiting = deep_queue(&broker, queued)?;
+    // Its own process: the clients below must not be its job's.
+    let _waiting = super::queue::spawn_queue(a, &broker, queued, None)?;
     let uuids = gpu_uuids(&broker, gpus)?;
     let per_gpu = n.div_ceil(gpus);
     let period_ns = BASE_PERIOD_NS.max((per_gpu as f64 * HOLD_NS as f64 / MAX_LOAD) as u64);

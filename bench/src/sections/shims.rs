@@ -1,11 +1,10 @@
 //! Section 4's simulated shims and brokers, for its periodic rows
 //! (`scale`) and its rows that contend (`contend`): a fresh broker, its
 //! GPUs, `gpufrac-bench scale-client` processes started and their cycles
-//! collected, and a deep queue of waiting requests.
+//! collected (the deep queue of waiting requests is `queue`'s).
 
 use gpufrac_bench::harness::{Artifacts, Broker, Kid, die_with_parent};
-use gpufrac_bench::wirec::{WireClient, parse_uuid};
-use gpufrac_common::wire::{ClientMsg, LeaseReq, Role, ServerMsg};
+use gpufrac_bench::wirec::parse_uuid;
 use std::process::Command;
 use std::time::Duration;
 
@@ -145,54 +144,4 @@ pub(super) fn collect(kids: Vec<Kid>, span: Duration) -> Result<(Vec<Cycle>, u64
         }
     }
     Ok((cycles, errors))
-}
-
-/// A queued `gpufrac run`'s request for `mem` of GPU memory.
-pub(super) fn ask(mem: u64) -> ClientMsg {
-    ClientMsg::Lease(LeaseReq {
-        want_gpus: 0,
-        want_mem: mem,
-        compute: None,
-        limit: None,
-        no_wait: false,
-        command: "gpufrac-bench deep-queue".into(),
-        priority: None,
-        resume: 0,
-        token: 0,
-        pin: Vec::new(),
-    })
-}
-
-/// A lease holding 1 GiB of GPU 0, then `n` requests for 16 GiB that wait
-/// behind it (each could fit an empty GPU, so none is refused). Their
-/// connections are returned, the holder's first: the requests wait as long
-/// as they are open.
-pub(super) fn deep_queue(broker: &Broker, n: usize) -> Result<Vec<WireClient>, String> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    let mut held = Vec::with_capacity(n + 1);
-    let mut holder = WireClient::connect(&broker.socket, Role::Cli)?;
-    holder.send(&ask(1 << 30))?;
-    loop {
-        match holder.recv()? {
-            ServerMsg::Leased(_) => break,
-            ServerMsg::Error { message, .. } => return Err(message),
-            _ => {}
-        }
-    }
-    held.push(holder);
-    for i in 0..n {
-        let mut c = WireClient::connect(&broker.socket, Role::Cli)?;
-        c.send(&ask(16 << 30))?;
-        match c.recv()? {
-            ServerMsg::Queued { .. } => {}
-            ServerMsg::Error { message, .. } => {
-                return Err(format!("queued request {i}: {message}"));
-            }
-            other => return Err(format!("queued request {i}: {other:?}")),
-        }
-        held.push(c);
-    }
-    Ok(held)
 }
