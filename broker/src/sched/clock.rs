@@ -91,7 +91,7 @@ pub(super) struct Member {
 }
 
 impl Member {
-    fn flow(&self) -> UserRef {
+    pub(super) fn flow(&self) -> UserRef {
         (self.band, self.user)
     }
 }
@@ -143,9 +143,10 @@ impl Unit {
     }
 }
 
-/// The weights of a flow's competing clients, by unit and user.
+/// The weights of a flow's competing clients, by unit and user (and, in
+/// `entitled`, of its asking ones).
 #[derive(Debug, Clone, Default)]
-struct Weights {
+pub(super) struct Weights {
     units: BTreeMap<GroupId, Unit>,
     /// The sum of the competing units' weights.
     unit_sum: f64,
@@ -154,7 +155,7 @@ struct Weights {
 }
 
 impl Weights {
-    fn add(&mut self, m: &Member) {
+    pub(super) fn add(&mut self, m: &Member) {
         let unit = self.units.entry(m.unit).or_default();
         let before = unit.weight();
         unit.own.add(m.own);
@@ -163,7 +164,7 @@ impl Weights {
         self.user.add(m.user_weight);
     }
 
-    fn remove(&mut self, m: &Member) {
+    pub(super) fn remove(&mut self, m: &Member) {
         if let Some(unit) = self.units.get_mut(&m.unit) {
             let before = unit.weight();
             unit.own.remove(m.own);
@@ -182,8 +183,35 @@ impl Weights {
         self.user.remove(m.user_weight);
     }
 
+    pub(super) fn is_empty(&self) -> bool {
+        self.units.is_empty()
+    }
+
+    /// Whether `unit` has a member.
+    pub(super) fn has(&self, unit: GroupId) -> bool {
+        self.units.contains_key(&unit)
+    }
+
+    /// How much of the flow's part each unit's weight takes (1 over the
+    /// units' sum, times the flow's weight over its own: one for a flow
+    /// that is a unit), 0 for a flow with no unit.
+    pub(super) fn per_unit_weight(&self, key: UserKey) -> f64 {
+        let r = self.flow(key) / self.unit_sum;
+        if r.is_finite() { r } else { 0.0 }
+    }
+
+    /// How much of the unit's part each member's own weight takes (its
+    /// weight over its members' sum), 0 for a unit with no member.
+    pub(super) fn per_own_weight(&self, unit: GroupId) -> f64 {
+        let Some(u) = self.units.get(&unit) else {
+            return 0.0;
+        };
+        let r = u.weight() / u.own.total;
+        if r.is_finite() { r } else { 0.0 }
+    }
+
     /// The flow's weight in its band.
-    fn flow(&self, key: UserKey) -> f64 {
+    pub(super) fn flow(&self, key: UserKey) -> f64 {
         let w = match key {
             UserKey::User(_) => USER_SCALE * self.user.max().unwrap_or(0.0),
             UserKey::Unit(_) => self.unit_sum,

@@ -42,7 +42,6 @@ impl Scheduler {
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = now;
-        self.accrue_entitled(dt);
         let on: Vec<(ClientId, usize)> = self
             .lease
             .on_gpu()
@@ -89,6 +88,8 @@ impl Scheduler {
             self.tally.registered[class.index()] += 1;
         }
         self.clock.set_competing(id, competes, parked, now);
+        let asking = asks.then_some(super::entitled::Asks { m, parked });
+        self.entitled.set(id, asking, now);
         if old.asks != asks {
             if asks {
                 self.tally.asking.insert(id);
@@ -193,7 +194,6 @@ impl Scheduler {
         }
         self.sync_meters(now);
         self.plan(now);
-        self.note_entitled();
     }
 
     /// Every parked waiter looks again (something that kept them out may

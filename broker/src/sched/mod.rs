@@ -120,16 +120,12 @@ struct Client {
     synced: Synced,
 }
 
-/// What a client was charged and owed, for status.
+/// What a client was charged, for status (what it was owed is
+/// `entitled`'s).
 #[derive(Debug, Clone, Copy, Default)]
 struct Accounts {
     /// GPU time charged so far, ns.
     charged: f64,
-    /// Its target share integrated over the time it asked within its
-    /// ceilings, and the time its ceilings held it back while it asked,
-    /// ns (`entitled`).
-    entitled: f64,
-    held_back: f64,
 }
 
 impl Client {
@@ -192,9 +188,8 @@ pub struct Scheduler {
     /// driver's samples were judged after the last event: when any
     /// changes, parked waiters are looked at again.
     seen: (bool, bool, bool),
-    /// Each asking client's part of the time since the last event
-    /// (`entitled`).
-    parts: Vec<(ClientId, entitled::Part)>,
+    /// What each asking client is owed, or held back (`entitled`).
+    entitled: entitled::Entitled,
 }
 
 fn sanitize_weight(weight: f64) -> f64 {
@@ -238,7 +233,7 @@ impl Scheduler {
             tally: Tally::default(),
             timer: None,
             seen: (false, false, false),
-            parts: Vec::new(),
+            entitled: entitled::Entitled::default(),
         }
     }
 
@@ -358,6 +353,7 @@ impl Scheduler {
             s.tally.registered[c.class.index()] -= 1;
             s.clock.remove(id, now);
             s.evidence.forget(id);
+            s.entitled.forget(id, now);
         });
     }
 

@@ -2,7 +2,6 @@
 //! for status, and who holds the GPU.
 
 use super::clock::band;
-use super::entitled::{Part, pending_part};
 use super::{ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
 
 impl Scheduler {
@@ -30,9 +29,6 @@ impl Scheduler {
             .filter(|(_, c)| among(c))
             .map(|(&id, _)| self.clock.weight(id))
             .sum();
-        // What settle would add to each client's owed and held-back time.
-        let parts: std::collections::HashMap<ClientId, Part> = self.parts.iter().copied().collect();
-        let dt = now.saturating_sub(self.settled_at) as f64;
         // Charges since the last settle, as settle would make them.
         let n = self.lease.on_gpu().count().max(1);
         let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
@@ -47,6 +43,7 @@ impl Scheduler {
                     (c.meter.usage(self.cfg.window, now) as f64 / span as f64).min(1.0)
                 };
                 let charged = c.acct.charged + if c.synced.on_gpu { pending } else { 0.0 };
+                let (entitled, held_back) = self.entitled.of(id, now);
                 ClientStatus {
                     client: id,
                     weight,
@@ -61,8 +58,8 @@ impl Scheduler {
                     },
                     total_held: c.meter.total(now),
                     gpu_time: charged as Nanos,
-                    entitled: (c.acct.entitled + pending_part(&parts, id, dt).0) as Nanos,
-                    held_back: (c.acct.held_back + pending_part(&parts, id, dt).1) as Nanos,
+                    entitled: entitled as Nanos,
+                    held_back: held_back as Nanos,
                     draining: self.lease.draining(id),
                     hung: self.lease.hung(id),
                 }
