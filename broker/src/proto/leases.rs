@@ -515,8 +515,8 @@ impl Broker {
             .filter(|s| set.contains(&s.client))
             .fold(Spent::default(), |acc, s| {
                 acc.add(Spent {
-                    gpu_ns: s.gpu_time,
-                    owed_ns: s.entitled,
+                    gpu_ns: s.times.gpu_time,
+                    owed_ns: s.times.entitled,
                     ooms: 0,
                 })
             });

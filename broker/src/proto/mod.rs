@@ -726,18 +726,29 @@ impl Broker {
         self.pump(now);
     }
 
-    /// Timers: deadlines of connections, restored jobs whose run died,
-    /// the end of a recovery, the schedulers' and the queue's clocks.
+    /// The timers due at `now`, each to its part: deadlines of
+    /// connections and restored jobs whose run died (`Sweep`), held status
+    /// requests (`Status`), the end of a recovery (`Jobs`); the
+    /// schedulers' and the queue's clocks are the pump's, which runs
+    /// whatever was due, and the history's sample comes after it. The
+    /// state's write is the shell's (`take_state`).
     pub fn handle_timeout(&mut self, now: Nanos) {
         let now = self.clock(now);
-        self.answer_held_status(now);
-        if now.saturating_sub(self.last_sweep) >= SWEEP_TICK {
-            self.last_sweep = now;
-            self.sweep(now);
+        let due = self.timers().due(now);
+        for &t in &due {
+            match t {
+                Timer::Status => self.answer_held_status(now),
+                Timer::Sweep => {
+                    self.last_sweep = now;
+                    self.sweep(now);
+                }
+                Timer::Jobs => self.ledger.end_recovery(now),
+                Timer::Scheduler | Timer::Save | Timer::History => {}
+            }
         }
-        self.ledger.end_recovery(now);
         self.pump(now);
-        if now >= self.history.due() {
+        // Sampled once what was due has been done.
+        if due.contains(&Timer::History) {
             let st = self.status(now);
             self.history.record(now, &st);
         }

@@ -1,5 +1,6 @@
 //! The core's timers as one table: each part reports its next deadline
-//! under its name, and `Broker::next_timeout` is the table's minimum.
+//! under its name, `Broker::next_timeout` is the table's minimum and
+//! `Broker::handle_timeout` hands each due timer to its part.
 //! Named, a part's deadline is its own to report: no part scans another's
 //! state to find when it is next due.
 
@@ -44,8 +45,7 @@ impl Timers {
         self.0.iter().flatten().copied().min()
     }
 
-    /// The timers due at `now`.
-    #[cfg(test)]
+    /// The timers due at `now`, in the table's order.
     pub fn due(&self, now: Nanos) -> Vec<Timer> {
         const ALL: [Timer; TIMERS] = [
             Timer::Scheduler,

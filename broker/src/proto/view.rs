@@ -121,9 +121,9 @@ impl Broker {
                         ClientState::Revoking => "revoking".into(),
                     }),
                     priority: s.map_or(Priority::Normal, |s| s.priority).as_str().into(),
-                    gpu_time_s: s.map_or(0.0, |s| s.gpu_time as f64 / 1e9),
-                    entitled_s: s.map_or(0.0, |s| s.entitled as f64 / 1e9),
-                    held_back_s: s.map_or(0.0, |s| s.held_back as f64 / 1e9),
+                    gpu_time_s: s.map_or(0.0, |s| s.times.gpu_time as f64 / 1e9),
+                    entitled_s: s.map_or(0.0, |s| s.times.entitled as f64 / 1e9),
+                    held_back_s: s.map_or(0.0, |s| s.times.held_back as f64 / 1e9),
                     draining: s.is_some_and(|s| s.draining),
                 });
             }

@@ -54,8 +54,8 @@ use meter::Meter;
 
 pub use gpufrac_common::config::Priority;
 pub use types::{
-    Action, ClientId, ClientState, ClientStatus, GrantId, GroupId, Nanos, SchedConfig, UserId,
-    Weights, parse_weight,
+    Action, ClientId, ClientState, ClientStatus, ClientTimes, GrantId, GroupId, Nanos, SchedConfig,
+    UserId, Weights, parse_weight,
 };
 
 const MS: Nanos = 1_000_000;

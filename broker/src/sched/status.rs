@@ -2,7 +2,7 @@
 //! for status, and who holds the GPU.
 
 use super::clock::band;
-use super::{ClientId, ClientState, ClientStatus, Nanos, Priority, Scheduler};
+use super::{ClientId, ClientState, ClientStatus, ClientTimes, Nanos, Priority, Scheduler};
 
 impl Scheduler {
     pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
@@ -56,10 +56,12 @@ impl Scheduler {
                     } else {
                         0.0
                     },
-                    total_held: c.meter.total(now),
-                    gpu_time: charged as Nanos,
-                    entitled: entitled as Nanos,
-                    held_back: held_back as Nanos,
+                    times: ClientTimes {
+                        total_held: c.meter.total(now),
+                        gpu_time: charged as Nanos,
+                        entitled: entitled as Nanos,
+                        held_back: held_back as Nanos,
+                    },
                     draining: self.lease.draining(id),
                     hung: self.lease.hung(id),
                 }

@@ -116,21 +116,30 @@ pub struct ClientStatus {
     /// active band but `high` ones (a share among the shares); 0 for an
     /// idle client, one of a lower band, or a `high` one (above shares).
     pub target: f64,
+    /// Its times so far.
+    #[serde(flatten)]
+    pub times: ClientTimes,
+    /// Released, with queued work still running.
+    pub draining: bool,
+    /// Revoked, past its grace, still not released.
+    pub hung: bool,
+}
+
+/// A client's times since it registered, ns: what it held, what it was
+/// charged and what it was owed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClientTimes {
     /// Time on the GPU (holding or draining), wall clock.
     pub total_held: Nanos,
     /// GPU time charged: wall time on the GPU, split evenly while several
     /// clients' work shared it.
     pub gpu_time: Nanos,
-    /// Its target share integrated over the time it was busy and its
-    /// ceilings let it be granted, ns (`entitled`): what it was owed.
+    /// Its target share integrated over the time it asked in the top
+    /// band, its ceilings letting it run (`entitled`): what it was owed.
     pub entitled: Nanos,
-    /// Time it was busy but held back by its ceilings (its limit, its
-    /// job's, the `high` class's share, its want of evidence of work), ns.
+    /// Time it asked but was held back by its ceilings (its limit, its
+    /// job's, the `high` class's share, its want of evidence of work).
     pub held_back: Nanos,
-    /// Released, with queued work still running.
-    pub draining: bool,
-    /// Revoked, past its grace, still not released.
-    pub hung: bool,
 }
 
 /// Priorities by name in status JSON (`"high"`), as users spell them.

@@ -98,7 +98,7 @@ fn a_high_holder_that_never_releases_is_passed_over() {
     // The stuck client held half of the window before 2 came: 2 waits
     // at most about half a window, then has the GPU (charged half of it
     // while the stuck client's work is deemed to share it).
-    let held = victim.total_held;
+    let held = victim.times.total_held;
     assert!(held >= 9 * SEC, "victim held {held} ns of 10 s");
 }
 

@@ -9,9 +9,9 @@ use super::*;
 fn owed(sim: &Sim, id: ClientId) -> (f64, f64, f64) {
     let s = status_of(&sim.s, sim.now, id);
     (
-        s.entitled as f64 / SEC as f64,
-        s.gpu_time as f64 / SEC as f64,
-        s.held_back as f64 / SEC as f64,
+        s.times.entitled as f64 / SEC as f64,
+        s.times.gpu_time as f64 / SEC as f64,
+        s.times.held_back as f64 / SEC as f64,
     )
 }
 

@@ -58,13 +58,13 @@ fn handover_does_not_wait_for_the_old_holders_work() {
     s.release(30 * MS, 1);
     assert!(status_of(&s, 30 * MS, 1).draining);
     let before = (
-        status_of(&s, 30 * MS, 1).gpu_time,
-        status_of(&s, 30 * MS, 2).gpu_time,
+        status_of(&s, 30 * MS, 1).times.gpu_time,
+        status_of(&s, 30 * MS, 2).times.gpu_time,
     );
     s.drained(32 * MS, 1);
     let after = (
-        status_of(&s, 32 * MS, 1).gpu_time,
-        status_of(&s, 32 * MS, 2).gpu_time,
+        status_of(&s, 32 * MS, 1).times.gpu_time,
+        status_of(&s, 32 * MS, 2).times.gpu_time,
     );
     assert_eq!(after.0 - before.0, MS);
     assert_eq!(after.1 - before.1, MS);
@@ -172,8 +172,11 @@ fn a_waker_whose_work_ran_on_was_charged_for_it() {
     s.acquire(SEC, 1);
     s.drained(SEC + 200 * MS, 2);
     drain(&mut s);
-    assert_eq!(status_of(&s, SEC + 200 * MS, 2).gpu_time, SEC + 100 * MS);
-    assert_eq!(status_of(&s, SEC + 200 * MS, 1).gpu_time, 100 * MS);
+    assert_eq!(
+        status_of(&s, SEC + 200 * MS, 2).times.gpu_time,
+        SEC + 100 * MS
+    );
+    assert_eq!(status_of(&s, SEC + 200 * MS, 1).times.gpu_time, 100 * MS);
     s.acquire(SEC + 200 * MS, 2);
     assert!(s.clock.lag(2).abs() < 1.0, "lag {}", s.clock.lag(2));
     assert_eq!(drain(&mut s), vec![revoke(1, 2), grant(2, 3, None, BB)]);
@@ -198,7 +201,7 @@ fn idle_early_release_hands_over_immediately() {
     assert_eq!(s.holder(), Some(2));
     assert_eq!(s.state(1), Some(ClientState::Idle));
     s.drained(SEC + 5 * MS, 1);
-    assert_eq!(status_of(&s, SEC + 5 * MS, 1).total_held, 5 * MS);
+    assert_eq!(status_of(&s, SEC + 5 * MS, 1).times.total_held, 5 * MS);
 }
 
 #[test]
@@ -244,7 +247,11 @@ fn stuck_holder_is_passed_over_at_once_marked_hung_and_charged() {
     assert!(st.hung);
     // Charged as on the GPU all along (half of it since the handover).
     let want = 2 * MS + (SEC - 2 * MS) / 2;
-    assert!(st.gpu_time.abs_diff(want) < MS, "{} vs {want}", st.gpu_time);
+    assert!(
+        st.times.gpu_time.abs_diff(want) < MS,
+        "{} vs {want}",
+        st.times.gpu_time
+    );
     // The hang ends: it still has work, so it re-queues.
     sim.stuck.remove(&1);
     sim.s.acquire(SEC, 1);
@@ -270,5 +277,5 @@ fn a_release_without_drained_is_charged_until_the_timeout() {
     s.handle_timeout(110 * MS);
     let st = status_of(&s, 200 * MS, 1);
     assert!(!st.draining);
-    assert_eq!(st.gpu_time, 110 * MS);
+    assert_eq!(st.times.gpu_time, 110 * MS);
 }

@@ -67,7 +67,7 @@ fn earlier_now_is_clamped() {
     s.acquire(SEC, 1);
     s.release(0, 1);
     s.drained(0, 1);
-    assert_eq!(status_of(&s, 0, 1).total_held, 0);
+    assert_eq!(status_of(&s, 0, 1).times.total_held, 0);
 }
 
 #[test]

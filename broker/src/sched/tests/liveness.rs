@@ -26,7 +26,7 @@ fn an_idle_normal_holder_does_not_keep_low_off_the_gpu() {
     sim.run_until(cfg.timeslice + cfg.grace);
     assert!(status_of(&sim.s, sim.now, 1).hung);
     sim.run_until(10 * SEC);
-    let held = status_of(&sim.s, sim.now, 2).total_held;
+    let held = status_of(&sim.s, sim.now, 2).times.total_held;
     assert!(
         held >= 10 * SEC - cfg.timeslice - 2 * cfg.wake,
         "low held {held} ns of 10 s"
@@ -46,7 +46,7 @@ fn a_busy_holder_recalled_for_a_lower_class_keeps_the_gpu() {
     sim.start(2);
     sim.run_until(5 * SEC);
     assert!(sim.grants_to(2).is_empty(), "low was granted");
-    let held = status_of(&sim.s, sim.now, 1).total_held;
+    let held = status_of(&sim.s, sim.now, 1).times.total_held;
     assert_eq!(held, 5 * SEC);
 }
 
@@ -69,7 +69,7 @@ fn a_hung_high_holder_does_not_use_up_the_class_share() {
     sim.start(3);
     let start = sim.now;
     sim.run_until(start + 8 * SEC);
-    let held = status_of(&sim.s, sim.now, 3).total_held;
+    let held = status_of(&sim.s, sim.now, 3).times.total_held;
     // Work-conserving: the normal holder is hung, so `high` is not held
     // to its share and the victim has the GPU but for the first recalls.
     assert!(held >= 7 * SEC, "victim high held {held} ns of 8 s");

@@ -109,8 +109,8 @@ impl Sim {
         let span = self.sample_every.unwrap_or(SEC).max(1);
         let mut seen = Vec::new();
         for c in &st {
-            let before = self.held_at_sample.insert(c.client, c.total_held);
-            let on = c.total_held - before.unwrap_or(0);
+            let before = self.held_at_sample.insert(c.client, c.times.total_held);
+            let on = c.times.total_held - before.unwrap_or(0);
             if self.works.contains(&c.client) && on > 0 {
                 seen.push((c.client, (on * 100).div_ceil(span).min(100) as u32));
             } else if let Some(&pct) = self.little.get(&c.client) {
@@ -200,12 +200,12 @@ impl Sim {
     }
 
     fn gpu(&self, id: ClientId) -> Nanos {
-        status_of(&self.s, self.now, id).gpu_time
+        status_of(&self.s, self.now, id).times.gpu_time
     }
 
     /// Wall time on the GPU (not split with hung clients' deemed work).
     fn gpu_held(&self, id: ClientId) -> Nanos {
-        status_of(&self.s, self.now, id).total_held
+        status_of(&self.s, self.now, id).times.total_held
     }
 
     /// New grants (not updates) to `id`: time and initial slice.

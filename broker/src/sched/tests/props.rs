@@ -101,7 +101,7 @@ fn check(s: &Scheduler, now: Nanos) {
         assert!(c.weight.is_finite() && c.weight > 0.0, "{c:?}");
     }
     // The charges never exceed the time that has passed.
-    let total: Nanos = st.iter().map(|c| c.gpu_time).sum();
+    let total: Nanos = st.iter().map(|c| c.times.gpu_time).sum();
     assert!(total <= now + st.len() as Nanos, "{total} > {now}");
     if let Some(t) = s.next_timeout() {
         assert!(t > s.now, "timer at {t} not after {}", s.now);

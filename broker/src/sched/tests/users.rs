@@ -393,8 +393,9 @@ fn play(cfg: SchedConfig, moves: &[Move], end: Nanos) -> (Sim, Nanos) {
 
 /// The slack of the property below: what an attacker can borrow from a
 /// victim over any horizon, not per connection nor per event: its user's
-/// wake-up credit (a slice), a `high` warp (two slices) and the slice a
-/// holder may run ahead of the clock before it is revoked. (The worst of
+/// credit (a bank keeps at most a slice), a `high` warp (a slice) and the
+/// slice a holder may run ahead of its deadline before it is revoked, and
+/// a slice to spare for the drains behind revokes. (The worst of
 /// 800 random attackers came within 3 ms of half the GPU, of ~1,000
 /// busy/idle cycles timed in each class within 14 ms.)
 fn slack(cfg: &SchedConfig) -> Nanos {
