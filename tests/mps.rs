@@ -176,3 +176,85 @@ fn a_daemon_that_will_not_start_is_reported() {
     );
     assert!(!s.socket.exists(), "a refused start left its socket");
 }
+
+/// A job's `gpufrac run` under `--mps`, holding its lease until its input
+/// ends.
+fn holding(s: &Setup) -> std::process::Child {
+    let mut c = sim_command(&artifacts().gpufrac, "16G", false)
+        .env("GPUFRAC_SIM_STATE", s.dir.0.join("sim"))
+        .args(["run", "--socket"])
+        .arg(&s.socket)
+        .args([
+            "--gpu-memory",
+            "1G",
+            "--",
+            "sh",
+            "-c",
+            "echo started; read x",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert_eq!(read_line(&mut c), "started");
+    c
+}
+
+/// A clean stop while a job runs keeps its lease for the next broker (a
+/// restart, an upgrade); the job runs on as an MPS client, so the stop
+/// leaves the control daemon (and the server its job is a client of)
+/// running, and the next broker takes it over instead of starting a
+/// second. Before, the stop told it to quit under the running job. With
+/// no job left, the next stop does tell it to quit.
+#[test]
+fn a_clean_stop_with_a_job_running_leaves_the_daemon_to_the_next_broker() {
+    let s = setup("mps-kept");
+    let info = [("RUST_LOG", "info")];
+    let mut b = KillOnDrop(spawn_broker(&s, &s.path, &info));
+    wait_until(20.0, "the daemon started", || {
+        std::os::unix::net::UnixStream::connect(&s.socket).is_ok()
+            && status_cli(&s.socket)["mps"]["daemon_pid"]
+                .as_u64()
+                .is_some()
+    });
+    let pid = status_cli(&s.socket)["mps"]["daemon_pid"].as_u64().unwrap();
+    let mut job = Reap(Some(holding(&s)));
+    // SAFETY: signalling the broker this test started.
+    unsafe { libc::kill(b.0.id() as i32, libc::SIGTERM) };
+    assert!(b.0.wait().unwrap().success());
+    let broker_log = std::fs::read_to_string(s.dir.0.join("broker.log")).unwrap();
+    assert!(
+        broker_log.contains("leaving the MPS control daemon running"),
+        "{broker_log}"
+    );
+    assert!(!log(&s).contains("cmd quit"), "{}", log(&s));
+    assert!(alive(pid), "the daemon was stopped under the running job");
+
+    let mut b = KillOnDrop(spawn_broker(&s, &s.path, &info));
+    wait_until(20.0, "the next broker", || {
+        std::os::unix::net::UnixStream::connect(&s.socket).is_ok()
+    });
+    let st = status_cli(&s.socket);
+    assert_eq!(st["mps"]["state"], "running", "{st}");
+    assert_eq!(st["mps"]["daemon_pid"].as_u64(), Some(pid), "{st}");
+    assert_eq!(
+        log(&s).matches("call -d").count(),
+        1,
+        "a second daemon was started: {}",
+        log(&s)
+    );
+    release_holding(job.0.take().unwrap());
+
+    // Nothing runs now: the stop tells the daemon to quit.
+    wait_until(20.0, "the job's lease to end", || {
+        status_cli(&s.socket)["leases"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+    });
+    // SAFETY: signalling the broker this test started.
+    unsafe { libc::kill(b.0.id() as i32, libc::SIGTERM) };
+    assert!(b.0.wait().unwrap().success());
+    assert!(log(&s).contains("cmd quit"), "{}", log(&s));
+    wait_until(5.0, "the daemon gone", || !alive(pid));
+}

@@ -531,7 +531,7 @@ fn installed_unit_execstart_starts_a_broker_that_answers_and_stops_cleanly() {
     assert_eq!(j["gpus"].as_array().map(Vec::len), Some(2), "{j}");
     assert_eq!(j["version"], VERSION, "{j}");
 
-    // systemd stops it with SIGTERM (KillMode=mixed): it must leave by
+    // systemd stops it with SIGTERM (KillMode=process): it must leave by
     // itself, its socket left in place for the next start to rename its
     // own over (the path is never free for another to take).
     // SAFETY: signalling a child this test owns.

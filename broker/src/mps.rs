@@ -73,6 +73,21 @@ impl Mps {
             last_check: Instant::now(),
             pid_known: false,
         };
+        // A clean stop with jobs running leaves its daemon for them; the
+        // next broker, on the same private directory, takes it over.
+        // By its pid only: a control pipe left by a daemon that was killed
+        // is no daemon.
+        if m.daemon_pid()
+            .is_some_and(|p| Path::new(&format!("/proc/{p}")).exists())
+        {
+            m.state = "running";
+            info!(
+                pipe = %m.pipe_dir.display(),
+                pid = m.daemon_pid(),
+                "MPS control daemon already running (left for its jobs by the broker before): taken over"
+            );
+            return Ok(m);
+        }
         m.spawn()?;
         info!(pipe = %m.pipe_dir.display(), "MPS control daemon started");
         Ok(m)

@@ -197,8 +197,19 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         out_of_fds: RateLimit::new(WARN_EVERY),
     };
     let result = l.run();
+    let kept = l.core.stop_state();
     if let Some(m) = l.mps.as_mut() {
-        m.quit();
+        if kept.is_some() {
+            // The kept leases' jobs run on as its clients: quitting it
+            // would stop their servers under them. The next broker takes
+            // it over (`Mps::start`).
+            info!(
+                pipe = %m.pipe_dir.display(),
+                "leaving the MPS control daemon running for the jobs whose leases are kept"
+            );
+        } else {
+            m.quit();
+        }
     }
     // The socket stays where it is, stale: a path that is never free is
     // one nobody else can take between this stop and the next start (the
@@ -208,7 +219,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
     // a coalesced write may not have caught, is written over it.
     drop(l.saver.take());
     let _ = saver_thread.join();
-    keep_or_remove(StateFile::new(state_path), l.core.stop_state(), made_dir);
+    keep_or_remove(StateFile::new(state_path), kept, made_dir);
     result
 }
 
