@@ -180,25 +180,12 @@ fn a_daemon_that_will_not_start_is_reported() {
 /// A job's `gpufrac run` under `--mps`, holding its lease until its input
 /// ends.
 fn holding(s: &Setup) -> std::process::Child {
-    let mut c = sim_command(&artifacts().gpufrac, "16G", false)
-        .env("GPUFRAC_SIM_STATE", s.dir.0.join("sim"))
+    let mut run = sim_command(&artifacts().gpufrac, "16G", false);
+    run.env("GPUFRAC_SIM_STATE", s.dir.0.join("sim"))
         .args(["run", "--socket"])
         .arg(&s.socket)
-        .args([
-            "--gpu-memory",
-            "1G",
-            "--",
-            "sh",
-            "-c",
-            "echo started; read x",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    assert_eq!(read_line(&mut c), "started");
-    c
+        .args(["--gpu-memory", "1G", "--"]);
+    start_holding(run)
 }
 
 /// A clean stop while a job runs keeps its lease for the next broker (a

@@ -608,23 +608,23 @@ impl Broker {
     /// until a line comes on its stdin ([`release_holding`]); returned once
     /// the command has started.
     pub fn holding(&self, mem: &str) -> std::process::Child {
-        let mut c = self
-            .run(&[
-                "--gpu-memory",
-                mem,
-                "--",
-                "sh",
-                "-c",
-                "echo started; read x",
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        assert_eq!(read_line(&mut c), "started");
-        c
+        start_holding(self.run(&["--gpu-memory", mem, "--"]))
     }
+}
+
+/// `run`, a `gpufrac run … --` command line, with a command that holds
+/// its lease until a line comes on its stdin ([`release_holding`]);
+/// returned once the command has started.
+pub fn start_holding(mut run: Command) -> std::process::Child {
+    let mut c = run
+        .args(["sh", "-c", "echo started; read x"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert_eq!(read_line(&mut c), "started");
+    c
 }
 
 /// Lets a [`Broker::holding`] job's command end, and returns its run's
