@@ -9,7 +9,8 @@
 //! Sections: `hook` (1: hook overhead), `free` (2: free stays O(1)),
 //! `arbitration` (3: shares, utilisation, switch cost), `scale` (4: broker
 //! scale), `latency` (5: an interactive process beside batch work),
-//! `accuracy` (6: shares with short and long kernels). `gpufrac-bench
+//! `accuracy` (6: shares with short and long kernels); `contend` and
+//! `churn` run those parts of section 4 alone, only when named. `gpufrac-bench
 //! scale-client …` is the simulated shim of section 4, `gpufrac-bench
 //! queue-client …` its deep queue (internal subcommands).
 
@@ -31,6 +32,7 @@ struct Opts {
     quick: bool,
     /// hook | free | arbitration | scale | latency | accuracy (or 1..6); a
     /// comma-separated list, or --only more than once, runs several.
+    /// `contend` and `churn` run those parts of scale alone.
     #[arg(long, value_name = "SECTION", value_delimiter = ',', value_parser = section_key)]
     only: Vec<&'static str>,
     /// Where to write the report [default: docs/benchmarks.md for a full
@@ -65,9 +67,11 @@ fn section_key(s: &str) -> Result<&'static str, String> {
         "4" | "scale" => Ok("scale"),
         "5" | "latency" => Ok("latency"),
         "6" | "accuracy" => Ok("accuracy"),
+        "contend" => Ok("contend"),
+        "churn" => Ok("churn"),
         other => Err(format!(
             "unknown section {other:?}; expected hook, free, arbitration, scale, latency, \
-             accuracy or 1..6"
+             accuracy or 1..6 (or contend, churn: parts of scale alone)"
         )),
     }
 }
@@ -93,7 +97,10 @@ fn main() -> ExitCode {
         }
     };
     type Runner = fn(&harness::Artifacts, bool) -> Result<Section, String>;
-    let all: [(&str, &str, Runner); 6] = [
+    // `contend` and `churn` are parts of `scale`, run alone only when
+    // named.
+    let parts = ["contend", "churn"];
+    let all: [(&str, &str, Runner); 8] = [
         ("hook", "1. Hook overhead", sections::hook::run),
         ("free", "2. Free stays O(1)", sections::free::run),
         (
@@ -112,10 +119,21 @@ fn main() -> ExitCode {
             "6. Share accuracy across kernel lengths",
             sections::accuracy::run,
         ),
+        (
+            "contend",
+            sections::contend::CONTEND_TITLE,
+            sections::contend::contend_section,
+        ),
+        (
+            "churn",
+            sections::contend::CHURN_TITLE,
+            sections::contend::churn_section,
+        ),
     ];
     let mut done = Vec::new();
     for (key, title, run) in all {
-        if !opts.only.is_empty() && !opts.only.contains(&key) {
+        let named = opts.only.contains(&key);
+        if (!opts.only.is_empty() || parts.contains(&key)) && !named {
             continue;
         }
         eprintln!("gpufrac-bench: section {title} …");

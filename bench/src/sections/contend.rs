@@ -12,7 +12,7 @@ use super::queue::{Churn, churn_counts, spawn_queue};
 use super::shims::{Clients, Cycle, HOLD_NS, MS, collect, gpu_uuids, spawn_clients, start_broker};
 use gpufrac_bench::clock::{mono_ns, sleep_until};
 use gpufrac_bench::harness::{Artifacts, cpu_seconds_precise};
-use gpufrac_bench::report::{Check, Table};
+use gpufrac_bench::report::{Check, Section, Table};
 use gpufrac_bench::stats::percentile_u64;
 use std::time::Duration;
 
@@ -51,7 +51,67 @@ fn other_user() -> (Option<u32>, &'static [&'static str]) {
     }
 }
 
-pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
+/// Which of these rows a run takes.
+#[derive(Clone, Copy)]
+pub(super) struct Parts {
+    /// 64 and 1,000 clients that always ask, on 1 and 8 GPUs.
+    pub always_asking: bool,
+    /// The churning queue.
+    pub churn: bool,
+}
+
+impl Parts {
+    pub const ALL: Parts = Parts {
+        always_asking: true,
+        churn: true,
+    };
+}
+
+/// These rows alone, as a section of their own (`--only contend` or
+/// `--only churn`: quicker to measure again than the whole of section 4).
+fn section(
+    a: &Artifacts,
+    quick: bool,
+    parts: Parts,
+    (key, title): (&'static str, &str),
+) -> Result<Section, String> {
+    let c = run(a, quick, parts)?;
+    Ok(Section {
+        key,
+        title: title.into(),
+        method: vec!["As in section 4 of the full run.".into()],
+        tables: c.tables,
+        checks: c.checks,
+        notes: c.notes,
+        error: None,
+        steal_pct: None,
+        data: Some(c.data),
+        plots: Vec::new(),
+    })
+}
+
+pub const CONTEND_TITLE: &str = "4. Broker scale: every client always asks";
+pub const CHURN_TITLE: &str = "4. Broker scale: the churning queue";
+
+/// Section 4's rows where every client always asks, alone.
+pub fn contend_section(a: &Artifacts, quick: bool) -> Result<Section, String> {
+    let parts = Parts {
+        always_asking: true,
+        churn: false,
+    };
+    section(a, quick, parts, ("contend", CONTEND_TITLE))
+}
+
+/// Section 4's churning queue, alone.
+pub fn churn_section(a: &Artifacts, quick: bool) -> Result<Section, String> {
+    let parts = Parts {
+        always_asking: false,
+        churn: true,
+    };
+    section(a, quick, parts, ("churn", CHURN_TITLE))
+}
+
+pub(super) fn run(a: &Artifacts, quick: bool, parts: Parts) -> Result<Contended, String> {
     let window_ns = if quick { 1500 * MS } else { 4000 * MS };
     // 64 and 1,000 alternately, twice unless quick: the ratio is between
     // runs taken side by side.
@@ -81,7 +141,8 @@ pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
     let mut checks = Vec::new();
     let mut notes = Vec::new();
     let mut points = Vec::new();
-    for gpus in [1usize, 8] {
+    let gpu_counts: &[usize] = if parts.always_asking { &[1, 8] } else { &[] };
+    for &gpus in gpu_counts {
         // (CPU seconds, grants) summed over the rounds, per population,
         // and the other user's latencies at 1,000.
         let mut sums = [(0.0f64, 0.0f64); 2];
@@ -159,20 +220,43 @@ pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
             o99 <= OTHER_P99_TARGET_NS,
         ));
     }
-    // The contending clients' own CPU varies by tens of ms/s from one
-    // window to the next on a shared machine: more windows, unless quick.
-    let churn = churn(a, window_ns, if quick { 4 } else { 8 })?;
-    let (table, churn_checks, churn_data) = churn_report(&churn);
-    checks.extend(churn_checks);
+    let mut tables = Vec::new();
+    let mut data = serde_json::Map::new();
     let (uid, _) = other_user();
-    notes.push(format!(
+    if parts.always_asking {
+        tables.push(t);
+        data.insert("always_asking".into(), points.into());
+        notes.push(always_asking_note(uid.is_some(), rounds));
+    }
+    if parts.churn {
+        // The contending clients' own CPU varies by tens of ms/s from one
+        // window to the next on a shared machine: more windows, unless
+        // quick.
+        let churn = churn(a, window_ns, if quick { 4 } else { 8 })?;
+        let (table, churn_checks, churn_data) = churn_report(&churn);
+        checks.extend(churn_checks);
+        tables.push(table);
+        data.insert("churn".into(), churn_data);
+        notes.push(churn_note());
+    }
+    Ok(Contended {
+        tables,
+        checks,
+        notes,
+        data: data.into(),
+    })
+}
+
+/// What the rows that always ask are, for the notes.
+fn always_asking_note(nobody: bool, rounds: usize) -> String {
+    format!(
         "Rows that contend: a client that always asks sends Acquire again as soon as it sent \
          Release (and Drained), so every client of a GPU is always waiting or holding; the \
          broker's line of waiters is the whole population. The other user's client is {} \
          registered on GPU 0, asking every {} ms and holding {} us. CPU per grant at 1,000 \
          against 64 is the sum of broker CPU over the sum of grants of the {} run(s) of \
          each, taken alternately.",
-        if uid.is_some() {
+        if nobody {
             "uid 65534 (`nobody`)"
         } else {
             "the bench's own user (not root: no other uid to run as)"
@@ -180,8 +264,12 @@ pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
         OTHER_PERIOD_NS / MS,
         HOLD_NS / 1000,
         rounds
-    ));
-    notes.push(format!(
+    )
+}
+
+/// What the churning queue is, for the notes.
+fn churn_note() -> String {
+    format!(
         "The churning queue: a lease holding 1 GiB of the GPU and {QUEUED} `--gpu-memory 16G` \
          requests waiting behind it, {BESIDE} clients that always ask and the other user's \
          client, on one broker; in the churn windows, {CHURN_PER_S} times a second a new \
@@ -194,13 +282,7 @@ pub(super) fn run(a: &Artifacts, quick: bool) -> Result<Contended, String> {
          run's descendants into its job, and with the bench itself as the holder every \
          client, the other user's too, was one of that job's processes (its p99 then \
          measured 64 processes of one job taking turns, 20 ms)."
-    ));
-    Ok(Contended {
-        tables: vec![t, table],
-        checks,
-        notes,
-        data: serde_json::json!({ "always_asking": points, "churn": churn_data }),
-    })
+    )
 }
 
 fn ms(ns: u64) -> String {

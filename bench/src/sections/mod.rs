@@ -5,7 +5,7 @@
 
 pub mod accuracy;
 pub mod arbitration;
-mod contend;
+pub mod contend;
 pub mod free;
 pub mod hook;
 pub mod latency;

@@ -203,7 +203,7 @@ pub fn run(a: &Artifacts, quick: bool) -> Result<Section, String> {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         MAX_LOAD * 100.0
     ));
-    let contended = super::contend::run(a, quick)?;
+    let contended = super::contend::run(a, quick, super::contend::Parts::ALL)?;
     checks.extend(contended.checks);
     notes.extend(contended.notes);
     let mut tables = vec![t];
