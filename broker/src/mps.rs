@@ -30,6 +30,11 @@ pub struct Mps {
     pid_known: bool,
 }
 
+/// Whether process `pid` exists.
+fn running(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
 /// `nvidia-cuda-mps-control` as found on PATH.
 fn find_control() -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
@@ -77,13 +82,11 @@ impl Mps {
         // next broker, on the same private directory, takes it over.
         // By its pid only: a control pipe left by a daemon that was killed
         // is no daemon.
-        if m.daemon_pid()
-            .is_some_and(|p| Path::new(&format!("/proc/{p}")).exists())
-        {
+        if let Some(pid) = m.daemon_pid().filter(|&p| running(p)) {
             m.state = "running";
             info!(
                 pipe = %m.pipe_dir.display(),
-                pid = m.daemon_pid(),
+                pid,
                 "MPS control daemon already running (left for its jobs by the broker before): taken over"
             );
             return Ok(m);
@@ -138,7 +141,7 @@ impl Mps {
     /// without it must not be restarted in a loop).
     fn alive(&self) -> bool {
         match self.daemon_pid() {
-            Some(p) => Path::new(&format!("/proc/{p}")).exists(),
+            Some(p) => running(p),
             None => self.pipe_dir.join("control").exists(),
         }
     }
