@@ -7,7 +7,7 @@ use crate::clock::mono_ns;
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 pub struct Artifacts {
@@ -251,19 +251,14 @@ impl Kid {
     /// error carrying what it said.
     pub fn spawn_ready(mut cmd: Command, what: &str, ready: &str) -> Result<Kid, String> {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = cmd.spawn().map_err(|e| format!("starting {what}: {e}"))?;
-        let err = drain(child.stderr.take());
-        let mut out = child.stdout.take().map(std::io::BufReader::new);
         let mut first = String::new();
-        if let Some(o) = out.as_mut() {
-            let _ = std::io::BufRead::read_line(o, &mut first);
-        }
-        let mut kid = Kid {
-            child: Some(child),
-            what: what.into(),
-            out: drain(out),
-            err,
-        };
+        let mut kid = Self::start(cmd, what, |out| {
+            let mut out = out.map(std::io::BufReader::new);
+            if let Some(o) = out.as_mut() {
+                let _ = std::io::BufRead::read_line(o, &mut first);
+            }
+            drain(out)
+        })?;
         if first.trim_end() == ready {
             return Ok(kid);
         }
@@ -274,17 +269,27 @@ impl Kid {
             .and_then(|h| h.join().ok())
             .unwrap_or_default();
         Err(format!(
-            "{what} did not start: {}{}",
-            first.trim(),
+            "{what} did not start: its first line was {:?}, not {ready:?}; stderr: {}",
+            first.trim_end(),
             stderr.trim()
         ))
     }
 
     /// Spawns with stdio as the command has it.
-    pub fn spawn_raw(mut cmd: Command, what: &str) -> Result<Kid, String> {
+    pub fn spawn_raw(cmd: Command, what: &str) -> Result<Kid, String> {
+        Self::start(cmd, what, drain)
+    }
+
+    /// Spawns, its stdout handed to `out` (which returns what reads the
+    /// rest of it), its stderr read on a thread.
+    fn start(
+        mut cmd: Command,
+        what: &str,
+        out: impl FnOnce(Option<ChildStdout>) -> Option<std::thread::JoinHandle<String>>,
+    ) -> Result<Kid, String> {
         let mut child = cmd.spawn().map_err(|e| format!("starting {what}: {e}"))?;
-        let out = drain(child.stdout.take());
         let err = drain(child.stderr.take());
+        let out = out(child.stdout.take());
         Ok(Kid {
             child: Some(child),
             what: what.into(),
