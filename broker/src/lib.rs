@@ -49,6 +49,7 @@ pub(crate) mod startup;
 pub(crate) mod statefile;
 pub(crate) mod stats;
 pub(crate) mod status;
+pub(crate) mod weights;
 
 pub mod gpus;
 pub mod harness;
@@ -70,12 +71,12 @@ pub mod options {
 
     /// One `--user-weight NAME=WEIGHT`.
     pub fn user_weight(s: &str) -> Result<(), String> {
-        crate::sched::parse_weight("--user-weight", s, crate::startup::uid_of).map(drop)
+        crate::weights::parse_weight("--user-weight", s, crate::startup::uid_of).map(drop)
     }
 
     /// One `--group-weight NAME=WEIGHT`.
     pub fn group_weight(s: &str) -> Result<(), String> {
-        crate::sched::parse_weight("--group-weight", s, crate::startup::gid_of).map(drop)
+        crate::weights::parse_weight("--group-weight", s, crate::startup::gid_of).map(drop)
     }
 }
 

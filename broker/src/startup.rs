@@ -15,8 +15,9 @@ use crate::mig_nvml::{MigDriver, NvmlMig};
 use crate::procs::LiveProcs;
 use crate::proto::{self, Broker, Budgets};
 use crate::queue::{Placement, QueueConfig};
-use crate::sched::{SchedConfig, Weights, parse_weight};
+use crate::sched::SchedConfig;
 use crate::statefile::StateFile;
+use crate::weights::{Weights, parse_weight};
 use gpufrac_common::wire::uuid_string;
 
 #[derive(Clone, Debug)]

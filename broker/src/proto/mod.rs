@@ -64,9 +64,10 @@ use outside::World;
 /// source must be unguessable.
 pub type Tokens = Box<dyn FnMut() -> u64>;
 use crate::queue::{self, Queue, QueueConfig};
-use crate::sched::{Action, SchedConfig, Weights};
+use crate::sched::{Action, SchedConfig};
 use crate::stats::{Refusal, Stats};
 use crate::status::MpsStatus;
+use crate::weights::Weights;
 use gpufrac_common::wire::uuid_string;
 use gpus::Gpus;
 use ledger::Ledger;

@@ -54,7 +54,7 @@ impl Scheduler {
         let even = dt as f64 / on.len() as f64;
         for (id, b) in on {
             self.clock.charge(id, dt as f64 / above[b] as f64);
-            self.clients.get_mut(&id).expect("on the GPU").acct.charged += even;
+            self.clients.get_mut(&id).expect("on the GPU").charged += even;
         }
     }
 
@@ -63,7 +63,7 @@ impl Scheduler {
     /// waits in the run queue, its meters, its `high` work.
     pub(super) fn sync(&mut self, id: ClientId, now: Nanos) {
         let c = &self.clients[&id];
-        let (old, m, class) = (c.synced, c.member(), c.class);
+        let (old, m, class) = (c.synced, c.m, c.class);
         let on_gpu = matches!(c.state, ClientState::Holding | ClientState::Revoking)
             || self.lease.draining(id);
         if c.state != ClientState::Waiting {
@@ -90,13 +90,6 @@ impl Scheduler {
         self.clock.set_competing(id, competes, parked, now);
         let asking = asks.then_some(super::entitled::Asks { m, parked });
         self.entitled.set(id, asking, now);
-        if old.asks != asks {
-            if asks {
-                self.tally.asking.insert(id);
-            } else {
-                self.tally.asking.remove(&id);
-            }
-        }
         if old.queued != waits || old.class != Some(class) || moved {
             if old.queued {
                 self.tally.queued[old.class.expect("queued").index()] -= 1;
@@ -125,7 +118,6 @@ impl Scheduler {
             member: Some(m),
             class: Some(class),
             queued: waits,
-            asks,
             on_gpu,
             high,
         };
@@ -157,7 +149,7 @@ impl Scheduler {
     pub(super) fn moved(&mut self, id: ClientId, old: u64, limit: Option<f64>, _now: Nanos) {
         self.ceilings.member(old, None, -1);
         let c = &self.clients[&id];
-        let (key, group) = (c.user_key(), c.who.group);
+        let (key, group) = (c.m.user, c.m.unit);
         self.ceilings.member(group, limit, 1);
         let h = self.ceilings.take_history((key, group));
         let c = self.clients.get_mut(&id).expect("registered");
@@ -500,13 +492,13 @@ impl Scheduler {
         let who = Who {
             limit: c.limit,
             meter: &c.meter,
-            group: c.who.group,
-            high: (c.class == Priority::High).then(|| (c.user_key(), c.user_part())),
+            group: c.m.unit,
+            high: (c.class == Priority::High).then(|| (c.m.user, c.user_part())),
         };
         let mut all = self.ceilings.of(&who, bounded, now);
         let b = band(c.class);
         if self.lower_wants(b) && self.evidence.judging(now) && !self.evidence.proven(id, now) {
-            all.push(self.evidence.ceiling((b, c.user_key()), now));
+            all.push(self.evidence.ceiling((b, c.m.user), now));
         }
         all
     }
@@ -539,7 +531,7 @@ impl Scheduler {
         let lower = q[Priority::Normal.index()] + q[Priority::Low.index()] > 0;
         let high = holder
             .filter(|(_, c)| c.class == Priority::High && lower && self.cfg.high_share < 1.0)
-            .map(|(_, c)| (c.user_key(), c.user_part()));
+            .map(|(_, c)| (c.m.user, c.user_part()));
         self.ceilings.sync_high(high, now);
         let doubting = holder
             .map(|(h, _)| h)
@@ -549,7 +541,7 @@ impl Scheduler {
                 let b = band(c.class);
                 self.lower_waits(b) && self.evidence.judging(now) && !self.evidence.proven(h, now)
             })
-            .map(|(_, c)| (band(c.class), c.user_key()));
+            .map(|(_, c)| (band(c.class), c.m.user));
         self.evidence.sync(doubting, now);
     }
 

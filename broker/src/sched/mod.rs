@@ -55,7 +55,7 @@ use meter::Meter;
 pub use gpufrac_common::config::Priority;
 pub use types::{
     Action, ClientId, ClientState, ClientStatus, ClientTimes, GrantId, GroupId, Nanos, SchedConfig,
-    UserId, Weights, parse_weight,
+    UserId,
 };
 
 const MS: Nanos = 1_000_000;
@@ -68,29 +68,12 @@ const US: Nanos = 1_000;
 /// to its user, and throttled by the `high` share's meter.
 const WARP_SLICES: f64 = 1.0;
 
-/// A client's place in the hierarchy, as set by the caller.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Membership {
-    /// The weight the client declared (or was given).
-    own: f64,
-    /// The unit that holds a share: a job (lease) or a user's processes
-    /// outside any job. Defaults to the client's own id, a unit of one.
-    group: GroupId,
-    /// The unit's weight when imposed (a lease's `--gpu-compute`).
-    unit_weight: Option<f64>,
-    /// The user the unit belongs to, and the user's weight; None: the
-    /// unit stands for itself.
-    user: Option<(UserId, f64)>,
-}
-
 /// What a client last put in the parts, to change only what moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Synced {
     member: Option<Member>,
     class: Option<Priority>,
     queued: bool,
-    /// It waited or held.
-    asks: bool,
     on_gpu: bool,
     /// Its user, and the user's weight, while it has `high` work.
     high: Option<(UserKey, f64)>,
@@ -99,7 +82,8 @@ struct Synced {
 #[derive(Debug, Clone)]
 struct Client {
     class: Priority,
-    who: Membership,
+    /// What the clock weighs it by (its band and `high` follow `class`).
+    m: Member,
     limit: Option<f64>,
     state: ClientState,
     added_at: Nanos,
@@ -116,55 +100,57 @@ struct Client {
     let_go: Option<Nanos>,
     /// On the GPU: holding, revoking or draining.
     meter: Meter,
-    acct: Accounts,
+    /// GPU time charged so far, ns (what it was owed is `entitled`'s).
+    charged: f64,
     synced: Synced,
 }
 
-/// What a client was charged, for status (what it was owed is
-/// `entitled`'s).
-#[derive(Debug, Clone, Copy, Default)]
-struct Accounts {
-    /// GPU time charged so far, ns.
-    charged: f64,
-}
-
 impl Client {
-    fn user_key(&self) -> UserKey {
-        match self.who.user {
-            Some((u, _)) => UserKey::User(u),
-            None => UserKey::Unit(self.who.group),
+    fn new(class: Priority, own: f64, limit: Option<f64>, id: ClientId, now: Nanos) -> Client {
+        let m = Member {
+            band: band(class),
+            user: UserKey::Unit(id),
+            unit: id,
+            own,
+            unit_weight: None,
+            user_weight: 1.0,
+            high: class == Priority::High,
+        };
+        Client {
+            class,
+            m,
+            limit,
+            state: ClientState::Idle,
+            added_at: now,
+            wants_again: false,
+            waking: false,
+            let_go: None,
+            meter: Meter::default(),
+            charged: 0.0,
+            synced: Synced::default(),
         }
     }
 
-    /// What the clock weighs it by.
-    fn member(&self) -> Member {
-        Member {
-            band: band(self.class),
-            user: self.user_key(),
-            unit: self.who.group,
-            own: self.who.own,
-            unit_weight: self.who.unit_weight,
-            user_weight: self.who.user.map_or(1.0, |(_, w)| w),
-            high: self.class == Priority::High,
-        }
+    fn set_class(&mut self, class: Priority) {
+        self.class = class;
+        (self.m.band, self.m.high) = (band(class), class == Priority::High);
     }
 
     /// Its user's weight among users, for the `high` share's parts.
     fn user_part(&self) -> f64 {
-        match self.who.user {
-            Some((_, w)) => 100.0 * w,
-            None => self.who.unit_weight.unwrap_or(self.who.own),
+        match self.m.user {
+            UserKey::User(_) => 100.0 * self.m.user_weight,
+            UserKey::Unit(_) => self.m.unit_weight.unwrap_or(self.m.own),
         }
     }
 }
 
 /// What each event keeps instead of scanning: registered clients and
-/// waiters in the run queue, per class, and the clients that ask.
+/// waiters in the run queue, per class.
 #[derive(Debug, Clone, Default)]
 struct Tally {
     registered: [usize; 3],
     queued: [usize; 3],
-    asking: std::collections::BTreeSet<ClientId>,
 }
 
 #[derive(Debug, Clone)]
@@ -237,11 +223,6 @@ impl Scheduler {
         }
     }
 
-    #[cfg(test)]
-    pub fn config(&self) -> &SchedConfig {
-        &self.cfg
-    }
-
     /// Registers a client, idle. Re-adding a known id updates its weight,
     /// limit and class in place (time already used stays charged as it was).
     pub fn add_client(
@@ -255,39 +236,16 @@ impl Scheduler {
         let (weight, limit) = (sanitize_weight(weight), sanitize_limit(limit));
         self.event(now, None, |s, now| {
             if let Some(c) = s.clients.get_mut(&id) {
-                c.who.own = weight;
+                c.m.own = weight;
                 c.limit = limit;
-                c.class = class;
+                c.set_class(class);
             } else {
-                let who = Membership {
-                    own: weight,
-                    group: id,
-                    unit_weight: None,
-                    user: None,
-                };
-                s.clients.insert(id, Client::new(class, who, limit, now));
+                s.clients
+                    .insert(id, Client::new(class, weight, limit, id, now));
                 s.ceilings.member(id, None, 1);
             }
             s.sync(id, now);
         });
-    }
-
-    /// Puts a client in a unit (a job or a user) whose members split the
-    /// unit's weight: `unit_weight` imposes it, `None` takes the largest
-    /// weight among the unit's active members. `unit_limit` is a ceiling
-    /// (a fraction of each window) for all the unit's members together,
-    /// whatever their number.
-    #[cfg(test)]
-    pub fn set_group(
-        &mut self,
-        now: Nanos,
-        id: ClientId,
-        group: GroupId,
-        unit_weight: Option<f64>,
-        unit_limit: Option<f64>,
-    ) {
-        let user = self.clients.get(&id).and_then(|c| c.who.user);
-        self.set_unit(now, id, group, unit_weight, unit_limit, user);
     }
 
     /// `set_group` and `set_user` in one event: the unit, and the user it
@@ -303,12 +261,17 @@ impl Scheduler {
     ) {
         self.event(now, Some(id), |s, now| {
             let c = s.clients.get_mut(&id).expect("checked by event");
-            let old = c.who.group;
-            c.who = Membership {
-                group,
+            let old = c.m.unit;
+            let (user, user_weight) = match user {
+                Some((u, w)) => (UserKey::User(u), sanitize_weight(w)),
+                None => (UserKey::Unit(group), 1.0),
+            };
+            c.m = Member {
+                unit: group,
                 unit_weight: unit_weight.map(sanitize_weight),
-                user: user.map(|(u, w)| (u, sanitize_weight(w))),
-                ..c.who
+                user,
+                user_weight,
+                ..c.m
             };
             let limit = sanitize_limit(unit_limit);
             if old == group {
@@ -316,20 +279,6 @@ impl Scheduler {
             } else {
                 s.moved(id, old, limit, now);
             }
-            s.sync(id, now);
-        });
-    }
-
-    /// Puts a client's unit under a user: users with work share the GPU
-    /// by `weight` (within each band), then each user's units share the
-    /// user's part by their unit weights, then a unit's members share the
-    /// unit's part by their own weights. A user who splits work into many
-    /// units or many processes still gets one user's part.
-    #[cfg(test)]
-    pub fn set_user(&mut self, now: Nanos, id: ClientId, user: UserId, weight: f64) {
-        self.event(now, Some(id), |s, now| {
-            let c = s.clients.get_mut(&id).expect("checked by event");
-            c.who.user = Some((user, sanitize_weight(weight)));
             s.sync(id, now);
         });
     }
@@ -347,9 +296,9 @@ impl Scheduler {
             c.meter.set(false, now);
             // Its own limit's window survives a reconnect: the next member
             // of its unit takes the history up.
-            let key = (c.user_key(), c.who.group);
+            let key = (c.m.user, c.m.unit);
             s.ceilings.leave_history(key, c.meter.take_history(), now);
-            s.ceilings.member(c.who.group, None, -1);
+            s.ceilings.member(c.m.unit, None, -1);
             s.tally.registered[c.class.index()] -= 1;
             s.clock.remove(id, now);
             s.evidence.forget(id);
@@ -465,30 +414,6 @@ impl Scheduler {
 
     pub fn handle_timeout(&mut self, now: Nanos) {
         self.event(now, None, |_, _| {});
-    }
-
-    /// How long a recalled holder's band keeps the GPU for its answer.
-    #[cfg(test)]
-    pub fn recall_hold(&self) -> Nanos {
-        self.lease.recall_hold()
-    }
-}
-
-impl Client {
-    fn new(class: Priority, who: Membership, limit: Option<f64>, now: Nanos) -> Client {
-        Client {
-            class,
-            who,
-            limit,
-            state: ClientState::Idle,
-            added_at: now,
-            wants_again: false,
-            waking: false,
-            let_go: None,
-            meter: Meter::default(),
-            acct: Accounts::default(),
-            synced: Synced::default(),
-        }
     }
 }
 

@@ -42,12 +42,12 @@ impl Scheduler {
                 } else {
                     (c.meter.usage(self.cfg.window, now) as f64 / span as f64).min(1.0)
                 };
-                let charged = c.acct.charged + if c.synced.on_gpu { pending } else { 0.0 };
+                let charged = c.charged + if c.synced.on_gpu { pending } else { 0.0 };
                 let (entitled, held_back) = self.entitled.of(id, now);
                 ClientStatus {
                     client: id,
                     weight,
-                    limit: c.limit.or_else(|| self.ceilings.unit_limit(c.who.group)),
+                    limit: c.limit.or_else(|| self.ceilings.unit_limit(c.m.unit)),
                     priority: c.class,
                     state: c.state,
                     achieved,
@@ -72,10 +72,5 @@ impl Scheduler {
     /// The client that may launch now.
     pub fn holder(&self) -> Option<ClientId> {
         self.lease.holder()
-    }
-
-    #[cfg(test)]
-    pub fn state(&self, id: ClientId) -> Option<ClientState> {
-        self.clients.get(&id).map(|c| c.state)
     }
 }

@@ -1,10 +1,6 @@
 //! The scheduler's public types: its configuration, the actions it asks
 //! the socket layer to carry out, and what status reports of each client.
 
-use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
-
 use super::{MS, Priority, US};
 
 /// Monotonic nanoseconds, chosen by the caller.
@@ -19,7 +15,7 @@ pub type GroupId = u64;
 /// A user, the top level of fairness; chosen by the caller.
 pub type UserId = u64;
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SchedConfig {
     /// Contended slice between busy clients of one class (`--timeslice`).
     pub timeslice: Nanos,
@@ -72,7 +68,7 @@ impl Default for SchedConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
     /// `slice: None` is open-ended (uncontended, unlimited). A grant id the
     /// client already holds makes this an update of that grant. `bound` is
@@ -90,8 +86,7 @@ pub enum Action {
     Revoke { client: ClientId, grant: GrantId },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClientState {
     Idle,
     Waiting,
@@ -101,12 +96,11 @@ pub enum ClientState {
     Revoking,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClientStatus {
     pub client: ClientId,
     pub weight: f64,
     pub limit: Option<f64>,
-    #[serde(with = "priority_name")]
     pub priority: Priority,
     pub state: ClientState,
     /// Fraction of the last window (or of its lifetime, if younger) during
@@ -117,7 +111,6 @@ pub struct ClientStatus {
     /// idle client, one of a lower band, or a `high` one (above shares).
     pub target: f64,
     /// Its times so far.
-    #[serde(flatten)]
     pub times: ClientTimes,
     /// Released, with queued work still running.
     pub draining: bool,
@@ -127,7 +120,7 @@ pub struct ClientStatus {
 
 /// A client's times since it registered, ns: what it held, what it was
 /// charged and what it was owed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ClientTimes {
     /// Time on the GPU (holding or draining), wall clock.
     pub total_held: Nanos,
@@ -140,63 +133,4 @@ pub struct ClientTimes {
     /// Time it asked but was held back by its ceilings (its limit, its
     /// job's, the `high` class's share, its want of evidence of work).
     pub held_back: Nanos,
-}
-
-/// Priorities by name in status JSON (`"high"`), as users spell them.
-pub mod priority_name {
-    use super::Priority;
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(p: &Priority, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(p.as_str())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Priority, D::Error> {
-        let s = String::deserialize(d)?;
-        Priority::parse(&s)
-            .ok_or_else(|| serde::de::Error::custom(format!("unknown priority {s:?}")))
-    }
-}
-
-/// Users' weights, the top level of fairness (`--user-weight`,
-/// `--group-weight`): a user with work gets a part of each GPU in
-/// proportion to it (1 unless configured).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Weights {
-    /// By uid.
-    pub users: BTreeMap<u32, f64>,
-    /// By gid.
-    pub groups: BTreeMap<u32, f64>,
-}
-
-impl Weights {
-    /// `uid`'s weight: its own if configured, else the largest of its
-    /// groups' (`gids`: those its process runs with), else 1.
-    pub fn of(&self, uid: u32, gids: &[u32]) -> f64 {
-        if let Some(&w) = self.users.get(&uid) {
-            return w;
-        }
-        gids.iter()
-            .filter_map(|g| self.groups.get(g).copied())
-            .max_by(f64::total_cmp)
-            .unwrap_or(1.0)
-    }
-}
-
-/// Parses one `NAME=WEIGHT` of `--user-weight` or `--group-weight`:
-/// `resolve` turns the name (or number) into an id.
-pub fn parse_weight(
-    flag: &str,
-    arg: &str,
-    resolve: impl Fn(&str) -> Result<u32, String>,
-) -> Result<(u32, f64), String> {
-    let example = format!("{flag} alice=2");
-    let (name, w) = arg
-        .split_once('=')
-        .ok_or_else(|| format!("{flag} {arg:?}: expected NAME=WEIGHT, e.g. {example}"))?;
-    let id = resolve(name.trim()).map_err(|e| format!("{flag} {arg}: {e}"))?;
-    let w: f64 = w.trim().parse().ok().filter(|w: &f64| w.is_finite() && *w > 0.0).ok_or_else(|| {
-        format!("{flag} {arg}: the weight must be a number above 0 (1 is the default), e.g. {example}")
-    })?;
-    Ok((id, w))
 }

@@ -21,6 +21,56 @@ use std::collections::{BTreeMap as Map, BTreeSet};
 const SEC: Nanos = 1000 * MS;
 const N: Priority = Priority::Normal;
 
+/// What only the tests ask of the scheduler.
+impl Scheduler {
+    pub fn config(&self) -> &SchedConfig {
+        &self.cfg
+    }
+
+    /// Puts a client in a unit (a job or a user) whose members split the
+    /// unit's weight: `unit_weight` imposes it, `None` takes the largest
+    /// weight among the unit's active members. `unit_limit` is a ceiling
+    /// (a fraction of each window) for all the unit's members together,
+    /// whatever their number.
+    pub fn set_group(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        group: GroupId,
+        unit_weight: Option<f64>,
+        unit_limit: Option<f64>,
+    ) {
+        let user = self.clients.get(&id).and_then(|c| match c.m.user {
+            UserKey::User(u) => Some((u, c.m.user_weight)),
+            UserKey::Unit(_) => None,
+        });
+        self.set_unit(now, id, group, unit_weight, unit_limit, user);
+    }
+
+    /// Puts a client's unit under a user: users with work share the GPU
+    /// by `weight` (within each band), then each user's units share the
+    /// user's part by their unit weights, then a unit's members share the
+    /// unit's part by their own weights. A user who splits work into many
+    /// units or many processes still gets one user's part.
+    pub fn set_user(&mut self, now: Nanos, id: ClientId, user: UserId, weight: f64) {
+        let Some(c) = self.clients.get(&id) else {
+            return;
+        };
+        let (group, unit_weight) = (c.m.unit, c.m.unit_weight);
+        let limit = self.ceilings.unit_limit(group);
+        self.set_unit(now, id, group, unit_weight, limit, Some((user, weight)));
+    }
+
+    /// How long a recalled holder's band keeps the GPU for its answer.
+    pub fn recall_hold(&self) -> Nanos {
+        self.lease.recall_hold()
+    }
+
+    pub fn state(&self, id: ClientId) -> Option<ClientState> {
+        self.clients.get(&id).map(|c| c.state)
+    }
+}
+
 fn drain(s: &mut Scheduler) -> Vec<Action> {
     std::iter::from_fn(|| s.poll_action()).collect()
 }
