@@ -93,7 +93,7 @@ struct Kept {
     weight: f64,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct Ceilings {
     cfg: SchedConfig,
     /// Units with a limit (kept while the window still sees their time).
@@ -118,15 +118,7 @@ impl Ceilings {
     pub fn new(cfg: SchedConfig) -> Ceilings {
         Ceilings {
             cfg,
-            units: BTreeMap::new(),
-            high: Meter::default(),
-            high_users: BTreeMap::new(),
-            high_on: None,
-            high_active: BTreeMap::new(),
-            parked: BTreeSet::new(),
-            parked_until: BTreeMap::new(),
-            left: BTreeMap::new(),
-            none: Meter::default(),
+            ..Ceilings::default()
         }
     }
 

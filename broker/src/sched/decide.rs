@@ -97,8 +97,7 @@ impl Scheduler {
             if waits {
                 self.tally.queued[class.index()] += 1;
             }
-            self.clock
-                .set_queued(id, waits.then_some((request, self.warp(c))));
+            self.clock.set_queued(id, waits.then_some(request));
         }
         if old.on_gpu != on_gpu {
             self.ceilings.unit_on_gpu(m.unit, on_gpu, now);
@@ -123,37 +122,19 @@ impl Scheduler {
         };
     }
 
-    /// A client's request, in GPU ns: a slice, or for one that was idle
-    /// (a burst: a request, a notebook cell) a fifth of one, a tenth at
-    /// `high`. The shorter request is an earlier deadline: a burst goes
-    /// before a busy holder's next slice, a `high` one before any other.
-    fn request(&self, c: &super::Client) -> Nanos {
+    /// A client's request, in GPU ns, and how far it is warped: a slice,
+    /// or for one that was idle (a burst: a request, a notebook cell) a
+    /// fifth of one, a tenth warped by `WARP_SLICES` at `high`. The
+    /// shorter request is an earlier deadline: a burst goes before a busy
+    /// holder's next slice, a `high` one before any other, priority as
+    /// latency bought with its user's time.
+    fn request(&self, c: &super::Client) -> (Nanos, f64) {
+        let ts = self.cfg.timeslice;
         match (c.waking, c.class) {
-            (false, _) => self.cfg.timeslice,
-            (true, Priority::High) => self.cfg.timeslice / 10,
-            (true, _) => self.cfg.timeslice / 5,
+            (false, _) => (ts, 0.0),
+            (true, Priority::High) => (ts / 10, super::WARP_SLICES * ts as f64),
+            (true, _) => (ts / 5, 0.0),
         }
-    }
-
-    /// How far a waiter's request is warped (GPU ns): a `high` burst's
-    /// by `WARP_SLICES`, priority as latency bought with its user's time.
-    fn warp(&self, c: &super::Client) -> f64 {
-        match (c.waking, c.class) {
-            (true, Priority::High) => super::WARP_SLICES * self.cfg.timeslice as f64,
-            _ => 0.0,
-        }
-    }
-
-    /// After a change of unit: the unit's membership and a departed
-    /// member's usage history (its own limit survives a reconnect).
-    pub(super) fn moved(&mut self, id: ClientId, old: u64, limit: Option<f64>, _now: Nanos) {
-        self.ceilings.member(old, None, -1);
-        let c = &self.clients[&id];
-        let (key, group) = (c.m.user, c.m.unit);
-        self.ceilings.member(group, limit, 1);
-        let h = self.ceilings.take_history((key, group));
-        let c = self.clients.get_mut(&id).expect("registered");
-        c.meter.adopt_history(h);
     }
 
     /// Brings the state to a fixed point for `now`; every step either makes
@@ -185,7 +166,7 @@ impl Scheduler {
             self.unpark_all(now);
         }
         self.sync_meters(now);
-        self.plan(now);
+        self.plan();
     }
 
     /// Every parked waiter looks again (something that kept them out may
@@ -268,7 +249,7 @@ impl Scheduler {
     /// work is evidenced (a recall in `RECALL_SLICES` slices); alone, it
     /// runs on.
     fn request_done(&mut self, now: Nanos, h: ClientId, hb: usize) -> bool {
-        let request = self.request(&self.clients[&h]);
+        let (request, _) = self.request(&self.clients[&h]);
         self.clock.start_request(h, request);
         // A holder uses what its ceilings leave to the last of it (the
         // least worth granting is for a new grant: a switch costs).
@@ -416,7 +397,7 @@ impl Scheduler {
     }
 
     fn grant_to(&mut self, now: Nanos, id: ClientId) {
-        let request = self.request(&self.clients[&id]);
+        let (request, _) = self.request(&self.clients[&id]);
         let c = self.clients.get_mut(&id).expect("picked");
         let burst = std::mem::take(&mut c.waking);
         c.state = ClientState::Holding;
@@ -549,7 +530,7 @@ impl Scheduler {
     /// charged, and when a waiter comes to preempt the holder (it becomes
     /// eligible with an earlier deadline, or it was idle and the holder's
     /// quantum ends).
-    fn plan(&mut self, _now: Nanos) {
+    fn plan(&mut self) {
         let on: Vec<(ClientId, usize)> = self
             .lease
             .on_gpu()

@@ -120,7 +120,7 @@ impl Record {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct Evidence {
     cfg: SchedConfig,
     /// Samples come until then: the GPU reports per-process work.
@@ -135,10 +135,7 @@ impl Evidence {
     pub fn new(cfg: SchedConfig) -> Evidence {
         Evidence {
             cfg,
-            until: 0,
-            records: BTreeMap::new(),
-            doubt: BTreeMap::new(),
-            doubting: None,
+            ..Evidence::default()
         }
     }
 

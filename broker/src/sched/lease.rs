@@ -52,7 +52,7 @@ pub(super) struct Terms {
     pub shared: bool,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct Leases {
     cfg: SchedConfig,
     holder: Option<ClientId>,
@@ -76,15 +76,8 @@ impl Leases {
     pub fn new(cfg: SchedConfig) -> Leases {
         Leases {
             cfg,
-            holder: None,
-            grants: BTreeMap::new(),
-            timers: BTreeSet::new(),
-            recalling: BTreeMap::new(),
-            draining: BTreeMap::new(),
-            drains: BTreeSet::new(),
-            actions: VecDeque::new(),
             next_grant: 1,
-            recalled: BTreeMap::new(),
+            ..Leases::default()
         }
     }
 

@@ -277,7 +277,16 @@ impl Scheduler {
             if old == group {
                 s.ceilings.member(group, limit, 0);
             } else {
-                s.moved(id, old, limit, now);
+                // A departed member's usage history goes to the next
+                // of its unit (its own limit survives a reconnect).
+                s.ceilings.member(old, None, -1);
+                s.ceilings.member(group, limit, 1);
+                let h = s.ceilings.take_history((user, group));
+                s.clients
+                    .get_mut(&id)
+                    .expect("registered")
+                    .meter
+                    .adopt_history(h);
             }
             s.sync(id, now);
         });
