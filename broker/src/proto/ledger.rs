@@ -19,6 +19,11 @@ use crate::statefile::Loaded;
 /// anyone waits.
 pub(super) const QUEUE_TICK: Nanos = 500_000_000;
 
+/// Waiting runs are told their places at most this often: a place is for
+/// a person to read, and a queue that churns (1,000 waiting, 100 a second
+/// arriving and leaving) walked itself for places at every change.
+pub(super) const POSITION_TICK: Nanos = 100_000_000;
+
 /// A MIG lease whose instance is being made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Making {
@@ -37,6 +42,10 @@ pub(in crate::proto) struct Ledger {
     /// instances change with time alone).
     dirty: bool,
     polled: Nanos,
+    /// The queue was polled since its places were last told (at
+    /// `told_at`): they are told again `POSITION_TICK` after that.
+    untold: bool,
+    told_at: Option<Nanos>,
     /// Every job, by token, with everything kept of it.
     jobs: Jobs,
     /// Connections of processes that sent a job's token (`Join`), by
@@ -55,6 +64,8 @@ impl Ledger {
             queue,
             dirty: true,
             polled: now,
+            untold: false,
+            told_at: None,
             jobs: Jobs::default(),
             claims: BTreeMap::new(),
             making: BTreeMap::new(),
@@ -213,6 +224,7 @@ impl Ledger {
         }
         self.dirty = false;
         self.polled = now;
+        self.untold = true;
         Some(if self.placing(now) {
             self.queue.poll(now)
         } else {
@@ -224,7 +236,17 @@ impl Ledger {
     /// 10, within a tenth beyond): (run, token, position, what it waits
     /// for). The queue says whose, so a departure costs one walk and a few
     /// messages, not one to every request behind it.
+    /// Told at most once a `POSITION_TICK`: nothing before then.
     pub fn positions(&mut self, now: Nanos) -> Vec<(ConnId, u64, u32, Want)> {
+        if self.positions_due().is_none_or(|t| t > now) {
+            return Vec::new();
+        }
+        self.untold = false;
+        if !self.queue.has_waiting() {
+            // Nobody to tell: the tick is not spent.
+            return Vec::new();
+        }
+        self.told_at = Some(now);
         self.queue
             .positions_to_tell(now)
             .into_iter()
@@ -250,12 +272,28 @@ impl Ledger {
             }
         });
         let recovery = self.recovery.as_ref().map(|(until, _)| *until);
-        queue.into_iter().chain(recovery).min()
+        queue
+            .into_iter()
+            .chain(recovery)
+            .chain(self.positions_due())
+            .min()
+    }
+
+    /// When the places are next told, if the queue changed since.
+    fn positions_due(&self) -> Option<Nanos> {
+        self.untold
+            .then(|| self.told_at.map_or(0, |t| t.saturating_add(POSITION_TICK)))
     }
 
     #[cfg(test)]
     pub fn is_dirty(&self) -> bool {
         self.dirty
+    }
+
+    /// The queue changed since its places were told.
+    #[cfg(test)]
+    pub fn untold(&self) -> bool {
+        self.untold
     }
 
     #[cfg(test)]
@@ -463,22 +501,30 @@ mod tests {
         l.attach(job, run);
     }
 
+    /// What the broker's pump does with the ledger: a poll, then the
+    /// places told if due.
+    fn pump(l: &mut Ledger, now: Nanos) -> Option<Vec<queue::Lease>> {
+        let placed = l.poll(now);
+        l.positions(now);
+        placed
+    }
+
     #[test]
     fn the_queue_is_walked_when_it_changed_or_a_tick_passed_while_anyone_waits() {
         let mut l = ledger(1);
         // Dirty from the start: a restored queue is placed at once.
-        assert_eq!(l.poll(0).map(|p| p.len()), Some(0));
-        assert_eq!(l.poll(0), None, "nothing changed");
+        assert_eq!(pump(&mut l, 0).map(|p| p.len()), Some(0));
+        assert_eq!(pump(&mut l, 0), None, "nothing changed");
         assert_eq!(l.next_timeout(0), None, "nobody waits");
         submit(&mut l, S, queued(7, S), 1);
         submit(&mut l, S, queued(8, S), 2);
         assert_eq!(l.next_timeout(S), Some(S), "changed: due now");
-        let placed = l.poll(S).expect("due");
+        let placed = pump(&mut l, S).expect("due");
         assert_eq!(placed.iter().map(|p| p.id).collect::<Vec<_>>(), [7]);
         // One still waits: escalation changes with time alone.
         assert_eq!(l.next_timeout(S), Some(S + QUEUE_TICK));
-        assert_eq!(l.poll(S + QUEUE_TICK - 1), None);
-        assert!(l.poll(S + QUEUE_TICK).is_some());
+        assert_eq!(pump(&mut l, S + QUEUE_TICK - 1), None);
+        assert!(pump(&mut l, S + QUEUE_TICK).is_some());
     }
 
     #[test]
@@ -493,7 +539,13 @@ mod tests {
         // Its run reconnected: told again there.
         l.rerun(8, 3);
         assert_eq!(l.poll(0).map(|p| p.len()), Some(0), "rerun marks the queue");
-        let told: Vec<(ConnId, u64)> = l.positions(0).iter().map(|p| (p.0, p.1)).collect();
+        assert!(l.positions(0).is_empty(), "places are told once a tick");
+        assert_eq!(l.next_timeout(0), Some(POSITION_TICK));
+        let told: Vec<(ConnId, u64)> = l
+            .positions(POSITION_TICK)
+            .iter()
+            .map(|p| (p.0, p.1))
+            .collect();
         assert_eq!(told, [(3, 8)]);
         assert_eq!(
             l.lease_to_tell(7).map(|(id, q)| (id, q.gpus.clone())),
@@ -522,7 +574,7 @@ mod tests {
         assert!(l.queue().lease(5).is_some(), "the restored lease is booked");
         submit(&mut l, S, queued(9, S), 1);
         assert_eq!(
-            l.poll(S),
+            pump(&mut l, S),
             Some(Vec::new()),
             "walked, nothing placed on the free GPU"
         );
@@ -531,14 +583,14 @@ mod tests {
             Some(S + QUEUE_TICK),
             "the queue's tick first"
         );
-        l.poll(S + QUEUE_TICK);
+        pump(&mut l, S + QUEUE_TICK);
         l.end_recovery(S + grace - 1);
         assert!(!l.placing(S + grace - 1));
         l.end_recovery(S + grace);
         assert!(l.placing(S + grace) && l.recovering_text(S + grace).is_empty());
         // Over, the queue is walked at once: the free GPU is placed.
         assert_eq!(l.next_timeout(S + grace), Some(S + grace));
-        let placed = l.poll(S + grace).expect("due");
+        let placed = pump(&mut l, S + grace).expect("due");
         assert_eq!(
             placed
                 .iter()

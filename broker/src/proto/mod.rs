@@ -867,13 +867,14 @@ impl Broker {
             }
         }
         // The queue is sorted and walked only when something changed, or
-        // once a tick while time alone may change its order.
+        // once a tick while time alone may change its order; its places
+        // are told at most once a `POSITION_TICK` (`Ledger::positions`).
         if let Some(placed) = self.ledger.poll(now) {
             for lease in placed {
                 self.placed(now, lease, None);
             }
-            self.tell_positions(now);
         }
+        self.tell_positions(now);
     }
 
     /// What the shell made of a MIG lease's steps.

@@ -1,40 +1,27 @@
-//! The fair clock: every write of virtual time is here.
+//! The fair clock: every write of virtual time is here (the algorithm
+//! is stated in `sched`'s own documentation).
 //!
-//! One run queue per band (`low`; `normal` and `high` together) over
-//! *flows*: a flow is a user's work in a band (or, for a unit with no
-//! user, the unit's). A flow competes while any of its clients waits or
-//! has work on the GPU, with one weight, its user's (a unit's, for a unit
-//! that stands for itself); it has a virtual time `v`, charged by the GPU
-//! time of all its clients over that weight; the band's `V` is the
-//! weighted average of the competing flows', and a flow's lag
-//! `w·(V − v)` is the GPU time its user is owed (positive) or owes.
-//! EEVDF: a flow is *eligible* when its lag is not negative, and of the
-//! eligible the one with the earliest virtual deadline (`v` when its
-//! request began, plus the request over its weight) is picked. A
-//! request may come *warped* by `x` GPU ns (the coordinator's `high`
-//! burst): its flow is eligible owing up to `x`, and its deadline is
-//! `x` earlier; it is charged as any other, so its user repays it.
+//! A flow is a user's work in a band (for a unit with no user, the
+//! unit's). Its virtual time `v` is charged by its clients' GPU time over
+//! its weight; the band's `V` is the competing flows' weighted average,
+//! and a flow's lag `w·(V − v)` is the GPU time its user is owed. A
+//! request warped by `x` GPU ns (a `high` burst's) is eligible owing up
+//! to `x` and its deadline is `x` earlier; it is charged as any other, so
+//! its user repays it. Lag and deadlines are the user's: its debt is one
+//! however many connections carry its work, and no client's deadline is
+//! stretched by a sliver of its user's weight.
 //!
-//! Lag and deadlines are the user's, so a user's debt is one however many
-//! connections and processes carry its work, and no client's weight is a
-//! sliver of its user's (a deadline scales with one over the weight: a
-//! lag handed to one of 128 connections of a process made its deadline
-//! a hundred times as far and its claim as large). Within a flow, its
-//! clients are ordered by a virtual time of their own, charged by their
-//! GPU time over their part of the user (their unit's part of the user's
-//! units, times their own part of the unit's members), `high` ones
-//! first; a client starts competing no earlier than the least of its
-//! competing siblings (`floor`), so coming and going buys it nothing
-//! within its user either.
+//! Within a flow, clients are ordered by a virtual time of their own
+//! (their GPU time over their part of the user), `high` first; a client
+//! starts competing no earlier than its competing siblings' least
+//! (`floor`), so coming and going buys nothing within its user either.
 //!
-//! A flow that stops competing leaves its lag in its *bank*, which it
-//! takes whole when it competes again. A debt is forgiven at a tenth of
-//! the time the flow spent with nothing competing (an interactive user
-//! that used its part a moment ago is level again after a short pause,
-//! and one that works half of each period cannot take its whole on-time
-//! back); a credit is kept up to one request of the longest kind. A flow
-//! whose clients a ceiling keeps out (`parked`) keeps its lag whole
-//! instead: it still wants the GPU.
+//! A flow that stops competing leaves its lag in its bank, taken back when
+//! it competes again: a debt forgiven at a tenth of the time away (an
+//! interactive user is level again after a short pause, one that works
+//! half of each period cannot take its whole on-time back), a credit kept
+//! up to one request of the longest kind, and the lag of a flow a ceiling
+//! kept out (`parked`) whole: it still wants the GPU.
 
 use std::collections::{BTreeMap, BTreeSet};
 

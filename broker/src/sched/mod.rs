@@ -6,22 +6,19 @@
 //! [`Action`]s (drained with [`Scheduler::poll_action`]) and the caller arms a
 //! timer for [`Scheduler::next_timeout`].
 //!
-//! One algorithm, EEVDF over one flat level: every client that waits or
-//! has work on the GPU competes in its band's run queue (`low`; `normal`
-//! and `high` together) with one weight, its user's weight times its
-//! unit's part of the user's units times its own part of its unit
-//! (`clock`). It is charged the GPU time it uses (from its grant until its
-//! queued work has drained, split evenly with the others on the GPU), so
-//! its virtual time runs at that over its weight, and its lag against the
-//! weighted average is what it is owed. The GPU goes to the highest band
-//! with a waiter its ceilings let run; there, to the eligible waiter (lag
-//! not negative) with the earliest virtual deadline, a request being a
-//! slice, or a fifth of one for a waiter that was idle or is `high`; a
-//! waiter that preempts the holder does so at once when its deadline is
-//! earlier, and within the GPU's own quantum (`wake`) when it was idle.
-//! A client that stops competing leaves its lag with its user, so a
-//! user's debt outlives its connections and processes. What each part
-//! owns:
+//! One algorithm, EEVDF over users: in each band (`low`; `normal` and
+//! `high` together) each user with a client that waits or has work on the
+//! GPU competes as one flow of its user's weight, charged the GPU time its
+//! clients use (from a grant until the queued work drained, split evenly
+//! with the others on the GPU). The GPU goes to the highest band with a
+//! waiter its ceilings let run; there, to the eligible flow (lag not
+//! negative) with the earliest virtual deadline, and within it to the
+//! client that used least of its part (its unit's part of the user's
+//! units times its own part of the unit). A request is a slice, a fifth
+//! of one for a waiter that was idle, a tenth and warped at `high`; a
+//! waiter preempts the holder at once when its deadline is earlier, and
+//! after the GPU's own quantum (`wake`) when it was idle. A user's lag
+//! outlives its connections and processes. The parts:
 //!
 //! - `clock`: virtual time, weights, lag and the users' banks, the pick's
 //!   orders;

@@ -6,7 +6,7 @@
 
 use super::*;
 
-const MS: Nanos = 1_000_000;
+use crate::proto::ledger::POSITION_TICK;
 use gpufrac_common::wire::{EXACT_POSITIONS, position_worth_telling};
 
 /// The places a connection was told since the last look.
@@ -52,7 +52,7 @@ fn a_churning_queue_tells_each_run_its_place_only_when_it_moved_a_tenth() {
     for _ in 0..N {
         arrive(&mut t, &mut line);
     }
-    t.turn();
+    t.advance(POSITION_TICK);
     for (c, said) in &mut line {
         said.extend(told(&mut t, *c));
     }
@@ -69,7 +69,8 @@ fn a_churning_queue_tells_each_run_its_place_only_when_it_moved_a_tenth() {
         t.b.hangup(c);
         gone.push(said);
         arrive(&mut t, &mut line);
-        t.advance(MS);
+        // Places are told once a tick: a round is one.
+        t.advance(POSITION_TICK);
         let mut sent = 0;
         for (place, (c, said)) in line.iter_mut().enumerate() {
             let now = told(&mut t, *c);
