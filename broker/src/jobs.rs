@@ -113,21 +113,30 @@ struct Saved {
     jobs: Vec<Job>,
 }
 
-/// What `encode` writes, `Saved`'s shape, borrowing the jobs: a save of a
-/// deep queue cloned every job (its strings included) ten times a second.
-#[derive(Serialize)]
-struct Saving<'a> {
-    version: u32,
-    jobs: Vec<&'a Job>,
-}
-
 /// The state file's bytes for these jobs.
 pub fn encode<'a>(jobs: impl Iterator<Item = &'a Job>) -> Vec<u8> {
-    let saving = Saving {
-        version: STATE_VERSION,
-        jobs: jobs.collect(),
-    };
-    serde_json::to_vec(&saving).unwrap_or_default()
+    let each: Vec<Vec<u8>> = jobs.map(encode_job).collect();
+    assemble(each.iter().map(Vec::as_slice))
+}
+
+/// One job's bytes in the state file (`Jobs` keeps them until the job
+/// changes: a deep queue was encoded whole ten times a second).
+pub fn encode_job(job: &Job) -> Vec<u8> {
+    serde_json::to_vec(job).unwrap_or_default()
+}
+
+/// The state file's bytes from its jobs' (`Saved`'s shape, as serde
+/// writes it).
+pub fn assemble<'a>(jobs: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
+    let mut out = format!("{{\"version\":{STATE_VERSION},\"jobs\":[").into_bytes();
+    for (i, j) in jobs.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(j);
+    }
+    out.extend_from_slice(b"]}");
+    out
 }
 
 /// The jobs in a state file's bytes, or why they cannot be used.

@@ -42,6 +42,8 @@ pub(super) struct Entry {
     /// all). Its end line says the peak.
     pub used: u64,
     pub peak: u64,
+    /// The job's bytes in the state file, until it changes (`get_mut`).
+    encoded: Option<Box<[u8]>>,
 }
 
 /// Jobs by token, with two indexes kept beside them, so that no lookup a
@@ -89,6 +91,7 @@ impl Jobs {
                 queued_ns: 0,
                 used: 0,
                 peak: 0,
+                encoded: None,
             },
         );
     }
@@ -160,8 +163,24 @@ impl Jobs {
         self.entries.get(token).map(|e| &e.job)
     }
 
+    /// The job to change: its bytes in the state file are made again at
+    /// the next `encode`.
     pub fn get_mut(&mut self, token: &u64) -> Option<&mut Job> {
-        self.entries.get_mut(token).map(|e| &mut e.job)
+        self.entries.get_mut(token).map(|e| {
+            e.encoded = None;
+            &mut e.job
+        })
+    }
+
+    /// The state file's bytes for every job (`jobs::encode`'s), each job
+    /// encoded again only if it changed since the last.
+    pub fn encode(&mut self) -> Vec<u8> {
+        for e in self.entries.values_mut() {
+            if e.encoded.is_none() {
+                e.encoded = Some(crate::jobs::encode_job(&e.job).into());
+            }
+        }
+        crate::jobs::assemble(self.entries.values().filter_map(|e| e.encoded.as_deref()))
     }
 
     /// The record of the job, with what is kept of it.
@@ -306,5 +325,33 @@ impl Spent {
             owed_ns: self.owed_ns.saturating_add(o.owed_ns),
             ooms: self.ooms.saturating_add(o.ooms),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jobs::{Phase, decode, encode, sample};
+
+    #[test]
+    fn the_saved_bytes_follow_every_change_of_a_job() {
+        let mut jobs = Jobs::default();
+        for t in [3, 1, 2] {
+            jobs.insert(sample(t));
+        }
+        let whole = |j: &Jobs| encode(j.values());
+        assert_eq!(jobs.encode(), whole(&jobs));
+        jobs.get_mut(&2).expect("job 2").phase = Phase::Queued { since: 7 };
+        jobs.end(1);
+        jobs.insert(Job {
+            uid: 7,
+            ..sample(9)
+        });
+        let bytes = jobs.encode();
+        assert_eq!(bytes, whole(&jobs), "a changed job is encoded again");
+        let back = decode(&bytes).expect("the state file's bytes");
+        assert_eq!(back, jobs.values().cloned().collect::<Vec<_>>());
+        let two = back.iter().find(|j| j.token == 2).expect("job 2");
+        assert_eq!(two.phase, Phase::Queued { since: 7 });
     }
 }

@@ -905,9 +905,8 @@ impl Broker {
         if self.save_due().is_none_or(|t| t > now) {
             return None;
         }
-        let jobs = self.ledger.jobs();
-        let seq = self.saves.start(now, jobs.unsaved_users());
-        Some((seq, crate::jobs::encode(jobs.values())))
+        let seq = self.saves.start(now, self.ledger.jobs().unsaved_users());
+        Some((seq, self.ledger.jobs_mut().encode()))
     }
 
     /// What a clean stop leaves for the next broker: the jobs whose
