@@ -527,9 +527,7 @@ impl FairClock {
             return;
         };
         // One warped request per flow at a time: a user's connections or
-        // processes coming as bursts in turn do not each borrow the warp
-        // (eight connections of one busy `high` process held another
-        // user's burst 16 ms, its user owing 7 ms and still eligible).
+        // processes coming as bursts in turn do not each borrow the warp.
         let warp = if self.flows[&r].on.is_some_and(|o| o.warp > 0.0) {
             0.0
         } else {
@@ -575,9 +573,8 @@ impl FairClock {
         }
         // A deadline is never behind its flow's virtual time less its
         // warp: a flow charged through its request starts the next,
-        // unwarped (else a flow kept queued by its many clients kept one
-        // stale deadline, earlier than any other flow's, and took every
-        // turn).
+        // unwarped (a flow its many clients keep queued keeps no stale
+        // deadline).
         self.refile(r, |o| {
             o.v += gpu / o.w;
             if o.done() {

@@ -35,27 +35,35 @@ impl Scheduler {
     /// Charges everyone on the GPU up to `now`: the time-slicer splits the
     /// GPU evenly among those with work, and a client's virtual time is
     /// charged as one of those on the GPU of its band or above (lower
-    /// bands' clients left on it do not thin a higher band's charge:
-    /// sixteen `low` connections that never answered a revoke made the
-    /// band's clock crawl, and a `high` user took its whole on-time).
-    /// Status's GPU time stays the even split.
+    /// bands' clients left on it, hung or not, do not slow a higher
+    /// band's clock). Status's GPU time stays the even split.
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = now;
-        let on: Vec<(ClientId, usize)> = self
-            .lease
-            .on_gpu()
-            .map(|id| (id, band(self.clients[&id].class)))
-            .collect();
+        let (on, above) = self.on_gpu();
         if dt == 0 || on.is_empty() {
             return;
         }
-        let above = at_or_above(&on);
         let even = dt as f64 / on.len() as f64;
         for (id, b) in on {
             self.clock.charge(id, dt as f64 / above[b] as f64);
             self.clients.get_mut(&id).expect("on the GPU").charged += even;
         }
+    }
+
+    /// The clients on the GPU with their bands, and per band how many of
+    /// them are of that band or above.
+    fn on_gpu(&self) -> (Vec<(ClientId, usize)>, [usize; BANDS]) {
+        let on: Vec<(ClientId, usize)> = self
+            .lease
+            .on_gpu()
+            .map(|id| (id, band(self.clients[&id].class)))
+            .collect();
+        let mut above = [0; BANDS];
+        for &(_, b) in &on {
+            above.iter_mut().take(b + 1).for_each(|k| *k += 1);
+        }
+        (on, above)
     }
 
     /// Puts client `id`'s state in the parts, changing only what moved:
@@ -531,12 +539,7 @@ impl Scheduler {
     /// eligible with an earlier deadline, or it was idle and the holder's
     /// quantum ends).
     fn plan(&mut self) {
-        let on: Vec<(ClientId, usize)> = self
-            .lease
-            .on_gpu()
-            .map(|id| (id, band(self.clients[&id].class)))
-            .collect();
-        let above = at_or_above(&on);
+        let (on, above) = self.on_gpu();
         for (b, &n_above) in above.iter().enumerate() {
             let n = on.iter().filter(|&&(_, k)| k == b).count();
             self.clock.set_rate(b, n as f64 / n_above.max(1) as f64);
@@ -574,16 +577,4 @@ impl Scheduler {
 enum Waiters {
     Band(usize, bool, Option<ClientId>),
     Siblings(ClientId),
-}
-
-/// Per band, how many of `on` (clients on the GPU and their bands) are
-/// of that band or above.
-fn at_or_above(on: &[(ClientId, usize)]) -> [usize; BANDS] {
-    let mut n = [0; BANDS];
-    for &(_, b) in on {
-        for k in n.iter_mut().take(b + 1) {
-            *k += 1;
-        }
-    }
-    n
 }

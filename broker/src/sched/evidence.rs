@@ -37,16 +37,13 @@ use super::clock::UserRef;
 use super::{ClientId, Nanos, SchedConfig};
 
 /// The least work a process must show for its time on the GPU: a
-/// quarter. A busy process keeps the GPU busy nearly all the time it
-/// holds, and one that runs a 100 us kernel every 500 ms, 0.02%, held the
-/// GPU from a waiting `low` process when one sample above zero was
-/// evidence enough.
+/// quarter (a busy process keeps it busy nearly all the time it holds;
+/// work, not one sample above zero, is the evidence).
 const WORK_PER_HELD: f64 = 0.25;
 
 /// How fast a user's benefit of the doubt comes back, as a part of real
-/// time. (Half a second in each ten, a sliding window, left a busy new
-/// process of a user whose doubt a pretender had spent off the GPU for
-/// up to ten seconds.)
+/// time: a bucket, so a busy new process of a user whose doubt was spent
+/// gets a slice within a fraction of a second, not a window later.
 const DOUBT_RATE: f64 = 0.05;
 
 /// A user's benefit of the doubt: what is left of it, as of `at`, and

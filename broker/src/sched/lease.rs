@@ -13,12 +13,9 @@ use super::{Action, ClientId, GrantId, Nanos, SchedConfig};
 pub(super) const BURST_BOUND: Nanos = 8;
 
 /// A holder the driver saw at work is recalled at most once in this many
-/// slices while only a lower band waits; its slice is extended in
-/// between. A recall costs a busy holder a round trip through the broker
-/// on an idle GPU (its answer, then its grant back): 2-3 ms on a broker
-/// busy with another user's churn, so at every 20 ms slice a tenth or
-/// more of its GPU time, for nothing. One that does not answer still
-/// loses the GPU at the first recall of each grant.
+/// slices while only a lower band waits, its slice extended in between:
+/// a recall costs a busy holder a round trip with the GPU idle. One that
+/// does not answer still loses the GPU at the first recall of each grant.
 pub(super) const RECALL_SLICES: Nanos = 4;
 
 #[derive(Debug, Clone)]
