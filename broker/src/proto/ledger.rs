@@ -236,20 +236,19 @@ impl Ledger {
     /// 10, within a tenth beyond): (run, token, position, what it waits
     /// for). The queue says whose, so a departure costs one walk and a few
     /// messages, not one to every request behind it.
-    /// Told at most once a `POSITION_TICK`: nothing before then.
+    /// A new request is told at once; a moved one at most once a
+    /// `POSITION_TICK`.
     pub fn positions(&mut self, now: Nanos) -> Vec<(ConnId, u64, u32, Want)> {
-        if self.positions_due().is_none_or(|t| t > now) {
-            return Vec::new();
+        let mut told = self.queue.take_fresh();
+        if self.positions_due(now).is_some_and(|t| t <= now) {
+            self.untold = false;
+            // With nobody to tell, the tick is not spent.
+            if self.queue.has_waiting() {
+                self.told_at = Some(now);
+                told.extend(self.queue.positions_to_tell(now));
+            }
         }
-        self.untold = false;
-        if !self.queue.has_waiting() {
-            // Nobody to tell: the tick is not spent.
-            return Vec::new();
-        }
-        self.told_at = Some(now);
-        self.queue
-            .positions_to_tell(now)
-            .into_iter()
+        told.into_iter()
             .filter_map(|(token, position, want)| {
                 Some((self.jobs.run(&token)?, token, position, want))
             })
@@ -275,14 +274,21 @@ impl Ledger {
         queue
             .into_iter()
             .chain(recovery)
-            .chain(self.positions_due())
+            .chain(self.positions_due(now))
             .min()
     }
 
-    /// When the places are next told, if the queue changed since.
-    fn positions_due(&self) -> Option<Nanos> {
-        self.untold
-            .then(|| self.told_at.map_or(0, |t| t.saturating_add(POSITION_TICK)))
+    /// When the places are next told: at once for a request that waits
+    /// for a walk to be told; else a tick after the last, if the queue
+    /// changed since.
+    fn positions_due(&self, now: Nanos) -> Option<Nanos> {
+        if self.queue.must_walk() {
+            return Some(now);
+        }
+        self.untold.then(|| {
+            self.told_at
+                .map_or(now, |t| t.saturating_add(POSITION_TICK))
+        })
     }
 
     #[cfg(test)]
@@ -539,13 +545,8 @@ mod tests {
         // Its run reconnected: told again there.
         l.rerun(8, 3);
         assert_eq!(l.poll(0).map(|p| p.len()), Some(0), "rerun marks the queue");
-        assert!(l.positions(0).is_empty(), "places are told once a tick");
-        assert_eq!(l.next_timeout(0), Some(POSITION_TICK));
-        let told: Vec<(ConnId, u64)> = l
-            .positions(POSITION_TICK)
-            .iter()
-            .map(|p| (p.0, p.1))
-            .collect();
+        assert_eq!(l.next_timeout(0), Some(0), "told at once");
+        let told: Vec<(ConnId, u64)> = l.positions(0).iter().map(|p| (p.0, p.1)).collect();
         assert_eq!(told, [(3, 8)]);
         assert_eq!(
             l.lease_to_tell(7).map(|(id, q)| (id, q.gpus.clone())),

@@ -131,6 +131,10 @@ pub struct Queue {
     held: BTreeMap<RequestId, Held>,
     next_seq: u64,
     mig: mig::Planner,
+    /// New requests told their place without a walk, to be sent
+    /// (`take_fresh`); and whether one waits for a walk to be told.
+    fresh: Vec<(RequestId, u32, Want)>,
+    walk: bool,
 }
 
 impl Queue {
@@ -157,6 +161,8 @@ impl Queue {
             held: BTreeMap::new(),
             next_seq: 0,
             mig: mig::Planner::default(),
+            fresh: Vec::new(),
+            walk: false,
         }
     }
 
@@ -181,12 +187,33 @@ impl Queue {
 
     /// Queues a request. Refuses at once what no GPU of this node could ever
     /// satisfy, and ids already in use. Call `poll` afterwards.
+    ///
+    /// A new request is told its place at once (`take_fresh`): the newest
+    /// fraction's is the last (it goes after every earlier whole-GPU
+    /// request and fraction, and escalated ones go first), so it needs no
+    /// walk; any other is told by a walk due now (`must_walk`).
     pub fn submit(&mut self, now: Nanos, id: RequestId, req: Request) -> Result<(), Refusal> {
+        let want = (req.pin.is_empty()).then_some(req.want);
+        self.file(now, id, req)?;
+        match want {
+            Some(want @ Want::Memory(_)) => {
+                let place = u32::try_from(self.waiting.len()).unwrap_or(u32::MAX);
+                if let Some(w) = self.waiting.get_mut(id) {
+                    w.told = Some(place);
+                }
+                self.fresh.push((id, place, want));
+            }
+            _ => self.walk = true,
+        }
+        Ok(())
+    }
+
+    fn file(&mut self, since: Nanos, id: RequestId, req: Request) -> Result<(), Refusal> {
         self.check(id, &req)?;
         self.waiting.push(Waiter {
             id,
             req,
-            since: now,
+            since,
             seq: self.next_seq,
             told: None,
         });
@@ -202,7 +229,9 @@ impl Queue {
         id: RequestId,
         req: Request,
     ) -> Result<(), Refusal> {
-        self.submit(since, id, req)
+        self.file(since, id, req)?;
+        self.walk = true;
+        Ok(())
     }
 
     /// Books a lease that was running before a restart on the GPUs it held

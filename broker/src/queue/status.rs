@@ -37,6 +37,7 @@ impl Queue {
     /// taken as told. One walk of the queue, nothing per request that
     /// stays put: a departure tells a few requests, not all behind it.
     pub fn positions_to_tell(&mut self, now: Nanos) -> Vec<(RequestId, u32, Want)> {
+        self.walk = false;
         let mut out = Vec::new();
         for (place, slot) in self.order(now).into_iter().enumerate() {
             let place = u32::try_from(place + 1).unwrap_or(u32::MAX);
@@ -55,7 +56,22 @@ impl Queue {
     pub fn retell(&mut self, id: RequestId) {
         if let Some(w) = self.waiting.get_mut(id) {
             w.told = None;
+            self.walk = true;
         }
+    }
+
+    /// New requests told their place at `submit`, without a walk, that
+    /// still wait (one placed at once is told its lease instead).
+    pub fn take_fresh(&mut self) -> Vec<(RequestId, u32, Want)> {
+        let mut fresh = std::mem::take(&mut self.fresh);
+        fresh.retain(|f| self.waiting.contains(f.0));
+        fresh
+    }
+
+    /// Whether a waiting request waits for a walk to be told its place
+    /// (it is new, and not a fraction, or its run came back).
+    pub fn must_walk(&self) -> bool {
+        self.walk && self.has_waiting()
     }
 
     /// How many requests `uid` has waiting.

@@ -105,3 +105,32 @@ fn a_churning_queue_tells_each_run_its_place_only_when_it_moved_a_tenth() {
         "{worst} messages in one round of {N} waiting"
     );
 }
+
+/// A new request is told its place at once (its token with it): a
+/// fraction without a walk, as the last; any other by a walk. Places that
+/// moved are told once a `POSITION_TICK`, not at each change.
+#[test]
+fn a_new_request_is_told_at_once_and_moved_ones_once_a_tick() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let p = t.spawn(1);
+    let holder = t.connect_as(p, ALICE);
+    t.lease(holder, 0, 16 * GIB, false);
+    t.turn();
+    assert!(leased(&t.recv(holder)).is_some());
+    let mut line = Vec::new();
+    for (k, gpus, mem) in [(1, 0, GIB), (2, 0, GIB), (3, 1, 0), (4, 0, GIB)] {
+        let p = t.spawn(1);
+        let c = t.connect_as(p, BOB);
+        t.lease(c, gpus, mem, false);
+        t.turn();
+        assert_eq!(told(&mut t, c), [k], "arrival {k} told at once");
+        line.push(c);
+    }
+    // The head leaves: the others moved up, and hear so at the tick.
+    t.b.hangup(line.remove(0));
+    t.turn();
+    assert!(line.iter().all(|&c| told(&mut t, c).is_empty()));
+    t.advance(POSITION_TICK);
+    let now: Vec<Vec<u32>> = line.iter().map(|&c| told(&mut t, c)).collect();
+    assert_eq!(now, [vec![1], vec![2], vec![3]]);
+}
