@@ -94,8 +94,9 @@ struct Client {
     stream: UnixStream,
     /// Registered for writability (output pending).
     want_write: bool,
-    /// Readable when the process exits (None: a kernel without pidfds).
-    pidfd: Option<OwnedFd>,
+    /// Readable when the process exits (None: a kernel without pidfds);
+    /// held open while the client is, in the poll until closed with it.
+    _pidfd: Option<OwnedFd>,
 }
 
 struct Loop {
@@ -498,15 +499,10 @@ impl Loop {
             for id in dead {
                 // Say what can still be said (an error frame) first.
                 self.flush(id);
-                if let Some(mut c) = self.clients.remove(&Token(id as usize)) {
-                    let _ = self.poll.registry().deregister(&mut c.stream);
-                    if let Some(p) = &c.pidfd {
-                        let _ = self
-                            .poll
-                            .registry()
-                            .deregister(&mut SourceFd(&p.as_raw_fd()));
-                    }
-                }
+                // Closing a descriptor takes it out of the poll (nothing
+                // else holds it open): no deregistering, two fewer
+                // syscalls per connection.
+                drop(self.clients.remove(&Token(id as usize)));
                 self.core.remove(now(), id);
             }
             // The descriptors just closed make room for connections still
@@ -601,7 +597,7 @@ impl Loop {
                         Client {
                             stream,
                             want_write: false,
-                            pidfd,
+                            _pidfd: pidfd,
                         },
                     );
                 }
