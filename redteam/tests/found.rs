@@ -1161,3 +1161,64 @@ fn service_idle_high_connections_reasking_beside_name_frames() {
         " within the largest bounds",
     );
 }
+
+/// Seed 2027 (`--budget 160`): a user's `low` connections that never
+/// read, and 48 busy `high` connections of one process of the same user,
+/// beside the victim's interactive `high` process. The 48 asked at once
+/// and each came as a burst (and kept it while it waited); when the
+/// victim's grant revoked the last waiting `low` connection, the `high`
+/// share let go, they came back with a burst's warped deadline level
+/// with the victim's, and rounding gave them the GPU for a whole slice
+/// (a burst waited 19.8 ms). A burst is now its user's only work of its
+/// class, a parked request comes back as no burst, and a tie leaves the
+/// holder the GPU.
+#[test]
+fn service_seed_2027() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Low,
+                    work: false,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 3,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 16,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: true,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::High,
+                    work: true,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 48,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 20,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Service, &s);
+}

@@ -139,6 +139,8 @@ pub(super) struct Weights {
     unit_sum: f64,
     /// The competing clients' user weights.
     user: Sum,
+    /// How many of them are `high`.
+    high: usize,
 }
 
 impl Weights {
@@ -149,6 +151,7 @@ impl Weights {
         unit.imposed = m.unit_weight.or(unit.imposed);
         self.unit_sum += unit.weight() - before;
         self.user.add(m.user_weight);
+        self.high += usize::from(m.high);
     }
 
     pub(super) fn remove(&mut self, m: &Member) {
@@ -168,6 +171,7 @@ impl Weights {
             };
         }
         self.user.remove(m.user_weight);
+        self.high -= usize::from(m.high);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -752,6 +756,23 @@ impl FairClock {
 
     fn flow(&mut self, r: UserRef) -> &mut Flow {
         self.flows.entry(r).or_default()
+    }
+
+    /// Whether another client of `id`'s flow and class competes: its
+    /// user has other work of its class, waiting or on the GPU.
+    pub fn siblings_compete(&self, id: ClientId) -> bool {
+        let Some(e) = self.entities.get(&id) else {
+            return false;
+        };
+        self.flows.get(&e.m.flow()).is_some_and(|f| {
+            let high = f.weights.high;
+            let same = if e.m.high {
+                high
+            } else {
+                f.inner.competing.len() - high
+            };
+            same > usize::from(e.competing)
+        })
     }
 
     fn competing_flow(&self, id: ClientId) -> Option<UserRef> {

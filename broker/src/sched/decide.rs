@@ -296,7 +296,7 @@ impl Scheduler {
     fn keeps(&mut self, now: Nanos, h: ClientId, hb: usize) -> bool {
         let dl = |s: &Self, id| s.clock.deadline(id).unwrap_or(f64::INFINITY);
         let flow = if let Some(w) = self.scan(now, Waiters::Band(hb, true, Some(h))) {
-            self.clock.eligible(h) && dl(self, h) <= dl(self, w)
+            self.clock.eligible(h) && !earlier(dl(self, w), dl(self, h))
         } else {
             match self.scan(now, Waiters::Band(hb, false, Some(h))) {
                 Some(w) => self.clock.eligible(h) || self.clock.vtime(h) <= self.clock.vtime(w),
@@ -337,7 +337,7 @@ impl Scheduler {
             return false;
         };
         let dl = |id| self.clock.deadline(id).unwrap_or(f64::INFINITY);
-        dl(w) < dl(h) || (self.short(w) && quantum)
+        earlier(dl(w), dl(h)) || (self.short(w) && quantum)
     }
 
     /// Whether `id`'s request is the short kind (it was idle).
@@ -401,6 +401,9 @@ impl Scheduler {
             .unwrap_or(now)
             .max(now + 1);
         self.ceilings.park(id, until);
+        // What it waits for now is its ceiling, not the GPU's quantum: it
+        // comes back as no burst.
+        self.clients.get_mut(&id).expect("registered").waking = false;
         self.sync(id, now);
     }
 
@@ -560,9 +563,9 @@ impl Scheduler {
                 .take(LOOKAHEAD)
                 .filter_map(|w| {
                     let short = self.short(w);
-                    let earlier = self.clock.deadline(w).is_some_and(|d| d < dh);
+                    let sooner = self.clock.deadline(w).is_some_and(|d| earlier(d, dh));
                     let at = self.now.saturating_add(self.clock.eligible_in(w)?);
-                    (earlier || short).then(|| if short { at.max(quantum) } else { at })
+                    (sooner || short).then(|| if short { at.max(quantum) } else { at })
                 })
                 .min();
             sibling.into_iter().chain(others).min()
@@ -577,4 +580,11 @@ impl Scheduler {
 enum Waiters {
     Band(usize, bool, Option<ClientId>),
     Siblings(ClientId),
+}
+
+/// Whether deadline `a` is earlier than `b` by more than rounding: two
+/// flows placed at the same virtual time with the same request tie (the
+/// holder keeps the GPU), whatever order their sums were made in.
+fn earlier(a: f64, b: f64) -> bool {
+    a < b - (b.abs() * 1e-12).max(1e-3)
 }
