@@ -3,6 +3,7 @@
 //! shims.
 
 mod classes;
+mod clocks;
 mod entitled;
 mod evidence;
 mod handover;
@@ -11,6 +12,7 @@ mod high;
 mod inputs;
 mod limits;
 mod liveness;
+mod meter;
 mod props;
 mod shares;
 mod users;
