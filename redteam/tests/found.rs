@@ -1169,9 +1169,8 @@ fn service_idle_high_connections_reasking_beside_name_frames() {
 /// victim's grant revoked the last waiting `low` connection, the `high`
 /// share let go, they came back with a burst's warped deadline level
 /// with the victim's, and rounding gave them the GPU for a whole slice
-/// (a burst waited 19.8 ms). A burst is now its user's only work of its
-/// class, a parked request comes back as no burst, and a tie leaves the
-/// holder the GPU.
+/// (a burst waited 19.8 ms). A parked request now comes back as no
+/// burst, and a tie leaves the holder the GPU.
 #[test]
 fn service_seed_2027() {
     let s = Strategy {
@@ -1221,4 +1220,61 @@ fn service_seed_2027() {
         ],
     };
     holds(Invariant::Service, &s);
+}
+
+/// Seed 9 (`--budget 160`): a user's 16 connections without work that
+/// answer every recall by asking again, and another's `high` processes
+/// that ignore recalls. It broke `idle` (15.8%) against a scheduler that
+/// gave a burst only to a user's only work of its class: the 16 then
+/// asked for whole slices and held the GPU idle for each. A connection's
+/// own idleness makes its burst, and its short request.
+#[test]
+fn idle_seed_9() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::High,
+                    work: true,
+                    recall: Recall::Ignore,
+                    uuids: 0,
+                },
+                members: 4,
+                procs: 4,
+                start_ms: 1400,
+                period_ms: 160,
+                duty: 25,
+                stagger: 25,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 16,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 80,
+                duty: 100,
+                stagger: 25,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Idle, &s);
 }

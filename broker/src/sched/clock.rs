@@ -139,8 +139,6 @@ pub(super) struct Weights {
     unit_sum: f64,
     /// The competing clients' user weights.
     user: Sum,
-    /// How many of them are `high`.
-    high: usize,
 }
 
 impl Weights {
@@ -151,7 +149,6 @@ impl Weights {
         unit.imposed = m.unit_weight.or(unit.imposed);
         self.unit_sum += unit.weight() - before;
         self.user.add(m.user_weight);
-        self.high += usize::from(m.high);
     }
 
     pub(super) fn remove(&mut self, m: &Member) {
@@ -171,7 +168,6 @@ impl Weights {
             };
         }
         self.user.remove(m.user_weight);
-        self.high -= usize::from(m.high);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -756,23 +752,6 @@ impl FairClock {
 
     fn flow(&mut self, r: UserRef) -> &mut Flow {
         self.flows.entry(r).or_default()
-    }
-
-    /// Whether another client of `id`'s flow and class competes: its
-    /// user has other work of its class, waiting or on the GPU.
-    pub fn siblings_compete(&self, id: ClientId) -> bool {
-        let Some(e) = self.entities.get(&id) else {
-            return false;
-        };
-        self.flows.get(&e.m.flow()).is_some_and(|f| {
-            let high = f.weights.high;
-            let same = if e.m.high {
-                high
-            } else {
-                f.inner.competing.len() - high
-            };
-            same > usize::from(e.competing)
-        })
     }
 
     fn competing_flow(&self, id: ClientId) -> Option<UserRef> {

@@ -319,12 +319,7 @@ impl Scheduler {
             match c.state {
                 ClientState::Idle => {
                     c.state = ClientState::Waiting;
-                    // A burst is its user's only work of its class: with
-                    // other work of its user and class (waiting or on the
-                    // GPU), a request is part of that work, however many
-                    // connections carry it, and borrows no burst's latency.
-                    c.waking = c.let_go.is_none_or(|t| now >= t.saturating_add(s.cfg.wake))
-                        && !s.clock.siblings_compete(id);
+                    c.waking = c.let_go.is_none_or(|t| now >= t.saturating_add(s.cfg.wake));
                     // A shim launches a little with its request, before
                     // any grant: that work is on the GPU (and charged)
                     // until it reports it drained or is granted — at most
