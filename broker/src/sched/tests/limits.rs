@@ -118,3 +118,49 @@ fn limit_set_on_open_ended_holder_slices_it() {
         }]
     );
 }
+
+/// A request its limit kept out comes back as no burst: what it waited
+/// for was its budget, not the GPU's quantum, so when it fits again it
+/// gets an ordinary grant (the in-flight bound, not a burst's eight
+/// times it) and an ordinary request. Before, it kept the burst it came
+/// with however long it was parked (red team, seed 2027).
+#[test]
+fn a_request_its_limit_kept_out_comes_back_as_no_burst() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.add(1, 1.0, Some(0.1));
+    sim.add(2, 1.0, None);
+    sim.residual.insert(2, B);
+    sim.start(2);
+    sim.start(1);
+    // Client 1 uses its tenth of the window, then withdraws its request.
+    sim.run_until(300 * MS);
+    assert!(status_of(&sim.s, sim.now, 1).achieved > 0.09);
+    assert_ne!(sim.s.holder(), Some(1), "kept out by its limit");
+    sim.busy.remove(&1);
+    sim.s.release(sim.now, 1);
+    sim.pump();
+    // Idle a while, it asks again, still over its budget: parked.
+    sim.run_until(310 * MS);
+    let asked = sim.now;
+    sim.s.acquire(asked, 1);
+    sim.s.drained(asked, 1);
+    sim.pump();
+    assert_ne!(sim.s.holder(), Some(1), "parked while over its budget");
+    while sim.s.holder() != Some(1) {
+        assert!(sim.now < asked + 2 * SEC, "never granted");
+        sim.run_until(sim.now + MS);
+    }
+    assert!(sim.now > asked + 500 * MS, "granted at {}", sim.now);
+    let bound = sim
+        .log
+        .iter()
+        .rev()
+        .find_map(|&(_, a)| match a {
+            Action::Grant {
+                client: 1, bound, ..
+            } => Some(bound),
+            _ => None,
+        })
+        .expect("a grant to 1");
+    assert_eq!(bound, B, "granted as a burst after being parked");
+}
