@@ -278,12 +278,8 @@ impl Scheduler {
                 // of its unit (its own limit survives a reconnect).
                 s.ceilings.member(old, None, -1);
                 s.ceilings.member(group, limit, 1);
-                let h = s.ceilings.take_history((user, group));
-                s.clients
-                    .get_mut(&id)
-                    .expect("registered")
-                    .meter
-                    .adopt_history(h);
+                c.meter
+                    .adopt_history(s.ceilings.take_history((user, group)));
             }
             s.sync(id, now);
         });
