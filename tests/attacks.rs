@@ -543,6 +543,14 @@ fn a_restarted_broker_keeps_running_leases_and_the_queue() {
     wait_until(20.0, "B in the queue", || {
         b.status()["queue"].as_array().is_some_and(|q| q.len() == 1)
     });
+    // A request that only waits is written within a second (a lease
+    // within 100 ms): the crash comes once B's place is on disk.
+    wait_until(10.0, "B's place in the state file", || {
+        std::fs::read(b.state_file())
+            .ok()
+            .and_then(|s| serde_json::from_slice::<serde_json::Value>(&s).ok())
+            .is_some_and(|s| s["jobs"].as_array().is_some_and(|j| j.len() == 2))
+    });
 
     b.kill(); // SIGKILL: no clean shutdown, the state file stays.
     let t = Instant::now();

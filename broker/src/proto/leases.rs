@@ -281,11 +281,16 @@ impl Broker {
 
     fn attach_job(&mut self, now: Nanos, id: ConnId, job: Job) {
         let t = job.token;
+        let queued = matches!(job.phase, Phase::Queued { .. });
         self.ledger.attach(job, id);
         if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
             c.job = Some(t);
         }
-        self.saves.changed();
+        if queued {
+            self.saves.queue_changed();
+        } else {
+            self.saves.changed();
+        }
         self.rejoin(now, t);
     }
 
@@ -471,7 +476,11 @@ impl Broker {
         let gpu_ns = self.spent(now, &members, gpus).gpu_ns;
         if let Some(e) = self.ledger.jobs_mut().end(token) {
             let j = e.job;
-            self.saves.changed();
+            if matches!(j.phase, Phase::Queued { .. }) {
+                self.saves.queue_changed();
+            } else {
+                self.saves.changed();
+            }
             for t in e.members {
                 if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
                     s.member_of = None;

@@ -5,6 +5,13 @@
 //! coalesced per user, so that one user's churn (names, leases) never
 //! holds another's lease back (a `Name` flood kept a victim's
 //! `run --no-wait` answer waiting 101 ms).
+//!
+//! Changes that only the queue saw (a request that arrived and waits, or
+//! left while waiting) wait up to `QUEUE_SAVE_EVERY`: what a crash then
+//! forgets is a request that arrived in that last second, and its run
+//! asks anew, as the newcomer it was; or one that left, which the next
+//! broker drops when it finds its run gone. A queue of a thousand with
+//! requests coming and going then costs a write a second, not ten.
 
 use std::collections::HashMap;
 
@@ -16,12 +23,16 @@ use super::voices::{RateLimit, WARN_EVERY};
 const MS: Nanos = 1_000_000;
 /// State writes at most this often: churn costs bounded I/O.
 pub const SAVE_EVERY: Nanos = 100 * MS;
+/// Writes for the queue's changes alone, at most this often.
+pub const QUEUE_SAVE_EVERY: Nanos = 1000 * MS;
 
 /// The state's changes and writes.
 #[derive(Debug)]
 pub(super) struct Saves {
     /// Changes counted so far.
     seq: u64,
+    /// The count of the last change that was not the queue's alone.
+    urgent: u64,
     /// The count handed out to be written, while it is.
     writing: Option<u64>,
     /// The last count known written.
@@ -40,6 +51,7 @@ impl Default for Saves {
     fn default() -> Self {
         Saves {
             seq: 0,
+            urgent: 0,
             writing: None,
             written: 0,
             last: None,
@@ -53,7 +65,14 @@ impl Saves {
     /// Something to persist changed; returns the count that books it.
     pub fn changed(&mut self) -> u64 {
         self.seq += 1;
+        self.urgent = self.seq;
         self.seq
+    }
+
+    /// Only the queue changed: a request arrived and waits, or left while
+    /// it waited.
+    pub fn queue_changed(&mut self) {
+        self.seq += 1;
     }
 
     /// The count of changes so far (a write of it or later books them).
@@ -67,7 +86,12 @@ impl Saves {
         if self.writing.is_some() || self.seq == self.written {
             return None;
         }
-        let coalesced = self.last.map_or(0, |t| t + SAVE_EVERY);
+        let every = if self.urgent > self.written {
+            SAVE_EVERY
+        } else {
+            QUEUE_SAVE_EVERY
+        };
+        let coalesced = self.last.map_or(0, |t| t + every);
         let early = waiting
             .map(|u| self.early.get(&u).map_or(0, |t| t + SAVE_EVERY))
             .min();
@@ -120,6 +144,23 @@ mod tests {
         assert_eq!(s.start(5 + SAVE_EVERY, NONE), 2);
         s.done(6 + SAVE_EVERY, 2, Ok(()));
         assert_eq!(s.due(NONE), None, "all written");
+    }
+
+    #[test]
+    fn the_queues_changes_alone_wait_longer_until_another_change_comes() {
+        let mut s = Saves::default();
+        s.queue_changed();
+        assert_eq!(s.due(NONE), Some(0), "never written: at once");
+        let seq = s.start(10, NONE);
+        s.done(11, seq, Ok(()));
+        s.queue_changed();
+        assert_eq!(s.due(NONE), Some(10 + QUEUE_SAVE_EVERY));
+        s.changed();
+        assert_eq!(s.due(NONE), Some(10 + SAVE_EVERY), "a lease's change");
+        let seq = s.start(10 + SAVE_EVERY, NONE);
+        s.done(11 + SAVE_EVERY, seq, Ok(()));
+        s.queue_changed();
+        assert_eq!(s.due(NONE), Some(10 + SAVE_EVERY + QUEUE_SAVE_EVERY));
     }
 
     #[test]

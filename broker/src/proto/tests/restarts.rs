@@ -325,3 +325,45 @@ proptest! {
         prop_assert!(leased(&t.recv(v)).is_some(), "the victim is placed");
     }
 }
+
+/// A queue whose requests only come and go is written once a second, not
+/// at every `SAVE_EVERY`; a lease placed from it is written at once.
+#[test]
+fn a_churning_queue_is_written_once_a_second_and_a_placed_lease_at_once() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let p = t.spawn(1);
+    let holder = t.connect_as(p, ALICE);
+    t.lease(holder, 1, 0, false);
+    let (seq, _) = t.b.take_state(t.now).expect("the lease's write");
+    t.b.state_saved(t.now, seq, Ok(()));
+    assert!(leased(&t.recv(holder)).is_some());
+    let mut waiting = Vec::new();
+    let mut writes = 0;
+    // Two seconds: a request arrives every 10 ms, and the oldest leaves.
+    for _ in 0..200 {
+        t.now += 10 * MS;
+        let p = t.spawn(1);
+        let c = t.connect_as(p, BOB);
+        t.lease(c, 1, 0, false);
+        waiting.push(c);
+        if waiting.len() > 3 {
+            t.b.remove(t.now, waiting.remove(0));
+        }
+        if let Some((seq, _)) = t.b.take_state(t.now) {
+            writes += 1;
+            t.b.state_saved(t.now, seq, Ok(()));
+        }
+    }
+    assert!((1..=3).contains(&writes), "{writes} writes in 2 s");
+    t.now += 10 * MS;
+    t.b.remove(t.now, holder);
+    let (_, bytes) =
+        t.b.take_state(t.now)
+            .expect("the placed lease's write, at once");
+    let jobs = crate::jobs::decode(&bytes).unwrap();
+    assert!(
+        jobs.iter()
+            .any(|j| matches!(j.phase, Phase::Running { .. })),
+        "{jobs:?}"
+    );
+}
