@@ -555,7 +555,7 @@ impl FairClock {
     /// A new request of `request` GPU ns for the flow of `id`, its
     /// holder.
     pub fn start_request(&mut self, id: ClientId, request: Nanos) {
-        if let Some(r) = self.competing_flow(id) {
+        if let Some((r, _)) = self.competing(id) {
             self.refile(r, |o| o.request(request as f64, 0.0));
         }
     }
@@ -603,7 +603,7 @@ impl FairClock {
 
     /// The lag of `id`'s flow in GPU ns (0 if it does not compete).
     pub fn lag(&self, id: ClientId) -> f64 {
-        self.competing_flow(id).map_or(0.0, |r| self.flow_lag(r))
+        self.competing(id).map_or(0.0, |(r, _)| self.flow_lag(r))
     }
 
     fn flow_lag(&self, r: UserRef) -> f64 {
@@ -626,15 +626,14 @@ impl FairClock {
 
     /// The virtual time of `id`'s flow (infinite if it does not compete).
     pub fn vtime(&self, id: ClientId) -> f64 {
-        self.competing_flow(id)
-            .and_then(|r| self.flows[&r].on)
-            .map_or(f64::INFINITY, |on| on.v)
+        self.competing(id).map_or(f64::INFINITY, |(_, on)| on.v)
     }
 
-    /// The virtual deadline of the request of `id`'s flow.
-    pub fn deadline(&self, id: ClientId) -> Option<f64> {
-        let r = self.competing_flow(id)?;
-        self.flows[&r].on.map(|on| on.deadline)
+    /// The virtual deadline of the request of `id`'s flow (infinite if it
+    /// does not compete).
+    pub fn deadline(&self, id: ClientId) -> f64 {
+        self.competing(id)
+            .map_or(f64::INFINITY, |(_, on)| on.deadline)
     }
 
     /// Whether `a` comes before `b` within their flow (`high` first, then
@@ -708,8 +707,8 @@ impl FairClock {
     /// In how many ns `id`'s flow becomes eligible at the band's present
     /// rate (None: not while nothing is charged).
     pub fn eligible_in(&self, id: ClientId) -> Option<Nanos> {
-        let r = self.competing_flow(id)?;
-        let (on, band) = (self.flows[&r].on?, &self.bands[r.0]);
+        let (r, on) = self.competing(id)?;
+        let band = &self.bands[r.0];
         let behind = on.v - self.borrow(id) / on.w - band.v();
         if behind <= 0.0 {
             return Some(0);
@@ -754,9 +753,10 @@ impl FairClock {
         self.flows.entry(r).or_default()
     }
 
-    fn competing_flow(&self, id: ClientId) -> Option<UserRef> {
-        let e = self.entities.get(&id)?;
-        self.flows.get(&e.m.flow())?.on.map(|_| e.m.flow())
+    /// `id`'s flow and its place in its band, while the flow competes.
+    fn competing(&self, id: ClientId) -> Option<(UserRef, On)> {
+        let r = self.entities.get(&id)?.m.flow();
+        Some((r, self.flows.get(&r)?.on?))
     }
 
     /// Changes a competing flow's place (`f` on its `On`), keeping the

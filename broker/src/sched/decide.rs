@@ -294,9 +294,8 @@ impl Scheduler {
     /// flow's (or, with none eligible, no further ahead than the nearest),
     /// and no waiter of its own flow before it.
     fn keeps(&mut self, now: Nanos, h: ClientId, hb: usize) -> bool {
-        let dl = |s: &Self, id| s.clock.deadline(id).unwrap_or(f64::INFINITY);
         let flow = if let Some(w) = self.scan(now, Waiters::Band(hb, true, Some(h))) {
-            self.clock.eligible(h) && !earlier(dl(self, w), dl(self, h))
+            self.clock.eligible(h) && !earlier(self.clock.deadline(w), self.clock.deadline(h))
         } else {
             match self.scan(now, Waiters::Band(hb, false, Some(h))) {
                 Some(w) => self.clock.eligible(h) || self.clock.vtime(h) <= self.clock.vtime(w),
@@ -336,8 +335,7 @@ impl Scheduler {
         let Some(w) = self.scan(now, Waiters::Band(hb, true, Some(h))) else {
             return false;
         };
-        let dl = |id| self.clock.deadline(id).unwrap_or(f64::INFINITY);
-        earlier(dl(w), dl(h)) || (self.short(w) && quantum)
+        earlier(self.clock.deadline(w), self.clock.deadline(h)) || (self.short(w) && quantum)
     }
 
     /// Whether `id`'s request is the short kind (it was idle).
@@ -549,7 +547,7 @@ impl Scheduler {
         }
         self.timer = self.lease.held().and_then(|(h, start, _, _)| {
             let hb = band(self.clients[&h].class);
-            let dh = self.clock.deadline(h).unwrap_or(f64::INFINITY);
+            let dh = self.clock.deadline(h);
             let quantum = start.saturating_add(self.cfg.wake);
             let sibling = self
                 .clock
@@ -563,7 +561,7 @@ impl Scheduler {
                 .take(LOOKAHEAD)
                 .filter_map(|w| {
                     let short = self.short(w);
-                    let sooner = self.clock.deadline(w).is_some_and(|d| earlier(d, dh));
+                    let sooner = earlier(self.clock.deadline(w), dh);
                     let at = self.now.saturating_add(self.clock.eligible_in(w)?);
                     (sooner || short).then(|| if short { at.max(quantum) } else { at })
                 })
