@@ -278,13 +278,7 @@ impl Scheduler {
                 return true;
             }
         }
-        let ts = self.cfg.timeslice;
-        let remaining = self.remaining(h, now);
-        let slice = match remaining {
-            Some(r) => Some(r.min(ts)),
-            None => self.anyone_waits().then_some(ts),
-        };
-        let terms = self.terms(h, slice);
+        let terms = self.terms(h, self.slice(h, now, self.cfg.timeslice));
         self.lease.update(now, terms);
         true
     }
@@ -413,11 +407,7 @@ impl Scheduler {
         let b = band(c.class);
         // Its request (and deadline) is the one it asked with.
         self.sync(id, now);
-        let slice = match self.remaining(id, now) {
-            Some(r) => Some(r.min(request)),
-            None => self.anyone_waits().then_some(request),
-        };
-        let terms = self.terms(id, slice);
+        let terms = self.terms(id, self.slice(id, now, request));
         self.lease.grant(now, id, (b, request), burst, terms);
     }
 
@@ -425,6 +415,15 @@ impl Scheduler {
         self.lease.revoke(now, recall);
         self.clients.get_mut(&h).expect("the holder").state = ClientState::Revoking;
         self.sync(h, now);
+    }
+
+    /// A slice of `len` for `id`, cut to what its ceilings leave it;
+    /// open-ended while none binds and nobody waits.
+    fn slice(&self, id: ClientId, now: Nanos, len: Nanos) -> Option<Nanos> {
+        match self.remaining(id, now) {
+            Some(r) => Some(r.min(len)),
+            None => self.anyone_waits().then_some(len),
+        }
     }
 
     fn terms(&self, id: ClientId, slice: Option<Nanos>) -> Terms {
@@ -487,7 +486,7 @@ impl Scheduler {
         };
         let mut all = self.ceilings.of(&who, bounded, now);
         let b = band(c.class);
-        if self.lower_wants(b) && self.evidence.judging(now) && !self.evidence.proven(id, now) {
+        if self.lower_wants(b) && self.evidence.doubted(id, now) {
             all.push(self.evidence.ceiling((b, c.m.user), now));
         }
         all
@@ -517,20 +516,16 @@ impl Scheduler {
             .holder()
             .map(|h| (h, &self.clients[&h]))
             .filter(|(_, c)| c.state == ClientState::Holding);
-        let q = &self.tally.queued;
-        let lower = q[Priority::Normal.index()] + q[Priority::Low.index()] > 0;
+        // A `high` holder is bounded exactly when a lower class waits.
         let high = holder
-            .filter(|(_, c)| c.class == Priority::High && lower && self.cfg.high_share < 1.0)
+            .filter(|(_, c)| c.class == Priority::High && self.high_bounded())
             .map(|(_, c)| (c.m.user, c.user_part()));
         self.ceilings.sync_high(high, now);
         let doubting = holder
             .map(|(h, _)| h)
             .or_else(|| self.lease.awaits_recall(now).next())
             .map(|h| (h, &self.clients[&h]))
-            .filter(|&(h, c)| {
-                let b = band(c.class);
-                self.lower_waits(b) && self.evidence.judging(now) && !self.evidence.proven(h, now)
-            })
+            .filter(|&(h, c)| self.lower_waits(band(c.class)) && self.evidence.doubted(h, now))
             .map(|(_, c)| (band(c.class), c.m.user));
         self.evidence.sync(doubting, now);
     }

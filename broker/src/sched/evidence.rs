@@ -179,6 +179,12 @@ impl Evidence {
             .is_some_and(|r| r.proven(now, self.cfg.evidence))
     }
 
+    /// Whether `id` is judged and its work not evidenced: held to its
+    /// user's benefit of the doubt (while a lower band waits).
+    pub fn doubted(&self, id: ClientId, now: Nanos) -> bool {
+        self.judging(now) && !self.proven(id, now)
+    }
+
     fn cap(&self) -> f64 {
         (self.cfg.evidence / 2) as f64
     }
