@@ -25,6 +25,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+// Floats as ordered keys. It orders NaN and -0.0 unlike `total_cmp`; the
+// values keyed are neither (virtual times start at +0.0 and move by
+// finite sums and differences, and a bank's size is an `abs`).
+use ordered_float::OrderedFloat as Key;
+
 use super::{ClientId, GroupId, Nanos, Priority, UserId};
 
 /// `low`, then `high` and `normal` together.
@@ -263,9 +268,9 @@ struct Bank {
 #[derive(Debug, Clone, Default)]
 struct Inner {
     /// Competing clients by their virtual time within the flow.
-    competing: BTreeSet<(Key, ClientId)>,
+    competing: BTreeSet<(Key<f64>, ClientId)>,
     /// Waiters, `high` first, then by virtual time.
-    waiting: BTreeSet<(bool, Key, ClientId)>,
+    waiting: BTreeSet<(bool, Key<f64>, ClientId)>,
     /// No client starts competing behind this (the least virtual time
     /// of those competing, never going back).
     floor: f64,
@@ -301,29 +306,8 @@ struct Entity {
 
 impl Entity {
     /// Its place among its flow's waiters.
-    fn order(&self, id: ClientId) -> (bool, Key, ClientId) {
+    fn order(&self, id: ClientId) -> (bool, Key<f64>, ClientId) {
         (!self.m.high, Key(self.vt), id)
-    }
-}
-
-/// A float ordered as `total_cmp` orders it.
-#[derive(Debug, Clone, Copy)]
-struct Key(f64);
-
-impl PartialEq for Key {
-    fn eq(&self, o: &Self) -> bool {
-        self.0.total_cmp(&o.0).is_eq()
-    }
-}
-impl Eq for Key {}
-impl PartialOrd for Key {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Key {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&o.0)
     }
 }
 
@@ -337,9 +321,9 @@ struct Band {
     /// `V` when nothing competes.
     idle_v: f64,
     /// Queued flows by deadline, then FIFO.
-    queue: BTreeSet<(Key, u64, UserKey)>,
+    queue: BTreeSet<(Key<f64>, u64, UserKey)>,
     /// Queued flows by virtual time.
-    by_v: BTreeSet<(Key, UserKey)>,
+    by_v: BTreeSet<(Key<f64>, UserKey)>,
     /// GPU ns per ns charged to its competing flows now (set after each
     /// event), for when a flow becomes eligible.
     rate: f64,
@@ -913,14 +897,10 @@ impl FairClock {
             self.kept.insert(r);
         }
         if self.kept.len() > MAX_KEPT
-            && let Some(r) = self
+            && let Some(&r) = self
                 .kept
                 .iter()
-                .min_by(|a, b| {
-                    let lag = |r| self.flows[r].bank.lag.abs();
-                    lag(a).total_cmp(&lag(b))
-                })
-                .copied()
+                .min_by_key(|r| Key(self.flows[r].bank.lag.abs()))
         {
             self.kept.remove(&r);
             self.flows.remove(&r);
