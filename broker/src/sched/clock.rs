@@ -50,6 +50,12 @@ const FORGIVE: f64 = 0.1;
 /// (the least owing go first).
 const MAX_KEPT: usize = 1024;
 
+/// Only ratios of weights matter; one that cannot be compared is taken as
+/// the default rather than poisoning every comparison with NaN.
+pub(super) fn sanitize_weight(w: f64) -> f64 {
+    if w.is_finite() && w > 0.0 { w } else { 1.0 }
+}
+
 /// Whose part a unit shares: an explicit user, or the unit itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum UserKey {
@@ -204,11 +210,10 @@ impl Weights {
 
     /// The flow's weight in its band.
     pub(super) fn flow(&self, key: UserKey) -> f64 {
-        let w = match key {
+        sanitize_weight(match key {
             UserKey::User(_) => USER_SCALE * self.user.max().unwrap_or(0.0),
             UserKey::Unit(_) => self.unit_sum,
-        };
-        if w.is_finite() && w > 0.0 { w } else { 1.0 }
+        })
     }
 
     /// A competing member's part of its flow: its unit's part of the
@@ -217,8 +222,7 @@ impl Weights {
         let Some(unit) = self.units.get(&m.unit) else {
             return 1.0;
         };
-        let p = (unit.weight() / self.unit_sum) * (m.own / unit.own.total);
-        if p.is_finite() && p > 0.0 { p } else { 1.0 }
+        sanitize_weight((unit.weight() / self.unit_sum) * (m.own / unit.own.total))
     }
 }
 
@@ -725,8 +729,7 @@ impl FairClock {
             UserKey::User(_) => USER_SCALE * user,
             UserKey::Unit(_) => unit_sum,
         };
-        let w = flow * (u.weight() / unit_sum) * (e.m.own / u.own.total);
-        if w.is_finite() && w > 0.0 { w } else { 1.0 }
+        sanitize_weight(flow * (u.weight() / unit_sum) * (e.m.own / u.own.total))
     }
 
     fn entity(&mut self, id: ClientId) -> &mut Entity {

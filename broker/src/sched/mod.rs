@@ -44,7 +44,7 @@ mod types;
 use std::collections::BTreeMap;
 
 use ceilings::Ceilings;
-use clock::{FairClock, Member, UserKey, band};
+use clock::{FairClock, Member, UserKey, band, sanitize_weight};
 use evidence::Evidence;
 use lease::Leases;
 use meter::Meter;
@@ -173,16 +173,6 @@ pub struct Scheduler {
     seen: (bool, bool, bool),
     /// What each asking client is owed, or held back (`entitled`).
     entitled: entitled::Entitled,
-}
-
-fn sanitize_weight(weight: f64) -> f64 {
-    // Only ratios matter; a weight that cannot be compared is treated as the
-    // default rather than poisoning every comparison with NaN.
-    if weight.is_finite() && weight > 0.0 {
-        weight
-    } else {
-        1.0
-    }
 }
 
 fn sanitize_limit(limit: Option<f64>) -> Option<f64> {
