@@ -214,18 +214,14 @@ impl Entitled {
         } else {
             f.units.remove(&m.unit);
         }
-        let weight = if f.weights.is_empty() {
-            0.0
-        } else {
-            f.weights.flow(m.user)
-        };
-        band.weight += weight - f.weight;
-        f.weight = weight;
         if f.weights.is_empty() {
+            band.weight -= f.weight;
             self.flows.remove(&m.flow());
         } else {
-            let rate = f.weights.per_unit_weight(m.user);
-            f.clock.set_rate(g, rate);
+            let weight = f.weights.flow(m.user);
+            band.weight += weight - f.weight;
+            f.weight = weight;
+            f.clock.set_rate(g, f.weights.per_unit_weight(m.user));
         }
         // Exact again once empty, whatever rounding the sums gathered.
         if band.asking == 0 {
