@@ -56,21 +56,9 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn full(cap: f64, now: Nanos) -> Bucket {
-        Bucket {
-            level: cap,
-            at: now,
-            spending: false,
-        }
-    }
-
     fn level(&self, now: Nanos, cap: f64) -> f64 {
         let dt = now.saturating_sub(self.at) as f64;
-        let rate = if self.spending {
-            DOUBT_RATE - 1.0
-        } else {
-            DOUBT_RATE
-        };
+        let rate = DOUBT_RATE - if self.spending { 1.0 } else { 0.0 };
         (self.level + rate * dt).clamp(0.0, cap)
     }
 
@@ -215,11 +203,12 @@ impl Evidence {
             b.set(false, now, cap);
         }
         if let Some(r) = user {
-            let b = self
-                .doubt
-                .entry(r)
-                .or_insert_with(|| Bucket::full(cap, now));
-            b.set(true, now, cap);
+            let full = Bucket {
+                level: cap,
+                at: now,
+                spending: false,
+            };
+            self.doubt.entry(r).or_insert(full).set(true, now, cap);
         }
         self.doubting = user;
     }
