@@ -180,13 +180,11 @@ impl Ceilings {
         self.high.prune(w, now);
         self.high.set(on.is_some(), now);
         let user = on.map(|(u, _)| u);
-        if self.high_on != user
-            && let Some(k) = self.high_on.and_then(|u| self.high_users.get_mut(&u))
-        {
-            k.meter.set(false, now);
-            k.meter.prune(w, now);
-        }
         if self.high_on != user {
+            if let Some(k) = self.high_on.and_then(|u| self.high_users.get_mut(&u)) {
+                k.meter.set(false, now);
+                k.meter.prune(w, now);
+            }
             self.high_users.retain(|_, k| {
                 k.meter.prune(w, now);
                 !k.meter.is_empty()
