@@ -201,13 +201,11 @@ impl Scheduler {
 
     fn step(&mut self, now: Nanos) -> bool {
         let Some((h, start, deadline, request)) = self.lease.held() else {
-            return match self.pick(now) {
-                Some(id) => {
-                    self.grant_to(now, id);
-                    true
-                }
-                None => false,
-            };
+            let picked = self.pick(now);
+            if let Some(id) = picked {
+                self.grant_to(now, id);
+            }
+            return picked.is_some();
         };
         let hb = band(self.clients[&h].class);
         if self.preempts(now, h, hb, start) {
@@ -239,14 +237,11 @@ impl Scheduler {
         if !self.anyone_waits() && remaining.is_none() {
             return None;
         }
-        let ts = self.cfg.timeslice;
-        let d = deadline.unwrap_or({
-            if first <= now && !self.clock.queued(hb) {
-                now + ts
-            } else {
-                first
-            }
-        });
+        let d = match deadline {
+            Some(d) => d,
+            None if first <= now && !self.clock.queued(hb) => now + self.cfg.timeslice,
+            None => first,
+        };
         Some(remaining.map_or(d, |r| d.min(now + r)))
     }
 
@@ -265,13 +260,12 @@ impl Scheduler {
             self.revoke(now, h, false);
             return true;
         }
-        let lower = self.lower_waits(hb);
         if self.clock.queued(hb) {
             if !self.keeps(now, h, hb) {
                 self.revoke(now, h, false);
                 return true;
             }
-        } else if lower {
+        } else if self.lower_waits(hb) {
             let evidenced = self.evidence.judging(now) && self.evidence.proven(h, now);
             if self.lease.recall_due(h, now, evidenced) {
                 self.revoke(now, h, true);
