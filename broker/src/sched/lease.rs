@@ -201,9 +201,7 @@ impl Leases {
             self.timers.remove(&(r.saturating_add(self.cfg.grace), id));
         }
         self.recalling.remove(&id);
-        if self.holder == Some(id) {
-            self.holder = None;
-        }
+        self.holder.take_if(|h| *h == id);
         self.end_drain(id);
         if let Some(t) = drain_until {
             self.drain(id, t);
