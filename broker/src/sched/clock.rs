@@ -771,10 +771,7 @@ impl FairClock {
         let Some(flow) = self.flows.get_mut(&r) else {
             return;
         };
-        if flow.queued.is_some() == queued {
-            return;
-        }
-        let Some(on) = flow.on else {
+        let (Some(on), true) = (flow.on, flow.queued.is_some() != queued) else {
             return;
         };
         let band = &mut self.bands[r.0];
@@ -859,12 +856,10 @@ impl FairClock {
         let Some(f) = self.flows.get(&r) else {
             return;
         };
-        let (Some(on), w) = (f.on, f.weights.flow(r.1)) else {
+        let w = f.weights.flow(r.1);
+        let Some(on) = f.on.filter(|on| on.w != w) else {
             return;
         };
-        if w == on.w {
-            return;
-        }
         let vv = self.bands[r.0].v();
         let v = vv - (vv - on.v) * on.w / w;
         let deadline = v + (on.deadline - on.v) * on.w / w;
