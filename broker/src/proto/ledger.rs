@@ -237,7 +237,8 @@ impl Ledger {
     /// for). The queue says whose, so a departure costs one walk and a few
     /// messages, not one to every request behind it.
     /// A new request is told at once; a moved one at most once a
-    /// `POSITION_TICK`.
+    /// `POSITION_TICK` (beyond the tenth place, at most once a
+    /// `queue::RETELL_EVERY`).
     pub fn positions(&mut self, now: Nanos) -> Vec<(ConnId, u64, u32, Want)> {
         let mut told = self.queue.take_fresh();
         if self.positions_due(now).is_some_and(|t| t <= now) {
@@ -245,7 +246,10 @@ impl Ledger {
             // With nobody to tell, the tick is not spent.
             if self.queue.has_waiting() {
                 self.told_at = Some(now);
-                told.extend(self.queue.positions_to_tell(now));
+                let (moved, left) = self.queue.positions_to_tell(now);
+                told.extend(moved);
+                // Those a walk left are told at the next tick.
+                self.untold = left;
             }
         }
         told.into_iter()
@@ -305,6 +309,12 @@ impl Ledger {
     #[cfg(test)]
     pub fn polled(&self) -> Nanos {
         self.polled
+    }
+
+    /// When the places were last walked.
+    #[cfg(test)]
+    pub fn walked(&self) -> Option<Nanos> {
+        self.told_at
     }
 
     #[cfg(test)]

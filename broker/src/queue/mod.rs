@@ -52,6 +52,8 @@ mod placement;
 mod refusals;
 mod reserve;
 mod status;
+#[cfg(test)]
+pub(crate) use status::{FAR_PER_WALK, RETELL_EVERY};
 mod types;
 mod why;
 
@@ -76,8 +78,9 @@ struct Waiter {
     req: Request,
     since: Nanos,
     seq: u64,
-    /// The place it was last told (`positions_to_tell`); None: not yet.
-    told: Option<u32>,
+    /// The place it was last told and when (`positions_to_tell`); None:
+    /// not yet.
+    told: Option<(u32, Nanos)>,
 }
 
 /// What a lease holds on one GPU, so releasing undoes exactly that.
@@ -199,7 +202,7 @@ impl Queue {
             Some(want @ Want::Memory(_)) => {
                 let place = u32::try_from(self.waiting.len()).unwrap_or(u32::MAX);
                 if let Some(w) = self.waiting.get_mut(id) {
-                    w.told = Some(place);
+                    w.told = Some((place, now));
                 }
                 self.fresh.push((id, place, want));
             }

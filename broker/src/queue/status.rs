@@ -1,9 +1,20 @@
 //! What the queue shows: waiting requests in queue order, the leases on
 //! each GPU, and a lease's details; and relabelling for those views.
 
-use gpufrac_common::wire::position_worth_telling;
+use gpufrac_common::wire::{EXACT_POSITIONS, position_worth_telling};
 
 use super::{Lease, LeaseStatus, Nanos, Queue, RequestId, WaitingStatus, Want};
+
+/// Beyond [`EXACT_POSITIONS`] a waiting request is told its place at
+/// most this often, however fast the queue moves: its place there is
+/// "about" anyway, and a run's log lines read the exact one from status.
+pub const RETELL_EVERY: Nanos = 5_000_000_000;
+
+/// A walk tells at most this many places beyond [`EXACT_POSITIONS`]; the
+/// rest go at the next walks. A burst (a thousand requests that arrived
+/// together fall due together) is spread, and no walk holds the broker
+/// for a message to every request.
+pub const FAR_PER_WALK: usize = 64;
 
 impl Queue {
     /// Whether any request waits (without ordering them, as `waiting` does).
@@ -34,20 +45,37 @@ impl Queue {
     /// they were last told to be told again
     /// ([`position_worth_telling`]: exact up to 10, within a tenth
     /// beyond), with that place (1-based) and what they want; each is
-    /// taken as told. One walk of the queue, nothing per request that
-    /// stays put: a departure tells a few requests, not all behind it.
-    pub fn positions_to_tell(&mut self, now: Nanos) -> Vec<(RequestId, u32, Want)> {
+    /// taken as told. Beyond the tenth place a request is told again at
+    /// most once a [`RETELL_EVERY`], and a walk tells at most
+    /// [`FAR_PER_WALK`] of them, the nearest first: true when some were
+    /// left for the next walk. One walk of the queue, nothing per request
+    /// that stays put: a departure tells a few requests, not all behind
+    /// it.
+    pub fn positions_to_tell(&mut self, now: Nanos) -> (Vec<(RequestId, u32, Want)>, bool) {
         self.walk = false;
-        let mut out = Vec::new();
+        let (mut out, mut far, mut left) = (Vec::new(), 0, false);
         for (place, slot) in self.order(now).into_iter().enumerate() {
             let place = u32::try_from(place + 1).unwrap_or(u32::MAX);
             let w = self.waiting.at_mut(slot);
-            if position_worth_telling(w.told, place) {
-                w.told = Some(place);
-                out.push((w.id, place, w.req.want));
+            let beyond = place > EXACT_POSITIONS;
+            if beyond
+                && w.told
+                    .is_some_and(|(_, at)| now < at.saturating_add(RETELL_EVERY))
+            {
+                continue;
             }
+            if !position_worth_telling(w.told.map(|t| t.0), place) {
+                continue;
+            }
+            if beyond && far == FAR_PER_WALK {
+                left = true;
+                continue;
+            }
+            far += usize::from(beyond);
+            w.told = Some((place, now));
+            out.push((w.id, place, w.req.want));
         }
-        out
+        (out, left)
     }
 
     /// Forgets the place a waiting request was told, so that the next
@@ -79,9 +107,9 @@ impl Queue {
         self.waiting.of_user(uid)
     }
 
-    /// The place a waiting request was last told.
+    /// The place a waiting request was last told, and when.
     #[cfg(test)]
-    pub(crate) fn told(&self, id: RequestId) -> Option<u32> {
+    pub(crate) fn told(&self, id: RequestId) -> Option<(u32, Nanos)> {
         self.waiting
             .iter()
             .find(|w| w.id == id)

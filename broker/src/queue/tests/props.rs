@@ -219,13 +219,22 @@ fn run(totals: &[u64], cfg: QueueConfig, ops: Vec<Op>) {
             "the order kept as they come and go"
         );
         // What each was told of its place is exact up to 10 and within a
-        // tenth beyond once told.
+        // tenth beyond once told, unless told less than a `RETELL_EVERY`
+        // ago.
         if polled {
-            q.positions_to_tell(now);
+            // Walks until none is left for the next (at most
+            // `FAR_PER_WALK` far places a walk).
+            while q.positions_to_tell(now).1 {}
             for s in &w {
                 let told = q.told(s.id);
+                let recent = s.position > gpufrac_common::wire::EXACT_POSITIONS as usize
+                    && told.is_some_and(|(_, at)| now < at + crate::queue::RETELL_EVERY);
                 assert!(
-                    !gpufrac_common::wire::position_worth_telling(told, s.position as u32),
+                    recent
+                        || !gpufrac_common::wire::position_worth_telling(
+                            told.map(|t| t.0),
+                            s.position as u32
+                        ),
                     "place {} told as {told:?}",
                     s.position
                 );
