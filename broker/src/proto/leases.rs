@@ -281,17 +281,23 @@ impl Broker {
 
     fn attach_job(&mut self, now: Nanos, id: ConnId, job: Job) {
         let t = job.token;
-        let queued = matches!(job.phase, Phase::Queued { .. });
+        self.job_changed(&job.phase);
         self.ledger.attach(job, id);
         if let Some(c) = self.conns.get_mut(&id).and_then(|c| c.cli_mut()) {
             c.job = Some(t);
         }
-        if queued {
+        self.rejoin(now, t);
+    }
+
+    /// A job came or went: a waiting one's change is the queue's alone
+    /// (`Saves::queue_changed`, written within a second); any other's is
+    /// written within `SAVE_EVERY`.
+    fn job_changed(&mut self, phase: &Phase) {
+        if matches!(phase, Phase::Queued { .. }) {
             self.saves.queue_changed();
         } else {
             self.saves.changed();
         }
-        self.rejoin(now, t);
     }
 
     /// Brings a job's processes up to date with it: those that sent its
@@ -476,11 +482,7 @@ impl Broker {
         let gpu_ns = self.spent(now, &members, gpus).gpu_ns;
         if let Some(e) = self.ledger.jobs_mut().end(token) {
             let j = e.job;
-            if matches!(j.phase, Phase::Queued { .. }) {
-                self.saves.queue_changed();
-            } else {
-                self.saves.changed();
-            }
+            self.job_changed(&j.phase);
             for t in e.members {
                 if let Some(s) = self.conns.get_mut(&t).and_then(|c| c.shim_mut()) {
                     s.member_of = None;
