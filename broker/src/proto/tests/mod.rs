@@ -249,12 +249,18 @@ impl T {
                 break;
             }
         }
-        while let Some((seq, _)) = self.b.take_state(self.now) {
-            self.b.state_saved(self.now, seq, Ok(()));
-        }
+        while self.save().is_some() {}
         for id in self.b.dead() {
             self.b.remove(self.now, id);
         }
+    }
+
+    /// Writes the state if a write is due, as the shell's saver would:
+    /// its bytes, written.
+    fn save(&mut self) -> Option<Vec<u8>> {
+        let (seq, bytes) = self.b.take_state(self.now)?;
+        self.b.state_saved(self.now, seq, Ok(()));
+        Some(bytes)
     }
 
     fn advance(&mut self, dt: Nanos) {

@@ -334,8 +334,7 @@ fn a_churning_queue_is_written_once_a_second_and_a_placed_lease_at_once() {
     let p = t.spawn(1);
     let holder = t.connect_as(p, ALICE);
     t.lease(holder, 1, 0, false);
-    let (seq, _) = t.b.take_state(t.now).expect("the lease's write");
-    t.b.state_saved(t.now, seq, Ok(()));
+    t.save().expect("the lease's write");
     assert!(leased(&t.recv(holder)).is_some());
     let mut waiting = Vec::new();
     let mut writes = 0;
@@ -349,17 +348,12 @@ fn a_churning_queue_is_written_once_a_second_and_a_placed_lease_at_once() {
         if waiting.len() > 3 {
             t.b.remove(t.now, waiting.remove(0));
         }
-        if let Some((seq, _)) = t.b.take_state(t.now) {
-            writes += 1;
-            t.b.state_saved(t.now, seq, Ok(()));
-        }
+        writes += usize::from(t.save().is_some());
     }
     assert!((1..=3).contains(&writes), "{writes} writes in 2 s");
     t.now += 10 * MS;
     t.b.remove(t.now, holder);
-    let (_, bytes) =
-        t.b.take_state(t.now)
-            .expect("the placed lease's write, at once");
+    let bytes = t.save().expect("the placed lease's write, at once");
     let jobs = crate::jobs::decode(&bytes).unwrap();
     assert!(
         jobs.iter()
