@@ -53,7 +53,7 @@ mod refusals;
 mod reserve;
 mod status;
 #[cfg(test)]
-pub(crate) use status::{FAR_PER_WALK, RETELL_EVERY};
+pub(crate) use status::{FAR_PER_WALK, RETELL_EVERY, due};
 mod types;
 mod why;
 

@@ -16,6 +16,16 @@ pub const RETELL_EVERY: Nanos = 5_000_000_000;
 /// for a message to every request.
 pub const FAR_PER_WALK: usize = 64;
 
+/// Whether a request last told `told` (its place, and when) is due to be
+/// told `place` at `now`: it moved by a meaningful step
+/// ([`position_worth_telling`]), and beyond [`EXACT_POSITIONS`] a
+/// [`RETELL_EVERY`] has passed.
+pub(crate) fn due(told: Option<(u32, Nanos)>, place: u32, now: Nanos) -> bool {
+    let recent = place > EXACT_POSITIONS
+        && told.is_some_and(|(_, at)| now < at.saturating_add(RETELL_EVERY));
+    !recent && position_worth_telling(told.map(|t| t.0), place)
+}
+
 impl Queue {
     /// Whether any request waits (without ordering them, as `waiting` does).
     pub fn has_waiting(&self) -> bool {
@@ -58,13 +68,7 @@ impl Queue {
             let place = u32::try_from(place + 1).unwrap_or(u32::MAX);
             let w = self.waiting.at_mut(slot);
             let beyond = place > EXACT_POSITIONS;
-            if beyond
-                && w.told
-                    .is_some_and(|(_, at)| now < at.saturating_add(RETELL_EVERY))
-            {
-                continue;
-            }
-            if !position_worth_telling(w.told.map(|t| t.0), place) {
+            if !due(w.told, place, now) {
                 continue;
             }
             if beyond && far == FAR_PER_WALK {

@@ -166,14 +166,8 @@ fn check(t: &mut T) {
             let told = t.b.ledger.queue().told(w.id);
             // Beyond the tenth place, told at most once a `RETELL_EVERY`.
             let walked = t.b.ledger.walked().unwrap_or(0);
-            let recent = w.position > gpufrac_common::wire::EXACT_POSITIONS as usize
-                && told.is_some_and(|(_, when)| walked < when + crate::queue::RETELL_EVERY);
             assert!(
-                recent
-                    || !gpufrac_common::wire::position_worth_telling(
-                        told.map(|t| t.0),
-                        w.position as u32
-                    ),
+                !crate::queue::due(told, w.position as u32, walked),
                 "position {} told as {told:?}",
                 w.position
             );

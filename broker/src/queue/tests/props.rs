@@ -227,14 +227,8 @@ fn run(totals: &[u64], cfg: QueueConfig, ops: Vec<Op>) {
             while q.positions_to_tell(now).1 {}
             for s in &w {
                 let told = q.told(s.id);
-                let recent = s.position > gpufrac_common::wire::EXACT_POSITIONS as usize
-                    && told.is_some_and(|(_, at)| now < at + crate::queue::RETELL_EVERY);
                 assert!(
-                    recent
-                        || !gpufrac_common::wire::position_worth_telling(
-                            told.map(|t| t.0),
-                            s.position as u32
-                        ),
+                    !crate::queue::due(told, s.position as u32, now),
                     "place {} told as {told:?}",
                     s.position
                 );
