@@ -63,6 +63,33 @@ impl Client {
     /// Connects and completes the handshake, or fails once `timeout` has
     /// passed without the broker answering.
     pub fn connect_within(socket: &Path, timeout: Duration) -> Result<Client, ConnectError> {
+        Client::open(socket, timeout, None)
+    }
+
+    /// Connects with `first` (a request) sent in the same write as the
+    /// Hello, and completes the handshake: the broker reads both at once
+    /// and answers both at once, one round trip and one wake of a busy
+    /// broker instead of two. Its answer is read next (`wait_lease`,
+    /// `status_reply`). A broker that refuses the Hello closes the
+    /// connection without reading `first`; one whose version this client
+    /// refuses may have taken it, and closing the connection here ends
+    /// what it began (a lease request's job ends with its connection).
+    pub fn connect_asking(socket: &Path, first: &ClientMsg) -> Result<Client, ConnectError> {
+        Client::open(socket, CONNECT_TIMEOUT, Some(first))
+    }
+
+    /// The broker's whole status, asked at connect (`connect_asking`).
+    pub fn ask_status(socket: &Path) -> Result<Status, ConnectError> {
+        Client::connect_asking(socket, &ClientMsg::Status { from: 0 })?
+            .status_asked()
+            .map_err(ConnectError::Other)
+    }
+
+    fn open(
+        socket: &Path,
+        timeout: Duration,
+        first: Option<&ClientMsg>,
+    ) -> Result<Client, ConnectError> {
         let deadline = Instant::now() + timeout;
         let silent = || {
             ConnectError::Other(format!(
@@ -89,10 +116,12 @@ impl Client {
             buf: Vec::new(),
             last: None,
         };
-        let pid = std::process::id();
-        client
-            .send(&ClientMsg::hello(pid, Role::Cli))
-            .map_err(ConnectError::Other)?;
+        let mut out = Vec::new();
+        wire::encode_client(&ClientMsg::hello(std::process::id(), Role::Cli), &mut out);
+        if let Some(m) = first {
+            wire::encode_client(m, &mut out);
+        }
+        client.write(&out).map_err(ConnectError::Other)?;
         match client.recv(Some(deadline)).map_err(ConnectError::Other)? {
             Some(ServerMsg::HelloOk { version }) => match wire::accept_version(version) {
                 Ok(_) => Ok(client),
@@ -117,7 +146,19 @@ impl Client {
     /// The whole status, page by page (a busy node's process list spans
     /// several replies).
     pub fn status(&mut self) -> Result<Status, String> {
-        let mut whole = self.status_page(0)?;
+        let first = self.status_page(0)?;
+        self.rest_of_status(first)
+    }
+
+    /// The whole status from a broker asked at connect
+    /// (`connect_asking` with `Status { from: 0 }`), one round trip fewer.
+    pub fn status_asked(&mut self) -> Result<Status, String> {
+        let first = self.status_reply()?;
+        self.rest_of_status(first)
+    }
+
+    fn rest_of_status(&mut self, first: Status) -> Result<Status, String> {
+        let mut whole = first;
         let mut pages = 1;
         while let Some(from) = whole.next.take() {
             let mut page = self.status_page(from)?;
@@ -138,6 +179,12 @@ impl Client {
 
     fn status_page(&mut self, from: u32) -> Result<Status, String> {
         self.send(&ClientMsg::Status { from })?;
+        self.status_reply()
+    }
+
+    /// The answer to a `Status` request already sent (its first page, by
+    /// `connect_asking`).
+    fn status_reply(&mut self) -> Result<Status, String> {
         let deadline = Instant::now() + REPLY_TIMEOUT;
         loop {
             match self.recv(Some(deadline))? {
@@ -245,7 +292,11 @@ impl Client {
     fn send(&mut self, msg: &ClientMsg) -> Result<(), String> {
         let mut out = Vec::new();
         wire::encode_client(msg, &mut out);
-        self.stream.write_all(&out).map_err(|e| {
+        self.write(&out)
+    }
+
+    fn write(&mut self, out: &[u8]) -> Result<(), String> {
+        self.stream.write_all(out).map_err(|e| {
             format!(
                 "lost the connection to the broker at {}: {e}",
                 self.socket.display()
@@ -659,6 +710,138 @@ mod tests {
             mps_pipe: String::new(),
             mig: "MIG-x".into(),
         }
+    }
+
+    /// A one-connection fake broker that answers nothing until `n` whole
+    /// frames have come (or 2 s passed), then writes `bytes`: what it read
+    /// and how many frames came before its first answer.
+    fn fake_broker_after(
+        n: usize,
+        bytes: Vec<u8>,
+    ) -> (tempdir::Dir, thread::JoinHandle<(Vec<u8>, usize)>) {
+        let dir = tempdir::Dir::new();
+        let listener = UnixListener::bind(dir.path.join("b.sock")).unwrap();
+        let h = thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let (mut got, mut chunk) = (Vec::new(), [0u8; 256]);
+            let frames = |got: &[u8]| {
+                let (mut k, mut at) = (0, 0);
+                while let Ok((_, used)) = wire::decode_client(&got[at..]) {
+                    (k, at) = (k + 1, at + used);
+                }
+                k
+            };
+            while frames(&got) < n {
+                match s.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => got.extend_from_slice(&chunk[..k]),
+                }
+            }
+            let before = frames(&got);
+            s.write_all(&bytes).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            while let Ok(k) = s.read(&mut chunk) {
+                if k == 0 {
+                    break;
+                }
+                got.extend_from_slice(&chunk[..k]);
+            }
+            (got, before)
+        });
+        (dir, h)
+    }
+
+    fn lease_req() -> ClientMsg {
+        ClientMsg::Lease(LeaseReq {
+            want_gpus: 1,
+            want_mem: 0,
+            compute: None,
+            limit: None,
+            no_wait: false,
+            command: "sleep 1".into(),
+            priority: None,
+            resume: 0,
+            token: 0,
+            pin: Vec::new(),
+        })
+    }
+
+    /// One round trip to a busy broker, not two: the request is in the
+    /// broker's hands before it has said a word, and the answers to both
+    /// are read after.
+    #[test]
+    fn a_request_asked_at_connect_goes_with_the_hello() {
+        let (dir, h) = fake_broker_after(
+            2,
+            server_frames(&[
+                ServerMsg::HelloOk {
+                    version: wire::PROTOCOL_VERSION,
+                },
+                ServerMsg::Leased(granted()),
+            ]),
+        );
+        let mut c = Client::connect_asking(&dir.path.join("b.sock"), &lease_req()).unwrap();
+        let out = c
+            .wait_lease(None, Duration::from_millis(50), |_| {})
+            .unwrap();
+        assert_eq!(out, LeaseOutcome::Leased(granted()));
+        drop(c);
+        let (sent, before) = h.join().unwrap();
+        assert_eq!(before, 2, "frames the broker had before it answered");
+        let (hello, used) = wire::decode_client(&sent).unwrap();
+        assert!(matches!(
+            hello,
+            ClientMsg::Hello {
+                role: Role::Cli,
+                ..
+            }
+        ));
+        assert_eq!(wire::decode_client(&sent[used..]).unwrap().0, lease_req());
+
+        let status = Status {
+            version: "0.1.0".into(),
+            ..Status::default()
+        };
+        let (dir, h) = fake_broker_after(
+            2,
+            server_frames(&[
+                ServerMsg::HelloOk {
+                    version: wire::PROTOCOL_VERSION,
+                },
+                ServerMsg::StatusReply {
+                    json: serde_json::to_string(&status).unwrap(),
+                },
+            ]),
+        );
+        assert_eq!(
+            Client::ask_status(&dir.path.join("b.sock")).unwrap(),
+            status
+        );
+        assert_eq!(h.join().unwrap().1, 2);
+    }
+
+    /// A broker that refuses the Hello is heard as before, the request
+    /// beside it unanswered.
+    #[test]
+    fn a_refused_hello_with_a_request_is_a_connect_error() {
+        let (dir, h) = fake_broker_after(
+            2,
+            server_frames(&[ServerMsg::Error {
+                code: wire::ERR_VERSION,
+                message: "protocol version 1 not supported; this broker speaks 2".into(),
+            }]),
+        );
+        let Err(ConnectError::Other(msg)) =
+            Client::connect_asking(&dir.path.join("b.sock"), &lease_req())
+        else {
+            panic!("connected")
+        };
+        assert!(
+            msg.contains("refused the connection") && msg.contains("this broker speaks 2"),
+            "{msg}"
+        );
+        h.join().unwrap();
     }
 
     #[test]

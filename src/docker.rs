@@ -188,9 +188,8 @@ pub fn docker_args(args: &DockerArgs) -> Result<Vec<String>, String> {
 /// broker itself (it is in the broker's private directory, not beside the
 /// socket), so a stale directory does not count.
 fn broker_mps_pipe(socket: &Path) -> Option<String> {
-    crate::client::Client::connect(socket)
+    crate::client::Client::ask_status(socket)
         .ok()
-        .and_then(|mut c| c.status().ok())
         .and_then(|s| s.mps)
         .map(|m| m.pipe_dir)
 }

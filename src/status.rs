@@ -170,8 +170,8 @@ pub struct StatusArgs {
 
 pub fn main(args: StatusArgs) -> u8 {
     let socket = crate::socket_path(args.socket);
-    let status = match Client::connect(&socket) {
-        Ok(mut c) => c.status(),
+    let status = match Client::ask_status(&socket) {
+        Ok(s) => Ok(s),
         Err(ConnectError::NoBroker) => {
             eprintln!(
                 "gpufrac status: no broker at {}; {}",

@@ -16,6 +16,21 @@ pub struct WireClient {
 impl WireClient {
     /// Connects and completes the handshake as `role`.
     pub fn connect(path: &Path, role: Role) -> Result<WireClient, String> {
+        WireClient::open(path, role, None)
+    }
+
+    /// Connects as `role` with `first` in the same write as the Hello, and
+    /// completes the handshake, as `gpufrac run` sends its lease request
+    /// and `gpufrac status` its first page: `first`'s answer is read next.
+    pub fn connect_asking(
+        path: &Path,
+        role: Role,
+        first: &ClientMsg,
+    ) -> Result<WireClient, String> {
+        WireClient::open(path, role, Some(first))
+    }
+
+    fn open(path: &Path, role: Role, first: Option<&ClientMsg>) -> Result<WireClient, String> {
         let s =
             UnixStream::connect(path).map_err(|e| format!("connect to {}: {e}", path.display()))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))
@@ -25,7 +40,11 @@ impl WireClient {
             buf: Vec::new(),
             out: Vec::with_capacity(256),
         };
-        c.send(&ClientMsg::hello(std::process::id(), role))?;
+        wire::encode_client(&ClientMsg::hello(std::process::id(), role), &mut c.out);
+        if let Some(m) = first {
+            wire::encode_client(m, &mut c.out);
+        }
+        c.s.write_all(&c.out).map_err(|e| e.to_string())?;
         match c.recv()? {
             ServerMsg::HelloOk { .. } => Ok(c),
             other => Err(format!("expected HelloOk, got {other:?}")),

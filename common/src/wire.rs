@@ -42,6 +42,12 @@
 //! other first message gets `Error` code [`ERR_BAD_FRAME`] and the same. A
 //! client checks the version it was given ([`accept_version`]).
 //!
+//! A client may send its first request in the same write as `Hello`, before
+//! `HelloOk` comes (`gpufrac run` sends its `Lease` so, `gpufrac status`
+//! its first `Status`): one round trip to a busy broker instead of two. The
+//! broker handles a connection's frames in order, so the request is read
+//! only after the Hello is accepted; behind a refused one, never.
+//!
 //! So a restarted broker of a newer release keeps serving the shims of
 //! processes that were running (they reconnect and register again with
 //! the version they speak), and a client of a newer release still talks

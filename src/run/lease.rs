@@ -34,12 +34,9 @@ pub(super) fn keep_lease(mut client: Client, req: ClientMsg, socket: PathBuf) {
         eprintln!("gpufrac run: {why}; the command carries on and the lease will be claimed back");
         loop {
             std::thread::sleep(Duration::from_millis(200));
-            let Ok(mut c) = Client::connect(&socket) else {
+            let Ok(mut c) = Client::connect_asking(&socket, &req) else {
                 continue;
             };
-            if c.request_lease(&req).is_err() {
-                continue;
-            }
             let deadline = Instant::now() + Duration::from_secs(10);
             match c.wait_lease(Some(deadline), Duration::from_secs(1), |_| {}) {
                 Ok(LeaseOutcome::Leased(_)) => {
@@ -91,18 +88,22 @@ pub(super) fn lease_request(
 /// before giving up.
 const BROKER_RETURN: Duration = Duration::from_secs(60);
 
-/// Sends the lease request and waits for the answer, keeping a status line
-/// on the terminal. If the broker restarts meanwhile, reconnects and asks
-/// for the same place in the queue.
+/// Sends the lease request (unless it went with the Hello: `asked`) and
+/// waits for the answer, keeping a status line on the terminal. If the
+/// broker restarts meanwhile, reconnects and asks for the same place in
+/// the queue.
 pub(super) fn lease(
     mut client: Client,
     args: &RunArgs,
     mem: Option<u64>,
     socket: &Path,
+    asked: bool,
 ) -> Result<(Client, Lease), Fail> {
-    client
-        .request_lease(&lease_request(args, mem, 0, Vec::new()))
-        .map_err(|m| Fail::new(1, m))?;
+    if !asked {
+        client
+            .request_lease(&lease_request(args, mem, 0, Vec::new()))
+            .map_err(|m| Fail::new(1, m))?;
+    }
 
     let start = Instant::now();
     let deadline = args
@@ -122,9 +123,9 @@ pub(super) fn lease(
             let Some(q) = q else { return };
             // Lines, for every log; the status line below them on a
             // terminal.
-            if let Some(said) = waiting.line(Instant::now(), q, want, || {
-                Client::connect(socket).ok()?.status().ok()
-            }) {
+            if let Some(said) =
+                waiting.line(Instant::now(), q, want, || Client::ask_status(socket).ok())
+            {
                 line.clear();
                 eprintln!("gpufrac run: {said}");
             }
@@ -190,9 +191,8 @@ pub(super) fn lease(
                 ));
             }
             std::thread::sleep(Duration::from_millis(200));
-            if let Ok(mut c) = Client::connect(socket)
-                && c.request_lease(&lease_request(args, mem, token, Vec::new()))
-                    .is_ok()
+            if let Ok(c) =
+                Client::connect_asking(socket, &lease_request(args, mem, token, Vec::new()))
             {
                 break c;
             }

@@ -132,7 +132,15 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
         MemLimit::Bytes(b) => Some(b),
         _ => None,
     });
-    let placement = match Client::connect(&socket) {
+    // The lease request goes with the Hello, one round trip to the
+    // broker, unless a percent of a GPU waits for the broker's GPU sizes.
+    let asked = !matches!(args.gpu_memory, Some(MemLimit::Percent(_)));
+    let connected = if asked {
+        Client::connect_asking(&socket, &lease_request(&args, mem, 0, Vec::new()))
+    } else {
+        Client::connect(&socket)
+    };
+    let placement = match connected {
         Err(ConnectError::NoBroker) => {
             if std::env::var(VAR_BROKER).is_ok_and(|v| v.trim().eq_ignore_ascii_case("required")) {
                 return Err(Fail::new(
@@ -195,7 +203,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
                 let source = format!("the broker at {} has no GPU", socket.display());
                 mem = Some(resolve_gpu_memory(m, &totals, &source).map_err(|e| Fail::new(1, e))?);
             }
-            let (client, g) = lease(client, &args, mem, &socket)?;
+            let (client, g) = lease(client, &args, mem, &socket, asked)?;
             // Claimed back with what it holds: a broker that lost its
             // state (a corrupt file) books it again where it runs.
             let claim = lease_request(&args, mem, g.token, g.held());

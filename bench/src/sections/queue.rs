@@ -133,8 +133,7 @@ fn run(args: &QueueArgs) -> Result<(), String> {
 /// as they are open.
 fn deep_queue(socket: &Path, n: usize) -> Result<Vec<WireClient>, String> {
     let mut held = Vec::with_capacity(n + 1);
-    let mut holder = WireClient::connect(socket, Role::Cli)?;
-    holder.send(&ask(1 << 30))?;
+    let mut holder = WireClient::connect_asking(socket, Role::Cli, &ask(1 << 30))?;
     loop {
         match holder.recv()? {
             ServerMsg::Leased(_) => break,
@@ -144,8 +143,7 @@ fn deep_queue(socket: &Path, n: usize) -> Result<Vec<WireClient>, String> {
     }
     held.push(holder);
     for i in 0..n {
-        let mut c = WireClient::connect(socket, Role::Cli)?;
-        c.send(&ask(16 << 30))?;
+        let mut c = WireClient::connect_asking(socket, Role::Cli, &ask(16 << 30))?;
         match c.recv()? {
             ServerMsg::Queued { .. } => {}
             ServerMsg::Error { message, .. } => {
@@ -180,8 +178,7 @@ fn churner(
         sleep_until(next);
         let w = ((next - start) / window_ns) as usize;
         if w % 2 == 1 {
-            let mut c = WireClient::connect(socket, Role::Cli)?;
-            c.send(&ask(16 << 30))?;
+            let mut c = WireClient::connect_asking(socket, Role::Cli, &ask(16 << 30))?;
             match c.recv()? {
                 ServerMsg::Queued { .. } => {}
                 ServerMsg::Error { message, .. } => return Err(message),

@@ -183,6 +183,50 @@ fn frames_after_a_refused_message_are_not_handled() {
     assert!(t.b.ledger.jobs().len() == 0 && t.status().queue.is_empty());
 }
 
+/// `gpufrac run` sends its request in the same write as its Hello: both
+/// are answered in order; behind a Hello the broker refuses, the request
+/// is never read.
+#[test]
+fn a_request_in_the_hellos_write_is_answered_after_it_unless_refused() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let pid = t.spawn(1);
+    let c = t.connect_raw(pid, ALICE);
+    let mut bytes = Vec::new();
+    wire::encode_client(&ClientMsg::hello(pid, Role::Cli), &mut bytes);
+    wire::encode_client(&lease(0, GIB, false).into(), &mut bytes);
+    t.b.input(t.now, c, &bytes);
+    t.turn();
+    let ms = t.recv(c);
+    assert!(
+        matches!(ms[..], [ServerMsg::HelloOk { .. }, ServerMsg::Leased(_)]),
+        "{ms:?}"
+    );
+
+    let other = t.spawn(1);
+    let d = t.connect_raw(other, BOB);
+    let mut bytes = Vec::new();
+    let mut hello = ClientMsg::hello(other, Role::Cli);
+    if let ClientMsg::Hello {
+        version,
+        max_version,
+        ..
+    } = &mut hello
+    {
+        (*version, *max_version) = (u16::MAX - 1, u16::MAX);
+    }
+    wire::encode_client(&hello, &mut bytes);
+    wire::encode_client(&lease(0, GIB, false).into(), &mut bytes);
+    t.b.input(t.now, d, &bytes);
+    let ms = t.recv(d);
+    t.turn();
+    assert!(
+        matches!(&ms[..], [ServerMsg::Error { code, .. }] if *code == wire::ERR_VERSION),
+        "{ms:?}"
+    );
+    t.advance(SEC);
+    assert_eq!(t.b.ledger.jobs().len(), 1, "only the first run's job");
+}
+
 /// What a generated client sends.
 #[derive(Debug, Clone)]
 enum Msg {
