@@ -489,7 +489,20 @@ impl Broker {
                 }
                 self.enforce(now, t);
             }
-            if self.may_log(j.uid) {
+            if !self.may_log(j.uid) {
+                return;
+            }
+            // A request that left before it was placed held nothing: its
+            // line says how long it waited, not a lease's blanks.
+            if let Phase::Queued { since } = j.phase {
+                info!(
+                    pid = j.pid,
+                    uid = j.uid,
+                    command = %Quoted(&j.label),
+                    waited_s = %format!("{:.1}", now.saturating_sub(since) as f64 / 1e9),
+                    "queued request left before it was placed"
+                );
+            } else {
                 let held = e.leased_at.map(|t| now.saturating_sub(t));
                 info!(
                     pid = j.pid,

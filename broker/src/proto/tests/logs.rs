@@ -339,3 +339,46 @@ fn a_lease_says_when_it_is_queued_placed_and_ended() {
     assert!((0.9..=held).contains(&gpu), "{gpu}");
     assert_eq!(field(&ended, "peak"), ["\"3.00 GiB\""]);
 }
+
+/// A request that leaves the queue before it is placed held no lease: its
+/// last line says it left and how long it waited, not "lease ended" with
+/// a held time of "-".
+#[test]
+fn a_request_that_leaves_the_queue_says_so_and_how_long_it_waited() {
+    let mut t = T::new(cfg(), &[16 * GIB]);
+    let log = logged(|| {
+        let (p1, p2) = (t.spawn(1), t.spawn(1));
+        let holder = t.connect_as(p1, ALICE);
+        t.lease(holder, 1, 0, false);
+        t.advance(SEC);
+        assert!(leased(&t.recv(holder)).is_some());
+        let run = t.connect_as(p2, BOB);
+        t.send(
+            run,
+            &LeaseReq {
+                command: "python eval.py".into(),
+                ..lease(1, 0, false)
+            }
+            .into(),
+        );
+        t.advance(3 * SEC);
+        t.b.hangup(run);
+        t.advance(SEC / 10);
+    });
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("lease ended") && l.contains(&format!("uid={BOB}"))),
+        "{log}"
+    );
+    let left = log
+        .lines()
+        .find(|l| {
+            l.contains("queued request left before it was placed")
+                && l.contains(&format!("uid={BOB}"))
+        })
+        .map(fields)
+        .unwrap_or_else(|| panic!("no line for the request that left:\n{log}"));
+    assert_eq!(field(&left, "command"), ["\"python eval.py\""]);
+    let waited: f64 = field(&left, "waited_s")[0].parse().unwrap();
+    assert!((3.0..3.2).contains(&waited), "{waited}");
+}
