@@ -219,6 +219,59 @@ fn exit_status_and_signals_pass_through() {
     assert_eq!(o.status.code(), Some(3));
 }
 
+/// A signal sent to `run` goes to any of its threads that does not block
+/// it; only the main thread passes it on to the child. With the lease's
+/// keeper thread open to it, a SIGTERM that came in the moment between the
+/// child's start and the handler's ended `run` alone (its default action):
+/// the child ran on, parentless, and the test above waited forever for
+/// its output. Every other thread of a running `run` blocks the signals it
+/// forwards.
+#[test]
+fn only_runs_main_thread_takes_the_signals_it_forwards() {
+    let b = Broker::start("16G", &[]);
+    let (_s, d) = scratch("sigmask");
+    let mut run = job(&b, &d, "a", &["--gpus", "1"]);
+    wait_started(&d, "a");
+    let pid = run.id();
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap();
+        let blocked = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigBlk:"))
+            .map(|m| u64::from_str_radix(m.trim(), 16).unwrap())
+            .unwrap();
+        threads.push((t.file_name().to_string_lossy().into_owned(), blocked));
+    }
+    let forwarded = [
+        libc::SIGINT,
+        libc::SIGTERM,
+        libc::SIGHUP,
+        libc::SIGQUIT,
+        libc::SIGUSR1,
+        libc::SIGUSR2,
+    ]
+    .iter()
+    .fold(0u64, |m, s| m | 1 << (s - 1));
+    assert!(
+        threads.len() >= 2,
+        "run and its lease's keeper: {threads:?}"
+    );
+    for (tid, blocked) in &threads {
+        let main = *tid == pid.to_string();
+        assert_eq!(
+            blocked & forwarded,
+            if main { 0 } else { forwarded },
+            "thread {tid} of run {pid} (main: {main}) blocks {blocked:#x}"
+        );
+    }
+    std::fs::write(d.join("a.stop"), "").unwrap();
+    assert!(run.wait().unwrap().success());
+}
+
 #[test]
 fn killing_run_frees_its_lease() {
     let b = Broker::start("16G", &[]);

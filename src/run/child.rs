@@ -55,6 +55,22 @@ fn forwarded_set() -> libc::sigset_t {
     }
 }
 
+/// Runs `f` with the forwarded signals blocked in this thread, so that a
+/// thread it starts never takes one: the kernel hands a signal sent to
+/// `run` to any thread that does not block it, and in a thread of its own
+/// a SIGTERM that came before the handler was in place ended `run` alone
+/// (its default action), leaving the child running without it.
+pub(super) fn without_forwarded_signals<T>(f: impl FnOnce() -> T) -> T {
+    let set = forwarded_set();
+    // SAFETY: plain libc calls on initialised sigsets.
+    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
+    let out = f();
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    out
+}
+
 /// Spawns the command with the forwarded signals blocked until its pid is
 /// known, so none that arrives in between is lost or kills `run` alone.
 pub(super) fn spawn_and_wait(

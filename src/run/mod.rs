@@ -259,10 +259,12 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     let token = held.as_ref().map(|h| h.1);
     if let Some((client, _, req)) = held {
         let socket = socket.clone();
-        std::thread::Builder::new()
-            .name("lease-keeper".into())
-            .spawn(move || keep_lease(client, req, socket))
-            .map_err(|e| Fail::new(1, format!("cannot start a thread: {e}")))?;
+        child::without_forwarded_signals(|| {
+            std::thread::Builder::new()
+                .name("lease-keeper".into())
+                .spawn(move || keep_lease(client, req, socket))
+        })
+        .map_err(|e| Fail::new(1, format!("cannot start a thread: {e}")))?;
     }
     let status = spawn_and_wait(&command, &env);
     drop(books);

@@ -1202,7 +1202,10 @@ fn job_script_parts(dir: &Path, name: &str, meanwhile: Option<&str>) -> String {
         "echo \"$CUDA_VISIBLE_DEVICES $GPU_MEM_LIMIT\" > {d}/{name}.env.tmp && \
          mv {d}/{name}.env.tmp {d}/{name}.env"
     );
-    let wait = format!("while [ ! -e {d}/{name}.stop ]; do sleep 0.02; done");
+    // Also ends when the scratch directory goes: a job whose run a test
+    // killed is nobody's child, and one that missed its stop file before
+    // the directory went would otherwise wait forever.
+    let wait = format!("while [ ! -e {d}/{name}.stop ] && [ -d {d} ]; do sleep 0.02; done");
     match meanwhile {
         None => format!("{record}; {wait}"),
         Some(m) => format!("{record}; {m} & p=$!; {wait}; kill $p; wait $p; true"),
