@@ -863,19 +863,7 @@ mod tests {
             ServerMsg::Leased(granted()),
         ]));
         let mut c = Client::connect(&dir.path.join("b.sock")).unwrap();
-        let req = ClientMsg::Lease(LeaseReq {
-            want_gpus: 1,
-            want_mem: 0,
-            compute: None,
-            limit: None,
-            no_wait: false,
-            command: "sleep 1".into(),
-            priority: None,
-            resume: 0,
-            token: 0,
-            pin: Vec::new(),
-        });
-        c.request_lease(&req).unwrap();
+        c.request_lease(&lease_req()).unwrap();
         let mut seen = Vec::new();
         let out = c
             .wait_lease(None, Duration::from_millis(50), |q| {

@@ -276,6 +276,14 @@ fn lease_churn_lines_stay_within_the_users_budget() {
     assert!(!counts.is_empty() && counts.len() <= lines.len(), "{log}");
 }
 
+/// The fields of Bob's first line saying `what`.
+fn bobs_line(log: &str, what: &str) -> Vec<(String, String)> {
+    log.lines()
+        .find(|l| l.contains(what) && l.contains(&format!("uid={BOB}")))
+        .map(fields)
+        .unwrap_or_else(|| panic!("no {what} line:\n{log}"))
+}
+
 /// Issue 33's lines: a lease says when it is queued, when it is placed
 /// (and how long it waited), and when it ends (how long it was held, the
 /// GPU time its processes used, their peak memory together).
@@ -283,20 +291,7 @@ fn lease_churn_lines_stay_within_the_users_budget() {
 fn a_lease_says_when_it_is_queued_placed_and_ended() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let log = logged(|| {
-        let (p1, p2) = (t.spawn(1), t.spawn(1));
-        let holder = t.connect_as(p1, ALICE);
-        t.lease(holder, 1, 0, false);
-        t.advance(SEC);
-        assert!(leased(&t.recv(holder)).is_some());
-        let run = t.connect_as(p2, BOB);
-        t.send(
-            run,
-            &LeaseReq {
-                command: "python train.py".into(),
-                ..lease(1, 0, false)
-            }
-            .into(),
-        );
+        let (holder, run, p2) = t.bob_waits_behind_alice("python train.py");
         t.advance(2 * SEC);
         t.b.hangup(holder);
         t.advance(SEC / 10);
@@ -320,12 +315,7 @@ fn a_lease_says_when_it_is_queued_placed_and_ended() {
         t.b.hangup(run);
         t.advance(SEC / 10);
     });
-    let line = |what: &str| {
-        log.lines()
-            .find(|l| l.contains(what) && l.contains(&format!("uid={BOB}")))
-            .map(fields)
-            .unwrap_or_else(|| panic!("no {what} line:\n{log}"))
-    };
+    let line = |what: &str| bobs_line(&log, what);
     let queued = line("lease queued");
     assert_eq!(field(&queued, "command"), ["\"python train.py\""]);
     assert_eq!(field(&queued, "wants"), ["\"1 GPU\""]);
@@ -347,20 +337,7 @@ fn a_lease_says_when_it_is_queued_placed_and_ended() {
 fn a_request_that_leaves_the_queue_says_so_and_how_long_it_waited() {
     let mut t = T::new(cfg(), &[16 * GIB]);
     let log = logged(|| {
-        let (p1, p2) = (t.spawn(1), t.spawn(1));
-        let holder = t.connect_as(p1, ALICE);
-        t.lease(holder, 1, 0, false);
-        t.advance(SEC);
-        assert!(leased(&t.recv(holder)).is_some());
-        let run = t.connect_as(p2, BOB);
-        t.send(
-            run,
-            &LeaseReq {
-                command: "python eval.py".into(),
-                ..lease(1, 0, false)
-            }
-            .into(),
-        );
+        let (_, run, _) = t.bob_waits_behind_alice("python eval.py");
         t.advance(3 * SEC);
         t.b.hangup(run);
         t.advance(SEC / 10);
@@ -370,14 +347,7 @@ fn a_request_that_leaves_the_queue_says_so_and_how_long_it_waited() {
             .any(|l| l.contains("lease ended") && l.contains(&format!("uid={BOB}"))),
         "{log}"
     );
-    let left = log
-        .lines()
-        .find(|l| {
-            l.contains("queued request left before it was placed")
-                && l.contains(&format!("uid={BOB}"))
-        })
-        .map(fields)
-        .unwrap_or_else(|| panic!("no line for the request that left:\n{log}"));
+    let left = bobs_line(&log, "queued request left before it was placed");
     assert_eq!(field(&left, "command"), ["\"python eval.py\""]);
     let waited: f64 = field(&left, "waited_s")[0].parse().unwrap();
     assert!((3.0..3.2).contains(&waited), "{waited}");

@@ -297,6 +297,27 @@ impl T {
     fn status(&self) -> crate::status::Status {
         self.b.status(self.now)
     }
+
+    /// Alice's lease holds the only GPU and Bob's run, asking for it with
+    /// `command`, waits behind it: (Alice's connection, Bob's run, its
+    /// pid).
+    fn bob_waits_behind_alice(&mut self, command: &str) -> (ConnId, ConnId, u32) {
+        let (p1, p2) = (self.spawn(1), self.spawn(1));
+        let holder = self.connect_as(p1, ALICE);
+        self.lease(holder, 1, 0, false);
+        self.advance(SEC);
+        assert!(leased(&self.recv(holder)).is_some());
+        let run = self.connect_as(p2, BOB);
+        self.send(
+            run,
+            &LeaseReq {
+                command: command.into(),
+                ..lease(1, 0, false)
+            }
+            .into(),
+        );
+        (holder, run, p2)
+    }
 }
 
 /// Sockets in virtual time: each connection's unread bytes, and a clock

@@ -100,13 +100,7 @@ fn a_request_withdrawn_or_gone_is_not_waited_for() {
 #[test]
 fn a_queued_requests_wait_is_observed_when_it_is_placed() {
     let mut t = T::new(cfg(), &[16 * GIB]);
-    let (p1, p2) = (t.spawn(1), t.spawn(1));
-    let first = t.connect_as(p1, ALICE);
-    t.lease(first, 1, 0, false);
-    t.advance(SEC);
-    assert!(leased(&t.recv(first)).is_some());
-    let second = t.connect_as(p2, BOB);
-    t.lease(second, 1, 0, false);
+    let (first, second, _) = t.bob_waits_behind_alice("");
     t.advance(10 * SEC);
     assert!(leased(&t.recv(second)).is_none(), "waits for the GPU");
     t.b.hangup(first);
