@@ -619,3 +619,36 @@ fn a_forked_child_registers_a_session_of_its_own() {
         ["await-file done=1", &format!("fork child={child} exited=0")],
     );
 }
+
+/// The broker reads a socket until a short read says it is empty, and
+/// then waits for the poll, except after the peer hung up: then no edge
+/// comes again, so it reads on to the end. Forced here by stopping the
+/// broker while a client sends a frame and shuts its end, so that the
+/// broker's next poll sees both at once: the frame is answered and the
+/// connection closed, not left open behind a read that stopped short.
+#[test]
+fn a_frame_sent_with_a_hangup_is_answered_and_the_connection_closed() {
+    use std::io::Read;
+    let b = Broker::start("16G", &[]);
+    let mut c = RawClient::connect(&b.socket);
+    c.hello();
+    let pid = b.child.id() as i32;
+    let state = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next())
+    };
+    // SAFETY: signals to the broker this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    wait_until(10.0, "the broker to stop", || state() == Some('T'));
+    c.send(&gpufrac_common::wire::ClientMsg::Ping);
+    c.s.shutdown(std::net::Shutdown::Write).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert_eq!(c.recv(), Some(gpufrac_common::wire::ServerMsg::Pong));
+    let mut rest = [0u8; 64];
+    match c.s.read(&mut rest) {
+        Ok(0) => {}
+        other => panic!("expected the broker to close the connection, got {other:?}"),
+    }
+}

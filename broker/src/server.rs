@@ -97,6 +97,10 @@ struct Client {
     /// Readable when the process exits (None: a kernel without pidfds);
     /// held open while the client is, in the poll until closed with it.
     _pidfd: Option<OwnedFd>,
+    /// The poll said the peer hung up. Until then a short read is all
+    /// the socket held, and the edge-triggered poll reports the next
+    /// bytes; after it, no edge comes again, so reads go on to the end.
+    hung_up: bool,
 }
 
 struct Loop {
@@ -107,6 +111,10 @@ struct Loop {
     next_token: usize,
     /// The listener may have connections waiting in its backlog.
     backlog: bool,
+    /// Accepting stopped short of the backlog's end (out of descriptors,
+    /// or an error): the edge-triggered listener will not say so again,
+    /// so the next close looks at the backlog.
+    starved: bool,
     /// Held open so that, out of file descriptors, the broker can still
     /// accept a connection to close it (else the listener stays readable
     /// and the backlog fills with clients who wait forever).
@@ -185,6 +193,7 @@ pub fn serve(shell: Shell) -> Result<(), String> {
         clients: HashMap::new(),
         next_token: FIRST_CLIENT,
         backlog: false,
+        starved: false,
         reserve: reserve_fd(),
         saver: Some(saver),
         mig,
@@ -278,6 +287,9 @@ impl Sockets for Live<'_> {
         loop {
             return match c.stream.read(buf) {
                 Ok(0) => Got::Closed,
+                // A stream socket's read stops short only when it has
+                // nothing more: the read that would say so is saved.
+                Ok(n) if n < buf.len() && !c.hung_up => Got::Drained(n),
                 Ok(n) => Got::Bytes(n),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => Got::WouldBlock,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -428,6 +440,11 @@ impl Loop {
                         exited.push(id);
                     }
                     tok => {
+                        if (ev.is_read_closed() || ev.is_error())
+                            && let Some(c) = self.clients.get_mut(&tok)
+                        {
+                            c.hung_up = true;
+                        }
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                             self.core.readable(tok.0 as ConnId);
                         }
@@ -506,9 +523,11 @@ impl Loop {
                 self.core.remove(now(), id);
             }
             // The descriptors just closed make room for connections still
-            // waiting in the backlog, which the edge-triggered listener
-            // will not report again: the next turn accepts them.
-            self.backlog = true;
+            // waiting in the backlog if accepting stopped for want of
+            // them, which the edge-triggered listener will not report
+            // again: the next turn accepts them. Otherwise the backlog was
+            // drained to its end, and each close is no accept.
+            self.backlog |= std::mem::take(&mut self.starved);
         }
         while let Some(w) = self.core.poll_work() {
             match &self.mig {
@@ -598,6 +617,7 @@ impl Loop {
                             stream,
                             want_write: false,
                             _pidfd: pidfd,
+                            hung_up: false,
                         },
                     );
                 }
@@ -615,19 +635,24 @@ impl Loop {
                     if self.reserve.take().is_none() {
                         // Nothing to free; the loop retries after the next
                         // sweep has closed stale connections.
+                        self.starved = true;
                         return false;
                     }
                     let shed = self.listener.accept();
                     self.reserve = reserve_fd();
                     match shed {
                         Ok((stream, _)) => drop(stream),
-                        Err(_) => return false,
+                        Err(_) => {
+                            self.starved = true;
+                            return false;
+                        }
                     }
                     // The listener is edge-triggered: drain the backlog,
                     // a turn at a time.
                 }
                 Err(e) => {
                     warn!("accept: {e}");
+                    self.starved = true;
                     return false;
                 }
             }

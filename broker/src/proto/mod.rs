@@ -460,19 +460,25 @@ impl Broker {
             .clamp(MIN_READ, READ_PER_TURN);
         while room > 0 && self.socket_has_more(id) {
             let want = room.min(buf.len());
-            match io.read(id, &mut buf[..want]) {
-                Read::Bytes(n) if n > 0 => {
+            let got = io.read(id, &mut buf[..want]);
+            match got {
+                Read::Bytes(n) | Read::Drained(n) if n > 0 => {
                     let n = n.min(want);
                     room -= n;
                     let now = self.clock(io.now());
                     self.take_in(now, id, &buf[..n]);
+                    if matches!(got, Read::Drained(_))
+                        && let Some(c) = self.conns.get_mut(&id)
+                    {
+                        c.readable = false;
+                    }
                 }
                 Read::WouldBlock => {
                     if let Some(c) = self.conns.get_mut(&id) {
                         c.readable = false;
                     }
                 }
-                Read::Bytes(_) | Read::Closed => {
+                Read::Bytes(_) | Read::Drained(_) | Read::Closed => {
                     if let Some(c) = self.conns.get_mut(&id) {
                         c.readable = false;
                     }

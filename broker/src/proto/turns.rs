@@ -108,6 +108,11 @@ pub trait Sockets {
 pub enum Read {
     /// This many bytes, at the start of the buffer.
     Bytes(usize),
+    /// This many bytes (at least one), which emptied the socket: the
+    /// shell knows it (a short read of a stream socket whose peer has not
+    /// hung up), and the core then reads no more until the poll says
+    /// otherwise, without the read that would only say `WouldBlock`.
+    Drained(usize),
     /// Nothing now: the socket is drained until the poll says otherwise.
     WouldBlock,
     /// The peer hung up, or the socket failed.

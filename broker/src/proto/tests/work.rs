@@ -289,3 +289,61 @@ fn costly_frames_take_a_users_part_of_a_turn_each() {
     // Each frame read a user's part at a time: several turns each.
     assert!(turns >= 30, "{turns} turns for 30 costly frames");
 }
+
+/// The shell's reads, counted; with `drained`, a short read says it
+/// emptied the socket, as the real shell's read of a stream socket does.
+struct Counted<'a> {
+    io: Virtual<'a>,
+    reads: usize,
+    drained: bool,
+}
+
+impl Sockets for Counted<'_> {
+    fn now(&mut self) -> Nanos {
+        self.io.now()
+    }
+
+    fn read(&mut self, id: ConnId, buf: &mut [u8]) -> Read {
+        self.reads += 1;
+        match self.io.read(id, buf) {
+            Read::Bytes(n) if self.drained && n < buf.len() => Read::Drained(n),
+            r => r,
+        }
+    }
+}
+
+/// A read that emptied the socket is the last until the poll says more
+/// came: the read that would only say "nothing" is a system call saved on
+/// every frame. The frame is still handled, and bytes that come later are
+/// read when the poll says so.
+#[test]
+fn a_read_that_drains_the_socket_is_the_last_until_the_poll_says_more() {
+    for (drained, reads_per_frame) in [(false, 2), (true, 1)] {
+        let mut t = T::new(cfg(), &[16 * GIB]);
+        let p = t.spawn(1);
+        let c = t.connect_as(p, ALICE);
+        for round in 0..2 {
+            let mut ping = Vec::new();
+            wire::encode_client(&ClientMsg::Ping, &mut ping);
+            t.unread.insert(c, ping);
+            t.b.readable(c);
+            let mut io = Counted {
+                io: Virtual {
+                    now: t.now,
+                    unread: &mut t.unread,
+                },
+                reads: 0,
+                drained,
+            };
+            while {
+                t.b.turn(&mut io);
+                t.b.busy()
+            } {}
+            assert_eq!(
+                io.reads, reads_per_frame,
+                "round {round}, drained reads {drained}"
+            );
+            assert_eq!(t.recv(c), vec![ServerMsg::Pong], "round {round}");
+        }
+    }
+}
