@@ -644,12 +644,15 @@ impl FairClock {
         skip: Option<ClientId>,
     ) -> impl Iterator<Item = ClientId> + '_ {
         let skip = skip.and_then(|id| self.entities.get(&id)).map(|e| e.m.user);
-        let flows: Box<dyn Iterator<Item = UserKey> + '_> = if eligible {
-            Box::new(self.bands[b].queue.iter().map(|q| q.2))
-        } else {
-            Box::new(self.bands[b].by_v.iter().map(|q| q.1))
-        };
-        flows
+        // One of the two orders, without boxing it: this runs at every
+        // pick.
+        let band = &self.bands[b];
+        let by_deadline = eligible.then(|| band.queue.iter().map(|q| q.2));
+        let by_v = (!eligible).then(|| band.by_v.iter().map(|q| q.1));
+        by_deadline
+            .into_iter()
+            .flatten()
+            .chain(by_v.into_iter().flatten())
             .filter(move |&u| Some(u) != skip)
             .filter(move |&u| !eligible || self.flow_eligible((b, u)))
             .flat_map(move |u| self.flow_waiters((b, u)))

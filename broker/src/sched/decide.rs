@@ -40,30 +40,30 @@ impl Scheduler {
     fn settle(&mut self, now: Nanos) {
         let dt = now.saturating_sub(self.settled_at);
         self.settled_at = now;
-        let (on, above) = self.on_gpu();
-        if dt == 0 || on.is_empty() {
+        let above = self.above_on_gpu();
+        if dt == 0 || above[0] == 0 {
             return;
         }
-        let even = dt as f64 / on.len() as f64;
-        for (id, b) in on {
-            self.clock.charge(id, dt as f64 / above[b] as f64);
-            self.clients.get_mut(&id).expect("on the GPU").charged += even;
+        let even = dt as f64 / above[0] as f64;
+        for id in self.lease.on_gpu() {
+            let c = self.clients.get_mut(&id).expect("on the GPU");
+            self.clock
+                .charge(id, dt as f64 / above[band(c.class)] as f64);
+            c.charged += even;
         }
     }
 
-    /// The clients on the GPU with their bands, and per band how many of
-    /// them are of that band or above.
-    fn on_gpu(&self) -> (Vec<(ClientId, usize)>, [usize; BANDS]) {
-        let on: Vec<(ClientId, usize)> = self
-            .lease
-            .on_gpu()
-            .map(|id| (id, band(self.clients[&id].class)))
-            .collect();
+    /// Per band, how many clients on the GPU are of that band or above
+    /// (`[0]`: all of them). Counted, not listed: this runs at every
+    /// event, and an allocation there is paid at every grant (more so
+    /// while a churning queue leaves the allocator's free lists long).
+    fn above_on_gpu(&self) -> [usize; BANDS] {
         let mut above = [0; BANDS];
-        for &(_, b) in &on {
+        for id in self.lease.on_gpu() {
+            let b = band(self.clients[&id].class);
             above.iter_mut().take(b + 1).for_each(|k| *k += 1);
         }
-        (on, above)
+        above
     }
 
     /// Puts client `id`'s state in the parts, changing only what moved:
@@ -529,9 +529,10 @@ impl Scheduler {
     /// eligible with an earlier deadline, or it was idle and the holder's
     /// quantum ends).
     fn plan(&mut self) {
-        let (on, above) = self.on_gpu();
+        let above = self.above_on_gpu();
         for (b, &n_above) in above.iter().enumerate() {
-            let n = on.iter().filter(|&&(_, k)| k == b).count();
+            // Of band `b` itself: of it or above, less those above it.
+            let n = n_above - above.get(b + 1).copied().unwrap_or(0);
             self.clock.set_rate(b, n as f64 / n_above.max(1) as f64);
         }
         self.timer = self.lease.held().and_then(|(h, start, _, _)| {
