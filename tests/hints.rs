@@ -22,8 +22,7 @@ const XDG: &str = "/run/user/4242";
 /// a home directory may be closed to `nobody`).
 fn gpufrac_for_anyone(dir: &Scratch) -> PathBuf {
     let to = dir.0.join("gpufrac");
-    std::fs::copy(&artifacts().gpufrac, &to).unwrap();
-    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    copy_executable(&artifacts().gpufrac, &to);
     to
 }
 

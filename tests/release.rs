@@ -564,7 +564,7 @@ fn gpufrac_without_its_library_says_what_to_do_and_gpufrac_lib_points_to_it() {
     // A bare `cargo install`: the binary alone in a bin directory.
     let bin = s.0.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
-    std::fs::copy(&a.gpufrac, bin.join("gpufrac")).unwrap();
+    copy_executable(&a.gpufrac, &bin.join("gpufrac"));
     let run = |lib: Option<&Path>| {
         let mut c = sim_command(bin.join("gpufrac"), "16G", false);
         c.env_remove("GPUFRAC_BROKER")

@@ -359,6 +359,30 @@ pub fn wait_until(secs: f64, what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Copies the executable `from` to `to` (mode 755) and returns once the
+/// copy runs. A test thread that forks while the copy is open for writing
+/// gives its child that descriptor until the child's exec, and until then
+/// running the copy fails with "Text file busy" (seen in CI: hints.rs's
+/// tests copy the binary while others spawn processes).
+pub fn copy_executable(from: &Path, to: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::copy(from, to).unwrap();
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    wait_until(
+        10.0,
+        "the copied executable to stop being busy",
+        || match Command::new(to)
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+        {
+            Err(e) => e.raw_os_error() != Some(libc::ETXTBSY),
+            Ok(_) => true,
+        },
+    );
+}
+
 /// A scratch directory under the temp dir, removed on drop.
 pub struct Scratch(pub PathBuf);
 
