@@ -55,8 +55,7 @@ impl Scheduler {
 
     /// Per band, how many clients on the GPU are of that band or above
     /// (`[0]`: all of them). Counted, not listed: this runs at every
-    /// event, and an allocation there is paid at every grant (more so
-    /// while a churning queue leaves the allocator's free lists long).
+    /// event, and an allocation there is paid at every grant.
     fn above_on_gpu(&self) -> [usize; BANDS] {
         let mut above = [0; BANDS];
         for id in self.lease.on_gpu() {
