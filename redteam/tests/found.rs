@@ -1278,3 +1278,44 @@ fn idle_seed_9() {
     };
     holds(Invariant::Idle, &s);
 }
+
+/// Found by the pinned seed's search at budget 480 (2026-11-29), and
+/// already broken before that day's changes (the same harm, 2.009, at
+/// 577b968): beside 24 `high` connections of one user that each hold
+/// for a second in two, another 24 that come on for 1.7 ms in every
+/// 17 ms, each on a new connection registering a 76 KiB command line of
+/// control characters, keep another user's `high` burst waiting a whole
+/// slice (20 ms) for its grant, not a quantum. It holds within the suite's
+/// bounds (`Bounds::QUICK`: harm 0.36); only the search's bounds on the
+/// attacker's broker work (`Bounds::FULL`) show it. Not mended yet: run
+/// it with `--ignored`.
+#[test]
+#[ignore = "service broken under the search's bounds: a high burst waits a slice (open)"]
+fn high_reconnects_with_long_command_lines_beside_held_high_connections() {
+    let on = |members, period_ms, duty, stagger, reconnect, kib, text| Cohort {
+        play: Play::Shim {
+            class: Priority::High,
+            work: true,
+            recall: Recall::Honest,
+            uuids: 0,
+        },
+        members,
+        procs: 1,
+        start_ms: 0,
+        period_ms,
+        duty,
+        stagger,
+        reconnect,
+        respawn: false,
+        argv: Argv { kib, text },
+        slow: false,
+    };
+    let s = Strategy {
+        cohorts: vec![
+            on(24, 17, 10, 25, true, 76, Text::Controls),
+            on(24, 2000, 50, 0, false, 0, Text::Plain),
+        ],
+    };
+    let o = evaluate(Invariant::Service, &s, &Bounds::FULL);
+    assert!(o.harm <= 1.0, "service: harm {:.3}: {}", o.harm, o.figures);
+}
