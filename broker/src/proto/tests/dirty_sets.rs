@@ -289,13 +289,7 @@ proptest! {
 #[test]
 fn an_unchanged_queue_is_not_walked_again() {
     let mut t = T::new(cfg(), &[16 * GIB]);
-    let (p1, p2) = (t.spawn(1), t.spawn(1));
-    let holder = t.connect_as(p1, ALICE);
-    t.lease(holder, 1, 0, false);
-    t.advance(SEC);
-    assert!(leased(&t.recv(holder)).is_some());
-    let waiter = t.connect_as(p2, BOB);
-    t.lease(waiter, 1, 0, false);
+    let (holder, waiter, _) = t.bob_waits_behind_alice("");
     t.turn();
     assert!(
         t.recv(waiter)
