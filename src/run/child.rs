@@ -55,17 +55,18 @@ fn forwarded_set() -> libc::sigset_t {
     }
 }
 
-/// Runs `f` with the forwarded signals blocked in this thread, so that a
-/// thread it starts never takes one: the kernel hands a signal sent to
-/// `run` to any thread that does not block it, and in a thread of its own
-/// a SIGTERM that came before the handler was in place ended `run` alone
-/// (its default action), leaving the child running without it.
-pub(super) fn without_forwarded_signals<T>(f: impl FnOnce() -> T) -> T {
+/// Runs `f` with the forwarded signals blocked in this thread (it is
+/// given the mask from before), so that a thread or child it starts never
+/// takes one: the kernel hands a signal sent to `run` to any thread that
+/// does not block it, and in a thread of its own a SIGTERM that came
+/// before the handler was in place ended `run` alone (its default
+/// action), leaving the child running without it.
+pub(super) fn without_forwarded_signals<T>(f: impl FnOnce(libc::sigset_t) -> T) -> T {
     let set = forwarded_set();
     // SAFETY: plain libc calls on initialised sigsets.
     let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
-    let out = f();
+    let out = f(old);
     // SAFETY: restores the mask saved above.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
     out
@@ -89,35 +90,32 @@ pub(super) fn spawn_and_wait(
         cmd.env(k, v);
     }
 
-    let set = forwarded_set();
-    // SAFETY: plain libc calls on initialised sigsets.
-    let mut old: libc::sigset_t = unsafe { std::mem::zeroed() };
-    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old) };
-    // std passes the signal mask on to the child, which would then never
-    // see the very signals we forward to it.
-    // SAFETY: pthread_sigmask is async-signal-safe, as pre_exec requires.
-    unsafe {
-        cmd.pre_exec(move || {
-            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
-            Ok(())
-        });
-    }
-    let spawned = cmd.spawn();
-    if let Ok(child) = &spawned {
-        CHILD.store(child.id() as i32, Ordering::Relaxed);
-        for s in FORWARDED {
-            // SAFETY: the handler only touches an atomic, errno and kill().
-            unsafe {
-                let mut sa: libc::sigaction = std::mem::zeroed();
-                sa.sa_sigaction = forward_signal as *const () as usize;
-                sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
-                libc::sigemptyset(&mut sa.sa_mask);
-                libc::sigaction(s, &sa, std::ptr::null_mut());
+    let spawned = without_forwarded_signals(|old| {
+        // std passes the signal mask on to the child, which would then
+        // never see the very signals we forward to it.
+        // SAFETY: pthread_sigmask is async-signal-safe, as pre_exec requires.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+                Ok(())
+            });
+        }
+        let spawned = cmd.spawn();
+        if let Ok(child) = &spawned {
+            CHILD.store(child.id() as i32, Ordering::Relaxed);
+            for s in FORWARDED {
+                // SAFETY: the handler only touches an atomic, errno and kill().
+                unsafe {
+                    let mut sa: libc::sigaction = std::mem::zeroed();
+                    sa.sa_sigaction = forward_signal as *const () as usize;
+                    sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+                    libc::sigemptyset(&mut sa.sa_mask);
+                    libc::sigaction(s, &sa, std::ptr::null_mut());
+                }
             }
         }
-    }
-    // SAFETY: restores the mask saved above.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+        spawned
+    });
 
     let mut child = spawned.map_err(|e| {
         let name = program.to_string_lossy();

@@ -259,7 +259,7 @@ fn run(args: RunArgs) -> Result<u8, Fail> {
     let token = held.as_ref().map(|h| h.1);
     if let Some((client, _, req)) = held {
         let socket = socket.clone();
-        child::without_forwarded_signals(|| {
+        child::without_forwarded_signals(|_| {
             std::thread::Builder::new()
                 .name("lease-keeper".into())
                 .spawn(move || keep_lease(client, req, socket))
