@@ -322,7 +322,18 @@ impl Scheduler {
         let Some(w) = self.scan(now, Waiters::Band(hb, true, Some(h))) else {
             return false;
         };
-        earlier(self.clock.deadline(w), self.clock.deadline(h)) || (self.short(w) && quantum)
+        // A burst runs its first quantum before a waiter of its class or
+        // below: a deadline earlier by a hair does not cut a short
+        // request short (it waits no longer than the GPU's own
+        // time-slicer would make it); `high` buys latency over the rest.
+        let protected = !quantum && self.shields(h, w);
+        (!protected && earlier(self.clock.deadline(w), self.clock.deadline(h)))
+            || (self.short(w) && quantum)
+    }
+
+    /// Whether holder `h` is in a burst that waiter `w` waits out.
+    fn shields(&self, h: ClientId, w: ClientId) -> bool {
+        self.lease.in_burst(h) && self.clients[&w].class <= self.clients[&h].class
     }
 
     /// Whether `id`'s request is the short kind (it was idle).
@@ -537,6 +548,7 @@ impl Scheduler {
         self.timer = self.lease.held().and_then(|(h, start, _, _)| {
             let hb = band(self.clients[&h].class);
             let dh = self.clock.deadline(h);
+
             let quantum = start.saturating_add(self.cfg.wake);
             let sibling = self
                 .clock
@@ -552,7 +564,13 @@ impl Scheduler {
                     let short = self.short(w);
                     let sooner = earlier(self.clock.deadline(w), dh);
                     let at = self.now.saturating_add(self.clock.eligible_in(w)?);
-                    (sooner || short).then(|| if short { at.max(quantum) } else { at })
+                    (sooner || short).then(|| {
+                        if short || self.shields(h, w) {
+                            at.max(quantum)
+                        } else {
+                            at
+                        }
+                    })
                 })
                 .min();
             sibling.into_iter().chain(others).min()

@@ -307,6 +307,11 @@ impl Leases {
         }
     }
 
+    /// Whether `id` holds a burst's grant.
+    pub fn in_burst(&self, id: ClientId) -> bool {
+        self.grants.get(&id).is_some_and(|g| g.burst)
+    }
+
     /// Whether `id`'s grant was a burst taken from it for another user
     /// (revoked, not recalled): asking again, it is still in its burst.
     pub fn burst_preempted(&self, id: ClientId) -> bool {

@@ -16,9 +16,10 @@
 //! client that used least of its part (its unit's part of the user's
 //! units times its own part of the unit). A request is a slice, a fifth
 //! of one for a waiter that was idle, a tenth and warped at `high`; a
-//! waiter preempts the holder at once when its deadline is earlier, and
-//! after the GPU's own quantum (`wake`) when it was idle. A user's lag
-//! outlives its connections and processes. The parts:
+//! waiter preempts the holder at once when its deadline is earlier (a
+//! holder in a burst of the waiter's class or above once it had the
+//! GPU's own quantum, `wake`), and after the quantum when it was idle.
+//! A user's lag outlives its connections and processes. The parts:
 //!
 //! - `clock`: virtual time, weights, lag and the users' banks, the pick's
 //!   orders;

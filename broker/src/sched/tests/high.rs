@@ -286,3 +286,49 @@ fn a_high_burst_waits_no_more_than_a_wake_beside_a_user_whose_high_share_is_spen
         worst / US
     );
 }
+
+/// The red team's `high_reconnects_with_long_command_lines_beside_held_high_connections`:
+/// a new `high` connection of another user, its warped deadline earlier
+/// by a hair, took the GPU from an interactive `high` burst 0.35 ms into
+/// it; busy, the burst asked again as no burst and waited out a whole
+/// slice. A burst runs its first quantum (or to its end) before a waiter
+/// of its class; here the other user's lighter weight makes its warped
+/// deadline the earlier.
+#[test]
+fn a_high_burst_runs_its_quantum_before_an_earlier_deadline_of_its_class() {
+    let mut sim = Sim::new(SchedConfig::default());
+    sim.proc_of(1, 1, Priority::High);
+    sim.proc_of(2, 2, Priority::High);
+    sim.s
+        .set_unit(sim.now, 2, UNIT | 2, None, None, Some((2, 0.5)));
+    sim.pump();
+    for k in 0..20 {
+        let t = SEC + k * 40 * MS;
+        sim.run_until(t);
+        sim.busy.insert(1);
+        sim.s.acquire(t, 1);
+        sim.s.drained(t, 1);
+        sim.pump();
+        assert_eq!(sim.s.holder(), Some(1), "round {k}: the idle GPU");
+        sim.run_until(t + 300 * US);
+        sim.start(2);
+        assert_eq!(
+            sim.s.holder(),
+            Some(1),
+            "round {k}: the burst was cut short"
+        );
+        sim.run_until(t + 2 * MS);
+        assert_eq!(
+            sim.s.holder(),
+            Some(2),
+            "round {k}: the waker waited past a quantum"
+        );
+        sim.busy.remove(&1);
+        sim.busy.remove(&2);
+        for id in [1, 2] {
+            sim.s.release(sim.now, id);
+            sim.s.drained(sim.now, id);
+        }
+        sim.pump();
+    }
+}
