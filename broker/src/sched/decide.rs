@@ -312,10 +312,6 @@ impl Scheduler {
             if (high(s) && !high(h))
                 || (self.short(s) && quantum && self.clock.precedes(s, h, true))
             {
-                // Taken for its own user's other request, its burst is
-                // spent: a user's connections preempting one another in
-                // turn do not each come back as a burst.
-                self.lease.spend_burst(h);
                 return true;
             }
         }

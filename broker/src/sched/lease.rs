@@ -300,24 +300,9 @@ impl Leases {
             .map(|(&id, _)| id)
     }
 
-    /// `id`'s grant is a burst no longer.
-    pub fn spend_burst(&mut self, id: ClientId) {
-        if let Some(g) = self.grants.get_mut(&id) {
-            g.burst = false;
-        }
-    }
-
     /// Whether `id` holds a burst's grant.
     pub fn in_burst(&self, id: ClientId) -> bool {
         self.grants.get(&id).is_some_and(|g| g.burst)
-    }
-
-    /// Whether `id`'s grant was a burst taken from it for another user
-    /// (revoked, not recalled): asking again, it is still in its burst.
-    pub fn burst_preempted(&self, id: ClientId) -> bool {
-        self.grants
-            .get(&id)
-            .is_some_and(|g| g.burst && g.revoked_at.is_some() && !g.recall)
     }
 
     /// The holder's grant: when it started, when its slice ends, and its

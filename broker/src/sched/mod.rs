@@ -339,10 +339,7 @@ impl Scheduler {
                     c.waking = false;
                 }
                 ClientState::Holding | ClientState::Revoking => {
-                    // A burst taken from it for another user is still a burst
-                    // when it asks again (else it waited a whole slice
-                    // behind a busy `high` user's request).
-                    if c.state == ClientState::Revoking && !s.lease.burst_preempted(id) {
+                    if c.state == ClientState::Revoking {
                         c.let_go = Some(now);
                     }
                     c.state = if std::mem::take(&mut c.wants_again) {
