@@ -297,8 +297,9 @@ impl Scheduler {
     /// Whether a waiter takes the GPU from holder `h` (of band `hb`,
     /// granted at `start`) now: one of a higher band its ceilings let run;
     /// of another flow of its band, the pick if its deadline is earlier
-    /// than the holder's, or if it was idle and the holder has had the
-    /// GPU's quantum (`wake`) since its grant; of its own flow, a `high`
+    /// than the holder's (a holder in a burst of its class or above once
+    /// it had the GPU's quantum, `wake`, since its grant), or if it was
+    /// idle and the holder has had the quantum; of its own flow, a `high`
     /// one before a holder that is not, or one that was idle and used no
     /// more of its part than the holder, once the holder has had the
     /// quantum.
@@ -544,7 +545,6 @@ impl Scheduler {
         self.timer = self.lease.held().and_then(|(h, start, _, _)| {
             let hb = band(self.clients[&h].class);
             let dh = self.clock.deadline(h);
-
             let quantum = start.saturating_add(self.cfg.wake);
             let sibling = self
                 .clock
