@@ -1321,3 +1321,48 @@ fn high_reconnects_with_long_command_lines_beside_held_high_connections() {
     let o = evaluate(Invariant::Service, &s, &Bounds::FULL);
     assert!(o.harm <= 1.0, "service: harm {:.3}: {}", o.harm, o.figures);
 }
+
+/// Found by seed 77's search at budget 480 (2026-11-29), and broken
+/// before that day's changes too: a `normal` connection that holds
+/// without launching, of the same process as a `low` connection that
+/// launches 0.4 ms in every 10 ms on a new connection each time. At a
+/// sample the `low` one had gone, so the process's work was credited to
+/// the `normal` one as its only connection there, which then held a
+/// third of a second at a time, proven, while the `low` victim waited on
+/// an idle GPU (harm 0.40). A process's work is now evidence for its
+/// connection only where that connection was its one on the GPU since the
+/// previous sample, and never more than the time it held.
+#[test]
+fn a_pretender_borrows_no_work_from_its_process_s_connections_that_came_and_went() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: shim(Priority::Low, true, Recall::Ignore),
+                members: 1,
+                procs: 1,
+                start_ms: 697,
+                period_ms: 10,
+                duty: 4,
+                stagger: 0,
+                reconnect: true,
+                respawn: false,
+                argv: Argv::SHORT,
+                slow: false,
+            },
+            Cohort {
+                play: shim(Priority::Normal, false, Recall::Honest),
+                members: 1,
+                procs: 0,
+                start_ms: 100,
+                period_ms: 640,
+                duty: 85,
+                stagger: 0,
+                reconnect: true,
+                respawn: false,
+                argv: Argv::SHORT,
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Idle, &s);
+}

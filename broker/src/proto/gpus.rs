@@ -35,6 +35,32 @@ pub(super) struct Gpu {
     /// GPU learnt): what a client names is kept only while a process of its
     /// names it.
     pub learned: Option<HashMap<u32, u32>>,
+    /// While the driver samples its per-process work: each process's
+    /// connection registered here since the last sample (None: it had
+    /// several, so its work is no one connection's). Rebuilt at each
+    /// sample, so it holds the processes of one sample period.
+    pub since_sample: Option<HashMap<u32, Option<super::ConnId>>>,
+}
+
+impl Gpu {
+    /// Connection `id` of process `pid` is registered here.
+    pub fn registered(&mut self, pid: u32, id: super::ConnId) {
+        if let Some(seen) = self.since_sample.as_mut() {
+            let e = seen.entry(pid).or_insert(Some(id));
+            if *e != Some(id) {
+                *e = None;
+            }
+        }
+    }
+
+    /// Whether `id` was process `pid`'s one connection here since the
+    /// last sample.
+    pub fn lone(&self, pid: u32, id: super::ConnId) -> bool {
+        self.since_sample
+            .as_ref()
+            .and_then(|seen| seen.get(&pid))
+            .is_none_or(|&c| c == Some(id))
+    }
 }
 
 impl Gpu {
@@ -80,6 +106,7 @@ impl Gpus {
                     sched: Scheduler::new(sched),
                     mig: None,
                     learned: None,
+                    since_sample: None,
                 })
                 .collect(),
             discovered,
@@ -204,6 +231,7 @@ impl Gpus {
             sched: Scheduler::new(self.sched),
             mig: None,
             learned: Some(HashMap::new()),
+            since_sample: None,
         };
         match self.units.iter().position(Gpu::vacant) {
             Some(i) => {
@@ -270,6 +298,7 @@ impl Gpus {
             sched: Scheduler::new(self.sched),
             mig: Some((parent, gi)),
             learned: None,
+            since_sample: None,
         };
         let stale = (0..self.units.len()).find(|&i| {
             self.units[i].mig.is_some() && !live.contains(&self.units[i].uuid_str) && !in_use(i)

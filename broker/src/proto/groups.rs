@@ -36,6 +36,7 @@ impl Broker {
             j.map_or((None, None, None), |j| (j.compute, j.limit, j.priority));
         let (user, user_weight) = self.user_of(c);
         for d in &s.devices {
+            self.gpus[d.gpu].registered(c.peer.pid, id);
             let sched = &mut self.gpus[d.gpu].sched;
             sched.add_client(
                 now,

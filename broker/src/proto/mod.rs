@@ -310,17 +310,29 @@ impl Broker {
         }
         for (g, mut seen) in seen.into_iter().enumerate() {
             if working[g].is_none() {
+                self.gpus[g].since_sample = None;
                 continue;
             }
             seen.sort_unstable();
+            // A process's work is evidence for its connection only where
+            // that connection was its one here all the span: one that
+            // came and went beside it (and worked) lends it nothing.
+            let gpu = &mut self.gpus[g];
             let busy: Vec<(ConnId, u32)> = seen
                 .chunk_by(|a, b| a.0 == b.0)
                 .filter_map(|one| match one {
-                    [(_, id, pct)] => Some((*id, *pct)),
+                    [(pid, id, pct)] => gpu.lone(*pid, *id).then_some((*id, *pct)),
                     _ => None,
                 })
                 .collect();
-            self.gpus[g].sched.work_seen(now, busy);
+            gpu.sched.work_seen(now, busy);
+            // The next span starts with those registered now.
+            gpu.since_sample = Some(Default::default());
+        }
+        for (&id, c) in self.conns.iter() {
+            for d in c.devices() {
+                self.gpus[d.gpu].registered(c.peer.pid, id);
+            }
         }
     }
 

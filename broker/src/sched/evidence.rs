@@ -23,12 +23,14 @@
 //! evidence at most `DOUBT_RATE` of the time in the long run.
 //!
 //! The driver counts work by process: the core reports it for a
-//! connection only where that connection is its process's one on the GPU
-//! (a shim keeps one), or a pretender beside a working connection of its
-//! own process would borrow that one's work. Without a source of evidence
-//! (MIG instances, drivers without per-process utilisation, no NVML, or
-//! samples that stopped coming) nothing is judged: a holder that answers
-//! every recall keeps `low` off the GPU as a busy one would.
+//! connection only where that connection was its process's one on the
+//! GPU since the previous sample (a shim keeps one), or a pretender beside
+//! a working connection of its own process would borrow that one's work;
+//! and no span credits more work than the time the client held. Without
+//! a source of evidence (MIG instances, drivers without per-process
+//! utilisation, no NVML, or samples that stopped coming) nothing is
+//! judged: a holder that answers every recall keeps `low` off the GPU as
+//! a busy one would.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -83,7 +85,11 @@ struct Record {
 impl Record {
     fn add(&mut self, now: Nanos, held: Nanos, work: f64, keep: Nanos) {
         let on = held.saturating_sub(std::mem::replace(&mut self.held_at, held));
-        if on > 0 || work > 0.0 {
+        // Its process's work beyond the time it was on the GPU is not its
+        // own (a sibling connection's, gone before the sample): evidence
+        // never exceeds the time held.
+        let work = work.min(on as f64);
+        if on > 0 {
             self.spans.push_back((now, on, work));
         }
         while self
