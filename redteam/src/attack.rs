@@ -327,6 +327,10 @@ pub struct Attacker {
     left: bool,
     timers: Timers<Timer>,
     by_conn: BTreeMap<ConnId, usize>,
+    /// Per process, its open leases for `high`: while it has one, its
+    /// shims are of that job, `high` whatever they registered with (the
+    /// fairness oracle's class).
+    high_jobs: BTreeMap<u32, usize>,
     pub record: Record,
 }
 
@@ -371,6 +375,7 @@ impl Attacker {
             left: false,
             timers: Timers::default(),
             by_conn: BTreeMap::new(),
+            high_jobs: BTreeMap::new(),
             record: Record::default(),
         };
         for (ci, c) in s.cohorts.iter().enumerate() {
@@ -451,6 +456,11 @@ impl Attacker {
                     priority: class,
                 };
                 self.send(io, conn, &reg);
+                let class = if self.high_jobs.contains_key(&pid) {
+                    Priority::High
+                } else {
+                    class
+                };
                 io.on_gpu(conn, ATTACKER, class);
             }
             Play::Name { .. } | Play::Trickle { .. } => {
@@ -463,10 +473,50 @@ impl Attacker {
         conn
     }
 
+    /// Member `m`'s lease, if for `high`, opens or closes: its process's
+    /// shims are of that job's class while it has one open.
+    fn high_job(&mut self, io: &mut Io<'_>, m: usize, open: bool) {
+        let c = self.cohorts[self.members[m].cohort];
+        let Some(pid) = self.pid_of(m) else {
+            return;
+        };
+        if !matches!(
+            c.play,
+            Play::Lease {
+                want: Want::High,
+                ..
+            }
+        ) {
+            return;
+        }
+        let n = self.high_jobs.entry(pid).or_default();
+        *n = if open { *n + 1 } else { n.saturating_sub(1) };
+        let high = *n > 0;
+        if !high {
+            self.high_jobs.remove(&pid);
+        }
+        for k in 0..self.members.len() {
+            let mb = &self.members[k];
+            if let (Play::Shim { class, .. }, Some(conn)) = (self.cohorts[mb.cohort].play, mb.conn)
+                && self.pid_of(k) == Some(pid)
+            {
+                io.set_class(conn, if high { Priority::High } else { class });
+            }
+        }
+    }
+
+    /// Member `m`'s process, if it has one.
+    fn pid_of(&self, m: usize) -> Option<u32> {
+        let (ci, i) = (self.owner[self.members[m].cohort], self.members[m].index);
+        let slots = &self.procs[ci];
+        slots[i % slots.len()]
+    }
+
     fn close(&mut self, io: &mut Io<'_>, m: usize) {
         if let Some(c) = self.members[m].conn.take() {
             io.close(c);
             self.by_conn.remove(&c);
+            self.high_job(io, m, false);
         }
         let mb = &mut self.members[m];
         mb.grant = None;
@@ -542,6 +592,7 @@ impl Attacker {
                 });
                 self.members[m].lease = Some(self.record.leases.len() - 1);
                 self.send(io, conn, &req.into());
+                self.high_job(io, m, true);
             }
         }
     }

@@ -427,6 +427,15 @@ impl Io<'_> {
         );
     }
 
+    /// The class the broker gives `conn`'s process now (a job's priority
+    /// is its processes', whatever they registered with).
+    pub fn set_class(&mut self, conn: ConnId, class: Priority) {
+        self.gpu.advance(self.now);
+        if let Some(o) = self.gpu.occ.get_mut(&conn) {
+            o.class = class;
+        }
+    }
+
     /// Whether the process of `conn` asks for the GPU, and whether it has
     /// work for it (a real process asks when it has).
     pub fn wants(&mut self, conn: ConnId, claims: bool, works: bool) {

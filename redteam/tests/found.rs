@@ -1366,3 +1366,50 @@ fn a_pretender_borrows_no_work_from_its_process_s_connections_that_came_and_went
     };
     holds(Invariant::Idle, &s);
 }
+
+/// Seed 9's search at budget 480 (2026-11-29) reported fairness broken
+/// (harm 0.26) against 8 connections of one process taking turns at a
+/// lease for `high` and 2 `low` shims of the same process holding
+/// without work on a new connection each time. The broker was right and
+/// the oracle wrong: a job's priority is its processes' (the shims held
+/// as `high` while a lease was open, and so were owed half the GPU), but
+/// the oracle took their class from their registration and owed the
+/// victim all of it. The oracle now gives a process's shims its open
+/// `high` lease's class; the victim keeps its part.
+#[test]
+fn shims_of_a_process_with_a_high_lease_are_owed_a_high_users_part() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Lease {
+                    want: Want::High,
+                    queued: true,
+                },
+                members: 8,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 160,
+                duty: 50,
+                stagger: 1,
+                reconnect: false,
+                respawn: false,
+                argv: Argv::SHORT,
+                slow: false,
+            },
+            Cohort {
+                play: shim(Priority::Low, false, Recall::Reask),
+                members: 2,
+                procs: 0,
+                start_ms: 0,
+                period_ms: 21,
+                duty: 50,
+                stagger: 50,
+                reconnect: true,
+                respawn: false,
+                argv: Argv::SHORT,
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Fairness, &s);
+}
