@@ -1425,11 +1425,10 @@ fn shims_of_a_process_with_a_high_lease_are_owed_a_high_users_part() {
 /// victim is granted back 0.13 ms after the GPU went idle, every 10 ms.
 /// Idle harm 0.152 against 0.150, where the scene's floor is 0.129; only
 /// the search's bounds on the attacker's broker work (`Bounds::FULL`)
-/// show it. Open: the shell reads sockets in the order they became
-/// ready, so a storm of new connections delays a holder's release.
+/// show it. A new holder's next message is now served ahead of the round,
+/// as a revoked one's answer is.
 #[test]
-#[ignore = "idle 0.152 against 0.150 under the search's bounds: a registration storm delays a release (open)"]
-fn a_registration_storm_delays_the_release_that_frees_the_gpu_for_low() {
+fn a_registration_storm_does_not_delay_the_release_that_frees_the_gpu_for_low() {
     let s = Strategy {
         cohorts: vec![
             Cohort {

@@ -98,9 +98,10 @@ pub(super) struct Conn {
     /// Past a deadline (no hello, half a frame): closed at its next serve
     /// if, with what its socket holds read, it still is.
     pub overdue: bool,
-    /// The broker revoked a grant of its process and awaits the answer
-    /// (its GPU is kept for it only for a moment): when its socket is
-    /// readable, it is served ahead of the round.
+    /// The broker granted or revoked a grant of its process and awaits
+    /// its next message (a revoked GPU is kept for it only for a moment;
+    /// a granted one is freed by its Release): when its socket is
+    /// readable, it is served ahead of the round, once.
     pub awaited: bool,
     /// The broker is done with it: set by `Conns::kill` only, which lists
     /// it for the shell to close.

@@ -873,7 +873,13 @@ impl Broker {
                                 bound_ns: bound,
                                 waiters,
                             },
-                        )
+                        );
+                        // Its next message (most often the Release that
+                        // frees the GPU) does not wait behind its own
+                        // user's new connections.
+                        if let Some(c) = self.conns.get_mut(&client) {
+                            c.awaited = true;
+                        }
                     }
                     Action::Revoke { client, grant } => {
                         self.send(client, &ServerMsg::Revoke { uuid, grant });

@@ -138,11 +138,12 @@ pub struct Turns {
     order: VecDeque<u32>,
     /// The ready connections (each in its user's line once).
     queued: HashSet<ConnId>,
-    /// Ready connections whose answer the broker awaits against a deadline
-    /// of its own (a revoked holder's Release and Acquire, which keep its
-    /// GPU for it only for a moment): served first, once, within
-    /// `ANSWER_WORK`, at the next turn. There are at most as many as the
-    /// broker sent revokes.
+    /// Ready connections whose answer the broker awaits (a revoked
+    /// holder's Release and Acquire, which keep its GPU for it only for a
+    /// moment; a new holder's next message, most often the Release that
+    /// frees the GPU): served first, once, within `ANSWER_WORK`, at the
+    /// next turn. There are at most as many as the broker sent grants and
+    /// revokes since their last serve.
     answers: VecDeque<(ConnId, u32)>,
 }
 
