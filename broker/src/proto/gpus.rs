@@ -61,9 +61,7 @@ impl Gpu {
             .and_then(|seen| seen.get(&pid))
             .is_none_or(|&c| c == Some(id))
     }
-}
 
-impl Gpu {
     /// A learnt GPU no registered process names any more.
     pub fn vacant(&self) -> bool {
         self.learned.as_ref().is_some_and(HashMap::is_empty)

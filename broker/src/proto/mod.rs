@@ -274,13 +274,14 @@ impl Broker {
     /// Tells each GPU's scheduler how busy the driver saw its clients'
     /// processes (evidence of work in proportion to the time they held,
     /// `sched::evidence`). The driver counts work by process, so it is a
-    /// connection's only where the connection is its process's one on
-    /// that GPU (a shim keeps one): a process with two could lend one's
-    /// work to the other, a pretender holding beside a connection that
-    /// works a moment each second. One pass over the connections, a
-    /// lookup per connection, a sort of those seen: the work grows with
-    /// the connections the broker already bounds, not with what the
-    /// driver lists.
+    /// connection's only where the connection was its process's one on
+    /// that GPU since the previous sample (a shim keeps one): a process
+    /// with two could lend one's work to the other, a pretender holding
+    /// beside a connection that works a moment each second, or comes and
+    /// goes between samples. Two passes over the connections (a lookup
+    /// each, then the next span's record), a sort of those seen: the work
+    /// grows with the connections the broker already bounds, not with
+    /// what the driver lists.
     fn work_seen(&mut self, now: Nanos, t: &Telemetry) {
         // Each GPU's (pid, percent), as the sampler sorted them; None: not
         // reported.
