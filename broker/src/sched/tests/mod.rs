@@ -127,6 +127,9 @@ struct Sim {
     /// every sample, whatever they hold.
     little: Map<ClientId, u32>,
     held_at_sample: Map<ClientId, Nanos>,
+    /// Busy clients answer a revoke by letting go, then asking again
+    /// (the shim asks first).
+    release_first: bool,
 }
 
 impl Sim {
@@ -145,6 +148,7 @@ impl Sim {
             works: BTreeSet::new(),
             little: Map::new(),
             held_at_sample: Map::new(),
+            release_first: false,
         }
     }
 
@@ -197,10 +201,14 @@ impl Sim {
                 if self.stuck.contains(&client) {
                     continue;
                 }
-                if self.busy.contains(&client) {
+                let busy = self.busy.contains(&client);
+                if busy && !self.release_first {
                     self.s.acquire(self.now, client);
                 }
                 self.s.release(self.now, client);
+                if busy && self.release_first {
+                    self.s.acquire(self.now, client);
+                }
                 let r = self.residual.get(&client).copied().unwrap_or(0);
                 self.drains.push((self.now + r, client));
                 if let Some(&next) = self.then.get(&client) {
