@@ -404,10 +404,31 @@ impl Attacker {
         io.send(c, msg);
     }
 
-    fn process(&mut self, io: &mut Io<'_>, m: usize, fresh: bool) -> u32 {
+    /// Member `m`'s process slot: its owner cohort, and the slot there.
+    fn slot(&self, m: usize) -> (usize, usize) {
         let (ci, i) = (self.owner[self.members[m].cohort], self.members[m].index);
+        (ci, i % self.procs[ci].len())
+    }
+
+    /// Member `m`'s process, if it has one.
+    fn pid_of(&self, m: usize) -> Option<u32> {
+        let (ci, slot) = self.slot(m);
+        self.procs[ci][slot]
+    }
+
+    /// The class the broker gives a shim of process `pid` that
+    /// registered with `class`: its open `high` lease's, if it has one.
+    fn shim_class(&self, pid: u32, class: Priority) -> Priority {
+        if self.high_jobs.contains_key(&pid) {
+            Priority::High
+        } else {
+            class
+        }
+    }
+
+    fn process(&mut self, io: &mut Io<'_>, m: usize, fresh: bool) -> u32 {
+        let (ci, slot) = self.slot(m);
         let slots = &mut self.procs[ci];
-        let slot = i % slots.len();
         if fresh && let Some(old) = slots[slot].take() {
             io.exit(old);
         }
@@ -456,12 +477,7 @@ impl Attacker {
                     priority: class,
                 };
                 self.send(io, conn, &reg);
-                let class = if self.high_jobs.contains_key(&pid) {
-                    Priority::High
-                } else {
-                    class
-                };
-                io.on_gpu(conn, ATTACKER, class);
+                io.on_gpu(conn, ATTACKER, self.shim_class(pid, class));
             }
             Play::Name { .. } | Play::Trickle { .. } => {
                 let lease = LeaseReq::default();
@@ -476,12 +492,12 @@ impl Attacker {
     /// Member `m`'s lease, if for `high`, opens or closes: its process's
     /// shims are of that job's class while it has one open.
     fn high_job(&mut self, io: &mut Io<'_>, m: usize, open: bool) {
-        let c = self.cohorts[self.members[m].cohort];
+        let play = self.cohorts[self.members[m].cohort].play;
         let Some(pid) = self.pid_of(m) else {
             return;
         };
         if !matches!(
-            c.play,
+            play,
             Play::Lease {
                 want: Want::High,
                 ..
@@ -491,8 +507,7 @@ impl Attacker {
         }
         let n = self.high_jobs.entry(pid).or_default();
         *n = if open { *n + 1 } else { n.saturating_sub(1) };
-        let high = *n > 0;
-        if !high {
+        if *n == 0 {
             self.high_jobs.remove(&pid);
         }
         for k in 0..self.members.len() {
@@ -500,16 +515,9 @@ impl Attacker {
             if let (Play::Shim { class, .. }, Some(conn)) = (self.cohorts[mb.cohort].play, mb.conn)
                 && self.pid_of(k) == Some(pid)
             {
-                io.set_class(conn, if high { Priority::High } else { class });
+                io.set_class(conn, self.shim_class(pid, class));
             }
         }
-    }
-
-    /// Member `m`'s process, if it has one.
-    fn pid_of(&self, m: usize) -> Option<u32> {
-        let (ci, i) = (self.owner[self.members[m].cohort], self.members[m].index);
-        let slots = &self.procs[ci];
-        slots[i % slots.len()]
     }
 
     fn close(&mut self, io: &mut Io<'_>, m: usize) {
