@@ -291,6 +291,10 @@ impl Broker {
             .map(|g| t.gpus.get(&g.uuid_str)?.working.as_deref())
             .collect();
         if working.iter().all(Option::is_none) {
+            // Nothing is judged: no record of who was registered is kept.
+            for g in 0..self.gpus.len() {
+                self.gpus[g].since_sample = None;
+            }
             return;
         }
         // (pid, connection, percent) on each GPU whose process the driver
