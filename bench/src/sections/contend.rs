@@ -4,11 +4,12 @@
 //! a client of another user asks every 20 ms: how long one user's grants
 //! take beside another's population. And a churning queue: 1,000 requests
 //! waiting in the admission queue, 100 a second arriving and leaving,
-//! beside 64 clients that always ask, in windows taken alternately with
-//! and without the churn on one broker.
+//! beside 64 clients that always ask, in windows taken in turn without
+//! churn, with bare connections coming and going, and with the churn, on
+//! one broker.
 
 use super::f;
-use super::queue::{Churn, churn_counts, spawn_queue};
+use super::queue::{Churn, Kind, churn_counts, spawn_queue};
 use super::shims::{Clients, Cycle, HOLD_NS, MS, collect, gpu_uuids, spawn_clients, start_broker};
 use gpufrac_bench::clock::{mono_ns, sleep_until};
 use gpufrac_bench::harness::{Artifacts, cpu_seconds_precise};
@@ -231,11 +232,11 @@ pub(super) fn run(a: &Artifacts, quick: bool, parts: Parts) -> Result<Contended,
     if parts.churn {
         // The contending clients' own CPU varies by tens of ms/s from one
         // window to the next on a shared machine: more windows, unless
-        // quick.
-        let churn = churn(a, window_ns, if quick { 4 } else { 8 })?;
-        let (table, churn_checks, churn_data) = churn_report(&churn);
+        // quick; each kind's windows as many.
+        let churn = churn(a, window_ns, if quick { 8 } else { 12 })?;
+        let (churn_tables, churn_checks, churn_data) = churn_report(&churn);
         checks.extend(churn_checks);
-        tables.push(table);
+        tables.extend(churn_tables);
         data.insert("churn".into(), churn_data);
         notes.push(churn_note());
     }
@@ -274,9 +275,17 @@ fn churn_note() -> String {
          requests waiting behind it, {BESIDE} clients that always ask and the other user's \
          client, on one broker; in the churn windows, {CHURN_PER_S} times a second a new \
          request connects, asks and is queued, and a random waiting one disconnects (its \
-         request leaves the queue). Windows without and with churn alternate. *added per \
-         arrival-and-departure*: the churn windows' mean broker CPU less the quiet ones', \
-         over the churn's rate. *position updates*: Queued messages the waiting requests \
+         request leaves the queue); in the bare windows, as often, a connection says Hello, \
+         is answered and stays, and the one before it closes: a connection's life with no \
+         request in it. Quiet, bare, churn and after windows come in turn; nothing arrives \
+         in an after window, but the requests the churn moved are still told their places \
+         (each at most once every 5 s). *added per arrival-and-departure*: the churn and \
+         after windows' mean broker CPU less twice the quiet ones', over the churn's rate \
+         (the target's figure); *a bare connection's life*: the bare windows' less the quiet \
+         ones', over their rate; *its request*: the difference. The \
+         bare connection's part is the kernel's work for a connection (the accept, the \
+         credentials, the pidfd, the `/proc` read that fixes the process's identity, the \
+         closes) and the broker's for its Hello. *position updates*: Queued messages the waiting requests \
          read (every 50 ms). The lease and the requests are a process of their own \
          (`gpufrac-bench queue-client`), never the clients' parent: the broker counts a \
          run's descendants into its job, and with the bench itself as the holder every \
@@ -344,7 +353,7 @@ fn contend(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<Conte
 
 /// One window of the churning queue's run.
 struct Window {
-    churn: bool,
+    kind: Kind,
     cpu_per_s: f64,
     secs: f64,
     /// Arrivals (each with a departure) and Queued messages read.
@@ -354,7 +363,7 @@ struct Window {
     other: Vec<u64>,
 }
 
-/// The churning queue: `windows` windows, without and with churn in turn.
+/// The churning queue: `windows` windows, quiet, bare and churn in turn.
 /// The queue and its churn are a process of their own (`queue`), beside
 /// the clients, never their ancestor: a job's run's children are the
 /// job's.
@@ -412,7 +421,7 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
             let within = |c: &&Cycle| c.grant >= t0 && c.grant < t1;
             let secs = (t1 - t0) as f64 / 1e9;
             Window {
-                churn: w % 2 == 1,
+                kind: Kind::of(w as u64),
                 cpu_per_s: cpu / secs,
                 secs,
                 pairs,
@@ -428,13 +437,22 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
         .collect())
 }
 
+fn kind_word(k: Kind) -> &'static str {
+    match k {
+        Kind::Quiet => "quiet",
+        Kind::Bare => "bare",
+        Kind::Churn => "churn",
+        Kind::After => "after",
+    }
+}
+
 /// The churning queue's table, targets and raw figures.
-fn churn_report(ws: &[Window]) -> (Table, Vec<Check>, serde_json::Value) {
+fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
     let mut t = Table::new(
         &format!(
             "{QUEUED} requests waiting, {BESIDE} clients that always ask and another user's \
-             client on 1 GPU; windows without and with {CHURN_PER_S} arrivals and departures a \
-             second, in turn"
+             client on 1 GPU; windows without churn, with {CHURN_PER_S} bare connections and \
+             with {CHURN_PER_S} requests arriving and leaving a second, in turn"
         ),
         &[
             "window",
@@ -450,7 +468,7 @@ fn churn_report(ws: &[Window]) -> (Table, Vec<Check>, serde_json::Value) {
         let mut other = w.other.clone();
         let o99 = percentile_u64(&mut other, 99.0).unwrap_or(0);
         t.row(vec![
-            format!("{} {}", if w.churn { "churn" } else { "quiet" }, i / 2 + 1),
+            format!("{} {}", kind_word(w.kind), i / 4 + 1),
             f(w.pairs as f64 / w.secs, 0),
             f(w.told as f64 / w.secs, 0),
             f(w.grants as f64 / w.secs, 0),
@@ -458,7 +476,8 @@ fn churn_report(ws: &[Window]) -> (Table, Vec<Check>, serde_json::Value) {
             ms(o99),
         ]);
         rows.push(serde_json::json!({
-            "churn": w.churn,
+            "kind": kind_word(w.kind),
+            "churn": w.kind == Kind::Churn,
             "pairs_per_s": w.pairs as f64 / w.secs,
             "position_updates_per_s": w.told as f64 / w.secs,
             "grants_per_s": w.grants as f64 / w.secs,
@@ -466,13 +485,34 @@ fn churn_report(ws: &[Window]) -> (Table, Vec<Check>, serde_json::Value) {
             "other_p99_us": o99 as f64 / 1e3,
         }));
     }
-    let mean = |churn: bool, v: &dyn Fn(&Window) -> f64| {
-        let of: Vec<f64> = ws.iter().filter(|w| w.churn == churn).map(v).collect();
+    let mean = |kind: Kind, v: &dyn Fn(&Window) -> f64| {
+        let of: Vec<f64> = ws.iter().filter(|w| w.kind == kind).map(v).collect();
         of.iter().sum::<f64>() / of.len().max(1) as f64
     };
-    let added = mean(true, &|w| w.cpu_per_s) - mean(false, &|w| w.cpu_per_s);
-    let rate = mean(true, &|w| w.pairs as f64 / w.secs);
-    let per_pair = added / rate.max(1e-9);
+    let cpu = |kind| mean(kind, &|w| w.cpu_per_s);
+    let rate = |kind| mean(kind, &|w| w.pairs as f64 / w.secs).max(1e-9);
+    // The window after the churn is charged to it too: the places it moved
+    // are told then.
+    let per_pair =
+        (cpu(Kind::Churn) + cpu(Kind::After) - 2.0 * cpu(Kind::Quiet)) / rate(Kind::Churn);
+    // What a connection's life costs alone, and what a request in it adds.
+    let bare = (cpu(Kind::Bare) - cpu(Kind::Quiet)) / rate(Kind::Bare);
+    let request = per_pair - bare;
+    let mut split = Table::new(
+        "broker CPU per arrival-and-departure, from the windows' means",
+        &["part", "windows compared", "broker CPU added"],
+    );
+    for (part, compared, v) in [
+        ("all of it", "churn and after against quiet", per_pair),
+        ("a bare connection's life", "bare against quiet", bare),
+        ("its request in the queue", "the difference", request),
+    ] {
+        split.row(vec![
+            part.into(),
+            compared.into(),
+            format!("{} ms", f(v * 1e3, 3)),
+        ]);
+    }
     let mut other: Vec<u64> = ws.iter().flat_map(|w| w.other.iter().copied()).collect();
     let o99 = percentile_u64(&mut other, 99.0).unwrap_or(u64::MAX);
     let checks = vec![
@@ -495,6 +535,8 @@ fn churn_report(ws: &[Window]) -> (Table, Vec<Check>, serde_json::Value) {
     let data = serde_json::json!({
         "windows": rows,
         "added_cpu_per_pair_us": per_pair * 1e6,
+        "bare_connection_cpu_per_pair_us": bare * 1e6,
+        "request_cpu_per_pair_us": request * 1e6,
     });
-    (t, checks, data)
+    (vec![t, split], checks, data)
 }

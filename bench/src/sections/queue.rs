@@ -21,8 +21,9 @@ const READY: &str = "ready";
 
 /// `gpufrac-bench queue-client SOCKET QUEUED [START WINDOW_NS WINDOWS
 /// PER_S]`: the holder and QUEUED waiting requests; then, with a clock,
-/// WINDOWS windows of WINDOW_NS from START (CLOCK_MONOTONIC ns), the odd
-/// ones with PER_S arrivals (each with a departure) a second. Prints
+/// WINDOWS windows of WINDOW_NS from START (CLOCK_MONOTONIC ns): quiet,
+/// then PER_S bare connections, then PER_S requests, arriving (each with a
+/// departure) a second, then quiet again, in turn (`Kind`). Prints
 /// `ready` once every request waits, then per window `w ARRIVALS TOLD`
 /// (TOLD: Queued messages read) at the end; without a clock it holds the
 /// requests until it is killed.
@@ -156,10 +157,40 @@ fn deep_queue(socket: &Path, n: usize) -> Result<Vec<WireClient>, String> {
     Ok(held)
 }
 
-/// Drives the churn from `start`: in odd windows, `per_s` times a second
-/// a request arrives (connects, asks, is queued) and a random waiting one
-/// leaves (disconnects); in every window the waiting requests' messages
-/// are read every 50 ms. Per window: (arrivals, messages read).
+/// What one window of the churn does: nothing, bare connections that come
+/// and go, requests that come and go, or nothing right after them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Quiet,
+    /// A connection says Hello, is answered, and the one before it closes:
+    /// a connection's life with no request in it.
+    Bare,
+    /// A request arrives (connects, asks, is queued) and a random waiting
+    /// one leaves (disconnects).
+    Churn,
+    /// Nothing arrives, but the requests that moved in the churn are still
+    /// told their places (each at most once a `RETELL_EVERY`): work the
+    /// churn caused, which a quiet window right after it would count as
+    /// its baseline.
+    After,
+}
+
+impl Kind {
+    /// Window `w`'s kind: quiet, bare, churn, after, in turn.
+    pub(super) fn of(w: u64) -> Kind {
+        match w % 4 {
+            0 => Kind::Quiet,
+            1 => Kind::Bare,
+            2 => Kind::Churn,
+            _ => Kind::After,
+        }
+    }
+}
+
+/// Drives the churn from `start`: in each window that is not quiet,
+/// `per_s` times a second, a bare connection or a request arrives and one
+/// leaves (`Kind`); in every window the waiting requests' messages are
+/// read every 50 ms. Per window: (arrivals, messages read).
 fn churner(
     socket: &Path,
     waiting: &mut Vec<WireClient>,
@@ -174,23 +205,34 @@ fn churner(
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = start;
     let mut k = 0u64;
+    let mut bare = Vec::new();
     while next < start + windows * window_ns {
         sleep_until(next);
         let w = ((next - start) / window_ns) as usize;
-        if w % 2 == 1 {
-            let mut c = WireClient::connect_asking(socket, Role::Cli, &ask(16 << 30))?;
-            match c.recv()? {
-                ServerMsg::Queued { .. } => {}
-                ServerMsg::Error { message, .. } => return Err(message),
-                other => return Err(format!("a churn request: {other:?}")),
+        match Kind::of(w as u64) {
+            Kind::Quiet | Kind::After => {}
+            Kind::Bare => {
+                bare.push(WireClient::connect(socket, Role::Cli)?);
+                if bare.len() > 1 {
+                    drop(bare.remove(0));
+                }
+                out[w].0 += 1;
             }
-            waiting.push(c);
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            let gone = waiting.swap_remove((x >> 33) as usize % waiting.len());
-            drop(gone);
-            out[w].0 += 1;
+            Kind::Churn => {
+                let mut c = WireClient::connect_asking(socket, Role::Cli, &ask(16 << 30))?;
+                match c.recv()? {
+                    ServerMsg::Queued { .. } => {}
+                    ServerMsg::Error { message, .. } => return Err(message),
+                    other => return Err(format!("a churn request: {other:?}")),
+                }
+                waiting.push(c);
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let gone = waiting.swap_remove((x >> 33) as usize % waiting.len());
+                drop(gone);
+                out[w].0 += 1;
+            }
         }
         if k.is_multiple_of(reads_every) {
             for c in waiting.iter_mut() {
