@@ -570,7 +570,14 @@ impl Loop {
     /// Accepts up to `ACCEPTS_PER_TURN` connections; true if the backlog
     /// may hold more.
     fn accept(&mut self) -> bool {
-        for _ in 0..ACCEPTS_PER_TURN {
+        for i in 0..ACCEPTS_PER_TURN {
+            // The listener is edge-triggered: the backlog is drained to its
+            // end, which after an accept a poll says, where an accept that
+            // finds nobody would make a socket and a descriptor and free
+            // them again. One that arrives after the poll is a new edge.
+            if i > 0 && !self.backlog_waits() {
+                return false;
+            }
             match self.listener.accept() {
                 Ok((mut stream, _)) => {
                     let Some(crate::listen::Accepted { peer, pidfd }) =
@@ -658,6 +665,18 @@ impl Loop {
             }
         }
         true
+    }
+
+    /// Whether a connection waits in the listener's backlog (or the poll
+    /// cannot say).
+    fn backlog_waits(&self) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll of one pollfd, without waiting.
+        unsafe { libc::poll(&mut p, 1, 0) != 0 }
     }
 
     fn flush(&mut self, id: ConnId) {
