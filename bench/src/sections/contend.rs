@@ -282,15 +282,15 @@ fn churn_note() -> String {
          (each at most once every 5 s). *added per arrival-and-departure*: the churn and \
          after windows' median broker CPU less twice the quiet ones', over the churn's rate \
          (the target's figure); *a bare connection's life*: the bare windows' less the quiet \
-         ones', over their rate; *its request*: the difference. The \
-         bare connection's part is the kernel's work for a connection (the accept, the \
-         credentials, the pidfd, the `/proc` read that fixes the process's identity, the \
-         closes) and the broker's for its Hello. *position updates*: Queued messages the waiting requests \
-         read (every 50 ms). The lease and the requests are a process of their own \
-         (`gpufrac-bench queue-client`), never the clients' parent: the broker counts a \
-         run's descendants into its job, and with the bench itself as the holder every \
-         client, the other user's too, was one of that job's processes (its p99 then \
-         measured 64 processes of one job taking turns, 20 ms)."
+         ones', over their rate; *its request*: the difference. The bare connection's part \
+         is the kernel's work for a connection (the accept, the credentials, the pidfd, the \
+         `/proc` read that fixes the process's identity, the closes) and the broker's for its \
+         Hello. *position updates*: Queued messages the waiting requests read (every 50 ms). \
+         The lease and the requests are a process of their own (`gpufrac-bench \
+         queue-client`), never the clients' parent: the broker counts a run's descendants \
+         into its job, and with the bench itself as the holder every client, the other \
+         user's too, was one of that job's processes (its p99 then measured 64 processes of \
+         one job taking turns, 20 ms)."
     )
 }
 
@@ -363,7 +363,8 @@ struct Window {
     other: Vec<u64>,
 }
 
-/// The churning queue: `windows` windows, quiet, bare and churn in turn.
+/// The churning queue: `windows` windows, quiet, bare, churn and after in
+/// turn (`Kind`).
 /// The queue and its churn are a process of their own (`queue`), beside
 /// the clients, never their ancestor: a job's run's children are the
 /// job's.
