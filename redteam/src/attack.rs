@@ -281,6 +281,10 @@ struct Member {
     lease: Option<usize>,
     /// How much of its trickled frame its connection has sent.
     trickled: usize,
+    /// The process whose `high` job its open lease is: the one counted
+    /// in `high_jobs` until the lease's connection closes, whichever
+    /// process its slot holds by then.
+    high_pid: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -489,13 +493,10 @@ impl Attacker {
         conn
     }
 
-    /// Member `m`'s lease, if for `high`, opens or closes: its process's
-    /// shims are of that job's class while it has one open.
-    fn high_job(&mut self, io: &mut Io<'_>, m: usize, open: bool) {
+    /// Member `m`'s lease, if for `high`, opens: its process's shims are of
+    /// that job's class while it has one open.
+    fn high_opened(&mut self, io: &mut Io<'_>, m: usize) {
         let play = self.cohorts[self.members[m].cohort].play;
-        let Some(pid) = self.pid_of(m) else {
-            return;
-        };
         if !matches!(
             play,
             Play::Lease {
@@ -505,11 +506,30 @@ impl Attacker {
         ) {
             return;
         }
-        let n = self.high_jobs.entry(pid).or_default();
-        *n = if open { *n + 1 } else { n.saturating_sub(1) };
-        if *n == 0 {
-            self.high_jobs.remove(&pid);
+        let Some(pid) = self.pid_of(m) else {
+            return;
+        };
+        self.members[m].high_pid = Some(pid);
+        *self.high_jobs.entry(pid).or_default() += 1;
+        self.reclass(io, pid);
+    }
+
+    /// Member `m`'s `high` lease, if it had one open, closes.
+    fn high_closed(&mut self, io: &mut Io<'_>, m: usize) {
+        let Some(pid) = self.members[m].high_pid.take() else {
+            return;
+        };
+        if let Some(n) = self.high_jobs.get_mut(&pid) {
+            *n -= 1;
+            if *n == 0 {
+                self.high_jobs.remove(&pid);
+            }
         }
+        self.reclass(io, pid);
+    }
+
+    /// Process `pid`'s shims take the class the broker gives them now.
+    fn reclass(&mut self, io: &mut Io<'_>, pid: u32) {
         for k in 0..self.members.len() {
             let mb = &self.members[k];
             if let (Play::Shim { class, .. }, Some(conn)) = (self.cohorts[mb.cohort].play, mb.conn)
@@ -524,7 +544,7 @@ impl Attacker {
         if let Some(c) = self.members[m].conn.take() {
             io.close(c);
             self.by_conn.remove(&c);
-            self.high_job(io, m, false);
+            self.high_closed(io, m);
         }
         let mb = &mut self.members[m];
         mb.grant = None;
@@ -600,7 +620,7 @@ impl Attacker {
                 });
                 self.members[m].lease = Some(self.record.leases.len() - 1);
                 self.send(io, conn, &req.into());
-                self.high_job(io, m, true);
+                self.high_opened(io, m);
             }
         }
     }
