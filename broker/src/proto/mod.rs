@@ -290,11 +290,13 @@ impl Broker {
             .iter()
             .map(|g| t.gpus.get(&g.uuid_str)?.working.as_deref())
             .collect();
-        if working.iter().all(Option::is_none) {
-            // Nothing is judged: no record of who was registered is kept.
-            for g in 0..self.gpus.len() {
+        // Where nothing is judged, no record of who was registered is kept.
+        for (g, w) in working.iter().enumerate() {
+            if w.is_none() {
                 self.gpus[g].since_sample = None;
             }
+        }
+        if working.iter().all(Option::is_none) {
             return;
         }
         // (pid, connection, percent) on each GPU whose process the driver
@@ -315,7 +317,6 @@ impl Broker {
         }
         for (g, mut seen) in seen.into_iter().enumerate() {
             if working[g].is_none() {
-                self.gpus[g].since_sample = None;
                 continue;
             }
             seen.sort_unstable();
