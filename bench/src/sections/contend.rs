@@ -438,15 +438,6 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
         .collect())
 }
 
-fn kind_word(k: Kind) -> &'static str {
-    match k {
-        Kind::Quiet => "quiet",
-        Kind::Bare => "bare",
-        Kind::Churn => "churn",
-        Kind::After => "after",
-    }
-}
-
 /// The churning queue's table, targets and raw figures.
 fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
     let mut t = Table::new(
@@ -469,7 +460,7 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
         let mut other = w.other.clone();
         let o99 = percentile_u64(&mut other, 99.0).unwrap_or(0);
         t.row(vec![
-            format!("{} {}", kind_word(w.kind), i / 4 + 1),
+            format!("{} {}", w.kind.word(), i / 4 + 1),
             f(w.pairs as f64 / w.secs, 0),
             f(w.told as f64 / w.secs, 0),
             f(w.grants as f64 / w.secs, 0),
@@ -477,7 +468,7 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
             ms(o99),
         ]);
         rows.push(serde_json::json!({
-            "kind": kind_word(w.kind),
+            "kind": w.kind.word(),
             "churn": w.kind == Kind::Churn,
             "pairs_per_s": w.pairs as f64 / w.secs,
             "position_updates_per_s": w.told as f64 / w.secs,

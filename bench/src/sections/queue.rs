@@ -185,6 +185,16 @@ impl Kind {
             _ => Kind::After,
         }
     }
+
+    /// Its name in the report.
+    pub(super) fn word(self) -> &'static str {
+        match self {
+            Kind::Quiet => "quiet",
+            Kind::Bare => "bare",
+            Kind::Churn => "churn",
+            Kind::After => "after",
+        }
+    }
 }
 
 /// Drives the churn from `start`: in each window that is not quiet,
