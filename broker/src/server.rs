@@ -414,6 +414,12 @@ fn make_instance(driver: &mut dyn MigDriver, lease: u64, gpu: u32, steps: &[Step
 impl Loop {
     fn run(&mut self) -> Result<(), String> {
         let mut events = Events::with_capacity(256);
+        // Status shows the daemon from the first request on: the loop's
+        // own look at it comes after the turn's events, and a client
+        // waiting on the socket is one of them.
+        if let Some(st) = self.mps.as_mut().and_then(|m| m.poll()) {
+            self.core.set_mps(Some(st));
+        }
         loop {
             let timeout = self.timeout();
             if let Err(e) = self.poll.poll(&mut events, timeout) {
