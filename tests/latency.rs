@@ -100,8 +100,11 @@ impl Place {
 /// GPU busy (launch and synchronize gaps included).
 fn batch_alone(kernel_us: u64, window: u64) -> f64 {
     let place = Place::new(Mode::Native);
-    let start = mono_ns() + 1000 * MS;
+    // The command first: the first to ask builds the artifacts, which can
+    // take longer than the second the window starts after (the job then
+    // ran nothing, and the pair beside it was measured against 0).
     let mut c = place.command();
+    let start = mono_ns() + 1000 * MS;
     c.args([
         "batch",
         &kernel_us.to_string(),
@@ -116,19 +119,20 @@ fn batch_alone(kernel_us: u64, window: u64) -> f64 {
 /// window the batch job ran on the GPU.
 fn scenario(mode: Mode, kernel_us: Option<u64>, window: u64) -> (Latency, f64) {
     let place = Place::new(mode);
+    // The commands before the clock, as in `batch_alone`.
+    let mut batch = kernel_us.map(|k| (k, place.command()));
+    let mut c = place.command();
     let start = mono_ns() + 1000 * MS;
     let end = start + window;
-    let batch = kernel_us.map(|k| {
-        let mut c = place.command();
+    let batch = batch.as_mut().map(|(k, c)| {
         c.args([
             "batch",
             &k.to_string(),
             &start.to_string(),
             &end.to_string(),
         ]);
-        spawn(&mut c)
+        spawn(c)
     });
-    let mut c = place.command();
     if mode == Mode::High {
         c.env("GPU_COMPUTE_PRIORITY", "high");
     }
@@ -157,26 +161,45 @@ fn scenario(mode: Mode, kernel_us: Option<u64>, window: u64) -> (Latency, f64) {
 /// (docs/benchmarks.md, section 5), measured against a baseline run in the
 /// same invocation; a timed assertion here failed on a loaded 2-core
 /// machine without anything being wrong. The figures are printed.
+///
+/// What the batch job keeps is a throughput, and the host moves it: in a
+/// debug build each request takes the batch job off the GPU for about
+/// 1.8 ms (the recall answered at its next launch, the request's ten
+/// kernels, the grant back; the broker's debug log, 150 requests), some 9%
+/// of the window at 50 requests a second, and a stall of the host's
+/// mid-hand-over adds 5 to 14 ms; beside 50 us kernels six runs by hand
+/// kept 1.07 to 1.52 s of GPU against 1.60 to 1.79 s alone, and the job
+/// alone moves from 0.49 to 0.63 of the window between runs on a quiet
+/// 2-core machine. So a round that falls short is measured again,
+/// alone and beside `high`, up to three times, and the best round counts:
+/// a hand-over that waits for a timeout or a grant not passed back falls
+/// short in every round.
 fn interactive_beside(kernel_us: u64) {
     let _t = timed();
     let window = 3000 * MS;
-    let solo = batch_alone(kernel_us, window);
     let (default, default_busy) = scenario(Mode::Default, Some(kernel_us), window);
-    let (high, high_busy) = scenario(Mode::High, Some(kernel_us), window);
-    let report = format!(
-        "beside {kernel_us} us kernels: batch alone {solo:.3}; \
-         default {default:?} batch {default_busy:.3}; high {high:?} batch {high_busy:.3}"
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let solo = batch_alone(kernel_us, window);
+        let (high, high_busy) = scenario(Mode::High, Some(kernel_us), window);
+        eprintln!(
+            "beside {kernel_us} us kernels: batch alone {solo:.3}; \
+             default {default:?} batch {default_busy:.3}; high {high:?} batch {high_busy:.3}"
+        );
+        assert!(
+            default_busy > 0.0 && high_busy > 0.0 && solo > 0.0,
+            "the batch job ran nothing: alone {solo:.3}, default {default_busy:.3}, high {high_busy:.3}"
+        );
+        assert!(high.p50 <= high.p95 && high.p95 <= high.p99);
+        rounds.push((high_busy, solo));
+        if high_busy >= 0.80 * solo {
+            return;
+        }
+    }
+    panic!(
+        "beside {kernel_us} us kernels the batch job kept under 80% of its GPU time alone \
+         beside a high neighbour, three times (beside, alone): {rounds:?}"
     );
-    eprintln!("{report}");
-    assert!(
-        default_busy > 0.0 && high_busy > 0.0,
-        "the batch job ran nothing: {report}"
-    );
-    assert!(
-        high_busy >= 0.80 * solo,
-        "batch kept {high_busy:.3} of the GPU, against {solo:.3} alone: {report}"
-    );
-    assert!(high.p50 <= high.p95 && high.p95 <= high.p99);
 }
 
 #[test]
@@ -199,35 +222,42 @@ fn interactive_beside_120ms_kernels() {
 /// hand-over.
 ///
 /// The busy check compares with one job alone measured just before, and
-/// asks only for 80% of it: what it guards is a grant that is not passed
-/// on (a hand-over that waits for a timeout leaves the GPU idle for tens
-/// of milliseconds at a time and the pair far below that). How close the
+/// asks for 85% of it: what it guards is a grant that is not passed on (a
+/// hand-over that waits for a timeout leaves the GPU idle for tens of
+/// milliseconds at a time and the pair far below that). How close the
 /// pair comes to one job alone is a speed of the host, which bench §6
-/// measures with its target: with 50 µs kernels a 2-core machine's other
-/// work moves it by several percent (0.663 against 0.723 once, with one
-/// core busy). A round that falls short is measured again, both sides, and
-/// the better round counts.
+/// measures with its target: on a quiet 2-core machine 0.92 to 0.98 of
+/// it, with both cores busy 0.83 to 0.93 (0.663 against 0.723 once).
+/// A round below it is one the host held back, and is measured again, both
+/// sides, up to three times; the split is judged in the first round that
+/// ran, never in one held back: a process the host stops for milliseconds
+/// while it holds the GPU leaves its slice idle, and one stopped while it
+/// waits gives the other its turn, so such a round says how the host ran
+/// the two, not how the broker shared the GPU (on a fresh CI machine once
+/// busy 0.394 against 0.601 alone and a split of 0.629/0.371; beside an
+/// 8 GB write here 0.516 against 0.638 and 0.771/0.229). A scheduler that
+/// splits wrong does so in a round that ran as well.
 fn shares_hold(kernel_us: u64, window: u64) {
     let _t = timed();
     let mut rounds = Vec::new();
-    for _ in 0..2 {
+    for _ in 0..3 {
         let (first, busy, solo) = shares_round(kernel_us, window);
         eprintln!(
             "70/30 with {kernel_us} us kernels: {first:.3} / {:.3}, busy {busy:.3} (one alone {solo:.3})",
             1.0 - first
         );
-        assert!(
-            (first - 0.70).abs() <= 0.02,
-            "70/30 with {kernel_us} us kernels split {first:.3}/{:.3}",
-            1.0 - first
-        );
-        rounds.push((busy, solo));
-        if busy >= 0.80 * solo {
+        rounds.push((first, busy, solo));
+        if solo > 0.0 && busy >= 0.85 * solo {
+            assert!(
+                (first - 0.70).abs() <= 0.02,
+                "70/30 with {kernel_us} us kernels split {first:.3}/{:.3}",
+                1.0 - first
+            );
             return;
         }
     }
     panic!(
-        "two batch jobs kept the GPU under 80% as busy as one alone, twice (busy, alone): {rounds:?}"
+        "two batch jobs kept the GPU under 85% as busy as one alone, three times (split, busy, alone): {rounds:?}"
     );
 }
 
