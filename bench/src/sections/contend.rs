@@ -281,8 +281,10 @@ fn churn_note() -> String {
          in an after window, but the requests the churn moved are still told their places \
          (each at most once every 5 s). *added per arrival-and-departure*: the churn and \
          after windows' median broker CPU less twice the quiet ones', over the churn's rate \
-         (the target's figure); *a bare connection's life*: the bare windows' less the quiet \
-         ones', over their rate; *its request*: the difference. The bare connection's part \
+         (the target's figure; a figure below zero, where the quiet windows ran slower than \
+         those with the churn, is the host's noise and counts as missed); *a bare \
+         connection's life*: the bare windows' less the quiet ones', over their rate; *its \
+         request*: the difference. The bare connection's part \
          is the kernel's work for a connection (the accept, the credentials, the pidfd, the \
          `/proc` read that fixes the process's identity, the closes) and the broker's for its \
          Hello. *position updates*: Queued messages the waiting requests read (every 50 ms). \
@@ -517,7 +519,11 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
             ),
             format!("{} ms", f(per_pair * 1e3, 3)),
             &format!("≤ {} ms", f(CHURN_TARGET_S * 1e3, 1)),
-            per_pair <= CHURN_TARGET_S,
+            // Below nothing is no figure: the quiet windows ran slower
+            // than those with the churn, so the host's noise outweighed
+            // what was sought (once with 18% of the CPU stolen, -0.909 ms),
+            // and it counts as missed, not met.
+            (0.0..=CHURN_TARGET_S).contains(&per_pair),
         ),
         Check::new(
             "another user's grant p99 beside the churning queue",
