@@ -426,14 +426,12 @@ fn podman_with_the_cdi_spec_is_capped_and_registered() {
     // Best fit counts memory the first container's process may still hold
     // on GPU 1 while podman tears it down (under load it does): the lease
     // is looked for where the broker placed it.
-    let st = b.status();
-    let gpu = st["leases"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let leases = b.leases();
+    let gpu = leases
+        .iter()
         .find(|l| l["pid"].as_u64() == Some(c.client_pid().into()))
         .and_then(|l| l["gpus"][0].as_u64())
-        .unwrap_or_else(|| panic!("no lease of pid {} on a GPU: {st:#}", c.client_pid()));
+        .unwrap_or_else(|| panic!("no lease of pid {} on a GPU: {leases:#?}", c.client_pid()));
     let p = registered_with(&b, c.host_pid(), gpu as usize, 128 * MIB);
     assert_eq!(p["job"].as_u64(), Some(c.client_pid().into()), "{p}");
     assert_eq!(p["job_mem_used"].as_u64(), Some(128 * MIB), "{p}");
