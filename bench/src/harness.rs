@@ -525,6 +525,27 @@ pub fn cpu_seconds_precise(pid: u32) -> Option<f64> {
     }
 }
 
+/// How often the threads of `pid` have gone to sleep (their voluntary
+/// context switches, from `/proc/<pid>/task/*/status`): each sleep ends
+/// in a wake, which the kernel charges to the process woken.
+pub fn sleeps(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut n = None;
+    for t in tasks.flatten() {
+        let Ok(s) = std::fs::read_to_string(t.path().join("status")) else {
+            continue;
+        };
+        let v = s
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if let Some(v) = v {
+            n = Some(n.unwrap_or(0) + v);
+        }
+    }
+    n
+}
+
 /// A `Vm*` line of `/proc/<pid>/status`, in KiB.
 pub fn vm_kib(pid: u32, key: &str) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

@@ -9,10 +9,10 @@
 //! one broker.
 
 use super::f;
-use super::queue::{Churn, Kind, churn_counts, spawn_queue};
+use super::queue::{Churn, Kind, Pattern, churn_counts, spawn_queue};
 use super::shims::{Clients, Cycle, HOLD_NS, MS, collect, gpu_uuids, spawn_clients, start_broker};
 use gpufrac_bench::clock::{mono_ns, sleep_until};
-use gpufrac_bench::harness::{Artifacts, cpu_seconds_precise};
+use gpufrac_bench::harness::{Artifacts, cpu_seconds_precise, sleeps};
 use gpufrac_bench::report::{Check, Section, Table};
 use gpufrac_bench::stats::{median, percentile_u64};
 use std::time::Duration;
@@ -30,6 +30,14 @@ const CHURN_PER_S: u64 = 100;
 const CHURN_TARGET_S: f64 = 0.2e-3;
 /// Clients that always ask beside the churning queue.
 const BESIDE: usize = 64;
+/// The churn's windows beside them: quiet and churn in turn, this long
+/// each, and this many churn windows (each between two quiet ones).
+const ALTERNATE_NS: u64 = 1000 * MS;
+const CHURN_WINDOWS: u64 = 40;
+/// The parts' run: the same queue with no clients beside it, this many
+/// arrivals (each with a departure) a second, where a connection's life
+/// and a request's part stand well clear of the host's noise.
+const PARTS_PER_S: u64 = 1000;
 const NOBODY: u32 = 65534;
 
 /// The tables, targets, notes and raw figures these rows add to section 4.
@@ -230,15 +238,32 @@ pub(super) fn run(a: &Artifacts, quick: bool, parts: Parts) -> Result<Contended,
         notes.push(always_asking_note(uid.is_some(), rounds));
     }
     if parts.churn {
-        // The contending clients' own CPU varies by tens of ms/s from one
-        // window to the next on a shared machine: more windows, unless
-        // quick; each kind's windows as many.
-        let churn = churn(a, window_ns, if quick { 8 } else { 16 })?;
-        let (churn_tables, churn_checks, churn_data) = churn_report(&churn);
+        // The contending clients' own CPU drifts by tens of ms/s over
+        // seconds on a shared machine: short windows in turn, each churn
+        // window against its neighbours, which drift alike.
+        let n = if quick { 10 } else { CHURN_WINDOWS };
+        let beside = Churning {
+            window_ns: ALTERNATE_NS,
+            windows: 2 * n + 1,
+            per_s: CHURN_PER_S,
+            beside: BESIDE,
+            pattern: Pattern::Alternate,
+        };
+        let (churn_tables, churn_checks, mut churn_data) = churn_report(&churn(a, &beside)?);
         checks.extend(churn_checks);
         tables.extend(churn_tables);
+        let alone = Churning {
+            window_ns: if quick { 1000 * MS } else { 2000 * MS },
+            windows: 8,
+            per_s: PARTS_PER_S,
+            beside: 0,
+            pattern: Pattern::Parts,
+        };
+        let (parts_table, parts_data) = parts_report(&churn(a, &alone)?);
+        tables.push(parts_table);
+        churn_data["parts"] = parts_data;
         data.insert("churn".into(), churn_data);
-        notes.push(churn_note());
+        notes.push(churn_note(n));
     }
     Ok(Contended {
         tables,
@@ -269,30 +294,45 @@ fn always_asking_note(nobody: bool, rounds: usize) -> String {
 }
 
 /// What the churning queue is, for the notes.
-fn churn_note() -> String {
+fn churn_note(n: u64) -> String {
     format!(
         "The churning queue: a lease holding 1 GiB of the GPU and {QUEUED} `--gpu-memory 16G` \
          requests waiting behind it, {BESIDE} clients that always ask and the other user's \
-         client, on one broker; in the churn windows, {CHURN_PER_S} times a second a new \
-         request connects, asks and is queued, and a random waiting one disconnects (its \
-         request leaves the queue); in the bare windows, as often, a connection says Hello, \
-         is answered and stays, and the one before it closes: a connection's life with no \
-         request in it. Quiet, bare, churn and after windows come in turn; nothing arrives \
-         in an after window, but the requests the churn moved are still told their places \
-         (each at most once every 5 s). *added per arrival-and-departure*: the churn and \
-         after windows' median broker CPU less twice the quiet ones', over the churn's rate \
-         (the target's figure; a figure below zero, where the quiet windows ran slower than \
-         those with the churn, is the host's noise and counts as missed); *a bare \
-         connection's life*: the bare windows' less the quiet ones', over their rate; *its \
-         request*: the difference. The bare connection's part \
-         is the kernel's work for a connection (the accept, the credentials, the pidfd, the \
-         `/proc` read that fixes the process's identity, the closes) and the broker's for its \
-         Hello. *position updates*: Queued messages the waiting requests read (every 50 ms). \
-         The lease and the requests are a process of their own (`gpufrac-bench \
-         queue-client`), never the clients' parent: the broker counts a run's descendants \
-         into its job, and with the bench itself as the holder every client, the other \
-         user's too, was one of that job's processes (its p99 then measured 64 processes of \
-         one job taking turns, 20 ms)."
+         client, on one broker. In a churn window, {CHURN_PER_S} times a second a new request \
+         connects, asks and is queued, and a random waiting one disconnects (its request \
+         leaves the queue). Quiet and churn windows of {quiet} s come in turn, {n} churn \
+         windows each between two quiet ones; *added per arrival-and-departure*: each churn \
+         window's broker CPU less the mean of the quiet windows either side of it, over its \
+         rate, and the mean of those (the target's figure, met only when its whole 95% \
+         interval is under the target). *less the grants served*: the churn windows serve \
+         more of the clients' grants than their neighbours (the broker, woken more often, \
+         is awake when more of them ask); the same figure less that work, at what a grant \
+         costs across the quiet windows (the slope of their CPU on their grants), to say \
+         what the churn itself costs; the target is the first figure's. The machine's slow \
+         drifts (the clients' grants a second move by a third over tens of seconds here, \
+         and the broker's CPU with them) move a window and its neighbours alike; the earlier design, a quiet, a churn and \
+         an after window of 4 s each compared by their medians four times over, read 0.197 \
+         to 0.343 ms on this machine with a standard error near 0.13 ms. The requests the \
+         churn moved are told their places (each at most once every 5 s) in the quiet \
+         windows too; the parts' run measures what that costs. *The parts*: the same queue \
+         with nobody beside it, {PARTS_PER_S} arrivals and departures a second, in quiet, \
+         bare, churn and after windows in turn, compared by their medians: in the bare \
+         windows a connection says Hello, is answered and stays, and the one before it \
+         closes (a connection's life with no request in it); nothing arrives in an after \
+         window, but the places the churn moved are told then. *a bare connection's life*: \
+         the bare windows' CPU less the quiet ones', over their rate: the kernel's work for \
+         a connection (the accept, the credentials, the pidfd, the `/proc` read that fixes \
+         the process's identity, the closes, the wakes) and the broker's for its Hello; \
+         *its request*: the churn and after windows' CPU less twice the quiet ones', over \
+         the churn's rate, less the bare connection's part. *broker wakes*: its threads' \
+         voluntary context switches (each sleep ends in a wake, which the kernel charges \
+         to the broker). *position updates*: Queued messages the waiting requests read \
+         (every 50 ms). The lease and the requests are a process of their own \
+         (`gpufrac-bench queue-client`), never the clients' parent: the broker counts a \
+         run's descendants into its job, and with the bench itself as the holder every \
+         client, the other user's too, was one of that job's processes (its p99 then \
+         measured 64 processes of one job taking turns, 20 ms).",
+        quiet = f(ALTERNATE_NS as f64 / 1e9, 0),
     )
 }
 
@@ -358,30 +398,55 @@ struct Window {
     kind: Kind,
     cpu_per_s: f64,
     secs: f64,
-    /// Arrivals (each with a departure) and Queued messages read.
-    pairs: u64,
-    told: u64,
+    /// Arrivals (each with a departure) and Queued messages read, a
+    /// second: counted over the whole window, whose first 100 ms the CPU
+    /// is not read over (over that part they would say 11% more a second
+    /// in a 1 s window than came).
+    pairs_per_s: f64,
+    told_per_s: f64,
     grants: usize,
     other: Vec<u64>,
+    /// The broker's sleeps (voluntary context switches) a second: a wake
+    /// each.
+    wakes_per_s: f64,
 }
 
-/// The churning queue: `windows` windows, quiet, bare, churn and after in
-/// turn (`Kind`).
+/// A run of the churning queue: its windows, and how many arrivals a
+/// second beside how many clients that always ask.
+struct Churning {
+    window_ns: u64,
+    windows: u64,
+    per_s: u64,
+    beside: usize,
+    pattern: Pattern,
+}
+
+/// The churning queue: `windows` windows of the kinds `pattern` takes in
+/// turn, `per_s` arrivals a second beside `beside` clients that always
+/// ask and (with any) the other user's client.
 /// The queue and its churn are a process of their own (`queue`), beside
 /// the clients, never their ancestor: a job's run's children are the
 /// job's.
-fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, String> {
+fn churn(a: &Artifacts, run: &Churning) -> Result<Vec<Window>, String> {
+    let &Churning {
+        window_ns,
+        windows,
+        per_s,
+        beside,
+        pattern,
+    } = run;
     let (uid, more) = other_user();
     let broker = start_broker(a, 1, more)?;
     let uuids = gpu_uuids(&broker, 1)?;
-    let lead = 1000 * MS + BESIDE as u64 * 10 * MS;
+    let lead = 1000 * MS + beside as u64 * 10 * MS;
     let start = mono_ns() + lead;
     let end = start + windows * window_ns;
     let churn = Churn {
         start,
         window_ns,
         windows,
-        per_s: CHURN_PER_S,
+        per_s,
+        pattern,
     };
     let queue = spawn_queue(a, &broker, QUEUED, Some(&churn))?.ok_or("no queue")?;
     let clients = |n, period, uid| Clients {
@@ -392,18 +457,24 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
         uuids: &uuids,
         uid,
     };
-    let (kids, _) = spawn_clients(a, &broker, clients(BESIDE, 0, None))?;
-    let (theirs, _) = spawn_clients(a, &broker, clients(1, OTHER_PERIOD_NS, uid))?;
+    let (kids, theirs) = if beside > 0 {
+        let (kids, _) = spawn_clients(a, &broker, clients(beside, 0, None))?;
+        let (theirs, _) = spawn_clients(a, &broker, clients(1, OTHER_PERIOD_NS, uid))?;
+        (kids, theirs)
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let pid = broker.pid();
     let cpu = || cpu_seconds_precise(pid).ok_or("broker /proc/stat");
+    let sleeps = || sleeps(pid).ok_or("broker /proc/PID/task/*/status");
     let mut spans = Vec::new();
     for w in 0..windows {
         let from = start + w * window_ns;
         sleep_until(from + 100 * MS);
-        let (c0, t0) = (cpu()?, mono_ns());
+        let (c0, s0, t0) = (cpu()?, sleeps()?, mono_ns());
         sleep_until(from + window_ns);
-        let (c1, t1) = (cpu()?, mono_ns());
-        spans.push((c1 - c0, t0, t1));
+        let (c1, s1, t1) = (cpu()?, sleeps()?, mono_ns());
+        spans.push((c1 - c0, s1.saturating_sub(s0), t0, t1));
     }
     let span = Duration::from_nanos(lead + windows * window_ns);
     let counts = churn_counts(queue, span)?;
@@ -420,93 +491,95 @@ fn churn(a: &Artifacts, window_ns: u64, windows: u64) -> Result<Vec<Window>, Str
         .into_iter()
         .zip(counts)
         .enumerate()
-        .map(|(w, ((cpu, t0, t1), (pairs, told)))| {
+        .map(|(w, ((cpu, slept, t0, t1), (pairs, told)))| {
             let within = |c: &&Cycle| c.grant >= t0 && c.grant < t1;
             let secs = (t1 - t0) as f64 / 1e9;
             Window {
-                kind: Kind::of(w as u64),
+                kind: pattern.kind(w as u64),
                 cpu_per_s: cpu / secs,
                 secs,
-                pairs,
-                told,
+                pairs_per_s: pairs as f64 * 1e9 / window_ns as f64,
+                told_per_s: told as f64 * 1e9 / window_ns as f64,
                 grants: cycles.iter().filter(within).count(),
                 other: other
                     .iter()
                     .filter(within)
                     .map(|c| c.grant - c.acquire)
                     .collect(),
+                wakes_per_s: slept as f64 / secs,
             }
         })
         .collect())
 }
 
-/// The churning queue's table, targets and raw figures.
+/// The churning queue beside the clients that always ask (quiet and churn
+/// windows in turn): a summary of each kind, and what each churn window
+/// adds against the mean of the quiet windows either side of it, per
+/// arrival-and-departure; the targets and the raw figures.
 fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
     let mut t = Table::new(
         &format!(
             "{QUEUED} requests waiting, {BESIDE} clients that always ask and another user's \
-             client on 1 GPU; windows without churn, with {CHURN_PER_S} bare connections and \
-             with {CHURN_PER_S} requests arriving and leaving a second, in turn"
+             client on 1 GPU; {} s windows without churn and with {CHURN_PER_S} requests \
+             arriving and leaving a second, in turn: each kind's median",
+            f(ALTERNATE_NS as f64 / 1e9, 0)
         ),
         &[
-            "window",
+            "windows",
+            "count",
             "arrivals+departures/s",
             "position updates/s",
             "grants/s",
             "broker CPU",
+            "broker wakes/s",
             "other user's p99",
         ],
     );
-    let mut rows = Vec::new();
-    for (i, w) in ws.iter().enumerate() {
-        let mut other = w.other.clone();
-        let o99 = percentile_u64(&mut other, 99.0).unwrap_or(0);
+    for kind in [Kind::Quiet, Kind::Churn] {
+        let of: Vec<&Window> = ws.iter().filter(|w| w.kind == kind).collect();
+        let med = |v: &dyn Fn(&Window) -> f64| median(&of.iter().map(|w| v(w)).collect::<Vec<_>>());
+        let mut other: Vec<u64> = of.iter().flat_map(|w| w.other.iter().copied()).collect();
         t.row(vec![
-            format!("{} {}", w.kind.word(), i / 4 + 1),
-            f(w.pairs as f64 / w.secs, 0),
-            f(w.told as f64 / w.secs, 0),
-            f(w.grants as f64 / w.secs, 0),
-            format!("{} ms/s", f(w.cpu_per_s * 1e3, 1)),
-            ms(o99),
+            kind.word().into(),
+            of.len().to_string(),
+            f(med(&|w| w.pairs_per_s), 0),
+            f(med(&|w| w.told_per_s), 0),
+            f(med(&|w| w.grants as f64 / w.secs), 0),
+            format!("{} ms/s", f(med(&|w| w.cpu_per_s) * 1e3, 1)),
+            f(med(&|w| w.wakes_per_s), 0),
+            ms(percentile_u64(&mut other, 99.0).unwrap_or(0)),
         ]);
-        rows.push(serde_json::json!({
-            "kind": w.kind.word(),
-            "churn": w.kind == Kind::Churn,
-            "pairs_per_s": w.pairs as f64 / w.secs,
-            "position_updates_per_s": w.told as f64 / w.secs,
-            "grants_per_s": w.grants as f64 / w.secs,
-            "cpu_ms_per_s": w.cpu_per_s * 1e3,
-            "other_p99_us": o99 as f64 / 1e3,
-        }));
     }
-    // Medians: now and then a window of this shared machine runs 10 ms/s
-    // off its neighbours, as much as the figure sought.
-    let of = |kind: Kind, v: &dyn Fn(&Window) -> f64| {
-        let of: Vec<f64> = ws.iter().filter(|w| w.kind == kind).map(v).collect();
-        median(&of)
-    };
-    let cpu = |kind| of(kind, &|w| w.cpu_per_s);
-    let rate = |kind| of(kind, &|w| w.pairs as f64 / w.secs).max(1e-9);
-    // The window after the churn is charged to it too: the places it moved
-    // are told then.
-    let per_pair =
-        (cpu(Kind::Churn) + cpu(Kind::After) - 2.0 * cpu(Kind::Quiet)) / rate(Kind::Churn);
-    // What a connection's life costs alone, and what a request in it adds.
-    let bare = (cpu(Kind::Bare) - cpu(Kind::Quiet)) / rate(Kind::Bare);
-    let request = per_pair - bare;
+    let added = Sandwich::of(ws, 0.0);
+    let per_grant = cpu_per_grant(ws.iter().filter(|w| w.kind == Kind::Quiet));
+    let for_churn = Sandwich::of(ws, per_grant);
     let mut split = Table::new(
-        "broker CPU per arrival-and-departure, from each kind of window's median",
-        &["part", "windows compared", "broker CPU added"],
+        "broker CPU a churn window adds against the mean of the quiet windows either side, \
+         per arrival-and-departure",
+        &[
+            "figure",
+            "churn windows",
+            "mean",
+            "standard error",
+            "95% interval",
+        ],
     );
-    for (part, compared, v) in [
-        ("all of it", "churn and after against quiet", per_pair),
-        ("a bare connection's life", "bare against quiet", bare),
-        ("its request in the queue", "the difference", request),
+    for (figure, s) in [
+        ("all of it (the target's)".to_string(), &added),
+        (
+            format!(
+                "less the grants served beyond the neighbours', at {} us each",
+                f(per_grant * 1e6, 1)
+            ),
+            &for_churn,
+        ),
     ] {
         split.row(vec![
-            part.into(),
-            compared.into(),
-            format!("{} ms", f(v * 1e3, 3)),
+            figure,
+            s.n.to_string(),
+            format!("{} ms", f(s.mean * 1e3, 3)),
+            format!("{} ms", f(s.se * 1e3, 3)),
+            format!("{} to {} ms", f(s.low() * 1e3, 3), f(s.high() * 1e3, 3)),
         ]);
     }
     let mut other: Vec<u64> = ws.iter().flat_map(|w| w.other.iter().copied()).collect();
@@ -515,15 +588,20 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
         Check::new(
             &format!(
                 "broker CPU a churn adds per arrival-and-departure, {QUEUED} waiting, \
-                 {CHURN_PER_S}/s, beside {BESIDE} clients that always ask"
+                 {CHURN_PER_S}/s, beside {BESIDE} clients that always ask (95% interval)"
             ),
-            format!("{} ms", f(per_pair * 1e3, 3)),
+            format!(
+                "{} ms ({} to {})",
+                f(added.mean * 1e3, 3),
+                f(added.low() * 1e3, 3),
+                f(added.high() * 1e3, 3)
+            ),
             &format!("≤ {} ms", f(CHURN_TARGET_S * 1e3, 1)),
-            // Below nothing is no figure: the quiet windows ran slower
-            // than those with the churn, so the host's noise outweighed
-            // what was sought (once with 18% of the CPU stolen, -0.909 ms),
-            // and it counts as missed, not met.
-            (0.0..=CHURN_TARGET_S).contains(&per_pair),
+            // Met only when the whole interval is: a mean under the
+            // target by less than the host's noise is no figure. A mean
+            // below nothing (the quiet windows ran slower than those with
+            // the churn) is the host's noise too, and counts as missed.
+            added.mean >= 0.0 && added.high() <= CHURN_TARGET_S,
         ),
         Check::new(
             "another user's grant p99 beside the churning queue",
@@ -532,11 +610,205 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
             o99 <= OTHER_P99_TARGET_NS,
         ),
     ];
+    let windows: Vec<serde_json::Value> = ws
+        .iter()
+        .map(|w| {
+            let mut other = w.other.clone();
+            serde_json::json!({
+                "kind": w.kind.word(),
+                "pairs_per_s": w.pairs_per_s,
+                "position_updates_per_s": w.told_per_s,
+                "grants_per_s": w.grants as f64 / w.secs,
+                "cpu_ms_per_s": w.cpu_per_s * 1e3,
+                "wakes_per_s": w.wakes_per_s,
+                "other_p99_us": percentile_u64(&mut other, 99.0).unwrap_or(0) as f64 / 1e3,
+            })
+        })
+        .collect();
     let data = serde_json::json!({
-        "windows": rows,
-        "added_cpu_per_pair_us": per_pair * 1e6,
-        "bare_connection_cpu_per_pair_us": bare * 1e6,
-        "request_cpu_per_pair_us": request * 1e6,
+        "windows": windows,
+        "added_cpu_per_pair_us": added.mean * 1e6,
+        "added_cpu_per_pair_se_us": added.se * 1e6,
+        "cpu_per_grant_us": per_grant * 1e6,
+        "added_cpu_less_grants_per_pair_us": for_churn.mean * 1e6,
+        "added_cpu_less_grants_per_pair_se_us": for_churn.se * 1e6,
+        "churn_windows": added.n,
     });
     (vec![t, split], checks, data)
+}
+
+/// The slope of broker CPU on grants across `ws`: what a grant costs it,
+/// as windows that serve more of them say (none when they cannot).
+fn cpu_per_grant<'a>(ws: impl Iterator<Item = &'a Window>) -> f64 {
+    let xy: Vec<(f64, f64)> = ws
+        .map(|w| (w.grants as f64 / w.secs, w.cpu_per_s))
+        .collect();
+    let n = xy.len().max(1) as f64;
+    let (mx, my) = xy
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x / n, b + y / n));
+    let sxx: f64 = xy.iter().map(|(x, _)| (x - mx).powi(2)).sum();
+    let sxy: f64 = xy.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    if sxx > 0.0 { sxy / sxx } else { 0.0 }
+}
+
+/// Each churn window's broker CPU less the mean of the quiet windows
+/// either side, over its arrivals: their mean and its standard error.
+struct Sandwich {
+    n: usize,
+    mean: f64,
+    se: f64,
+}
+
+impl Sandwich {
+    /// Of the broker's CPU a second less `per_grant` for each grant a
+    /// second the window served.
+    fn of(ws: &[Window], per_grant: f64) -> Sandwich {
+        let cpu = |w: &Window| w.cpu_per_s - per_grant * w.grants as f64 / w.secs;
+        let per_pair: Vec<f64> = ws
+            .windows(3)
+            .filter(|w| w[1].kind == Kind::Churn && w[0].kind == Kind::Quiet)
+            .filter(|w| w[2].kind == Kind::Quiet && w[1].pairs_per_s > 0.0)
+            .map(|w| {
+                let around = (cpu(&w[0]) + cpu(&w[2])) / 2.0;
+                (cpu(&w[1]) - around) / w[1].pairs_per_s
+            })
+            .collect();
+        let n = per_pair.len();
+        let mean = per_pair.iter().sum::<f64>() / n.max(1) as f64;
+        let var = per_pair.iter().map(|v| (v - mean).powi(2)).sum::<f64>()
+            / (n.saturating_sub(1)).max(1) as f64;
+        Sandwich {
+            n,
+            mean,
+            se: if n > 1 {
+                (var / n as f64).sqrt()
+            } else {
+                f64::INFINITY
+            },
+        }
+    }
+
+    fn low(&self) -> f64 {
+        self.mean - 1.96 * self.se
+    }
+
+    fn high(&self) -> f64 {
+        self.mean + 1.96 * self.se
+    }
+}
+
+/// The same queue alone, `PARTS_PER_S` a second: its parts, and its
+/// windows' raw figures.
+fn parts_report(ws: &[Window]) -> (Table, serde_json::Value) {
+    let added = Added::of(ws);
+    let t = added.table(&format!(
+        "the same queue alone: {QUEUED} requests waiting, no clients beside it, \
+         {PARTS_PER_S} arrivals and departures a second; broker CPU and wakes per \
+         arrival-and-departure, from each kind of window's median"
+    ));
+    let windows: Vec<serde_json::Value> = ws
+        .iter()
+        .map(|w| {
+            serde_json::json!({
+                "kind": w.kind.word(),
+                "pairs_per_s": w.pairs_per_s,
+                "cpu_ms_per_s": w.cpu_per_s * 1e3,
+                "wakes_per_s": w.wakes_per_s,
+            })
+        })
+        .collect();
+    let data = serde_json::json!({
+        "windows": windows,
+        "added_cpu_per_pair_us": added.per_pair * 1e6,
+        "bare_connection_cpu_per_pair_us": added.bare * 1e6,
+        "request_cpu_per_pair_us": added.request() * 1e6,
+        "added_wakes_per_pair": added.wakes_pair,
+        "bare_connection_wakes_per_pair": added.wakes_bare,
+    });
+    (t, data)
+}
+
+/// What an arrival-and-departure adds, from each kind of window's median
+/// (a window of this shared machine now and then runs 10 ms/s off its
+/// neighbours, as much as the figure sought): all of it, the churn and
+/// after windows against twice the quiet ones (the window after the churn
+/// is charged to it too: the places it moved are told then), and a bare
+/// connection's life, the bare windows against the quiet ones; in broker
+/// CPU and in the broker's wakes.
+struct Added {
+    per_pair: f64,
+    bare: f64,
+    wakes_pair: f64,
+    wakes_bare: f64,
+}
+
+impl Added {
+    fn of(ws: &[Window]) -> Added {
+        let of = |kind: Kind, v: &dyn Fn(&Window) -> f64| {
+            let of: Vec<f64> = ws.iter().filter(|w| w.kind == kind).map(v).collect();
+            median(&of)
+        };
+        let rate = |kind| of(kind, &|w| w.pairs_per_s).max(1e-9);
+        let per = |v: &dyn Fn(&Window) -> f64| {
+            let quiet = of(Kind::Quiet, v);
+            (
+                (of(Kind::Churn, v) + of(Kind::After, v) - 2.0 * quiet) / rate(Kind::Churn),
+                (of(Kind::Bare, v) - quiet) / rate(Kind::Bare),
+            )
+        };
+        let (per_pair, bare) = per(&|w| w.cpu_per_s);
+        let (wakes_pair, wakes_bare) = per(&|w| w.wakes_per_s);
+        Added {
+            per_pair,
+            bare,
+            wakes_pair,
+            wakes_bare,
+        }
+    }
+
+    /// What the request in the queue adds to a connection's life.
+    fn request(&self) -> f64 {
+        self.per_pair - self.bare
+    }
+
+    fn table(&self, title: &str) -> Table {
+        let mut t = Table::new(
+            title,
+            &[
+                "part",
+                "windows compared",
+                "broker CPU added",
+                "broker wakes added",
+            ],
+        );
+        for (part, compared, cpu, wakes) in [
+            (
+                "all of it",
+                "churn and after against quiet",
+                self.per_pair,
+                self.wakes_pair,
+            ),
+            (
+                "a bare connection's life",
+                "bare against quiet",
+                self.bare,
+                self.wakes_bare,
+            ),
+            (
+                "its request in the queue",
+                "the difference",
+                self.request(),
+                self.wakes_pair - self.wakes_bare,
+            ),
+        ] {
+            t.row(vec![
+                part.into(),
+                compared.into(),
+                format!("{} ms", f(cpu * 1e3, 3)),
+                f(wakes, 2),
+            ]);
+        }
+        t
+    }
 }

@@ -20,10 +20,11 @@ use std::time::Duration;
 const READY: &str = "ready";
 
 /// `gpufrac-bench queue-client SOCKET QUEUED [START WINDOW_NS WINDOWS
-/// PER_S]`: the holder and QUEUED waiting requests; then, with a clock,
-/// WINDOWS windows of WINDOW_NS from START (CLOCK_MONOTONIC ns): quiet,
-/// then PER_S bare connections, then PER_S requests, arriving (each with a
-/// departure) a second, then quiet again, in turn (`Kind`). Prints
+/// PER_S [PATTERN]]`: the holder and QUEUED waiting requests; then, with a
+/// clock, WINDOWS windows of WINDOW_NS from START (CLOCK_MONOTONIC ns), of
+/// the kinds PATTERN takes in turn (`Pattern`; `parts` unless named):
+/// quiet, then PER_S bare connections, then PER_S requests, arriving (each
+/// with a departure) a second, then quiet again (`Kind`). Prints
 /// `ready` once every request waits, then per window `w ARRIVALS TOLD`
 /// (TOLD: Queued messages read) at the end; without a clock it holds the
 /// requests until it is killed.
@@ -35,6 +36,8 @@ pub struct QueueArgs {
     window_ns: Option<u64>,
     windows: Option<u64>,
     per_s: Option<u64>,
+    #[arg(value_parser = Pattern::parse)]
+    pattern: Option<Pattern>,
 }
 
 /// The churn of a running queue process: when, how long, how often.
@@ -43,6 +46,7 @@ pub(super) struct Churn {
     pub window_ns: u64,
     pub windows: u64,
     pub per_s: u64,
+    pub pattern: Pattern,
 }
 
 /// Starts the queue process against `broker` and waits until its `n`
@@ -63,7 +67,8 @@ pub(super) fn spawn_queue(
         .arg(&broker.socket)
         .arg(n.to_string());
     if let Some(c) = churn {
-        cmd.args([c.start, c.window_ns, c.windows, c.per_s].map(|v| v.to_string()));
+        cmd.args([c.start, c.window_ns, c.windows, c.per_s].map(|v| v.to_string()))
+            .arg(c.pattern.word());
     }
     Kid::spawn_ready(cmd, "gpufrac-bench queue-client", READY).map(Some)
 }
@@ -121,7 +126,14 @@ fn run(args: &QueueArgs) -> Result<(), String> {
     };
     // The holder stays first and is never among those that leave.
     let mut queued = waiting.split_off(1);
-    let counts = churner(&args.socket, &mut queued, start, window_ns, windows, per_s)?;
+    let churn = Churn {
+        start,
+        window_ns,
+        windows,
+        per_s,
+        pattern: args.pattern.unwrap_or(Pattern::Parts),
+    };
+    let counts = churner(&args.socket, &mut queued, &churn)?;
     for (arrivals, told) in counts {
         println!("w {arrivals} {told}");
     }
@@ -175,17 +187,46 @@ pub(super) enum Kind {
     After,
 }
 
-impl Kind {
-    /// Window `w`'s kind: quiet, bare, churn, after, in turn.
-    pub(super) fn of(w: u64) -> Kind {
-        match w % 4 {
-            0 => Kind::Quiet,
-            1 => Kind::Bare,
-            2 => Kind::Churn,
-            _ => Kind::After,
+/// The kinds of window a run of the churn takes in turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Pattern {
+    /// Quiet, bare, churn and after: the parts of an arrival-and-departure.
+    Parts,
+    /// Quiet and churn: each churn window against the quiet ones either
+    /// side of it, which the host's slow drifts move alike.
+    Alternate,
+}
+
+impl Pattern {
+    /// Window `w`'s kind.
+    pub(super) fn kind(self, w: u64) -> Kind {
+        match (self, w % 4) {
+            (Pattern::Alternate, n) if n % 2 == 0 => Kind::Quiet,
+            (Pattern::Alternate, _) => Kind::Churn,
+            (Pattern::Parts, 0) => Kind::Quiet,
+            (Pattern::Parts, 1) => Kind::Bare,
+            (Pattern::Parts, 2) => Kind::Churn,
+            (Pattern::Parts, _) => Kind::After,
         }
     }
 
+    /// Its name on the queue process's command line.
+    pub(super) fn word(self) -> &'static str {
+        match self {
+            Pattern::Parts => "parts",
+            Pattern::Alternate => "alternate",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Pattern, String> {
+        [Pattern::Parts, Pattern::Alternate]
+            .into_iter()
+            .find(|p| p.word() == s)
+            .ok_or_else(|| format!("pattern {s:?}: parts or alternate"))
+    }
+}
+
+impl Kind {
     /// Its name in the report.
     pub(super) fn word(self) -> &'static str {
         match self {
@@ -204,11 +245,15 @@ impl Kind {
 fn churner(
     socket: &Path,
     waiting: &mut Vec<WireClient>,
-    start: u64,
-    window_ns: u64,
-    windows: u64,
-    per_s: u64,
+    churn: &Churn,
 ) -> Result<Vec<(u64, u64)>, String> {
+    let &Churn {
+        start,
+        window_ns,
+        windows,
+        per_s,
+        pattern,
+    } = churn;
     let tick = 1_000_000_000 / per_s.max(1);
     let reads_every = (50_000_000 / tick).max(1);
     let mut out = vec![(0, 0); windows as usize];
@@ -219,7 +264,7 @@ fn churner(
     while next < start + windows * window_ns {
         sleep_until(next);
         let w = ((next - start) / window_ns) as usize;
-        match Kind::of(w as u64) {
+        match pattern.kind(w as u64) {
             Kind::Quiet | Kind::After => {}
             Kind::Bare => {
                 bare.push(WireClient::connect(socket, Role::Cli)?);
