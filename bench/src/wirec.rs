@@ -1,14 +1,5 @@
 //! A blocking client of the broker protocol (gpufrac_common::wire), for
 //! status queries and for the scale section's simulated shims.
-//!
-//! It waits for the broker's answers as the shim and `gpufrac run` do, in
-//! poll, not in a blocking read: a reader asleep in `read` on a Unix
-//! socket is woken each time the broker reads what it wrote (the kernel
-//! tells writers that room came free, and such a reader waits on the
-//! same queue without saying what for), which costs the broker an
-//! inter-processor wake for every request read and the client a trip
-//! through the scheduler for nothing. A waiter in poll asked for input
-//! only, and the kernel leaves it asleep.
 
 use gpufrac_common::wire::{self, ClientMsg, DecodeError, Role, ServerMsg};
 use std::io::{ErrorKind, Read, Write};
@@ -20,11 +11,7 @@ pub struct WireClient {
     s: UnixStream,
     buf: Vec<u8>,
     out: Vec<u8>,
-    /// How long `recv` waits for the next message.
-    timeout: Duration,
 }
-
-const TIMEOUT: Duration = Duration::from_secs(10);
 
 impl WireClient {
     /// Connects and completes the handshake as `role`.
@@ -46,11 +33,12 @@ impl WireClient {
     fn open(path: &Path, role: Role, first: Option<&ClientMsg>) -> Result<WireClient, String> {
         let s =
             UnixStream::connect(path).map_err(|e| format!("connect to {}: {e}", path.display()))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| e.to_string())?;
         let mut c = WireClient {
             s,
             buf: Vec::new(),
             out: Vec::with_capacity(256),
-            timeout: TIMEOUT,
         };
         wire::encode_client(&ClientMsg::hello(std::process::id(), role), &mut c.out);
         if let Some(m) = first {
@@ -63,8 +51,8 @@ impl WireClient {
         }
     }
 
-    pub fn set_timeout(&mut self, d: Duration) {
-        self.timeout = d;
+    pub fn set_timeout(&self, d: Duration) {
+        let _ = self.s.set_read_timeout(Some(d));
     }
 
     pub fn send(&mut self, m: &ClientMsg) -> Result<(), String> {
@@ -75,7 +63,6 @@ impl WireClient {
 
     /// Next message; an error on timeout, a closed connection or a bad frame.
     pub fn recv(&mut self) -> Result<ServerMsg, String> {
-        let deadline = std::time::Instant::now() + self.timeout;
         loop {
             match wire::decode_server(&self.buf) {
                 Ok((m, n)) => {
@@ -85,8 +72,6 @@ impl WireClient {
                 Err(DecodeError::Incomplete) => {}
                 Err(e) => return Err(format!("bad frame from the broker: {e}")),
             }
-            gpufrac_common::net::wait_for(&self.s, libc::POLLIN, deadline)
-                .map_err(|e| e.to_string())?;
             let mut tmp = [0u8; 8192];
             match self.s.read(&mut tmp) {
                 Ok(0) => return Err("the broker closed the connection".into()),
