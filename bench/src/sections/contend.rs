@@ -4,9 +4,10 @@
 //! a client of another user asks every 20 ms: how long one user's grants
 //! take beside another's population. And a churning queue: 1,000 requests
 //! waiting in the admission queue, 100 a second arriving and leaving,
-//! beside 64 clients that always ask, in windows taken in turn without
-//! churn, with bare connections coming and going, and with the churn, on
-//! one broker.
+//! beside 64 clients that always ask, in 1 s windows with and without
+//! the churn taken in turn; then the same queue alone, 1,000 a second, in
+//! windows without churn, with bare connections coming and going, with
+//! the churn and after it: the parts of an arrival-and-departure.
 
 use super::f;
 use super::queue::{Churn, Kind, Pattern, churn_counts, spawn_queue};
