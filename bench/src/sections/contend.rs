@@ -398,18 +398,35 @@ fn contend(a: &Artifacts, gpus: usize, n: usize, window_ns: u64) -> Result<Conte
 struct Window {
     kind: Kind,
     cpu_per_s: f64,
-    secs: f64,
     /// Arrivals (each with a departure) and Queued messages read, a
     /// second: counted over the whole window, whose first 100 ms the CPU
     /// is not read over (over that part they would say 11% more a second
     /// in a 1 s window than came).
     pairs_per_s: f64,
     told_per_s: f64,
-    grants: usize,
+    /// Grants of the clients that always ask, a second, over the part of
+    /// the window the CPU is read over.
+    grants_per_s: f64,
     other: Vec<u64>,
     /// The broker's sleeps (voluntary context switches) a second: a wake
     /// each.
     wakes_per_s: f64,
+}
+
+impl Window {
+    /// Its raw figures, for the JSON.
+    fn json(&self) -> serde_json::Value {
+        let mut other = self.other.clone();
+        serde_json::json!({
+            "kind": self.kind.word(),
+            "pairs_per_s": self.pairs_per_s,
+            "position_updates_per_s": self.told_per_s,
+            "grants_per_s": self.grants_per_s,
+            "cpu_ms_per_s": self.cpu_per_s * 1e3,
+            "wakes_per_s": self.wakes_per_s,
+            "other_p99_us": percentile_u64(&mut other, 99.0).unwrap_or(0) as f64 / 1e3,
+        })
+    }
 }
 
 /// A run of the churning queue: its windows, and how many arrivals a
@@ -498,10 +515,9 @@ fn churn(a: &Artifacts, run: &Churning) -> Result<Vec<Window>, String> {
             Window {
                 kind: pattern.kind(w as u64),
                 cpu_per_s: cpu / secs,
-                secs,
                 pairs_per_s: pairs as f64 * 1e9 / window_ns as f64,
                 told_per_s: told as f64 * 1e9 / window_ns as f64,
-                grants: cycles.iter().filter(within).count(),
+                grants_per_s: cycles.iter().filter(within).count() as f64 / secs,
                 other: other
                     .iter()
                     .filter(within)
@@ -545,7 +561,7 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
             of.len().to_string(),
             f(med(&|w| w.pairs_per_s), 0),
             f(med(&|w| w.told_per_s), 0),
-            f(med(&|w| w.grants as f64 / w.secs), 0),
+            f(med(&|w| w.grants_per_s), 0),
             format!("{} ms/s", f(med(&|w| w.cpu_per_s) * 1e3, 1)),
             f(med(&|w| w.wakes_per_s), 0),
             ms(percentile_u64(&mut other, 99.0).unwrap_or(0)),
@@ -611,23 +627,8 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
             o99 <= OTHER_P99_TARGET_NS,
         ),
     ];
-    let windows: Vec<serde_json::Value> = ws
-        .iter()
-        .map(|w| {
-            let mut other = w.other.clone();
-            serde_json::json!({
-                "kind": w.kind.word(),
-                "pairs_per_s": w.pairs_per_s,
-                "position_updates_per_s": w.told_per_s,
-                "grants_per_s": w.grants as f64 / w.secs,
-                "cpu_ms_per_s": w.cpu_per_s * 1e3,
-                "wakes_per_s": w.wakes_per_s,
-                "other_p99_us": percentile_u64(&mut other, 99.0).unwrap_or(0) as f64 / 1e3,
-            })
-        })
-        .collect();
     let data = serde_json::json!({
-        "windows": windows,
+        "windows": ws.iter().map(Window::json).collect::<Vec<_>>(),
         "added_cpu_per_pair_us": added.mean * 1e6,
         "added_cpu_per_pair_se_us": added.se * 1e6,
         "cpu_per_grant_us": per_grant * 1e6,
@@ -641,9 +642,7 @@ fn churn_report(ws: &[Window]) -> (Vec<Table>, Vec<Check>, serde_json::Value) {
 /// The slope of broker CPU on grants across `ws`: what a grant costs it,
 /// as windows that serve more of them say (none when they cannot).
 fn cpu_per_grant<'a>(ws: impl Iterator<Item = &'a Window>) -> f64 {
-    let xy: Vec<(f64, f64)> = ws
-        .map(|w| (w.grants as f64 / w.secs, w.cpu_per_s))
-        .collect();
+    let xy: Vec<(f64, f64)> = ws.map(|w| (w.grants_per_s, w.cpu_per_s)).collect();
     let n = xy.len().max(1) as f64;
     let (mx, my) = xy
         .iter()
@@ -665,7 +664,7 @@ impl Sandwich {
     /// Of the broker's CPU a second less `per_grant` for each grant a
     /// second the window served.
     fn of(ws: &[Window], per_grant: f64) -> Sandwich {
-        let cpu = |w: &Window| w.cpu_per_s - per_grant * w.grants as f64 / w.secs;
+        let cpu = |w: &Window| w.cpu_per_s - per_grant * w.grants_per_s;
         let per_pair: Vec<f64> = ws
             .windows(3)
             .filter(|w| w[1].kind == Kind::Churn && w[0].kind == Kind::Quiet)
@@ -708,19 +707,8 @@ fn parts_report(ws: &[Window]) -> (Table, serde_json::Value) {
          {PARTS_PER_S} arrivals and departures a second; broker CPU and wakes per \
          arrival-and-departure, from each kind of window's median"
     ));
-    let windows: Vec<serde_json::Value> = ws
-        .iter()
-        .map(|w| {
-            serde_json::json!({
-                "kind": w.kind.word(),
-                "pairs_per_s": w.pairs_per_s,
-                "cpu_ms_per_s": w.cpu_per_s * 1e3,
-                "wakes_per_s": w.wakes_per_s,
-            })
-        })
-        .collect();
     let data = serde_json::json!({
-        "windows": windows,
+        "windows": ws.iter().map(Window::json).collect::<Vec<_>>(),
         "added_cpu_per_pair_us": added.per_pair * 1e6,
         "bare_connection_cpu_per_pair_us": added.bare * 1e6,
         "request_cpu_per_pair_us": added.request() * 1e6,
