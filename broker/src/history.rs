@@ -90,8 +90,9 @@ impl Ring {
         self.last.map_or(0, |t| t + EVERY)
     }
 
-    /// Takes a sample of `st`, the status at `now`.
-    pub fn record(&mut self, now: Nanos, st: &Status) {
+    /// Takes a sample of `st`, the status at `now`, with `queued`
+    /// requests waiting (`st` need not list them).
+    pub fn record(&mut self, now: Nanos, st: &Status, queued: usize) {
         self.last = Some(now);
         self.seq += 1;
         // Once full, every series loses its oldest value as it gains one.
@@ -102,7 +103,11 @@ impl Ring {
         if !full {
             self.len += 1;
         }
-        push(&mut self.queue, st.queue.len() as u32, full);
+        push(
+            &mut self.queue,
+            u32::try_from(queued).unwrap_or(u32::MAX),
+            full,
+        );
         let seq = self.seq;
         for g in &st.gpus {
             let allocated = g.processes.iter().map(|p| p.mem_used).sum();
@@ -288,7 +293,7 @@ fn fraction(f: f64) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::status::{GpuStatus, JobShare, ProcStatus, QueueEntry, UserShare};
+    use crate::status::{GpuStatus, JobShare, ProcStatus, UserShare};
 
     const S: Nanos = EVERY;
 
@@ -324,10 +329,9 @@ mod tests {
         }
     }
 
-    fn status(gpus: Vec<GpuStatus>, queued: usize) -> Status {
+    fn status(gpus: Vec<GpuStatus>) -> Status {
         Status {
             gpus,
-            queue: vec![QueueEntry::default(); queued],
             ..Status::default()
         }
     }
@@ -338,23 +342,19 @@ mod tests {
         assert_eq!(r.due(), 0);
         r.record(
             0,
-            &status(
-                vec![gpu("GPU-a", 10, vec![user(1000, 0.7, &[Some(41)])])],
-                0,
-            ),
+            &status(vec![gpu("GPU-a", 10, vec![user(1000, 0.7, &[Some(41)])])]),
+            0,
         );
         assert_eq!(r.due(), S);
         // A second user arrives, and a job of the first leaves.
         r.record(
             S,
-            &status(
-                vec![gpu(
-                    "GPU-a",
-                    90,
-                    vec![user(1000, 0.6, &[None]), user(0, 0.3, &[Some(7)])],
-                )],
-                2,
-            ),
+            &status(vec![gpu(
+                "GPU-a",
+                90,
+                vec![user(1000, 0.6, &[None]), user(0, 0.3, &[Some(7)])],
+            )]),
+            2,
         );
         let h = r.view(S + S / 2, DEPTH);
         assert_eq!(h.samples, 2);
@@ -388,10 +388,11 @@ mod tests {
         let mut r = Ring::new(66);
         r.record(
             0,
-            &status(vec![gpu("GPU-a", 1, vec![user(5, 1.0, &[Some(9)])])], 0),
+            &status(vec![gpu("GPU-a", 1, vec![user(5, 1.0, &[Some(9)])])]),
+            0,
         );
         for i in 1..=(DEPTH as u64 + 10) {
-            r.record(i * S, &status(vec![gpu("GPU-b", i as u32, vec![])], 0));
+            r.record(i * S, &status(vec![gpu("GPU-b", i as u32, vec![])]), 0);
         }
         assert_eq!(r.len(), DEPTH);
         let h = r.view((DEPTH as u64 + 10) * S, DEPTH);
@@ -419,16 +420,13 @@ mod tests {
         let mut r = Ring::new(4);
         // 50 jobs of user 65534 and one of user 1000 on the same GPU.
         let jobs: Vec<Option<u32>> = (0..50).map(Some).collect();
-        let st = status(
-            vec![gpu(
-                "GPU-a",
-                0,
-                vec![user(65534, 0.5, &jobs), user(1000, 0.5, &[Some(1)])],
-            )],
+        let st = status(vec![gpu(
+            "GPU-a",
             0,
-        );
+            vec![user(65534, 0.5, &jobs), user(1000, 0.5, &[Some(1)])],
+        )]);
         for i in 0..5 {
-            r.record(i * S, &st);
+            r.record(i * S, &st, 0);
         }
         let h = r.view(5 * S, DEPTH);
         let of = |uid| h.shares.iter().filter(|s| s.uid == uid).count();

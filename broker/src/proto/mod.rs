@@ -774,8 +774,9 @@ impl Broker {
         self.pump(now);
         // Sampled once what was due has been done.
         if due.contains(&Timer::History) {
-            let st = self.status(now);
-            self.history.record(now, &st);
+            let st = self.status_brief(now);
+            let queued = self.ledger.queue().waiting_count();
+            self.history.record(now, &st, queued);
         }
     }
 

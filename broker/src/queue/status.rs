@@ -32,6 +32,11 @@ impl Queue {
         !self.waiting.is_empty()
     }
 
+    /// How many requests wait (without ordering them).
+    pub fn waiting_count(&self) -> usize {
+        self.waiting.len()
+    }
+
     pub fn waiting(&self, now: Nanos) -> Vec<WaitingStatus> {
         self.order(now)
             .into_iter()

@@ -87,4 +87,11 @@ fn a_queued_request_says_why_it_waits() {
     );
     assert_eq!(q.waits_for, vec![0]);
     assert_eq!(st.leases[0].uid, ALICE);
+    // The ring's sample counts it without saying why (its status leaves
+    // the queue's entries out).
+    t.advance(SEC);
+    let h = page(&t, 0)
+        .history
+        .expect("the first page carries the ring");
+    assert_eq!(h.queue.last(), Some(&1), "{:?}", h.queue);
 }
