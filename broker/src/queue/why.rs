@@ -36,6 +36,11 @@ impl Queue {
         // holds it.
         let mut holds: Vec<(Hold, usize)> = Vec::new();
         let mut out = Vec::new();
+        // What each GPU has free and who holds it is the same for every
+        // request of the walk: put in words once, not once per request
+        // (a thousand requests waiting for one GPU were a thousand
+        // lists of its holders).
+        let mut rooms = Rooms::default();
         for (place, i) in self.order(now).into_iter().enumerate() {
             let w = &self.waiting[i];
             let plain: Vec<Hold> = holds.iter().map(|(h, _)| *h).collect();
@@ -49,7 +54,7 @@ impl Queue {
             } else if self.plan(now, &w.req, &[]).is_some() {
                 self.held_for_others(&holds, &closed, w)
             } else {
-                self.no_room(w)
+                self.no_room(w, &mut rooms)
             };
             out.push((w.id, why));
             let held = self.held_back(now, w, &plain);
@@ -113,16 +118,16 @@ impl Queue {
 
     /// No GPU has the room now: what it needs, and what each GPU it could
     /// use has.
-    fn no_room(&self, w: &Waiter) -> Why {
+    fn no_room(&self, w: &Waiter, rooms: &mut Rooms) -> Why {
         let mut gpus = Vec::new();
         let mut parts = Vec::new();
         if !w.req.pin.is_empty() {
             for p in &w.req.pin {
-                let Some(g) = self.gpu_of(&p.uuid).map(|i| &self.gpus[i]) else {
+                let Some(i) = self.gpu_of(&p.uuid) else {
                     continue;
                 };
-                gpus.push(g.info.index);
-                parts.push(self.gpu_room(g));
+                gpus.push(self.gpus[i].info.index);
+                parts.push(rooms.gpu(self, i));
             }
             return Why {
                 text: format!("{}; {}", self.want_words(w), parts.join("; ")),
@@ -147,25 +152,23 @@ impl Queue {
                         format!(" ({})", fmt_indices(&free))
                     }
                 ));
-                for g in self
-                    .gpus
-                    .iter()
-                    .filter(|g| !g.leases.is_empty() || g.outside > 0)
-                {
-                    gpus.push(g.info.index);
-                    parts.push(self.gpu_room(g));
+                for (i, g) in self.gpus.iter().enumerate() {
+                    if !g.leases.is_empty() || g.outside > 0 {
+                        gpus.push(g.info.index);
+                        parts.push(rooms.gpu(self, i));
+                    }
                 }
             }
             Want::Memory(b) => {
-                for g in &self.gpus {
+                for (i, g) in self.gpus.iter().enumerate() {
                     if !self.cfg.overcommit && g.info.total_mem < b {
                         continue;
                     }
                     gpus.push(g.info.index);
-                    parts.push(self.gpu_room(g));
+                    parts.push(rooms.gpu(self, i));
                 }
                 if !self.mig.is_empty() {
-                    parts.push(self.mig.busy_summary());
+                    parts.push(rooms.mig(self));
                 }
             }
         }
@@ -245,6 +248,30 @@ impl Queue {
                 format_size(g.info.total_mem)
             )
         }
+    }
+}
+
+/// Each GPU's words (`gpu_room`) and the MIG instances' (`busy_summary`),
+/// made the first time a walk needs them: the queue does not change
+/// during one.
+#[derive(Default)]
+struct Rooms {
+    gpus: Vec<Option<String>>,
+    mig: Option<String>,
+}
+
+impl Rooms {
+    fn gpu(&mut self, q: &Queue, i: usize) -> String {
+        if self.gpus.len() <= i {
+            self.gpus.resize(q.gpus.len().max(i + 1), None);
+        }
+        self.gpus[i]
+            .get_or_insert_with(|| q.gpu_room(&q.gpus[i]))
+            .clone()
+    }
+
+    fn mig(&mut self, q: &Queue) -> String {
+        self.mig.get_or_insert_with(|| q.mig.busy_summary()).clone()
     }
 }
 
