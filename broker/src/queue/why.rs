@@ -40,7 +40,7 @@ impl Queue {
         // request of the walk: put in words once, not once per request
         // (a thousand requests waiting for one GPU were a thousand
         // lists of its holders).
-        let mut rooms = Rooms::default();
+        let mut rooms = Rooms::of(self);
         for (place, i) in self.order(now).into_iter().enumerate() {
             let w = &self.waiting[i];
             let plain: Vec<Hold> = holds.iter().map(|(h, _)| *h).collect();
@@ -254,17 +254,21 @@ impl Queue {
 /// Each GPU's words (`gpu_room`) and the MIG instances' (`busy_summary`),
 /// made the first time a walk needs them: the queue does not change
 /// during one.
-#[derive(Default)]
 struct Rooms {
     gpus: Vec<Option<String>>,
     mig: Option<String>,
 }
 
 impl Rooms {
-    fn gpu(&mut self, q: &Queue, i: usize) -> String {
-        if self.gpus.len() <= i {
-            self.gpus.resize(q.gpus.len().max(i + 1), None);
+    /// None yet, for `q`'s GPUs.
+    fn of(q: &Queue) -> Rooms {
+        Rooms {
+            gpus: vec![None; q.gpus.len()],
+            mig: None,
         }
+    }
+
+    fn gpu(&mut self, q: &Queue, i: usize) -> String {
         self.gpus[i]
             .get_or_insert_with(|| q.gpu_room(&q.gpus[i]))
             .clone()
