@@ -33,7 +33,8 @@ pub struct Peer {
     pub pid: u32,
     pub uid: u32,
     pub gid: u32,
-    /// Supplementary groups.
+    /// Supplementary groups, read only where something names a group
+    /// (`Broker::reads_groups`): empty otherwise.
     pub groups: Vec<u32>,
     /// When the process started (clock ticks after boot), read at accept
     /// while a pidfd held the process: with the pid it names this process
@@ -68,6 +69,12 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// Whether it names a group (then a peer's supplementary groups are
+    /// read at accept).
+    pub fn names_groups(&self) -> bool {
+        !self.plugin.gids.is_empty() || self.high.as_ref().is_some_and(|a| !a.gids.is_empty())
+    }
+
     /// Root, or the device plugin's user or group.
     pub fn privileged(&self, p: &Peer) -> bool {
         p.uid == 0 || self.plugin.admits(p)
@@ -204,6 +211,30 @@ mod tests {
         assert!(e.contains("token"), "{e}");
         assert!(p.lease(&user, false, false, Some(Priority::High)).is_ok());
         assert!(Policy::default().lease(&user, true, true, None).is_err());
+        // The group is only seen where the groups are read.
+        assert!(p.names_groups());
+    }
+
+    /// Supplementary groups are read at accept only where a rule names a
+    /// group: a policy of users alone does not need them.
+    #[test]
+    fn a_policy_names_groups_only_through_a_gid() {
+        let users = Allow {
+            uids: vec![990],
+            gids: Vec::new(),
+        };
+        let group = Allow {
+            uids: Vec::new(),
+            gids: vec![27],
+        };
+        assert!(!Policy::default().names_groups());
+        let of = |plugin: &Allow, high: Option<&Allow>| Policy {
+            plugin: plugin.clone(),
+            high: high.cloned(),
+        };
+        assert!(!of(&users, Some(&users)).names_groups());
+        assert!(of(&group, None).names_groups());
+        assert!(of(&users, Some(&group)).names_groups());
     }
 
     #[test]

@@ -254,14 +254,14 @@ const SO_PEERPIDFD: libc::c_int = 77;
 
 /// The peer of a connection, fixed now for the connection's life: pid,
 /// uid and gid from `SO_PEERCRED`, supplementary groups from
-/// `SO_PEERGROUPS` (Linux 4.13 and later; none where the kernel cannot
-/// say), and the process's start time, read while a pidfd holds the
+/// `SO_PEERGROUPS` when `groups` asks for them (Linux 4.13 and later; none
+/// where the kernel cannot say), and the process's start time, read while a pidfd holds the
 /// process (`SO_PEERPIDFD`, else `pidfd_open` of the pid) and trusted
 /// only if the process is still alive after the read: then the pid was
 /// still its own. None when the kernel gives nothing, or the process has
 /// already exited (nothing it sent could be told from what the next
 /// holder of its pid sends).
-pub fn peer(fd: i32) -> Option<Accepted> {
+pub fn peer(fd: i32, groups: bool) -> Option<Accepted> {
     // SAFETY: the caller's descriptor, borrowed for this call only.
     let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
     let cred = gpufrac_common::net::peer_cred(&borrowed)?;
@@ -282,7 +282,7 @@ pub fn peer(fd: i32) -> Option<Accepted> {
             pid,
             uid: cred.uid,
             gid: cred.gid,
-            groups: peer_groups(fd),
+            groups: if groups { peer_groups(fd) } else { Vec::new() },
             start_time: Some(start),
         },
         pidfd,
@@ -432,7 +432,7 @@ mod tests {
     #[test]
     fn the_peer_of_a_socket_pair_is_this_process() {
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let got = peer(a.as_raw_fd()).unwrap();
+        let got = peer(a.as_raw_fd(), true).unwrap();
         let p = got.peer;
         assert_eq!(p.pid, std::process::id());
         // SAFETY: getuid/getgid have no preconditions.
@@ -440,6 +440,16 @@ mod tests {
         // SAFETY: getgroups with a zero size only counts.
         let n = unsafe { libc::getgroups(0, std::ptr::null_mut()) };
         assert_eq!(p.groups.len(), n as usize);
+        // Not asked for: not read (the same process, the same groups).
+        let unasked = peer(a.as_raw_fd(), false).unwrap().peer;
+        assert_eq!(unasked.groups, Vec::<u32>::new());
+        assert_eq!(
+            unasked,
+            Peer {
+                groups: Vec::new(),
+                ..p.clone()
+            }
+        );
         assert_eq!(
             p.start_time,
             gpufrac_common::procfs::start_time(std::process::id())
@@ -482,7 +492,7 @@ mod tests {
         // SAFETY: waits for our own child.
         assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
         let (s, _) = l.accept().unwrap();
-        assert!(peer(s.as_raw_fd()).is_none());
+        assert!(peer(s.as_raw_fd(), true).is_none());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

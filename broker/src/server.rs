@@ -587,7 +587,7 @@ impl Loop {
             match self.listener.accept() {
                 Ok((mut stream, _)) => {
                     let Some(crate::listen::Accepted { peer, pidfd }) =
-                        crate::listen::peer(stream.as_raw_fd())
+                        crate::listen::peer(stream.as_raw_fd(), self.core.reads_groups())
                     else {
                         // The kernel cannot say who it is, or it has
                         // exited already: nobody to trust.

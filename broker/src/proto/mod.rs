@@ -415,6 +415,13 @@ impl Broker {
         }
     }
 
+    /// Whether anything asks which supplementary groups a process has
+    /// (`--plugin-group`, `--high-allow` with a group, `--group-weight`):
+    /// else the shell does not ask the kernel at each accept.
+    pub fn reads_groups(&self) -> bool {
+        self.cfg.policy.names_groups() || !self.cfg.weights.groups.is_empty()
+    }
+
     /// Whether a connection waits for a turn: the shell then runs the next
     /// one at once, without waiting in its poll (it is edge-triggered, and
     /// would not say again what it already said).

@@ -77,6 +77,8 @@ fn user_weights_scale_a_users_part() {
     let mut w = Weights::default();
     w.users.insert(ALICE, 3.0);
     let (t, alice, bobs) = four_jobs_beside_one(w);
+    // Weights by user alone need no process's groups.
+    assert!(!t.b.reads_groups());
     let st = t.status();
     let g = &st.gpus[0];
     let target = |pid| {
@@ -93,6 +95,7 @@ fn user_weights_scale_a_users_part() {
     let mut w = Weights::default();
     w.groups.insert(BOB, 3.0);
     let (t, alice, _) = four_jobs_beside_one(w);
+    assert!(t.b.reads_groups());
     let g = &t.status().gpus[0];
     let a = g.processes.iter().find(|p| p.pid == alice).unwrap();
     assert!((a.share_target - 0.25).abs() < 1e-9, "{}", a.share_target);
