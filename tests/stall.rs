@@ -262,7 +262,10 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     let spinner = || {
         let mut cmd = spin(&b, start, end);
         // Still alive when the broker comes back: it must re-register.
-        cmd.env("GPUFRAC_LOG", "warn").args(["sleep-ms", "60000"]);
+        // Its grants and releases are logged: should nobody say why it
+        // launched unarbitrated, the failure shows where each one was at
+        // the stop.
+        cmd.env("GPUFRAC_LOG", "debug").args(["sleep-ms", "60000"]);
         Watched::spawn(cmd)
     };
     let mut procs = [spinner(), spinner()];
@@ -306,8 +309,18 @@ fn a_stopped_broker_does_not_block_launches_and_arbitration_resumes() {
     // (one under a compute limit) is tested below.
     assert!(
         procs.iter().any(|p| said_unarbitrated(&b, p)),
-        "nobody said why it launched unarbitrated: {:?}",
-        procs.iter().map(|p| p.err()).collect::<Vec<_>>()
+        "nobody said why it launched unarbitrated (stopped {} ms into the window); the \
+         end of each one's log:\n{}",
+        stopped_at.saturating_sub(start) / MS,
+        procs
+            .iter()
+            .map(|p| {
+                let err = p.err();
+                let lines: Vec<&str> = err.lines().collect();
+                lines[lines.len().saturating_sub(25)..].join("\n")
+            })
+            .collect::<Vec<_>>()
+            .join("\n----\n")
     );
 
     // Back: the survivors register again (arbitration resumes) and a new
