@@ -254,13 +254,13 @@ const SO_PEERPIDFD: libc::c_int = 77;
 
 /// The peer of a connection, fixed now for the connection's life: pid,
 /// uid and gid from `SO_PEERCRED`, supplementary groups from
-/// `SO_PEERGROUPS` when `groups` asks for them (Linux 4.13 and later; none
-/// where the kernel cannot say), and the process's start time, read while a pidfd holds the
-/// process (`SO_PEERPIDFD`, else `pidfd_open` of the pid) and trusted
-/// only if the process is still alive after the read: then the pid was
-/// still its own. None when the kernel gives nothing, or the process has
-/// already exited (nothing it sent could be told from what the next
-/// holder of its pid sends).
+/// `SO_PEERGROUPS` when `groups` asks for them (Linux 4.13 and later;
+/// none where the kernel cannot say), and the process's start time, read
+/// while a pidfd holds the process (`SO_PEERPIDFD`, else `pidfd_open` of
+/// the pid) and trusted only if the process is still alive after the
+/// read: then the pid was still its own. None when the kernel gives
+/// nothing, or the process has already exited (nothing it sent could be
+/// told from what the next holder of its pid sends).
 pub fn peer(fd: i32, groups: bool) -> Option<Accepted> {
     // SAFETY: the caller's descriptor, borrowed for this call only.
     let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
