@@ -246,6 +246,54 @@ fn a_running_job_keeps_its_lease_across_a_clean_restart() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// The broker before marked processes by start time and wrote state file
+/// version 1; this one marks them by pidfs inode where the kernel has
+/// pidfs, and carries such a file over: a job whose run still has the
+/// start time the file says is the run's (it claims its lease back), one
+/// whose pid has another start time is a run that never came back.
+#[test]
+fn a_state_file_of_start_times_from_the_broker_before_is_carried_over() {
+    let mut b = Broker::start("16G", &[]);
+    let kept = b.holding("8G");
+    let other = b.holding("4G");
+    let (kept_pid, other_pid) = (kept.id(), other.id());
+    clean_stop(&mut b);
+    let text = std::fs::read_to_string(b.state_file()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["version"], 2, "{text}");
+    assert!(v["idents"].is_string(), "{text}");
+    v.as_object_mut().unwrap().remove("idents");
+    v["version"] = 1.into();
+    for j in v["jobs"].as_array_mut().unwrap() {
+        let pid = j["pid"].as_u64().unwrap() as u32;
+        let start = gpufrac_common::procfs::start_time(pid).unwrap();
+        // The other's file says it started a tick later: another process.
+        let start = if pid == other_pid { start + 1 } else { start };
+        let o = j.as_object_mut().unwrap();
+        o.remove("ident");
+        o.insert("start_time".into(), start.into());
+    }
+    std::fs::write(b.state_file(), v.to_string()).unwrap();
+    b.restart();
+    wait_until(20.0, "the restarted broker to say what it restored", || {
+        b.log().contains("restored jobs from the state file")
+    });
+    wait_until(20.0, "the kept run to claim its lease back", || {
+        leases(&b) == vec![(u64::from(kept_pid), true)]
+    });
+    let err = release_holding(kept);
+    assert!(
+        err.contains("lease claimed back from the restarted broker"),
+        "{err}"
+    );
+    let err = release_holding(other);
+    assert!(
+        err.contains("would not give the lease back")
+            && !err.contains("lease claimed back from the restarted broker"),
+        "{err}"
+    );
+}
+
 /// A job whose run ended while no broker ran is dropped by the next one
 /// at its start, and one whose run dies before claiming its lease back
 /// is dropped by the sweep that follows: neither holds memory another

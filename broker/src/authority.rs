@@ -12,11 +12,11 @@
 //! - `high` from anyone, or only from an allow-list; either way the class
 //!   is bounded by its share of each window (the scheduler's rule).
 //! - A process joins a job by ancestry (the job's `gpufrac run`, pid and
-//!   start time) or by holding its token; by token only if it runs as the
+//!   mark, `ident.rs`) or by holding its token; by token only if it runs as the
 //!   job's user or as root, or the job is a pod's, booked by the plugin
 //!   (a pod's processes run as whatever user the pod says).
 //! - Only the process that made a job reclaims it after a broker restart
-//!   (same pid, same start time).
+//!   (same pid, same mark).
 //!
 //! Budgets (how much of the broker one user may hold) are in
 //! `proto::conn` (`Budgets`); the files the broker trusts in `statefile`.
@@ -36,12 +36,13 @@ pub struct Peer {
     /// Supplementary groups, read only where something names a group
     /// (`Broker::reads_groups`): empty otherwise.
     pub groups: Vec<u32>,
-    /// When the process started (clock ticks after boot), read at accept
-    /// while a pidfd held the process: with the pid it names this process
+    /// The process's mark (`ident.rs`: its pidfs inode, else its start
+    /// time), taken at accept while a pidfd held the process: with the
+    /// pid it names this process
     /// and no later holder of the pid. None: unknown (then nothing that
     /// needs to know which process it is, a lease or a job's membership,
     /// is granted).
-    pub start_time: Option<u64>,
+    pub ident: Option<u64>,
 }
 
 /// Users and groups named by an option.
@@ -133,11 +134,11 @@ impl Policy {
     }
 
     /// Whether `p` may take `job` back after a broker restart: it is the
-    /// very process that made it (`p`'s pid and start time, fixed at
+    /// very process that made it (`p`'s pid and mark, fixed at
     /// accept). A process that changed its user since (setuid) is not the
     /// job's any more.
     pub fn may_resume(&self, p: &Peer, job: &Job) -> bool {
-        job.pid == p.pid && p.start_time == Some(job.start_time) && p.uid == job.uid
+        job.pid == p.pid && p.ident == Some(job.ident) && p.uid == job.uid
     }
 
     /// Whether `p` may, during a recovery, claim a lease the trusted state
@@ -173,14 +174,14 @@ mod tests {
             uid,
             gid,
             groups: groups.to_vec(),
-            start_time: Some(5),
+            ident: Some(5),
         }
     }
 
     fn job(uid: u32, plugin: bool) -> Job {
         Job {
             pid: 100,
-            start_time: 5,
+            ident: 5,
             uid,
             plugin,
             ..crate::jobs::sample(7)
@@ -282,12 +283,12 @@ mod tests {
         assert!(p.may_resume(&peer(1000, 1000, &[]), &j));
         // The same pid, reused by another process.
         let reused = Peer {
-            start_time: Some(6),
+            ident: Some(6),
             ..peer(1000, 1000, &[])
         };
         assert!(!p.may_resume(&reused, &j));
         let unknown = Peer {
-            start_time: None,
+            ident: None,
             ..peer(1000, 1000, &[])
         };
         assert!(!p.may_resume(&unknown, &j));

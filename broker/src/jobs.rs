@@ -7,14 +7,16 @@
 //! Plain data and its encoding; the broker core decides, the state file
 //! keeps.
 
+use crate::ident;
 use crate::queue::{Pinned, Request, Want};
 use serde::{Deserialize, Serialize};
 
 pub use gpufrac_common::config::Priority;
 
 /// Format of the state file; a broker refuses (and keeps aside) a file of
-/// another version rather than misreading it.
-const STATE_VERSION: u32 = 1;
+/// another version rather than misreading it. Version 2 says what its
+/// jobs' marks are (`idents`); version 1 held start times, and is read.
+const STATE_VERSION: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Phase {
@@ -38,10 +40,13 @@ pub struct Job {
     /// Names the job on the wire (`Lease.resume`); random, so that one
     /// process cannot guess another's.
     pub token: u64,
-    /// The `gpufrac run` process, and its start time (clock ticks after
-    /// boot, from /proc), which tells a live run from a reused pid.
+    /// The `gpufrac run` process, and its mark (`ident.rs`: its pidfs
+    /// inode, else its start time), which tells a live run from a reused
+    /// pid. Version 1 of the file called it `start_time` (and held start
+    /// times only).
     pub pid: u32,
-    pub start_time: u64,
+    #[serde(alias = "start_time")]
+    pub ident: u64,
     pub uid: u32,
     pub want: Option<Want>,
     pub compute: Option<f64>,
@@ -110,10 +115,12 @@ mod opt_priority {
 #[derive(Deserialize)]
 struct Saved {
     version: u32,
+    /// What the jobs' marks are (version 2).
+    idents: Option<ident::Kind>,
     jobs: Vec<Job>,
 }
 
-/// The state file's bytes for these jobs.
+/// The state file's bytes for these jobs, whose marks are this host's.
 pub fn encode<'a>(jobs: impl Iterator<Item = &'a Job>) -> Vec<u8> {
     let each: Vec<Vec<u8>> = jobs.map(encode_job).collect();
     assemble(each.iter().map(Vec::as_slice))
@@ -126,9 +133,11 @@ pub fn encode_job(job: &Job) -> Vec<u8> {
 }
 
 /// The state file's bytes from its jobs' (`Saved`'s shape, as serde
-/// writes it).
+/// writes it), whose marks are this host's.
 pub fn assemble<'a>(jobs: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
-    let mut out = format!("{{\"version\":{STATE_VERSION},\"jobs\":[").into_bytes();
+    let idents = serde_json::to_string(&ident::kind()).unwrap_or_default();
+    let mut out =
+        format!("{{\"version\":{STATE_VERSION},\"idents\":{idents},\"jobs\":[").into_bytes();
     for (i, j) in jobs.enumerate() {
         if i > 0 {
             out.push(b',');
@@ -139,19 +148,40 @@ pub fn assemble<'a>(jobs: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
     out
 }
 
-/// The jobs in a state file's bytes, or why they cannot be used.
+/// The jobs in a state file's bytes, with their marks as this host's
+/// (`ident::convert`: a job whose run is gone keeps mark 0, which no
+/// process has, and ends as a run that never came back), or why they
+/// cannot be used.
 pub fn decode(bytes: &[u8]) -> Result<Vec<Job>, String> {
-    match serde_json::from_slice::<Saved>(bytes) {
-        Ok(s) if s.version == STATE_VERSION => Ok(s.jobs),
-        Ok(s) => Err(format!(
-            "version {} (this broker reads version {STATE_VERSION})",
-            s.version
-        )),
-        Err(e) => Err(e.to_string()),
-    }
+    let s = serde_json::from_slice::<Saved>(bytes).map_err(|e| e.to_string())?;
+    let from = match (s.version, s.idents) {
+        (1, _) => ident::Kind::StartTime,
+        (STATE_VERSION, Some(k)) => k,
+        (STATE_VERSION, None) => return Err("version 2 without `idents`".into()),
+        (v, _) => {
+            return Err(format!(
+                "version {v} (this broker reads versions 1 and {STATE_VERSION})"
+            ));
+        }
+    };
+    let to = ident::kind();
+    Ok(s.jobs
+        .into_iter()
+        .map(|j| Job {
+            ident: ident::convert(from, to, j.pid, j.ident).unwrap_or(0),
+            ..j
+        })
+        .collect())
 }
 
-pub use gpufrac_common::wire::random_token as new_token;
+/// The broker's job tokens: ChaCha12 (`StdRng`) seeded once from the
+/// kernel's random source, so that a job's arrival costs no system call;
+/// as unguessable as the kernel's own (a token is a job's secret).
+pub fn token_source() -> Box<dyn FnMut() -> u64> {
+    use rand::{RngCore, SeedableRng};
+    let mut rng = rand::rngs::StdRng::from_os_rng();
+    Box::new(move || rng.next_u64())
+}
 
 /// A job for tests: a running lease of one GPU, alice's, to vary with
 /// `..sample(token)`.
@@ -160,7 +190,7 @@ pub(crate) fn sample(token: u64) -> Job {
     Job {
         token,
         pid: 4242,
-        start_time: 99,
+        ident: 99,
         uid: 1000,
         want: Some(Want::Gpus(1)),
         compute: Some(30.0),
@@ -195,8 +225,62 @@ mod tests {
         for cut in [1, text.len() / 2, text.len() - 1] {
             assert!(decode(&text.as_bytes()[..cut]).is_err(), "cut at {cut}");
         }
-        let other = text.replace("\"version\":1", "\"version\":9");
+        let other = text.replace("\"version\":2", "\"version\":9");
         assert!(decode(other.as_bytes()).unwrap_err().contains("version 9"));
-        assert_ne!(new_token(), new_token());
+        let kind = format!(
+            "\"idents\":{},",
+            serde_json::to_string(&ident::kind()).unwrap()
+        );
+        let unsaid = text.replace(&kind, "");
+        assert!(
+            decode(unsaid.as_bytes())
+                .unwrap_err()
+                .contains("without `idents`")
+        );
+        let mut tokens = token_source();
+        assert_ne!(tokens(), tokens());
+        let mut again = token_source();
+        assert_ne!(again(), token_source()(), "each source its own seed");
+    }
+
+    /// A file the broker before version 2 wrote: start times, read as this
+    /// host's marks. The run that is still the process it was keeps its
+    /// job; one whose pid another process holds now has mark 0 (no
+    /// process's), and so is gone.
+    #[test]
+    fn a_version_1_file_of_start_times_is_read_as_this_hosts_marks() {
+        let me = std::process::id();
+        let start = gpufrac_common::procfs::start_time(me).unwrap();
+        let v1 = |start: u64| {
+            let j = Job {
+                pid: me,
+                ident: start,
+                ..job(1)
+            };
+            let body = serde_json::to_string(&j)
+                .unwrap()
+                .replace("\"ident\"", "\"start_time\"");
+            format!("{{\"version\":1,\"jobs\":[{body}]}}")
+        };
+        let jobs = decode(v1(start).as_bytes()).unwrap();
+        assert_eq!(jobs[0].ident, ident::of_pid(ident::kind(), me).unwrap());
+        assert_eq!(
+            Job {
+                ident: 0,
+                ..jobs[0].clone()
+            },
+            Job {
+                pid: me,
+                ident: 0,
+                ..job(1)
+            }
+        );
+        let before = decode(v1(start + 1).as_bytes()).unwrap();
+        let expected = if ident::kind() == ident::Kind::StartTime {
+            start + 1
+        } else {
+            0
+        };
+        assert_eq!(before[0].ident, expected);
     }
 }

@@ -33,6 +33,7 @@
 
 pub(crate) mod authority;
 pub(crate) mod history;
+pub(crate) mod ident;
 pub(crate) mod inventory;
 pub(crate) mod jobs;
 pub(crate) mod listen;

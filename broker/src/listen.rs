@@ -1,7 +1,7 @@
 //! The socket: where it may be created, created safely, and who is on the
 //! other end of a connection (as the kernel says).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 
 use mio::net::UnixListener;
 
@@ -255,10 +255,11 @@ const SO_PEERPIDFD: libc::c_int = 77;
 /// The peer of a connection, fixed now for the connection's life: pid,
 /// uid and gid from `SO_PEERCRED`, supplementary groups from
 /// `SO_PEERGROUPS` when `groups` asks for them (Linux 4.13 and later;
-/// none where the kernel cannot say), and the process's start time, read
-/// while a pidfd holds the process (`SO_PEERPIDFD`, else `pidfd_open` of
-/// the pid) and trusted only if the process is still alive after the
-/// read: then the pid was still its own. None when the kernel gives
+/// none where the kernel cannot say), and the process's mark
+/// (`ident`: its pidfs inode, else its start time), taken from a pidfd
+/// that holds the process (`SO_PEERPIDFD`, else `pidfd_open` of the pid)
+/// and trusted only if the process is still alive after it: then the pid
+/// was still its own. None when the kernel gives
 /// nothing, or the process has already exited (nothing it sent could be
 /// told from what the next holder of its pid sends).
 pub fn peer(fd: i32, groups: bool) -> Option<Accepted> {
@@ -273,17 +274,18 @@ pub fn peer(fd: i32, groups: bool) -> Option<Accepted> {
         Ok(p) => p,
         Err(()) => return None,
     };
-    let start = gpufrac_common::procfs::start_time(pid)?;
-    if pidfd.as_ref().is_some_and(exited) {
-        return None;
-    }
+    let ident = match &pidfd {
+        Some(fd) => crate::ident::of_pidfd(crate::ident::kind(), fd, pid)?,
+        // No pidfds at all (before Linux 5.3): no pidfs either.
+        None => gpufrac_common::procfs::start_time(pid)?,
+    };
     Some(Accepted {
         peer: Peer {
             pid,
             uid: cred.uid,
             gid: cred.gid,
             groups: if groups { peer_groups(fd) } else { Vec::new() },
-            start_time: Some(start),
+            ident: Some(ident),
         },
         pidfd,
     })
@@ -311,29 +313,12 @@ fn pidfd_of(fd: i32, pid: libc::pid_t) -> Result<Option<OwnedFd>, ()> {
     if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         return Err(());
     }
-    // An older kernel: the pid, which the start time read below checks.
-    // SAFETY: pidfd_open takes a pid and flags and returns a descriptor.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if r >= 0 {
-        // SAFETY: as above.
-        return Ok(Some(unsafe { OwnedFd::from_raw_fd(r as i32) }));
+    // An older kernel: a pidfd of the pid, which the mark's read checks.
+    match crate::ident::pidfd_open(pid as u32) {
+        Some(fd) => Ok(Some(fd)),
+        None if std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) => Err(()),
+        None => Ok(None),
     }
-    match std::io::Error::last_os_error().raw_os_error() {
-        Some(libc::ESRCH) => Err(()),
-        _ => Ok(None),
-    }
-}
-
-/// Whether the process of `pidfd` has exited (it is readable then).
-pub fn exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: poll of one pollfd, without waiting.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n != 0
 }
 
 fn peer_groups(fd: i32) -> Vec<u32> {
@@ -367,6 +352,7 @@ fn peer_groups(fd: i32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     fn scratch(tag: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!(
@@ -451,11 +437,11 @@ mod tests {
             }
         );
         assert_eq!(
-            p.start_time,
-            gpufrac_common::procfs::start_time(std::process::id())
+            p.ident,
+            crate::ident::of_pid(crate::ident::kind(), std::process::id())
         );
         let pidfd = got.pidfd.expect("this kernel has pidfds");
-        assert!(!exited(&pidfd));
+        assert!(!crate::ident::exited(&pidfd));
     }
 
     /// The attack this stops: a process connects, dies, and its pid goes

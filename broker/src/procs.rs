@@ -1,6 +1,6 @@
 //! What the broker core reads of the host, behind traits so that the core
-//! runs in tests without /proc or a GPU: processes (ancestry and start
-//! times, from `/proc/PID/stat`, one page at most each); and NVML's view of
+//! runs in tests without /proc or a GPU: processes (ancestry from
+//! `/proc/PID/stat`, one page at most each, and marks, `ident.rs`); and NVML's view of
 //! each GPU, which the shell samples and hands to the core as a
 //! `Telemetry` snapshot. Nothing here reads a process's memory (its
 //! command line or environment): such a read can be made to block by the
@@ -9,28 +9,30 @@
 
 use std::collections::HashMap;
 
+use crate::ident;
 use crate::inventory::{self, Health, Nvml};
 
 /// The host's processes.
 pub trait Procs {
-    /// When `pid` started (clock ticks after boot): with the pid, it names
-    /// one process even after pids are reused. None: no such process.
-    fn start_time(&self, pid: u32) -> Option<u64>;
+    /// The mark of the process that holds `pid` (`ident`: its pidfs
+    /// inode, else its start time): with the pid, it names one process
+    /// even after pids are reused. None: no such process.
+    fn ident(&self, pid: u32) -> Option<u64>;
     fn parent(&self, pid: u32) -> Option<u32>;
-    /// Both, as one look at the process (one read of /proc).
-    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
-        (self.parent(pid), self.start_time(pid))
+    /// Both, as one look at the process.
+    fn parent_and_ident(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+        (self.parent(pid), self.ident(pid))
     }
 }
 
-/// `pid` and its ancestors, nearest first, each with its start time (at
-/// most 64: a deeper tree is not a job's).
+/// `pid` and its ancestors, nearest first, each with its mark (at most
+/// 64: a deeper tree is not a job's).
 pub fn ancestry(procs: &dyn Procs, pid: u32) -> Vec<(u32, Option<u64>)> {
     let mut out = Vec::new();
     let mut p = pid;
     while p > 1 && out.len() < 64 {
-        let (parent, start) = procs.parent_and_start(p);
-        out.push((p, start));
+        let (parent, ident) = procs.parent_and_ident(p);
+        out.push((p, ident));
         match parent {
             Some(pp) if pp != p => p = pp,
             _ => break,
@@ -39,20 +41,20 @@ pub fn ancestry(procs: &dyn Procs, pid: u32) -> Vec<(u32, Option<u64>)> {
     out
 }
 
-/// /proc.
-pub struct LiveProcs;
+/// /proc, and pidfds where processes are marked by them.
+pub struct LiveProcs(pub ident::Kind);
 
 impl Procs for LiveProcs {
-    fn start_time(&self, pid: u32) -> Option<u64> {
-        gpufrac_common::procfs::start_time(pid)
+    fn ident(&self, pid: u32) -> Option<u64> {
+        ident::of_pid(self.0, pid)
     }
 
     fn parent(&self, pid: u32) -> Option<u32> {
         gpufrac_common::procfs::parent(pid)
     }
 
-    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
-        gpufrac_common::procfs::parent_and_start(pid)
+    fn parent_and_ident(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+        ident::parent_and_mark(self.0, pid)
     }
 }
 
@@ -198,10 +200,17 @@ mod tests {
     #[test]
     fn this_process_and_its_ancestors() {
         let me = std::process::id();
-        let chain = ancestry(&LiveProcs, me);
-        assert_eq!(chain[0], (me, LiveProcs.start_time(me)));
-        assert!(chain[0].1.is_some());
-        assert_eq!(chain.get(1).map(|c| c.0), LiveProcs.parent(me));
-        assert_eq!(LiveProcs.start_time(u32::MAX), None);
+        for kind in [ident::kind(), ident::Kind::StartTime] {
+            let live = LiveProcs(kind);
+            let chain = ancestry(&live, me);
+            assert_eq!(chain[0], (me, live.ident(me)));
+            assert!(chain[0].1.is_some());
+            assert_eq!(chain.get(1).map(|c| c.0), live.parent(me));
+            assert_eq!(
+                chain.get(1).map(|c| c.1),
+                Some(live.ident(live.parent(me).unwrap()))
+            );
+            assert_eq!(live.ident(u32::MAX), None);
+        }
     }
 }

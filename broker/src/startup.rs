@@ -472,8 +472,8 @@ pub fn run(opts: BrokerOptions) -> Result<(), String> {
         found,
         planner,
         discovered,
-        Box::new(LiveProcs),
-        Box::new(crate::jobs::new_token),
+        Box::new(LiveProcs(crate::ident::kind())),
+        crate::jobs::token_source(),
         now,
     );
     // Sampled off the event loop, and only where there is a driver to ask.

@@ -204,7 +204,7 @@ pub fn uuid(i: usize) -> [u8; 16] {
 struct FakeProcs(Rc<RefCell<Host>>);
 
 impl Procs for FakeProcs {
-    fn start_time(&self, pid: u32) -> Option<u64> {
+    fn ident(&self, pid: u32) -> Option<u64> {
         self.0.borrow().start_time(pid)
     }
 
@@ -429,12 +429,12 @@ impl Shell {
             let Some((id, pid)) = io.accept() else {
                 return false;
             };
-            let (uid, start_time) = {
+            let (uid, ident) = {
                 let h = self.host.borrow();
                 (h.uid(pid), h.start_time(pid))
             };
             // A process already gone: the kernel cannot say who it was.
-            let (Some(uid), Some(_)) = (uid, start_time) else {
+            let (Some(uid), Some(_)) = (uid, ident) else {
                 io.close(id);
                 continue;
             };
@@ -443,7 +443,7 @@ impl Shell {
                 uid,
                 gid: uid,
                 groups: Vec::new(),
-                start_time,
+                ident,
             };
             match clock.run(|now| self.b.connect(now, id, peer)) {
                 Err(frame) => {

@@ -328,7 +328,7 @@ impl Broker {
     }
 
     /// The job a process belongs to: the nearest `gpufrac run` among its
-    /// ancestors, by pid and start time (run is a subreaper, so a
+    /// ancestors, by pid and mark (run is a subreaper, so a
     /// daemonised child stays below it; a pid reused by another process
     /// is not the run), whatever its environment says; else the job whose
     /// token it holds, if the rules let it join by token.
@@ -341,8 +341,7 @@ impl Broker {
         // The pid's ancestry is the connection's only while the pid still
         // names the process accepted: after it died, the pid (and so the
         // ancestry) may be a victim's, whose job this is not.
-        let same = c.peer.start_time.is_some()
-            && chain.first().map(|&(_, s)| s) == Some(c.peer.start_time);
+        let same = c.peer.ident.is_some() && chain.first().map(|&(_, s)| s) == Some(c.peer.ident);
         let by_ancestry = chain
             .into_iter()
             .filter(|_| same)

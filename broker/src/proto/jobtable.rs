@@ -48,7 +48,7 @@ pub(super) struct Entry {
 
 /// Jobs by token, with two indexes kept beside them, so that no lookup a
 /// client's message makes walks every job: by the run's process (pid and
-/// start time, what a registration's ancestry is matched against) and by
+/// mark, what a registration's ancestry is matched against) and by
 /// user (what a lease's budget counts).
 #[derive(Debug, Default)]
 pub(super) struct Jobs {
@@ -72,7 +72,7 @@ impl Jobs {
             debug_assert!(false, "job {} inserted twice", old.job.pid);
         }
         self.by_run
-            .entry((job.pid, job.start_time))
+            .entry((job.pid, job.ident))
             .or_default()
             .insert(token);
         self.by_uid.entry(job.uid).or_default().insert(token);
@@ -108,7 +108,7 @@ impl Jobs {
         if e.undelivered.is_some() {
             self.delivered(e.job.uid);
         }
-        let run = (e.job.pid, e.job.start_time);
+        let run = (e.job.pid, e.job.ident);
         if let Some(t) = self.by_run.get_mut(&run) {
             t.remove(&token);
             if t.is_empty() {
@@ -126,9 +126,9 @@ impl Jobs {
 
     /// The job whose run is this process (the first by token, if one
     /// process runs several).
-    pub fn run_by(&self, pid: u32, start_time: u64) -> Option<u64> {
+    pub fn run_by(&self, pid: u32, ident: u64) -> Option<u64> {
         self.by_run
-            .get(&(pid, start_time))
+            .get(&(pid, ident))
             .and_then(|t| t.first().copied())
     }
 

@@ -102,14 +102,14 @@ impl Broker {
         }
         // The process as it was at accept: the pid may name another
         // process by now, whose job this must never become.
-        let Some(start_time) = peer.start_time else {
+        let Some(ident) = peer.ident else {
             return self.refuse(id, "cannot identify the requesting process");
         };
         let token = match a.token {
             0 => self.ledger.new_token(self.world.tokens()),
             t => t,
         };
-        let job = self.job_for(id, &a, token, start_time);
+        let job = self.job_for(id, &a, token, ident);
         match job.request() {
             // A job without placement: a unit with its settings.
             None => {
@@ -191,7 +191,7 @@ impl Broker {
     }
 
     /// The job a `Lease` asks for, its values clamped and cut to size.
-    fn job_for(&mut self, id: ConnId, a: &LeaseReq, token: u64, start_time: u64) -> Job {
+    fn job_for(&mut self, id: ConnId, a: &LeaseReq, token: u64, ident: u64) -> Job {
         let label = self.clip(&a.command, self.cfg.budgets.label);
         let c = self
             .conns
@@ -214,7 +214,7 @@ impl Broker {
         Job {
             token,
             pid: c.peer.pid,
-            start_time,
+            ident,
             uid: c.peer.uid,
             want,
             // Percent on the wire; clamped like a process's own.
@@ -342,7 +342,7 @@ impl Broker {
     }
 
     /// A `gpufrac run` reconnecting after a broker restart: only the same
-    /// process (pid, start time and uid) may claim its job back, and only
+    /// process (pid, mark and uid) may claim its job back, and only
     /// while no live connection holds it. A token the broker does not know
     /// is a claim nothing can verify: during a recovery only root or the
     /// device plugin may book one (where its pins say), within budget;
@@ -353,7 +353,7 @@ impl Broker {
             return;
         };
         let peer = c.peer.clone();
-        let start = peer.start_time;
+        let start = peer.ident;
         let taken = self
             .ledger
             .jobs()

@@ -59,7 +59,7 @@ use crate::mig::{self, FoundInstance};
 use crate::procs::{Procs, Telemetry};
 use outside::World;
 
-/// Where job tokens come from: random in the broker (`jobs::new_token`),
+/// Where job tokens come from: random in the broker (`jobs::token_source`),
 /// a fixed sequence in tests. A token names a job on the wire, so a real
 /// source must be unguessable.
 pub type Tokens = Box<dyn FnMut() -> u64>;
@@ -354,7 +354,7 @@ impl Broker {
     }
 
     /// A new connection from `peer`, as the shell found it at accept (its
-    /// start time read while a pidfd held the process). It counts against
+    /// mark taken while a pidfd held the process). It counts against
     /// its user's connection budget from now on, and is read at its first
     /// turn (whatever it sent before the accept). Refused, with the frame
     /// to say why, past that budget.

@@ -77,7 +77,7 @@ impl World {
 
     /// Whether a job's `gpufrac run` is still the process that asked.
     pub fn alive(&self, j: &Job) -> bool {
-        self.procs.start_time(j.pid) == Some(j.start_time)
+        self.procs.ident(j.pid) == Some(j.ident)
     }
 
     /// The processes the driver last listed on GPU `uuid` (position `gi`)
@@ -199,11 +199,11 @@ mod tests {
     use crate::jobs::sample;
     use crate::procs::{DriverMemory, GpuSample};
 
-    /// pid -> (parent, start time).
+    /// pid -> (parent, mark).
     struct Table(HashMap<u32, (u32, u64)>);
 
     impl Procs for Table {
-        fn start_time(&self, pid: u32) -> Option<u64> {
+        fn ident(&self, pid: u32) -> Option<u64> {
             self.0.get(&pid).map(|p| p.1)
         }
 
@@ -244,9 +244,9 @@ mod tests {
     #[test]
     fn a_run_is_alive_only_while_its_pid_names_the_process_that_asked() {
         let job = sample(1);
-        let w = world(&[(job.pid, 1, job.start_time)]);
+        let w = world(&[(job.pid, 1, job.ident)]);
         assert!(w.alive(&job));
-        let w = world(&[(job.pid, 1, job.start_time + 1)]);
+        let w = world(&[(job.pid, 1, job.ident + 1)]);
         assert!(!w.alive(&job), "the pid was reused");
         assert!(!world(&[]).alive(&job), "gone");
     }

@@ -292,7 +292,7 @@ mod tests {
             uid,
             gid: uid,
             groups: Vec::new(),
-            start_time: Some(1),
+            ident: Some(1),
         }
     }
 

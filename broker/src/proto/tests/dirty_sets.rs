@@ -102,7 +102,7 @@ fn check(t: &mut T) {
     // The job table's indexes: each job under its run and its user.
     for (&token, j) in b.ledger.jobs().iter() {
         assert!(
-            b.ledger.jobs().run_by(j.pid, j.start_time).is_some(),
+            b.ledger.jobs().run_by(j.pid, j.ident).is_some(),
             "job by run"
         );
         assert!(

@@ -42,14 +42,14 @@ const ALICE: u32 = 1000;
 const BOB: u32 = 1001;
 const PLUGIN: u32 = 990;
 
-/// pid -> (parent, start time).
+/// pid -> (parent, mark).
 type Table = Rc<RefCell<HashMap<u32, (u32, u64)>>>;
 
 /// The stand-in for /proc, and how many of its files the core read.
 struct FakeProcs(Table, Rc<std::cell::Cell<u64>>);
 
 impl Procs for FakeProcs {
-    fn start_time(&self, pid: u32) -> Option<u64> {
+    fn ident(&self, pid: u32) -> Option<u64> {
         self.1.set(self.1.get() + 1);
         self.0.borrow().get(&pid).map(|p| p.1)
     }
@@ -59,7 +59,7 @@ impl Procs for FakeProcs {
         self.0.borrow().get(&pid).map(|p| p.0)
     }
 
-    fn parent_and_start(&self, pid: u32) -> (Option<u32>, Option<u64>) {
+    fn parent_and_ident(&self, pid: u32) -> (Option<u32>, Option<u64>) {
         self.1.set(self.1.get() + 1);
         let p = self.0.borrow().get(&pid).copied();
         (p.map(|p| p.0), p.map(|p| p.1))
@@ -189,7 +189,7 @@ impl T {
             uid,
             gid: uid,
             groups: Vec::new(),
-            start_time: self.procs.borrow().get(&pid).map(|p| p.1),
+            ident: self.procs.borrow().get(&pid).map(|p| p.1),
         };
         self.b.connect(self.now, id, peer).ok().map(|()| id)
     }

@@ -128,7 +128,7 @@ fn restored_jobs_are_resumed_only_by_their_own_run() {
     let start = t.procs.borrow()[&run].1;
     let job = Job {
         pid: run,
-        start_time: start,
+        ident: start,
         uid: ALICE,
         ..crate::jobs::sample(77)
     };
@@ -179,7 +179,7 @@ fn recovering() -> (T, u32) {
     let start = t.procs.borrow()[&run].1;
     let job = Job {
         pid: run,
-        start_time: start,
+        ident: start,
         uid: ALICE,
         ..crate::jobs::sample(77)
     };

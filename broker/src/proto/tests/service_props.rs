@@ -366,7 +366,7 @@ proptest! {
         t.register(c, Priority::Normal);
         for (token, j) in t.b.ledger.jobs().iter() {
             if j.uid == BOB {
-                prop_assert_eq!(j.start_time, attacker_start);
+                prop_assert_eq!(j.ident, attacker_start);
                 let member = t.b.conns.get(&c).and_then(|c| c.member_of());
                 prop_assert_ne!(member, Some(*token), "the victim's process is in the attacker's job");
             }
@@ -397,7 +397,7 @@ proptest! {
         } else {
             let id = t.next;
             t.next += 1;
-            let peer = Peer { pid: p, uid: BOB, gid: BOB, groups: Vec::new(), start_time: Some(1) };
+            let peer = Peer { pid: p, uid: BOB, gid: BOB, groups: Vec::new(), ident: Some(1) };
             t.b.connect(t.now, id, peer).unwrap();
             id
         };
