@@ -26,7 +26,7 @@ pub enum Kind {
     StartTime,
 }
 
-/// pidfs's `f_type` (`PID_FS_MAGIC`, include/uapi/linux/magic.h).
+/// pidfs's `f_type`: the kernel's `PID_FS_MAGIC`.
 const PID_FS_MAGIC: i64 = 0x5049_4446;
 
 /// This host's kind, found once: pidfs where a pidfd of this process
