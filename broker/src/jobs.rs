@@ -148,30 +148,18 @@ pub fn assemble<'a>(jobs: impl Iterator<Item = &'a [u8]>) -> Vec<u8> {
     out
 }
 
-/// The jobs in a state file's bytes, with their marks as this host's
-/// (`ident::convert`: a job whose run is gone keeps mark 0, which no
-/// process has, and ends as a run that never came back), or why they
-/// cannot be used.
-pub fn decode(bytes: &[u8]) -> Result<Vec<Job>, String> {
+/// The jobs in a state file's bytes and what their marks are (a version 1
+/// file's are start times), or why they cannot be used.
+pub fn decode(bytes: &[u8]) -> Result<(Vec<Job>, ident::Kind), String> {
     let s = serde_json::from_slice::<Saved>(bytes).map_err(|e| e.to_string())?;
-    let from = match (s.version, s.idents) {
-        (1, _) => ident::Kind::StartTime,
-        (STATE_VERSION, Some(k)) => k,
-        (STATE_VERSION, None) => return Err("version 2 without `idents`".into()),
-        (v, _) => {
-            return Err(format!(
-                "version {v} (this broker reads versions 1 and {STATE_VERSION})"
-            ));
-        }
-    };
-    let to = ident::kind();
-    Ok(s.jobs
-        .into_iter()
-        .map(|j| Job {
-            ident: ident::convert(from, to, j.pid, j.ident).unwrap_or(0),
-            ..j
-        })
-        .collect())
+    match (s.version, s.idents) {
+        (1, _) => Ok((s.jobs, ident::Kind::StartTime)),
+        (STATE_VERSION, Some(k)) => Ok((s.jobs, k)),
+        (STATE_VERSION, None) => Err("version 2 without `idents`".into()),
+        (v, _) => Err(format!(
+            "version {v} (this broker reads versions 1 and {STATE_VERSION})"
+        )),
+    }
 }
 
 /// The broker's job tokens: ChaCha12 (`StdRng`) seeded once from the
@@ -219,7 +207,10 @@ mod tests {
     #[test]
     fn jobs_round_trip_and_bad_bytes_say_why() {
         let jobs = vec![job(1), job(2)];
-        assert_eq!(decode(&encode(jobs.iter())).unwrap(), jobs);
+        assert_eq!(
+            decode(&encode(jobs.iter())).unwrap(),
+            (jobs.clone(), ident::kind())
+        );
         let text = String::from_utf8(encode(jobs.iter())).unwrap();
         // Cut anywhere, the file is refused, never half read.
         for cut in [1, text.len() / 2, text.len() - 1] {
@@ -241,46 +232,5 @@ mod tests {
         assert_ne!(tokens(), tokens());
         let mut again = token_source();
         assert_ne!(again(), token_source()(), "each source its own seed");
-    }
-
-    /// A file the broker before version 2 wrote: start times, read as this
-    /// host's marks. The run that is still the process it was keeps its
-    /// job; one whose pid another process holds now has mark 0 (no
-    /// process's), and so is gone.
-    #[test]
-    fn a_version_1_file_of_start_times_is_read_as_this_hosts_marks() {
-        let me = std::process::id();
-        let start = gpufrac_common::procfs::start_time(me).unwrap();
-        let v1 = |start: u64| {
-            let j = Job {
-                pid: me,
-                ident: start,
-                ..job(1)
-            };
-            let body = serde_json::to_string(&j)
-                .unwrap()
-                .replace("\"ident\"", "\"start_time\"");
-            format!("{{\"version\":1,\"jobs\":[{body}]}}")
-        };
-        let jobs = decode(v1(start).as_bytes()).unwrap();
-        assert_eq!(jobs[0].ident, ident::of_pid(ident::kind(), me).unwrap());
-        assert_eq!(
-            Job {
-                ident: 0,
-                ..jobs[0].clone()
-            },
-            Job {
-                pid: me,
-                ident: 0,
-                ..job(1)
-            }
-        );
-        let before = decode(v1(start + 1).as_bytes()).unwrap();
-        let expected = if ident::kind() == ident::Kind::StartTime {
-            start + 1
-        } else {
-            0
-        };
-        assert_eq!(before[0].ident, expected);
     }
 }

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use gpufrac_common::files::{self, Untrusted};
 
+use crate::ident;
 use crate::jobs::{self, Job};
 
 /// Larger than any state file the broker writes (its size is bounded by
@@ -153,7 +154,22 @@ impl StateFile {
 
 fn read(path: &Path) -> Result<Vec<Job>, Untrusted> {
     let bytes = files::read_private(path, MAX_STATE)?;
-    jobs::decode(&bytes).map_err(|e| Untrusted::Foreign(format!("it cannot be read as state: {e}")))
+    let (jobs, kind) = jobs::decode(&bytes)
+        .map_err(|e| Untrusted::Foreign(format!("it cannot be read as state: {e}")))?;
+    Ok(as_this_hosts(jobs, kind))
+}
+
+/// Jobs whose marks are of kind `from`, with this host's marks
+/// (`ident::convert`): a job whose run is gone gets mark 0, which no
+/// process has, and ends as a run that never came back.
+fn as_this_hosts(jobs: Vec<Job>, from: ident::Kind) -> Vec<Job> {
+    let to = ident::kind();
+    jobs.into_iter()
+        .map(|j| Job {
+            ident: ident::convert(from, to, j.pid, j.ident).unwrap_or(0),
+            ..j
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -256,5 +272,49 @@ mod tests {
         assert!(d.join("state.unreadable").exists());
         assert!(!f.path().exists());
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A file the broker before version 2 wrote: start times, read as this
+    /// host's marks. The run that is still the process it was keeps its
+    /// job; one whose pid another process holds now has mark 0 (no
+    /// process's), and so is gone.
+    #[test]
+    fn a_version_1_file_of_start_times_is_read_as_this_hosts_marks() {
+        let me = std::process::id();
+        let start = gpufrac_common::procfs::start_time(me).unwrap();
+        let v1 = |start: u64| {
+            let j = Job {
+                pid: me,
+                ident: start,
+                ..job(1)
+            };
+            let body = serde_json::to_string(&j)
+                .unwrap()
+                .replace("\"ident\"", "\"start_time\"");
+            format!("{{\"version\":1,\"jobs\":[{body}]}}")
+        };
+        let (jobs, kind) = jobs::decode(v1(start).as_bytes()).unwrap();
+        assert_eq!(kind, ident::Kind::StartTime);
+        let jobs = as_this_hosts(jobs, kind);
+        assert_eq!(jobs[0].ident, ident::of_pid(ident::kind(), me).unwrap());
+        assert_eq!(
+            Job {
+                ident: 0,
+                ..jobs[0].clone()
+            },
+            Job {
+                pid: me,
+                ident: 0,
+                ..job(1)
+            }
+        );
+        let (before, kind) = jobs::decode(v1(start + 1).as_bytes()).unwrap();
+        let before = as_this_hosts(before, kind);
+        let expected = if ident::kind() == ident::Kind::StartTime {
+            start + 1
+        } else {
+            0
+        };
+        assert_eq!(before[0].ident, expected);
     }
 }

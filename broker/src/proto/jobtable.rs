@@ -349,7 +349,7 @@ mod tests {
         });
         let bytes = jobs.encode();
         assert_eq!(bytes, whole(&jobs), "a changed job is encoded again");
-        let back = decode(&bytes).expect("the state file's bytes");
+        let back = decode(&bytes).expect("the state file's bytes").0;
         assert_eq!(back, jobs.values().cloned().collect::<Vec<_>>());
         let two = back.iter().find(|j| j.token == 2).expect("job 2");
         assert_eq!(two.phase, Phase::Queued { since: 7 });

@@ -19,7 +19,7 @@ fn a_lease_is_told_only_once_durable() {
     t.lease(c, 1, 0, false);
     assert!(leased(&t.recv(c)).is_none());
     let (seq, bytes) = t.b.take_state(t.now).expect("a write");
-    let jobs = crate::jobs::decode(&bytes).unwrap();
+    let jobs = crate::jobs::decode(&bytes).unwrap().0;
     assert!(matches!(jobs[0].phase, Phase::Running { .. }));
     assert!(leased(&t.recv(c)).is_none(), "not before it is written");
     t.b.state_saved(t.now, seq, Ok(()));
@@ -114,7 +114,7 @@ fn a_clean_stop_keeps_the_jobs_whose_run_is_alive() {
     t.procs.borrow_mut().remove(&q);
     let k = t.b.stop_state().expect("a job runs");
     assert_eq!((k.leases, k.queued), (1, 0));
-    let jobs = crate::jobs::decode(&k.bytes).unwrap();
+    let jobs = crate::jobs::decode(&k.bytes).unwrap().0;
     assert_eq!(jobs.iter().map(|j| j.pid).collect::<Vec<_>>(), vec![a]);
     assert!(matches!(jobs[0].phase, Phase::Running { .. }));
     t.procs.borrow_mut().remove(&a);
@@ -354,7 +354,7 @@ fn a_churning_queue_is_written_once_a_second_and_a_placed_lease_at_once() {
     t.now += 10 * MS;
     t.b.remove(t.now, holder);
     let bytes = t.save().expect("the placed lease's write, at once");
-    let jobs = crate::jobs::decode(&bytes).unwrap();
+    let jobs = crate::jobs::decode(&bytes).unwrap().0;
     assert!(
         jobs.iter()
             .any(|j| matches!(j.phase, Phase::Running { .. })),
