@@ -317,7 +317,7 @@ fn churn_note(n: u64) -> String {
          and the broker's CPU with them) move a window and its neighbours alike; the earlier design, a quiet, a churn and \
          an after window of 4 s each compared by their medians four times over, read 0.197 \
          to 0.343 ms on this machine with a standard error near 0.13 ms. The requests the \
-         churn moved are told their places (each at most once every 5 s) in the quiet \
+         churn moved are told their places (each at most once every 5 s, or 50 ms per place where that is longer) in the quiet \
          windows too; the parts' run measures what that costs. *The parts*: the same queue \
          with nobody beside it, {PARTS_PER_S} arrivals and departures a second, in quiet, \
          bare, churn and after windows in turn, compared by their medians: in the bare \

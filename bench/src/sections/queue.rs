@@ -181,7 +181,7 @@ pub(super) enum Kind {
     /// one leaves (disconnects).
     Churn,
     /// Nothing arrives, but the requests that moved in the churn are still
-    /// told their places (each at most once a `RETELL_EVERY`): work the
+    /// told their places (each at most once a `retell_after`): work the
     /// churn caused, which a quiet window right after it would count as
     /// its baseline.
     After,

@@ -641,13 +641,21 @@ impl Broker {
     /// so a departure costs one walk and a few messages, not one to every
     /// request behind it.
     pub(super) fn tell_positions(&mut self, now: Nanos) {
+        // Those told in one walk mostly want the same: put in words once,
+        // not once a message (formatting the size stood out in the
+        // churning queue's profile).
+        let mut said: Option<(Want, String)> = None;
         for (id, token, position, want) in self.ledger.positions(now) {
             if self.conns.get(&id).and_then(|c| c.cli()).is_some() {
+                let waiting_for = match &said {
+                    Some((w, text)) if *w == want => text.clone(),
+                    _ => said.insert((want, describe(&want))).1.clone(),
+                };
                 self.send(
                     id,
                     &ServerMsg::Queued {
                         position,
-                        waiting_for: describe(&want),
+                        waiting_for,
                         token,
                     },
                 );

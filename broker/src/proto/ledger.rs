@@ -237,8 +237,8 @@ impl Ledger {
     /// for). The queue says whose, so a departure costs one walk and a few
     /// messages, not one to every request behind it.
     /// A new request is told at once; a moved one at most once a
-    /// `POSITION_TICK` (beyond the tenth place, at most once a
-    /// `queue::RETELL_EVERY`).
+    /// `POSITION_TICK` (beyond the tenth place, at most once every
+    /// `queue::retell_after` its place).
     pub fn positions(&mut self, now: Nanos) -> Vec<(ConnId, u64, u32, Want)> {
         let mut told = self.queue.take_fresh();
         if self.positions_due(now).is_some_and(|t| t <= now) {

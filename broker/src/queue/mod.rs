@@ -53,7 +53,7 @@ mod refusals;
 mod reserve;
 mod status;
 #[cfg(test)]
-pub(crate) use status::{FAR_PER_WALK, RETELL_EVERY, due};
+pub(crate) use status::{FAR_PER_WALK, RETELL_EVERY, due, retell_after};
 mod types;
 mod why;
 

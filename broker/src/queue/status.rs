@@ -6,9 +6,23 @@ use gpufrac_common::wire::{EXACT_POSITIONS, position_worth_telling};
 use super::{Lease, LeaseStatus, Nanos, Queue, RequestId, WaitingStatus, Want};
 
 /// Beyond [`EXACT_POSITIONS`] a waiting request is told its place at
-/// most this often, however fast the queue moves: its place there is
-/// "about" anyway, and a run's log lines read the exact one from status.
+/// most once every [`retell_after`] its place, however fast the queue
+/// moves: its place there is "about" anyway, and a run's log lines read
+/// the exact one from status. At least this often.
 pub const RETELL_EVERY: Nanos = 5_000_000_000;
+/// And this long per place: a request's wait grows with its place, and
+/// so may the age of the place it knows, as its precision does (a
+/// tenth). A queue whose every place moves (requests leaving from
+/// anywhere in it) then tells its far places about 18 + 20·ln(N/100)
+/// times a second (64 for a thousand), not N/5 (200).
+pub const RETELL_PER_PLACE: Nanos = 50_000_000;
+
+/// How long a request beyond [`EXACT_POSITIONS`], now at `place`, goes
+/// untold after it was told (its place still falls meanwhile, so what
+/// it was told is never older than this of its place now).
+pub fn retell_after(place: u32) -> Nanos {
+    RETELL_EVERY.max(RETELL_PER_PLACE.saturating_mul(Nanos::from(place)))
+}
 
 /// A walk tells at most this many places beyond [`EXACT_POSITIONS`]; the
 /// rest go at the next walks. A burst (a thousand requests that arrived
@@ -18,11 +32,11 @@ pub const FAR_PER_WALK: usize = 64;
 
 /// Whether a request last told `told` (its place, and when) is due to be
 /// told `place` at `now`: it moved by a meaningful step
-/// ([`position_worth_telling`]), and beyond [`EXACT_POSITIONS`] a
-/// [`RETELL_EVERY`] has passed.
+/// ([`position_worth_telling`]), and beyond [`EXACT_POSITIONS`]
+/// [`retell_after`] its place has passed.
 pub(crate) fn due(told: Option<(u32, Nanos)>, place: u32, now: Nanos) -> bool {
     let recent = place > EXACT_POSITIONS
-        && told.is_some_and(|(_, at)| now < at.saturating_add(RETELL_EVERY));
+        && told.is_some_and(|(_, at)| now < at.saturating_add(retell_after(place)));
     !recent && position_worth_telling(told.map(|t| t.0), place)
 }
 
@@ -61,7 +75,7 @@ impl Queue {
     /// ([`position_worth_telling`]: exact up to 10, within a tenth
     /// beyond), with that place (1-based) and what they want; each is
     /// taken as told. Beyond the tenth place a request is told again at
-    /// most once a [`RETELL_EVERY`], and a walk tells at most
+    /// most once every [`retell_after`] its place, and a walk tells at most
     /// [`FAR_PER_WALK`] of them, the nearest first: true when some were
     /// left for the next walk. One walk of the queue, nothing per request
     /// that stays put: a departure tells a few requests, not all behind

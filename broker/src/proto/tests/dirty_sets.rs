@@ -164,7 +164,7 @@ fn check(t: &mut T) {
         let at = t.b.ledger.polled();
         for w in t.b.ledger.queue().waiting(at) {
             let told = t.b.ledger.queue().told(w.id);
-            // Beyond the tenth place, told at most once a `RETELL_EVERY`.
+            // Beyond the tenth place, told at most once a `retell_after`.
             let walked = t.b.ledger.walked().unwrap_or(0);
             assert!(
                 !crate::queue::due(told, w.position as u32, walked),

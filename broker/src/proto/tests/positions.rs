@@ -1,5 +1,5 @@
 //! What waiting runs are told of their place: exact up to 10, within a
-//! tenth beyond (told at most once a `RETELL_EVERY` there), and a message
+//! tenth beyond (told at most once a `retell_after` its place there), and a message
 //! only when it moved that far. Before, every
 //! change of the queue told each request behind it its new place: a queue
 //! of 1,000 with 100 requests a second arriving and leaving sent its
@@ -8,7 +8,7 @@
 use super::*;
 
 use crate::proto::ledger::POSITION_TICK;
-use crate::queue::{FAR_PER_WALK, RETELL_EVERY};
+use crate::queue::{FAR_PER_WALK, retell_after};
 use gpufrac_common::wire::{EXACT_POSITIONS, position_worth_telling};
 
 /// The places a connection was told since the last look.
@@ -26,8 +26,9 @@ fn told(t: &mut T, id: ConnId) -> Vec<u32> {
 /// one request leaves (the head, or one from the middle) and a new one
 /// arrives at the back. Each run's last message says its place exactly
 /// up to 10 after every round, and within a tenth beyond once its
-/// `RETELL_EVERY` passed (and the walks reached it, `FAR_PER_WALK` a
-/// walk); beyond 10, a run is told at most once a `RETELL_EVERY`. Since a
+/// `retell_after` passed (and the walks reached it, `FAR_PER_WALK` a
+/// walk); beyond 10, a run is told at most once a `retell_after` its
+/// place. Since a
 /// place only falls here, a run is told at most once per place up to 10
 /// and once per step of a tenth beyond (the places a request at 300 is
 /// told on its way to the front: about 48), where before it was told
@@ -89,7 +90,7 @@ fn a_churning_queue_tells_each_run_its_place_only_when_it_moved_a_tenth() {
                 assert!(
                     place <= EXACT_POSITIONS
                         || said.is_empty()
-                        || t.now + POSITION_TICK >= *at + RETELL_EVERY,
+                        || t.now + POSITION_TICK >= *at + retell_after(place),
                     "round {round}: a run at place {place} told again after {} ns",
                     t.now - *at
                 );
@@ -98,10 +99,10 @@ fn a_churning_queue_tells_each_run_its_place_only_when_it_moved_a_tenth() {
             said.extend(now);
             let last = said.last().copied();
             // Up to 10, exact at every tick; beyond, within a tenth once
-            // a `RETELL_EVERY` has passed, and the walks that tell at most
+            // a `retell_after` has passed, and the walks that tell at most
             // `FAR_PER_WALK` each have reached it.
             let spread = N.div_ceil(FAR_PER_WALK) as Nanos * POSITION_TICK;
-            let late = place <= EXACT_POSITIONS || t.now >= *at + RETELL_EVERY + spread;
+            let late = place <= EXACT_POSITIONS || t.now >= *at + retell_after(place) + spread;
             assert!(
                 !late || !position_worth_telling(last, place),
                 "round {round}: a run at place {place} last told {last:?}"

@@ -219,8 +219,8 @@ fn run(totals: &[u64], cfg: QueueConfig, ops: Vec<Op>) {
             "the order kept as they come and go"
         );
         // What each was told of its place is exact up to 10 and within a
-        // tenth beyond once told, unless told less than a `RETELL_EVERY`
-        // ago.
+        // tenth beyond once told, unless told less than a `retell_after`
+        // its place ago.
         if polled {
             // Walks until none is left for the next (at most
             // `FAR_PER_WALK` far places a walk).
