@@ -22,14 +22,6 @@ pub(super) const MAX_POD: usize = 320;
 /// GPUs and MIG devices a lease may pin: far above any node's.
 const MAX_PINS: usize = 256;
 
-pub(super) fn describe(w: &Want) -> String {
-    match w {
-        Want::Gpus(1) => "1 GPU".into(),
-        Want::Gpus(n) => format!("{n} GPUs"),
-        Want::Memory(b) => format!("{} of GPU memory", format_size(*b)),
-    }
-}
-
 impl Broker {
     fn refuse(&mut self, id: ConnId, reason: impl Into<String>) {
         self.refuse_as(id, Refusal::Other, reason);
@@ -148,7 +140,7 @@ impl Broker {
                             pid = job.pid,
                             uid = job.uid,
                             command = %Quoted(&job.label),
-                            wants = ?job.want.as_ref().map(describe).unwrap_or_default(),
+                            wants = ?job.want.as_ref().map(Want::words).unwrap_or_default(),
                             "lease queued"
                         );
                     }
@@ -641,16 +633,8 @@ impl Broker {
     /// so a departure costs one walk and a few messages, not one to every
     /// request behind it.
     pub(super) fn tell_positions(&mut self, now: Nanos) {
-        // Those told in one walk mostly want the same: put in words once,
-        // not once a message (formatting the size stood out in the
-        // churning queue's profile).
-        let mut said: Option<(Want, String)> = None;
-        for (id, token, position, want) in self.ledger.positions(now) {
+        for (id, token, position, waiting_for) in self.ledger.positions(now) {
             if self.conns.get(&id).and_then(|c| c.cli()).is_some() {
-                let waiting_for = match &said {
-                    Some((w, text)) if *w == want => text.clone(),
-                    _ => said.insert((want, describe(&want))).1.clone(),
-                };
                 self.send(
                     id,
                     &ServerMsg::Queued {

@@ -56,6 +56,10 @@ pub(in crate::proto) struct Ledger {
     work: VecDeque<Work>,
     /// After an untrusted state file: placements held until then, and why.
     recovery: Option<(Nanos, String)>,
+    /// What the last place told waits for, in words: the runs of a queue
+    /// mostly want the same, and formatting a size for each message
+    /// stood out in the churning queue's profile.
+    said: Option<(Want, String)>,
 }
 
 impl Ledger {
@@ -71,6 +75,7 @@ impl Ledger {
             making: BTreeMap::new(),
             work: VecDeque::new(),
             recovery: None,
+            said: None,
         }
     }
 
@@ -234,12 +239,12 @@ impl Ledger {
 
     /// Waiting runs whose place moved by a meaningful step (exact up to
     /// 10, within a tenth beyond): (run, token, position, what it waits
-    /// for). The queue says whose, so a departure costs one walk and a few
+    /// for in words). The queue says whose, so a departure costs one walk and a few
     /// messages, not one to every request behind it.
     /// A new request is told at once; a moved one at most once a
     /// `POSITION_TICK` (beyond the tenth place, at most once every
     /// `queue::retell_after` its place).
-    pub fn positions(&mut self, now: Nanos) -> Vec<(ConnId, u64, u32, Want)> {
+    pub fn positions(&mut self, now: Nanos) -> Vec<(ConnId, u64, u32, String)> {
         let mut told = self.queue.take_fresh();
         if self.positions_due(now).is_some_and(|t| t <= now) {
             self.untold = false;
@@ -252,9 +257,15 @@ impl Ledger {
                 self.untold = left;
             }
         }
+        let said = &mut self.said;
         told.into_iter()
             .filter_map(|(token, position, want)| {
-                Some((self.jobs.run(&token)?, token, position, want))
+                let run = self.jobs.run(&token)?;
+                let words = match said {
+                    Some((w, words)) if *w == want => words.clone(),
+                    _ => said.insert((want, want.words())).1.clone(),
+                };
+                Some((run, token, position, words))
             })
             .collect()
     }

@@ -6,7 +6,6 @@ use std::collections::{BTreeMap, HashMap};
 use gpufrac_common::wire;
 
 use super::groups::DEFAULT_WEIGHT;
-use super::leases::describe;
 use super::{Broker, Nanos};
 use crate::jobs::Phase;
 use crate::mig::{self, Use};
@@ -293,7 +292,7 @@ impl Broker {
                     pod: job.and_then(|j| j.pod.clone()),
                     uid: job.map_or(0, |j| j.uid),
                     command: w.label.clone(),
-                    wants: describe(&w.want),
+                    wants: w.want.words(),
                     want_gpus: match w.want {
                         Want::Gpus(n) => Some(n),
                         Want::Memory(_) => None,

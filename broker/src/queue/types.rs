@@ -67,6 +67,18 @@ pub enum Want {
     Memory(u64),
 }
 
+impl Want {
+    /// What the request waits for, in words: "1 GPU", "2 GPUs", "16.00
+    /// GiB of GPU memory".
+    pub fn words(&self) -> String {
+        match self {
+            Want::Gpus(1) => "1 GPU".into(),
+            Want::Gpus(n) => format!("{n} GPUs"),
+            Want::Memory(b) => format!("{} of GPU memory", gpufrac_common::size::format_size(*b)),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Request {
     pub want: Want,

@@ -8,7 +8,7 @@
 use super::*;
 
 use crate::proto::ledger::POSITION_TICK;
-use crate::queue::{FAR_PER_WALK, retell_after};
+use crate::queue::{FAR_PER_WALK, RETELL_EVERY, retell_after};
 use gpufrac_common::wire::{EXACT_POSITIONS, position_worth_telling};
 
 /// The places a connection was told since the last look.
@@ -158,4 +158,25 @@ fn a_new_request_is_told_at_once_and_moved_ones_once_a_tick() {
     t.advance(POSITION_TICK);
     let now: Vec<Vec<u32>> = line.iter().map(|&c| told(&mut t, c)).collect();
     assert_eq!(now, [vec![1], vec![2], vec![3]]);
+}
+
+/// Beyond the tenth place a run is told at most once every 5 s, and 50 ms
+/// per place beyond the 100th: a queue whose every place moves tells its
+/// far places a number of times a second that grows with the log of its
+/// length (about 64 for a thousand, 110 for ten thousand), where one
+/// message per run every 5 s grew with the length (200 and 2,000).
+#[test]
+fn far_places_are_told_at_a_rate_that_grows_with_the_log_of_the_queue() {
+    assert_eq!(retell_after(EXACT_POSITIONS + 1), RETELL_EVERY);
+    assert_eq!(retell_after(100), RETELL_EVERY);
+    assert_eq!(retell_after(1000), 10 * RETELL_EVERY);
+    let per_s = |n: u32| -> f64 {
+        (EXACT_POSITIONS + 1..=n)
+            .map(|p| 1e9 / retell_after(p) as f64)
+            .sum()
+    };
+    let (thousand, ten_thousand) = (per_s(1000), per_s(10_000));
+    eprintln!("figure: {thousand:.0} and {ten_thousand:.0} far places told a second");
+    assert!((60.0..70.0).contains(&thousand), "{thousand}");
+    assert!(ten_thousand - thousand < 50.0, "{ten_thousand}");
 }
