@@ -239,8 +239,8 @@ impl Ledger {
 
     /// Waiting runs whose place moved by a meaningful step (exact up to
     /// 10, within a tenth beyond): (run, token, position, what it waits
-    /// for in words). The queue says whose, so a departure costs one walk and a few
-    /// messages, not one to every request behind it.
+    /// for in words). The queue says whose, so a departure costs one walk
+    /// and a few messages, not one to every request behind it.
     /// A new request is told at once; a moved one at most once a
     /// `POSITION_TICK` (beyond the tenth place, at most once every
     /// `queue::retell_after` its place).

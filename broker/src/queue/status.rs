@@ -18,8 +18,7 @@ pub const RETELL_EVERY: Nanos = 5_000_000_000;
 pub const RETELL_PER_PLACE: Nanos = 50_000_000;
 
 /// How long a request beyond [`EXACT_POSITIONS`], now at `place`, goes
-/// untold after it was told (its place still falls meanwhile, so what
-/// it was told is never older than this of its place now).
+/// untold after it was last told.
 pub fn retell_after(place: u32) -> Nanos {
     RETELL_EVERY.max(RETELL_PER_PLACE.saturating_mul(Nanos::from(place)))
 }

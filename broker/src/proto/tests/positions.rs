@@ -1,6 +1,6 @@
 //! What waiting runs are told of their place: exact up to 10, within a
-//! tenth beyond (told at most once a `retell_after` its place there), and a message
-//! only when it moved that far. Before, every
+//! tenth beyond (told at most once a `retell_after` its place there), and
+//! a message only when it moved that far. Before, every
 //! change of the queue told each request behind it its new place: a queue
 //! of 1,000 with 100 requests a second arriving and leaving sent its
 //! waiting runs about 720,000 updates in 14 s.
@@ -28,11 +28,10 @@ fn told(t: &mut T, id: ConnId) -> Vec<u32> {
 /// up to 10 after every round, and within a tenth beyond once its
 /// `retell_after` passed (and the walks reached it, `FAR_PER_WALK` a
 /// walk); beyond 10, a run is told at most once a `retell_after` its
-/// place. Since a
-/// place only falls here, a run is told at most once per place up to 10
-/// and once per step of a tenth beyond (the places a request at 300 is
-/// told on its way to the front: about 48), where before it was told
-/// every place it passed. No round tells more than `FAR_PER_WALK` runs
+/// place. Since a place only falls here, a run is told at most once per
+/// place up to 10 and once per step of a tenth beyond (the places a
+/// request at 300 is told on its way to the front: about 48), where
+/// before it was told every place it passed. No round tells more than `FAR_PER_WALK` runs
 /// beyond the tenth place, though all `N` arrived at once and fall due
 /// together.
 #[test]
