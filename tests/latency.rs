@@ -310,11 +310,41 @@ fn shares_hold_with_120ms_kernels() {
 }
 
 /// A low-priority scavenger gets only what the normal job leaves.
+///
+/// The scavenger's share is judged in every round: a host that holds a
+/// process back cannot hand the scavenger GPU time the broker did not
+/// grant. The normal job's time is judged against one job alone measured
+/// just before, as in `shares_hold`: what it guards is a broker that lets
+/// the GPU idle while the normal job waits behind the scavenger, and a
+/// host that stops the normal job for milliseconds looks the same from
+/// here (a busy 2-core CI machine once gave it 0.865 of the window, with
+/// the scavenger under 0.05). A round below 90% of it alone is measured
+/// again, both sides, up to three times.
 #[test]
 fn low_priority_runs_on_leftover_time_only() {
     let _t = timed();
-    let b = Broker::start("16G", &[]);
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let (low, normal, solo) = priority_round();
+        eprintln!("low beside normal: {low:.3} / {normal:.3} (normal alone {solo:.3})");
+        assert!(low < 0.05, "low got {low:.3} beside a busy normal job");
+        rounds.push((low, normal, solo));
+        if solo > 0.0 && normal >= 0.90 * solo {
+            return;
+        }
+    }
+    panic!(
+        "the normal job kept under 90% of its GPU time alone beside a low one, three times \
+         (low, normal, alone): {rounds:?}"
+    );
+}
+
+/// One round: one job alone, then a low and a normal one together; the
+/// fractions of the window each of the two ran, and the one job's alone.
+fn priority_round() -> (f64, f64, f64) {
     let window = 2000 * MS;
+    let solo = batch_alone(1000, window);
+    let b = Broker::start("16G", &[]);
     let start = mono_ns() + 1000 * MS;
     let end = start + window;
     let mut low = b.client(&artifacts().loadgen);
@@ -330,11 +360,7 @@ fn low_priority_runs_on_leftover_time_only() {
     let normal = spawn(&mut normal);
     let low_ran = num(&output(low, "batch"), "executed_ns") as f64 / window as f64;
     let normal_ran = num(&output(normal, "batch"), "executed_ns") as f64 / window as f64;
-    assert!(
-        low_ran < 0.05,
-        "low got {low_ran:.3} beside a busy normal job"
-    );
-    assert!(normal_ran > 0.90, "normal got {normal_ran:.3}");
+    (low_ran, normal_ran, solo)
 }
 
 #[test]

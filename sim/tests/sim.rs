@@ -1326,8 +1326,13 @@ fn an_interactive_process_waits_for_a_slice_not_a_queue() {
                 );
             }
             // Alone: its 0.5 ms (the engine idles between bursts and it ran
-            // last, so no switch).
-            assert!(ms(a["p99"]) < 1.0, "alone p99 {:.3} ms", ms(a["p99"]));
+            // last, so no switch). The events time the GPU, but a host that
+            // stops the process between two of its ten launches leaves the
+            // engine idle inside a burst: on a busy 2-core machine two
+            // bursts in a hundred once took 1.004 ms, so the median is held
+            // to the burst and the 99th to under a neighbour's slice.
+            assert!(ms(a["p50"]) < 1.0, "alone p50 {:.3} ms", ms(a["p50"]));
+            assert!(ms(a["p99"]) < 2.0, "alone p99 {:.3} ms", ms(a["p99"]));
             // Beside: the neighbour's slice ends first (up to 2 ms), then a
             // switch; it never waits for the neighbour's queue (18 ms).
             let extra = ms(b["p99"]) - ms(a["p99"]);
