@@ -379,6 +379,8 @@ pub(super) struct FairClock {
     seq: u64,
     /// The longest request: the most credit a bank keeps.
     longest: f64,
+    /// `charge`'s flows and their time, kept to spare an allocation.
+    charging: Vec<(UserRef, f64)>,
 }
 
 impl FairClock {
@@ -548,17 +550,51 @@ impl FairClock {
         }
     }
 
-    /// Charges `id` `gpu` ns of GPU time: its flow's virtual time, and its
-    /// own within the flow.
-    pub fn charge(&mut self, id: ClientId, gpu: f64) {
-        let Some(&e) = self.entities.get(&id) else {
-            return;
-        };
+    /// Charges each `id` its `gpu` ns of GPU time: its own virtual time
+    /// within its flow, and its flow's. A flow's place is moved once for
+    /// all its clients' time: a user's many processes on the GPU at once
+    /// (each draining what it launched before its grant) cost the event
+    /// one move of the user, not one for each of them.
+    pub fn charge(&mut self, charges: impl IntoIterator<Item = (ClientId, f64)>) {
+        let mut flows = std::mem::take(&mut self.charging);
+        for (id, gpu) in charges {
+            let Some(r) = self.charge_within(id, gpu) else {
+                continue;
+            };
+            match flows.iter_mut().find(|(f, _)| *f == r) {
+                Some((_, total)) => *total += gpu,
+                None => flows.push((r, gpu)),
+            }
+        }
+        for (r, gpu) in flows.drain(..) {
+            self.charge_flow(r, gpu);
+        }
+        self.charging = flows;
+    }
+
+    /// `id`'s own virtual time, charged `gpu`; its flow, while the flow
+    /// competes (else its bank is, at once).
+    fn charge_within(&mut self, id: ClientId, gpu: f64) -> Option<UserRef> {
+        let e = self.entities.get_mut(&id)?;
         let r = e.m.flow();
         if !e.competing {
-            self.flow(r).bank.lag -= gpu;
-            return;
+            self.flows.entry(r).or_default().bank.lag -= gpu;
+            return None;
         }
+        let f = self.flows.get_mut(&r).expect("competing");
+        let before = *e;
+        e.vt += gpu / f.weights.within(&e.m);
+        f.inner.competing.remove(&(Key(before.vt), id));
+        f.inner.competing.insert((Key(e.vt), id));
+        if e.waiting {
+            f.inner.waiting.remove(&before.order(id));
+            f.inner.waiting.insert(e.order(id));
+        }
+        Some(r)
+    }
+
+    /// A competing flow charged `gpu` ns, its clients' already.
+    fn charge_flow(&mut self, r: UserRef, gpu: f64) {
         // A deadline is never behind its flow's virtual time less its
         // warp: a flow charged through its request starts the next,
         // unwarped (a flow its many clients keep queued keeps no stale
@@ -572,15 +608,6 @@ impl FairClock {
         let band = &mut self.bands[r.0];
         band.sum_wv += gpu;
         band.rebase();
-        let f = self.flows.get_mut(&r).expect("competing");
-        let vt = e.vt + gpu / f.weights.within(&e.m);
-        f.inner.competing.remove(&(Key(e.vt), id));
-        f.inner.competing.insert((Key(vt), id));
-        if e.waiting {
-            f.inner.waiting.remove(&e.order(id));
-            f.inner.waiting.insert(Entity { vt, ..e }.order(id));
-        }
-        self.entity(id).vt = vt;
         self.raise_floor(r);
     }
 

@@ -45,18 +45,34 @@ impl Scheduler {
             return;
         }
         let even = dt as f64 / above[0] as f64;
-        for id in self.lease.on_gpu() {
-            let c = self.clients.get_mut(&id).expect("on the GPU");
-            self.clock
-                .charge(id, dt as f64 / above[band(c.class)] as f64);
+        let clients = &mut self.clients;
+        self.clock.charge(self.lease.on_gpu().map(|id| {
+            let c = clients.get_mut(&id).expect("on the GPU");
             c.charged += even;
-        }
+            (id, dt as f64 / above[band(c.class)] as f64)
+        }));
     }
 
     /// Per band, how many clients on the GPU are of that band or above
-    /// (`[0]`: all of them). Counted, not listed: this runs at every
-    /// event, and an allocation there is paid at every grant.
+    /// (`[0]`: all of them). Kept by `sync`, not counted: this runs twice
+    /// at every event, and a user's many processes that asked, each
+    /// draining what it launched before its grant, are all on the GPU.
     fn above_on_gpu(&self) -> [usize; BANDS] {
+        let mut above = self.tally.on_gpu;
+        for b in (0..BANDS - 1).rev() {
+            above[b] += above[b + 1];
+        }
+        debug_assert_eq!(
+            above,
+            self.count_above_on_gpu(),
+            "the tally of those on the GPU"
+        );
+        above
+    }
+
+    /// `above_on_gpu`, counted from the lease: what the tally must say
+    /// (checked in debug builds).
+    fn count_above_on_gpu(&self) -> [usize; BANDS] {
         let mut above = [0; BANDS];
         for id in self.lease.on_gpu() {
             let b = band(self.clients[&id].class);
@@ -108,6 +124,16 @@ impl Scheduler {
         }
         if old.on_gpu != on_gpu {
             self.ceilings.unit_on_gpu(m.unit, on_gpu, now);
+        }
+        let was = old.class.filter(|_| old.on_gpu).map(band);
+        let is = on_gpu.then_some(band(class));
+        if was != is {
+            if let Some(b) = was {
+                self.tally.on_gpu[b] -= 1;
+            }
+            if let Some(b) = is {
+                self.tally.on_gpu[b] += 1;
+            }
         }
         if old.high != high {
             if let Some((u, w)) = old.high {

@@ -45,7 +45,7 @@ mod types;
 use std::collections::BTreeMap;
 
 use ceilings::Ceilings;
-use clock::{FairClock, Member, UserKey, band, sanitize_weight};
+use clock::{BANDS, FairClock, Member, UserKey, band, sanitize_weight};
 use evidence::Evidence;
 use lease::Leases;
 use meter::Meter;
@@ -149,6 +149,9 @@ impl Client {
 struct Tally {
     registered: [usize; 3],
     queued: [usize; 3],
+    /// Clients on the GPU (holding, revoked and not let go, or draining)
+    /// per band, as `sync` last saw them.
+    on_gpu: [usize; BANDS],
 }
 
 #[derive(Debug, Clone)]
