@@ -541,6 +541,13 @@ impl Node {
                 self.shell
                     .iteration(&mut self.clock, &mut self.net, &mut self.gpu);
                 self.gpu.advance(self.clock.now);
+                // A process's own timers that fell due while the broker
+                // worked run before it reads what the broker wrote at the
+                // end of that work, as a process on its own CPU would
+                // have run them: a victim whose burst ended during a long
+                // turn once heard that turn's revoke first, took itself
+                // for mid-burst, and asked again as no waker.
+                self.wake_actors(actors);
                 self.deliver(actors);
                 continue;
             }

@@ -1470,3 +1470,74 @@ fn a_registration_storm_does_not_delay_the_release_that_frees_the_gpu_for_low() 
         o.figures
     );
 }
+
+/// Found by the search at budget 480 (seed 20261126) on 2026-11-30: a
+/// high burst waited 20 ms, a whole slice. The broker's turn over the
+/// attacker's trickles and unread status took 2.3 ms; the victim's burst
+/// ended inside it, but the node ran the victim's timer only after
+/// delivering that turn's revoke, so the victim took itself for
+/// mid-burst and asked again as no waker. The node now runs the timers
+/// that fell due during a turn before the clients read its output, as
+/// processes on their own CPUs would (`node.rs`); the broker was not
+/// changed.
+#[test]
+fn service_seed_20261126() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Status { frames: 74 },
+                members: 1,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 10,
+                duty: 25,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: true,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::High,
+                    work: false,
+                    recall: Recall::Honest,
+                    uuids: 0,
+                },
+                members: 64,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 320,
+                duty: 100,
+                stagger: 57,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Trickle { kib: 232, bytes: 1 },
+                members: 32,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 5,
+                duty: 10,
+                stagger: 10,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Service, &s);
+}
