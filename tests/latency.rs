@@ -183,28 +183,42 @@ fn interactive_beside(kernel_us: u64) {
     let _t = timed();
     let window = 3000 * MS;
     let (default, default_busy) = scenario(Mode::Default, Some(kernel_us), window);
+    in_a_round_that_ran(
+        &format!(
+            "beside {kernel_us} us kernels the batch job kept under half its GPU time alone \
+             beside a high neighbour (beside, alone)"
+        ),
+        || {
+            let solo = batch_alone(kernel_us, window);
+            let (high, high_busy) = scenario(Mode::High, Some(kernel_us), window);
+            eprintln!(
+                "beside {kernel_us} us kernels: batch alone {solo:.3}; \
+                 default {default:?} batch {default_busy:.3}; high {high:?} batch {high_busy:.3}"
+            );
+            assert!(
+                default_busy > 0.0 && high_busy > 0.0 && solo > 0.0,
+                "the batch job ran nothing: alone {solo:.3}, default {default_busy:.3}, high {high_busy:.3}"
+            );
+            assert!(high.p50 <= high.p95 && high.p95 <= high.p99);
+            ((high_busy, solo), high_busy >= 0.50 * solo)
+        },
+    );
+}
+
+/// Runs `round` until one ran (the host did not hold it back), three
+/// times at most; each gives its figures and whether it ran, and the
+/// rounds' figures are in the panic when none did. The judgements a
+/// held-back round can still make stay in `round`, made in every round.
+fn in_a_round_that_ran<R: std::fmt::Debug>(what: &str, mut round: impl FnMut() -> (R, bool)) {
     let mut rounds = Vec::new();
     for _ in 0..3 {
-        let solo = batch_alone(kernel_us, window);
-        let (high, high_busy) = scenario(Mode::High, Some(kernel_us), window);
-        eprintln!(
-            "beside {kernel_us} us kernels: batch alone {solo:.3}; \
-             default {default:?} batch {default_busy:.3}; high {high:?} batch {high_busy:.3}"
-        );
-        assert!(
-            default_busy > 0.0 && high_busy > 0.0 && solo > 0.0,
-            "the batch job ran nothing: alone {solo:.3}, default {default_busy:.3}, high {high_busy:.3}"
-        );
-        assert!(high.p50 <= high.p95 && high.p95 <= high.p99);
-        rounds.push((high_busy, solo));
-        if high_busy >= 0.50 * solo {
+        let (figures, ran) = round();
+        rounds.push(figures);
+        if ran {
             return;
         }
     }
-    panic!(
-        "beside {kernel_us} us kernels the batch job kept under half its GPU time alone \
-         beside a high neighbour, three times (beside, alone): {rounds:?}"
-    );
+    panic!("{what}, three times: {rounds:?}");
 }
 
 #[test]
@@ -244,25 +258,24 @@ fn interactive_beside_120ms_kernels() {
 /// splits wrong does so in a round that ran as well.
 fn shares_hold(kernel_us: u64, window: u64) {
     let _t = timed();
-    let mut rounds = Vec::new();
-    for _ in 0..3 {
-        let (first, busy, solo) = shares_round(kernel_us, window);
-        eprintln!(
-            "70/30 with {kernel_us} us kernels: {first:.3} / {:.3}, busy {busy:.3} (one alone {solo:.3})",
-            1.0 - first
-        );
-        rounds.push((first, busy, solo));
-        if solo > 0.0 && busy >= 0.85 * solo {
-            assert!(
-                (first - 0.70).abs() <= 0.02,
-                "70/30 with {kernel_us} us kernels split {first:.3}/{:.3}",
+    in_a_round_that_ran(
+        "two batch jobs kept the GPU under 85% as busy as one alone (split, busy, alone)",
+        || {
+            let (first, busy, solo) = shares_round(kernel_us, window);
+            eprintln!(
+                "70/30 with {kernel_us} us kernels: {first:.3} / {:.3}, busy {busy:.3} (one alone {solo:.3})",
                 1.0 - first
             );
-            return;
-        }
-    }
-    panic!(
-        "two batch jobs kept the GPU under 85% as busy as one alone, three times (split, busy, alone): {rounds:?}"
+            let ran = solo > 0.0 && busy >= 0.85 * solo;
+            if ran {
+                assert!(
+                    (first - 0.70).abs() <= 0.02,
+                    "70/30 with {kernel_us} us kernels split {first:.3}/{:.3}",
+                    1.0 - first
+                );
+            }
+            ((first, busy, solo), ran)
+        },
     );
 }
 
@@ -323,19 +336,14 @@ fn shares_hold_with_120ms_kernels() {
 #[test]
 fn low_priority_runs_on_leftover_time_only() {
     let _t = timed();
-    let mut rounds = Vec::new();
-    for _ in 0..3 {
-        let (low, normal, solo) = priority_round();
-        eprintln!("low beside normal: {low:.3} / {normal:.3} (normal alone {solo:.3})");
-        assert!(low < 0.05, "low got {low:.3} beside a busy normal job");
-        rounds.push((low, normal, solo));
-        if solo > 0.0 && normal >= 0.90 * solo {
-            return;
-        }
-    }
-    panic!(
-        "the normal job kept under 90% of its GPU time alone beside a low one, three times \
-         (low, normal, alone): {rounds:?}"
+    in_a_round_that_ran(
+        "the normal job kept under 90% of its GPU time alone beside a low one (low, normal, alone)",
+        || {
+            let (low, normal, solo) = priority_round();
+            eprintln!("low beside normal: {low:.3} / {normal:.3} (normal alone {solo:.3})");
+            assert!(low < 0.05, "low got {low:.3} beside a busy normal job");
+            ((low, normal, solo), solo > 0.0 && normal >= 0.90 * solo)
+        },
     );
 }
 
