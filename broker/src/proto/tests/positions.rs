@@ -31,9 +31,9 @@ fn told(t: &mut T, id: ConnId) -> Vec<u32> {
 /// place. Since a place only falls here, a run is told at most once per
 /// place up to 10 and once per step of a tenth beyond (the places a
 /// request at 300 is told on its way to the front: about 48), where
-/// before it was told every place it passed. No round tells more than `FAR_PER_WALK` runs
-/// beyond the tenth place, though all `N` arrived at once and fall due
-/// together.
+/// before it was told every place it passed. No round tells more than
+/// `FAR_PER_WALK` runs beyond the tenth place, though all `N` arrived at
+/// once and fall due together.
 #[test]
 fn a_churning_queue_tells_each_run_its_place_only_when_it_moved_a_tenth() {
     const N: usize = 300;
