@@ -183,7 +183,7 @@ fn interactive_beside(kernel_us: u64) {
     let _t = timed();
     let window = 3000 * MS;
     let (default, default_busy) = scenario(Mode::Default, Some(kernel_us), window);
-    in_a_round_that_ran(
+    until_a_round_passes(
         &format!(
             "beside {kernel_us} us kernels the batch job kept under half its GPU time alone \
              beside a high neighbour (beside, alone)"
@@ -205,12 +205,12 @@ fn interactive_beside(kernel_us: u64) {
     );
 }
 
-/// Runs `round` until one ran (the host did not hold it back) and, where
-/// the host moves it too, gave the figure judged; three times at most.
-/// Each round gives its figures and whether it passed, and the rounds'
-/// figures are in the panic when none did. The judgements a held-back
+/// Runs `round` until one passes, three times at most: it ran (the host
+/// did not hold it back) and, where the host moves it too, gave the
+/// figure judged. Each round gives its figures and whether it passed, and
+/// the rounds' figures are in the panic when none did. The judgements a held-back
 /// round can still make stay in `round`, made in every round.
-fn in_a_round_that_ran<R: std::fmt::Debug>(what: &str, mut round: impl FnMut() -> (R, bool)) {
+fn until_a_round_passes<R: std::fmt::Debug>(what: &str, mut round: impl FnMut() -> (R, bool)) {
     let mut rounds = Vec::new();
     for _ in 0..3 {
         let (figures, ran) = round();
@@ -268,7 +268,7 @@ fn interactive_beside_120ms_kernels() {
 /// splits wrong does so in every round, and fails.
 fn shares_hold(kernel_us: u64, window: u64) {
     let _t = timed();
-    in_a_round_that_ran(
+    until_a_round_passes(
         "two batch jobs kept the GPU under 85% as busy as one alone, or split off 70/30 by \
          more than 2 points (split, busy, alone)",
         || {
@@ -340,7 +340,7 @@ fn shares_hold_with_120ms_kernels() {
 #[test]
 fn low_priority_runs_on_leftover_time_only() {
     let _t = timed();
-    in_a_round_that_ran(
+    until_a_round_passes(
         "the normal job kept under 90% of its GPU time alone beside a low one (low, normal, alone)",
         || {
             let (low, normal, solo) = priority_round();
