@@ -273,7 +273,7 @@ fn the_wheel_is_manylinux_2_28_and_puts_gpufrac_with_its_shim_in_the_venv() {
             !Path::new(d).join("zig").exists() && !Path::new(d).join("cargo-zigbuild").exists()
         })
         .collect();
-    let o = support::pip(&py.venv)
+    let o = dist::release_profile(&mut support::pip(&py.venv))
         .args(["wheel", "-v", "--no-deps", "--wheel-dir"])
         .arg(&built.0)
         .arg(&python_dir)

@@ -113,20 +113,26 @@ fn xtask(args: &[&str]) -> Output {
 /// `cmd` (one that runs `cargo xtask dist` or `wheel`, perhaps through
 /// another program, such as pip building ./python) pointed at the cache's
 /// cargo-zigbuild and zig: xtask looks in `GPUFRAC_DIST_TOOLS`.
-///
-/// The release it builds is unoptimised, but for the shim and the code the
-/// shim shares, which the workspace's Cargo.toml keeps at opt-level 3:
-/// what these tests check (the glibc the binaries need, the tree, a
-/// capped job, the unit, the wheel) does not turn on the optimiser, and
-/// the build takes about 160 s on 2 cores instead of 420 (2026-11-30,
-/// one run each), a sixth of CI. The optimised gpufrac is what the
-/// benchmarks build and run. To test exactly what ships, set
-/// `CARGO_PROFILE_RELEASE_OPT_LEVEL=3`: a value already set is kept.
 pub fn with_zig(cmd: &mut Command) -> &mut Command {
+    release_profile(cmd);
+    cmd.env("GPUFRAC_DIST_TOOLS", zig_tools())
+}
+
+/// `cmd` (one that builds the release, through xtask or pip) set to build
+/// it unoptimised, but for the shim and the code the shim shares, which
+/// the workspace's Cargo.toml keeps at opt-level 3. What these tests check
+/// (the glibc the binaries need, the tree, a capped job, the unit, the
+/// wheel) does not turn on the optimiser, and the build takes about 160 s
+/// on 2 cores instead of 420 (2026-11-30, one run each), a sixth of CI;
+/// the optimised gpufrac is what the benchmarks build and run. Every
+/// release build of a run must be set alike, or cargo builds it again.
+/// To test exactly what ships, set `CARGO_PROFILE_RELEASE_OPT_LEVEL=3`:
+/// a value already set is kept.
+pub fn release_profile(cmd: &mut Command) -> &mut Command {
     if std::env::var_os("CARGO_PROFILE_RELEASE_OPT_LEVEL").is_none() {
         cmd.env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "0");
     }
-    cmd.env("GPUFRAC_DIST_TOOLS", zig_tools())
+    cmd
 }
 
 /// `cargo xtask ARGS` for the tests of `what`, with cargo-zigbuild and zig
