@@ -8,10 +8,11 @@
 //! The tarball is a release build with cargo-zigbuild, unoptimised but for
 //! the shim (`dist::release_profile` says why, and how to test the
 //! optimised one); it is made once per run of this file, in the
-//! workspace's target/dist (so a second run only relinks what changed), and written there too (`--out-dir`), not to the
-//! repository's dist/. cargo-zigbuild and zig are installed from PyPI into
-//! the test cache when they are missing (docs/testing.md). These are
-//! engine tests: GPUFRAC_TEST_ENGINES=0 skips the ones that need the
+//! workspace's target/dist (so a second run only relinks what changed),
+//! and written there too (`--out-dir`), not to the repository's dist/.
+//! cargo-zigbuild and zig are installed from PyPI into the test cache when
+//! they are missing (docs/testing.md). These are engine tests:
+//! GPUFRAC_TEST_ENGINES=0 skips the ones that need the
 //! tarball.
 
 #[path = "support/dist.rs"]
