@@ -1145,8 +1145,7 @@ fn two_claims_at_70_and_30_get_70_and_30_of_the_gpu() {
     // 2-CPU machine read 0.66 once, 2026-11-30, with the split exact): a
     // round short of 0.75 is taken again, up to three, each judged on its
     // split. A broker that idles the GPU falls short in every round.
-    let mut rounds = Vec::new();
-    for _ in 0..3 {
+    until_a_round_passes("GPU busy 0.75 of the window at most", || {
         let start = mono_ns() + 1500 * MS;
         let end = start + 3000 * MS;
         let kids: Vec<_> = ["uid-big", "uid-small"]
@@ -1177,12 +1176,8 @@ fn two_claims_at_70_and_30_get_70_and_30_of_the_gpu() {
                 "achieved {shares:?}, target [0.7, 0.3] (±0.10)"
             );
         }
-        rounds.push(busy);
-        if busy > 0.75 {
-            return;
-        }
-    }
-    panic!("GPU busy {rounds:.2?} of the window in three rounds, each at most 0.75");
+        (format!("busy {busy:.2}"), busy > 0.75)
+    });
 }
 
 /// Podman applies the claim's CDI spec itself: the container gets the shim,

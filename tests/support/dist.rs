@@ -124,9 +124,9 @@ pub fn with_zig(cmd: &mut Command) -> &mut Command {
 /// (the glibc the binaries need, the tree, a capped job, the unit, the
 /// wheel) does not turn on the optimiser, and `cargo xtask dist` took
 /// 186 s on 2 cores instead of 438 (2026-11-30, one fresh clone each),
-/// a sixth of CI;
-/// the optimised gpufrac is what the benchmarks build and run. Every
-/// release build of a run must be set alike, or cargo builds it again.
+/// a sixth of CI; the optimised gpufrac is what the benchmarks build and
+/// run. Every release build of a run must be set alike, or cargo builds
+/// it again.
 /// To test exactly what ships, set `CARGO_PROFILE_RELEASE_OPT_LEVEL=3`:
 /// a value already set is kept.
 pub fn release_profile(cmd: &mut Command) -> &mut Command {

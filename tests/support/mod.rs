@@ -1430,3 +1430,20 @@ pub fn kubernetes_validate(venv: &Path, files: &[PathBuf]) {
         );
     }
 }
+
+/// Runs `round` until one passes, three times at most: it ran (the host
+/// did not hold it back) and, where the host moves it too, gave the
+/// figure judged. Each round gives its figures and whether it passed, and
+/// the rounds' figures are in the panic when none did. The judgements a
+/// held-back round can still make stay in `round`, made in every round.
+pub fn until_a_round_passes<R: std::fmt::Debug>(what: &str, mut round: impl FnMut() -> (R, bool)) {
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let (figures, ran) = round();
+        rounds.push(figures);
+        if ran {
+            return;
+        }
+    }
+    panic!("{what}, three times: {rounds:?}");
+}
