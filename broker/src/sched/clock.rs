@@ -371,7 +371,7 @@ impl Band {
 #[derive(Debug, Clone, Default)]
 pub(super) struct FairClock {
     bands: [Band; BANDS],
-    entities: BTreeMap<ClientId, Entity>,
+    entities: super::ById<Entity>,
     flows: BTreeMap<UserRef, Flow>,
     /// Flows with nothing registered, kept for their bank.
     kept: BTreeSet<UserRef>,

@@ -8,10 +8,14 @@ impl Scheduler {
     pub fn status(&self, now: Nanos) -> Vec<ClientStatus> {
         let now = now.max(self.now);
         let active = |c: &super::Client| c.state != ClientState::Idle;
+        // By id, as a B-tree held them: the sums below add in that order.
+        let mut clients: Vec<(ClientId, &super::Client)> =
+            self.clients.iter().map(|(&id, c)| (id, c)).collect();
+        clients.sort_unstable_by_key(|&(id, _)| id);
         // `high` and `normal` share a band, and so the GPU by weight.
-        let top = self
-            .clients
-            .values()
+        let top = clients
+            .iter()
+            .map(|&(_, c)| c)
             .filter(|c| active(c))
             .map(|c| band(c.class))
             .max();
@@ -23,18 +27,17 @@ impl Scheduler {
         let among = |c: &super::Client| {
             active(c) && Some(band(c.class)) == top && c.class != Priority::High
         };
-        let active_weight: f64 = self
-            .clients
+        let active_weight: f64 = clients
             .iter()
             .filter(|(_, c)| among(c))
-            .map(|(&id, _)| self.clock.weight(id))
+            .map(|&(id, _)| self.clock.weight(id))
             .sum();
         // Charges since the last settle, as settle would make them.
         let n = self.lease.on_gpu().count().max(1);
         let pending = now.saturating_sub(self.settled_at) as f64 / n as f64;
-        self.clients
-            .iter()
-            .map(|(&id, c)| {
+        clients
+            .into_iter()
+            .map(|(id, c)| {
                 let weight = self.clock.weight(id);
                 let span = self.cfg.window.min(now - c.added_at);
                 let achieved = if span == 0 {
