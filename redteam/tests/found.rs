@@ -1541,3 +1541,81 @@ fn service_seed_20261126() {
     };
     holds(Invariant::Service, &s);
 }
+
+/// Seed 9 (`--budget 480`): a user's 64 connections of 54 processes at
+/// `high`, taking turns in bursts, each recalled beside the low victim
+/// and never answering. It broke `idle` (45.5%) against a scheduler that
+/// kept the GPU for every recalled holder's answer: each kept 4 ms that
+/// ran nothing, then the next burst took the GPU from the victim. The
+/// GPU kept for an answer is now its user's benefit of the doubt.
+#[test]
+fn idle_seed_9_recalls_never_answered() {
+    let s = Strategy {
+        cohorts: vec![
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 1281,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::High,
+                    work: true,
+                    recall: Recall::Ignore,
+                    uuids: 0,
+                },
+                members: 64,
+                procs: 54,
+                start_ms: 0,
+                period_ms: 160,
+                duty: 5,
+                stagger: 8,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+            Cohort {
+                play: Play::Shim {
+                    class: Priority::Normal,
+                    work: false,
+                    recall: Recall::Reask,
+                    uuids: 0,
+                },
+                members: 1,
+                procs: 1,
+                start_ms: 0,
+                period_ms: 1281,
+                duty: 100,
+                stagger: 0,
+                reconnect: false,
+                respawn: false,
+                argv: Argv {
+                    kib: 0,
+                    text: Text::Plain,
+                },
+                slow: false,
+            },
+        ],
+    };
+    holds(Invariant::Idle, &s);
+}

@@ -367,9 +367,19 @@ impl Scheduler {
     /// Who gets an idle GPU: of the highest band with a waiter that may
     /// run, the pick. A band whose holder was recalled keeps the GPU for
     /// the answer (`recall_hold`): a busy holder asks again and is granted
-    /// at once, and a lower band gets no sliver in between.
+    /// at once, and a lower band gets no sliver in between. The GPU kept
+    /// for an answer runs nothing: it is its user's benefit of the doubt
+    /// (`sync_meters` spends it), kept only while a whole hold of it is
+    /// left, so a user whose recalled holders never answer keeps the GPU
+    /// idle beside a lower band's waiter no more than the doubt's rate.
     pub(super) fn pick(&mut self, now: Nanos) -> Option<ClientId> {
-        let floor = self.lease.recall_band(now).unwrap_or(0);
+        let hold = self.lease.recall_hold();
+        let doubt_left = |h: ClientId| {
+            let c = &self.clients[&h];
+            self.evidence
+                .has_doubt((band(c.class), c.m.user), hold, now)
+        };
+        let floor = self.lease.recall_band(now, doubt_left).unwrap_or(0);
         (floor..BANDS).rev().find_map(|b| self.first_fit(now, b))
     }
 
@@ -548,12 +558,16 @@ impl Scheduler {
             .filter(|(_, c)| c.class == Priority::High && self.high_bounded())
             .map(|(_, c)| (c.m.user, c.user_part()));
         self.ceilings.sync_high(high, now);
+        // A holder spends it while unproven; the GPU kept for a recalled
+        // holder's answer spends it whatever its evidence (it runs nothing).
         let doubting = holder
-            .map(|(h, _)| h)
-            .or_else(|| self.lease.awaits_recall(now).next())
-            .map(|h| (h, &self.clients[&h]))
-            .filter(|&(h, c)| self.lower_waits(band(c.class)) && self.evidence.doubted(h, now))
-            .map(|(_, c)| (band(c.class), c.m.user));
+            .map(|(h, _)| (h, false))
+            .or_else(|| self.lease.awaits_recall(now).next().map(|h| (h, true)))
+            .map(|(h, kept)| (h, kept, &self.clients[&h]))
+            .filter(|&(h, kept, c)| {
+                self.lower_waits(band(c.class)) && (kept || self.evidence.doubted(h, now))
+            })
+            .map(|(_, _, c)| (band(c.class), c.m.user));
         self.evidence.sync(doubting, now);
     }
 

@@ -179,6 +179,14 @@ impl Evidence {
         self.judging(now) && !self.proven(id, now)
     }
 
+    /// Whether `user` has `len` of benefit of the doubt left.
+    pub fn has_doubt(&self, user: UserRef, len: Nanos, now: Nanos) -> bool {
+        let cap = self.cap();
+        self.doubt
+            .get(&user)
+            .is_none_or(|b| b.level(now, cap) >= len as f64)
+    }
+
     fn cap(&self) -> f64 {
         (self.cfg.evidence / 2) as f64
     }

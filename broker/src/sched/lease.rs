@@ -282,13 +282,13 @@ impl Leases {
         self.grants.get(&id).is_some_and(|g| g.hung)
     }
 
-    /// The highest band whose recalled holder it still waits for: no
-    /// lower band is granted until then.
-    pub fn recall_band(&self, now: Nanos) -> Option<usize> {
+    /// The highest band whose recalled holder it still waits for, of
+    /// those `holds` keeps waiting: no lower band is granted until then.
+    pub fn recall_band(&self, now: Nanos, holds: impl Fn(ClientId) -> bool) -> Option<usize> {
         self.recalling
-            .values()
-            .filter(|r| now < r.0)
-            .map(|r| r.1)
+            .iter()
+            .filter(|&(&id, r)| now < r.0 && holds(id))
+            .map(|(_, r)| r.1)
             .max()
     }
 
