@@ -367,19 +367,16 @@ impl Scheduler {
     /// Who gets an idle GPU: of the highest band with a waiter that may
     /// run, the pick. A band whose holder was recalled keeps the GPU for
     /// the answer (`recall_hold`): a busy holder asks again and is granted
-    /// at once, and a lower band gets no sliver in between. The GPU kept
-    /// for an answer runs nothing: it is its user's benefit of the doubt
-    /// (`sync_meters` spends it), kept only while a whole hold of it is
-    /// left, so a user whose recalled holders never answer keeps the GPU
-    /// idle beside a lower band's waiter no more than the doubt's rate.
+    /// at once, and a lower band gets no sliver in between. Kept, it runs
+    /// nothing: its user's benefit of the doubt, kept while a whole hold
+    /// of it is left (`sync_meters` spends it).
     pub(super) fn pick(&mut self, now: Nanos) -> Option<ClientId> {
-        let hold = self.lease.recall_hold();
-        let doubt_left = |h: ClientId| {
-            let c = &self.clients[&h];
+        let (hold, c) = (self.lease.recall_hold(), &self.clients);
+        let kept = |h| {
             self.evidence
-                .has_doubt((band(c.class), c.m.user), hold, now)
+                .has_doubt((band(c[&h].class), c[&h].m.user), hold, now)
         };
-        let floor = self.lease.recall_band(now, doubt_left).unwrap_or(0);
+        let floor = self.lease.recall_band(now, kept).unwrap_or(0);
         (floor..BANDS).rev().find_map(|b| self.first_fit(now, b))
     }
 
@@ -558,8 +555,7 @@ impl Scheduler {
             .filter(|(_, c)| c.class == Priority::High && self.high_bounded())
             .map(|(_, c)| (c.m.user, c.user_part()));
         self.ceilings.sync_high(high, now);
-        // A holder spends it while unproven; the GPU kept for a recalled
-        // holder's answer spends it whatever its evidence (it runs nothing).
+        // Unproven holding spends it; the GPU kept for an answer, always.
         let doubting = holder
             .map(|(h, _)| (h, false))
             .or_else(|| self.lease.awaits_recall(now).next().map(|h| (h, true)))

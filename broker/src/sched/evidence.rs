@@ -182,9 +182,7 @@ impl Evidence {
     /// Whether `user` has `len` of benefit of the doubt left.
     pub fn has_doubt(&self, user: UserRef, len: Nanos, now: Nanos) -> bool {
         let cap = self.cap();
-        self.doubt
-            .get(&user)
-            .is_none_or(|b| b.level(now, cap) >= len as f64)
+        self.doubt.get(&user).map_or(cap, |b| b.level(now, cap)) >= len as f64
     }
 
     fn cap(&self) -> f64 {

@@ -66,12 +66,9 @@ const US: Nanos = 1_000;
 /// to its user, and throttled by the `high` share's meter.
 const WARP_SLICES: f64 = 1.0;
 
-/// A map by client id, for what is looked up many times at every event
-/// and never walked in order (a walk that needs one sorts). In B-trees,
-/// the lookups of clients and their clock entries took about a quarter of
-/// the scheduler's time per grant with 125 or 1,000 clients that always
-/// ask on a GPU (docs/broker.md). A fixed seed: the same inputs make the
-/// same state.
+/// By client id, what every event looks up and no walk needs in order
+/// (status sorts): as B-trees, a quarter of the scheduler's time per grant
+/// at 125 clients on a GPU (docs/broker.md). Fixed seed: runs alike.
 pub(super) type ById<V> = std::collections::HashMap<ClientId, V, foldhash::fast::FixedState>;
 
 /// What a client last put in the parts, to change only what moved.
