@@ -372,10 +372,7 @@ impl Scheduler {
     /// of it is left (`sync_meters` spends it).
     pub(super) fn pick(&mut self, now: Nanos) -> Option<ClientId> {
         let (hold, c) = (self.lease.recall_hold(), &self.clients);
-        let kept = |h| {
-            self.evidence
-                .has_doubt((band(c[&h].class), c[&h].m.user), hold, now)
-        };
+        let kept = |h| self.evidence.has_doubt(c[&h].m.flow(), hold, now);
         let floor = self.lease.recall_band(now, kept).unwrap_or(0);
         (floor..BANDS).rev().find_map(|b| self.first_fit(now, b))
     }
@@ -563,7 +560,7 @@ impl Scheduler {
             .filter(|&(h, kept, c)| {
                 self.lower_waits(band(c.class)) && (kept || self.evidence.doubted(h, now))
             })
-            .map(|(_, _, c)| (band(c.class), c.m.user));
+            .map(|(_, _, c)| c.m.flow());
         self.evidence.sync(doubting, now);
     }
 

@@ -181,8 +181,13 @@ impl Evidence {
 
     /// Whether `user` has `len` of benefit of the doubt left.
     pub fn has_doubt(&self, user: UserRef, len: Nanos, now: Nanos) -> bool {
+        self.level(user, now) >= len as f64
+    }
+
+    /// `user`'s benefit of the doubt left (full for a user never doubted).
+    fn level(&self, user: UserRef, now: Nanos) -> f64 {
         let cap = self.cap();
-        self.doubt.get(&user).map_or(cap, |b| b.level(now, cap)) >= len as f64
+        self.doubt.get(&user).map_or(cap, |b| b.level(now, cap))
     }
 
     fn cap(&self) -> f64 {
@@ -192,8 +197,7 @@ impl Evidence {
     /// The doubt ceiling of a client of user `user` that has no evidence,
     /// while a lower band waits and the GPU reports per-process work.
     pub fn ceiling(&self, user: UserRef, now: Nanos) -> Ceiling {
-        let cap = self.cap();
-        let level = self.doubt.get(&user).map_or(cap, |b| b.level(now, cap));
+        let level = self.level(user, now);
         let quantum = self.cfg.timeslice.min(self.cfg.evidence / 2);
         let short = (quantum as f64 - level).max(0.0);
         Ceiling {
